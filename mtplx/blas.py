@@ -1,0 +1,114 @@
+"""Load an optimized CBLAS before MLX on Linux.
+
+MLX's Linux CPU wheel links the reference netlib BLAS (about 6 GFLOP/s for a
+1024x1024 float32 matmul on a 2-core x86 machine). MLX resolves only
+``cblas_sgemm``/``cblas_dgemm``/``cblas_cgemm`` dynamically, so a CBLAS loaded
+with ``RTLD_GLOBAL`` before ``mlx.core`` is first imported takes precedence
+(about 330 GFLOP/s with Debian's OpenBLAS). This must run before anything
+imports ``mlx``: ``mtplx/__init__.py`` calls it first thing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import glob
+import os
+import platform
+import sys
+import warnings
+from dataclasses import dataclass
+
+BLAS_ENV_VAR = "MTPLX_BLAS"
+
+_CANDIDATE_GLOBS = (
+    "/usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0",
+    "/usr/lib/*-linux-gnu/openblas-openmp/libopenblas.so.0",
+    "/usr/lib/*-linux-gnu/libopenblas.so.0",
+    "/usr/lib64/libopenblas*.so.0",
+    "/usr/lib/libopenblas.so.0",
+    "/usr/local/lib/libopenblas.so.0",
+    "/usr/lib/*-linux-gnu/blis-pthread/libblis.so.4",
+)
+
+
+@dataclass(frozen=True)
+class BlasStatus:
+    path: str | None  # the optimized library loaded, or None
+    reason: str  # one line: what happened
+
+
+_status: BlasStatus | None = None
+
+
+def candidate_paths() -> list[str]:
+    """Libraries to try, in order: the override, then the usual distro paths."""
+    paths = []
+    override = os.environ.get(BLAS_ENV_VAR)
+    if override:
+        paths.append(override)
+    for pattern in _CANDIDATE_GLOBS:
+        paths.extend(sorted(glob.glob(pattern)))
+    found = ctypes.util.find_library("openblas")
+    if found:
+        paths.append(found)
+    return paths
+
+
+def _exports_sgemm(lib: ctypes.CDLL) -> bool:
+    try:
+        lib.cblas_sgemm
+    except AttributeError:
+        return False
+    return True
+
+
+def load_optimized_blas() -> BlasStatus:
+    """Load an optimized CBLAS globally (Linux only); idempotent; warns once if none."""
+    global _status
+    if _status is not None:
+        return _status
+    if platform.system() != "Linux":
+        _status = BlasStatus(None, "not Linux: MLX uses the platform's BLAS")
+        return _status
+    if "mlx.core" in sys.modules:
+        _status = BlasStatus(None, "mlx.core was imported before mtplx; import mtplx first for fast BLAS")
+        warnings.warn(f"mtplx: {_status.reason}", RuntimeWarning, stacklevel=3)
+        return _status
+    for path in candidate_paths():
+        try:
+            lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+        except OSError:
+            continue
+        if _exports_sgemm(lib):
+            _status = BlasStatus(path, f"loaded {path}")
+            return _status
+    _status = BlasStatus(
+        None,
+        "no optimized CBLAS found, MLX runs on reference BLAS (slow); install one "
+        f"('apt-get install libopenblas0-pthread') or set {BLAS_ENV_VAR}=/path/to/libopenblas.so",
+    )
+    warnings.warn(f"mtplx: {_status.reason}", RuntimeWarning, stacklevel=3)
+    return _status
+
+
+def resolved_sgemm_library() -> str | None:
+    """The file that the process-wide ``cblas_sgemm`` symbol resolves to (Linux, via dladdr)."""
+
+    class DlInfo(ctypes.Structure):
+        _fields_ = [
+            ("dli_fname", ctypes.c_char_p),
+            ("dli_fbase", ctypes.c_void_p),
+            ("dli_sname", ctypes.c_char_p),
+            ("dli_saddr", ctypes.c_void_p),
+        ]
+
+    libdl = ctypes.CDLL(None)
+    try:
+        address = ctypes.cast(libdl.cblas_sgemm, ctypes.c_void_p).value
+    except AttributeError:
+        return None
+    info = DlInfo()
+    if not libdl.dladdr(ctypes.c_void_p(address), ctypes.byref(info)):
+        return None
+    return os.path.realpath(info.dli_fname.decode())
