@@ -1,0 +1,129 @@
+"""`mtplx` command line: argument parsing and printing only."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+import mtplx  # noqa: F401  (loads the optimized BLAS before anything imports mlx)
+from mtplx.errors import MtplxError
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="local path or Hugging Face repo id (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--head", default=None, help="a forged MTP head directory (default: the model's own head)")
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default 0)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--presence-penalty", type=float, default=0.0)
+    parser.add_argument("--frequency-penalty", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=None)
+
+
+def _sampling_kwargs(args: argparse.Namespace) -> dict:
+    return dict(temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                frequency_penalty=args.frequency_penalty, seed=args.seed)
+
+
+def _format_stats(stats) -> str:
+    lines = [
+        f"mode: {stats.mode}" + (f" (depth {stats.depth})" if stats.mode == "mtp" else ""),
+        f"prompt: {stats.prompt_tokens} tokens, {stats.prefill_tokens_per_sec:.1f} tokens/s",
+        f"generation: {stats.generated_tokens} tokens, {stats.decode_tokens_per_sec:.2f} tokens/s",
+    ]
+    if stats.mode == "mtp":
+        per_position = ", ".join(f"{a:.2f}" for a in stats.acceptance_per_position)
+        lines.append(f"verify cycles: {stats.cycles}, tokens per cycle: {stats.tokens_per_cycle:.2f}")
+        lines.append(f"acceptance per draft position: [{per_position}]")
+    lines.append(f"peak memory: {stats.peak_memory_gb:.3f} GB")
+    return "\n".join(lines)
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None:
+        return args.prompt
+    if not sys.stdin.isatty():
+        return sys.stdin.read()
+    raise MtplxError("prompt: give one as an argument or on standard input")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from mtplx.engine import Engine
+
+    prompt = _read_prompt(args)
+    engine = Engine.load(args.model, head=args.head, depth=args.depth)
+    chat = args.chat if args.chat is not None else getattr(engine.tokenizer, "chat_template", None) is not None
+    stream = engine.stream(prompt, max_tokens=args.max_tokens, stop=args.stop, mtp=not args.no_mtp,
+                           greedy_draft=args.greedy_draft, chat=chat, **_sampling_kwargs(args))
+    text, tokens, chunk = [], [], None
+    try:
+        for chunk in stream:
+            text.append(chunk.text)
+            tokens.extend(chunk.token_ids)
+            if not args.json:
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+    except KeyboardInterrupt:
+        stream.close()
+        if not args.json:
+            sys.stdout.write("\n")
+        print("mtplx: interrupted", file=sys.stderr)
+        if chunk is not None and (args.stats or args.json):
+            print(_format_stats(chunk.stats), file=sys.stderr)
+        return 130
+    if args.json:
+        print(json.dumps({"text": "".join(text), "token_ids": tokens,
+                          "finish_reason": chunk.finish_reason, "stats": chunk.stats.as_dict()}))
+    else:
+        sys.stdout.write("\n")
+    if args.stats and chunk is not None:
+        print(_format_stats(chunk.stats), file=sys.stderr)
+    return 0
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mtplx", description="Exact MTP speculative decoding on MLX.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text (streams to stdout)")
+    gen.add_argument("prompt", nargs="?", default=None, help="the prompt (default: read standard input)")
+    _add_model_args(gen)
+    _add_sampling_args(gen)
+    gen.add_argument("--depth", type=int, default=None, help="draft tokens per verify cycle (default: tuned, else the head's)")
+    gen.add_argument("--max-tokens", type=int, default=256)
+    gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    gen.add_argument("--no-mtp", action="store_true", help="plain autoregressive decoding")
+    gen.add_argument("--greedy-draft", action="store_true", help="draft the head's argmax (still exact)")
+    mode = gen.add_mutually_exclusive_group()
+    mode.add_argument("--chat", dest="chat", action="store_true", default=None, help="wrap the prompt in the chat template (default when the model has one)")
+    mode.add_argument("--raw", dest="chat", action="store_false", help="feed the prompt as raw text")
+    gen.add_argument("--stats", action="store_true", help="print speed and acceptance to stderr")
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except MtplxError as err:
+        print(f"mtplx: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("mtplx: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,243 @@
+"""The decode loops: plain autoregressive and MTP speculative, as small generators.
+
+Both yield `Step`s: the tokens committed by one iteration plus what the
+iteration measured. They never stop on their own; the caller (the engine)
+stops iterating on EOS, stop strings or max_tokens, and closes them.
+
+MTP cycle (see docs/ARCHITECTURE.md): with committed tokens c_0..c_{m-1}
+forwarded through the trunk and a pending token c_m not yet forwarded,
+  1. the head drafts d_1..d_k, chained on its own output hidden state;
+  2. one trunk forward over [c_m, d_1..d_k] gives target rows p_0..p_k;
+  3. `verify` accepts a prefix d_1..d_n and draws the next token y;
+  4. caches are rolled back to c_0..c_m, d_1..d_n; y becomes the pending token
+     and is forwarded as the first position of the next block.
+The head's KV entries made from drafted (not true) hidden states are dropped
+and recomputed from the trunk's true hidden states at the start of the next
+cycle, so the head's cache always equals the one a from-scratch run builds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Protocol
+
+import mlx.core as mx
+
+from mtplx import cache as cache_ops
+from mtplx import verify as verify_ops
+from mtplx.errors import MtplxError
+from mtplx.sampling import SamplerConfig
+from mtplx.trunk import Trunk, TrunkOutput
+
+
+class DraftHead(Protocol):
+    hidden_source: str  # "pre_norm" | "post_norm": which trunk hidden state the head reads
+
+    def __call__(self, hidden: mx.array, next_tokens: mx.array, cache: list) -> mx.array: ...
+
+    def make_cache(self) -> list: ...
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    depth: int = 3  # draft tokens per verify cycle
+    greedy_draft: bool = False  # draft the head's argmax (q one-hot) instead of sampling q
+    prefill_step_size: int = 512
+    verify_backend: str = "auto"  # "auto" (fused kernel where available) | "mlx"
+
+
+@dataclass
+class Step:
+    tokens: list[int]  # committed by this iteration, in order
+    num_drafted: int = 0
+    num_accepted: int = 0
+    accept_probs: list[float] = field(default_factory=list)  # min(1, p/q) per draft position
+
+
+def _split_key(key: mx.array) -> tuple[mx.array, mx.array]:
+    pair = mx.random.split(key)
+    return pair[0], pair[1]
+
+
+def prefill(
+    trunk: Trunk,
+    prompt_tokens: list[int],
+    trunk_cache: list,
+    step_size: int,
+    on_chunk: Callable[[TrunkOutput, int, int], None] | None = None,
+) -> TrunkOutput:
+    """Forward the prompt in chunks; return the last chunk's output.
+
+    ``on_chunk(output, start, end)`` sees every chunk's hidden states (for the
+    head's own prefill). Logits of non-final chunks are never evaluated: MLX is
+    lazy and only the cache state is forced.
+    """
+    total = len(prompt_tokens)
+    start = 0
+    while True:
+        end = min(start + step_size, total)
+        output = trunk(mx.array(prompt_tokens[start:end])[None], trunk_cache)
+        if on_chunk is not None:
+            on_chunk(output, start, end)
+        if end == total:
+            return output
+        mx.eval([c.state for c in trunk_cache])
+        start = end
+
+
+def _target_rows(
+    logits: mx.array, history: list[int], block_tokens: list[int] | None, cfg: SamplerConfig
+) -> mx.array:
+    """Apply penalties: row t sees ``history`` plus the block tokens before t."""
+    if not cfg.has_penalties:
+        return logits
+    return verify_ops.penalize_logits(logits, history, block_tokens or [], cfg)
+
+
+def ar_decode(
+    trunk: Trunk,
+    prompt_tokens: list[int],
+    settings: DecodeSettings,
+    key: mx.array,
+    trunk_cache: list | None = None,
+) -> Iterator[Step]:
+    """Plain autoregressive sampling, one token per step.
+
+    The next token's graph is built and queued (async_eval) before the current
+    token is handed out, so Python work overlaps the model's compute.
+    """
+    cfg = settings.sampler
+    trunk_cache = trunk_cache if trunk_cache is not None else trunk.make_cache()
+    history = list(prompt_tokens)
+
+    def next_token(logits: mx.array, step_key: mx.array) -> mx.array:
+        logits = _target_rows(logits[:, -1:, :], history, None, cfg)[:, 0, :]
+        uniforms = verify_ops.draw_uniforms((1,), step_key)
+        return verify_ops.sample(logits, cfg, uniforms, backend=settings.verify_backend).tokens
+
+    key, step_key = _split_key(key)
+    output = prefill(trunk, prompt_tokens, trunk_cache, settings.prefill_step_size)
+    token = next_token(output.logits, step_key)
+    mx.async_eval(token)
+    while True:
+        key, step_key = _split_key(key)
+        token_id = token.item()
+        history.append(token_id)
+        logits = trunk.model(token.reshape(1, 1), cache=trunk_cache)
+        upcoming = next_token(logits, step_key)
+        mx.async_eval(upcoming)
+        yield Step([token_id])
+        token = upcoming
+
+
+def _draft_logits(trunk: Trunk, head, head_hidden: mx.array) -> mx.array:
+    """Full-vocabulary draft logits; a head may own its output layer (DeepSeek's shared_head)."""
+    if hasattr(head, "logits"):
+        return head.logits(head_hidden, trunk)
+    return trunk.lm_head(head_hidden)
+
+
+def _trunk_hidden(output: TrunkOutput, head: DraftHead) -> mx.array:
+    return output.hidden_pre_norm if head.hidden_source == "pre_norm" else output.hidden_post_norm
+
+
+def mtp_decode(
+    trunk: Trunk,
+    head: DraftHead,
+    prompt_tokens: list[int],
+    settings: DecodeSettings,
+    key: mx.array,
+    trunk_cache: list | None = None,
+    head_cache: list | None = None,
+) -> Iterator[Step]:
+    """Exact speculative decoding with the model's MTP head as the drafter."""
+    if settings.depth < 1:
+        raise MtplxError(f"depth: must be >= 1, got {settings.depth}")
+    cfg = settings.sampler
+    depth = settings.depth
+    trunk_cache = trunk_cache if trunk_cache is not None else trunk.make_cache()
+    head_cache = head_cache if head_cache is not None else head.make_cache()
+    reason = cache_ops.check_rollback_support(trunk_cache)
+    if reason is not None:
+        raise MtplxError(f"MTP cannot run on this model: {reason}; use --no-mtp")
+    history = list(prompt_tokens)
+    num_prompt = len(prompt_tokens)
+
+    def head_prefill(output: TrunkOutput, start: int, end: int) -> None:
+        # Head position i pairs trunk hidden i with token i+1; the last prompt
+        # position pairs with the first generated token, at the first cycle.
+        stop = min(end, num_prompt - 1)
+        if stop > start:
+            hidden = _trunk_hidden(output, head)[:, : stop - start]
+            head(hidden, mx.array(prompt_tokens[start + 1 : stop + 1])[None], head_cache)
+            mx.eval([c.state for c in head_cache])
+
+    key, step_key = _split_key(key)
+    output = prefill(trunk, prompt_tokens, trunk_cache, settings.prefill_step_size, head_prefill)
+    first_logits = _target_rows(output.logits[:, -1:, :], history, None, cfg)[:, 0, :]
+    first = verify_ops.sample(first_logits, cfg, verify_ops.draw_uniforms((1,), step_key)).tokens
+    pending = int(first.item())
+    history.append(pending)
+    yield Step([pending])
+
+    # True (hidden, next token) pairs the head has not yet seen; the last pair drafts d_1.
+    head_hidden_in = _trunk_hidden(output, head)[:, -1:]
+    head_tokens_in = [pending]
+
+    while True:
+        key, draft_key, accept_key, sample_key = mx.random.split(key, 4)
+        draft_uniforms = verify_ops.draw_uniforms((depth,), draft_key)
+
+        # 1. Draft d_1..d_k, chained on the head's own output.
+        head_out = head(head_hidden_in, mx.array(head_tokens_in)[None], head_cache)[:, -1:]
+        draft_tokens: list[mx.array] = []
+        draft_probs: list[mx.array] = []
+        for i in range(depth):
+            if i > 0:
+                head_out = head(head_out, draft_tokens[-1].reshape(1, 1), head_cache)
+            logits = _draft_logits(trunk, head, head_out)[:, -1, :]
+            if cfg.has_penalties:
+                logits = verify_ops.penalize_logits(logits[:, None, :], history, [], cfg, extra=draft_tokens)[:, 0, :]
+            if settings.greedy_draft:
+                token = mx.argmax(logits, axis=-1).astype(mx.int32)
+            else:
+                drawn = verify_ops.sample(logits, cfg, draft_uniforms[i : i + 1], backend=settings.verify_backend)
+                token = drawn.tokens.astype(mx.int32)
+                draft_probs.append(drawn.probs)
+            draft_tokens.append(token)
+
+        # 2. One trunk forward over [pending, d_1..d_k].
+        block = mx.concatenate([mx.array([pending], dtype=mx.int32)] + draft_tokens)[None]
+        capture = cache_ops.begin_block(trunk_cache)
+        output = trunk(block, trunk_cache)
+
+        # 3. Verify.
+        drafts = mx.stack(draft_tokens, axis=1)  # [1, k]
+        target_logits = output.logits
+        if cfg.has_penalties:
+            target_logits = verify_ops.penalize_logits(target_logits, history, [], cfg, extra=draft_tokens)
+        result = verify_ops.verify(
+            target_logits,
+            drafts,
+            None if settings.greedy_draft else mx.stack(draft_probs, axis=1),
+            cfg,
+            verify_ops.draw_uniforms((1, depth), accept_key),
+            verify_ops.draw_uniforms((1,), sample_key),
+            backend=settings.verify_backend,
+        )
+        mx.eval(result.num_accepted, result.next_token, result.accept_probs, drafts)
+        num_accepted = int(result.num_accepted.item())
+        next_token = int(result.next_token.item())
+        accepted = drafts[0, :num_accepted].tolist()
+
+        # 4. Roll back to the committed prefix.
+        cache_ops.commit_block(trunk_cache, capture, num_accepted + 1)
+        cache_ops.trim_kv(head_cache, depth - 1)
+        head_hidden_in = _trunk_hidden(output, head)[:, : num_accepted + 1]
+        head_tokens_in = accepted + [next_token]
+
+        committed = accepted + [next_token]
+        history.extend(committed)
+        pending = next_token
+        yield Step(committed, depth, num_accepted, result.accept_probs[0].tolist())

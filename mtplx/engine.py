@@ -1,0 +1,299 @@
+"""`Engine`: load a model (and its MTP head), generate and stream text.
+
+The engine owns everything between a prompt and text: tokenization and chat
+templates, picking the decode loop, EOS / stop strings / max_tokens,
+incremental detokenization that never splits a multi-byte character, and the
+stats. The loops themselves live in `decode.py`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import mlx.core as mx
+
+from mtplx import decode
+from mtplx.errors import MtplxError
+from mtplx.sampling import SamplerConfig
+from mtplx.trunk import Trunk
+
+DEFAULT_DEPTH = 3
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    prefill_seconds: float = 0.0
+    prefill_tokens_per_sec: float = 0.0
+    generated_tokens: int = 0
+    decode_seconds: float = 0.0  # from the first generated token on: prefill excluded
+    decode_tokens_per_sec: float = 0.0
+    cycles: int = 0  # verify cycles (MTP) or decode steps (AR)
+    tokens_per_cycle: float = 0.0
+    acceptance_per_position: list[float] = field(default_factory=list)
+    peak_memory_gb: float = 0.0
+    mode: str = "ar"  # "ar" | "mtp"
+    depth: int = 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class GenerationChunk:
+    text: str  # new text since the previous chunk
+    token_ids: list[int]  # new tokens since the previous chunk
+    finish_reason: str | None  # None while running; "stop" | "length" at the end
+    stats: GenerationStats
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stats: GenerationStats
+
+
+class _StatsTracker:
+    """Accumulates per-step measurements into `GenerationStats`."""
+
+    def __init__(self, prompt_tokens: int, mode: str, depth: int):
+        self.stats = GenerationStats(prompt_tokens=prompt_tokens, mode=mode, depth=depth)
+        self._start = time.perf_counter()
+        self._first_token_time: float | None = None
+        self._drafted = [0] * depth
+        self._accepted = [0] * depth
+        self._committed_in_cycles = 0
+        mx.reset_peak_memory()
+
+    def record(self, step: decode.Step, num_tokens_kept: int) -> None:
+        now = time.perf_counter()
+        stats = self.stats
+        if self._first_token_time is None:
+            self._first_token_time = now
+            stats.prefill_seconds = now - self._start
+            stats.prefill_tokens_per_sec = stats.prompt_tokens / max(stats.prefill_seconds, 1e-9)
+        elif step.num_drafted or stats.mode == "ar":
+            stats.cycles += 1
+            self._committed_in_cycles += num_tokens_kept
+            for position in range(step.num_drafted):
+                self._drafted[position] += 1
+                self._accepted[position] += int(position < step.num_accepted)
+        stats.generated_tokens += num_tokens_kept
+        stats.decode_seconds = now - self._first_token_time
+        # The first token comes from prefill; decode speed counts the tokens after it.
+        stats.decode_tokens_per_sec = (stats.generated_tokens - 1) / stats.decode_seconds if stats.decode_seconds > 0 else 0.0
+        stats.tokens_per_cycle = self._committed_in_cycles / stats.cycles if stats.cycles else 0.0
+        stats.acceptance_per_position = [a / d for a, d in zip(self._accepted, self._drafted) if d]
+        stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+
+
+class _TextAssembler:
+    """Incremental detokenization with stop strings that may span tokens.
+
+    Text that could still turn out to be the start of a stop string is held
+    back, so a stop string is never emitted, even partly.
+    """
+
+    def __init__(self, tokenizer, stop: Sequence[str]):
+        self._detok = tokenizer.detokenizer
+        self._detok.reset()
+        self._stop = [s for s in stop if s]
+        self._emitted = 0
+        self.stopped = False
+
+    def _held_back(self, text: str) -> int:
+        longest = 0
+        for s in self._stop:
+            for n in range(min(len(s) - 1, len(text)), longest, -1):
+                if text.endswith(s[:n]):
+                    longest = n
+                    break
+        return longest
+
+    def add(self, token: int) -> str:
+        self._detok.add_token(token)
+        text = self._detok.text
+        hits = [i for i in (text.find(s, max(self._emitted - len(s), 0)) for s in self._stop) if i >= 0]
+        if hits:
+            self.stopped = True
+            return self._take(text, min(hits))
+        return self._take(text, len(text) - self._held_back(text))
+
+    def finish(self) -> str:
+        if self.stopped:
+            return ""
+        self._detok.finalize()
+        return self._take(self._detok.text, len(self._detok.text))
+
+    def _take(self, text: str, end: int) -> str:
+        end = max(end, self._emitted)
+        delta = text[self._emitted : end]
+        self._emitted = end
+        return delta
+
+
+class Engine:
+    """A loaded target model plus (optionally) its MTP head."""
+
+    def __init__(self, model, tokenizer, config: dict, *, head=None, depth: int | None = None,
+                 model_path: Path | None = None, fingerprint: str = "", verify_backend: str = "auto"):
+        self.trunk = Trunk(model)
+        self.tokenizer = tokenizer
+        self.config = config
+        self.head = head
+        self.depth = depth
+        self.model_path = model_path
+        self.fingerprint = fingerprint
+        self.verify_backend = verify_backend
+
+    # ----------------------------------------------------------------- loading
+    @classmethod
+    def load(cls, model: str | Path | None = None, *, head: str | Path | None = None,
+             depth: int | None = None, dtype: str | None = None, verify_backend: str = "auto") -> "Engine":
+        """Load ``model`` (local path, Hugging Face repo id, or None for the embedded default).
+
+        ``head`` is a forged-head directory; without it the checkpoint's own MTP
+        head is used, or for the default model the head shipped with mtplx.
+        """
+        from mtplx import heads, loading
+
+        loaded = loading.load_model(model, dtype=dtype)
+        engine = cls(loaded.model, loaded.tokenizer, loaded.config, model_path=loaded.path,
+                     fingerprint=loaded.fingerprint, verify_backend=verify_backend)
+        head_dir = Path(head) if head is not None else (loading.shipped_head_dir() if model is None else None)
+        if head_dir is not None:
+            from mtplx.heads import forged
+
+            engine.head = forged.load_forged_head(head_dir, engine.trunk, loaded.fingerprint)
+        else:
+            engine.head = heads.load_head(loaded.path, engine.trunk, loaded.config)
+        engine.depth = depth if depth is not None else engine._default_depth()
+        if engine.depth < 1:
+            raise MtplxError(f"depth: must be >= 1, got {engine.depth}")
+        return engine
+
+    def _default_depth(self) -> int:
+        try:
+            from mtplx import tune
+
+            tuned = tune.saved_depth(self.fingerprint)
+        except ImportError:
+            tuned = None
+        if tuned is not None:
+            return tuned
+        return int(getattr(self.head, "default_depth", DEFAULT_DEPTH) or DEFAULT_DEPTH)
+
+    @property
+    def has_head(self) -> bool:
+        return self.head is not None
+
+    # --------------------------------------------------------------- prompting
+    def encode_prompt(self, prompt: str | Sequence[dict], chat: bool | None = None) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise MtplxError("prompt: is empty")
+            use_chat = bool(chat)
+            if use_chat:
+                prompt = [{"role": "user", "content": prompt}]
+        else:
+            use_chat = True
+            if not prompt:
+                raise MtplxError("prompt: the message list is empty")
+        if use_chat:
+            if getattr(self.tokenizer, "chat_template", None) is None:
+                raise MtplxError("prompt: this model's tokenizer has no chat template; pass raw text")
+            tokens = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
+            if isinstance(tokens, dict):
+                tokens = tokens["input_ids"]
+        else:
+            tokens = self.tokenizer.encode(prompt)
+        tokens = list(tokens)
+        if not tokens:
+            raise MtplxError("prompt: encodes to no tokens")
+        return tokens
+
+    def _context_length(self) -> int | None:
+        text_config = self.config.get("text_config", self.config)
+        return text_config.get("max_position_embeddings")
+
+    # -------------------------------------------------------------- generation
+    def stream(self, prompt: str | Sequence[dict], *, max_tokens: int = 256, temperature: float = 0.0,
+               top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0,
+               presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+               logit_bias: dict[int, float] | None = None, seed: int | None = None,
+               stop: Sequence[str] | str | None = None, mtp: bool = True, depth: int | None = None,
+               greedy_draft: bool = False, chat: bool | None = None) -> Iterator[GenerationChunk]:
+        """Generate incrementally; each chunk carries new text, new token ids and running stats."""
+        if max_tokens <= 0:
+            raise MtplxError(f"max_tokens: must be > 0, got {max_tokens}")
+        sampler = SamplerConfig(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                                repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                                frequency_penalty=frequency_penalty, logit_bias=logit_bias)
+        depth = depth if depth is not None else self.depth
+        if mtp and self.head is None:
+            raise MtplxError("this model has no MTP head: use --no-mtp (mtp=False), or train one with `mtplx forge`")
+        if mtp and (depth is None or depth < 1):
+            raise MtplxError(f"depth: must be >= 1, got {depth}")
+        prompt_tokens = self.encode_prompt(prompt, chat)
+        limit = self._context_length()
+        if limit is not None and len(prompt_tokens) + max_tokens > limit:
+            raise MtplxError(f"prompt: {len(prompt_tokens)} tokens + max_tokens {max_tokens} exceed "
+                             f"the model's context of {limit} tokens")
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        settings = decode.DecodeSettings(sampler=sampler, depth=depth or 1, greedy_draft=greedy_draft,
+                                         verify_backend=self.verify_backend)
+        key = mx.random.key(seed if seed is not None else int(time.time_ns() % (2**63)))
+        if mtp:
+            steps = decode.mtp_decode(self.trunk, self.head, prompt_tokens, settings, key)
+        else:
+            steps = decode.ar_decode(self.trunk, prompt_tokens, settings, key)
+        return self._assemble(steps, len(prompt_tokens), max_tokens, stops, "mtp" if mtp else "ar",
+                              depth if mtp else 0)
+
+    def _assemble(self, steps: Iterator[decode.Step], num_prompt: int, max_tokens: int,
+                  stops: list[str], mode: str, depth: int) -> Iterator[GenerationChunk]:
+        eos = set(self.tokenizer.eos_token_ids)
+        tracker = _StatsTracker(num_prompt, mode, depth)
+        text = _TextAssembler(self.tokenizer, stops)
+        produced = 0
+        try:
+            for step in steps:
+                kept: list[int] = []
+                delta = ""
+                finish = None
+                for token in step.tokens:
+                    if token in eos:
+                        finish = "stop"
+                        break
+                    kept.append(token)
+                    produced += 1
+                    delta += text.add(token)
+                    if text.stopped:
+                        finish = "stop"
+                        break
+                    if produced >= max_tokens:
+                        finish = "length"
+                        break
+                tracker.record(step, len(kept))
+                if finish is not None:
+                    delta += text.finish()
+                    yield GenerationChunk(delta, kept, finish, tracker.stats)
+                    return
+                yield GenerationChunk(delta, kept, None, tracker.stats)
+        finally:
+            steps.close()
+
+    def generate(self, prompt: str | Sequence[dict], **kwargs) -> GenerationResult:
+        """Generate to completion; the same keyword arguments as `stream`."""
+        text, tokens = [], []
+        chunk = None
+        for chunk in self.stream(prompt, **kwargs):
+            text.append(chunk.text)
+            tokens.extend(chunk.token_ids)
+        assert chunk is not None  # stream always yields a final chunk
+        return GenerationResult("".join(text), tokens, chunk.finish_reason or "stop", chunk.stats)
