@@ -47,7 +47,7 @@ def test_missing_blas_warns_once_in_one_line():
     code = (
         "import warnings, importlib.util; warnings.simplefilter('always');"
         f"spec = importlib.util.spec_from_file_location('blas_alone', {blas.__file__!r});"
-        "b = importlib.util.module_from_spec(spec); spec.loader.exec_module(b);"
+        "import sys; b = importlib.util.module_from_spec(spec); sys.modules[spec.name] = b; spec.loader.exec_module(b);"
         "b._CANDIDATE_GLOBS = (); b.ctypes.util.find_library = lambda name: None;"
         "s = b.load_optimized_blas(); s2 = b.load_optimized_blas(); print(s.path, s is s2)"
     )
