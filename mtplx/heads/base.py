@@ -1,0 +1,301 @@
+"""Pieces every MTP head layout shares: the head contract, checkpoint access, quantization.
+
+A head is an ``nn.Module`` called as ``head(hidden[B,T,H], next_tokens[B,T], cache)``
+returning a post-norm hidden state ready for an LM head. It owns only its own
+weights: the token embedding and (unless the checkpoint ships its own copy) the
+LM head are the trunk's, held as plain callables so they never enter the head's
+parameter tree (no double counting, no double loading, fingerprints unchanged).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from pathlib import Path
+from typing import Any, Callable, Iterable, Literal
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from mtplx.errors import MtplxError
+
+HiddenSource = Literal["pre_norm", "post_norm"]
+HIDDEN_SOURCES = ("pre_norm", "post_norm")
+Embed = Callable[[mx.array], mx.array]
+LMHead = Callable[[mx.array], mx.array]
+
+
+def shared_callables(trunk: Any = None, embed: Embed | None = None, lm_head: LMHead | None = None) -> tuple[Embed, LMHead]:
+    """(embed, lm_head) from a ``Trunk``-like object, explicit callables overriding it."""
+    embed = embed or getattr(trunk, "embed", None)
+    lm_head = lm_head or getattr(trunk, "lm_head", None)
+    if embed is None or lm_head is None:
+        raise ValueError("an MTP head needs the trunk's embed and lm_head (pass trunk= or embed=/lm_head=)")
+    return embed, lm_head
+
+
+class MTPHead(nn.Module):
+    """Base of every layout: the attributes and helpers the decode loop relies on.
+
+    Subclasses set ``hidden_source`` (which trunk hidden they consume) and
+    ``chain_source`` (which of their own two outputs is fed back at depth > 1:
+    "post_norm" = the returned hidden, "pre_norm" = ``self.last_pre_norm``).
+    """
+
+    layout: str = ""
+    hidden_source: HiddenSource = "post_norm"
+    chain_source: HiddenSource = "post_norm"
+    mask_as_array: bool = False  # some attention kernels (MLA) index the mask with mx.where
+
+    def __init__(self, embed: Embed, lm_head: LMHead, hidden_source: HiddenSource):
+        super().__init__()
+        if hidden_source not in HIDDEN_SOURCES:
+            raise ValueError(f"hidden_source must be one of {HIDDEN_SOURCES}, got {hidden_source!r}")
+        # Plain attributes (bound methods are not arrays/modules): kept out of parameters().
+        self._embed = embed
+        self._shared_lm_head = lm_head
+        self.hidden_source = hidden_source
+        self.last_pre_norm: mx.array | None = None
+
+    # --- contract ---------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return len(self.decoder_layers())
+
+    def decoder_layers(self) -> list[nn.Module]:
+        raise NotImplementedError
+
+    def make_cache(self) -> list:
+        """One mlx-lm ``KVCache`` per head decoder layer (every head layer is full attention)."""
+        from mlx_lm.models.cache import KVCache
+
+        return [KVCache() for _ in self.decoder_layers()]
+
+    def logits(self, head_hidden: mx.array) -> mx.array:
+        """Logits for a head output; the trunk's LM head unless the checkpoint ships its own."""
+        return self._shared_lm_head(head_hidden)
+
+    def checkpoint_keys(self) -> dict[str, str]:
+        """``{parameter path in this module: tensor name in the checkpoint}`` (mlx-side names,
+        e.g. stacked ``switch_mlp`` experts); HF-only spellings are converted at load time."""
+        raise NotImplementedError
+
+    # --- helpers for subclasses ---------------------------------------------------
+    def _run_layers(self, h: mx.array, layers: Iterable[nn.Module], cache: list | None) -> mx.array:
+        from mlx_lm.models.base import create_attention_mask
+
+        layers = list(layers)
+        cache = cache if cache is not None else [None] * len(layers)
+        if len(cache) != len(layers):
+            raise ValueError(f"head cache has {len(cache)} entries for {len(layers)} layers")
+        mask = create_attention_mask(h, cache[0], return_array=self.mask_as_array)
+        for layer, c in zip(layers, cache):
+            h = layer(h, mask, c)
+        return h
+
+
+# --- checkpoint access -------------------------------------------------------------
+
+
+def read_safetensors_header(path: Path) -> dict[str, dict]:
+    """The JSON header of a safetensors file (tensor name -> dtype/shape/offsets), no data read."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise MtplxError(f"{path}: truncated safetensors file (no header)")
+            (n,) = struct.unpack("<Q", raw)
+            size = path.stat().st_size
+            if n > size - 8 or n > 100_000_000:
+                raise MtplxError(f"{path}: corrupt safetensors header (length {n} > file size {size})")
+            header = json.loads(f.read(n))
+    except OSError as e:
+        raise MtplxError(f"{path}: cannot read ({e.strerror or e})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise MtplxError(f"{path}: corrupt safetensors header (not JSON)") from None
+    header.pop("__metadata__", None)
+    end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
+    if 8 + n + end > size:
+        raise MtplxError(f"{path}: truncated safetensors file ({size} bytes, header promises {8 + n + end})")
+    return header
+
+
+def weight_index(model_dir: Path) -> dict[str, str]:
+    """``{tensor name: shard file name}`` from model.safetensors.index.json, else every *.safetensors header."""
+    model_dir = Path(model_dir)
+    index_file = model_dir / "model.safetensors.index.json"
+    if index_file.exists():
+        try:
+            weight_map = json.loads(index_file.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError):
+            raise MtplxError(f"{index_file}: unreadable shard index (no weight_map)") from None
+        return {str(k): str(v) for k, v in weight_map.items()}
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise MtplxError(f"{model_dir}: no *.safetensors weights found")
+    return {name: f.name for f in files for name in read_safetensors_header(f)}
+
+
+def load_tensors(model_dir: Path, index: dict[str, str], names: Iterable[str]) -> dict[str, mx.array]:
+    """Load only ``names``, opening each shard once (mx.load maps the file; untouched tensors cost nothing)."""
+    by_file: dict[str, list[str]] = {}
+    for name in names:
+        by_file.setdefault(index[name], []).append(name)
+    out: dict[str, mx.array] = {}
+    for file, wanted in by_file.items():
+        path = Path(model_dir) / file
+        if not path.exists():
+            raise MtplxError(f"{path}: shard listed in the index is missing")
+        read_safetensors_header(path)  # clear error for truncated/corrupt shards
+        try:
+            arrays = mx.load(str(path))
+        except Exception as e:  # mlx raises RuntimeError/ValueError with a multi-line text
+            raise MtplxError(f"{path}: cannot load safetensors ({str(e).splitlines()[0]})") from None
+        for name in wanted:
+            if name not in arrays:
+                raise MtplxError(f"{path}: tensor {name} listed in the index is missing")
+            out[name] = arrays[name]
+    return out
+
+
+def keys_with_prefix(index: dict[str, str], prefix: str) -> list[str]:
+    return sorted(k for k in index if k.startswith(prefix))
+
+
+def find_prefix(index: dict[str, str], pattern: str) -> str | None:
+    """The shortest prefix ``p`` such that ``p + pattern`` fully matches some key (regex suffix)."""
+    rx = re.compile(rf"^(.*?){pattern}$")
+    found = sorted({m.group(1) for k in index if (m := rx.match(k))}, key=len)
+    return found[0] if found else None
+
+
+# --- HF -> mlx-side tensor spellings ------------------------------------------------
+
+
+def stack_experts(weights: dict[str, mx.array], mlp_prefix: str, num_experts: int) -> dict[str, mx.array]:
+    """Per-expert HF tensors (``experts.{e}.gate_proj.weight`` or fused ``experts.gate_up_proj``)
+    -> mlx-lm's stacked ``switch_mlp.{gate,up,down}_proj.*``; already-stacked input passes through."""
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        for kind in ("weight", "scales", "biases"):
+            first = f"{mlp_prefix}.experts.0.{proj}.{kind}"
+            if first in weights:
+                parts = [weights.pop(f"{mlp_prefix}.experts.{e}.{proj}.{kind}") for e in range(num_experts)]
+                weights[f"{mlp_prefix}.switch_mlp.{proj}.{kind}"] = mx.stack(parts)
+    fused = f"{mlp_prefix}.experts.gate_up_proj"
+    if fused in weights:
+        gate_up = weights.pop(fused)
+        mid = gate_up.shape[-2] // 2
+        weights[f"{mlp_prefix}.switch_mlp.gate_proj.weight"] = gate_up[..., :mid, :]
+        weights[f"{mlp_prefix}.switch_mlp.up_proj.weight"] = gate_up[..., mid:, :]
+        weights[f"{mlp_prefix}.switch_mlp.down_proj.weight"] = weights.pop(f"{mlp_prefix}.experts.down_proj")
+    return weights
+
+
+def dequantize_fp8_blocks(weights: dict[str, mx.array], block: int = 128) -> dict[str, mx.array]:
+    """DeepSeek-style FP8 checkpoints: ``w`` (e4m3) with per-128x128-block ``w_scale_inv`` -> bfloat16."""
+    for key in [k for k in weights if k.endswith(".weight_scale_inv")]:
+        scale = weights.pop(key)
+        wkey = key[: -len("_scale_inv")]
+        w = mx.from_fp8(weights[wkey], dtype=mx.bfloat16)
+        m, n = w.shape
+        pm, pn = (-m) % block, (-n) % block
+        w = mx.pad(w, ((0, pm), (0, pn))).reshape((m + pm) // block, block, (n + pn) // block, block)
+        w = (w * scale[:, None, :, None]).reshape(m + pm, n + pn)
+        weights[wkey] = w[:m, :n].astype(mx.bfloat16)
+    return weights
+
+
+# --- quantization ---------------------------------------------------------------
+
+
+def quantization_config(config: dict) -> dict | None:
+    """The mlx-format ``quantization`` block (top level or text_config), or None for float checkpoints."""
+    q = config.get("quantization") or config.get("text_config", {}).get("quantization")
+    if q is None:
+        qc = config.get("quantization_config") or config.get("text_config", {}).get("quantization_config")
+        if qc and "bits" in qc and "group_size" in qc:
+            q = qc
+    return q
+
+
+def quantize_like_checkpoint(module: nn.Module, module_to_ckpt: Callable[[str], str], stored: set[str], config: dict) -> None:
+    """Quantize exactly the layers the checkpoint stores quantized (``<key>.scales`` present),
+    with its group size / bits / mode, honouring per-layer overrides keyed by checkpoint path."""
+    q = quantization_config(config)
+    if q is None:
+        return
+
+    def predicate(path: str, m: nn.Module):
+        ckpt = module_to_ckpt(path)
+        override = q.get(ckpt)
+        if override is not None:
+            return override  # False or {"group_size":..., "bits":...}
+        return hasattr(m, "to_quantized") and f"{ckpt}.scales" in stored
+
+    nn.quantize(module, group_size=q["group_size"], bits=q["bits"], mode=q.get("mode", "affine"), class_predicate=predicate)
+
+
+# --- norm convention ---------------------------------------------------------------
+
+
+def trunk_norm_offset(model_dir: Path, index: dict[str, str], trunk: Any, norm_keys: Iterable[str]) -> bool | None:
+    """Whether the checkpoint stores RMSNorm weights as offsets from 1, *as measured on the trunk*:
+    the stored final-norm tensor versus what mlx-lm's sanitize actually loaded into the trunk.
+    None when it cannot be measured (no stored key, or no trunk norm)."""
+    norm = getattr(getattr(trunk, "inner", None), "norm", None)
+    key = next((k for k in norm_keys if k in index), None)
+    if norm is None or key is None or "weight" not in norm:
+        return None
+    stored = load_tensors(model_dir, index, [key])[key].astype(mx.float32)
+    loaded = norm.weight.astype(mx.float32)
+    if stored.shape != loaded.shape:
+        return None
+    as_offset = mx.allclose(stored + 1.0, loaded, atol=1e-2).item()
+    as_is = mx.allclose(stored, loaded, atol=1e-2).item()
+    return bool(as_offset and not as_is)
+
+
+def add_one_to_norms(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Offset-from-1 RMSNorm weights -> plain RMSNorm weights (every 1-D ``*norm*.weight``)."""
+    return {k: (v + 1.0 if v.ndim == 1 and _NORM_WEIGHT.search(k) else v) for k, v in weights.items()}
+
+
+_NORM_WEIGHT = re.compile(r"(^|\.)[^.]*norm[^.]*\.weight$")
+
+
+def check_and_load(module: nn.Module, weights: dict[str, mx.array], source: str) -> None:
+    """``module.load_weights`` with one-line MtplxErrors for missing/unexpected/mis-shaped tensors."""
+    params = dict(tree_flatten(module.parameters()))
+    missing = sorted(set(params) - set(weights))
+    if missing:
+        raise MtplxError(f"{source}: MTP head tensor(s) missing: {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
+    extra = sorted(set(weights) - set(params))
+    if extra:
+        raise MtplxError(f"{source}: unexpected MTP head tensor(s): {', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''}")
+    for name, p in params.items():
+        if tuple(weights[name].shape) != tuple(p.shape):
+            raise MtplxError(
+                f"{source}: MTP head tensor {name} has shape {tuple(weights[name].shape)}, expected {tuple(p.shape)}"
+            )
+    module.load_weights(list(weights.items()), strict=True)
+    mx.eval(module.parameters())
+
+
+def model_args_of(trunk_model: nn.Module, required: str = "hidden_size") -> Any:
+    """The mlx-lm ``ModelArgs`` object holding the text model's fields (wrapper models nest it)."""
+    for owner in (trunk_model, getattr(trunk_model, "language_model", None)):
+        args = getattr(owner, "args", None)
+        if args is not None and hasattr(args, required):
+            return args
+    raise ValueError(f"cannot find ModelArgs with {required!r} on {type(trunk_model).__name__}")
+
+
+def build_layer_like(template: nn.Module, args: Any, layer_idx: int) -> nn.Module:
+    """A fresh decoder layer of ``template``'s class (mlx-lm layers take ``(args)`` or ``(args, layer_idx)``)."""
+    import inspect
+
+    cls = type(template)
+    n_params = len(inspect.signature(cls.__init__).parameters) - 1
+    return cls(args, layer_idx) if n_params >= 2 else cls(args)

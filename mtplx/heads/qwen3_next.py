@@ -1,0 +1,173 @@
+"""The Qwen3-Next MTP layout (Qwen3-Next, Qwen3.5, Qwen3.6), also the layout of forged heads.
+
+    e = pre_fc_norm_embedding(embed(next_token))
+    h = pre_fc_norm_hidden(hidden)
+    x = fc(concat([e, h], -1))            # 2H -> H, no bias; embedding FIRST
+    x = layers[0..N-1](x) with the head's own KV cache
+    out = norm(x)                         # post-norm, read by the trunk's (shared) lm_head
+
+Checkpoint tensors: ``mtp.fc.weight``, ``mtp.pre_fc_norm_{embedding,hidden}.weight``,
+``mtp.layers.{i}.*`` (a full-attention decoder layer of the trunk, MoE MLP in MoE
+variants), ``mtp.norm.weight``; count from ``mtp_num_hidden_layers`` (or
+``num_nextn_predict_layers``). Every published checkpoint has one layer; with N > 1
+the layers run in sequence (the forged-head reading), not one layer per depth.
+
+hidden_source default "post_norm": the serving implementations that published
+Qwen3-Next MTP acceptance (vLLM's and SGLang's qwen3_next MTP) hand the drafter the
+hidden state the target model returns, which is after its final norm, and the head
+itself ends in a norm, so its own output (fed back when chaining) is post-norm too.
+Training-side code is not public, so this is the serving convention, to be
+confirmed by measured acceptance (``hidden_source="pre_norm"`` switches it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from mtplx.errors import MtplxError
+from mtplx.heads.base import (
+    Embed,
+    HiddenSource,
+    LMHead,
+    MTPHead,
+    add_one_to_norms,
+    build_layer_like,
+    check_and_load,
+    dequantize_fp8_blocks,
+    find_prefix,
+    keys_with_prefix,
+    load_tensors,
+    model_args_of,
+    quantize_like_checkpoint,
+    shared_callables,
+    stack_experts,
+    trunk_norm_offset,
+    weight_index,
+)
+
+LAYOUT = "qwen3_next"
+DEFAULT_HIDDEN_SOURCE: HiddenSource = "post_norm"
+KEY_PREFIX = "mtp."
+COUNT_KEYS = ("mtp_num_hidden_layers", "num_nextn_predict_layers")
+# Where the trunk's own final norm lives in HF (and mlx) spellings, to measure its norm convention.
+TRUNK_NORM_KEYS = ("model.norm.weight", "model.language_model.norm.weight", "language_model.model.norm.weight")
+
+
+class Qwen3NextMTPHead(MTPHead):
+    """fc(concat[norm(embed(t)), norm(h)]) -> N decoder layers -> norm. Shares embed and lm_head."""
+
+    layout = LAYOUT
+
+    def __init__(
+        self,
+        layers: Sequence[nn.Module],
+        hidden_size: int,
+        *,
+        eps: float = 1e-6,
+        trunk: Any = None,
+        embed: Embed | None = None,
+        lm_head: LMHead | None = None,
+        hidden_source: HiddenSource = DEFAULT_HIDDEN_SOURCE,
+        key_prefix: str = KEY_PREFIX,
+    ):
+        """``layers``: already-built decoder layers of the trunk's architecture (called as
+        ``layer(x, mask, cache)``, as every mlx-lm layer is); ``trunk`` (a ``Trunk``) or the
+        ``embed``/``lm_head`` callables supply the shared weights."""
+        super().__init__(*shared_callables(trunk, embed, lm_head), hidden_source)
+        if not layers:
+            raise ValueError("a Qwen3-Next MTP head needs at least one decoder layer")
+        self.fc = nn.Linear(2 * hidden_size, hidden_size, bias=False)
+        self.pre_fc_norm_embedding = nn.RMSNorm(hidden_size, eps=eps)
+        self.pre_fc_norm_hidden = nn.RMSNorm(hidden_size, eps=eps)
+        self.layers = list(layers)
+        self.norm = nn.RMSNorm(hidden_size, eps=eps)
+        self.key_prefix = key_prefix
+
+    def decoder_layers(self) -> list[nn.Module]:
+        return self.layers
+
+    def __call__(self, hidden: mx.array, next_tokens: mx.array, cache: list | None = None) -> mx.array:
+        e = self.pre_fc_norm_embedding(self._embed(next_tokens))
+        h = self.pre_fc_norm_hidden(hidden)
+        x = self.fc(mx.concatenate([e, h.astype(e.dtype)], axis=-1))
+        x = self._run_layers(x, self.layers, cache)
+        self.last_pre_norm = x
+        return self.norm(x)
+
+    def checkpoint_keys(self) -> dict[str, str]:
+        return {path: self.key_prefix + path for path, _ in tree_flatten(self.parameters())}
+
+
+def declared_layers(config: dict) -> int:
+    """MTP layer count the config declares (text_config first: Qwen3.5 nests it there)."""
+    for cfg in (config.get("text_config") or {}, config):
+        for key in COUNT_KEYS:
+            if cfg.get(key):
+                return int(cfg[key])
+    return 0
+
+
+def has_layout(index: dict[str, str]) -> bool:
+    return find_prefix(index, r"mtp\.fc\.weight") is not None
+
+
+def _attention_template(trunk: Any) -> tuple[nn.Module, int]:
+    """The trunk's first full-attention layer and its index: the MTP layer is built the same way,
+    so it gets the same attention and the same MLP kind (dense or MoE) as the trunk would there."""
+    for i, layer in enumerate(trunk.layers):
+        if not getattr(layer, "is_linear", False) and "self_attn" in layer:
+            return layer, i
+    raise MtplxError(f"{type(trunk.model).__name__}: no full-attention trunk layer to model the MTP layer on")
+
+
+def load_qwen3_next_head(
+    model_dir: Path,
+    trunk: Any,
+    config: dict,
+    index: dict[str, str] | None = None,
+    hidden_source: HiddenSource = DEFAULT_HIDDEN_SOURCE,
+) -> Qwen3NextMTPHead | None:
+    """The checkpoint's ``mtp.*`` head, or None when the config declares no MTP layers."""
+    model_dir = Path(model_dir)
+    n = declared_layers(config)
+    if n == 0:
+        return None
+    index = weight_index(model_dir) if index is None else index
+    source = _source_name(model_dir)
+    found = find_prefix(index, r"mtp\.fc\.weight")
+    if found is None:
+        raise MtplxError(f"{source}: config declares {n} MTP layer(s) but the checkpoint ships no mtp.* tensors")
+    prefix = found + KEY_PREFIX
+    present = {int(k[len(prefix) + 7 :].split(".")[0]) for k in index if k.startswith(prefix + "layers.")}
+    if present != set(range(n)):
+        raise MtplxError(f"{source}: config declares {n} MTP layer(s), checkpoint has mtp.layers {sorted(present)}")
+
+    args = model_args_of(trunk.model)
+    template, idx = _attention_template(trunk)
+    layers = [build_layer_like(template, args, idx) for _ in range(n)]
+    head = Qwen3NextMTPHead(
+        layers, args.hidden_size, eps=args.rms_norm_eps, trunk=trunk, hidden_source=hidden_source, key_prefix=prefix
+    )
+
+    raw = load_tensors(model_dir, index, keys_with_prefix(index, prefix))
+    weights = dequantize_fp8_blocks({k[len(prefix) :]: v for k, v in raw.items()})
+    for i in range(n):
+        weights = stack_experts(weights, f"layers.{i}.mlp", int(getattr(args, "num_experts", 0) or 0))
+    offset = trunk_norm_offset(model_dir, index, trunk, TRUNK_NORM_KEYS)
+    # Unmeasurable (no stored trunk norm): HF Qwen3-Next/3.5 checkpoints, the only ones that ship
+    # mtp.* tensors (mlx-lm's convert drops them), store every RMSNorm as an offset from 1.
+    if offset is None or offset:
+        weights = add_one_to_norms(weights)
+    quantize_like_checkpoint(head, lambda p: prefix + p, set(index), config)
+    check_and_load(head, weights, source)
+    return head
+
+
+def _source_name(model_dir: Path) -> Path:
+    idx = model_dir / "model.safetensors.index.json"
+    return idx if idx.exists() else model_dir
