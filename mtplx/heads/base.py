@@ -13,6 +13,7 @@ import json
 import re
 import struct
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable, Iterable, Literal
 
 import mlx.core as mx
@@ -57,7 +58,13 @@ class MTPHead(nn.Module):
         self._embed = embed
         self._shared_lm_head = lm_head
         self.hidden_source = hidden_source
-        self.last_pre_norm: mx.array | None = None
+        # A namespace, not an array attribute: arrays set on a Module become parameters.
+        self._scratch = SimpleNamespace(pre_norm=None)
+
+    @property
+    def last_pre_norm(self) -> mx.array | None:
+        """The last call's output before the head's final norm (what DeepSeek-style chaining feeds back)."""
+        return self._scratch.pre_norm
 
     # --- contract ---------------------------------------------------------------
     @property

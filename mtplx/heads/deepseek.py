@@ -103,8 +103,7 @@ class DeepSeekMTPHead(MTPHead):
         e = m.enorm(self._embed(next_tokens))
         x = m.eh_proj(mx.concatenate([e, m.hnorm(hidden).astype(e.dtype)], axis=-1))
         x = self._run_layers(x, [m.block], None if cache is None else [cache[i]])
-        self.last_pre_norm = x
-        self._last_module = i
+        self._scratch.pre_norm = x
         return m.shared_head.norm(x)
 
     def make_cache(self) -> list:
@@ -213,13 +212,17 @@ def load_deepseek_head(
 
 
 def _same_as_trunk_lm_head(own: dict[str, mx.array], trunk: Any) -> bool:
+    """True when the checkpoint's ``shared_head.head`` copy equals the trunk's LM head (keep one)."""
     lm = getattr(trunk, "_lm_head", None)
     if lm is None:
         lm = getattr(getattr(trunk, "inner", None), "embed_tokens", None)
-    if lm is None or set(own) != set(k for k, _ in tree_flatten(lm.parameters())):
+    if lm is None:
         return False
     params = dict(tree_flatten(lm.parameters()))
-    return all(params[k].shape == v.shape and mx.array_equal(params[k], v).item() for k, v in own.items())
+    mine = {k[len("shared_head.head.") :]: v for k, v in own.items()}
+    if set(mine) != set(params):
+        return False
+    return all(params[k].shape == v.shape and mx.array_equal(params[k], v).item() for k, v in mine.items())
 
 
 def _linear_from(tensors: dict[str, mx.array], config: dict) -> nn.Module:

@@ -88,7 +88,7 @@ class MiMoMTPHead(MTPHead):
         e = m.token_layernorm(self._embed(next_tokens))
         x = m.input_proj(mx.concatenate([m.hidden_layernorm(hidden).astype(e.dtype), e], axis=-1))
         x = self._run_layers(x, [m.block], None if cache is None else [cache[i]])
-        self.last_pre_norm = x
+        self._scratch.pre_norm = x
         return m.final_layernorm(x)
 
     def make_cache(self) -> list:

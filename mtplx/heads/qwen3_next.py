@@ -96,7 +96,7 @@ class Qwen3NextMTPHead(MTPHead):
         h = self.pre_fc_norm_hidden(hidden)
         x = self.fc(mx.concatenate([e, h.astype(e.dtype)], axis=-1))
         x = self._run_layers(x, self.layers, cache)
-        self.last_pre_norm = x
+        self._scratch.pre_norm = x
         return self.norm(x)
 
     def checkpoint_keys(self) -> dict[str, str]:

@@ -1,0 +1,378 @@
+"""MTP heads load from HF-format checkpoints and compute what the published architectures compute.
+
+Each family's head output is compared with an independent NumPy float64 re-implementation
+that reads the tensors straight from the written safetensors files (HF names, HF
+conventions: Qwen3.5's 1+w norms, DeepSeek's fused kv_b_proj and interleaved rope,
+MiMo's [hidden, embed] order). Covered by the NumPy reference: Qwen3.5 gated full
+attention (partial rope, q/k norms, GQA) + dense MLP; DeepSeek-V3 MLA (q LoRA, latent
+kv, decoupled rope) + dense MLP; MiMo Qwen2 attention (biases, GQA) + MLP. The MoE MLP
+is checked structurally (HF per-expert tensors land stacked in mlx-lm's SwitchGLU).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import mtplx  # noqa: F401  (BLAS before mlx)
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.utils import load_model as mlx_load_model
+from safetensors.numpy import load_file
+
+import tiny_checkpoints as tc
+from mtplx.errors import MtplxError
+from mtplx.heads import DEFAULT_HIDDEN_SOURCE, Qwen3NextMTPHead, load_head
+from mtplx.trunk import Trunk
+
+TOKENS = [[3, 17, 42, 5, 60, 9]]
+NEXT = [[17, 42, 5, 60, 9, 11]]
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def read_tensors(path: Path) -> dict[str, np.ndarray]:
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out.update({k: v.astype(np.float64) for k, v in load_file(str(f)).items()})
+    return out
+
+
+def load(path: Path):
+    model, config = mlx_load_model(path)
+    trunk = Trunk(model)
+    return trunk, config, load_head(path, trunk, config)
+
+
+def head_inputs(trunk: Trunk, head) -> tuple[mx.array, mx.array]:
+    out = trunk(mx.array(TOKENS))
+    hidden = out.hidden_pre_norm if head.hidden_source == "pre_norm" else out.hidden_post_norm
+    return hidden, mx.array(NEXT)
+
+
+def rms(x, w, eps=1e-6):
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+def silu(x):
+    return x / (1 + np.exp(-x))
+
+
+def mlp(x, t, p):
+    return (silu(x @ t[p + "gate_proj.weight"].T) * (x @ t[p + "up_proj.weight"].T)) @ t[p + "down_proj.weight"].T
+
+
+def rope(x, dims, base, traditional):
+    """x [T, heads, d]: rotate the first ``dims`` features by position (positions 0..T-1)."""
+    T = x.shape[0]
+    inv = base ** (-np.arange(0, dims, 2) / dims)
+    ang = np.arange(T)[:, None] * inv[None]
+    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    r, rest = x[..., :dims], x[..., dims:]
+    if traditional:  # pairs (2i, 2i+1)
+        a, b = r[..., 0::2], r[..., 1::2]
+        out = np.empty_like(r)
+        out[..., 0::2], out[..., 1::2] = a * cos - b * sin, a * sin + b * cos
+    else:  # halves
+        a, b = r[..., : dims // 2], r[..., dims // 2 :]
+        out = np.concatenate([a * cos - b * sin, a * sin + b * cos], -1)
+    return np.concatenate([out, rest], -1)
+
+
+def attend(scores, v):
+    """scores [heads, T, T] (already scaled), v [T, heads, dv] -> [T, heads*dv], causal."""
+    T = scores.shape[-1]
+    scores = np.where(np.tril(np.ones((T, T), bool)), scores, -np.inf)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("hqk,khd->qhd", p, v).reshape(T, -1)
+
+
+def gqa_scores(q, k, scale):
+    rep = q.shape[1] // k.shape[1]
+    k = np.repeat(k, rep, axis=1)
+    return np.einsum("qhd,khd->hqk", q, k) * scale
+
+
+def assert_close(a: mx.array, b: np.ndarray, tol: float = 2e-4) -> None:
+    a = np.array(a.astype(mx.float32), dtype=np.float64)
+    assert a.shape == b.shape
+    assert np.max(np.abs(a - b)) < tol * max(1.0, np.max(np.abs(b))), np.max(np.abs(a - b))
+
+
+def differs(a: mx.array, b: np.ndarray) -> bool:
+    return np.max(np.abs(np.array(a, dtype=np.float64) - b)) > 1e-2
+
+
+# --------------------------------------------------------------------------- qwen3_5
+
+
+def qwen35_reference(t, hidden, next_tokens, cfg, offset=True):
+    tc_ = cfg["text_config"]
+    nh, nkv, hd = tc_["num_attention_heads"], tc_["num_key_value_heads"], tc_["head_dim"]
+    eps = tc_["rms_norm_eps"]
+    g = (lambda w: 1.0 + w) if offset else (lambda w: w)
+    rdims = int(hd * tc_["rope_parameters"]["partial_rotary_factor"])
+    emb = t["model.language_model.embed_tokens.weight"][next_tokens]
+    x = np.concatenate([rms(emb, g(t["mtp.pre_fc_norm_embedding.weight"]), eps),
+                        rms(hidden, g(t["mtp.pre_fc_norm_hidden.weight"]), eps)], -1) @ t["mtp.fc.weight"].T
+    p = "mtp.layers.0."
+    T = x.shape[0]
+    a = rms(x, g(t[p + "input_layernorm.weight"]), eps)
+    qg = (a @ t[p + "self_attn.q_proj.weight"].T).reshape(T, nh, 2 * hd)
+    q, gate = qg[..., :hd], qg[..., hd:].reshape(T, nh * hd)
+    k = (a @ t[p + "self_attn.k_proj.weight"].T).reshape(T, nkv, hd)
+    v = (a @ t[p + "self_attn.v_proj.weight"].T).reshape(T, nkv, hd)
+    q = rope(rms(q, g(t[p + "self_attn.q_norm.weight"]), eps), rdims, 10000.0, False)
+    k = rope(rms(k, g(t[p + "self_attn.k_norm.weight"]), eps), rdims, 10000.0, False)
+    o = attend(gqa_scores(q, k, hd**-0.5), np.repeat(v, nh // nkv, axis=1))
+    h = x + (o * (1 / (1 + np.exp(-gate)))) @ t[p + "self_attn.o_proj.weight"].T
+    h = h + mlp(rms(h, g(t[p + "post_attention_layernorm.weight"]), eps), t, p + "mlp.")
+    return rms(h, g(t["mtp.norm.weight"]), eps)
+
+
+@pytest.fixture(scope="module")
+def qwen35(tmp_path_factory):
+    path = tmp_path_factory.mktemp("q35") / "Qwen3.5-tiny"
+    tiny = tc.qwen3_5(path)
+    return tiny, load(path)
+
+
+def test_qwen35_head_matches_numpy_reference(qwen35):
+    tiny, (trunk, config, head) = qwen35
+    assert isinstance(head, Qwen3NextMTPHead) and head.num_layers == 1 and head.hidden_source == "post_norm"
+    hidden, nxt = head_inputs(trunk, head)
+    out = head(hidden, nxt, head.make_cache())
+    t = read_tensors(tiny.path)
+    ref = qwen35_reference(t, np.array(hidden[0], np.float64), np.array(nxt[0]), tiny.config)
+    assert_close(out[0], ref)
+    # Negative control: the same reference with plain (non-offset) norms is far away, so a
+    # loader that forgot Qwen3.5's 1+w convention would fail the comparison above.
+    assert differs(out[0], qwen35_reference(t, np.array(hidden[0], np.float64), np.array(nxt[0]), tiny.config, offset=False))
+
+
+def test_qwen35_trunk_round_trips_through_mlx_lm(qwen35):
+    """The HF-format writer really is the reverse of mlx-lm's sanitize (else the fixture proves nothing)."""
+    from mlx_lm.models import qwen3_5 as q
+
+    tiny, (trunk, _, _) = qwen35
+    fresh = q.Model(q.ModelArgs.from_dict(tiny.config))
+    tc.randomize(fresh, 0)  # the writer's seed: same weights as were written
+    ours = dict(tree_flatten(trunk.model.parameters()))
+    for name, v in tree_flatten(fresh.parameters()):
+        assert mx.allclose(ours[name], v, atol=1e-6).item(), name
+
+
+def test_head_cache_incremental_equals_full(qwen35):
+    _, (trunk, _, head) = qwen35
+    hidden, nxt = head_inputs(trunk, head)
+    full = head(hidden, nxt, head.make_cache())
+    cache = head.make_cache()
+    a = head(hidden[:, :4], nxt[:, :4], cache)
+    b = head(hidden[:, 4:], nxt[:, 4:], cache)
+    assert cache[0].offset == 6
+    assert mx.allclose(mx.concatenate([a, b], axis=1), full, atol=1e-5).item()
+
+
+def test_checkpoint_keys_are_the_hf_names(qwen35):
+    tiny, (_, _, head) = qwen35
+    keys = head.checkpoint_keys()
+    assert set(keys.values()) == {k for k in tiny.tensors if k.startswith("mtp.")}
+
+
+def test_sharded_and_hub_cache_layouts_load_the_same_head(qwen35, tmp_path):
+    from mtplx.loading import resolve_model
+
+    tiny, (trunk, _, head) = qwen35
+    hidden, nxt = head_inputs(trunk, head)
+    expected = head(hidden, nxt)
+    sharded = tc.qwen3_5(tmp_path / "sharded", shards=3)
+    assert (sharded.path / "model.safetensors.index.json").exists()
+    snap = tc.hub_cache_layout(sharded.path, tmp_path / "hub", "tiny-org/Qwen3.5-tiny")
+    resolved = resolve_model("tiny-org/Qwen3.5-tiny", hub_cache=tmp_path / "hub")
+    assert resolved == snap and (resolved / "model.safetensors.index.json").is_symlink()
+    for path in (sharded.path, resolved):
+        t2, _, h2 = load(path)
+        assert mx.allclose(h2(*head_inputs(t2, h2)), expected, atol=1e-6).item()
+
+
+def test_forged_style_head_on_a_llama_trunk():
+    """The layout takes any trunk's own decoder layer (what `mtplx forge` builds)."""
+    from mlx_lm.models import llama
+
+    args = llama.ModelArgs(model_type="llama", hidden_size=32, num_hidden_layers=2, intermediate_size=64,
+                           num_attention_heads=4, rms_norm_eps=1e-5, vocab_size=64, num_key_value_heads=2)
+    trunk = Trunk(llama.Model(args))
+    head = Qwen3NextMTPHead([llama.TransformerBlock(args)], 32, eps=1e-5, trunk=trunk)
+    out = trunk(mx.array(TOKENS))
+    y = head(out.hidden_post_norm, mx.array(NEXT), head.make_cache())
+    assert y.shape == (1, 6, 32) and head.logits(y).shape == (1, 6, 64)
+    assert all(k.startswith("mtp.") for k in head.checkpoint_keys().values())
+    names = {k for k, _ in tree_flatten(head.parameters())}
+    assert not any("embed_tokens" in k or "lm_head" in k for k in names)  # shared, not owned
+
+
+# --------------------------------------------------------------------------- deepseek_v3
+
+
+def mla_block(x, t, p, cfg):
+    nh, nope, rd, vd = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    T, eps = x.shape[0], cfg["rms_norm_eps"]
+    a = rms(x, t[p + "input_layernorm.weight"], eps)
+    q = rms(a @ t[p + "self_attn.q_a_proj.weight"].T, t[p + "self_attn.q_a_layernorm.weight"], 1e-6)
+    q = (q @ t[p + "self_attn.q_b_proj.weight"].T).reshape(T, nh, nope + rd)
+    kv = a @ t[p + "self_attn.kv_a_proj_with_mqa.weight"].T
+    lat, k_pe = kv[:, : cfg["kv_lora_rank"]], kv[:, cfg["kv_lora_rank"] :].reshape(T, 1, rd)
+    lat = rms(lat, t[p + "self_attn.kv_a_layernorm.weight"], 1e-6)
+    kvb = (lat @ t[p + "self_attn.kv_b_proj.weight"].T).reshape(T, nh, nope + vd)
+    k_nope, v = kvb[..., :nope], kvb[..., nope:]
+    q_pe = rope(q[..., nope:], rd, cfg["rope_theta"], True)
+    k_pe = rope(k_pe, rd, cfg["rope_theta"], True)
+    scale = (nope + rd) ** -0.5
+    s = (np.einsum("qhd,khd->hqk", q[..., :nope], k_nope) + np.einsum("qhd,kd->hqk", q_pe, k_pe[:, 0])) * scale
+    h = x + attend(s, v) @ t[p + "self_attn.o_proj.weight"].T
+    return h + mlp(rms(h, t[p + "post_attention_layernorm.weight"], eps), t, p + "mlp.")
+
+
+def deepseek_reference(t, hidden, next_tokens, cfg):
+    p = f"model.layers.{cfg['num_hidden_layers']}."
+    eps = cfg["rms_norm_eps"]
+    emb = t["model.embed_tokens.weight"][next_tokens]
+    x = np.concatenate([rms(emb, t[p + "enorm.weight"], eps), rms(hidden, t[p + "hnorm.weight"], eps)], -1)
+    x = mla_block(x @ t[p + "eh_proj.weight"].T, t, p, cfg)
+    out = rms(x, t[p + "shared_head.norm.weight"], eps)
+    return out, out @ t[p + "shared_head.head.weight"].T
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ds") / "DeepSeek-V3-tiny"
+    tiny = tc.deepseek_v3(path)
+    return tiny, load(path)
+
+
+def test_deepseek_head_matches_numpy_reference(deepseek):
+    tiny, (trunk, _, head) = deepseek
+    assert head.layout == "deepseek" and head.hidden_source == "post_norm" and head.chain_source == "pre_norm"
+    hidden, nxt = head_inputs(trunk, head)
+    out = head(hidden, nxt, head.make_cache())
+    ref, ref_logits = deepseek_reference(read_tensors(tiny.path), np.array(hidden[0], np.float64), np.array(nxt[0]), tiny.config)
+    assert_close(out[0], ref)
+    assert_close(head.logits(out)[0], ref_logits)
+    # The shipped shared_head.head equals the trunk's lm_head: no second copy is kept.
+    assert not any("shared_head.head" in k for k, _ in tree_flatten(head.parameters()))
+
+
+def test_deepseek_moe_experts_are_stacked(tmp_path):
+    tiny = tc.deepseek_v3(tmp_path / "moe", moe=True)
+    trunk, _, head = load(tiny.path)
+    mlp_ = head.modules_[0].block.mlp
+    assert hasattr(mlp_, "switch_mlp")
+    p = "model.layers.61.mlp.experts."
+    for e in range(4):
+        np.testing.assert_array_equal(np.array(mlp_.switch_mlp.gate_proj.weight[e]), tiny.tensors[f"{p}{e}.gate_proj.weight"])
+        np.testing.assert_array_equal(np.array(mlp_.switch_mlp.down_proj.weight[e]), tiny.tensors[f"{p}{e}.down_proj.weight"])
+    hidden, nxt = head_inputs(trunk, head)
+    assert np.isfinite(np.array(head(hidden, nxt, head.make_cache()))).all()
+
+
+# --------------------------------------------------------------------------- mimo
+
+
+def mimo_reference(t, hidden, next_tokens, cfg, hidden_first=True):
+    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd, eps, T = cfg["hidden_size"] // nh, cfg["rms_norm_eps"], len(next_tokens)
+    p = "model.mtp_layers.0."
+    e = rms(t["model.embed_tokens.weight"][next_tokens], t[p + "token_layernorm.weight"], eps)
+    h = rms(hidden, t[p + "hidden_layernorm.weight"], eps)
+    x = np.concatenate([h, e] if hidden_first else [e, h], -1) @ t[p + "input_proj.weight"].T
+    a = rms(x, t[p + "input_layernorm.weight"], eps)
+    proj = {n: a @ t[f"{p}self_attn.{n}_proj.weight"].T + t[f"{p}self_attn.{n}_proj.bias"] for n in "qkv"}
+    q = rope(proj["q"].reshape(T, nh, hd), hd, cfg["rope_theta"], False)
+    k = rope(proj["k"].reshape(T, nkv, hd), hd, cfg["rope_theta"], False)
+    o = attend(gqa_scores(q, k, hd**-0.5), np.repeat(proj["v"].reshape(T, nkv, hd), nh // nkv, axis=1))
+    x = x + o @ t[p + "self_attn.o_proj.weight"].T
+    x = x + mlp(rms(x, t[p + "post_attention_layernorm.weight"], eps), t, p + "mlp.")
+    return rms(x, t[p + "final_layernorm.weight"], eps)
+
+
+def test_mimo_head_matches_numpy_reference(tmp_path):
+    tiny = tc.mimo(tmp_path / "MiMo-tiny")
+    trunk, _, head = load(tiny.path)
+    assert head.layout == "mimo" and head.hidden_source == "pre_norm"
+    hidden, nxt = head_inputs(trunk, head)
+    out = head(hidden, nxt, head.make_cache())
+    t = read_tensors(tiny.path)
+    args = (t, np.array(hidden[0], np.float64), np.array(nxt[0]), tiny.config)
+    assert_close(out[0], mimo_reference(*args))
+    assert differs(out[0], mimo_reference(*args, hidden_first=False))  # negative control: concat order
+
+
+def test_quantized_checkpoint_head_is_quantized_like_the_checkpoint(tmp_path):
+    tiny = tc.mimo(tmp_path / "MiMo-tiny-4bit", quantize={"group_size": 32, "bits": 4}, head_override_bits=8)
+    trunk, _, head = load(tiny.path)
+    m = head.modules_[0]
+    assert isinstance(m.input_proj, nn.QuantizedLinear) and m.input_proj.bits == 8  # per-layer override
+    assert isinstance(m.block.self_attn.q_proj, nn.QuantizedLinear) and m.block.self_attn.q_proj.bits == 4
+    # Same tensors, same quantization -> the module the checkpoint was written from (up to kernel rounding).
+    ref = tiny.head_module
+    hidden, nxt = head_inputs(trunk, head)
+    e = ref.token_layernorm(trunk.embed(nxt))
+    x = ref.input_proj(mx.concatenate([ref.hidden_layernorm(hidden), e], -1))
+    from mlx_lm.models.base import create_attention_mask
+
+    x = ref.final_layernorm(ref.block(x, create_attention_mask(x, None, return_array=True), None))
+    assert mx.allclose(head(hidden, nxt), x, atol=1e-3).item()
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def _drop_head_tensors(path: Path, keep) -> None:
+    for f in path.glob("*.safetensors"):
+        arrays = mx.load(str(f))
+        mx.save_safetensors(str(f), {k: v for k, v in arrays.items() if keep(k)}, {"format": "pt"})
+
+
+@pytest.mark.parametrize(
+    "family,build,keep",
+    [
+        ("qwen3_5", tc.qwen3_5, lambda k: not k.startswith("mtp.")),
+        ("deepseek_v3", tc.deepseek_v3, lambda k: not k.startswith("model.layers.61.")),
+        ("mimo", tc.mimo, lambda k: not k.startswith("model.mtp_layers.")),
+    ],
+)
+def test_declared_but_missing_head_is_a_one_line_error(tmp_path, family, build, keep):
+    tiny = build(tmp_path / family)
+    model, config = mlx_load_model(tiny.path)
+    _drop_head_tensors(tiny.path, keep)
+    with pytest.raises(MtplxError) as err:
+        load_head(tiny.path, Trunk(model), config)
+    msg = str(err.value)
+    assert "\n" not in msg and str(tiny.path) in msg and "ships no" in msg
+
+
+def test_head_shape_mismatch_is_a_one_line_error(tmp_path):
+    tiny = tc.qwen3_5(tmp_path / "bad")
+    model, config = mlx_load_model(tiny.path)
+    arrays = dict(mx.load(str(tiny.path / "model.safetensors")))
+    arrays["mtp.fc.weight"] = arrays["mtp.fc.weight"][:, : tc.H]  # [H, H] instead of [H, 2H]
+    mx.save_safetensors(str(tiny.path / "model.safetensors"), arrays, {"format": "pt"})
+    with pytest.raises(MtplxError, match=r"mtp.fc.weight|fc\.weight") as err:
+        load_head(tiny.path, Trunk(model), config)
+    assert "\n" not in str(err.value) and str(tiny.path) in str(err.value) and "shape" in str(err.value)
+
+
+def test_no_declared_head_is_none(tmp_path):
+    tiny = tc.qwen3_5(tmp_path / "nomtp", mtp_layers=0)
+    model, config = mlx_load_model(tiny.path)
+    assert load_head(tiny.path, Trunk(model), config) is None
+
+
+def test_default_hidden_sources_are_explicit():
+    assert DEFAULT_HIDDEN_SOURCE == {"qwen3_next": "post_norm", "deepseek": "post_norm", "mimo": "pre_norm"}
