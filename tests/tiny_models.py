@@ -90,3 +90,36 @@ def tiny_gemma3(seed: int = 0, sliding_window: int = 4) -> nn.Module:
         sliding_window_pattern=2,
     )
     return _seeded(lambda: gemma3_text.Model(args), seed)
+
+
+def tiny_qwen3_next(seed: int = 0) -> nn.Module:
+    """Qwen3-Next hybrid (gated-delta + attention, tiny MoE MLP): the other supported recurrent module."""
+    from mlx_lm.models import qwen3_next
+
+    args = qwen3_next.ModelArgs(
+        model_type="qwen3_next",
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        num_experts=2,
+        num_experts_per_tok=1,
+        decoder_sparse_step=1,
+        shared_expert_intermediate_size=64,
+        mlp_only_layers=[],
+        moe_intermediate_size=64,
+        rms_norm_eps=1e-6,
+        vocab_size=VOCAB,
+        num_key_value_heads=2,
+        rope_theta=10000.0,
+        partial_rotary_factor=0.5,
+        max_position_embeddings=512,
+        head_dim=16,
+        full_attention_interval=2,
+    )
+    return _seeded(lambda: qwen3_next.Model(args), seed)

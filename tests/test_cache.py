@@ -1,0 +1,355 @@
+"""Cache rollback: after any accept/reject pattern every cache equals a from-scratch run.
+
+Each cycle forwards a block [pending, d1..d(T-1)] through a real tiny mlx-lm
+model, keeps a random prefix of it (commit_block), then rebuilds the cache by
+running the whole committed sequence from scratch and compares both caches
+(KV contents, rotating windows, conv and recurrent states) and the logits of the
+next position. Negative controls run the same loop with deliberately wrong
+commits and must be caught by the same comparison.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+import tiny_models  # noqa: E402  (imports mtplx before mlx)
+
+import mlx.core as mx  # noqa: E402
+from mlx_lm.models.cache import (  # noqa: E402
+    ArraysCache,
+    BatchKVCache,
+    ChunkedKVCache,
+    ConcatenateKVCache,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+)
+
+from mtplx import cache as cache_ops  # noqa: E402
+
+TOL = 2e-4  # float32 models; a from-scratch prefill differs only by matmul blocking
+
+Commit = Callable[[list, cache_ops.BlockCapture, int], None]
+
+
+# --------------------------------------------------------------------------- comparison
+
+
+def _rotating_window(c: RotatingKVCache) -> list[mx.array]:
+    """The entries a next query can attend to, oldest first: the last max_size - 1 positions."""
+    keys, values, offset, keep, max_size, idx = c.state
+    assert keep == 0, "the test models use keep=0"
+    length = keys.shape[2]
+    if idx == length:
+        order = [keys, values]
+    elif idx < offset:  # in-place writes wrapped: oldest entries start at idx
+        order = [mx.concatenate([v[..., idx:, :], v[..., :idx, :]], axis=2) for v in (keys, values)]
+    else:
+        order = [keys[..., :idx, :], values[..., :idx, :]]
+    needed = min(offset, max_size - 1)
+    return [v[..., v.shape[2] - needed :, :] for v in order]
+
+
+def _canonical(c) -> tuple[int, list[mx.array]]:
+    """(position count, arrays that determine all future outputs) for one cache."""
+    if type(c) is KVCache:
+        return c.offset, [c.keys[..., : c.offset, :], c.values[..., : c.offset, :]]
+    if type(c) is QuantizedKVCache:
+        return c.offset, [x[..., : c.offset, :] for x in (*c.keys, *c.values)]
+    if type(c) is RotatingKVCache:
+        return c.offset, _rotating_window(c)
+    if type(c) is ArraysCache:
+        return -1, list(c.cache)
+    raise AssertionError(f"unexpected cache type {type(c).__name__}")
+
+
+def _max_diff(a: mx.array, b: mx.array) -> float:
+    return float(mx.max(mx.abs(a.astype(mx.float32) - b.astype(mx.float32))))
+
+
+def cache_mismatch(got: list, want: list) -> str | None:
+    """None if both caches hold the same content within TOL, else the first difference."""
+    for layer, (g, w) in enumerate(zip(got, want)):
+        if type(g) is not type(w):
+            return f"layer {layer}: {type(g).__name__} vs {type(w).__name__}"
+        (g_len, g_arrays), (w_len, w_arrays) = _canonical(g), _canonical(w)
+        if g_len != w_len:
+            return f"layer {layer}: {g_len} positions vs {w_len}"
+        for slot, (x, y) in enumerate(zip(g_arrays, w_arrays)):
+            if x.shape != y.shape:
+                return f"layer {layer} slot {slot}: shape {x.shape} vs {y.shape}"
+            if (d := _max_diff(x, y)) > TOL:
+                return f"layer {layer} slot {slot}: max diff {d:.3g}"
+    return None
+
+
+# --------------------------------------------------------------------------- the cycle loop
+
+
+def _scratch(model, make_cache: Callable[[], list], tokens: list[int]) -> list:
+    cache = make_cache()
+    mx.eval(model(mx.array(tokens)[None], cache=cache))
+    return cache
+
+
+def run_cycles(
+    model,
+    make_cache: Callable[[], list],
+    seed: int,
+    *,
+    cycles: int = 8,
+    prompt_len: int = 6,
+    pattern: list[tuple[int, int]] | None = None,
+    commit: Commit = cache_ops.commit_block,
+) -> str | None:
+    """Random (or given) (block length, num_keep) cycles; the first mismatch with a scratch run, or None."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, tiny_models.VOCAB, size=prompt_len).tolist()
+    cache = make_cache()
+    mx.eval(model(mx.array(tokens)[None], cache=cache))
+    pending = int(rng.integers(tiny_models.VOCAB))
+    want_next = None  # logits for `pending` computed through a scratch cache
+    steps = pattern or [(0, 0)] * cycles
+    for cycle, (block_len, num_keep) in enumerate(steps):
+        block_len = block_len or int(rng.integers(1, 10))
+        num_keep = num_keep or int(rng.integers(1, block_len + 1))
+        block = [pending] + rng.integers(0, tiny_models.VOCAB, size=block_len - 1).tolist()
+        told = block_len if rng.random() < 0.5 else None  # the decode loop may or may not pass it
+        capture = cache_ops.begin_block(cache, told)
+        logits = model(mx.array(block)[None], cache=cache)
+        mx.eval(logits)
+        if want_next is not None and (d := _max_diff(logits[0, 0], want_next)) > TOL:
+            return f"cycle {cycle}: next-step logits differ by {d:.3g}"
+        commit(cache, capture, num_keep)
+        tokens += block[:num_keep]
+        pending = int(rng.integers(tiny_models.VOCAB))
+        scratch = _scratch(model, make_cache, tokens)
+        if (why := cache_mismatch(cache, scratch)) is not None:
+            return f"cycle {cycle} (T={block_len}, keep={num_keep}): {why}"
+        want_next = model(mx.array([[pending]]), cache=scratch)[0, -1]
+    final = model(mx.array([[pending]]), cache=cache)[0, -1]
+    if (d := _max_diff(final, want_next)) > TOL:
+        return f"final next-step logits differ by {d:.3g}"
+    return None
+
+
+MODELS = {
+    "llama": (tiny_models.tiny_llama, None),
+    "llama_quantized_kv": (tiny_models.tiny_llama, tiny_models.quantized_kv_cache),
+    "qwen3_5_hybrid": (tiny_models.tiny_qwen3_5, None),
+    "qwen3_next_hybrid": (tiny_models.tiny_qwen3_next, None),
+    "gemma3_rotating": (tiny_models.tiny_gemma3, None),
+}
+
+
+def _model_and_cache(name: str):
+    build, cache_fn = MODELS[name]
+    model = build()
+    make_cache = (lambda: cache_fn(model)) if cache_fn else model.make_cache
+    return model, make_cache
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def model_case(request):
+    return (request.param, *_model_and_cache(request.param))
+
+
+def test_random_accept_patterns_match_scratch(model_case):
+    name, model, make_cache = model_case
+    assert cache_ops.check_rollback_support(make_cache(), model) is None
+    for seed in range(3):
+        assert run_cycles(model, make_cache, seed) is None, (name, seed)
+
+
+def test_full_accept_and_single_token_blocks(model_case):
+    # Edge patterns: accept everything, keep only the pending token, T=1 blocks
+    # (the in-place path of a rotating cache once its window has wrapped).
+    _, model, make_cache = model_case
+    pattern = [(9, 9), (9, 1), (1, 1), (1, 1), (5, 5), (2, 1), (1, 1), (9, 3)]
+    assert run_cycles(model, make_cache, 11, pattern=pattern) is None
+
+
+# --------------------------------------------------------------------------- negative controls
+
+
+def _commit_recurrent_off_by_one(cache: list, capture: cache_ops.BlockCapture, num_keep: int) -> None:
+    block_len = cache_ops._block_len(capture)
+    wrong = num_keep - 1 if num_keep == block_len else num_keep + 1
+    for r in capture.records:
+        if isinstance(r, cache_ops._RecurrentRecord):
+            r.commit(wrong)
+        else:
+            r.commit(num_keep, block_len)
+    capture.status = "committed"
+
+
+def _commit_without_trim(cache: list, capture: cache_ops.BlockCapture, num_keep: int) -> None:
+    block_len = cache_ops._block_len(capture)
+    for r in capture.records:
+        if isinstance(r, cache_ops._RecurrentRecord):
+            r.commit(num_keep)
+        else:
+            r.commit(block_len, block_len)
+    capture.status = "committed"
+
+
+REJECTING = [(6, 2), (4, 4), (7, 3)]
+
+
+def test_negative_control_recurrent_off_by_one_is_caught():
+    model, make_cache = _model_and_cache("qwen3_5_hybrid")
+    assert run_cycles(model, make_cache, 5, pattern=REJECTING) is None
+    why = run_cycles(model, make_cache, 5, pattern=REJECTING, commit=_commit_recurrent_off_by_one)
+    assert why is not None and "layer 0" in why
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_5_hybrid", "gemma3_rotating"])
+def test_negative_control_skipped_trim_is_caught(name):
+    model, make_cache = _model_and_cache(name)
+    assert run_cycles(model, make_cache, 6, pattern=REJECTING, commit=_commit_without_trim) is not None
+
+
+# --------------------------------------------------------------------------- interruption
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_hybrid", "gemma3_rotating"])
+@pytest.mark.parametrize("block_len", [1, 7])
+def test_abort_after_full_forward_restores_pre_block_state(name, block_len):
+    model, make_cache = _model_and_cache(name)
+    tokens = list(range(3, 12))  # longer than the rotating window
+    cache = _scratch(model, make_cache, tokens)
+    # One single-token step shrinks a rotating buffer to its window; from then on
+    # a T=1 block overwrites the oldest entry in place.
+    mx.eval(model(mx.array([[12]]), cache=cache))
+    tokens.append(12)
+    before = [[mx.array(x) for x in _raw_arrays(c)] for c in cache]
+    capture = cache_ops.begin_block(cache, block_len)
+    mx.eval(model(mx.array([list(range(20, 20 + block_len))]), cache=cache))
+    cache_ops.abort_block(cache, capture)
+    assert cache_mismatch(cache, _scratch(model, make_cache, tokens)) is None
+    # Stronger than the window comparison: the buffers are bit-identical to before.
+    for c, old in zip(cache, before):
+        assert all(_max_diff(x, y) == 0 for x, y in zip(_raw_arrays(c), old))
+    # and it keeps working: another block commits normally
+    capture = cache_ops.begin_block(cache)
+    mx.eval(model(mx.array([[40, 41, 42]]), cache=cache))
+    cache_ops.commit_block(cache, capture, 2)
+    assert cache_mismatch(cache, _scratch(model, make_cache, tokens + [40, 41])) is None
+
+
+def _raw_arrays(c) -> list[mx.array]:
+    if type(c) is ArraysCache:
+        return list(c.cache)
+    if type(c) is RotatingKVCache:
+        return [c.keys, c.values]
+    return [c.keys[..., : c.offset, :], c.values[..., : c.offset, :]]
+
+
+def test_abort_after_interrupted_forward():
+    model, make_cache = _model_and_cache("qwen3_5_hybrid")
+    tokens = list(range(5, 14))
+    cache = _scratch(model, make_cache, tokens)
+    layer = model.layers[2]  # layers 0 (gated-delta) and 1 (attention) run, then Ctrl-C
+    original = type(layer)
+
+    def interrupt(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    layer.__class__ = type("Interrupted", (original,), {"__call__": interrupt})
+    capture = cache_ops.begin_block(cache, 5)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            model(mx.array([[1, 2, 3, 4, 5]]), cache=cache)
+    finally:
+        layer.__class__ = original
+    cache_ops.abort_block(cache, capture)
+    assert cache_mismatch(cache, _scratch(model, make_cache, tokens)) is None
+    assert cache_ops.check_rollback_support(cache, model) is None
+
+
+def test_failed_commit_leaves_pre_block_state():
+    model, make_cache = _model_and_cache("qwen3_5_hybrid")
+    tokens = [7, 8, 9, 10]
+    cache = _scratch(model, make_cache, tokens)
+    capture = cache_ops.begin_block(cache, 3)
+    mx.eval(model(mx.array([[1, 2, 3]]), cache=cache))
+    with pytest.raises(ValueError):
+        cache_ops.commit_block(cache, capture, 4)
+    assert cache_mismatch(cache, _scratch(model, make_cache, tokens)) is None
+    with pytest.raises(ValueError):
+        cache_ops.commit_block(cache, capture, 1)  # a capture is used once
+
+
+# --------------------------------------------------------------------------- trim_kv (head caches)
+
+
+def test_trim_kv_after_chained_single_token_steps():
+    model, make_cache = _model_and_cache("llama")
+    tokens = [4, 5, 6, 7]
+    cache = _scratch(model, make_cache, tokens)
+    for t in (30, 31, 32):  # a head drafting one token at a time
+        mx.eval(model(mx.array([[t]]), cache=cache))
+    cache_ops.trim_kv(cache, 2)
+    assert cache_mismatch(cache, _scratch(model, make_cache, tokens + [30])) is None
+    with pytest.raises(ValueError):
+        cache_ops.trim_kv(cache, 6)
+
+
+def test_trim_kv_refuses_what_it_cannot_trim():
+    model, make_cache = _model_and_cache("gemma3_rotating")
+    cache = _scratch(model, make_cache, list(range(10)))
+    mx.eval(model(mx.array([[50]]), cache=cache))  # in place over the oldest window entry
+    with pytest.raises(ValueError):
+        cache_ops.trim_kv(cache, 1)
+    hybrid, hybrid_cache = _model_and_cache("qwen3_5_hybrid")
+    with pytest.raises(ValueError):
+        cache_ops.trim_kv(_scratch(hybrid, hybrid_cache, [1, 2]), 1)
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+def _kv_with_batch(batch: int) -> KVCache:
+    c = KVCache()
+    c.update_and_fetch(mx.zeros((batch, 1, 3, 8)), mx.zeros((batch, 1, 3, 8)))
+    return c
+
+
+@pytest.mark.parametrize(
+    "make, needle",
+    [
+        (lambda: [BatchKVCache(left_padding=[0])], "BatchKVCache"),
+        (lambda: [KVCache(), ChunkedKVCache(8)], "layer 1: ChunkedKVCache"),
+        (lambda: [ConcatenateKVCache()], "ConcatenateKVCache"),
+        (lambda: [ArraysCache(2, left_padding=[1])], "padded"),
+        (lambda: [ArraysCache(3)], "3 slots"),
+        (lambda: [_kv_with_batch(2)], "batch size 2"),
+    ],
+)
+def test_check_rollback_support_refuses(make, needle):
+    reason = cache_ops.check_rollback_support(make())
+    assert reason is not None and needle in reason and "\n" not in reason
+    with pytest.raises(ValueError, match="cannot roll back"):
+        cache_ops.begin_block(make())
+
+
+def test_check_rollback_support_with_model():
+    llama, _ = _model_and_cache("llama")
+    hybrid, hybrid_cache = _model_and_cache("qwen3_5_hybrid")
+    assert cache_ops.check_rollback_support(hybrid_cache(), hybrid) is None
+    # An ArraysCache on a layer that is not a supported gated-delta layer.
+    reason = cache_ops.check_rollback_support([ArraysCache(2), KVCache()], llama)
+    assert reason is not None and "gated-delta" in reason
+    assert cache_ops.check_rollback_support([RotatingKVCache(4), QuantizedKVCache()]) is None
+
+
+def test_begin_block_needs_prefilled_recurrent_cache():
+    _, hybrid_cache = _model_and_cache("qwen3_5_hybrid")
+    with pytest.raises(ValueError, match="prefilled"):
+        cache_ops.begin_block(hybrid_cache())
