@@ -7,10 +7,7 @@ BLAS = load_optimized_blas()
 
 __version__ = "0.1.0"
 
-try:  # TEMP until sampling.py lands
-    from mtplx.sampling import SamplerConfig  # noqa: E402
-except ImportError:
-    pass
+from mtplx.sampling import SamplerConfig  # noqa: E402
 
 
 def __getattr__(name: str):
