@@ -36,6 +36,9 @@ Hybrid capture (no second forward, nothing extra for attention-only models):
   writes the conv state after every prefix length, shape ``[T+1, kernel-1, C]``.
   The capturing cache also hides ``lengths`` from the mask and ``advance``,
   where it would otherwise mean "padding".
+
+The hooks are Python-level, so the verify forward must run eagerly (not inside
+``mx.compile``). The captured states of a block stay alive until its commit.
 """
 
 from __future__ import annotations
@@ -60,6 +63,16 @@ _STATE_SLOT = 1
 DEFAULT_MAX_BLOCK = 16
 
 _ORIGINAL_UPDATE = _gated_delta.gated_delta_update
+
+__all__ = [
+    "BlockCapture",
+    "SUPPORTED_RECURRENT_MODULES",
+    "abort_block",
+    "begin_block",
+    "check_rollback_support",
+    "commit_block",
+    "trim_kv",
+]
 
 
 # --------------------------------------------------------------------------- support
@@ -384,6 +397,9 @@ def commit_block(cache: list, capture: BlockCapture, num_keep: int) -> None:
         abort_block(cache, capture)
         raise
     capture.status = "committed"
+    # Drop the per-position states and pre-block buffers now, not when the caller
+    # lets go of the capture; a committed capture is never used again.
+    capture.records = []
 
 
 def abort_block(cache: list, capture: BlockCapture) -> None:
