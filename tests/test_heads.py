@@ -12,7 +12,6 @@ is checked structurally (HF per-expert tensors land stacked in mlx-lm's SwitchGL
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import mtplx  # noqa: F401  (BLAS before mlx)

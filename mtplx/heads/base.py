@@ -167,6 +167,14 @@ def load_tensors(model_dir: Path, index: dict[str, str], names: Iterable[str]) -
     return out
 
 
+def source_name(model_dir: Path) -> Path:
+    """The file to name in errors about a checkpoint's tensors: its shard index or single shard."""
+    for name in ("model.safetensors.index.json", "model.safetensors"):
+        if (Path(model_dir) / name).exists():
+            return Path(model_dir) / name
+    return Path(model_dir)
+
+
 def keys_with_prefix(index: dict[str, str], prefix: str) -> list[str]:
     return sorted(k for k in index if k.startswith(prefix))
 

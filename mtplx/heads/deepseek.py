@@ -39,6 +39,7 @@ from mtplx.heads.base import (
     check_and_load,
     dequantize_fp8_blocks,
     keys_with_prefix,
+    source_name,
     load_tensors,
     model_args_of,
     quantization_config,
@@ -174,7 +175,7 @@ def load_deepseek_head(
     if n == 0:
         return None
     index = weight_index(model_dir) if index is None else index
-    source = _source_name(model_dir)
+    source = source_name(model_dir)
     args = model_args_of(trunk.model)
     first = int(args.num_hidden_layers)
     for i in range(n):
@@ -238,7 +239,3 @@ def _linear_from(tensors: dict[str, mx.array], config: dict) -> nn.Module:
     lin.weight = w
     return lin
 
-
-def _source_name(model_dir: Path) -> Path:
-    idx = model_dir / "model.safetensors.index.json"
-    return idx if idx.exists() else model_dir

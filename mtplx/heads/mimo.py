@@ -36,6 +36,7 @@ from mtplx.heads.base import (
     check_and_load,
     dequantize_fp8_blocks,
     keys_with_prefix,
+    source_name,
     load_tensors,
     model_args_of,
     quantize_like_checkpoint,
@@ -134,7 +135,7 @@ def load_mimo_head(
     if n == 0:
         return None
     index = weight_index(model_dir) if index is None else index
-    source = _source_name(model_dir)
+    source = source_name(model_dir)
     present = sorted({int(k[len(PREFIX) :].split(".")[0]) for k in index if k.startswith(PREFIX)})
     if not present:
         raise MtplxError(f"{source}: config declares {n} MTP layer(s) but the checkpoint ships no model.mtp_layers.* tensors")
@@ -162,7 +163,3 @@ def load_mimo_head(
     check_and_load(head, weights, source)
     return head
 
-
-def _source_name(model_dir: Path) -> Path:
-    idx = model_dir / "model.safetensors.index.json"
-    return idx if idx.exists() else model_dir

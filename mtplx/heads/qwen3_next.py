@@ -41,6 +41,7 @@ from mtplx.heads.base import (
     dequantize_fp8_blocks,
     find_prefix,
     keys_with_prefix,
+    source_name,
     load_tensors,
     model_args_of,
     quantize_like_checkpoint,
@@ -138,7 +139,7 @@ def load_qwen3_next_head(
     if n == 0:
         return None
     index = weight_index(model_dir) if index is None else index
-    source = _source_name(model_dir)
+    source = source_name(model_dir)
     found = find_prefix(index, r"mtp\.fc\.weight")
     if found is None:
         raise MtplxError(f"{source}: config declares {n} MTP layer(s) but the checkpoint ships no mtp.* tensors")
@@ -167,7 +168,3 @@ def load_qwen3_next_head(
     check_and_load(head, weights, source)
     return head
 
-
-def _source_name(model_dir: Path) -> Path:
-    idx = model_dir / "model.safetensors.index.json"
-    return idx if idx.exists() else model_dir
