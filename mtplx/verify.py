@@ -118,19 +118,21 @@ def _first_reaching(cumulative: mx.array, target: mx.array) -> mx.array:
     return mx.minimum(count_below, cumulative.shape[-1] - 1)
 
 
+def _descending_pool(rows: mx.array, pool_size: int) -> mx.array:
+    """The pool_size largest logits per row, sorted descending (a partial selection, then a small sort)."""
+    return mx.sort(mx.topk(rows, pool_size, axis=-1), axis=-1)[:, ::-1]
+
+
 def _top_p_threshold_from_pool(
-    rows: mx.array, row_max: mx.array, cfg: SamplerConfig, kth_largest: mx.array | None,
-    target: mx.array, pool_size: int,
+    pool_desc: mx.array, row_max: mx.array, cfg: SamplerConfig, kth_largest: mx.array | None, target: mx.array
 ) -> tuple[mx.array, mx.array]:
-    """Threshold t* from the pool_size largest logits, and whether the pool decided it.
+    """Threshold t* from a pool of the largest logits, and whether the pool decided it.
 
     The pool holds every token whose weight exceeds the pool's smallest, so
     t* read from the pool's sorted prefix sums is exact whenever those sums
     reach the target, or the pool already ends in zero weights (it then holds
     the whole support and rounding alone kept the sum short of the target).
     """
-    pool = mx.topk(rows, pool_size, axis=-1)
-    pool_desc = mx.sort(pool, axis=-1)[:, ::-1]
     pool_weights = _weights(pool_desc, row_max, cfg.temperature)
     if kth_largest is not None:
         pool_weights = pool_weights * (pool_desc >= kth_largest)
@@ -159,20 +161,19 @@ def _top_p_threshold_by_bisection(weights: mx.array, target: mx.array) -> mx.arr
 
 
 def _top_p_threshold(
-    rows: mx.array, row_max: mx.array, weights: mx.array, cfg: SamplerConfig, kth_largest: mx.array | None
+    rows: mx.array, row_max: mx.array, weights: mx.array, cfg: SamplerConfig,
+    kth_largest: mx.array | None, first_pool: mx.array,
 ) -> mx.array:
     target = cfg.top_p * mx.sum(weights, axis=-1, keepdims=True)
     vocab_size = rows.shape[-1]
-    first_pool = min(vocab_size, max(TOP_P_CANDIDATE_POOLS[0], cfg.top_k))
-    larger_pools = [size for size in TOP_P_CANDIDATE_POOLS[1:] if first_pool < size < vocab_size]
-    threshold, decided = _top_p_threshold_from_pool(rows, row_max, cfg, kth_largest, target, first_pool)
-    if first_pool == vocab_size:  # the pool is the whole row: nothing can be missing
+    threshold, decided = _top_p_threshold_from_pool(first_pool, row_max, cfg, kth_largest, target)
+    if first_pool.shape[-1] == vocab_size:  # the pool is the whole row: nothing can be missing
         return threshold
-    for pool_size in larger_pools:
+    for pool_size in [size for size in TOP_P_CANDIDATE_POOLS[1:] if first_pool.shape[-1] < size < vocab_size]:
         if mx.all(decided).item():  # a sync, cheap next to the exp pass
             return threshold
         pool_threshold, pool_decided = _top_p_threshold_from_pool(
-            rows, row_max, cfg, kth_largest, target, pool_size
+            _descending_pool(rows, pool_size), row_max, cfg, kth_largest, target
         )
         threshold = mx.where(decided, threshold, pool_threshold)
         decided = decided | pool_decided
@@ -188,14 +189,22 @@ def _filtered_weights(rows: mx.array, row_max: mx.array, cfg: SamplerConfig) -> 
     """
     vocab_size = rows.shape[-1]
     weights = _weights(rows, row_max, cfg.temperature)
+    top_k_active = 0 < cfg.top_k < vocab_size
+    # One partial selection serves top-k and the first top-p pool.
+    pool = None
+    if cfg.top_p < 1.0:
+        pool = _descending_pool(rows, min(vocab_size, max(TOP_P_CANDIDATE_POOLS[0], cfg.top_k)))
     kth_largest = None
-    if 0 < cfg.top_k < vocab_size:
+    if top_k_active:
         # Compared on the logits, not the weights: same set (T > 0 is monotone),
         # and exact in every implementation since all read the same float32 values.
-        kth_largest = mx.min(mx.topk(rows, cfg.top_k, axis=-1), axis=-1, keepdims=True)
+        if pool is not None:
+            kth_largest = pool[:, cfg.top_k - 1 : cfg.top_k]
+        else:
+            kth_largest = mx.min(mx.topk(rows, cfg.top_k, axis=-1), axis=-1, keepdims=True)
         weights = weights * (rows >= kth_largest)
-    if cfg.top_p < 1.0:
-        weights = weights * (weights >= _top_p_threshold(rows, row_max, weights, cfg, kth_largest))
+    if pool is not None:
+        weights = weights * (weights >= _top_p_threshold(rows, row_max, weights, cfg, kth_largest, pool))
     if cfg.min_p > 0.0:
         weights = weights * (weights >= cfg.min_p)
     return weights
