@@ -1,0 +1,132 @@
+"""Build benchmarks/prompts/suite.jsonl: the benchmark prompt suite, from text on this machine.
+
+Three kinds, four prompts each, all held out from the default head's training data
+(mtplx/forge_data.py: top-level stdlib ``*.py`` files, the Python docs' reST sources
+split by file-name hash, Shakespeare's plays):
+
+* code  (raw continuation): the lines before and including a function's ``def``
+  and docstring, from standard-library *sub-package* files (json/, asyncio/,
+  email/, concurrent/futures/): the forge corpus globs only the top level.
+* prose (raw continuation): a paragraph and a half from doc pages in the forge's
+  *eval* split (sha256("split:python-doc/<page>") < 0.08), cut mid-paragraph at a
+  sentence end.
+* chat  (chat template): questions about the topics of those eval-split pages;
+  the FAQ ones are that page's own headings, verbatim.
+
+Run: ``.venv/bin/python benchmarks/prompts/build_suite.py`` (deterministic: same
+sources, same file). Re-check the held-out claim against a head's manifest with
+``--check models/<head>/manifest.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import sysconfig
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+DOC_DIR = Path("/usr/share/doc/python3.11/html/_sources")
+STDLIB = Path(sysconfig.get_paths(vars={"base": sys.base_prefix, "installed_base": sys.base_prefix})["stdlib"])
+
+# (id, stdlib file, function whose def + docstring end the prompt, lines of context before the def)
+CODE = [
+    ("code-json-decoder", "json/decoder.py", "py_scanstring", 12),
+    ("code-asyncio-queues", "asyncio/queues.py", "put_nowait", 30),
+    ("code-email-quoprimime", "email/quoprimime.py", "header_encode", 20),
+    ("code-futures-thread", "concurrent/futures/thread.py", "_adjust_thread_count", 30),
+]
+# (id, doc page, section heading to start at, characters to take before cutting at a sentence end)
+PROSE = [
+    ("prose-unicode-definitions", "howto/unicode.rst.txt", "Definitions", 1400),
+    ("prose-regex-intro", "howto/regex.rst.txt", "Introduction", 1400),
+    ("prose-tutorial-errors", "tutorial/errors.rst.txt", "Exceptions", 1200),
+    ("prose-tutorial-files", "tutorial/inputoutput.rst.txt", "Reading and Writing Files", 1200),
+]
+# (id, page the question is about, question)
+CHAT = [
+    ("chat-gui-toolkits", "faq/gui.rst.txt", "What GUI toolkits exist for Python?"),
+    ("chat-tk-io", "faq/gui.rst.txt", "Can I have Tk events handled while waiting for I/O?"),
+    ("chat-functools-partial", "library/functools.rst.txt",
+     "What does functools.partial do in Python? Explain it and show a short example."),
+    ("chat-unicode-bytes", "howto/unicode.rst.txt",
+     "In Python 3, what is the difference between str and bytes, and how do I convert between them?"),
+]
+
+
+def code_prompt(path: Path, function: str, before: int) -> str:
+    lines = path.read_text(encoding="utf-8").splitlines()
+    start = next(i for i, line in enumerate(lines) if re.match(rf"\s*def {function}\(", line))
+    end = start
+    while not lines[end].rstrip().endswith(":"):  # multi-line signature
+        end += 1
+    body = lines[end + 1 :]
+    stripped = body[0].strip() if body else ""
+    if stripped.startswith(('"""', "'''")):
+        quote = stripped[:3]
+        close = 0 if stripped.count(quote) >= 2 else next(i for i, line in enumerate(body[1:], 1) if quote in line)
+        end += close + 1
+    return "\n".join(lines[max(0, start - before) : end + 1]) + "\n"
+
+
+def prose_prompt(path: Path, heading: str, chars: int) -> str:
+    text = path.read_text(encoding="utf-8")
+    match = re.search(rf"^{re.escape(heading)}\n[=\-~^*]+\n", text, re.M)
+    if match is None:
+        raise SystemExit(f"{path}: no section {heading!r}")
+    section = text[match.end() :]
+    section = re.sub(r"^\.\. [^\n]*\n(?:   [^\n]*\n)*", "", section, flags=re.M)  # reST directives
+    section = re.sub(r"\n{3,}", "\n\n", section).strip()
+    window = section[:chars]
+    cut = max(window.rfind(". "), window.rfind(".\n"))
+    return heading + "\n\n" + window[: cut + 1]
+
+
+def build() -> list[dict]:
+    rows = []
+    for pid, rel, function, before in CODE:
+        rows.append({"id": pid, "kind": "code", "prompt": code_prompt(STDLIB / rel, function, before),
+                     "source": f"CPython {sys.version.split()[0]} Lib/{rel} ({function})"})
+    for pid, rel, heading, chars in PROSE:
+        rows.append({"id": pid, "kind": "prose", "prompt": prose_prompt(DOC_DIR / rel, heading, chars),
+                     "source": f"python3.11-doc {rel} ({heading})"})
+    for pid, rel, question in CHAT:
+        rows.append({"id": pid, "kind": "chat", "messages": [{"role": "user", "content": question}],
+                     "source": f"python3.11-doc {rel} (topic)"})
+    return rows
+
+
+def check(manifest: Path, rows: list[dict]) -> int:
+    """Fail if any suite source file appears among the files a head was trained on."""
+    text = manifest.read_text(encoding="utf-8")
+    clashes = []
+    for row in rows:
+        rel = row["source"].split()[-2] if row["kind"] != "code" else row["source"].split("Lib/")[1].split()[0]
+        names = {f"python-doc/{rel}", f"stdlib/{rel}"}
+        if any(f'"{n}"' in text for n in names):
+            clashes.append(f"{row['id']}: {rel}")
+    for clash in clashes:
+        print(f"held-out violation: {clash}")
+    return 1 if clashes else 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(HERE / "suite.jsonl"))
+    parser.add_argument("--check", default=None, metavar="MANIFEST", help="check the sources against a head manifest")
+    args = parser.parse_args()
+    rows = build()
+    if args.check:
+        return check(Path(args.check), rows)
+    out = Path(args.out)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    tmp.replace(out)
+    print(f"wrote {len(rows)} prompts to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,224 @@
+"""`mtplx tune`: measure which MTP depth is fastest for a model on this machine, and remember it.
+
+A short version of the benchmark sweep (`mtplx.bench`: mtplx AR and MTP at each depth,
+interleaved, median of repeats) picks the depth with the best speed-up over AR,
+geometric mean over the sampling settings. AR (saved as depth 0) wins unless the best
+depth beats it by more than the measured run-to-run spread: on a noisy machine a 3%
+"win" is not a win.
+
+The choice lives in a per-user JSON file (``~/.config/mtplx/tune.json``, or
+``$XDG_CONFIG_HOME/mtplx/tune.json``), keyed by the model's weight fingerprint and a
+description of the machine (OS, CPU, cores, MLX device), because the fastest depth
+depends on both. `Engine.load` asks `saved_depth` when no depth is given.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from mtplx import bench
+from mtplx.errors import MtplxError
+
+SCHEMA = 1
+TUNE_TOKENS = 64
+TUNE_REPEATS = 3
+TUNE_PER_KIND = 1
+_warned_corrupt: set[str] = set()
+
+
+def config_file(config_path: str | Path | None = None) -> Path:
+    if config_path is not None:
+        return Path(config_path).expanduser()
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "mtplx" / "tune.json"
+
+
+def machine_key(info: dict[str, Any] | None = None) -> str:
+    """The parts of `bench.machine_info` that change which depth is fastest."""
+    info = info or bench.machine_info()
+    return f"{info['system']} {info['arch']} | {info['cpu']} | {info['cores']} cores | {info['device']}"
+
+
+def entry_key(fingerprint: str, machine: str) -> str:
+    return f"{fingerprint} @ {machine}"
+
+
+def read_config(config_path: str | Path | None = None) -> dict[str, Any]:
+    """The saved entries ({} when there is no file); one-line error when the file is damaged."""
+    path = config_file(config_path)
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise MtplxError(f"{path}: unreadable tune config ({type(e).__name__}); delete it or run `mtplx tune --retune`") from None
+    if not isinstance(data, dict) or not isinstance(data.get("entries"), dict):
+        raise MtplxError(f"{path}: not an mtplx tune config (no 'entries'); delete it or run `mtplx tune --retune`")
+    return data["entries"]
+
+
+def saved_entry(fingerprint: str, config_path: str | Path | None = None, machine: str | None = None) -> dict | None:
+    entry = read_config(config_path).get(entry_key(fingerprint, machine or machine_key()))
+    return entry if isinstance(entry, dict) else None
+
+
+def saved_depth(fingerprint: str, config_path: str | Path | None = None) -> int | None:
+    """The tuned depth for this model on this machine: None = never tuned, 0 = AR is fastest.
+
+    Called on every `Engine.load` without a depth, so a damaged config must not stop
+    generation: it warns once on stderr and counts as "not tuned".
+    """
+    try:
+        entry = saved_entry(fingerprint, config_path)
+    except MtplxError as e:
+        if str(e) not in _warned_corrupt:
+            _warned_corrupt.add(str(e))
+            print(f"mtplx: warning: {e}", file=sys.stderr)
+        return None
+    if entry is None:
+        return None
+    depth = entry.get("depth")
+    return depth if isinstance(depth, int) and 0 <= depth <= bench.MAX_DEPTH else None
+
+
+def save_entry(fingerprint: str, entry: dict[str, Any], config_path: str | Path | None = None,
+               machine: str | None = None) -> Path:
+    """Add or replace one entry, keeping the others; a damaged file is replaced (a retune's job)."""
+    path = config_file(config_path)
+    try:
+        entries = read_config(path)
+    except MtplxError:
+        entries = {}
+    entries[entry_key(fingerprint, machine or machine_key())] = entry
+    text = json.dumps({"schema": SCHEMA, "entries": entries}, indent=1, sort_keys=True)
+    with bench.atomic_output(path) as handle:
+        handle.write(text + "\n")
+    return path
+
+
+def choose_depth(summaries: Sequence[bench.Summary]) -> tuple[int, float, float]:
+    """(depth, margin, noise): the MTP depth with the best geometric-mean speed-up over AR
+    across settings, or 0 when its margin over AR does not exceed the run-to-run spread."""
+    settings = list(dict.fromkeys(s.setting for s in summaries))
+    ar = {s.setting: s for s in summaries if s.mode == "ar"}
+    if set(ar) != set(settings):
+        raise MtplxError("tune: every setting needs an AR measurement")
+    best_depth, best_score = 0, 1.0
+    for depth in sorted({s.depth for s in summaries if s.mode == "mtp"}):
+        rows = {s.setting: s for s in summaries if s.mode == "mtp" and s.depth == depth}
+        ratios = [rows[k].decode_tps / ar[k].decode_tps for k in settings if k in rows and ar[k].decode_tps > 0]
+        if len(ratios) != len(settings) or min(ratios) <= 0:
+            continue
+        score = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+        if score > best_score:
+            best_depth, best_score = depth, score
+    if best_depth == 0:
+        return 0, best_score - 1.0, max(s.spread for s in ar.values())
+    best = [s for s in summaries if s.mode == "mtp" and s.depth == best_depth]
+    noise = max(max(s.spread for s in best), max(s.spread for s in ar.values()))
+    margin = best_score - 1.0
+    return (best_depth if margin > noise else 0), margin, noise
+
+
+def make_entry(engine, summaries: Sequence[bench.Summary], plan: bench.SweepPlan, model: str | None) -> dict[str, Any]:
+    depth, margin, noise = choose_depth(summaries)
+    versions = bench._versions()
+    return {
+        "depth": depth,
+        "margin_over_ar": round(margin, 4),
+        "spread": round(noise, 4),
+        "tokens_per_sec": {f"{s.variant} | {s.setting}": round(s.decode_tps, 3) for s in summaries},
+        "model": str(model) if model is not None else "default",
+        "model_path": str(getattr(engine, "model_path", "") or ""),
+        "machine": bench.machine_info(),
+        "mlx": versions["mlx"],
+        "mtplx": versions["mtplx"],
+        "tokens": plan.max_tokens,
+        "repeats": plan.repeats,
+        "settings": [s.name for s in plan.settings],
+        "tuned_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def describe(entry: dict[str, Any]) -> str:
+    depth = entry.get("depth")
+    choice = "AR (no depth beat it)" if depth == 0 else f"depth {depth}"
+    return (f"{choice}; margin over AR {entry.get('margin_over_ar', 0):+.1%} vs spread "
+            f"{entry.get('spread', 0):.1%}; tuned {entry.get('tuned_at', '?')}")
+
+
+def show_text(config_path: str | Path | None = None) -> str:
+    """What `mtplx tune --show` prints: every saved entry, this machine's marked with '*'."""
+    path = config_file(config_path)
+    entries = read_config(path)
+    if not entries:
+        return f"{path}: nothing tuned yet (run `mtplx tune`)"
+    here = machine_key()
+    lines = [f"{path}:"]
+    for key in sorted(entries):
+        entry = entries[key]
+        fingerprint, _, machine = key.partition(" @ ")
+        mark = "*" if machine == here else " "
+        lines.append(f"{mark} {entry.get('model', '?')} [{fingerprint}] on {machine}: {describe(entry)}")
+    return "\n".join(lines)
+
+
+def tune_main(*, model: str | None = None, head: str | None = None, retune: bool = False, show: bool = False,
+              config_path: str | Path | None = None, depths: str | Sequence[int] | None = None,
+              tokens: int = TUNE_TOKENS, repeats: int = TUNE_REPEATS, prompts_file: str | None = None,
+              per_kind: int | None = TUNE_PER_KIND, temps: Sequence[float] = bench.DEFAULT_TEMPS,
+              top_p: float = bench.DEFAULT_TOP_P, progress: bool = True, engine=None, out=None) -> int:
+    """`mtplx tune`: returns the exit code. Without ``retune`` an existing entry is kept."""
+    out = out or sys.stdout
+    if show:
+        print(show_text(config_path), file=out)
+        return 0
+    bench.check_counts(tokens, repeats)
+    depth_list = bench.parse_depths(depths)
+    if not depth_list:
+        raise MtplxError("depths: tune needs at least one MTP depth to compare with AR")
+    prompts = bench.load_prompts(prompts_file, per_kind=per_kind)
+    if engine is None:
+        from mtplx.engine import Engine
+
+        # An explicit depth: loading must not consult the very config being (re)built.
+        engine = Engine.load(model, head=head, depth=depth_list[0])
+    fingerprint = engine.fingerprint
+    existing = None if retune else saved_entry(fingerprint, config_path)
+    if existing is not None:
+        print(f"already tuned: {describe(existing)} (pass --retune to measure again)", file=out)
+        return 0
+    limit = getattr(engine.head, "max_depth", None) if getattr(engine, "head", None) is not None else None
+    if limit is not None and depths is None:
+        depth_list = [d for d in depth_list if d <= int(limit)]  # the default range, cut to what the head serves
+    summaries, _, plan = bench.run_benchmark(
+        engine, depths=depth_list, tokens=tokens, repeats=repeats, prompts=prompts, temps=temps, top_p=top_p,
+        stock=False, progress=progress, desc="tune")
+    entry = make_entry(engine, summaries, plan, model)
+    path = save_entry(fingerprint, entry, config_path)
+    print(bench.markdown_table(summaries), file=out)
+    print(f"\nsaved to {path}: {describe(entry)}", file=out)
+    return 0
+
+
+def add_tune_args(parser) -> None:
+    parser.add_argument("--model", default=None, help="local path or Hugging Face repo id (default: the embedded model)")
+    parser.add_argument("--head", default=None, help="a forged MTP head directory (default: the model's own head)")
+    parser.add_argument("--retune", action="store_true", help="measure again even if this model is tuned here")
+    parser.add_argument("--show", action="store_true", help="print the saved choices and exit")
+    parser.add_argument("--config", default=None, help="tune config file (default ~/.config/mtplx/tune.json)")
+    parser.add_argument("--depths", default=None, help="depths to try (default 1-4)")
+    parser.add_argument("--tokens", type=int, default=TUNE_TOKENS, help=f"tokens per run (default {TUNE_TOKENS})")
+    parser.add_argument("--repeats", type=int, default=TUNE_REPEATS, help=f"timed repeats (default {TUNE_REPEATS})")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def tune_from_args(args) -> int:
+    return tune_main(model=args.model, head=args.head, retune=args.retune, show=args.show, config_path=args.config,
+                     depths=args.depths, tokens=args.tokens, repeats=args.repeats, progress=not args.no_progress)
