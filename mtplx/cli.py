@@ -89,6 +89,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    from mtplx.convert import convert_gguf
+
+    out = convert_gguf(args.gguf, args.out, dtype=args.dtype, overwrite=args.overwrite)
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from mtplx.inspect import format_inspection, inspect_model
+
+    info = inspect_model(args.model)
+    print(json.dumps(info, indent=2) if args.json else format_inspection(info))
+    return 0
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mtplx", description="Exact MTP speculative decoding on MLX.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -108,6 +124,18 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stats", action="store_true", help="print speed and acceptance to stderr")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     gen.set_defaults(func=cmd_generate)
+
+    conv = sub.add_parser("convert", help="convert a llama-architecture GGUF into an mlx-lm model directory")
+    conv.add_argument("gguf", help="the .gguf file")
+    conv.add_argument("out", help="output directory (written atomically)")
+    conv.add_argument("--dtype", default="float32", help="float32 | float16 | bfloat16 | q4 (default float32)")
+    conv.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    conv.set_defaults(func=cmd_convert)
+
+    insp = sub.add_parser("inspect", help="describe a model without running it (MTP-ready / AR-only / unsupported)")
+    insp.add_argument("model", help="local path or Hugging Face repo id")
+    insp.add_argument("--json", action="store_true", help="print JSON")
+    insp.set_defaults(func=cmd_inspect)
     return parser
 
 

@@ -37,6 +37,8 @@ class DraftHead(Protocol):
 
     def make_cache(self) -> list: ...
 
+    def logits(self, head_hidden: mx.array) -> mx.array: ...
+
 
 @dataclass(frozen=True)
 class DecodeSettings:
@@ -86,13 +88,14 @@ def prefill(
         start = end
 
 
-def _target_rows(
-    logits: mx.array, history: list[int], block_tokens: list[int] | None, cfg: SamplerConfig
-) -> mx.array:
-    """Apply penalties: row t sees ``history`` plus the block tokens before t."""
+def _penalize(logits: mx.array, context: list[int], cfg: SamplerConfig, block_tokens: mx.array | None = None) -> mx.array:
+    """Penalties for rows logits[B, T, V]: row t sees ``context`` then block_tokens[:, :t].
+
+    Without penalties this returns ``logits`` untouched (the plain path costs nothing).
+    """
     if not cfg.has_penalties:
         return logits
-    return verify_ops.penalize_logits(logits, history, block_tokens or [], cfg)
+    return verify_ops.penalize_logits(logits, mx.array(context, dtype=mx.int32)[None], cfg, block_tokens)
 
 
 def ar_decode(
@@ -112,7 +115,7 @@ def ar_decode(
     history = list(prompt_tokens)
 
     def next_token(logits: mx.array, step_key: mx.array) -> mx.array:
-        logits = _target_rows(logits[:, -1:, :], history, None, cfg)[:, 0, :]
+        logits = _penalize(logits[:, -1:, :], history, cfg)[:, 0, :]
         uniforms = verify_ops.draw_uniforms((1,), step_key)
         return verify_ops.sample(logits, cfg, uniforms, backend=settings.verify_backend).tokens
 
@@ -131,11 +134,11 @@ def ar_decode(
         token = upcoming
 
 
-def _draft_logits(trunk: Trunk, head, head_hidden: mx.array) -> mx.array:
-    """Full-vocabulary draft logits; a head may own its output layer (DeepSeek's shared_head)."""
-    if hasattr(head, "logits"):
-        return head.logits(head_hidden, trunk)
-    return trunk.lm_head(head_hidden)
+def _chain_input(head: DraftHead, head_out: mx.array) -> mx.array:
+    """What the next chained draft step reads: the head's post-norm output or its pre-norm one."""
+    if getattr(head, "chain_source", "post_norm") == "pre_norm":
+        return head.last_pre_norm[:, -1:]
+    return head_out[:, -1:]
 
 
 def _trunk_hidden(output: TrunkOutput, head: DraftHead) -> mx.array:
@@ -158,7 +161,7 @@ def mtp_decode(
     depth = settings.depth
     trunk_cache = trunk_cache if trunk_cache is not None else trunk.make_cache()
     head_cache = head_cache if head_cache is not None else head.make_cache()
-    reason = cache_ops.check_rollback_support(trunk_cache)
+    reason = cache_ops.check_rollback_support(trunk_cache, trunk.model)
     if reason is not None:
         raise MtplxError(f"MTP cannot run on this model: {reason}; use --no-mtp")
     history = list(prompt_tokens)
@@ -175,7 +178,7 @@ def mtp_decode(
 
     key, step_key = _split_key(key)
     output = prefill(trunk, prompt_tokens, trunk_cache, settings.prefill_step_size, head_prefill)
-    first_logits = _target_rows(output.logits[:, -1:, :], history, None, cfg)[:, 0, :]
+    first_logits = _penalize(output.logits[:, -1:, :], history, cfg)[:, 0, :]
     first = verify_ops.sample(first_logits, cfg, verify_ops.draw_uniforms((1,), step_key)).tokens
     pending = int(first.item())
     history.append(pending)
@@ -195,10 +198,11 @@ def mtp_decode(
         draft_probs: list[mx.array] = []
         for i in range(depth):
             if i > 0:
-                head_out = head(head_out, draft_tokens[-1].reshape(1, 1), head_cache)
-            logits = _draft_logits(trunk, head, head_out)[:, -1, :]
-            if cfg.has_penalties:
-                logits = verify_ops.penalize_logits(logits[:, None, :], history, [], cfg, extra=draft_tokens)[:, 0, :]
+                head_out = head(_chain_input(head, head_out), draft_tokens[-1].reshape(1, 1), head_cache)
+            logits = head.logits(head_out)[:, -1, :]
+            if cfg.has_penalties:  # draft i sees the committed tokens and d_1..d_{i-1}
+                drafted_so_far = history + [int(t.item()) for t in draft_tokens]
+                logits = _penalize(logits[:, None, :], drafted_so_far, cfg)[:, 0, :]
             if settings.greedy_draft:
                 token = mx.argmax(logits, axis=-1).astype(mx.int32)
             else:
@@ -207,26 +211,27 @@ def mtp_decode(
                 draft_probs.append(drawn.probs)
             draft_tokens.append(token)
 
-        # 2. One trunk forward over [pending, d_1..d_k].
-        block = mx.concatenate([mx.array([pending], dtype=mx.int32)] + draft_tokens)[None]
-        capture = cache_ops.begin_block(trunk_cache)
-        output = trunk(block, trunk_cache)
-
-        # 3. Verify.
+        # 2. One trunk forward over [pending, d_1..d_k]; 3. verify.
         drafts = mx.stack(draft_tokens, axis=1)  # [1, k]
-        target_logits = output.logits
-        if cfg.has_penalties:
-            target_logits = verify_ops.penalize_logits(target_logits, history, [], cfg, extra=draft_tokens)
-        result = verify_ops.verify(
-            target_logits,
-            drafts,
-            None if settings.greedy_draft else mx.stack(draft_probs, axis=1),
-            cfg,
-            verify_ops.draw_uniforms((1, depth), accept_key),
-            verify_ops.draw_uniforms((1,), sample_key),
-            backend=settings.verify_backend,
-        )
-        mx.eval(result.num_accepted, result.next_token, result.accept_probs, drafts)
+        block = mx.concatenate([mx.array([[pending]], dtype=mx.int32), drafts], axis=1)
+        capture = cache_ops.begin_block(trunk_cache, block_len=depth + 1)
+        try:
+            output = trunk(block, trunk_cache)
+            target_logits = _penalize(output.logits, history, cfg, drafts)
+            result = verify_ops.verify(
+                target_logits,
+                drafts,
+                None if settings.greedy_draft else mx.stack(draft_probs, axis=1),
+                cfg,
+                verify_ops.draw_uniforms((1, depth), accept_key),
+                verify_ops.draw_uniforms((1,), sample_key),
+                backend=settings.verify_backend,
+            )
+            mx.eval(result.num_accepted, result.next_token, result.accept_probs, drafts)
+        except BaseException:
+            # Interrupted or failed mid-cycle: leave the caches as they were before the block.
+            cache_ops.abort_block(trunk_cache, capture)
+            raise
         num_accepted = int(result.num_accepted.item())
         next_token = int(result.next_token.item())
         accepted = drafts[0, :num_accepted].tolist()

@@ -1,0 +1,196 @@
+"""The MTP loop against plain AR: identical greedy tokens, identical sampled distribution,
+and caches equal to a from-scratch run after any accept/reject history."""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import mtplx  # noqa: F401  (BLAS before mlx)
+import mlx.core as mx
+import numpy as np
+import pytest
+from scipy import stats as scipy_stats
+
+from loop_models import make_loop_pair
+from mtplx import cache as cache_ops
+from mtplx import decode
+from mtplx.sampling import SamplerConfig, distribution_from_logits
+
+PROMPT = [1, 4, 2, 5, 3, 0, 2]
+FALSE_FAILURE_RATE = 1e-6
+
+
+def take_tokens(steps, n: int) -> list[int]:
+    tokens: list[int] = []
+    for step in steps:
+        tokens.extend(step.tokens)
+        if len(tokens) >= n:
+            break
+    steps.close()
+    return tokens[:n]
+
+
+def run_loop(trunk, head, cfg: SamplerConfig, depth: int | None, n: int, seed: int, **settings) -> list[int]:
+    key = mx.random.key(seed)
+    if depth is None:
+        steps = decode.ar_decode(trunk, PROMPT, decode.DecodeSettings(sampler=cfg, **settings), key)
+    else:
+        steps = decode.mtp_decode(trunk, head, PROMPT, decode.DecodeSettings(sampler=cfg, depth=depth, **settings), key)
+    return take_tokens(steps, n)
+
+
+# ----------------------------------------------------------------------------- greedy
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3, 4])
+@pytest.mark.parametrize("greedy_draft", [False, True])
+def test_greedy_mtp_output_is_token_identical_to_ar(depth, greedy_draft):
+    trunk, head = make_loop_pair(vocab_size=48, seed=0, context_strength=6.0, head_noise=2.0)
+    cfg = SamplerConfig(temperature=0.0)
+    ar = run_loop(trunk, head, cfg, None, 48, seed=0)
+    stats = []
+    key = mx.random.key(0)
+    steps = decode.mtp_decode(trunk, head, PROMPT, decode.DecodeSettings(sampler=cfg, depth=depth, greedy_draft=greedy_draft), key)
+    mtp: list[int] = []
+    for step in steps:
+        mtp.extend(step.tokens)
+        stats.append(step)
+        if len(mtp) >= 48:
+            break
+    steps.close()
+    assert mtp[:48] == ar
+    accepted = [s.num_accepted for s in stats if s.num_drafted]
+    # The comparison only means something if both accepts and rejections happened.
+    assert any(a > 0 for a in accepted) and any(a < depth for a in accepted), accepted
+
+
+# ------------------------------------------------------------------------ cache state
+
+
+def _kv_arrays(cache_list) -> list[tuple[mx.array, mx.array]]:
+    out = []
+    for c in cache_list:
+        out.append((c.keys[..., : c.offset, :], c.values[..., : c.offset, :]))
+    return out
+
+
+@pytest.mark.parametrize("depth", [2, 4])
+def test_caches_after_cycles_equal_a_from_scratch_run(depth):
+    trunk, head = make_loop_pair(vocab_size=16, seed=7)
+    cfg = SamplerConfig(temperature=1.0)
+    trunk_cache, head_cache = trunk.make_cache(), head.make_cache()
+    steps = decode.mtp_decode(trunk, head, PROMPT, decode.DecodeSettings(sampler=cfg, depth=depth),
+                              mx.random.key(3), trunk_cache=trunk_cache, head_cache=head_cache)
+    generated: list[int] = []
+    patterns = set()
+    for step in steps:
+        generated.extend(step.tokens)
+        if step.num_drafted:
+            patterns.add(step.num_accepted)
+        if len(patterns) >= 2 and len(generated) > 20:
+            break
+    # Forwarded so far: the prompt and every generated token but the pending (last) one.
+    committed = PROMPT + generated[:-1]
+    assert trunk_cache[0].offset == len(committed)
+
+    fresh_cache = trunk.make_cache()
+    reference = trunk(mx.array(committed)[None], fresh_cache)
+    for (k, v), (rk, rv) in zip(_kv_arrays(trunk_cache), _kv_arrays(fresh_cache)):
+        np.testing.assert_allclose(np.array(k), np.array(rk), atol=2e-5)
+        np.testing.assert_allclose(np.array(v), np.array(rv), atol=2e-5)
+
+    # The head has seen (true hidden i, token i+1) for every position before the
+    # last cycle's start; the rest is caught up at the next cycle.
+    head_len = head_cache[0].offset
+    assert len(PROMPT) - 1 <= head_len <= len(committed) - 1
+    fresh_head_cache = head.make_cache()
+    head(reference.hidden_post_norm[:, :head_len], mx.array(committed[1 : head_len + 1])[None], fresh_head_cache)
+    for (k, v), (rk, rv) in zip(_kv_arrays(head_cache), _kv_arrays(fresh_head_cache)):
+        np.testing.assert_allclose(np.array(k), np.array(rk), atol=2e-5)
+        np.testing.assert_allclose(np.array(v), np.array(rv), atol=2e-5)
+    steps.close()
+
+
+# ----------------------------------------------------------------- sampled distribution
+
+NUM_OUTPUT_TOKENS = 3
+
+
+def exact_ar_joint(trunk, cfg: SamplerConfig, vocab_size: int) -> np.ndarray:
+    """P(first NUM_OUTPUT_TOKENS tokens) under AR sampling, by enumeration, float64."""
+    joint = np.ones([vocab_size] * 0)
+    prefixes: list[tuple[int, ...]] = [()]
+    joint = {(): 1.0}
+    for _ in range(NUM_OUTPUT_TOKENS):
+        batch = mx.array([PROMPT + list(p) for p in prefixes])
+        logits = np.array(trunk(batch, None).logits[:, -1, :].astype(mx.float32), dtype=np.float64)
+        new_joint = {}
+        for row, prefix in enumerate(prefixes):
+            p = distribution_from_logits(logits[row], cfg)
+            for t in range(vocab_size):
+                new_joint[prefix + (t,)] = joint[prefix] * p[t]
+        joint = new_joint
+        prefixes = list(joint)
+    table = np.zeros([vocab_size] * NUM_OUTPUT_TOKENS)
+    for seq, prob in joint.items():
+        table[seq] = prob
+    return table
+
+
+def chi_square_p_value(counts: np.ndarray, expected_probs: np.ndarray) -> float:
+    """Pearson chi-square; cells with expected count < 5 are pooled into one."""
+    n = counts.sum()
+    expected = expected_probs.reshape(-1) * n
+    observed = counts.reshape(-1).astype(np.float64)
+    small = expected < 5
+    if small.any():
+        expected = np.append(expected[~small], expected[small].sum())
+        observed = np.append(observed[~small], observed[small].sum())
+    keep = expected > 0
+    assert observed[~keep].sum() == 0, "a token sequence with probability 0 was generated"
+    statistic = ((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum()
+    return float(scipy_stats.chi2.sf(statistic, keep.sum() - 1))
+
+
+def sample_counts(trunk, head, cfg, depth, num_samples, vocab_size, seed0) -> np.ndarray:
+    counts = np.zeros([vocab_size] * NUM_OUTPUT_TOKENS, dtype=np.int64)
+    for i in range(num_samples):
+        tokens = run_loop(trunk, head, cfg, depth, NUM_OUTPUT_TOKENS, seed=seed0 + i)
+        counts[tuple(tokens)] += 1
+    return counts
+
+
+CHI_SQUARE_CASES = [
+    (1, SamplerConfig(temperature=1.0)),
+    (3, SamplerConfig(temperature=0.7, top_p=0.9, top_k=4)),
+]
+
+
+@pytest.mark.parametrize("depth,cfg", CHI_SQUARE_CASES, ids=["d1-t1.0", "d3-t0.7-topp-topk"])
+def test_mtp_sampled_distribution_matches_ar(depth, cfg):
+    vocab_size = 5
+    trunk, head = make_loop_pair(vocab_size=vocab_size, seed=11)
+    expected = exact_ar_joint(trunk, cfg, vocab_size)
+    seed0 = int.from_bytes(os.urandom(4), "little")
+    counts = sample_counts(trunk, head, cfg, depth, 3000, vocab_size, seed0)
+    p_value = chi_square_p_value(counts, expected)
+    assert p_value > FALSE_FAILURE_RATE, f"p={p_value:.3g} (seed0={seed0})"
+
+
+def test_chi_square_rejects_a_loop_that_keeps_a_rejected_draft(monkeypatch):
+    """Negative control: an off-by-one in the committed prefix (one rejected draft's KV
+    entry kept) must be caught by the same test."""
+    vocab_size = 5
+    trunk, head = make_loop_pair(vocab_size=vocab_size, seed=11)
+    cfg = SamplerConfig(temperature=1.0)
+    honest_commit = cache_ops.commit_block
+    depth = 2
+
+    def commit_one_too_many(cache, capture, num_keep):
+        honest_commit(cache, capture, min(num_keep + 1, depth + 1))
+
+    monkeypatch.setattr(cache_ops, "commit_block", commit_one_too_many)
+    expected = exact_ar_joint(trunk, cfg, vocab_size)
+    counts = sample_counts(trunk, head, cfg, depth, 3000, vocab_size, 1234)
+    assert chi_square_p_value(counts, expected) < FALSE_FAILURE_RATE
