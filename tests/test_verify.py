@@ -176,13 +176,15 @@ def test_large_nucleus_top_p_matches_reference(nucleus: str) -> None:
     """Nuclei beyond the first (256) and second (4096) candidate pools."""
     rng = np.random.default_rng(FRESH_SEED)
     vocab_size = 3000 if nucleus == "second_pool" else 9000
-    logits = rng.normal(scale=0.5, size=(3, vocab_size)).astype(np.float32)
+    logits = rng.normal(scale=0.5, size=(32, vocab_size)).astype(np.float32)
     cfg = SamplerConfig(top_p=0.9, top_k=0 if nucleus == "second_pool" else 8500)
     expected = distribution_from_logits(logits, cfg)
     assert (expected > 0).sum(axis=-1).min() > (256 if nucleus == "second_pool" else 4096)
     got = np.array(filtered_probs(mx.array(logits), cfg))
     fragile = np.array([kept_set_is_fragile(row, cfg) for row in logits])
-    assert fragile.sum() <= 1, f"seed {FRESH_SEED}: too many near-tie rows"
+    # Each of thousands of similar tokens holds ~1e-4 of the mass, so a 1e-5 nudge of top_p often
+    # moves the boundary: many rows are near-ties. Enough are decided to compare.
+    assert (~fragile).sum() >= 4, f"seed {FRESH_SEED}: too many near-tie rows"
     robust = ~fragile
     np.testing.assert_array_equal(got[robust] > 0, expected[robust] > 0, err_msg=f"seed {FRESH_SEED}")
     np.testing.assert_allclose(got[robust], expected[robust], rtol=1e-4, atol=1e-9)
