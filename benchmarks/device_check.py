@@ -1,0 +1,79 @@
+"""GPU half of benchmarks/device_check.sh: fused kernels vs the NumPy mirror on
+the device, then fused vs MLX-ops verify timings. Prints markdown."""
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+import mtplx  # noqa: F401  (before mlx)
+import mlx.core as mx
+import numpy as np
+
+import _kernel_ref as ref
+import test_kernels as T
+from mtplx import kernels as K
+from mtplx import verify as V
+from mtplx.sampling import SamplerConfig
+
+
+def cfg_of(row):
+    t, top_p, min_p, top_k = (float(x) for x in row)
+    return SamplerConfig(temperature=t, top_p=top_p, top_k=int(top_k), min_p=min_p)
+
+
+def correctness():
+    fused_v, fused_s = K.get_fused("verify"), K.get_fused("sample")
+    assert fused_v is not None and fused_s is not None, "no fused kernel on this backend"
+    checked = skipped = 0
+    for seed, (B, k, Vv, kinds, draft, _tg, ties, masked) in enumerate(T.VERIFY_SHAPES):
+        for kind in sorted(set(kinds)):  # the fused path takes one cfg for the batch
+            rng = np.random.default_rng(3000 + seed)
+            z, d, q, params, a, s = T.make_verify_case(rng, B, k, Vv, [kind], draft, ties, masked)
+            cfg = cfg_of(params[0])
+            r = fused_v(mx.array(z), mx.array(d), None if q is None else mx.array(q), cfg,
+                        mx.array(a), mx.array(s))
+            n, tok = np.array(r.num_accepted), np.array(r.next_token)
+            rn, rtok, _ = K.numpy_mirror_verify(z, d, q, params, a, s)
+            for b in range(B):
+                amb = ref.verify_row(z[b], d[b], None if q is None else q[b], params[b], a[b], s[b])[3]
+                if amb:
+                    skipped += 1
+                    continue
+                assert (n[b], tok[b]) == (rn[b], rtok[b]), (seed, kind, b, n[b], tok[b], rn[b], rtok[b])
+                checked += 1
+    print(f"verify on device: {checked} rows equal to the oracle, {skipped} boundary rows skipped")
+
+
+def bench(fn, reps=20):
+    for _ in range(3):
+        mx.eval(*fn())
+    t = time.perf_counter()
+    for _ in range(reps):
+        mx.eval(*fn())
+    return (time.perf_counter() - t) / reps * 1e3
+
+
+def timings():
+    vocab = 151936
+    fused = K.get_fused("verify")
+    print("\n| B | k | MLX-ops verify ms | fused verify ms | speedup |")
+    print("|---|---|---|---|---|")
+    cfg = SamplerConfig(temperature=0.7, top_p=0.9)
+    for B in range(1, 9):
+        for k in range(1, 9):
+            z = mx.random.normal((B, k + 1, vocab)) * 3
+            q = mx.softmax(mx.random.normal((B, k, vocab)) * 3, axis=-1)
+            d = mx.argmax(q, axis=-1).astype(mx.int32)
+            a, s = V.draw_uniforms((B, k)), V.draw_uniforms((B,))
+            mx.eval(z, q, d, a, s)
+            ops = bench(lambda: V.verify(z, d, q, cfg, a, s, backend="mlx"))
+            fu = bench(lambda: fused(z, d, q, cfg, a, s))
+            print(f"| {B} | {k} | {ops:.3f} | {fu:.3f} | {ops / fu:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    print(f"mlx {mx.__version__}, device {mx.default_device()}")
+    correctness()
+    timings()
