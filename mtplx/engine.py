@@ -162,10 +162,13 @@ class Engine:
         """
         from mtplx import heads, loading
 
-        loaded = loading.load_model(model, dtype=dtype)
+        if dtype not in (None, *loading.VARIANTS):
+            raise MtplxError(f"dtype: must be one of {', '.join(loading.VARIANTS)}, got {dtype!r}")
+        loaded = loading.load_model(model, variant=dtype or "float32")
         engine = cls(loaded.model, loaded.tokenizer, loaded.config, model_path=loaded.path,
                      fingerprint=loaded.fingerprint, verify_backend=verify_backend)
-        head_dir = Path(head) if head is not None else (loading.shipped_head_dir() if model is None else None)
+        head_dir = Path(head) if head is not None else (
+            heads.shipped_head_dir(loading.DEFAULT_MODEL_NAME) if model is None else None)
         if head_dir is not None:
             from mtplx.heads import forged
 

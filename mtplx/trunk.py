@@ -52,17 +52,21 @@ def _find_lm_head(model: nn.Module) -> nn.Module | None:
     return None
 
 
-def _install_tap(norm: nn.Module, tap: _Tap) -> None:
+def _install_tap(norm: nn.Module) -> _Tap:
+    """Tap ``norm`` (once: a second Trunk over the same model shares the tap)."""
+    existing = getattr(type(norm), "_mtplx_tap", None)
+    if existing is not None:
+        return existing
     base = type(norm)
-    if getattr(base, "_mtplx_tapped", False):
-        raise ValueError("this model's final norm is already tapped by another Trunk")
+    tap = _Tap()
 
     def __call__(self, x, *args, **kwargs):
         out = base.__call__(self, x, *args, **kwargs)
         tap.pre, tap.post = x, out
         return out
 
-    norm.__class__ = type(f"Tapped{base.__name__}", (base,), {"__call__": __call__, "_mtplx_tapped": True})
+    norm.__class__ = type(f"Tapped{base.__name__}", (base,), {"__call__": __call__, "_mtplx_tap": tap})
+    return tap
 
 
 class Trunk:
@@ -71,8 +75,7 @@ class Trunk:
     def __init__(self, model: nn.Module):
         self.model = model
         self.inner = find_inner_model(model)
-        self._tap = _Tap()
-        _install_tap(self.inner.norm, self._tap)
+        self._tap = _install_tap(self.inner.norm)
         self._lm_head = _find_lm_head(model)
 
     @property

@@ -90,3 +90,13 @@ def load_head(model_dir: Path, trunk: Any, config: dict, hidden_source: str | No
         return None
     kwargs = {} if hidden_source is None else {"hidden_source": hidden_source}
     return _LOADERS[layout](model_dir, trunk, config, index, **kwargs)
+
+
+def shipped_head_dir(model_name: str) -> Path | None:
+    """The forged head mtplx ships for ``model_name`` (``models/<name>/``), in a checkout or an installed wheel."""
+    package_dir = Path(__file__).resolve().parent.parent
+    for root in (package_dir / "_models", package_dir.parent / "models"):
+        candidate = root / model_name
+        if (candidate / "manifest.json").is_file():
+            return candidate
+    return None
