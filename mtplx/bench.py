@@ -15,8 +15,9 @@ How a sweep runs (and why):
   ``max_tokens`` tokens at every temperature. ``ban_eos=False`` lets EOS end a
   run; rates are then over what was generated.
 * Timing is taken here, identically for every variant, from the moments
-  tokens reach the caller: prefill = start -> first token, decode = first
-  token -> last token, decode tokens/s = (tokens - 1) / decode seconds
+  tokens reach the caller: prefill = prompt text -> first token (tokenization
+  and chat template included for both: stock gets the engine's own encoding,
+  done inside its timed region), decode = first token -> last token, decode tokens/s = (tokens - 1) / decode seconds
   (the first token is the prefill's). Engine-reported stats are used only for
   the counts the stream cannot see (verify cycles, accepted drafts).
 * Per (variant, setting, repeat) the rate is total decode tokens / total
@@ -292,9 +293,13 @@ def ban_bias(tokenizer) -> dict[int, float]:
     return {int(t): BAN_BIAS for t in sorted(tokenizer.eos_token_ids)}
 
 
-def run_stock(model, tokenizer, prompt_ids: list[int], setting: Setting, max_tokens: int, seed: int,
-              bias: dict[int, float] | None) -> tuple[_Clock, int, float]:
-    """Stock ``mlx_lm.stream_generate``; returns (clock, tokens kept, peak GB)."""
+def run_stock(model, tokenizer, encode: Callable[[], list[int]], setting: Setting, max_tokens: int, seed: int,
+              bias: dict[int, float] | None) -> tuple[_Clock, int, int, float]:
+    """Stock ``mlx_lm.stream_generate``; returns (clock, prompt tokens, tokens kept, peak GB).
+
+    ``encode`` (the engine's own tokenization + chat template) runs inside the timed
+    prefill, as it does inside `Engine.stream`, so prefill is text -> first token for both.
+    """
     import mlx.core as mx
     from mlx_lm import stream_generate
     from mlx_lm.sample_utils import make_logits_processors, make_sampler
@@ -304,6 +309,7 @@ def run_stock(model, tokenizer, prompt_ids: list[int], setting: Setting, max_tok
     mx.random.seed(seed)
     mx.reset_peak_memory()
     clock = _Clock()
+    prompt_ids = encode()
     last = None
     for response in stream_generate(model, tokenizer, prompt_ids, max_tokens=max_tokens, sampler=sampler,
                                      logits_processors=processors):
@@ -312,25 +318,24 @@ def run_stock(model, tokenizer, prompt_ids: list[int], setting: Setting, max_tok
     kept = clock.tokens
     if last is not None and last.finish_reason == "stop":
         kept -= 1  # stream_generate reports the EOS step itself; it is not a generated token
-    return clock, kept, mx.get_peak_memory() / 1e9
+    return clock, len(prompt_ids), kept, mx.get_peak_memory() / 1e9
 
 
 def make_runner(engine, *, ban_eos: bool = True) -> Runner:
     """A runner over one loaded `Engine` (stock mlx-lm uses the engine's model and tokenizer)."""
     bias = ban_bias(engine.tokenizer) if ban_eos else None
-    encoded: dict[str, list[int]] = {}
-
-    def prompt_ids(prompt: Prompt) -> list[int]:
-        if prompt.id not in encoded:
-            encoded[prompt.id] = engine.encode_prompt(prompt.engine_input, chat=prompt.is_chat)
-        return encoded[prompt.id]
+    prompt_lengths: dict[str, int] = {}
 
     def run(variant: Variant, setting: Setting, prompt: Prompt, max_tokens: int, seed: int, repeat: int) -> RunRecord:
-        ids = prompt_ids(prompt)
+        def encode() -> list[int]:
+            return engine.encode_prompt(prompt.engine_input, chat=prompt.is_chat)
+
+        if prompt.id not in prompt_lengths:
+            prompt_lengths[prompt.id] = len(encode())
         base = dict(variant=variant.name, mode=variant.mode, depth=variant.depth, setting=setting.name,
-                    prompt_id=prompt.id, kind=prompt.kind, repeat=repeat, prompt_tokens=len(ids))
+                    prompt_id=prompt.id, kind=prompt.kind, repeat=repeat, prompt_tokens=prompt_lengths[prompt.id])
         if variant.mode == "stock":
-            clock, kept, peak = run_stock(engine.trunk.model, engine.tokenizer, ids, setting, max_tokens, seed, bias)
+            clock, _, kept, peak = run_stock(engine.trunk.model, engine.tokenizer, encode, setting, max_tokens, seed, bias)
             prefill, decode = clock.split()
             return RunRecord(**base, generated_tokens=kept, prefill_seconds=prefill, decode_seconds=decode,
                              peak_memory_gb=peak)
