@@ -18,7 +18,6 @@ Stages (each resumable, all deterministic given the seed):
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -31,11 +30,11 @@ import mtplx  # noqa: F401  (optimized BLAS before mlx)
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten
 
 from mtplx.errors import MtplxError
 from mtplx.forge_data import Corpus, Sample, corpus_from_paths, default_corpus
-from mtplx.heads.forged import ForgedMTPHead, build_forged_head, lm_head_matrix
+from mtplx.heads.forged import ForgedMTPHead, build_forged_head, lm_head_matrix, save_forged_head
 from mtplx.trunk import Trunk
 
 HIDDEN_SOURCES = ("pre_norm", "post_norm")
@@ -175,6 +174,7 @@ def precompute_teacher(
     """
     n, seq_len = windows.shape
     todo = n if limit is None else min(limit, n)
+    top_n = min(top_n, trunk.vocab_size)
     hidden_size = int(trunk.inner.embed_tokens.weight.shape[1])
     meta = _teacher_meta(fingerprint, windows, hidden_size, top_n)
     meta_path, progress_path = cache_dir / "teacher.json", cache_dir / "teacher_progress.json"
@@ -473,10 +473,34 @@ def _chain_input(head: Any, g: mx.array) -> mx.array:
     return head.last_pre_norm if getattr(head, "chain_source", "post_norm") == "pre_norm" else g
 
 
+class _Tally:
+    """Running sums of acceptance per (vocabulary variant, depth, temperature)."""
+
+    def __init__(self, variants: dict[str, np.ndarray | None], depths: int, temperatures: Sequence[float], vocab: int):
+        # A variant restricts q to its ids (-inf elsewhere): a reduced draft vocabulary.
+        self.masks = {name: None if ids is None else np.isin(np.arange(vocab), ids, invert=True)
+                      for name, ids in variants.items()}
+        self.temperatures = tuple(temperatures)
+        self.sums = {v: {d: {t: 0.0 for t in self.temperatures} for d in range(1, depths + 1)} for v in variants}
+        self.counts = {d: 0 for d in range(1, depths + 1)}
+
+    def add(self, depth: int, p_logits: np.ndarray, q_logits: np.ndarray) -> None:
+        for name, outside in self.masks.items():
+            q = q_logits if outside is None else np.where(outside, -np.inf, q_logits)
+            for t in self.temperatures:
+                self.sums[name][depth][t] += float(acceptance(p_logits, q, t).sum())
+        self.counts[depth] += int(np.prod(q_logits.shape[:-1]))
+
+    def table(self) -> dict[str, dict[str, dict[str, float]]]:
+        return {v: {str(d): {str(t): row[t] / max(self.counts[d], 1) for t in self.temperatures} for d, row in per.items()}
+                for v, per in self.sums.items()}
+
+
 def evaluate_acceptance(
     trunk: Trunk, head: Any, windows: np.ndarray, depths: int = 3, origins: int = 64, batch: int = 4,
     temperatures: Sequence[float] = EVAL_TEMPERATURES, progress: bool = False,
-) -> dict[str, dict[str, float]]:
+    vocab_variants: dict[str, np.ndarray | None] | None = None,
+) -> Any:
     """Teacher-forced acceptance per depth on held-out windows: {"1": {"0.0": a, "0.7": b}, ...}.
 
     Depth 1: the head at every position t, given (trunk hidden t, true token t+1),
@@ -484,30 +508,27 @@ def evaluate_acceptance(
     TRUE tokens (teacher forcing) and with the head cache a decode loop would hold:
     depth-1 entries up to the origin, then the chain's own entries. That needs a
     cache state per origin, so depth > 1 uses ``origins`` evenly spaced positions.
+    ``vocab_variants`` ({name: ids or None}) scores the same drafts restricted to each
+    id set and returns {name: table} instead of one table.
     """
-    n, seq_len = windows.shape
-    sums = {d: {t: 0.0 for t in temperatures} for d in range(1, depths + 1)}
-    counts = {d: 0 for d in range(1, depths + 1)}
+    tally = _Tally(vocab_variants or {"": None}, depths, temperatures, trunk.vocab_size)
     from tqdm import tqdm
 
-    for start in tqdm(range(0, n, batch), desc="eval", disable=not progress):
+    for start in tqdm(range(0, windows.shape[0], batch), desc="eval", disable=not progress):
         tokens = mx.array(windows[start : start + batch])
         out = trunk(tokens)
         p_logits = np.asarray(out.logits.astype(mx.float32))  # p at position t predicts t+1
-        hidden = _trunk_source(out, head.hidden_source)
         cache = head.make_cache()
-        g = head(hidden[:, :-1], tokens[:, 1:], cache)  # position t predicts t+2
-        q = _q_logits(head, g)
-        for t in temperatures:
-            sums[1][t] += float(acceptance(p_logits[:, 1:], q, t).sum())
-        counts[1] += q.shape[0] * q.shape[1]
+        g = head(_trunk_source(out, head.hidden_source)[:, :-1], tokens[:, 1:], cache)  # position t predicts t+2
+        tally.add(1, p_logits[:, 1:], _q_logits(head, g))
         if depths > 1:
-            _eval_chain(head, tokens, p_logits, g, cache, depths, origins, temperatures, sums, counts)
-    return {str(d): {str(t): sums[d][t] / max(counts[d], 1) for t in temperatures} for d in sums}
+            _eval_chain(head, tokens, p_logits, g, cache, depths, origins, tally)
+    tables = tally.table()
+    return tables if vocab_variants else tables[""]
 
 
 def _eval_chain(head: Any, tokens: mx.array, p_logits: np.ndarray, g1: mx.array, cache: list,
-                depths: int, origins: int, temperatures: Sequence[float], sums: dict, counts: dict) -> None:
+                depths: int, origins: int, tally: _Tally) -> None:
     seq_len = tokens.shape[1]
     full_state = [c.state for c in cache]
     chain1 = _chain_input(head, g1)
@@ -521,11 +542,7 @@ def _eval_chain(head: Any, tokens: mx.array, p_logits: np.ndarray, g1: mx.array,
         for d in range(2, depths + 1):
             # Draft d sits at position j+d-1: input = previous head output + true token j+d.
             g = head(x, tokens[:, j + d : j + d + 1], step_cache)
-            q = _q_logits(head, g)[:, 0]
-            p = p_logits[:, j + d]
-            for t in temperatures:
-                sums[d][t] += float(acceptance(p, q, t).sum())
-            counts[d] += q.shape[0]
+            tally.add(d, p_logits[:, j + d], _q_logits(head, g)[:, 0])
             x = _chain_input(head, g)
 
 
@@ -574,6 +591,8 @@ def forge(
     seq_len: int = 256,
     eval_tokens: int = 16_384,
     max_train_sequences: int | None = None,
+    eval_vocab_sizes: Sequence[int] = (),
+    eval_origins: int = 64,
     work_dir: str | Path | None = None,
     progress: bool = True,
 ) -> ForgeReport:
@@ -584,7 +603,8 @@ def forge(
     trained that many steps on the same schedule and the one with the higher depth-1
     acceptance (temperature 0, held-out text) continues. ``draft_vocab``: ship a
     reduced draft vocabulary of that many most-predicted ids (None = full).
-    ``max_train_sequences`` caps the teacher rows used (e.g. a partially precomputed cache).
+    ``max_train_sequences`` caps the teacher rows computed and used (a prefix of the same windows).
+    ``eval_vocab_sizes``: also score reduced draft vocabularies of these sizes (manifest only).
     Resumable: rerunning with the same arguments reuses the teacher cache and checkpoints.
     """
     from mtplx.loading import load_model
@@ -593,7 +613,7 @@ def forge(
         out_dir=Path(out_dir), model=model, data=[str(d) for d in data] if data is not None else None,
         work_dir=Path(work_dir) if work_dir is not None else None, train_tokens=train_tokens, eval_tokens=eval_tokens,
         seq_len=seq_len, steps=steps, batch_size=batch_size, lr=lr, seed=seed, hidden_source=hidden_source,
-        train_vocab=train_vocab, draft_vocab=draft_vocab, progress=progress,
+        train_vocab=train_vocab, draft_vocab=draft_vocab, eval_origins=eval_origins, progress=progress,
     )
     corpus = load_corpus(cfg)  # before loading the model: bad data fails fast
     loaded = load_model(model)
@@ -619,9 +639,15 @@ def forge(
     head, result = _train_for_source(cfg, trunk, teacher, rows, train_ids, tdir, source, None)
     cfg.hidden_source = source
 
-    if draft_vocab is not None and draft_vocab < vocab:
-        head.set_draft_vocab(frequent_ids(teacher, rows, draft_vocab, vocab), lm_head_matrix(trunk))
-    acc = evaluate_acceptance(trunk, head, eval_windows, depths=cfg.eval_depths, origins=cfg.eval_origins, progress=progress)
+    sizes = sorted({k for k in (*eval_vocab_sizes, draft_vocab) if k is not None and k < vocab})
+    variants: dict[str, np.ndarray | None] = {"full": None}
+    variants.update({f"top{k}": frequent_ids(teacher, rows, k, vocab) for k in sizes})
+    tables = evaluate_acceptance(trunk, head, eval_windows, depths=cfg.eval_depths, origins=cfg.eval_origins,
+                                 progress=progress, vocab_variants=variants)
+    shipped = "full" if draft_vocab is None or draft_vocab >= vocab else f"top{draft_vocab}"
+    if shipped != "full":
+        head.set_draft_vocab(variants[shipped].tolist(), lm_head_matrix(trunk))
+    acc = tables[shipped]
     manifest = {
         "trunk_fingerprint": loaded.fingerprint,
         "trunk": str(model) if model is not None else "default (SmolLM2-135M-Instruct, float32)",
@@ -644,6 +670,8 @@ def forge(
         },
         "hidden_source_comparison": {"steps": compare_steps, "depth1_acceptance_t0": comparison} if comparison else None,
         "acceptance": acc,
+        "draft_vocab": shipped,
+        "acceptance_by_draft_vocab": tables,
         "acceptance_note": "teacher-forced, 1 - TV(p_trunk, q_head) per draft depth on held-out windows; "
                            "temperature 0 = greedy argmax agreement",
     }

@@ -207,3 +207,56 @@ def test_no_or_empty_training_data_is_refused(tmp_path: Path) -> None:
     with pytest.raises(MtplxError, match=r"chat\.jsonl:1: expected a JSON object"):
         corpus_from_paths([bad])
     assert not (tmp_path / "out").exists()  # nothing written on refusal
+
+
+def _tiny_model_dir(path: Path) -> Path:
+    """A tiny llama checkpoint with a character-level tokenizer and a ChatML template, as a user would have."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+    chars = list("abcdefghijklmnopqrstuvwxyz .,\n") + ["<unk>", "<|im_start|>", "<|im_end|>"]
+    vocab = {c: i for i, c in enumerate(chars)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    path.mkdir(parents=True)
+    tok.save(str(path / "tokenizer.json"))
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "unk_token": "<unk>", "chat_template": template}))
+    trunk = _tiny_trunk(seed=3)
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(trunk.model.parameters())))
+    config = {"model_type": "llama", "hidden_size": 32, "num_hidden_layers": 2, "intermediate_size": 64,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": VOCAB,
+              "tie_word_embeddings": True, "rope_theta": 10000.0, "eos_token_id": vocab["<|im_end|>"]}
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_forge_end_to_end_on_a_user_model_and_data(tmp_path: Path) -> None:
+    from mtplx.loading import load_model
+
+    model_dir = _tiny_model_dir(tmp_path / "model")
+    data = tmp_path / "data"
+    data.mkdir()
+    words = "the quick brown fox jumps over the lazy dog. pack my box with five dozen liquor jugs.\n"
+    for i in range(6):
+        (data / f"t{i}.txt").write_text(words * (20 + i))
+    (data / "chat.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "say the fox"},
+                                                              {"role": "assistant", "content": words}]}) + "\n")
+    report = forge(str(model_dir), tmp_path / "head", [data], steps=12, train_tokens=2048, seq_len=32,
+                   eval_tokens=256, compare_steps=4, draft_vocab=20, eval_vocab_sizes=(24,), eval_origins=4,
+                   work_dir=tmp_path / "work", progress=False)
+    manifest = json.loads(report.manifest_path.read_text())
+    assert manifest["steps"] == 12 and manifest["seed"] == 0 and manifest["depth_trained"] == 1
+    assert set(manifest["hidden_source_comparison"]["depth1_acceptance_t0"]) == {"pre_norm", "post_norm"}
+    assert manifest["hidden_source"] == report.hidden_source
+    assert set(manifest["acceptance_by_draft_vocab"]) == {"full", "top20", "top24"}
+    assert manifest["acceptance"] == manifest["acceptance_by_draft_vocab"]["top20"] and len(manifest["vocab_ids"]) == 20
+    assert all(0.0 <= v <= 1.0 for row in manifest["acceptance"].values() for v in row.values())
+    assert manifest["data"]["train_files"] and manifest["data"]["train_tokens"] == 2048
+    loaded = load_model(str(model_dir))
+    head = load_forged_head(tmp_path / "head", Trunk(loaded.model), loaded.fingerprint)
+    assert head.vocab_ids.tolist() == manifest["vocab_ids"]
+    with pytest.raises(MtplxError, match="not this trunk"):
+        load_forged_head(tmp_path / "head", Trunk(_tiny_trunk(seed=4).model), "0123456789abcdef")
