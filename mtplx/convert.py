@@ -37,7 +37,7 @@ from mtplx.gguf import (
 Dtype = Literal["float32", "float16", "bfloat16", "q4"]
 DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16", "q4")
 # Bumped whenever the output of the converter changes, so cached conversions are redone.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 GROUP_SIZE = 32  # GGUF's Q4_0/Q4_1/Q8_0 block size, kept as the MLX group size
 
 _LAYER_KEYS = {
@@ -145,7 +145,15 @@ def _to_dtype(parts: dict[str, mx.array], info: TensorInfo, dtype: str) -> dict[
     """Cast one tensor's parts to the requested output dtype."""
     if dtype != "q4":
         if "scales" in parts:
-            w = mx.dequantize(parts["weight"], parts["scales"], parts["biases"], group_size=GROUP_SIZE, bits=_bits_of(info, parts["weight"]))
+            # float32 scales/biases: in float16, q*scale + bias (bias = -128*scale for Q8_0)
+            # cancels catastrophically and loses ~5% of a quantization step.
+            w = mx.dequantize(
+                parts["weight"],
+                parts["scales"].astype(mx.float32),
+                parts["biases"].astype(mx.float32),
+                group_size=GROUP_SIZE,
+                bits=_bits_of(info, parts["weight"]),
+            )
         else:
             w = parts["weight"]
         return {"weight": w.astype(getattr(mx, dtype))}
@@ -264,18 +272,18 @@ def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def write_model_dir(gguf: GGUFFile, out: Path, dtype: str, *, unpermute: bool = True) -> None:
+def write_model_dir(gguf: GGUFFile, out: Path, dtype: str) -> None:
     """Write every file of the model directory into ``out`` (an existing, empty directory)."""
     config = hf_config(gguf)
     tokenizer = build_tokenizer(gguf)  # before the weights: fail fast on an unsupported vocab
-    weights = convert_weights(gguf, dtype, unpermute=unpermute)
+    weights = convert_weights(gguf, dtype)
     quant = quantization_config(weights)
     if quant is not None:
         config["quantization"] = quant
         config["quantization_config"] = quant
     else:
         config["torch_dtype"] = dtype
-    config["mtplx"] = {"converted_from": gguf.path.name, "converter_version": CONVERTER_VERSION, "dtype": dtype, "unpermuted": unpermute}
+    config["mtplx"] = {"converted_from": gguf.path.name, "converter_version": CONVERTER_VERSION, "dtype": dtype}
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     _write_json(out / "config.json", config)
     tokenizer.save(str(out / "tokenizer.json"))
@@ -291,14 +299,13 @@ def convert_gguf(
     *,
     dtype: Dtype = "float32",
     overwrite: bool = False,
-    unpermute: bool = True,
 ) -> Path:
     """Convert a llama GGUF (Q4_0/Q4_1/Q8_0/F16/F32 tensors) into an mlx-lm model directory; returns it.
 
     ``dtype``: a float dtype dequantizes everything; ``"q4"`` keeps Q4_0/Q4_1 blocks packed
     as MLX 4-bit (and Q8_0 as 8-bit, both lossless) and quantizes float matrices to 4-bit.
     The output appears atomically (temp dir + rename); an existing ``out_dir`` is refused
-    unless ``overwrite``. ``unpermute=False`` skips the Q/K row fix (negative control only).
+    unless ``overwrite``.
     """
     if dtype not in DTYPES:
         raise MtplxError(f"unsupported dtype {dtype!r} (choose from {', '.join(DTYPES)})")
@@ -310,7 +317,7 @@ def convert_gguf(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        write_model_dir(gguf, tmp, dtype, unpermute=unpermute)
+        write_model_dir(gguf, tmp, dtype)
         os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only; a model dir is ordinary readable data
         if out_dir.exists():  # overwrite: move the old one aside first so the swap is quick
             old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))

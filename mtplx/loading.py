@@ -111,11 +111,11 @@ def default_model_dir(variant: Variant = "float32", *, cache_dir: str | Path | N
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 
 
-def _from_hub_cache(repo_id: str) -> Path:
+def _from_hub_cache(repo_id: str, hub_cache: str | Path | None) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(repo_id, local_files_only=True))
+        return Path(snapshot_download(repo_id, local_files_only=True, cache_dir=hub_cache))
     except Exception as e:  # LocalEntryNotFoundError and kin: offline, not cached
         raise MtplxError(
             f"{repo_id}: not a local directory and not in the Hugging Face cache "
@@ -123,8 +123,18 @@ def _from_hub_cache(repo_id: str) -> Path:
         ) from None
 
 
-def resolve_model(spec: str | Path | None, *, variant: Variant = "float32", cache_dir: str | Path | None = None) -> Path:
-    """A local model directory for ``spec``: a directory, a cached HF repo id, or None (the default model)."""
+def resolve_model(
+    spec: str | Path | None,
+    *,
+    variant: Variant = "float32",
+    cache_dir: str | Path | None = None,
+    hub_cache: str | Path | None = None,
+) -> Path:
+    """A local model directory for ``spec``: a directory, a cached HF repo id, or None (the default model).
+
+    ``cache_dir`` overrides the mtplx cache (default model); ``hub_cache`` the Hugging Face
+    hub cache (default: huggingface_hub's own, e.g. $HF_HUB_CACHE).
+    """
     if spec is None:
         return default_model_dir(variant, cache_dir=cache_dir)
     path = Path(spec).expanduser()
@@ -135,7 +145,7 @@ def resolve_model(spec: str | Path | None, *, variant: Variant = "float32", cach
             raise MtplxError(f"{path}: not a model directory")
         return path
     if isinstance(spec, str) and _REPO_ID.match(spec) and not spec.startswith((".", "~")):
-        return _from_hub_cache(spec)
+        return _from_hub_cache(spec, hub_cache)
     raise MtplxError(f"{path}: model directory not found")
 
 
@@ -195,6 +205,7 @@ def load_model(
     *,
     variant: Variant = "float32",
     cache_dir: str | Path | None = None,
+    hub_cache: str | Path | None = None,
     lazy: bool = False,
 ) -> LoadedModel:
     """Resolve ``spec`` and load it through mlx-lm: model, tokenizer wrapper, config, fingerprint."""
@@ -203,7 +214,7 @@ def load_model(
 
     from mtplx.fingerprint import model_fingerprint
 
-    path = resolve_model(spec, variant=variant, cache_dir=cache_dir)
+    path = resolve_model(spec, variant=variant, cache_dir=cache_dir, hub_cache=hub_cache)
     check_model_dir(path)
     try:
         model, config = mlx_load_model(path, lazy=lazy)
