@@ -546,6 +546,44 @@ def _eval_chain(head: Any, tokens: mx.array, p_logits: np.ndarray, g1: mx.array,
             x = _chain_input(head, g)
 
 
+# ---------------------------------------------------------------- reduced draft vocabulary
+
+
+def draft_step_ms(head: ForgedMTPHead, variants: dict[str, np.ndarray | None], full_proj: mx.array,
+                  context: int = 200, rounds: int = 30) -> dict[str, float]:
+    """Median ms of one greedy draft step (head on 1 token with a ``context``-long cache, logits, argmax)
+    per vocabulary variant. Round-robin, so every variant sees the same machine load."""
+    hidden_size = int(head.fc.weight.shape[0])
+    x, token = mx.random.normal((1, 1, hidden_size), key=mx.random.key(0)), mx.array([[1]], dtype=mx.int32)
+    cache = head.make_cache()
+    mx.eval(head(mx.random.normal((1, context, hidden_size), key=mx.random.key(1)), mx.zeros((1, context), dtype=mx.int32), cache))
+    saved = None if head.vocab_ids is None else head.vocab_ids.tolist()
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, ids in variants.items():
+            head.set_draft_vocab(None if ids is None else ids.tolist(), full_proj)
+            start = time.perf_counter()
+            mx.eval(mx.argmax(head.logits(head(x, token, cache))[:, -1], axis=-1))
+            times[name].append(time.perf_counter() - start)
+            for c in cache:
+                c.trim(1)
+    head.set_draft_vocab(saved, full_proj)
+    return {name: round(1e3 * float(np.median(t[3:] or t)), 2) for name, t in times.items()}
+
+
+def choose_draft_vocab(tables: dict[str, Any], step_ms: dict[str, float], max_drop: float = 0.01, min_gain: float = 0.2) -> str:
+    """The smallest reduced vocabulary that loses at most ``max_drop`` depth-1 acceptance (at every
+    evaluated temperature) and drafts at least ``min_gain`` faster than the full one; else "full"."""
+    full = tables["full"]["1"]
+    best = "full"
+    for name in sorted((n for n in tables if n != "full"), key=lambda n: int(n[3:])):
+        keeps = all(tables[name]["1"][t] >= full[t] - max_drop for t in full)
+        faster = step_ms[name] <= (1.0 - min_gain) * step_ms["full"]
+        if keeps and faster:
+            return name
+    return best
+
+
 # ---------------------------------------------------------------- the entry point
 
 
@@ -584,7 +622,7 @@ def forge(
     seed: int = 0,
     hidden_source: str = "post_norm",
     compare_steps: int = 0,
-    draft_vocab: int | None = None,
+    draft_vocab: int | str | None = None,
     train_vocab: int | None = 4096,
     batch_size: int = 4,
     lr: float = 1e-3,
@@ -602,18 +640,21 @@ def forge(
     ``hidden_source``: "pre_norm" or "post_norm"; with ``compare_steps`` > 0 both are
     trained that many steps on the same schedule and the one with the higher depth-1
     acceptance (temperature 0, held-out text) continues. ``draft_vocab``: ship a
-    reduced draft vocabulary of that many most-predicted ids (None = full).
+    reduced draft vocabulary of that many most-predicted ids (None = full; "auto" =
+    the smallest of ``eval_vocab_sizes`` that keeps acceptance and measurably drafts faster).
     ``max_train_sequences`` caps the teacher rows computed and used (a prefix of the same windows).
     ``eval_vocab_sizes``: also score reduced draft vocabularies of these sizes (manifest only).
     Resumable: rerunning with the same arguments reuses the teacher cache and checkpoints.
     """
     from mtplx.loading import load_model
 
+    if isinstance(draft_vocab, str) and draft_vocab != "auto":
+        raise MtplxError(f"forge: draft_vocab must be a number of ids, 'auto' or None, got {draft_vocab!r}")
     cfg = ForgeConfig(
         out_dir=Path(out_dir), model=model, data=[str(d) for d in data] if data is not None else None,
         work_dir=Path(work_dir) if work_dir is not None else None, train_tokens=train_tokens, eval_tokens=eval_tokens,
         seq_len=seq_len, steps=steps, batch_size=batch_size, lr=lr, seed=seed, hidden_source=hidden_source,
-        train_vocab=train_vocab, draft_vocab=draft_vocab, eval_origins=eval_origins, progress=progress,
+        train_vocab=train_vocab, draft_vocab=draft_vocab if isinstance(draft_vocab, int) else None, eval_origins=eval_origins, progress=progress,
     )
     corpus = load_corpus(cfg)  # before loading the model: bad data fails fast
     loaded = load_model(model)
@@ -639,14 +680,20 @@ def forge(
     head, result = _train_for_source(cfg, trunk, teacher, rows, train_ids, tdir, source, None)
     cfg.hidden_source = source
 
-    sizes = sorted({k for k in (*eval_vocab_sizes, draft_vocab) if k is not None and k < vocab})
+    fixed = draft_vocab if isinstance(draft_vocab, int) else None
+    sizes = sorted({k for k in (*eval_vocab_sizes, fixed) if k is not None and k < vocab})
     variants: dict[str, np.ndarray | None] = {"full": None}
     variants.update({f"top{k}": frequent_ids(teacher, rows, k, vocab) for k in sizes})
     tables = evaluate_acceptance(trunk, head, eval_windows, depths=cfg.eval_depths, origins=cfg.eval_origins,
                                  progress=progress, vocab_variants=variants)
-    shipped = "full" if draft_vocab is None or draft_vocab >= vocab else f"top{draft_vocab}"
+    full_proj = lm_head_matrix(trunk)
+    step_ms = draft_step_ms(head, variants, full_proj) if len(variants) > 1 else {}
+    if draft_vocab == "auto":
+        shipped = choose_draft_vocab(tables, step_ms)
+    else:
+        shipped = "full" if fixed is None or fixed >= vocab else f"top{fixed}"
     if shipped != "full":
-        head.set_draft_vocab(variants[shipped].tolist(), lm_head_matrix(trunk))
+        head.set_draft_vocab(variants[shipped].tolist(), full_proj)
     acc = tables[shipped]
     manifest = {
         "trunk_fingerprint": loaded.fingerprint,
@@ -672,6 +719,9 @@ def forge(
         "acceptance": acc,
         "draft_vocab": shipped,
         "acceptance_by_draft_vocab": tables,
+        "draft_step_ms": step_ms,
+        "draft_vocab_rule": "auto: smallest reduced vocabulary losing <= 0.01 depth-1 acceptance and drafting >= 20% faster"
+                            if draft_vocab == "auto" else f"fixed: {draft_vocab}",
         "acceptance_note": "teacher-forced, 1 - TV(p_trunk, q_head) per draft depth on held-out windows; "
                            "temperature 0 = greedy argmax agreement",
     }

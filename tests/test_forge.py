@@ -19,6 +19,7 @@ from mtplx.forge import (
     TeacherData,
     acceptance,
     build_head,
+    choose_draft_vocab,
     evaluate_acceptance,
     forge,
     frequent_ids,
@@ -156,6 +157,16 @@ def test_acceptance_is_one_minus_total_variation() -> None:
     np.testing.assert_allclose(acceptance(p, q_reduced, 1.0), [0.7])
 
 
+def test_draft_vocab_choice_needs_both_kept_acceptance_and_a_real_speedup() -> None:
+    def table(a0: float, a7: float) -> dict:
+        return {"1": {"0.0": a0, "0.7": a7}}
+
+    tables = {"full": table(0.70, 0.60), "top4096": table(0.65, 0.58), "top8192": table(0.695, 0.595), "top16384": table(0.70, 0.60)}
+    assert choose_draft_vocab(tables, {"full": 50.0, "top4096": 10.0, "top8192": 20.0, "top16384": 30.0}) == "top8192"
+    assert choose_draft_vocab(tables, {"full": 50.0, "top4096": 10.0, "top8192": 45.0, "top16384": 30.0}) == "top16384"
+    assert choose_draft_vocab(tables, {"full": 50.0, "top4096": 10.0, "top8192": 45.0, "top16384": 48.0}) == "full"
+
+
 def test_reduced_vocab_head_never_proposes_outside_ids(trunk: Trunk, teacher: TeacherData) -> None:
     head = build_head(trunk, "post_norm")
     ids = frequent_ids(teacher, ROWS, 16, VOCAB)
@@ -244,6 +255,8 @@ def test_forge_end_to_end_on_a_user_model_and_data(tmp_path: Path) -> None:
         (data / f"t{i}.txt").write_text(words * (20 + i))
     (data / "chat.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "say the fox"},
                                                               {"role": "assistant", "content": words}]}) + "\n")
+    with pytest.raises(MtplxError, match="draft_vocab must be"):
+        forge(str(model_dir), tmp_path / "head", [data], draft_vocab="small")
     report = forge(str(model_dir), tmp_path / "head", [data], steps=12, train_tokens=2048, seq_len=32,
                    eval_tokens=256, compare_steps=4, draft_vocab=20, eval_vocab_sizes=(24,), eval_origins=4,
                    work_dir=tmp_path / "work", progress=False)
@@ -255,6 +268,7 @@ def test_forge_end_to_end_on_a_user_model_and_data(tmp_path: Path) -> None:
     assert manifest["acceptance"] == manifest["acceptance_by_draft_vocab"]["top20"] and len(manifest["vocab_ids"]) == 20
     assert all(0.0 <= v <= 1.0 for row in manifest["acceptance"].values() for v in row.values())
     assert manifest["data"]["train_files"] and manifest["data"]["train_tokens"] == 2048
+    assert set(manifest["draft_step_ms"]) == {"full", "top20", "top24"}
     loaded = load_model(str(model_dir))
     head = load_forged_head(tmp_path / "head", Trunk(loaded.model), loaded.fingerprint)
     assert head.vocab_ids.tolist() == manifest["vocab_ids"]
