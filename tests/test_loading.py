@@ -7,11 +7,12 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import mtplx  # noqa: F401  (optimized BLAS before mlx)
-import mlx.core as mx
 import pytest
+from mlx_lm import generate
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from mtplx.errors import MtplxError
@@ -33,11 +34,19 @@ def q4_dir(q4_cache) -> Path:
     return default_model_dir("q4", cache_dir=q4_cache)
 
 
-def _greedy(loaded: LoadedModel, prompt: str, n: int = 8) -> str:
-    ids = loaded.tokenizer.encode(prompt)
-    for _ in range(n):
-        ids.append(int(mx.argmax(loaded.model(mx.array([ids]))[0, -1]).item()))
-    return loaded.tokenizer.decode(ids[-n:])
+def _greedy(loaded: LoadedModel, prompt: str, n: int = 6) -> str:
+    # mlx-lm's default sampler is argmax; its KV cache keeps the 4-bit build quick on CPU.
+    return generate(loaded.model, loaded.tokenizer, prompt, max_tokens=n)
+
+
+@pytest.fixture(scope="module")
+def default_loaded(default_model_dir) -> LoadedModel:
+    return load_model(None)
+
+
+@pytest.fixture(scope="module")
+def q4_loaded(q4_dir, q4_cache) -> LoadedModel:
+    return load_model(None, variant="q4", cache_dir=q4_cache)
 
 
 def _one_line_error_naming(excinfo, name: str) -> None:
@@ -48,26 +57,24 @@ def _one_line_error_naming(excinfo, name: str) -> None:
 # ---------------------------------------------------------------- the default model
 
 
-def test_load_default_model(default_model_dir):
-    loaded = load_model(None)
-    assert loaded.path == default_model_dir
-    assert isinstance(loaded.tokenizer, TokenizerWrapper)
-    assert loaded.config["num_hidden_layers"] == 30 and "quantization" not in loaded.config
-    assert len(loaded.fingerprint) == 16 and int(loaded.fingerprint, 16) >= 0
-    assert "Paris" in _greedy(loaded, "The capital of France is")
+def test_load_default_model(default_loaded, default_model_dir):
+    assert default_loaded.path == default_model_dir
+    assert isinstance(default_loaded.tokenizer, TokenizerWrapper)
+    assert default_loaded.config["num_hidden_layers"] == 30 and "quantization" not in default_loaded.config
+    assert len(default_loaded.fingerprint) == 16 and int(default_loaded.fingerprint, 16) >= 0
+    assert "Paris" in _greedy(default_loaded, "The capital of France is")
 
 
-def test_q4_variant_loads_quantized(q4_dir, q4_cache):
-    loaded = load_model(None, variant="q4", cache_dir=q4_cache)
-    assert loaded.path == q4_dir and q4_dir.parent == q4_cache / "models"
-    assert loaded.config["quantization"]["bits"] == 4
-    assert type(loaded.model.model.layers[0].self_attn.q_proj).__name__ == "QuantizedLinear"
-    assert "Paris" in _greedy(loaded, "The capital of France is")
+def test_q4_variant_loads_quantized(q4_loaded, q4_dir, q4_cache):
+    assert q4_loaded.path == q4_dir and q4_dir.parent == q4_cache / "models"
+    assert q4_loaded.config["quantization"]["bits"] == 4
+    assert type(q4_loaded.model.model.layers[0].self_attn.q_proj).__name__ == "QuantizedLinear"
+    assert "Paris" in _greedy(q4_loaded, "The capital of France is")
 
 
-def test_fingerprint_tells_variants_apart(default_model_dir, q4_dir):
-    assert load_model(default_model_dir).fingerprint != load_model(q4_dir).fingerprint
-    assert load_model(q4_dir).fingerprint == load_model(q4_dir).fingerprint
+def test_fingerprint_is_stable_and_tells_variants_apart(default_loaded, q4_loaded, q4_dir):
+    assert default_loaded.fingerprint != q4_loaded.fingerprint
+    assert load_model(q4_dir).fingerprint == q4_loaded.fingerprint
 
 
 def test_second_use_reuses_the_cache(q4_cache, q4_dir):
@@ -86,13 +93,17 @@ def test_damaged_cache_entry_is_rebuilt(tmp_path):
 
 def test_concurrent_first_use_converts_once(tmp_path):
     """Two processes race to convert; both get the same complete directory, no temp dirs remain."""
+    # Both wait for the same instant after their (slow) imports, so the first uses really overlap;
+    # without the lock the loser's convert_gguf would find the output existing and fail.
     code = (
-        "import sys, mtplx; from mtplx.loading import default_model_dir;"
+        "import sys, time, mtplx; from mtplx.loading import default_model_dir;"
+        "time.sleep(max(0.0, float(sys.argv[2]) - time.time()));"
         "p = default_model_dir('q4', cache_dir=sys.argv[1]);"
         "print(p, (p / 'model.safetensors').stat().st_ino)"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=env)
+    start = str(time.time() + 6.0)
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path), start], stdout=subprocess.PIPE, text=True, env=env)
              for _ in range(2)]
     outputs = [p.communicate(timeout=120)[0].split() for p in procs]
     assert all(p.returncode == 0 for p in procs)
