@@ -38,12 +38,17 @@ PHASES = ("head layer", "head lm_head", "draft sample", "verify forward", "verif
 
 
 class Phases:
+    """Per-phase seconds; counts only while ``active`` (after the first token: prefill is not decode)."""
+
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
+        self.active = False
 
     def timed(self, name: str, fn):
         def wrapper(*args, **kwargs):
+            if not self.active:
+                return fn(*args, **kwargs)
             start = time.perf_counter()
             out = fn(*args, **kwargs)
             mx.eval(_arrays(out))
@@ -193,25 +198,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=20, help="repeats for the isolated timings")
     parser.add_argument("--no-ban-eos", action="store_true")
     parser.add_argument("--cprofile", type=int, default=25, help="cProfile rows to print (0 = skip)")
+    parser.add_argument("--untrained-head", action="store_true",
+                        help="attach forge's untrained initial head: costs are real, acceptance is not")
     args = parser.parse_args(argv)
 
     from mtplx.engine import Engine
 
     engine = Engine.load(args.model, head=args.head, depth=args.depth)
+    if args.untrained_head:
+        from mtplx.forge import build_head
+
+        engine.head = build_head(engine.trunk, "post_norm")
+    if engine.head is None:
+        print("this model has no MTP head (pass --head DIR, or --untrained-head for costs only)", file=sys.stderr)
+        return 2
     prompt = next(p for p in bench.load_prompts() if p.id == args.prompt_id)
     top_p = args.top_p if args.temp > 0 else 1.0
     kwargs = dict(chat=prompt.is_chat, max_tokens=args.tokens, temperature=args.temp, top_p=top_p, seed=1,
                   logit_bias=None if args.no_ban_eos else bench.ban_bias(engine.tokenizer))
 
-    def generate(mtp: bool = True):
-        return engine.generate(prompt.engine_input, mtp=mtp, depth=args.depth if mtp else None, **kwargs)
+    def generate(mtp: bool = True, phases: Phases | None = None):
+        stats = None
+        for chunk in engine.stream(prompt.engine_input, mtp=mtp, depth=args.depth if mtp else None, **kwargs):
+            stats = chunk.stats
+            if phases is not None:
+                phases.active = True  # from the first token on: decode only
+        return stats
 
     generate()  # warm-up
-    ar = generate(mtp=False).stats
-    plain = generate().stats
+    ar = generate(mtp=False)
+    plain = generate()
     phases = Phases()
     with instrumented(engine, phases):
-        barrier = generate().stats
+        barrier = generate(phases=phases)
     print(f"# {engine.model_path} depth {args.depth}, {args.tokens} tokens, temp {args.temp}"
           f"{f' top-p {top_p}' if top_p < 1 else ''}, prompt {prompt.id}, EOS {'allowed' if args.no_ban_eos else 'banned'}")
     print(f"mtplx AR: {ar.decode_tokens_per_sec:.2f} tok/s ({1000 / max(ar.decode_tokens_per_sec, 1e-9):.1f} ms/token)")
