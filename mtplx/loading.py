@@ -154,21 +154,32 @@ def resolve_model(
 
 def check_safetensors(path: Path) -> None:
     """Reject a truncated or corrupt safetensors file before MLX reads it (one-line error)."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise MtplxError(f"{path}: truncated safetensors file ({size} bytes)")
-        (header_len,) = struct.unpack("<Q", head)
-        if header_len > size - 8:
-            raise MtplxError(f"{path}: corrupt or truncated safetensors (header length {header_len} exceeds file size {size})")
-        try:
-            header = json.loads(f.read(header_len))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise MtplxError(f"{path}: corrupt safetensors (header is not valid JSON)") from None
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            header_len = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+            raw_header = f.read(header_len) if 0 <= header_len <= size - 8 else b""
+    except OSError as e:
+        raise MtplxError(f"{path}: cannot read safetensors ({e.strerror or e})") from None
+    _check_safetensors_header(path, size, header_len, raw_header)
+
+
+def _check_safetensors_header(path: Path, size: int, header_len: int, raw_header: bytes) -> None:
+    if header_len < 0:
+        raise MtplxError(f"{path}: truncated safetensors file ({size} bytes)")
+    if header_len > size - 8:
+        raise MtplxError(f"{path}: corrupt or truncated safetensors (header length {header_len} exceeds file size {size})")
+    try:
+        header = json.loads(raw_header)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise MtplxError(f"{path}: corrupt safetensors (header is not valid JSON)") from None
     if not isinstance(header, dict):
         raise MtplxError(f"{path}: corrupt safetensors (header is not a JSON object)")
-    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict) and "data_offsets" in v]
+    try:
+        ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+    except (TypeError, KeyError, IndexError, ValueError):
+        raise MtplxError(f"{path}: corrupt safetensors (tensor entry without data_offsets)") from None
     needed = 8 + header_len + max(ends, default=0)
     if needed > size:
         raise MtplxError(f"{path}: truncated safetensors (tensor data needs {needed} bytes, file has {size})")
@@ -220,7 +231,10 @@ def load_model(
         model, config = mlx_load_model(path, lazy=lazy)
     except MtplxError:
         raise
-    except ValueError as e:  # mlx-lm's strict load_weights: missing/extra/mis-shaped parameters
+    except ValueError as e:
+        if "not supported" in str(e):  # mlx-lm has no class for this model_type
+            raise MtplxError(f"{path}: unsupported architecture ({_first_line(e)})") from None
+        # mlx-lm's strict load_weights: missing, extra or mis-shaped parameters
         raise MtplxError(f"{path}: weights do not match config.json ({_first_line(e)})") from None
     except Exception as e:
         raise MtplxError(f"{path}: cannot load model ({_first_line(e)})") from None

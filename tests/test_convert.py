@@ -283,7 +283,9 @@ def tiny_metadata(arch: str = "llama") -> dict:
     }
 
 
-def write_tiny_gguf(path: Path, *, arch: str = "llama", overrides: dict | None = None) -> dict[str, np.ndarray]:
+def write_tiny_gguf(
+    path: Path, *, arch: str = "llama", overrides: dict | None = None, metadata: dict | None = None
+) -> dict[str, np.ndarray]:
     """A one-layer llama GGUF with random weights; returns the HF-ordered values a converter must produce."""
     rng = np.random.default_rng(0)
     tensors, expected = {}, {}
@@ -295,7 +297,8 @@ def write_tiny_gguf(path: Path, *, arch: str = "llama", overrides: dict | None =
             heads = HEADS if name.endswith("attn_q") else KV_HEADS
             raw, _ = quantize_reference(llamacpp_permute(w, heads), ggml_type)
         tensors[f"{name}.weight"] = (ggml_type, shape, raw)
-    write_gguf(path, tiny_metadata(arch), tensors)
+    meta = {k: v for k, v in {**tiny_metadata(arch), **(metadata or {})}.items() if v is not None}
+    write_gguf(path, meta, tensors)
     return expected
 
 
@@ -412,3 +415,20 @@ def test_existing_output_is_refused_unless_overwrite(tmp_path):
 def test_bad_dtype(tmp_path):
     with pytest.raises(MtplxError, match="unsupported dtype 'int3'"):
         convert_gguf(tmp_path / "x.gguf", tmp_path / "out", dtype="int3")
+
+
+@pytest.mark.parametrize(
+    "metadata, problem",
+    [
+        ({"tokenizer.ggml.model": "llama"}, "unsupported tokenizer model 'llama'"),
+        ({"tokenizer.ggml.pre": "qwen2"}, "unsupported pre-tokenizer 'qwen2'"),
+        ({"llama.block_count": None}, "lacks llama.block_count"),
+    ],
+    ids=["sentencepiece", "pre-tokenizer", "missing-key"],
+)
+def test_unsupported_metadata(tmp_path, metadata, problem):
+    write_tiny_gguf(tmp_path / "meta.gguf", metadata=metadata)
+    with pytest.raises(MtplxError, match=problem) as e:
+        convert_gguf(tmp_path / "meta.gguf", tmp_path / "out")
+    _one_line_error_naming(e, "meta.gguf")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["meta.gguf"]

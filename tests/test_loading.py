@@ -227,3 +227,11 @@ def test_config_weights_mismatch(copy_of, change):
     with pytest.raises(MtplxError, match="do not match config.json") as e:
         load_model(copy_of)
     _one_line_error_naming(e, str(copy_of))
+
+
+def test_unsupported_model_type(copy_of):
+    config = json.loads((copy_of / "config.json").read_text())
+    (copy_of / "config.json").write_text(json.dumps({**config, "model_type": "no_such_arch"}))
+    with pytest.raises(MtplxError, match="unsupported architecture") as e:
+        load_model(copy_of)
+    _one_line_error_naming(e, "no_such_arch")
