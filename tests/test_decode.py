@@ -3,7 +3,6 @@ and caches equal to a from-scratch run after any accept/reject history."""
 
 from __future__ import annotations
 
-import itertools
 import os
 
 import mtplx  # noqa: F401  (BLAS before mlx)
@@ -15,6 +14,7 @@ from scipy import stats as scipy_stats
 from loop_models import make_loop_pair
 from mtplx import cache as cache_ops
 from mtplx import decode
+from mtplx import verify as verify_ops
 from mtplx.sampling import SamplerConfig, distribution_from_logits
 
 PROMPT = [1, 2, 0, 2, 1, 0, 2]  # valid for every vocabulary size used here (>= 3)
@@ -140,7 +140,6 @@ NUM_OUTPUT_TOKENS = 3
 
 def exact_ar_joint(trunk, cfg: SamplerConfig, vocab_size: int) -> np.ndarray:
     """P(first NUM_OUTPUT_TOKENS tokens) under AR sampling, by enumeration, float64."""
-    joint = np.ones([vocab_size] * 0)
     prefixes: list[tuple[int, ...]] = [()]
     joint = {(): 1.0}
     for _ in range(NUM_OUTPUT_TOKENS):
@@ -200,32 +199,37 @@ CHI_SQUARE_CASES = [
     (1, SamplerConfig(temperature=1.0)),
     (3, SamplerConfig(temperature=0.7, top_p=0.9, top_k=4)),
 ]
+# Peaked, context-dependent distributions: a loop bug moves the output distribution visibly.
+CHI_SQUARE_MODEL = dict(vocab_size=5, seed=11, context_strength=6.0, head_noise=1.5, logit_scale=1.5)
+NUM_SAMPLES = 2000
 
 
 @pytest.mark.parametrize("depth,cfg", CHI_SQUARE_CASES, ids=["d1-t1.0", "d3-t0.7-topp-topk"])
 def test_mtp_sampled_distribution_matches_ar(depth, cfg):
-    vocab_size = 5
-    trunk, head = make_loop_pair(vocab_size=vocab_size, seed=11)
-    expected = exact_ar_joint(trunk, cfg, vocab_size)
+    trunk, head = make_loop_pair(**CHI_SQUARE_MODEL)
+    expected = exact_ar_joint(trunk, cfg, CHI_SQUARE_MODEL["vocab_size"])
     seed0 = int.from_bytes(os.urandom(4), "little")
-    counts = sample_counts(trunk, head, cfg, depth, 3000, vocab_size, seed0)
+    counts = sample_counts(trunk, head, cfg, depth, NUM_SAMPLES, CHI_SQUARE_MODEL["vocab_size"], seed0)
     p_value = loop_p_value(counts, expected)
     assert p_value > FALSE_FAILURE_RATE, f"p={p_value:.3g} (seed0={seed0})"
 
 
-def test_chi_square_rejects_a_loop_that_keeps_a_rejected_draft(monkeypatch):
-    """Negative control: an off-by-one in the committed prefix (one rejected draft's KV
-    entry kept) must be caught by the same test."""
-    vocab_size = 5
-    trunk, head = make_loop_pair(vocab_size=vocab_size, seed=11)
+def test_chi_square_rejects_a_loop_that_commits_the_rejected_draft(monkeypatch):
+    """Negative control: an off-by-one in the committed prefix (drafts[:n+1] committed,
+    i.e. the rejected draft kept instead of the correction token) must be caught by
+    the same test. (A stale head cache cannot be caught this way: any q keeps the
+    output exact; the cache tests above catch that one.)"""
+    honest_verify = verify_ops.verify
+
+    def commit_rejected_draft(target_logits, draft_tokens, *args, **kwargs):
+        result = honest_verify(target_logits, draft_tokens, *args, **kwargs)
+        k = draft_tokens.shape[1]
+        rejected = draft_tokens[0, mx.minimum(result.num_accepted, k - 1)]
+        return result._replace(next_token=mx.where(result.num_accepted < k, rejected, result.next_token))
+
+    monkeypatch.setattr(verify_ops, "verify", commit_rejected_draft)
+    trunk, head = make_loop_pair(**CHI_SQUARE_MODEL)
     cfg = SamplerConfig(temperature=1.0)
-    honest_commit = cache_ops.commit_block
-    depth = 2
-
-    def commit_one_too_many(cache, capture, num_keep):
-        honest_commit(cache, capture, min(num_keep + 1, depth + 1))
-
-    monkeypatch.setattr(cache_ops, "commit_block", commit_one_too_many)
-    expected = exact_ar_joint(trunk, cfg, vocab_size)
-    counts = sample_counts(trunk, head, cfg, depth, 3000, vocab_size, 1234)
+    expected = exact_ar_joint(trunk, cfg, CHI_SQUARE_MODEL["vocab_size"])
+    counts = sample_counts(trunk, head, cfg, 2, NUM_SAMPLES // 2, CHI_SQUARE_MODEL["vocab_size"], 1234)
     assert loop_p_value(counts, expected) < FALSE_FAILURE_RATE
