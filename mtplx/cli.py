@@ -61,7 +61,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = _read_prompt(args)
     engine = Engine.load(args.model, head=args.head, depth=args.depth)
     chat = args.chat if args.chat is not None else getattr(engine.tokenizer, "chat_template", None) is not None
-    stream = engine.stream(prompt, max_tokens=args.max_tokens, stop=args.stop, mtp=not args.no_mtp,
+    if args.mtp is None and not engine.has_head:
+        print("mtplx: note: this model has no MTP head, decoding autoregressively (train one with `mtplx forge`)",
+              file=sys.stderr)
+    stream = engine.stream(prompt, max_tokens=args.max_tokens, stop=args.stop, mtp=args.mtp,
                            greedy_draft=args.greedy_draft, chat=chat, **_sampling_kwargs(args))
     text, tokens, chunk = [], [], None
     try:
@@ -116,7 +119,10 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--depth", type=int, default=None, help="draft tokens per verify cycle (default: tuned, else the head's)")
     gen.add_argument("--max-tokens", type=int, default=256)
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    gen.add_argument("--no-mtp", action="store_true", help="plain autoregressive decoding")
+    speculative = gen.add_mutually_exclusive_group()
+    speculative.add_argument("--mtp", dest="mtp", action="store_true", default=None,
+                             help="require MTP speculative decoding (default: on when the model has a head)")
+    speculative.add_argument("--no-mtp", dest="mtp", action="store_false", help="plain autoregressive decoding")
     gen.add_argument("--greedy-draft", action="store_true", help="draft the head's argmax (still exact)")
     mode = gen.add_mutually_exclusive_group()
     mode.add_argument("--chat", dest="chat", action="store_true", default=None, help="wrap the prompt in the chat template (default when the model has one)")

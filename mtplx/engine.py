@@ -175,18 +175,16 @@ class Engine:
             engine.head = forged.load_forged_head(head_dir, engine.trunk, loaded.fingerprint)
         else:
             engine.head = heads.load_head(loaded.path, engine.trunk, loaded.config)
+        if depth is not None and depth < 1:
+            raise MtplxError(f"depth: must be >= 1, got {depth}")
         engine.depth = depth if depth is not None else engine._default_depth()
-        if engine.depth < 1:
-            raise MtplxError(f"depth: must be >= 1, got {engine.depth}")
         return engine
 
     def _default_depth(self) -> int:
-        try:
-            from mtplx import tune
+        """`mtplx tune`'s choice for this model on this machine (0 = AR was fastest), else the head's default."""
+        from mtplx import tune
 
-            tuned = tune.saved_depth(self.fingerprint)
-        except ImportError:
-            tuned = None
+        tuned = tune.saved_depth(self.fingerprint)
         if tuned is not None:
             return tuned
         return int(getattr(self.head, "default_depth", DEFAULT_DEPTH) or DEFAULT_DEPTH)
@@ -229,26 +227,32 @@ class Engine:
                top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0,
                presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                logit_bias: dict[int, float] | None = None, seed: int | None = None,
-               stop: Sequence[str] | str | None = None, mtp: bool = True, depth: int | None = None,
+               stop: Sequence[str] | str | None = None, mtp: bool | None = None, depth: int | None = None,
                greedy_draft: bool = False, chat: bool | None = None) -> Iterator[GenerationChunk]:
-        """Generate incrementally; each chunk carries new text, new token ids and running stats."""
+        """Generate incrementally; each chunk carries new text, new token ids and running stats.
+
+        ``mtp=None`` decodes with the MTP head when the engine has one (and tuning did not
+        find plain AR faster here); ``mtp=True`` insists on it; ``mtp=False`` is plain AR.
+        """
         if max_tokens <= 0:
             raise MtplxError(f"max_tokens: must be > 0, got {max_tokens}")
         sampler = SamplerConfig(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                 repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                                 frequency_penalty=frequency_penalty, logit_bias=logit_bias)
-        depth = depth if depth is not None else self.depth
+        if depth is not None and depth < 1:
+            raise MtplxError(f"depth: must be >= 1, got {depth}")
+        if mtp is None:
+            mtp = self.head is not None and (depth is not None or bool(self.depth))
+        depth = depth if depth is not None else (self.depth or DEFAULT_DEPTH)
         if mtp and self.head is None:
             raise MtplxError("this model has no MTP head: use --no-mtp (mtp=False), or train one with `mtplx forge`")
-        if mtp and (depth is None or depth < 1):
-            raise MtplxError(f"depth: must be >= 1, got {depth}")
         prompt_tokens = self.encode_prompt(prompt, chat)
         limit = self._context_length()
         if limit is not None and len(prompt_tokens) + max_tokens > limit:
             raise MtplxError(f"prompt: {len(prompt_tokens)} tokens + max_tokens {max_tokens} exceed "
                              f"the model's context of {limit} tokens")
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        settings = decode.DecodeSettings(sampler=sampler, depth=depth or 1, greedy_draft=greedy_draft,
+        settings = decode.DecodeSettings(sampler=sampler, depth=depth, greedy_draft=greedy_draft,
                                          verify_backend=self.verify_backend)
         key = mx.random.key(seed if seed is not None else int(time.time_ns() % (2**63)))
         if mtp:

@@ -125,8 +125,8 @@ def test_bad_input_raises_a_one_line_error(engine, kwargs, message):
 def test_mtp_without_a_head_is_refused_with_advice(engine):
     headless = Engine(engine.trunk.model, engine.tokenizer, engine.config)
     with pytest.raises(MtplxError, match="no-mtp"):
-        headless.generate("hello", max_tokens=3)
-    assert headless.generate("hello", max_tokens=3, mtp=False).token_ids
+        headless.generate("hello", max_tokens=3, mtp=True)
+    assert headless.generate("hello", max_tokens=3).stats.mode == "ar"  # default: AR when there is no head
 
 
 def _cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
