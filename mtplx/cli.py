@@ -58,6 +58,15 @@ def _read_prompt(args: argparse.Namespace) -> str:
 def cmd_generate(args: argparse.Namespace) -> int:
     from mtplx.engine import Engine
 
+    from mtplx.sampling import SamplerConfig
+
+    # Validate what needs no model first: a typo should cost no load time.
+    sampling = _sampling_kwargs(args)
+    SamplerConfig(**{k: v for k, v in sampling.items() if k != "seed"})
+    if args.max_tokens <= 0:
+        raise MtplxError(f"max_tokens: must be > 0, got {args.max_tokens}")
+    if args.depth is not None and args.depth < 1:
+        raise MtplxError(f"depth: must be >= 1, got {args.depth}")
     prompt = _read_prompt(args)
     engine = Engine.load(args.model, head=args.head, depth=args.depth)
     chat = args.chat if args.chat is not None else getattr(engine.tokenizer, "chat_template", None) is not None
@@ -65,7 +74,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print("mtplx: note: this model has no MTP head, decoding autoregressively (train one with `mtplx forge`)",
               file=sys.stderr)
     stream = engine.stream(prompt, max_tokens=args.max_tokens, stop=args.stop, mtp=args.mtp,
-                           greedy_draft=args.greedy_draft, chat=chat, **_sampling_kwargs(args))
+                           greedy_draft=args.greedy_draft, chat=chat, **sampling)
     text, tokens, chunk = [], [], None
     try:
         for chunk in stream:
