@@ -117,6 +117,40 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_forge(args: argparse.Namespace) -> int:
+    from mtplx.forge import forge
+
+    draft_vocab = None if args.draft_vocab in (None, "full") else (
+        "auto" if args.draft_vocab == "auto" else _positive_int("--draft-vocab", args.draft_vocab))
+    report = forge(args.model, args.out, args.data or None, steps=args.steps, train_tokens=args.train_tokens,
+                   seed=args.seed, hidden_source=args.hidden_source, compare_steps=args.compare_steps,
+                   draft_vocab=draft_vocab, work_dir=args.work_dir, progress=not args.no_progress)
+    print(f"wrote {report.manifest_path.parent}")
+    return 0
+
+
+def _positive_int(name: str, text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise MtplxError(f"{name}: expected a number, 'auto' or 'full', got {text!r}") from None
+    if value <= 0:
+        raise MtplxError(f"{name}: must be > 0, got {value}")
+    return value
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from mtplx.bench import bench_from_args
+
+    return bench_from_args(args)
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from mtplx.tune import tune_from_args
+
+    return tune_from_args(args)
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mtplx", description="Exact MTP speculative decoding on MLX.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -151,6 +185,32 @@ def _build_parser() -> argparse.ArgumentParser:
     insp.add_argument("model", help="local path or Hugging Face repo id")
     insp.add_argument("--json", action="store_true", help="print JSON")
     insp.set_defaults(func=cmd_inspect)
+
+    frg = sub.add_parser("forge", help="train an MTP head for a model that has none (self-distillation)")
+    frg.add_argument("--model", default=None, help="local path or Hugging Face repo id (default: the embedded model)")
+    frg.add_argument("--out", default="forged-head", help="output head directory (default ./forged-head)")
+    frg.add_argument("--data", action="append", default=None,
+                     help="training text: a file or directory of .txt/.md/.rst/.py/.jsonl (repeatable; default: the offline corpus)")
+    frg.add_argument("--steps", type=int, default=1200)
+    frg.add_argument("--train-tokens", type=int, default=300_000)
+    frg.add_argument("--seed", type=int, default=0)
+    frg.add_argument("--hidden-source", choices=("pre_norm", "post_norm"), default="post_norm")
+    frg.add_argument("--compare-steps", type=int, default=0,
+                     help="first train both hidden sources this many steps and keep the better one")
+    frg.add_argument("--draft-vocab", default=None, help="reduced draft vocabulary: a size, 'auto' or 'full' (default full)")
+    frg.add_argument("--work-dir", default=None, help="where teacher data and checkpoints go (resumable)")
+    frg.add_argument("--no-progress", action="store_true")
+    frg.set_defaults(func=cmd_forge)
+
+    from mtplx.bench import add_bench_args
+    from mtplx.tune import add_tune_args
+
+    bench = sub.add_parser("bench", help="tokens/s of MTP vs AR vs stock mlx-lm, interleaved in one process")
+    add_bench_args(bench)
+    bench.set_defaults(func=cmd_bench)
+    tune = sub.add_parser("tune", help="measure and save the fastest depth for this model on this machine")
+    add_tune_args(tune)
+    tune.set_defaults(func=cmd_tune)
     return parser
 
 
