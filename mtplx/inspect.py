@@ -18,33 +18,10 @@ from typing import Any
 
 from mtplx.errors import MtplxError
 from mtplx.heads.base import quantization_config, read_safetensors_header, weight_index
+from mtplx.loading import read_config, resolve_model
 
 _SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2,
                       "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
-
-
-def _resolve(spec: str | Path) -> Path:
-    try:
-        from mtplx.loading import resolve_model
-    except ImportError:  # loading.py absent: plain directories only
-        path = Path(spec).expanduser()
-        if not path.is_dir():
-            raise MtplxError(f"{path}: model directory not found") from None
-        return path
-    return resolve_model(spec)
-
-
-def _read_config(path: Path) -> dict:
-    cfg = path / "config.json"
-    if not cfg.is_file():
-        raise MtplxError(f"{cfg}: missing (not an mlx-lm / Hugging Face model directory)")
-    try:
-        config = json.loads(cfg.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise MtplxError(f"{cfg}: unreadable config ({str(e).splitlines()[0]})") from None
-    if not isinstance(config, dict) or "model_type" not in config:
-        raise MtplxError(f"{cfg}: not a model config (no model_type)")
-    return config
 
 
 def _mlx_lm_supports(model_type: str) -> bool:
@@ -119,8 +96,8 @@ def inspect_model(spec_or_path: str | Path) -> dict[str, Any]:
     """Describe a model directory (or cached HF repo id) from config.json + safetensors headers."""
     from mtplx.heads import declared_mtp_layers, detect_layout
 
-    path = _resolve(spec_or_path)
-    config = _read_config(path)
+    path = resolve_model(spec_or_path)
+    config = read_config(path)
     text = config.get("text_config") or {}
     model_type = str(config["model_type"])
     index = weight_index(path)

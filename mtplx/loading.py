@@ -185,10 +185,8 @@ def _check_safetensors_header(path: Path, size: int, header_len: int, raw_header
         raise MtplxError(f"{path}: truncated safetensors (tensor data needs {needed} bytes, file has {size})")
 
 
-def check_model_dir(path: Path) -> dict[str, Any]:
-    """Validate the layout mlx-lm expects; returns the parsed config.json."""
-    if not path.is_dir():
-        raise MtplxError(f"{path}: model directory not found")
+def read_config(path: Path) -> dict[str, Any]:
+    """``path/config.json`` parsed, or a one-line MtplxError naming it."""
     config_path = path / "config.json"
     if not config_path.is_file():
         raise MtplxError(f"{config_path}: missing (not an mlx-lm / Hugging Face model directory)")
@@ -198,6 +196,14 @@ def check_model_dir(path: Path) -> dict[str, Any]:
         raise MtplxError(f"{config_path}: unreadable config ({str(e).splitlines()[0]})") from None
     if not isinstance(config, dict) or "model_type" not in config:
         raise MtplxError(f"{config_path}: not a model config (no model_type)")
+    return config
+
+
+def check_model_dir(path: Path) -> dict[str, Any]:
+    """Validate the layout mlx-lm expects; returns the parsed config.json."""
+    if not path.is_dir():
+        raise MtplxError(f"{path}: model directory not found")
+    config = read_config(path)
     shards = sorted(path.glob("model*.safetensors"))
     if not shards:
         raise MtplxError(f"{path}: no model*.safetensors weight files")
