@@ -68,7 +68,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.depth is not None and args.depth < 1:
         raise MtplxError(f"depth: must be >= 1, got {args.depth}")
     prompt = _read_prompt(args)
-    engine = Engine.load(args.model, head=args.head, depth=args.depth)
+    engine = Engine.load(args.model, head=args.head, depth=args.depth, dtype=args.dtype)
     chat = args.chat if args.chat is not None else getattr(engine.tokenizer, "chat_template", None) is not None
     if args.mtp is None and not engine.has_head:
         print("mtplx: note: this model has no MTP head, decoding autoregressively (train one with `mtplx forge`)",
@@ -161,6 +161,8 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(gen)
     gen.add_argument("--depth", type=int, default=None, help="draft tokens per verify cycle (default: tuned, else the head's)")
     gen.add_argument("--max-tokens", type=int, default=256)
+    gen.add_argument("--dtype", choices=("float32", "q4"), default=None,
+                     help="build of the embedded default model (default float32, the faster one on CPU)")
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     speculative = gen.add_mutually_exclusive_group()
     speculative.add_argument("--mtp", dest="mtp", action="store_true", default=None,
