@@ -754,7 +754,8 @@ def bench_main(*, model: str | None = None, head: str | None = None, depths: str
     if engine is None:
         from mtplx.engine import Engine
 
-        engine = Engine.load(model, head=head, depth=depth_list[0] if depth_list else None)
+        # An explicit depth, so loading never consults the tune config (the sweep sets depths itself).
+        engine = Engine.load(model, head=head, depth=depth_list[0] if depth_list else 1)
     summaries, records, plan = run_benchmark(
         engine, depths=depth_list, tokens=tokens, repeats=repeats, prompts=prompt_list,
         temps=[s.temperature for s in settings], top_p=top_p, stock=stock, ban_eos=ban_eos,
