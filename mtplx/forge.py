@@ -597,6 +597,19 @@ class ForgeReport:
     source_comparison: dict[str, float] = field(default_factory=dict)  # depth-1 t=0 acceptance per source
 
 
+def _foreign_teacher_fingerprint(cache: Path, windows: np.ndarray, top_n: int) -> str:
+    """The fingerprint a teacher cache was built with, after checking it holds exactly these windows."""
+    meta_path = cache / "teacher.json"
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, ValueError):
+        raise MtplxError(f"{meta_path}: not a complete teacher cache") from None
+    expected = _teacher_meta(meta.get("trunk_fingerprint", ""), windows, int(meta.get("hidden_size", 0)), min(top_n, int(meta.get("top_n", top_n))))
+    if meta != expected:
+        raise MtplxError(f"{meta_path}: teacher cache holds other windows or settings than this run")
+    return str(meta["trunk_fingerprint"])
+
+
 def _checkpoint_dir(cfg: ForgeConfig, teacher_path: Path, rows: int, source: str) -> Path:
     import hashlib
 
@@ -632,6 +645,7 @@ def forge(
     eval_vocab_sizes: Sequence[int] = (),
     eval_origins: int = 64,
     work_dir: str | Path | None = None,
+    teacher_cache: str | Path | None = None,
     progress: bool = True,
 ) -> ForgeReport:
     """Forge an MTP head for ``model`` (None = the default model) and write it to ``out_dir``.
@@ -644,6 +658,10 @@ def forge(
     the smallest of ``eval_vocab_sizes`` that keeps acceptance and measurably drafts faster).
     ``max_train_sequences`` caps the teacher rows computed and used (a prefix of the same windows).
     ``eval_vocab_sizes``: also score reduced draft vocabularies of these sizes (manifest only).
+    ``teacher_cache``: train from this existing teacher cache directory even though it was
+    computed by a trunk with another fingerprint (e.g. an earlier conversion of the same
+    GGUF); its windows must be this run's, and its fingerprint is recorded in the manifest.
+    Evaluation and the head's fingerprint always use the trunk loaded here.
     Resumable: rerunning with the same arguments reuses the teacher cache and checkpoints.
     """
     from mtplx.loading import load_model
@@ -661,8 +679,11 @@ def forge(
     trunk = Trunk(loaded.model)
     train_windows, eval_windows = build_windows(cfg, loaded.tokenizer, corpus)
     tdir = teacher_dir(cfg, loaded.fingerprint)
+    teacher_fp = loaded.fingerprint
+    if teacher_cache is not None:
+        tdir, teacher_fp = Path(teacher_cache), _foreign_teacher_fingerprint(Path(teacher_cache), train_windows, cfg.top_n)
     t0 = time.time()
-    teacher = precompute_teacher(trunk, loaded.fingerprint, train_windows, tdir, cfg.top_n, cfg.precompute_batch, progress,
+    teacher = precompute_teacher(trunk, teacher_fp, train_windows, tdir, cfg.top_n, cfg.precompute_batch, progress,
                                  limit=max_train_sequences)
     precompute_seconds = time.time() - t0
     rows = teacher.num_sequences
@@ -680,6 +701,15 @@ def forge(
     head, result = _train_for_source(cfg, trunk, teacher, rows, train_ids, tdir, source, None)
     cfg.hidden_source = source
 
+    chain_comparison: dict[str, float] = {}
+    if cfg.eval_depths > 1:
+        # Which of the head's own outputs to feed back at depth 2: measured, like hidden_source.
+        probe = eval_windows[: max(1, min(8, eval_windows.shape[0]))]
+        for candidate in HIDDEN_SOURCES:
+            head.chain_source = candidate
+            chain_comparison[candidate] = evaluate_acceptance(
+                trunk, head, probe, depths=2, origins=cfg.eval_origins, temperatures=(0.0,))["2"]["0.0"]
+        head.chain_source = max(HIDDEN_SOURCES, key=lambda s: chain_comparison[s])
     fixed = draft_vocab if isinstance(draft_vocab, int) else None
     sizes = sorted({k for k in (*eval_vocab_sizes, fixed) if k is not None and k < vocab})
     variants: dict[str, np.ndarray | None] = {"full": None}
@@ -697,6 +727,7 @@ def forge(
     acc = tables[shipped]
     manifest = {
         "trunk_fingerprint": loaded.fingerprint,
+        "teacher_trunk_fingerprint": teacher_fp,
         "trunk": str(model) if model is not None else "default (SmolLM2-135M-Instruct, float32)",
         "depth_trained": 1,
         "objective": "KL(p_trunk(t+1) || q_head(t)) over teacher top-%d + rest mass" % cfg.top_n,
@@ -716,6 +747,7 @@ def forge(
             "final_kl": result.losses[-1][1] if result.losses else None,
         },
         "hidden_source_comparison": {"steps": compare_steps, "depth1_acceptance_t0": comparison} if comparison else None,
+        "chain_source_comparison": {"depth2_acceptance_t0": chain_comparison} if chain_comparison else None,
         "acceptance": acc,
         "draft_vocab": shipped,
         "acceptance_by_draft_vocab": tables,

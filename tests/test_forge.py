@@ -187,6 +187,7 @@ def test_sidecar_round_trip_and_fingerprint_refusal(trunk: Trunk, teacher: Teach
     save_forged_head(out, head, {"trunk_fingerprint": "abc123", "steps": 5})
     assert sorted(p.name for p in out.iterdir()) == ["head.safetensors", "manifest.json"]  # no temp files left
     loaded = load_forged_head(out, trunk, "abc123")
+    assert loaded.chain_source == "pre_norm"  # defaults to the hidden source and is persisted
     assert loaded.hidden_source == "pre_norm" and loaded.vocab_ids.tolist() == head.vocab_ids.tolist()
     x, t = mx.random.normal((1, 4, 32)), mx.array([[1, 2, 3, 4]])
     np.testing.assert_allclose(np.asarray(loaded.logits(loaded(x, t))), np.asarray(head.logits(head(x, t))), rtol=1e-5, atol=1e-5)
@@ -264,6 +265,8 @@ def test_forge_end_to_end_on_a_user_model_and_data(tmp_path: Path) -> None:
     assert manifest["steps"] == 12 and manifest["seed"] == 0 and manifest["depth_trained"] == 1
     assert set(manifest["hidden_source_comparison"]["depth1_acceptance_t0"]) == {"pre_norm", "post_norm"}
     assert manifest["hidden_source"] == report.hidden_source
+    chain = manifest["chain_source_comparison"]["depth2_acceptance_t0"]
+    assert manifest["chain_source"] == max(chain, key=chain.get)
     assert set(manifest["acceptance_by_draft_vocab"]) == {"full", "top20", "top24"}
     assert manifest["acceptance"] == manifest["acceptance_by_draft_vocab"]["top20"] and len(manifest["vocab_ids"]) == 20
     assert all(0.0 <= v <= 1.0 for row in manifest["acceptance"].values() for v in row.values())

@@ -36,8 +36,11 @@ FORMAT_VERSION = 1
 class ForgedMTPHead(Qwen3NextMTPHead):
     """A Qwen3-Next head for a trunk without one; optionally with a reduced draft vocabulary."""
 
-    def __init__(self, layers: Sequence[nn.Module], hidden_size: int, **kwargs: Any):
+    def __init__(self, layers: Sequence[nn.Module], hidden_size: int, *, chain_source: str | None = None, **kwargs: Any):
         super().__init__(layers, hidden_size, **kwargs)
+        # What is fed back at depth > 1: by default the head's output in the same form as the
+        # trunk hidden it was trained on (its pre-final-norm state mirrors the trunk's pre-norm one).
+        self.chain_source = chain_source or self.hidden_source
         # Plain attributes (leading underscore keeps them out of parameters()).
         self._vocab_ids: mx.array | None = None
         self._vocab_proj: mx.array | None = None  # [H, K]
@@ -84,14 +87,16 @@ def lm_head_matrix(trunk: Any) -> mx.array:
     return w
 
 
-def build_forged_head(trunk: Any, hidden_source: str, num_layers: int = 1) -> ForgedMTPHead:
+def build_forged_head(trunk: Any, hidden_source: str, num_layers: int = 1, chain_source: str | None = None) -> ForgedMTPHead:
     """An (untrained) forged head shaped for ``trunk``: decoder layers of the trunk's last-layer class."""
-    if hidden_source not in HIDDEN_SOURCES:
-        raise ValueError(f"hidden_source must be one of {HIDDEN_SOURCES}, got {hidden_source!r}")
+    for value in (hidden_source, chain_source or hidden_source):
+        if value not in HIDDEN_SOURCES:
+            raise ValueError(f"hidden/chain source must be one of {HIDDEN_SOURCES}, got {value!r}")
     args = model_args_of(trunk.model)
     idx = len(trunk.layers) - 1
     layers = [build_layer_like(trunk.layers[idx], args, idx) for _ in range(num_layers)]
-    return ForgedMTPHead(layers, int(args.hidden_size), eps=float(args.rms_norm_eps), trunk=trunk, hidden_source=hidden_source)
+    return ForgedMTPHead(layers, int(args.hidden_size), eps=float(args.rms_norm_eps), trunk=trunk,
+                         hidden_source=hidden_source, chain_source=chain_source)
 
 
 def _sha256(path: Path) -> str:
@@ -119,6 +124,7 @@ def save_forged_head(out_dir: str | Path, head: ForgedMTPHead, manifest: dict[st
         "format_version": FORMAT_VERSION,
         "layout": LAYOUT,
         "hidden_source": head.hidden_source,
+        "chain_source": head.chain_source,
         "num_layers": head.num_layers,
         "weights": WEIGHTS,
         "weights_sha256": _sha256(out / WEIGHTS),
@@ -157,8 +163,10 @@ def load_forged_head(head_dir: str | Path, trunk: Any, trunk_fingerprint: str) -
             f"not this trunk ({trunk_fingerprint}); re-forge it with `mtplx forge`"
         )
     hidden_source = manifest.get("hidden_source")
-    if hidden_source not in HIDDEN_SOURCES:
-        raise MtplxError(f"{manifest_path}: hidden_source must be one of {', '.join(HIDDEN_SOURCES)}, got {hidden_source!r}")
+    chain_source = manifest.get("chain_source", hidden_source)
+    for key, value in (("hidden_source", hidden_source), ("chain_source", chain_source)):
+        if value not in HIDDEN_SOURCES:
+            raise MtplxError(f"{manifest_path}: {key} must be one of {', '.join(HIDDEN_SOURCES)}, got {value!r}")
     weights_path = head_dir / str(manifest.get("weights", WEIGHTS))
     if not weights_path.is_file():
         raise MtplxError(f"{weights_path}: forged-head weights not found")
@@ -168,7 +176,7 @@ def load_forged_head(head_dir: str | Path, trunk: Any, trunk_fingerprint: str) -
         weights = mx.load(str(weights_path))
     except Exception as e:  # mlx raises RuntimeError/ValueError with multi-line text
         raise MtplxError(f"{weights_path}: cannot load safetensors ({str(e).splitlines()[0]})") from None
-    head = build_forged_head(trunk, hidden_source, int(manifest.get("num_layers", 1)))
+    head = build_forged_head(trunk, hidden_source, int(manifest.get("num_layers", 1)), chain_source)
     check_and_load(head, weights, str(weights_path))
     if manifest.get("vocab_ids"):
         head.set_draft_vocab(manifest["vocab_ids"], lm_head_matrix(trunk))
