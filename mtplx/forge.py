@@ -49,8 +49,8 @@ class ForgeConfig:
     model: str | None = None  # model spec for ``load_model``; None = the default model
     data: list[str] | None = None  # text / .jsonl files or directories; None = the default corpus
     work_dir: Path | None = None  # teacher cache and checkpoints; default under the mtplx cache
-    train_tokens: int = 300_000
-    eval_tokens: int = 16_384
+    train_tokens: int = 288_000
+    eval_tokens: int = 8192
     seq_len: int = 256
     top_n: int = 64  # teacher log-probs kept per position (plus the remaining mass)
     precompute_batch: int = 8
@@ -60,12 +60,12 @@ class ForgeConfig:
     warmup: int = 50
     weight_decay: float = 0.0
     seed: int = 0
-    hidden_source: str = "post_norm"
+    hidden_source: str = "pre_norm"  # measured better for SmolLM2 (see its model card)
     train_vocab: int | None = 4096  # frequent ids shared by every position's softmax while training (cost); None = full
     draft_vocab: int | None = None  # ship a reduced-vocabulary head of this size; None = full vocabulary
     checkpoint_every: int = 200
     eval_depths: int = 3
-    eval_origins: int = 64  # positions per sequence used for depth >= 2 (each needs its own cache state)
+    eval_origins: int = 32  # positions per sequence used for depth >= 2 (each needs its own cache state)
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -631,19 +631,19 @@ def forge(
     data: Sequence[str | Path] | None = None,
     *,
     steps: int = 1200,
-    train_tokens: int = 300_000,
+    train_tokens: int = 288_000,
     seed: int = 0,
-    hidden_source: str = "post_norm",
-    compare_steps: int = 0,
-    draft_vocab: int | str | None = None,
+    hidden_source: str = "pre_norm",
+    compare_steps: int = 40,
+    draft_vocab: int | str | None = "auto",
     train_vocab: int | None = 4096,
     batch_size: int = 4,
     lr: float = 1e-3,
     seq_len: int = 256,
-    eval_tokens: int = 16_384,
+    eval_tokens: int = 8192,
     max_train_sequences: int | None = None,
-    eval_vocab_sizes: Sequence[int] = (),
-    eval_origins: int = 64,
+    eval_vocab_sizes: Sequence[int] = (4096, 8192, 16_384),
+    eval_origins: int = 32,
     work_dir: str | Path | None = None,
     teacher_cache: str | Path | None = None,
     progress: bool = True,
