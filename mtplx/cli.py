@@ -87,6 +87,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         stream.close()
         if not args.json:
             sys.stdout.write("\n")
+            sys.stdout.flush()
         print("mtplx: interrupted", file=sys.stderr)
         if chunk is not None and (args.stats or args.json):
             print(_format_stats(chunk.stats), file=sys.stderr)
@@ -96,6 +97,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                           "finish_reason": chunk.finish_reason, "stats": chunk.stats.as_dict()}))
     else:
         sys.stdout.write("\n")
+        sys.stdout.flush()
     if args.stats and chunk is not None:
         print(_format_stats(chunk.stats), file=sys.stderr)
     return 0
