@@ -164,3 +164,15 @@ def test_cli_bad_input_is_one_line_no_traceback(args, needle):
     assert "Traceback" not in out.stderr
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and needle in lines[0], out.stderr
+
+
+def test_cli_ctrl_c_stops_cleanly_and_still_prints_stats():
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-m", "mtplx.cli", "generate", "Tell me a long story about a dragon.",
+                             "--max-tokens", "400", "--stats"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = proc.stdout.read(1)  # generation has started
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert first and proc.returncode == 130
+    assert "interrupted" in err and "tokens per cycle" in err and "Traceback" not in err
