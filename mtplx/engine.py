@@ -172,7 +172,12 @@ class Engine:
         if head_dir is not None:
             from mtplx.heads import forged
 
-            engine.head = forged.load_forged_head(head_dir, engine.trunk, loaded.fingerprint)
+            head_fingerprint = loaded.fingerprint
+            if model is None and dtype == "q4":
+                # The float32 build is the exact dequantization of the same GGUF blocks, so the
+                # shipped head (forged on it) fits the 4-bit build too; check against its weights.
+                head_fingerprint = loading.load_model(None, variant="float32", lazy=True).fingerprint
+            engine.head = forged.load_forged_head(head_dir, engine.trunk, head_fingerprint)
         else:
             engine.head = heads.load_head(loaded.path, engine.trunk, loaded.config)
         if depth is not None and depth < 1:
