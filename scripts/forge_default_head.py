@@ -18,14 +18,17 @@ from mtplx.forge import forge
 
 # The exact settings of the shipped head (see its MODEL_CARD.md for why).
 SETTINGS = dict(
-    steps=1000,
+    steps=800,
     train_tokens=288_000,  # corpus budget; the training windows are a prefix of this stream
-    max_train_sequences=576,  # 576 x 256 = 147,456 teacher tokens (what fit the time on a shared 2-core CPU)
+    max_train_sequences=920,  # 920 x 256 = 235,520 teacher tokens (what fit the time on a shared 2-core CPU)
     seq_len=256,
     batch_size=4,
     lr=1e-3,
     seed=0,
-    compare_steps=40,
+    # Measured once (40 steps each, same schedule): pre_norm 0.105 vs post_norm 0.083 depth-1
+    # acceptance; fixed here so the shipped run spends its time on training.
+    hidden_source="pre_norm",
+    compare_steps=0,
     train_vocab=4096,
     draft_vocab="auto",
     eval_tokens=8192,

@@ -98,6 +98,18 @@ def test_teacher_cache_resumes_after_an_interruption(trunk: Trunk, teacher: Teac
     assert json.loads((tmp_path / "teacher.json").read_text())["trunk_fingerprint"] == "otherfp"
 
 
+def test_a_foreign_teacher_cache_must_hold_exactly_this_runs_windows(trunk: Trunk, tmp_path: Path) -> None:
+    from mtplx.forge import _foreign_teacher_fingerprint
+
+    windows = _windows(8)
+    precompute_teacher(trunk, "oldconversion", windows, tmp_path, 8, 8, False)
+    assert _foreign_teacher_fingerprint(tmp_path, windows, 8) == "oldconversion"
+    with pytest.raises(MtplxError, match=r"teacher\.json: teacher cache holds other windows"):
+        _foreign_teacher_fingerprint(tmp_path, _windows(8, seed=5), 8)
+    with pytest.raises(MtplxError, match=r"teacher\.json: not a complete teacher cache"):
+        _foreign_teacher_fingerprint(tmp_path / "nothing", windows, 8)
+
+
 @pytest.mark.parametrize("shared", [None, 12])
 def test_training_lowers_the_kl(trunk: Trunk, teacher: TeacherData, tmp_path: Path, shared: int | None) -> None:
     # shared=12: the softmax runs over 12 frequent ids + each position's teacher top-8 only.
