@@ -118,6 +118,20 @@ def pack_windows(tokenizer: Any, samples: Sequence[Sample], seq_len: int, max_to
     return np.asarray(stream[: n * seq_len], dtype=np.int32).reshape(n, seq_len)
 
 
+def files_in_windows(tokenizer: Any, samples: Sequence[Sample], seq_len: int, tokens: int, seed: int) -> list[str]:
+    """Source files of the samples that reach the first ``tokens`` tokens of ``pack_windows``' stream
+    (same seeded order): exactly the files a run trained or evaluated on."""
+    order = np.random.default_rng(seed).permutation(len(samples))
+    used: set[str] = set()
+    offset = 0
+    for i in order:
+        if offset >= tokens:
+            break
+        used.add(samples[int(i)].source)
+        offset += len(sample_ids(tokenizer, samples[int(i)]))
+    return sorted(used)
+
+
 # ---------------------------------------------------------------- teacher precompute
 
 
@@ -733,8 +747,8 @@ def forge(
         "objective": "KL(p_trunk(t+1) || q_head(t)) over teacher top-%d + rest mass" % cfg.top_n,
         "data": {
             "description": corpus.description,
-            "train_files": corpus.train_files,
-            "eval_files": corpus.eval_files,
+            "train_files": files_in_windows(loaded.tokenizer, corpus.train, cfg.seq_len, rows * cfg.seq_len, cfg.seed),
+            "eval_files": files_in_windows(loaded.tokenizer, corpus.eval, cfg.seq_len, int(eval_windows.size), cfg.seed + 1),
             "train_tokens": int(rows * cfg.seq_len),
             "eval_tokens": int(eval_windows.size),
             "seq_len": cfg.seq_len,

@@ -282,7 +282,10 @@ def test_forge_end_to_end_on_a_user_model_and_data(tmp_path: Path) -> None:
     assert set(manifest["acceptance_by_draft_vocab"]) == {"full", "top20", "top24"}
     assert manifest["acceptance"] == manifest["acceptance_by_draft_vocab"]["top20"] and len(manifest["vocab_ids"]) == 20
     assert all(0.0 <= v <= 1.0 for row in manifest["acceptance"].values() for v in row.values())
-    assert manifest["data"]["train_files"] and manifest["data"]["train_tokens"] == 2048
+    assert manifest["data"]["train_tokens"] == 2048
+    # Only files whose text reached the training windows are listed (the rest stay unused).
+    assert set(manifest["data"]["train_files"]) <= {str(data / f"t{i}.txt") for i in range(6)} | {str(data / "chat.jsonl")}
+    assert 0 < len(manifest["data"]["train_files"]) < 7
     assert set(manifest["draft_step_ms"]) == {"full", "top20", "top24"}
     loaded = load_model(str(model_dir))
     head = load_forged_head(tmp_path / "head", Trunk(loaded.model), loaded.fingerprint)
