@@ -8,6 +8,7 @@ import os
 import mtplx  # noqa: F401  (BLAS before mlx)
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.cache import ArraysCache
 import pytest
 from scipy import stats as scipy_stats
 
@@ -43,10 +44,18 @@ def run_loop(trunk, head, cfg: SamplerConfig, depth: int | None, n: int, seed: i
 # ----------------------------------------------------------------------------- greedy
 
 
+# Settings under which greedy runs see both accepted and rejected drafts.
+GREEDY_MODELS = {
+    "llama": dict(vocab_size=48, seed=0, context_strength=6.0, head_noise=2.0, family="llama"),
+    "qwen3_5-hybrid": dict(vocab_size=48, seed=1, head_noise=0.5, family="qwen3_5"),
+}
+
+
+@pytest.mark.parametrize("model", list(GREEDY_MODELS))
 @pytest.mark.parametrize("depth", [1, 2, 3, 4])
 @pytest.mark.parametrize("greedy_draft", [False, True])
-def test_greedy_mtp_output_is_token_identical_to_ar(depth, greedy_draft):
-    trunk, head = make_loop_pair(vocab_size=48, seed=0, context_strength=6.0, head_noise=2.0)
+def test_greedy_mtp_output_is_token_identical_to_ar(model, depth, greedy_draft):
+    trunk, head = make_loop_pair(**GREEDY_MODELS[model])
     cfg = SamplerConfig(temperature=0.0)
     ar = run_loop(trunk, head, cfg, None, 48, seed=0)
     stats = []
@@ -68,15 +77,25 @@ def test_greedy_mtp_output_is_token_identical_to_ar(depth, greedy_draft):
 # ------------------------------------------------------------------------ cache state
 
 
-def _kv_arrays(cache_list) -> list[tuple[mx.array, mx.array]]:
+def _cache_arrays(cache_list) -> list[mx.array]:
+    """Every array a cache holds for the committed positions (KV up to the offset; recurrent states whole)."""
     out = []
     for c in cache_list:
-        out.append((c.keys[..., : c.offset, :], c.values[..., : c.offset, :]))
+        if isinstance(c, ArraysCache):  # conv and recurrent state of a gated-delta layer
+            out += list(c.cache)
+        else:
+            out += [c.keys[..., : c.offset, :], c.values[..., : c.offset, :]]
     return out
 
 
-def assert_caches_match_a_from_scratch_run(depth: int) -> None:
-    trunk, head = make_loop_pair(vocab_size=16, seed=7)
+def assert_same_caches(actual, expected) -> None:
+    assert len(actual) == len(expected)
+    for a, e in zip(_cache_arrays(actual), _cache_arrays(expected)):
+        np.testing.assert_allclose(np.array(a), np.array(e), atol=5e-5)
+
+
+def assert_caches_match_a_from_scratch_run(depth: int, family: str = "llama") -> None:
+    trunk, head = make_loop_pair(vocab_size=16, seed=7, family=family)
     cfg = SamplerConfig(temperature=1.0)
     trunk_cache, head_cache = trunk.make_cache(), head.make_cache()
     steps = decode.mtp_decode(trunk, head, PROMPT, decode.DecodeSettings(sampler=cfg, depth=depth),
@@ -92,13 +111,12 @@ def assert_caches_match_a_from_scratch_run(depth: int) -> None:
     steps.close()
     # Forwarded so far: the prompt and every generated token but the pending (last) one.
     committed = PROMPT + generated[:-1]
-    assert trunk_cache[0].offset == len(committed)
+    attention = [c for c in trunk_cache if getattr(c, "keys", None) is not None]
+    assert attention and all(c.offset == len(committed) for c in attention)
 
     fresh_cache = trunk.make_cache()
     reference = trunk(mx.array(committed)[None], fresh_cache)
-    for (k, v), (rk, rv) in zip(_kv_arrays(trunk_cache), _kv_arrays(fresh_cache)):
-        np.testing.assert_allclose(np.array(k), np.array(rk), atol=2e-5)
-        np.testing.assert_allclose(np.array(v), np.array(rv), atol=2e-5)
+    assert_same_caches(trunk_cache, fresh_cache)
 
     # The head has seen (true hidden i, token i+1) for every position before the
     # last cycle's start; the rest is caught up at the next cycle.
@@ -106,24 +124,24 @@ def assert_caches_match_a_from_scratch_run(depth: int) -> None:
     assert len(PROMPT) - 1 <= head_len <= len(committed) - 1
     fresh_head_cache = head.make_cache()
     head(reference.hidden_post_norm[:, :head_len], mx.array(committed[1 : head_len + 1])[None], fresh_head_cache)
-    for (k, v), (rk, rv) in zip(_kv_arrays(head_cache), _kv_arrays(fresh_head_cache)):
-        np.testing.assert_allclose(np.array(k), np.array(rk), atol=2e-5)
-        np.testing.assert_allclose(np.array(v), np.array(rv), atol=2e-5)
+    assert_same_caches(head_cache, fresh_head_cache)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
 @pytest.mark.parametrize("depth", [2, 4])
-def test_caches_after_cycles_equal_a_from_scratch_run(depth):
-    assert_caches_match_a_from_scratch_run(depth)
+def test_caches_after_cycles_equal_a_from_scratch_run(depth, family):
+    assert_caches_match_a_from_scratch_run(depth, family)
 
 
-def test_cache_comparison_catches_a_loop_that_keeps_a_rejected_draft(monkeypatch):
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_cache_comparison_catches_a_loop_that_keeps_a_rejected_draft(monkeypatch, family):
     """Negative control: an off-by-one in the committed prefix is caught."""
     depth = 2
     honest_commit = cache_ops.commit_block
     monkeypatch.setattr(cache_ops, "commit_block",
                         lambda cache, capture, num_keep: honest_commit(cache, capture, min(num_keep + 1, depth + 1)))
     with pytest.raises(AssertionError):
-        assert_caches_match_a_from_scratch_run(depth)
+        assert_caches_match_a_from_scratch_run(depth, family)
 
 
 def test_cache_comparison_catches_a_stale_head_cache(monkeypatch):
@@ -195,21 +213,23 @@ def sample_counts(trunk, head, cfg, depth, num_samples, vocab_size, seed0) -> np
     return counts
 
 
-CHI_SQUARE_CASES = [
-    (1, SamplerConfig(temperature=1.0)),
-    (3, SamplerConfig(temperature=0.7, top_p=0.9, top_k=4)),
-]
 # Peaked, context-dependent distributions: a loop bug moves the output distribution visibly.
 CHI_SQUARE_MODEL = dict(vocab_size=5, seed=11, context_strength=6.0, head_noise=1.5, logit_scale=1.5)
+HYBRID_CHI_SQUARE_MODEL = dict(vocab_size=5, seed=11, family="qwen3_5")
+CHI_SQUARE_CASES = [
+    (CHI_SQUARE_MODEL, 1, SamplerConfig(temperature=1.0)),
+    (CHI_SQUARE_MODEL, 3, SamplerConfig(temperature=0.7, top_p=0.9, top_k=4)),
+    (HYBRID_CHI_SQUARE_MODEL, 2, SamplerConfig(temperature=1.0)),
+]
 NUM_SAMPLES = 2000
 
 
-@pytest.mark.parametrize("depth,cfg", CHI_SQUARE_CASES, ids=["d1-t1.0", "d3-t0.7-topp-topk"])
-def test_mtp_sampled_distribution_matches_ar(depth, cfg):
-    trunk, head = make_loop_pair(**CHI_SQUARE_MODEL)
-    expected = exact_ar_joint(trunk, cfg, CHI_SQUARE_MODEL["vocab_size"])
+@pytest.mark.parametrize("model,depth,cfg", CHI_SQUARE_CASES, ids=["llama-d1-t1.0", "llama-d3-t0.7-topp-topk", "hybrid-d2-t1.0"])
+def test_mtp_sampled_distribution_matches_ar(model, depth, cfg):
+    trunk, head = make_loop_pair(**model)
+    expected = exact_ar_joint(trunk, cfg, model["vocab_size"])
     seed0 = int.from_bytes(os.urandom(4), "little")
-    counts = sample_counts(trunk, head, cfg, depth, NUM_SAMPLES, CHI_SQUARE_MODEL["vocab_size"], seed0)
+    counts = sample_counts(trunk, head, cfg, depth, NUM_SAMPLES, model["vocab_size"], seed0)
     p_value = loop_p_value(counts, expected)
     assert p_value > FALSE_FAILURE_RATE, f"p={p_value:.3g} (seed0={seed0})"
 
@@ -233,3 +253,35 @@ def test_chi_square_rejects_a_loop_that_commits_the_rejected_draft(monkeypatch):
     expected = exact_ar_joint(trunk, cfg, CHI_SQUARE_MODEL["vocab_size"])
     counts = sample_counts(trunk, head, cfg, 2, NUM_SAMPLES // 2, CHI_SQUARE_MODEL["vocab_size"], 1234)
     assert loop_p_value(counts, expected) < FALSE_FAILURE_RATE
+
+
+# ------------------------------------------------- checkpoint heads of each shipped family
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "deepseek_v3", "mimo"])
+@pytest.mark.parametrize("depth", [1, 3])
+def test_greedy_identity_with_each_familys_checkpoint_head(family, depth, tmp_path):
+    """Tiny random checkpoints in real HF layout, head loaded through the user's code path."""
+    import tiny_checkpoints
+    from mlx_lm.utils import load_model as mlx_load_model
+
+    from mtplx.heads import load_head
+    from mtplx.trunk import Trunk
+
+    tiny = getattr(tiny_checkpoints, family)(tmp_path / family)
+    model, config = mlx_load_model(tiny.path)
+    trunk = Trunk(model)
+    head = load_head(tiny.path, trunk, config)
+    assert head is not None
+    cfg = SamplerConfig(temperature=0.0)
+    ar = run_loop(trunk, head, cfg, None, 32, seed=0)
+    steps = decode.mtp_decode(trunk, head, PROMPT, decode.DecodeSettings(sampler=cfg, depth=depth), mx.random.key(0))
+    mtp, cycles = [], []
+    for step in steps:
+        mtp.extend(step.tokens)
+        cycles.append(step)
+        if len(mtp) >= 32:
+            break
+    steps.close()
+    assert mtp[:32] == ar
+    assert any(s.num_drafted and s.num_accepted < depth for s in cycles)  # rollbacks happened
