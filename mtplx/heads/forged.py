@@ -180,4 +180,6 @@ def load_forged_head(head_dir: str | Path, trunk: Any, trunk_fingerprint: str) -
     check_and_load(head, weights, str(weights_path))
     if manifest.get("vocab_ids"):
         head.set_draft_vocab(manifest["vocab_ids"], lm_head_matrix(trunk))
+    # The depth measured fastest for this head (benchmarks/RESULTS.md); `mtplx tune` overrides it per machine.
+    head.default_depth = int(manifest["default_depth"]) if manifest.get("default_depth") else None
     return head
