@@ -22,7 +22,9 @@ How a sweep runs (and why):
   the counts the stream cannot see (verify cycles, accepted drafts).
 * Per (variant, setting, repeat) the rate is total decode tokens / total
   decode seconds over all prompts; the quoted figure is the median over
-  repeats, with min and max beside it.
+  repeats, with min and max beside it. Ratios ("x stock", "x mtplx AR") are the
+  median of paired ratios: each run against the baseline run of its own
+  (repeat, prompt, setting) block, which ran seconds apart, so drift cancels.
 
 Acceptance is reported per draft position as the conditional rate a_i =
 P(draft i accepted | drafts 1..i-1 accepted); the theoretical tokens per cycle
@@ -43,7 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -451,8 +453,8 @@ class Summary:
     prefill_tps: float  # median over repeats
     generated_tokens: int  # all timed runs together
     peak_memory_gb: float
-    ratio_to_stock: float | None = None
-    ratio_to_ar: float | None = None
+    ratio_to_stock: float | None = None  # median of paired (same-block) ratios
+    ratio_to_ar: float | None = None  # likewise
     acceptance: list[float] = field(default_factory=list)  # conditional, per draft position
     acceptance_cumulative: list[float] = field(default_factory=list)
     tau: float | None = None  # measured tokens per verify cycle
@@ -492,23 +494,51 @@ def summarize_group(records: Sequence[RunRecord]) -> Summary:
     return summary
 
 
+def paired_ratios(records: Sequence[RunRecord], baseline_mode: str) -> dict[tuple[str, str], list[float]]:
+    """Per (setting, variant): decode-rate ratios to the baseline run of the same block.
+
+    A block is one (repeat, prompt, setting): its variants ran back to back, so machine
+    drift (other jobs, thermals) mostly cancels in the ratio, which a ratio of medians
+    taken minutes apart does not get."""
+    blocks: dict[tuple[int, str, str], list[RunRecord]] = {}
+    for r in records:
+        blocks.setdefault((r.repeat, r.prompt_id, r.setting), []).append(r)
+    ratios: dict[tuple[str, str], list[float]] = {}
+    for block in blocks.values():
+        base = next((r for r in block if r.mode == baseline_mode), None)
+        if base is None or base.decode_tokens_per_sec <= 0:
+            continue
+        for r in block:
+            ratios.setdefault((r.setting, r.variant), []).append(r.decode_tokens_per_sec / base.decode_tokens_per_sec)
+    return ratios
+
+
 def summarize(records: Sequence[RunRecord]) -> list[Summary]:
-    """One `Summary` per (setting, variant), in run order, with ratios to stock and to mtplx AR."""
+    """One `Summary` per (setting, variant), in run order. Ratios to stock and to mtplx AR are
+    medians of paired (same-block) ratios; efficiency uses the ratio to stock."""
     timed = [r for r in records if r.repeat >= 0]
     groups: dict[tuple[str, str], list[RunRecord]] = {}
     for r in timed:
         groups.setdefault((r.setting, r.variant), []).append(r)
     summaries = [summarize_group(g) for g in groups.values()]
+    to_stock, to_ar = paired_ratios(timed, "stock"), paired_ratios(timed, "ar")
     for s in summaries:
-        stock = next((o for o in summaries if o.setting == s.setting and o.mode == "stock"), None)
-        ar = next((o for o in summaries if o.setting == s.setting and o.mode == "ar"), None)
-        if stock is not None and stock.decode_tps > 0:
-            s.ratio_to_stock = s.decode_tps / stock.decode_tps
-        if ar is not None and ar.decode_tps > 0:
-            s.ratio_to_ar = s.decode_tps / ar.decode_tps
+        if to_stock.get((s.setting, s.variant)):
+            s.ratio_to_stock = statistics.median(to_stock[(s.setting, s.variant)])
+        if to_ar.get((s.setting, s.variant)):
+            s.ratio_to_ar = statistics.median(to_ar[(s.setting, s.variant)])
         if s.tau_theory and s.ratio_to_stock is not None:
             s.efficiency = s.ratio_to_stock / s.tau_theory
     return summaries
+
+
+def records_from_document(document: dict[str, Any]) -> list[RunRecord]:
+    """The timed runs of a saved JSON result (to re-summarize or re-plot without re-running)."""
+    names = {f.name for f in fields(RunRecord)}
+    try:
+        return [RunRecord(**{k: v for k, v in run.items() if k in names}) for run in document["runs"]]
+    except (KeyError, TypeError) as e:
+        raise MtplxError(f"not an mtplx bench result ({type(e).__name__}: {e})") from None
 
 
 # ----------------------------------------------------------------------------- reports
@@ -519,7 +549,7 @@ def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
 
 
 def markdown_table(summaries: Sequence[Summary]) -> str:
-    header = ("| setting | variant | decode tok/s (median [min-max]) | prefill tok/s | x stock | x mtplx AR "
+    header = ("| setting | variant | decode tok/s (median [min-max]) | prefill tok/s | x stock (paired) | x mtplx AR (paired) "
               "| acceptance per position | tau | tau theory | efficiency | peak GB |")
     rows = [header, "|" + "---|" * 11]
     for s in summaries:
@@ -777,6 +807,31 @@ def bench_main(*, model: str | None = None, head: str | None = None, depths: str
     return 0
 
 
+def report_main(json_path: str | Path, *, plot_path: str | None = None, update_json: bool = False, out=None) -> int:
+    """Re-summarize a saved result (`mtplx bench --report FILE`): print the table, optionally
+    re-plot it and rewrite the JSON's summary with this version's summary rules."""
+    out = out or sys.stdout
+    path = Path(json_path)
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise MtplxError(f"{path}: unreadable bench result ({type(e).__name__})") from None
+    if not isinstance(document, dict):
+        raise MtplxError(f"{path}: not an mtplx bench result")
+    summaries = summarize(records_from_document(document))
+    print(markdown_table(summaries), file=out)
+    if plot_path:
+        machine = document.get("machine", {})
+        plan = document.get("plan", {})
+        write_plot(plot_path, summaries, f"{document.get('model', '')} | {machine.get('cpu', '?')} ({machine.get('cores', '?')} "
+                                         f"cores, {machine.get('device', '?')}) | {plan.get('max_tokens', '?')} tokens, "
+                                         f"median of {plan.get('repeats', '?')}")
+    if update_json:
+        document["summary"] = [asdict(s) for s in summaries]
+        write_json(path, document)
+    return 0
+
+
 # ----------------------------------------------------------------------------- CLI glue
 
 
@@ -800,19 +855,23 @@ def add_bench_args(parser) -> None:
     parser.add_argument("--temps", default="0,0.7", help="comma-separated temperatures (default 0,0.7)")
     parser.add_argument("--top-p", type=float, default=DEFAULT_TOP_P, help=f"top-p at non-zero temperatures (default {DEFAULT_TOP_P})")
     parser.add_argument("--json", dest="json_path", default="bench.json", help="JSON output (default bench.json)")
-    parser.add_argument("--plot", dest="plot_path", default="bench.png", help="PNG output (default bench.png)")
+    parser.add_argument("--plot", dest="plot_path", default=None, help="PNG output (default bench.png)")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib needed)")
     parser.add_argument("--no-stock", action="store_true", help="skip the stock mlx-lm baseline")
     parser.add_argument("--allow-eos", action="store_true", help="let EOS end a generation (default: EOS banned for every variant alike)")
     parser.add_argument("--warmup-tokens", type=int, default=DEFAULT_WARMUP_TOKENS, help="tokens per untimed warm-up run (0 = none)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--report", default=None, metavar="JSON",
+                        help="no run: re-print the table of a saved result (and re-plot it with --plot)")
 
 
 def bench_from_args(args) -> int:
+    if getattr(args, "report", None):
+        return report_main(args.report, plot_path=None if args.no_plot else args.plot_path)
     return bench_main(model=args.model, head=args.head, depths=args.depths, tokens=args.tokens, repeats=args.repeats,
                       prompts_file=args.prompts, kinds=args.kinds.split(",") if args.kinds else None,
                       per_kind=args.per_kind, temps=_floats(args.temps), top_p=args.top_p,
-                      json_path=args.json_path or None, plot_path=None if args.no_plot else (args.plot_path or None),
+                      json_path=args.json_path or None, plot_path=None if args.no_plot else (args.plot_path or "bench.png"),
                       stock=not args.no_stock, ban_eos=not args.allow_eos, warmup_tokens=args.warmup_tokens,
                       seed=args.seed, progress=not args.no_progress)

@@ -102,6 +102,11 @@ def save_entry(fingerprint: str, entry: dict[str, Any], config_path: str | Path 
     return path
 
 
+def _ratio_to_ar(row: bench.Summary, ar: bench.Summary) -> float:
+    """The paired ratio where the sweep measured one, else the ratio of medians."""
+    return row.ratio_to_ar if row.ratio_to_ar is not None else row.decode_tps / ar.decode_tps
+
+
 def choose_depth(summaries: Sequence[bench.Summary]) -> tuple[int, float, float]:
     """(depth, margin, noise): the MTP depth with the best geometric-mean speed-up over AR
     across settings, or 0 when its margin over AR does not exceed the run-to-run spread."""
@@ -112,7 +117,7 @@ def choose_depth(summaries: Sequence[bench.Summary]) -> tuple[int, float, float]
     best_depth, best_score = 0, 1.0
     for depth in sorted({s.depth for s in summaries if s.mode == "mtp"}):
         rows = {s.setting: s for s in summaries if s.mode == "mtp" and s.depth == depth}
-        ratios = [rows[k].decode_tps / ar[k].decode_tps for k in settings if k in rows and ar[k].decode_tps > 0]
+        ratios = [_ratio_to_ar(rows[k], ar[k]) for k in settings if k in rows and ar[k].decode_tps > 0]
         if len(ratios) != len(settings) or min(ratios) <= 0:
             continue
         score = math.exp(sum(math.log(r) for r in ratios) / len(ratios))

@@ -137,11 +137,11 @@ def test_summary_medians_ratios_and_efficiency():
     assert stock.decode_tps == pytest.approx(8.0)  # rates 10, 5, 8 -> median 8
     assert (stock.decode_tps_min, stock.decode_tps_max) == pytest.approx((5.0, 10.0))
     assert mtp.decode_tps == pytest.approx(20.0)  # rates 20, 25, 10
-    assert mtp.ratio_to_stock == pytest.approx(2.5)
+    assert mtp.ratio_to_stock == pytest.approx(2.0)  # paired per repeat: 20/10, 25/5, 10/8 -> median 2.0
     assert mtp.acceptance == pytest.approx([0.8, 0.5])
     assert mtp.tau == pytest.approx(2.2)
     assert mtp.tau_theory == pytest.approx(2.2)
-    assert mtp.efficiency == pytest.approx(2.5 / 2.2)
+    assert mtp.efficiency == pytest.approx(2.0 / 2.2)
     assert mtp.spread == pytest.approx((25 - 10) / 20)
     table = bench.markdown_table([stock, mtp])
     assert "| greedy | mtplx MTP d=2 | 20.00 [10.00-25.00]" in table and "[0.80, 0.50]" in table
@@ -426,6 +426,19 @@ def test_tune_main_saves_then_keeps_then_retunes(tmp_path, capsys):
     assert len(engine.calls) > first_calls
     tune.tune_main(show=True, config_path=config)
     assert "fakefingerprint0" in capsys.readouterr().out
+
+
+def test_report_re_renders_a_saved_result(tmp_path, capsys):
+    out_json = tmp_path / "r.json"
+    bench.bench_main(engine=FakeEngine(), depths="1", tokens=5, repeats=2, stock=False, per_kind=1,
+                     json_path=str(out_json), plot_path=None, progress=False)
+    table = capsys.readouterr().out.split("\n\nwrote")[0].strip()
+    assert bench.report_main(out_json) == 0
+    assert capsys.readouterr().out.strip() == table
+    out_json.write_text('{"runs": [{"variant": 1}]}')
+    with pytest.raises(MtplxError) as err:
+        bench.report_main(out_json)
+    assert "not an mtplx bench result" in _one_line(err)
 
 
 def test_cli_glue_parses_flags():
