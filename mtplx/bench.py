@@ -640,6 +640,20 @@ def _git_commit() -> str | None:
     return done.stdout.strip() or None if done.returncode == 0 else None
 
 
+def _head_weights_sha(head: str | None, model: str | None) -> str | None:
+    """The forged head's weights hash from its manifest (which head was measured), if there is one."""
+    try:
+        from mtplx import heads, loading
+
+        head_dir = Path(head) if head is not None else (
+            heads.shipped_head_dir(loading.DEFAULT_MODEL_NAME) if model is None else None)
+        if head_dir is None:
+            return None
+        return json.loads((head_dir / "manifest.json").read_text(encoding="utf-8")).get("weights_sha256")
+    except (OSError, ValueError, ImportError, AttributeError):
+        return None
+
+
 def result_document(summaries: Sequence[Summary], records: Sequence[RunRecord], plan: SweepPlan,
                     context: dict[str, Any]) -> dict[str, Any]:
     return {
@@ -778,6 +792,7 @@ def bench_main(*, model: str | None = None, head: str | None = None, depths: str
     """
     out = out or sys.stdout
     check_counts(tokens, repeats)
+    commit = _git_commit()  # now: files (a head, the engine) may change in the tree while the sweep runs
     depth_list = parse_depths(depths)
     settings = make_settings(temps, top_p)
     prompt_list = load_prompts(prompts_file, kinds=kinds, per_kind=per_kind)
@@ -786,12 +801,14 @@ def bench_main(*, model: str | None = None, head: str | None = None, depths: str
 
         # An explicit depth, so loading never consults the tune config (the sweep sets depths itself).
         engine = Engine.load(model, head=head, depth=depth_list[0] if depth_list else 1)
+    head_sha = _head_weights_sha(head, model)
     summaries, records, plan = run_benchmark(
         engine, depths=depth_list, tokens=tokens, repeats=repeats, prompts=prompt_list,
         temps=[s.temperature for s in settings], top_p=top_p, stock=stock, ban_eos=ban_eos,
         warmup_tokens=warmup_tokens, seed=seed, progress=progress)
     context = {"model": str(model) if model is not None else "default (SmolLM2-135M-Instruct)",
-               "model_path": str(getattr(engine, "model_path", "") or ""), "head": head,
+               "model_path": str(getattr(engine, "model_path", "") or ""), "head": head, "commit": commit,
+               "head_weights_sha256": head_sha,
                "fingerprint": getattr(engine, "fingerprint", ""), "ban_eos": ban_eos,
                "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:])}
     document = result_document(summaries, records, plan, context)
