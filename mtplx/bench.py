@@ -682,8 +682,9 @@ def write_json(path: str | Path, document: dict[str, Any]) -> None:
 
 
 def write_plot(path: str | Path, summaries: Sequence[Summary], title: str = "") -> None:
-    """Decode tokens/s by depth (0 = mtplx AR), one line per setting with min-max bars,
-    stock mlx-lm as a dashed horizontal line in the same colour."""
+    """Left: decode tokens/s by depth (0 = mtplx AR), one line per setting with min-max bars,
+    stock mlx-lm as a dashed line in the same colour. Right: the paired speed-up over stock
+    by depth (drift cancels there, so it is the panel to read on a busy machine)."""
     try:
         import matplotlib
 
@@ -691,29 +692,36 @@ def write_plot(path: str | Path, summaries: Sequence[Summary], title: str = "") 
         import matplotlib.pyplot as plt
     except ImportError:
         raise MtplxError("plot: matplotlib is not installed (pip install 'mtplx[plot]'), or pass --no-plot") from None
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    fig, (ax, ax_ratio) = plt.subplots(1, 2, figsize=(11, 4.4), dpi=120)
     try:
         settings = list(dict.fromkeys(s.setting for s in summaries))
+        depths = sorted({s.depth for s in summaries if s.mode in ("ar", "mtp")}) or [0]
         for index, setting in enumerate(settings):
             color = f"C{index}"
             ours = sorted((s for s in summaries if s.setting == setting and s.mode in ("ar", "mtp")), key=lambda s: s.depth)
             if ours:
                 xs = [s.depth for s in ours]
-                ys = [s.decode_tps for s in ours]
                 err = [[s.decode_tps - s.decode_tps_min for s in ours], [s.decode_tps_max - s.decode_tps for s in ours]]
-                ax.errorbar(xs, ys, yerr=err, color=color, marker="o", capsize=3, label=f"mtplx, {setting}")
+                ax.errorbar(xs, [s.decode_tps for s in ours], yerr=err, color=color, marker="o", capsize=3,
+                            label=f"mtplx, {setting}")
+                ratios = [(s.depth, s.ratio_to_stock) for s in ours if s.ratio_to_stock is not None]
+                if ratios:
+                    ax_ratio.plot([d for d, _ in ratios], [r for _, r in ratios], color=color, marker="o", label=setting)
             stock = next((s for s in summaries if s.setting == setting and s.mode == "stock"), None)
             if stock is not None:
-                ax.axhline(stock.decode_tps, color=color, linestyle="--", linewidth=1,
-                           label=f"stock mlx-lm, {setting}")
-        ax.set_xlabel("MTP depth (0 = mtplx AR)")
-        ax.set_ylabel("decode tokens/s (median)")
-        ax.set_xticks(sorted({s.depth for s in summaries if s.mode in ("ar", "mtp")}) or [0])
+                ax.axhline(stock.decode_tps, color=color, linestyle="--", linewidth=1, label=f"stock mlx-lm, {setting}")
+        ax.set_ylabel("decode tokens/s (median, min-max bars)")
         ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+        ax_ratio.axhline(1.0, color="black", linestyle="--", linewidth=1, label="stock mlx-lm")
+        ax_ratio.set_ylabel("speed-up over stock mlx-lm (paired median)")
+        ax_ratio.legend(fontsize=8)
+        for a in (ax, ax_ratio):
+            a.set_xlabel("MTP depth (0 = mtplx AR)")
+            a.set_xticks(depths)
+            a.grid(alpha=0.3)
         if title:
-            ax.set_title(title, fontsize=9)
+            fig.suptitle(title, fontsize=9)
         fig.tight_layout()
         with atomic_output(path, "wb") as handle:
             fig.savefig(handle, format="png")
