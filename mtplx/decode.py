@@ -69,23 +69,24 @@ def prefill(
     step_size: int,
     on_chunk: Callable[[TrunkOutput, int, int], None] | None = None,
 ) -> TrunkOutput:
-    """Forward the prompt in chunks; return the last chunk's output.
+    """Forward the prompt in chunks; return the output of the last position alone.
 
     ``on_chunk(output, start, end)`` sees every chunk's hidden states (for the
-    head's own prefill). Logits of non-final chunks are never evaluated: MLX is
-    lazy and only the cache state is forced.
+    head's own prefill). The last token is forwarded on its own, as mlx-lm does,
+    so the LM head projects one row instead of a whole chunk; the other chunks'
+    logits are never evaluated (MLX is lazy and only the cache state is forced).
     """
-    total = len(prompt_tokens)
-    start = 0
-    while True:
-        end = min(start + step_size, total)
+    last = len(prompt_tokens) - 1
+    for start in range(0, last, step_size):
+        end = min(start + step_size, last)
         output = trunk(mx.array(prompt_tokens[start:end])[None], trunk_cache)
         if on_chunk is not None:
             on_chunk(output, start, end)
-        if end == total:
-            return output
         mx.eval([c.state for c in trunk_cache])
-        start = end
+    output = trunk(mx.array(prompt_tokens[last:])[None], trunk_cache)
+    if on_chunk is not None:
+        on_chunk(output, last, last + 1)
+    return output
 
 
 def _penalize(logits: mx.array, context: list[int], cfg: SamplerConfig, block_tokens: mx.array | None = None) -> mx.array:

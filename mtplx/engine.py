@@ -190,9 +190,10 @@ class Engine:
         from mtplx import tune
 
         tuned = tune.saved_depth(self.fingerprint)
-        if tuned is not None:
-            return tuned
-        return int(getattr(self.head, "default_depth", DEFAULT_DEPTH) or DEFAULT_DEPTH)
+        return tuned if tuned is not None else self._head_depth()
+
+    def _head_depth(self) -> int:
+        return int(getattr(self.head, "default_depth", None) or DEFAULT_DEPTH)
 
     @property
     def has_head(self) -> bool:
@@ -248,7 +249,8 @@ class Engine:
             raise MtplxError(f"depth: must be >= 1, got {depth}")
         if mtp is None:
             mtp = self.head is not None and (depth is not None or bool(self.depth))
-        depth = depth if depth is not None else (self.depth or DEFAULT_DEPTH)
+        # An explicit mtp=True on a model tuned to AR (depth 0) still drafts, at the head's own depth.
+        depth = depth if depth is not None else (self.depth or self._head_depth())
         if mtp and self.head is None:
             raise MtplxError("this model has no MTP head: use --no-mtp (mtp=False), or train one with `mtplx forge`")
         prompt_tokens = self.encode_prompt(prompt, chat)
