@@ -10,27 +10,9 @@ completes (Ctrl-C leaves no half-written files).
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-import mtplx  # noqa: F401  (loads the optimized BLAS before anything imports mlx)
-from mtplx import bench
-from mtplx.errors import MtplxError
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="bench_generate.py", description=__doc__.splitlines()[0])
-    bench.add_bench_args(parser)
-    args = parser.parse_args(argv)
-    try:
-        return bench.bench_from_args(args)
-    except MtplxError as e:
-        print(f"bench: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("\nbench: interrupted; no result files written", file=sys.stderr)
-        return 130
-
+from mtplx.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["bench", *sys.argv[1:]]))
