@@ -32,6 +32,20 @@ def take_tokens(steps, n: int) -> list[int]:
     return tokens[:n]
 
 
+def run_mtp_steps(trunk, head, cfg: SamplerConfig, depth: int, n: int, **settings) -> tuple[list[int], list]:
+    """The first n MTP tokens (greedy key 0) and every Step that produced them."""
+    steps = decode.mtp_decode(trunk, head, PROMPT, decode.DecodeSettings(sampler=cfg, depth=depth, **settings),
+                              mx.random.key(0))
+    tokens, produced = [], []
+    for step in steps:
+        tokens.extend(step.tokens)
+        produced.append(step)
+        if len(tokens) >= n:
+            break
+    steps.close()
+    return tokens[:n], produced
+
+
 def run_loop(trunk, head, cfg: SamplerConfig, depth: int | None, n: int, seed: int, **settings) -> list[int]:
     key = mx.random.key(seed)
     if depth is None:
@@ -58,17 +72,8 @@ def test_greedy_mtp_output_is_token_identical_to_ar(model, depth, greedy_draft):
     trunk, head = make_loop_pair(**GREEDY_MODELS[model])
     cfg = SamplerConfig(temperature=0.0)
     ar = run_loop(trunk, head, cfg, None, 48, seed=0)
-    stats = []
-    key = mx.random.key(0)
-    steps = decode.mtp_decode(trunk, head, PROMPT, decode.DecodeSettings(sampler=cfg, depth=depth, greedy_draft=greedy_draft), key)
-    mtp: list[int] = []
-    for step in steps:
-        mtp.extend(step.tokens)
-        stats.append(step)
-        if len(mtp) >= 48:
-            break
-    steps.close()
-    assert mtp[:48] == ar
+    mtp, stats = run_mtp_steps(trunk, head, cfg, depth, 48, greedy_draft=greedy_draft)
+    assert mtp == ar
     accepted = [s.num_accepted for s in stats if s.num_drafted]
     # The comparison only means something if both accepts and rejections happened.
     assert any(a > 0 for a in accepted) and any(a < depth for a in accepted), accepted
@@ -275,13 +280,6 @@ def test_greedy_identity_with_each_familys_checkpoint_head(family, depth, tmp_pa
     assert head is not None
     cfg = SamplerConfig(temperature=0.0)
     ar = run_loop(trunk, head, cfg, None, 32, seed=0)
-    steps = decode.mtp_decode(trunk, head, PROMPT, decode.DecodeSettings(sampler=cfg, depth=depth), mx.random.key(0))
-    mtp, cycles = [], []
-    for step in steps:
-        mtp.extend(step.tokens)
-        cycles.append(step)
-        if len(mtp) >= 32:
-            break
-    steps.close()
-    assert mtp[:32] == ar
+    mtp, cycles = run_mtp_steps(trunk, head, cfg, depth, 32)
+    assert mtp == ar
     assert any(s.num_drafted and s.num_accepted < depth for s in cycles)  # rollbacks happened
