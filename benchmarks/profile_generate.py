@@ -27,9 +27,9 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 
-import mtplx  # noqa: F401  (optimized BLAS before mlx)
 import mlx.core as mx
 
+import mtplx  # noqa: F401  (optimized BLAS before mlx)
 from mtplx import bench
 from mtplx import cache as cache_ops
 from mtplx import verify as verify_ops
@@ -98,8 +98,14 @@ class _TrunkProxy:
 @contextmanager
 def instrumented(engine, phases: Phases):
     """Swap in timing proxies for the engine's head/trunk and the verify/cache functions."""
-    saved = (engine.head, engine.trunk, verify_ops.sample, verify_ops.verify, cache_ops.commit_block,
-             cache_ops.trim_kv)
+    saved = (
+        engine.head,
+        engine.trunk,
+        verify_ops.sample,
+        verify_ops.verify,
+        cache_ops.commit_block,
+        cache_ops.trim_kv,
+    )
     engine.head = _HeadProxy(engine.head, phases)
     engine.trunk = _TrunkProxy(engine.trunk, phases)
     verify_ops.sample = phases.timed("draft sample", saved[2])
@@ -120,8 +126,14 @@ def instrumented(engine, phases: Phases):
     try:
         yield
     finally:
-        (engine.head, engine.trunk, verify_ops.sample, verify_ops.verify, cache_ops.commit_block,
-         cache_ops.trim_kv) = saved
+        (
+            engine.head,
+            engine.trunk,
+            verify_ops.sample,
+            verify_ops.verify,
+            cache_ops.commit_block,
+            cache_ops.trim_kv,
+        ) = saved
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -153,6 +165,7 @@ def isolated_costs(engine, depth: int, context: int, repeats: int) -> dict[str, 
             for c in cache:  # undo, so every repeat sees the same context length
                 c.offset -= n
             return result.logits
+
         return run
 
     hidden = (out.hidden_pre_norm if head.hidden_source == "pre_norm" else out.hidden_post_norm)[:, -1:]
@@ -175,8 +188,12 @@ def isolated_costs(engine, depth: int, context: int, repeats: int) -> dict[str, 
         f"trunk forward, {depth + 1} tokens (verify)": _median_time(forward(depth + 1), repeats),
         "head layer step": _median_time(head_step, repeats),
         "LM head (1 row)": _median_time(lambda: head.logits(head_out), repeats),
-        "sample greedy (1 row)": _median_time(lambda: verify_ops.sample(logits, bench_cfg(0.0), uniforms).tokens, repeats),
-        "sample t0.7/p0.95 (1 row)": _median_time(lambda: verify_ops.sample(logits, bench_cfg(0.7, 0.95), uniforms).tokens, repeats),
+        "sample greedy (1 row)": _median_time(
+            lambda: verify_ops.sample(logits, bench_cfg(0.0), uniforms).tokens, repeats
+        ),
+        "sample t0.7/p0.95 (1 row)": _median_time(
+            lambda: verify_ops.sample(logits, bench_cfg(0.7, 0.95), uniforms).tokens, repeats
+        ),
     }
 
 
@@ -198,8 +215,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=20, help="repeats for the isolated timings")
     parser.add_argument("--no-ban-eos", action="store_true")
     parser.add_argument("--cprofile", type=int, default=25, help="cProfile rows to print (0 = skip)")
-    parser.add_argument("--untrained-head", action="store_true",
-                        help="attach forge's untrained initial head: costs are real, acceptance is not")
+    parser.add_argument(
+        "--untrained-head",
+        action="store_true",
+        help="attach forge's untrained initial head: costs are real, acceptance is not",
+    )
     args = parser.parse_args(argv)
 
     from mtplx.engine import Engine
@@ -210,12 +230,21 @@ def main(argv: list[str] | None = None) -> int:
 
         engine.head = build_head(engine.trunk, "post_norm")
     if engine.head is None:
-        print("this model has no MTP head (pass --head DIR, or --untrained-head for costs only)", file=sys.stderr)
+        print(
+            "this model has no MTP head (pass --head DIR, or --untrained-head for costs only)",
+            file=sys.stderr,
+        )
         return 2
     prompt = next(p for p in bench.load_prompts() if p.id == args.prompt_id)
     top_p = args.top_p if args.temp > 0 else 1.0
-    kwargs = dict(chat=prompt.is_chat, max_tokens=args.tokens, temperature=args.temp, top_p=top_p, seed=1,
-                  logit_bias=None if args.no_ban_eos else bench.ban_bias(engine.tokenizer))
+    kwargs = dict(
+        chat=prompt.is_chat,
+        max_tokens=args.tokens,
+        temperature=args.temp,
+        top_p=top_p,
+        seed=1,
+        logit_bias=None if args.no_ban_eos else bench.ban_bias(engine.tokenizer),
+    )
 
     def generate(mtp: bool = True, phases: Phases | None = None):
         stats = None
@@ -231,12 +260,20 @@ def main(argv: list[str] | None = None) -> int:
     phases = Phases()
     with instrumented(engine, phases):
         barrier = generate(phases=phases)
-    print(f"# {engine.model_path} depth {args.depth}, {args.tokens} tokens, temp {args.temp}"
-          f"{f' top-p {top_p}' if top_p < 1 else ''}, prompt {prompt.id}, EOS {'allowed' if args.no_ban_eos else 'banned'}")
-    print(f"mtplx AR: {ar.decode_tokens_per_sec:.2f} tok/s ({1000 / max(ar.decode_tokens_per_sec, 1e-9):.1f} ms/token)")
-    print(f"MTP plain: {plain.decode_tokens_per_sec:.2f} tok/s, {plain.cycles} cycles, tau {plain.tokens_per_cycle:.2f}, "
-          f"acceptance {[round(a, 2) for a in plain.acceptance_per_position]}")
-    print(f"MTP with barriers: {barrier.decode_tokens_per_sec:.2f} tok/s, {barrier.cycles} cycles, decode {barrier.decode_seconds:.2f} s")
+    print(
+        f"# {engine.model_path} depth {args.depth}, {args.tokens} tokens, temp {args.temp}"
+        f"{f' top-p {top_p}' if top_p < 1 else ''}, prompt {prompt.id}, EOS {'allowed' if args.no_ban_eos else 'banned'}"
+    )
+    print(
+        f"mtplx AR: {ar.decode_tokens_per_sec:.2f} tok/s ({1000 / max(ar.decode_tokens_per_sec, 1e-9):.1f} ms/token)"
+    )
+    print(
+        f"MTP plain: {plain.decode_tokens_per_sec:.2f} tok/s, {plain.cycles} cycles, tau {plain.tokens_per_cycle:.2f}, "
+        f"acceptance {[round(a, 2) for a in plain.acceptance_per_position]}"
+    )
+    print(
+        f"MTP with barriers: {barrier.decode_tokens_per_sec:.2f} tok/s, {barrier.cycles} cycles, decode {barrier.decode_seconds:.2f} s"
+    )
     cycles = max(barrier.cycles, 1)
     total = barrier.decode_seconds
     print("\n| phase | ms per cycle | share of decode | calls per cycle |\n|---|---|---|---|")
@@ -244,7 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in PHASES:
         seconds = phases.seconds.get(name, 0.0)
         accounted += seconds
-        print(f"| {name} | {1000 * seconds / cycles:.2f} | {seconds / total:.1%} | {phases.calls.get(name, 0) / cycles:.1f} |")
+        print(
+            f"| {name} | {1000 * seconds / cycles:.2f} | {seconds / total:.1%} | {phases.calls.get(name, 0) / cycles:.1f} |"
+        )
     rest = total - accounted
     print(f"| Python + bookkeeping (rest) | {1000 * rest / cycles:.2f} | {rest / total:.1%} | |")
     print(f"| total | {1000 * total / cycles:.2f} | 100% | |")
@@ -255,11 +294,14 @@ def main(argv: list[str] | None = None) -> int:
     for name, seconds in costs.items():
         print(f"| {name} | {1000 * seconds:.2f} |")
     sample_key = "sample greedy (1 row)" if args.temp == 0 else "sample t0.7/p0.95 (1 row)"
-    ideal = (costs[f"trunk forward, {args.depth + 1} tokens (verify)"]
-             + args.depth * (costs["head layer step"] + costs["LM head (1 row)"] + costs[sample_key]))
+    ideal = costs[f"trunk forward, {args.depth + 1} tokens (verify)"] + args.depth * (
+        costs["head layer step"] + costs["LM head (1 row)"] + costs[sample_key]
+    )
     print(f"| ideal cycle = verify + {args.depth} x (head + LM head + sample) | {1000 * ideal:.2f} |")
-    print(f"| ideal speed-up over AR step at tau {plain.tokens_per_cycle:.2f} | "
-          f"{plain.tokens_per_cycle * costs['trunk forward, 1 token (AR step)'] / ideal:.2f}x |")
+    print(
+        f"| ideal speed-up over AR step at tau {plain.tokens_per_cycle:.2f} | "
+        f"{plain.tokens_per_cycle * costs['trunk forward, 1 token (AR step)'] / ideal:.2f}x |"
+    )
 
     if args.cprofile:
         profiler = cProfile.Profile()

@@ -15,10 +15,10 @@ import argparse
 import statistics
 import time
 
-import mtplx  # noqa: F401  (optimized BLAS before mlx)
 import mlx.core as mx
 import numpy as np
 
+import mtplx  # noqa: F401  (optimized BLAS before mlx)
 from mtplx.sampling import SamplerConfig
 from mtplx.verify import draw_uniforms, filtered_probs, verify
 
@@ -63,8 +63,10 @@ def main() -> None:
     parser.add_argument("--flat", action="store_true", help="flat N(0, 4) logits instead of peaked ones")
     parser.add_argument("--vocab", type=int, nargs="*", default=[49152, 151936])
     args = parser.parse_args()
-    print(f"backend: MLX {mx.__version__} on {mx.default_device()}, BLAS: {mtplx.BLAS.path}, "
-          f"logits: {'flat' if args.flat else 'peaked'}, median of {args.repeats}\n")
+    print(
+        f"backend: MLX {mx.__version__} on {mx.default_device()}, BLAS: {mtplx.BLAS.path}, "
+        f"logits: {'flat' if args.flat else 'peaked'}, median of {args.repeats}\n"
+    )
     names = list(SETTINGS)
     print("| V | k | " + " | ".join(f"{name} (ms)" for name in names) + " | top-p / temp |")
     print("|---|---|" + "---|" * len(names) + "---|")

@@ -45,9 +45,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 from mtplx.errors import MtplxError
 
@@ -142,7 +143,9 @@ def parse_depths(spec: str | Sequence[int] | None) -> list[int]:
                 else:
                     values.append(int(part))
             except ValueError:
-                raise MtplxError(f"depths: cannot read {part!r} (use e.g. 1-4 or 1,2,3; 0 for AR only)") from None
+                raise MtplxError(
+                    f"depths: cannot read {part!r} (use e.g. 1-4 or 1,2,3; 0 for AR only)"
+                ) from None
     else:
         values = [int(v) for v in spec]
     if any(v < 0 for v in values):
@@ -163,10 +166,15 @@ def check_counts(tokens: int, repeats: int) -> None:
 def default_prompts_path() -> Path:
     """The shipped suite: inside an installed wheel (mtplx/_prompts) or the source tree."""
     here = Path(__file__).resolve().parent
-    for candidate in (here / "_prompts" / PROMPTS_FILENAME, here.parent / "benchmarks" / "prompts" / PROMPTS_FILENAME):
+    for candidate in (
+        here / "_prompts" / PROMPTS_FILENAME,
+        here.parent / "benchmarks" / "prompts" / PROMPTS_FILENAME,
+    ):
         if candidate.is_file():
             return candidate
-    raise MtplxError(f"prompt suite {PROMPTS_FILENAME}: not found in the package or the source tree; pass --prompts FILE")
+    raise MtplxError(
+        f"prompt suite {PROMPTS_FILENAME}: not found in the package or the source tree; pass --prompts FILE"
+    )
 
 
 def _prompt_from_json(obj: Any, where: str, index: int) -> Prompt:
@@ -176,7 +184,11 @@ def _prompt_from_json(obj: Any, where: str, index: int) -> Prompt:
     pid = str(obj.get("id", f"{kind}-{index}"))
     if "messages" in obj:
         messages = obj["messages"]
-        if not (isinstance(messages, list) and messages and all(isinstance(m, dict) and m.get("content") for m in messages)):
+        if not (
+            isinstance(messages, list)
+            and messages
+            and all(isinstance(m, dict) and m.get("content") for m in messages)
+        ):
             raise MtplxError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
         return Prompt(pid, kind, messages=tuple(messages), source=str(obj.get("source", "")))
     text = obj.get("prompt", obj.get("text"))
@@ -185,8 +197,9 @@ def _prompt_from_json(obj: Any, where: str, index: int) -> Prompt:
     return Prompt(pid, kind, text=text, source=str(obj.get("source", "")))
 
 
-def load_prompts(path: str | Path | None = None, *, kinds: Sequence[str] | None = None,
-                 per_kind: int | None = None) -> list[Prompt]:
+def load_prompts(
+    path: str | Path | None = None, *, kinds: Sequence[str] | None = None, per_kind: int | None = None
+) -> list[Prompt]:
     """Read a prompt file: JSON lines ({id, kind, prompt | messages, source}) or, for any other
     suffix, plain text with one raw prompt per non-empty line. ``kinds`` / ``per_kind`` select."""
     path = Path(path) if path is not None else default_prompts_path()
@@ -216,8 +229,9 @@ def load_prompts(path: str | Path | None = None, *, kinds: Sequence[str] | None 
     return select_prompts(prompts, kinds, per_kind, str(path))
 
 
-def select_prompts(prompts: Sequence[Prompt], kinds: Sequence[str] | None, per_kind: int | None,
-                   where: str = "prompts") -> list[Prompt]:
+def select_prompts(
+    prompts: Sequence[Prompt], kinds: Sequence[str] | None, per_kind: int | None, where: str = "prompts"
+) -> list[Prompt]:
     if per_kind is not None and per_kind <= 0:
         raise MtplxError(f"per_kind: must be > 0, got {per_kind}")
     chosen = [p for p in prompts if kinds is None or p.kind in kinds]
@@ -288,15 +302,24 @@ class _Clock:
         return first - self.start, self.last - first
 
 
-Runner = Callable[[Variant, Setting, Prompt, int, int, int], RunRecord]  # (variant, setting, prompt, max_tokens, seed, repeat)
+Runner = Callable[
+    [Variant, Setting, Prompt, int, int, int], RunRecord
+]  # (variant, setting, prompt, max_tokens, seed, repeat)
 
 
 def ban_bias(tokenizer) -> dict[int, float]:
     return {int(t): BAN_BIAS for t in sorted(tokenizer.eos_token_ids)}
 
 
-def run_stock(model, tokenizer, encode: Callable[[], list[int]], setting: Setting, max_tokens: int, seed: int,
-              bias: dict[int, float] | None) -> tuple[_Clock, int, int, float]:
+def run_stock(
+    model,
+    tokenizer,
+    encode: Callable[[], list[int]],
+    setting: Setting,
+    max_tokens: int,
+    seed: int,
+    bias: dict[int, float] | None,
+) -> tuple[_Clock, int, int, float]:
     """Stock ``mlx_lm.stream_generate``; returns (clock, prompt tokens, tokens kept, peak GB).
 
     ``encode`` (the engine's own tokenization + chat template) runs inside the timed
@@ -313,8 +336,9 @@ def run_stock(model, tokenizer, encode: Callable[[], list[int]], setting: Settin
     clock = _Clock()
     prompt_ids = encode()
     last = None
-    for response in stream_generate(model, tokenizer, prompt_ids, max_tokens=max_tokens, sampler=sampler,
-                                     logits_processors=processors):
+    for response in stream_generate(
+        model, tokenizer, prompt_ids, max_tokens=max_tokens, sampler=sampler, logits_processors=processors
+    ):
         clock.tokens_arrived(1)
         last = response
     kept = clock.tokens
@@ -328,34 +352,65 @@ def make_runner(engine, *, ban_eos: bool = True) -> Runner:
     bias = ban_bias(engine.tokenizer) if ban_eos else None
     prompt_lengths: dict[str, int] = {}
 
-    def run(variant: Variant, setting: Setting, prompt: Prompt, max_tokens: int, seed: int, repeat: int) -> RunRecord:
+    def run(
+        variant: Variant, setting: Setting, prompt: Prompt, max_tokens: int, seed: int, repeat: int
+    ) -> RunRecord:
         def encode() -> list[int]:
             return engine.encode_prompt(prompt.engine_input, chat=prompt.is_chat)
 
         if prompt.id not in prompt_lengths:
             prompt_lengths[prompt.id] = len(encode())
-        base = dict(variant=variant.name, mode=variant.mode, depth=variant.depth, setting=setting.name,
-                    prompt_id=prompt.id, kind=prompt.kind, repeat=repeat, prompt_tokens=prompt_lengths[prompt.id])
+        base = dict(
+            variant=variant.name,
+            mode=variant.mode,
+            depth=variant.depth,
+            setting=setting.name,
+            prompt_id=prompt.id,
+            kind=prompt.kind,
+            repeat=repeat,
+            prompt_tokens=prompt_lengths[prompt.id],
+        )
         if variant.mode == "stock":
-            clock, _, kept, peak = run_stock(engine.trunk.model, engine.tokenizer, encode, setting, max_tokens, seed, bias)
+            clock, _, kept, peak = run_stock(
+                engine.trunk.model, engine.tokenizer, encode, setting, max_tokens, seed, bias
+            )
             prefill, decode = clock.split()
-            return RunRecord(**base, generated_tokens=kept, prefill_seconds=prefill, decode_seconds=decode,
-                             peak_memory_gb=peak)
+            return RunRecord(
+                **base,
+                generated_tokens=kept,
+                prefill_seconds=prefill,
+                decode_seconds=decode,
+                peak_memory_gb=peak,
+            )
         clock = _Clock()
         stats = None
-        for chunk in engine.stream(prompt.engine_input, chat=prompt.is_chat, max_tokens=max_tokens,
-                                   temperature=setting.temperature, top_p=setting.top_p, logit_bias=bias,
-                                   seed=seed, mtp=variant.mode == "mtp",
-                                   depth=variant.depth if variant.mode == "mtp" else None):
+        for chunk in engine.stream(
+            prompt.engine_input,
+            chat=prompt.is_chat,
+            max_tokens=max_tokens,
+            temperature=setting.temperature,
+            top_p=setting.top_p,
+            logit_bias=bias,
+            seed=seed,
+            mtp=variant.mode == "mtp",
+            depth=variant.depth if variant.mode == "mtp" else None,
+        ):
             clock.tokens_arrived(len(chunk.token_ids))
             stats = chunk.stats
         prefill, decode = clock.split()
-        record = RunRecord(**base, generated_tokens=clock.tokens, prefill_seconds=prefill, decode_seconds=decode,
-                           peak_memory_gb=float(getattr(stats, "peak_memory_gb", 0.0) or 0.0))
+        record = RunRecord(
+            **base,
+            generated_tokens=clock.tokens,
+            prefill_seconds=prefill,
+            decode_seconds=decode,
+            peak_memory_gb=float(getattr(stats, "peak_memory_gb", 0.0) or 0.0),
+        )
         if variant.mode == "mtp" and stats is not None:
             record.cycles = int(stats.cycles)
             record.tokens_in_cycles = round(stats.tokens_per_cycle * stats.cycles)
-            record.accepted_per_position = accepted_counts(stats.acceptance_per_position, stats.cycles, variant.depth)
+            record.accepted_per_position = accepted_counts(
+                stats.acceptance_per_position, stats.cycles, variant.depth
+            )
         return record
 
     return run
@@ -392,7 +447,9 @@ def make_variants(depths: Sequence[int], *, stock: bool = True) -> list[Variant]
     return ([Variant("stock")] if stock else []) + [Variant("ar")] + [Variant("mtp", d) for d in depths]
 
 
-def run_sweep(runner: Runner, plan: SweepPlan, on_run: Callable[[RunRecord], None] | None = None) -> list[RunRecord]:
+def run_sweep(
+    runner: Runner, plan: SweepPlan, on_run: Callable[[RunRecord], None] | None = None
+) -> list[RunRecord]:
     """Warm-ups, then repeats x prompts x settings x variants with the variant loop innermost.
 
     The seed depends on (repeat, prompt) only, so at a given temperature every variant
@@ -407,7 +464,16 @@ def run_sweep(runner: Runner, plan: SweepPlan, on_run: Callable[[RunRecord], Non
     if plan.warmup_tokens > 0:
         for setting in plan.settings:
             for variant in plan.variants:
-                note(runner(variant, setting, plan.prompts[0], min(plan.warmup_tokens, plan.max_tokens), plan.seed, -1))
+                note(
+                    runner(
+                        variant,
+                        setting,
+                        plan.prompts[0],
+                        min(plan.warmup_tokens, plan.max_tokens),
+                        plan.seed,
+                        -1,
+                    )
+                )
     for repeat in range(plan.repeats):
         for p_index, prompt in enumerate(plan.prompts):
             seed = plan.seed + 1000 * (repeat + 1) + p_index
@@ -478,12 +544,19 @@ def summarize_group(records: Sequence[RunRecord]) -> Summary:
     first = records[0]
     decode, prefill = _per_repeat_rates(records)
     median = statistics.median(decode)
-    summary = Summary(variant=first.variant, mode=first.mode, depth=first.depth, setting=first.setting,
-                      decode_tps=median, decode_tps_min=min(decode), decode_tps_max=max(decode),
-                      spread=(max(decode) - min(decode)) / median if median > 0 else 0.0,
-                      prefill_tps=statistics.median(prefill),
-                      generated_tokens=sum(r.generated_tokens for r in records),
-                      peak_memory_gb=max(r.peak_memory_gb for r in records))
+    summary = Summary(
+        variant=first.variant,
+        mode=first.mode,
+        depth=first.depth,
+        setting=first.setting,
+        decode_tps=median,
+        decode_tps_min=min(decode),
+        decode_tps_max=max(decode),
+        spread=(max(decode) - min(decode)) / median if median > 0 else 0.0,
+        prefill_tps=statistics.median(prefill),
+        generated_tokens=sum(r.generated_tokens for r in records),
+        peak_memory_gb=max(r.peak_memory_gb for r in records),
+    )
     cycles = sum(r.cycles for r in records)
     if first.mode == "mtp" and cycles > 0:
         accepted = [sum(r.accepted_per_position[i] for r in records) for i in range(first.depth)]
@@ -509,7 +582,9 @@ def paired_ratios(records: Sequence[RunRecord], baseline_mode: str) -> dict[tupl
         if base is None or base.decode_tokens_per_sec <= 0:
             continue
         for r in block:
-            ratios.setdefault((r.setting, r.variant), []).append(r.decode_tokens_per_sec / base.decode_tokens_per_sec)
+            ratios.setdefault((r.setting, r.variant), []).append(
+                r.decode_tokens_per_sec / base.decode_tokens_per_sec
+            )
     return ratios
 
 
@@ -549,8 +624,10 @@ def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
 
 
 def markdown_table(summaries: Sequence[Summary]) -> str:
-    header = ("| setting | variant | decode tok/s (median [min-max]) | prefill tok/s | x stock (paired) | x mtplx AR (paired) "
-              "| acceptance per position | tau | tau theory | efficiency | peak GB |")
+    header = (
+        "| setting | variant | decode tok/s (median [min-max]) | prefill tok/s | x stock (paired) | x mtplx AR (paired) "
+        "| acceptance per position | tau | tau theory | efficiency | peak GB |"
+    )
     rows = [header, "|" + "---|" * 11]
     for s in summaries:
         acceptance = "[" + ", ".join(f"{a:.2f}" for a in s.acceptance) + "]" if s.acceptance else "-"
@@ -601,8 +678,12 @@ def machine_info() -> dict[str, Any]:
                 break
     if sys.platform == "darwin":
         with contextlib.suppress(Exception):
-            cpu = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True,
-                                 timeout=5).stdout.strip() or cpu
+            cpu = (
+                subprocess.run(
+                    ["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True, timeout=5
+                ).stdout.strip()
+                or cpu
+            )
     blas = getattr(mtplx, "BLAS", None)
     try:
         cores = len(os.sched_getaffinity(0))
@@ -633,8 +714,13 @@ def _versions() -> dict[str, str]:
 
 def _git_commit() -> str | None:
     try:
-        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
-                              capture_output=True, text=True, timeout=5)
+        done = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return done.stdout.strip() or None if done.returncode == 0 else None
@@ -645,8 +731,11 @@ def _head_weights_sha(head: str | None, model: str | None) -> str | None:
     try:
         from mtplx import heads, loading
 
-        head_dir = Path(head) if head is not None else (
-            heads.shipped_head_dir(loading.DEFAULT_MODEL_NAME) if model is None else None)
+        head_dir = (
+            Path(head)
+            if head is not None
+            else (heads.shipped_head_dir(loading.DEFAULT_MODEL_NAME) if model is None else None)
+        )
         if head_dir is None:
             return None
         return json.loads((head_dir / "manifest.json").read_text(encoding="utf-8")).get("weights_sha256")
@@ -654,8 +743,9 @@ def _head_weights_sha(head: str | None, model: str | None) -> str | None:
         return None
 
 
-def result_document(summaries: Sequence[Summary], records: Sequence[RunRecord], plan: SweepPlan,
-                    context: dict[str, Any]) -> dict[str, Any]:
+def result_document(
+    summaries: Sequence[Summary], records: Sequence[RunRecord], plan: SweepPlan, context: dict[str, Any]
+) -> dict[str, Any]:
     return {
         "schema": 1,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -664,14 +754,23 @@ def result_document(summaries: Sequence[Summary], records: Sequence[RunRecord], 
         "machine": machine_info(),
         **context,
         "plan": {
-            "max_tokens": plan.max_tokens, "repeats": plan.repeats, "warmup_tokens": plan.warmup_tokens,
-            "seed": plan.seed, "variants": [v.name for v in plan.variants],
+            "max_tokens": plan.max_tokens,
+            "repeats": plan.repeats,
+            "warmup_tokens": plan.warmup_tokens,
+            "seed": plan.seed,
+            "variants": [v.name for v in plan.variants],
             "settings": [asdict(s) | {"name": s.name} for s in plan.settings],
             "prompts": [{"id": p.id, "kind": p.kind, "source": p.source} for p in plan.prompts],
         },
         "summary": [asdict(s) for s in summaries],
-        "runs": [asdict(r) | {"decode_tokens_per_sec": r.decode_tokens_per_sec,
-                              "prefill_tokens_per_sec": r.prefill_tokens_per_sec} for r in records],
+        "runs": [
+            asdict(r)
+            | {
+                "decode_tokens_per_sec": r.decode_tokens_per_sec,
+                "prefill_tokens_per_sec": r.prefill_tokens_per_sec,
+            }
+            for r in records
+        ],
     }
 
 
@@ -691,25 +790,48 @@ def write_plot(path: str | Path, summaries: Sequence[Summary], title: str = "") 
         matplotlib.use("Agg")  # no display needed, and no GUI backend import on a server
         import matplotlib.pyplot as plt
     except ImportError:
-        raise MtplxError("plot: matplotlib is not installed (pip install 'mtplx[plot]'), or pass --no-plot") from None
+        raise MtplxError(
+            "plot: matplotlib is not installed (pip install 'mtplx[plot]'), or pass --no-plot"
+        ) from None
     fig, (ax, ax_ratio) = plt.subplots(1, 2, figsize=(11, 4.4), dpi=120)
     try:
         settings = list(dict.fromkeys(s.setting for s in summaries))
         depths = sorted({s.depth for s in summaries if s.mode in ("ar", "mtp")}) or [0]
         for index, setting in enumerate(settings):
             color = f"C{index}"
-            ours = sorted((s for s in summaries if s.setting == setting and s.mode in ("ar", "mtp")), key=lambda s: s.depth)
+            ours = sorted(
+                (s for s in summaries if s.setting == setting and s.mode in ("ar", "mtp")),
+                key=lambda s: s.depth,
+            )
             if ours:
                 xs = [s.depth for s in ours]
-                err = [[s.decode_tps - s.decode_tps_min for s in ours], [s.decode_tps_max - s.decode_tps for s in ours]]
-                ax.errorbar(xs, [s.decode_tps for s in ours], yerr=err, color=color, marker="o", capsize=3,
-                            label=f"mtplx, {setting}")
+                err = [
+                    [s.decode_tps - s.decode_tps_min for s in ours],
+                    [s.decode_tps_max - s.decode_tps for s in ours],
+                ]
+                ax.errorbar(
+                    xs,
+                    [s.decode_tps for s in ours],
+                    yerr=err,
+                    color=color,
+                    marker="o",
+                    capsize=3,
+                    label=f"mtplx, {setting}",
+                )
                 ratios = [(s.depth, s.ratio_to_stock) for s in ours if s.ratio_to_stock is not None]
                 if ratios:
-                    ax_ratio.plot([d for d, _ in ratios], [r for _, r in ratios], color=color, marker="o", label=setting)
+                    ax_ratio.plot(
+                        [d for d, _ in ratios], [r for _, r in ratios], color=color, marker="o", label=setting
+                    )
             stock = next((s for s in summaries if s.setting == setting and s.mode == "stock"), None)
             if stock is not None:
-                ax.axhline(stock.decode_tps, color=color, linestyle="--", linewidth=1, label=f"stock mlx-lm, {setting}")
+                ax.axhline(
+                    stock.decode_tps,
+                    color=color,
+                    linestyle="--",
+                    linewidth=1,
+                    label=f"stock mlx-lm, {setting}",
+                )
         ax.set_ylabel("decode tokens/s (median, min-max bars)")
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=8)
@@ -737,7 +859,9 @@ def check_depths_servable(engine, depths: Sequence[int]) -> None:
     if not depths:
         return
     if getattr(engine, "head", None) is None:
-        raise MtplxError("depths: this model has no MTP head (AR only): pass --depths 0, or give --head / forge one")
+        raise MtplxError(
+            "depths: this model has no MTP head (AR only): pass --depths 0, or give --head / forge one"
+        )
     limit = getattr(engine.head, "max_depth", None)
     if limit is not None and max(depths) > int(limit):
         raise MtplxError(f"depths: this head serves depths 1..{int(limit)}, not {max(depths)}")
@@ -749,7 +873,9 @@ def check_prompts_fit(engine, prompts: Sequence[Prompt], max_tokens: int) -> Non
     for prompt in prompts:
         ids = engine.encode_prompt(prompt.engine_input, chat=prompt.is_chat)
         if limit is not None and len(ids) + max_tokens > limit:
-            raise MtplxError(f"prompt {prompt.id}: {len(ids)} tokens + {max_tokens} exceed the context of {limit}")
+            raise MtplxError(
+                f"prompt {prompt.id}: {len(ids)} tokens + {max_tokens} exceed the context of {limit}"
+            )
 
 
 def _progress(total: int, enabled: bool, desc: str):
@@ -758,12 +884,23 @@ def _progress(total: int, enabled: bool, desc: str):
     return tqdm(total=total, disable=not enabled, desc=desc, unit="run", file=sys.stderr, dynamic_ncols=True)
 
 
-def run_benchmark(engine, *, depths: Sequence[int] = DEFAULT_DEPTHS, tokens: int = DEFAULT_TOKENS,
-                  repeats: int = DEFAULT_REPEATS, prompts: Sequence[Prompt] | None = None,
-                  temps: Sequence[float] = DEFAULT_TEMPS, top_p: float = DEFAULT_TOP_P, stock: bool = True,
-                  ban_eos: bool = True, warmup_tokens: int = DEFAULT_WARMUP_TOKENS, seed: int = 0,
-                  progress: bool = True, runner: Runner | None = None,
-                  desc: str = "bench") -> tuple[list[Summary], list[RunRecord], SweepPlan]:
+def run_benchmark(
+    engine,
+    *,
+    depths: Sequence[int] = DEFAULT_DEPTHS,
+    tokens: int = DEFAULT_TOKENS,
+    repeats: int = DEFAULT_REPEATS,
+    prompts: Sequence[Prompt] | None = None,
+    temps: Sequence[float] = DEFAULT_TEMPS,
+    top_p: float = DEFAULT_TOP_P,
+    stock: bool = True,
+    ban_eos: bool = True,
+    warmup_tokens: int = DEFAULT_WARMUP_TOKENS,
+    seed: int = 0,
+    progress: bool = True,
+    runner: Runner | None = None,
+    desc: str = "bench",
+) -> tuple[list[Summary], list[RunRecord], SweepPlan]:
     """Validate everything, then run the interleaved sweep on a loaded engine."""
     check_counts(tokens, repeats)
     if warmup_tokens < 0:
@@ -774,10 +911,18 @@ def run_benchmark(engine, *, depths: Sequence[int] = DEFAULT_DEPTHS, tokens: int
     if not prompts:
         raise MtplxError("prompts: none given")
     check_prompts_fit(engine, prompts, tokens)
-    plan = SweepPlan(make_variants(depths, stock=stock), make_settings(temps, top_p), prompts, tokens, repeats,
-                     warmup_tokens, seed)
+    plan = SweepPlan(
+        make_variants(depths, stock=stock),
+        make_settings(temps, top_p),
+        prompts,
+        tokens,
+        repeats,
+        warmup_tokens,
+        seed,
+    )
     runner = runner or make_runner(engine, ban_eos=ban_eos)
     with _progress(plan.total_runs, progress, desc) as bar:
+
         def on_run(record: RunRecord) -> None:
             bar.set_postfix_str(f"{record.variant} {record.setting} {record.decode_tokens_per_sec:.1f} tok/s")
             bar.update(1)
@@ -786,13 +931,28 @@ def run_benchmark(engine, *, depths: Sequence[int] = DEFAULT_DEPTHS, tokens: int
     return summarize(records), records, plan
 
 
-def bench_main(*, model: str | None = None, head: str | None = None, depths: str | Sequence[int] | None = None,
-               tokens: int = DEFAULT_TOKENS, repeats: int = DEFAULT_REPEATS, prompts_file: str | None = None,
-               kinds: Sequence[str] | None = None, per_kind: int | None = None,
-               temps: Sequence[float] = DEFAULT_TEMPS, top_p: float = DEFAULT_TOP_P,
-               json_path: str | None = "bench.json", plot_path: str | None = "bench.png", stock: bool = True,
-               ban_eos: bool = True, warmup_tokens: int = DEFAULT_WARMUP_TOKENS, seed: int = 0,
-               progress: bool = True, engine=None, out=None) -> int:
+def bench_main(
+    *,
+    model: str | None = None,
+    head: str | None = None,
+    depths: str | Sequence[int] | None = None,
+    tokens: int = DEFAULT_TOKENS,
+    repeats: int = DEFAULT_REPEATS,
+    prompts_file: str | None = None,
+    kinds: Sequence[str] | None = None,
+    per_kind: int | None = None,
+    temps: Sequence[float] = DEFAULT_TEMPS,
+    top_p: float = DEFAULT_TOP_P,
+    json_path: str | None = "bench.json",
+    plot_path: str | None = "bench.png",
+    stock: bool = True,
+    ban_eos: bool = True,
+    warmup_tokens: int = DEFAULT_WARMUP_TOKENS,
+    seed: int = 0,
+    progress: bool = True,
+    engine=None,
+    out=None,
+) -> int:
     """`mtplx bench`: load, sweep, print the markdown table, write JSON and PNG (atomically).
 
     Validation happens before the model loads where it can (counts, depths, prompts file),
@@ -811,14 +971,29 @@ def bench_main(*, model: str | None = None, head: str | None = None, depths: str
         engine = Engine.load(model, head=head, depth=depth_list[0] if depth_list else 1)
     head_sha = _head_weights_sha(head, model)
     summaries, records, plan = run_benchmark(
-        engine, depths=depth_list, tokens=tokens, repeats=repeats, prompts=prompt_list,
-        temps=[s.temperature for s in settings], top_p=top_p, stock=stock, ban_eos=ban_eos,
-        warmup_tokens=warmup_tokens, seed=seed, progress=progress)
-    context = {"model": str(model) if model is not None else "default (SmolLM2-135M-Instruct)",
-               "model_path": str(getattr(engine, "model_path", "") or ""), "head": head, "commit": commit,
-               "head_weights_sha256": head_sha,
-               "fingerprint": getattr(engine, "fingerprint", ""), "ban_eos": ban_eos,
-               "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:])}
+        engine,
+        depths=depth_list,
+        tokens=tokens,
+        repeats=repeats,
+        prompts=prompt_list,
+        temps=[s.temperature for s in settings],
+        top_p=top_p,
+        stock=stock,
+        ban_eos=ban_eos,
+        warmup_tokens=warmup_tokens,
+        seed=seed,
+        progress=progress,
+    )
+    context = {
+        "model": str(model) if model is not None else "default (SmolLM2-135M-Instruct)",
+        "model_path": str(getattr(engine, "model_path", "") or ""),
+        "head": head,
+        "commit": commit,
+        "head_weights_sha256": head_sha,
+        "fingerprint": getattr(engine, "fingerprint", ""),
+        "ban_eos": ban_eos,
+        "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+    }
     document = result_document(summaries, records, plan, context)
     print(markdown_table(summaries), file=out)
     if json_path:
@@ -826,13 +1001,19 @@ def bench_main(*, model: str | None = None, head: str | None = None, depths: str
         print(f"\nwrote {json_path}", file=out)
     if plot_path:
         machine = document["machine"]
-        write_plot(plot_path, summaries, f"{context['model']} | {machine['cpu']} ({machine['cores']} cores, "
-                                         f"{machine['device']}) | {tokens} tokens, median of {repeats}")
+        write_plot(
+            plot_path,
+            summaries,
+            f"{context['model']} | {machine['cpu']} ({machine['cores']} cores, "
+            f"{machine['device']}) | {tokens} tokens, median of {repeats}",
+        )
         print(f"wrote {plot_path}", file=out)
     return 0
 
 
-def report_main(json_path: str | Path, *, plot_path: str | None = None, update_json: bool = False, out=None) -> int:
+def report_main(
+    json_path: str | Path, *, plot_path: str | None = None, update_json: bool = False, out=None
+) -> int:
     """Re-summarize a saved result (`mtplx bench --report FILE`): print the table, optionally
     re-plot it and rewrite the JSON's summary with this version's summary rules."""
     out = out or sys.stdout
@@ -848,9 +1029,13 @@ def report_main(json_path: str | Path, *, plot_path: str | None = None, update_j
     if plot_path:
         machine = document.get("machine", {})
         plan = document.get("plan", {})
-        write_plot(plot_path, summaries, f"{document.get('model', '')} | {machine.get('cpu', '?')} ({machine.get('cores', '?')} "
-                                         f"cores, {machine.get('device', '?')}) | {plan.get('max_tokens', '?')} tokens, "
-                                         f"median of {plan.get('repeats', '?')}")
+        write_plot(
+            plot_path,
+            summaries,
+            f"{document.get('model', '')} | {machine.get('cpu', '?')} ({machine.get('cores', '?')} "
+            f"cores, {machine.get('device', '?')}) | {plan.get('max_tokens', '?')} tokens, "
+            f"median of {plan.get('repeats', '?')}",
+        )
     if update_json:
         document["summary"] = [asdict(s) for s in summaries]
         write_json(path, document)
@@ -869,34 +1054,85 @@ def _floats(text: str) -> list[float]:
 
 def add_bench_args(parser) -> None:
     """The `mtplx bench` flags (shared by benchmarks/bench_generate.py)."""
-    parser.add_argument("--model", default=None, help="local path or Hugging Face repo id (default: the embedded model)")
-    parser.add_argument("--head", default=None, help="a forged MTP head directory (default: the model's own head)")
-    parser.add_argument("--depths", default="1-4", help="MTP depths to sweep, e.g. 1-4 or 1,2,4; 0 = AR only (default 1-4)")
-    parser.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help=f"tokens per generation (default {DEFAULT_TOKENS})")
-    parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS, help=f"timed repeats; the median is quoted (default {DEFAULT_REPEATS})")
-    parser.add_argument("--prompts", default=None, metavar="FILE", help="prompts: .jsonl ({id, kind, prompt|messages}) or one raw prompt per line (default: the shipped suite)")
+    parser.add_argument(
+        "--model", default=None, help="local path or Hugging Face repo id (default: the embedded model)"
+    )
+    parser.add_argument(
+        "--head", default=None, help="a forged MTP head directory (default: the model's own head)"
+    )
+    parser.add_argument(
+        "--depths", default="1-4", help="MTP depths to sweep, e.g. 1-4 or 1,2,4; 0 = AR only (default 1-4)"
+    )
+    parser.add_argument(
+        "--tokens", type=int, default=DEFAULT_TOKENS, help=f"tokens per generation (default {DEFAULT_TOKENS})"
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=DEFAULT_REPEATS,
+        help=f"timed repeats; the median is quoted (default {DEFAULT_REPEATS})",
+    )
+    parser.add_argument(
+        "--prompts",
+        default=None,
+        metavar="FILE",
+        help="prompts: .jsonl ({id, kind, prompt|messages}) or one raw prompt per line (default: the shipped suite)",
+    )
     parser.add_argument("--kinds", default=None, help="comma-separated prompt kinds to keep, e.g. code,chat")
     parser.add_argument("--per-kind", type=int, default=None, help="keep the first N prompts of each kind")
     parser.add_argument("--temps", default="0,0.7", help="comma-separated temperatures (default 0,0.7)")
-    parser.add_argument("--top-p", type=float, default=DEFAULT_TOP_P, help=f"top-p at non-zero temperatures (default {DEFAULT_TOP_P})")
-    parser.add_argument("--json", dest="json_path", default="bench.json", help="JSON output (default bench.json)")
+    parser.add_argument(
+        "--top-p",
+        type=float,
+        default=DEFAULT_TOP_P,
+        help=f"top-p at non-zero temperatures (default {DEFAULT_TOP_P})",
+    )
+    parser.add_argument(
+        "--json", dest="json_path", default="bench.json", help="JSON output (default bench.json)"
+    )
     parser.add_argument("--plot", dest="plot_path", default=None, help="PNG output (default bench.png)")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib needed)")
     parser.add_argument("--no-stock", action="store_true", help="skip the stock mlx-lm baseline")
-    parser.add_argument("--allow-eos", action="store_true", help="let EOS end a generation (default: EOS banned for every variant alike)")
-    parser.add_argument("--warmup-tokens", type=int, default=DEFAULT_WARMUP_TOKENS, help="tokens per untimed warm-up run (0 = none)")
+    parser.add_argument(
+        "--allow-eos",
+        action="store_true",
+        help="let EOS end a generation (default: EOS banned for every variant alike)",
+    )
+    parser.add_argument(
+        "--warmup-tokens",
+        type=int,
+        default=DEFAULT_WARMUP_TOKENS,
+        help="tokens per untimed warm-up run (0 = none)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.add_argument("--report", default=None, metavar="JSON",
-                        help="no run: re-print the table of a saved result (and re-plot it with --plot)")
+    parser.add_argument(
+        "--report",
+        default=None,
+        metavar="JSON",
+        help="no run: re-print the table of a saved result (and re-plot it with --plot)",
+    )
 
 
 def bench_from_args(args) -> int:
     if getattr(args, "report", None):
         return report_main(args.report, plot_path=None if args.no_plot else args.plot_path)
-    return bench_main(model=args.model, head=args.head, depths=args.depths, tokens=args.tokens, repeats=args.repeats,
-                      prompts_file=args.prompts, kinds=args.kinds.split(",") if args.kinds else None,
-                      per_kind=args.per_kind, temps=_floats(args.temps), top_p=args.top_p,
-                      json_path=args.json_path or None, plot_path=None if args.no_plot else (args.plot_path or "bench.png"),
-                      stock=not args.no_stock, ban_eos=not args.allow_eos, warmup_tokens=args.warmup_tokens,
-                      seed=args.seed, progress=not args.no_progress)
+    return bench_main(
+        model=args.model,
+        head=args.head,
+        depths=args.depths,
+        tokens=args.tokens,
+        repeats=args.repeats,
+        prompts_file=args.prompts,
+        kinds=args.kinds.split(",") if args.kinds else None,
+        per_kind=args.per_kind,
+        temps=_floats(args.temps),
+        top_p=args.top_p,
+        json_path=args.json_path or None,
+        plot_path=None if args.no_plot else (args.plot_path or "bench.png"),
+        stock=not args.no_stock,
+        ban_eos=not args.allow_eos,
+        warmup_tokens=args.warmup_tokens,
+        seed=args.seed,
+        progress=not args.no_progress,
+    )

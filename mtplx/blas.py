@@ -56,11 +56,7 @@ def candidate_paths() -> list[str]:
 
 
 def _exports_sgemm(lib: ctypes.CDLL) -> bool:
-    try:
-        lib.cblas_sgemm
-    except AttributeError:
-        return False
-    return True
+    return hasattr(lib, "cblas_sgemm")
 
 
 def load_optimized_blas() -> BlasStatus:

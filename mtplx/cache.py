@@ -184,7 +184,9 @@ class _RecurrentRecord:
         if conv is None or conv.shape[0] != self.rows:
             raise RuntimeError("gated-delta layer did not record per-position conv states")
         if num_keep >= self.rows:
-            raise ValueError(f"num_keep {num_keep} exceeds the {self.rows - 1} positions recorded; pass block_len")
+            raise ValueError(
+                f"num_keep {num_keep} exceeds the {self.rows - 1} positions recorded; pass block_len"
+            )
         state = self.slots_before[_STATE_SLOT] if num_keep == 0 else self.states[num_keep - 1]
         self._release()
         c[_CONV_SLOT] = mx.contiguous(conv[num_keep : num_keep + 1])
@@ -388,7 +390,9 @@ def commit_block(cache: list, capture: BlockCapture, num_keep: int) -> None:
         for r in capture.records:
             if isinstance(r, _RecurrentRecord):
                 if r.block_len != block_len:
-                    raise RuntimeError(f"gated-delta capture saw {r.block_len} positions, expected {block_len}")
+                    raise RuntimeError(
+                        f"gated-delta capture saw {r.block_len} positions, expected {block_len}"
+                    )
                 r.commit(num_keep)
             else:
                 r.commit(num_keep, block_len)

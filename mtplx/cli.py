@@ -5,15 +5,21 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 import mtplx  # noqa: F401  (loads the optimized BLAS before anything imports mlx)
 from mtplx.errors import MtplxError
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="local path or Hugging Face repo id (default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--head", default=None, help="a forged MTP head directory (default: the model's own head)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="local path or Hugging Face repo id (default: the embedded SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument(
+        "--head", default=None, help="a forged MTP head directory (default: the model's own head)"
+    )
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -28,9 +34,16 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _sampling_kwargs(args: argparse.Namespace) -> dict:
-    return dict(temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-                frequency_penalty=args.frequency_penalty, seed=args.seed)
+    return dict(
+        temperature=args.temp,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        seed=args.seed,
+    )
 
 
 def _format_stats(stats) -> str:
@@ -57,7 +70,6 @@ def _read_prompt(args: argparse.Namespace) -> str:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from mtplx.engine import Engine
-
     from mtplx.sampling import SamplerConfig
 
     # Validate what needs no model first: a typo should cost no load time.
@@ -69,12 +81,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise MtplxError(f"depth: must be >= 1, got {args.depth}")
     prompt = _read_prompt(args)
     engine = Engine.load(args.model, head=args.head, depth=args.depth, dtype=args.dtype)
-    chat = args.chat if args.chat is not None else getattr(engine.tokenizer, "chat_template", None) is not None
+    chat = (
+        args.chat if args.chat is not None else getattr(engine.tokenizer, "chat_template", None) is not None
+    )
     if args.mtp is None and not engine.has_head:
-        print("mtplx: note: this model has no MTP head, decoding autoregressively (train one with `mtplx forge`)",
-              file=sys.stderr)
-    stream = engine.stream(prompt, max_tokens=args.max_tokens, stop=args.stop, mtp=args.mtp,
-                           greedy_draft=args.greedy_draft, chat=chat, **sampling)
+        print(
+            "mtplx: note: this model has no MTP head, decoding autoregressively (train one with `mtplx forge`)",
+            file=sys.stderr,
+        )
+    stream = engine.stream(
+        prompt,
+        max_tokens=args.max_tokens,
+        stop=args.stop,
+        mtp=args.mtp,
+        greedy_draft=args.greedy_draft,
+        chat=chat,
+        **sampling,
+    )
     text, tokens, chunk = [], [], None
     try:
         for chunk in stream:
@@ -93,8 +116,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(_format_stats(chunk.stats), file=sys.stderr)
         return 130
     if args.json:
-        print(json.dumps({"text": "".join(text), "token_ids": tokens,
-                          "finish_reason": chunk.finish_reason, "stats": chunk.stats.as_dict()}))
+        print(
+            json.dumps(
+                {
+                    "text": "".join(text),
+                    "token_ids": tokens,
+                    "finish_reason": chunk.finish_reason,
+                    "stats": chunk.stats.as_dict(),
+                }
+            )
+        )
     else:
         sys.stdout.write("\n")
         sys.stdout.flush()
@@ -122,11 +153,24 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_forge(args: argparse.Namespace) -> int:
     from mtplx.forge import forge
 
-    draft_vocab = None if args.draft_vocab in (None, "full") else (
-        "auto" if args.draft_vocab == "auto" else _positive_int("--draft-vocab", args.draft_vocab))
-    report = forge(args.model, args.out, args.data or None, steps=args.steps, train_tokens=args.train_tokens,
-                   seed=args.seed, hidden_source=args.hidden_source, compare_steps=args.compare_steps,
-                   draft_vocab=draft_vocab, work_dir=args.work_dir, progress=not args.no_progress)
+    draft_vocab = (
+        None
+        if args.draft_vocab in (None, "full")
+        else ("auto" if args.draft_vocab == "auto" else _positive_int("--draft-vocab", args.draft_vocab))
+    )
+    report = forge(
+        args.model,
+        args.out,
+        args.data or None,
+        steps=args.steps,
+        train_tokens=args.train_tokens,
+        seed=args.seed,
+        hidden_source=args.hidden_source,
+        compare_steps=args.compare_steps,
+        draft_vocab=draft_vocab,
+        work_dir=args.work_dir,
+        progress=not args.no_progress,
+    )
     print(f"wrote {report.manifest_path.parent}")
     return 0
 
@@ -161,18 +205,40 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", nargs="?", default=None, help="the prompt (default: read standard input)")
     _add_model_args(gen)
     _add_sampling_args(gen)
-    gen.add_argument("--depth", type=int, default=None, help="draft tokens per verify cycle (default: tuned, else the head's)")
+    gen.add_argument(
+        "--depth",
+        type=int,
+        default=None,
+        help="draft tokens per verify cycle (default: tuned, else the head's)",
+    )
     gen.add_argument("--max-tokens", type=int, default=256)
-    gen.add_argument("--dtype", choices=("float32", "q4"), default=None,
-                     help="build of the embedded default model (default float32, the faster one on CPU)")
+    gen.add_argument(
+        "--dtype",
+        choices=("float32", "q4"),
+        default=None,
+        help="build of the embedded default model (default float32, the faster one on CPU)",
+    )
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     speculative = gen.add_mutually_exclusive_group()
-    speculative.add_argument("--mtp", dest="mtp", action="store_true", default=None,
-                             help="require MTP speculative decoding (default: on when the model has a head)")
-    speculative.add_argument("--no-mtp", dest="mtp", action="store_false", help="plain autoregressive decoding")
+    speculative.add_argument(
+        "--mtp",
+        dest="mtp",
+        action="store_true",
+        default=None,
+        help="require MTP speculative decoding (default: on when the model has a head)",
+    )
+    speculative.add_argument(
+        "--no-mtp", dest="mtp", action="store_false", help="plain autoregressive decoding"
+    )
     gen.add_argument("--greedy-draft", action="store_true", help="draft the head's argmax (still exact)")
     mode = gen.add_mutually_exclusive_group()
-    mode.add_argument("--chat", dest="chat", action="store_true", default=None, help="wrap the prompt in the chat template (default when the model has one)")
+    mode.add_argument(
+        "--chat",
+        dest="chat",
+        action="store_true",
+        default=None,
+        help="wrap the prompt in the chat template (default when the model has one)",
+    )
     mode.add_argument("--raw", dest="chat", action="store_false", help="feed the prompt as raw text")
     gen.add_argument("--stats", action="store_true", help="print speed and acceptance to stderr")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
@@ -181,27 +247,45 @@ def _build_parser() -> argparse.ArgumentParser:
     conv = sub.add_parser("convert", help="convert a llama-architecture GGUF into an mlx-lm model directory")
     conv.add_argument("gguf", help="the .gguf file")
     conv.add_argument("out", help="output directory (written atomically)")
-    conv.add_argument("--dtype", default="float32", help="float32 | float16 | bfloat16 | q4 (default float32)")
+    conv.add_argument(
+        "--dtype", default="float32", help="float32 | float16 | bfloat16 | q4 (default float32)"
+    )
     conv.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     conv.set_defaults(func=cmd_convert)
 
-    insp = sub.add_parser("inspect", help="describe a model without running it (MTP-ready / AR-only / unsupported)")
+    insp = sub.add_parser(
+        "inspect", help="describe a model without running it (MTP-ready / AR-only / unsupported)"
+    )
     insp.add_argument("model", help="local path or Hugging Face repo id")
     insp.add_argument("--json", action="store_true", help="print JSON")
     insp.set_defaults(func=cmd_inspect)
 
     frg = sub.add_parser("forge", help="train an MTP head for a model that has none (self-distillation)")
-    frg.add_argument("--model", default=None, help="local path or Hugging Face repo id (default: the embedded model)")
+    frg.add_argument(
+        "--model", default=None, help="local path or Hugging Face repo id (default: the embedded model)"
+    )
     frg.add_argument("--out", default="forged-head", help="output head directory (default ./forged-head)")
-    frg.add_argument("--data", action="append", default=None,
-                     help="training text: a file or directory of .txt/.md/.rst/.py/.jsonl (repeatable; default: the offline corpus)")
+    frg.add_argument(
+        "--data",
+        action="append",
+        default=None,
+        help="training text: a file or directory of .txt/.md/.rst/.py/.jsonl (repeatable; default: the offline corpus)",
+    )
     frg.add_argument("--steps", type=int, default=1200)
     frg.add_argument("--train-tokens", type=int, default=300_000)
     frg.add_argument("--seed", type=int, default=0)
     frg.add_argument("--hidden-source", choices=("pre_norm", "post_norm"), default="post_norm")
-    frg.add_argument("--compare-steps", type=int, default=0,
-                     help="first train both hidden sources this many steps and keep the better one")
-    frg.add_argument("--draft-vocab", default=None, help="reduced draft vocabulary: a size, 'auto' or 'full' (default full)")
+    frg.add_argument(
+        "--compare-steps",
+        type=int,
+        default=0,
+        help="first train both hidden sources this many steps and keep the better one",
+    )
+    frg.add_argument(
+        "--draft-vocab",
+        default=None,
+        help="reduced draft vocabulary: a size, 'auto' or 'full' (default full)",
+    )
     frg.add_argument("--work-dir", default=None, help="where teacher data and checkpoints go (resumable)")
     frg.add_argument("--no-progress", action="store_true")
     frg.set_defaults(func=cmd_forge)
@@ -216,7 +300,6 @@ def _build_parser() -> argparse.ArgumentParser:
     add_tune_args(tune)
     tune.set_defaults(func=cmd_tune)
     return parser
-
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -67,7 +67,9 @@ def _meta(gguf: GGUFFile, key: str, default: Any = None) -> Any:
 def hf_config(gguf: GGUFFile) -> dict[str, Any]:
     """The mlx-lm / transformers ``config.json`` for a llama GGUF."""
     if gguf.metadata.get(f"{gguf.architecture}.rope.scaling.type", "none") not in ("none", ""):
-        raise MtplxError(f"{gguf.path}: rope scaling ({gguf.metadata[f'{gguf.architecture}.rope.scaling.type']}) is not supported")
+        raise MtplxError(
+            f"{gguf.path}: rope scaling ({gguf.metadata[f'{gguf.architecture}.rope.scaling.type']}) is not supported"
+        )
     n_heads = int(_meta(gguf, "attention.head_count"))
     hidden = int(_meta(gguf, "embedding_length"))
     tokens = gguf.metadata.get("tokenizer.ggml.tokens") or []
@@ -135,7 +137,11 @@ def _tensor_parts(gguf: GGUFFile, arrays: dict[str, mx.array], info: TensorInfo)
         return {"weight": arrays[info.name]}
     if info.ggml_type in (GGML_Q4_0, GGML_Q4_1, GGML_Q8_0):
         try:
-            return {"weight": arrays[info.name], "scales": arrays[f"{base}.scales"], "biases": arrays[f"{base}.biases"]}
+            return {
+                "weight": arrays[info.name],
+                "scales": arrays[f"{base}.scales"],
+                "biases": arrays[f"{base}.biases"],
+            }
         except KeyError:
             raise MtplxError(f"{gguf.path}: MLX did not unpack quantized tensor {info.name}") from None
     raise MtplxError(f"{gguf.path}: tensor {info.name} has unsupported type {info.type_name}")
@@ -200,7 +206,14 @@ def quantization_config(weights: dict[str, mx.array]) -> dict[str, Any] | None:
 
 
 # llama.cpp pre-tokenizer names -> whether digits are split one by one before the GPT-2 regex.
-_GPT2_STYLE_PRE = {"default": False, "gpt-2": False, "gpt2": False, "smollm": True, "starcoder": True, "refact": True}
+_GPT2_STYLE_PRE = {
+    "default": False,
+    "gpt-2": False,
+    "gpt2": False,
+    "smollm": True,
+    "starcoder": True,
+    "refact": True,
+}
 
 
 def build_tokenizer(gguf: GGUFFile):
@@ -209,26 +222,42 @@ def build_tokenizer(gguf: GGUFFile):
 
     md = gguf.metadata
     if md.get("tokenizer.ggml.model") != "gpt2":
-        raise MtplxError(f"{gguf.path}: unsupported tokenizer model {md.get('tokenizer.ggml.model')!r} (only byte-level BPE 'gpt2')")
+        raise MtplxError(
+            f"{gguf.path}: unsupported tokenizer model {md.get('tokenizer.ggml.model')!r} (only byte-level BPE 'gpt2')"
+        )
     pre = md.get("tokenizer.ggml.pre", "default")
     if pre not in _GPT2_STYLE_PRE:
-        raise MtplxError(f"{gguf.path}: unsupported pre-tokenizer {pre!r} (supported: {', '.join(_GPT2_STYLE_PRE)})")
+        raise MtplxError(
+            f"{gguf.path}: unsupported pre-tokenizer {pre!r} (supported: {', '.join(_GPT2_STYLE_PRE)})"
+        )
     tokens: list[str] = md["tokenizer.ggml.tokens"]
     merges = [tuple(m.split(" ", 1)) for m in md.get("tokenizer.ggml.merges", [])]
     vocab = {tok: i for i, tok in enumerate(tokens)}
     unk = md.get("tokenizer.ggml.unknown_token_id")
     tok = Tokenizer(
-        models.BPE(vocab=vocab, merges=merges, unk_token=tokens[unk] if unk is not None else None, fuse_unk=False, byte_fallback=False)
+        models.BPE(
+            vocab=vocab,
+            merges=merges,
+            unk_token=tokens[unk] if unk is not None else None,
+            fuse_unk=False,
+            byte_fallback=False,
+        )
     )
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=bool(md.get("tokenizer.ggml.add_space_prefix", False)), use_regex=True)
+    byte_level = pre_tokenizers.ByteLevel(
+        add_prefix_space=bool(md.get("tokenizer.ggml.add_space_prefix", False)), use_regex=True
+    )
     if _GPT2_STYLE_PRE[pre]:
-        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level]
+        )
     else:
         tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()
     # Control (3) and user-defined (4) tokens must never be split by BPE.
     types = md.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    specials = [AddedToken(tokens[i], special=(t == 3), normalized=False) for i, t in enumerate(types) if t in (3, 4)]
+    specials = [
+        AddedToken(tokens[i], special=(t == 3), normalized=False) for i, t in enumerate(types) if t in (3, 4)
+    ]
     tok.add_tokens(specials)
     return tok
 
@@ -243,12 +272,27 @@ def tokenizer_files(gguf: GGUFFile) -> dict[str, Any]:
         idx = md.get(f"tokenizer.ggml.{name}_token_id")
         return tokens[idx] if idx is not None and 0 <= idx < len(tokens) else None
 
-    special_map = {k: v for k, v in {
-        "bos_token": token("bos"), "eos_token": token("eos"), "unk_token": token("unknown"), "pad_token": token("padding"),
-    }.items() if v is not None}
+    special_map = {
+        k: v
+        for k, v in {
+            "bos_token": token("bos"),
+            "eos_token": token("eos"),
+            "unk_token": token("unknown"),
+            "pad_token": token("padding"),
+        }.items()
+        if v is not None
+    }
     added = {
-        str(i): {"content": tokens[i], "lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": t == 3}
-        for i, t in enumerate(types) if t in (3, 4)
+        str(i): {
+            "content": tokens[i],
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": t == 3,
+        }
+        for i, t in enumerate(types)
+        if t in (3, 4)
     }
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -257,7 +301,9 @@ def tokenizer_files(gguf: GGUFFile) -> dict[str, Any]:
         "clean_up_tokenization_spaces": False,
         "model_max_length": int(md.get(f"{gguf.architecture}.context_length", 2048)),
         "added_tokens_decoder": added,
-        "additional_special_tokens": [tokens[i] for i, t in enumerate(types) if t == 3 and tokens[i] not in special_map.values()],
+        "additional_special_tokens": [
+            tokens[i] for i, t in enumerate(types) if t == 3 and tokens[i] not in special_map.values()
+        ],
         **special_map,
     }
     if "tokenizer.chat_template" in md:
@@ -283,7 +329,11 @@ def write_model_dir(gguf: GGUFFile, out: Path, dtype: str) -> None:
         config["quantization_config"] = quant
     else:
         config["torch_dtype"] = dtype
-    config["mtplx"] = {"converted_from": gguf.path.name, "converter_version": CONVERTER_VERSION, "dtype": dtype}
+    config["mtplx"] = {
+        "converted_from": gguf.path.name,
+        "converter_version": CONVERTER_VERSION,
+        "dtype": dtype,
+    }
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     _write_json(out / "config.json", config)
     tokenizer.save(str(out / "tokenizer.json"))

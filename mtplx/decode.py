@@ -18,26 +18,17 @@ cycle, so the head's cache always equals the one a from-scratch run builds.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Protocol
 
 import mlx.core as mx
 
 from mtplx import cache as cache_ops
 from mtplx import verify as verify_ops
 from mtplx.errors import MtplxError
+from mtplx.heads.base import DraftHead
 from mtplx.sampling import SamplerConfig
 from mtplx.trunk import Trunk, TrunkOutput
-
-
-class DraftHead(Protocol):
-    hidden_source: str  # "pre_norm" | "post_norm": which trunk hidden state the head reads
-
-    def __call__(self, hidden: mx.array, next_tokens: mx.array, cache: list) -> mx.array: ...
-
-    def make_cache(self) -> list: ...
-
-    def logits(self, head_hidden: mx.array) -> mx.array: ...
 
 
 @dataclass(frozen=True)
@@ -89,7 +80,9 @@ def prefill(
     return output
 
 
-def _penalize(logits: mx.array, context: list[int], cfg: SamplerConfig, block_tokens: mx.array | None = None) -> mx.array:
+def _penalize(
+    logits: mx.array, context: list[int], cfg: SamplerConfig, block_tokens: mx.array | None = None
+) -> mx.array:
     """Penalties for rows logits[B, T, V]: row t sees ``context`` then block_tokens[:, :t].
 
     Without penalties this returns ``logits`` untouched (the plain path costs nothing).
@@ -133,13 +126,6 @@ def ar_decode(
         mx.async_eval(upcoming)
         yield Step([token_id])
         token = upcoming
-
-
-def _chain_input(head: DraftHead, head_out: mx.array) -> mx.array:
-    """What the next chained draft step reads: the head's post-norm output or its pre-norm one."""
-    if getattr(head, "chain_source", "post_norm") == "pre_norm":
-        return head.last_pre_norm[:, -1:]
-    return head_out[:, -1:]
 
 
 def _trunk_hidden(output: TrunkOutput, head: DraftHead) -> mx.array:
@@ -194,20 +180,30 @@ def mtp_decode(
         draft_uniforms = verify_ops.draw_uniforms((depth,), draft_key)
 
         # 1. Draft d_1..d_k, chained on the head's own output.
-        head_out = head(head_hidden_in, mx.array(head_tokens_in)[None], head_cache)[:, -1:]
+        head_out = head(head_hidden_in, mx.array(head_tokens_in)[None], head_cache, trunk_cache=trunk_cache)[
+            :, -1:
+        ]
         draft_tokens: list[mx.array] = []
         draft_probs: list[mx.array] = []
         for i in range(depth):
             if i > 0:
-                head_out = head(_chain_input(head, head_out), draft_tokens[-1].reshape(1, 1), head_cache)
-            logits = head.logits(head_out)[:, -1, :]
+                head_out = head(
+                    head.chain_input(head_out),
+                    draft_tokens[-1].reshape(1, 1),
+                    head_cache,
+                    step=i,
+                    trunk_cache=trunk_cache,
+                )
+            logits = head.logits(head_out, step=i)[:, -1, :]
             if cfg.has_penalties:  # draft i sees the committed tokens and d_1..d_{i-1}
                 drafted_so_far = history + [int(t.item()) for t in draft_tokens]
                 logits = _penalize(logits[:, None, :], drafted_so_far, cfg)[:, 0, :]
             if settings.greedy_draft:
                 token = mx.argmax(logits, axis=-1).astype(mx.int32)
             else:
-                drawn = verify_ops.sample(logits, cfg, draft_uniforms[i : i + 1], backend=settings.verify_backend)
+                drawn = verify_ops.sample(
+                    logits, cfg, draft_uniforms[i : i + 1], backend=settings.verify_backend
+                )
                 token = drawn.tokens.astype(mx.int32)
                 draft_probs.append(drawn.probs)
             draft_tokens.append(token)

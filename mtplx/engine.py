@@ -9,9 +9,9 @@ stats. The loops themselves live in `decode.py`.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import mlx.core as mx
 
@@ -86,7 +86,9 @@ class _StatsTracker:
         stats.generated_tokens += num_tokens_kept
         stats.decode_seconds = now - self._first_token_time
         # The first token comes from prefill; decode speed counts the tokens after it.
-        stats.decode_tokens_per_sec = (stats.generated_tokens - 1) / stats.decode_seconds if stats.decode_seconds > 0 else 0.0
+        stats.decode_tokens_per_sec = (
+            (stats.generated_tokens - 1) / stats.decode_seconds if stats.decode_seconds > 0 else 0.0
+        )
         stats.tokens_per_cycle = self._committed_in_cycles / stats.cycles if stats.cycles else 0.0
         stats.acceptance_per_position = [a / d for a, d in zip(self._accepted, self._drafted) if d]
         stats.peak_memory_gb = mx.get_peak_memory() / 1e9
@@ -140,8 +142,18 @@ class _TextAssembler:
 class Engine:
     """A loaded target model plus (optionally) its MTP head."""
 
-    def __init__(self, model, tokenizer, config: dict, *, head=None, depth: int | None = None,
-                 model_path: Path | None = None, fingerprint: str = "", verify_backend: str = "auto"):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        config: dict,
+        *,
+        head=None,
+        depth: int | None = None,
+        model_path: Path | None = None,
+        fingerprint: str = "",
+        verify_backend: str = "auto",
+    ):
         self.trunk = Trunk(model)
         self.tokenizer = tokenizer
         self.config = config
@@ -153,8 +165,15 @@ class Engine:
 
     # ----------------------------------------------------------------- loading
     @classmethod
-    def load(cls, model: str | Path | None = None, *, head: str | Path | None = None,
-             depth: int | None = None, dtype: str | None = None, verify_backend: str = "auto") -> "Engine":
+    def load(
+        cls,
+        model: str | Path | None = None,
+        *,
+        head: str | Path | None = None,
+        depth: int | None = None,
+        dtype: str | None = None,
+        verify_backend: str = "auto",
+    ) -> Engine:
         """Load ``model`` (local path, Hugging Face repo id, or None for the embedded default).
 
         ``head`` is a forged-head directory; without it the checkpoint's own MTP
@@ -165,10 +184,19 @@ class Engine:
         if dtype not in (None, *loading.VARIANTS):
             raise MtplxError(f"dtype: must be one of {', '.join(loading.VARIANTS)}, got {dtype!r}")
         loaded = loading.load_model(model, variant=dtype or "float32")
-        engine = cls(loaded.model, loaded.tokenizer, loaded.config, model_path=loaded.path,
-                     fingerprint=loaded.fingerprint, verify_backend=verify_backend)
-        head_dir = Path(head) if head is not None else (
-            heads.shipped_head_dir(loading.DEFAULT_MODEL_NAME) if model is None else None)
+        engine = cls(
+            loaded.model,
+            loaded.tokenizer,
+            loaded.config,
+            model_path=loaded.path,
+            fingerprint=loaded.fingerprint,
+            verify_backend=verify_backend,
+        )
+        head_dir = (
+            Path(head)
+            if head is not None
+            else (heads.shipped_head_dir(loading.DEFAULT_MODEL_NAME) if model is None else None)
+        )
         if head_dir is not None:
             from mtplx.heads import forged
 
@@ -193,7 +221,7 @@ class Engine:
         return tuned if tuned is not None else self._head_depth()
 
     def _head_depth(self) -> int:
-        return int(getattr(self.head, "default_depth", None) or DEFAULT_DEPTH)
+        return int((self.head.default_depth if self.head is not None else None) or DEFAULT_DEPTH)
 
     @property
     def has_head(self) -> bool:
@@ -214,7 +242,9 @@ class Engine:
         if use_chat:
             if getattr(self.tokenizer, "chat_template", None) is None:
                 raise MtplxError("prompt: this model's tokenizer has no chat template; pass raw text")
-            tokens = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
+            tokens = self.tokenizer.apply_chat_template(
+                list(prompt), add_generation_prompt=True, tokenize=True
+            )
             if isinstance(tokens, dict):
                 tokens = tokens["input_ids"]
         else:
@@ -229,12 +259,26 @@ class Engine:
         return text_config.get("max_position_embeddings")
 
     # -------------------------------------------------------------- generation
-    def stream(self, prompt: str | Sequence[dict], *, max_tokens: int = 256, temperature: float = 0.0,
-               top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0,
-               presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-               logit_bias: dict[int, float] | None = None, seed: int | None = None,
-               stop: Sequence[str] | str | None = None, mtp: bool | None = None, depth: int | None = None,
-               greedy_draft: bool = False, chat: bool | None = None) -> Iterator[GenerationChunk]:
+    def stream(
+        self,
+        prompt: str | Sequence[dict],
+        *,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        logit_bias: dict[int, float] | None = None,
+        seed: int | None = None,
+        stop: Sequence[str] | str | None = None,
+        mtp: bool | None = None,
+        depth: int | None = None,
+        greedy_draft: bool = False,
+        chat: bool | None = None,
+    ) -> Iterator[GenerationChunk]:
         """Generate incrementally; each chunk carries new text, new token ids and running stats.
 
         ``mtp=None`` decodes with the MTP head when the engine has one (and tuning did not
@@ -242,9 +286,16 @@ class Engine:
         """
         if max_tokens <= 0:
             raise MtplxError(f"max_tokens: must be > 0, got {max_tokens}")
-        sampler = SamplerConfig(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                                repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-                                frequency_penalty=frequency_penalty, logit_bias=logit_bias)
+        sampler = SamplerConfig(
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            logit_bias=logit_bias,
+        )
         if depth is not None and depth < 1:
             raise MtplxError(f"depth: must be >= 1, got {depth}")
         if mtp is None:
@@ -252,25 +303,38 @@ class Engine:
         # An explicit mtp=True on a model tuned to AR (depth 0) still drafts, at the head's own depth.
         depth = depth if depth is not None else (self.depth or self._head_depth())
         if mtp and self.head is None:
-            raise MtplxError("this model has no MTP head: use --no-mtp (mtp=False), or train one with `mtplx forge`")
+            raise MtplxError(
+                "this model has no MTP head: use --no-mtp (mtp=False), or train one with `mtplx forge`"
+            )
         prompt_tokens = self.encode_prompt(prompt, chat)
         limit = self._context_length()
         if limit is not None and len(prompt_tokens) + max_tokens > limit:
-            raise MtplxError(f"prompt: {len(prompt_tokens)} tokens + max_tokens {max_tokens} exceed "
-                             f"the model's context of {limit} tokens")
+            raise MtplxError(
+                f"prompt: {len(prompt_tokens)} tokens + max_tokens {max_tokens} exceed "
+                f"the model's context of {limit} tokens"
+            )
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        settings = decode.DecodeSettings(sampler=sampler, depth=depth, greedy_draft=greedy_draft,
-                                         verify_backend=self.verify_backend)
+        settings = decode.DecodeSettings(
+            sampler=sampler, depth=depth, greedy_draft=greedy_draft, verify_backend=self.verify_backend
+        )
         key = mx.random.key(seed if seed is not None else int(time.time_ns() % (2**63)))
         if mtp:
             steps = decode.mtp_decode(self.trunk, self.head, prompt_tokens, settings, key)
         else:
             steps = decode.ar_decode(self.trunk, prompt_tokens, settings, key)
-        return self._assemble(steps, len(prompt_tokens), max_tokens, stops, "mtp" if mtp else "ar",
-                              depth if mtp else 0)
+        return self._assemble(
+            steps, len(prompt_tokens), max_tokens, stops, "mtp" if mtp else "ar", depth if mtp else 0
+        )
 
-    def _assemble(self, steps: Iterator[decode.Step], num_prompt: int, max_tokens: int,
-                  stops: list[str], mode: str, depth: int) -> Iterator[GenerationChunk]:
+    def _assemble(
+        self,
+        steps: Iterator[decode.Step],
+        num_prompt: int,
+        max_tokens: int,
+        stops: list[str],
+        mode: str,
+        depth: int,
+    ) -> Iterator[GenerationChunk]:
         eos = set(self.tokenizer.eos_token_ids)
         tracker = _StatsTracker(num_prompt, mode, depth)
         text = _TextAssembler(self.tokenizer, stops)

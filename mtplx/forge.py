@@ -20,18 +20,18 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
-import numpy as np
-
-import mtplx  # noqa: F401  (optimized BLAS before mlx)
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
+import numpy as np
 from mlx.utils import tree_flatten
 
+import mtplx  # noqa: F401  (optimized BLAS before mlx)
 from mtplx.errors import MtplxError
 from mtplx.forge_data import Corpus, Sample, corpus_from_paths, default_corpus
 from mtplx.heads.forged import ForgedMTPHead, build_forged_head, lm_head_matrix, save_forged_head
@@ -61,7 +61,9 @@ class ForgeConfig:
     weight_decay: float = 0.0
     seed: int = 0
     hidden_source: str = "pre_norm"  # measured better for SmolLM2 (see its model card)
-    train_vocab: int | None = 4096  # frequent ids shared by every position's softmax while training (cost); None = full
+    train_vocab: int | None = (
+        4096  # frequent ids shared by every position's softmax while training (cost); None = full
+    )
     draft_vocab: int | None = None  # ship a reduced-vocabulary head of this size; None = full vocabulary
     checkpoint_every: int = 200
     eval_depths: int = 3
@@ -71,8 +73,18 @@ class ForgeConfig:
     def __post_init__(self) -> None:
         self.out_dir = Path(self.out_dir)
         if self.hidden_source not in HIDDEN_SOURCES:
-            raise MtplxError(f"forge: hidden_source must be one of {', '.join(HIDDEN_SOURCES)}, got {self.hidden_source!r}")
-        for name in ("train_tokens", "seq_len", "top_n", "steps", "batch_size", "precompute_batch", "checkpoint_every"):
+            raise MtplxError(
+                f"forge: hidden_source must be one of {', '.join(HIDDEN_SOURCES)}, got {self.hidden_source!r}"
+            )
+        for name in (
+            "train_tokens",
+            "seq_len",
+            "top_n",
+            "steps",
+            "batch_size",
+            "precompute_batch",
+            "checkpoint_every",
+        ):
             if int(getattr(self, name)) <= 0:
                 raise MtplxError(f"forge: {name} must be positive, got {getattr(self, name)}")
 
@@ -106,7 +118,9 @@ def sample_ids(tokenizer: Any, sample: Sample) -> list[int]:
     return ids + ([int(eos)] if eos is not None else [])
 
 
-def pack_windows(tokenizer: Any, samples: Sequence[Sample], seq_len: int, max_tokens: int, seed: int) -> np.ndarray:
+def pack_windows(
+    tokenizer: Any, samples: Sequence[Sample], seq_len: int, max_tokens: int, seed: int
+) -> np.ndarray:
     """Shuffle the samples (seeded), concatenate their ids and cut [N, seq_len] windows (at most max_tokens)."""
     order = np.random.default_rng(seed).permutation(len(samples))
     stream: list[int] = []
@@ -118,7 +132,9 @@ def pack_windows(tokenizer: Any, samples: Sequence[Sample], seq_len: int, max_to
     return np.asarray(stream[: n * seq_len], dtype=np.int32).reshape(n, seq_len)
 
 
-def files_in_windows(tokenizer: Any, samples: Sequence[Sample], seq_len: int, tokens: int, seed: int) -> list[str]:
+def files_in_windows(
+    tokenizer: Any, samples: Sequence[Sample], seq_len: int, tokens: int, seed: int
+) -> list[str]:
     """Source files of the samples that reach the first ``tokens`` tokens of ``pack_windows``' stream
     (same seeded order): exactly the files a run trained or evaluated on."""
     order = np.random.default_rng(seed).permutation(len(samples))
@@ -178,7 +194,13 @@ def top_n_logprobs(logits: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def precompute_teacher(
-    trunk: Trunk, fingerprint: str, windows: np.ndarray, cache_dir: Path, top_n: int, batch: int, progress: bool,
+    trunk: Trunk,
+    fingerprint: str,
+    windows: np.ndarray,
+    cache_dir: Path,
+    top_n: int,
+    batch: int,
+    progress: bool,
     limit: int | None = None,
 ) -> TeacherData:
     """Run the frozen trunk once over ``windows``; resumes from the last completed batch.
@@ -192,7 +214,12 @@ def precompute_teacher(
     hidden_size = int(trunk.inner.embed_tokens.weight.shape[1])
     meta = _teacher_meta(fingerprint, windows, hidden_size, top_n)
     meta_path, progress_path = cache_dir / "teacher.json", cache_dir / "teacher_progress.json"
-    shapes = {"tokens": (n, seq_len), "hidden": (n, seq_len, hidden_size), "top_ids": (n, seq_len, top_n), "top_logp": (n, seq_len, top_n)}
+    shapes = {
+        "tokens": (n, seq_len),
+        "hidden": (n, seq_len, hidden_size),
+        "top_ids": (n, seq_len, top_n),
+        "top_logp": (n, seq_len, top_n),
+    }
     dtypes = {"tokens": np.int32, "hidden": np.float16, "top_ids": np.int32, "top_logp": np.float32}
     done = 0
     fresh = not (meta_path.exists() and json.loads(meta_path.read_text()) == meta)
@@ -201,7 +228,9 @@ def precompute_teacher(
         meta_path.unlink(missing_ok=True)  # invalid until every array is (re)created
         progress_path.unlink(missing_ok=True)
         for name in _TEACHER_FILES:
-            np.lib.format.open_memmap(cache_dir / f"{name}.npy", mode="w+", dtype=dtypes[name], shape=shapes[name]).flush()
+            np.lib.format.open_memmap(
+                cache_dir / f"{name}.npy", mode="w+", dtype=dtypes[name], shape=shapes[name]
+            ).flush()
         atomic_write_json(meta_path, meta)
     elif progress_path.exists():
         done = int(json.loads(progress_path.read_text())["sequences_done"])
@@ -209,7 +238,14 @@ def precompute_teacher(
     if done < todo:
         from tqdm import tqdm
 
-        bar = tqdm(total=todo * seq_len, initial=done * seq_len, unit="tok", desc="teacher", disable=not progress, smoothing=0.1)
+        bar = tqdm(
+            total=todo * seq_len,
+            initial=done * seq_len,
+            unit="tok",
+            desc="teacher",
+            disable=not progress,
+            smoothing=0.1,
+        )
         for start in range(done, todo, batch):
             stop = min(start + batch, todo)
             out = trunk(mx.array(windows[start:stop]))
@@ -250,7 +286,9 @@ def build_windows(cfg: ForgeConfig, tokenizer: Any, corpus: Corpus) -> tuple[np.
     """(train, eval) token windows [N, seq_len]; MtplxError when the data cannot fill one window."""
     train = pack_windows(tokenizer, corpus.train, cfg.seq_len, cfg.train_tokens, cfg.seed)
     if train.shape[0] == 0:
-        raise MtplxError(f"{corpus.train_files[0] if corpus.train_files else 'forge'}: training data has fewer than {cfg.seq_len} tokens")
+        raise MtplxError(
+            f"{corpus.train_files[0] if corpus.train_files else 'forge'}: training data has fewer than {cfg.seq_len} tokens"
+        )
     evals = pack_windows(tokenizer, corpus.eval, cfg.seq_len, cfg.eval_tokens, cfg.seed + 1)
     if evals.shape[0] == 0:
         # Tiny user data: evaluate on the last training window rather than not at all (recorded in the manifest).
@@ -318,7 +356,9 @@ def batch_rows(num_rows: int, batch_size: int, step: int, seed: int) -> np.ndarr
     return np.sort(perm[within * batch_size : (within + 1) * batch_size]) if num_rows >= batch_size else perm
 
 
-def make_batch(trunk: Trunk, teacher: TeacherData, rows: np.ndarray, hidden_source: str, in_shared: np.ndarray) -> Batch:
+def make_batch(
+    trunk: Trunk, teacher: TeacherData, rows: np.ndarray, hidden_source: str, in_shared: np.ndarray
+) -> Batch:
     hidden = mx.array(np.asarray(teacher.hidden[rows, :-1], dtype=np.float32))
     if hidden_source == "post_norm":
         hidden = trunk.final_norm(hidden)
@@ -328,9 +368,18 @@ def make_batch(trunk: Trunk, teacher: TeacherData, rows: np.ndarray, hidden_sour
     rest = np.clip(1.0 - p.sum(-1), 0.0, 1.0)
     total = p.sum(-1) + rest  # float32 rounding of the stored log-probs
     p, rest = p / total[..., None], rest / total
-    entropy = float(((p * np.log(np.maximum(p, 1e-30))).sum(-1) + rest * np.log(np.maximum(rest, 1e-30))).mean())
-    return Batch(hidden, mx.array(tokens[:, 1:]), mx.array(ids), mx.array(in_shared[ids]),
-                 mx.array(p.astype(np.float32)), mx.array(rest.astype(np.float32)), entropy)
+    entropy = float(
+        ((p * np.log(np.maximum(p, 1e-30))).sum(-1) + rest * np.log(np.maximum(rest, 1e-30))).mean()
+    )
+    return Batch(
+        hidden,
+        mx.array(tokens[:, 1:]),
+        mx.array(ids),
+        mx.array(in_shared[ids]),
+        mx.array(p.astype(np.float32)),
+        mx.array(rest.astype(np.float32)),
+        entropy,
+    )
 
 
 def distill_loss(head: Any, rows_matrix: mx.array, shared_proj: mx.array | None, batch: Batch) -> mx.array:
@@ -347,7 +396,9 @@ def distill_loss(head: Any, rows_matrix: mx.array, shared_proj: mx.array | None,
     logit_top = (w_top @ g[..., None]).squeeze(-1)  # [B, T, K]
     logit_shared = g @ shared_proj if shared_proj is not None else g @ rows_matrix.T
     # Top-K ids that are also shared would be counted twice in the normaliser.
-    lse = mx.logsumexp(mx.concatenate([logit_shared, mx.where(batch.top_in_shared, -mx.inf, logit_top)], -1), -1)
+    lse = mx.logsumexp(
+        mx.concatenate([logit_shared, mx.where(batch.top_in_shared, -mx.inf, logit_top)], -1), -1
+    )
     logq_top = logit_top - lse[..., None]
     logq_rest = mx.log(mx.maximum(1.0 - mx.exp(logq_top).sum(-1), 1e-6))
     ce = -(batch.p_top * logq_top).sum(-1) - batch.p_rest * logq_rest
@@ -375,7 +426,9 @@ def save_checkpoint(ckpt_dir: Path, step: int, head: Any, opt: optim.Optimizer, 
     arrays = {f"head.{k}": v for k, v in tree_flatten(head.parameters())}
     arrays.update({f"opt.{k}": v for k, v in tree_flatten(opt.state)})
     final = _ckpt_path(ckpt_dir, step)
-    tmp = ckpt_dir / f".tmp{os.getpid()}-{final.name}"  # must keep the .safetensors suffix (mlx appends one otherwise)
+    tmp = (
+        ckpt_dir / f".tmp{os.getpid()}-{final.name}"
+    )  # must keep the .safetensors suffix (mlx appends one otherwise)
     mx.save_safetensors(str(tmp), arrays)
     os.replace(tmp, final)
     for old in sorted(ckpt_dir.glob("step-*.safetensors"))[:-keep]:
@@ -398,8 +451,15 @@ class TrainResult:
 
 
 def train_head(
-    cfg: ForgeConfig, trunk: Trunk, head: Any, teacher: TeacherData, train_ids: np.ndarray | None,
-    ckpt_dir: Path, rows: int | None = None, log_every: int = 10, stop_at: int | None = None,
+    cfg: ForgeConfig,
+    trunk: Trunk,
+    head: Any,
+    teacher: TeacherData,
+    train_ids: np.ndarray | None,
+    ckpt_dir: Path,
+    rows: int | None = None,
+    log_every: int = 10,
+    stop_at: int | None = None,
 ) -> TrainResult:
     """Train ``head`` in place for ``cfg.steps`` steps, resuming from the newest checkpoint in ``ckpt_dir``.
 
@@ -431,10 +491,14 @@ def train_head(
     t0 = time.time()
     from tqdm import tqdm
 
-    bar = tqdm(total=end, initial=start, desc=f"forge {cfg.hidden_source}", unit="step", disable=not cfg.progress)
+    bar = tqdm(
+        total=end, initial=start, desc=f"forge {cfg.hidden_source}", unit="step", disable=not cfg.progress
+    )
     ema = None
     for step in range(start, end):
-        batch = make_batch(trunk, teacher, batch_rows(rows, cfg.batch_size, step, cfg.seed), cfg.hidden_source, in_shared)
+        batch = make_batch(
+            trunk, teacher, batch_rows(rows, cfg.batch_size, step, cfg.seed), cfg.hidden_source, in_shared
+        )
         loss, grads = loss_and_grad(batch)
         grads, _ = optim.clip_grad_norm(grads, 1.0)
         opt.update(head, grads)
@@ -490,12 +554,18 @@ def _chain_input(head: Any, g: mx.array) -> mx.array:
 class _Tally:
     """Running sums of acceptance per (vocabulary variant, depth, temperature)."""
 
-    def __init__(self, variants: dict[str, np.ndarray | None], depths: int, temperatures: Sequence[float], vocab: int):
+    def __init__(
+        self, variants: dict[str, np.ndarray | None], depths: int, temperatures: Sequence[float], vocab: int
+    ):
         # A variant restricts q to its ids (-inf elsewhere): a reduced draft vocabulary.
-        self.masks = {name: None if ids is None else np.isin(np.arange(vocab), ids, invert=True)
-                      for name, ids in variants.items()}
+        self.masks = {
+            name: None if ids is None else np.isin(np.arange(vocab), ids, invert=True)
+            for name, ids in variants.items()
+        }
         self.temperatures = tuple(temperatures)
-        self.sums = {v: {d: {t: 0.0 for t in self.temperatures} for d in range(1, depths + 1)} for v in variants}
+        self.sums = {
+            v: {d: {t: 0.0 for t in self.temperatures} for d in range(1, depths + 1)} for v in variants
+        }
         self.counts = {d: 0 for d in range(1, depths + 1)}
 
     def add(self, depth: int, p_logits: np.ndarray, q_logits: np.ndarray) -> None:
@@ -506,13 +576,24 @@ class _Tally:
         self.counts[depth] += int(np.prod(q_logits.shape[:-1]))
 
     def table(self) -> dict[str, dict[str, dict[str, float]]]:
-        return {v: {str(d): {str(t): row[t] / max(self.counts[d], 1) for t in self.temperatures} for d, row in per.items()}
-                for v, per in self.sums.items()}
+        return {
+            v: {
+                str(d): {str(t): row[t] / max(self.counts[d], 1) for t in self.temperatures}
+                for d, row in per.items()
+            }
+            for v, per in self.sums.items()
+        }
 
 
 def evaluate_acceptance(
-    trunk: Trunk, head: Any, windows: np.ndarray, depths: int = 3, origins: int = 64, batch: int = 4,
-    temperatures: Sequence[float] = EVAL_TEMPERATURES, progress: bool = False,
+    trunk: Trunk,
+    head: Any,
+    windows: np.ndarray,
+    depths: int = 3,
+    origins: int = 64,
+    batch: int = 4,
+    temperatures: Sequence[float] = EVAL_TEMPERATURES,
+    progress: bool = False,
     vocab_variants: dict[str, np.ndarray | None] | None = None,
 ) -> Any:
     """Teacher-forced acceptance per depth on held-out windows: {"1": {"0.0": a, "0.7": b}, ...}.
@@ -533,7 +614,9 @@ def evaluate_acceptance(
         out = trunk(tokens)
         p_logits = np.asarray(out.logits.astype(mx.float32))  # p at position t predicts t+1
         cache = head.make_cache()
-        g = head(_trunk_source(out, head.hidden_source)[:, :-1], tokens[:, 1:], cache)  # position t predicts t+2
+        g = head(
+            _trunk_source(out, head.hidden_source)[:, :-1], tokens[:, 1:], cache
+        )  # position t predicts t+2
         tally.add(1, p_logits[:, 1:], _q_logits(head, g))
         if depths > 1:
             _eval_chain(head, tokens, p_logits, g, cache, depths, origins, tally)
@@ -541,8 +624,16 @@ def evaluate_acceptance(
     return tables if vocab_variants else tables[""]
 
 
-def _eval_chain(head: Any, tokens: mx.array, p_logits: np.ndarray, g1: mx.array, cache: list,
-                depths: int, origins: int, tally: _Tally) -> None:
+def _eval_chain(
+    head: Any,
+    tokens: mx.array,
+    p_logits: np.ndarray,
+    g1: mx.array,
+    cache: list,
+    depths: int,
+    origins: int,
+    tally: _Tally,
+) -> None:
     seq_len = tokens.shape[1]
     full_state = [c.state for c in cache]
     chain1 = _chain_input(head, g1)
@@ -563,14 +654,25 @@ def _eval_chain(head: Any, tokens: mx.array, p_logits: np.ndarray, g1: mx.array,
 # ---------------------------------------------------------------- reduced draft vocabulary
 
 
-def draft_step_ms(head: ForgedMTPHead, variants: dict[str, np.ndarray | None], full_proj: mx.array,
-                  context: int = 200, rounds: int = 30) -> dict[str, float]:
+def draft_step_ms(
+    head: ForgedMTPHead,
+    variants: dict[str, np.ndarray | None],
+    full_proj: mx.array,
+    context: int = 200,
+    rounds: int = 30,
+) -> dict[str, float]:
     """Median ms of one greedy draft step (head on 1 token with a ``context``-long cache, logits, argmax)
     per vocabulary variant. Round-robin, so every variant sees the same machine load."""
     hidden_size = int(head.fc.weight.shape[0])
     x, token = mx.random.normal((1, 1, hidden_size), key=mx.random.key(0)), mx.array([[1]], dtype=mx.int32)
     cache = head.make_cache()
-    mx.eval(head(mx.random.normal((1, context, hidden_size), key=mx.random.key(1)), mx.zeros((1, context), dtype=mx.int32), cache))
+    mx.eval(
+        head(
+            mx.random.normal((1, context, hidden_size), key=mx.random.key(1)),
+            mx.zeros((1, context), dtype=mx.int32),
+            cache,
+        )
+    )
     saved = None if head.vocab_ids is None else head.vocab_ids.tolist()
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(rounds):
@@ -585,7 +687,9 @@ def draft_step_ms(head: ForgedMTPHead, variants: dict[str, np.ndarray | None], f
     return {name: round(1e3 * float(np.median(t[3:] or t)), 2) for name, t in times.items()}
 
 
-def choose_draft_vocab(tables: dict[str, Any], step_ms: dict[str, float], max_drop: float = 0.01, min_gain: float = 0.2) -> str:
+def choose_draft_vocab(
+    tables: dict[str, Any], step_ms: dict[str, float], max_drop: float = 0.01, min_gain: float = 0.2
+) -> str:
     """The smallest reduced vocabulary that loses at most ``max_drop`` depth-1 acceptance (at every
     evaluated temperature) and drafts at least ``min_gain`` faster than the full one; else "full"."""
     full = tables["full"]["1"]
@@ -618,7 +722,12 @@ def _foreign_teacher_fingerprint(cache: Path, windows: np.ndarray, top_n: int) -
         meta = json.loads(meta_path.read_text())
     except (OSError, ValueError):
         raise MtplxError(f"{meta_path}: not a complete teacher cache") from None
-    expected = _teacher_meta(meta.get("trunk_fingerprint", ""), windows, int(meta.get("hidden_size", 0)), min(top_n, int(meta.get("top_n", top_n))))
+    expected = _teacher_meta(
+        meta.get("trunk_fingerprint", ""),
+        windows,
+        int(meta.get("hidden_size", 0)),
+        min(top_n, int(meta.get("top_n", top_n))),
+    )
     if meta != expected:
         raise MtplxError(f"{meta_path}: teacher cache holds other windows or settings than this run")
     return str(meta["trunk_fingerprint"])
@@ -627,15 +736,34 @@ def _foreign_teacher_fingerprint(cache: Path, windows: np.ndarray, top_n: int) -
 def _checkpoint_dir(cfg: ForgeConfig, teacher_path: Path, rows: int, source: str) -> Path:
     import hashlib
 
-    key = json.dumps([cfg.steps, cfg.batch_size, cfg.lr, cfg.warmup, cfg.weight_decay, cfg.seed, cfg.train_vocab, rows])
+    key = json.dumps(
+        [cfg.steps, cfg.batch_size, cfg.lr, cfg.warmup, cfg.weight_decay, cfg.seed, cfg.train_vocab, rows]
+    )
     return teacher_path / f"ckpt-{source}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
 
 
-def _train_for_source(cfg: ForgeConfig, trunk: Trunk, teacher: TeacherData, rows: int, train_ids: np.ndarray | None,
-                      tdir: Path, source: str, stop_at: int | None) -> tuple[ForgedMTPHead, TrainResult]:
+def _train_for_source(
+    cfg: ForgeConfig,
+    trunk: Trunk,
+    teacher: TeacherData,
+    rows: int,
+    train_ids: np.ndarray | None,
+    tdir: Path,
+    source: str,
+    stop_at: int | None,
+) -> tuple[ForgedMTPHead, TrainResult]:
     run_cfg = ForgeConfig(**{**asdict(cfg), "hidden_source": source})
     head = build_head(trunk, source)
-    result = train_head(run_cfg, trunk, head, teacher, train_ids, _checkpoint_dir(cfg, tdir, rows, source), rows, stop_at=stop_at)
+    result = train_head(
+        run_cfg,
+        trunk,
+        head,
+        teacher,
+        train_ids,
+        _checkpoint_dir(cfg, tdir, rows, source),
+        rows,
+        stop_at=stop_at,
+    )
     return head, result
 
 
@@ -683,10 +811,22 @@ def forge(
     if isinstance(draft_vocab, str) and draft_vocab != "auto":
         raise MtplxError(f"forge: draft_vocab must be a number of ids, 'auto' or None, got {draft_vocab!r}")
     cfg = ForgeConfig(
-        out_dir=Path(out_dir), model=model, data=[str(d) for d in data] if data is not None else None,
-        work_dir=Path(work_dir) if work_dir is not None else None, train_tokens=train_tokens, eval_tokens=eval_tokens,
-        seq_len=seq_len, steps=steps, batch_size=batch_size, lr=lr, seed=seed, hidden_source=hidden_source,
-        train_vocab=train_vocab, draft_vocab=draft_vocab if isinstance(draft_vocab, int) else None, eval_origins=eval_origins, progress=progress,
+        out_dir=Path(out_dir),
+        model=model,
+        data=[str(d) for d in data] if data is not None else None,
+        work_dir=Path(work_dir) if work_dir is not None else None,
+        train_tokens=train_tokens,
+        eval_tokens=eval_tokens,
+        seq_len=seq_len,
+        steps=steps,
+        batch_size=batch_size,
+        lr=lr,
+        seed=seed,
+        hidden_source=hidden_source,
+        train_vocab=train_vocab,
+        draft_vocab=draft_vocab if isinstance(draft_vocab, int) else None,
+        eval_origins=eval_origins,
+        progress=progress,
     )
     corpus = load_corpus(cfg)  # before loading the model: bad data fails fast
     loaded = load_model(model)
@@ -695,14 +835,29 @@ def forge(
     tdir = teacher_dir(cfg, loaded.fingerprint)
     teacher_fp = loaded.fingerprint
     if teacher_cache is not None:
-        tdir, teacher_fp = Path(teacher_cache), _foreign_teacher_fingerprint(Path(teacher_cache), train_windows, cfg.top_n)
+        tdir, teacher_fp = (
+            Path(teacher_cache),
+            _foreign_teacher_fingerprint(Path(teacher_cache), train_windows, cfg.top_n),
+        )
     t0 = time.time()
-    teacher = precompute_teacher(trunk, teacher_fp, train_windows, tdir, cfg.top_n, cfg.precompute_batch, progress,
-                                 limit=max_train_sequences)
+    teacher = precompute_teacher(
+        trunk,
+        teacher_fp,
+        train_windows,
+        tdir,
+        cfg.top_n,
+        cfg.precompute_batch,
+        progress,
+        limit=max_train_sequences,
+    )
     precompute_seconds = time.time() - t0
     rows = teacher.num_sequences
     vocab = trunk.vocab_size
-    train_ids = frequent_ids(teacher, rows, cfg.train_vocab, vocab) if cfg.train_vocab and cfg.train_vocab < vocab else None
+    train_ids = (
+        frequent_ids(teacher, rows, cfg.train_vocab, vocab)
+        if cfg.train_vocab and cfg.train_vocab < vocab
+        else None
+    )
 
     comparison: dict[str, float] = {}
     source = cfg.hidden_source
@@ -710,7 +865,9 @@ def forge(
         probe = eval_windows[: max(1, min(8, eval_windows.shape[0]))]
         for candidate in HIDDEN_SOURCES:
             head, _ = _train_for_source(cfg, trunk, teacher, rows, train_ids, tdir, candidate, compare_steps)
-            comparison[candidate] = evaluate_acceptance(trunk, head, probe, depths=1, temperatures=(0.0,))["1"]["0.0"]
+            comparison[candidate] = evaluate_acceptance(trunk, head, probe, depths=1, temperatures=(0.0,))[
+                "1"
+            ]["0.0"]
         source = max(HIDDEN_SOURCES, key=lambda s: comparison[s])
     head, result = _train_for_source(cfg, trunk, teacher, rows, train_ids, tdir, source, None)
     cfg.hidden_source = source
@@ -722,14 +879,22 @@ def forge(
         for candidate in HIDDEN_SOURCES:
             head.chain_source = candidate
             chain_comparison[candidate] = evaluate_acceptance(
-                trunk, head, probe, depths=2, origins=cfg.eval_origins, temperatures=(0.0,))["2"]["0.0"]
+                trunk, head, probe, depths=2, origins=cfg.eval_origins, temperatures=(0.0,)
+            )["2"]["0.0"]
         head.chain_source = max(HIDDEN_SOURCES, key=lambda s: chain_comparison[s])
     fixed = draft_vocab if isinstance(draft_vocab, int) else None
     sizes = sorted({k for k in (*eval_vocab_sizes, fixed) if k is not None and k < vocab})
     variants: dict[str, np.ndarray | None] = {"full": None}
     variants.update({f"top{k}": frequent_ids(teacher, rows, k, vocab) for k in sizes})
-    tables = evaluate_acceptance(trunk, head, eval_windows, depths=cfg.eval_depths, origins=cfg.eval_origins,
-                                 progress=progress, vocab_variants=variants)
+    tables = evaluate_acceptance(
+        trunk,
+        head,
+        eval_windows,
+        depths=cfg.eval_depths,
+        origins=cfg.eval_origins,
+        progress=progress,
+        vocab_variants=variants,
+    )
     full_proj = lm_head_matrix(trunk)
     step_ms = draft_step_ms(head, variants, full_proj) if len(variants) > 1 else {}
     if draft_vocab == "auto":
@@ -744,11 +909,15 @@ def forge(
         "teacher_trunk_fingerprint": teacher_fp,
         "trunk": str(model) if model is not None else "default (SmolLM2-135M-Instruct, float32)",
         "depth_trained": 1,
-        "objective": "KL(p_trunk(t+1) || q_head(t)) over teacher top-%d + rest mass" % cfg.top_n,
+        "objective": f"KL(p_trunk(t+1) || q_head(t)) over teacher top-{cfg.top_n} + rest mass",
         "data": {
             "description": corpus.description,
-            "train_files": files_in_windows(loaded.tokenizer, corpus.train, cfg.seq_len, rows * cfg.seq_len, cfg.seed),
-            "eval_files": files_in_windows(loaded.tokenizer, corpus.eval, cfg.seq_len, int(eval_windows.size), cfg.seed + 1),
+            "train_files": files_in_windows(
+                loaded.tokenizer, corpus.train, cfg.seq_len, rows * cfg.seq_len, cfg.seed
+            ),
+            "eval_files": files_in_windows(
+                loaded.tokenizer, corpus.eval, cfg.seq_len, int(eval_windows.size), cfg.seed + 1
+            ),
             "train_tokens": int(rows * cfg.seq_len),
             "eval_tokens": int(eval_windows.size),
             "seq_len": cfg.seq_len,
@@ -756,20 +925,27 @@ def forge(
         "steps": result.steps,
         "seed": cfg.seed,
         "training": {
-            "batch_size": cfg.batch_size, "lr": cfg.lr, "warmup": cfg.warmup, "train_vocab": cfg.train_vocab,
-            "seconds_this_run": round(result.seconds, 1), "precompute_seconds_this_run": round(precompute_seconds, 1),
+            "batch_size": cfg.batch_size,
+            "lr": cfg.lr,
+            "warmup": cfg.warmup,
+            "train_vocab": cfg.train_vocab,
+            "seconds_this_run": round(result.seconds, 1),
+            "precompute_seconds_this_run": round(precompute_seconds, 1),
             "final_kl": result.losses[-1][1] if result.losses else None,
         },
-        "hidden_source_comparison": {"steps": compare_steps, "depth1_acceptance_t0": comparison} if comparison else None,
+        "hidden_source_comparison": {"steps": compare_steps, "depth1_acceptance_t0": comparison}
+        if comparison
+        else None,
         "chain_source_comparison": {"depth2_acceptance_t0": chain_comparison} if chain_comparison else None,
         "acceptance": acc,
         "draft_vocab": shipped,
         "acceptance_by_draft_vocab": tables,
         "draft_step_ms": step_ms,
         "draft_vocab_rule": "auto: smallest reduced vocabulary losing <= 0.01 depth-1 acceptance and drafting >= 20% faster"
-                            if draft_vocab == "auto" else f"fixed: {draft_vocab}",
+        if draft_vocab == "auto"
+        else f"fixed: {draft_vocab}",
         "acceptance_note": "teacher-forced, 1 - TV(p_trunk, q_head) per draft depth on held-out windows; "
-                           "temperature 0 = greedy argmax agreement",
+        "temperature 0 = greedy argmax agreement",
     }
     path = save_forged_head(cfg.out_dir, head, manifest)
     return ForgeReport(path, source, acc, result.seconds, precompute_seconds, comparison)

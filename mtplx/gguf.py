@@ -37,19 +37,63 @@ TENSOR_TYPES: dict[int, tuple[str, int, int]] = {
 }
 # Names for a clear "unsupported type" message; not otherwise handled.
 _OTHER_TYPE_NAMES = {
-    6: "Q5_0", 7: "Q5_1", 9: "Q8_1", 10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K",
-    14: "Q6_K", 15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S",
-    20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32",
-    27: "I64", 28: "F64", 29: "IQ1_M", 30: "BF16",
+    6: "Q5_0",
+    7: "Q5_1",
+    9: "Q8_1",
+    10: "Q2_K",
+    11: "Q3_K",
+    12: "Q4_K",
+    13: "Q5_K",
+    14: "Q6_K",
+    15: "Q8_K",
+    16: "IQ2_XXS",
+    17: "IQ2_XS",
+    18: "IQ3_XXS",
+    19: "IQ1_S",
+    20: "IQ4_NL",
+    21: "IQ3_S",
+    22: "IQ2_S",
+    23: "IQ4_XS",
+    24: "I8",
+    25: "I16",
+    26: "I32",
+    27: "I64",
+    28: "F64",
+    29: "IQ1_M",
+    30: "BF16",
 }
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 
 # GGUF metadata value type ids -> struct format (scalars only).
-_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_SCALAR_FORMATS = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
 _STRING, _ARRAY = 8, 9
 # numpy dtypes for fast reading of numeric arrays (token types, scores).
-_NUMPY_DTYPES = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8", 11: "<i8", 12: "<f8"}
+_NUMPY_DTYPES = {
+    0: "<u1",
+    1: "<i1",
+    2: "<u2",
+    3: "<i2",
+    4: "<u4",
+    5: "<i4",
+    6: "<f4",
+    7: "<u1",
+    10: "<u8",
+    11: "<i8",
+    12: "<f8",
+}
 
 
 @dataclass(frozen=True)
@@ -94,7 +138,9 @@ class _Reader:
 
     def take(self, n: int, what: str) -> memoryview:
         if n < 0 or self.pos + n > len(self.buf):
-            raise self.fail(f"truncated or corrupt GGUF ({what} runs past the end of the file at byte {self.pos})")
+            raise self.fail(
+                f"truncated or corrupt GGUF ({what} runs past the end of the file at byte {self.pos})"
+            )
         out = self.buf[self.pos : self.pos + n]
         self.pos += n
         return out
@@ -139,7 +185,9 @@ def _tensor_nbytes(path: Path, name: str, shape: tuple[int, ...], ggml_type: int
     _, block, block_bytes = TENSOR_TYPES[ggml_type]
     count = int(np.prod(shape, dtype=np.int64)) if shape else 1
     if shape and shape[-1] % block:
-        raise MtplxError(f"{path}: tensor {name} row length {shape[-1]} is not a multiple of its block size {block}")
+        raise MtplxError(
+            f"{path}: tensor {name} row length {shape[-1]} is not a multiple of its block size {block}"
+        )
     return count // block * block_bytes
 
 
@@ -222,7 +270,9 @@ def load_tensors(gguf: GGUFFile) -> dict[str, Any]:
     try:
         arrays = mx.load(str(gguf.path))
     except Exception as e:  # MLX raises bare RuntimeError/ValueError; make it one line with the file name
-        raise MtplxError(f"{gguf.path}: cannot read GGUF tensors ({str(e).splitlines()[0] if str(e) else e})") from None
+        raise MtplxError(
+            f"{gguf.path}: cannot read GGUF tensors ({str(e).splitlines()[0] if str(e) else e})"
+        ) from None
     return arrays
 
 
@@ -247,13 +297,19 @@ def _pack_value(value: Any) -> tuple[int, bytes]:
     if isinstance(value, (list, tuple)):
         first = value[0] if value else 0
         # Integer arrays (token types) are int32 as llama.cpp writes them.
-        packed = [struct.pack("<i", v) for v in value] if type(first) is int else [_pack_value(v)[1] for v in value]
+        packed = (
+            [struct.pack("<i", v) for v in value]
+            if type(first) is int
+            else [_pack_value(v)[1] for v in value]
+        )
         item_type = 5 if type(first) is int else _pack_value(first)[0]
         return _ARRAY, struct.pack("<IQ", item_type, len(value)) + b"".join(packed)
     raise TypeError(f"cannot write metadata value of type {type(value).__name__}")
 
 
-def write_gguf(path: str | Path, metadata: dict[str, Any], tensors: dict[str, tuple[int, tuple[int, ...], bytes]]) -> Path:
+def write_gguf(
+    path: str | Path, metadata: dict[str, Any], tensors: dict[str, tuple[int, tuple[int, ...], bytes]]
+) -> Path:
     """Write a GGUF v3 file. ``tensors`` maps name -> (ggml type, numpy-order shape, raw block bytes)."""
     path = Path(path)
     out = bytearray(GGUF_MAGIC + struct.pack("<IQQ", 3, len(tensors), len(metadata)))

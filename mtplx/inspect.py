@@ -20,8 +20,22 @@ from mtplx.errors import MtplxError
 from mtplx.heads.base import quantization_config, read_safetensors_header, weight_index
 from mtplx.loading import read_config, resolve_model
 
-_SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2,
-                      "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+_SAFETENSORS_BYTES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "U32": 4,
+    "I16": 2,
+    "U16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
 
 
 def _mlx_lm_supports(model_type: str) -> bool:
@@ -63,7 +77,9 @@ def _head_predicate(layout: str | None, config: dict):
         return lambda k: re.search(r"(^|\.)mtp\.", k) is not None
     if layout == "deepseek":
         first = int(text.get("num_hidden_layers", config.get("num_hidden_layers", 0)))
-        return lambda k: (m := re.match(r"model\.layers\.(\d+)\.", k)) is not None and int(m.group(1)) >= first
+        return lambda k: (
+            (m := re.match(r"model\.layers\.(\d+)\.", k)) is not None and int(m.group(1)) >= first
+        )
     if layout == "mimo":
         return lambda k: k.startswith("model.mtp_layers.")
     return lambda k: False
@@ -88,7 +104,11 @@ def _find_forged(path: Path) -> dict | None:
                 data = json.loads(manifest.read_text(encoding="utf-8"))
             except (OSError, ValueError):
                 raise MtplxError(f"{manifest}: unreadable forged-head manifest") from None
-            return {"manifest": str(manifest), "layout": data.get("layout"), "fingerprint": data.get("trunk_fingerprint")}
+            return {
+                "manifest": str(manifest),
+                "layout": data.get("layout"),
+                "fingerprint": data.get("trunk_fingerprint"),
+            }
     return None
 
 
@@ -136,7 +156,10 @@ def inspect_model(spec_or_path: str | Path) -> dict[str, Any]:
         if overrides:
             quant["per_layer_overrides"] = len(overrides)
     elif qc:
-        quant = {"method": qc.get("quant_method"), **{k: qc[k] for k in ("weight_block_size", "fmt") if k in qc}}
+        quant = {
+            "method": qc.get("quant_method"),
+            **{k: qc[k] for k in ("weight_block_size", "fmt") if k in qc},
+        }
 
     if not supported:
         verdict, reason = "unsupported", f"mlx-lm has no model class for model_type {model_type!r}"
@@ -145,7 +168,10 @@ def inspect_model(spec_or_path: str | Path) -> dict[str, Any]:
     elif forged:
         verdict, reason = "MTP-ready", f"forged head attached ({forged.get('manifest')})"
     elif declared:
-        verdict, reason = "AR-only", f"config declares {declared} MTP layer(s) but the checkpoint ships no head tensors; run `mtplx forge`"
+        verdict, reason = (
+            "AR-only",
+            f"config declares {declared} MTP layer(s) but the checkpoint ships no head tensors; run `mtplx forge`",
+        )
     else:
         verdict, reason = "AR-only", "no MTP head in the checkpoint; run `mtplx forge` to train one"
 
@@ -163,8 +189,11 @@ def inspect_model(spec_or_path: str | Path) -> dict[str, Any]:
         "mtp_head_bytes": head_bytes,
         "shards": len(set(index.values())),
         "quantization": quant,
-        "mtp": {"layout": layout if (head_tensors or declared) else None, "declared_layers": declared,
-                "tensors": head_tensors},
+        "mtp": {
+            "layout": layout if (head_tensors or declared) else None,
+            "declared_layers": declared,
+            "tensors": head_tensors,
+        },
         "forged_head": forged,
         "verdict": verdict,
         "reason": reason,
@@ -185,7 +214,9 @@ def format_inspection(info: dict[str, Any]) -> str:
     lines = [
         f"model         {info['path']}",
         f"architecture  {info['architecture']} (model_type {info['model_type']}, {info['num_hidden_layers']} layers, hidden {info['hidden_size']}, vocab {info['vocab_size']})",
-        f"parameters    {_human(info['parameters'], '')} (MTP head {_human(info['parameters_by_part']['mtp_head'], '')})".replace("  )", ")"),
+        f"parameters    {_human(info['parameters'], '')} (MTP head {_human(info['parameters_by_part']['mtp_head'], '')})".replace(
+            "  )", ")"
+        ),
         f"memory        {_human(info['memory_bytes'])} in {info['shards']} shard(s): "
         + ", ".join(f"{k} {_human(v)}" for k, v in info["memory_bytes_by_dtype"].items()),
     ]
@@ -198,7 +229,9 @@ def format_inspection(info: dict[str, Any]) -> str:
     else:
         lines.append(f"quantization  {q.get('method')}")
     if mtp["tensors"]:
-        lines.append(f"MTP head      {mtp['layout']} layout, {mtp['declared_layers']} layer(s), {mtp['tensors']} tensors, {_human(info['mtp_head_bytes'])}")
+        lines.append(
+            f"MTP head      {mtp['layout']} layout, {mtp['declared_layers']} layer(s), {mtp['tensors']} tensors, {_human(info['mtp_head_bytes'])}"
+        )
     elif mtp["declared_layers"]:
         lines.append(f"MTP head      declared ({mtp['declared_layers']} layer(s)) but no tensors shipped")
     else:

@@ -19,13 +19,12 @@ import hashlib
 import os
 import re
 import subprocess
-import sys
 import tempfile
 import threading
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -167,7 +166,7 @@ def cuda_translation_unit(name: str, tg: int = DEFAULT_TG, prefix: str = "") -> 
 
 _force = False
 _lock = threading.Lock()
-_built: dict[tuple[str, str], Optional[Callable]] = {}
+_built: dict[tuple[str, str], Callable | None] = {}
 _warned: set[str] = set()
 
 
@@ -181,7 +180,7 @@ def force_fallback() -> bool:
     return _force
 
 
-def _gpu_backend() -> Optional[str]:
+def _gpu_backend() -> str | None:
     import mlx.core as mx
 
     try:
@@ -197,7 +196,7 @@ def _gpu_backend() -> Optional[str]:
     return None
 
 
-def get_fused(name: str, *, force_fallback: Optional[bool] = None) -> Optional[Callable]:
+def get_fused(name: str, *, force_fallback: bool | None = None) -> Callable | None:
     """The fused ``verify`` or ``sample`` for this machine, or None.
 
     None on the CPU backend, when fallback is forced (argument, or
@@ -289,8 +288,7 @@ def _wrap_verify(kernel, backend, tg: int = DEFAULT_TG):
         # Same errors as the MLX-ops path, which this replaces before its checks
         # run: shapes, then NaN/+inf/all -inf rows and out-of-range drafts. The
         # value check costs one reduction and a sync, exactly as on that path.
-        _v._check_verify_shapes(target_logits, draft_tokens, draft_probs, accept_uniforms,
-                                sample_uniforms)
+        _v._check_verify_shapes(target_logits, draft_tokens, draft_probs, accept_uniforms, sample_uniforms)
         B, k1, V = target_logits.shape
         d = draft_tokens.astype(mx.int32)
         _v._row_max_checked(target_logits.reshape(-1, V), mx.any((d < 0) | (d >= V)))
@@ -414,7 +412,7 @@ def cpu_source(defines: Sequence[str] = ()) -> str:
         "  }\n"
         "  char err[512] = {0};\n  int rc = 4;\n"
         + "\n".join(mains)
-        + "\n  if (rc != 0) { std::fprintf(stderr, \"mtplx kernel error: %s\\n\", err); return 10 + rc; }\n"
+        + '\n  if (rc != 0) { std::fprintf(stderr, "mtplx kernel error: %s\\n", err); return 10 + rc; }\n'
         "  for (int i = 0; i < nb; ++i) {\n"
         "    std::ofstream f(argv[4 + i], std::ios::binary);\n"
         "    f.write(data[i].data(), (std::streamsize)(data[i].size() - 8));\n"
@@ -436,8 +434,16 @@ def _compiler() -> str:
     return os.environ.get("CXX") or "g++"
 
 
-_CXXFLAGS = ["-std=c++17", "-pthread", "-ffp-contract=off", "-fno-fast-math", "-Wall",
-             "-Wno-unused-variable", "-Wno-maybe-uninitialized", "-Wno-unused-function"]
+_CXXFLAGS = [
+    "-std=c++17",
+    "-pthread",
+    "-ffp-contract=off",
+    "-fno-fast-math",
+    "-Wall",
+    "-Wno-unused-variable",
+    "-Wno-maybe-uninitialized",
+    "-Wno-unused-function",
+]
 
 
 def _build(source: str, flags: list[str], suffix: str) -> Path:
@@ -478,14 +484,19 @@ def cpu_library(defines: Sequence[str] = ()) -> ctypes.CDLL:
             lib = ctypes.CDLL(str(path))
             for spec in SPECS.values():
                 fn = getattr(lib, f"mtplx_run_{spec.name}")
-                fn.argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.POINTER(ctypes.c_void_p),
-                               ctypes.c_char_p, ctypes.c_int]
+                fn.argtypes = [
+                    ctypes.c_uint,
+                    ctypes.c_uint,
+                    ctypes.POINTER(ctypes.c_void_p),
+                    ctypes.c_char_p,
+                    ctypes.c_int,
+                ]
                 fn.restype = ctypes.c_int
             _libs[key] = lib
         return _libs[key]
 
 
-def cpu_executable(defines: Sequence[str] = (), sanitize: Optional[str] = "thread") -> Path:
+def cpu_executable(defines: Sequence[str] = (), sanitize: str | None = "thread") -> Path:
     """The emulation as a standalone program (for ``-fsanitize=thread``: a
     TSAN-instrumented library cannot be loaded into an uninstrumented Python)."""
     flags = [*_CXXFLAGS, "-O1", "-g"]
@@ -507,8 +518,9 @@ class EmulationError(RuntimeError):
     """The emulated kernel hit a barrier it could not complete."""
 
 
-def emulate(name, inputs, out_shapes, groups: int, tg: int = 64, defines: Sequence[str] = (),
-            tsan: bool = False):
+def emulate(
+    name, inputs, out_shapes, groups: int, tg: int = 64, defines: Sequence[str] = (), tsan: bool = False
+):
     """Run kernel ``name`` under the CPU emulation; returns the outputs.
 
     With ``tsan`` the sanitizer build runs as a subprocess and
@@ -523,10 +535,15 @@ def emulate(name, inputs, out_shapes, groups: int, tg: int = 64, defines: Sequen
                 a.tofile(f)
                 files.append(f)
             env = dict(os.environ, TSAN_OPTIONS="halt_on_error=0 exitcode=66 report_signal_unsafe=0")
-            r = subprocess.run([str(exe), name, str(tg), str(groups), *files],
-                               capture_output=True, text=True, env=env, timeout=600)
+            r = subprocess.run(
+                [str(exe), name, str(tg), str(groups), *files],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=600,
+            )
             if r.returncode == 0:
-                for f, o in zip(files[len(ins):], outs):
+                for f, o in zip(files[len(ins) :], outs):
                     o[...] = np.fromfile(f, dtype=o.dtype).reshape(o.shape)
             return outs, r.returncode, r.stderr
     lib = cpu_library(defines)
@@ -547,16 +564,23 @@ def _verify_inputs(target_logits, draft_tokens, draft_probs, params, accept_u, s
     return ins, [(B,), (B,), (B, k1 - 1)], B
 
 
-def emulate_verify(target_logits, draft_tokens, draft_probs, params, accept_u, sample_u,
-                   tg: int = 64, defines: Sequence[str] = (), tsan: bool = False):
+def emulate_verify(
+    target_logits,
+    draft_tokens,
+    draft_probs,
+    params,
+    accept_u,
+    sample_u,
+    tg: int = 64,
+    defines: Sequence[str] = (),
+    tsan: bool = False,
+):
     """The verify kernel on the CPU emulation: (num_accepted, next_token, accept_probs)."""
-    ins, shapes, B = _verify_inputs(target_logits, draft_tokens, draft_probs, params, accept_u,
-                                    sample_u)
+    ins, shapes, B = _verify_inputs(target_logits, draft_tokens, draft_probs, params, accept_u, sample_u)
     return emulate("verify", ins, shapes, B, tg, defines, tsan)
 
 
-def emulate_sample(logits, params, uniforms, tg: int = 64, defines: Sequence[str] = (),
-                   tsan: bool = False):
+def emulate_sample(logits, params, uniforms, tg: int = 64, defines: Sequence[str] = (), tsan: bool = False):
     """The sample kernel on the CPU emulation: (tokens, probs)."""
     B, V = np.shape(logits)
     dims = np.array([B, V], np.int32)
@@ -603,7 +627,8 @@ def numpy_mirror_sample(logits, params, uniforms):
     tok = np.zeros(B, np.int64)
     probs = np.zeros((B, V), np.float64)
     for b in range(B):
-        t, p = sample_reference(np.asarray(logits[b : b + 1]), _row_cfg(params[b]),
-                                np.asarray(uniforms[b : b + 1]))
+        t, p = sample_reference(
+            np.asarray(logits[b : b + 1]), _row_cfg(params[b]), np.asarray(uniforms[b : b + 1])
+        )
         tok[b], probs[b] = np.asarray(t)[0], np.asarray(p)[0]
     return tok, probs

@@ -15,9 +15,10 @@ import os
 import re
 import shutil
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
 from mtplx.errors import MtplxError
 
@@ -62,7 +63,9 @@ def default_gguf_path() -> Path:
         candidate = Path(location) / DEFAULT_MODEL_GGUF
         if candidate.is_file():
             return candidate
-    raise MtplxError(f"{DEFAULT_MODEL_PACKAGE}: package installed but {DEFAULT_MODEL_GGUF} is missing from it")
+    raise MtplxError(
+        f"{DEFAULT_MODEL_PACKAGE}: package installed but {DEFAULT_MODEL_GGUF} is missing from it"
+    )
 
 
 @contextlib.contextmanager
@@ -169,7 +172,9 @@ def _check_safetensors_header(path: Path, size: int, header_len: int, raw_header
     if header_len < 0:
         raise MtplxError(f"{path}: truncated safetensors file ({size} bytes)")
     if header_len > size - 8:
-        raise MtplxError(f"{path}: corrupt or truncated safetensors (header length {header_len} exceeds file size {size})")
+        raise MtplxError(
+            f"{path}: corrupt or truncated safetensors (header length {header_len} exceeds file size {size})"
+        )
     try:
         header = json.loads(raw_header)
     except (UnicodeDecodeError, json.JSONDecodeError):
@@ -248,4 +253,6 @@ def load_model(
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     except Exception as e:
         raise MtplxError(f"{path}: cannot load tokenizer ({_first_line(e)})") from None
-    return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=path, fingerprint=model_fingerprint(model))
+    return LoadedModel(
+        model=model, tokenizer=tokenizer, config=config, path=path, fingerprint=model_fingerprint(model)
+    )

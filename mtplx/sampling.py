@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -85,14 +85,11 @@ class SamplerConfig:
             raise MtplxError(f"SamplerConfig.min_p must be in [0, 1), got {self.min_p!r}")
         repetition_penalty = _real("repetition_penalty", self.repetition_penalty)
         if repetition_penalty <= 0:
-            raise MtplxError(
-                f"SamplerConfig.repetition_penalty must be > 0, got {self.repetition_penalty!r}"
-            )
+            raise MtplxError(f"SamplerConfig.repetition_penalty must be > 0, got {self.repetition_penalty!r}")
         repetition_context_size = _integer("repetition_context_size", self.repetition_context_size)
         if repetition_context_size < 0:
             raise MtplxError(
-                "SamplerConfig.repetition_context_size must be >= 0, "
-                f"got {self.repetition_context_size!r}"
+                f"SamplerConfig.repetition_context_size must be >= 0, got {self.repetition_context_size!r}"
             )
         presence_penalty = _real("presence_penalty", self.presence_penalty)
         frequency_penalty = _real("frequency_penalty", self.frequency_penalty)
@@ -126,8 +123,15 @@ class SamplerConfig:
         bias_items = tuple(self.logit_bias.items()) if self.logit_bias else ()
         return hash(
             (
-                self.temperature, self.top_p, self.top_k, self.min_p, self.repetition_penalty,
-                self.repetition_context_size, self.presence_penalty, self.frequency_penalty, bias_items,
+                self.temperature,
+                self.top_p,
+                self.top_k,
+                self.min_p,
+                self.repetition_penalty,
+                self.repetition_context_size,
+                self.presence_penalty,
+                self.frequency_penalty,
+                bias_items,
             )
         )
 
@@ -175,8 +179,9 @@ def _as_float32_logits(logits: np.ndarray) -> np.ndarray:
 def _checked_tokens(tokens: Sequence[int] | np.ndarray, vocab_size: int, what: str) -> np.ndarray:
     token_array = np.asarray(tokens, dtype=np.int64).reshape(-1)
     if token_array.size and (token_array.min() < 0 or token_array.max() >= vocab_size):
-        raise ValueError(f"{what} must lie in [0, {vocab_size}), got range "
-                         f"[{token_array.min()}, {token_array.max()}]")
+        raise ValueError(
+            f"{what} must lie in [0, {vocab_size}), got range [{token_array.min()}, {token_array.max()}]"
+        )
     return token_array
 
 
@@ -192,10 +197,12 @@ def apply_penalties(
     if cfg.logit_bias:
         bias_ids = np.fromiter(cfg.logit_bias.keys(), dtype=np.int64)
         if bias_ids.max() >= vocab_size:
-            raise MtplxError(f"SamplerConfig.logit_bias has token id {bias_ids.max()} >= vocab size {vocab_size}")
+            raise MtplxError(
+                f"SamplerConfig.logit_bias has token id {bias_ids.max()} >= vocab size {vocab_size}"
+            )
         z[bias_ids] += np.fromiter(cfg.logit_bias.values(), dtype=np.float64)
     if cfg.has_repetition_penalty and context.size:
-        window = np.unique(context[-cfg.repetition_context_size:])
+        window = np.unique(context[-cfg.repetition_context_size :])
         seen = z[window]
         z[window] = np.where(seen < 0, seen * cfg.repetition_penalty, seen / cfg.repetition_penalty)
     if (cfg.presence_penalty or cfg.frequency_penalty) and context.size:
@@ -290,7 +297,7 @@ class SparseDistribution:
         object.__setattr__(self, "probs", values)
 
     @classmethod
-    def from_dense(cls, dense: np.ndarray) -> "SparseDistribution":
+    def from_dense(cls, dense: np.ndarray) -> SparseDistribution:
         dense = np.asarray(dense, dtype=np.float64)
         support = np.flatnonzero(dense)
         return cls(support, dense[support])
@@ -358,10 +365,9 @@ def speculative_output_marginal(p_target, p_draft):
         reject_mass = float(np.sum(p_draft.probs * (1.0 - acceptance.probs)))
         residual = residual_distribution(p_target, p_draft)
         support = np.union1d(p_draft.token_ids, residual.token_ids)
-        combined = (
-            SparseDistribution(p_draft.token_ids, accept_mass).values_at(support)
-            + reject_mass * residual.values_at(support)
-        )
+        combined = SparseDistribution(p_draft.token_ids, accept_mass).values_at(
+            support
+        ) + reject_mass * residual.values_at(support)
         nonzero = combined > 0
         return SparseDistribution(support[nonzero], combined[nonzero])
     q = np.asarray(p_draft, np.float64)

@@ -19,8 +19,9 @@ import json
 import math
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from mtplx import bench
 from mtplx.errors import MtplxError
@@ -57,13 +58,19 @@ def read_config(config_path: str | Path | None = None) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise MtplxError(f"{path}: unreadable tune config ({type(e).__name__}); delete it or run `mtplx tune --retune`") from None
+        raise MtplxError(
+            f"{path}: unreadable tune config ({type(e).__name__}); delete it or run `mtplx tune --retune`"
+        ) from None
     if not isinstance(data, dict) or not isinstance(data.get("entries"), dict):
-        raise MtplxError(f"{path}: not an mtplx tune config (no 'entries'); delete it or run `mtplx tune --retune`")
+        raise MtplxError(
+            f"{path}: not an mtplx tune config (no 'entries'); delete it or run `mtplx tune --retune`"
+        )
     return data["entries"]
 
 
-def saved_entry(fingerprint: str, config_path: str | Path | None = None, machine: str | None = None) -> dict | None:
+def saved_entry(
+    fingerprint: str, config_path: str | Path | None = None, machine: str | None = None
+) -> dict | None:
     entry = read_config(config_path).get(entry_key(fingerprint, machine or machine_key()))
     return entry if isinstance(entry, dict) else None
 
@@ -87,8 +94,9 @@ def saved_depth(fingerprint: str, config_path: str | Path | None = None) -> int 
     return depth if isinstance(depth, int) and 0 <= depth <= bench.MAX_DEPTH else None
 
 
-def save_entry(fingerprint: str, entry: dict[str, Any], config_path: str | Path | None = None,
-               machine: str | None = None) -> Path:
+def save_entry(
+    fingerprint: str, entry: dict[str, Any], config_path: str | Path | None = None, machine: str | None = None
+) -> Path:
     """Add or replace one entry, keeping the others; a damaged file is replaced (a retune's job)."""
     path = config_file(config_path)
     try:
@@ -131,7 +139,9 @@ def choose_depth(summaries: Sequence[bench.Summary]) -> tuple[int, float, float]
     return (best_depth if margin > noise else 0), margin, noise
 
 
-def make_entry(engine, summaries: Sequence[bench.Summary], plan: bench.SweepPlan, model: str | None) -> dict[str, Any]:
+def make_entry(
+    engine, summaries: Sequence[bench.Summary], plan: bench.SweepPlan, model: str | None
+) -> dict[str, Any]:
     depth, margin, noise = choose_depth(summaries)
     versions = bench._versions()
     return {
@@ -154,8 +164,10 @@ def make_entry(engine, summaries: Sequence[bench.Summary], plan: bench.SweepPlan
 def describe(entry: dict[str, Any]) -> str:
     depth = entry.get("depth")
     choice = "AR (no depth beat it)" if depth == 0 else f"depth {depth}"
-    return (f"{choice}; margin over AR {entry.get('margin_over_ar', 0):+.1%} vs spread "
-            f"{entry.get('spread', 0):.1%}; tuned {entry.get('tuned_at', '?')}")
+    return (
+        f"{choice}; margin over AR {entry.get('margin_over_ar', 0):+.1%} vs spread "
+        f"{entry.get('spread', 0):.1%}; tuned {entry.get('tuned_at', '?')}"
+    )
 
 
 def show_text(config_path: str | Path | None = None) -> str:
@@ -174,11 +186,24 @@ def show_text(config_path: str | Path | None = None) -> str:
     return "\n".join(lines)
 
 
-def tune_main(*, model: str | None = None, head: str | None = None, retune: bool = False, show: bool = False,
-              config_path: str | Path | None = None, depths: str | Sequence[int] | None = None,
-              tokens: int = TUNE_TOKENS, repeats: int = TUNE_REPEATS, prompts_file: str | None = None,
-              per_kind: int | None = TUNE_PER_KIND, temps: Sequence[float] = bench.DEFAULT_TEMPS,
-              top_p: float = bench.DEFAULT_TOP_P, progress: bool = True, engine=None, out=None) -> int:
+def tune_main(
+    *,
+    model: str | None = None,
+    head: str | None = None,
+    retune: bool = False,
+    show: bool = False,
+    config_path: str | Path | None = None,
+    depths: str | Sequence[int] | None = None,
+    tokens: int = TUNE_TOKENS,
+    repeats: int = TUNE_REPEATS,
+    prompts_file: str | None = None,
+    per_kind: int | None = TUNE_PER_KIND,
+    temps: Sequence[float] = bench.DEFAULT_TEMPS,
+    top_p: float = bench.DEFAULT_TOP_P,
+    progress: bool = True,
+    engine=None,
+    out=None,
+) -> int:
     """`mtplx tune`: returns the exit code. Without ``retune`` an existing entry is kept."""
     out = out or sys.stdout
     if show:
@@ -201,10 +226,21 @@ def tune_main(*, model: str | None = None, head: str | None = None, retune: bool
         return 0
     limit = getattr(engine.head, "max_depth", None) if getattr(engine, "head", None) is not None else None
     if limit is not None and depths is None:
-        depth_list = [d for d in depth_list if d <= int(limit)]  # the default range, cut to what the head serves
+        depth_list = [
+            d for d in depth_list if d <= int(limit)
+        ]  # the default range, cut to what the head serves
     summaries, _, plan = bench.run_benchmark(
-        engine, depths=depth_list, tokens=tokens, repeats=repeats, prompts=prompts, temps=temps, top_p=top_p,
-        stock=False, progress=progress, desc="tune")
+        engine,
+        depths=depth_list,
+        tokens=tokens,
+        repeats=repeats,
+        prompts=prompts,
+        temps=temps,
+        top_p=top_p,
+        stock=False,
+        progress=progress,
+        desc="tune",
+    )
     entry = make_entry(engine, summaries, plan, model)
     path = save_entry(fingerprint, entry, config_path)
     print(bench.markdown_table(summaries), file=out)
@@ -213,17 +249,36 @@ def tune_main(*, model: str | None = None, head: str | None = None, retune: bool
 
 
 def add_tune_args(parser) -> None:
-    parser.add_argument("--model", default=None, help="local path or Hugging Face repo id (default: the embedded model)")
-    parser.add_argument("--head", default=None, help="a forged MTP head directory (default: the model's own head)")
-    parser.add_argument("--retune", action="store_true", help="measure again even if this model is tuned here")
+    parser.add_argument(
+        "--model", default=None, help="local path or Hugging Face repo id (default: the embedded model)"
+    )
+    parser.add_argument(
+        "--head", default=None, help="a forged MTP head directory (default: the model's own head)"
+    )
+    parser.add_argument(
+        "--retune", action="store_true", help="measure again even if this model is tuned here"
+    )
     parser.add_argument("--show", action="store_true", help="print the saved choices and exit")
     parser.add_argument("--config", default=None, help="tune config file (default ~/.config/mtplx/tune.json)")
     parser.add_argument("--depths", default=None, help="depths to try (default 1-4)")
-    parser.add_argument("--tokens", type=int, default=TUNE_TOKENS, help=f"tokens per run (default {TUNE_TOKENS})")
-    parser.add_argument("--repeats", type=int, default=TUNE_REPEATS, help=f"timed repeats (default {TUNE_REPEATS})")
+    parser.add_argument(
+        "--tokens", type=int, default=TUNE_TOKENS, help=f"tokens per run (default {TUNE_TOKENS})"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=TUNE_REPEATS, help=f"timed repeats (default {TUNE_REPEATS})"
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def tune_from_args(args) -> int:
-    return tune_main(model=args.model, head=args.head, retune=args.retune, show=args.show, config_path=args.config,
-                     depths=args.depths, tokens=args.tokens, repeats=args.repeats, progress=not args.no_progress)
+    return tune_main(
+        model=args.model,
+        head=args.head,
+        retune=args.retune,
+        show=args.show,
+        config_path=args.config,
+        depths=args.depths,
+        tokens=args.tokens,
+        repeats=args.repeats,
+        progress=not args.no_progress,
+    )

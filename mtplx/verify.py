@@ -12,8 +12,9 @@ when the backend has one and `backend="auto"`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import lru_cache
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import mlx.core as mx
 
@@ -161,8 +162,12 @@ def _top_p_threshold_by_bisection(weights: mx.array, target: mx.array) -> mx.arr
 
 
 def _top_p_threshold(
-    rows: mx.array, row_max: mx.array, weights: mx.array, cfg: SamplerConfig,
-    kth_largest: mx.array | None, first_pool: mx.array,
+    rows: mx.array,
+    row_max: mx.array,
+    weights: mx.array,
+    cfg: SamplerConfig,
+    kth_largest: mx.array | None,
+    first_pool: mx.array,
 ) -> mx.array:
     target = cfg.top_p * mx.sum(weights, axis=-1, keepdims=True)
     vocab_size = rows.shape[-1]
@@ -246,14 +251,19 @@ def _draw(weights: mx.array, uniforms: mx.array) -> mx.array:
 @lru_cache(maxsize=16)
 def _bias_vector(bias_items: tuple[tuple[int, float], ...], vocab_size: int) -> mx.array:
     if bias_items[-1][0] >= vocab_size:  # items are sorted by token id
-        raise MtplxError(f"SamplerConfig.logit_bias has token id {bias_items[-1][0]} >= vocab size {vocab_size}")
+        raise MtplxError(
+            f"SamplerConfig.logit_bias has token id {bias_items[-1][0]} >= vocab size {vocab_size}"
+        )
     ids = mx.array([token for token, _ in bias_items], dtype=mx.int32)
     values = mx.array([value for _, value in bias_items], dtype=mx.float32)
     return mx.zeros((vocab_size,), dtype=mx.float32).at[ids].add(values)
 
 
 def penalize_logits(
-    logits: mx.array, context_tokens: mx.array | None, cfg: SamplerConfig, block_tokens: mx.array | None = None
+    logits: mx.array,
+    context_tokens: mx.array | None,
+    cfg: SamplerConfig,
+    block_tokens: mx.array | None = None,
 ) -> mx.array:
     """Step 2 for a block of positions: logits[B, T, V] -> penalized float32 logits.
 
@@ -280,7 +290,9 @@ def penalize_logits(
     if block_tokens.shape[1] < positions - 1:
         raise ValueError(f"block_tokens needs {positions - 1} tokens for {positions} positions")
     # The stream every position extends; position t sees its first (context_len + t) tokens.
-    stream = mx.concatenate([context_tokens.astype(mx.int32), block_tokens[:, : positions - 1].astype(mx.int32)], axis=1)
+    stream = mx.concatenate(
+        [context_tokens.astype(mx.int32), block_tokens[:, : positions - 1].astype(mx.int32)], axis=1
+    )
     context_len = context_tokens.shape[1]
     if stream.shape[1] == 0:
         return z
@@ -295,18 +307,28 @@ def penalize_logits(
 
 
 def _scatter_membership(
-    tokens: mx.array, valid: mx.array, shape: tuple[int, int, int], batch_index: mx.array, position_index: mx.array
+    tokens: mx.array,
+    valid: mx.array,
+    shape: tuple[int, int, int],
+    batch_index: mx.array,
+    position_index: mx.array,
 ) -> mx.array:
     """counts[b, t, v] = number of valid entries tokens[b, t, :] equal to v."""
     safe_tokens = mx.where(valid, tokens, 0)  # padding adds 0 at token 0
     batch_b = mx.broadcast_to(batch_index, tokens.shape)
     position_b = mx.broadcast_to(position_index, tokens.shape)
-    return mx.zeros(shape, dtype=mx.float32).at[batch_b, position_b, safe_tokens].add(valid.astype(mx.float32))
+    return (
+        mx.zeros(shape, dtype=mx.float32).at[batch_b, position_b, safe_tokens].add(valid.astype(mx.float32))
+    )
 
 
 def _apply_repetition(
-    z: mx.array, stream: mx.array, context_len: int, cfg: SamplerConfig,
-    batch_index: mx.array, position_index: mx.array,
+    z: mx.array,
+    stream: mx.array,
+    context_len: int,
+    cfg: SamplerConfig,
+    batch_index: mx.array,
+    position_index: mx.array,
 ) -> mx.array:
     batch, positions, vocab_size = z.shape
     window = cfg.repetition_context_size
@@ -315,14 +337,21 @@ def _apply_repetition(
     inside = offsets >= 0
     window_tokens = mx.take(stream, mx.maximum(offsets[0], 0), axis=1)  # [B, T, W]
     valid = inside & (window_tokens >= 0)
-    in_window = _scatter_membership(window_tokens, valid, (batch, positions, vocab_size), batch_index, position_index) > 0
+    in_window = (
+        _scatter_membership(window_tokens, valid, (batch, positions, vocab_size), batch_index, position_index)
+        > 0
+    )
     penalized = mx.where(z < 0, z * cfg.repetition_penalty, z / cfg.repetition_penalty)
     return mx.where(in_window, penalized, z)
 
 
 def _token_counts(
-    stream: mx.array, context_len: int, positions: int, vocab_size: int,
-    batch_index: mx.array, position_index: mx.array,
+    stream: mx.array,
+    context_len: int,
+    positions: int,
+    vocab_size: int,
+    batch_index: mx.array,
+    position_index: mx.array,
 ) -> mx.array:
     batch, stream_len = stream.shape
     # Position t counts stream entries [0, context_len + t): one [B, T, L] mask, small next to V.
@@ -357,8 +386,11 @@ def sample(logits: mx.array, cfg: SamplerConfig, uniforms: mx.array, backend: st
 
 
 def _check_verify_shapes(
-    target_logits: mx.array, draft_tokens: mx.array, draft_probs: mx.array | None,
-    accept_uniforms: mx.array, sample_uniforms: mx.array,
+    target_logits: mx.array,
+    draft_tokens: mx.array,
+    draft_probs: mx.array | None,
+    accept_uniforms: mx.array,
+    sample_uniforms: mx.array,
 ) -> None:
     if target_logits.ndim != 3 or target_logits.shape[1] < 2:
         raise ValueError(f"target_logits must be [B, k+1, V] with k >= 1, got shape {target_logits.shape}")
@@ -413,7 +445,9 @@ def verify(
     else:
         q_of_draft = mx.take_along_axis(draft_probs, drafts[..., None], axis=-1)[..., 0].astype(mx.float32)
         draft_proposable = q_of_draft > 0  # q = 0 was never proposed: accept probability 0
-        log_ratio = mx.where(draft_proposable, log_p - mx.log(mx.where(draft_proposable, q_of_draft, 1.0)), -mx.inf)
+        log_ratio = mx.where(
+            draft_proposable, log_p - mx.log(mx.where(draft_proposable, q_of_draft, 1.0)), -mx.inf
+        )
     accepted = draft_proposable & (mx.log(accept_uniforms.astype(mx.float32)) <= log_ratio)
     accept_probs = mx.where(draft_proposable, mx.minimum(1.0, mx.exp(log_ratio)), 0.0)
     num_accepted = mx.sum(mx.cumprod(accepted.astype(mx.int32), axis=1), axis=1).astype(mx.int32)

@@ -40,7 +40,9 @@ SETTINGS = dict(
 def main() -> int:
     out = Path(__file__).resolve().parent.parent / "models" / "smollm2-135m-instruct"
     report = forge(None, out, None, **SETTINGS)
-    print(f"wrote {report.manifest_path}; hidden_source={report.hidden_source}; acceptance={report.acceptance}")
+    print(
+        f"wrote {report.manifest_path}; hidden_source={report.hidden_source}; acceptance={report.acceptance}"
+    )
     return 0
 
 

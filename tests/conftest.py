@@ -1,5 +1,3 @@
-
-
 # --- default model (mtplx.loading); shared by every test that needs a real trunk ---
 import pytest as _pytest_default_model
 

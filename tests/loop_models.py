@@ -11,11 +11,11 @@ the next token's embedding, so it predicts the trunk's bigram part, and
 
 from __future__ import annotations
 
-import mtplx  # noqa: F401  (BLAS before mlx)
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import llama, qwen3_5
 
+import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.heads.qwen3_next import Qwen3NextMTPHead
 from mtplx.trunk import Trunk
 
@@ -25,9 +25,16 @@ _OUTPUT_PROJECTIONS = ("o_proj.weight", "down_proj.weight", "out_proj.weight")
 
 def _llama(vocab_size: int):
     args = llama.ModelArgs(
-        model_type="llama", hidden_size=HIDDEN, num_hidden_layers=2, intermediate_size=2 * HIDDEN,
-        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=vocab_size,
-        tie_word_embeddings=True, rope_theta=10000.0,
+        model_type="llama",
+        hidden_size=HIDDEN,
+        num_hidden_layers=2,
+        intermediate_size=2 * HIDDEN,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=vocab_size,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
     )
     model = llama.Model(args)
     return model, lambda: llama.TransformerBlock(args), args.rms_norm_eps
@@ -35,30 +42,55 @@ def _llama(vocab_size: int):
 
 def _qwen3_5(vocab_size: int):
     text_config = dict(
-        model_type="qwen3_5_text", hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6, vocab_size=vocab_size,
-        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
-        linear_conv_kernel_dim=4, full_attention_interval=2, tie_word_embeddings=True,
+        model_type="qwen3_5_text",
+        hidden_size=HIDDEN,
+        intermediate_size=2 * HIDDEN,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+        vocab_size=vocab_size,
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+        full_attention_interval=2,
+        tie_word_embeddings=True,
         rope_parameters={"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
     )
     model = qwen3_5.Model(qwen3_5.ModelArgs(model_type="qwen3_5", text_config=text_config))
     text_args = model.language_model.args
     # The MTP layer is a full-attention decoder layer, as in real Qwen3.5 checkpoints.
-    return model, lambda: qwen3_5.DecoderLayer(text_args, layer_idx=text_args.full_attention_interval - 1), 1e-6
+    return (
+        model,
+        lambda: qwen3_5.DecoderLayer(text_args, layer_idx=text_args.full_attention_interval - 1),
+        1e-6,
+    )
 
 
 FAMILIES = {"llama": _llama, "qwen3_5": _qwen3_5}
 
 
 def _scale_outputs(module, factor: float) -> None:
-    updates = [(name, value * factor) for name, value in tree_flatten(module.parameters())
-               if name.endswith(_OUTPUT_PROJECTIONS)]
+    updates = [
+        (name, value * factor)
+        for name, value in tree_flatten(module.parameters())
+        if name.endswith(_OUTPUT_PROJECTIONS)
+    ]
     module.update(tree_unflatten(updates))
 
 
-def make_loop_pair(vocab_size: int = 6, *, seed: int = 0, context_strength: float = 3.0,
-                   head_noise: float = 1.0, logit_scale: float = 0.5,
-                   family: str = "llama") -> tuple[Trunk, Qwen3NextMTPHead]:
+def make_loop_pair(
+    vocab_size: int = 6,
+    *,
+    seed: int = 0,
+    context_strength: float = 3.0,
+    head_noise: float = 1.0,
+    logit_scale: float = 0.5,
+    family: str = "llama",
+) -> tuple[Trunk, Qwen3NextMTPHead]:
     mx.random.seed(seed)
     model, make_head_layer, eps = FAMILIES[family](vocab_size)
     trunk = Trunk(model)

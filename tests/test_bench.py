@@ -13,9 +13,9 @@ import string
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import mtplx  # noqa: F401  (BLAS before mlx)
 import pytest
 
+import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx import bench, tune
 from mtplx.errors import MtplxError
 
@@ -51,9 +51,9 @@ class FakeHead:
 class FakeEngine:
     """Scripted: MTP at depth d commits d tokens + 1 per cycle with cumulative acceptance 1.0, ..."""
 
-    def __init__(self, head=FakeHead(), interrupt_after: int | None = None):
+    def __init__(self, head: object = "scripted", interrupt_after: int | None = None):
         self.tokenizer = FakeTokenizer()
-        self.head = head
+        self.head = FakeHead() if head == "scripted" else head
         self.fingerprint = "fakefingerprint0"
         self.model_path = Path("/fake/model")
         self.calls: list[dict] = []
@@ -112,7 +112,9 @@ def test_conditional_acceptance_from_cumulative_engine_rates():
     assert bench.conditional_acceptance([0.0, 0.0]) == [0.0, 0.0]
     cumulative = [0.9, 0.6, 0.3]
     # theory from conditionals equals 1 + sum of the cumulative rates
-    assert bench.theoretical_tau(bench.conditional_acceptance(cumulative)) == pytest.approx(1 + sum(cumulative))
+    assert bench.theoretical_tau(bench.conditional_acceptance(cumulative)) == pytest.approx(
+        1 + sum(cumulative)
+    )
 
 
 def test_accepted_counts_pads_to_depth():
@@ -120,10 +122,23 @@ def test_accepted_counts_pads_to_depth():
 
 
 def _record(variant, mode, depth, setting, repeat, seconds, *, tokens=11, cycles=0, accepted=(), in_cycles=0):
-    return bench.RunRecord(variant=variant, mode=mode, depth=depth, setting=setting, prompt_id="p", kind="code",
-                           repeat=repeat, prompt_tokens=10, generated_tokens=tokens, prefill_seconds=1.0,
-                           decode_seconds=seconds, cycles=cycles, accepted_per_position=list(accepted),
-                           tokens_in_cycles=in_cycles, peak_memory_gb=0.5)
+    return bench.RunRecord(
+        variant=variant,
+        mode=mode,
+        depth=depth,
+        setting=setting,
+        prompt_id="p",
+        kind="code",
+        repeat=repeat,
+        prompt_tokens=10,
+        generated_tokens=tokens,
+        prefill_seconds=1.0,
+        decode_seconds=seconds,
+        cycles=cycles,
+        accepted_per_position=list(accepted),
+        tokens_in_cycles=in_cycles,
+        peak_memory_gb=0.5,
+    )
 
 
 def test_summary_medians_ratios_and_efficiency():
@@ -131,7 +146,11 @@ def test_summary_medians_ratios_and_efficiency():
     for repeat, (stock_s, mtp_s) in enumerate([(1.0, 0.5), (2.0, 0.4), (1.25, 1.0)]):
         records.append(_record("mlx-lm stock", "stock", 0, "greedy", repeat, stock_s))
         # 10 cycles, position 1 kept 8 times, positions 1+2 kept 4 times -> a = (0.8, 0.5), tau* = 2.2
-        records.append(_record("mtplx MTP d=2", "mtp", 2, "greedy", repeat, mtp_s, cycles=10, accepted=(8, 4), in_cycles=22))
+        records.append(
+            _record(
+                "mtplx MTP d=2", "mtp", 2, "greedy", repeat, mtp_s, cycles=10, accepted=(8, 4), in_cycles=22
+            )
+        )
     records.append(_record("mtplx MTP d=2", "mtp", 2, "greedy", -1, 99.0))  # warm-up: ignored
     stock, mtp = bench.summarize(records)
     assert stock.decode_tps == pytest.approx(8.0)  # rates 10, 5, 8 -> median 8
@@ -150,7 +169,9 @@ def test_summary_medians_ratios_and_efficiency():
 # ----------------------------------------------------------------------------- bad input
 
 
-@pytest.mark.parametrize("spec, expected", [("1-3", [1, 2, 3]), ("3,1,3", [1, 3]), ("0", []), ("", []), ([2, 1], [1, 2])])
+@pytest.mark.parametrize(
+    "spec, expected", [("1-3", [1, 2, 3]), ("3,1,3", [1, 3]), ("0", []), ("", []), ([2, 1], [1, 2])]
+)
 def test_parse_depths(spec, expected):
     assert bench.parse_depths(spec) == expected
 
@@ -169,10 +190,16 @@ def test_zero_or_negative_counts_fail_before_loading(tokens, repeats):
     assert ("tokens" if tokens <= 0 else "repeats") in _one_line(err)
 
 
-@pytest.mark.parametrize("content, fragment", [("", "no prompts"), ("\n  \n", "no prompts"),
-                                                ('{"kind": "code", "prompt": "x"}\n{bad\n', ":2: not valid JSON"),
-                                                ('{"kind": "code", "prompt": ""}\n', "non-empty"),
-                                                ('{"kind": "chat", "messages": []}\n', "messages")])
+@pytest.mark.parametrize(
+    "content, fragment",
+    [
+        ("", "no prompts"),
+        ("\n  \n", "no prompts"),
+        ('{"kind": "code", "prompt": "x"}\n{bad\n', ":2: not valid JSON"),
+        ('{"kind": "code", "prompt": ""}\n', "non-empty"),
+        ('{"kind": "chat", "messages": []}\n', "messages"),
+    ],
+)
 def test_bad_prompt_files(tmp_path, content, fragment):
     path = _write(tmp_path, "p.jsonl", content)
     with pytest.raises(MtplxError) as err:
@@ -196,8 +223,14 @@ def test_text_prompt_file_one_prompt_per_line(tmp_path):
 
 def test_unknown_model_is_a_one_line_error(tmp_path):
     with pytest.raises(MtplxError) as err:
-        bench.bench_main(model=str(tmp_path / "no-such-model"), tokens=4, repeats=1, json_path=None, plot_path=None,
-                         progress=False)
+        bench.bench_main(
+            model=str(tmp_path / "no-such-model"),
+            tokens=4,
+            repeats=1,
+            json_path=None,
+            plot_path=None,
+            progress=False,
+        )
     assert "no-such-model" in _one_line(err)
 
 
@@ -206,7 +239,9 @@ def test_depth_the_head_cannot_serve():
         bench.run_benchmark(FakeEngine(head=None), depths=[1], tokens=4, repeats=1, progress=False)
     assert "no MTP head" in _one_line(err)
     with pytest.raises(MtplxError) as err:
-        bench.run_benchmark(FakeEngine(head=FakeHead(max_depth=2)), depths=[1, 3], tokens=4, repeats=1, progress=False)
+        bench.run_benchmark(
+            FakeEngine(head=FakeHead(max_depth=2)), depths=[1, 3], tokens=4, repeats=1, progress=False
+        )
     assert "serves depths 1..2" in _one_line(err)
 
 
@@ -238,8 +273,13 @@ def test_sweep_is_interleaved_with_one_warmup_each_and_shared_seeds():
         calls.append((variant.name, setting.name, prompt.id, max_tokens, seed, repeat))
         return _record(variant.name, variant.mode, variant.depth, setting.name, repeat, 1.0)
 
-    prompts = [bench.Prompt("a", "code", text="x"), bench.Prompt("b", "chat", messages=({"role": "user", "content": "y"},))]
-    plan = bench.SweepPlan(bench.make_variants([1, 2]), bench.make_settings([0.0, 0.7]), prompts, 16, 2, warmup_tokens=4)
+    prompts = [
+        bench.Prompt("a", "code", text="x"),
+        bench.Prompt("b", "chat", messages=({"role": "user", "content": "y"},)),
+    ]
+    plan = bench.SweepPlan(
+        bench.make_variants([1, 2]), bench.make_settings([0.0, 0.7]), prompts, 16, 2, warmup_tokens=4
+    )
     records = bench.run_sweep(runner, plan)
     assert len(calls) == plan.total_runs == 2 * 4 + 2 * 2 * 2 * 4
     warmups, timed = calls[:8], calls[8:]
@@ -255,8 +295,17 @@ def test_sweep_is_interleaved_with_one_warmup_each_and_shared_seeds():
 def test_fake_engine_sweep_passes_eos_ban_and_counts_cycles():
     engine = FakeEngine()
     prompts = bench.load_prompts(per_kind=1)
-    summaries, records, _ = bench.run_benchmark(engine, depths=[2], tokens=13, repeats=1, prompts=prompts,
-                                                temps=[0.7], stock=False, warmup_tokens=0, progress=False)
+    summaries, records, _ = bench.run_benchmark(
+        engine,
+        depths=[2],
+        tokens=13,
+        repeats=1,
+        prompts=prompts,
+        temps=[0.7],
+        stock=False,
+        warmup_tokens=0,
+        progress=False,
+    )
     assert all(c["logit_bias"] == {0: bench.BAN_BIAS} for c in engine.calls)
     assert all(c["temperature"] == 0.7 and c["top_p"] == 0.95 for c in engine.calls)
     assert all(r.generated_tokens == 13 for r in records)
@@ -268,8 +317,16 @@ def test_fake_engine_sweep_passes_eos_ban_and_counts_cycles():
 def test_interrupted_sweep_writes_nothing(tmp_path):
     out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
     with pytest.raises(KeyboardInterrupt):
-        bench.bench_main(engine=FakeEngine(interrupt_after=5), depths="1", tokens=8, repeats=2, stock=False,
-                         json_path=str(out_json), plot_path=str(out_png), progress=False)
+        bench.bench_main(
+            engine=FakeEngine(interrupt_after=5),
+            depths="1",
+            tokens=8,
+            repeats=2,
+            stock=False,
+            json_path=str(out_json),
+            plot_path=str(out_png),
+            progress=False,
+        )
     assert list(tmp_path.iterdir()) == []
 
 
@@ -288,8 +345,17 @@ def test_atomic_output_keeps_old_file_when_interrupted_mid_write(tmp_path, mode)
 def test_fake_engine_bench_main_writes_table_json_and_png(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     out_json, out_png = tmp_path / "sub" / "r.json", tmp_path / "r.png"
-    code = bench.bench_main(engine=FakeEngine(), depths="1-2", tokens=9, repeats=2, stock=False, per_kind=1,
-                            json_path=str(out_json), plot_path=str(out_png), progress=False)
+    code = bench.bench_main(
+        engine=FakeEngine(),
+        depths="1-2",
+        tokens=9,
+        repeats=2,
+        stock=False,
+        per_kind=1,
+        json_path=str(out_json),
+        plot_path=str(out_png),
+        progress=False,
+    )
     assert code == 0
     table = capsys.readouterr().out
     assert "| t0.7-p0.95 | mtplx MTP d=2 |" in table and "| greedy | mtplx AR |" in table
@@ -312,8 +378,10 @@ def _char_tokenizer():
     raw = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     raw.decoder = decoders.Fuse()
     fast = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<eos>")
-    fast.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-                          "{% if add_generation_prompt %}<assistant>{% endif %}")
+    fast.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
     return TokenizerWrapper(fast), len(vocab)
 
 
@@ -327,9 +395,18 @@ def tiny_engine():
 
     tokenizer, vocab = _char_tokenizer()
     mx.random.seed(3)
-    args = llama.ModelArgs(model_type="llama", hidden_size=32, num_hidden_layers=2, intermediate_size=64,
-                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=vocab,
-                           tie_word_embeddings=True, rope_theta=10000.0)
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=32,
+        num_hidden_layers=2,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=vocab,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+    )
     model = llama.Model(args)
     engine = Engine(model, tokenizer, {"max_position_embeddings": 4096}, fingerprint="tinyfingerprint1")
     engine.head = Qwen3NextMTPHead([llama.TransformerBlock(args)], 32, eps=1e-5, trunk=engine.trunk)
@@ -340,11 +417,26 @@ def tiny_engine():
 
 def test_real_tiny_sweep_stock_ar_and_mtp(tiny_engine, tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    prompts = [bench.Prompt("c", "code", text="def f(x):\n    return"),
-               bench.Prompt("q", "chat", messages=({"role": "user", "content": "Hi there"},))]
-    summaries, records, plan = bench.run_benchmark(tiny_engine, depths=[1, 2], tokens=12, repeats=2, prompts=prompts,
-                                                   temps=[0.0, 0.7], warmup_tokens=4, progress=False)
-    assert [s.variant for s in summaries[:4]] == ["mlx-lm stock", "mtplx AR", "mtplx MTP d=1", "mtplx MTP d=2"]
+    prompts = [
+        bench.Prompt("c", "code", text="def f(x):\n    return"),
+        bench.Prompt("q", "chat", messages=({"role": "user", "content": "Hi there"},)),
+    ]
+    summaries, records, plan = bench.run_benchmark(
+        tiny_engine,
+        depths=[1, 2],
+        tokens=12,
+        repeats=2,
+        prompts=prompts,
+        temps=[0.0, 0.7],
+        warmup_tokens=4,
+        progress=False,
+    )
+    assert [s.variant for s in summaries[:4]] == [
+        "mlx-lm stock",
+        "mtplx AR",
+        "mtplx MTP d=1",
+        "mtplx MTP d=2",
+    ]
     # EOS is banned for every variant alike, so every timed run has the full length
     assert {r.generated_tokens for r in records if r.repeat >= 0} == {12}
     assert all(s.decode_tps > 0 and s.prefill_tps > 0 and s.ratio_to_stock is not None for s in summaries)
@@ -365,8 +457,16 @@ def test_real_tiny_greedy_stock_and_mtplx_generate_the_same_tokens(tiny_engine):
     bias = bench.ban_bias(tiny_engine.tokenizer)
     from mlx_lm.sample_utils import make_logits_processors
 
-    stock = [r.token for r in stream_generate(tiny_engine.trunk.model, tiny_engine.tokenizer, ids, max_tokens=10,
-                                              logits_processors=make_logits_processors(logit_bias=bias))]
+    stock = [
+        r.token
+        for r in stream_generate(
+            tiny_engine.trunk.model,
+            tiny_engine.tokenizer,
+            ids,
+            max_tokens=10,
+            logits_processors=make_logits_processors(logit_bias=bias),
+        )
+    ]
     ar = tiny_engine.generate("abc", max_tokens=10, mtp=False, logit_bias=bias).token_ids
     mtp = tiny_engine.generate("abc", max_tokens=10, depth=2, logit_bias=bias).token_ids
     assert stock == ar == mtp
@@ -377,14 +477,30 @@ def test_real_tiny_greedy_stock_and_mtplx_generate_the_same_tokens(tiny_engine):
 
 def _summary(mode, depth, setting, tps, spread=0.02):
     name = {"ar": "mtplx AR", "mtp": f"mtplx MTP d={depth}"}[mode]
-    return bench.Summary(variant=name, mode=mode, depth=depth, setting=setting, decode_tps=tps, decode_tps_min=tps,
-                         decode_tps_max=tps, spread=spread, prefill_tps=1.0, generated_tokens=1, peak_memory_gb=0.0)
+    return bench.Summary(
+        variant=name,
+        mode=mode,
+        depth=depth,
+        setting=setting,
+        decode_tps=tps,
+        decode_tps_min=tps,
+        decode_tps_max=tps,
+        spread=spread,
+        prefill_tps=1.0,
+        generated_tokens=1,
+        peak_memory_gb=0.0,
+    )
 
 
 def test_choose_depth_picks_best_geometric_mean_and_respects_noise():
-    rows = [_summary("ar", 0, "greedy", 10), _summary("ar", 0, "t0.7", 10),
-            _summary("mtp", 1, "greedy", 14), _summary("mtp", 1, "t0.7", 12),
-            _summary("mtp", 2, "greedy", 20), _summary("mtp", 2, "t0.7", 9)]
+    rows = [
+        _summary("ar", 0, "greedy", 10),
+        _summary("ar", 0, "t0.7", 10),
+        _summary("mtp", 1, "greedy", 14),
+        _summary("mtp", 1, "t0.7", 12),
+        _summary("mtp", 2, "greedy", 20),
+        _summary("mtp", 2, "t0.7", 9),
+    ]
     depth, margin, noise = tune.choose_depth(rows)
     assert depth == 2 and margin == pytest.approx((2.0 * 0.9) ** 0.5 - 1) and noise == 0.02
     noisy = [_summary(s.mode, s.depth, s.setting, s.decode_tps, spread=0.5) for s in rows]
@@ -400,7 +516,10 @@ def test_tune_config_save_read_show_and_corrupt(tmp_path, capsys):
     tune.save_entry("other", {"depth": 0, "model": "n"}, config)
     assert tune.saved_depth("fp", config) == 3
     assert tune.saved_depth("other", config) == 0
-    assert tune.saved_depth("fp", config) is not None and tune.saved_entry("fp", config, machine="elsewhere") is None
+    assert (
+        tune.saved_depth("fp", config) is not None
+        and tune.saved_entry("fp", config, machine="elsewhere") is None
+    )
     shown = tune.show_text(config)
     assert "depth 3" in shown and "AR (no depth beat it)" in shown and shown.count("\n* ") == 2
     config.write_text("{not json")
@@ -414,7 +533,10 @@ def test_tune_config_save_read_show_and_corrupt(tmp_path, capsys):
 def test_tune_main_saves_then_keeps_then_retunes(tmp_path, capsys):
     config = tmp_path / "tune.json"
     engine = FakeEngine()
-    assert tune.tune_main(engine=engine, config_path=config, depths="1-2", tokens=6, repeats=2, progress=False) == 0
+    assert (
+        tune.tune_main(engine=engine, config_path=config, depths="1-2", tokens=6, repeats=2, progress=False)
+        == 0
+    )
     first_calls = len(engine.calls)
     assert first_calls > 0 and all(c["depth"] in (None, 1, 2) for c in engine.calls)
     depth = tune.saved_depth(engine.fingerprint, config)
@@ -422,7 +544,9 @@ def test_tune_main_saves_then_keeps_then_retunes(tmp_path, capsys):
     assert "saved to" in capsys.readouterr().out
     tune.tune_main(engine=engine, config_path=config, progress=False)
     assert "already tuned" in capsys.readouterr().out and len(engine.calls) == first_calls
-    tune.tune_main(engine=engine, config_path=config, depths="1", tokens=6, repeats=2, retune=True, progress=False)
+    tune.tune_main(
+        engine=engine, config_path=config, depths="1", tokens=6, repeats=2, retune=True, progress=False
+    )
     assert len(engine.calls) > first_calls
     tune.tune_main(show=True, config_path=config)
     assert "fakefingerprint0" in capsys.readouterr().out
@@ -430,8 +554,17 @@ def test_tune_main_saves_then_keeps_then_retunes(tmp_path, capsys):
 
 def test_report_re_renders_a_saved_result(tmp_path, capsys):
     out_json = tmp_path / "r.json"
-    bench.bench_main(engine=FakeEngine(), depths="1", tokens=5, repeats=2, stock=False, per_kind=1,
-                     json_path=str(out_json), plot_path=None, progress=False)
+    bench.bench_main(
+        engine=FakeEngine(),
+        depths="1",
+        tokens=5,
+        repeats=2,
+        stock=False,
+        per_kind=1,
+        json_path=str(out_json),
+        plot_path=None,
+        progress=False,
+    )
     table = capsys.readouterr().out.split("\n\nwrote")[0].strip()
     assert bench.report_main(out_json) == 0
     assert capsys.readouterr().out.strip() == table

@@ -11,16 +11,15 @@ commits and must be caught by the same comparison.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-import tiny_models  # noqa: E402  (imports mtplx before mlx)
-
 import mlx.core as mx  # noqa: E402
+import tiny_models  # noqa: E402  (imports mtplx before mlx)
 from mlx_lm.models.cache import (  # noqa: E402
     ArraysCache,
     BatchKVCache,

@@ -7,7 +7,6 @@ import math
 import struct
 from pathlib import Path
 
-import mtplx  # noqa: F401  (optimized BLAS before mlx)
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -15,6 +14,7 @@ from mlx_lm import generate as mlx_lm_generate
 from mlx_lm.utils import load as mlx_lm_load
 from mlx_lm.utils import load_model as mlx_load_model
 
+import mtplx  # noqa: F401  (optimized BLAS before mlx)
 from mtplx.convert import convert_gguf, convert_weights
 from mtplx.errors import MtplxError
 from mtplx.gguf import GGML_F16, GGML_F32, GGML_Q4_0, GGML_Q4_1, GGML_Q8_0, read_gguf, write_gguf
@@ -82,9 +82,17 @@ def loaded(converted) -> dict[str, tuple]:
 def test_config_describes_smollm2(converted):
     config = json.loads((converted["float32"] / "config.json").read_text())
     expected = {
-        "model_type": "llama", "num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9,
-        "num_key_value_heads": 3, "head_dim": 64, "rope_theta": 100000.0, "tie_word_embeddings": True,
-        "vocab_size": 49152, "eos_token_id": 2, "bos_token_id": 1,
+        "model_type": "llama",
+        "num_hidden_layers": 30,
+        "hidden_size": 576,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "rope_theta": 100000.0,
+        "tie_word_embeddings": True,
+        "vocab_size": 49152,
+        "eos_token_id": 2,
+        "bos_token_id": 1,
     }
     assert {k: config[k] for k in expected} == expected
     assert "quantization" not in config
@@ -148,7 +156,7 @@ def test_unpermute_is_necessary(converted, smollm_gguf, loaded):
 
 
 ROUND_TRIP_TEXTS = [
-    "def reverse(s: str) -> str:\n    return s[::-1]  # slices are cheap\n\n\tif x >= 10:\n\t\tprint(f\"{x!r}\")\n",
+    'def reverse(s: str) -> str:\n    return s[::-1]  # slices are cheap\n\n\tif x >= 10:\n\t\tprint(f"{x!r}")\n',
     "The quick brown fox jumps over the lazy dog. It's 2024; prices rose 3.5% (again)!",
     "Ça coûte 12 €, naïve façade — Grüße aus München. Привет, мир! 你好，世界。こんにちは 🙂👍🏽",
     "  leading spaces, trailing spaces   \n\n\nmultiple\r\nnewlines\u00a0nbsp",
@@ -180,7 +188,9 @@ def test_chat_template_renders_chatml(loaded, converted):
     tokenizer = loaded["float32"][1]
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    assert text.endswith("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+    assert text.endswith(
+        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert text.startswith("<|im_start|>system\n")
     # transformers alone (no mlx-lm) loads the directory offline too.
     from transformers import AutoTokenizer
@@ -258,11 +268,17 @@ TINY_TENSORS = {
     "blk.0.ffn_down": ((HIDDEN, FFN), GGML_F32),
 }
 HF_NAMES = {
-    "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
-    "blk.0.attn_norm": "model.layers.0.input_layernorm", "blk.0.attn_q": "model.layers.0.self_attn.q_proj",
-    "blk.0.attn_k": "model.layers.0.self_attn.k_proj", "blk.0.attn_v": "model.layers.0.self_attn.v_proj",
-    "blk.0.attn_output": "model.layers.0.self_attn.o_proj", "blk.0.ffn_norm": "model.layers.0.post_attention_layernorm",
-    "blk.0.ffn_gate": "model.layers.0.mlp.gate_proj", "blk.0.ffn_up": "model.layers.0.mlp.up_proj",
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+    "blk.0.attn_norm": "model.layers.0.input_layernorm",
+    "blk.0.attn_q": "model.layers.0.self_attn.q_proj",
+    "blk.0.attn_k": "model.layers.0.self_attn.k_proj",
+    "blk.0.attn_v": "model.layers.0.self_attn.v_proj",
+    "blk.0.attn_output": "model.layers.0.self_attn.o_proj",
+    "blk.0.ffn_norm": "model.layers.0.post_attention_layernorm",
+    "blk.0.ffn_gate": "model.layers.0.mlp.gate_proj",
+    "blk.0.ffn_up": "model.layers.0.mlp.up_proj",
     "blk.0.ffn_down": "model.layers.0.mlp.down_proj",
 }
 
@@ -273,13 +289,22 @@ def tiny_metadata(arch: str = "llama") -> dict:
     tokens = sorted(pre_tokenizers.ByteLevel.alphabet()) + ["<|im_start|>", "<|im_end|>"]
     return {
         "general.architecture": arch,
-        f"{arch}.block_count": 1, f"{arch}.embedding_length": HIDDEN, f"{arch}.feed_forward_length": FFN,
-        f"{arch}.attention.head_count": HEADS, f"{arch}.attention.head_count_kv": KV_HEADS,
-        f"{arch}.rope.freq_base": 10000.0, f"{arch}.attention.layer_norm_rms_epsilon": 1e-5,
-        f"{arch}.context_length": 128, f"{arch}.vocab_size": len(tokens),
-        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "smollm",
-        "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": [1] * 256 + [3, 3],
-        "tokenizer.ggml.merges": [], "tokenizer.ggml.bos_token_id": 256, "tokenizer.ggml.eos_token_id": 257,
+        f"{arch}.block_count": 1,
+        f"{arch}.embedding_length": HIDDEN,
+        f"{arch}.feed_forward_length": FFN,
+        f"{arch}.attention.head_count": HEADS,
+        f"{arch}.attention.head_count_kv": KV_HEADS,
+        f"{arch}.rope.freq_base": 10000.0,
+        f"{arch}.attention.layer_norm_rms_epsilon": 1e-5,
+        f"{arch}.context_length": 128,
+        f"{arch}.vocab_size": len(tokens),
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "smollm",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [1] * 256 + [3, 3],
+        "tokenizer.ggml.merges": [],
+        "tokenizer.ggml.bos_token_id": 256,
+        "tokenizer.ggml.eos_token_id": 257,
     }
 
 
@@ -293,7 +318,9 @@ def write_tiny_gguf(
         w = rng.standard_normal(shape).astype(np.float32) * (1.0 if len(shape) == 1 else 0.05)
         raw, values = quantize_reference(w, ggml_type) if ggml_type in (0, 1, 2, 3, 8) else (b"\0" * 4096, w)
         expected[HF_NAMES.get(name, name)] = values
-        if name.endswith(("attn_q", "attn_k")):  # stored in llama.cpp's order; quantization is per row so it commutes
+        if name.endswith(
+            ("attn_q", "attn_k")
+        ):  # stored in llama.cpp's order; quantization is per row so it commutes
             heads = HEADS if name.endswith("attn_q") else KV_HEADS
             raw, _ = quantize_reference(llamacpp_permute(w, heads), ggml_type)
         tensors[f"{name}.weight"] = (ggml_type, shape, raw)

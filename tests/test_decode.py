@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import os
 
-import mtplx  # noqa: F401  (BLAS before mlx)
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import ArraysCache
 import pytest
+from loop_models import make_loop_pair
+from mlx_lm.models.cache import ArraysCache
 from scipy import stats as scipy_stats
 
-from loop_models import make_loop_pair
+import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx import cache as cache_ops
 from mtplx import decode
 from mtplx import verify as verify_ops
@@ -34,8 +34,9 @@ def take_tokens(steps, n: int) -> list[int]:
 
 def run_mtp_steps(trunk, head, cfg: SamplerConfig, depth: int, n: int, **settings) -> tuple[list[int], list]:
     """The first n MTP tokens (greedy key 0) and every Step that produced them."""
-    steps = decode.mtp_decode(trunk, head, PROMPT, decode.DecodeSettings(sampler=cfg, depth=depth, **settings),
-                              mx.random.key(0))
+    steps = decode.mtp_decode(
+        trunk, head, PROMPT, decode.DecodeSettings(sampler=cfg, depth=depth, **settings), mx.random.key(0)
+    )
     tokens, produced = [], []
     for step in steps:
         tokens.extend(step.tokens)
@@ -51,7 +52,9 @@ def run_loop(trunk, head, cfg: SamplerConfig, depth: int | None, n: int, seed: i
     if depth is None:
         steps = decode.ar_decode(trunk, PROMPT, decode.DecodeSettings(sampler=cfg, **settings), key)
     else:
-        steps = decode.mtp_decode(trunk, head, PROMPT, decode.DecodeSettings(sampler=cfg, depth=depth, **settings), key)
+        steps = decode.mtp_decode(
+            trunk, head, PROMPT, decode.DecodeSettings(sampler=cfg, depth=depth, **settings), key
+        )
     return take_tokens(steps, n)
 
 
@@ -103,8 +106,15 @@ def assert_caches_match_a_from_scratch_run(depth: int, family: str = "llama") ->
     trunk, head = make_loop_pair(vocab_size=16, seed=7, family=family)
     cfg = SamplerConfig(temperature=1.0)
     trunk_cache, head_cache = trunk.make_cache(), head.make_cache()
-    steps = decode.mtp_decode(trunk, head, PROMPT, decode.DecodeSettings(sampler=cfg, depth=depth),
-                              mx.random.key(3), trunk_cache=trunk_cache, head_cache=head_cache)
+    steps = decode.mtp_decode(
+        trunk,
+        head,
+        PROMPT,
+        decode.DecodeSettings(sampler=cfg, depth=depth),
+        mx.random.key(3),
+        trunk_cache=trunk_cache,
+        head_cache=head_cache,
+    )
     generated: list[int] = []
     patterns = set()
     for step in steps:
@@ -128,7 +138,11 @@ def assert_caches_match_a_from_scratch_run(depth: int, family: str = "llama") ->
     head_len = head_cache[0].offset
     assert len(PROMPT) - 1 <= head_len <= len(committed) - 1
     fresh_head_cache = head.make_cache()
-    head(reference.hidden_post_norm[:, :head_len], mx.array(committed[1 : head_len + 1])[None], fresh_head_cache)
+    head(
+        reference.hidden_post_norm[:, :head_len],
+        mx.array(committed[1 : head_len + 1])[None],
+        fresh_head_cache,
+    )
     assert_same_caches(head_cache, fresh_head_cache)
 
 
@@ -143,8 +157,11 @@ def test_cache_comparison_catches_a_loop_that_keeps_a_rejected_draft(monkeypatch
     """Negative control: an off-by-one in the committed prefix is caught."""
     depth = 2
     honest_commit = cache_ops.commit_block
-    monkeypatch.setattr(cache_ops, "commit_block",
-                        lambda cache, capture, num_keep: honest_commit(cache, capture, min(num_keep + 1, depth + 1)))
+    monkeypatch.setattr(
+        cache_ops,
+        "commit_block",
+        lambda cache, capture, num_keep: honest_commit(cache, capture, min(num_keep + 1, depth + 1)),
+    )
     with pytest.raises(AssertionError):
         assert_caches_match_a_from_scratch_run(depth, family)
 
@@ -204,7 +221,10 @@ def loop_p_value(counts: np.ndarray, expected_probs: np.ndarray) -> float:
     """
     axes = range(counts.ndim)
     tests = [(counts, expected_probs)] + [
-        (counts.sum(axis=tuple(a for a in axes if a != j)), expected_probs.sum(axis=tuple(a for a in axes if a != j)))
+        (
+            counts.sum(axis=tuple(a for a in axes if a != j)),
+            expected_probs.sum(axis=tuple(a for a in axes if a != j)),
+        )
         for j in axes
     ]
     return min(1.0, len(tests) * min(chi_square_p_value(c, e) for c, e in tests))
@@ -229,7 +249,9 @@ CHI_SQUARE_CASES = [
 NUM_SAMPLES = 2000
 
 
-@pytest.mark.parametrize("model,depth,cfg", CHI_SQUARE_CASES, ids=["llama-d1-t1.0", "llama-d3-t0.7-topp-topk", "hybrid-d2-t1.0"])
+@pytest.mark.parametrize(
+    "model,depth,cfg", CHI_SQUARE_CASES, ids=["llama-d1-t1.0", "llama-d3-t0.7-topp-topk", "hybrid-d2-t1.0"]
+)
 def test_mtp_sampled_distribution_matches_ar(model, depth, cfg):
     trunk, head = make_loop_pair(**model)
     expected = exact_ar_joint(trunk, cfg, model["vocab_size"])

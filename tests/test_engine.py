@@ -6,10 +6,10 @@ import json
 import subprocess
 import sys
 
-import mtplx  # noqa: F401  (BLAS before mlx)
 import mlx.core as mx
 import pytest
 
+import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx import MtplxError, loading
 from mtplx.engine import Engine
 from mtplx.heads.forged import build_forged_head
@@ -30,8 +30,14 @@ def engine(default_model_dir):
     rejections, which is what the rollback paths need exercised.
     """
     loaded = loading.load_model(default_model_dir)
-    engine = Engine(loaded.model, loaded.tokenizer, loaded.config, model_path=loaded.path,
-                    fingerprint=loaded.fingerprint, depth=3)
+    engine = Engine(
+        loaded.model,
+        loaded.tokenizer,
+        loaded.config,
+        model_path=loaded.path,
+        fingerprint=loaded.fingerprint,
+        depth=3,
+    )
     mx.random.seed(0)
     head = build_forged_head(engine.trunk, "post_norm")
     head.load_weights([(f"layers.0.{k}", v) for k, v in _last_layer_weights(engine.trunk)], strict=False)
@@ -130,8 +136,9 @@ def test_mtp_without_a_head_is_refused_with_advice(engine):
 
 
 def _cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mtplx.cli", *args], capture_output=True, text=True,
-                          input=stdin, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "mtplx.cli", *args], capture_output=True, text=True, input=stdin, timeout=300
+    )
 
 
 def test_cli_generate_streams_text_and_prints_stats():
@@ -142,7 +149,9 @@ def test_cli_generate_streams_text_and_prints_stats():
 
 
 def test_cli_json_and_stdin():
-    out = _cli("generate", "--raw", "--max-tokens", "6", "--json", "--no-mtp", stdin="The capital of France is")
+    out = _cli(
+        "generate", "--raw", "--max-tokens", "6", "--json", "--no-mtp", stdin="The capital of France is"
+    )
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert result["finish_reason"] == "length" and len(result["token_ids"]) == 6
@@ -169,8 +178,21 @@ def test_cli_bad_input_is_one_line_no_traceback(args, needle):
 def test_cli_ctrl_c_stops_cleanly_and_still_prints_stats():
     import signal
 
-    proc = subprocess.Popen([sys.executable, "-m", "mtplx.cli", "generate", "Tell me a long story about a dragon.",
-                             "--max-tokens", "400", "--stats"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mtplx.cli",
+            "generate",
+            "Tell me a long story about a dragon.",
+            "--max-tokens",
+            "400",
+            "--stats",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     first = proc.stdout.read(1)  # generation has started
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)

@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 import pytest
-
-import mtplx  # noqa: F401  (optimized BLAS before mlx)
-import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 
+import mtplx  # noqa: F401  (optimized BLAS before mlx)
 from mtplx.errors import MtplxError
 from mtplx.forge import (
     ForgeConfig,
@@ -28,7 +27,7 @@ from mtplx.forge import (
     train_head,
 )
 from mtplx.forge_data import corpus_from_paths
-from mtplx.heads.forged import MANIFEST, load_forged_head, lm_head_matrix, save_forged_head
+from mtplx.heads.forged import MANIFEST, lm_head_matrix, load_forged_head, save_forged_head
 from mtplx.trunk import Trunk
 
 VOCAB, SEQ, ROWS = 48, 24, 24
@@ -37,8 +36,16 @@ VOCAB, SEQ, ROWS = 48, 24, 24
 def _tiny_trunk(seed: int = 0) -> Trunk:
     mx.random.seed(seed)
     args = llama.ModelArgs(
-        model_type="llama", hidden_size=32, num_hidden_layers=2, intermediate_size=64, num_attention_heads=4,
-        num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=VOCAB, tie_word_embeddings=True, rope_theta=10000.0,
+        model_type="llama",
+        hidden_size=32,
+        num_hidden_layers=2,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=VOCAB,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
     )
     model = llama.Model(args)
     # Sharper-than-random logits so the trunk's distributions carry learnable structure.
@@ -58,11 +65,22 @@ def trunk() -> Trunk:
 
 @pytest.fixture(scope="module")
 def teacher(trunk: Trunk, tmp_path_factory: pytest.TempPathFactory) -> TeacherData:
-    return precompute_teacher(trunk, "tinyfp", _windows(), tmp_path_factory.mktemp("teacher"), top_n=8, batch=8, progress=False)
+    return precompute_teacher(
+        trunk, "tinyfp", _windows(), tmp_path_factory.mktemp("teacher"), top_n=8, batch=8, progress=False
+    )
 
 
 def _cfg(tmp: Path, **kw) -> ForgeConfig:
-    base = dict(out_dir=tmp / "out", steps=40, batch_size=4, lr=3e-3, warmup=5, checkpoint_every=10, progress=False, seed=0)
+    base = dict(
+        out_dir=tmp / "out",
+        steps=40,
+        batch_size=4,
+        lr=3e-3,
+        warmup=5,
+        checkpoint_every=10,
+        progress=False,
+        seed=0,
+    )
     base.update(kw)
     return ForgeConfig(**base)
 
@@ -79,7 +97,9 @@ def test_top_n_logprobs_matches_a_direct_log_softmax() -> None:
     np.testing.assert_allclose(logp, np.take_along_axis(ref, ids, -1), rtol=1e-5, atol=1e-5)
 
 
-def test_teacher_cache_resumes_after_an_interruption(trunk: Trunk, teacher: TeacherData, tmp_path: Path) -> None:
+def test_teacher_cache_resumes_after_an_interruption(
+    trunk: Trunk, teacher: TeacherData, tmp_path: Path
+) -> None:
     windows = _windows()
     precompute_teacher(trunk, "tinyfp", windows, tmp_path, 8, 8, False)
     # Simulate a kill after the first batch: later rows lost, progress says 8.
@@ -111,7 +131,9 @@ def test_a_foreign_teacher_cache_must_hold_exactly_this_runs_windows(trunk: Trun
 
 
 @pytest.mark.parametrize("shared", [None, 12])
-def test_training_lowers_the_kl(trunk: Trunk, teacher: TeacherData, tmp_path: Path, shared: int | None) -> None:
+def test_training_lowers_the_kl(
+    trunk: Trunk, teacher: TeacherData, tmp_path: Path, shared: int | None
+) -> None:
     # shared=12: the softmax runs over 12 frequent ids + each position's teacher top-8 only.
     ids = None if shared is None else frequent_ids(teacher, ROWS, shared, VOCAB)
     head = build_head(trunk, "post_norm")
@@ -121,7 +143,9 @@ def test_training_lowers_the_kl(trunk: Trunk, teacher: TeacherData, tmp_path: Pa
     assert last < 0.7 * first, (first, last)
 
 
-def test_resume_from_checkpoint_equals_a_straight_run(trunk: Trunk, teacher: TeacherData, tmp_path: Path) -> None:
+def test_resume_from_checkpoint_equals_a_straight_run(
+    trunk: Trunk, teacher: TeacherData, tmp_path: Path
+) -> None:
     cfg = _cfg(tmp_path, steps=20)
     straight = build_head(trunk, "post_norm")
     train_head(cfg, trunk, straight, teacher, None, tmp_path / "a")
@@ -146,7 +170,9 @@ def test_training_is_deterministic_given_the_seed(trunk: Trunk, teacher: Teacher
     assert not all(np.array_equal(runs[0][k], runs[2][k]) for k in runs[0])  # the seed orders the batches
 
 
-def test_trained_head_beats_untrained_and_acceptance_is_a_probability(trunk: Trunk, teacher: TeacherData, tmp_path: Path) -> None:
+def test_trained_head_beats_untrained_and_acceptance_is_a_probability(
+    trunk: Trunk, teacher: TeacherData, tmp_path: Path
+) -> None:
     held_out = _windows(6, seed=7)
     untrained = build_head(trunk, "post_norm")
     before = evaluate_acceptance(trunk, untrained, held_out, depths=3, origins=6)
@@ -173,10 +199,24 @@ def test_draft_vocab_choice_needs_both_kept_acceptance_and_a_real_speedup() -> N
     def table(a0: float, a7: float) -> dict:
         return {"1": {"0.0": a0, "0.7": a7}}
 
-    tables = {"full": table(0.70, 0.60), "top4096": table(0.65, 0.58), "top8192": table(0.695, 0.595), "top16384": table(0.70, 0.60)}
-    assert choose_draft_vocab(tables, {"full": 50.0, "top4096": 10.0, "top8192": 20.0, "top16384": 30.0}) == "top8192"
-    assert choose_draft_vocab(tables, {"full": 50.0, "top4096": 10.0, "top8192": 45.0, "top16384": 30.0}) == "top16384"
-    assert choose_draft_vocab(tables, {"full": 50.0, "top4096": 10.0, "top8192": 45.0, "top16384": 48.0}) == "full"
+    tables = {
+        "full": table(0.70, 0.60),
+        "top4096": table(0.65, 0.58),
+        "top8192": table(0.695, 0.595),
+        "top16384": table(0.70, 0.60),
+    }
+    assert (
+        choose_draft_vocab(tables, {"full": 50.0, "top4096": 10.0, "top8192": 20.0, "top16384": 30.0})
+        == "top8192"
+    )
+    assert (
+        choose_draft_vocab(tables, {"full": 50.0, "top4096": 10.0, "top8192": 45.0, "top16384": 30.0})
+        == "top16384"
+    )
+    assert (
+        choose_draft_vocab(tables, {"full": 50.0, "top4096": 10.0, "top8192": 45.0, "top16384": 48.0})
+        == "full"
+    )
 
 
 def test_reduced_vocab_head_never_proposes_outside_ids(trunk: Trunk, teacher: TeacherData) -> None:
@@ -191,19 +231,28 @@ def test_reduced_vocab_head_never_proposes_outside_ids(trunk: Trunk, teacher: Te
     np.testing.assert_allclose(reduced[..., ids], np.asarray(full)[..., ids], rtol=1e-5, atol=1e-5)
 
 
-def test_sidecar_round_trip_and_fingerprint_refusal(trunk: Trunk, teacher: TeacherData, tmp_path: Path) -> None:
+def test_sidecar_round_trip_and_fingerprint_refusal(
+    trunk: Trunk, teacher: TeacherData, tmp_path: Path
+) -> None:
     head = build_head(trunk, "pre_norm")
     train_head(_cfg(tmp_path, steps=5), trunk, head, teacher, None, tmp_path / "ckpt")
     head.set_draft_vocab(frequent_ids(teacher, ROWS, 20, VOCAB).tolist(), lm_head_matrix(trunk))
     out = tmp_path / "sidecar"
     save_forged_head(out, head, {"trunk_fingerprint": "abc123", "steps": 5})
-    assert sorted(p.name for p in out.iterdir()) == ["head.safetensors", "manifest.json"]  # no temp files left
+    assert sorted(p.name for p in out.iterdir()) == [
+        "head.safetensors",
+        "manifest.json",
+    ]  # no temp files left
     loaded = load_forged_head(out, trunk, "abc123")
     assert loaded.chain_source == "pre_norm"  # defaults to the hidden source and is persisted
     assert loaded.hidden_source == "pre_norm" and loaded.vocab_ids.tolist() == head.vocab_ids.tolist()
     x, t = mx.random.normal((1, 4, 32)), mx.array([[1, 2, 3, 4]])
-    np.testing.assert_allclose(np.asarray(loaded.logits(loaded(x, t))), np.asarray(head.logits(head(x, t))), rtol=1e-5, atol=1e-5)
-    with pytest.raises(MtplxError, match=r"manifest\.json: head was forged for trunk abc123, not this trunk \(other\)"):
+    np.testing.assert_allclose(
+        np.asarray(loaded.logits(loaded(x, t))), np.asarray(head.logits(head(x, t))), rtol=1e-5, atol=1e-5
+    )
+    with pytest.raises(
+        MtplxError, match=r"manifest\.json: head was forged for trunk abc123, not this trunk \(other\)"
+    ):
         load_forged_head(out, trunk, "other")
     # Damaged weights are caught by the manifest's checksum, naming the file.
     (out / "head.safetensors").write_bytes((out / "head.safetensors").read_bytes()[:-8] + b"\0" * 8)
@@ -244,15 +293,35 @@ def _tiny_model_dir(path: Path) -> Path:
     tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
     path.mkdir(parents=True)
     tok.save(str(path / "tokenizer.json"))
-    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    (path / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "unk_token": "<unk>", "chat_template": template}))
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": "<|im_end|>",
+                "unk_token": "<unk>",
+                "chat_template": template,
+            }
+        )
+    )
     trunk = _tiny_trunk(seed=3)
     mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(trunk.model.parameters())))
-    config = {"model_type": "llama", "hidden_size": 32, "num_hidden_layers": 2, "intermediate_size": 64,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": VOCAB,
-              "tie_word_embeddings": True, "rope_theta": 10000.0, "eos_token_id": vocab["<|im_end|>"]}
+    config = {
+        "model_type": "llama",
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "intermediate_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": VOCAB,
+        "tie_word_embeddings": True,
+        "rope_theta": 10000.0,
+        "eos_token_id": vocab["<|im_end|>"],
+    }
     (path / "config.json").write_text(json.dumps(config))
     return path
 
@@ -266,13 +335,34 @@ def test_forge_end_to_end_on_a_user_model_and_data(tmp_path: Path) -> None:
     words = "the quick brown fox jumps over the lazy dog. pack my box with five dozen liquor jugs.\n"
     for i in range(6):
         (data / f"t{i}.txt").write_text(words * (20 + i))
-    (data / "chat.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "say the fox"},
-                                                              {"role": "assistant", "content": words}]}) + "\n")
+    (data / "chat.jsonl").write_text(
+        json.dumps(
+            {
+                "messages": [
+                    {"role": "user", "content": "say the fox"},
+                    {"role": "assistant", "content": words},
+                ]
+            }
+        )
+        + "\n"
+    )
     with pytest.raises(MtplxError, match="draft_vocab must be"):
         forge(str(model_dir), tmp_path / "head", [data], draft_vocab="small")
-    report = forge(str(model_dir), tmp_path / "head", [data], steps=12, train_tokens=2048, seq_len=32,
-                   eval_tokens=256, compare_steps=4, draft_vocab=20, eval_vocab_sizes=(24,), eval_origins=4,
-                   work_dir=tmp_path / "work", progress=False)
+    report = forge(
+        str(model_dir),
+        tmp_path / "head",
+        [data],
+        steps=12,
+        train_tokens=2048,
+        seq_len=32,
+        eval_tokens=256,
+        compare_steps=4,
+        draft_vocab=20,
+        eval_vocab_sizes=(24,),
+        eval_origins=4,
+        work_dir=tmp_path / "work",
+        progress=False,
+    )
     manifest = json.loads(report.manifest_path.read_text())
     assert manifest["steps"] == 12 and manifest["seed"] == 0 and manifest["depth_trained"] == 1
     assert set(manifest["hidden_source_comparison"]["depth1_acceptance_t0"]) == {"pre_norm", "post_norm"}
@@ -280,11 +370,16 @@ def test_forge_end_to_end_on_a_user_model_and_data(tmp_path: Path) -> None:
     chain = manifest["chain_source_comparison"]["depth2_acceptance_t0"]
     assert manifest["chain_source"] == max(chain, key=chain.get)
     assert set(manifest["acceptance_by_draft_vocab"]) == {"full", "top20", "top24"}
-    assert manifest["acceptance"] == manifest["acceptance_by_draft_vocab"]["top20"] and len(manifest["vocab_ids"]) == 20
+    assert (
+        manifest["acceptance"] == manifest["acceptance_by_draft_vocab"]["top20"]
+        and len(manifest["vocab_ids"]) == 20
+    )
     assert all(0.0 <= v <= 1.0 for row in manifest["acceptance"].values() for v in row.values())
     assert manifest["data"]["train_tokens"] == 2048
     # Only files whose text reached the training windows are listed (the rest stay unused).
-    assert set(manifest["data"]["train_files"]) <= {str(data / f"t{i}.txt") for i in range(6)} | {str(data / "chat.jsonl")}
+    assert set(manifest["data"]["train_files"]) <= {str(data / f"t{i}.txt") for i in range(6)} | {
+        str(data / "chat.jsonl")
+    }
     assert 0 < len(manifest["data"]["train_files"]) < 7
     assert set(manifest["draft_step_ms"]) == {"full", "top20", "top24"}
     loaded = load_model(str(model_dir))

@@ -11,19 +11,18 @@ is checked structurally (HF per-expert tensors land stacked in mlx-lm's SwitchGL
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-import mtplx  # noqa: F401  (BLAS before mlx)
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+import tiny_checkpoints as tc
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model as mlx_load_model
 from safetensors.numpy import load_file
 
-import tiny_checkpoints as tc
+import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.errors import MtplxError
 from mtplx.heads import DEFAULT_HIDDEN_SOURCE, Qwen3NextMTPHead, load_head
 from mtplx.trunk import Trunk
@@ -63,7 +62,9 @@ def silu(x):
 
 
 def mlp(x, t, p):
-    return (silu(x @ t[p + "gate_proj.weight"].T) * (x @ t[p + "up_proj.weight"].T)) @ t[p + "down_proj.weight"].T
+    return (silu(x @ t[p + "gate_proj.weight"].T) * (x @ t[p + "up_proj.weight"].T)) @ t[
+        p + "down_proj.weight"
+    ].T
 
 
 def rope(x, dims, base, traditional):
@@ -118,8 +119,16 @@ def qwen35_reference(t, hidden, next_tokens, cfg, offset=True):
     g = (lambda w: 1.0 + w) if offset else (lambda w: w)
     rdims = int(hd * tc_["rope_parameters"]["partial_rotary_factor"])
     emb = t["model.language_model.embed_tokens.weight"][next_tokens]
-    x = np.concatenate([rms(emb, g(t["mtp.pre_fc_norm_embedding.weight"]), eps),
-                        rms(hidden, g(t["mtp.pre_fc_norm_hidden.weight"]), eps)], -1) @ t["mtp.fc.weight"].T
+    x = (
+        np.concatenate(
+            [
+                rms(emb, g(t["mtp.pre_fc_norm_embedding.weight"]), eps),
+                rms(hidden, g(t["mtp.pre_fc_norm_hidden.weight"]), eps),
+            ],
+            -1,
+        )
+        @ t["mtp.fc.weight"].T
+    )
     p = "mtp.layers.0."
     T = x.shape[0]
     a = rms(x, g(t[p + "input_layernorm.weight"]), eps)
@@ -152,7 +161,10 @@ def test_qwen35_head_matches_numpy_reference(qwen35):
     assert_close(out[0], ref)
     # Negative control: the same reference with plain (non-offset) norms is far away, so a
     # loader that forgot Qwen3.5's 1+w convention would fail the comparison above.
-    assert differs(out[0], qwen35_reference(t, np.array(hidden[0], np.float64), np.array(nxt[0]), tiny.config, offset=False))
+    assert differs(
+        out[0],
+        qwen35_reference(t, np.array(hidden[0], np.float64), np.array(nxt[0]), tiny.config, offset=False),
+    )
 
 
 def test_qwen35_trunk_round_trips_through_mlx_lm(qwen35):
@@ -204,8 +216,16 @@ def test_forged_style_head_on_a_llama_trunk():
     """The layout takes any trunk's own decoder layer (what `mtplx forge` builds)."""
     from mlx_lm.models import llama
 
-    args = llama.ModelArgs(model_type="llama", hidden_size=32, num_hidden_layers=2, intermediate_size=64,
-                           num_attention_heads=4, rms_norm_eps=1e-5, vocab_size=64, num_key_value_heads=2)
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=32,
+        num_hidden_layers=2,
+        intermediate_size=64,
+        num_attention_heads=4,
+        rms_norm_eps=1e-5,
+        vocab_size=64,
+        num_key_value_heads=2,
+    )
     trunk = Trunk(llama.Model(args))
     head = Qwen3NextMTPHead([llama.TransformerBlock(args)], 32, eps=1e-5, trunk=trunk)
     out = trunk(mx.array(TOKENS))
@@ -220,7 +240,12 @@ def test_forged_style_head_on_a_llama_trunk():
 
 
 def mla_block(x, t, p, cfg):
-    nh, nope, rd, vd = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    nh, nope, rd, vd = (
+        cfg["num_attention_heads"],
+        cfg["qk_nope_head_dim"],
+        cfg["qk_rope_head_dim"],
+        cfg["v_head_dim"],
+    )
     T, eps = x.shape[0], cfg["rms_norm_eps"]
     a = rms(x, t[p + "input_layernorm.weight"], eps)
     q = rms(a @ t[p + "self_attn.q_a_proj.weight"].T, t[p + "self_attn.q_a_layernorm.weight"], 1e-6)
@@ -233,7 +258,9 @@ def mla_block(x, t, p, cfg):
     q_pe = rope(q[..., nope:], rd, cfg["rope_theta"], True)
     k_pe = rope(k_pe, rd, cfg["rope_theta"], True)
     scale = (nope + rd) ** -0.5
-    s = (np.einsum("qhd,khd->hqk", q[..., :nope], k_nope) + np.einsum("qhd,kd->hqk", q_pe, k_pe[:, 0])) * scale
+    s = (
+        np.einsum("qhd,khd->hqk", q[..., :nope], k_nope) + np.einsum("qhd,kd->hqk", q_pe, k_pe[:, 0])
+    ) * scale
     h = x + attend(s, v) @ t[p + "self_attn.o_proj.weight"].T
     return h + mlp(rms(h, t[p + "post_attention_layernorm.weight"], eps), t, p + "mlp.")
 
@@ -260,7 +287,9 @@ def test_deepseek_head_matches_numpy_reference(deepseek):
     assert head.layout == "deepseek" and head.hidden_source == "post_norm" and head.chain_source == "pre_norm"
     hidden, nxt = head_inputs(trunk, head)
     out = head(hidden, nxt, head.make_cache())
-    ref, ref_logits = deepseek_reference(read_tensors(tiny.path), np.array(hidden[0], np.float64), np.array(nxt[0]), tiny.config)
+    ref, ref_logits = deepseek_reference(
+        read_tensors(tiny.path), np.array(hidden[0], np.float64), np.array(nxt[0]), tiny.config
+    )
     assert_close(out[0], ref)
     assert_close(head.logits(out)[0], ref_logits)
     # The shipped shared_head.head equals the trunk's lm_head: no second copy is kept.
@@ -274,8 +303,12 @@ def test_deepseek_moe_experts_are_stacked(tmp_path):
     assert hasattr(mlp_, "switch_mlp")
     p = "model.layers.61.mlp.experts."
     for e in range(4):
-        np.testing.assert_array_equal(np.array(mlp_.switch_mlp.gate_proj.weight[e]), tiny.tensors[f"{p}{e}.gate_proj.weight"])
-        np.testing.assert_array_equal(np.array(mlp_.switch_mlp.down_proj.weight[e]), tiny.tensors[f"{p}{e}.down_proj.weight"])
+        np.testing.assert_array_equal(
+            np.array(mlp_.switch_mlp.gate_proj.weight[e]), tiny.tensors[f"{p}{e}.gate_proj.weight"]
+        )
+        np.testing.assert_array_equal(
+            np.array(mlp_.switch_mlp.down_proj.weight[e]), tiny.tensors[f"{p}{e}.down_proj.weight"]
+        )
     hidden, nxt = head_inputs(trunk, head)
     assert np.isfinite(np.array(head(hidden, nxt, head.make_cache()))).all()
 

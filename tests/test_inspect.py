@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import math
 
-import mtplx  # noqa: F401
 import mlx.core as mx
 import pytest
+import tiny_checkpoints as tc
 from mlx.utils import tree_flatten
 
-import tiny_checkpoints as tc
+import mtplx  # noqa: F401
 from mtplx.errors import MtplxError
 from mtplx.inspect import format_inspection, inspect_model
 
@@ -23,9 +23,15 @@ def test_qwen35_with_head_is_mtp_ready(tmp_path):
     tiny = tc.qwen3_5(tmp_path / "q35", shards=2)
     info = inspect_model(tiny.path)
     assert info["verdict"] == "MTP-ready"
-    assert info["mtp"] == {"layout": "qwen3_next", "declared_layers": 1, "tensors": sum(k.startswith("mtp.") for k in tiny.tensors)}
+    assert info["mtp"] == {
+        "layout": "qwen3_next",
+        "declared_layers": 1,
+        "tensors": sum(k.startswith("mtp.") for k in tiny.tensors),
+    }
     assert info["parameters"] == _numel(tiny.tensors)
-    assert info["parameters_by_part"]["mtp_head"] == _numel({k: v for k, v in tiny.tensors.items() if k.startswith("mtp.")})
+    assert info["parameters_by_part"]["mtp_head"] == _numel(
+        {k: v for k, v in tiny.tensors.items() if k.startswith("mtp.")}
+    )
     assert info["memory_bytes"] == sum(v.nbytes for v in tiny.tensors.values())
     assert info["memory_bytes_by_dtype"] == {"F32": info["memory_bytes"]}
     assert info["shards"] == 2 and info["quantization"] is None
@@ -47,7 +53,10 @@ def test_quantized_counts_real_parameters(tmp_path):
     info = inspect_model(q_tiny.path)
     assert info["quantization"] == {"group_size": 32, "bits": 4, "mode": "affine", "per_layer_overrides": 1}
     assert info["parameters"] == _numel(float_tiny.tensors)  # packed uint32 weights unpacked to real counts
-    assert "4-bit quantized" in info["memory_bytes_by_dtype"] and "8-bit quantized" in info["memory_bytes_by_dtype"]
+    assert (
+        "4-bit quantized" in info["memory_bytes_by_dtype"]
+        and "8-bit quantized" in info["memory_bytes_by_dtype"]
+    )
     assert info["memory_bytes"] < sum(v.nbytes for v in float_tiny.tensors.values())
     assert "4-bit affine, group size 32" in format_inspection(info)
 
@@ -55,18 +64,41 @@ def test_quantized_counts_real_parameters(tmp_path):
 def test_model_without_head_is_ar_only_and_suggests_forge(tmp_path):
     from mlx_lm.models import llama
 
-    args = llama.ModelArgs(model_type="llama", hidden_size=32, num_hidden_layers=2, intermediate_size=64,
-                           num_attention_heads=4, rms_norm_eps=1e-5, vocab_size=64, num_key_value_heads=2)
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=32,
+        num_hidden_layers=2,
+        intermediate_size=64,
+        num_attention_heads=4,
+        rms_norm_eps=1e-5,
+        vocab_size=64,
+        num_key_value_heads=2,
+    )
     model = llama.Model(args)
-    cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], **{k: getattr(args, k) for k in
-           ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads", "rms_norm_eps",
-            "vocab_size", "num_key_value_heads")}}
+    cfg = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        **{
+            k: getattr(args, k)
+            for k in (
+                "hidden_size",
+                "num_hidden_layers",
+                "intermediate_size",
+                "num_attention_heads",
+                "rms_norm_eps",
+                "vocab_size",
+                "num_key_value_heads",
+            )
+        },
+    }
     tiny = tc.write_checkpoint(tmp_path / "llama", dict(tree_flatten(model.parameters())), cfg)
     info = inspect_model(tiny.path)
     assert info["verdict"] == "AR-only" and "mtplx forge" in info["reason"] and info["mtp"]["layout"] is None
     # A forged head beside it makes it MTP-ready.
     (tiny.path / "mtplx_head").mkdir()
-    (tiny.path / "mtplx_head" / "manifest.json").write_text(json.dumps({"layout": "qwen3_next", "trunk_fingerprint": "abc"}))
+    (tiny.path / "mtplx_head" / "manifest.json").write_text(
+        json.dumps({"layout": "qwen3_next", "trunk_fingerprint": "abc"})
+    )
     info = inspect_model(tiny.path)
     assert info["verdict"] == "MTP-ready" and info["forged_head"]["layout"] == "qwen3_next"
 

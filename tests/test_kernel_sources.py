@@ -9,11 +9,11 @@ import os
 import re
 import warnings
 
-import mtplx  # noqa: F401  (before mlx)
 import mlx.core as mx
 import numpy as np
 import pytest
 
+import mtplx  # noqa: F401  (before mlx)
 from mtplx import kernels as K
 
 # ---------------------------------------------------------------- emulation harness
@@ -100,22 +100,38 @@ def _generated_msl(name, capfd, header=None, source=None, tg=256):
     spec = K.SPECS[name]
     h, s = K.metal_sources(name)
     kernel = mx.fast.metal_kernel(
-        name=f"mtplx_{name}", input_names=[n for n, _ in spec.inputs],
+        name=f"mtplx_{name}",
+        input_names=[n for n, _ in spec.inputs],
         output_names=[n for n, _ in spec.outputs],
-        source=s if source is None else source, header=h if header is None else header)
+        source=s if source is None else source,
+        header=h if header is None else header,
+    )
     B, k, V = 2, 3, 4096
     if name == "verify":
-        ins = [mx.zeros((B, k + 1, V)), mx.zeros((B, k), mx.int32), mx.zeros((B, k, V)),
-               mx.zeros((B, 4)), mx.zeros((B, k)), mx.zeros((B,)), mx.zeros((4,), mx.int32)]
+        ins = [
+            mx.zeros((B, k + 1, V)),
+            mx.zeros((B, k), mx.int32),
+            mx.zeros((B, k, V)),
+            mx.zeros((B, 4)),
+            mx.zeros((B, k)),
+            mx.zeros((B,)),
+            mx.zeros((4,), mx.int32),
+        ]
         shapes, dtypes = [(B,), (B,), (B, k)], [mx.int32, mx.int32, mx.float32]
     else:
         ins = [mx.zeros((B, V)), mx.zeros((B, 4)), mx.zeros((B,)), mx.zeros((2,), mx.int32)]
         shapes, dtypes = [(B,), (B, V)], [mx.int32, mx.float32]
 
     def fn(*xs):
-        return kernel(inputs=list(xs), template=[("TG", tg)], grid=(B * tg, 1, 1),
-                      threadgroup=(tg, 1, 1), output_shapes=shapes, output_dtypes=dtypes,
-                      verbose=True)
+        return kernel(
+            inputs=list(xs),
+            template=[("TG", tg)],
+            grid=(B * tg, 1, 1),
+            threadgroup=(tg, 1, 1),
+            output_shapes=shapes,
+            output_dtypes=dtypes,
+            verbose=True,
+        )
 
     capfd.readouterr()
     mx.export_function(lambda *a, **kw: None, fn, *ins)
@@ -179,8 +195,12 @@ def _nvrtc():
     except ImportError:
         return None
     roots = list(getattr(pkg, "__path__", []))
-    libs = sorted(p for r in roots for p in glob.glob(os.path.join(r, "lib", "libnvrtc.so*"))
-                  if "builtins" not in p and ".alt." not in p)
+    libs = sorted(
+        p
+        for r in roots
+        for p in glob.glob(os.path.join(r, "lib", "libnvrtc.so*"))
+        if "builtins" not in p and ".alt." not in p
+    )
     return ctypes.CDLL(libs[0]) if libs else None
 
 
@@ -259,6 +279,11 @@ def test_sources_ship_in_the_wheel():
     pyproject = (root.parent / "pyproject.toml") if root.name == "kernels" else None
     if pyproject is not None and pyproject.exists():
         assert re.search(r'"kernels"\s*=\s*"mtplx/_kernels"', pyproject.read_text())
-    for f in ("common.h", "prelude_metal.h", "prelude_cuda.h", "prelude_cpu.h",
-              *(s.body for s in K.SPECS.values())):
+    for f in (
+        "common.h",
+        "prelude_metal.h",
+        "prelude_cuda.h",
+        "prelude_cpu.h",
+        *(s.body for s in K.SPECS.values()),
+    ):
         assert (root / f).is_file(), f

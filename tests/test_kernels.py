@@ -6,11 +6,11 @@ explicitly, and the skip rate is bounded so the comparison cannot go vacuous."""
 
 import secrets
 
-import mtplx  # noqa: F401  (before mlx: BLAS loader)
+import _kernel_ref as ref
 import numpy as np
 import pytest
 
-import _kernel_ref as ref
+import mtplx  # noqa: F401  (before mlx: BLAS loader)
 from mtplx import kernels as K
 
 pytest.importorskip("mtplx.sampling")
@@ -66,11 +66,13 @@ def check_verify(case, tg, defines=()):
     rn, rtok, rap = K.numpy_mirror_verify(z, d, q, params, a, s)
     checked = skipped = 0
     for b in range(z.shape[0]):
-        ln, ltok, lap, amb, row_amb = ref.verify_row(z[b], d[b], None if q is None else q[b],
-                                                    params[b], a[b], s[b])
+        ln, ltok, lap, amb, row_amb = ref.verify_row(
+            z[b], d[b], None if q is None else q[b], params[b], a[b], s[b]
+        )
         ok = ~row_amb
-        np.testing.assert_allclose(ap[b][ok], rap[b][ok], rtol=2e-4, atol=1e-6,
-                                   err_msg=f"accept_probs row {b}")
+        np.testing.assert_allclose(
+            ap[b][ok], rap[b][ok], rtol=2e-4, atol=1e-6, err_msg=f"accept_probs row {b}"
+        )
         if amb:
             skipped += 1
             continue
@@ -137,8 +139,9 @@ def test_verify_matches_oracle_fresh_random():
         V = int(rng.choice([37, 50, 513, 2000, 8191]))
         kinds = list(rng.choice(list(PARAMS), size=B))
         draft = str(rng.choice(["dense", "onehot", "dense_onehot"]))
-        case = make_verify_case(rng, B, k, V, kinds, draft, bool(rng.random() < 0.3),
-                                bool(rng.random() < 0.3))
+        case = make_verify_case(
+            rng, B, k, V, kinds, draft, bool(rng.random() < 0.3), bool(rng.random() < 0.3)
+        )
         try:
             c, s = check_verify(case, int(rng.choice([32, 64])))
         except AssertionError as e:
@@ -149,8 +152,9 @@ def test_verify_matches_oracle_fresh_random():
 
 def test_sample_matches_oracle():
     checked = skipped = 0
-    for seed, (B, V, tg) in enumerate([(4, 37, 32), (4, 1000, 64), (3, 4099, 128), (4, 32000, 64),
-                                      (2, 151936, 256)]):
+    for seed, (B, V, tg) in enumerate(
+        [(4, 37, 32), (4, 1000, 64), (3, 4099, 128), (4, 32000, 64), (2, 151936, 256)]
+    ):
         rng = np.random.default_rng(2000 + seed)
         logits = (rng.standard_normal((B, V)) * rng.uniform(1, 6)).astype(np.float32)
         if seed == 1:
@@ -204,6 +208,7 @@ def test_tsan_clean_and_matches_oracle():
 
 def test_tsan_reports_planted_missing_barrier():
     z, d, q, params, a, s = _tsan_case()
-    _, rc, err = K.emulate_verify(z, d, q, params, a, s, tg=64, tsan=True,
-                                  defines=["MTPLX_PLANT_MISSING_BARRIER"])
+    _, rc, err = K.emulate_verify(
+        z, d, q, params, a, s, tg=64, tsan=True, defines=["MTPLX_PLANT_MISSING_BARRIER"]
+    )
     assert rc == 66 and "data race" in err, (rc, err[-2000:])

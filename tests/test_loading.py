@@ -10,11 +10,11 @@ import sys
 import time
 from pathlib import Path
 
-import mtplx  # noqa: F401  (optimized BLAS before mlx)
 import pytest
 from mlx_lm import generate
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+import mtplx  # noqa: F401  (optimized BLAS before mlx)
 from mtplx.errors import MtplxError
 from mtplx.loading import LoadedModel, cache_root, default_model_dir, load_model, resolve_model
 
@@ -103,8 +103,12 @@ def test_concurrent_first_use_converts_once(tmp_path):
     )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     start = str(time.time() + 6.0)
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path), start], stdout=subprocess.PIPE, text=True, env=env)
-             for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(tmp_path), start], stdout=subprocess.PIPE, text=True, env=env
+        )
+        for _ in range(2)
+    ]
     outputs = [p.communicate(timeout=120)[0].split() for p in procs]
     assert all(p.returncode == 0 for p in procs)
     assert outputs[0] == outputs[1]  # same path and same weights file (one conversion, no replacement)
@@ -220,7 +224,9 @@ def test_corrupt_safetensors_header(copy_of):
     _one_line_error_naming(e, "model.safetensors")
 
 
-@pytest.mark.parametrize("change", [{"num_hidden_layers": 31}, {"intermediate_size": 2048}], ids=["layers", "shape"])
+@pytest.mark.parametrize(
+    "change", [{"num_hidden_layers": 31}, {"intermediate_size": 2048}], ids=["layers", "shape"]
+)
 def test_config_weights_mismatch(copy_of, change):
     config = json.loads((copy_of / "config.json").read_text())
     (copy_of / "config.json").write_text(json.dumps({**config, **change}))

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import math
 
-import mtplx  # noqa: F401  (optimized BLAS before mlx)
 import numpy as np
 import pytest
 
+import mtplx  # noqa: F401  (optimized BLAS before mlx)
 from mtplx import sampling
 from mtplx.errors import MtplxError
 from mtplx.sampling import (
@@ -83,7 +83,9 @@ def test_marginal_known_values_and_reexport() -> None:
 
 
 def test_acceptance_is_zero_where_draft_never_proposes() -> None:
-    np.testing.assert_array_equal(acceptance_probability(np.array([0.3, 0.7]), np.array([0.0, 1.0])), [0.0, 0.7])
+    np.testing.assert_array_equal(
+        acceptance_probability(np.array([0.3, 0.7]), np.array([0.0, 1.0])), [0.0, 0.7]
+    )
 
 
 def test_residual_falls_back_to_target_on_zero_mass() -> None:
@@ -109,13 +111,25 @@ def test_sparse_forms_equal_dense_forms(seed: int) -> None:
         context = f"seed {seed} trial {trial}"
         np.testing.assert_allclose(
             acceptance_probability(sparse_p, sparse_q).to_dense(vocab_size),
-            acceptance_probability(p, q), rtol=0, atol=1e-15, err_msg=context)
+            acceptance_probability(p, q),
+            rtol=0,
+            atol=1e-15,
+            err_msg=context,
+        )
         np.testing.assert_allclose(
             residual_distribution(sparse_p, sparse_q).to_dense(vocab_size),
-            residual_distribution(p, q), rtol=0, atol=1e-15, err_msg=context)
+            residual_distribution(p, q),
+            rtol=0,
+            atol=1e-15,
+            err_msg=context,
+        )
         np.testing.assert_allclose(
             speculative_output_marginal(sparse_p, sparse_q).to_dense(vocab_size),
-            speculative_output_marginal(p, q), rtol=0, atol=1e-15, err_msg=context)
+            speculative_output_marginal(p, q),
+            rtol=0,
+            atol=1e-15,
+            err_msg=context,
+        )
 
 
 def test_sparse_forms_never_touch_the_vocabulary() -> None:
@@ -168,8 +182,9 @@ def test_chain_oracle_equals_autoregressive_joint(seed: int, depth: int) -> None
 def test_chain_oracle_detects_a_wrong_acceptance_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     """Negative control: accepting iff p >= q breaks the equality the chain test checks."""
     monkeypatch.setattr(sampling, "acceptance_probability", lambda p, q: ((p >= q) & (q > 0)).astype(float))
-    chain = sampling.chain_output_distribution(lambda prefix: np.array([0.6, 0.3, 0.1]),
-                                               lambda prefix: np.array([0.2, 0.2, 0.6]), 2, 3)
+    chain = sampling.chain_output_distribution(
+        lambda prefix: np.array([0.6, 0.3, 0.1]), lambda prefix: np.array([0.2, 0.2, 0.6]), 2, 3
+    )
     joint = autoregressive_joint(lambda prefix: np.array([0.6, 0.3, 0.1]), 3, 3)
     assert np.max(np.abs(chain - joint)) > 1e-3
 
@@ -196,26 +211,39 @@ def test_top_k_keeps_ties() -> None:
 
 def test_top_p_threshold_set() -> None:
     logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
-    np.testing.assert_allclose(distribution_from_logits(logits, SamplerConfig(top_p=0.8)),
-                               [0.625, 0.375, 0.0, 0.0], rtol=1e-6)
-    np.testing.assert_allclose(distribution_from_logits(logits, SamplerConfig(top_p=0.81)),
-                               [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0.0], rtol=1e-6)
+    np.testing.assert_allclose(
+        distribution_from_logits(logits, SamplerConfig(top_p=0.8)), [0.625, 0.375, 0.0, 0.0], rtol=1e-6
+    )
+    np.testing.assert_allclose(
+        distribution_from_logits(logits, SamplerConfig(top_p=0.81)),
+        [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0.0],
+        rtol=1e-6,
+    )
     # Ties at the threshold are all kept: 0.4 + 0.2 reaches 0.5 at the first 0.2.
     tied = np.log(np.array([0.4, 0.2, 0.2, 0.2]))
-    np.testing.assert_allclose(distribution_from_logits(tied, SamplerConfig(top_p=0.5)),
-                               [0.4, 0.2, 0.2, 0.2], rtol=1e-6)
+    np.testing.assert_allclose(
+        distribution_from_logits(tied, SamplerConfig(top_p=0.5)), [0.4, 0.2, 0.2, 0.2], rtol=1e-6
+    )
 
 
 def test_min_p_is_relative_to_the_top() -> None:
     logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
-    np.testing.assert_allclose(distribution_from_logits(logits, SamplerConfig(min_p=0.25)),
-                               [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0.0], rtol=1e-6)
+    np.testing.assert_allclose(
+        distribution_from_logits(logits, SamplerConfig(min_p=0.25)),
+        [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0.0],
+        rtol=1e-6,
+    )
 
 
 def test_penalties_follow_the_documented_conventions() -> None:
     logits = np.array([2.0, -2.0, 1.0, 0.5])
-    cfg = SamplerConfig(repetition_penalty=2.0, repetition_context_size=2, presence_penalty=0.25,
-                        frequency_penalty=0.5, logit_bias={3: 1.0})
+    cfg = SamplerConfig(
+        repetition_penalty=2.0,
+        repetition_context_size=2,
+        presence_penalty=0.25,
+        frequency_penalty=0.5,
+        logit_bias={3: 1.0},
+    )
     # context [2, 0, 1, 1]: repetition window = last 2 = {1}; counts: 0->1, 1->2, 2->1
     penalized = apply_penalties(logits, [2, 0, 1, 1], cfg)
     expected = [2.0 - 0.25 - 0.5, -2.0 * 2.0 - 0.25 - 1.0, 1.0 - 0.25 - 0.5, 0.5 + 1.0]
@@ -240,12 +268,20 @@ def test_nan_and_positive_inf_logits_raise(bad: float) -> None:
     with pytest.raises(ValueError):
         distribution_from_logits(np.array([0.0, bad, 1.0]), SamplerConfig())
     with pytest.raises(ValueError):
-        sampling.verify_reference(np.array([[[0.0, bad], [0.0, 1.0]]]), np.array([[0]]), None,
-                                  SamplerConfig(), np.array([[0.5]]), np.array([0.5]))
+        sampling.verify_reference(
+            np.array([[[0.0, bad], [0.0, 1.0]]]),
+            np.array([[0]]),
+            None,
+            SamplerConfig(),
+            np.array([[0.5]]),
+            np.array([0.5]),
+        )
 
 
 def test_negative_inf_is_a_masked_token_but_all_masked_raises() -> None:
-    np.testing.assert_array_equal(distribution_from_logits(np.array([-np.inf, 0.0]), SamplerConfig()), [0.0, 1.0])
+    np.testing.assert_array_equal(
+        distribution_from_logits(np.array([-np.inf, 0.0]), SamplerConfig()), [0.0, 1.0]
+    )
     with pytest.raises(ValueError):
         distribution_from_logits(np.array([-np.inf, -np.inf]), SamplerConfig())
 
@@ -258,14 +294,30 @@ def test_negative_inf_is_a_masked_token_but_all_masked_raises() -> None:
 @pytest.mark.parametrize(
     "field_name, value",
     [
-        ("temperature", -0.1), ("temperature", float("nan")), ("temperature", float("inf")), ("temperature", "1"),
-        ("top_p", 0.0), ("top_p", 1.5), ("top_p", -0.2), ("top_p", float("nan")),
-        ("top_k", -1), ("top_k", 2.5), ("top_k", True),
-        ("min_p", -0.1), ("min_p", 1.0), ("min_p", float("inf")),
-        ("repetition_penalty", 0.0), ("repetition_penalty", -1.0), ("repetition_penalty", float("inf")),
-        ("repetition_context_size", -1), ("repetition_context_size", 1.5),
-        ("presence_penalty", float("nan")), ("frequency_penalty", float("-inf")),
-        ("logit_bias", {-1: 1.0}), ("logit_bias", {3: float("nan")}), ("logit_bias", [1, 2]),
+        ("temperature", -0.1),
+        ("temperature", float("nan")),
+        ("temperature", float("inf")),
+        ("temperature", "1"),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_p", -0.2),
+        ("top_p", float("nan")),
+        ("top_k", -1),
+        ("top_k", 2.5),
+        ("top_k", True),
+        ("min_p", -0.1),
+        ("min_p", 1.0),
+        ("min_p", float("inf")),
+        ("repetition_penalty", 0.0),
+        ("repetition_penalty", -1.0),
+        ("repetition_penalty", float("inf")),
+        ("repetition_context_size", -1),
+        ("repetition_context_size", 1.5),
+        ("presence_penalty", float("nan")),
+        ("frequency_penalty", float("-inf")),
+        ("logit_bias", {-1: 1.0}),
+        ("logit_bias", {3: float("nan")}),
+        ("logit_bias", [1, 2]),
     ],
 )
 def test_invalid_config_raises_naming_the_field(field_name: str, value: object) -> None:
@@ -292,6 +344,8 @@ def test_bias_token_beyond_vocabulary_raises() -> None:
 def test_reference_rejects_uniforms_outside_half_open_interval() -> None:
     logits = np.zeros((1, 2, 3))
     with pytest.raises(ValueError, match="accept_uniforms"):
-        sampling.verify_reference(logits, np.array([[0]]), None, SamplerConfig(), np.array([[0.0]]), np.array([0.5]))
+        sampling.verify_reference(
+            logits, np.array([[0]]), None, SamplerConfig(), np.array([[0.0]]), np.array([0.5])
+        )
     with pytest.raises(ValueError, match="uniforms"):
         sampling.sample_reference(np.zeros((1, 3)), SamplerConfig(), np.array([1.5]))

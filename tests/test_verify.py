@@ -6,13 +6,14 @@ import dataclasses
 import sys
 import types
 
-import mtplx  # noqa: F401  (optimized BLAS before mlx)
 import mlx.core as mx
 import numpy as np
 import pytest
 from scipy import stats
 
-from mtplx import sampling, verify as verify_module
+import mtplx  # noqa: F401  (optimized BLAS before mlx)
+from mtplx import sampling
+from mtplx import verify as verify_module
 from mtplx.errors import MtplxError
 from mtplx.sampling import SamplerConfig, distribution_from_logits, residual_distribution
 from mtplx.verify import draw_uniforms, filtered_probs, penalize_logits, sample, verify
@@ -137,9 +138,15 @@ def test_verify_matches_reference_token_for_token(seed: int, cfg_name: str, draf
     accept_u, sample_u = uniforms(rng, (batch, depth)), uniforms(rng, (batch,))
 
     expected = sampling.verify_reference(target_logits, drafts, draft_probs, cfg, accept_u, sample_u)
-    got = verify(mx.array(target_logits), mx.array(drafts.astype(np.int32)),
-                 None if draft_probs is None else mx.array(draft_probs), cfg,
-                 mx.array(accept_u), mx.array(sample_u), backend="mlx")
+    got = verify(
+        mx.array(target_logits),
+        mx.array(drafts.astype(np.int32)),
+        None if draft_probs is None else mx.array(draft_probs),
+        cfg,
+        mx.array(accept_u),
+        mx.array(sample_u),
+        backend="mlx",
+    )
     fragile = fragile_verify_rows(target_logits, drafts, draft_probs, cfg, accept_u, sample_u)
     assert fragile.mean() < 0.1, f"seed {seed}: too many near-tie rows to mean anything"
     robust = ~fragile
@@ -165,10 +172,16 @@ def test_sample_and_filtered_probs_match_reference(seed: int, cfg_name: str) -> 
     assert fragile.mean() < 0.1
     context = f"seed {seed}, cfg {cfg_name}"
     np.testing.assert_array_equal(np.array(got.tokens)[~fragile], expected_tokens[~fragile], err_msg=context)
-    np.testing.assert_allclose(np.array(got.probs)[~fragile], expected_probs[~fragile], rtol=1e-5, atol=1e-7,
-                               err_msg=context)
-    np.testing.assert_allclose(np.array(filtered_probs(mx.array(logits), cfg))[~fragile],
-                               expected_probs[~fragile], rtol=1e-5, atol=1e-7, err_msg=context)
+    np.testing.assert_allclose(
+        np.array(got.probs)[~fragile], expected_probs[~fragile], rtol=1e-5, atol=1e-7, err_msg=context
+    )
+    np.testing.assert_allclose(
+        np.array(filtered_probs(mx.array(logits), cfg))[~fragile],
+        expected_probs[~fragile],
+        rtol=1e-5,
+        atol=1e-7,
+        err_msg=context,
+    )
 
 
 @pytest.mark.parametrize("nucleus", ["second_pool", "bisection"])
@@ -206,8 +219,12 @@ def test_stochastic_verify_known_values() -> None:
     # p0 = [0.5, 0.5, 0], q1 = [0.9, 0.1, 0]: accept 0 w.p. 5/9; residual is one-hot at 1.
     p_logits = np.log(np.array([[0.5, 0.5, 1e-30], [0.2, 0.3, 0.5]], dtype=np.float32))
     q = mx.array([[[0.9, 0.1, 0.0]]])
-    args = dict(target_logits=mx.array(p_logits[None]), draft_tokens=mx.array([[0]]), draft_probs=q,
-                cfg=SamplerConfig())
+    args = dict(
+        target_logits=mx.array(p_logits[None]),
+        draft_tokens=mx.array([[0]]),
+        draft_probs=q,
+        cfg=SamplerConfig(),
+    )
     rejected = verify(**args, accept_uniforms=mx.array([[0.6]]), sample_uniforms=mx.array([0.01]))
     assert (rejected.num_accepted.item(), rejected.next_token.item()) == (0, 1)
     assert abs(rejected.accept_probs.item() - 5 / 9) < 1e-6
@@ -223,11 +240,18 @@ FALSE_FAILURE_RATE = 1e-7  # per test; well below the required 1e-6
 CHI_SAMPLES = 120_000
 CHI_CFG = SamplerConfig(temperature=0.9, top_k=5, top_p=0.95)
 CHI_TARGET_LOGITS = np.array(
-    [[2.0, 1.0, 0.5, 0.0, -1.0, -3.0], [0.0, 1.5, -1.0, 2.0, 0.3, 0.0],
-     [1.0, 1.0, 1.0, -2.0, 0.0, 0.5], [-1.0, 0.0, 3.0, 0.0, 1.0, 0.2]], dtype=np.float32)
+    [
+        [2.0, 1.0, 0.5, 0.0, -1.0, -3.0],
+        [0.0, 1.5, -1.0, 2.0, 0.3, 0.0],
+        [1.0, 1.0, 1.0, -2.0, 0.0, 0.5],
+        [-1.0, 0.0, 3.0, 0.0, 1.0, 0.2],
+    ],
+    dtype=np.float32,
+)
 CHI_DRAFT_LOGITS = np.array(
     [[-1.0, 0.5, 2.0, 1.0, 0.0, 0.3], [1.0, 0.0, 0.0, 0.5, 2.0, -1.0], [0.0, 2.0, 0.0, 1.0, -1.0, 1.0]],
-    dtype=np.float32)
+    dtype=np.float32,
+)
 
 
 def chi_square_rejects(samples: np.ndarray, expected_probs: np.ndarray, false_failure_rate: float) -> bool:
@@ -259,8 +283,15 @@ def mlx_first_tokens(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, 
     q, drafts, accept_u, sample_u = chi_square_inputs(rng)
     target = mx.broadcast_to(mx.array(CHI_TARGET_LOGITS), (CHI_SAMPLES,) + CHI_TARGET_LOGITS.shape)
     draft_probs = mx.broadcast_to(mx.array(q.astype(np.float32)), (CHI_SAMPLES,) + q.shape)
-    result = verify(target, mx.array(drafts.astype(np.int32)), draft_probs, CHI_CFG,
-                    mx.array(accept_u), mx.array(sample_u), backend="mlx")
+    result = verify(
+        target,
+        mx.array(drafts.astype(np.int32)),
+        draft_probs,
+        CHI_CFG,
+        mx.array(accept_u),
+        mx.array(sample_u),
+        backend="mlx",
+    )
     num_accepted, next_token = np.array(result.num_accepted), np.array(result.next_token)
     return first_output_token(num_accepted, next_token, drafts), num_accepted, next_token
 
@@ -299,8 +330,9 @@ def test_chi_square_rejects_wrong_verifiers(mistake: str) -> None:
     """Negative control: the same test must catch a verifier that is subtly wrong."""
     rng = np.random.default_rng(FRESH_SEED)
     p0 = distribution_from_logits(CHI_TARGET_LOGITS[0], CHI_CFG)
-    assert chi_square_rejects(wrong_verifier_first_tokens(rng, mistake), p0, FALSE_FAILURE_RATE), \
+    assert chi_square_rejects(wrong_verifier_first_tokens(rng, mistake), p0, FALSE_FAILURE_RATE), (
         f"seed {FRESH_SEED}: {mistake} was not detected"
+    )
 
 
 # ----------------------------------------------------------------------------
@@ -310,26 +342,39 @@ def test_chi_square_rejects_wrong_verifiers(mistake: str) -> None:
 
 def test_penalize_logits_without_penalties_returns_the_input() -> None:
     logits = mx.array(np.random.default_rng(0).normal(size=(2, 3, 10)).astype(np.float32))
-    assert penalize_logits(logits, mx.array([[1, 2], [3, 4]]), SamplerConfig(), mx.array([[1, 2], [3, 4]])) is logits
+    assert (
+        penalize_logits(logits, mx.array([[1, 2], [3, 4]]), SamplerConfig(), mx.array([[1, 2], [3, 4]]))
+        is logits
+    )
 
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_penalize_logits_matches_reference_per_position(seed: int) -> None:
     rng = np.random.default_rng(seed)
     batch, positions, vocab_size = 3, 4, 12
-    cfg = SamplerConfig(repetition_penalty=1.7, repetition_context_size=4, presence_penalty=0.4,
-                        frequency_penalty=0.3, logit_bias={2: 1.5, 7: -0.5})
+    cfg = SamplerConfig(
+        repetition_penalty=1.7,
+        repetition_context_size=4,
+        presence_penalty=0.4,
+        frequency_penalty=0.3,
+        logit_bias={2: 1.5, 7: -0.5},
+    )
     logits = rng.normal(scale=2.0, size=(batch, positions, vocab_size)).astype(np.float32)
     context = rng.integers(0, vocab_size, size=(batch, 6))
     context[1, :2] = -1  # left padding: sequence 1 has only 4 committed tokens
     block = rng.integers(0, vocab_size, size=(batch, positions - 1))
-    got = np.array(penalize_logits(mx.array(logits), mx.array(context.astype(np.int32)), cfg,
-                                   mx.array(block.astype(np.int32))))
+    got = np.array(
+        penalize_logits(
+            mx.array(logits), mx.array(context.astype(np.int32)), cfg, mx.array(block.astype(np.int32))
+        )
+    )
     for b in range(batch):
         committed = [int(token) for token in context[b] if token >= 0]
         for t in range(positions):
             expected = sampling.apply_penalties(logits[b, t], committed + block[b, :t].tolist(), cfg)
-            np.testing.assert_allclose(got[b, t], expected, rtol=1e-6, atol=1e-6, err_msg=f"seed {seed} b {b} t {t}")
+            np.testing.assert_allclose(
+                got[b, t], expected, rtol=1e-6, atol=1e-6, err_msg=f"seed {seed} b {b} t {t}"
+            )
 
 
 def test_draw_uniforms_lie_in_half_open_interval_and_are_reproducible() -> None:
@@ -337,7 +382,9 @@ def test_draw_uniforms_lie_in_half_open_interval_and_are_reproducible() -> None:
     assert values.min() > 0.0 and values.max() <= 1.0
     key = mx.random.key(42)
     np.testing.assert_array_equal(np.array(draw_uniforms((3, 4), key)), np.array(draw_uniforms((3, 4), key)))
-    assert not np.array_equal(np.array(draw_uniforms((3, 4), key)), np.array(draw_uniforms((3, 4), mx.random.key(43))))
+    assert not np.array_equal(
+        np.array(draw_uniforms((3, 4), key)), np.array(draw_uniforms((3, 4), mx.random.key(43)))
+    )
 
 
 def test_verify_is_reproducible_with_the_same_uniforms() -> None:
@@ -346,8 +393,17 @@ def test_verify_is_reproducible_with_the_same_uniforms() -> None:
     drafts = mx.array(rng.integers(0, 40, size=(8, 3)).astype(np.int32))
     key = mx.random.key(5)
     accept_key, sample_key = mx.random.split(key)
-    runs = [verify(target, drafts, None, CONFIGS["all_filters"], draw_uniforms((8, 3), accept_key),
-                   draw_uniforms((8,), sample_key)) for _ in range(2)]
+    runs = [
+        verify(
+            target,
+            drafts,
+            None,
+            CONFIGS["all_filters"],
+            draw_uniforms((8, 3), accept_key),
+            draw_uniforms((8,), sample_key),
+        )
+        for _ in range(2)
+    ]
     for first, second in zip(*runs):
         np.testing.assert_array_equal(np.array(first), np.array(second))
 
@@ -358,8 +414,15 @@ def test_nan_and_positive_inf_raise(bad: float, cfg_name: str) -> None:
     logits = np.zeros((2, 3, 5), dtype=np.float32)
     logits[1, 2, 3] = bad
     with pytest.raises(ValueError, match="NaN"):
-        verify(mx.array(logits), mx.zeros((2, 2), dtype=mx.int32), None, CONFIGS[cfg_name],
-               mx.ones((2, 2)), mx.ones((2,)), backend="mlx")
+        verify(
+            mx.array(logits),
+            mx.zeros((2, 2), dtype=mx.int32),
+            None,
+            CONFIGS[cfg_name],
+            mx.ones((2, 2)),
+            mx.ones((2,)),
+            backend="mlx",
+        )
     with pytest.raises(ValueError, match="NaN"):
         sample(mx.array(logits[:, 2]), CONFIGS[cfg_name], mx.ones((2,)), backend="mlx")
 

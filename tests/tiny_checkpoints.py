@@ -17,11 +17,12 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import mtplx  # noqa: F401  (BLAS before mlx)
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
+
+import mtplx  # noqa: F401  (BLAS before mlx)
 
 H, V = 32, 64  # hidden size and vocabulary of every tiny model
 
@@ -97,7 +98,12 @@ def _prefixed(module: nn.Module, prefix: str) -> dict[str, mx.array]:
 # --------------------------------------------------------------------------- qwen3_5
 
 
-QWEN35_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", ".q_norm.weight", ".k_norm.weight")
+QWEN35_NORMS = (
+    ".input_layernorm.weight",
+    ".post_attention_layernorm.weight",
+    ".q_norm.weight",
+    ".k_norm.weight",
+)
 
 
 def qwen3_5_config(mtp_layers: int = 1) -> dict:
@@ -123,16 +129,24 @@ def qwen3_5_config(mtp_layers: int = 1) -> dict:
     }
     if mtp_layers:
         text["mtp_num_hidden_layers"] = mtp_layers
-    return {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": text}
+    return {
+        "model_type": "qwen3_5",
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "text_config": text,
+    }
 
 
 def _qwen35_offset(name: str, v: mx.array) -> mx.array:
     # HF Qwen3.5 RMSNorm computes x * (1 + w): the file stores w = weight - 1.
-    is_norm = v.ndim == 1 and (name.endswith(QWEN35_NORMS) or name.endswith("norm.weight") and "linear_attn" not in name)
+    is_norm = v.ndim == 1 and (
+        name.endswith(QWEN35_NORMS) or name.endswith("norm.weight") and "linear_attn" not in name
+    )
     return v - 1.0 if is_norm else v
 
 
-def qwen3_5(path: Path, *, mtp_layers: int = 1, ship_mtp: bool = True, shards: int = 1, seed: int = 0) -> Tiny:
+def qwen3_5(
+    path: Path, *, mtp_layers: int = 1, ship_mtp: bool = True, shards: int = 1, seed: int = 0
+) -> Tiny:
     from mlx_lm.models import qwen3_5 as q
 
     config = qwen3_5_config(mtp_layers)
@@ -197,8 +211,17 @@ def deepseek_v3_config(moe: bool = False, mtp_layers: int = 1) -> dict:
         "tie_word_embeddings": False,
     }
     if moe:
-        cfg.update(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
-                   routed_scaling_factor=1.5, norm_topk_prob=True, topk_method="noaux_tc", scoring_func="sigmoid")
+        cfg.update(
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=1.5,
+            norm_topk_prob=True,
+            topk_method="noaux_tc",
+            scoring_func="sigmoid",
+        )
     return cfg
 
 
@@ -217,19 +240,26 @@ def _deepseek_hf_layer(prefix: str, layer: nn.Module, args) -> dict[str, mx.arra
     attn = layer.self_attn
     wk = attn.embed_q.weight.swapaxes(-1, -2)  # [heads, nope, kv_lora]
     wv = attn.unembed_out.weight  # [heads, v, kv_lora]
-    out[prefix + "self_attn.kv_b_proj.weight"] = mx.concatenate([wk, wv], axis=1).reshape(-1, args.kv_lora_rank)
+    out[prefix + "self_attn.kv_b_proj.weight"] = mx.concatenate([wk, wv], axis=1).reshape(
+        -1, args.kv_lora_rank
+    )
     return out
 
 
-def deepseek_v3(path: Path, *, moe: bool = False, ship_mtp: bool = True, shards: int = 1, seed: int = 0) -> Tiny:
+def deepseek_v3(
+    path: Path, *, moe: bool = False, ship_mtp: bool = True, shards: int = 1, seed: int = 0
+) -> Tiny:
     from mlx_lm.models import deepseek_v3 as d
 
     config = deepseek_v3_config(moe)
     args = d.ModelArgs.from_dict(config)
     model = d.Model(args)
     randomize(model, seed)
-    tensors = {"model.embed_tokens.weight": model.model.embed_tokens.weight,
-               "model.norm.weight": model.model.norm.weight, "lm_head.weight": model.lm_head.weight}
+    tensors = {
+        "model.embed_tokens.weight": model.model.embed_tokens.weight,
+        "model.norm.weight": model.model.norm.weight,
+        "lm_head.weight": model.lm_head.weight,
+    }
     for i, layer in enumerate(model.model.layers):
         tensors.update(_deepseek_hf_layer(f"model.layers.{i}.", layer, args))
     if ship_mtp:
@@ -283,12 +313,21 @@ def mimo_head_module(block: nn.Module) -> nn.Module:
 
 def _mimo_hf(module: nn.Module, prefix: str) -> dict[str, mx.array]:
     # The published MiMo checkpoints put the block's tensors directly under the MTP prefix.
-    return {prefix + k.replace("block.", "", 1) if k.startswith("block.") else prefix + k: v
-            for k, v in tree_flatten(module.parameters())}
+    return {
+        prefix + k.replace("block.", "", 1) if k.startswith("block.") else prefix + k: v
+        for k, v in tree_flatten(module.parameters())
+    }
 
 
-def mimo(path: Path, *, ship_mtp: bool = True, shards: int = 1, seed: int = 0,
-         quantize: dict | None = None, head_override_bits: int | None = None) -> Tiny:
+def mimo(
+    path: Path,
+    *,
+    ship_mtp: bool = True,
+    shards: int = 1,
+    seed: int = 0,
+    quantize: dict | None = None,
+    head_override_bits: int | None = None,
+) -> Tiny:
     """``quantize={"group_size": 32, "bits": 4}`` writes an mlx-format quantized checkpoint
     (``.scales``/``.biases``, a ``quantization`` block); ``head_override_bits`` adds a per-layer
     override for the head's ``input_proj``."""
@@ -304,10 +343,19 @@ def mimo(path: Path, *, ship_mtp: bool = True, shards: int = 1, seed: int = 0,
         nn.quantize(model, **quantize)
         q = dict(quantize)
         if head_override_bits:
-            q["model.mtp_layers.0.input_proj"] = {"group_size": quantize["group_size"], "bits": head_override_bits}
-            nn.quantize(head, group_size=quantize["group_size"], bits=head_override_bits,
-                        class_predicate=lambda p, mod: p == "input_proj")
-        nn.quantize(head, **quantize, class_predicate=lambda p, mod: isinstance(mod, (nn.Linear, nn.Embedding)))
+            q["model.mtp_layers.0.input_proj"] = {
+                "group_size": quantize["group_size"],
+                "bits": head_override_bits,
+            }
+            nn.quantize(
+                head,
+                group_size=quantize["group_size"],
+                bits=head_override_bits,
+                class_predicate=lambda p, mod: p == "input_proj",
+            )
+        nn.quantize(
+            head, **quantize, class_predicate=lambda p, mod: isinstance(mod, (nn.Linear, nn.Embedding))
+        )
         config["quantization"] = q
         config["quantization_config"] = q
     tensors = dict(tree_flatten(model.parameters()))

@@ -6,12 +6,13 @@ checkpoints with Hugging Face key layouts live in ``tiny_checkpoints.py``.)
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
-import mtplx  # noqa: F401  (loads the BLAS before mlx)
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import QuantizedKVCache
+
+import mtplx  # noqa: F401  (loads the BLAS before mlx)
 
 VOCAB = 97
 

@@ -29,7 +29,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 DOC_DIR = Path("/usr/share/doc/python3.11/html/_sources")
-STDLIB = Path(sysconfig.get_paths(vars={"base": sys.base_prefix, "installed_base": sys.base_prefix})["stdlib"])
+STDLIB = Path(
+    sysconfig.get_paths(vars={"base": sys.base_prefix, "installed_base": sys.base_prefix})["stdlib"]
+)
 
 # (id, stdlib file, function whose def + docstring end the prompt, lines of context before the def)
 CODE = [
@@ -49,10 +51,16 @@ PROSE = [
 CHAT = [
     ("chat-gui-toolkits", "faq/gui.rst.txt", "What GUI toolkits exist for Python?"),
     ("chat-tk-io", "faq/gui.rst.txt", "Can I have Tk events handled while waiting for I/O?"),
-    ("chat-functools-partial", "library/functools.rst.txt",
-     "What does functools.partial do in Python? Explain it and show a short example."),
-    ("chat-unicode-bytes", "howto/unicode.rst.txt",
-     "In Python 3, what is the difference between str and bytes, and how do I convert between them?"),
+    (
+        "chat-functools-partial",
+        "library/functools.rst.txt",
+        "What does functools.partial do in Python? Explain it and show a short example.",
+    ),
+    (
+        "chat-unicode-bytes",
+        "howto/unicode.rst.txt",
+        "In Python 3, what is the difference between str and bytes, and how do I convert between them?",
+    ),
 ]
 
 
@@ -66,7 +74,11 @@ def code_prompt(path: Path, function: str, before: int) -> str:
     stripped = body[0].strip() if body else ""
     if stripped.startswith(('"""', "'''")):
         quote = stripped[:3]
-        close = 0 if stripped.count(quote) >= 2 else next(i for i, line in enumerate(body[1:], 1) if quote in line)
+        close = (
+            0
+            if stripped.count(quote) >= 2
+            else next(i for i, line in enumerate(body[1:], 1) if quote in line)
+        )
         end += close + 1
     return "\n".join(lines[max(0, start - before) : end + 1]) + "\n"
 
@@ -87,14 +99,32 @@ def prose_prompt(path: Path, heading: str, chars: int) -> str:
 def build() -> list[dict]:
     rows = []
     for pid, rel, function, before in CODE:
-        rows.append({"id": pid, "kind": "code", "prompt": code_prompt(STDLIB / rel, function, before),
-                     "source": f"CPython {sys.version.split()[0]} Lib/{rel} ({function})"})
+        rows.append(
+            {
+                "id": pid,
+                "kind": "code",
+                "prompt": code_prompt(STDLIB / rel, function, before),
+                "source": f"CPython {sys.version.split()[0]} Lib/{rel} ({function})",
+            }
+        )
     for pid, rel, heading, chars in PROSE:
-        rows.append({"id": pid, "kind": "prose", "prompt": prose_prompt(DOC_DIR / rel, heading, chars),
-                     "source": f"python3.11-doc {rel} ({heading})"})
+        rows.append(
+            {
+                "id": pid,
+                "kind": "prose",
+                "prompt": prose_prompt(DOC_DIR / rel, heading, chars),
+                "source": f"python3.11-doc {rel} ({heading})",
+            }
+        )
     for pid, rel, question in CHAT:
-        rows.append({"id": pid, "kind": "chat", "messages": [{"role": "user", "content": question}],
-                     "source": f"python3.11-doc {rel} (topic)"})
+        rows.append(
+            {
+                "id": pid,
+                "kind": "chat",
+                "messages": [{"role": "user", "content": question}],
+                "source": f"python3.11-doc {rel} (topic)",
+            }
+        )
     return rows
 
 
@@ -104,20 +134,26 @@ def check(manifest: Path, rows: list[dict]) -> int:
     trained = set(json.loads(manifest.read_text(encoding="utf-8")).get("data", {}).get("train_files", []))
     clashes = []
     for row in rows:
-        rel = row["source"].split()[-2] if row["kind"] != "code" else row["source"].split("Lib/")[1].split()[0]
+        rel = (
+            row["source"].split()[-2] if row["kind"] != "code" else row["source"].split("Lib/")[1].split()[0]
+        )
         if {f"python-doc/{rel}", f"stdlib/{rel}"} & trained:
             clashes.append(f"{row['id']}: {rel}")
     for clash in clashes:
         print(f"held-out violation: {clash}")
     if not clashes:
-        print(f"held out: none of the {len(rows)} prompts' sources is among the {len(trained)} training files")
+        print(
+            f"held out: none of the {len(rows)} prompts' sources is among the {len(trained)} training files"
+        )
     return 1 if clashes else 0
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(HERE / "suite.jsonl"))
-    parser.add_argument("--check", default=None, metavar="MANIFEST", help="check the sources against a head manifest")
+    parser.add_argument(
+        "--check", default=None, metavar="MANIFEST", help="check the sources against a head manifest"
+    )
     args = parser.parse_args()
     rows = build()
     if args.check:

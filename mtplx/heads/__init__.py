@@ -8,8 +8,9 @@ Layouts (see each file for the math and the chosen ``hidden_source``):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from mtplx.errors import MtplxError
 from mtplx.heads import deepseek, mimo, qwen3_next
@@ -86,7 +87,9 @@ def load_head(model_dir: Path, trunk: Any, config: dict, hidden_source: str | No
     if layout is None:
         if declared_mtp_layers(config):
             kind = ", ".join(t for t in _model_types(config) if t) or "unknown"
-            raise MtplxError(f"{model_dir / 'config.json'}: declares MTP layers for an unsupported layout ({kind})")
+            raise MtplxError(
+                f"{model_dir / 'config.json'}: declares MTP layers for an unsupported layout ({kind})"
+            )
         return None
     kwargs = {} if hidden_source is None else {"hidden_source": hidden_source}
     return _LOADERS[layout](model_dir, trunk, config, index, **kwargs)

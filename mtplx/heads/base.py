@@ -12,9 +12,10 @@ from __future__ import annotations
 import json
 import re
 import struct
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable, Iterable, Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -28,13 +29,48 @@ Embed = Callable[[mx.array], mx.array]
 LMHead = Callable[[mx.array], mx.array]
 
 
-def shared_callables(trunk: Any = None, embed: Embed | None = None, lm_head: LMHead | None = None) -> tuple[Embed, LMHead]:
+def shared_callables(
+    trunk: Any = None, embed: Embed | None = None, lm_head: LMHead | None = None
+) -> tuple[Embed, LMHead]:
     """(embed, lm_head) from a ``Trunk``-like object, explicit callables overriding it."""
     embed = embed or getattr(trunk, "embed", None)
     lm_head = lm_head or getattr(trunk, "lm_head", None)
     if embed is None or lm_head is None:
         raise ValueError("an MTP head needs the trunk's embed and lm_head (pass trunk= or embed=/lm_head=)")
     return embed, lm_head
+
+
+@runtime_checkable
+class DraftHead(Protocol):
+    """What the decode loop (and every proposer built on a head) may rely on; nothing is probed.
+
+    ``step`` is the 0-based draft position within a cycle (0 drafts d_1); layouts with several
+    modules pick theirs from it. ``trunk_cache`` is the target's own cache list, for heads that
+    read the trunk's KV (Gemma 4 assistants); other heads ignore it.
+    """
+
+    layout: str
+    hidden_source: HiddenSource  # which trunk hidden state the head reads
+    chain_source: HiddenSource  # which of its own outputs is fed back at step >= 1
+    max_depth: int | None  # deepest chain the head was trained/built for; None = no limit known
+    default_depth: int | None  # the depth its manifest measured best; None = engine default
+    reads_trunk_cache: bool
+
+    def __call__(
+        self,
+        hidden: mx.array,
+        next_tokens: mx.array,
+        cache: list,
+        *,
+        step: int = 0,
+        trunk_cache: list | None = None,
+    ) -> mx.array: ...
+
+    def make_cache(self) -> list: ...
+
+    def logits(self, head_hidden: mx.array, step: int = 0) -> mx.array: ...
+
+    def chain_input(self, head_out: mx.array) -> mx.array: ...
 
 
 class MTPHead(nn.Module):
@@ -49,6 +85,9 @@ class MTPHead(nn.Module):
     hidden_source: HiddenSource = "post_norm"
     chain_source: HiddenSource = "post_norm"
     mask_as_array: bool = False  # some attention kernels (MLA) index the mask with mx.where
+    max_depth: int | None = None
+    default_depth: int | None = None
+    reads_trunk_cache: bool = False
 
     def __init__(self, embed: Embed, lm_head: LMHead, hidden_source: HiddenSource):
         super().__init__()
@@ -80,9 +119,16 @@ class MTPHead(nn.Module):
 
         return [KVCache() for _ in self.decoder_layers()]
 
-    def logits(self, head_hidden: mx.array) -> mx.array:
+    def logits(self, head_hidden: mx.array, step: int = 0) -> mx.array:
         """Logits for a head output; the trunk's LM head unless the checkpoint ships its own."""
         return self._shared_lm_head(head_hidden)
+
+    def chain_input(self, head_out: mx.array) -> mx.array:
+        """What the next chained draft step reads: the last position of the returned (post-norm)
+        output, or of the state before the head's final norm."""
+        if self.chain_source == "pre_norm":
+            return self.last_pre_norm[:, -1:]
+        return head_out[:, -1:]
 
     def checkpoint_keys(self) -> dict[str, str]:
         """``{parameter path in this module: tensor name in the checkpoint}`` (mlx-side names,
@@ -235,7 +281,9 @@ def quantization_config(config: dict) -> dict | None:
     return q
 
 
-def quantize_like_checkpoint(module: nn.Module, module_to_ckpt: Callable[[str], str], stored: set[str], config: dict) -> None:
+def quantize_like_checkpoint(
+    module: nn.Module, module_to_ckpt: Callable[[str], str], stored: set[str], config: dict
+) -> None:
     """Quantize exactly the layers the checkpoint stores quantized (``<key>.scales`` present),
     with its group size / bits / mode, honouring per-layer overrides keyed by checkpoint path."""
     q = quantization_config(config)
@@ -249,13 +297,21 @@ def quantize_like_checkpoint(module: nn.Module, module_to_ckpt: Callable[[str], 
             return override  # False or {"group_size":..., "bits":...}
         return hasattr(m, "to_quantized") and f"{ckpt}.scales" in stored
 
-    nn.quantize(module, group_size=q["group_size"], bits=q["bits"], mode=q.get("mode", "affine"), class_predicate=predicate)
+    nn.quantize(
+        module,
+        group_size=q["group_size"],
+        bits=q["bits"],
+        mode=q.get("mode", "affine"),
+        class_predicate=predicate,
+    )
 
 
 # --- norm convention ---------------------------------------------------------------
 
 
-def trunk_norm_offset(model_dir: Path, index: dict[str, str], trunk: Any, norm_keys: Iterable[str]) -> bool | None:
+def trunk_norm_offset(
+    model_dir: Path, index: dict[str, str], trunk: Any, norm_keys: Iterable[str]
+) -> bool | None:
     """Whether the checkpoint stores RMSNorm weights as offsets from 1, *as measured on the trunk*:
     the stored final-norm tensor versus what mlx-lm's sanitize actually loaded into the trunk.
     None when it cannot be measured (no stored key, or no trunk norm)."""
@@ -285,10 +341,14 @@ def check_and_load(module: nn.Module, weights: dict[str, mx.array], source: str)
     params = dict(tree_flatten(module.parameters()))
     missing = sorted(set(params) - set(weights))
     if missing:
-        raise MtplxError(f"{source}: MTP head tensor(s) missing: {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
+        raise MtplxError(
+            f"{source}: MTP head tensor(s) missing: {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}"
+        )
     extra = sorted(set(weights) - set(params))
     if extra:
-        raise MtplxError(f"{source}: unexpected MTP head tensor(s): {', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''}")
+        raise MtplxError(
+            f"{source}: unexpected MTP head tensor(s): {', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''}"
+        )
     for name, p in params.items():
         if tuple(weights[name].shape) != tuple(p.shape):
             raise MtplxError(

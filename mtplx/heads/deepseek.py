@@ -22,8 +22,9 @@ acceptance. When chaining, those implementations feed back the module output *be
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -39,12 +40,12 @@ from mtplx.heads.base import (
     check_and_load,
     dequantize_fp8_blocks,
     keys_with_prefix,
-    source_name,
     load_tensors,
     model_args_of,
     quantization_config,
     quantize_like_checkpoint,
     shared_callables,
+    source_name,
     stack_experts,
     weight_index,
 )
@@ -98,8 +99,16 @@ class DeepSeekMTPHead(MTPHead):
     def attach_own_lm_head(self, weight_owner_index: int, head: nn.Module) -> None:
         self.modules_[weight_owner_index].shared_head.head = head
 
-    def __call__(self, hidden: mx.array, next_tokens: mx.array, cache: list | None = None, depth: int = 0) -> mx.array:
-        i = depth % len(self.modules_)
+    def __call__(
+        self,
+        hidden: mx.array,
+        next_tokens: mx.array,
+        cache: list | None = None,
+        *,
+        step: int = 0,
+        trunk_cache: list | None = None,
+    ) -> mx.array:
+        i = 0  # vLLM V1 semantics: module 0 drafts every step (see the internals issue)
         m = self.modules_[i]
         e = m.enorm(self._embed(next_tokens))
         x = m.eh_proj(mx.concatenate([e, m.hnorm(hidden).astype(e.dtype)], axis=-1))
@@ -112,12 +121,14 @@ class DeepSeekMTPHead(MTPHead):
 
         return [KVCache() for _ in self.modules_]
 
-    def logits(self, head_hidden: mx.array, depth: int = 0) -> mx.array:
-        sh = self.modules_[depth % len(self.modules_)].shared_head
+    def logits(self, head_hidden: mx.array, step: int = 0) -> mx.array:
+        sh = self.modules_[0].shared_head
         return sh["head"](head_hidden) if "head" in sh else self._shared_lm_head(head_hidden)
 
     def checkpoint_keys(self) -> dict[str, str]:
-        return {path: module_to_checkpoint(path, self.first_layer) for path, _ in tree_flatten(self.parameters())}
+        return {
+            path: module_to_checkpoint(path, self.first_layer) for path, _ in tree_flatten(self.parameters())
+        }
 
 
 def module_to_checkpoint(path: str, first_layer: int) -> str:
@@ -155,7 +166,10 @@ def _split_kv_b_proj(weights: dict[str, mx.array], prefix: str, args: Any, confi
         w = mx.dequantize(w, scales, biases, group_size=q["group_size"], bits=q["bits"])
     nope, vdim = args.qk_nope_head_dim, args.v_head_dim
     w = w.reshape(args.num_attention_heads, nope + vdim, -1)
-    parts = {"embed_q": mx.contiguous(w[:, :nope, :].swapaxes(-1, -2)), "unembed_out": mx.contiguous(w[:, nope:, :])}
+    parts = {
+        "embed_q": mx.contiguous(w[:, :nope, :].swapaxes(-1, -2)),
+        "unembed_out": mx.contiguous(w[:, nope:, :]),
+    }
     for name, t in parts.items():
         if scales is not None:
             t, s, b = mx.quantize(t, group_size=q["group_size"], bits=q["bits"])
@@ -188,15 +202,24 @@ def load_deepseek_head(
 
     blocks = [build_layer_like(trunk.layers[-1], args, first + i) for i in range(n)]
     head = DeepSeekMTPHead(
-        blocks, args.hidden_size, eps=args.rms_norm_eps, first_layer=first, trunk=trunk, hidden_source=hidden_source
+        blocks,
+        args.hidden_size,
+        eps=args.rms_norm_eps,
+        first_layer=first,
+        trunk=trunk,
+        hidden_source=hidden_source,
     )
 
     weights: dict[str, mx.array] = {}
     own_heads: dict[int, nn.Module] = {}
     for i in range(n):
         prefix = f"model.layers.{first + i}."
-        names = [k for k in keys_with_prefix(index, prefix) if not k[len(prefix) :].startswith("embed_tokens.")]
-        raw = dequantize_fp8_blocks({k[len(prefix) :]: v for k, v in load_tensors(model_dir, index, names).items()})
+        names = [
+            k for k in keys_with_prefix(index, prefix) if not k[len(prefix) :].startswith("embed_tokens.")
+        ]
+        raw = dequantize_fp8_blocks(
+            {k[len(prefix) :]: v for k, v in load_tensors(model_dir, index, names).items()}
+        )
         raw = {(k if k.split(".")[0] in _OWN_KEYS else f"block.{k}"): v for k, v in raw.items()}
         stack_experts(raw, "block.mlp", int(getattr(args, "n_routed_experts", 0) or 0))
         _split_kv_b_proj(raw, "block.self_attn", args, config)
@@ -207,7 +230,10 @@ def load_deepseek_head(
 
     quantize_like_checkpoint(head, lambda p: module_to_checkpoint(p, first), set(index), config)
     check_and_load(head, weights, source)
-    for i, lin in own_heads.items():  # attached after loading: built from its own (possibly quantized) tensors
+    for (
+        i,
+        lin,
+    ) in own_heads.items():  # attached after loading: built from its own (possibly quantized) tensors
         head.attach_own_lm_head(i, lin)
     return head
 
@@ -238,4 +264,3 @@ def _linear_from(tensors: dict[str, mx.array], config: dict) -> nn.Module:
     lin = nn.Linear(w.shape[1], w.shape[0], bias=False)
     lin.weight = w
     return lin
-

@@ -16,8 +16,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -36,7 +37,9 @@ FORMAT_VERSION = 1
 class ForgedMTPHead(Qwen3NextMTPHead):
     """A Qwen3-Next head for a trunk without one; optionally with a reduced draft vocabulary."""
 
-    def __init__(self, layers: Sequence[nn.Module], hidden_size: int, *, chain_source: str | None = None, **kwargs: Any):
+    def __init__(
+        self, layers: Sequence[nn.Module], hidden_size: int, *, chain_source: str | None = None, **kwargs: Any
+    ):
         super().__init__(layers, hidden_size, **kwargs)
         # What is fed back at depth > 1: by default the head's output in the same form as the
         # trunk hidden it was trained on (its pre-final-norm state mirrors the trunk's pre-norm one).
@@ -69,7 +72,7 @@ class ForgedMTPHead(Qwen3NextMTPHead):
             raise ValueError("this head drafts from the full vocabulary")
         return head_hidden @ self._vocab_proj
 
-    def logits(self, head_hidden: mx.array) -> mx.array:
+    def logits(self, head_hidden: mx.array, step: int = 0) -> mx.array:
         """Full-vocabulary logits; with a reduced vocabulary, -inf outside it (q is exactly zero there)."""
         if self._vocab_proj is None:
             return super().logits(head_hidden)
@@ -87,7 +90,9 @@ def lm_head_matrix(trunk: Any) -> mx.array:
     return w
 
 
-def build_forged_head(trunk: Any, hidden_source: str, num_layers: int = 1, chain_source: str | None = None) -> ForgedMTPHead:
+def build_forged_head(
+    trunk: Any, hidden_source: str, num_layers: int = 1, chain_source: str | None = None
+) -> ForgedMTPHead:
     """An (untrained) forged head shaped for ``trunk``: decoder layers of the trunk's last-layer class."""
     for value in (hidden_source, chain_source or hidden_source):
         if value not in HIDDEN_SOURCES:
@@ -95,8 +100,14 @@ def build_forged_head(trunk: Any, hidden_source: str, num_layers: int = 1, chain
     args = model_args_of(trunk.model)
     idx = len(trunk.layers) - 1
     layers = [build_layer_like(trunk.layers[idx], args, idx) for _ in range(num_layers)]
-    return ForgedMTPHead(layers, int(args.hidden_size), eps=float(args.rms_norm_eps), trunk=trunk,
-                         hidden_source=hidden_source, chain_source=chain_source)
+    return ForgedMTPHead(
+        layers,
+        int(args.hidden_size),
+        eps=float(args.rms_norm_eps),
+        trunk=trunk,
+        hidden_source=hidden_source,
+        chain_source=chain_source,
+    )
 
 
 def _sha256(path: Path) -> str:
@@ -120,16 +131,18 @@ def save_forged_head(out_dir: str | Path, head: ForgedMTPHead, manifest: dict[st
     mx.save_safetensors(str(tmp), weights, metadata={"format": "mlx", "layout": LAYOUT})
     os.replace(tmp, out / WEIGHTS)
     full = dict(manifest)
-    full.update({
-        "format_version": FORMAT_VERSION,
-        "layout": LAYOUT,
-        "hidden_source": head.hidden_source,
-        "chain_source": head.chain_source,
-        "num_layers": head.num_layers,
-        "weights": WEIGHTS,
-        "weights_sha256": _sha256(out / WEIGHTS),
-        "vocab_ids": None if head.vocab_ids is None else [int(i) for i in head.vocab_ids.tolist()],
-    })
+    full.update(
+        {
+            "format_version": FORMAT_VERSION,
+            "layout": LAYOUT,
+            "hidden_source": head.hidden_source,
+            "chain_source": head.chain_source,
+            "num_layers": head.num_layers,
+            "weights": WEIGHTS,
+            "weights_sha256": _sha256(out / WEIGHTS),
+            "vocab_ids": None if head.vocab_ids is None else [int(i) for i in head.vocab_ids.tolist()],
+        }
+    )
     if "trunk_fingerprint" not in full:
         raise ValueError("a forged-head manifest needs the trunk_fingerprint")
     path = out / MANIFEST
@@ -147,8 +160,14 @@ def read_manifest(head_dir: str | Path) -> dict[str, Any]:
         raise MtplxError(f"{path}: forged-head manifest not found") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise MtplxError(f"{path}: unreadable forged-head manifest ({str(e).splitlines()[0]})") from None
-    if not isinstance(manifest, dict) or manifest.get("layout") != LAYOUT or "trunk_fingerprint" not in manifest:
-        raise MtplxError(f"{path}: not a forged-head manifest (needs layout {LAYOUT!r} and trunk_fingerprint)")
+    if (
+        not isinstance(manifest, dict)
+        or manifest.get("layout") != LAYOUT
+        or "trunk_fingerprint" not in manifest
+    ):
+        raise MtplxError(
+            f"{path}: not a forged-head manifest (needs layout {LAYOUT!r} and trunk_fingerprint)"
+        )
     return manifest
 
 
@@ -166,12 +185,16 @@ def load_forged_head(head_dir: str | Path, trunk: Any, trunk_fingerprint: str) -
     chain_source = manifest.get("chain_source", hidden_source)
     for key, value in (("hidden_source", hidden_source), ("chain_source", chain_source)):
         if value not in HIDDEN_SOURCES:
-            raise MtplxError(f"{manifest_path}: {key} must be one of {', '.join(HIDDEN_SOURCES)}, got {value!r}")
+            raise MtplxError(
+                f"{manifest_path}: {key} must be one of {', '.join(HIDDEN_SOURCES)}, got {value!r}"
+            )
     weights_path = head_dir / str(manifest.get("weights", WEIGHTS))
     if not weights_path.is_file():
         raise MtplxError(f"{weights_path}: forged-head weights not found")
     if manifest.get("weights_sha256") and _sha256(weights_path) != manifest["weights_sha256"]:
-        raise MtplxError(f"{weights_path}: weights do not match the sha256 in {MANIFEST} (damaged or replaced)")
+        raise MtplxError(
+            f"{weights_path}: weights do not match the sha256 in {MANIFEST} (damaged or replaced)"
+        )
     try:
         weights = mx.load(str(weights_path))
     except Exception as e:  # mlx raises RuntimeError/ValueError with multi-line text

@@ -19,8 +19,9 @@ disputed; measured acceptance decides (``hidden_source="post_norm"`` switches it
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -36,11 +37,11 @@ from mtplx.heads.base import (
     check_and_load,
     dequantize_fp8_blocks,
     keys_with_prefix,
-    source_name,
     load_tensors,
     model_args_of,
     quantize_like_checkpoint,
     shared_callables,
+    source_name,
     weight_index,
 )
 
@@ -83,8 +84,16 @@ class MiMoMTPHead(MTPHead):
     def decoder_layers(self) -> list[nn.Module]:
         return [m.block for m in self.modules_]
 
-    def __call__(self, hidden: mx.array, next_tokens: mx.array, cache: list | None = None, depth: int = 0) -> mx.array:
-        i = depth % len(self.modules_)
+    def __call__(
+        self,
+        hidden: mx.array,
+        next_tokens: mx.array,
+        cache: list | None = None,
+        *,
+        step: int = 0,
+        trunk_cache: list | None = None,
+    ) -> mx.array:
+        i = 0  # vLLM V1 semantics: module 0 drafts every step (see the internals issue)
         m = self.modules_[i]
         e = m.token_layernorm(self._embed(next_tokens))
         x = m.input_proj(mx.concatenate([m.hidden_layernorm(hidden).astype(e.dtype), e], axis=-1))
@@ -138,15 +147,24 @@ def load_mimo_head(
     source = source_name(model_dir)
     present = sorted({int(k[len(PREFIX) :].split(".")[0]) for k in index if k.startswith(PREFIX)})
     if not present:
-        raise MtplxError(f"{source}: config declares {n} MTP layer(s) but the checkpoint ships no model.mtp_layers.* tensors")
+        raise MtplxError(
+            f"{source}: config declares {n} MTP layer(s) but the checkpoint ships no model.mtp_layers.* tensors"
+        )
     if present != list(range(n)):
-        raise MtplxError(f"{source}: config declares {n} MTP layer(s), checkpoint has model.mtp_layers {present}")
+        raise MtplxError(
+            f"{source}: config declares {n} MTP layer(s), checkpoint has model.mtp_layers {present}"
+        )
     nested = any(k.startswith(f"{PREFIX}0.mtp_block.") for k in index)
 
     args = model_args_of(trunk.model)
     blocks = [build_layer_like(trunk.layers[-1], args, args.num_hidden_layers + i) for i in range(n)]
     head = MiMoMTPHead(
-        blocks, args.hidden_size, eps=args.rms_norm_eps, trunk=trunk, hidden_source=hidden_source, nested_block=nested
+        blocks,
+        args.hidden_size,
+        eps=args.rms_norm_eps,
+        trunk=trunk,
+        hidden_source=hidden_source,
+        nested_block=nested,
     )
     weights: dict[str, mx.array] = {}
     for i in range(n):
@@ -157,9 +175,12 @@ def load_mimo_head(
             if "rotary_emb.inv_freq" in k:
                 continue
             first = k.split(".")[0]
-            local = k if first in _OWN_KEYS else "block." + (k[len("mtp_block.") :] if first == "mtp_block" else k)
+            local = (
+                k
+                if first in _OWN_KEYS
+                else "block." + (k[len("mtp_block.") :] if first == "mtp_block" else k)
+            )
             weights[f"modules_.{i}.{local}"] = v
     quantize_like_checkpoint(head, lambda p: module_to_checkpoint(p, nested), set(index), config)
     check_and_load(head, weights, source)
     return head
-

@@ -22,8 +22,9 @@ confirmed by measured acceptance (``hidden_source="pre_norm"`` switches it).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -41,11 +42,11 @@ from mtplx.heads.base import (
     dequantize_fp8_blocks,
     find_prefix,
     keys_with_prefix,
-    source_name,
     load_tensors,
     model_args_of,
     quantize_like_checkpoint,
     shared_callables,
+    source_name,
     stack_experts,
     trunk_norm_offset,
     weight_index,
@@ -56,7 +57,11 @@ DEFAULT_HIDDEN_SOURCE: HiddenSource = "post_norm"
 KEY_PREFIX = "mtp."
 COUNT_KEYS = ("mtp_num_hidden_layers", "num_nextn_predict_layers")
 # Where the trunk's own final norm lives in HF (and mlx) spellings, to measure its norm convention.
-TRUNK_NORM_KEYS = ("model.norm.weight", "model.language_model.norm.weight", "language_model.model.norm.weight")
+TRUNK_NORM_KEYS = (
+    "model.norm.weight",
+    "model.language_model.norm.weight",
+    "language_model.model.norm.weight",
+)
 
 
 class Qwen3NextMTPHead(MTPHead):
@@ -92,7 +97,15 @@ class Qwen3NextMTPHead(MTPHead):
     def decoder_layers(self) -> list[nn.Module]:
         return self.layers
 
-    def __call__(self, hidden: mx.array, next_tokens: mx.array, cache: list | None = None) -> mx.array:
+    def __call__(
+        self,
+        hidden: mx.array,
+        next_tokens: mx.array,
+        cache: list | None = None,
+        *,
+        step: int = 0,
+        trunk_cache: list | None = None,
+    ) -> mx.array:
         e = self.pre_fc_norm_embedding(self._embed(next_tokens))
         h = self.pre_fc_norm_hidden(hidden)
         x = self.fc(mx.concatenate([e, h.astype(e.dtype)], axis=-1))
@@ -142,17 +155,26 @@ def load_qwen3_next_head(
     source = source_name(model_dir)
     found = find_prefix(index, r"mtp\.fc\.weight")
     if found is None:
-        raise MtplxError(f"{source}: config declares {n} MTP layer(s) but the checkpoint ships no mtp.* tensors")
+        raise MtplxError(
+            f"{source}: config declares {n} MTP layer(s) but the checkpoint ships no mtp.* tensors"
+        )
     prefix = found + KEY_PREFIX
     present = {int(k[len(prefix) + 7 :].split(".")[0]) for k in index if k.startswith(prefix + "layers.")}
     if present != set(range(n)):
-        raise MtplxError(f"{source}: config declares {n} MTP layer(s), checkpoint has mtp.layers {sorted(present)}")
+        raise MtplxError(
+            f"{source}: config declares {n} MTP layer(s), checkpoint has mtp.layers {sorted(present)}"
+        )
 
     args = model_args_of(trunk.model)
     template, idx = _attention_template(trunk)
     layers = [build_layer_like(template, args, idx) for _ in range(n)]
     head = Qwen3NextMTPHead(
-        layers, args.hidden_size, eps=args.rms_norm_eps, trunk=trunk, hidden_source=hidden_source, key_prefix=prefix
+        layers,
+        args.hidden_size,
+        eps=args.rms_norm_eps,
+        trunk=trunk,
+        hidden_source=hidden_source,
+        key_prefix=prefix,
     )
 
     raw = load_tensors(model_dir, index, keys_with_prefix(index, prefix))
@@ -167,4 +189,3 @@ def load_qwen3_next_head(
     quantize_like_checkpoint(head, lambda p: prefix + p, set(index), config)
     check_and_load(head, weights, source)
     return head
-
