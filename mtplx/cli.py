@@ -150,28 +150,35 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def forge_config(args: argparse.Namespace):
+    """The library's default ForgeConfig with only the flags the user gave replaced (no second set of defaults)."""
+    from dataclasses import replace
+
+    defaults = args.forge_defaults
+    overrides = {name: getattr(args, name) for name in _FORGE_FLAGS if getattr(args, name) is not None}
+    if args.data:
+        overrides["data"] = tuple(args.data)
+    if args.draft_vocab is not None:
+        overrides["draft_vocab"] = (
+            None
+            if args.draft_vocab == "full"
+            else ("auto" if args.draft_vocab == "auto" else _positive_int("--draft-vocab", args.draft_vocab))
+        )
+    if args.overwrite:
+        overrides["overwrite"] = True
+    if args.no_progress:
+        overrides["progress"] = False
+    return replace(defaults, **overrides) if overrides else defaults
+
+
 def cmd_forge(args: argparse.Namespace) -> int:
     from mtplx.forge import forge
 
-    draft_vocab = (
-        None
-        if args.draft_vocab in (None, "full")
-        else ("auto" if args.draft_vocab == "auto" else _positive_int("--draft-vocab", args.draft_vocab))
+    report = forge(forge_config(args))
+    print(
+        f"wrote {report.manifest_path.parent} ({report.response_tokens} generated tokens, "
+        f"{report.train_steps} steps, depth-1 acceptance {report.acceptance['1']})"
     )
-    report = forge(
-        args.model,
-        args.out,
-        args.data or None,
-        steps=args.steps,
-        train_tokens=args.train_tokens,
-        seed=args.seed,
-        hidden_source=args.hidden_source,
-        compare_steps=args.compare_steps,
-        draft_vocab=draft_vocab,
-        work_dir=args.work_dir,
-        progress=not args.no_progress,
-    )
-    print(f"wrote {report.manifest_path.parent}")
     return 0
 
 
@@ -195,6 +202,60 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from mtplx.tune import tune_from_args
 
     return tune_from_args(args)
+
+
+# Flags whose values map 1:1 onto ForgeConfig fields (defaults come from DEFAULT_FORGE_CONFIG).
+_FORGE_FLAGS = (
+    "model",
+    "out_dir",
+    "work_dir",
+    "budget",
+    "gen_tokens",
+    "steps",
+    "depth",
+    "batch_size",
+    "lr",
+    "init_head",
+    "seed",
+    "hidden_source",
+    "chain_source",
+)
+
+
+def _add_forge_args(frg: argparse.ArgumentParser) -> None:
+    from mtplx.forge import DEFAULT_FORGE_CONFIG as d
+
+    frg.add_argument("--model", help="local path or Hugging Face repo id (default: the embedded model)")
+    frg.add_argument("--out", dest="out_dir", help=f"output head directory (default {d.out_dir})")
+    frg.add_argument(
+        "--data",
+        action="append",
+        help="prompts: .txt/.md/.rst/.py/.jsonl files or directories (repeatable; default: the offline set)",
+    )
+    frg.add_argument(
+        "--budget",
+        help="the whole run's budget: a time (2h, 45m) or generated tokens (3M, 500k); overrides --gen-tokens/--steps",
+    )
+    frg.add_argument("--gen-tokens", type=int, help=f"response tokens to generate (default {d.gen_tokens})")
+    frg.add_argument("--steps", type=int, help=f"training steps (default {d.steps})")
+    frg.add_argument("--depth", type=int, help=f"draft steps unrolled in training (default {d.depth})")
+    frg.add_argument("--batch-size", type=int, help=f"sequences per step (default {d.batch_size})")
+    frg.add_argument("--lr", type=float, help=f"peak learning rate (default {d.lr})")
+    frg.add_argument("--init-head", help="start from this forged head of the same model (default: none)")
+    frg.add_argument("--seed", type=int, help=f"seed of prompts, sampling and batches (default {d.seed})")
+    frg.add_argument(
+        "--hidden-source", choices=("pre_norm", "post_norm"), help=f"(default {d.hidden_source})"
+    )
+    frg.add_argument("--chain-source", choices=("pre_norm", "post_norm"), help=f"(default {d.chain_source})")
+    frg.add_argument(
+        "--draft-vocab", help=f"reduced draft vocabulary: a size, 'auto' or 'full' (default {d.draft_vocab})"
+    )
+    frg.add_argument(
+        "--work-dir", help="where shards and checkpoints go (resumable; default under the mtplx cache)"
+    )
+    frg.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    frg.add_argument("--no-progress", action="store_true")
+    frg.set_defaults(forge_defaults=d)
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -260,34 +321,10 @@ def _build_parser() -> argparse.ArgumentParser:
     insp.add_argument("--json", action="store_true", help="print JSON")
     insp.set_defaults(func=cmd_inspect)
 
-    frg = sub.add_parser("forge", help="train an MTP head for a model that has none (self-distillation)")
-    frg.add_argument(
-        "--model", default=None, help="local path or Hugging Face repo id (default: the embedded model)"
+    frg = sub.add_parser(
+        "forge", help="train an MTP head for a model that has none, on the model's own generations"
     )
-    frg.add_argument("--out", default="forged-head", help="output head directory (default ./forged-head)")
-    frg.add_argument(
-        "--data",
-        action="append",
-        default=None,
-        help="training text: a file or directory of .txt/.md/.rst/.py/.jsonl (repeatable; default: the offline corpus)",
-    )
-    frg.add_argument("--steps", type=int, default=1200)
-    frg.add_argument("--train-tokens", type=int, default=300_000)
-    frg.add_argument("--seed", type=int, default=0)
-    frg.add_argument("--hidden-source", choices=("pre_norm", "post_norm"), default="post_norm")
-    frg.add_argument(
-        "--compare-steps",
-        type=int,
-        default=0,
-        help="first train both hidden sources this many steps and keep the better one",
-    )
-    frg.add_argument(
-        "--draft-vocab",
-        default=None,
-        help="reduced draft vocabulary: a size, 'auto' or 'full' (default full)",
-    )
-    frg.add_argument("--work-dir", default=None, help="where teacher data and checkpoints go (resumable)")
-    frg.add_argument("--no-progress", action="store_true")
+    _add_forge_args(frg)
     frg.set_defaults(func=cmd_forge)
 
     from mtplx.bench import add_bench_args

@@ -8,6 +8,7 @@ stats. The loops themselves live in `decode.py`.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -162,6 +163,7 @@ class Engine:
         self.model_path = model_path
         self.fingerprint = fingerprint
         self.verify_backend = verify_backend
+        self._warned_depth = False  # the deeper-than-trained warning is printed once per engine
 
     # ----------------------------------------------------------------- loading
     @classmethod
@@ -222,6 +224,16 @@ class Engine:
 
     def _head_depth(self) -> int:
         return int((self.head.default_depth if self.head is not None else None) or DEFAULT_DEPTH)
+
+    def _warn_if_deeper_than_trained(self, depth: int) -> None:
+        limit = self.head.max_depth
+        if limit is not None and depth > limit and not self._warned_depth:
+            self._warned_depth = True
+            print(
+                f"mtplx: warning: drafting {depth} tokens deep, but the head was trained for {limit} "
+                "(deeper drafts are rarely accepted)",
+                file=sys.stderr,
+            )
 
     @property
     def has_head(self) -> bool:
@@ -307,6 +319,8 @@ class Engine:
                 "this model has no MTP head: use --no-mtp (mtp=False), or train one with `mtplx forge`"
             )
         prompt_tokens = self.encode_prompt(prompt, chat)
+        if mtp:
+            self._warn_if_deeper_than_trained(depth)
         limit = self._context_length()
         if limit is not None and len(prompt_tokens) + max_tokens > limit:
             raise MtplxError(

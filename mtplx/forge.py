@@ -1,27 +1,39 @@
 """`mtplx forge`: train a Qwen3-Next-style MTP head for a trunk that ships none.
 
-Objective: self-distillation. The head at position t gets the trunk's hidden
-state at t and the true token t+1, and must reproduce the trunk's OWN
-distribution at t+1 (over token t+2): KL(p_trunk || q_head). Acceptance of a
-draft is 1 - TV(p, q) against the trunk, not against the data, so matching the
-trunk is the quantity that pays.
+Objective: self-distillation on the trunk's OWN writing. The trunk answers a broad
+prompt set (``forge_prompts``) through its chat template, greedily and sampled;
+while it writes, ``forge_gen`` records its hidden states and its raw next-token
+distributions (top-K log-probs + rest mass). The head at position t gets the
+trunk's hidden state at t and token t+1 and must reproduce the trunk's distribution
+at t+1: KL(p_trunk || q_head), on response tokens only. Acceptance of a draft is
+1 - TV(p, q) against the trunk, so matching the trunk is the quantity that pays.
 
-Stages (each resumable, all deterministic given the seed):
-  1. corpus -> token windows (``forge_data``)
-  2. teacher precompute: trunk hidden states (float16) and top-N teacher
-     log-probs written once to .npy memmaps, so epochs cost only the head
-  3. training (AdamW, cosine schedule, checkpoints every few hundred steps)
-  4. teacher-forced acceptance per depth on held-out text, at temperature 0 and 0.7
-  5. sidecar: head.safetensors + manifest.json (``mtplx.heads.forged``)
+The draft chain is unrolled in training exactly as ``decode.mtp_decode`` runs it:
+step k feeds the head its own previous output (``chain_input``) and the next token,
+and attends to the true-state entries up to its origin plus its own chain entries
+(``UnrollCache``), so positions 2 and 3 are trained, not extrapolated (the
+training-time unrolling of HASS / EAGLE-3, whose papers describe the idea; no code
+was followed). Per-step loss weights trade position 1 against the deeper ones.
+
+Stages (each resumable, deterministic given the seed; one ``--budget`` covers all):
+  1. generate training and held-out shards (``forge_gen``)
+  2. training (AdamW, cosine schedule, checkpoints, Ctrl-C saves one)
+  3. teacher-forced acceptance per depth on held-out generations, t 0 and 0.7
+  4. sidecar: head.safetensors + manifest.json (``mtplx.heads.forged``), written
+     to a temp directory and renamed into place
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import os
+import re
+import shutil
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,60 +45,119 @@ from mlx.utils import tree_flatten
 
 import mtplx  # noqa: F401  (optimized BLAS before mlx)
 from mtplx.errors import MtplxError
-from mtplx.forge_data import Corpus, Sample, corpus_from_paths, default_corpus
+from mtplx.forge_gen import ForgeData, Setting, ShardPlan, generate_shards, kind_counts, load_shards
+from mtplx.forge_prompts import (
+    Prompt,
+    check_held_out,
+    default_prompts,
+    drop_held_out,
+    prompts_from_samples,
+    read_held_out,
+    split_prompts,
+)
+from mtplx.heads.base import HIDDEN_SOURCES
 from mtplx.heads.forged import ForgedMTPHead, build_forged_head, lm_head_matrix, save_forged_head
 from mtplx.trunk import Trunk
 
-HIDDEN_SOURCES = ("pre_norm", "post_norm")
-_PRECOMPUTE_VERSION = 1
+# The benchmark suite of this repository: held out from every forge run that can see it.
+BENCHMARK_SUITE = Path(__file__).resolve().parent.parent / "benchmarks" / "prompts" / "suite.jsonl"
+# How a time budget is shared between the stages (the rest: evaluation and writing the head).
+GEN_SHARE, TRAIN_SHARE = 0.5, 0.4
+TOKEN_BUDGET_EPOCHS = 2  # a token budget trains this many passes over what it generated
+MIN_TIME_BUDGET_S = 60.0
 
 
-@dataclass
+@dataclass(frozen=True)
 class ForgeConfig:
-    """Everything that determines a forged head (recorded in its manifest)."""
+    """Everything that determines a forged head (recorded in its manifest).
 
-    out_dir: Path
+    ``DEFAULT_FORGE_CONFIG`` is the one source of the defaults: ``forge()`` and
+    ``mtplx forge`` both start from it and override only what they are given.
+    """
+
+    out_dir: str = "forged-head"
     model: str | None = None  # model spec for ``load_model``; None = the default model
-    data: list[str] | None = None  # text / .jsonl files or directories; None = the default corpus
-    work_dir: Path | None = None  # teacher cache and checkpoints; default under the mtplx cache
-    train_tokens: int = 288_000
-    eval_tokens: int = 8192
-    seq_len: int = 256
-    top_n: int = 64  # teacher log-probs kept per position (plus the remaining mass)
-    precompute_batch: int = 8
-    steps: int = 1200
-    batch_size: int = 4  # sequences per step
+    data: tuple[str, ...] | None = None  # prompt files (.txt/.md/.rst/.py/.jsonl) or dirs; None = default set
+    work_dir: str | None = None  # shards and checkpoints; default under the mtplx cache
+    budget: str | None = None  # "2h" / "45m" (whole run) or "3M" / "500k" (tokens); overrides the two below
+    gen_tokens: int = 200_000  # response tokens to generate
+    steps: int = 1500
+    overwrite: bool = False
+    init_head: str | None = None  # start from this forged head (same trunk) instead of the trunk's last layer
+    # data generation
+    seq_len: int = 256  # slots per sequence: prompt + response
+    max_prompt: int = 128  # longer prompts are skipped (a chat template cannot be cut)
+    gen_batch: int = 16
+    settings: tuple[tuple[float, float], ...] = ((0.0, 1.0), (0.7, 0.95))  # (temperature, top_p), by shard
+    top_n: int = 32  # teacher log-probs kept per position (plus the rest mass)
+    eval_fraction: float = 0.03  # prompts (by source hash) kept for the held-out generations
+    eval_tokens: int = 1024
+    held_out: str | None = str(BENCHMARK_SUITE) if BENCHMARK_SUITE.is_file() else None
+    # training
+    depth: int = 3  # draft steps unrolled in training = the head's max_depth
+    step_weights: tuple[float, ...] = (1.0, 0.8, 0.6)
+    batch_size: int = 8
     lr: float = 1e-3
-    warmup: int = 50
+    warmup: int = 30
     weight_decay: float = 0.0
-    seed: int = 0
     hidden_source: str = "pre_norm"  # measured better for SmolLM2 (see its model card)
-    train_vocab: int | None = (
-        4096  # frequent ids shared by every position's softmax while training (cost); None = full
-    )
-    draft_vocab: int | None = None  # ship a reduced-vocabulary head of this size; None = full vocabulary
-    checkpoint_every: int = 200
-    eval_depths: int = 3
-    eval_origins: int = 32  # positions per sequence used for depth >= 2 (each needs its own cache state)
+    chain_source: str = "pre_norm"
+    train_vocab: int | None = 4096  # frequent ids shared by every position's softmax (cost); None = full
+    draft_vocab: int | str | None = "auto"  # ship a reduced vocabulary: a size, "auto" or None (full)
+    eval_vocab_sizes: tuple[int, ...] = (4096, 8192)
+    checkpoint_every: int = 50
+    eval_origins: int = 24
+    seed: int = 0
     progress: bool = True
 
     def __post_init__(self) -> None:
-        self.out_dir = Path(self.out_dir)
-        if self.hidden_source not in HIDDEN_SOURCES:
-            raise MtplxError(
-                f"forge: hidden_source must be one of {', '.join(HIDDEN_SOURCES)}, got {self.hidden_source!r}"
-            )
-        for name in (
-            "train_tokens",
-            "seq_len",
-            "top_n",
-            "steps",
-            "batch_size",
-            "precompute_batch",
-            "checkpoint_every",
-        ):
+        for name in ("hidden_source", "chain_source"):
+            if getattr(self, name) not in HIDDEN_SOURCES:
+                raise MtplxError(
+                    f"forge: {name} must be one of {', '.join(HIDDEN_SOURCES)}, got {getattr(self, name)!r}"
+                )
+        for name in ("gen_tokens", "seq_len", "top_n", "steps", "batch_size", "gen_batch", "depth"):
             if int(getattr(self, name)) <= 0:
                 raise MtplxError(f"forge: {name} must be positive, got {getattr(self, name)}")
+        if len(self.step_weights) < self.depth or any(w < 0 for w in self.step_weights[: self.depth]):
+            raise MtplxError(
+                f"forge: step_weights needs {self.depth} non-negative weights, got {self.step_weights}"
+            )
+        if isinstance(self.draft_vocab, str) and self.draft_vocab != "auto":
+            raise MtplxError(
+                f"forge: draft_vocab must be a number of ids, 'auto' or None, got {self.draft_vocab!r}"
+            )
+        if self.max_prompt >= self.seq_len - 1:
+            raise MtplxError(
+                f"forge: max_prompt ({self.max_prompt}) must be below seq_len - 1 ({self.seq_len - 1})"
+            )
+        if self.budget is not None:
+            parse_budget(self.budget)
+
+
+DEFAULT_FORGE_CONFIG = ForgeConfig()
+
+
+@dataclass(frozen=True)
+class Budget:
+    seconds: float | None = None
+    tokens: int | None = None
+
+
+_BUDGET = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(h|m|min|s|k|K|M|G)\s*$")
+
+
+def parse_budget(text: str) -> Budget:
+    """``2h``, ``45m``/``45min``, ``90s`` = wall time of the whole run; ``500k``/``3M``/``1G`` = tokens generated."""
+    match = _BUDGET.match(text)
+    if match is None:
+        raise MtplxError(
+            f"--budget: expected a time (2h, 45m, 90s) or a token count (500k, 3M), got {text!r}"
+        )
+    value, unit = float(match.group(1)), match.group(2)
+    if unit in ("h", "m", "min", "s"):
+        return Budget(seconds=value * {"h": 3600, "m": 60, "min": 60, "s": 1}[unit])
+    return Budget(tokens=int(value * {"k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9}[unit]))
 
 
 # ---------------------------------------------------------------- atomic files
@@ -104,174 +175,26 @@ def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
 
 
-# ---------------------------------------------------------------- tokenizing
+# ---------------------------------------------------------------- prompts
 
 
-def sample_ids(tokenizer: Any, sample: Sample) -> list[int]:
-    """Token ids of one sample: chat samples through the tokenizer's own template."""
-    if sample.is_chat:
-        messages = [{"role": r, "content": c} for r, c in sample.messages]
-        text = tokenizer.apply_chat_template(messages, tokenize=False)
-        return list(tokenizer.encode(text, add_special_tokens=False))
-    ids = list(tokenizer.encode(sample.text, add_special_tokens=False))
-    eos = tokenizer.eos_token_id
-    return ids + ([int(eos)] if eos is not None else [])
-
-
-def pack_windows(
-    tokenizer: Any, samples: Sequence[Sample], seq_len: int, max_tokens: int, seed: int
-) -> np.ndarray:
-    """Shuffle the samples (seeded), concatenate their ids and cut [N, seq_len] windows (at most max_tokens)."""
-    order = np.random.default_rng(seed).permutation(len(samples))
-    stream: list[int] = []
-    for i in order:
-        stream.extend(sample_ids(tokenizer, samples[int(i)]))
-        if len(stream) >= max_tokens + seq_len:
-            break
-    n = min(len(stream), max_tokens) // seq_len
-    return np.asarray(stream[: n * seq_len], dtype=np.int32).reshape(n, seq_len)
-
-
-def files_in_windows(
-    tokenizer: Any, samples: Sequence[Sample], seq_len: int, tokens: int, seed: int
-) -> list[str]:
-    """Source files of the samples that reach the first ``tokens`` tokens of ``pack_windows``' stream
-    (same seeded order): exactly the files a run trained or evaluated on."""
-    order = np.random.default_rng(seed).permutation(len(samples))
-    used: set[str] = set()
-    offset = 0
-    for i in order:
-        if offset >= tokens:
-            break
-        used.add(samples[int(i)].source)
-        offset += len(sample_ids(tokenizer, samples[int(i)]))
-    return sorted(used)
-
-
-# ---------------------------------------------------------------- teacher precompute
-
-
-@dataclass
-class TeacherData:
-    """Memmapped teacher cache: tokens [N,T], pre-norm hidden [N,T,H] f16, top-N ids/log-probs [N,T,K]."""
-
-    tokens: np.ndarray
-    hidden: np.ndarray
-    top_ids: np.ndarray
-    top_logp: np.ndarray
-
-    @property
-    def num_sequences(self) -> int:
-        return int(self.tokens.shape[0])
-
-
-_TEACHER_FILES = ("tokens", "hidden", "top_ids", "top_logp")
-
-
-def _teacher_meta(fingerprint: str, windows: np.ndarray, hidden_size: int, top_n: int) -> dict:
-    import hashlib
-
-    return {
-        "version": _PRECOMPUTE_VERSION,
-        "trunk_fingerprint": fingerprint,
-        "tokens_sha256": hashlib.sha256(windows.tobytes()).hexdigest()[:16],
-        "shape": list(windows.shape),
-        "hidden_size": hidden_size,
-        "top_n": top_n,
-    }
-
-
-def top_n_logprobs(logits: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """(ids, log-probs) of the n most likely tokens per row, sorted by probability (NumPy: its exp is vectorized)."""
-    logits = logits.astype(np.float32, copy=False)
-    m = logits.max(axis=-1, keepdims=True)
-    lse = m + np.log(np.exp(logits - m).sum(axis=-1, keepdims=True))
-    ids = np.argpartition(-logits, n - 1, axis=-1)[..., :n]
-    vals = np.take_along_axis(logits, ids, axis=-1)
-    order = np.argsort(-vals, axis=-1, kind="stable")
-    ids = np.take_along_axis(ids, order, axis=-1)
-    return ids.astype(np.int32), (np.take_along_axis(vals, order, axis=-1) - lse).astype(np.float32)
-
-
-def precompute_teacher(
-    trunk: Trunk,
-    fingerprint: str,
-    windows: np.ndarray,
-    cache_dir: Path,
-    top_n: int,
-    batch: int,
-    progress: bool,
-    limit: int | None = None,
-) -> TeacherData:
-    """Run the frozen trunk once over ``windows``; resumes from the last completed batch.
-
-    ``limit`` computes only the first rows (the cache stays keyed by all ``windows``,
-    so a later call with a higher limit continues it); the returned arrays are cut to it.
-    """
-    n, seq_len = windows.shape
-    todo = n if limit is None else min(limit, n)
-    top_n = min(top_n, trunk.vocab_size)
-    hidden_size = int(trunk.inner.embed_tokens.weight.shape[1])
-    meta = _teacher_meta(fingerprint, windows, hidden_size, top_n)
-    meta_path, progress_path = cache_dir / "teacher.json", cache_dir / "teacher_progress.json"
-    shapes = {
-        "tokens": (n, seq_len),
-        "hidden": (n, seq_len, hidden_size),
-        "top_ids": (n, seq_len, top_n),
-        "top_logp": (n, seq_len, top_n),
-    }
-    dtypes = {"tokens": np.int32, "hidden": np.float16, "top_ids": np.int32, "top_logp": np.float32}
-    done = 0
-    fresh = not (meta_path.exists() and json.loads(meta_path.read_text()) == meta)
-    if fresh:
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        meta_path.unlink(missing_ok=True)  # invalid until every array is (re)created
-        progress_path.unlink(missing_ok=True)
-        for name in _TEACHER_FILES:
-            np.lib.format.open_memmap(
-                cache_dir / f"{name}.npy", mode="w+", dtype=dtypes[name], shape=shapes[name]
-            ).flush()
-        atomic_write_json(meta_path, meta)
-    elif progress_path.exists():
-        done = int(json.loads(progress_path.read_text())["sequences_done"])
-    arrays = {name: np.load(cache_dir / f"{name}.npy", mmap_mode="r+") for name in _TEACHER_FILES}
-    if done < todo:
-        from tqdm import tqdm
-
-        bar = tqdm(
-            total=todo * seq_len,
-            initial=done * seq_len,
-            unit="tok",
-            desc="teacher",
-            disable=not progress,
-            smoothing=0.1,
-        )
-        for start in range(done, todo, batch):
-            stop = min(start + batch, todo)
-            out = trunk(mx.array(windows[start:stop]))
-            mx.eval(out.logits, out.hidden_pre_norm)
-            ids, logp = top_n_logprobs(np.asarray(out.logits), top_n)
-            arrays["tokens"][start:stop] = windows[start:stop]
-            arrays["hidden"][start:stop] = np.asarray(out.hidden_pre_norm.astype(mx.float16))
-            arrays["top_ids"][start:stop] = ids
-            arrays["top_logp"][start:stop] = logp
-            for a in arrays.values():
-                a.flush()
-            # Progress is recorded only after the rows are on disk, so a kill loses at most one batch.
-            atomic_write_json(progress_path, {"sequences_done": stop})
-            bar.update((stop - start) * seq_len)
-        bar.close()
-    ro = {name: np.load(cache_dir / f"{name}.npy", mmap_mode="r")[:todo] for name in _TEACHER_FILES}
-    return TeacherData(ro["tokens"], ro["hidden"], ro["top_ids"], ro["top_logp"])
-
-
-# ---------------------------------------------------------------- corpus -> windows
-
-
-def load_corpus(cfg: ForgeConfig) -> Corpus:
+def load_prompts(cfg: ForgeConfig) -> tuple[list[Prompt], str, dict]:
+    """(prompts, description, held-out record): the default set minus held-out overlaps, or the user's
+    prompts, refused when they overlap the held-out suite."""
+    held = read_held_out(Path(cfg.held_out)) if cfg.held_out is not None else []
     if cfg.data is None:
-        return default_corpus(_work_root(cfg) / "sources", cfg.train_tokens)
-    return corpus_from_paths(list(cfg.data))
+        prompts, desc = default_prompts()
+        prompts, dropped = drop_held_out(prompts, held)
+    else:
+        from mtplx.forge_data import corpus_from_paths
+
+        corpus = corpus_from_paths(list(cfg.data), eval_fraction=0.0)
+        prompts, desc, dropped = prompts_from_samples(corpus.train), corpus.description, 0
+        if not prompts:
+            raise MtplxError(f"{cfg.data[0]}: no prompts in the training data")
+    record = check_held_out(prompts, held) if held else {"held_out_prompts": 0}
+    record = {**record, "suite": cfg.held_out, "default_prompts_dropped_for_overlap": dropped}
+    return prompts, desc, record
 
 
 def _work_root(cfg: ForgeConfig) -> Path:
@@ -282,28 +205,14 @@ def _work_root(cfg: ForgeConfig) -> Path:
     return cache_root() / "forge"
 
 
-def build_windows(cfg: ForgeConfig, tokenizer: Any, corpus: Corpus) -> tuple[np.ndarray, np.ndarray]:
-    """(train, eval) token windows [N, seq_len]; MtplxError when the data cannot fill one window."""
-    train = pack_windows(tokenizer, corpus.train, cfg.seq_len, cfg.train_tokens, cfg.seed)
-    if train.shape[0] == 0:
-        raise MtplxError(
-            f"{corpus.train_files[0] if corpus.train_files else 'forge'}: training data has fewer than {cfg.seq_len} tokens"
-        )
-    evals = pack_windows(tokenizer, corpus.eval, cfg.seq_len, cfg.eval_tokens, cfg.seed + 1)
-    if evals.shape[0] == 0:
-        # Tiny user data: evaluate on the last training window rather than not at all (recorded in the manifest).
-        evals = train[-1:]
-    return train, evals
-
-
-def teacher_dir(cfg: ForgeConfig, fingerprint: str) -> Path:
-    return _work_root(cfg) / f"{fingerprint}-s{cfg.seed}-n{cfg.train_tokens}-t{cfg.seq_len}"
+def _settings(cfg: ForgeConfig) -> tuple[Setting, ...]:
+    return tuple(Setting(float(t), float(p)) for t, p in cfg.settings)
 
 
 # ---------------------------------------------------------------- the head
 
 
-def build_head(trunk: Trunk, hidden_source: str) -> ForgedMTPHead:
+def build_head(trunk: Trunk, hidden_source: str, chain_source: str | None = None) -> ForgedMTPHead:
     """A forged head for ``trunk``, initialised to start near the trunk's own behaviour.
 
     The decoder layer is a copy of the trunk's LAST layer (it already maps late-layer
@@ -311,7 +220,7 @@ def build_head(trunk: Trunk, hidden_source: str) -> ForgedMTPHead:
     blocks) so both the new token and the context reach that layer from step 0;
     the output norm copies the trunk's final norm, which the shared LM head expects.
     """
-    head = build_forged_head(trunk, hidden_source)
+    head = build_forged_head(trunk, hidden_source, 1, chain_source)
     template = trunk.layers[len(trunk.layers) - 1]
     head.layers[0].load_weights([(k, mx.array(v)) for k, v in tree_flatten(template.parameters())])
     hidden_size = int(head.fc.weight.shape[0])
@@ -322,30 +231,64 @@ def build_head(trunk: Trunk, hidden_source: str) -> ForgedMTPHead:
     return head
 
 
-def frequent_ids(teacher: TeacherData, rows: int, size: int, vocab: int) -> np.ndarray:
-    """The ``size`` ids the trunk most often predicts (top-1 and input tokens), sorted by id.
+def init_from_head(head: ForgedMTPHead, head_dir: str, trunk: Trunk, fingerprint: str) -> str:
+    """Copy the weights of the forged head in ``head_dir`` (forged for this trunk) into ``head``;
+    returns their sha256 for the manifest."""
+    from mtplx.heads.forged import load_forged_head, read_manifest
 
-    Ranked by the TRUNK's argmax, since a draft only pays when it matches the
-    trunk; input tokens break ties so common-but-never-argmax ids still rank.
+    source = load_forged_head(head_dir, trunk, fingerprint)
+    if source.num_layers != head.num_layers:
+        raise MtplxError(
+            f"{head_dir}: init head has {source.num_layers} layer(s), this run builds {head.num_layers}"
+        )
+    head.load_weights(list(tree_flatten(source.parameters())), strict=True)
+    mx.eval(head.parameters())
+    return str(read_manifest(head_dir).get("weights_sha256", ""))
+
+
+def frequent_ids(data: ForgeData, size: int, vocab: int) -> np.ndarray:
+    """The ``size`` ids the trunk most often predicts at response positions (input tokens break ties), sorted.
+
+    Ranked by the TRUNK's argmax, since a draft only pays when it matches the trunk.
     """
-    counts = np.bincount(teacher.top_ids[:rows, :, 0].reshape(-1), minlength=vocab).astype(np.float64)
-    counts += 0.1 * np.bincount(teacher.tokens[:rows].reshape(-1), minlength=vocab)
+    counts = np.bincount(data.top_ids[..., 0][data.valid], minlength=vocab).astype(np.float64)
+    counts += 0.1 * np.bincount(data.tokens[data.valid], minlength=vocab)
     order = np.argsort(-counts, kind="stable")[: min(size, vocab)]
     return np.sort(order).astype(np.int32)
 
 
-# ---------------------------------------------------------------- training
+# ---------------------------------------------------------------- the unrolled draft chain
 
 
 @dataclass
 class Batch:
-    hidden: mx.array  # [B, T-1, H] trunk hidden at t (chosen source)
-    next_tokens: mx.array  # [B, T-1] token t+1
-    top_ids: mx.array  # [B, T-1, K] the teacher's top-K ids at t+1
-    top_in_shared: mx.array  # [B, T-1, K] bool: that id is also in the shared candidate set
-    p_top: mx.array  # [B, T-1, K] their teacher probabilities
-    p_rest: mx.array  # [B, T-1] teacher mass outside the top K
-    entropy: float  # mean over positions of sum p log p (so KL = cross-entropy + entropy)
+    """B sequences; N = T - 1 head positions. Token / target arrays carry ``depth`` extra padded slots so
+    step k (0-based) reads slice [k+1 : k+1+N]: head position i drafts at step k the token after x_{i+k+1}."""
+
+    hidden: mx.array  # [B, N, H] trunk hidden at i (chosen source)
+    tokens: mx.array  # [B, T+depth]
+    top_ids: mx.array  # [B, T+depth, K] the teacher's top-K ids at s (over x_{s+1})
+    top_in_shared: mx.array  # [B, T+depth, K] bool: that id is also in the shared candidate set
+    p_top: mx.array  # [B, T+depth, K]
+    p_rest: mx.array  # [B, T+depth] teacher mass outside the top K
+    valid: mx.array  # [B, T+depth] float: s is a response position (padding: 0)
+    entropy: float  # mean over valid positions of sum p log p (KL = cross-entropy + entropy)
+
+    @property
+    def positions(self) -> int:
+        return int(self.hidden.shape[1])
+
+    def targets(self, k: int) -> tuple[mx.array, ...]:
+        """(tokens, top_ids, top_in_shared, p_top, p_rest, valid) of draft step k."""
+        sl = slice(k + 1, k + 1 + self.positions)
+        return (
+            self.tokens[:, sl],
+            self.top_ids[:, sl],
+            self.top_in_shared[:, sl],
+            self.p_top[:, sl],
+            self.p_rest[:, sl],
+            self.valid[:, sl],
+        )
 
 
 def batch_rows(num_rows: int, batch_size: int, step: int, seed: int) -> np.ndarray:
@@ -357,58 +300,121 @@ def batch_rows(num_rows: int, batch_size: int, step: int, seed: int) -> np.ndarr
 
 
 def make_batch(
-    trunk: Trunk, teacher: TeacherData, rows: np.ndarray, hidden_source: str, in_shared: np.ndarray
+    trunk: Trunk, data: ForgeData, rows: np.ndarray, hidden_source: str, in_shared: np.ndarray, depth: int
 ) -> Batch:
-    hidden = mx.array(np.asarray(teacher.hidden[rows, :-1], dtype=np.float32))
+    hidden = mx.array(np.asarray(data.hidden[rows, :-1], dtype=np.float32))
     if hidden_source == "post_norm":
         hidden = trunk.final_norm(hidden)
-    tokens = np.asarray(teacher.tokens[rows])
-    ids = np.asarray(teacher.top_ids[rows, 1:])
-    p = np.exp(np.asarray(teacher.top_logp[rows, 1:], dtype=np.float64))
+    pad2, pad3 = ((0, 0), (0, depth)), ((0, 0), (0, depth), (0, 0))
+    tokens = np.pad(data.tokens[rows], pad2)
+    ids = np.pad(data.top_ids[rows], pad3)
+    valid = np.pad(data.valid[rows], pad2)
+    p = np.exp(np.pad(data.top_logp[rows], pad3, constant_values=-np.inf).astype(np.float64))
     rest = np.clip(1.0 - p.sum(-1), 0.0, 1.0)
-    total = p.sum(-1) + rest  # float32 rounding of the stored log-probs
+    total = np.maximum(p.sum(-1) + rest, 1e-30)  # float32 rounding of the stored log-probs
     p, rest = p / total[..., None], rest / total
-    entropy = float(
-        ((p * np.log(np.maximum(p, 1e-30))).sum(-1) + rest * np.log(np.maximum(rest, 1e-30))).mean()
-    )
+    plogp = (p * np.log(np.maximum(p, 1e-30))).sum(-1) + rest * np.log(np.maximum(rest, 1e-30))
+    entropy = float(plogp[valid].mean()) if valid.any() else 0.0
     return Batch(
         hidden,
-        mx.array(tokens[:, 1:]),
+        mx.array(tokens),
         mx.array(ids),
         mx.array(in_shared[ids]),
         mx.array(p.astype(np.float32)),
         mx.array(rest.astype(np.float32)),
+        mx.array(valid.astype(np.float32)),
         entropy,
     )
 
 
-def distill_loss(head: Any, rows_matrix: mx.array, shared_proj: mx.array | None, batch: Batch) -> mx.array:
-    """Cross-entropy of the head against the teacher's buckets {each top-K id, everything else} (= KL + const).
+def position_ce(
+    g: mx.array,
+    rows_matrix: mx.array,
+    shared_proj: mx.array | None,
+    top_ids: mx.array,
+    top_in_shared: mx.array,
+    p_top: mx.array,
+    p_rest: mx.array,
+) -> mx.array:
+    """Cross-entropy [B, N] of head outputs ``g`` against the teacher's buckets {each top-K id, the rest}.
 
-    A full-vocabulary softmax per position costs more than the head itself on a CPU
-    (its exp dominates), so q is normalised over the teacher's top-K ids plus a
-    shared set of frequent ids (``shared_proj`` [H, M]; None = the full vocabulary):
-    the ids a head could plausibly confuse. q's "rest" bucket is then the shared
+    A full-vocabulary softmax per position costs more than the head itself on a CPU, so
+    q is normalised over the teacher's top-K ids plus a shared set of frequent ids
+    (``shared_proj`` [H, M]; None = the full vocabulary); q's "rest" bucket is the shared
     ids outside this position's top-K, matched to the teacher's mass outside its top-K.
     """
-    g = head(batch.hidden, batch.next_tokens, None)  # [B, T, H]
-    w_top = rows_matrix[batch.top_ids]  # [B, T, K, H]
-    logit_top = (w_top @ g[..., None]).squeeze(-1)  # [B, T, K]
+    w_top = rows_matrix[top_ids]  # [B, N, K, H]
+    logit_top = (w_top @ g[..., None]).squeeze(-1)  # [B, N, K]
     logit_shared = g @ shared_proj if shared_proj is not None else g @ rows_matrix.T
     # Top-K ids that are also shared would be counted twice in the normaliser.
-    lse = mx.logsumexp(
-        mx.concatenate([logit_shared, mx.where(batch.top_in_shared, -mx.inf, logit_top)], -1), -1
-    )
+    lse = mx.logsumexp(mx.concatenate([logit_shared, mx.where(top_in_shared, -mx.inf, logit_top)], -1), -1)
     logq_top = logit_top - lse[..., None]
     logq_rest = mx.log(mx.maximum(1.0 - mx.exp(logq_top).sum(-1), 1e-6))
-    ce = -(batch.p_top * logq_top).sum(-1) - batch.p_rest * logq_rest
-    return ce.mean()
+    return -(p_top * logq_top).sum(-1) - p_rest * logq_rest
 
 
-def lr_schedule(cfg: ForgeConfig) -> Callable[[mx.array], mx.array]:
-    warm = optim.linear_schedule(cfg.lr * 0.01, cfg.lr, max(cfg.warmup, 1))
-    decay = optim.cosine_decay(cfg.lr, max(cfg.steps - cfg.warmup, 1), cfg.lr * 0.1)
-    return optim.join_schedules([warm, decay], [max(cfg.warmup, 1)])
+class UnrollCache:
+    """A head layer's KV for all draft steps of all origins at once (one per head layer).
+
+    Query i of step k (origin i, at sequence position i + k) sees what the decode loop's
+    head cache holds when it drafts step k from origin i: the step-0 entries j <= i (true
+    trunk states) and its own chain entries of steps 1..k-1, which sit at index i of
+    each step's block. RoPE offset k puts step k's query i at position i + k.
+    """
+
+    def __init__(self) -> None:
+        self.keys: list[mx.array] = []
+        self.values: list[mx.array] = []
+
+    @property
+    def offset(self) -> int:
+        return len(self.keys)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self.keys.append(keys)
+        self.values.append(values)
+        return mx.concatenate(self.keys, axis=2), mx.concatenate(self.values, axis=2)
+
+    def make_mask(self, n: int, **_: Any) -> mx.array:
+        idx = mx.arange(n)
+        blocks = [idx[:, None] >= idx[None]] + [idx[:, None] == idx[None]] * len(self.keys)
+        return mx.concatenate(blocks, axis=1)
+
+
+def chain_all(head: Any, g: mx.array) -> mx.array:
+    """``head.chain_input`` for every position at once (the protocol's takes the last one)."""
+    return head.last_pre_norm if head.chain_source == "pre_norm" else g
+
+
+def unrolled_step_losses(
+    head: Any, rows_matrix: mx.array, shared_proj: mx.array | None, batch: Batch, depth: int
+) -> list[mx.array]:
+    """Masked mean cross-entropy of each draft step 0..depth-1, the chain unrolled as decode runs it."""
+    caches = [UnrollCache() for _ in head.decoder_layers()]
+    x = batch.hidden
+    losses = []
+    for k in range(depth):
+        tokens, ids, in_shared, p_top, p_rest, valid = batch.targets(k)
+        g = head(x, tokens, caches, step=k)
+        ce = position_ce(g, rows_matrix, shared_proj, ids, in_shared, p_top, p_rest)
+        losses.append((ce * valid).sum() / mx.maximum(valid.sum(), 1.0))
+        x = chain_all(head, g)
+    return losses
+
+
+def weighted_loss(losses: Sequence[mx.array], weights: Sequence[float]) -> mx.array:
+    w = [float(x) for x in weights[: len(losses)]]
+    return sum(wi * li for wi, li in zip(w, losses)) / sum(w)
+
+
+# ---------------------------------------------------------------- training
+
+
+def lr_schedule(cfg: ForgeConfig, steps: int) -> Callable[[mx.array], mx.array]:
+    warmup = max(min(cfg.warmup, steps // 4), 1)
+    warm = optim.linear_schedule(cfg.lr * 0.01, cfg.lr, warmup)
+    decay = optim.cosine_decay(cfg.lr, max(steps - warmup, 1), cfg.lr * 0.1)
+    return optim.join_schedules([warm, decay], [warmup])
 
 
 def _ckpt_path(ckpt_dir: Path, step: int) -> Path:
@@ -426,9 +432,7 @@ def save_checkpoint(ckpt_dir: Path, step: int, head: Any, opt: optim.Optimizer, 
     arrays = {f"head.{k}": v for k, v in tree_flatten(head.parameters())}
     arrays.update({f"opt.{k}": v for k, v in tree_flatten(opt.state)})
     final = _ckpt_path(ckpt_dir, step)
-    tmp = (
-        ckpt_dir / f".tmp{os.getpid()}-{final.name}"
-    )  # must keep the .safetensors suffix (mlx appends one otherwise)
+    tmp = ckpt_dir / f".tmp{os.getpid()}-{final.name}"  # must keep the .safetensors suffix (mlx appends one)
     mx.save_safetensors(str(tmp), arrays)
     os.replace(tmp, final)
     for old in sorted(ckpt_dir.glob("step-*.safetensors"))[:-keep]:
@@ -447,66 +451,85 @@ def load_checkpoint(path: Path, head: Any, opt: optim.Optimizer) -> None:
 class TrainResult:
     steps: int
     seconds: float
-    losses: list[tuple[int, float]] = field(default_factory=list)  # (step, KL) at log points
+    losses: list[tuple[int, float]] = field(default_factory=list)  # (step, depth-1 KL) at log points
+    step_losses: list[float] = field(default_factory=list)  # last logged cross-entropy per draft step
+
+
+@dataclass
+class Objective:
+    """What every training step of one run shares: the output matrix, the shared id set, the loss."""
+
+    rows_matrix: mx.array  # [V, H]: rows gathered per teacher id
+    shared_proj: mx.array | None  # [H, M]
+    in_shared: np.ndarray  # [V] bool
+
+    @classmethod
+    def build(cls, trunk: Trunk, train_ids: np.ndarray | None) -> Objective:
+        full = lm_head_matrix(trunk)
+        in_shared = np.ones(int(full.shape[1]), dtype=bool)
+        shared_proj = None
+        if train_ids is not None:
+            shared_proj = full[:, mx.array(train_ids)]
+            in_shared[:] = False
+            in_shared[train_ids] = True
+        rows_matrix = mx.contiguous(full.T)
+        mx.eval(rows_matrix, *([shared_proj] if shared_proj is not None else []))
+        return cls(rows_matrix, shared_proj, in_shared)
 
 
 def train_head(
     cfg: ForgeConfig,
     trunk: Trunk,
     head: Any,
-    teacher: TeacherData,
+    data: ForgeData,
     train_ids: np.ndarray | None,
     ckpt_dir: Path,
-    rows: int | None = None,
+    steps: int | None = None,
     log_every: int = 10,
     stop_at: int | None = None,
 ) -> TrainResult:
-    """Train ``head`` in place for ``cfg.steps`` steps, resuming from the newest checkpoint in ``ckpt_dir``.
+    """Train ``head`` in place for ``steps`` (default ``cfg.steps``) steps with the unrolled chain,
+    resuming from the newest checkpoint in ``ckpt_dir``.
 
     ``stop_at`` ends early (with a checkpoint) on the same schedule, so a short run
     continued later is identical to one straight run.
     """
-    end = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
-    rows = teacher.num_sequences if rows is None else min(rows, teacher.num_sequences)
-    full = lm_head_matrix(trunk)
-    vocab = int(full.shape[1])
-    rows_matrix = mx.contiguous(full.T)  # [V, H]: rows gathered per teacher id
-    in_shared = np.ones(vocab, dtype=bool)
-    shared_proj = None
-    if train_ids is not None:
-        shared_proj = full[:, mx.array(train_ids)]
-        in_shared[:] = False
-        in_shared[train_ids] = True
-    mx.eval(rows_matrix, shared_proj) if shared_proj is not None else mx.eval(rows_matrix)
+    total = cfg.steps if steps is None else steps
+    end = total if stop_at is None else min(stop_at, total)
+    obj = Objective.build(trunk, train_ids)
     head.freeze(keys=[])  # every head parameter trains; the trunk is not part of the head's tree
-    opt = optim.AdamW(learning_rate=lr_schedule(cfg), weight_decay=cfg.weight_decay)
+    opt = optim.AdamW(learning_rate=lr_schedule(cfg, total), weight_decay=cfg.weight_decay)
     start = 0
     found = latest_checkpoint(ckpt_dir)
     if found is not None and found[0] <= end:
         opt.init(head.trainable_parameters())
         load_checkpoint(found[1], head, opt)
         start = found[0]
-    loss_and_grad = nn.value_and_grad(head, lambda b: distill_loss(head, rows_matrix, shared_proj, b))
+
+    def loss_fn(batch: Batch) -> tuple[mx.array, list[mx.array]]:
+        losses = unrolled_step_losses(head, obj.rows_matrix, obj.shared_proj, batch, cfg.depth)
+        return weighted_loss(losses, cfg.step_weights), losses
+
+    loss_and_grad = nn.value_and_grad(head, loss_fn)
     result = TrainResult(start, 0.0)
     t0 = time.time()
     from tqdm import tqdm
 
-    bar = tqdm(
-        total=end, initial=start, desc=f"forge {cfg.hidden_source}", unit="step", disable=not cfg.progress
-    )
+    bar = tqdm(total=end, initial=start, desc=f"train d{cfg.depth}", unit="step", disable=not cfg.progress)
     ema = None
+    # Ctrl-C leaves the newest periodic checkpoint (written whole); a rerun resumes from it.
     for step in range(start, end):
-        batch = make_batch(
-            trunk, teacher, batch_rows(rows, cfg.batch_size, step, cfg.seed), cfg.hidden_source, in_shared
-        )
-        loss, grads = loss_and_grad(batch)
+        rows = batch_rows(data.num_sequences, cfg.batch_size, step, cfg.seed)
+        batch = make_batch(trunk, data, rows, cfg.hidden_source, obj.in_shared, cfg.depth)
+        (_, losses), grads = loss_and_grad(batch)
         grads, _ = optim.clip_grad_norm(grads, 1.0)
         opt.update(head, grads)
-        mx.eval(head.parameters(), opt.state, loss)
-        kl = float(loss.item()) + batch.entropy
+        mx.eval(head.parameters(), opt.state, losses)
+        kl = float(losses[0].item()) + batch.entropy
         ema = kl if ema is None else 0.95 * ema + 0.05 * kl
         if (step + 1) % log_every == 0 or step == start:
             result.losses.append((step + 1, kl))
+            result.step_losses = [round(float(x.item()), 4) for x in losses]
         bar.set_postfix(kl=f"{ema:.3f}")
         bar.update(1)
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == end:
@@ -514,6 +537,33 @@ def train_head(
     bar.close()
     result.steps, result.seconds = end, time.time() - t0
     return result
+
+
+def seconds_per_step(
+    cfg: ForgeConfig, trunk: Trunk, head: Any, data: ForgeData, obj: Objective, n: int = 2
+) -> float:
+    """Measured seconds of one training step (forward + backward, no update) to size a time budget."""
+
+    def loss_fn(batch: Batch) -> mx.array:
+        return weighted_loss(
+            unrolled_step_losses(head, obj.rows_matrix, obj.shared_proj, batch, cfg.depth), cfg.step_weights
+        )
+
+    loss_and_grad = nn.value_and_grad(head, loss_fn)
+    times = []
+    for i in range(n + 1):
+        batch = make_batch(
+            trunk,
+            data,
+            batch_rows(data.num_sequences, cfg.batch_size, i, cfg.seed),
+            cfg.hidden_source,
+            obj.in_shared,
+            cfg.depth,
+        )
+        t = time.perf_counter()
+        mx.eval(loss_and_grad(batch))
+        times.append(time.perf_counter() - t)
+    return float(np.median(times[1:]))
 
 
 # ---------------------------------------------------------------- evaluation
@@ -547,10 +597,6 @@ def _trunk_source(trunk_out: Any, source: str) -> mx.array:
     return trunk_out.hidden_pre_norm if source == "pre_norm" else trunk_out.hidden_post_norm
 
 
-def _chain_input(head: Any, g: mx.array) -> mx.array:
-    return head.last_pre_norm if getattr(head, "chain_source", "post_norm") == "pre_norm" else g
-
-
 class _Tally:
     """Running sums of acceptance per (vocabulary variant, depth, temperature)."""
 
@@ -568,7 +614,12 @@ class _Tally:
         }
         self.counts = {d: 0 for d in range(1, depths + 1)}
 
-    def add(self, depth: int, p_logits: np.ndarray, q_logits: np.ndarray) -> None:
+    def add(
+        self, depth: int, p_logits: np.ndarray, q_logits: np.ndarray, keep: np.ndarray | None = None
+    ) -> None:
+        """``keep`` (bool, the rows' shape): positions that count (response positions); None = all."""
+        if keep is not None:
+            p_logits, q_logits = p_logits[keep], q_logits[keep]
         for name, outside in self.masks.items():
             q = q_logits if outside is None else np.where(outside, -np.inf, q_logits)
             for t in self.temperatures:
@@ -595,6 +646,7 @@ def evaluate_acceptance(
     temperatures: Sequence[float] = EVAL_TEMPERATURES,
     progress: bool = False,
     vocab_variants: dict[str, np.ndarray | None] | None = None,
+    valid: np.ndarray | None = None,
 ) -> Any:
     """Teacher-forced acceptance per depth on held-out windows: {"1": {"0.0": a, "0.7": b}, ...}.
 
@@ -604,22 +656,25 @@ def evaluate_acceptance(
     depth-1 entries up to the origin, then the chain's own entries. That needs a
     cache state per origin, so depth > 1 uses ``origins`` evenly spaced positions.
     ``vocab_variants`` ({name: ids or None}) scores the same drafts restricted to each
-    id set and returns {name: table} instead of one table.
+    id set and returns {name: table} instead of one table. ``valid`` [N, T] (bool) counts
+    only drafts whose target position s has valid[s] (the response positions of forge data).
     """
     tally = _Tally(vocab_variants or {"": None}, depths, temperatures, trunk.vocab_size)
     from tqdm import tqdm
 
+    keep_all = np.ones(windows.shape, dtype=bool) if valid is None else valid.astype(bool)
     for start in tqdm(range(0, windows.shape[0], batch), desc="eval", disable=not progress):
         tokens = mx.array(windows[start : start + batch])
+        keep = keep_all[start : start + batch]
         out = trunk(tokens)
         p_logits = np.asarray(out.logits.astype(mx.float32))  # p at position t predicts t+1
         cache = head.make_cache()
         g = head(
             _trunk_source(out, head.hidden_source)[:, :-1], tokens[:, 1:], cache
         )  # position t predicts t+2
-        tally.add(1, p_logits[:, 1:], _q_logits(head, g))
+        tally.add(1, p_logits[:, 1:], _q_logits(head, g), keep[:, 1:])
         if depths > 1:
-            _eval_chain(head, tokens, p_logits, g, cache, depths, origins, tally)
+            _eval_chain(head, tokens, p_logits, g, cache, depths, origins, tally, keep)
     tables = tally.table()
     return tables if vocab_variants else tables[""]
 
@@ -633,10 +688,11 @@ def _eval_chain(
     depths: int,
     origins: int,
     tally: _Tally,
+    keep: np.ndarray,
 ) -> None:
     seq_len = tokens.shape[1]
     full_state = [c.state for c in cache]
-    chain1 = _chain_input(head, g1)
+    chain1 = chain_all(head, g1)
     last_origin = seq_len - depths - 1  # the deepest draft must still have a trunk target
     for j in np.unique(np.linspace(0, max(last_origin, 0), num=min(origins, last_origin + 1)).astype(int)):
         j = int(j)
@@ -647,8 +703,8 @@ def _eval_chain(
         for d in range(2, depths + 1):
             # Draft d sits at position j+d-1: input = previous head output + true token j+d.
             g = head(x, tokens[:, j + d : j + d + 1], step_cache)
-            tally.add(d, p_logits[:, j + d], _q_logits(head, g)[:, 0])
-            x = _chain_input(head, g)
+            tally.add(d, p_logits[:, j + d], _q_logits(head, g)[:, 0], keep[:, j + d])
+            x = head.chain_input(g)
 
 
 # ---------------------------------------------------------------- reduced draft vocabulary
@@ -708,196 +764,208 @@ def choose_draft_vocab(
 @dataclass
 class ForgeReport:
     manifest_path: Path
-    hidden_source: str
     acceptance: dict[str, dict[str, float]]
-    train_seconds: float
-    precompute_seconds: float
-    source_comparison: dict[str, float] = field(default_factory=dict)  # depth-1 t=0 acceptance per source
+    response_tokens: int
+    train_steps: int
+    seconds: float
 
 
-def _foreign_teacher_fingerprint(cache: Path, windows: np.ndarray, top_n: int) -> str:
-    """The fingerprint a teacher cache was built with, after checking it holds exactly these windows."""
-    meta_path = cache / "teacher.json"
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (OSError, ValueError):
-        raise MtplxError(f"{meta_path}: not a complete teacher cache") from None
-    expected = _teacher_meta(
-        meta.get("trunk_fingerprint", ""),
-        windows,
-        int(meta.get("hidden_size", 0)),
-        min(top_n, int(meta.get("top_n", top_n))),
-    )
-    if meta != expected:
-        raise MtplxError(f"{meta_path}: teacher cache holds other windows or settings than this run")
-    return str(meta["trunk_fingerprint"])
+def _check_budget(cfg: ForgeConfig, budget: Budget | None) -> None:
+    if budget is None:
+        return
+    if budget.seconds is not None and budget.seconds < MIN_TIME_BUDGET_S:
+        raise MtplxError(
+            f"--budget: {cfg.budget} is too small to train anything (at least {MIN_TIME_BUDGET_S:.0f}s)"
+        )
+    if budget.tokens is not None and budget.tokens < cfg.batch_size * 16:
+        raise MtplxError(
+            f"--budget: {cfg.budget} is too small to train anything (at least {cfg.batch_size * 16} tokens)"
+        )
 
 
-def _checkpoint_dir(cfg: ForgeConfig, teacher_path: Path, rows: int, source: str) -> Path:
-    import hashlib
-
+def _ckpt_dir(cfg: ForgeConfig, run_dir: Path, rows: int, init_sha: str | None) -> Path:
     key = json.dumps(
-        [cfg.steps, cfg.batch_size, cfg.lr, cfg.warmup, cfg.weight_decay, cfg.seed, cfg.train_vocab, rows]
+        [
+            cfg.budget,
+            cfg.steps,
+            cfg.batch_size,
+            cfg.lr,
+            cfg.warmup,
+            cfg.weight_decay,
+            cfg.seed,
+            cfg.train_vocab,
+            cfg.depth,
+            list(cfg.step_weights),
+            cfg.hidden_source,
+            cfg.chain_source,
+            init_sha,
+            rows,
+        ]
     )
-    return teacher_path / f"ckpt-{source}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
+    return run_dir / f"ckpt-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
 
 
-def _train_for_source(
+def _planned_steps(
+    cfg: ForgeConfig,
+    budget: Budget | None,
+    ckpt_dir: Path,
+    train_until: float | None,
+    measure: Callable[[], float],
+    rows: int,
+) -> int:
+    """Training steps of this run, fixed once (``steps.json``) so a resumed run keeps its schedule."""
+    plan = ckpt_dir / "steps.json"
+    if plan.is_file():
+        return int(json.loads(plan.read_text())["steps"])
+    if budget is not None and budget.seconds is not None:
+        per_step = measure()
+        steps = int(max(train_until - time.time(), 0.0) / (1.15 * per_step))  # 15%: checkpoints, load
+        if steps < 1:
+            raise MtplxError(
+                f"--budget: {cfg.budget} is too small to train anything (one step takes {per_step:.1f}s)"
+            )
+    elif budget is not None:
+        steps = max(1, math.ceil(TOKEN_BUDGET_EPOCHS * rows / cfg.batch_size))
+    else:
+        steps = cfg.steps
+    atomic_write_json(plan, {"steps": steps})
+    return steps
+
+
+def _generate(
     cfg: ForgeConfig,
     trunk: Trunk,
-    teacher: TeacherData,
-    rows: int,
-    train_ids: np.ndarray | None,
-    tdir: Path,
-    source: str,
-    stop_at: int | None,
-) -> tuple[ForgedMTPHead, TrainResult]:
-    run_cfg = ForgeConfig(**{**asdict(cfg), "hidden_source": source})
-    head = build_head(trunk, source)
-    result = train_head(
-        run_cfg,
+    tokenizer: Any,
+    plans: dict[str, ShardPlan],
+    run_dir: Path,
+    budget: Budget | None,
+    t_start: float,
+) -> dict[str, dict]:
+    """Held-out then training shards; with a time budget, generation is marked done when its share ends,
+    so a resumed run trains on exactly the same data."""
+    done_path = run_dir / "generation_done.json"
+    summaries = {
+        "eval": generate_shards(
+            trunk,
+            tokenizer,
+            plans["eval"],
+            run_dir / "eval",
+            cfg.eval_tokens,
+            None,
+            cfg.progress,
+            "generate held-out",
+            cfg.max_prompt,
+        )
+    }
+    if done_path.is_file():
+        summaries["train"] = json.loads(done_path.read_text())
+        return summaries
+    if budget is not None and budget.seconds is not None:
+        target, deadline = 10**15, t_start + GEN_SHARE * budget.seconds
+    else:
+        target, deadline = (budget.tokens if budget is not None else None) or cfg.gen_tokens, None
+    summaries["train"] = generate_shards(
         trunk,
-        head,
-        teacher,
-        train_ids,
-        _checkpoint_dir(cfg, tdir, rows, source),
-        rows,
-        stop_at=stop_at,
+        tokenizer,
+        plans["train"],
+        run_dir / "train",
+        target,
+        deadline,
+        cfg.progress,
+        "generate",
+        cfg.max_prompt,
     )
-    return head, result
+    atomic_write_json(done_path, summaries["train"])
+    return summaries
 
 
-def forge(
-    model: str | None = None,
-    out_dir: str | Path = "forged-head",
-    data: Sequence[str | Path] | None = None,
-    *,
-    steps: int = 1200,
-    train_tokens: int = 288_000,
-    seed: int = 0,
-    hidden_source: str = "pre_norm",
-    compare_steps: int = 40,
-    draft_vocab: int | str | None = "auto",
-    train_vocab: int | None = 4096,
-    batch_size: int = 4,
-    lr: float = 1e-3,
-    seq_len: int = 256,
-    eval_tokens: int = 8192,
-    max_train_sequences: int | None = None,
-    eval_vocab_sizes: Sequence[int] = (4096, 8192, 16_384),
-    eval_origins: int = 32,
-    work_dir: str | Path | None = None,
-    teacher_cache: str | Path | None = None,
-    progress: bool = True,
-) -> ForgeReport:
-    """Forge an MTP head for ``model`` (None = the default model) and write it to ``out_dir``.
+def _write_sidecar(out: Path, head: ForgedMTPHead, manifest: dict, overwrite: bool) -> Path:
+    """Write into a temp directory beside ``out``, then rename: a half-written head never exists."""
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_forged_head(tmp, head, manifest)
+    if out.exists():
+        if not overwrite:
+            raise MtplxError(f"{out}: output directory exists; pass --overwrite to replace it")
+        old = out.with_name(f".{out.name}.old{os.getpid()}")
+        os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, out)
+    return out / "manifest.json"
 
-    ``data``: text / .jsonl files or directories (None = the default offline corpus).
-    ``hidden_source``: "pre_norm" or "post_norm"; with ``compare_steps`` > 0 both are
-    trained that many steps on the same schedule and the one with the higher depth-1
-    acceptance (temperature 0, held-out text) continues. ``draft_vocab``: ship a
-    reduced draft vocabulary of that many most-predicted ids (None = full; "auto" =
-    the smallest of ``eval_vocab_sizes`` that keeps acceptance and measurably drafts faster).
-    ``max_train_sequences`` caps the teacher rows computed and used (a prefix of the same windows).
-    ``eval_vocab_sizes``: also score reduced draft vocabularies of these sizes (manifest only).
-    ``teacher_cache``: train from this existing teacher cache directory even though it was
-    computed by a trunk with another fingerprint (e.g. an earlier conversion of the same
-    GGUF); its windows must be this run's, and its fingerprint is recorded in the manifest.
-    Evaluation and the head's fingerprint always use the trunk loaded here.
-    Resumable: rerunning with the same arguments reuses the teacher cache and checkpoints.
+
+def forge(config: ForgeConfig = DEFAULT_FORGE_CONFIG, **overrides: Any) -> ForgeReport:
+    """Forge an MTP head for ``config.model`` (None = the default model) into ``config.out_dir``.
+
+    ``overrides`` replace fields of ``config`` (``forge(model="x", budget="45m")``). Resumable:
+    rerunning with the same settings reuses the shards and the newest checkpoint under ``work_dir``.
     """
     from mtplx.loading import load_model
 
-    if isinstance(draft_vocab, str) and draft_vocab != "auto":
-        raise MtplxError(f"forge: draft_vocab must be a number of ids, 'auto' or None, got {draft_vocab!r}")
-    cfg = ForgeConfig(
-        out_dir=Path(out_dir),
-        model=model,
-        data=[str(d) for d in data] if data is not None else None,
-        work_dir=Path(work_dir) if work_dir is not None else None,
-        train_tokens=train_tokens,
-        eval_tokens=eval_tokens,
-        seq_len=seq_len,
-        steps=steps,
-        batch_size=batch_size,
-        lr=lr,
-        seed=seed,
-        hidden_source=hidden_source,
-        train_vocab=train_vocab,
-        draft_vocab=draft_vocab if isinstance(draft_vocab, int) else None,
-        eval_origins=eval_origins,
-        progress=progress,
-    )
-    corpus = load_corpus(cfg)  # before loading the model: bad data fails fast
-    loaded = load_model(model)
+    cfg = replace(config, **overrides) if overrides else config
+    t_start = time.time()
+    out = Path(cfg.out_dir)
+    if out.exists() and not cfg.overwrite:
+        raise MtplxError(f"{out}: output directory exists; pass --overwrite to replace it")
+    budget = parse_budget(cfg.budget) if cfg.budget is not None else None
+    _check_budget(cfg, budget)
+    prompts, prompt_desc, held_record = load_prompts(cfg)  # before loading the model: bad data fails fast
+    loaded = load_model(cfg.model)
     trunk = Trunk(loaded.model)
-    train_windows, eval_windows = build_windows(cfg, loaded.tokenizer, corpus)
-    tdir = teacher_dir(cfg, loaded.fingerprint)
-    teacher_fp = loaded.fingerprint
-    if teacher_cache is not None:
-        tdir, teacher_fp = (
-            Path(teacher_cache),
-            _foreign_teacher_fingerprint(Path(teacher_cache), train_windows, cfg.top_n),
+    train_prompts, eval_prompts = split_prompts(prompts, cfg.eval_fraction)
+    if not eval_prompts or not train_prompts:  # tiny user data: held-out generations from the same prompts
+        train_prompts = eval_prompts = list(prompts)
+    settings = _settings(cfg)
+    plans = {
+        name: ShardPlan(tuple(ps), settings, cfg.gen_batch, cfg.seq_len, cfg.top_n, seed, loaded.fingerprint)
+        for name, ps, seed in (("train", train_prompts, cfg.seed), ("eval", eval_prompts, cfg.seed + 1))
+    }
+    run_dir = _work_root(cfg) / f"{loaded.fingerprint}-{plans['train'].key()}"
+    summaries = _generate(cfg, trunk, loaded.tokenizer, plans, run_dir, budget, t_start)
+    data, metas = load_shards(run_dir / "train")
+    eval_data, eval_metas = load_shards(run_dir / "eval")
+    if data.num_response_tokens == 0 or eval_data.num_response_tokens == 0:
+        raise MtplxError(
+            f"--budget: {cfg.budget} is too small to train anything (no response tokens generated)"
         )
-    t0 = time.time()
-    teacher = precompute_teacher(
-        trunk,
-        teacher_fp,
-        train_windows,
-        tdir,
-        cfg.top_n,
-        cfg.precompute_batch,
-        progress,
-        limit=max_train_sequences,
-    )
-    precompute_seconds = time.time() - t0
-    rows = teacher.num_sequences
+
     vocab = trunk.vocab_size
     train_ids = (
-        frequent_ids(teacher, rows, cfg.train_vocab, vocab)
-        if cfg.train_vocab and cfg.train_vocab < vocab
-        else None
+        frequent_ids(data, cfg.train_vocab, vocab) if cfg.train_vocab and cfg.train_vocab < vocab else None
     )
+    head = build_head(trunk, cfg.hidden_source, cfg.chain_source)
+    init_sha = init_from_head(head, cfg.init_head, trunk, loaded.fingerprint) if cfg.init_head else None
+    ckpt_dir = _ckpt_dir(cfg, run_dir, data.num_sequences, init_sha)
+    train_until = t_start + (GEN_SHARE + TRAIN_SHARE) * budget.seconds if budget and budget.seconds else None
+    steps = _planned_steps(
+        cfg,
+        budget,
+        ckpt_dir,
+        train_until,
+        lambda: seconds_per_step(cfg, trunk, head, data, Objective.build(trunk, train_ids)),
+        data.num_sequences,
+    )
+    result = train_head(cfg, trunk, head, data, train_ids, ckpt_dir, steps=steps)
 
-    comparison: dict[str, float] = {}
-    source = cfg.hidden_source
-    if compare_steps > 0:
-        probe = eval_windows[: max(1, min(8, eval_windows.shape[0]))]
-        for candidate in HIDDEN_SOURCES:
-            head, _ = _train_for_source(cfg, trunk, teacher, rows, train_ids, tdir, candidate, compare_steps)
-            comparison[candidate] = evaluate_acceptance(trunk, head, probe, depths=1, temperatures=(0.0,))[
-                "1"
-            ]["0.0"]
-        source = max(HIDDEN_SOURCES, key=lambda s: comparison[s])
-    head, result = _train_for_source(cfg, trunk, teacher, rows, train_ids, tdir, source, None)
-    cfg.hidden_source = source
-
-    chain_comparison: dict[str, float] = {}
-    if cfg.eval_depths > 1:
-        # Which of the head's own outputs to feed back at depth 2: measured, like hidden_source.
-        probe = eval_windows[: max(1, min(8, eval_windows.shape[0]))]
-        for candidate in HIDDEN_SOURCES:
-            head.chain_source = candidate
-            chain_comparison[candidate] = evaluate_acceptance(
-                trunk, head, probe, depths=2, origins=cfg.eval_origins, temperatures=(0.0,)
-            )["2"]["0.0"]
-        head.chain_source = max(HIDDEN_SOURCES, key=lambda s: chain_comparison[s])
-    fixed = draft_vocab if isinstance(draft_vocab, int) else None
-    sizes = sorted({k for k in (*eval_vocab_sizes, fixed) if k is not None and k < vocab})
+    fixed = cfg.draft_vocab if isinstance(cfg.draft_vocab, int) else None
+    sizes = sorted({k for k in (*cfg.eval_vocab_sizes, fixed) if k is not None and k < vocab})
     variants: dict[str, np.ndarray | None] = {"full": None}
-    variants.update({f"top{k}": frequent_ids(teacher, rows, k, vocab) for k in sizes})
+    variants.update({f"top{k}": frequent_ids(data, k, vocab) for k in sizes})
     tables = evaluate_acceptance(
         trunk,
         head,
-        eval_windows,
-        depths=cfg.eval_depths,
+        eval_data.tokens,
+        depths=cfg.depth,
         origins=cfg.eval_origins,
-        progress=progress,
+        progress=cfg.progress,
         vocab_variants=variants,
+        valid=eval_data.valid,
     )
     full_proj = lm_head_matrix(trunk)
     step_ms = draft_step_ms(head, variants, full_proj) if len(variants) > 1 else {}
-    if draft_vocab == "auto":
+    if cfg.draft_vocab == "auto":
         shipped = choose_draft_vocab(tables, step_ms)
     else:
         shipped = "full" if fixed is None or fixed >= vocab else f"top{fixed}"
@@ -906,46 +974,50 @@ def forge(
     acc = tables[shipped]
     manifest = {
         "trunk_fingerprint": loaded.fingerprint,
-        "teacher_trunk_fingerprint": teacher_fp,
-        "trunk": str(model) if model is not None else "default (SmolLM2-135M-Instruct, float32)",
-        "depth_trained": 1,
-        "objective": f"KL(p_trunk(t+1) || q_head(t)) over teacher top-{cfg.top_n} + rest mass",
+        "trunk": str(cfg.model) if cfg.model is not None else "default (SmolLM2-135M-Instruct, float32)",
+        "depth_trained": cfg.depth,
+        "objective": f"KL(p_trunk || q_head) over teacher top-{cfg.top_n} + rest mass, response tokens only, "
+        f"draft chain unrolled {cfg.depth} steps with weights {list(cfg.step_weights[: cfg.depth])}",
+        "recipe": {
+            k: v for k, v in asdict(cfg).items() if k not in ("out_dir", "work_dir", "progress", "overwrite")
+        },
+        "init_head_weights_sha256": init_sha,
         "data": {
-            "description": corpus.description,
-            "train_files": files_in_windows(
-                loaded.tokenizer, corpus.train, cfg.seq_len, rows * cfg.seq_len, cfg.seed
-            ),
-            "eval_files": files_in_windows(
-                loaded.tokenizer, corpus.eval, cfg.seq_len, int(eval_windows.size), cfg.seed + 1
-            ),
-            "train_tokens": int(rows * cfg.seq_len),
-            "eval_tokens": int(eval_windows.size),
-            "seq_len": cfg.seq_len,
+            "kind": "the trunk's own generations (regenerable from the recipe and seed)",
+            "prompts": prompt_desc,
+            "train_prompts": len(train_prompts),
+            "eval_prompts": len(eval_prompts),
+            "held_out_check": held_record,
+            "train": {
+                **summaries["train"],
+                "sequences": data.num_sequences,
+                "response_tokens": data.num_response_tokens,
+                "sequences_by_setting_and_kind": kind_counts(metas),
+            },
+            "eval": {
+                "sequences": eval_data.num_sequences,
+                "response_tokens": eval_data.num_response_tokens,
+                "sequences_by_setting_and_kind": kind_counts(eval_metas),
+            },
         },
         "steps": result.steps,
         "seed": cfg.seed,
         "training": {
-            "batch_size": cfg.batch_size,
-            "lr": cfg.lr,
-            "warmup": cfg.warmup,
-            "train_vocab": cfg.train_vocab,
             "seconds_this_run": round(result.seconds, 1),
-            "precompute_seconds_this_run": round(precompute_seconds, 1),
-            "final_kl": result.losses[-1][1] if result.losses else None,
+            "final_kl_depth1": result.losses[-1][1] if result.losses else None,
+            "final_cross_entropy_per_step": result.step_losses,
+            "kl_curve": result.losses[:: max(1, len(result.losses) // 40)],
         },
-        "hidden_source_comparison": {"steps": compare_steps, "depth1_acceptance_t0": comparison}
-        if comparison
-        else None,
-        "chain_source_comparison": {"depth2_acceptance_t0": chain_comparison} if chain_comparison else None,
         "acceptance": acc,
         "draft_vocab": shipped,
         "acceptance_by_draft_vocab": tables,
         "draft_step_ms": step_ms,
         "draft_vocab_rule": "auto: smallest reduced vocabulary losing <= 0.01 depth-1 acceptance and drafting >= 20% faster"
-        if draft_vocab == "auto"
-        else f"fixed: {draft_vocab}",
-        "acceptance_note": "teacher-forced, 1 - TV(p_trunk, q_head) per draft depth on held-out windows; "
-        "temperature 0 = greedy argmax agreement",
+        if cfg.draft_vocab == "auto"
+        else f"fixed: {cfg.draft_vocab}",
+        "acceptance_note": "teacher-forced, 1 - TV(p_trunk, q_head) per draft depth at response positions of "
+        "held-out generations; temperature 0 = greedy argmax agreement",
+        "seconds_total_this_run": round(time.time() - t_start, 1),
     }
-    path = save_forged_head(cfg.out_dir, head, manifest)
-    return ForgeReport(path, source, acc, result.seconds, precompute_seconds, comparison)
+    path = _write_sidecar(out, head, manifest, cfg.overwrite)
+    return ForgeReport(path, acc, data.num_response_tokens, result.steps, time.time() - t_start)

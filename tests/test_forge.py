@@ -1,4 +1,5 @@
-"""`mtplx forge` on a tiny random llama trunk: training, resume, determinism, evaluation, sidecar."""
+"""`mtplx forge` on tiny random llama trunks: self-generated data, unrolled training, held-out check,
+defaults, budget, sidecar, end to end."""
 
 from __future__ import annotations
 
@@ -6,56 +7,68 @@ import json
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
+from mlx_lm.models.cache import KVCache
 
 import mtplx  # noqa: F401  (optimized BLAS before mlx)
 from mtplx.errors import MtplxError
 from mtplx.forge import (
+    DEFAULT_FORGE_CONFIG,
+    Budget,
     ForgeConfig,
-    TeacherData,
+    Objective,
     acceptance,
     build_head,
     choose_draft_vocab,
     evaluate_acceptance,
     forge,
     frequent_ids,
-    precompute_teacher,
-    top_n_logprobs,
+    make_batch,
+    parse_budget,
+    position_ce,
     train_head,
+    unrolled_step_losses,
+    weighted_loss,
 )
-from mtplx.forge_data import corpus_from_paths
+from mtplx.forge_gen import ForgeData, Setting, ShardPlan, generate_batch, generate_shards, load_shards
+from mtplx.forge_prompts import Prompt, check_held_out, drop_held_out
 from mtplx.heads.forged import MANIFEST, lm_head_matrix, load_forged_head, save_forged_head
 from mtplx.trunk import Trunk
 
-VOCAB, SEQ, ROWS = 48, 24, 24
+VOCAB, SEQ, HIDDEN = 48, 24, 32
+EOS = VOCAB - 1
 
 
 def _tiny_trunk(seed: int = 0) -> Trunk:
     mx.random.seed(seed)
     args = llama.ModelArgs(
         model_type="llama",
-        hidden_size=32,
+        hidden_size=HIDDEN,
         num_hidden_layers=2,
         intermediate_size=64,
         num_attention_heads=4,
         num_key_value_heads=2,
         rms_norm_eps=1e-5,
         vocab_size=VOCAB,
-        tie_word_embeddings=True,
+        tie_word_embeddings=False,
         rope_theta=10000.0,
     )
     model = llama.Model(args)
-    # Sharper-than-random logits so the trunk's distributions carry learnable structure.
-    model.model.embed_tokens.weight = mx.random.normal((VOCAB, 32)) * 0.6
+    # Sharper-than-random logits (entropy ~1.8 nats) so the trunk's distributions carry learnable
+    # structure; untied, so its greedy text is not "repeat the last token" as a tied tiny model's is.
+    model.model.embed_tokens.weight = mx.random.normal((VOCAB, HIDDEN)) * 0.6
+    model.lm_head.weight = mx.random.normal((VOCAB, HIDDEN)) * 0.5
     mx.eval(model.parameters())
     return Trunk(model)
 
 
-def _windows(n: int = ROWS, seed: int = 1) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, VOCAB, size=(n, SEQ)).astype(np.int32)
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, VOCAB - 1, size=int(rng.integers(3, 8))).tolist() for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -64,15 +77,17 @@ def trunk() -> Trunk:
 
 
 @pytest.fixture(scope="module")
-def teacher(trunk: Trunk, tmp_path_factory: pytest.TempPathFactory) -> TeacherData:
-    return precompute_teacher(
-        trunk, "tinyfp", _windows(), tmp_path_factory.mktemp("teacher"), top_n=8, batch=8, progress=False
-    )
+def data(trunk: Trunk) -> ForgeData:
+    parts = [
+        generate_batch(trunk, _prompts(8, i), Setting(0.0 if i % 2 else 1.0), mx.random.key(i), SEQ, 8, {EOS})
+        for i in range(3)
+    ]
+    return ForgeData.concat(parts)
 
 
 def _cfg(tmp: Path, **kw) -> ForgeConfig:
     base = dict(
-        out_dir=tmp / "out",
+        out_dir=str(tmp / "out"),
         steps=40,
         batch_size=4,
         lr=3e-3,
@@ -80,6 +95,9 @@ def _cfg(tmp: Path, **kw) -> ForgeConfig:
         checkpoint_every=10,
         progress=False,
         seed=0,
+        depth=3,
+        train_vocab=None,
+        held_out=None,
     )
     base.update(kw)
     return ForgeConfig(**base)
@@ -89,100 +107,186 @@ def _params(head) -> dict[str, np.ndarray]:
     return {k: np.asarray(v) for k, v in tree_flatten(head.parameters())}
 
 
-def test_top_n_logprobs_matches_a_direct_log_softmax() -> None:
-    logits = np.random.default_rng(0).normal(size=(3, 50)).astype(np.float32)
-    ids, logp = top_n_logprobs(logits, 5)
-    ref = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-    assert np.array_equal(ids, np.argsort(-logits, axis=-1)[:, :5])
-    np.testing.assert_allclose(logp, np.take_along_axis(ref, ids, -1), rtol=1e-5, atol=1e-5)
+# ---------------------------------------------------------------- generation
 
 
-def test_teacher_cache_resumes_after_an_interruption(
-    trunk: Trunk, teacher: TeacherData, tmp_path: Path
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_batched_generation_records_what_an_unbatched_trunk_computes(
+    trunk: Trunk, temperature: float
 ) -> None:
-    windows = _windows()
-    precompute_teacher(trunk, "tinyfp", windows, tmp_path, 8, 8, False)
-    # Simulate a kill after the first batch: later rows lost, progress says 8.
-    hidden = np.load(tmp_path / "hidden.npy", mmap_mode="r+")
-    hidden[8:] = 0
-    hidden[0, 0, 0] = 1234.0  # a marker: resuming must not recompute finished rows
-    hidden.flush()
-    (tmp_path / "teacher_progress.json").write_text(json.dumps({"sequences_done": 8}))
-    again = precompute_teacher(trunk, "tinyfp", windows, tmp_path, 8, 8, False)
-    assert again.hidden[0, 0, 0] == 1234.0
-    np.testing.assert_allclose(again.hidden[8:], teacher.hidden[8:], rtol=1e-3, atol=1e-3)
-    assert np.array_equal(again.top_ids, teacher.top_ids)
-    # Another trunk fingerprint invalidates the cache: everything is recomputed.
-    fresh = precompute_teacher(trunk, "otherfp", windows, tmp_path, 8, 8, False)
-    assert fresh.hidden[0, 0, 0] != 1234.0
-    assert json.loads((tmp_path / "teacher.json").read_text())["trunk_fingerprint"] == "otherfp"
+    prompts = _prompts(5, seed=11)  # different lengths: left padding in the batch
+    out = generate_batch(trunk, prompts, Setting(temperature), mx.random.key(3), SEQ, 6, {EOS})
+    steps = SEQ - max(len(x) for x in prompts)  # every row runs until EOS or the widest prompt's slots end
+    for r, prompt in enumerate(prompts):
+        p = len(prompt)
+        eos = np.flatnonzero(out.tokens[r, p : p + steps] == EOS)
+        length = p + (int(eos[0]) + 1 if eos.size else steps)
+        seq = out.tokens[r, :length]
+        assert seq[:p].tolist() == prompt
+        ref = trunk(mx.array(seq)[None])  # one row, no padding, no cache
+        logits = np.asarray(ref.logits[0], dtype=np.float64)
+        logp = (
+            logits
+            - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
+            - logits.max(-1, keepdims=True)
+        )
+        np.testing.assert_allclose(
+            out.hidden[r, : length - 1], np.asarray(ref.hidden_pre_norm[0, :-1]), atol=2e-2
+        )
+        for s in range(p - 1, length - 1):  # the distribution each response token was drawn from
+            want = np.argsort(-logp[s])[:6]
+            assert set(out.top_ids[r, s].tolist()) == set(want.tolist()), (r, s)
+            np.testing.assert_allclose(out.top_logp[r, s], logp[s, out.top_ids[r, s]], atol=1e-3)
+            if temperature == 0.0:
+                assert seq[s + 1] == np.argmax(logits[s])
+        assert out.valid[r].tolist() == [p <= s <= length - 2 for s in range(SEQ)]
 
 
-def test_a_foreign_teacher_cache_must_hold_exactly_this_runs_windows(trunk: Trunk, tmp_path: Path) -> None:
-    from mtplx.forge import _foreign_teacher_fingerprint
+def test_shards_resume_to_the_same_data_as_a_straight_run(trunk: Trunk, tmp_path: Path) -> None:
+    from forge_helpers import CharTokenizer
 
-    windows = _windows(8)
-    precompute_teacher(trunk, "oldconversion", windows, tmp_path, 8, 8, False)
-    assert _foreign_teacher_fingerprint(tmp_path, windows, 8) == "oldconversion"
-    with pytest.raises(MtplxError, match=r"teacher\.json: teacher cache holds other windows"):
-        _foreign_teacher_fingerprint(tmp_path, _windows(8, seed=5), 8)
-    with pytest.raises(MtplxError, match=r"teacher\.json: not a complete teacher cache"):
-        _foreign_teacher_fingerprint(tmp_path / "nothing", windows, 8)
+    prompts = tuple(Prompt("prose_continuation", f"p{i}", text="abcdefg"[: 2 + i % 5]) for i in range(12))
+    plan = ShardPlan(prompts, (Setting(0.0), Setting(0.7, 0.95)), 4, SEQ, 6, 0, "fp")
+    tok = CharTokenizer(EOS)
+    first = generate_shards(trunk, tok, plan, tmp_path / "a", 1, None, False)  # stops after one shard
+    assert first["shards"] == 1
+    generate_shards(trunk, tok, plan, tmp_path / "a", 10**9, None, False, max_prompt=8, max_shards=3)
+    generate_shards(trunk, tok, plan, tmp_path / "b", 10**9, None, False, max_prompt=8, max_shards=3)
+    a, _ = load_shards(tmp_path / "a")
+    b, metas = load_shards(tmp_path / "b")
+    assert a.num_sequences == b.num_sequences == 12
+    assert np.array_equal(a.tokens, b.tokens) and np.array_equal(a.hidden, b.hidden)
+    assert [m["setting"] for m in metas] == ["greedy", "t0.7-p0.95", "greedy"]
 
 
-@pytest.mark.parametrize("shared", [None, 12])
-def test_training_lowers_the_kl(
-    trunk: Trunk, teacher: TeacherData, tmp_path: Path, shared: int | None
+# ---------------------------------------------------------------- unrolled training
+
+
+def _reference_step_losses(head, obj: Objective, batch, depth: int) -> list[mx.array]:
+    """The decode loop's own calls, one origin at a time: the head over the true prefix 0..i with a
+    fresh KV cache, then ``depth - 1`` chained steps through ``head.chain_input``."""
+    sums = [mx.array(0.0) for _ in range(depth)]
+    counts = [0.0] * depth
+    b_n, n = batch.hidden.shape[0], batch.positions
+    valid = np.asarray(batch.valid)
+    for b in range(b_n):
+        for i in range(n):
+            if not any(valid[b, i + k + 1] for k in range(depth)):
+                continue
+            cache = [KVCache() for _ in head.decoder_layers()]
+            out = head(batch.hidden[b : b + 1, : i + 1], batch.tokens[b : b + 1, 1 : i + 2], cache)[:, -1:]
+            for k in range(depth):
+                s = i + k + 1
+                if k > 0:
+                    out = head(head.chain_input(out), batch.tokens[b : b + 1, s : s + 1], cache, step=k)
+                if valid[b, s]:
+                    ce = position_ce(
+                        out,
+                        obj.rows_matrix,
+                        obj.shared_proj,
+                        batch.top_ids[b : b + 1, s : s + 1],
+                        batch.top_in_shared[b : b + 1, s : s + 1],
+                        batch.p_top[b : b + 1, s : s + 1],
+                        batch.p_rest[b : b + 1, s : s + 1],
+                    )
+                    sums[k] = sums[k] + ce.sum()
+                    counts[k] += 1
+    return [s / max(c, 1.0) for s, c in zip(sums, counts)]
+
+
+@pytest.mark.parametrize("chain_source", ["pre_norm", "post_norm"])
+def test_unrolled_step_matches_a_step_by_step_reference(
+    trunk: Trunk, data: ForgeData, chain_source: str
 ) -> None:
-    # shared=12: the softmax runs over 12 frequent ids + each position's teacher top-8 only.
-    ids = None if shared is None else frequent_ids(teacher, ROWS, shared, VOCAB)
-    head = build_head(trunk, "post_norm")
-    result = train_head(_cfg(tmp_path), trunk, head, teacher, ids, tmp_path / "ckpt", log_every=1)
-    first = np.mean([kl for _, kl in result.losses[:5]])
-    last = np.mean([kl for _, kl in result.losses[-5:]])
-    assert last < 0.7 * first, (first, last)
+    rows = np.array([0, 5])
+    depth, weights = 3, (1.0, 0.7, 0.4)
+    head = build_head(trunk, "pre_norm", chain_source)
+    # Fresh random weights every run (besides the trunk-derived init), so the check is not one lucky point.
+    head.update({"fc": {"weight": head.fc.weight + 0.05 * mx.random.normal(head.fc.weight.shape)}})
+    obj = Objective.build(trunk, frequent_ids(data, 12, VOCAB))
+    batch = make_batch(trunk, data, rows, "pre_norm", obj.in_shared, depth)
+    short = type(batch)(
+        batch.hidden[:, :10],
+        *(getattr(batch, f) for f in ("tokens", "top_ids", "top_in_shared", "p_top", "p_rest")),
+        batch.valid,
+        batch.entropy,
+    )
+
+    def unrolled(_):
+        return weighted_loss(
+            unrolled_step_losses(head, obj.rows_matrix, obj.shared_proj, short, depth), weights
+        )
+
+    def reference(_):
+        return weighted_loss(_reference_step_losses(head, obj, short, depth), weights)
+
+    lu, gu = nn.value_and_grad(head, unrolled)(None)
+    lr, gr = nn.value_and_grad(head, reference)(None)
+    per_u = unrolled_step_losses(head, obj.rows_matrix, obj.shared_proj, short, depth)
+    per_r = _reference_step_losses(head, obj, short, depth)
+    np.testing.assert_allclose([float(x) for x in per_u], [float(x) for x in per_r], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(float(lu), float(lr), rtol=1e-4)
+    flat_u, flat_r = dict(tree_flatten(gu)), dict(tree_flatten(gr))
+    assert flat_u.keys() == flat_r.keys()
+    for k in flat_u:
+        np.testing.assert_allclose(
+            np.asarray(flat_u[k]), np.asarray(flat_r[k]), rtol=2e-3, atol=2e-5, err_msg=k
+        )
+    # Negative control: an unrolled chain that forgets its own chain entries (plain causal mask) differs.
+    from mtplx import forge as forge_mod
+
+    original = forge_mod.UnrollCache.make_mask
+    forge_mod.UnrollCache.make_mask = lambda self, n, **_: mx.concatenate(
+        [mx.arange(n)[:, None] >= mx.arange(n)[None]] + [mx.zeros((n, n), dtype=mx.bool_)] * len(self.keys),
+        axis=1,
+    )
+    try:
+        wrong = unrolled_step_losses(head, obj.rows_matrix, obj.shared_proj, short, depth)
+    finally:
+        forge_mod.UnrollCache.make_mask = original
+    assert abs(float(wrong[1]) - float(per_r[1])) > 1e-4
 
 
-def test_resume_from_checkpoint_equals_a_straight_run(
-    trunk: Trunk, teacher: TeacherData, tmp_path: Path
-) -> None:
-    cfg = _cfg(tmp_path, steps=20)
-    straight = build_head(trunk, "post_norm")
-    train_head(cfg, trunk, straight, teacher, None, tmp_path / "a")
-    first = build_head(trunk, "post_norm")
-    train_head(cfg, trunk, first, teacher, None, tmp_path / "b", stop_at=10)
+def test_training_lowers_the_kl_at_every_depth(trunk: Trunk, data: ForgeData, tmp_path: Path) -> None:
+    head = build_head(trunk, "pre_norm")
+    obj = Objective.build(trunk, None)
+    batch = make_batch(trunk, data, np.arange(data.num_sequences), "pre_norm", obj.in_shared, 3)
+    before = [float(x) for x in unrolled_step_losses(head, obj.rows_matrix, None, batch, 3)]
+    train_head(_cfg(tmp_path, steps=60), trunk, head, data, None, tmp_path / "ckpt", log_every=1)
+    after = [float(x) for x in unrolled_step_losses(head, obj.rows_matrix, None, batch, 3)]
+    assert all(a < 0.8 * b for a, b in zip(after, before)), (before, after)
+
+
+def test_resume_from_checkpoint_equals_a_straight_run(trunk: Trunk, data: ForgeData, tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, steps=12, depth=2)
+    straight = build_head(trunk, "pre_norm")
+    train_head(cfg, trunk, straight, data, None, tmp_path / "a")
+    first = build_head(trunk, "pre_norm")
+    train_head(cfg, trunk, first, data, None, tmp_path / "b", stop_at=10)
     assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["step-000010.safetensors"]
-    resumed = build_head(trunk, "post_norm")  # a fresh process would start from the init
-    result = train_head(cfg, trunk, resumed, teacher, None, tmp_path / "b")
+    resumed = build_head(trunk, "pre_norm")  # a fresh process would start from the init
+    result = train_head(cfg, trunk, resumed, data, None, tmp_path / "b")
     assert result.losses[0][0] == 11  # it really resumed: the first logged step is 11
     a, b = _params(straight), _params(resumed)
     for k in a:
         np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
-def test_training_is_deterministic_given_the_seed(trunk: Trunk, teacher: TeacherData, tmp_path: Path) -> None:
-    runs = []
-    for name, seed in (("a", 0), ("b", 0), ("c", 1)):
-        head = build_head(trunk, "pre_norm")
-        train_head(_cfg(tmp_path, steps=8, seed=seed), trunk, head, teacher, None, tmp_path / name)
-        runs.append(_params(head))
-    assert all(np.array_equal(runs[0][k], runs[1][k]) for k in runs[0])
-    assert not all(np.array_equal(runs[0][k], runs[2][k]) for k in runs[0])  # the seed orders the batches
+# ---------------------------------------------------------------- evaluation and vocabulary
 
 
 def test_trained_head_beats_untrained_and_acceptance_is_a_probability(
-    trunk: Trunk, teacher: TeacherData, tmp_path: Path
+    trunk: Trunk, data: ForgeData, tmp_path: Path
 ) -> None:
-    held_out = _windows(6, seed=7)
-    untrained = build_head(trunk, "post_norm")
-    before = evaluate_acceptance(trunk, untrained, held_out, depths=3, origins=6)
-    trained = build_head(trunk, "post_norm")
-    train_head(_cfg(tmp_path, steps=120), trunk, trained, teacher, None, tmp_path / "ckpt")
-    after = evaluate_acceptance(trunk, trained, held_out, depths=3, origins=6)
+    held = generate_batch(trunk, _prompts(6, 99), Setting(1.0), mx.random.key(9), SEQ, 8, {EOS})
+    untrained = build_head(trunk, "pre_norm")
+    before = evaluate_acceptance(trunk, untrained, held.tokens, depths=2, origins=6, valid=held.valid)
+    trained = build_head(trunk, "pre_norm")
+    train_head(_cfg(tmp_path, steps=120, depth=2), trunk, trained, data, None, tmp_path / "ckpt")
+    after = evaluate_acceptance(trunk, trained, held.tokens, depths=2, origins=6, valid=held.valid)
     for table in (before, after):
-        assert set(table) == {"1", "2", "3"}
+        assert set(table) == {"1", "2"}
         assert all(0.0 <= v <= 1.0 for row in table.values() for v in row.values())
-    assert after["1"]["0.0"] > before["1"]["0.0"] + 0.1, (before, after)
     assert after["1"]["0.7"] > before["1"]["0.7"] + 0.05, (before, after)
 
 
@@ -199,62 +303,42 @@ def test_draft_vocab_choice_needs_both_kept_acceptance_and_a_real_speedup() -> N
     def table(a0: float, a7: float) -> dict:
         return {"1": {"0.0": a0, "0.7": a7}}
 
-    tables = {
-        "full": table(0.70, 0.60),
-        "top4096": table(0.65, 0.58),
-        "top8192": table(0.695, 0.595),
-        "top16384": table(0.70, 0.60),
-    }
-    assert (
-        choose_draft_vocab(tables, {"full": 50.0, "top4096": 10.0, "top8192": 20.0, "top16384": 30.0})
-        == "top8192"
-    )
-    assert (
-        choose_draft_vocab(tables, {"full": 50.0, "top4096": 10.0, "top8192": 45.0, "top16384": 30.0})
-        == "top16384"
-    )
-    assert (
-        choose_draft_vocab(tables, {"full": 50.0, "top4096": 10.0, "top8192": 45.0, "top16384": 48.0})
-        == "full"
-    )
+    tables = {"full": table(0.70, 0.60), "top4096": table(0.65, 0.58), "top8192": table(0.695, 0.595)}
+    assert choose_draft_vocab(tables, {"full": 50.0, "top4096": 10.0, "top8192": 20.0}) == "top8192"
+    assert choose_draft_vocab(tables, {"full": 50.0, "top4096": 10.0, "top8192": 45.0}) == "full"
 
 
-def test_reduced_vocab_head_never_proposes_outside_ids(trunk: Trunk, teacher: TeacherData) -> None:
+def test_reduced_vocab_head_never_proposes_outside_ids(trunk: Trunk, data: ForgeData) -> None:
     head = build_head(trunk, "post_norm")
-    ids = frequent_ids(teacher, ROWS, 16, VOCAB)
+    ids = frequent_ids(data, 16, VOCAB)
     assert len(ids) == 16 and np.all(np.diff(ids) > 0)
-    full = head.logits(head(mx.zeros((1, 3, 32)), mx.array([[1, 2, 3]])))
+    x, t = mx.zeros((1, 3, HIDDEN)), mx.array([[1, 2, 3]])
+    full = head.logits(head(x, t))
     head.set_draft_vocab(ids.tolist(), lm_head_matrix(trunk))
-    reduced = np.asarray(head.logits(head(mx.zeros((1, 3, 32)), mx.array([[1, 2, 3]]))))
+    reduced = np.asarray(head.logits(head(x, t)))
     outside = np.setdiff1d(np.arange(VOCAB), ids)
     assert np.all(np.isneginf(reduced[..., outside]))
     np.testing.assert_allclose(reduced[..., ids], np.asarray(full)[..., ids], rtol=1e-5, atol=1e-5)
 
 
-def test_sidecar_round_trip_and_fingerprint_refusal(
-    trunk: Trunk, teacher: TeacherData, tmp_path: Path
+def test_sidecar_round_trip_max_depth_and_fingerprint_refusal(
+    trunk: Trunk, data: ForgeData, tmp_path: Path
 ) -> None:
     head = build_head(trunk, "pre_norm")
-    train_head(_cfg(tmp_path, steps=5), trunk, head, teacher, None, tmp_path / "ckpt")
-    head.set_draft_vocab(frequent_ids(teacher, ROWS, 20, VOCAB).tolist(), lm_head_matrix(trunk))
+    train_head(_cfg(tmp_path, steps=3), trunk, head, data, None, tmp_path / "ckpt")
+    head.set_draft_vocab(frequent_ids(data, 20, VOCAB).tolist(), lm_head_matrix(trunk))
     out = tmp_path / "sidecar"
-    save_forged_head(out, head, {"trunk_fingerprint": "abc123", "steps": 5})
-    assert sorted(p.name for p in out.iterdir()) == [
-        "head.safetensors",
-        "manifest.json",
-    ]  # no temp files left
+    save_forged_head(out, head, {"trunk_fingerprint": "abc123", "depth_trained": 3})
+    assert sorted(p.name for p in out.iterdir()) == ["head.safetensors", "manifest.json"]
     loaded = load_forged_head(out, trunk, "abc123")
-    assert loaded.chain_source == "pre_norm"  # defaults to the hidden source and is persisted
-    assert loaded.hidden_source == "pre_norm" and loaded.vocab_ids.tolist() == head.vocab_ids.tolist()
-    x, t = mx.random.normal((1, 4, 32)), mx.array([[1, 2, 3, 4]])
+    assert loaded.max_depth == 3 and loaded.chain_source == "pre_norm"
+    assert loaded.vocab_ids.tolist() == head.vocab_ids.tolist()
+    x, t = mx.random.normal((1, 4, HIDDEN)), mx.array([[1, 2, 3, 4]])
     np.testing.assert_allclose(
         np.asarray(loaded.logits(loaded(x, t))), np.asarray(head.logits(head(x, t))), rtol=1e-5, atol=1e-5
     )
-    with pytest.raises(
-        MtplxError, match=r"manifest\.json: head was forged for trunk abc123, not this trunk \(other\)"
-    ):
+    with pytest.raises(MtplxError, match=r"manifest\.json: head was forged for trunk abc123, not this trunk"):
         load_forged_head(out, trunk, "other")
-    # Damaged weights are caught by the manifest's checksum, naming the file.
     (out / "head.safetensors").write_bytes((out / "head.safetensors").read_bytes()[:-8] + b"\0" * 8)
     with pytest.raises(MtplxError, match=r"head\.safetensors: weights do not match"):
         load_forged_head(out, trunk, "abc123")
@@ -263,127 +347,190 @@ def test_sidecar_round_trip_and_fingerprint_refusal(
         load_forged_head(out, trunk, "abc123")
 
 
-def test_no_or_empty_training_data_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(MtplxError, match="no training data"):
-        forge(None, tmp_path / "out", data=[])
-    with pytest.raises(MtplxError, match=r"missing\.txt: training data not found"):
-        forge(None, tmp_path / "out", data=[tmp_path / "missing.txt"])
-    empty = tmp_path / "empty.txt"
-    empty.write_text("  \n\n")
-    with pytest.raises(MtplxError, match=r"empty\.txt: training data is empty"):
-        forge(None, tmp_path / "out", data=[empty])
-    (tmp_path / "d").mkdir()
-    with pytest.raises(MtplxError, match=r"d: no training files"):
-        corpus_from_paths([tmp_path / "d"])
-    bad = tmp_path / "chat.jsonl"
-    bad.write_text('{"oops": 1}\n')
-    with pytest.raises(MtplxError, match=r"chat\.jsonl:1: expected a JSON object"):
-        corpus_from_paths([bad])
-    assert not (tmp_path / "out").exists()  # nothing written on refusal
+# ---------------------------------------------------------------- held-out check, defaults, budget
 
 
-def _tiny_model_dir(path: Path) -> Path:
-    """A tiny llama checkpoint with a character-level tokenizer and a ChatML template, as a user would have."""
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-
-    chars = list("abcdefghijklmnopqrstuvwxyz .,\n") + ["<unk>", "<|im_start|>", "<|im_end|>"]
-    vocab = {c: i for i, c in enumerate(chars)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
-    path.mkdir(parents=True)
-    tok.save(str(path / "tokenizer.json"))
-    template = (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    )
-    (path / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "eos_token": "<|im_end|>",
-                "unk_token": "<unk>",
-                "chat_template": template,
-            }
+def test_held_out_check_refuses_overlapping_prompts() -> None:
+    held = [
+        Prompt("code", "code-x", text="def f(x):\n    return some_long_function_name(x, other_argument)\n"),
+        Prompt("chat", "chat-y", messages=(("user", "What is the airspeed of an unladen swallow?"),)),
+    ]
+    clean = [Prompt("instruction", "ok", messages=(("user", "Explain lists."),))]
+    assert check_held_out(clean, held)["held_out_prompts"] == 2  # negative control: no overlap, no refusal
+    line = [
+        Prompt(
+            "code_continuation",
+            "stdlib/a.py:g",
+            text="x = 1\n  return some_long_function_name(x, other_argument)",
         )
-    )
-    trunk = _tiny_trunk(seed=3)
-    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(trunk.model.parameters())))
-    config = {
-        "model_type": "llama",
-        "hidden_size": 32,
-        "num_hidden_layers": 2,
-        "intermediate_size": 64,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-5,
-        "vocab_size": VOCAB,
-        "tie_word_embeddings": True,
-        "rope_theta": 10000.0,
-        "eos_token_id": vocab["<|im_end|>"],
-    }
-    (path / "config.json").write_text(json.dumps(config))
-    return path
+    ]
+    with pytest.raises(
+        MtplxError, match=r"stdlib/a\.py:g: training prompt overlaps held-out prompt 'code-x'"
+    ):
+        check_held_out(clean + line, held)
+    whole = [
+        Prompt("instruction", "dup", messages=(("user", "What is the airspeed of an unladen swallow?"),))
+    ]
+    with pytest.raises(MtplxError, match=r"dup: .*'chat-y'"):
+        check_held_out(whole, held)
+    kept, dropped = drop_held_out(clean + line + whole, held)
+    assert kept == clean and dropped == 2
 
 
-def test_forge_end_to_end_on_a_user_model_and_data(tmp_path: Path) -> None:
-    from mtplx.loading import load_model
+def test_cli_and_library_defaults_are_the_same_object() -> None:
+    from mtplx.cli import _build_parser, forge_config
 
-    model_dir = _tiny_model_dir(tmp_path / "model")
+    args = _build_parser().parse_args(["forge"])
+    assert args.forge_defaults is DEFAULT_FORGE_CONFIG
+    assert forge_config(args) is DEFAULT_FORGE_CONFIG  # no flags given: nothing of the CLI's own
+    import inspect
+
+    assert inspect.signature(forge).parameters["config"].default is DEFAULT_FORGE_CONFIG
+    given = forge_config(_build_parser().parse_args(["forge", "--budget", "45m", "--depth", "2"]))
+    assert given == ForgeConfig(budget="45m", depth=2)
+
+
+def test_budget_is_a_time_or_a_token_count() -> None:
+    assert parse_budget("2h") == Budget(seconds=7200) and parse_budget("45m") == Budget(seconds=2700)
+    assert parse_budget("3M") == Budget(tokens=3_000_000) and parse_budget("500k") == Budget(tokens=500_000)
+    for bad in ("2 hours", "", "-1h", "3X"):
+        with pytest.raises(MtplxError, match="--budget: expected a time"):
+            parse_budget(bad)
+
+
+# ---------------------------------------------------------------- end to end
+
+
+def test_forge_end_to_end_on_a_user_model_and_prompts(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from forge_helpers import tiny_model_dir
+
+    from mtplx.cli import main
+    from mtplx.engine import Engine
+
+    model_dir = tiny_model_dir(tmp_path / "model", _tiny_trunk(seed=3))
     data = tmp_path / "data"
     data.mkdir()
-    words = "the quick brown fox jumps over the lazy dog. pack my box with five dozen liquor jugs.\n"
-    for i in range(6):
-        (data / f"t{i}.txt").write_text(words * (20 + i))
+    (data / "a.txt").write_text("\n\n".join(f"the quick brown fox {w}" for w in "abcdefghijklmnop"))
     (data / "chat.jsonl").write_text(
         json.dumps(
-            {
-                "messages": [
-                    {"role": "user", "content": "say the fox"},
-                    {"role": "assistant", "content": words},
-                ]
-            }
+            {"messages": [{"role": "user", "content": "say the fox"}, {"role": "assistant", "content": "x"}]}
         )
         + "\n"
     )
-    with pytest.raises(MtplxError, match="draft_vocab must be"):
-        forge(str(model_dir), tmp_path / "head", [data], draft_vocab="small")
-    report = forge(
-        str(model_dir),
-        tmp_path / "head",
-        [data],
-        steps=12,
-        train_tokens=2048,
-        seq_len=32,
-        eval_tokens=256,
-        compare_steps=4,
+    kw = dict(
+        model=str(model_dir),
+        data=(str(data),),
+        seq_len=64,
+        max_prompt=40,
+        gen_batch=4,
+        top_n=8,
+        eval_tokens=40,
+        eval_fraction=0.2,
+        depth=2,
+        step_weights=(1.0, 0.5),
+        batch_size=2,
+        train_vocab=20,
         draft_vocab=20,
         eval_vocab_sizes=(24,),
         eval_origins=4,
-        work_dir=tmp_path / "work",
+        work_dir=str(tmp_path / "work"),
         progress=False,
+        held_out=None,
     )
+    report = forge(out_dir=str(tmp_path / "head"), budget="0.4k", **kw)
     manifest = json.loads(report.manifest_path.read_text())
-    assert manifest["steps"] == 12 and manifest["seed"] == 0 and manifest["depth_trained"] == 1
-    assert set(manifest["hidden_source_comparison"]["depth1_acceptance_t0"]) == {"pre_norm", "post_norm"}
-    assert manifest["hidden_source"] == report.hidden_source
-    chain = manifest["chain_source_comparison"]["depth2_acceptance_t0"]
-    assert manifest["chain_source"] == max(chain, key=chain.get)
-    assert set(manifest["acceptance_by_draft_vocab"]) == {"full", "top20", "top24"}
+    assert manifest["depth_trained"] == 2 and manifest["recipe"]["budget"] == "0.4k"
+    assert manifest["data"]["train"]["response_tokens"] >= 400
+    assert report.train_steps == manifest["steps"] >= 1
+    assert set(manifest["acceptance"]) == {"1", "2"}
+    assert all(0.0 <= v <= 1.0 for row in manifest["acceptance"].values() for v in row.values())
     assert (
-        manifest["acceptance"] == manifest["acceptance_by_draft_vocab"]["top20"]
+        set(manifest["acceptance_by_draft_vocab"]) == {"full", "top20", "top24"}
         and len(manifest["vocab_ids"]) == 20
     )
-    assert all(0.0 <= v <= 1.0 for row in manifest["acceptance"].values() for v in row.values())
-    assert manifest["data"]["train_tokens"] == 2048
-    # Only files whose text reached the training windows are listed (the rest stay unused).
-    assert set(manifest["data"]["train_files"]) <= {str(data / f"t{i}.txt") for i in range(6)} | {
-        str(data / "chat.jsonl")
-    }
-    assert 0 < len(manifest["data"]["train_files"]) < 7
-    assert set(manifest["draft_step_ms"]) == {"full", "top20", "top24"}
-    loaded = load_model(str(model_dir))
-    head = load_forged_head(tmp_path / "head", Trunk(loaded.model), loaded.fingerprint)
-    assert head.vocab_ids.tolist() == manifest["vocab_ids"]
-    with pytest.raises(MtplxError, match="not this trunk"):
-        load_forged_head(tmp_path / "head", Trunk(_tiny_trunk(seed=4).model), "0123456789abcdef")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "data",
+        "head",
+        "model",
+        "work",
+    ]  # no temp dirs left
+    # The output exists now: refused without --overwrite (one line, exit 2), replaced with it.
+    args = [
+        "forge",
+        "--model",
+        str(model_dir),
+        "--out",
+        str(tmp_path / "head"),
+        "--work-dir",
+        str(tmp_path / "w"),
+    ]
+    assert main(args) == 2
+    assert "head: output directory exists; pass --overwrite" in capsys.readouterr().err
+    # The engine loads it, knows its trained depth and warns once (one line) when asked to draft deeper.
+    engine = Engine.load(str(model_dir), head=tmp_path / "head")
+    assert engine.head.max_depth == 2
+    capsys.readouterr()
+    for _ in range(2):
+        engine.generate("the fox", max_tokens=4, depth=3, chat=False)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "drafting 3 tokens deep, but the head was trained for 2" in err[0]
+
+
+def test_bad_input_is_refused_before_any_work(tmp_path: Path) -> None:
+    from forge_helpers import tiny_model_dir
+
+    with pytest.raises(MtplxError, match=r"missing: training data not found"):
+        forge(out_dir=str(tmp_path / "o"), data=(str(tmp_path / "missing"),), held_out=None)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(MtplxError, match=r"empty: no training files"):
+        forge(out_dir=str(tmp_path / "o"), data=(str(tmp_path / "empty"),), held_out=None)
+    with pytest.raises(MtplxError, match=r"--budget: 10s is too small to train anything"):
+        forge(out_dir=str(tmp_path / "o"), budget="10s")
+    (tmp_path / "exists").mkdir()
+    with pytest.raises(MtplxError, match=r"exists: output directory exists; pass --overwrite"):
+        forge(out_dir=str(tmp_path / "exists"))
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("some prompt text for the model to continue")
+    with pytest.raises(MtplxError, match=r"nope"):
+        forge(out_dir=str(tmp_path / "o"), model=str(tmp_path / "nope"), data=(str(prompts),), held_out=None)
+    question = {"role": "user", "content": "What does functools.partial do in Python?"}
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(json.dumps({"messages": [question, {"role": "assistant", "content": "It..."}]}) + "\n")
+    held = tmp_path / "suite.jsonl"
+    held.write_text(json.dumps({"id": "h1", "kind": "chat", "messages": [question]}) + "\n")
+    with pytest.raises(MtplxError, match=r"overlaps held-out prompt 'h1'"):
+        forge(
+            out_dir=str(tmp_path / "o"),
+            model=str(tiny_model_dir(tmp_path / "m", _tiny_trunk(1))),
+            data=(str(chats),),
+            held_out=str(held),
+        )
+    assert not (tmp_path / "o").exists()  # nothing written on refusal
+
+
+def test_nucleus_sampling_draws_only_inside_the_top_p_set() -> None:
+    from mtplx.forge_gen import _sample
+
+    rng = np.random.default_rng()
+    logits = rng.normal(size=(4, VOCAB)) * 2.0
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    for t, top_p in ((0.7, 0.9), (1.0, 0.5)):
+        z = logp / t
+        probs = np.exp(z - z.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        allowed = []
+        for row in probs:  # NumPy reference: smallest prefix of the sorted ids whose mass reaches top_p
+            order = np.argsort(-row)
+            before = np.cumsum(row[order]) - row[order]
+            allowed.append(set(order[before < top_p].tolist()))
+        seen = [set() for _ in range(4)]
+        for i in range(200):
+            drawn = np.asarray(_sample(mx.array(logp, dtype=mx.float32), Setting(t, top_p), mx.random.key(i)))
+            for r, tok in enumerate(drawn.tolist()):
+                seen[r].add(tok)
+        for r in range(4):
+            assert seen[r] <= allowed[r] and len(seen[r]) > 1, (seen[r], allowed[r])
+    # Greedy is the argmax.
+    assert np.asarray(
+        _sample(mx.array(logp, dtype=mx.float32), Setting(0.0), mx.random.key(0))
+    ).tolist() == list(np.argmax(logp, -1))

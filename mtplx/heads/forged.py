@@ -205,4 +205,6 @@ def load_forged_head(head_dir: str | Path, trunk: Any, trunk_fingerprint: str) -
         head.set_draft_vocab(manifest["vocab_ids"], lm_head_matrix(trunk))
     # The depth measured fastest for this head (benchmarks/RESULTS.md); `mtplx tune` overrides it per machine.
     head.default_depth = int(manifest["default_depth"]) if manifest.get("default_depth") else None
+    # Trained for this many chained draft steps; deeper drafts are extrapolation (the engine warns).
+    head.max_depth = int(manifest["depth_trained"]) if manifest.get("depth_trained") else None
     return head
