@@ -986,6 +986,8 @@ def forge(config: ForgeConfig = DEFAULT_FORGE_CONFIG, **overrides: Any) -> Forge
             "kind": "the trunk's own generations (regenerable from the recipe and seed)",
             "prompts": prompt_desc,
             "train_prompts": len(train_prompts),
+            # Files the training prompts came from (benchmarks/prompts/build_suite.py --check reads them).
+            "train_files": sorted({re.split(r"[:#]", p.source)[0] for p in train_prompts}),
             "eval_prompts": len(eval_prompts),
             "held_out_check": held_record,
             "train": {
