@@ -534,3 +534,24 @@ def test_nucleus_sampling_draws_only_inside_the_top_p_set() -> None:
     assert np.asarray(
         _sample(mx.array(logp, dtype=mx.float32), Setting(0.0), mx.random.key(0))
     ).tolist() == list(np.argmax(logp, -1))
+
+
+def test_a_time_budget_fixes_the_step_count_once(trunk: Trunk, data: ForgeData, tmp_path: Path) -> None:
+    import time
+
+    from mtplx.forge import _planned_steps, seconds_per_step
+
+    cfg = _cfg(tmp_path, budget="10m", depth=2)
+    per_step = seconds_per_step(cfg, trunk, build_head(trunk, "pre_norm"), data, Objective.build(trunk, None))
+    assert per_step > 0
+    steps = _planned_steps(cfg, parse_budget("10m"), tmp_path / "c", time.time() + 115.6, lambda: 1.0, 24)
+    assert steps == 100  # 115 s left at 1 s per step, 15% kept for checkpoints
+    # Resumed later (less time left, another speed): the schedule recorded first is kept.
+    assert _planned_steps(cfg, parse_budget("10m"), tmp_path / "c", time.time() + 5.0, lambda: 9.0, 24) == 100
+    with pytest.raises(
+        MtplxError, match=r"--budget: 10m is too small to train anything \(one step takes 9\.0s\)"
+    ):
+        _planned_steps(cfg, parse_budget("10m"), tmp_path / "d", time.time() + 5.0, lambda: 9.0, 24)
+    assert (
+        _planned_steps(cfg, parse_budget("1k"), tmp_path / "e", None, lambda: 1.0, 24) == 12
+    )  # 2 epochs of 4
