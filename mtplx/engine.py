@@ -37,6 +37,15 @@ class GenerationStats:
     peak_memory_gb: float = 0.0
     mode: str = "ar"  # "ar" | "mtp"
     depth: int = 0
+    ttft_seconds: float = 0.0  # from the start of the call to the first generated token
+    total_seconds: float = 0.0  # from the start of the call to the last token so far
+    prefilled_tokens: int = 0  # prompt tokens run through the trunk by this call
+    cached_tokens: int = 0  # prompt tokens reused from a prompt cache (prompt = prefilled + cached)
+    # Like tokens_per_cycle, over only the verify cycles whose tokens were all kept: the cycle that
+    # EOS, a stop string or max_tokens cut short would understate what a cycle yields.
+    tokens_per_full_cycle: float = 0.0
+    # Draft tokens proposed / accepted by each drafter, e.g. {"head": {"drafted": 40, "accepted": 22}}.
+    drafters: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -61,13 +70,23 @@ class GenerationResult:
 class _StatsTracker:
     """Accumulates per-step measurements into `GenerationStats`."""
 
-    def __init__(self, prompt_tokens: int, mode: str, depth: int):
-        self.stats = GenerationStats(prompt_tokens=prompt_tokens, mode=mode, depth=depth)
+    def __init__(self, prompt_tokens: int, mode: str, depth: int, cached_tokens: int = 0):
+        self.stats = GenerationStats(
+            prompt_tokens=prompt_tokens,
+            mode=mode,
+            depth=depth,
+            prefilled_tokens=prompt_tokens - cached_tokens,
+            cached_tokens=cached_tokens,
+        )
+        if mode == "mtp":
+            self.stats.drafters["head"] = {"drafted": 0, "accepted": 0}
         self._start = time.perf_counter()
         self._first_token_time: float | None = None
         self._drafted = [0] * depth
         self._accepted = [0] * depth
         self._committed_in_cycles = 0
+        self._full_cycles = 0
+        self._committed_in_full_cycles = 0
         mx.reset_peak_memory()
 
     def record(self, step: decode.Step, num_tokens_kept: int) -> None:
@@ -77,19 +96,29 @@ class _StatsTracker:
             self._first_token_time = now
             stats.prefill_seconds = now - self._start
             stats.prefill_tokens_per_sec = stats.prompt_tokens / max(stats.prefill_seconds, 1e-9)
+            stats.ttft_seconds = stats.prefill_seconds
         elif step.num_drafted or stats.mode == "ar":
             stats.cycles += 1
             self._committed_in_cycles += num_tokens_kept
+            if num_tokens_kept == len(step.tokens):
+                self._full_cycles += 1
+                self._committed_in_full_cycles += num_tokens_kept
             for position in range(step.num_drafted):
                 self._drafted[position] += 1
                 self._accepted[position] += int(position < step.num_accepted)
+            if "head" in stats.drafters:
+                stats.drafters["head"] = {"drafted": sum(self._drafted), "accepted": sum(self._accepted)}
         stats.generated_tokens += num_tokens_kept
         stats.decode_seconds = now - self._first_token_time
+        stats.total_seconds = now - self._start
         # The first token comes from prefill; decode speed counts the tokens after it.
         stats.decode_tokens_per_sec = (
             (stats.generated_tokens - 1) / stats.decode_seconds if stats.decode_seconds > 0 else 0.0
         )
         stats.tokens_per_cycle = self._committed_in_cycles / stats.cycles if stats.cycles else 0.0
+        stats.tokens_per_full_cycle = (
+            self._committed_in_full_cycles / self._full_cycles if self._full_cycles else 0.0
+        )
         stats.acceptance_per_position = [a / d for a, d in zip(self._accepted, self._drafted) if d]
         stats.peak_memory_gb = mx.get_peak_memory() / 1e9
 
