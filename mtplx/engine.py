@@ -67,6 +67,20 @@ class GenerationResult:
     stats: GenerationStats
 
 
+def check_generation_args(
+    *, max_tokens: int, depth: int | None = None, seed: int | None = None, **sampling
+) -> SamplerConfig:
+    """Validate a request's arguments (no model needed); returns its sampler config.
+
+    Messages name the argument as the API spells it (``max_tokens must be > 0 (got 0)``).
+    """
+    if max_tokens <= 0:
+        raise MtplxError(f"max_tokens must be > 0 (got {max_tokens})")
+    if depth is not None and depth < 1:
+        raise MtplxError(f"depth must be >= 1 (got {depth})")
+    return SamplerConfig(**sampling)
+
+
 class _StatsTracker:
     """Accumulates per-step measurements into `GenerationStats`."""
 
@@ -211,7 +225,7 @@ class Engine:
         from mtplx import heads, loading
 
         if dtype not in (None, *loading.VARIANTS):
-            raise MtplxError(f"dtype: must be one of {', '.join(loading.VARIANTS)}, got {dtype!r}")
+            raise MtplxError(f"dtype must be one of {', '.join(loading.VARIANTS)} (got {dtype})")
         loaded = loading.load_model(model, variant=dtype or "float32")
         engine = cls(
             loaded.model,
@@ -221,16 +235,20 @@ class Engine:
             fingerprint=loaded.fingerprint,
             verify_backend=verify_backend,
         )
+        # The default model given by its converted directory is still the default model.
+        default_variant = (
+            (dtype or "float32") if model is None else loading.default_model_variant(loaded.path)
+        )
         head_dir = (
             Path(head)
             if head is not None
-            else (heads.shipped_head_dir(loading.DEFAULT_MODEL_NAME) if model is None else None)
+            else (heads.shipped_head_dir(loading.DEFAULT_MODEL_NAME) if default_variant else None)
         )
         if head_dir is not None:
             from mtplx.heads import forged
 
             head_fingerprint = loaded.fingerprint
-            if model is None and dtype == "q4":
+            if default_variant == "q4":
                 # The float32 build is the exact dequantization of the same GGUF blocks, so the
                 # shipped head (forged on it) fits the 4-bit build too; check against its weights.
                 head_fingerprint = loading.load_model(None, variant="float32", lazy=True).fingerprint
@@ -238,7 +256,7 @@ class Engine:
         else:
             engine.head = heads.load_head(loaded.path, engine.trunk, loaded.config)
         if depth is not None and depth < 1:
-            raise MtplxError(f"depth: must be >= 1, got {depth}")
+            raise MtplxError(f"depth must be >= 1 (got {depth})")
         engine.depth = depth if depth is not None else engine._default_depth()
         return engine
 
@@ -260,14 +278,14 @@ class Engine:
     def encode_prompt(self, prompt: str | Sequence[dict], chat: bool | None = None) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
-                raise MtplxError("prompt: is empty")
+                raise MtplxError("prompt is empty")
             use_chat = bool(chat)
             if use_chat:
                 prompt = [{"role": "user", "content": prompt}]
         else:
             use_chat = True
             if not prompt:
-                raise MtplxError("prompt: the message list is empty")
+                raise MtplxError("prompt is an empty message list")
         if use_chat:
             if getattr(self.tokenizer, "chat_template", None) is None:
                 raise MtplxError("prompt: this model's tokenizer has no chat template; pass raw text")
@@ -280,7 +298,7 @@ class Engine:
             tokens = self.tokenizer.encode(prompt)
         tokens = list(tokens)
         if not tokens:
-            raise MtplxError("prompt: encodes to no tokens")
+            raise MtplxError("prompt encodes to no tokens")
         return tokens
 
     def _context_length(self) -> int | None:
@@ -313,9 +331,9 @@ class Engine:
         ``mtp=None`` decodes with the MTP head when the engine has one (and tuning did not
         find plain AR faster here); ``mtp=True`` insists on it; ``mtp=False`` is plain AR.
         """
-        if max_tokens <= 0:
-            raise MtplxError(f"max_tokens: must be > 0, got {max_tokens}")
-        sampler = SamplerConfig(
+        sampler = check_generation_args(
+            max_tokens=max_tokens,
+            depth=depth,
             temperature=temperature,
             top_p=top_p,
             top_k=top_k,
@@ -325,8 +343,6 @@ class Engine:
             frequency_penalty=frequency_penalty,
             logit_bias=logit_bias,
         )
-        if depth is not None and depth < 1:
-            raise MtplxError(f"depth: must be >= 1, got {depth}")
         if mtp is None:
             mtp = self.head is not None and (depth is not None or bool(self.depth))
         # An explicit mtp=True on a model tuned to AR (depth 0) still drafts, at the head's own depth.
