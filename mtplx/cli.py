@@ -300,11 +300,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from mtplx.chat import run_chat
+    from mtplx.chat import run_chat, settings_from_args
 
     check_reply_args(args)
     engine = load_engine(args)
-    return run_chat(engine, args, format_stats=format_stats)
+    return run_chat(engine, settings_from_args(args, _sampling_kwargs(args)), format_stats=format_stats)
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
