@@ -169,7 +169,7 @@ def _sampling_kwargs(args: argparse.Namespace) -> dict:
 
 def check_reply_args(args: argparse.Namespace) -> None:
     """Validate what needs no model first: a typo should cost no load time."""
-    from mtplx.engine import check_generation_args
+    from mtplx.validation import check_generation_args
 
     check_generation_args(
         max_tokens=args.max_tokens, depth=args.depth, **{k: v for k, v in _sampling_kwargs(args).items()}

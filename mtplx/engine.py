@@ -17,8 +17,8 @@ import mlx.core as mx
 
 from mtplx import decode
 from mtplx.errors import MtplxError
-from mtplx.sampling import SamplerConfig
 from mtplx.trunk import Trunk
+from mtplx.validation import check_generation_args
 
 DEFAULT_DEPTH = 3
 
@@ -65,20 +65,6 @@ class GenerationResult:
     token_ids: list[int]
     finish_reason: str
     stats: GenerationStats
-
-
-def check_generation_args(
-    *, max_tokens: int, depth: int | None = None, seed: int | None = None, **sampling
-) -> SamplerConfig:
-    """Validate a request's arguments (no model needed); returns its sampler config.
-
-    Messages name the argument as the API spells it (``max_tokens must be > 0 (got 0)``).
-    """
-    if max_tokens <= 0:
-        raise MtplxError(f"max_tokens must be > 0 (got {max_tokens})")
-    if depth is not None and depth < 1:
-        raise MtplxError(f"depth must be >= 1 (got {depth})")
-    return SamplerConfig(**sampling)
 
 
 class _StatsTracker:
