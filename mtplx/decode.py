@@ -143,7 +143,7 @@ def mtp_decode(
 ) -> Iterator[Step]:
     """Exact speculative decoding with the model's MTP head as the drafter."""
     if settings.depth < 1:
-        raise MtplxError(f"depth: must be >= 1, got {settings.depth}")
+        raise MtplxError(f"depth must be >= 1 (got {settings.depth})")
     cfg = settings.sampler
     depth = settings.depth
     trunk_cache = trunk_cache if trunk_cache is not None else trunk.make_cache()
