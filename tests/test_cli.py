@@ -16,7 +16,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import fake_hub
 import pytest
+import tiny_checkpoints as tc
 
 import mtplx  # noqa: F401  (BLAS before mlx)
 
@@ -353,8 +355,6 @@ def test_conversion_reports_progress_per_tensor(tmp_path):
 
 @pytest.fixture
 def hub_cache(tmp_path):
-    import tiny_checkpoints as tc
-
     tiny = tc.mimo(tmp_path / "src")
     tc.hub_cache_layout(tiny.path, tmp_path / "hub", "tiny-org/MiMo-tiny")
     return tmp_path / "hub"
@@ -384,3 +384,32 @@ def test_uncached_repo_id_with_the_hub_unreachable_is_refused_in_one_line(hub_ca
     )
     line = _one_line_error(out)
     assert "tiny-org/not-here: not in the Hugging Face cache and the download failed" in line
+
+
+@pytest.fixture
+def local_hub(tmp_path):
+    tiny = tc.mimo(tmp_path / "src")
+    server = fake_hub.serve("tiny-org/MiMo-tiny", {f.name: f.read_bytes() for f in tiny.path.iterdir()})
+    yield f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+
+
+def test_uncached_repo_id_is_downloaded_from_the_hub_with_progress(local_hub, tmp_path):
+    hub = tmp_path / "hub"
+    out = _cli(
+        "inspect", "tiny-org/MiMo-tiny", HF_HUB_OFFLINE="0", HF_HUB_CACHE=str(hub), HF_ENDPOINT=local_hub
+    )
+    assert out.returncode == 0, out.stderr
+    assert "verdict       MTP-ready: the checkpoint ships 1 MTP layer(s) (mimo layout)" in out.stdout
+    assert "Fetching 2 files" in out.stderr  # huggingface_hub's progress bar
+    assert (hub / "models--tiny-org--MiMo-tiny" / "snapshots" / fake_hub.COMMIT / "config.json").is_file()
+    # Now cached: offline mode serves it without the Hub.
+    offline = _cli("inspect", "tiny-org/MiMo-tiny", HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(hub))
+    assert offline.returncode == 0 and "MTP-ready" in offline.stdout, offline.stderr
+
+
+def test_repo_id_unknown_to_the_hub_is_refused_in_one_line(local_hub, tmp_path):
+    out = _cli(
+        "inspect", "tiny-org/nope", HF_HUB_OFFLINE="0", HF_HUB_CACHE=str(tmp_path), HF_ENDPOINT=local_hub
+    )
+    assert "tiny-org/nope: not found on the Hugging Face Hub" in _one_line_error(out)
