@@ -125,6 +125,8 @@ def run_chat(
             stdout.write("\n")
             continue
         if line is None:
+            if interactive:
+                stdout.write("\n")  # leave the terminal on a fresh line after ^D
             return 0
         command = line.strip()
         if not command:
