@@ -171,9 +171,7 @@ def check_reply_args(args: argparse.Namespace) -> None:
     """Validate what needs no model first: a typo should cost no load time."""
     from mtplx.validation import check_generation_args
 
-    check_generation_args(
-        max_tokens=args.max_tokens, depth=args.depth, **{k: v for k, v in _sampling_kwargs(args).items()}
-    )
+    check_generation_args(max_tokens=args.max_tokens, depth=args.depth, **_sampling_kwargs(args))
 
 
 def _show_stats(args: argparse.Namespace) -> bool:
