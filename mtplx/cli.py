@@ -69,8 +69,8 @@ def _read_prompt(args: argparse.Namespace) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from mtplx.config import SamplerConfig
     from mtplx.engine import Engine
-    from mtplx.sampling import SamplerConfig
 
     # Validate what needs no model first: a typo should cost no load time.
     sampling = _sampling_kwargs(args)

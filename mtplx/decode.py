@@ -25,9 +25,9 @@ import mlx.core as mx
 
 from mtplx import cache as cache_ops
 from mtplx import verify as verify_ops
+from mtplx.config import SamplerConfig
 from mtplx.errors import MtplxError
 from mtplx.heads.base import DraftHead
-from mtplx.sampling import SamplerConfig
 from mtplx.trunk import Trunk, TrunkOutput
 
 

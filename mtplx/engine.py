@@ -16,8 +16,8 @@ from pathlib import Path
 import mlx.core as mx
 
 from mtplx import decode
+from mtplx.config import SamplerConfig
 from mtplx.errors import MtplxError
-from mtplx.sampling import SamplerConfig
 from mtplx.trunk import Trunk
 
 DEFAULT_DEPTH = 3

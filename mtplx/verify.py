@@ -18,8 +18,8 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
+from mtplx.config import SamplerConfig
 from mtplx.errors import MtplxError
-from mtplx.sampling import SamplerConfig
 
 __all__ = [
     "SampleResult",
@@ -251,9 +251,7 @@ def _draw(weights: mx.array, uniforms: mx.array) -> mx.array:
 @lru_cache(maxsize=16)
 def _bias_vector(bias_items: tuple[tuple[int, float], ...], vocab_size: int) -> mx.array:
     if bias_items[-1][0] >= vocab_size:  # items are sorted by token id
-        raise MtplxError(
-            f"SamplerConfig.logit_bias has token id {bias_items[-1][0]} >= vocab size {vocab_size}"
-        )
+        raise MtplxError(f"logit_bias has token id {bias_items[-1][0]} >= vocab size {vocab_size}")
     ids = mx.array([token for token, _ in bias_items], dtype=mx.int32)
     values = mx.array([value for _, value in bias_items], dtype=mx.float32)
     return mx.zeros((vocab_size,), dtype=mx.float32).at[ids].add(values)

@@ -326,6 +326,18 @@ def test_invalid_config_raises_naming_the_field(field_name: str, value: object) 
     assert issubclass(MtplxError, ValueError)
 
 
+def test_config_errors_name_the_field_as_the_api_spells_it() -> None:
+    with pytest.raises(MtplxError) as raised:
+        SamplerConfig(temperature=-1.0)
+    assert str(raised.value) == "temperature must be >= 0 (got -1.0)"
+
+
+def test_sampling_reexports_the_runtime_config() -> None:
+    from mtplx import config
+
+    assert sampling.SamplerConfig is config.SamplerConfig
+
+
 def test_config_properties_and_hash() -> None:
     assert SamplerConfig(temperature=0).is_greedy and not SamplerConfig().is_greedy
     assert SamplerConfig(presence_penalty=0.1).has_penalties
