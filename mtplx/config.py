@@ -18,7 +18,9 @@ from types import MappingProxyType
 
 from mtplx.errors import MtplxError
 
-__all__ = ["SamplerConfig"]
+__all__ = ["MAX_DEPTH", "SamplerConfig"]
+
+MAX_DEPTH = 16  # drafts per cycle mtplx serves: no head layout chains usefully beyond this; a typo guard
 
 
 def _real(name: str, value: object) -> float:

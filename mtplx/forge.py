@@ -18,7 +18,6 @@ Stages (each resumable, all deterministic given the seed):
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -35,6 +34,7 @@ import mtplx  # noqa: F401  (optimized BLAS before mlx)
 from mtplx.errors import MtplxError
 from mtplx.forge_data import Corpus, Sample, corpus_from_paths, default_corpus
 from mtplx.heads.forged import ForgedMTPHead, build_forged_head, lm_head_matrix, save_forged_head
+from mtplx.io import atomic_path, atomic_write
 from mtplx.trunk import Trunk
 
 HIDDEN_SOURCES = ("pre_norm", "post_norm")
@@ -89,19 +89,9 @@ class ForgeConfig:
                 raise MtplxError(f"forge: {name} must be positive, got {getattr(self, name)}")
 
 
-# ---------------------------------------------------------------- atomic files
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write via a temp name in the same directory + rename: readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
-def atomic_write_json(path: Path, obj: Any) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
+def _write_json(path: Path, obj: Any) -> None:
+    with atomic_write(path) as handle:
+        handle.write(json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
 # ---------------------------------------------------------------- tokenizing
@@ -231,7 +221,7 @@ def precompute_teacher(
             np.lib.format.open_memmap(
                 cache_dir / f"{name}.npy", mode="w+", dtype=dtypes[name], shape=shapes[name]
             ).flush()
-        atomic_write_json(meta_path, meta)
+        _write_json(meta_path, meta)
     elif progress_path.exists():
         done = int(json.loads(progress_path.read_text())["sequences_done"])
     arrays = {name: np.load(cache_dir / f"{name}.npy", mmap_mode="r+") for name in _TEACHER_FILES}
@@ -258,7 +248,7 @@ def precompute_teacher(
             for a in arrays.values():
                 a.flush()
             # Progress is recorded only after the rows are on disk, so a kill loses at most one batch.
-            atomic_write_json(progress_path, {"sequences_done": stop})
+            _write_json(progress_path, {"sequences_done": stop})
             bar.update((stop - start) * seq_len)
         bar.close()
     ro = {name: np.load(cache_dir / f"{name}.npy", mmap_mode="r")[:todo] for name in _TEACHER_FILES}
@@ -425,12 +415,8 @@ def save_checkpoint(ckpt_dir: Path, step: int, head: Any, opt: optim.Optimizer, 
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     arrays = {f"head.{k}": v for k, v in tree_flatten(head.parameters())}
     arrays.update({f"opt.{k}": v for k, v in tree_flatten(opt.state)})
-    final = _ckpt_path(ckpt_dir, step)
-    tmp = (
-        ckpt_dir / f".tmp{os.getpid()}-{final.name}"
-    )  # must keep the .safetensors suffix (mlx appends one otherwise)
-    mx.save_safetensors(str(tmp), arrays)
-    os.replace(tmp, final)
+    with atomic_path(_ckpt_path(ckpt_dir, step)) as tmp:
+        mx.save_safetensors(str(tmp), arrays)
     for old in sorted(ckpt_dir.glob("step-*.safetensors"))[:-keep]:
         old.unlink()
 

@@ -16,7 +16,15 @@ from mtplx import sampling
 from mtplx import verify as verify_module
 from mtplx.errors import MtplxError
 from mtplx.sampling import SamplerConfig, distribution_from_logits, residual_distribution
-from mtplx.verify import draw_uniforms, filtered_probs, penalize_logits, sample, verify
+from mtplx.verify import (
+    INVALID_DRAFTS,
+    INVALID_LOGITS,
+    draw_uniforms,
+    filtered_probs,
+    penalize_logits,
+    sample,
+    verify,
+)
 
 FRESH_SEED = int(np.random.SeedSequence().entropy % 2**32)
 SEEDS = [0, 1, FRESH_SEED]
@@ -422,9 +430,28 @@ def test_nan_and_positive_inf_raise(bad: float, cfg_name: str) -> None:
             mx.ones((2, 2)),
             mx.ones((2,)),
             backend="mlx",
-        )
+        ).checked()
     with pytest.raises(ValueError, match="NaN"):
-        sample(mx.array(logits[:, 2]), CONFIGS[cfg_name], mx.ones((2,)), backend="mlx")
+        sample(mx.array(logits[:, 2]), CONFIGS[cfg_name], mx.ones((2,)), backend="mlx").checked()
+
+
+@pytest.mark.parametrize("cfg_name", ["temperature", "greedy", "top_p"])
+def test_invalid_inputs_are_flagged_lazily_not_synced(cfg_name: str) -> None:
+    """verify/sample read no data: the flag is evaluated with the tokens, `.checked()` raises."""
+    logits = np.zeros((1, 3, 5), dtype=np.float32)
+    args = (mx.zeros((1, 2), dtype=mx.int32), None, CONFIGS[cfg_name], mx.ones((1, 2)), mx.ones((1,)))
+    clean = verify(mx.array(logits), *args, backend="mlx")
+    logits[0, 1, 2] = np.nan
+    flagged = verify(mx.array(logits), *args, backend="mlx")  # no raise: nothing was read
+    mx.eval(clean, flagged)
+    assert clean.checked().invalid.item() == 0  # negative control: valid input passes
+    assert flagged.invalid.item() & INVALID_LOGITS
+    with pytest.raises(ValueError, match="NaN"):
+        flagged.checked()
+    out_of_range = verify(mx.zeros((1, 3, 5)), mx.array([[0, 7]]), *args[1:], backend="mlx")
+    assert out_of_range.invalid.item() == INVALID_DRAFTS
+    drawn = sample(mx.array(logits[:, 1]), CONFIGS[cfg_name], mx.ones((1,)), backend="mlx")
+    assert drawn.invalid.item() == INVALID_LOGITS
 
 
 def test_shape_token_and_backend_errors() -> None:
@@ -434,7 +461,7 @@ def test_shape_token_and_backend_errors() -> None:
     with pytest.raises(ValueError, match="draft_tokens"):
         verify(target, mx.zeros((2, 3), dtype=mx.int32), None, cfg, a, s, backend="mlx")
     with pytest.raises(ValueError, match="draft_tokens"):
-        verify(target, mx.array([[0, 5], [0, 0]]), None, cfg, a, s, backend="mlx")
+        verify(target, mx.array([[0, 5], [0, 0]]), None, cfg, a, s, backend="mlx").checked()
     with pytest.raises(ValueError, match="draft_probs"):
         verify(target, drafts, mx.ones((2, 2, 4)), cfg, a, s, backend="mlx")
     with pytest.raises(ValueError, match="accept_uniforms"):
@@ -452,7 +479,7 @@ def test_auto_backend_uses_a_fused_kernel_when_one_exists(monkeypatch: pytest.Mo
 
     def fake_fused_verify(*args):
         calls.append(len(args))
-        return "fused"
+        return "num_accepted", "next_token", "accept_probs"
 
     fake_kernels = types.ModuleType("mtplx.kernels")
     fake_kernels.get_fused = lambda name: fake_fused_verify if name == "verify" else None
@@ -460,7 +487,8 @@ def test_auto_backend_uses_a_fused_kernel_when_one_exists(monkeypatch: pytest.Mo
     monkeypatch.setattr(mtplx, "kernels", fake_kernels, raising=False)
     monkeypatch.setattr(verify_module, "_kernels_missing", False)
     target, drafts = mx.zeros((1, 2, 4)), mx.zeros((1, 1), dtype=mx.int32)
-    assert verify(target, drafts, None, SamplerConfig(), mx.ones((1, 1)), mx.ones((1,))) == "fused"
+    fused = verify(target, drafts, None, SamplerConfig(), mx.ones((1, 1)), mx.ones((1,)))
+    assert fused[:3] == ("num_accepted", "next_token", "accept_probs")
     assert calls == [6]
     mlx_result = verify(target, drafts, None, SamplerConfig(), mx.ones((1, 1)), mx.ones((1,)), backend="mlx")
     # Uniform p = 1/4 at the draft, u = 1: rejected; the residual's last token for u = 1.

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from mlx.utils import tree_flatten
 from mtplx.errors import MtplxError
 from mtplx.heads.base import HIDDEN_SOURCES, build_layer_like, check_and_load, model_args_of
 from mtplx.heads.qwen3_next import Qwen3NextMTPHead
+from mtplx.io import atomic_path, atomic_write
 
 LAYOUT = "qwen3_next"
 MANIFEST = "manifest.json"
@@ -127,9 +127,8 @@ def save_forged_head(out_dir: str | Path, head: ForgedMTPHead, manifest: dict[st
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     weights = dict(tree_flatten(head.parameters()))
-    tmp = out / f".tmp{os.getpid()}-{WEIGHTS}"  # keeps the .safetensors suffix mlx insists on
-    mx.save_safetensors(str(tmp), weights, metadata={"format": "mlx", "layout": LAYOUT})
-    os.replace(tmp, out / WEIGHTS)
+    with atomic_path(out / WEIGHTS) as tmp:
+        mx.save_safetensors(str(tmp), weights, metadata={"format": "mlx", "layout": LAYOUT})
     full = dict(manifest)
     full.update(
         {
@@ -146,9 +145,8 @@ def save_forged_head(out_dir: str | Path, head: ForgedMTPHead, manifest: dict[st
     if "trunk_fingerprint" not in full:
         raise ValueError("a forged-head manifest needs the trunk_fingerprint")
     path = out / MANIFEST
-    tmp_manifest = out / f".tmp{os.getpid()}-{MANIFEST}"
-    tmp_manifest.write_text(json.dumps(full, indent=1) + "\n")
-    os.replace(tmp_manifest, path)
+    with atomic_write(path) as handle:
+        handle.write(json.dumps(full, indent=1) + "\n")
     return path
 
 
