@@ -31,6 +31,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 import mtplx  # noqa: F401  (optimized BLAS before mlx)
+from mtplx import compat
 from mtplx.errors import MtplxError
 from mtplx.forge_data import Corpus, Sample, corpus_from_paths, default_corpus
 from mtplx.heads.forged import ForgedMTPHead, build_forged_head, lm_head_matrix, save_forged_head
@@ -621,14 +622,15 @@ def _eval_chain(
     tally: _Tally,
 ) -> None:
     seq_len = tokens.shape[1]
-    full_state = [c.state for c in cache]
+    full_state = [compat.kv_state(c) for c in cache]
     chain1 = _chain_input(head, g1)
     last_origin = seq_len - depths - 1  # the deepest draft must still have a trunk target
     for j in np.unique(np.linspace(0, max(last_origin, 0), num=min(origins, last_origin + 1)).astype(int)):
         j = int(j)
         step_cache = head.make_cache()
-        for c, (k, v, _) in zip(step_cache, full_state):
-            c.state = (k[..., : j + 1, :], v[..., : j + 1, :], j + 1)
+        for c, state in zip(step_cache, full_state):
+            prefix = compat.KVState(state.keys[..., : j + 1, :], state.values[..., : j + 1, :], j + 1)
+            compat.set_kv_state(c, prefix)
         x = chain1[:, j : j + 1]
         for d in range(2, depths + 1):
             # Draft d sits at position j+d-1: input = previous head output + true token j+d.

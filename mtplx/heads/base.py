@@ -137,7 +137,7 @@ class MTPHead(nn.Module):
 
     # --- helpers for subclasses ---------------------------------------------------
     def _run_layers(self, h: mx.array, layers: Iterable[nn.Module], cache: list | None) -> mx.array:
-        from mlx_lm.models.base import create_attention_mask
+        from mtplx.compat import create_attention_mask
 
         layers = list(layers)
         cache = cache if cache is not None else [None] * len(layers)
