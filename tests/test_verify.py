@@ -10,6 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from scipy import stats
+from seeds import FRESH, SEEDS, resolve
 
 import mtplx  # noqa: F401  (optimized BLAS before mlx)
 from mtplx import sampling
@@ -25,9 +26,6 @@ from mtplx.verify import (
     sample,
     verify,
 )
-
-FRESH_SEED = int(np.random.SeedSequence().entropy % 2**32)
-SEEDS = [0, 1, FRESH_SEED]
 
 CONFIGS = {
     "temperature": SamplerConfig(temperature=1.0),
@@ -128,6 +126,7 @@ def uniforms(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
 @pytest.mark.parametrize("cfg_name", list(CONFIGS))
 @pytest.mark.parametrize("drafting", ["stochastic", "greedy"])
 def test_verify_matches_reference_token_for_token(seed: int, cfg_name: str, drafting: str) -> None:
+    seed = resolve(seed)
     cfg = CONFIGS[cfg_name]
     rng = np.random.default_rng(seed)
     batch, vocab_size = 48, 64
@@ -168,6 +167,7 @@ def test_verify_matches_reference_token_for_token(seed: int, cfg_name: str, draf
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("cfg_name", list(CONFIGS))
 def test_sample_and_filtered_probs_match_reference(seed: int, cfg_name: str) -> None:
+    seed = resolve(seed)
     cfg = CONFIGS[cfg_name]
     rng = np.random.default_rng(seed)
     logits = random_logits(rng, (64, 50))
@@ -195,7 +195,8 @@ def test_sample_and_filtered_probs_match_reference(seed: int, cfg_name: str) -> 
 @pytest.mark.parametrize("nucleus", ["second_pool", "bisection"])
 def test_large_nucleus_top_p_matches_reference(nucleus: str) -> None:
     """Nuclei beyond the first (256) and second (4096) candidate pools."""
-    rng = np.random.default_rng(FRESH_SEED)
+    seed = resolve(FRESH)
+    rng = np.random.default_rng(seed)
     vocab_size = 3000 if nucleus == "second_pool" else 9000
     logits = rng.normal(scale=0.5, size=(32, vocab_size)).astype(np.float32)
     cfg = SamplerConfig(top_p=0.9, top_k=0 if nucleus == "second_pool" else 8500)
@@ -205,9 +206,9 @@ def test_large_nucleus_top_p_matches_reference(nucleus: str) -> None:
     fragile = np.array([kept_set_is_fragile(row, cfg) for row in logits])
     # Each of thousands of similar tokens holds ~1e-4 of the mass, so a 1e-5 nudge of top_p often
     # moves the boundary: many rows are near-ties. Enough are decided to compare.
-    assert (~fragile).sum() >= 4, f"seed {FRESH_SEED}: too many near-tie rows"
+    assert (~fragile).sum() >= 4, f"seed {seed}: too many near-tie rows"
     robust = ~fragile
-    np.testing.assert_array_equal(got[robust] > 0, expected[robust] > 0, err_msg=f"seed {FRESH_SEED}")
+    np.testing.assert_array_equal(got[robust] > 0, expected[robust] > 0, err_msg=f"seed {seed}")
     np.testing.assert_allclose(got[robust], expected[robust], rtol=1e-4, atol=1e-9)
 
 
@@ -321,6 +322,7 @@ def wrong_verifier_first_tokens(rng: np.random.Generator, mistake: str) -> np.nd
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_verify_output_distribution_is_the_target(seed: int) -> None:
+    seed = resolve(seed)
     rng = np.random.default_rng(seed)
     first_tokens, num_accepted, next_token = mlx_first_tokens(rng)
     p0 = distribution_from_logits(CHI_TARGET_LOGITS[0], CHI_CFG)
@@ -336,10 +338,11 @@ def test_verify_output_distribution_is_the_target(seed: int) -> None:
 @pytest.mark.parametrize("mistake", ["resample_from_target", "accept_if_p_at_least_q"])
 def test_chi_square_rejects_wrong_verifiers(mistake: str) -> None:
     """Negative control: the same test must catch a verifier that is subtly wrong."""
-    rng = np.random.default_rng(FRESH_SEED)
+    seed = resolve(FRESH)
+    rng = np.random.default_rng(seed)
     p0 = distribution_from_logits(CHI_TARGET_LOGITS[0], CHI_CFG)
     assert chi_square_rejects(wrong_verifier_first_tokens(rng, mistake), p0, FALSE_FAILURE_RATE), (
-        f"seed {FRESH_SEED}: {mistake} was not detected"
+        f"seed {seed}: {mistake} was not detected"
     )
 
 
@@ -358,6 +361,7 @@ def test_penalize_logits_without_penalties_returns_the_input() -> None:
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_penalize_logits_matches_reference_per_position(seed: int) -> None:
+    seed = resolve(seed)
     rng = np.random.default_rng(seed)
     batch, positions, vocab_size = 3, 4, 12
     cfg = SamplerConfig(

@@ -66,17 +66,16 @@ class ForgedMTPHead(Qwen3NextMTPHead):
         self._vocab_size = int(full_proj.shape[1])
         mx.eval(self._vocab_ids, self._vocab_proj)
 
-    def subset_logits(self, head_hidden: mx.array) -> mx.array:
-        """Logits over ``vocab_ids`` only ([..., K]); the cheap path for a decode loop that maps ids back."""
-        if self._vocab_proj is None:
-            raise ValueError("this head drafts from the full vocabulary")
+    def _subset_logits(self, head_hidden: mx.array) -> mx.array:
+        """Logits over ``vocab_ids`` only ([..., K]): one [H, K] product, which `logits` scatters
+        into the full vocabulary (the decode loop and verify work in full-vocabulary ids)."""
         return head_hidden @ self._vocab_proj
 
     def logits(self, head_hidden: mx.array, step: int = 0) -> mx.array:
         """Full-vocabulary logits; with a reduced vocabulary, -inf outside it (q is exactly zero there)."""
         if self._vocab_proj is None:
             return super().logits(head_hidden)
-        sub = self.subset_logits(head_hidden)
+        sub = self._subset_logits(head_hidden)
         full = mx.full((*sub.shape[:-1], self._vocab_size), -mx.inf, dtype=sub.dtype)
         full[..., self._vocab_ids] = sub
         return full
