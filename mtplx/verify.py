@@ -9,7 +9,8 @@ on the float32 bit pattern when the nucleus is larger than that.
 `verify` and `sample` dispatch to a fused kernel (`mtplx.kernels.get_fused`)
 when the backend has one and `backend="auto"`.
 
-Host syncs: none. Invalid values (NaN/+inf logits, a row with no finite
+Host syncs: none on a GPU. (On the CPU backend only, the top-p search syncs to
+skip fallbacks no row needs; see `_queue_top_p_fallbacks`.) Invalid values (NaN/+inf logits, a row with no finite
 entry, draft ids outside the vocabulary) are reported through the results'
 lazy `invalid` flag, which the caller evaluates together with the tokens it
 reads anyway and turns into the error with `.checked()`; a decode cycle thus
@@ -203,16 +204,31 @@ def _top_p_threshold(
     threshold, decided = _top_p_threshold_from_pool(first_pool, row_max, cfg, kth_largest, target)
     if first_pool.shape[-1] == vocab_size:  # the pool is the whole row: nothing can be missing
         return threshold
-    # Every fallback is queued and the first deciding one is selected with
-    # `where`: no host sync, at the price of computing fallbacks that a row
-    # rarely needs (the larger pool and the bisection; see benchmarks/RESULTS.md).
+    queue_fallbacks = _queue_top_p_fallbacks()
     for pool_size in [size for size in TOP_P_CANDIDATE_POOLS[1:] if first_pool.shape[-1] < size < vocab_size]:
+        if not queue_fallbacks and mx.all(decided).item():
+            return threshold
         pool_threshold, pool_decided = _top_p_threshold_from_pool(
             _descending_pool(rows, pool_size), row_max, cfg, kth_largest, target
         )
         threshold = mx.where(decided, threshold, pool_threshold)
         decided = decided | pool_decided
+    if not queue_fallbacks and mx.all(decided).item():
+        return threshold
     return mx.where(decided, threshold, _top_p_threshold_by_bisection(weights, target))
+
+
+def _queue_top_p_fallbacks() -> bool:
+    """Whether the top-p fallbacks are queued for every row (no sync) or launched only when needed.
+
+    On a GPU a host sync drains the device queue and stalls the draft chain, while
+    the fallbacks (a larger pool, a 30-step bisection) cost little, so they are
+    queued and picked per row with `where`. On the CPU backend it is the other way
+    round: the fallbacks cost several ms a row, a sync only ends Python/compute
+    overlap, so it checks `decided` (an LLM nucleus rarely exceeds the first pool).
+    GPUs with a fused kernel (Metal, CUDA) never reach this code.
+    """
+    return mx.default_device().type == mx.DeviceType.gpu
 
 
 def _filtered_weights(rows: mx.array, row_max: mx.array, cfg: SamplerConfig) -> mx.array:

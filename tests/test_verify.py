@@ -192,9 +192,12 @@ def test_sample_and_filtered_probs_match_reference(seed: int, cfg_name: str) -> 
     )
 
 
+@pytest.mark.parametrize("queued", [False, True], ids=["sync_decided", "queued"])
 @pytest.mark.parametrize("nucleus", ["second_pool", "bisection"])
-def test_large_nucleus_top_p_matches_reference(nucleus: str) -> None:
-    """Nuclei beyond the first (256) and second (4096) candidate pools."""
+def test_large_nucleus_top_p_matches_reference(nucleus: str, queued: bool, monkeypatch) -> None:
+    """Nuclei beyond the first (256) and second (4096) candidate pools, with the fallbacks
+    launched when a row needs them (the CPU policy) or queued for every row (the GPU policy)."""
+    monkeypatch.setattr(verify_module, "_queue_top_p_fallbacks", lambda: queued)
     seed = resolve(FRESH)
     rng = np.random.default_rng(seed)
     vocab_size = 3000 if nucleus == "second_pool" else 9000
