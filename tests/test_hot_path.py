@@ -105,3 +105,49 @@ def test_penalized_mtp_with_lazy_draft_context_equals_ar() -> None:
     mtp = _first_tokens(trunk, head, decode.DecodeSettings(sampler=cfg, depth=3), 16, depth=3)
     ar = _first_tokens(trunk, head, decode.DecodeSettings(sampler=cfg), 16, depth=None)
     assert mtp == ar
+
+
+SYNC_CASES = {
+    "greedy": SamplerConfig(temperature=0.0),
+    "temperature": SamplerConfig(temperature=0.7),
+    "top_p": SamplerConfig(temperature=0.7, top_p=0.9),
+    "top_k": SamplerConfig(temperature=0.7, top_k=20),
+    "min_p": SamplerConfig(temperature=0.7, min_p=0.05),
+    "penalties": SamplerConfig(
+        temperature=0.7, repetition_penalty=1.2, frequency_penalty=0.1, logit_bias={5: -1.0}
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(SYNC_CASES))
+@pytest.mark.parametrize("greedy_draft", [False, True])
+def test_one_host_sync_per_mtp_cycle(monkeypatch, case: str, greedy_draft: bool) -> None:
+    """Every default sampler path: one sync per cycle (the top-p fallbacks queued, as on a GPU;
+    a vocabulary above the first top-p pool so the fallback logic runs)."""
+    import mlx.core as mx
+    from sync_counter import counting_syncs
+
+    monkeypatch.setattr(verify_ops, "_queue_top_p_fallbacks", lambda: True)
+    trunk, head = make_loop_pair(vocab_size=300, seed=3, logit_scale=8.0)
+    settings = decode.DecodeSettings(sampler=SYNC_CASES[case], depth=3, greedy_draft=greedy_draft)
+    steps = decode.mtp_decode(trunk, head, PROMPT, settings, mx.random.key(0))
+    next(steps)  # prefill and the first token
+    with counting_syncs() as counter:
+        for _ in range(4):
+            next(steps)
+    steps.close()
+    assert counter.syncs == 4
+
+
+def test_sync_counter_sees_a_sync() -> None:
+    """Negative control: an unevaluated read is counted, a read after eval is not."""
+    import mlx.core as mx
+    from sync_counter import counting_syncs
+
+    with counting_syncs() as counter:
+        lazy = mx.arange(3) * 2
+        lazy.tolist()
+        evaluated = mx.arange(3) + 1
+        mx.eval(evaluated)
+        evaluated.item() if evaluated.size == 1 else evaluated.tolist()
+    assert counter.syncs == 2
