@@ -209,8 +209,9 @@ def convert_weights(
     return out
 
 
-def quantization_config(weights: dict[str, mx.array]) -> dict[str, Any] | None:
-    """mlx-lm ``quantization`` entry; per-layer bits are inferred by mlx-lm from the packed shapes."""
+def _quantization_entry(weights: dict[str, mx.array]) -> dict[str, Any] | None:
+    """The config's mlx-lm ``quantization`` entry for converted weights (what
+    `checkpoint.quantization_config` reads back); per-layer bits are inferred by mlx-lm from the packed shapes."""
     if not any(k.endswith(".scales") for k in weights):
         return None
     return {"group_size": GROUP_SIZE, "bits": 4, "mode": "affine"}
@@ -339,7 +340,7 @@ def write_model_dir(
     config = hf_config(gguf)
     tokenizer = build_tokenizer(gguf)  # before the weights: fail fast on an unsupported vocab
     weights = convert_weights(gguf, dtype, on_tensor=on_tensor)
-    quant = quantization_config(weights)
+    quant = _quantization_entry(weights)
     if quant is not None:
         config["quantization"] = quant
         config["quantization_config"] = quant

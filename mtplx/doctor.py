@@ -160,7 +160,7 @@ def check_fused_kernel() -> Check:
 def check_caches() -> list[Check]:
     from huggingface_hub import constants
 
-    from mtplx import loading, tune
+    from mtplx import loading, tuned
 
     checks = []
     for name, path, env in (
@@ -183,7 +183,7 @@ def check_caches() -> list[Check]:
             )
         else:
             checks.append(Check(name, info, data=data))
-    config = tune.config_file()
+    config = tuned.config_file()
     checks.append(Check("tune config", str(config) + ("" if config.exists() else " (none yet)")))
     return checks
 
@@ -220,18 +220,18 @@ def check_default_model() -> Check:
 
 
 def check_tuned_depths() -> Check:
-    from mtplx import tune
+    from mtplx import tuned
 
     try:
-        entries = tune.read_config()
+        entries = tuned.read_config()
     except MtplxError as err:
         return Check(
             "tuned depths",
             "unreadable",
             problem=str(err),
-            fix=f"delete {tune.config_file()} or run `mtplx tune --retune`",
+            fix=f"delete {tuned.config_file()} or run `mtplx tune --retune`",
         )
-    here = tune.machine_key()
+    here = tuned.machine_key()
     mine = {key: entry for key, entry in entries.items() if key.partition(" @ ")[2] == here}
     if not mine:
         return Check("tuned depths", "none on this machine (`mtplx tune` measures the fastest depth)")

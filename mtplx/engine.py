@@ -248,10 +248,10 @@ class Engine:
 
     def _default_depth(self) -> int:
         """`mtplx tune`'s choice for this model on this machine (0 = AR was fastest), else the head's default."""
-        from mtplx import tune
+        from mtplx import tuned
 
-        tuned = tune.saved_depth(self.fingerprint)
-        return tuned if tuned is not None else self._head_depth()
+        saved = tuned.saved_depth(self.fingerprint)
+        return saved if saved is not None else self._head_depth()
 
     def _head_depth(self) -> int:
         return int((self.head.default_depth if self.head is not None else None) or DEFAULT_DEPTH)

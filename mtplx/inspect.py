@@ -20,8 +20,9 @@ import re
 from pathlib import Path
 from typing import Any
 
+from mtplx.checkpoint import quantization_config, read_safetensors_header
 from mtplx.errors import MtplxError
-from mtplx.heads.base import quantization_config, read_safetensors_header, weight_index
+from mtplx.heads.base import weight_index
 from mtplx.loading import DEFAULT_MODEL_NAME, VARIANTS, default_model_variant, read_config, resolve_model
 
 _SAFETENSORS_BYTES = {
@@ -90,30 +91,22 @@ def _head_predicate(layout: str | None, config: dict):
 
 
 def _find_forged(path: Path) -> dict | None:
-    """A forged head attached to this model: hook into ``mtplx.heads.forged`` when it exists,
-    else the sidecar conventions (``mtplx_head/manifest.json`` or ``*.mtplx-head.json``)."""
+    """A forged head stored beside the model, in ``<model>/mtplx_head/`` (pass that directory as
+    ``--head``); None when there is none."""
+    manifest = path / "mtplx_head" / "manifest.json"
+    if not manifest.is_file():
+        return None
     try:
-        from mtplx.heads import forged  # type: ignore[attr-defined]
-
-        finder = getattr(forged, "find_forged_head", None)
-        if finder is not None:
-            found = finder(path)
-            if found is not None:
-                return {"manifest": str(found)} if not isinstance(found, dict) else found
-    except ImportError:
-        pass
-    for manifest in [path / "mtplx_head" / "manifest.json", *sorted(path.glob("*.mtplx-head.json"))]:
-        if manifest.is_file():
-            try:
-                data = json.loads(manifest.read_text(encoding="utf-8"))
-            except (OSError, ValueError):
-                raise MtplxError(f"{manifest}: unreadable forged-head manifest") from None
-            return {
-                "manifest": str(manifest),
-                "layout": data.get("layout"),
-                "fingerprint": data.get("trunk_fingerprint"),
-            }
-    return None
+        data = json.loads(manifest.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        raise MtplxError(f"{manifest}: unreadable forged-head manifest") from None
+    if not isinstance(data, dict):
+        raise MtplxError(f"{manifest}: not a forged-head manifest (not a JSON object)")
+    return {
+        "manifest": str(manifest),
+        "layout": data.get("layout"),
+        "fingerprint": data.get("trunk_fingerprint"),
+    }
 
 
 def _trunk_fingerprint(path: Path) -> str:

@@ -16,13 +16,13 @@ import json
 import os
 import re
 import shutil
-import struct
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from mtplx.checkpoint import read_safetensors_header
 from mtplx.errors import MtplxError
 
 Variant = Literal["float32", "q4"]
@@ -227,41 +227,6 @@ def resolve_model(
 # ---------------------------------------------------------------- checking and loading
 
 
-def check_safetensors(path: Path) -> None:
-    """Reject a truncated or corrupt safetensors file before MLX reads it (one-line error)."""
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            header_len = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
-            raw_header = f.read(header_len) if 0 <= header_len <= size - 8 else b""
-    except OSError as e:
-        raise MtplxError(f"{path}: cannot read safetensors ({e.strerror or e})") from None
-    _check_safetensors_header(path, size, header_len, raw_header)
-
-
-def _check_safetensors_header(path: Path, size: int, header_len: int, raw_header: bytes) -> None:
-    if header_len < 0:
-        raise MtplxError(f"{path}: truncated safetensors file ({size} bytes)")
-    if header_len > size - 8:
-        raise MtplxError(
-            f"{path}: corrupt or truncated safetensors (header length {header_len} exceeds file size {size})"
-        )
-    try:
-        header = json.loads(raw_header)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise MtplxError(f"{path}: corrupt safetensors (header is not valid JSON)") from None
-    if not isinstance(header, dict):
-        raise MtplxError(f"{path}: corrupt safetensors (header is not a JSON object)")
-    try:
-        ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
-    except (TypeError, KeyError, IndexError, ValueError):
-        raise MtplxError(f"{path}: corrupt safetensors (tensor entry without data_offsets)") from None
-    needed = 8 + header_len + max(ends, default=0)
-    if needed > size:
-        raise MtplxError(f"{path}: truncated safetensors (tensor data needs {needed} bytes, file has {size})")
-
-
 def read_config(path: Path) -> dict[str, Any]:
     """``path/config.json`` parsed, or a one-line MtplxError naming it."""
     config_path = path / "config.json"
@@ -285,7 +250,7 @@ def check_model_dir(path: Path) -> dict[str, Any]:
     if not shards:
         raise MtplxError(f"{path}: no model*.safetensors weight files")
     for shard in shards:
-        check_safetensors(shard)
+        read_safetensors_header(shard)  # a truncated or corrupt shard fails here, in one line
     return config
 
 

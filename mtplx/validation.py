@@ -7,8 +7,8 @@ command line can run it before importing the engine.
 
 from __future__ import annotations
 
+from mtplx.config import SamplerConfig
 from mtplx.errors import MtplxError
-from mtplx.sampling import SamplerConfig
 
 
 def check_generation_args(
