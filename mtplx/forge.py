@@ -44,6 +44,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 import mtplx  # noqa: F401  (optimized BLAS before mlx)
+from mtplx import compat
 from mtplx.errors import MtplxError
 from mtplx.forge_gen import ForgeData, Setting, ShardPlan, generate_shards, kind_counts, load_shards
 from mtplx.forge_prompts import (
@@ -57,6 +58,7 @@ from mtplx.forge_prompts import (
 )
 from mtplx.heads.base import HIDDEN_SOURCES
 from mtplx.heads.forged import ForgedMTPHead, build_forged_head, lm_head_matrix, save_forged_head
+from mtplx.io import atomic_path, atomic_write
 from mtplx.trunk import Trunk
 
 # The benchmark suite of this repository: held out from every forge run that can see it.
@@ -160,19 +162,9 @@ def parse_budget(text: str) -> Budget:
     return Budget(tokens=int(value * {"k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9}[unit]))
 
 
-# ---------------------------------------------------------------- atomic files
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write via a temp name in the same directory + rename: readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
-def atomic_write_json(path: Path, obj: Any) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
+def _write_json(path: Path, obj: Any) -> None:
+    with atomic_write(path) as handle:
+        handle.write(json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
 # ---------------------------------------------------------------- prompts
@@ -431,10 +423,8 @@ def save_checkpoint(ckpt_dir: Path, step: int, head: Any, opt: optim.Optimizer, 
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     arrays = {f"head.{k}": v for k, v in tree_flatten(head.parameters())}
     arrays.update({f"opt.{k}": v for k, v in tree_flatten(opt.state)})
-    final = _ckpt_path(ckpt_dir, step)
-    tmp = ckpt_dir / f".tmp{os.getpid()}-{final.name}"  # must keep the .safetensors suffix (mlx appends one)
-    mx.save_safetensors(str(tmp), arrays)
-    os.replace(tmp, final)
+    with atomic_path(_ckpt_path(ckpt_dir, step)) as tmp:
+        mx.save_safetensors(str(tmp), arrays)
     for old in sorted(ckpt_dir.glob("step-*.safetensors"))[:-keep]:
         old.unlink()
 
@@ -691,14 +681,15 @@ def _eval_chain(
     keep: np.ndarray,
 ) -> None:
     seq_len = tokens.shape[1]
-    full_state = [c.state for c in cache]
+    full_state = [compat.kv_state(c) for c in cache]
     chain1 = chain_all(head, g1)
     last_origin = seq_len - depths - 1  # the deepest draft must still have a trunk target
     for j in np.unique(np.linspace(0, max(last_origin, 0), num=min(origins, last_origin + 1)).astype(int)):
         j = int(j)
         step_cache = head.make_cache()
-        for c, (k, v, _) in zip(step_cache, full_state):
-            c.state = (k[..., : j + 1, :], v[..., : j + 1, :], j + 1)
+        for c, state in zip(step_cache, full_state):
+            prefix = compat.KVState(state.keys[..., : j + 1, :], state.values[..., : j + 1, :], j + 1)
+            compat.set_kv_state(c, prefix)
         x = chain1[:, j : j + 1]
         for d in range(2, depths + 1):
             # Draft d sits at position j+d-1: input = previous head output + true token j+d.
@@ -828,7 +819,7 @@ def _planned_steps(
         steps = max(1, math.ceil(TOKEN_BUDGET_EPOCHS * rows / cfg.batch_size))
     else:
         steps = cfg.steps
-    atomic_write_json(plan, {"steps": steps})
+    _write_json(plan, {"steps": steps})
     return steps
 
 
@@ -875,7 +866,7 @@ def _generate(
         "generate",
         cfg.max_prompt,
     )
-    atomic_write_json(done_path, summaries["train"])
+    _write_json(done_path, summaries["train"])
     return summaries
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ import numpy as np
 
 from mtplx.errors import MtplxError
 from mtplx.forge_prompts import Prompt, prompt_ids
+from mtplx.io import atomic_path
 from mtplx.trunk import Trunk
 
 SHARD_FILES = ("tokens", "hidden", "top_ids", "top_logp", "valid")
@@ -240,9 +240,8 @@ def _shard_path(directory: Path, index: int) -> Path:
 
 
 def save_shard(path: Path, data: ForgeData, meta: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.npz")
-    np.savez(tmp, meta=np.array(json.dumps(meta)), **{n: getattr(data, n) for n in SHARD_FILES})
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:  # keeps the .npz suffix, so numpy writes exactly there
+        np.savez(tmp, meta=np.array(json.dumps(meta)), **{n: getattr(data, n) for n in SHARD_FILES})
 
 
 def load_shards(directory: Path, count: int | None = None) -> tuple[ForgeData, list[dict]]:
