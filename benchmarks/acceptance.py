@@ -37,8 +37,12 @@ SETTINGS = {"greedy": dict(temperature=0.0), "t0.7-p0.95": dict(temperature=0.7,
 EFFICIENCY = {"greedy": {1: 0.84, 2: 0.83, 3: 0.75}, "t0.7-p0.95": {1: 0.84, 2: 0.77, 3: 0.67}}
 
 
-def measure(engine: Engine, depth: int, tokens: int, seed: int, kinds: set[str] | None = None) -> dict:
-    prompts = [p for p in read_held_out(SUITE) if kinds is None or p.kind in kinds]
+def measure(engine: Engine, depth: int, tokens: int, seed: int, per_kind: int | None = None) -> dict:
+    prompts, taken = [], {}
+    for p in read_held_out(SUITE):  # the first ``per_kind`` prompts of each kind, in suite order
+        taken[p.kind] = taken.get(p.kind, 0) + 1
+        if per_kind is None or taken[p.kind] <= per_kind:
+            prompts.append(p)
     table: dict = {}
     for setting, sampling in SETTINGS.items():
         pooled: dict[str, dict] = {}
@@ -85,7 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--depth", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--kinds", default=None, help="comma-separated subset of code,prose,chat")
+    parser.add_argument(
+        "--per-kind", type=int, default=None, help="first N prompts of each kind (default all)"
+    )
     parser.add_argument("--json", default=None, help="write the table here")
     args = parser.parse_args(argv)
     engine = Engine.load(None, head=args.head)

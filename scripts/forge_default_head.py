@@ -24,7 +24,7 @@ HEAD_DIR = Path(__file__).resolve().parent.parent / "models" / "smollm2-135m-ins
 # The overrides of the shipped head. It was fine-tuned from the previous shipped head (trained on
 # human text, 1 draft step), kept as `init_head`, because the shared 2-core machine generated only
 # a few thousand tokens of the trunk's own writing within the session's budget.
-OVERRIDES = dict(budget="65m", lr=3e-4, batch_size=4)
+OVERRIDES = dict(budget="50m", lr=3e-4, batch_size=4)
 
 
 def main() -> int:

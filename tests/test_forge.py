@@ -410,7 +410,8 @@ def test_forge_end_to_end_on_a_user_model_and_prompts(tmp_path: Path, capsys: py
     model_dir = tiny_model_dir(tmp_path / "model", _tiny_trunk(seed=3))
     data = tmp_path / "data"
     data.mkdir()
-    (data / "a.txt").write_text("\n\n".join(f"the quick brown fox {w}" for w in "abcdefghijklmnop"))
+    for w in "abcdefgh":  # short files: every prompt fits max_prompt, whichever way the hash splits them
+        (data / f"{w}.txt").write_text(f"the quick brown fox {w}")
     (data / "chat.jsonl").write_text(
         json.dumps(
             {"messages": [{"role": "user", "content": "say the fox"}, {"role": "assistant", "content": "x"}]}
