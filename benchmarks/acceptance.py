@@ -95,13 +95,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="write the table here")
     args = parser.parse_args(argv)
     engine = Engine.load(None, head=args.head)
-    kinds = set(args.kinds.split(",")) if args.kinds else None
-    table = measure(engine, args.depth, args.tokens, args.seed, kinds)
+    table = measure(engine, args.depth, args.tokens, args.seed, args.per_kind)
     record = {
         "head": args.head,
         "depth": args.depth,
         "tokens": args.tokens,
         "seed": args.seed,
+        "per_kind": args.per_kind,
         "table": table,
     }
     text = json.dumps(record, indent=1)
