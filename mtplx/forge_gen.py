@@ -124,8 +124,12 @@ def generate_batch(
     seq_len: int,
     top_k: int,
     eos_ids: set[int],
+    deadline: float | None = None,
 ) -> ForgeData:
-    """Generate a response for every prompt (until EOS or ``seq_len`` slots) and record the training data."""
+    """Generate a response for every prompt (until EOS or ``seq_len`` slots) and record the training data.
+
+    ``deadline`` (time.time()) cuts every response short when it passes, so a time budget
+    is kept even when one batch takes minutes (the cut responses are still valid data)."""
     from mlx_lm.models.cache import BatchKVCache
 
     lengths = [len(p) for p in prompts]
@@ -152,7 +156,7 @@ def generate_batch(
         step_logp.append(np.asarray(vals))
         step_tokens.append(np.asarray(token))
         done |= np.isin(step_tokens[-1], list(eos_ids))
-        if done.all() or j == steps - 1:
+        if done.all() or j == steps - 1 or (deadline is not None and time.time() >= deadline):
             break
         pre, post = trunk.forward_hidden(token[:, None], cache)
         step_hidden.append(np.asarray(pre[:, -1].astype(mx.float16)))
@@ -307,7 +311,7 @@ def generate_shards(
             raise MtplxError(f"forge: no prompt of {plan.prompts[0].source} ... fits in {max_prompt} tokens")
         if encoded:
             data = generate_batch(
-                trunk, [ids for _, ids in encoded], setting, key, plan.seq_len, plan.top_k, eos
+                trunk, [ids for _, ids in encoded], setting, key, plan.seq_len, plan.top_k, eos, deadline
             )
             meta = {
                 "setting": setting.label,

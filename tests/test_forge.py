@@ -556,3 +556,15 @@ def test_a_time_budget_fixes_the_step_count_once(trunk: Trunk, data: ForgeData, 
     assert (
         _planned_steps(cfg, parse_budget("1k"), tmp_path / "e", None, lambda: 1.0, 24) == 12
     )  # 2 epochs of 4
+
+
+def test_a_passed_deadline_cuts_every_response_short(trunk: Trunk) -> None:
+    import time
+
+    prompts = _prompts(3, seed=5)
+    out = generate_batch(trunk, prompts, Setting(0.0), mx.random.key(0), SEQ, 6, {EOS}, deadline=time.time())
+    full = generate_batch(trunk, prompts, Setting(0.0), mx.random.key(0), SEQ, 6, {EOS})
+    for r, prompt in enumerate(prompts):
+        p = len(prompt)
+        assert out.tokens[r, p] == full.tokens[r, p] and not out.tokens[r, p + 1 :].any()  # one token each
+    assert not out.valid.any() and full.valid.any()
