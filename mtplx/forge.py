@@ -530,7 +530,7 @@ def train_head(
 
 
 def seconds_per_step(
-    cfg: ForgeConfig, trunk: Trunk, head: Any, data: ForgeData, obj: Objective, n: int = 2
+    cfg: ForgeConfig, trunk: Trunk, head: Any, data: ForgeData, obj: Objective, n: int = 1
 ) -> float:
     """Measured seconds of one training step (forward + backward, no update) to size a time budget."""
 
