@@ -265,14 +265,23 @@ def mla_block(x, t, p, cfg):
     return h + mlp(rms(h, t[p + "post_attention_layernorm.weight"], eps), t, p + "mlp.")
 
 
-def deepseek_reference(t, hidden, next_tokens, cfg):
-    p = f"model.layers.{cfg['num_hidden_layers']}."
+def zero_row0(emb, zero_first):
+    """vLLM deepseek_mtp.py / mimo_mtp.py: ``inputs_embeds[positions == 0] = 0`` (rows are positions 0..)."""
+    emb = emb.copy()
+    if zero_first:
+        emb[0] = 0.0
+    return emb
+
+
+def deepseek_reference(t, hidden, next_tokens, cfg, module=0, zero_first=True):
+    """-> (pre-norm, post-norm, logits) of module ``module`` over positions 0..T-1 (causal)."""
+    p = f"model.layers.{cfg['num_hidden_layers'] + module}."
     eps = cfg["rms_norm_eps"]
-    emb = t["model.embed_tokens.weight"][next_tokens]
+    emb = zero_row0(t["model.embed_tokens.weight"][next_tokens], zero_first)
     x = np.concatenate([rms(emb, t[p + "enorm.weight"], eps), rms(hidden, t[p + "hnorm.weight"], eps)], -1)
     x = mla_block(x @ t[p + "eh_proj.weight"].T, t, p, cfg)
     out = rms(x, t[p + "shared_head.norm.weight"], eps)
-    return out, out @ t[p + "shared_head.head.weight"].T
+    return x, out, out @ t[p + "shared_head.head.weight"].T
 
 
 @pytest.fixture(scope="module")
@@ -284,14 +293,16 @@ def deepseek(tmp_path_factory):
 
 def test_deepseek_head_matches_numpy_reference(deepseek):
     tiny, (trunk, _, head) = deepseek
-    assert head.layout == "deepseek" and head.hidden_source == "post_norm" and head.chain_source == "pre_norm"
+    assert head.layout == "deepseek" and head.hidden_source == "post_norm" and head.chain_source == "post_norm"
+    assert head.max_depth is None
     hidden, nxt = head_inputs(trunk, head)
     out = head(hidden, nxt, head.make_cache())
-    ref, ref_logits = deepseek_reference(
-        read_tensors(tiny.path), np.array(hidden[0], np.float64), np.array(nxt[0]), tiny.config
-    )
+    args = (read_tensors(tiny.path), np.array(hidden[0], np.float64), np.array(nxt[0]), tiny.config)
+    _, ref, ref_logits = deepseek_reference(*args)
     assert_close(out[0], ref)
     assert_close(head.logits(out)[0], ref_logits)
+    # Negative control: without the position-0 mask (the old convention) the output is elsewhere.
+    assert differs(out[0], deepseek_reference(*args, zero_first=False)[1])
     # The shipped shared_head.head equals the trunk's lm_head: no second copy is kept.
     assert not any("shared_head.head" in k for k, _ in tree_flatten(head.parameters()))
 
@@ -316,11 +327,13 @@ def test_deepseek_moe_experts_are_stacked(tmp_path):
 # --------------------------------------------------------------------------- mimo
 
 
-def mimo_reference(t, hidden, next_tokens, cfg, hidden_first=True):
+def mimo_reference(t, hidden, next_tokens, cfg, hidden_first=True, module=0, zero_first=True):
+    """-> (pre-norm, post-norm, logits) of MTP module ``module`` over positions 0..T-1 (causal)."""
     nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     hd, eps, T = cfg["hidden_size"] // nh, cfg["rms_norm_eps"], len(next_tokens)
-    p = "model.mtp_layers.0."
-    e = rms(t["model.embed_tokens.weight"][next_tokens], t[p + "token_layernorm.weight"], eps)
+    p = f"model.mtp_layers.{module}."
+    emb = zero_row0(t["model.embed_tokens.weight"][next_tokens], zero_first)
+    e = rms(emb, t[p + "token_layernorm.weight"], eps)
     h = rms(hidden, t[p + "hidden_layernorm.weight"], eps)
     x = np.concatenate([h, e] if hidden_first else [e, h], -1) @ t[p + "input_proj.weight"].T
     a = rms(x, t[p + "input_layernorm.weight"], eps)
@@ -330,19 +343,21 @@ def mimo_reference(t, hidden, next_tokens, cfg, hidden_first=True):
     o = attend(gqa_scores(q, k, hd**-0.5), np.repeat(proj["v"].reshape(T, nkv, hd), nh // nkv, axis=1))
     x = x + o @ t[p + "self_attn.o_proj.weight"].T
     x = x + mlp(rms(x, t[p + "post_attention_layernorm.weight"], eps), t, p + "mlp.")
-    return rms(x, t[p + "final_layernorm.weight"], eps)
+    out = rms(x, t[p + "final_layernorm.weight"], eps)
+    return x, out, out @ t["lm_head.weight"].T
 
 
 def test_mimo_head_matches_numpy_reference(tmp_path):
     tiny = tc.mimo(tmp_path / "MiMo-tiny")
     trunk, _, head = load(tiny.path)
-    assert head.layout == "mimo" and head.hidden_source == "pre_norm"
+    assert head.layout == "mimo" and head.hidden_source == "pre_norm" and head.max_depth is None
     hidden, nxt = head_inputs(trunk, head)
     out = head(hidden, nxt, head.make_cache())
     t = read_tensors(tiny.path)
     args = (t, np.array(hidden[0], np.float64), np.array(nxt[0]), tiny.config)
-    assert_close(out[0], mimo_reference(*args))
-    assert differs(out[0], mimo_reference(*args, hidden_first=False))  # negative control: concat order
+    assert_close(out[0], mimo_reference(*args)[1])
+    assert differs(out[0], mimo_reference(*args, hidden_first=False)[1])  # negative control: concat order
+    assert differs(out[0], mimo_reference(*args, zero_first=False)[1])  # negative control: position 0
 
 
 def test_quantized_checkpoint_head_is_quantized_like_the_checkpoint(tmp_path):
@@ -354,7 +369,8 @@ def test_quantized_checkpoint_head_is_quantized_like_the_checkpoint(tmp_path):
     # Same tensors, same quantization -> the module the checkpoint was written from (up to kernel rounding).
     ref = tiny.head_module
     hidden, nxt = head_inputs(trunk, head)
-    e = ref.token_layernorm(trunk.embed(nxt))
+    emb = trunk.embed(nxt)
+    e = ref.token_layernorm(mx.concatenate([mx.zeros_like(emb[:, :1]), emb[:, 1:]], axis=1))  # position 0
     x = ref.input_proj(mx.concatenate([ref.hidden_layernorm(hidden), e], -1))
     from mlx_lm.models.base import create_attention_mask
 
