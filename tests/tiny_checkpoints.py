@@ -183,7 +183,7 @@ def _qwen_next_head_module(layers: list) -> nn.Module:
 # --------------------------------------------------------------------------- deepseek_v3
 
 
-def deepseek_v3_config(moe: bool = False, mtp_layers: int = 1) -> dict:
+def deepseek_v3_config(moe: bool = False, mtp_layers: int = 1, trunk_layers: int = 61) -> dict:
     cfg = {
         "model_type": "deepseek_v3",
         "architectures": ["DeepseekV3ForCausalLM"],
@@ -192,7 +192,7 @@ def deepseek_v3_config(moe: bool = False, mtp_layers: int = 1) -> dict:
         "intermediate_size": 64,
         "moe_intermediate_size": 16,
         # 61 as in DeepSeek-V3: mlx-lm's deepseek_v3 sanitize drops exactly model.layers.61.*
-        "num_hidden_layers": 61,
+        "num_hidden_layers": trunk_layers,
         "num_attention_heads": 4,
         "num_key_value_heads": 4,
         "kv_lora_rank": 16,
@@ -254,12 +254,14 @@ def deepseek_v3(
     seed: int = 0,
     mtp_layers: int = 1,
     sidecar: bool = False,
+    trunk_layers: int = 61,
 ) -> Tiny:
-    """``sidecar=True`` writes the MTP layers to ``mtp.safetensors`` beside the trunk's files
-    (needed for ``mtp_layers > 1``: mlx-lm's sanitize drops only ``model.layers.61.*``)."""
+    """``sidecar=True`` writes the MTP layers to ``mtp.safetensors`` beside the trunk's files,
+    where mlx-lm never reads them (needed for ``mtp_layers > 1`` or ``trunk_layers != 61``:
+    mlx-lm's sanitize drops only ``model.layers.61.*``)."""
     from mlx_lm.models import deepseek_v3 as d
 
-    config = deepseek_v3_config(moe, mtp_layers)
+    config = deepseek_v3_config(moe, mtp_layers, trunk_layers)
     args = d.ModelArgs.from_dict(config)
     model = d.Model(args)
     randomize(model, seed)
