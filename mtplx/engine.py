@@ -170,6 +170,7 @@ class Engine:
         model: str | Path | None = None,
         *,
         head: str | Path | None = None,
+        mtp: bool | None = None,
         depth: int | None = None,
         dtype: str | None = None,
         verify_backend: str = "auto",
@@ -178,6 +179,9 @@ class Engine:
 
         ``head`` is a forged-head directory; without it the checkpoint's own MTP
         head is used, or for the default model the head shipped with mtplx.
+        ``mtp=False`` never loads a head; ``mtp=None`` loads one when the checkpoint ships it
+        (a config that declares MTP layers whose tensors a converter stripped gets a one-line
+        note on stderr and decodes AR); ``mtp=True`` makes a missing head an error.
         """
         from mtplx import heads, loading
 
@@ -197,7 +201,9 @@ class Engine:
             if head is not None
             else (heads.shipped_head_dir(loading.DEFAULT_MODEL_NAME) if model is None else None)
         )
-        if head_dir is not None:
+        if mtp is False:
+            engine.head = None  # never loaded: a stripped or broken head cannot stop AR decoding
+        elif head_dir is not None:
             from mtplx.heads import forged
 
             head_fingerprint = loaded.fingerprint
@@ -207,7 +213,7 @@ class Engine:
                 head_fingerprint = loading.load_model(None, variant="float32", lazy=True).fingerprint
             engine.head = forged.load_forged_head(head_dir, engine.trunk, head_fingerprint)
         else:
-            engine.head = heads.load_head(loaded.path, engine.trunk, loaded.config)
+            engine.head = heads.load_checkpoint_head(loaded.path, engine.trunk, loaded.config, required=bool(mtp))
         if depth is not None and depth < 1:
             raise MtplxError(f"depth: must be >= 1, got {depth}")
         engine.depth = depth if depth is not None else engine._default_depth()

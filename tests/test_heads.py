@@ -11,6 +11,7 @@ is checked structurally (HF per-expert tensors land stacked in mlx-lm's SwitchGL
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import mlx.core as mx
@@ -597,3 +598,64 @@ def test_qwen_norm_offset_is_decided_per_tensor(tmp_path):
     as_stored = {k: (v + 1.0 if k in shifted else v) for k, v in t.items()}
     assert differs(out[0], qwen35_reference(as_stored, h64, x, tiny.config, offset=True))
     assert differs(out[0], qwen35_reference(as_stored, h64, x, tiny.config, offset=False))
+
+
+# --------------------------------------------------------------------------- Engine.load and head discovery
+
+
+def _mimo_with_tokenizer(path: Path, **kw) -> tc.Tiny:
+    tiny = tc.mimo(path, **kw)
+    tc.add_tokenizer(path)
+    return tiny
+
+
+def test_engine_load_on_a_stripped_head(tmp_path, capsys):
+    """Config declares MTP layers, a converter dropped their tensors (as mlx-lm's does)."""
+    from mtplx.engine import Engine
+
+    tiny = _mimo_with_tokenizer(tmp_path / "stripped")
+    _drop_head_tensors(tiny.path, lambda k: not k.startswith("model.mtp_layers."))
+    engine = Engine.load(str(tiny.path), mtp=False)
+    assert engine.head is None and capsys.readouterr().err == ""
+    engine = Engine.load(str(tiny.path))
+    err = capsys.readouterr().err
+    assert engine.head is None and err.count("\n") == 1 and "ships no model.mtp_layers" in err
+    result = engine.generate("w3 w5 w7", max_tokens=4, seed=0)
+    assert result.stats.mode == "ar" and len(result.token_ids) >= 1
+    with pytest.raises(MtplxError) as excinfo:
+        Engine.load(str(tiny.path), mtp=True)
+    assert "\n" not in str(excinfo.value) and "ships no" in str(excinfo.value)
+
+
+def test_engine_load_mtp_false_never_reads_the_head(tmp_path):
+    from mtplx.engine import Engine
+
+    tiny = _mimo_with_tokenizer(tmp_path / "broken")
+    arrays = dict(mx.load(str(tiny.path / "model.safetensors")))
+    key = "model.mtp_layers.0.input_proj.weight"
+    arrays[key] = arrays[key][:, : tc.H]  # mis-shaped: loading the head would fail
+    mx.save_safetensors(str(tiny.path / "model.safetensors"), arrays, {"format": "pt"})
+    with pytest.raises(MtplxError, match="shape"):
+        Engine.load(str(tiny.path))
+    assert Engine.load(str(tiny.path), mtp=False).head is None
+
+
+def test_sidecar_head_file_outside_the_shard_index_is_found(tmp_path):
+    """Head tensors in ``mtp.safetensors`` beside index-listed shards (not in the index)."""
+    tiny = tc.mimo(tmp_path / "sharded", shards=2)
+    trunk, _, expected = load(tiny.path)
+    hidden, nxt = head_inputs(trunk, expected)
+    index_file = tiny.path / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    head: dict[str, mx.array] = {}
+    for f in sorted(tiny.path.glob("model-*.safetensors")):
+        arrays = dict(mx.load(str(f)))
+        mx.eval(arrays)  # read before the file is rewritten
+        head.update({k: v for k, v in arrays.items() if k.startswith("model.mtp_layers.")})
+        mx.save_safetensors(str(f), {k: v for k, v in arrays.items() if k not in head}, {"format": "pt"})
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if k not in head}
+    index_file.write_text(json.dumps(index))
+    mx.save_safetensors(str(tiny.path / "mtp.safetensors"), head, {"format": "pt"})
+    trunk2, _, found = load(tiny.path)
+    assert found is not None
+    assert mx.allclose(found(hidden, nxt), expected(hidden, nxt), atol=1e-6).item()

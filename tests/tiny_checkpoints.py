@@ -390,3 +390,19 @@ def mimo(
     tiny = write_checkpoint(path, tensors, config, shards)
     tiny.head_module = heads[0]
     return tiny
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+def add_tokenizer(path: Path) -> None:
+    """A word-level tokenizer over the tiny vocabulary (``w0``..``w{V-1}``, ``w1`` = EOS), so
+    ``Engine.load`` and ``mlx_lm.load`` open the checkpoint like a real one."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(V)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "w1", "unk_token": "w0"}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
