@@ -135,9 +135,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from mtplx.convert import convert_gguf
+    if str(args.source).endswith(".gguf"):
+        from mtplx.convert import convert_gguf
 
-    out = convert_gguf(args.gguf, args.out, dtype=args.dtype, overwrite=args.overwrite)
+        out = convert_gguf(args.source, args.out, dtype=args.dtype, overwrite=args.overwrite)
+    else:
+        from mtplx.convert_hf import convert_hf
+
+        head_bits = None if args.head_bits is None else (args.head_bits if args.head_bits == "float" else int(args.head_bits))
+        out = convert_hf(
+            args.source,
+            args.out,
+            q_bits=args.q_bits,
+            q_group_size=args.q_group_size,
+            head_bits=head_bits,
+            overwrite=args.overwrite,
+        )
     print(f"wrote {out}")
     return 0
 
@@ -244,11 +257,22 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     gen.set_defaults(func=cmd_generate)
 
-    conv = sub.add_parser("convert", help="convert a llama-architecture GGUF into an mlx-lm model directory")
-    conv.add_argument("gguf", help="the .gguf file")
+    conv = sub.add_parser(
+        "convert",
+        help="a llama GGUF, or a Hugging Face checkpoint (quantized, keeping its MTP head), to an mlx-lm directory",
+    )
+    conv.add_argument("source", help="a .gguf file, or a Hugging Face checkpoint directory or repo id")
     conv.add_argument("out", help="output directory (written atomically)")
     conv.add_argument(
-        "--dtype", default="float32", help="float32 | float16 | bfloat16 | q4 (default float32)"
+        "--dtype", default="float32", help="GGUF: float32 | float16 | bfloat16 | q4 (default float32)"
+    )
+    conv.add_argument("--q-bits", type=int, default=4, help="HF: trunk bits per weight (default 4)")
+    conv.add_argument("--q-group-size", type=int, default=64, help="HF: quantization group size (default 64)")
+    conv.add_argument(
+        "--head-bits",
+        choices=["float", "2", "3", "4", "5", "6", "8"],
+        default=None,
+        help="HF: the MTP head's bits, or float to keep it unquantized (default: the trunk's bits)",
     )
     conv.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     conv.set_defaults(func=cmd_convert)
