@@ -142,7 +142,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
     else:
         from mtplx.convert_hf import convert_hf
 
-        head_bits = None if args.head_bits is None else (args.head_bits if args.head_bits == "float" else int(args.head_bits))
+        head_bits = (
+            None
+            if args.head_bits is None
+            else (args.head_bits if args.head_bits == "float" else int(args.head_bits))
+        )
         out = convert_hf(
             args.source,
             args.out,

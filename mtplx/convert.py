@@ -16,8 +16,8 @@ import os
 import re
 import shutil
 import tempfile
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Literal
 
 import mlx.core as mx

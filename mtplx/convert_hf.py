@@ -175,7 +175,9 @@ def convert_hf(
     trunk_predicate = getattr(model, "quant_predicate", None)
     model, qconfig = quantize_model(model, config, q_group_size, q_bits)
     if head is not None and head_bits != "float":
-        quantize_head(head, head_bits or q_bits, q_group_size, trunk_predicate, qconfig["quantization"], q_bits)
+        quantize_head(
+            head, head_bits or q_bits, q_group_size, trunk_predicate, qconfig["quantization"], q_bits
+        )
     qconfig["mtplx"] = {
         "converted_from": str(source),
         "head_file": HEAD_FILE if head is not None else None,

@@ -213,7 +213,9 @@ class Engine:
                 head_fingerprint = loading.load_model(None, variant="float32", lazy=True).fingerprint
             engine.head = forged.load_forged_head(head_dir, engine.trunk, head_fingerprint)
         else:
-            engine.head = heads.load_checkpoint_head(loaded.path, engine.trunk, loaded.config, required=bool(mtp))
+            engine.head = heads.load_checkpoint_head(
+                loaded.path, engine.trunk, loaded.config, required=bool(mtp)
+            )
         if depth is not None and depth < 1:
             raise MtplxError(f"depth: must be >= 1, got {depth}")
         engine.depth = depth if depth is not None else engine._default_depth()

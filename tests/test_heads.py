@@ -294,7 +294,9 @@ def deepseek(tmp_path_factory):
 
 def test_deepseek_head_matches_numpy_reference(deepseek):
     tiny, (trunk, _, head) = deepseek
-    assert head.layout == "deepseek" and head.hidden_source == "post_norm" and head.chain_source == "post_norm"
+    assert (
+        head.layout == "deepseek" and head.hidden_source == "post_norm" and head.chain_source == "post_norm"
+    )
     assert head.max_depth is None
     hidden, nxt = head_inputs(trunk, head)
     out = head(hidden, nxt, head.make_cache())
@@ -492,7 +494,12 @@ def two_module_heads(tmp_path_factory):
         out[name] = (tiny, trunk, head, ref(read_tensors(tiny.path), tiny.config))
     trunk, _, head = load(q.path)
     t = read_tensors(q.path)
-    out["qwen3_next"] = (q, trunk, head, lambda j, h, x, z=True: qwen35_module(t, q.config, lambda i: i)(j, h, x))
+    out["qwen3_next"] = (
+        q,
+        trunk,
+        head,
+        lambda j, h, x, z=True: qwen35_module(t, q.config, lambda i: i)(j, h, x),
+    )
     return out
 
 

@@ -98,14 +98,6 @@ def _prefixed(module: nn.Module, prefix: str) -> dict[str, mx.array]:
 # --------------------------------------------------------------------------- qwen3_5
 
 
-QWEN35_NORMS = (
-    ".input_layernorm.weight",
-    ".post_attention_layernorm.weight",
-    ".q_norm.weight",
-    ".k_norm.weight",
-)
-
-
 def qwen3_5_config(mtp_layers: int = 1) -> dict:
     text = {
         "model_type": "qwen3_5_text",

@@ -98,7 +98,9 @@ def load_head(model_dir: Path, trunk: Any, config: dict, hidden_source: str | No
     return _LOADERS[layout](model_dir, trunk, config, index, **kwargs)
 
 
-def load_checkpoint_head(model_dir: Path, trunk: Any, config: dict, *, required: bool = False) -> MTPHead | None:
+def load_checkpoint_head(
+    model_dir: Path, trunk: Any, config: dict, *, required: bool = False
+) -> MTPHead | None:
     """``load_head`` for ``Engine.load``: a checkpoint whose config declares MTP layers but whose
     head tensors were stripped (mlx-lm's converter drops them) loads without a head, with a
     one-line note on stderr; ``required=True`` makes that an error instead."""

@@ -23,6 +23,7 @@ from mlx.utils import tree_flatten
 
 from mtplx.errors import MtplxError
 
+
 class MissingHeadError(MtplxError):
     """The config declares MTP layers but the checkpoint ships none of their tensors
     (mlx-lm's converter drops them): the model still decodes, autoregressively."""

@@ -1,0 +1,100 @@
+"""Head precision on a 4-bit trunk: float MTP head vs the same head quantized (what `mtplx convert
+--head-bits` chooses between), measured on acceptance.
+
+Default model, q4 build (4-bit trunk from the GGUF's Q4 blocks) with the head mtplx ships for it.
+Two measurements per variant:
+- teacher-forced, every position of the suite's prompts: the expected acceptance of d_1 under
+  exact speculative sampling at temperature 1, E[sum_x min(p(x), q(x))], and at temperature 0
+  the rate at which the head's argmax equals the trunk's;
+- real greedy decoding at depth 3 (`Engine.generate`): acceptance per position and tokens per
+  cycle (greedy output is the same for every variant, so the drafts face the same text).
+
+    PYTHONPATH=$PWD python benchmarks/head_precision.py [--tokens 64] [--prompts 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mtplx.engine import Engine
+
+SUITE = Path(__file__).parent / "prompts" / "suite.jsonl"
+
+
+def quantized_copy(head: nn.Module, bits: int, group_size: int) -> nn.Module:
+    head = copy.copy(head)  # shallow: the shared embed / LM head callables stay shared
+    head.update(copy.deepcopy(dict(head.children())))
+    nn.quantize(
+        head,
+        group_size=group_size,
+        bits=bits,
+        class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % group_size == 0,
+    )
+    return head
+
+
+def teacher_forced(engine: Engine, head: nn.Module, prompts: list[list[int]]) -> dict[str, float]:
+    accept_t1 = match_t0 = n = 0.0
+    for tokens in prompts:
+        out = engine.trunk(mx.array([tokens]))
+        hidden = out.hidden_pre_norm if head.hidden_source == "pre_norm" else out.hidden_post_norm
+        # head position i pairs hidden i with token i+1 and predicts token i+2 = trunk row i+1
+        h = head(hidden[:, :-2], mx.array([tokens[1:-1]]), head.make_cache())
+        q = mx.softmax(head.logits(h).astype(mx.float32), axis=-1)[0]
+        p = mx.softmax(out.logits[0, 1:-1].astype(mx.float32), axis=-1)
+        accept_t1 += mx.sum(mx.minimum(p, q)).item()
+        match_t0 += mx.sum(mx.argmax(p, -1) == mx.argmax(q, -1)).item()
+        n += p.shape[0]
+    return {"accept_t1": accept_t1 / n, "argmax_match_t0": match_t0 / n, "positions": int(n)}
+
+
+def decoding(engine: Engine, prompts: list, tokens: int) -> dict[str, object]:
+    drafted = accepted = cycles = committed = 0
+    per_pos = [0.0, 0.0, 0.0]
+    for prompt in prompts:
+        stats = engine.generate(prompt, max_tokens=tokens, depth=3, mtp=True).stats
+        cycles += stats.cycles
+        committed += stats.tokens_per_cycle * stats.cycles
+        for i, a in enumerate(stats.acceptance_per_position):
+            per_pos[i] += a * stats.cycles
+        drafted += 3 * stats.cycles
+        accepted += sum(a * stats.cycles for a in stats.acceptance_per_position)
+    return {
+        "acceptance_per_position": [round(x / cycles, 4) for x in per_pos],
+        "tokens_per_cycle": round(committed / cycles, 4),
+        "cycles": cycles,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--prompts", type=int, default=12)
+    args = ap.parse_args()
+    rows = [json.loads(line) for line in SUITE.read_text().splitlines() if line.strip()][: args.prompts]
+    texts = [r.get("prompt") or r["messages"] for r in rows]  # raw text, or a chat
+    engine = Engine.load(None, dtype="q4")
+    encoded = [engine.encode_prompt(t)[:512] for t in texts]
+    float_head = engine.head
+    variants = {
+        "float": float_head,
+        "q8-g64": quantized_copy(float_head, 8, 64),
+        "q4-g64": quantized_copy(float_head, 4, 64),
+        "q4-g32": quantized_copy(float_head, 4, 32),
+    }
+    results = {}
+    for name, head in variants.items():
+        engine.head = head
+        results[name] = {"teacher_forced": teacher_forced(engine, head, encoded)}
+        results[name]["greedy_d3"] = decoding(engine, texts, args.tokens)
+        print(name, json.dumps(results[name]), flush=True)
+
+
+if __name__ == "__main__":
+    main()
