@@ -197,6 +197,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return tune_from_args(args)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from mtplx.server.cli import serve_from_args
+
+    return serve_from_args(args)
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mtplx", description="Exact MTP speculative decoding on MLX.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -299,6 +305,12 @@ def _build_parser() -> argparse.ArgumentParser:
     tune = sub.add_parser("tune", help="measure and save the fastest depth for this model on this machine")
     add_tune_args(tune)
     tune.set_defaults(func=cmd_tune)
+
+    from mtplx.server.cli import add_serve_args
+
+    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat and text completions)")
+    add_serve_args(srv)
+    srv.set_defaults(func=cmd_serve)
     return parser
 
 
