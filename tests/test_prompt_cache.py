@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import mtplx  # noqa: F401  I001  (BLAS before mlx)
+import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx import decode
 from mtplx.engine import Engine
 from mtplx.prompt_cache import PromptCache, cache_nbytes

@@ -424,12 +424,11 @@ async def _sse(
                 yield _event(error_body(err.message, err.type, err.param, err.code))
                 break
             last = item
+            request.state.mtplx_stats = item.stats  # the log line counts what was generated, even if cut
             yield _event(fmt.chunk(item))
             item = await _next_item(job)
-        if last is not None:
-            request.state.mtplx_stats = last.stats
-            if include_usage:
-                yield _event(fmt.usage_chunk(last.stats))
+        if last is not None and include_usage:
+            yield _event(fmt.usage_chunk(last.stats))
         yield "data: [DONE]\n\n"
     finally:
         job.cancel()
