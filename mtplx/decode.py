@@ -77,9 +77,14 @@ def _token_logprobs(logits: mx.array, tokens: list[int], top: int) -> list[Token
     """Log-probabilities of ``tokens`` under rows logits[T, V] (raw: no penalty, no filter)."""
     logprobs = logits.astype(mx.float32) - mx.logsumexp(logits.astype(mx.float32), axis=-1, keepdims=True)
     chosen = mx.take_along_axis(logprobs, mx.array(tokens)[:, None], axis=-1)[:, 0]
+    top = min(top, logits.shape[-1])
     if top > 0:
-        top_ids = mx.argsort(-logprobs, axis=-1)[:, :top]
+        # A partial selection of the top ``top``, then an order among those few.
+        top_ids = mx.argpartition(-logprobs, kth=top - 1, axis=-1)[:, :top]
         top_lps = mx.take_along_axis(logprobs, top_ids, axis=-1)
+        order = mx.argsort(-top_lps, axis=-1)
+        top_ids = mx.take_along_axis(top_ids, order, axis=-1)
+        top_lps = mx.take_along_axis(top_lps, order, axis=-1)
         ids, lps = top_ids.tolist(), top_lps.tolist()
     else:
         ids = lps = [[] for _ in tokens]

@@ -414,3 +414,36 @@ def test_server_still_serves_after_bad_requests_and_logs_each(server, client, mo
     assert "Traceback" not in log
     assert " 401 " in log and " 413 " in log and " 404 " in log
     assert "tok/cycle" in log
+
+
+def test_cors_is_off_unless_origins_are_allowed(server, model_id):
+    base, _ = server
+    response = httpx.get(
+        base + "/v1/models", headers={"Origin": "http://evil.example", "Authorization": f"Bearer {KEY}"}
+    )
+    assert response.status_code == 200 and "access-control-allow-origin" not in response.headers
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_request_timeout_is_a_504_in_the_openai_shape(engine, stream):
+    """In-process app (same code as the served one) with a timeout that has always passed."""
+    from fastapi.testclient import TestClient
+
+    from mtplx.server.app import create_app
+    from mtplx.server.settings import ServerSettings
+    from mtplx.server.worker import GenerationWorker
+
+    worker = GenerationWorker(engine, max_queue=4)
+    worker.start()
+    try:
+        app = create_app(worker, ServerSettings(model_id="tiny", request_timeout=1e-9))
+        with TestClient(app) as http:
+            body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+            response = http.post("/v1/chat/completions", json={**body, "stream": stream})
+            assert response.status_code == 504
+            assert response.json()["error"]["code"] == "timeout"
+            ok = create_app(worker, ServerSettings(model_id="tiny"))
+            with TestClient(ok) as http2:
+                assert http2.post("/v1/chat/completions", json=body).json()["choices"][0]["finish_reason"]
+    finally:
+        worker.stop()
