@@ -281,7 +281,7 @@ def _make_job(
         max_tokens = settings.default_max_tokens
         if context is not None:
             max_tokens = min(max_tokens, context - len(prompt_tokens))
-    if context is not None and len(prompt_tokens) + max_tokens > context:
+    if context is not None and (max_tokens < 1 or len(prompt_tokens) + max_tokens > context):
         raise APIError(
             400,
             f"prompt: {len(prompt_tokens)} tokens + max_tokens {max_tokens} exceed the model's "
