@@ -39,7 +39,18 @@ from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache
 
 from mtplx.errors import MtplxError
 
-__all__ = ["PromptCache", "CacheHit", "copy_cache", "cache_nbytes", "is_trimmable", "leaves"]
+__all__ = [
+    "DEFAULT_PROMPT_CACHE_BYTES",
+    "CacheHit",
+    "PromptCache",
+    "cache_nbytes",
+    "copy_cache",
+    "is_trimmable",
+    "leaves",
+]
+
+# What `mtplx serve` and `mtplx chat` keep unless told otherwise.
+DEFAULT_PROMPT_CACHE_BYTES = 2 * 1024**3
 
 
 def leaves(cache: list) -> list:

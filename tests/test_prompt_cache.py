@@ -14,9 +14,9 @@ import pytest
 
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx import decode
+from mtplx.config import SamplerConfig
 from mtplx.engine import Engine
 from mtplx.prompt_cache import PromptCache, cache_nbytes
-from mtplx.sampling import SamplerConfig
 from tests.loop_models import make_loop_pair
 
 VOCAB = 49152  # the default tokenizer's

@@ -25,10 +25,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mtplx.engine import GenerationChunk, GenerationStats
 from mtplx.errors import MtplxError
-from mtplx.sampling import SamplerConfig
 from mtplx.server.schemas import ChatCompletionRequest, CompletionRequest
 from mtplx.server.settings import ServerSettings
 from mtplx.server.worker import Finished, GenerationWorker, Job, JobFailed, JobTimeout, QueueFull
+from mtplx.validation import check_generation_args
 
 log = logging.getLogger("mtplx.server")
 
@@ -310,10 +310,11 @@ def _make_job(
         frequency_penalty=body.frequency_penalty or 0.0,
         logit_bias=bias,
     )
-    try:
-        SamplerConfig(**sampler)  # a bad combination is a 400 now, not an error after queueing
+    try:  # a bad combination is a 400 now, not an error after queueing
+        check_generation_args(max_tokens=max_tokens, **sampler)
     except MtplxError as err:
-        raise APIError(400, str(err)) from None
+        field = str(err).split(" ", 1)[0]  # the messages start with the field's API name
+        raise APIError(400, str(err), param=field if field in sampler else None) from None
     stream_kwargs = dict(
         sampler,
         max_tokens=max_tokens,

@@ -67,7 +67,7 @@ def add_serve_args(parser) -> None:
     parser.add_argument(
         "--prompt-cache-bytes",
         type=int,
-        default=2 * 1024**3,
+        default=None,
         help="bytes of caches kept for prompt reuse across requests (default 2 GiB; 0 turns it off)",
     )
     parser.add_argument("--max-queue", type=int, default=64, help="requests waiting before 429 (default 64)")
@@ -93,6 +93,7 @@ def serve_from_args(args) -> int:
 
     from mtplx import loading
     from mtplx.engine import Engine
+    from mtplx.prompt_cache import DEFAULT_PROMPT_CACHE_BYTES
 
     for name in ("port", "max_queue", "max_tokens_cap", "max_body_bytes"):
         if getattr(args, name) <= 0:
@@ -101,8 +102,9 @@ def serve_from_args(args) -> int:
         raise MtplxError(f"--port: must be <= 65535, got {args.port}")
     if args.request_timeout <= 0:
         raise MtplxError(f"--request-timeout: must be > 0, got {args.request_timeout}")
-    if args.prompt_cache_bytes < 0:
-        raise MtplxError(f"--prompt-cache-bytes: must be >= 0, got {args.prompt_cache_bytes}")
+    cache_bytes = DEFAULT_PROMPT_CACHE_BYTES if args.prompt_cache_bytes is None else args.prompt_cache_bytes
+    if cache_bytes < 0:
+        raise MtplxError(f"--prompt-cache-bytes: must be >= 0, got {cache_bytes}")
     if args.depth is not None and args.depth < 1:
         raise MtplxError(f"--depth: must be >= 1, got {args.depth}")
     api_key = args.api_key if args.api_key is not None else os.environ.get("MTPLX_API_KEY") or None
@@ -112,7 +114,7 @@ def serve_from_args(args) -> int:
         head=args.head,
         depth=args.depth,
         dtype=args.dtype,
-        prompt_cache_bytes=args.prompt_cache_bytes,
+        prompt_cache_bytes=cache_bytes,
     )
     if args.mtp and not engine.has_head:
         raise MtplxError("--mtp: this model has no MTP head (use --no-mtp, or train one with `mtplx forge`)")
