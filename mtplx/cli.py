@@ -305,7 +305,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     check_reply_args(args)
     # Each turn resends the conversation: the prompt cache makes it prefill only what is new.
-    engine = load_engine(args, prompt_cache_bytes=DEFAULT_PROMPT_CACHE_BYTES)
+    cache_bytes = DEFAULT_PROMPT_CACHE_BYTES if args.prompt_cache_bytes is None else args.prompt_cache_bytes
+    engine = load_engine(args, prompt_cache_bytes=cache_bytes)
     return run_chat(engine, settings_from_args(args, _sampling_kwargs(args)), format_stats=format_stats)
 
 
@@ -429,11 +430,13 @@ def _add_chat_parser(sub) -> None:
     _add_sampling_args(chat)
     _add_drafting_args(chat)
     _add_reply_args(chat, max_tokens=512)
-    chat.add_argument(
+    _typed(
+        chat,
         "--prompt-cache-bytes",
-        type=int,
+        convert=int,
         default=None,
-        help="memory for the conversation's cached prompt (default: the engine's)",
+        help="memory for the conversation's cached prompt, so a turn prefills only what is new "
+        "(default 2 GiB; 0 turns it off)",
     )
     chat.set_defaults(func=cmd_chat, command_parser=chat)
 
