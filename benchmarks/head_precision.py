@@ -15,21 +15,21 @@ Two measurements per variant:
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from mtplx.engine import Engine  # noqa: I001  (mtplx loads its BLAS before mlx runs anything)
+from mtplx import heads, loading
+from mtplx.engine import Engine
+from mtplx.heads import forged
 
 SUITE = Path(__file__).parent / "prompts" / "suite.jsonl"
 
 
-def quantized_copy(head: nn.Module, bits: int, group_size: int) -> nn.Module:
-    head = copy.copy(head)  # shallow: the shared embed / LM head callables stay shared
-    head.update(copy.deepcopy(dict(head.children())))
+def quantized(head: nn.Module, bits: int, group_size: int) -> nn.Module:
+    """``head`` (a freshly loaded copy) with every layer mlx-lm would quantize at 4-bit quantized."""
     nn.quantize(
         head,
         group_size=group_size,
@@ -99,14 +99,20 @@ def main() -> None:
     float_head = engine.head
     ids = float_head.vocab_ids if float_head.vocab_ids is not None else mx.arange(engine.trunk.vocab_size)
     targets = trunk_rows(engine, [engine.encode_prompt(t)[:256] for t in texts], ids)
+    head_dir = heads.shipped_head_dir(loading.DEFAULT_MODEL_NAME)
+    fingerprint = loading.load_model(None, variant="float32", lazy=True).fingerprint
+
+    def fresh() -> nn.Module:  # each variant quantizes its own copy of the shipped float head
+        return forged.load_forged_head(head_dir, engine.trunk, fingerprint)
+
     variants = {
-        "float": float_head,
-        "q8-g64": quantized_copy(float_head, 8, 64),
-        "q4-g64": quantized_copy(float_head, 4, 64),
-        "q4-g32": quantized_copy(float_head, 4, 32),
+        "float": lambda: float_head,
+        "q8-g64": lambda: quantized(fresh(), 8, 64),
+        "q4-g64": lambda: quantized(fresh(), 4, 64),
+        "q4-g32": lambda: quantized(fresh(), 4, 32),
     }
-    for name, head in variants.items():
-        engine.head = head
+    for name, make in variants.items():
+        engine.head = head = make()
         print(name, "teacher-forced", json.dumps(teacher_forced(head, targets, ids)), flush=True)
         if args.decode_prompts and name in ("float", "q4-g64"):
             chosen = texts[:: max(1, len(texts) // args.decode_prompts)]

@@ -144,7 +144,7 @@ def convert_hf(
     from mlx_lm.utils import quantize_model, save_config, save_model
 
     from mtplx import heads, loading
-    from mtplx.heads.base import quantization_config
+    from mtplx.checkpoint import quantization_config
     from mtplx.trunk import Trunk
 
     if q_bits not in (2, 3, 4, 5, 6, 8):

@@ -166,7 +166,7 @@ def test_cli_converts_a_repo_id_from_the_hub_cache_and_generates(converted, tmp_
         == 0
     )
     captured = capsys.readouterr()
-    assert "mtp" in captured.err.lower() and captured.out.strip()
+    assert "per draft position" in captured.err and captured.out.strip()  # decoded with the kept head
 
 
 def test_failed_conversion_leaves_nothing(converted, tmp_path, monkeypatch):
