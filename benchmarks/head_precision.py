@@ -118,7 +118,6 @@ def main() -> None:
 
     variants = {
         "float": lambda: float_head,
-        "q8-g64": lambda: quantized(fresh(), 8, 64),
         "q4-g64": lambda: quantized(fresh(), 4, 64),
         "q4-g32": lambda: quantized(fresh(), 4, 32),
     }
