@@ -56,6 +56,12 @@ def _format_stats(stats) -> str:
         per_position = ", ".join(f"{a:.2f}" for a in stats.acceptance_per_position)
         lines.append(f"verify cycles: {stats.cycles}, tokens per cycle: {stats.tokens_per_cycle:.2f}")
         lines.append(f"acceptance per draft position: [{per_position}]")
+    if stats.distributed:
+        d = stats.distributed
+        lines.append(
+            f"distributed: {d['mode']} over {d['ranks']} ranks, per cycle {d['collectives_per_cycle']} "
+            f"collectives, {d['bytes_per_cycle']} bytes"
+        )
     lines.append(f"peak memory: {stats.peak_memory_gb:.3f} GB")
     return "\n".join(lines)
 
@@ -80,11 +86,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.depth is not None and args.depth < 1:
         raise MtplxError(f"depth: must be >= 1, got {args.depth}")
     prompt = _read_prompt(args)
-    engine = Engine.load(args.model, head=args.head, depth=args.depth, dtype=args.dtype)
+    distributed = _distributed_mode(args)
+    engine = Engine.load(
+        args.model,
+        head=args.head,
+        depth=args.depth,
+        dtype=args.dtype,
+        distributed=distributed,
+        collective_timeout=args.collective_timeout,
+    )
+    # Under mlx.launch every rank runs the same loop; only rank 0 prints.
+    quiet = engine.distributed is not None and engine.distributed.rank != 0
     chat = (
         args.chat if args.chat is not None else getattr(engine.tokenizer, "chat_template", None) is not None
     )
-    if args.mtp is None and not engine.has_head:
+    if args.mtp is None and not engine.has_head and not quiet:
         print(
             "mtplx: note: this model has no MTP head, decoding autoregressively (train one with `mtplx forge`)",
             file=sys.stderr,
@@ -103,7 +119,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         for chunk in stream:
             text.append(chunk.text)
             tokens.extend(chunk.token_ids)
-            if not args.json:
+            if not args.json and not quiet:
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
     except KeyboardInterrupt:
@@ -115,6 +131,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if chunk is not None and (args.stats or args.json):
             print(_format_stats(chunk.stats), file=sys.stderr)
         return 130
+    if quiet:
+        return 0
     if args.json:
         print(
             json.dumps(
@@ -132,6 +150,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.stats and chunk is not None:
         print(_format_stats(chunk.stats), file=sys.stderr)
     return 0
+
+
+def _distributed_mode(args: argparse.Namespace) -> bool | str:
+    """--distributed, or "auto" when this process was started by mlx.launch with 2+ ranks."""
+    if args.distributed == "off":
+        return False
+    if args.distributed is not None:
+        return args.distributed
+    from mtplx.distributed import world
+
+    return "auto" if world() is not None else False
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -240,6 +269,19 @@ def _build_parser() -> argparse.ArgumentParser:
         help="wrap the prompt in the chat template (default when the model has one)",
     )
     mode.add_argument("--raw", dest="chat", action="store_false", help="feed the prompt as raw text")
+    gen.add_argument(
+        "--distributed",
+        choices=("auto", "pipeline", "tensor", "off"),
+        default=None,
+        help="shard the model over the ranks mlx.launch started (default: auto when launched with 2+)",
+    )
+    gen.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="exit with an error when the other ranks do not answer within this (default 300)",
+    )
     gen.add_argument("--stats", action="store_true", help="print speed and acceptance to stderr")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     gen.set_defaults(func=cmd_generate)

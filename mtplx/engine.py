@@ -37,6 +37,8 @@ class GenerationStats:
     peak_memory_gb: float = 0.0
     mode: str = "ar"  # "ar" | "mtp"
     depth: int = 0
+    # Sharded runs: mode, ranks, collectives and payload bytes per cycle (see mtplx/distributed.py).
+    distributed: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -162,6 +164,7 @@ class Engine:
         self.model_path = model_path
         self.fingerprint = fingerprint
         self.verify_backend = verify_backend
+        self.distributed = None  # a mtplx.distributed.Distributed once sharded
 
     # ----------------------------------------------------------------- loading
     @classmethod
@@ -173,17 +176,27 @@ class Engine:
         depth: int | None = None,
         dtype: str | None = None,
         verify_backend: str = "auto",
+        distributed: bool | str = False,
+        collective_timeout: float | None = None,
     ) -> Engine:
         """Load ``model`` (local path, Hugging Face repo id, or None for the embedded default).
 
         ``head`` is a forged-head directory; without it the checkpoint's own MTP
         head is used, or for the default model the head shipped with mtplx.
+        ``distributed`` ("pipeline" | "tensor" | True = auto) shards the trunk over the
+        processes started by ``mlx.launch``; ``collective_timeout`` (seconds) bounds every
+        wait on the other ranks (see mtplx/distributed.py).
         """
         from mtplx import heads, loading
 
         if dtype not in (None, *loading.VARIANTS):
             raise MtplxError(f"dtype: must be one of {', '.join(loading.VARIANTS)}, got {dtype!r}")
-        loaded = loading.load_model(model, variant=dtype or "float32")
+        if distributed:
+            from mtplx import distributed as dist
+
+            dist.parse_mode(distributed)
+        # Sharded: load lazily, so each rank only materializes the weights it keeps.
+        loaded = loading.load_model(model, variant=dtype or "float32", lazy=bool(distributed))
         engine = cls(
             loaded.model,
             loaded.tokenizer,
@@ -211,6 +224,11 @@ class Engine:
         if depth is not None and depth < 1:
             raise MtplxError(f"depth: must be >= 1, got {depth}")
         engine.depth = depth if depth is not None else engine._default_depth()
+        if distributed:
+            timeout = (
+                collective_timeout if collective_timeout is not None else dist.DEFAULT_COLLECTIVE_TIMEOUT
+            )
+            engine.distributed = dist.shard_engine(engine, distributed, timeout)
         return engine
 
     def _default_depth(self) -> int:
@@ -317,11 +335,17 @@ class Engine:
         settings = decode.DecodeSettings(
             sampler=sampler, depth=depth, greedy_draft=greedy_draft, verify_backend=self.verify_backend
         )
+        if self.distributed is not None:  # every rank must run this request with rank 0's seed
+            seed = self.distributed.agree_on_request(
+                seed, {"prompt": prompt_tokens, "settings": settings, "mtp": mtp, "max_tokens": max_tokens}
+            )
         key = mx.random.key(seed if seed is not None else int(time.time_ns() % (2**63)))
         if mtp:
             steps = decode.mtp_decode(self.trunk, self.head, prompt_tokens, settings, key)
         else:
             steps = decode.ar_decode(self.trunk, prompt_tokens, settings, key)
+        if self.distributed is not None:
+            steps = self.distributed.guard_steps(steps)
         return self._assemble(
             steps, len(prompt_tokens), max_tokens, stops, "mtp" if mtp else "ar", depth if mtp else 0
         )
@@ -337,6 +361,8 @@ class Engine:
     ) -> Iterator[GenerationChunk]:
         eos = set(self.tokenizer.eos_token_ids)
         tracker = _StatsTracker(num_prompt, mode, depth)
+        if self.distributed is not None:
+            tracker.stats.distributed = self.distributed.stats(depth + 1 if mode == "mtp" else 1)
         text = _TextAssembler(self.tokenizer, stops)
         produced = 0
         try:
