@@ -44,7 +44,7 @@ def time_collectives(group, hidden: int, block_lens: list[int], repeats: int) ->
         block = mx.ones((1, t, hidden), dtype=mx.float32)
         mx.eval(block)
 
-        def pipeline_hop():
+        def pipeline_hop(block=block):
             h = block
             if rank < size - 1:
                 h = mx.distributed.recv_like(h, rank + 1, group=group)
@@ -52,7 +52,7 @@ def time_collectives(group, hidden: int, block_lens: list[int], repeats: int) ->
                 h = mx.distributed.send(h, rank - 1, group=group)
             mx.eval(mx.distributed.all_gather(h, group=group))
 
-        def all_reduce():
+        def all_reduce(block=block):
             mx.eval(mx.distributed.all_sum(block, group=group))
 
         rows.append(

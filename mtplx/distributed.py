@@ -354,6 +354,8 @@ class Distributed:
     def stats(self, block_len: int) -> dict[str, Any]:
         """The per-cycle communication of a forward of ``block_len`` positions (1 = an AR step)."""
         plan = self.comm(block_len)
+        # A vocabulary-sharded LM head gathers the head's logits once per draft position.
+        head_gathers = (block_len - 1) if isinstance(self.trunk.output_layer, _GatheredOutput) else 0
         return {
             "mode": self.mode,
             "ranks": self.size,
@@ -362,6 +364,7 @@ class Distributed:
             "collectives_per_cycle": plan.collectives,
             "bytes_per_cycle": plan.payload_bytes,
             "collective_kinds": plan.kinds,
+            "head_collectives_per_cycle": head_gathers,
         }
 
     def agree_on_request(self, seed: int | None, request: dict[str, Any]) -> int:
