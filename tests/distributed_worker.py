@@ -7,7 +7,7 @@ saw to ``OUT_DIR/rank{r}.json``. Jobs:
 * ``decode``: for each (model, mode) in the spec: greedy AR, greedy MTP, seeded
   sampled MTP, and the cache comparison after a sampled run (random accept
   patterns) against a from-scratch forward of the committed tokens.
-* ``mismatch``: rank 1 loads ``spec["other_head"]`` instead of the head.
+  Last, rank 1 loads ``spec["other_head"]`` instead of the head: both must refuse.
 * ``die`` / ``hang``: rank 1 leaves (exits / sleeps) after two chunks of a generation.
 """
 
@@ -106,6 +106,16 @@ def run_decode(spec: dict) -> dict:
             "acceptance": mtp_greedy.stats.acceptance_per_position,
             "caches": cache_check(engine, job["depth"]),
         }
+    # Last: rank 1 loads another head; every rank must refuse (and stay usable: no rank hangs).
+    job = spec["jobs"][0]
+    head = spec["other_head"] if mx.distributed.init().rank() == 1 else job["head"]
+    try:
+        Engine.load(
+            job["model"], head=head, depth=job["depth"], distributed="pipeline", collective_timeout=60
+        )
+        out["mismatch_error"] = None
+    except MtplxError as e:
+        out["mismatch_error"] = str(e)
     return out
 
 
