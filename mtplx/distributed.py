@@ -48,6 +48,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.nn.layers.distributed import AllToShardedLinear, QuantizedAllToShardedLinear
 from mlx.utils import tree_flatten
 
 from mtplx.errors import MtplxError
@@ -58,6 +59,8 @@ DEFAULT_COLLECTIVE_TIMEOUT = 300.0  # seconds; a long prompt's prefill on big mo
 EXIT_COLLECTIVE_TIMEOUT = 3
 # mx.distributed functions that move data between ranks (counted by `measure_comm`).
 _COLLECTIVES = ("all_sum", "all_gather", "all_max", "all_min", "sum_scatter", "send", "recv", "recv_like")
+# An LM head `shard` split over the vocabulary: each rank computes a slice of the logits.
+_VOCAB_SHARDED = (AllToShardedLinear, QuantizedAllToShardedLinear)
 _BACKEND_TAGS = ("[ring]", "[mpi]", "[jaccl]", "[nccl]", "distributed")
 
 
@@ -68,6 +71,17 @@ def world() -> mx.distributed.Group | None:
     """The group this process was launched into (``mlx.launch``), or None when it runs alone."""
     group = mx.distributed.init()
     return group if group.size() > 1 else None
+
+
+def launch_group() -> mx.distributed.Group:
+    """The launch group, or MtplxError when this process runs alone."""
+    group = world()
+    if group is None:
+        raise MtplxError(
+            "distributed: this process is not part of a group of 2 or more; start every rank with "
+            "`mlx.launch` (see README, 'Several processes or machines')"
+        )
+    return group
 
 
 def parse_mode(value: bool | str) -> str:
@@ -222,7 +236,7 @@ def choose_mode(model: nn.Module, inner: nn.Module, requested: str, config: dict
     return requested
 
 
-def _check_tensor_split(model: nn.Module, size: int, config: dict) -> None:
+def check_tensor_split(model: nn.Module, size: int, config: dict) -> None:
     """mlx-lm's llama ``shard`` divides head counts without checking; refuse uneven splits clearly."""
     from mtplx.heads.base import model_args_of
 
@@ -411,22 +425,17 @@ class Distributed:
 # --------------------------------------------------------------------------- set-up
 
 
-def shard_engine(engine: Any, requested: bool | str, collective_timeout: float) -> Distributed:
-    """Shard ``engine.trunk`` (loaded lazily, head already attached) over the launch group.
+def shard_engine(
+    engine: Any, group: mx.distributed.Group, requested: bool | str, collective_timeout: float
+) -> Distributed:
+    """Shard ``engine.trunk`` (loaded lazily, head already attached) over ``group``.
 
     The head is built before sharding, from the full model, so it is the same
     replicated module on every rank; then each rank keeps its part of the trunk,
     materializes only that, and all ranks compare fingerprints.
     """
     requested = parse_mode(requested)
-    watchdog = Watchdog(collective_timeout, rank=0)
-    group = world()
-    if group is None:
-        raise MtplxError(
-            "distributed: this process is not part of a group of 2 or more; start every rank with "
-            "`mlx.launch` (see README, 'Several processes or machines')"
-        )
-    watchdog.rank = group.rank()
+    watchdog = Watchdog(collective_timeout, rank=group.rank())
     trunk, config = engine.trunk, engine.config
     model = trunk.model
     mode = choose_mode(model, trunk.inner, requested, config)
@@ -439,7 +448,7 @@ def shard_engine(engine: Any, requested: bool | str, collective_timeout: float) 
         else:
             layer_range = _pipeline_llama(trunk.inner, group)
     else:
-        _check_tensor_split(model, group.size(), config)
+        check_tensor_split(model, group.size(), config)
         try:
             model.shard(group)
         except (AssertionError, ValueError) as e:
@@ -447,9 +456,8 @@ def shard_engine(engine: Any, requested: bool | str, collective_timeout: float) 
                 f"distributed: tensor parallel sharding of model type {_model_type(config)!r} over "
                 f"{group.size()} ranks failed ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
             ) from None
-        lm_head = trunk.output_layer
-        if lm_head is not None and "Sharded" in type(lm_head).__name__:
-            trunk.output_layer = _GatheredOutput(lm_head, group)
+        if isinstance(trunk.output_layer, _VOCAB_SHARDED):
+            trunk.output_layer = _GatheredOutput(trunk.output_layer, group)
     mx.eval(model.parameters())
     dist = Distributed(group, mode, layer_range, watchdog, trunk, {})
     head_fp = "" if engine.head is None else weights_fingerprint(dict(tree_flatten(engine.head.parameters())))

@@ -195,6 +195,7 @@ class Engine:
             from mtplx import distributed as dist
 
             dist.parse_mode(distributed)
+            group = dist.launch_group()  # before the (long) load: refuse a process that runs alone
         # Sharded: load lazily, so each rank only materializes the weights it keeps.
         loaded = loading.load_model(model, variant=dtype or "float32", lazy=bool(distributed))
         engine = cls(
@@ -228,7 +229,7 @@ class Engine:
             timeout = (
                 collective_timeout if collective_timeout is not None else dist.DEFAULT_COLLECTIVE_TIMEOUT
             )
-            engine.distributed = dist.shard_engine(engine, distributed, timeout)
+            engine.distributed = dist.shard_engine(engine, group, distributed, timeout)
         return engine
 
     def _default_depth(self) -> int:

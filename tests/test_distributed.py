@@ -184,15 +184,30 @@ def test_stats_report_the_collectives_of_each_mode(sharded_runs):
     assert sharded_runs[1]["llama/pipeline"]["stats"]["collective_kinds"] == {"all_gather": 1, "send": 1}
 
 
+def _cli_under_launch(tmp_path: Path, prompt: str, *options: str) -> dict:
+    proc = _launch(["-m", "mtplx", "generate", prompt, "--json", "--stats", *options], tmp_path)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, proc.stdout + proc.stderr[-3000:]  # only rank 0 prints
+    return json.loads(lines[0])
+
+
+def test_cli_under_mlx_launch_shards_and_only_rank_0_prints(tiny, tmp_path):
+    paths = tiny["llama"]
+    prompt = "def add(a, b):"
+    sharded = _cli_under_launch(
+        tmp_path, prompt, "--raw", "--model", paths["model"], "--head", paths["head"], "--max-tokens", "16"
+    )
+    assert sharded["stats"]["mode"] == "mtp" and sharded["stats"]["distributed"]["mode"] == "pipeline"
+    single = Engine.load(paths["model"], head=paths["head"]).generate(prompt, max_tokens=16, mtp=False)
+    assert sharded["token_ids"] == single.token_ids
+
+
+@pytest.mark.slow  # the CLI test above at full size: the default model split over 2 processes
 def test_default_model_pipeline_through_the_cli(tmp_path, default_model_dir):
     prompt = "Write a Python function that reverses a string."
-    proc = _launch(["-m", "mtplx", "generate", prompt, "--max-tokens", "12", "--json", "--stats"], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(lines) == 1, proc.stdout  # only rank 0 prints
-    sharded = json.loads(lines[0])
+    sharded = _cli_under_launch(tmp_path, prompt, "--max-tokens", "24")
     assert sharded["stats"]["mode"] == "mtp" and sharded["stats"]["distributed"]["mode"] == "pipeline"
-    single = Engine.load().generate(prompt, chat=True, max_tokens=12, mtp=False)
+    single = Engine.load().generate(prompt, chat=True, max_tokens=24, mtp=False)
     assert sharded["token_ids"] == single.token_ids
 
 
@@ -231,6 +246,37 @@ def test_default_model_lazy_fingerprint_matches(default_model_dir):
     assert loading.load_model(default_model_dir, lazy=True).fingerprint == (
         loading.load_model(default_model_dir).fingerprint
     )
+
+
+def test_a_model_without_any_sharding_mode_is_named():
+    from tiny_models import tiny_gemma3
+
+    from mtplx.trunk import Trunk
+
+    trunk = Trunk(tiny_gemma3())
+    with pytest.raises(MtplxError, match="'gemma3_text' supports neither pipeline nor tensor"):
+        distributed.choose_mode(trunk.model, trunk.inner, "auto", {"model_type": "gemma3_text"})
+
+
+def test_tensor_parallel_refuses_head_counts_that_do_not_split():
+    """The default model's shape: 9 query / 3 KV heads do not split over 2 ranks (pipeline does)."""
+    from mlx_lm.models import llama
+
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=72,
+        num_hidden_layers=2,
+        intermediate_size=96,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        rms_norm_eps=1e-5,
+        vocab_size=16,
+    )
+    model = llama.Model(args)
+    with pytest.raises(MtplxError, match=r"num_attention_heads \(9\) divisible by 2 ranks"):
+        distributed.check_tensor_split(model, 2, {"model_type": "llama"})
+    distributed.check_tensor_split(model, 3, {"model_type": "llama"})  # 9 and 3 split over 3
+    assert distributed.choose_mode(model, model.model, "auto", {}) == "pipeline"
 
 
 def test_distributed_without_a_launch_group_is_refused(tiny):
