@@ -22,9 +22,11 @@ import statistics
 import sys
 import time
 
-import mlx.core as mx  # noqa: E402  (after the BLAS)
+# isort: off
+import mtplx  # noqa: F401  (loads the optimized BLAS before mlx)
+import mlx.core as mx
 
-import mtplx  # noqa: F401  (BLAS before mlx)
+# isort: on
 
 
 def _median_seconds(fn, repeats: int) -> float:
