@@ -1,4 +1,4 @@
-"""`python -m mtplx` (and `mlx.launch ... mtplx/__main__.py`): the `mtplx` command line."""
+"""`python -m mtplx`: the command line."""
 
 import sys
 

@@ -17,8 +17,10 @@ import mlx.core as mx
 
 from mtplx import decode
 from mtplx.errors import MtplxError
-from mtplx.sampling import SamplerConfig
+from mtplx.prompt_cache import PromptCache, is_trimmable
+from mtplx.prompt_cache import leaves as _cache_leaves
 from mtplx.trunk import Trunk
+from mtplx.validation import check_generation_args
 
 DEFAULT_DEPTH = 3
 
@@ -37,6 +39,15 @@ class GenerationStats:
     peak_memory_gb: float = 0.0
     mode: str = "ar"  # "ar" | "mtp"
     depth: int = 0
+    ttft_seconds: float = 0.0  # from the start of the call to the first generated token
+    total_seconds: float = 0.0  # from the start of the call to the last token so far
+    prefilled_tokens: int = 0  # prompt tokens run through the trunk by this call
+    cached_tokens: int = 0  # prompt tokens reused from a prompt cache (prompt = prefilled + cached)
+    # Like tokens_per_cycle, over only the verify cycles whose tokens were all kept: the cycle that
+    # EOS, a stop string or max_tokens cut short would understate what a cycle yields.
+    tokens_per_full_cycle: float = 0.0
+    # Draft tokens proposed / accepted by each drafter, e.g. {"head": {"drafted": 40, "accepted": 22}}.
+    drafters: dict[str, dict[str, int]] = field(default_factory=dict)
     # Sharded runs: mode, ranks, collectives and payload bytes per cycle (see mtplx/distributed.py).
     distributed: dict = field(default_factory=dict)
 
@@ -50,6 +61,7 @@ class GenerationChunk:
     token_ids: list[int]  # new tokens since the previous chunk
     finish_reason: str | None  # None while running; "stop" | "length" at the end
     stats: GenerationStats
+    logprobs: list[decode.TokenLogprobs] | None = None  # one per token id, when asked for
 
 
 @dataclass
@@ -63,13 +75,23 @@ class GenerationResult:
 class _StatsTracker:
     """Accumulates per-step measurements into `GenerationStats`."""
 
-    def __init__(self, prompt_tokens: int, mode: str, depth: int):
-        self.stats = GenerationStats(prompt_tokens=prompt_tokens, mode=mode, depth=depth)
+    def __init__(self, prompt_tokens: int, mode: str, depth: int, cached_tokens: int = 0):
+        self.stats = GenerationStats(
+            prompt_tokens=prompt_tokens,
+            mode=mode,
+            depth=depth,
+            prefilled_tokens=prompt_tokens - cached_tokens,
+            cached_tokens=cached_tokens,
+        )
+        if mode == "mtp":
+            self.stats.drafters["head"] = {"drafted": 0, "accepted": 0}
         self._start = time.perf_counter()
         self._first_token_time: float | None = None
         self._drafted = [0] * depth
         self._accepted = [0] * depth
         self._committed_in_cycles = 0
+        self._full_cycles = 0
+        self._committed_in_full_cycles = 0
         mx.reset_peak_memory()
 
     def record(self, step: decode.Step, num_tokens_kept: int) -> None:
@@ -78,20 +100,30 @@ class _StatsTracker:
         if self._first_token_time is None:
             self._first_token_time = now
             stats.prefill_seconds = now - self._start
-            stats.prefill_tokens_per_sec = stats.prompt_tokens / max(stats.prefill_seconds, 1e-9)
+            stats.prefill_tokens_per_sec = stats.prefilled_tokens / max(stats.prefill_seconds, 1e-9)
+            stats.ttft_seconds = stats.prefill_seconds
         elif step.num_drafted or stats.mode == "ar":
             stats.cycles += 1
             self._committed_in_cycles += num_tokens_kept
+            if num_tokens_kept == len(step.tokens):
+                self._full_cycles += 1
+                self._committed_in_full_cycles += num_tokens_kept
             for position in range(step.num_drafted):
                 self._drafted[position] += 1
                 self._accepted[position] += int(position < step.num_accepted)
+            if "head" in stats.drafters:
+                stats.drafters["head"] = {"drafted": sum(self._drafted), "accepted": sum(self._accepted)}
         stats.generated_tokens += num_tokens_kept
         stats.decode_seconds = now - self._first_token_time
+        stats.total_seconds = now - self._start
         # The first token comes from prefill; decode speed counts the tokens after it.
         stats.decode_tokens_per_sec = (
             (stats.generated_tokens - 1) / stats.decode_seconds if stats.decode_seconds > 0 else 0.0
         )
         stats.tokens_per_cycle = self._committed_in_cycles / stats.cycles if stats.cycles else 0.0
+        stats.tokens_per_full_cycle = (
+            self._committed_in_full_cycles / self._full_cycles if self._full_cycles else 0.0
+        )
         stats.acceptance_per_position = [a / d for a, d in zip(self._accepted, self._drafted) if d]
         stats.peak_memory_gb = mx.get_peak_memory() / 1e9
 
@@ -141,6 +173,46 @@ class _TextAssembler:
         return delta
 
 
+class _CacheSession:
+    """One request's caches and what goes back into the prompt cache when it ends.
+
+    Caches that cannot be moved back (recurrent state) are snapshotted when they
+    hold all prompt positions but the last; pure KV caches are handed over at the
+    end, covering the generated tokens too (a chat's next turn repeats them).
+    """
+
+    def __init__(
+        self,
+        store: PromptCache,
+        prompt_tokens: list[int],
+        trunk_cache: list,
+        head_cache: list | None,
+        start: int,
+    ):
+        self.store = store
+        self.prompt_tokens = prompt_tokens
+        self.trunk_cache = trunk_cache
+        self.head_cache = head_cache
+        self.trimmable = is_trimmable(trunk_cache) and (head_cache is None or is_trimmable(head_cache))
+        self.tokens = list(prompt_tokens)  # every token the decode loop has seen
+        snapshot = None if self.trimmable or store.max_bytes == 0 else self._snapshot
+        self.prefix = decode.PromptPrefix(start, snapshot)
+
+    def _snapshot(self, size: int) -> None:
+        self.store.insert(self.prompt_tokens, size, self.trunk_cache, self.head_cache, copy=True)
+
+    def record(self, tokens: list[int]) -> None:
+        self.tokens.extend(tokens)
+
+    def finish(self) -> None:
+        """The decode loop stopped between steps: its caches are consistent with ``tokens``."""
+        if not self.trimmable or self.store.max_bytes == 0:
+            return
+        caches = list(self.trunk_cache) + list(self.head_cache or [])
+        size = min(min((c.offset for c in _cache_leaves(caches)), default=0), len(self.tokens))
+        self.store.insert(self.tokens, size, self.trunk_cache, self.head_cache, copy=False)
+
+
 class Engine:
     """A loaded target model plus (optionally) its MTP head."""
 
@@ -155,8 +227,11 @@ class Engine:
         model_path: Path | None = None,
         fingerprint: str = "",
         verify_backend: str = "auto",
+        prompt_cache_bytes: int = 0,
     ):
         self.trunk = Trunk(model)
+        # Caches of earlier prompts, reused for the longest common prefix (0 bytes: off).
+        self.prompt_cache = PromptCache(prompt_cache_bytes)
         self.tokenizer = tokenizer
         self.config = config
         self.head = head
@@ -173,9 +248,11 @@ class Engine:
         model: str | Path | None = None,
         *,
         head: str | Path | None = None,
+        mtp: bool | None = None,
         depth: int | None = None,
         dtype: str | None = None,
         verify_backend: str = "auto",
+        prompt_cache_bytes: int = 0,
         distributed: bool | str = False,
         collective_timeout: float | None = None,
     ) -> Engine:
@@ -183,6 +260,9 @@ class Engine:
 
         ``head`` is a forged-head directory; without it the checkpoint's own MTP
         head is used, or for the default model the head shipped with mtplx.
+        ``mtp=False`` never loads a head; ``mtp=None`` loads one when the checkpoint ships it
+        (a config that declares MTP layers whose tensors a converter stripped gets a one-line
+        note on stderr and decodes AR); ``mtp=True`` makes a missing head an error.
         ``distributed`` ("pipeline" | "tensor" | True = auto) shards the trunk over the
         processes started by ``mlx.launch``; ``collective_timeout`` (seconds) bounds every
         wait on the other ranks (see mtplx/distributed.py).
@@ -190,7 +270,7 @@ class Engine:
         from mtplx import heads, loading
 
         if dtype not in (None, *loading.VARIANTS):
-            raise MtplxError(f"dtype: must be one of {', '.join(loading.VARIANTS)}, got {dtype!r}")
+            raise MtplxError(f"dtype must be one of {', '.join(loading.VARIANTS)} (got {dtype})")
         if distributed:
             from mtplx import distributed as dist
 
@@ -205,25 +285,34 @@ class Engine:
             model_path=loaded.path,
             fingerprint=loaded.fingerprint,
             verify_backend=verify_backend,
+            prompt_cache_bytes=prompt_cache_bytes,
+        )
+        # The default model given by its converted directory is still the default model.
+        default_variant = (
+            (dtype or "float32") if model is None else loading.default_model_variant(loaded.path)
         )
         head_dir = (
             Path(head)
             if head is not None
-            else (heads.shipped_head_dir(loading.DEFAULT_MODEL_NAME) if model is None else None)
+            else (heads.shipped_head_dir(loading.DEFAULT_MODEL_NAME) if default_variant else None)
         )
-        if head_dir is not None:
+        if mtp is False:
+            engine.head = None  # never loaded: a stripped or broken head cannot stop AR decoding
+        elif head_dir is not None:
             from mtplx.heads import forged
 
             head_fingerprint = loaded.fingerprint
-            if model is None and dtype == "q4":
+            if default_variant == "q4":
                 # The float32 build is the exact dequantization of the same GGUF blocks, so the
                 # shipped head (forged on it) fits the 4-bit build too; check against its weights.
                 head_fingerprint = loading.load_model(None, variant="float32", lazy=True).fingerprint
             engine.head = forged.load_forged_head(head_dir, engine.trunk, head_fingerprint)
         else:
-            engine.head = heads.load_head(loaded.path, engine.trunk, loaded.config)
+            engine.head = heads.load_checkpoint_head(
+                loaded.path, engine.trunk, loaded.config, required=bool(mtp)
+            )
         if depth is not None and depth < 1:
-            raise MtplxError(f"depth: must be >= 1, got {depth}")
+            raise MtplxError(f"depth must be >= 1 (got {depth})")
         engine.depth = depth if depth is not None else engine._default_depth()
         if distributed:
             timeout = (
@@ -234,10 +323,10 @@ class Engine:
 
     def _default_depth(self) -> int:
         """`mtplx tune`'s choice for this model on this machine (0 = AR was fastest), else the head's default."""
-        from mtplx import tune
+        from mtplx import tuned
 
-        tuned = tune.saved_depth(self.fingerprint)
-        return tuned if tuned is not None else self._head_depth()
+        saved = tuned.saved_depth(self.fingerprint)
+        return saved if saved is not None else self._head_depth()
 
     def _head_depth(self) -> int:
         return int((self.head.default_depth if self.head is not None else None) or DEFAULT_DEPTH)
@@ -247,17 +336,26 @@ class Engine:
         return self.head is not None
 
     # --------------------------------------------------------------- prompting
-    def encode_prompt(self, prompt: str | Sequence[dict], chat: bool | None = None) -> list[int]:
+    def encode_prompt(
+        self, prompt: str | Sequence[dict] | Sequence[int], chat: bool | None = None
+    ) -> list[int]:
+        """Token ids of ``prompt``: raw text, a chat message list, or token ids (taken as they are)."""
+        if not isinstance(prompt, str) and prompt and all(isinstance(t, int) for t in prompt):
+            vocab = self.trunk.vocab_size
+            bad = next((t for t in prompt if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise MtplxError(f"prompt: token id {bad} is outside the vocabulary of {vocab}")
+            return list(prompt)
         if isinstance(prompt, str):
             if not prompt:
-                raise MtplxError("prompt: is empty")
+                raise MtplxError("prompt is empty")
             use_chat = bool(chat)
             if use_chat:
                 prompt = [{"role": "user", "content": prompt}]
         else:
             use_chat = True
             if not prompt:
-                raise MtplxError("prompt: the message list is empty")
+                raise MtplxError("prompt is an empty message list")
         if use_chat:
             if getattr(self.tokenizer, "chat_template", None) is None:
                 raise MtplxError("prompt: this model's tokenizer has no chat template; pass raw text")
@@ -270,7 +368,7 @@ class Engine:
             tokens = self.tokenizer.encode(prompt)
         tokens = list(tokens)
         if not tokens:
-            raise MtplxError("prompt: encodes to no tokens")
+            raise MtplxError("prompt encodes to no tokens")
         return tokens
 
     def _context_length(self) -> int | None:
@@ -297,15 +395,19 @@ class Engine:
         depth: int | None = None,
         greedy_draft: bool = False,
         chat: bool | None = None,
+        logprobs: int | None = None,
     ) -> Iterator[GenerationChunk]:
         """Generate incrementally; each chunk carries new text, new token ids and running stats.
 
         ``mtp=None`` decodes with the MTP head when the engine has one (and tuning did not
         find plain AR faster here); ``mtp=True`` insists on it; ``mtp=False`` is plain AR.
+        ``logprobs=n`` reports the target's log-probability of each token plus its top n.
         """
-        if max_tokens <= 0:
-            raise MtplxError(f"max_tokens: must be > 0, got {max_tokens}")
-        sampler = SamplerConfig(
+        if logprobs is not None and logprobs < 0:
+            raise MtplxError(f"logprobs must be >= 0 (got {logprobs})")
+        sampler = check_generation_args(
+            max_tokens=max_tokens,
+            depth=depth,
             temperature=temperature,
             top_p=top_p,
             top_k=top_k,
@@ -315,8 +417,6 @@ class Engine:
             frequency_penalty=frequency_penalty,
             logit_bias=logit_bias,
         )
-        if depth is not None and depth < 1:
-            raise MtplxError(f"depth: must be >= 1, got {depth}")
         if mtp is None:
             mtp = self.head is not None and (depth is not None or bool(self.depth))
         # An explicit mtp=True on a model tuned to AR (depth 0) still drafts, at the head's own depth.
@@ -334,40 +434,66 @@ class Engine:
             )
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         settings = decode.DecodeSettings(
-            sampler=sampler, depth=depth, greedy_draft=greedy_draft, verify_backend=self.verify_backend
+            sampler=sampler,
+            depth=depth,
+            greedy_draft=greedy_draft,
+            verify_backend=self.verify_backend,
+            logprobs=logprobs,
         )
         if self.distributed is not None:  # every rank must run this request with rank 0's seed
             seed = self.distributed.agree_on_request(
                 seed, {"prompt": prompt_tokens, "settings": settings, "mtp": mtp, "max_tokens": max_tokens}
             )
         key = mx.random.key(seed if seed is not None else int(time.time_ns() % (2**63)))
+        session = self._cache_session(prompt_tokens, bool(mtp))
         if mtp:
-            steps = decode.mtp_decode(self.trunk, self.head, prompt_tokens, settings, key)
+            steps = decode.mtp_decode(
+                self.trunk,
+                self.head,
+                prompt_tokens,
+                settings,
+                key,
+                session.trunk_cache,
+                session.head_cache,
+                session.prefix,
+            )
         else:
-            steps = decode.ar_decode(self.trunk, prompt_tokens, settings, key)
+            steps = decode.ar_decode(
+                self.trunk, prompt_tokens, settings, key, session.trunk_cache, session.prefix
+            )
         if self.distributed is not None:
             steps = self.distributed.guard_steps(steps)
-        return self._assemble(
-            steps, len(prompt_tokens), max_tokens, stops, "mtp" if mtp else "ar", depth if mtp else 0
-        )
+        return self._assemble(steps, session, max_tokens, stops, "mtp" if mtp else "ar", depth if mtp else 0)
+
+    def _cache_session(self, prompt_tokens: list[int], with_head: bool) -> _CacheSession:
+        hit = self.prompt_cache.lookup(prompt_tokens, with_head)
+        if hit is None:
+            trunk_cache = self.trunk.make_cache()
+            head_cache = self.head.make_cache() if with_head else None
+            start = 0
+        else:
+            trunk_cache, head_cache, start = hit.trunk_cache, hit.head_cache, hit.start
+        return _CacheSession(self.prompt_cache, prompt_tokens, trunk_cache, head_cache, start)
 
     def _assemble(
         self,
         steps: Iterator[decode.Step],
-        num_prompt: int,
+        session: _CacheSession,
         max_tokens: int,
         stops: list[str],
         mode: str,
         depth: int,
     ) -> Iterator[GenerationChunk]:
         eos = set(self.tokenizer.eos_token_ids)
-        tracker = _StatsTracker(num_prompt, mode, depth)
+        tracker = _StatsTracker(len(session.prompt_tokens), mode, depth, session.prefix.start)
         if self.distributed is not None:
             tracker.stats.distributed = self.distributed.stats(depth + 1 if mode == "mtp" else 1)
         text = _TextAssembler(self.tokenizer, stops)
         produced = 0
+        clean_end = False
         try:
             for step in steps:
+                session.record(step.tokens)
                 kept: list[int] = []
                 delta = ""
                 finish = None
@@ -385,13 +511,19 @@ class Engine:
                         finish = "length"
                         break
                 tracker.record(step, len(kept))
+                logprobs = step.logprobs[: len(kept)] if step.logprobs is not None else None
                 if finish is not None:
                     delta += text.finish()
-                    yield GenerationChunk(delta, kept, finish, tracker.stats)
+                    clean_end = True
+                    yield GenerationChunk(delta, kept, finish, tracker.stats, logprobs)
                     return
-                yield GenerationChunk(delta, kept, None, tracker.stats)
+                clean_end = True  # the consumer may close the stream at this yield
+                yield GenerationChunk(delta, kept, None, tracker.stats, logprobs)
+                clean_end = False
         finally:
             steps.close()
+            if clean_end:
+                session.finish()
 
     def generate(self, prompt: str | Sequence[dict], **kwargs) -> GenerationResult:
         """Generate to completion; the same keyword arguments as `stream`."""

@@ -26,7 +26,7 @@ import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx import decode
 from mtplx.engine import Engine
 from mtplx.errors import MtplxError
-from mtplx.sampling import SamplerConfig
+from mtplx.config import SamplerConfig
 
 PROMPT_TEXT = "def add(a, b):\n    return a + b\n"
 
