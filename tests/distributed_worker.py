@@ -24,9 +24,9 @@ from mlx_lm.models.cache import ArraysCache
 
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx import decode
+from mtplx.config import SamplerConfig
 from mtplx.engine import Engine
 from mtplx.errors import MtplxError
-from mtplx.config import SamplerConfig
 
 PROMPT_TEXT = "def add(a, b):\n    return a + b\n"
 
