@@ -18,7 +18,10 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         help="local path or Hugging Face repo id (default: the embedded SmolLM2-135M-Instruct)",
     )
     parser.add_argument(
-        "--head", default=None, help="a forged MTP head directory (default: the model's own head)"
+        "--head",
+        default=None,
+        help="a forged MTP head directory or a Gemma 4 assistant (directory or cached repo id) "
+        "(default: the model's own head; for Gemma 4, <model>-assistant if present)",
     )
 
 

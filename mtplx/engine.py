@@ -176,10 +176,13 @@ class Engine:
     ) -> Engine:
         """Load ``model`` (local path, Hugging Face repo id, or None for the embedded default).
 
-        ``head`` is a forged-head directory; without it the checkpoint's own MTP
-        head is used, or for the default model the head shipped with mtplx.
+        ``head`` is a forged-head directory or a Gemma 4 assistant (directory or cached repo id);
+        without it the checkpoint's own MTP head is used, for a Gemma 4 target the
+        ``<target>-assistant`` beside it or in the HF cache, or for the default model the head
+        shipped with mtplx.
         """
         from mtplx import heads, loading
+        from mtplx.heads import gemma4_assistant
 
         if dtype not in (None, *loading.VARIANTS):
             raise MtplxError(f"dtype: must be one of {', '.join(loading.VARIANTS)}, got {dtype!r}")
@@ -193,11 +196,15 @@ class Engine:
             verify_backend=verify_backend,
         )
         head_dir = (
-            Path(head)
+            loading.resolve_model(head)  # a directory, or a repo id in the HF cache (assistants)
             if head is not None
             else (heads.shipped_head_dir(loading.DEFAULT_MODEL_NAME) if model is None else None)
         )
-        if head_dir is not None:
+        if head_dir is None and gemma4_assistant.is_gemma4_target(loaded.config):
+            head_dir = gemma4_assistant.find_assistant(loaded.path, model)  # <target>-assistant, if present
+        if head_dir is not None and gemma4_assistant.read_assistant_config(head_dir) is not None:
+            engine.head = gemma4_assistant.load_gemma4_assistant(head_dir, engine.trunk, loaded.config)
+        elif head_dir is not None:
             from mtplx.heads import forged
 
             head_fingerprint = loaded.fingerprint
@@ -303,6 +310,10 @@ class Engine:
         # An explicit mtp=True on a model tuned to AR (depth 0) still drafts, at the head's own depth.
         depth = depth if depth is not None else (self.depth or self._head_depth())
         if mtp and self.head is None:
+            from mtplx.heads import gemma4_assistant
+
+            if gemma4_assistant.is_gemma4_target(self.config):
+                raise MtplxError(gemma4_assistant.MISSING_ASSISTANT)
             raise MtplxError(
                 "this model has no MTP head: use --no-mtp (mtp=False), or train one with `mtplx forge`"
             )

@@ -112,6 +112,22 @@ def _find_forged(path: Path) -> dict | None:
     return None
 
 
+def _gemma4_assistant(path: Path, spec: str | Path, config: dict) -> dict | None:
+    """For a Gemma 4 target: the assistant that pairs with it (``<target>-assistant`` beside it or
+    in the HF cache, checked against both configs), else the first name looked for and why not."""
+    from mtplx.heads import gemma4_assistant as ga
+
+    if not ga.is_gemma4_target(config):
+        return None
+    candidates = ga.assistant_candidates(path, spec)
+    for name, found in candidates:
+        assistant = ga.read_assistant_config(found) if found is not None else None
+        if assistant is not None:
+            problem = ga.pairing_problem(assistant, config)
+            return {"name": name, "path": str(found), "pairs": problem is None, "problem": problem}
+    return {"name": candidates[-1][0], "path": None, "pairs": False, "problem": "not found locally"}
+
+
 def inspect_model(spec_or_path: str | Path) -> dict[str, Any]:
     """Describe a model directory (or cached HF repo id) from config.json + safetensors headers."""
     from mtplx.heads import declared_mtp_layers, detect_layout
@@ -147,6 +163,7 @@ def inspect_model(spec_or_path: str | Path) -> dict[str, Any]:
     declared = declared_mtp_layers(config, layout) if layout else declared_mtp_layers(config)
     head_tensors = sum(1 for k in header if is_head(k))
     forged = _find_forged(path)
+    assistant = _gemma4_assistant(path, spec_or_path, config)
     supported = _mlx_lm_supports(model_type)
     qc = config.get("quantization_config") or text.get("quantization_config")
     quant = None
@@ -167,6 +184,12 @@ def inspect_model(spec_or_path: str | Path) -> dict[str, Any]:
         verdict, reason = "MTP-ready", f"ships {declared} MTP layer(s) ({layout} layout)"
     elif forged:
         verdict, reason = "MTP-ready", f"forged head attached ({forged.get('manifest')})"
+    elif assistant is not None and assistant["pairs"]:
+        verdict, reason = "MTP-ready", f"Gemma 4 assistant {assistant['name']} pairs with it"
+    elif assistant is not None:
+        verdict, reason = "AR-only", (
+            f"Gemma 4 drafts with a separate assistant: {assistant['name']} ({assistant['problem']})"
+        )
     elif declared:
         verdict, reason = (
             "AR-only",
@@ -195,6 +218,7 @@ def inspect_model(spec_or_path: str | Path) -> dict[str, Any]:
             "tensors": head_tensors,
         },
         "forged_head": forged,
+        "assistant": assistant,
         "verdict": verdict,
         "reason": reason,
     }
@@ -238,5 +262,9 @@ def format_inspection(info: dict[str, Any]) -> str:
         lines.append("MTP head      none")
     if info["forged_head"]:
         lines.append(f"forged head   {info['forged_head'].get('manifest')}")
+    assistant = info.get("assistant")
+    if assistant:
+        state = "pairs" if assistant["pairs"] else assistant["problem"]
+        lines.append(f"assistant     {assistant['name']} ({state})")
     lines.append(f"verdict       {info['verdict']}: {info['reason']}")
     return "\n".join(lines)

@@ -203,11 +203,13 @@ def test_assistant_forward_matches_mlx_vlm(tmp_path, ordered):
 LOOP = dict(vocab_size=8, num_centroids=4, top_k=2, scale=0.3, context_strength=3.0)
 
 
-@pytest.mark.parametrize("depth", [1, 2, 3, 4])
+GREEDY_CASES = [(d, True, "floor", False) for d in (1, 2, 3, 4)] + [(2, False, "floor", False), (3, True, "zero_mass", True)]
+
+
 @pytest.mark.parametrize(
-    "ordered,fill,greedy_draft",
-    [(False, "floor", False), (True, "floor", False), (True, "zero_mass", True)],
-    ids=["dense", "ordered-floor", "ordered-zero-greedy-draft"],
+    "depth,ordered,fill,greedy_draft",
+    GREEDY_CASES,
+    ids=[f"d{d}-{'ordered' if o else 'dense'}-{f}{'-greedy-draft' if g else ''}" for d, o, f, g in GREEDY_CASES],
 )
 def test_greedy_mtp_output_is_token_identical_to_ar(tmp_path, depth, ordered, fill, greedy_draft):
     trunk, head, *_ = build_pair(tmp_path, ordered=ordered, fill=fill, **LOOP)
@@ -273,16 +275,22 @@ def test_cache_comparison_catches_a_loop_that_keeps_a_rejected_draft(tmp_path, m
 
 
 CHI = dict(vocab_size=6, num_centroids=3, top_k=1, scale=1.0, context_strength=3.0)
-NUM_SAMPLES = 1500
+# The zero-mass fill (q with exact zeros outside the candidates) is the case the generic loop
+# tests do not cover, so it runs by default; the larger runs repeat it and the floor fill.
+CHI_CASES = [
+    ("zero_mass", 2, 500),
+    pytest.param("floor", 2, 1500, marks=pytest.mark.slow),
+    pytest.param("zero_mass", 3, 1500, marks=pytest.mark.slow),
+]
 
 
-@pytest.mark.parametrize("fill,depth", [("floor", 2), ("zero_mass", 3)])
-def test_mtp_sampled_distribution_matches_ar(tmp_path, fill, depth):
+@pytest.mark.parametrize("fill,depth,num_samples", CHI_CASES)
+def test_mtp_sampled_distribution_matches_ar(tmp_path, fill, depth, num_samples):
     trunk, head, *_ = build_pair(tmp_path, ordered=True, fill=fill, **CHI)
     cfg = SamplerConfig(temperature=1.0)
     expected = exact_ar_joint(trunk, cfg, CHI["vocab_size"])
     seed0 = int.from_bytes(os.urandom(4), "little")
-    counts = sample_counts(trunk, head, cfg, depth, NUM_SAMPLES, CHI["vocab_size"], seed0)
+    counts = sample_counts(trunk, head, cfg, depth, num_samples, CHI["vocab_size"], seed0)
     p = loop_p_value(counts, expected)
     assert p > FALSE_FAILURE_RATE, f"p={p:.3g} (seed0={seed0})"
 
@@ -300,7 +308,7 @@ def test_chi_square_rejects_a_loop_that_commits_the_rejected_draft(tmp_path, mon
     trunk, head, *_ = build_pair(tmp_path, ordered=True, **CHI)
     cfg = SamplerConfig(temperature=1.0)
     expected = exact_ar_joint(trunk, cfg, CHI["vocab_size"])
-    counts = sample_counts(trunk, head, cfg, 2, NUM_SAMPLES // 2, CHI["vocab_size"], 1234)
+    counts = sample_counts(trunk, head, cfg, 2, 300, CHI["vocab_size"], 1234)
     assert loop_p_value(counts, expected) < FALSE_FAILURE_RATE
 
 
@@ -402,3 +410,39 @@ def test_the_assistant_is_found_beside_the_target_and_in_the_hub_cache(tmp_path)
     found = ga.find_assistant(snap, "google/gemma-4-tiny", hub_cache=hub)
     assert found is not None and ga.read_assistant_config(found)["model_type"] == "gemma4_assistant"
     shutil.rmtree(hub)
+
+
+def test_engine_loads_the_assistant_beside_a_gemma_target_and_refuses_forced_mtp_without_one(tmp_path):
+    from mtplx.engine import Engine
+
+    target = tg.gemma4_target(tmp_path / "gemma-4-tiny", 8, context_strength=3.0)
+    tg.write_word_tokenizer(target.path, 8)
+    bare = Engine.load(str(target.path))
+    assert bare.head is None
+    with pytest.raises(MtplxError, match="no assistant drafter: pass --head DIR"):
+        bare.generate("w2 w3", mtp=True, max_tokens=4)
+    ar = bare.generate("w2 w3 w4", mtp=False, max_tokens=12).token_ids
+
+    assistant = tg.gemma4_assistant(tmp_path / "gemma-4-tiny-assistant", 8, ordered=True, num_centroids=4, scale=0.3)
+    found = Engine.load(str(target.path))
+    explicit = Engine.load(str(target.path), head=str(assistant.path))
+    for engine in (found, explicit):
+        assert isinstance(engine.head, ga.Gemma4AssistantHead)
+        assert engine.head.default_depth == 3  # block_size 4 = the pending token + 3 drafts
+        result = engine.generate("w2 w3 w4", mtp=True, max_tokens=12)
+        assert result.stats.mode == "mtp" and result.token_ids == ar
+
+
+def test_inspect_names_the_assistant_that_pairs_with_a_gemma_target(tmp_path):
+    from mtplx.inspect import format_inspection, inspect_model
+
+    target = tg.gemma4_target(tmp_path / "gemma-4-tiny")
+    info = inspect_model(str(target.path))
+    assert info["verdict"] == "AR-only" and info["assistant"]["problem"] == "not found locally"
+    assistant = tg.gemma4_assistant(tmp_path / "gemma-4-tiny-assistant")
+    info = inspect_model(str(target.path))
+    assert info["verdict"] == "MTP-ready" and info["assistant"]["path"] == str(assistant.path)
+    assert f"assistant     {assistant.path} (pairs)" in format_inspection(info)
+    _write_config(assistant.path, backbone_hidden_size=48)
+    info = inspect_model(str(target.path))
+    assert info["verdict"] == "AR-only" and "backbone_hidden_size 48" in info["assistant"]["problem"]

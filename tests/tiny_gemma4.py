@@ -231,3 +231,17 @@ def reference_forward(
         masked[candidates] = logits[candidates]
         logits = masked
     return h, projected, logits
+
+
+def write_word_tokenizer(path: Path, vocab_size: int) -> None:
+    """A whitespace word-level tokenizer over ``w0 .. w{V-1}`` (eos = w1), so the engine can load
+    the tiny target like a real model."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        '{"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "w1", "unk_token": "w0"}'
+    )

@@ -419,6 +419,11 @@ def load_gemma4_assistant(
 
 # --- finding the assistant of a target -----------------------------------------------------
 
+MISSING_ASSISTANT = (
+    "this Gemma 4 model has no assistant drafter: pass --head DIR (a gemma4_assistant checkpoint, "
+    "e.g. google/<model>-assistant), or put <model>-assistant beside the model; --no-mtp decodes without one"
+)
+
 
 def assistant_candidates(
     model_path: Path, spec: str | Path | None, hub_cache: str | Path | None = None
