@@ -145,6 +145,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert_assistant(args: argparse.Namespace) -> int:
+    from mtplx.heads.gemma4_assistant import convert_assistant
+
+    print(f"wrote {convert_assistant(args.assistant, args.target, bits=args.bits)}")
+    return 0
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from mtplx.inspect import format_inspection, inspect_model
 
@@ -255,6 +262,16 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     conv.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     conv.set_defaults(func=cmd_convert)
+    ca = sub.add_parser(
+        "convert-assistant",
+        help="write a Gemma 4 assistant beside its (converted, e.g. 4-bit) target as <target>-assistant",
+    )
+    ca.add_argument("assistant", help="the assistant directory or cached repo id")
+    ca.add_argument("target", help="the target model directory it drafts for")
+    ca.add_argument(
+        "--bits", type=int, default=None, help="quantize the drafter (4 or 8; default: bfloat16, unquantized)"
+    )
+    ca.set_defaults(func=cmd_convert_assistant)
 
     insp = sub.add_parser(
         "inspect", help="describe a model without running it (MTP-ready / AR-only / unsupported)"

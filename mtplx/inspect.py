@@ -187,8 +187,9 @@ def inspect_model(spec_or_path: str | Path) -> dict[str, Any]:
     elif assistant is not None and assistant["pairs"]:
         verdict, reason = "MTP-ready", f"Gemma 4 assistant {assistant['name']} pairs with it"
     elif assistant is not None:
-        verdict, reason = "AR-only", (
-            f"Gemma 4 drafts with a separate assistant: {assistant['name']} ({assistant['problem']})"
+        verdict, reason = (
+            "AR-only",
+            (f"Gemma 4 drafts with a separate assistant: {assistant['name']} ({assistant['problem']})"),
         )
     elif declared:
         verdict, reason = (

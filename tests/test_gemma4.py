@@ -41,9 +41,16 @@ from mtplx.trunk import Trunk
 
 def build_pair(tmp_path: Path, *, vocab_size=64, ordered=False, num_centroids=8, top_k=2, fill="floor", **kw):
     target_kw = {k: kw.pop(k) for k in ("context_strength",) if k in kw}
-    target = tg.gemma4_target(tmp_path / "gemma-4-tiny", vocab_size, seed=kw.pop("target_seed", 0), **target_kw)
+    target = tg.gemma4_target(
+        tmp_path / "gemma-4-tiny", vocab_size, seed=kw.pop("target_seed", 0), **target_kw
+    )
     assistant = tg.gemma4_assistant(
-        tmp_path / "gemma-4-tiny-assistant", vocab_size, ordered=ordered, num_centroids=num_centroids, top_k=top_k, **kw
+        tmp_path / "gemma-4-tiny-assistant",
+        vocab_size,
+        ordered=ordered,
+        num_centroids=num_centroids,
+        top_k=top_k,
+        **kw,
     )
     model, config = mlx_load_model(target.path)
     trunk = Trunk(model)
@@ -116,7 +123,9 @@ def test_assistant_forward_matches_the_numpy_reference(tmp_path, ordered, how, s
     full = _full_kv(trunk, committed)
     embedding = np.array(trunk.embed(mx.array([token]))[0], dtype=np.float64) * tg.H**0.5
     args = (assistant.tensors, assistant.config, embedding, np.array(hidden[0, 0], dtype=np.float64))
-    ref_h, ref_proj, ref_logits = tg.reference_forward(*args, _reference_kv(full, head, position, tg.WINDOW), position)
+    ref_h, ref_proj, ref_logits = tg.reference_forward(
+        *args, _reference_kv(full, head, position, tg.WINDOW), position
+    )
     np.testing.assert_allclose(np.array(out[0, 0]), ref_h, atol=2e-4, err_msg=f"seed={seed}")
     np.testing.assert_allclose(np.array(projected[0, 0]), ref_proj, atol=2e-4, err_msg=f"seed={seed}")
     np.testing.assert_allclose(np.array(logits[0, 0]), ref_logits, atol=2e-4, err_msg=f"seed={seed}")
@@ -157,10 +166,14 @@ def test_assistant_forward_matches_mlx_vlm(tmp_path, ordered):
     the newest key and drops the oldest window key, which the float64 reference reproduces."""
     vlm = _import_mlx_vlm_drafter()
     if vlm is None:
-        pytest.skip("mlx-vlm is not installed (optional test-time reference: pip install --no-deps mlx-vlm==0.7.10)")
+        pytest.skip(
+            "mlx-vlm is not installed (optional test-time reference: pip install --no-deps mlx-vlm==0.7.10)"
+        )
     trunk, head, target, assistant = build_pair(tmp_path, ordered=ordered)
     drafter = vlm.Model(vlm.ModelConfig.from_dict(assistant.config))
-    weights = {k: mx.array(v) for k, v in assistant.tensors.items() if "k_proj" not in k and "k_norm" not in k}
+    weights = {
+        k: mx.array(v) for k, v in assistant.tensors.items() if "k_proj" not in k and "k_norm" not in k
+    }
     drafter.load_weights(list(drafter.sanitize(weights).items()))
     drafter.bind(trunk.model.language_model)
 
@@ -175,7 +188,10 @@ def test_assistant_forward_matches_mlx_vlm(tmp_path, ordered):
         hidden, token = out.hidden_post_norm[:, -1:], int(rng.integers(0, 64))
         shared = {}
         for kind, i in head.source_layers.items():
-            keys, values = cache[i].keys[..., : cache[i].offset, :], cache[i].values[..., : cache[i].offset, :]
+            keys, values = (
+                cache[i].keys[..., : cache[i].offset, :],
+                cache[i].values[..., : cache[i].offset, :],
+            )
             if cut and kind == "sliding_attention":
                 keys, values = keys[..., -cut:, :], values[..., -cut:, :]
             shared[kind] = (keys, values)
@@ -190,8 +206,12 @@ def test_assistant_forward_matches_mlx_vlm(tmp_path, ordered):
         full = _full_kv(trunk, tokens)
         embedding = np.array(trunk.embed(mx.array([token]))[0], dtype=np.float64) * tg.H**0.5
         _, ref_proj, ref_logits = tg.reference_forward(
-            assistant.tensors, assistant.config, embedding, np.array(hidden[0, 0], dtype=np.float64),
-            _reference_kv(full, head, length - 1, window), length - 1,
+            assistant.tensors,
+            assistant.config,
+            embedding,
+            np.array(hidden[0, 0], dtype=np.float64),
+            _reference_kv(full, head, length - 1, window),
+            length - 1,
         )
         np.testing.assert_allclose(np.array(vlm_proj[0, 0]), ref_proj, atol=2e-4)
         np.testing.assert_allclose(np.array(vlm_logits[0, 0]), ref_logits, atol=2e-4)
@@ -203,13 +223,18 @@ def test_assistant_forward_matches_mlx_vlm(tmp_path, ordered):
 LOOP = dict(vocab_size=8, num_centroids=4, top_k=2, scale=0.3, context_strength=3.0)
 
 
-GREEDY_CASES = [(d, True, "floor", False) for d in (1, 2, 3, 4)] + [(2, False, "floor", False), (3, True, "zero_mass", True)]
+GREEDY_CASES = [(d, True, "floor", False) for d in (1, 2, 3, 4)] + [
+    (2, False, "floor", False),
+    (3, True, "zero_mass", True),
+]
 
 
 @pytest.mark.parametrize(
     "depth,ordered,fill,greedy_draft",
     GREEDY_CASES,
-    ids=[f"d{d}-{'ordered' if o else 'dense'}-{f}{'-greedy-draft' if g else ''}" for d, o, f, g in GREEDY_CASES],
+    ids=[
+        f"d{d}-{'ordered' if o else 'dense'}-{f}{'-greedy-draft' if g else ''}" for d, o, f, g in GREEDY_CASES
+    ],
 )
 def test_greedy_mtp_output_is_token_identical_to_ar(tmp_path, depth, ordered, fill, greedy_draft):
     trunk, head, *_ = build_pair(tmp_path, ordered=ordered, fill=fill, **LOOP)
@@ -226,7 +251,10 @@ def _window_of(c, n: int) -> tuple[np.ndarray, np.ndarray]:
     """The newest n committed entries of an mlx-lm cache, in temporal order (mlx-lm's own reordering)."""
     if isinstance(c, RotatingKVCache):
         keys, values = c._temporal_order(c.keys), c._temporal_order(c.values)
-        keys, values = keys[..., : min(c._idx, keys.shape[2]), :], values[..., : min(c._idx, values.shape[2]), :]
+        keys, values = (
+            keys[..., : min(c._idx, keys.shape[2]), :],
+            values[..., : min(c._idx, values.shape[2]), :],
+        )
     else:
         keys, values = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
     return np.array(keys[..., -n:, :]), np.array(values[..., -n:, :])
@@ -236,8 +264,12 @@ def assert_caches_match_a_from_scratch_run(tmp_path, depth: int) -> None:
     trunk, head, *_ = build_pair(tmp_path, ordered=True, **LOOP)
     trunk_cache = trunk.make_cache()
     steps = decode.mtp_decode(
-        trunk, head, PROMPT, decode.DecodeSettings(sampler=SamplerConfig(temperature=1.0), depth=depth),
-        mx.random.key(int.from_bytes(os.urandom(4), "little")), trunk_cache=trunk_cache,
+        trunk,
+        head,
+        PROMPT,
+        decode.DecodeSettings(sampler=SamplerConfig(temperature=1.0), depth=depth),
+        mx.random.key(int.from_bytes(os.urandom(4), "little")),
+        trunk_cache=trunk_cache,
     )
     generated, patterns = [], set()
     for step in steps:
@@ -336,7 +368,10 @@ def test_outside_candidate_stats_count_the_target_tokens_the_narrowed_vocabulary
     # The head counts a cycle's targets when the next cycle starts: the last cycle is not counted yet.
     last = [s for s in steps if s.num_drafted][-1]
     last_checked = min(len(last.tokens), 2)
-    last_outside = sum(t not in cycles[len([s for s in steps if s.num_drafted]) - 1][j][1] for j, t in enumerate(last.tokens[:2]))
+    last_outside = sum(
+        t not in cycles[len([s for s in steps if s.num_drafted]) - 1][j][1]
+        for j, t in enumerate(last.tokens[:2])
+    )
     assert stats == {"checked": checked - last_checked, "outside_candidates": outside - last_outside}
     assert stats["checked"] > 0
 
@@ -381,7 +416,9 @@ def test_an_assistant_reading_a_layer_type_the_target_lacks_is_refused(tmp_path)
     config["text_config"]["layer_types"] = ["sliding_attention"] * 5
     model = gemma4.Model(gemma4.ModelArgs.from_dict(config))
     assistant = tg.gemma4_assistant(tmp_path / "a")
-    with pytest.raises(MtplxError, match="reads the target's full_attention KV but the target has no such layer"):
+    with pytest.raises(
+        MtplxError, match="reads the target's full_attention KV but the target has no such layer"
+    ):
         ga.load_gemma4_assistant(assistant.path, Trunk(model), config)
 
 
@@ -423,7 +460,9 @@ def test_engine_loads_the_assistant_beside_a_gemma_target_and_refuses_forced_mtp
         bare.generate("w2 w3", mtp=True, max_tokens=4)
     ar = bare.generate("w2 w3 w4", mtp=False, max_tokens=12).token_ids
 
-    assistant = tg.gemma4_assistant(tmp_path / "gemma-4-tiny-assistant", 8, ordered=True, num_centroids=4, scale=0.3)
+    assistant = tg.gemma4_assistant(
+        tmp_path / "gemma-4-tiny-assistant", 8, ordered=True, num_centroids=4, scale=0.3
+    )
     found = Engine.load(str(target.path))
     explicit = Engine.load(str(target.path), head=str(assistant.path))
     for engine in (found, explicit):
@@ -446,3 +485,22 @@ def test_inspect_names_the_assistant_that_pairs_with_a_gemma_target(tmp_path):
     _write_config(assistant.path, backbone_hidden_size=48)
     info = inspect_model(str(target.path))
     assert info["verdict"] == "AR-only" and "backbone_hidden_size 48" in info["assistant"]["problem"]
+
+
+@pytest.mark.parametrize("bits", [None, 8])
+def test_convert_assistant_writes_a_bf16_or_quantized_drafter_beside_the_target(tmp_path, bits):
+    target = tg.gemma4_target(tmp_path / "gemma-4-tiny", 64)
+    assistant = tg.gemma4_assistant(tmp_path / "src-assistant", 64, ordered=True)
+    out = ga.convert_assistant(assistant.path, target.path, bits=bits, group_size=32)
+    assert (
+        out == tmp_path / "gemma-4-tiny-assistant" and ga.find_assistant(target.path, str(target.path)) == out
+    )
+    model, config = mlx_load_model(target.path)
+    trunk = Trunk(model)
+    head = ga.load_gemma4_assistant(out, trunk, config)
+    assert ("scales" in head.pre_projection) == bool(bits)
+    assert head.pre_projection.weight.dtype == (mx.uint32 if bits else mx.bfloat16)
+    cfg = SamplerConfig(temperature=0.0)
+    assert run_mtp_steps(trunk, head, cfg, 2, 20)[0] == run_loop(trunk, head, cfg, None, 20, seed=0)
+    with pytest.raises(MtplxError, match="already exists"):
+        ga.convert_assistant(assistant.path, target.path)

@@ -27,7 +27,13 @@ ROPE = {
     "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0},
     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
 }
-TARGET_LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+TARGET_LAYER_TYPES = [
+    "sliding_attention",
+    "sliding_attention",
+    "full_attention",
+    "sliding_attention",
+    "full_attention",
+]
 DRAFT_LAYER_TYPES = ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"]
 
 
@@ -53,8 +59,13 @@ def target_config(vocab_size: int) -> dict:
         "tie_word_embeddings": True,
         "vocab_size": vocab_size,
     }
-    return {"model_type": "gemma4", "architectures": ["Gemma4ForConditionalGeneration"], "text_config": text,
-            "vocab_size": vocab_size, "tie_word_embeddings": True}
+    return {
+        "model_type": "gemma4",
+        "architectures": ["Gemma4ForConditionalGeneration"],
+        "text_config": text,
+        "vocab_size": vocab_size,
+        "tie_word_embeddings": True,
+    }
 
 
 def gemma4_target(path: Path, vocab_size: int = 64, seed: int = 0, context_strength: float = 1.0):
@@ -149,7 +160,12 @@ def gemma4_assistant(
         t[p + "self_attn.o_proj.weight"] = w(DRAFT_H, 4 * hd)
         t[p + "self_attn.k_proj.weight"] = w(2 * hd, DRAFT_H)  # unused by a KV-shared layer
         t[p + "self_attn.k_norm.weight"] = norm(hd)
-        for n in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"):
+        for n in (
+            "input_layernorm",
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+        ):
             t[p + n + ".weight"] = norm(DRAFT_H)
         t[p + "mlp.gate_proj.weight"] = w(32, DRAFT_H)
         t[p + "mlp.up_proj.weight"] = w(32, DRAFT_H)
@@ -216,7 +232,9 @@ def reference_forward(
         o = t[p + "self_attn.o_proj.weight"] @ np.concatenate(out)
         x = x + _rms(o, t[p + "post_attention_layernorm.weight"])
         h = _rms(x, t[p + "pre_feedforward_layernorm.weight"])
-        m = t[p + "mlp.down_proj.weight"] @ (_gelu_tanh(t[p + "mlp.gate_proj.weight"] @ h) * (t[p + "mlp.up_proj.weight"] @ h))
+        m = t[p + "mlp.down_proj.weight"] @ (
+            _gelu_tanh(t[p + "mlp.gate_proj.weight"] @ h) * (t[p + "mlp.up_proj.weight"] @ h)
+        )
         x = (x + _rms(m, t[p + "post_feedforward_layernorm.weight"])) * t[p + "layer_scalar"][0]
     h = _rms(x, t["model.norm.weight"])
     projected = t["post_projection.weight"] @ h

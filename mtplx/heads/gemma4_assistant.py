@@ -132,7 +132,9 @@ class Gemma4AssistantHead(MTPHead):
         from mlx_lm.models import gemma4_text
 
         if non_candidate_fill not in NON_CANDIDATE_FILLS:
-            raise ValueError(f"non_candidate_fill must be one of {NON_CANDIDATE_FILLS}, got {non_candidate_fill!r}")
+            raise ValueError(
+                f"non_candidate_fill must be one of {NON_CANDIDATE_FILLS}, got {non_candidate_fill!r}"
+            )
         target_embed_scale = float(getattr(trunk.inner, "embed_scale", 1.0))
         super().__init__(lambda t: trunk.embed(t) * target_embed_scale, trunk.lm_head, DEFAULT_HIDDEN_SOURCE)
         args = drafter_args(config)
@@ -204,7 +206,9 @@ class Gemma4AssistantHead(MTPHead):
 
     def logits(self, head_hidden: mx.array, step: int = 0) -> mx.array:
         if "masked_embedding" not in self:
-            return self.lm_head(head_hidden) if not self.tied else self.model.embed_tokens.as_linear(head_hidden)
+            return (
+                self.lm_head(head_hidden) if not self.tied else self.model.embed_tokens.as_linear(head_hidden)
+            )
         masked = self.masked_embedding
         candidates = masked.candidates(head_hidden)
         selected = masked.candidate_logits(head_hidden, self._output_embedding(), candidates)
@@ -250,7 +254,9 @@ class Gemma4AssistantHead(MTPHead):
         if self._scratch.position + tokens.size != position:
             return
         for j in range(min(tokens.size, len(previous))):
-            self._scratch.outside = self._scratch.outside + (~mx.any(previous[j] == tokens[j])).astype(mx.int32)
+            self._scratch.outside = self._scratch.outside + (~mx.any(previous[j] == tokens[j])).astype(
+                mx.int32
+            )
             self._scratch.checked += 1
 
     def checkpoint_keys(self) -> dict[str, str]:
@@ -386,7 +392,9 @@ def load_gemma4_assistant(
     config_path = assistant_dir / "config.json"
     config = read_assistant_config(assistant_dir)
     if config is None:
-        raise MtplxError(f"{config_path}: not a Gemma 4 assistant config (model_type {', '.join(ASSISTANT_MODEL_TYPES)})")
+        raise MtplxError(
+            f"{config_path}: not a Gemma 4 assistant config (model_type {', '.join(ASSISTANT_MODEL_TYPES)})"
+        )
     problem = pairing_problem(config, target_config)
     if problem is not None:
         raise MtplxError(f"{config_path}: {problem}")
@@ -411,7 +419,9 @@ def load_gemma4_assistant(
     ]
     weights = load_tensors(assistant_dir, index, names)
     if "masked_embedding.token_ordering" in weights:
-        weights["masked_embedding.token_ordering"] = weights["masked_embedding.token_ordering"].astype(mx.int32)
+        weights["masked_embedding.token_ordering"] = weights["masked_embedding.token_ordering"].astype(
+            mx.int32
+        )
     quantize_like_checkpoint(head, lambda p: p, set(index), config)
     check_and_load(head, weights, str(source_name(assistant_dir)))
     return head
@@ -456,3 +466,52 @@ def find_assistant(
         if path is not None and read_assistant_config(path) is not None:
             return path
     return None
+
+
+# --- conversion ----------------------------------------------------------------------------------
+
+
+def convert_assistant(
+    src: str | Path, target_dir: str | Path, *, bits: int | None = None, group_size: int = 64
+) -> Path:
+    """Write the assistant ``src`` (directory or cached repo id) as ``<target_dir>-assistant``,
+    where ``Engine.load`` finds it: bfloat16 by default (the drafter stays unquantized on a
+    quantized trunk), or its matrices ``bits``-bit quantized (mlx affine, ``group_size``).
+    Written to a temporary name, then renamed."""
+    import shutil
+
+    from mtplx.loading import resolve_model
+
+    if bits not in (None, 4, 8):
+        raise MtplxError(f"bits: must be 4 or 8 (or omitted for bfloat16), got {bits}")
+    src = resolve_model(str(src))
+    config = read_assistant_config(src)
+    if config is None:
+        raise MtplxError(f"{src / 'config.json'}: not a Gemma 4 assistant config")
+    out = Path(target_dir).parent / f"{Path(target_dir).name}-assistant"
+    if out.exists():
+        raise MtplxError(f"{out}: already exists")
+    index = weight_index(src)
+    tensors = load_tensors(src, index, list(index))
+    written: dict[str, mx.array] = {}
+    for name, value in tensors.items():
+        if name == "masked_embedding.token_ordering":
+            written[name] = value.astype(mx.int32)
+            continue
+        value = value.astype(mx.bfloat16)
+        quantizable = name.endswith(".weight") and value.ndim == 2 and value.shape[-1] % group_size == 0
+        if bits and quantizable:
+            w, scales, biases = mx.quantize(value, group_size=group_size, bits=bits)
+            prefix = name[: -len(".weight")]
+            written.update({name: w, f"{prefix}.scales": scales, f"{prefix}.biases": biases})
+        else:
+            written[name] = value
+    if bits:
+        config = {**config, "quantization": {"group_size": group_size, "bits": bits, "mode": "affine"}}
+    tmp = out.parent / f".{out.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    mx.save_safetensors(str(tmp / "model.safetensors"), written, {"format": "mlx"})
+    (tmp / "config.json").write_text(json.dumps(config, indent=1))
+    tmp.rename(out)
+    return out
