@@ -83,7 +83,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.depth is not None and args.depth < 1:
         raise MtplxError(f"depth: must be >= 1, got {args.depth}")
     prompt = _read_prompt(args)
-    engine = Engine.load(args.model, head=args.head, depth=args.depth, dtype=args.dtype)
+    engine = Engine.load(args.model, head=args.head, mtp=args.mtp, depth=args.depth, dtype=args.dtype)
     chat = (
         args.chat if args.chat is not None else getattr(engine.tokenizer, "chat_template", None) is not None
     )

@@ -139,6 +139,37 @@ class _TextAssembler:
         return delta
 
 
+def _load_head(model, head, dtype, loaded, trunk):
+    """The draft head for a loaded target: ``head`` (a forged-head directory, or a Gemma 4
+    assistant directory / cached repo id), else the checkpoint's own, else for a Gemma 4 target
+    ``<target>-assistant`` beside it or in the HF cache, else for the default model the shipped one."""
+    from mtplx import heads, loading
+    from mtplx.heads import gemma4_assistant
+
+    head_dir = (
+        loading.resolve_model(head)
+        if head is not None
+        else (heads.shipped_head_dir(loading.DEFAULT_MODEL_NAME) if model is None else None)
+    )
+    if head_dir is None:
+        own = heads.load_head(loaded.path, trunk, loaded.config)
+        if own is not None or not gemma4_assistant.is_gemma4_target(loaded.config):
+            return own
+        head_dir = gemma4_assistant.find_assistant(loaded.path, model)
+        if head_dir is None:
+            return None
+    if gemma4_assistant.read_assistant_config(head_dir) is not None:
+        return gemma4_assistant.load_gemma4_assistant(head_dir, trunk, loaded.config)
+    from mtplx.heads import forged
+
+    head_fingerprint = loaded.fingerprint
+    if model is None and dtype == "q4":
+        # The float32 build is the exact dequantization of the same GGUF blocks, so the
+        # shipped head (forged on it) fits the 4-bit build too; check against its weights.
+        head_fingerprint = loading.load_model(None, variant="float32", lazy=True).fingerprint
+    return forged.load_forged_head(head_dir, trunk, head_fingerprint)
+
+
 class Engine:
     """A loaded target model plus (optionally) its MTP head."""
 
@@ -170,6 +201,7 @@ class Engine:
         model: str | Path | None = None,
         *,
         head: str | Path | None = None,
+        mtp: bool | None = None,
         depth: int | None = None,
         dtype: str | None = None,
         verify_backend: str = "auto",
@@ -179,10 +211,9 @@ class Engine:
         ``head`` is a forged-head directory or a Gemma 4 assistant (directory or cached repo id);
         without it the checkpoint's own MTP head is used, for a Gemma 4 target the
         ``<target>-assistant`` beside it or in the HF cache, or for the default model the head
-        shipped with mtplx.
+        shipped with mtplx. ``mtp=False`` loads no head at all (plain AR always works).
         """
-        from mtplx import heads, loading
-        from mtplx.heads import gemma4_assistant
+        from mtplx import loading
 
         if dtype not in (None, *loading.VARIANTS):
             raise MtplxError(f"dtype: must be one of {', '.join(loading.VARIANTS)}, got {dtype!r}")
@@ -195,26 +226,8 @@ class Engine:
             fingerprint=loaded.fingerprint,
             verify_backend=verify_backend,
         )
-        head_dir = (
-            loading.resolve_model(head)  # a directory, or a repo id in the HF cache (assistants)
-            if head is not None
-            else (heads.shipped_head_dir(loading.DEFAULT_MODEL_NAME) if model is None else None)
-        )
-        if head_dir is None and gemma4_assistant.is_gemma4_target(loaded.config):
-            head_dir = gemma4_assistant.find_assistant(loaded.path, model)  # <target>-assistant, if present
-        if head_dir is not None and gemma4_assistant.read_assistant_config(head_dir) is not None:
-            engine.head = gemma4_assistant.load_gemma4_assistant(head_dir, engine.trunk, loaded.config)
-        elif head_dir is not None:
-            from mtplx.heads import forged
-
-            head_fingerprint = loaded.fingerprint
-            if model is None and dtype == "q4":
-                # The float32 build is the exact dequantization of the same GGUF blocks, so the
-                # shipped head (forged on it) fits the 4-bit build too; check against its weights.
-                head_fingerprint = loading.load_model(None, variant="float32", lazy=True).fingerprint
-            engine.head = forged.load_forged_head(head_dir, engine.trunk, head_fingerprint)
-        else:
-            engine.head = heads.load_head(loaded.path, engine.trunk, loaded.config)
+        if mtp is not False:  # mtp=False: plain AR; no head is looked for, so a misfit one cannot fail
+            engine.head = _load_head(model, head, dtype, loaded, engine.trunk)
         if depth is not None and depth < 1:
             raise MtplxError(f"depth: must be >= 1, got {depth}")
         engine.depth = depth if depth is not None else engine._default_depth()

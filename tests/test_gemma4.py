@@ -506,3 +506,28 @@ def test_convert_assistant_writes_a_bf16_or_quantized_drafter_beside_the_target(
     assert run_mtp_steps(trunk, head, cfg, 2, 20)[0] == run_loop(trunk, head, cfg, None, 20, seed=0)
     with pytest.raises(MtplxError, match="already exists"):
         ga.convert_assistant(assistant.path, target.path)
+
+
+def _cli(*args):
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    return subprocess.run(
+        [sys.executable, "-m", "mtplx.cli", *args], capture_output=True, text=True, timeout=300, env=env
+    )
+
+
+def test_cli_misfit_assistant_is_a_one_line_error_and_no_mtp_still_works(tmp_path):
+    target = tg.gemma4_target(tmp_path / "gemma-4-tiny", 8)
+    tg.write_word_tokenizer(target.path, 8)
+    other = tg.gemma4_assistant(tmp_path / "other", 8, num_centroids=4, backbone_hidden_size=48)
+    base = ["generate", "w2 w3", "--model", str(target.path), "--raw", "--max-tokens", "4"]
+    out = _cli(*base, "--head", str(other.path))
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert (
+        len(lines) == 1 and "backbone_hidden_size 48 does not match the target's hidden_size 32" in lines[0]
+    )
+    out = _cli(*base, "--head", str(other.path), "--no-mtp", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["stats"]["mode"] == "ar"
