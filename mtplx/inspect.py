@@ -178,7 +178,12 @@ def inspect_model(spec_or_path: str | Path) -> dict[str, Any]:
             **{k: qc[k] for k in ("weight_block_size", "fmt") if k in qc},
         }
 
-    if not supported:
+    from mtplx.heads.gemma4_assistant import is_assistant_config
+
+    if is_assistant_config(config):
+        verdict = "drafter"
+        reason = f"a Gemma 4 assistant for targets with hidden_size {config.get('backbone_hidden_size')}; use it with --head"
+    elif not supported:
         verdict, reason = "unsupported", f"mlx-lm has no model class for model_type {model_type!r}"
     elif head_tensors and declared:
         verdict, reason = "MTP-ready", f"ships {declared} MTP layer(s) ({layout} layout)"

@@ -487,6 +487,7 @@ def test_inspect_names_the_assistant_that_pairs_with_a_gemma_target(tmp_path):
     _write_config(assistant.path, backbone_hidden_size=48)
     info = inspect_model(str(target.path))
     assert info["verdict"] == "AR-only" and "backbone_hidden_size 48" in info["assistant"]["problem"]
+    assert inspect_model(str(assistant.path))["verdict"] == "drafter"
 
 
 @pytest.mark.parametrize("bits", [None, 8])
