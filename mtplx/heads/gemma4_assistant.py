@@ -256,11 +256,12 @@ class Gemma4AssistantHead(MTPHead):
         tokens = next_tokens[0]
         if self._scratch.position + tokens.size != position:
             return
-        for j in range(min(tokens.size, len(previous))):
-            self._scratch.outside = self._scratch.outside + (~mx.any(previous[j] == tokens[j])).astype(
-                mx.int32
-            )
-            self._scratch.checked += 1
+        n = min(tokens.size, len(previous))
+        missed = mx.stack([~mx.any(previous[j] == tokens[j]) for j in range(n)]).astype(mx.int32).sum()
+        self._scratch.outside = self._scratch.outside + missed
+        self._scratch.checked += n
+        # Evaluated in the background, so the running count never holds the candidate sets alive.
+        mx.async_eval(self._scratch.outside)
 
     def checkpoint_keys(self) -> dict[str, str]:
         return {path: path for path, _ in tree_flatten(self.parameters())}
