@@ -25,9 +25,9 @@ import mlx.core as mx
 
 from mtplx import cache as cache_ops
 from mtplx import verify as verify_ops
+from mtplx.config import SamplerConfig
 from mtplx.errors import MtplxError
 from mtplx.heads.base import DraftHead
-from mtplx.sampling import SamplerConfig
 from mtplx.trunk import Trunk, TrunkOutput
 
 
@@ -108,24 +108,25 @@ def ar_decode(
     trunk_cache = trunk_cache if trunk_cache is not None else trunk.make_cache()
     history = list(prompt_tokens)
 
-    def next_token(logits: mx.array, step_key: mx.array) -> mx.array:
+    def next_token(logits: mx.array, step_key: mx.array) -> verify_ops.SampleResult:
         logits = _penalize(logits[:, -1:, :], history, cfg)[:, 0, :]
         uniforms = verify_ops.draw_uniforms((1,), step_key)
-        return verify_ops.sample(logits, cfg, uniforms, backend=settings.verify_backend).tokens
+        return verify_ops.sample(logits, cfg, uniforms, backend=settings.verify_backend)
 
     key, step_key = _split_key(key)
     output = prefill(trunk, prompt_tokens, trunk_cache, settings.prefill_step_size)
-    token = next_token(output.logits, step_key)
-    mx.async_eval(token)
+    drawn = next_token(output.logits, step_key)
+    mx.async_eval(drawn.tokens, drawn.invalid)
     while True:
         key, step_key = _split_key(key)
-        token_id = token.item()
+        token_id = drawn.tokens.item()  # the step's one sync; the flag was evaluated with it
+        drawn.checked()
         history.append(token_id)
-        logits = trunk.model(token.reshape(1, 1), cache=trunk_cache)
+        logits = trunk.model(drawn.tokens.reshape(1, 1), cache=trunk_cache)
         upcoming = next_token(logits, step_key)
-        mx.async_eval(upcoming)
+        mx.async_eval(upcoming.tokens, upcoming.invalid)
         yield Step([token_id])
-        token = upcoming
+        drawn = upcoming
 
 
 def _trunk_hidden(output: TrunkOutput, head: DraftHead) -> mx.array:
@@ -143,7 +144,7 @@ def mtp_decode(
 ) -> Iterator[Step]:
     """Exact speculative decoding with the model's MTP head as the drafter."""
     if settings.depth < 1:
-        raise MtplxError(f"depth: must be >= 1, got {settings.depth}")
+        raise MtplxError(f"depth must be >= 1 (got {settings.depth})")
     cfg = settings.sampler
     depth = settings.depth
     trunk_cache = trunk_cache if trunk_cache is not None else trunk.make_cache()
@@ -169,8 +170,11 @@ def mtp_decode(
         trunk, prompt_tokens, trunk_cache, settings.prefill_step_size, head_prefill if head_cache else None
     )
     first_logits = _penalize(output.logits[:, -1:, :], history, cfg)[:, 0, :]
-    first = verify_ops.sample(first_logits, cfg, verify_ops.draw_uniforms((1,), step_key)).tokens
-    pending = int(first.item())
+    first = verify_ops.sample(
+        first_logits, cfg, verify_ops.draw_uniforms((1,), step_key), backend=settings.verify_backend
+    )
+    mx.eval(first.tokens, first.invalid)
+    pending = int(first.checked().tokens.item())
     history.append(pending)
     yield Step([pending])
 
@@ -188,6 +192,7 @@ def mtp_decode(
         ]
         draft_tokens: list[mx.array] = []
         draft_probs: list[mx.array] = []
+        drafts_invalid = mx.array(0, dtype=mx.int32)  # lazy validity flags, read with the accept count
         for i in range(depth):
             if i > 0:
                 head_out = head(
@@ -198,9 +203,12 @@ def mtp_decode(
                     trunk_cache=trunk_cache,
                 )
             logits = head.logits(head_out, step=i)[:, -1, :]
-            if cfg.has_penalties:  # draft i sees the committed tokens and d_1..d_{i-1}
-                drafted_so_far = history + [int(t.item()) for t in draft_tokens]
-                logits = _penalize(logits[:, None, :], drafted_so_far, cfg)[:, 0, :]
+            if cfg.has_penalties:  # draft i sees the committed tokens and d_1..d_{i-1}, kept lazy (no sync)
+                context = mx.concatenate(
+                    [mx.array(history, dtype=mx.int32)[None], *[t.reshape(1, 1) for t in draft_tokens]],
+                    axis=1,
+                )
+                logits = verify_ops.penalize_logits(logits[:, None, :], context, cfg)[:, 0, :]
             if settings.greedy_draft:
                 token = mx.argmax(logits, axis=-1).astype(mx.int32)
             else:
@@ -209,6 +217,7 @@ def mtp_decode(
                 )
                 token = drawn.tokens.astype(mx.int32)
                 draft_probs.append(drawn.probs)
+                drafts_invalid = drafts_invalid | drawn.invalid
             draft_tokens.append(token)
 
         # 2. One trunk forward over [pending, d_1..d_k]; 3. verify.
@@ -227,14 +236,18 @@ def mtp_decode(
                 verify_ops.draw_uniforms((1,), sample_key),
                 backend=settings.verify_backend,
             )
-            mx.eval(result.num_accepted, result.next_token, result.accept_probs, drafts)
+            # The cycle's one sync: tokens, accept count and every lazy validity flag together.
+            invalid = result.invalid | drafts_invalid
+            mx.eval(result, drafts, invalid)
+            verify_ops.raise_if_invalid(invalid)
         except BaseException:
             # Interrupted or failed mid-cycle: leave the caches as they were before the block.
             cache_ops.abort_block(trunk_cache, capture)
             raise
+        # Reads of evaluated arrays only (indexing first would queue new work).
         num_accepted = int(result.num_accepted.item())
         next_token = int(result.next_token.item())
-        accepted = drafts[0, :num_accepted].tolist()
+        accepted = drafts.tolist()[0][:num_accepted]
 
         # 4. Roll back to the committed prefix.
         cache_ops.commit_block(trunk_cache, capture, num_accepted + 1)
@@ -245,4 +258,4 @@ def mtp_decode(
         committed = accepted + [next_token]
         history.extend(committed)
         pending = next_token
-        yield Step(committed, depth, num_accepted, result.accept_probs[0].tolist())
+        yield Step(committed, depth, num_accepted, result.accept_probs.tolist()[0])

@@ -17,8 +17,8 @@ import mlx.core as mx
 
 from mtplx import decode
 from mtplx.errors import MtplxError
-from mtplx.sampling import SamplerConfig
 from mtplx.trunk import Trunk
+from mtplx.validation import check_generation_args
 
 DEFAULT_DEPTH = 3
 
@@ -37,6 +37,15 @@ class GenerationStats:
     peak_memory_gb: float = 0.0
     mode: str = "ar"  # "ar" | "mtp"
     depth: int = 0
+    ttft_seconds: float = 0.0  # from the start of the call to the first generated token
+    total_seconds: float = 0.0  # from the start of the call to the last token so far
+    prefilled_tokens: int = 0  # prompt tokens run through the trunk by this call
+    cached_tokens: int = 0  # prompt tokens reused from a prompt cache (prompt = prefilled + cached)
+    # Like tokens_per_cycle, over only the verify cycles whose tokens were all kept: the cycle that
+    # EOS, a stop string or max_tokens cut short would understate what a cycle yields.
+    tokens_per_full_cycle: float = 0.0
+    # Draft tokens proposed / accepted by each drafter, e.g. {"head": {"drafted": 40, "accepted": 22}}.
+    drafters: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -61,13 +70,23 @@ class GenerationResult:
 class _StatsTracker:
     """Accumulates per-step measurements into `GenerationStats`."""
 
-    def __init__(self, prompt_tokens: int, mode: str, depth: int):
-        self.stats = GenerationStats(prompt_tokens=prompt_tokens, mode=mode, depth=depth)
+    def __init__(self, prompt_tokens: int, mode: str, depth: int, cached_tokens: int = 0):
+        self.stats = GenerationStats(
+            prompt_tokens=prompt_tokens,
+            mode=mode,
+            depth=depth,
+            prefilled_tokens=prompt_tokens - cached_tokens,
+            cached_tokens=cached_tokens,
+        )
+        if mode == "mtp":
+            self.stats.drafters["head"] = {"drafted": 0, "accepted": 0}
         self._start = time.perf_counter()
         self._first_token_time: float | None = None
         self._drafted = [0] * depth
         self._accepted = [0] * depth
         self._committed_in_cycles = 0
+        self._full_cycles = 0
+        self._committed_in_full_cycles = 0
         mx.reset_peak_memory()
 
     def record(self, step: decode.Step, num_tokens_kept: int) -> None:
@@ -77,19 +96,29 @@ class _StatsTracker:
             self._first_token_time = now
             stats.prefill_seconds = now - self._start
             stats.prefill_tokens_per_sec = stats.prompt_tokens / max(stats.prefill_seconds, 1e-9)
+            stats.ttft_seconds = stats.prefill_seconds
         elif step.num_drafted or stats.mode == "ar":
             stats.cycles += 1
             self._committed_in_cycles += num_tokens_kept
+            if num_tokens_kept == len(step.tokens):
+                self._full_cycles += 1
+                self._committed_in_full_cycles += num_tokens_kept
             for position in range(step.num_drafted):
                 self._drafted[position] += 1
                 self._accepted[position] += int(position < step.num_accepted)
+            if "head" in stats.drafters:
+                stats.drafters["head"] = {"drafted": sum(self._drafted), "accepted": sum(self._accepted)}
         stats.generated_tokens += num_tokens_kept
         stats.decode_seconds = now - self._first_token_time
+        stats.total_seconds = now - self._start
         # The first token comes from prefill; decode speed counts the tokens after it.
         stats.decode_tokens_per_sec = (
             (stats.generated_tokens - 1) / stats.decode_seconds if stats.decode_seconds > 0 else 0.0
         )
         stats.tokens_per_cycle = self._committed_in_cycles / stats.cycles if stats.cycles else 0.0
+        stats.tokens_per_full_cycle = (
+            self._committed_in_full_cycles / self._full_cycles if self._full_cycles else 0.0
+        )
         stats.acceptance_per_position = [a / d for a, d in zip(self._accepted, self._drafted) if d]
         stats.peak_memory_gb = mx.get_peak_memory() / 1e9
 
@@ -146,10 +175,12 @@ def _load_head(model, head, dtype, loaded, trunk):
     from mtplx import heads, loading
     from mtplx.heads import gemma4_assistant
 
+    # The default model given by its converted directory is still the default model.
+    default_variant = (dtype or "float32") if model is None else loading.default_model_variant(loaded.path)
     head_dir = (
-        loading.resolve_model(head)
+        loading.resolve_model(head)  # a directory, or a repo id (Gemma 4 assistants)
         if head is not None
-        else (heads.shipped_head_dir(loading.DEFAULT_MODEL_NAME) if model is None else None)
+        else (heads.shipped_head_dir(loading.DEFAULT_MODEL_NAME) if default_variant else None)
     )
     if head_dir is None:
         own = heads.load_head(loaded.path, trunk, loaded.config)
@@ -163,7 +194,7 @@ def _load_head(model, head, dtype, loaded, trunk):
     from mtplx.heads import forged
 
     head_fingerprint = loaded.fingerprint
-    if model is None and dtype == "q4":
+    if default_variant == "q4":
         # The float32 build is the exact dequantization of the same GGUF blocks, so the
         # shipped head (forged on it) fits the 4-bit build too; check against its weights.
         head_fingerprint = loading.load_model(None, variant="float32", lazy=True).fingerprint
@@ -216,7 +247,7 @@ class Engine:
         from mtplx import loading
 
         if dtype not in (None, *loading.VARIANTS):
-            raise MtplxError(f"dtype: must be one of {', '.join(loading.VARIANTS)}, got {dtype!r}")
+            raise MtplxError(f"dtype must be one of {', '.join(loading.VARIANTS)} (got {dtype})")
         loaded = loading.load_model(model, variant=dtype or "float32")
         engine = cls(
             loaded.model,
@@ -229,16 +260,16 @@ class Engine:
         if mtp is not False:  # mtp=False: plain AR; no head is looked for, so a misfit one cannot fail
             engine.head = _load_head(model, head, dtype, loaded, engine.trunk)
         if depth is not None and depth < 1:
-            raise MtplxError(f"depth: must be >= 1, got {depth}")
+            raise MtplxError(f"depth must be >= 1 (got {depth})")
         engine.depth = depth if depth is not None else engine._default_depth()
         return engine
 
     def _default_depth(self) -> int:
         """`mtplx tune`'s choice for this model on this machine (0 = AR was fastest), else the head's default."""
-        from mtplx import tune
+        from mtplx import tuned
 
-        tuned = tune.saved_depth(self.fingerprint)
-        return tuned if tuned is not None else self._head_depth()
+        saved = tuned.saved_depth(self.fingerprint)
+        return saved if saved is not None else self._head_depth()
 
     def _head_depth(self) -> int:
         return int((self.head.default_depth if self.head is not None else None) or DEFAULT_DEPTH)
@@ -251,14 +282,14 @@ class Engine:
     def encode_prompt(self, prompt: str | Sequence[dict], chat: bool | None = None) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
-                raise MtplxError("prompt: is empty")
+                raise MtplxError("prompt is empty")
             use_chat = bool(chat)
             if use_chat:
                 prompt = [{"role": "user", "content": prompt}]
         else:
             use_chat = True
             if not prompt:
-                raise MtplxError("prompt: the message list is empty")
+                raise MtplxError("prompt is an empty message list")
         if use_chat:
             if getattr(self.tokenizer, "chat_template", None) is None:
                 raise MtplxError("prompt: this model's tokenizer has no chat template; pass raw text")
@@ -271,7 +302,7 @@ class Engine:
             tokens = self.tokenizer.encode(prompt)
         tokens = list(tokens)
         if not tokens:
-            raise MtplxError("prompt: encodes to no tokens")
+            raise MtplxError("prompt encodes to no tokens")
         return tokens
 
     def _context_length(self) -> int | None:
@@ -304,9 +335,9 @@ class Engine:
         ``mtp=None`` decodes with the MTP head when the engine has one (and tuning did not
         find plain AR faster here); ``mtp=True`` insists on it; ``mtp=False`` is plain AR.
         """
-        if max_tokens <= 0:
-            raise MtplxError(f"max_tokens: must be > 0, got {max_tokens}")
-        sampler = SamplerConfig(
+        sampler = check_generation_args(
+            max_tokens=max_tokens,
+            depth=depth,
             temperature=temperature,
             top_p=top_p,
             top_k=top_k,
@@ -316,8 +347,6 @@ class Engine:
             frequency_penalty=frequency_penalty,
             logit_bias=logit_bias,
         )
-        if depth is not None and depth < 1:
-            raise MtplxError(f"depth: must be >= 1, got {depth}")
         if mtp is None:
             mtp = self.head is not None and (depth is not None or bool(self.depth))
         # An explicit mtp=True on a model tuned to AR (depth 0) still drafts, at the head's own depth.
@@ -363,6 +392,7 @@ class Engine:
         tracker = _StatsTracker(num_prompt, mode, depth)
         text = _TextAssembler(self.tokenizer, stops)
         produced = 0
+        candidates_before = self._candidate_counts() if mode == "mtp" else None
         try:
             for step in steps:
                 kept: list[int] = []
@@ -383,12 +413,28 @@ class Engine:
                         break
                 tracker.record(step, len(kept))
                 if finish is not None:
+                    if candidates_before is not None:
+                        now = self._candidate_counts()
+                        tracker.stats.drafters["head"].update({k: now[k] - candidates_before[k] for k in now})
                     delta += text.finish()
                     yield GenerationChunk(delta, kept, finish, tracker.stats)
                     return
                 yield GenerationChunk(delta, kept, None, tracker.stats)
         finally:
             steps.close()
+
+    def _candidate_counts(self) -> dict[str, int] | None:
+        """A Gemma 4 assistant with a narrowed vocabulary: its running counts of target tokens checked
+        against the draft candidates and found outside them (stats report this generation's share)."""
+        from mtplx.heads.gemma4_assistant import Gemma4AssistantHead
+
+        if isinstance(self.head, Gemma4AssistantHead) and self.head.narrowed:
+            counts = self.head.candidate_stats()
+            return {
+                "target_checked": counts["checked"],
+                "target_outside_candidates": counts["outside_candidates"],
+            }
+        return None
 
     def generate(self, prompt: str | Sequence[dict], **kwargs) -> GenerationResult:
         """Generate to completion; the same keyword arguments as `stream`."""

@@ -60,8 +60,8 @@ from typing import Any, Literal
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import KVCache, RotatingKVCache
 
+from mtplx.compat import KVCache, RotatingKVCache, kv_state, rotating_state
 from mtplx.errors import MtplxError
 from mtplx.heads.base import (
     HiddenSource,
@@ -208,7 +208,7 @@ class Gemma4AssistantHead(MTPHead):
         return h
 
     def logits(self, head_hidden: mx.array, step: int = 0) -> mx.array:
-        if "masked_embedding" not in self:
+        if not self.narrowed:
             return (
                 self.lm_head(head_hidden) if not self.tied else self.model.embed_tokens.as_linear(head_hidden)
             )
@@ -221,6 +221,11 @@ class Gemma4AssistantHead(MTPHead):
         fill = selected.min() - 1.0 if self.non_candidate_fill == "floor" else mx.array(-mx.inf)
         out = mx.broadcast_to(fill.astype(selected.dtype), (*selected.shape[:-1], masked.token_ordering.size))
         return mx.put_along_axis(out, candidates, selected, axis=-1)
+
+    @property
+    def narrowed(self) -> bool:
+        """Whether it drafts from a centroid-narrowed vocabulary (ordered-embedding checkpoints)."""
+        return "masked_embedding" in self
 
     def candidate_stats(self) -> dict[str, int]:
         """How many target tokens (committed at a drafted position) were checked against that
@@ -272,12 +277,14 @@ def _window_kv(cache: Any, window: int | None) -> tuple[mx.array, mx.array]:
     for a sliding layer. A RotatingKVCache holds its window either in temporal order (after a
     multi-token update or a rollback) or rotated in place (after one-token updates)."""
     if type(cache) is KVCache:
-        keys, values = cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]
+        state = kv_state(cache)
+        keys, values = state.keys[..., : state.offset, :], state.values[..., : state.offset, :]
     elif type(cache) is RotatingKVCache:
-        keys, values, offset, keep, _, idx = cache.state
-        if keep:
+        state = rotating_state(cache)
+        keys, values, idx = state.keys, state.values, state.idx
+        if state.keep:
             raise ValueError("a RotatingKVCache with keep > 0 is not a Gemma 4 sliding cache")
-        if idx < offset and idx != keys.shape[2]:  # wrapped in place: the oldest entry sits at idx
+        if idx < state.offset and idx != keys.shape[2]:  # wrapped in place: the oldest entry sits at idx
             keys = mx.concatenate([keys[..., idx:, :], keys[..., :idx, :]], axis=2)
             values = mx.concatenate([values[..., idx:, :], values[..., :idx, :]], axis=2)
         else:
