@@ -472,6 +472,8 @@ def test_engine_loads_the_assistant_beside_a_gemma_target_and_refuses_forced_mtp
         assert engine.head.default_depth == 3  # block_size 4 = the pending token + 3 drafts
         result = engine.generate("w2 w3 w4", mtp=True, max_tokens=12)
         assert result.stats.mode == "mtp" and result.token_ids == ar
+        head_stats = result.stats.drafters["head"]
+        assert 0 <= head_stats["target_outside_candidates"] <= head_stats["target_checked"] <= 12
 
 
 def test_inspect_names_the_assistant_that_pairs_with_a_gemma_target(tmp_path):
