@@ -233,12 +233,17 @@ def _use_chat_template(args: argparse.Namespace, engine) -> bool:
     return use
 
 
-def load_engine(args: argparse.Namespace, *, quiet: bool = False):
+def load_engine(args: argparse.Namespace, *, quiet: bool = False, prompt_cache_bytes: int = 0):
     """The engine `generate` and `chat` run on; notes on stderr unless ``quiet``."""
     from mtplx.engine import Engine
 
     engine = Engine.load(
-        args.model, head=args.head, mtp=getattr(args, "mtp", None), depth=args.depth, dtype=args.dtype
+        args.model,
+        head=args.head,
+        mtp=getattr(args, "mtp", None),
+        depth=args.depth,
+        dtype=args.dtype,
+        prompt_cache_bytes=prompt_cache_bytes,
     )
     if args.mtp is None and not engine.has_head and not quiet:
         print(
@@ -304,9 +309,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     from mtplx.chat import run_chat, settings_from_args
+    from mtplx.prompt_cache import DEFAULT_PROMPT_CACHE_BYTES
 
     check_reply_args(args)
-    engine = load_engine(args)
+    # Each turn resends the conversation: the prompt cache makes it prefill only what is new.
+    cache_bytes = DEFAULT_PROMPT_CACHE_BYTES if args.prompt_cache_bytes is None else args.prompt_cache_bytes
+    engine = load_engine(args, prompt_cache_bytes=cache_bytes)
     return run_chat(engine, settings_from_args(args, _sampling_kwargs(args)), format_stats=format_stats)
 
 
@@ -388,6 +396,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return tune_from_args(args)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from mtplx.server.cli import serve_from_args
+
+    return serve_from_args(args)
+
+
 def _add_generate_parser(sub) -> None:
     gen = sub.add_parser("generate", help="generate text (streams to stdout)")
     gen.add_argument(
@@ -431,11 +445,13 @@ def _add_chat_parser(sub) -> None:
     _add_sampling_args(chat)
     _add_drafting_args(chat)
     _add_reply_args(chat, max_tokens=512)
-    chat.add_argument(
+    _typed(
+        chat,
         "--prompt-cache-bytes",
-        type=int,
+        convert=int,
         default=None,
-        help="memory for the conversation's cached prompt (default: the engine's)",
+        help="memory for the conversation's cached prompt, so a turn prefills only what is new "
+        "(default 2 GiB; 0 turns it off)",
     )
     chat.set_defaults(func=cmd_chat, command_parser=chat)
 
@@ -525,6 +541,12 @@ def _build_parser() -> argparse.ArgumentParser:
     tune = sub.add_parser("tune", help="measure and save the fastest depth for this model on this machine")
     add_tune_args(tune)
     tune.set_defaults(func=cmd_tune, command_parser=tune)
+
+    from mtplx.server.cli import add_serve_args
+
+    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat and text completions)")
+    add_serve_args(srv)
+    srv.set_defaults(func=cmd_serve, command_parser=srv)
     return parser
 
 

@@ -38,6 +38,15 @@ class DecodeSettings:
     greedy_draft: bool = False  # draft the head's argmax (q one-hot) instead of sampling q
     prefill_step_size: int = 512
     verify_backend: str = "auto"  # "auto" (fused kernel where available) | "mlx"
+    # Report the target's log-probabilities of each committed token plus this many top
+    # alternatives (None: off). Raw log_softmax of the trunk logits, before penalties and filters.
+    logprobs: int | None = None
+
+
+@dataclass
+class TokenLogprobs:
+    logprob: float  # of the committed token under the target model
+    top: list[tuple[int, float]]  # (token id, log-probability), most likely first
 
 
 @dataclass
@@ -46,6 +55,40 @@ class Step:
     num_drafted: int = 0
     num_accepted: int = 0
     accept_probs: list[float] = field(default_factory=list)  # min(1, p/q) per draft position
+    logprobs: list[TokenLogprobs] | None = None  # one per token, when DecodeSettings.logprobs is set
+
+
+@dataclass
+class PromptPrefix:
+    """Where a prompt cache stands at the start of a decode (see mtplx/prompt_cache.py).
+
+    The caches passed to the loop already hold ``start`` prompt positions: the
+    trunk's positions 0..start-1 and the head's (hidden i, token i+1) pairs for
+    i < start. ``on_prompt_prefix(n)`` is called when the caches hold exactly the
+    first ``n`` prompt positions (n = len(prompt) - 1, right before the last
+    prompt token is forwarded), so a snapshot can be taken there.
+    """
+
+    start: int = 0
+    on_prompt_prefix: Callable[[int], None] | None = None
+
+
+def _token_logprobs(logits: mx.array, tokens: list[int], top: int) -> list[TokenLogprobs]:
+    """Log-probabilities of ``tokens`` under rows logits[T, V] (raw: no penalty, no filter)."""
+    logprobs = logits.astype(mx.float32) - mx.logsumexp(logits.astype(mx.float32), axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(logprobs, mx.array(tokens)[:, None], axis=-1)[:, 0]
+    top = min(top, logits.shape[-1])
+    if top > 0:
+        # A partial selection of the top ``top``, then an order among those few.
+        top_ids = mx.argpartition(-logprobs, kth=top - 1, axis=-1)[:, :top]
+        top_lps = mx.take_along_axis(logprobs, top_ids, axis=-1)
+        order = mx.argsort(-top_lps, axis=-1)
+        top_ids = mx.take_along_axis(top_ids, order, axis=-1)
+        top_lps = mx.take_along_axis(top_lps, order, axis=-1)
+        ids, lps = top_ids.tolist(), top_lps.tolist()
+    else:
+        ids = lps = [[] for _ in tokens]
+    return [TokenLogprobs(lp, list(zip(i, v))) for lp, i, v in zip(chosen.tolist(), ids, lps)]
 
 
 def _split_key(key: mx.array) -> tuple[mx.array, mx.array]:
@@ -59,6 +102,7 @@ def prefill(
     trunk_cache: list,
     step_size: int,
     on_chunk: Callable[[TrunkOutput, int, int], None] | None = None,
+    prefix: PromptPrefix | None = None,
 ) -> TrunkOutput:
     """Forward the prompt in chunks; return the output of the last position alone.
 
@@ -66,14 +110,20 @@ def prefill(
     head's own prefill). The last token is forwarded on its own, as mlx-lm does,
     so the LM head projects one row instead of a whole chunk; the other chunks'
     logits are never evaluated (MLX is lazy and only the cache state is forced).
+    With ``prefix``, the caches already hold ``prompt_tokens[:prefix.start]``.
     """
     last = len(prompt_tokens) - 1
-    for start in range(0, last, step_size):
+    first = prefix.start if prefix is not None else 0
+    if not 0 <= first <= last:
+        raise ValueError(f"prefill: cached prefix of {first} tokens leaves nothing of {last + 1} to forward")
+    for start in range(first, last, step_size):
         end = min(start + step_size, last)
         output = trunk(mx.array(prompt_tokens[start:end])[None], trunk_cache)
         if on_chunk is not None:
             on_chunk(output, start, end)
         mx.eval([c.state for c in trunk_cache])
+    if prefix is not None and prefix.on_prompt_prefix is not None and last > first:
+        prefix.on_prompt_prefix(last)
     output = trunk(mx.array(prompt_tokens[last:])[None], trunk_cache)
     if on_chunk is not None:
         on_chunk(output, last, last + 1)
@@ -98,6 +148,7 @@ def ar_decode(
     settings: DecodeSettings,
     key: mx.array,
     trunk_cache: list | None = None,
+    prefix: PromptPrefix | None = None,
 ) -> Iterator[Step]:
     """Plain autoregressive sampling, one token per step.
 
@@ -114,18 +165,24 @@ def ar_decode(
         return verify_ops.sample(logits, cfg, uniforms, backend=settings.verify_backend)
 
     key, step_key = _split_key(key)
-    output = prefill(trunk, prompt_tokens, trunk_cache, settings.prefill_step_size)
-    drawn = next_token(output.logits, step_key)
+    output = prefill(trunk, prompt_tokens, trunk_cache, settings.prefill_step_size, prefix=prefix)
+    logits = output.logits
+    drawn = next_token(logits, step_key)
     mx.async_eval(drawn.tokens, drawn.invalid)
     while True:
         key, step_key = _split_key(key)
         token_id = drawn.tokens.item()  # the step's one sync; the flag was evaluated with it
         drawn.checked()
         history.append(token_id)
+        logprobs = (
+            None
+            if settings.logprobs is None
+            else _token_logprobs(logits[0, -1:], [token_id], settings.logprobs)
+        )
         logits = trunk.model(drawn.tokens.reshape(1, 1), cache=trunk_cache)
         upcoming = next_token(logits, step_key)
         mx.async_eval(upcoming.tokens, upcoming.invalid)
-        yield Step([token_id])
+        yield Step([token_id], logprobs=logprobs)
         drawn = upcoming
 
 
@@ -141,6 +198,7 @@ def mtp_decode(
     key: mx.array,
     trunk_cache: list | None = None,
     head_cache: list | None = None,
+    prefix: PromptPrefix | None = None,
 ) -> Iterator[Step]:
     """Exact speculative decoding with the model's MTP head as the drafter."""
     if settings.depth < 1:
@@ -167,7 +225,12 @@ def mtp_decode(
     key, step_key = _split_key(key)
     # A head without a cache of its own (a Gemma 4 assistant reads the trunk's) has nothing to prefill.
     output = prefill(
-        trunk, prompt_tokens, trunk_cache, settings.prefill_step_size, head_prefill if head_cache else None
+        trunk,
+        prompt_tokens,
+        trunk_cache,
+        settings.prefill_step_size,
+        head_prefill if head_cache else None,
+        prefix,
     )
     first_logits = _penalize(output.logits[:, -1:, :], history, cfg)[:, 0, :]
     first = verify_ops.sample(
@@ -176,7 +239,12 @@ def mtp_decode(
     mx.eval(first.tokens, first.invalid)
     pending = int(first.checked().tokens.item())
     history.append(pending)
-    yield Step([pending])
+    yield Step(
+        [pending],
+        logprobs=None
+        if settings.logprobs is None
+        else _token_logprobs(output.logits[0, -1:], [pending], settings.logprobs),
+    )
 
     # True (hidden, next token) pairs the head has not yet seen; the last pair drafts d_1.
     head_hidden_in = _trunk_hidden(output, head)[:, -1:]
@@ -258,4 +326,9 @@ def mtp_decode(
         committed = accepted + [next_token]
         history.extend(committed)
         pending = next_token
-        yield Step(committed, depth, num_accepted, result.accept_probs.tolist()[0])
+        logprobs = (
+            None
+            if settings.logprobs is None
+            else _token_logprobs(output.logits[0, : num_accepted + 1], committed, settings.logprobs)
+        )
+        yield Step(committed, depth, num_accepted, result.accept_probs.tolist()[0], logprobs)

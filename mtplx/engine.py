@@ -17,6 +17,8 @@ import mlx.core as mx
 
 from mtplx import decode
 from mtplx.errors import MtplxError
+from mtplx.prompt_cache import PromptCache, is_trimmable
+from mtplx.prompt_cache import leaves as _cache_leaves
 from mtplx.trunk import Trunk
 from mtplx.validation import check_generation_args
 
@@ -57,6 +59,7 @@ class GenerationChunk:
     token_ids: list[int]  # new tokens since the previous chunk
     finish_reason: str | None  # None while running; "stop" | "length" at the end
     stats: GenerationStats
+    logprobs: list[decode.TokenLogprobs] | None = None  # one per token id, when asked for
 
 
 @dataclass
@@ -95,7 +98,7 @@ class _StatsTracker:
         if self._first_token_time is None:
             self._first_token_time = now
             stats.prefill_seconds = now - self._start
-            stats.prefill_tokens_per_sec = stats.prompt_tokens / max(stats.prefill_seconds, 1e-9)
+            stats.prefill_tokens_per_sec = stats.prefilled_tokens / max(stats.prefill_seconds, 1e-9)
             stats.ttft_seconds = stats.prefill_seconds
         elif step.num_drafted or stats.mode == "ar":
             stats.cycles += 1
@@ -201,6 +204,46 @@ def _load_head(model, head, dtype, loaded, trunk):
     return forged.load_forged_head(head_dir, trunk, head_fingerprint)
 
 
+class _CacheSession:
+    """One request's caches and what goes back into the prompt cache when it ends.
+
+    Caches that cannot be moved back (recurrent state) are snapshotted when they
+    hold all prompt positions but the last; pure KV caches are handed over at the
+    end, covering the generated tokens too (a chat's next turn repeats them).
+    """
+
+    def __init__(
+        self,
+        store: PromptCache,
+        prompt_tokens: list[int],
+        trunk_cache: list,
+        head_cache: list | None,
+        start: int,
+    ):
+        self.store = store
+        self.prompt_tokens = prompt_tokens
+        self.trunk_cache = trunk_cache
+        self.head_cache = head_cache
+        self.trimmable = is_trimmable(trunk_cache) and (head_cache is None or is_trimmable(head_cache))
+        self.tokens = list(prompt_tokens)  # every token the decode loop has seen
+        snapshot = None if self.trimmable or store.max_bytes == 0 else self._snapshot
+        self.prefix = decode.PromptPrefix(start, snapshot)
+
+    def _snapshot(self, size: int) -> None:
+        self.store.insert(self.prompt_tokens, size, self.trunk_cache, self.head_cache, copy=True)
+
+    def record(self, tokens: list[int]) -> None:
+        self.tokens.extend(tokens)
+
+    def finish(self) -> None:
+        """The decode loop stopped between steps: its caches are consistent with ``tokens``."""
+        if not self.trimmable or self.store.max_bytes == 0:
+            return
+        caches = list(self.trunk_cache) + list(self.head_cache or [])
+        size = min(min((c.offset for c in _cache_leaves(caches)), default=0), len(self.tokens))
+        self.store.insert(self.tokens, size, self.trunk_cache, self.head_cache, copy=False)
+
+
 class Engine:
     """A loaded target model plus (optionally) its MTP head."""
 
@@ -215,8 +258,11 @@ class Engine:
         model_path: Path | None = None,
         fingerprint: str = "",
         verify_backend: str = "auto",
+        prompt_cache_bytes: int = 0,
     ):
         self.trunk = Trunk(model)
+        # Caches of earlier prompts, reused for the longest common prefix (0 bytes: off).
+        self.prompt_cache = PromptCache(prompt_cache_bytes)
         self.tokenizer = tokenizer
         self.config = config
         self.head = head
@@ -236,6 +282,7 @@ class Engine:
         depth: int | None = None,
         dtype: str | None = None,
         verify_backend: str = "auto",
+        prompt_cache_bytes: int = 0,
     ) -> Engine:
         """Load ``model`` (local path, Hugging Face repo id, or None for the embedded default).
 
@@ -256,6 +303,7 @@ class Engine:
             model_path=loaded.path,
             fingerprint=loaded.fingerprint,
             verify_backend=verify_backend,
+            prompt_cache_bytes=prompt_cache_bytes,
         )
         if mtp is not False:  # mtp=False: plain AR; no head is looked for, so a misfit one cannot fail
             engine.head = _load_head(model, head, dtype, loaded, engine.trunk)
@@ -279,7 +327,16 @@ class Engine:
         return self.head is not None
 
     # --------------------------------------------------------------- prompting
-    def encode_prompt(self, prompt: str | Sequence[dict], chat: bool | None = None) -> list[int]:
+    def encode_prompt(
+        self, prompt: str | Sequence[dict] | Sequence[int], chat: bool | None = None
+    ) -> list[int]:
+        """Token ids of ``prompt``: raw text, a chat message list, or token ids (taken as they are)."""
+        if not isinstance(prompt, str) and prompt and all(isinstance(t, int) for t in prompt):
+            vocab = self.trunk.vocab_size
+            bad = next((t for t in prompt if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise MtplxError(f"prompt: token id {bad} is outside the vocabulary of {vocab}")
+            return list(prompt)
         if isinstance(prompt, str):
             if not prompt:
                 raise MtplxError("prompt is empty")
@@ -329,12 +386,16 @@ class Engine:
         depth: int | None = None,
         greedy_draft: bool = False,
         chat: bool | None = None,
+        logprobs: int | None = None,
     ) -> Iterator[GenerationChunk]:
         """Generate incrementally; each chunk carries new text, new token ids and running stats.
 
         ``mtp=None`` decodes with the MTP head when the engine has one (and tuning did not
         find plain AR faster here); ``mtp=True`` insists on it; ``mtp=False`` is plain AR.
+        ``logprobs=n`` reports the target's log-probability of each token plus its top n.
         """
+        if logprobs is not None and logprobs < 0:
+            raise MtplxError(f"logprobs must be >= 0 (got {logprobs})")
         sampler = check_generation_args(
             max_tokens=max_tokens,
             depth=depth,
@@ -368,33 +429,59 @@ class Engine:
             )
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         settings = decode.DecodeSettings(
-            sampler=sampler, depth=depth, greedy_draft=greedy_draft, verify_backend=self.verify_backend
+            sampler=sampler,
+            depth=depth,
+            greedy_draft=greedy_draft,
+            verify_backend=self.verify_backend,
+            logprobs=logprobs,
         )
         key = mx.random.key(seed if seed is not None else int(time.time_ns() % (2**63)))
+        session = self._cache_session(prompt_tokens, bool(mtp))
         if mtp:
-            steps = decode.mtp_decode(self.trunk, self.head, prompt_tokens, settings, key)
+            steps = decode.mtp_decode(
+                self.trunk,
+                self.head,
+                prompt_tokens,
+                settings,
+                key,
+                session.trunk_cache,
+                session.head_cache,
+                session.prefix,
+            )
         else:
-            steps = decode.ar_decode(self.trunk, prompt_tokens, settings, key)
-        return self._assemble(
-            steps, len(prompt_tokens), max_tokens, stops, "mtp" if mtp else "ar", depth if mtp else 0
-        )
+            steps = decode.ar_decode(
+                self.trunk, prompt_tokens, settings, key, session.trunk_cache, session.prefix
+            )
+        return self._assemble(steps, session, max_tokens, stops, "mtp" if mtp else "ar", depth if mtp else 0)
+
+    def _cache_session(self, prompt_tokens: list[int], with_head: bool) -> _CacheSession:
+        hit = self.prompt_cache.lookup(prompt_tokens, with_head)
+        if hit is None:
+            trunk_cache = self.trunk.make_cache()
+            head_cache = self.head.make_cache() if with_head else None
+            start = 0
+        else:
+            trunk_cache, head_cache, start = hit.trunk_cache, hit.head_cache, hit.start
+        return _CacheSession(self.prompt_cache, prompt_tokens, trunk_cache, head_cache, start)
 
     def _assemble(
         self,
         steps: Iterator[decode.Step],
-        num_prompt: int,
+        session: _CacheSession,
         max_tokens: int,
         stops: list[str],
         mode: str,
         depth: int,
     ) -> Iterator[GenerationChunk]:
         eos = set(self.tokenizer.eos_token_ids)
-        tracker = _StatsTracker(num_prompt, mode, depth)
+        tracker = _StatsTracker(len(session.prompt_tokens), mode, depth, session.prefix.start)
         text = _TextAssembler(self.tokenizer, stops)
         produced = 0
         candidates_before = self._candidate_counts() if mode == "mtp" else None
+        clean_end = False
         try:
             for step in steps:
+                session.record(step.tokens)
                 kept: list[int] = []
                 delta = ""
                 finish = None
@@ -412,16 +499,22 @@ class Engine:
                         finish = "length"
                         break
                 tracker.record(step, len(kept))
+                logprobs = step.logprobs[: len(kept)] if step.logprobs is not None else None
                 if finish is not None:
                     if candidates_before is not None:
                         now = self._candidate_counts()
                         tracker.stats.drafters["head"].update({k: now[k] - candidates_before[k] for k in now})
                     delta += text.finish()
-                    yield GenerationChunk(delta, kept, finish, tracker.stats)
+                    clean_end = True
+                    yield GenerationChunk(delta, kept, finish, tracker.stats, logprobs)
                     return
-                yield GenerationChunk(delta, kept, None, tracker.stats)
+                clean_end = True  # the consumer may close the stream at this yield
+                yield GenerationChunk(delta, kept, None, tracker.stats, logprobs)
+                clean_end = False
         finally:
             steps.close()
+            if clean_end:
+                session.finish()
 
     def _candidate_counts(self) -> dict[str, int] | None:
         """A Gemma 4 assistant with a narrowed vocabulary: its running counts of target tokens checked
