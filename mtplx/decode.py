@@ -224,7 +224,15 @@ def mtp_decode(
             mx.eval([c.state for c in head_cache])
 
     key, step_key = _split_key(key)
-    output = prefill(trunk, prompt_tokens, trunk_cache, settings.prefill_step_size, head_prefill, prefix)
+    # A head without a cache of its own (a Gemma 4 assistant reads the trunk's) has nothing to prefill.
+    output = prefill(
+        trunk,
+        prompt_tokens,
+        trunk_cache,
+        settings.prefill_step_size,
+        head_prefill if head_cache else None,
+        prefix,
+    )
     first_logits = _penalize(output.logits[:, -1:, :], history, cfg)[:, 0, :]
     first = verify_ops.sample(
         first_logits, cfg, verify_ops.draw_uniforms((1,), step_key), backend=settings.verify_backend
