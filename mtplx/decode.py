@@ -85,6 +85,7 @@ def _token_logprobs(logits: mx.array, tokens: list[int], top: int) -> list[Token
         order = mx.argsort(-top_lps, axis=-1)
         top_ids = mx.take_along_axis(top_ids, order, axis=-1)
         top_lps = mx.take_along_axis(top_lps, order, axis=-1)
+        mx.eval(chosen, top_ids, top_lps)  # one sync for all three reads below
         ids, lps = top_ids.tolist(), top_lps.tolist()
     else:
         ids = lps = [[] for _ in tokens]
