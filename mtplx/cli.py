@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 import mtplx  # noqa: F401  (loads the optimized BLAS before anything imports mlx)
+from mtplx.drafters import DRAFT_KINDS
 from mtplx.errors import MtplxError
 
 
@@ -56,8 +57,21 @@ def _format_stats(stats) -> str:
         per_position = ", ".join(f"{a:.2f}" for a in stats.acceptance_per_position)
         lines.append(f"verify cycles: {stats.cycles}, tokens per cycle: {stats.tokens_per_cycle:.2f}")
         lines.append(f"acceptance per draft position: [{per_position}]")
+        for name, counts in stats.drafters.items():
+            lines.append(f"drafter {name}: {counts['accepted']}/{counts['drafted']} drafts accepted")
     lines.append(f"peak memory: {stats.peak_memory_gb:.3f} GB")
     return "\n".join(lines)
+
+
+def _lookup_config(args: argparse.Namespace):
+    from mtplx.drafters.lookup import LookupConfig
+
+    defaults = LookupConfig()
+    return LookupConfig(
+        min_ngram=args.lookup_min_ngram if args.lookup_min_ngram is not None else defaults.min_ngram,
+        max_ngram=args.lookup_max_ngram if args.lookup_max_ngram is not None else defaults.max_ngram,
+        max_tokens=args.lookup_max_tokens if args.lookup_max_tokens is not None else defaults.max_tokens,
+    ).validate()
 
 
 def _read_prompt(args: argparse.Namespace) -> str:
@@ -79,14 +93,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise MtplxError(f"max_tokens: must be > 0, got {args.max_tokens}")
     if args.depth is not None and args.depth < 1:
         raise MtplxError(f"depth: must be >= 1, got {args.depth}")
+    lookup = _lookup_config(args)
+    if args.draft is not None and args.draft not in DRAFT_KINDS:
+        raise MtplxError(f"--draft: must be one of {', '.join(DRAFT_KINDS)}, got {args.draft!r}")
     prompt = _read_prompt(args)
-    engine = Engine.load(args.model, head=args.head, depth=args.depth, dtype=args.dtype)
+    engine = Engine.load(
+        args.model, head=args.head, depth=args.depth, dtype=args.dtype, draft_model=args.draft_model
+    )
     chat = (
         args.chat if args.chat is not None else getattr(engine.tokenizer, "chat_template", None) is not None
     )
-    if args.mtp is None and not engine.has_head:
+    if (
+        args.mtp is None
+        and args.draft in (None, "auto")
+        and not engine.has_head
+        and engine.draft_model is None
+    ):
         print(
-            "mtplx: note: this model has no MTP head, decoding autoregressively (train one with `mtplx forge`)",
+            "mtplx: note: this model has no MTP head, drafting by prompt lookup only (train one with `mtplx forge`)",
             file=sys.stderr,
         )
     stream = engine.stream(
@@ -96,6 +120,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         mtp=args.mtp,
         greedy_draft=args.greedy_draft,
         chat=chat,
+        draft=args.draft,
+        lookup=lookup,
+        adaptive=args.adaptive,
         **sampling,
     )
     text, tokens, chunk = [], [], None
@@ -207,9 +234,11 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(gen)
     gen.add_argument(
         "--depth",
+        "--num-draft-tokens",
+        dest="depth",
         type=int,
         default=None,
-        help="draft tokens per verify cycle (default: tuned, else the head's)",
+        help="most draft tokens per verify cycle from the head or draft model (default: tuned, else the head's)",
     )
     gen.add_argument("--max-tokens", type=int, default=256)
     gen.add_argument(
@@ -231,6 +260,27 @@ def _build_parser() -> argparse.ArgumentParser:
         "--no-mtp", dest="mtp", action="store_false", help="plain autoregressive decoding"
     )
     gen.add_argument("--greedy-draft", action="store_true", help="draft the head's argmax (still exact)")
+    gen.add_argument(
+        "--draft",
+        default=None,
+        metavar="{" + ",".join(DRAFT_KINDS) + "}",
+        help="drafter: auto (default: prompt lookup where the text recurs, else the draft model or head), "
+        "head, lookup, model, none",
+    )
+    gen.add_argument("--draft-model", default=None, help="a smaller mlx-lm model with the same tokenizer")
+    gen.add_argument(
+        "--lookup-min-ngram", type=int, default=None, help="shortest suffix prompt lookup matches"
+    )
+    gen.add_argument(
+        "--lookup-max-ngram", type=int, default=None, help="longest suffix prompt lookup matches"
+    )
+    gen.add_argument("--lookup-max-tokens", type=int, default=None, help="most tokens one lookup proposes")
+    gen.add_argument(
+        "--adaptive",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="stop head drafting early when the head is unsure (threshold from `mtplx tune`)",
+    )
     mode = gen.add_mutually_exclusive_group()
     mode.add_argument(
         "--chat",

@@ -16,11 +16,19 @@ from pathlib import Path
 import mlx.core as mx
 
 from mtplx import decode
+from mtplx.drafters import DRAFT_KINDS
+from mtplx.drafters.auto import AutoProposer
+from mtplx.drafters.base import Proposer
+from mtplx.drafters.draft_model import DraftModelProposer
+from mtplx.drafters.head import HeadProposer
+from mtplx.drafters.lookup import LookupConfig, LookupProposer
 from mtplx.errors import MtplxError
 from mtplx.sampling import SamplerConfig
 from mtplx.trunk import Trunk
 
 DEFAULT_DEPTH = 3
+# Adaptive head drafting stops after a draft the head gave less than this probability.
+DEFAULT_ADAPTIVE_THRESHOLD = 0.3
 
 
 @dataclass
@@ -35,8 +43,10 @@ class GenerationStats:
     tokens_per_cycle: float = 0.0
     acceptance_per_position: list[float] = field(default_factory=list)
     peak_memory_gb: float = 0.0
-    mode: str = "ar"  # "ar" | "mtp"
+    mode: str = "ar"  # "ar" | "mtp" (speculative, with any drafter: see `drafters`)
     depth: int = 0
+    # Per drafter: {"head": {"drafted": n, "accepted": m}, "lookup": {...}, "model": {...}}
+    drafters: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -65,8 +75,8 @@ class _StatsTracker:
         self.stats = GenerationStats(prompt_tokens=prompt_tokens, mode=mode, depth=depth)
         self._start = time.perf_counter()
         self._first_token_time: float | None = None
-        self._drafted = [0] * depth
-        self._accepted = [0] * depth
+        self._drafted: list[int] = []  # per draft position (blocks may be longer than depth)
+        self._accepted: list[int] = []
         self._committed_in_cycles = 0
         mx.reset_peak_memory()
 
@@ -77,12 +87,22 @@ class _StatsTracker:
             self._first_token_time = now
             stats.prefill_seconds = now - self._start
             stats.prefill_tokens_per_sec = stats.prompt_tokens / max(stats.prefill_seconds, 1e-9)
-        elif step.num_drafted or stats.mode == "ar":
+        else:  # every step after the first is a cycle (one without drafts is an AR step)
             stats.cycles += 1
             self._committed_in_cycles += num_tokens_kept
+            missing = step.num_drafted - len(self._drafted)
+            if missing > 0:
+                self._drafted += [0] * missing
+                self._accepted += [0] * missing
             for position in range(step.num_drafted):
                 self._drafted[position] += 1
                 self._accepted[position] += int(position < step.num_accepted)
+            start = 0
+            for name, count in step.sources:
+                counts = stats.drafters.setdefault(name, {"drafted": 0, "accepted": 0})
+                counts["drafted"] += count
+                counts["accepted"] += min(max(step.num_accepted - start, 0), count)
+                start += count
         stats.generated_tokens += num_tokens_kept
         stats.decode_seconds = now - self._first_token_time
         # The first token comes from prefill; decode speed counts the tokens after it.
@@ -153,6 +173,9 @@ class Engine:
         model_path: Path | None = None,
         fingerprint: str = "",
         verify_backend: str = "auto",
+        draft_model=None,
+        draft_vocab_size: int = 0,
+        adaptive_threshold: float = 0.0,
     ):
         self.trunk = Trunk(model)
         self.tokenizer = tokenizer
@@ -162,6 +185,9 @@ class Engine:
         self.model_path = model_path
         self.fingerprint = fingerprint
         self.verify_backend = verify_backend
+        self.draft_model = draft_model  # a separate mlx-lm model with the same tokenizer, or None
+        self.draft_vocab_size = draft_vocab_size  # the real vocabulary both share (q = 0 past it)
+        self.adaptive_threshold = adaptive_threshold  # used when adaptive drafting is asked for
 
     # ----------------------------------------------------------------- loading
     @classmethod
@@ -173,11 +199,13 @@ class Engine:
         depth: int | None = None,
         dtype: str | None = None,
         verify_backend: str = "auto",
+        draft_model: str | Path | None = None,
     ) -> Engine:
         """Load ``model`` (local path, Hugging Face repo id, or None for the embedded default).
 
         ``head`` is a forged-head directory; without it the checkpoint's own MTP
         head is used, or for the default model the head shipped with mtplx.
+        ``draft_model`` is a separate mlx-lm model with the same tokenizer (`draft="model"`).
         """
         from mtplx import heads, loading
 
@@ -211,7 +239,31 @@ class Engine:
         if depth is not None and depth < 1:
             raise MtplxError(f"depth: must be >= 1, got {depth}")
         engine.depth = depth if depth is not None else engine._default_depth()
+        engine.adaptive_threshold = engine._tuned_threshold()
+        if draft_model is not None:
+            engine._load_draft_model(draft_model)
         return engine
+
+    def _load_draft_model(self, path: str | Path) -> None:
+        from mtplx import loading
+        from mtplx.drafters.draft_model import check_compatible, embedding_rows
+
+        loaded = loading.load_model(path)
+        self.draft_vocab_size = check_compatible(
+            self.tokenizer,
+            loaded.tokenizer,
+            embedding_rows(self.trunk.model),
+            embedding_rows(loaded.model),
+            str(path),
+        )
+        self.draft_model = loaded.model
+
+    def _tuned_threshold(self) -> float:
+        """`mtplx tune`'s adaptive-length threshold for this model here, else the built-in default."""
+        from mtplx import tune
+
+        saved = tune.saved_threshold(self.fingerprint)
+        return saved if saved is not None else DEFAULT_ADAPTIVE_THRESHOLD
 
     def _default_depth(self) -> int:
         """`mtplx tune`'s choice for this model on this machine (0 = AR was fastest), else the head's default."""
@@ -278,11 +330,18 @@ class Engine:
         depth: int | None = None,
         greedy_draft: bool = False,
         chat: bool | None = None,
+        draft: str | None = None,
+        lookup: LookupConfig | None = None,
+        adaptive: bool = False,
     ) -> Iterator[GenerationChunk]:
         """Generate incrementally; each chunk carries new text, new token ids and running stats.
 
-        ``mtp=None`` decodes with the MTP head when the engine has one (and tuning did not
-        find plain AR faster here); ``mtp=True`` insists on it; ``mtp=False`` is plain AR.
+        ``draft`` picks the drafter (`mtplx.drafters`): "auto" (default: prompt lookup where
+        the text recurs, else the draft model or the MTP head when the engine has one and
+        tuning did not find plain AR faster here), "head", "lookup", "model" or "none"
+        (plain AR). ``mtp=True`` is an alias of "head", ``mtp=False`` of "none". ``depth`` is
+        the most drafts a model drafter makes per cycle; ``adaptive`` stops the head earlier
+        when it is unsure (threshold from `mtplx tune`).
         """
         if max_tokens <= 0:
             raise MtplxError(f"max_tokens: must be > 0, got {max_tokens}")
@@ -298,14 +357,13 @@ class Engine:
         )
         if depth is not None and depth < 1:
             raise MtplxError(f"depth: must be >= 1, got {depth}")
-        if mtp is None:
-            mtp = self.head is not None and (depth is not None or bool(self.depth))
-        # An explicit mtp=True on a model tuned to AR (depth 0) still drafts, at the head's own depth.
+        kind = self._draft_kind(draft, mtp)
+        lookup = (lookup or LookupConfig()).validate()
+        tuned_to_ar = depth is None and not self.depth  # tuning found plain AR fastest here
+        # The head's tuned depth says nothing about a draft model's best depth.
+        model_depth = depth if depth is not None else DEFAULT_DEPTH
+        # An explicit drafter on a model tuned to AR (depth 0) still drafts, at the head's own depth.
         depth = depth if depth is not None else (self.depth or self._head_depth())
-        if mtp and self.head is None:
-            raise MtplxError(
-                "this model has no MTP head: use --no-mtp (mtp=False), or train one with `mtplx forge`"
-            )
         prompt_tokens = self.encode_prompt(prompt, chat)
         limit = self._context_length()
         if limit is not None and len(prompt_tokens) + max_tokens > limit:
@@ -315,16 +373,84 @@ class Engine:
             )
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         settings = decode.DecodeSettings(
-            sampler=sampler, depth=depth, greedy_draft=greedy_draft, verify_backend=self.verify_backend
+            sampler=sampler,
+            depth=depth,
+            greedy_draft=greedy_draft,
+            verify_backend=self.verify_backend,
+            adaptive_threshold=self.adaptive_threshold if adaptive else 0.0,
         )
         key = mx.random.key(seed if seed is not None else int(time.time_ns() % (2**63)))
-        if mtp:
-            steps = decode.mtp_decode(self.trunk, self.head, prompt_tokens, settings, key)
+        proposer = self._proposer(kind, settings, lookup, tuned_to_ar, model_depth)
+        if proposer is not None:
+            steps = decode.speculative_decode(self.trunk, proposer, prompt_tokens, settings, key)
         else:
             steps = decode.ar_decode(self.trunk, prompt_tokens, settings, key)
+        speculative = proposer is not None
         return self._assemble(
-            steps, len(prompt_tokens), max_tokens, stops, "mtp" if mtp else "ar", depth if mtp else 0
+            steps,
+            len(prompt_tokens),
+            max_tokens,
+            stops,
+            "mtp" if speculative else "ar",
+            depth if speculative else 0,
         )
+
+    def _draft_kind(self, draft: str | None, mtp: bool | None) -> str:
+        """The drafter asked for, checked against what this engine has (one-line errors)."""
+        if draft is not None and draft not in DRAFT_KINDS:
+            raise MtplxError(f"draft: must be one of {', '.join(DRAFT_KINDS)}, got {draft!r}")
+        alias = None if mtp is None else ("head" if mtp else "none")
+        if draft is not None and alias is not None and draft != alias:
+            raise MtplxError(f"draft: {draft!r} contradicts mtp={mtp} (an alias of draft={alias!r})")
+        kind = draft or alias or "auto"
+        if kind == "head" and self.head is None:
+            raise MtplxError(
+                "this model has no MTP head: use --draft lookup or --no-mtp (mtp=False), "
+                "or train one with `mtplx forge`"
+            )
+        if kind == "model" and self.draft_model is None:
+            raise MtplxError(
+                "draft: 'model' needs a draft model (--draft-model PATH, Engine.load(draft_model=...))"
+            )
+        return kind
+
+    def _proposer(
+        self,
+        kind: str,
+        settings: decode.DecodeSettings,
+        lookup: LookupConfig,
+        tuned_to_ar: bool,
+        model_depth: int,
+    ) -> Proposer | None:
+        """A fresh drafter for one request (its state lives and dies with the request)."""
+        if kind == "none":
+            return None
+        if kind == "lookup":
+            return LookupProposer(lookup)
+        model_drafter = None
+        if kind == "model" or (kind == "auto" and self.draft_model is not None):
+            model_drafter = DraftModelProposer(
+                self.draft_model,
+                sampler=settings.sampler,
+                depth=model_depth,
+                target_vocab_size=int(self.trunk.inner.embed_tokens.weight.shape[0]),
+                real_vocab_size=self.draft_vocab_size,
+                greedy_draft=settings.greedy_draft,
+                prefill_step_size=settings.prefill_step_size,
+                verify_backend=settings.verify_backend,
+            )
+        elif kind == "head" or (kind == "auto" and self.head is not None and not tuned_to_ar):
+            model_drafter = HeadProposer(
+                self.head,
+                sampler=settings.sampler,
+                depth=settings.depth,
+                greedy_draft=settings.greedy_draft,
+                adaptive_threshold=settings.adaptive_threshold,
+                verify_backend=settings.verify_backend,
+            )
+        if kind == "auto":
+            return AutoProposer(LookupProposer(lookup), model_drafter)
+        return model_drafter
 
     def _assemble(
         self,

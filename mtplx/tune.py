@@ -94,6 +94,16 @@ def saved_depth(fingerprint: str, config_path: str | Path | None = None) -> int 
     return depth if isinstance(depth, int) and 0 <= depth <= bench.MAX_DEPTH else None
 
 
+def saved_threshold(fingerprint: str, config_path: str | Path | None = None) -> float | None:
+    """The adaptive-length threshold tuned with the depth (None = not measured here)."""
+    try:
+        entry = saved_entry(fingerprint, config_path)
+    except MtplxError:
+        return None  # saved_depth already warned about a damaged config
+    value = entry.get("adaptive_threshold") if entry is not None else None
+    return float(value) if isinstance(value, (int, float)) and 0.0 < value < 1.0 else None
+
+
 def save_entry(
     fingerprint: str, entry: dict[str, Any], config_path: str | Path | None = None, machine: str | None = None
 ) -> Path:

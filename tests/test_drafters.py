@@ -25,15 +25,11 @@ from test_decode import (
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx import decode
 from mtplx import verify as verify_ops
-from mtplx.drafters import (
-    AutoProposer,
-    DraftModelProposer,
-    HeadProposer,
-    LookupConfig,
-    LookupProposer,
-)
 from mtplx.drafters import draft_model as draft_model_module
-from mtplx.drafters.lookup import NgramIndex
+from mtplx.drafters.auto import AutoProposer
+from mtplx.drafters.draft_model import DraftModelProposer
+from mtplx.drafters.head import HeadProposer
+from mtplx.drafters.lookup import LookupConfig, LookupProposer, NgramIndex
 from mtplx.errors import MtplxError
 from mtplx.sampling import SamplerConfig
 
@@ -202,7 +198,7 @@ def test_block_length_varies_per_cycle_with_the_drafter():
 
 CHI_SQUARE_MODEL = dict(vocab_size=5, seed=11, context_strength=6.0, head_noise=1.5, logit_scale=1.5)
 HYBRID_MODEL = dict(vocab_size=5, seed=11, family="qwen3_5")
-NUM_SAMPLES = 1500
+NUM_SAMPLES = 1000
 
 
 def sampled_counts(model, kind, cfg, num_samples, seed0, draft_family="llama", draft_vocab=None):
@@ -264,7 +260,7 @@ def test_chi_square_catches_a_point_mass_rejection_that_keeps_the_draft(monkeypa
         return result._replace(next_token=mx.where(result.num_accepted < k, from_p, result.next_token))
 
     monkeypatch.setattr(verify_ops, "verify", resample_with_draft)
-    counts, expected = sampled_counts(CHI_SQUARE_MODEL, "lookup", SamplerConfig(temperature=1.0), 800, 99)
+    counts, expected = sampled_counts(CHI_SQUARE_MODEL, "lookup", SamplerConfig(temperature=1.0), 500, 99)
     assert loop_p_value(counts, expected) < FALSE_FAILURE_RATE
 
 
@@ -277,7 +273,7 @@ def test_chi_square_catches_a_draft_model_reporting_the_wrong_q(monkeypatch):
         return token, mx.full(q.shape, 1.0 / q.shape[-1])
 
     monkeypatch.setattr(draft_model_module, "draw_draft_token", uniform_q)
-    counts, expected = sampled_counts(CHI_SQUARE_MODEL, "model", SamplerConfig(temperature=1.0), 800, 98)
+    counts, expected = sampled_counts(CHI_SQUARE_MODEL, "model", SamplerConfig(temperature=1.0), 500, 98)
     assert loop_p_value(counts, expected) < FALSE_FAILURE_RATE
 
 
@@ -312,3 +308,102 @@ def test_draft_cache_comparison_catches_a_missing_rollback(monkeypatch, family):
     monkeypatch.setattr(draft_model_module.cache_ops, "abort_block", lambda cache, capture: None)
     with pytest.raises(AssertionError):
         assert_draft_cache_matches_a_from_scratch_run(family)
+
+
+# ------------------------------------------------------------------ engine, CLI, bad input
+
+CODE_EDIT_PROMPT = (
+    "Rename the variable `total` to `acc` in this function and return the code:\n\n"
+    "def add_all(values):\n    total = 0\n    for value in values:\n        total += value\n    return total\n"
+)
+
+
+@pytest.fixture(scope="module")
+def plain_engine(default_model_dir):
+    """The default model without a head, with itself as the draft model (same tokenizer)."""
+    from mtplx import loading
+    from mtplx.engine import Engine
+
+    loaded = loading.load_model(default_model_dir)
+    engine = Engine(loaded.model, loaded.tokenizer, loaded.config, fingerprint=loaded.fingerprint, depth=3)
+    engine._load_draft_model(default_model_dir)
+    return engine
+
+
+@pytest.mark.parametrize("draft", ["lookup", "auto", "model"])
+def test_engine_greedy_output_equals_ar_with_each_drafter(plain_engine, draft):
+    ar = plain_engine.generate(CODE_EDIT_PROMPT, chat=True, max_tokens=40, draft="none")
+    result = plain_engine.generate(CODE_EDIT_PROMPT, chat=True, max_tokens=40, draft=draft, depth=2)
+    assert result.token_ids == ar.token_ids
+    assert result.stats.mode == "mtp"
+    drafters = result.stats.drafters
+    expected = {"lookup": {"lookup"}, "model": {"model"}, "auto": {"lookup", "model"}}[draft]
+    assert set(drafters) <= expected and drafters, drafters
+    for counts in drafters.values():
+        assert 0 <= counts["accepted"] <= counts["drafted"]
+    if draft == "model":  # the draft model is the target itself: every draft is accepted
+        assert drafters["model"]["accepted"] == drafters["model"]["drafted"] > 0
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(draft="ngram"), "draft: must be one of"),
+        (dict(draft="head"), "no MTP head"),
+        (dict(mtp=True, draft="lookup"), "contradicts"),
+        (dict(lookup_kwargs=dict(max_tokens=0)), "lookup max tokens"),
+    ],
+)
+def test_engine_bad_draft_requests_are_one_line_errors_and_the_engine_keeps_working(
+    plain_engine, kwargs, message
+):
+    lookup_kwargs = kwargs.pop("lookup_kwargs", None)
+    if lookup_kwargs is not None:
+        kwargs["lookup"] = LookupConfig(**lookup_kwargs)
+    with pytest.raises(MtplxError, match=message) as error:
+        plain_engine.generate("Hi", max_tokens=2, **kwargs)
+    assert "\n" not in str(error.value)
+    assert plain_engine.generate("Hi", max_tokens=2, draft="lookup").token_ids
+
+
+def test_draft_model_kind_without_a_draft_model_is_refused(plain_engine):
+    saved = plain_engine.draft_model
+    plain_engine.draft_model = None
+    try:
+        with pytest.raises(MtplxError, match="needs a draft model"):
+            plain_engine.generate("Hi", max_tokens=2, draft="model")
+    finally:
+        plain_engine.draft_model = saved
+
+
+def test_draft_models_with_another_tokenizer_or_vocabulary_are_refused(
+    plain_engine, default_model_dir, tmp_path
+):
+    from mtplx.drafters.draft_model import check_compatible
+
+    tokenizer = plain_engine.tokenizer
+    vocab = draft_model_module.real_vocab_size(tokenizer)
+    assert check_compatible(tokenizer, tokenizer, vocab, vocab + 64, "d") == vocab  # padding is fine
+    with pytest.raises(MtplxError, match="does not cover"):
+        check_compatible(tokenizer, tokenizer, vocab, vocab - 1, "d")
+    with pytest.raises(MtplxError, match="missing|not found"):
+        plain_engine._load_draft_model(tmp_path / "nowhere")
+    # The same model with two token ids swapped in its tokenizer: refused at load.
+    import json
+    import shutil
+
+    other = tmp_path / "other-tokenizer"
+    other.mkdir()
+    for item in default_model_dir.iterdir():  # weights linked, the small files copied
+        if item.suffix == ".safetensors":
+            (other / item.name).symlink_to(item)
+        else:
+            shutil.copy(item, other / item.name)
+    spec = json.loads((other / "tokenizer.json").read_text())
+    model_vocab = spec["model"]["vocab"]
+    first, second = sorted(model_vocab, key=model_vocab.get)[100:102]
+    model_vocab[first], model_vocab[second] = model_vocab[second], model_vocab[first]
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(MtplxError, match="other ids") as error:
+        plain_engine._load_draft_model(other)
+    assert "\n" not in str(error.value)

@@ -1,21 +1,8 @@
-"""Drafters (proposers) for the one speculative loop in `mtplx.decode`; see `base.py`."""
+"""Drafters (proposers) for the one speculative loop in `mtplx.decode`; see `base.py`.
 
-from mtplx.drafters.auto import AutoProposer
-from mtplx.drafters.base import CycleOutcome, Draft, Proposer
-from mtplx.drafters.draft_model import DraftModelProposer
-from mtplx.drafters.head import HeadProposer
-from mtplx.drafters.lookup import LookupConfig, LookupProposer
+base.py: the `Proposer` protocol and `Draft`; head.py: the MTP head chain; lookup.py:
+prompt lookup; draft_model.py: a separate small model; auto.py: lookup, else a model drafter.
+This package module stays import-light (the CLI reads the kinds before loading MLX).
+"""
 
 DRAFT_KINDS = ("auto", "head", "lookup", "model", "none")
-
-__all__ = [
-    "DRAFT_KINDS",
-    "AutoProposer",
-    "CycleOutcome",
-    "Draft",
-    "DraftModelProposer",
-    "HeadProposer",
-    "LookupConfig",
-    "LookupProposer",
-    "Proposer",
-]
