@@ -105,13 +105,15 @@ class Variant:
     mode: str  # "stock" | "ar" | "mtp" (speculative)
     depth: int = 0
     draft: str = "head"  # the drafter of an "mtp" variant: "head" | "lookup" | "auto"
+    threshold: float = 0.0  # > 0: adaptive head drafting, up to ``depth``, with this threshold
 
     @property
     def name(self) -> str:
         if self.mode == "mtp":
             if self.draft == "lookup":
                 return "mtplx lookup"
-            return f"mtplx {'MTP' if self.draft == 'head' else self.draft} d={self.depth}"
+            adaptive = f" adaptive {self.threshold:g}" if self.threshold > 0 else ""
+            return f"mtplx {'MTP' if self.draft == 'head' else self.draft} d={self.depth}{adaptive}"
         return "mlx-lm stock" if self.mode == "stock" else "mtplx AR"
 
 
@@ -273,6 +275,7 @@ class RunRecord:
     tokens_in_cycles: int = 0  # tokens committed by those cycles
     peak_memory_gb: float = 0.0
     draft: str = "head"  # the drafter of an "mtp" run
+    threshold: float = 0.0  # adaptive head drafting threshold (0 = fixed depth)
     drafters: dict[str, dict[str, int]] = field(default_factory=dict)  # per drafter: drafted/accepted
 
     @property
@@ -371,6 +374,7 @@ def make_runner(engine, *, ban_eos: bool = True) -> Runner:
             mode=variant.mode,
             depth=variant.depth,
             draft=variant.draft,
+            threshold=variant.threshold,
             setting=setting.name,
             prompt_id=prompt.id,
             kind=prompt.kind,
@@ -401,6 +405,7 @@ def make_runner(engine, *, ban_eos: bool = True) -> Runner:
             seed=seed,
             draft=variant.draft if variant.mode == "mtp" else "none",
             depth=variant.depth if variant.mode == "mtp" and variant.depth else None,
+            **({"adaptive_threshold": variant.threshold} if variant.threshold > 0 else {}),
         ):
             clock.tokens_arrived(len(chunk.token_ids))
             stats = chunk.stats
@@ -416,7 +421,7 @@ def make_runner(engine, *, ban_eos: bool = True) -> Runner:
             record.cycles = int(stats.cycles)
             record.tokens_in_cycles = round(stats.tokens_per_cycle * stats.cycles)
             record.drafters = {name: dict(counts) for name, counts in stats.drafters.items()}
-            if variant.draft == "head":  # fixed-length blocks: per-position counts are meaningful
+            if variant.draft == "head" and variant.threshold == 0:  # fixed-length blocks only
                 record.accepted_per_position = accepted_counts(
                     stats.acceptance_per_position, stats.cycles, variant.depth
                 )
@@ -453,15 +458,22 @@ class SweepPlan:
 
 
 def make_variants(
-    depths: Sequence[int], *, stock: bool = True, drafts: Sequence[str] = ("head",)
+    depths: Sequence[int],
+    *,
+    stock: bool = True,
+    drafts: Sequence[str] = ("head",),
+    thresholds: Sequence[float] = (),
 ) -> list[Variant]:
-    """Stock, AR, then per drafter: the head and auto at each depth, lookup once (no depth)."""
+    """Stock, AR, then per drafter: the head and auto at each depth, lookup once (no depth);
+    with ``thresholds``, adaptive head drafting up to the largest depth, one per threshold."""
     speculative = []
     for draft in drafts:
         if draft == "lookup":
             speculative.append(Variant("mtp", 0, "lookup"))
         else:
             speculative += [Variant("mtp", d, draft) for d in depths]
+    if depths:
+        speculative += [Variant("mtp", max(depths), "head", t) for t in thresholds]
     return ([Variant("stock")] if stock else []) + [Variant("ar")] + speculative
 
 
@@ -555,6 +567,7 @@ class Summary:
     tau_theory: float | None = None
     efficiency: float | None = None  # ratio_to_stock / tau_theory
     draft: str = "head"
+    threshold: float = 0.0
     kind: str = "all"  # the prompt kind summarized, or "all"
     drafters: dict[str, dict[str, int]] = field(default_factory=dict)  # drafted/accepted, all runs
 
@@ -588,6 +601,7 @@ def summarize_group(records: Sequence[RunRecord]) -> Summary:
         generated_tokens=sum(r.generated_tokens for r in records),
         peak_memory_gb=max(r.peak_memory_gb for r in records),
         draft=first.draft,
+        threshold=first.threshold,
     )
     for r in records:
         for name, counts in r.drafters.items():
@@ -597,7 +611,7 @@ def summarize_group(records: Sequence[RunRecord]) -> Summary:
     cycles = sum(r.cycles for r in records)
     if first.mode == "mtp" and cycles > 0:
         summary.tau = sum(r.tokens_in_cycles for r in records) / cycles
-    if first.mode == "mtp" and cycles > 0 and first.draft == "head":
+    if first.mode == "mtp" and cycles > 0 and first.draft == "head" and first.threshold == 0:
         accepted = [sum(r.accepted_per_position[i] for r in records) for i in range(first.depth)]
         summary.acceptance_cumulative = [a / cycles for a in accepted]
         summary.acceptance = conditional_acceptance(summary.acceptance_cumulative)
@@ -858,7 +872,7 @@ def write_plot(path: str | Path, summaries: Sequence[Summary], title: str = "") 
     try:
         settings = list(dict.fromkeys(s.setting for s in summaries))
         # The depth axis is the head's; lookup/auto rows are in the tables, not the plot.
-        summaries = [s for s in summaries if s.mode != "mtp" or s.draft == "head"]
+        summaries = [s for s in summaries if s.mode != "mtp" or (s.draft == "head" and s.threshold == 0)]
         depths = sorted({s.depth for s in summaries if s.mode in ("ar", "mtp")}) or [0]
         for index, setting in enumerate(settings):
             color = f"C{index}"
@@ -964,6 +978,7 @@ def run_benchmark(
     runner: Runner | None = None,
     desc: str = "bench",
     drafts: Sequence[str] = ("head",),
+    thresholds: Sequence[float] = (),
 ) -> tuple[list[Summary], list[RunRecord], SweepPlan]:
     """Validate everything, then run the interleaved sweep on a loaded engine."""
     check_counts(tokens, repeats)
@@ -978,7 +993,7 @@ def run_benchmark(
         raise MtplxError("prompts: none given")
     check_prompts_fit(engine, prompts, tokens)
     plan = SweepPlan(
-        make_variants(depths, stock=stock, drafts=drafts),
+        make_variants(depths, stock=stock, drafts=drafts, thresholds=thresholds),
         make_settings(temps, top_p),
         prompts,
         tokens,

@@ -248,7 +248,10 @@ class Engine:
         from mtplx import loading
         from mtplx.drafters.draft_model import check_compatible, embedding_rows
 
-        loaded = loading.load_model(path)
+        try:
+            loaded = loading.load_model(path)
+        except MtplxError as e:
+            raise MtplxError(f"draft model: {e}") from None
         self.draft_vocab_size = check_compatible(
             self.tokenizer,
             loaded.tokenizer,
@@ -333,6 +336,7 @@ class Engine:
         draft: str | None = None,
         lookup: LookupConfig | None = None,
         adaptive: bool = False,
+        adaptive_threshold: float | None = None,
     ) -> Iterator[GenerationChunk]:
         """Generate incrementally; each chunk carries new text, new token ids and running stats.
 
@@ -341,7 +345,8 @@ class Engine:
         tuning did not find plain AR faster here), "head", "lookup", "model" or "none"
         (plain AR). ``mtp=True`` is an alias of "head", ``mtp=False`` of "none". ``depth`` is
         the most drafts a model drafter makes per cycle; ``adaptive`` stops the head earlier
-        when it is unsure (threshold from `mtplx tune`).
+        when it is unsure (threshold from `mtplx tune`, or ``adaptive_threshold``, which
+        implies ``adaptive``).
         """
         if max_tokens <= 0:
             raise MtplxError(f"max_tokens: must be > 0, got {max_tokens}")
@@ -358,6 +363,9 @@ class Engine:
         if depth is not None and depth < 1:
             raise MtplxError(f"depth: must be >= 1, got {depth}")
         kind = self._draft_kind(draft, mtp)
+        if adaptive_threshold is not None and not 0.0 < adaptive_threshold < 1.0:
+            raise MtplxError(f"adaptive_threshold: must be in (0, 1), got {adaptive_threshold}")
+        threshold = adaptive_threshold or (self.adaptive_threshold if adaptive else 0.0)
         lookup = (lookup or LookupConfig()).validate()
         tuned_to_ar = depth is None and not self.depth  # tuning found plain AR fastest here
         # The head's tuned depth says nothing about a draft model's best depth.
@@ -377,7 +385,7 @@ class Engine:
             depth=depth,
             greedy_draft=greedy_draft,
             verify_backend=self.verify_backend,
-            adaptive_threshold=self.adaptive_threshold if adaptive else 0.0,
+            adaptive_threshold=threshold,
         )
         key = mx.random.key(seed if seed is not None else int(time.time_ns() % (2**63)))
         proposer = self._proposer(kind, settings, lookup, tuned_to_ar, model_depth)

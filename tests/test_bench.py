@@ -528,6 +528,30 @@ def _summary(mode, depth, setting, tps, spread=0.02):
     )
 
 
+def test_choose_threshold_compares_adaptive_with_the_best_fixed_depth():
+    def adaptive(threshold, setting, tps):
+        row = _summary("mtp", 4, setting, tps)
+        row.threshold = threshold
+        return row
+
+    rows = [
+        _summary("ar", 0, "greedy", 10),
+        _summary("ar", 0, "t0.7", 10),
+        _summary("mtp", 2, "greedy", 20),  # best fixed: geometric mean 2.0
+        _summary("mtp", 2, "t0.7", 20),
+        _summary("mtp", 4, "greedy", 15),
+        _summary("mtp", 4, "t0.7", 15),
+        adaptive(0.2, "greedy", 22),  # 2.2 -> 1.1x the best fixed depth
+        adaptive(0.2, "t0.7", 22),
+        adaptive(0.4, "greedy", 30),  # 2.0: the t0.7 row halves it
+        adaptive(0.4, "t0.7", 13.3333),
+    ]
+    threshold, versus_fixed = tune.choose_threshold(rows)
+    assert threshold == 0.2 and versus_fixed == pytest.approx(1.1)
+    assert tune.choose_depth(rows)[0] == 2  # adaptive rows do not count as fixed depths
+    assert tune.choose_threshold(rows[:6]) == (None, 0.0)
+
+
 def test_choose_depth_picks_best_geometric_mean_and_respects_noise():
     rows = [
         _summary("ar", 0, "greedy", 10),

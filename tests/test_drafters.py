@@ -194,6 +194,18 @@ def test_block_length_varies_per_cycle_with_the_drafter():
         assert {s.num_drafted for s in steps[1:]} == expected, kind
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_adaptive_head_drafting_stops_early_and_stays_exact_at_greedy(temperature):
+    trunk, head = make_loop_pair(**GREEDY_CASES["llama"])
+    cfg = SamplerConfig(temperature=temperature)
+    proposer = HeadProposer(head, sampler=cfg, depth=4, adaptive_threshold=0.5)
+    tokens, steps = run_steps(trunk, proposer, cfg, 60)
+    lengths = {s.num_drafted for s in steps[1:]}
+    assert len(lengths) >= 2 and lengths <= {1, 2, 3, 4}, lengths  # early stops and full blocks
+    if temperature == 0.0:
+        assert tokens == run_loop(trunk, head, cfg, None, 60, seed=0)
+
+
 # ------------------------------------------------------------------ sampled distribution
 
 CHI_SQUARE_MODEL = dict(vocab_size=5, seed=11, context_strength=6.0, head_noise=1.5, logit_scale=1.5)
