@@ -194,11 +194,12 @@ def test_block_length_varies_per_cycle_with_the_drafter():
         assert {s.num_drafted for s in steps[1:]} == expected, kind
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_adaptive_head_drafting_stops_early_and_stays_exact_at_greedy(temperature):
+# Thresholds inside this random head's confidence range (its distributions are flat).
+@pytest.mark.parametrize("temperature,threshold", [(0.0, 0.05), (1.0, 0.02)])
+def test_adaptive_head_drafting_stops_early_and_stays_exact_at_greedy(temperature, threshold):
     trunk, head = make_loop_pair(**GREEDY_CASES["llama"])
     cfg = SamplerConfig(temperature=temperature)
-    proposer = HeadProposer(head, sampler=cfg, depth=4, adaptive_threshold=0.5)
+    proposer = HeadProposer(head, sampler=cfg, depth=4, adaptive_threshold=threshold)
     tokens, steps = run_steps(trunk, proposer, cfg, 60)
     lengths = {s.num_drafted for s in steps[1:]}
     assert len(lengths) >= 2 and lengths <= {1, 2, 3, 4}, lengths  # early stops and full blocks
