@@ -365,6 +365,7 @@ def test_engine_greedy_output_equals_ar_with_each_drafter(plain_engine, draft):
         (dict(draft="head"), "no MTP head"),
         (dict(mtp=True, draft="lookup"), "contradicts"),
         (dict(lookup_kwargs=dict(max_tokens=0)), "lookup max tokens"),
+        (dict(adaptive_threshold=1.5), "adaptive_threshold"),
     ],
 )
 def test_engine_bad_draft_requests_are_one_line_errors_and_the_engine_keeps_working(
