@@ -5,13 +5,17 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.mtplx-installed
 PROMPT ?= Write a Python function that reverses a string.
 
-.PHONY: generate test lint format setup blas clean
+.PHONY: generate test test-slow lint format setup blas clean
 
 generate: $(STAMP)
 	$(VENV)/bin/mtplx generate --stats "$(PROMPT)"
 
 test: $(STAMP) lint
 	$(PY) -m pytest -q
+
+# Tests marked `slow`: larger-size repeats of behaviour `make test` already covers (never the only test of anything).
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
 
 # Formatter and linter (configured in pyproject.toml); `make format` applies both fixes.
 lint: $(STAMP)

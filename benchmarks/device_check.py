@@ -14,8 +14,9 @@ import test_kernels as T
 
 import mtplx  # noqa: F401  (before mlx)
 from mtplx import kernels as K
+from mtplx import kernels_emulation as E
 from mtplx import verify as V
-from mtplx.sampling import SamplerConfig
+from mtplx.config import SamplerConfig
 
 
 def cfg_of(row):
@@ -32,11 +33,11 @@ def correctness():
             rng = np.random.default_rng(3000 + seed)
             z, d, q, params, a, s = T.make_verify_case(rng, B, k, Vv, [kind], draft, ties, masked)
             cfg = cfg_of(params[0])
-            r = fused_v(
+            num_accepted, next_token, _ = fused_v(
                 mx.array(z), mx.array(d), None if q is None else mx.array(q), cfg, mx.array(a), mx.array(s)
             )
-            n, tok = np.array(r.num_accepted), np.array(r.next_token)
-            rn, rtok, _ = K.numpy_mirror_verify(z, d, q, params, a, s)
+            n, tok = np.array(num_accepted), np.array(next_token)
+            rn, rtok, _ = E.numpy_mirror_verify(z, d, q, params, a, s)
             for b in range(B):
                 amb = ref.verify_row(z[b], d[b], None if q is None else q[b], params[b], a[b], s[b])[3]
                 if amb:

@@ -198,7 +198,7 @@ def isolated_costs(engine, depth: int, context: int, repeats: int) -> dict[str, 
 
 
 def bench_cfg(temp: float, top_p: float = 1.0):
-    from mtplx.sampling import SamplerConfig
+    from mtplx.config import SamplerConfig
 
     return SamplerConfig(temperature=temp, top_p=top_p)
 

@@ -7,7 +7,7 @@ BLAS = load_optimized_blas()
 
 __version__ = "0.1.0"
 
-from mtplx.sampling import SamplerConfig  # noqa: E402
+from mtplx.config import SamplerConfig  # noqa: E402
 
 
 def __getattr__(name: str):

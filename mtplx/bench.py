@@ -35,26 +35,24 @@ mean a draft + verify cycle costs exactly one stock AR step.
 
 from __future__ import annotations
 
-import contextlib
 import datetime as _dt
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from mtplx.config import MAX_DEPTH
 from mtplx.errors import MtplxError
+from mtplx.io import atomic_write
+from mtplx.tuned import machine_info
 
 # Large but finite: -inf can turn into NaN in the filter pipeline (inf - inf).
 BAN_BIAS = -1e9
-MAX_DEPTH = 16  # no head layout chains usefully beyond this; a typo guard
 KINDS = ("code", "prose", "chat", "grounded")
 DRAFTS = ("head", "lookup", "auto")  # the drafters a sweep can compare (`mtplx.drafters`)
 DEFAULT_DEPTHS = (1, 2, 3, 4)
@@ -715,66 +713,6 @@ def markdown_table(summaries: Sequence[Summary]) -> str:
     return "\n".join(rows)
 
 
-@contextlib.contextmanager
-def atomic_output(path: str | Path, mode: str = "w") -> Iterator[Any]:
-    """Write to a hidden temp file beside ``path`` and rename it into place only on success,
-    so an error or Ctrl-C mid-write leaves either the old file or nothing, never half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, mode, **({"encoding": "utf-8"} if "b" not in mode else {})) as handle:
-            yield handle
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; results are ordinary files
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
-def _umask() -> int:
-    current = os.umask(0)
-    os.umask(current)
-    return current
-
-
-def machine_info() -> dict[str, Any]:
-    """What the numbers depend on: OS, CPU, cores, MLX device and BLAS."""
-    import mlx.core as mx
-
-    import mtplx
-
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    if sys.platform == "darwin":
-        with contextlib.suppress(Exception):
-            cpu = (
-                subprocess.run(
-                    ["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True, timeout=5
-                ).stdout.strip()
-                or cpu
-            )
-    blas = getattr(mtplx, "BLAS", None)
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count() or 0
-    return {
-        "system": platform.system(),
-        "arch": platform.machine(),
-        "cpu": cpu,
-        "cores": cores,
-        "device": str(mx.default_device()),
-        "blas": os.path.basename(str(getattr(blas, "path", "") or "")) or "default",
-        "python": platform.python_version(),
-    }
-
-
 def _versions() -> dict[str, str]:
     from importlib import metadata
 
@@ -851,7 +789,7 @@ def result_document(
 
 def write_json(path: str | Path, document: dict[str, Any]) -> None:
     text = json.dumps(document, indent=1)
-    with atomic_output(path) as handle:
+    with atomic_write(path) as handle:
         handle.write(text + "\n")
 
 
@@ -922,7 +860,7 @@ def write_plot(path: str | Path, summaries: Sequence[Summary], title: str = "") 
         if title:
             fig.suptitle(title, fontsize=9)
         fig.tight_layout()
-        with atomic_output(path, "wb") as handle:
+        with atomic_write(path, "wb") as handle:
             fig.savefig(handle, format="png")
     finally:
         plt.close(fig)

@@ -22,8 +22,8 @@ Hybrid capture (no second forward, nothing extra for attention-only models):
 
 * Recurrent state: mlx-lm's gated-delta layers call the module-level function
   ``gated_delta_update(q, k, v, a, b, A_log, dt_bias, state, mask, ...)``.
-  ``_install_recurrence_hook`` replaces that name in the supported model
-  modules with ``_capturing_gated_delta_update``, which passes straight through
+  ``compat.install_gated_delta_hook`` rebinds that name in the supported model
+  modules to ``_capturing_gated_delta_update``, which passes straight through
   unless ``state`` is the very array object a capturing cache handed out; then
   it runs the same function one position at a time, keeping each state. The
   per-position calls take the path mlx-lm would take (Metal kernel when
@@ -32,41 +32,48 @@ Hybrid capture (no second forward, nothing extra for attention-only models):
 * Conv state: these layers already support per-sequence ``lengths`` (used by
   mlx-lm's batched generation): they store rows ``[len, len + kernel - 1)`` of
   the conv input instead of the last rows. A capturing cache sets ``lengths``
-  to ``[0, 1, ..., T]``; the gather broadcasts over that vector and the layer
+  to ``[0, 1, ..., T]`` (through ``ArraysCache.prepare``); the gather broadcasts over that vector and the layer
   writes the conv state after every prefix length, shape ``[T+1, kernel-1, C]``.
   The capturing cache also hides ``lengths`` from the mask and ``advance``,
   where it would otherwise mean "padding".
 
 The hooks are Python-level, so the verify forward must run eagerly (not inside
 ``mx.compile``). The captured states of a block stay alive until its commit.
+Every layout this relies on is read through ``mtplx.compat`` (and checked there).
 """
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import gated_delta as _gated_delta
-from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, QuantizedKVCache, RotatingKVCache
 
-# Modules whose gated-delta layers read slot 0 = conv state, slot 1 = recurrent
-# state, honour ``cache.lengths`` for the conv state, and take the recurrent
-# state from the cache unchanged into ``gated_delta_update``. Verified by tests
-# (qwen3_5) or by reading the source (qwen3_next: same layer structure).
-SUPPORTED_RECURRENT_MODULES = ("mlx_lm.models.qwen3_5", "mlx_lm.models.qwen3_next")
-_CONV_SLOT = 0
-_STATE_SLOT = 1
+from mtplx.compat import (
+    CONV_SLOT,
+    ORIGINAL_GATED_DELTA_UPDATE,
+    STATE_SLOT,
+    ArraysCache,
+    CacheList,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    RotatingState,
+    arrays_slots,
+    cache_members,
+    install_gated_delta_hook,
+    is_supported_gated_delta_layer,
+    rotating_state,
+    set_arrays_slots,
+    set_rotating_state,
+)
+
 # Conv rows recorded when begin_block is not told the block length.
 DEFAULT_MAX_BLOCK = 16
 
-_ORIGINAL_UPDATE = _gated_delta.gated_delta_update
-
 __all__ = [
     "BlockCapture",
-    "SUPPORTED_RECURRENT_MODULES",
     "abort_block",
     "begin_block",
     "check_rollback_support",
@@ -84,7 +91,7 @@ def _leaves(cache: list) -> list[tuple[int, Any]]:
     out: list[tuple[int, Any]] = []
     for i, c in enumerate(cache):
         if type(c) is CacheList:
-            out.extend((i, sub) for sub in c.caches)
+            out.extend((i, sub) for sub in cache_members(c))
         else:
             out.append((i, c))
     return out
@@ -92,17 +99,10 @@ def _leaves(cache: list) -> list[tuple[int, Any]]:
 
 def _batch_size(c: Any) -> int | None:
     if type(c) is ArraysCache or isinstance(c, _CapturingArraysCache):
-        arr = next((a for a in c.cache if a is not None), None)
+        arr = next((a for a in arrays_slots(c) if a is not None), None)
     else:
         arr = c.keys[0] if type(c) is QuantizedKVCache and c.keys is not None else c.keys
     return None if arr is None else arr.shape[0]
-
-
-def _is_supported_gated_delta_layer(layer: nn.Module) -> bool:
-    return any(
-        type(m).__module__ in SUPPORTED_RECURRENT_MODULES and hasattr(m, "conv1d")
-        for _, m in layer.named_modules()
-    )
 
 
 def _leaf_refusal(c: Any) -> str | None:
@@ -112,8 +112,8 @@ def _leaf_refusal(c: Any) -> str | None:
     if type(c) in (KVCache, QuantizedKVCache, RotatingKVCache):
         return None
     if type(c) is ArraysCache:
-        if len(c.cache) != 2:
-            return f"{kind} with {len(c.cache)} slots is not a gated-delta cache"
+        if len(arrays_slots(c)) != 2:
+            return f"{kind} with {len(arrays_slots(c))} slots is not a gated-delta cache"
         if c.left_padding is not None or c.lengths is not None:
             return f"{kind} is set up for padded batches"
         return None
@@ -136,7 +136,7 @@ def check_rollback_support(cache: list, model: nn.Module | None = None) -> str |
         if reason is None and _batch_size(c) not in (None, 1):
             reason = f"batch size {_batch_size(c)} (only 1 is supported)"
         if reason is None and type(c) is ArraysCache and layers is not None:
-            if i >= len(layers) or not _is_supported_gated_delta_layer(layers[i]):
+            if i >= len(layers) or not is_supported_gated_delta_layer(layers[i]):
                 reason = "ArraysCache of a layer that is not a supported gated-delta layer"
         if reason is not None:
             return f"cache of layer {i}: {reason}"
@@ -176,7 +176,7 @@ class _RecurrentRecord:
 
     def commit(self, num_keep: int) -> None:
         c = self.cache
-        conv = c[_CONV_SLOT]
+        conv = c[CONV_SLOT]
         if not self.states:
             raise RuntimeError(
                 "gated-delta capture saw no recurrent update for this cache: the layer is not a "
@@ -188,19 +188,19 @@ class _RecurrentRecord:
             raise ValueError(
                 f"num_keep {num_keep} exceeds the {self.rows - 1} positions recorded; pass block_len"
             )
-        state = self.slots_before[_STATE_SLOT] if num_keep == 0 else self.states[num_keep - 1]
+        state = self.slots_before[STATE_SLOT] if num_keep == 0 else self.states[num_keep - 1]
         self._release()
-        c[_CONV_SLOT] = mx.contiguous(conv[num_keep : num_keep + 1])
-        c[_STATE_SLOT] = state
+        c[CONV_SLOT] = mx.contiguous(conv[num_keep : num_keep + 1])
+        c[STATE_SLOT] = state
 
     def abort(self) -> None:
         self._release()
-        self.cache.cache = list(self.slots_before)
+        set_arrays_slots(self.cache, self.slots_before)
 
     def _release(self) -> None:
-        _RECORDERS.pop(id(self.slots_before[_STATE_SLOT]), None)
+        _RECORDERS.pop(id(self.slots_before[STATE_SLOT]), None)
         self.cache.__class__ = ArraysCache
-        self.cache.lengths = None
+        self.cache.finalize()  # lengths back to None (left_padding was None: begin_block checks)
 
 
 # id(state array handed to the layer) -> its record. The record holds the array,
@@ -210,15 +210,15 @@ _RECORDERS: dict[int, _RecurrentRecord] = {}
 
 def _capturing_gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, **kwargs):
     record = _RECORDERS.get(id(state)) if state is not None else None
-    if record is None or record.slots_before[_STATE_SLOT] is not state:
-        return _ORIGINAL_UPDATE(q, k, v, a, b, A_log, dt_bias, state, mask, **kwargs)
+    if record is None or record.slots_before[STATE_SLOT] is not state:
+        return ORIGINAL_GATED_DELTA_UPDATE(q, k, v, a, b, A_log, dt_bias, state, mask, **kwargs)
     if record.states:
         raise RuntimeError("a capturing gated-delta cache was used by two forwards in one block")
     ys = []
     for t in range(q.shape[1]):
         pos = slice(t, t + 1)
         step_mask = None if mask is None else mask[:, pos]
-        y, state = _ORIGINAL_UPDATE(
+        y, state = ORIGINAL_GATED_DELTA_UPDATE(
             q[:, pos], k[:, pos], v[:, pos], a[:, pos], b[:, pos], A_log, dt_bias, state, step_mask, **kwargs
         )
         ys.append(y)
@@ -226,31 +226,20 @@ def _capturing_gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mas
     return mx.concatenate(ys, axis=1), state
 
 
-def _install_recurrence_hook() -> None:
-    """Route the supported modules' ``gated_delta_update`` through the capturing wrapper.
-
-    Idempotent; a pass-through for every call whose state is not being captured.
-    """
-    for name in SUPPORTED_RECURRENT_MODULES:
-        module = sys.modules.get(name)
-        if module is not None and getattr(module, "gated_delta_update", None) is _ORIGINAL_UPDATE:
-            module.gated_delta_update = _capturing_gated_delta_update
-
-
 def _begin_recurrent(c: ArraysCache, rows: int) -> _RecurrentRecord:
-    if c[_CONV_SLOT] is None or c[_STATE_SLOT] is None:
+    if c[CONV_SLOT] is None or c[STATE_SLOT] is None:
         raise ValueError("begin_block needs a prefilled gated-delta cache (run the prompt first)")
     if c.lengths is not None or c.left_padding is not None:
         raise ValueError("begin_block: gated-delta cache is set up for padded batches")
-    state = c[_STATE_SLOT]
+    state = c[STATE_SLOT]
     if id(state) in _RECORDERS:
         # Two caches sharing one state object would be indistinguishable to the hook.
         state = mx.array(state)
-        c[_STATE_SLOT] = state
-    record = _RecurrentRecord(c, list(c.cache), rows)
+        c[STATE_SLOT] = state
+    record = _RecurrentRecord(c, list(arrays_slots(c)), rows)
     _RECORDERS[id(state)] = record
     c.__class__ = _CapturingArraysCache
-    c.lengths = mx.arange(rows)
+    c.prepare(lengths=list(range(rows)))
     return record
 
 
@@ -269,10 +258,10 @@ class _KVRecord:
                 f"expected the block length {block_len}"
             )
         # Entries past offset are never read and are overwritten by the next update.
-        self.cache.offset = self.offset_before + num_keep
+        self.cache.trim(block_len - num_keep)
 
     def abort(self) -> None:
-        self.cache.offset = self.offset_before
+        self.cache.trim(self.cache.offset - self.offset_before)
 
 
 def _rotating_slice(c: RotatingKVCache, n: int) -> None:
@@ -283,25 +272,33 @@ def _rotating_slice(c: RotatingKVCache, n: int) -> None:
     entry a future query may need: either nothing was ever evicted
     (length == offset) or at least ``max_size`` entries remain.
     """
-    keys, values, offset, keep, max_size, idx = c.state
+    state = rotating_state(c)
     if n == 0:
         return
-    if keys is None or idx != keys.shape[2]:
+    if state.keys is None or state.idx != state.keys.shape[2]:
         raise ValueError("RotatingKVCache was last updated in place; its rejected entries overwrote history")
-    length = idx - n
-    if length < 0 or (length != offset - n and length < max_size):
+    length = state.idx - n
+    if length < 0 or (length != state.offset - n and length < state.max_size):
         raise ValueError(f"cannot drop {n} entries from this RotatingKVCache without losing window history")
-    c.state = (keys[..., :length, :], values[..., :length, :], offset - n, keep, max_size, length)
+    set_rotating_state(
+        c,
+        state._replace(
+            keys=state.keys[..., :length, :],
+            values=state.values[..., :length, :],
+            offset=state.offset - n,
+            idx=length,
+        ),
+    )
 
 
 @dataclass
 class _RotatingRecord:
     cache: RotatingKVCache
-    state_before: tuple
+    state_before: RotatingState
 
     def commit(self, num_keep: int, block_len: int) -> None:
         c = self.cache
-        offset_before = self.state_before[2]
+        offset_before = self.state_before.offset
         if c.offset != offset_before + block_len:
             raise RuntimeError(
                 f"RotatingKVCache advanced by {c.offset - offset_before}, expected the block length {block_len}"
@@ -313,17 +310,17 @@ class _RotatingRecord:
             _rotating_slice(c, block_len - num_keep)
 
     def abort(self) -> None:
-        self.cache.state = self.state_before
+        set_rotating_state(self.cache, self.state_before)
 
 
 def _begin_rotating(c: RotatingKVCache, block_len: int | None) -> _RotatingRecord:
-    keys, values, *rest = c.state
-    if keys is not None and block_len in (None, 1):
+    state = rotating_state(c)
+    if state.keys is not None and block_len in (None, 1):
         # A one-token update writes into the buffer in place; independent aliases
         # keep the overwritten entry for a full rejection. A longer block builds
         # new arrays, so plain references suffice there.
-        keys, values = mx.array(keys), mx.array(values)
-    return _RotatingRecord(c, (keys, values, *rest))
+        state = state._replace(keys=mx.array(state.keys), values=mx.array(state.values))
+    return _RotatingRecord(c, state)
 
 
 # --------------------------------------------------------------------------- public API
@@ -353,7 +350,7 @@ def begin_block(cache: list, block_len: int | None = None) -> BlockCapture:
     records: list = []
     for _, c in _leaves(cache):
         if type(c) is ArraysCache:
-            _install_recurrence_hook()
+            install_gated_delta_hook(_capturing_gated_delta_update)
             records.append(_begin_recurrent(c, (block_len or DEFAULT_MAX_BLOCK) + 1))
         elif type(c) is RotatingKVCache:
             records.append(_begin_rotating(c, block_len))
@@ -406,7 +403,7 @@ def _block_len(capture: BlockCapture) -> int:
         if isinstance(r, _KVRecord):
             return r.cache.offset - r.offset_before
         if isinstance(r, _RotatingRecord):
-            return r.cache.offset - r.state_before[2]
+            return r.cache.offset - r.state_before.offset
     return 0
 
 
@@ -471,7 +468,7 @@ def trim_kv(cache: list, n: int) -> None:
         if type(c) in (KVCache, QuantizedKVCache):
             if n > c.offset:
                 raise ValueError(f"trim_kv: layer {i} holds {c.offset} entries, cannot drop {n}")
-            c.offset -= n
+            c.trim(n)
         elif type(c) is RotatingKVCache:
             if n > c.offset:
                 raise ValueError(f"trim_kv: layer {i} holds {c.offset} entries, cannot drop {n}")

@@ -1,15 +1,92 @@
-"""`mtplx` command line: argument parsing and printing only."""
+"""`mtplx` command line: argument parsing and printing only.
+
+`generate` and `chat` accept mlx-lm's spellings beside mtplx's own (`--prompt/-p`,
+`--max-tokens/-m`, `--system-prompt`, `--ignore-chat-template`, `--num-draft-tokens`,
+`--verbose BOOL`; see mlx_lm/generate.py's argument parser). Errors the API raises name the
+field (`temperature must be >= 0 (got -1.0)`); the CLI rewrites the field into the flag the
+user typed (`--temp must be >= 0 (got -1)`).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import mtplx  # noqa: F401  (loads the optimized BLAS before anything imports mlx)
 from mtplx.drafters import DRAFT_KINDS
 from mtplx.errors import MtplxError
+
+# API field -> argparse dest, where they differ.
+_DEST_OF_FIELD = {"temperature": "temp", "num_draft_tokens": "depth"}
+
+
+def _str2bool(text: str) -> bool:
+    """mlx-lm's `--verbose` values: True/T/False/F (any case)."""
+    lowered = text.strip().lower()
+    if lowered in ("true", "t", "1", "yes"):
+        return True
+    if lowered in ("false", "f", "0", "no"):
+        return False
+    raise ValueError(text)
+
+
+class _Typed(argparse.Action):
+    """Stores the converted value and remembers the spelling and text the user typed, so an
+    error about the value can name that flag and quote that text."""
+
+    def __init__(self, option_strings, dest, convert: Callable = str, **kwargs):
+        self.convert = convert
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        try:
+            value = self.convert(values)
+        except ValueError:
+            raise argparse.ArgumentError(self, f"invalid value {values!r}") from None
+        setattr(namespace, self.dest, value)
+        typed = dict(getattr(namespace, "typed", None) or {})
+        long_form = next((s for s in self.option_strings if s.startswith("--")), option_string)
+        typed[self.dest] = (option_string if option_string.startswith("--") else long_form, values)
+        namespace.typed = typed
+
+
+def _flag_name(args: argparse.Namespace, dest: str) -> str | None:
+    """The flag the user typed for ``dest``, else the command's first long flag for it."""
+    typed = getattr(args, "typed", None) or {}
+    if dest in typed:
+        return typed[dest][0]
+    for action in args.command_parser._actions:
+        if action.dest == dest and isinstance(action, _Typed):
+            return next((s for s in action.option_strings if s.startswith("--")), action.option_strings[0])
+    return None
+
+
+_FIELD_MESSAGE = re.compile(r"^(?:SamplerConfig\.)?([a-z_]+):?\s+(.*)$")
+_GOT = re.compile(r",?\s*\(?got ([^()]*)\)?$")
+
+
+def user_message(err: MtplxError, args: argparse.Namespace) -> str:
+    """``err`` with a leading API field name replaced by the flag the user typed (and their text)."""
+    message = str(err)
+    match = _FIELD_MESSAGE.match(message)
+    if match is None:
+        return message
+    field, rest = match.groups()
+    dest = _DEST_OF_FIELD.get(field, field)
+    flag = _flag_name(args, dest)
+    if flag is None:
+        return message
+    typed = (getattr(args, "typed", None) or {}).get(dest)
+    if typed is not None and _GOT.search(rest):
+        rest = _GOT.sub(f" (got {typed[1]})", rest)
+    return f"{flag} {rest}"
+
+
+def _typed(parser: argparse.ArgumentParser, *flags: str, convert: Callable = str, **kwargs) -> None:
+    parser.add_argument(*flags, action=_Typed, convert=convert, **kwargs)
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -21,17 +98,100 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--head", default=None, help="a forged MTP head directory (default: the model's own head)"
     )
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "q4"),
+        default=None,
+        help="build of the embedded default model (default float32, the faster one on CPU)",
+    )
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default 0)")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--min-p", type=float, default=0.0)
-    parser.add_argument("--repetition-penalty", type=float, default=1.0)
-    parser.add_argument("--presence-penalty", type=float, default=0.0)
-    parser.add_argument("--frequency-penalty", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=None)
+    _typed(parser, "--temp", convert=float, default=0.0, help="temperature; 0 = greedy (default 0)")
+    _typed(parser, "--top-p", convert=float, default=1.0)
+    _typed(parser, "--top-k", convert=int, default=0)
+    _typed(parser, "--min-p", convert=float, default=0.0)
+    _typed(parser, "--repetition-penalty", convert=float, default=1.0)
+    _typed(parser, "--presence-penalty", convert=float, default=0.0)
+    _typed(parser, "--frequency-penalty", convert=float, default=0.0)
+    _typed(parser, "--seed", convert=int, default=None)
+
+
+def _add_drafting_args(parser: argparse.ArgumentParser) -> None:
+    _typed(
+        parser,
+        "--depth",
+        "--num-draft-tokens",
+        dest="depth",
+        convert=int,
+        default=None,
+        help="draft tokens per verify cycle (default: tuned, else the head's); --num-draft-tokens is mlx-lm's name",
+    )
+    speculative = parser.add_mutually_exclusive_group()
+    speculative.add_argument(
+        "--mtp",
+        dest="mtp",
+        action="store_true",
+        default=None,
+        help="require MTP speculative decoding (default: on when the model has a head)",
+    )
+    speculative.add_argument(
+        "--no-mtp", dest="mtp", action="store_false", help="plain autoregressive decoding"
+    )
+    parser.add_argument("--greedy-draft", action="store_true", help="draft the head's argmax (still exact)")
+
+
+def _add_drafter_choice_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--draft",
+        default=None,
+        metavar="{" + ",".join(DRAFT_KINDS) + "}",
+        help="drafter: auto (default: prompt lookup where the text recurs, else the draft model or head), "
+        "head, lookup, model, none",
+    )
+    parser.add_argument("--draft-model", default=None, help="a smaller mlx-lm model with the same tokenizer")
+    _typed(
+        parser, "--lookup-min-ngram", convert=int, default=None, help="shortest suffix prompt lookup matches"
+    )
+    _typed(
+        parser, "--lookup-max-ngram", convert=int, default=None, help="longest suffix prompt lookup matches"
+    )
+    _typed(parser, "--lookup-max-tokens", convert=int, default=None, help="most tokens one lookup proposes")
+    parser.add_argument(
+        "--adaptive",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="stop head drafting early when the head is unsure (threshold from `mtplx tune`)",
+    )
+
+
+def _drafter_kwargs(args: argparse.Namespace) -> dict:
+    """The drafter choice for `Engine.stream`, validated before any model loads."""
+    from mtplx.drafters.lookup import LookupConfig
+
+    if args.draft is not None and args.draft not in DRAFT_KINDS:
+        raise MtplxError(f"--draft: must be one of {', '.join(DRAFT_KINDS)}, got {args.draft!r}")
+    defaults = LookupConfig()
+    lookup = LookupConfig(
+        min_ngram=args.lookup_min_ngram if args.lookup_min_ngram is not None else defaults.min_ngram,
+        max_ngram=args.lookup_max_ngram if args.lookup_max_ngram is not None else defaults.max_ngram,
+        max_tokens=args.lookup_max_tokens if args.lookup_max_tokens is not None else defaults.max_tokens,
+    ).validate()
+    return dict(draft=args.draft, lookup=lookup, adaptive=args.adaptive)
+
+
+def _add_reply_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    _typed(parser, "--max-tokens", "-m", dest="max_tokens", convert=int, default=max_tokens)
+    parser.add_argument("--system-prompt", default=None, help="a system message before the prompt")
+    parser.add_argument("--stats", action="store_true", help="print speed and acceptance to stderr")
+    _typed(
+        parser,
+        "--verbose",
+        convert=_str2bool,
+        default=None,
+        metavar="BOOL",
+        help="mlx-lm's flag: True prints the stats, False only the reply (default: --stats decides)",
+    )
 
 
 def _sampling_kwargs(args: argparse.Namespace) -> dict:
@@ -47,72 +207,99 @@ def _sampling_kwargs(args: argparse.Namespace) -> dict:
     )
 
 
-def _format_stats(stats) -> str:
+def check_reply_args(args: argparse.Namespace) -> None:
+    """Validate what needs no model first: a typo should cost no load time."""
+    from mtplx.validation import check_generation_args
+
+    check_generation_args(max_tokens=args.max_tokens, depth=args.depth, **_sampling_kwargs(args))
+
+
+def _show_stats(args: argparse.Namespace) -> bool:
+    return args.verbose if args.verbose is not None else args.stats
+
+
+def format_stats(stats) -> str:
+    """mlx-lm's stats lines (Prompt / Generation / Peak memory), timings, then the drafting lines."""
+    cached = (
+        f" ({stats.cached_tokens} cached, {stats.prefilled_tokens} prefilled)" if stats.cached_tokens else ""
+    )
     lines = [
-        f"mode: {stats.mode}" + (f" (depth {stats.depth})" if stats.mode == "mtp" else ""),
-        f"prompt: {stats.prompt_tokens} tokens, {stats.prefill_tokens_per_sec:.1f} tokens/s",
-        f"generation: {stats.generated_tokens} tokens, {stats.decode_tokens_per_sec:.2f} tokens/s",
+        f"Prompt: {stats.prompt_tokens} tokens{cached}, {stats.prefill_tokens_per_sec:.3f} tokens-per-sec",
+        f"Generation: {stats.generated_tokens} tokens, {stats.decode_tokens_per_sec:.3f} tokens-per-sec",
+        f"Peak memory: {stats.peak_memory_gb:.3f} GB",
+        f"Time to first token: {stats.ttft_seconds:.3f} s, total time: {stats.total_seconds:.3f} s",
     ]
-    if stats.mode == "mtp":
-        per_position = ", ".join(f"{a:.2f}" for a in stats.acceptance_per_position)
-        lines.append(f"verify cycles: {stats.cycles}, tokens per cycle: {stats.tokens_per_cycle:.2f}")
-        lines.append(f"acceptance per draft position: [{per_position}]")
-        for name, counts in stats.drafters.items():
-            lines.append(f"drafter {name}: {counts['accepted']}/{counts['drafted']} drafts accepted")
-    lines.append(f"peak memory: {stats.peak_memory_gb:.3f} GB")
+    if stats.mode != "mtp":
+        lines.append("Drafter: none (autoregressive)")
+        return "\n".join(lines)
+    for name, counts in stats.drafters.items():
+        drafted, accepted = counts.get("drafted", 0), counts.get("accepted", 0)
+        rate = accepted / drafted if drafted else 0.0
+        lines.append(
+            f"Drafter: {name}, depth {stats.depth}: drafted {drafted}, accepted {accepted} ({rate:.2f})"
+        )
+    per_position = ", ".join(f"{i + 1}: {a:.2f}" for i, a in enumerate(stats.acceptance_per_position))
+    lines.append(f"Acceptance per draft position: {per_position}")
+    lines.append(
+        f"Tokens per verify cycle: {stats.tokens_per_cycle:.2f} over {stats.cycles} cycles"
+        f" ({stats.tokens_per_full_cycle:.2f} over full cycles)"
+    )
     return "\n".join(lines)
 
 
-def _lookup_config(args: argparse.Namespace):
-    from mtplx.drafters.lookup import LookupConfig
-
-    defaults = LookupConfig()
-    return LookupConfig(
-        min_ngram=args.lookup_min_ngram if args.lookup_min_ngram is not None else defaults.min_ngram,
-        max_ngram=args.lookup_max_ngram if args.lookup_max_ngram is not None else defaults.max_ngram,
-        max_tokens=args.lookup_max_tokens if args.lookup_max_tokens is not None else defaults.max_tokens,
-    ).validate()
-
-
 def _read_prompt(args: argparse.Namespace) -> str:
-    if args.prompt is not None:
-        return args.prompt
-    if not sys.stdin.isatty():
+    if args.prompt is not None and args.prompt_text is not None:
+        raise MtplxError("prompt: give it once, either as an argument or with --prompt")
+    prompt = args.prompt if args.prompt is not None else args.prompt_text
+    if prompt is not None and prompt != "-":
+        return prompt
+    if prompt == "-" or not sys.stdin.isatty():
         return sys.stdin.read()
-    raise MtplxError("prompt: give one as an argument or on standard input")
+    raise MtplxError("prompt: give one as an argument, with --prompt, or on standard input")
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
+def _use_chat_template(args: argparse.Namespace, engine) -> bool:
+    has_template = getattr(engine.tokenizer, "chat_template", None) is not None
+    use = args.chat if args.chat is not None else has_template
+    if args.system_prompt is not None and not use:
+        raise MtplxError(
+            "--system-prompt needs the chat template (drop --raw / --ignore-chat-template)"
+            if has_template
+            else "--system-prompt: this model's tokenizer has no chat template"
+        )
+    return use
+
+
+def load_engine(args: argparse.Namespace, *, quiet: bool = False, prompt_cache_bytes: int = 0):
+    """The engine `generate` and `chat` run on; notes on stderr unless ``quiet``."""
     from mtplx.engine import Engine
-    from mtplx.sampling import SamplerConfig
 
-    # Validate what needs no model first: a typo should cost no load time.
-    sampling = _sampling_kwargs(args)
-    SamplerConfig(**{k: v for k, v in sampling.items() if k != "seed"})
-    if args.max_tokens <= 0:
-        raise MtplxError(f"max_tokens: must be > 0, got {args.max_tokens}")
-    if args.depth is not None and args.depth < 1:
-        raise MtplxError(f"depth: must be >= 1, got {args.depth}")
-    lookup = _lookup_config(args)
-    if args.draft is not None and args.draft not in DRAFT_KINDS:
-        raise MtplxError(f"--draft: must be one of {', '.join(DRAFT_KINDS)}, got {args.draft!r}")
-    prompt = _read_prompt(args)
     engine = Engine.load(
-        args.model, head=args.head, depth=args.depth, dtype=args.dtype, draft_model=args.draft_model
+        args.model,
+        head=args.head,
+        depth=args.depth,
+        dtype=args.dtype,
+        prompt_cache_bytes=prompt_cache_bytes,
+        draft_model=getattr(args, "draft_model", None),
     )
-    chat = (
-        args.chat if args.chat is not None else getattr(engine.tokenizer, "chat_template", None) is not None
-    )
-    if (
-        args.mtp is None
-        and args.draft in (None, "auto")
-        and not engine.has_head
-        and engine.draft_model is None
-    ):
+    if args.mtp is None and not engine.has_head and engine.draft_model is None and not quiet:
         print(
             "mtplx: note: this model has no MTP head, drafting by prompt lookup only (train one with `mtplx forge`)",
             file=sys.stderr,
         )
+    return engine
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    check_reply_args(args)
+    drafting = _drafter_kwargs(args)  # before loading: a typo costs no load time
+    prompt = _read_prompt(args)
+    quiet = args.verbose is False or args.json
+    engine = load_engine(args, quiet=quiet)
+    chat = _use_chat_template(args, engine)
+    if chat:
+        system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+        prompt = [*system, {"role": "user", "content": prompt}]
     stream = engine.stream(
         prompt,
         max_tokens=args.max_tokens,
@@ -120,10 +307,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         mtp=args.mtp,
         greedy_draft=args.greedy_draft,
         chat=chat,
-        draft=args.draft,
-        lookup=lookup,
-        adaptive=args.adaptive,
-        **sampling,
+        **_sampling_kwargs(args),
+        **drafting,
     )
     text, tokens, chunk = [], [], None
     try:
@@ -139,8 +324,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             sys.stdout.write("\n")
             sys.stdout.flush()
         print("mtplx: interrupted", file=sys.stderr)
-        if chunk is not None and (args.stats or args.json):
-            print(_format_stats(chunk.stats), file=sys.stderr)
+        if chunk is not None and (_show_stats(args) or args.json):
+            print(format_stats(chunk.stats), file=sys.stderr)
         return 130
     if args.json:
         print(
@@ -156,9 +341,27 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write("\n")
         sys.stdout.flush()
-    if args.stats and chunk is not None:
-        print(_format_stats(chunk.stats), file=sys.stderr)
+    if _show_stats(args) and chunk is not None:
+        print(format_stats(chunk.stats), file=sys.stderr)
     return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from mtplx.chat import run_chat, settings_from_args
+    from mtplx.prompt_cache import DEFAULT_PROMPT_CACHE_BYTES
+
+    check_reply_args(args)
+    # Each turn resends the conversation: the prompt cache makes it prefill only what is new.
+    engine = load_engine(args, prompt_cache_bytes=DEFAULT_PROMPT_CACHE_BYTES)
+    return run_chat(engine, settings_from_args(args, _sampling_kwargs(args)), format_stats=format_stats)
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from mtplx.doctor import diagnose, format_report
+
+    report = diagnose(gflops=not args.no_gflops)
+    print(json.dumps(report.as_dict(), indent=2) if args.json else format_report(report))
+    return 0 if report.healthy else 1
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -172,7 +375,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from mtplx.inspect import format_inspection, inspect_model
 
-    info = inspect_model(args.model)
+    info = inspect_model(args.model, head=args.head, dtype=args.dtype)
     print(json.dumps(info, indent=2) if args.json else format_inspection(info))
     return 0
 
@@ -206,9 +409,9 @@ def _positive_int(name: str, text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise MtplxError(f"{name}: expected a number, 'auto' or 'full', got {text!r}") from None
+        raise MtplxError(f"{name} must be a number, 'auto' or 'full' (got {text})") from None
     if value <= 0:
-        raise MtplxError(f"{name}: must be > 0, got {value}")
+        raise MtplxError(f"{name} must be > 0 (got {value})")
     return value
 
 
@@ -224,63 +427,28 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return tune_from_args(args)
 
 
-def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mtplx", description="Exact MTP speculative decoding on MLX.")
-    sub = parser.add_subparsers(dest="command", required=True)
+def cmd_serve(args: argparse.Namespace) -> int:
+    from mtplx.server.cli import serve_from_args
 
+    return serve_from_args(args)
+
+
+def _add_generate_parser(sub) -> None:
     gen = sub.add_parser("generate", help="generate text (streams to stdout)")
-    gen.add_argument("prompt", nargs="?", default=None, help="the prompt (default: read standard input)")
+    gen.add_argument(
+        "prompt_text",
+        nargs="?",
+        default=None,
+        metavar="PROMPT",
+        help="the prompt ('-' or none: standard input)",
+    )
+    gen.add_argument("--prompt", "-p", default=None, help="the prompt, mlx-lm style ('-': standard input)")
     _add_model_args(gen)
     _add_sampling_args(gen)
-    gen.add_argument(
-        "--depth",
-        "--num-draft-tokens",
-        dest="depth",
-        type=int,
-        default=None,
-        help="most draft tokens per verify cycle from the head or draft model (default: tuned, else the head's)",
-    )
-    gen.add_argument("--max-tokens", type=int, default=256)
-    gen.add_argument(
-        "--dtype",
-        choices=("float32", "q4"),
-        default=None,
-        help="build of the embedded default model (default float32, the faster one on CPU)",
-    )
+    _add_drafting_args(gen)
+    _add_drafter_choice_args(gen)
+    _add_reply_args(gen, max_tokens=256)
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    speculative = gen.add_mutually_exclusive_group()
-    speculative.add_argument(
-        "--mtp",
-        dest="mtp",
-        action="store_true",
-        default=None,
-        help="require MTP speculative decoding (default: on when the model has a head)",
-    )
-    speculative.add_argument(
-        "--no-mtp", dest="mtp", action="store_false", help="plain autoregressive decoding"
-    )
-    gen.add_argument("--greedy-draft", action="store_true", help="draft the head's argmax (still exact)")
-    gen.add_argument(
-        "--draft",
-        default=None,
-        metavar="{" + ",".join(DRAFT_KINDS) + "}",
-        help="drafter: auto (default: prompt lookup where the text recurs, else the draft model or head), "
-        "head, lookup, model, none",
-    )
-    gen.add_argument("--draft-model", default=None, help="a smaller mlx-lm model with the same tokenizer")
-    gen.add_argument(
-        "--lookup-min-ngram", type=int, default=None, help="shortest suffix prompt lookup matches"
-    )
-    gen.add_argument(
-        "--lookup-max-ngram", type=int, default=None, help="longest suffix prompt lookup matches"
-    )
-    gen.add_argument("--lookup-max-tokens", type=int, default=None, help="most tokens one lookup proposes")
-    gen.add_argument(
-        "--adaptive",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="stop head drafting early when the head is unsure (threshold from `mtplx tune`)",
-    )
     mode = gen.add_mutually_exclusive_group()
     mode.add_argument(
         "--chat",
@@ -289,10 +457,61 @@ def _build_parser() -> argparse.ArgumentParser:
         default=None,
         help="wrap the prompt in the chat template (default when the model has one)",
     )
-    mode.add_argument("--raw", dest="chat", action="store_false", help="feed the prompt as raw text")
-    gen.add_argument("--stats", action="store_true", help="print speed and acceptance to stderr")
+    mode.add_argument(
+        "--raw",
+        "--ignore-chat-template",
+        dest="chat",
+        action="store_false",
+        help="feed the prompt as raw text (--ignore-chat-template is mlx-lm's name)",
+    )
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
-    gen.set_defaults(func=cmd_generate)
+    gen.set_defaults(func=cmd_generate, command_parser=gen)
+
+
+def _add_chat_parser(sub) -> None:
+    chat = sub.add_parser(
+        "chat",
+        help="interactive multi-turn chat (reads turns line by line; /reset, /stats, Ctrl-D quits)",
+    )
+    _add_model_args(chat)
+    _add_sampling_args(chat)
+    _add_drafting_args(chat)
+    _add_reply_args(chat, max_tokens=512)
+    chat.add_argument(
+        "--prompt-cache-bytes",
+        type=int,
+        default=None,
+        help="memory for the conversation's cached prompt (default: the engine's)",
+    )
+    chat.set_defaults(func=cmd_chat, command_parser=chat)
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mtplx", description="Exact MTP speculative decoding on MLX.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate_parser(sub)
+    _add_chat_parser(sub)
+
+    insp = sub.add_parser(
+        "inspect", help="describe a model without running it (MTP-ready / AR-only / unsupported)"
+    )
+    insp.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="local path or Hugging Face repo id (default: the embedded model)",
+    )
+    insp.add_argument("--head", default=None, help="a forged MTP head directory to check against the model")
+    insp.add_argument(
+        "--dtype", choices=("float32", "q4"), default=None, help="build of the embedded default model"
+    )
+    insp.add_argument("--json", action="store_true", help="print JSON")
+    insp.set_defaults(func=cmd_inspect, command_parser=insp)
+
+    doctor = sub.add_parser("doctor", help="check the environment: MLX backend, BLAS, kernels, caches, model")
+    doctor.add_argument("--json", action="store_true", help="print JSON")
+    doctor.add_argument("--no-gflops", action="store_true", help="skip the matmul speed measurement")
+    doctor.set_defaults(func=cmd_doctor, command_parser=doctor)
 
     conv = sub.add_parser("convert", help="convert a llama-architecture GGUF into an mlx-lm model directory")
     conv.add_argument("gguf", help="the .gguf file")
@@ -301,14 +520,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "--dtype", default="float32", help="float32 | float16 | bfloat16 | q4 (default float32)"
     )
     conv.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
-    conv.set_defaults(func=cmd_convert)
-
-    insp = sub.add_parser(
-        "inspect", help="describe a model without running it (MTP-ready / AR-only / unsupported)"
-    )
-    insp.add_argument("model", help="local path or Hugging Face repo id")
-    insp.add_argument("--json", action="store_true", help="print JSON")
-    insp.set_defaults(func=cmd_inspect)
+    conv.set_defaults(func=cmd_convert, command_parser=conv)
 
     frg = sub.add_parser("forge", help="train an MTP head for a model that has none (self-distillation)")
     frg.add_argument(
@@ -338,27 +550,35 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     frg.add_argument("--work-dir", default=None, help="where teacher data and checkpoints go (resumable)")
     frg.add_argument("--no-progress", action="store_true")
-    frg.set_defaults(func=cmd_forge)
+    frg.set_defaults(func=cmd_forge, command_parser=frg)
 
     from mtplx.bench import add_bench_args
     from mtplx.tune import add_tune_args
 
     bench = sub.add_parser("bench", help="tokens/s of MTP vs AR vs stock mlx-lm, interleaved in one process")
     add_bench_args(bench)
-    bench.set_defaults(func=cmd_bench)
+    bench.set_defaults(func=cmd_bench, command_parser=bench)
     tune = sub.add_parser("tune", help="measure and save the fastest depth for this model on this machine")
     add_tune_args(tune)
-    tune.set_defaults(func=cmd_tune)
+    tune.set_defaults(func=cmd_tune, command_parser=tune)
+
+    from mtplx.server.cli import add_serve_args
+
+    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat and text completions)")
+    add_serve_args(srv)
+    srv.set_defaults(func=cmd_serve, command_parser=srv)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # the subcommand's usage, not the top level's
+        args.command_parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args)
     except MtplxError as err:
-        print(f"mtplx: error: {err}", file=sys.stderr)
+        print(f"mtplx: error: {user_message(err, args)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("mtplx: interrupted", file=sys.stderr)

@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -173,8 +174,17 @@ def _to_dtype(parts: dict[str, mx.array], info: TensorInfo, dtype: str) -> dict[
     return {"weight": w.astype(mx.float32)}  # norms stay float
 
 
-def convert_weights(gguf: GGUFFile, dtype: str, *, unpermute: bool = True) -> dict[str, mx.array]:
-    """All tensors under mlx-lm names, in ``dtype``. ``unpermute=False`` exists only as a negative control."""
+def convert_weights(
+    gguf: GGUFFile,
+    dtype: str,
+    *,
+    unpermute: bool = True,
+    on_tensor: Callable[[int, int], None] | None = None,
+) -> dict[str, mx.array]:
+    """All tensors under mlx-lm names, in ``dtype``. ``unpermute=False`` exists only as a negative control.
+
+    ``on_tensor(done, total)`` reports progress; each tensor is then computed as it goes, not at save time.
+    """
     config = hf_config(gguf)
     arrays = load_tensors(gguf)
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
@@ -190,13 +200,18 @@ def convert_weights(gguf: GGUFFile, dtype: str, *, unpermute: bool = True) -> di
         kind = base.rsplit(".", 1)[-1]
         if unpermute and kind in heads:
             parts = {k: unpermute_rows(v, heads[kind]) for k, v in parts.items()}
-        for suffix, value in _to_dtype(parts, info, dtype).items():
+        converted = _to_dtype(parts, info, dtype)
+        for suffix, value in converted.items():
             out[f"{target}.{suffix}"] = value
+        if on_tensor is not None:
+            mx.eval(*converted.values())
+            on_tensor(len(out), len(gguf.tensors))
     return out
 
 
-def quantization_config(weights: dict[str, mx.array]) -> dict[str, Any] | None:
-    """mlx-lm ``quantization`` entry; per-layer bits are inferred by mlx-lm from the packed shapes."""
+def _quantization_entry(weights: dict[str, mx.array]) -> dict[str, Any] | None:
+    """The config's mlx-lm ``quantization`` entry for converted weights (what
+    `checkpoint.quantization_config` reads back); per-layer bits are inferred by mlx-lm from the packed shapes."""
     if not any(k.endswith(".scales") for k in weights):
         return None
     return {"group_size": GROUP_SIZE, "bits": 4, "mode": "affine"}
@@ -318,12 +333,14 @@ def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def write_model_dir(gguf: GGUFFile, out: Path, dtype: str) -> None:
+def write_model_dir(
+    gguf: GGUFFile, out: Path, dtype: str, on_tensor: Callable[[int, int], None] | None = None
+) -> None:
     """Write every file of the model directory into ``out`` (an existing, empty directory)."""
     config = hf_config(gguf)
     tokenizer = build_tokenizer(gguf)  # before the weights: fail fast on an unsupported vocab
-    weights = convert_weights(gguf, dtype)
-    quant = quantization_config(weights)
+    weights = convert_weights(gguf, dtype, on_tensor=on_tensor)
+    quant = _quantization_entry(weights)
     if quant is not None:
         config["quantization"] = quant
         config["quantization_config"] = quant
@@ -349,13 +366,14 @@ def convert_gguf(
     *,
     dtype: Dtype = "float32",
     overwrite: bool = False,
+    on_tensor: Callable[[int, int], None] | None = None,
 ) -> Path:
     """Convert a llama GGUF (Q4_0/Q4_1/Q8_0/F16/F32 tensors) into an mlx-lm model directory; returns it.
 
     ``dtype``: a float dtype dequantizes everything; ``"q4"`` keeps Q4_0/Q4_1 blocks packed
     as MLX 4-bit (and Q8_0 as 8-bit, both lossless) and quantizes float matrices to 4-bit.
     The output appears atomically (temp dir + rename); an existing ``out_dir`` is refused
-    unless ``overwrite``.
+    unless ``overwrite``. ``on_tensor(done, total)`` reports progress (see `convert_weights`).
     """
     if dtype not in DTYPES:
         raise MtplxError(f"unsupported dtype {dtype!r} (choose from {', '.join(DTYPES)})")
@@ -367,7 +385,7 @@ def convert_gguf(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        write_model_dir(gguf, tmp, dtype)
+        write_model_dir(gguf, tmp, dtype, on_tensor)
         os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only; a model dir is ordinary readable data
         if out_dir.exists():  # overwrite: move the old one aside first so the swap is quick
             old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))

@@ -23,8 +23,10 @@ from mtplx.drafters.draft_model import DraftModelProposer
 from mtplx.drafters.head import HeadProposer
 from mtplx.drafters.lookup import LookupConfig, LookupProposer
 from mtplx.errors import MtplxError
-from mtplx.sampling import SamplerConfig
+from mtplx.prompt_cache import PromptCache, is_trimmable
+from mtplx.prompt_cache import leaves as _cache_leaves
 from mtplx.trunk import Trunk
+from mtplx.validation import check_generation_args
 
 DEFAULT_DEPTH = 3
 # Adaptive head drafting stops after a draft the head gave less than this probability.
@@ -45,7 +47,15 @@ class GenerationStats:
     peak_memory_gb: float = 0.0
     mode: str = "ar"  # "ar" | "mtp" (speculative, with any drafter: see `drafters`)
     depth: int = 0
-    # Per drafter: {"head": {"drafted": n, "accepted": m}, "lookup": {...}, "model": {...}}
+    ttft_seconds: float = 0.0  # from the start of the call to the first generated token
+    total_seconds: float = 0.0  # from the start of the call to the last token so far
+    prefilled_tokens: int = 0  # prompt tokens run through the trunk by this call
+    cached_tokens: int = 0  # prompt tokens reused from a prompt cache (prompt = prefilled + cached)
+    # Like tokens_per_cycle, over only the verify cycles whose tokens were all kept: the cycle that
+    # EOS, a stop string or max_tokens cut short would understate what a cycle yields.
+    tokens_per_full_cycle: float = 0.0
+    # Draft tokens proposed / accepted by each drafter, e.g.
+    # {"head": {"drafted": 40, "accepted": 22}, "lookup": {...}, "model": {...}}.
     drafters: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
@@ -58,6 +68,7 @@ class GenerationChunk:
     token_ids: list[int]  # new tokens since the previous chunk
     finish_reason: str | None  # None while running; "stop" | "length" at the end
     stats: GenerationStats
+    logprobs: list[decode.TokenLogprobs] | None = None  # one per token id, when asked for
 
 
 @dataclass
@@ -71,13 +82,21 @@ class GenerationResult:
 class _StatsTracker:
     """Accumulates per-step measurements into `GenerationStats`."""
 
-    def __init__(self, prompt_tokens: int, mode: str, depth: int):
-        self.stats = GenerationStats(prompt_tokens=prompt_tokens, mode=mode, depth=depth)
+    def __init__(self, prompt_tokens: int, mode: str, depth: int, cached_tokens: int = 0):
+        self.stats = GenerationStats(
+            prompt_tokens=prompt_tokens,
+            mode=mode,
+            depth=depth,
+            prefilled_tokens=prompt_tokens - cached_tokens,
+            cached_tokens=cached_tokens,
+        )
         self._start = time.perf_counter()
         self._first_token_time: float | None = None
         self._drafted: list[int] = []  # per draft position (blocks may be longer than depth)
         self._accepted: list[int] = []
         self._committed_in_cycles = 0
+        self._full_cycles = 0
+        self._committed_in_full_cycles = 0
         mx.reset_peak_memory()
 
     def record(self, step: decode.Step, num_tokens_kept: int) -> None:
@@ -86,10 +105,14 @@ class _StatsTracker:
         if self._first_token_time is None:
             self._first_token_time = now
             stats.prefill_seconds = now - self._start
-            stats.prefill_tokens_per_sec = stats.prompt_tokens / max(stats.prefill_seconds, 1e-9)
+            stats.prefill_tokens_per_sec = stats.prefilled_tokens / max(stats.prefill_seconds, 1e-9)
+            stats.ttft_seconds = stats.prefill_seconds
         else:  # every step after the first is a cycle (one without drafts is an AR step)
             stats.cycles += 1
             self._committed_in_cycles += num_tokens_kept
+            if num_tokens_kept == len(step.tokens):
+                self._full_cycles += 1
+                self._committed_in_full_cycles += num_tokens_kept
             missing = step.num_drafted - len(self._drafted)
             if missing > 0:
                 self._drafted += [0] * missing
@@ -105,11 +128,15 @@ class _StatsTracker:
                 start += count
         stats.generated_tokens += num_tokens_kept
         stats.decode_seconds = now - self._first_token_time
+        stats.total_seconds = now - self._start
         # The first token comes from prefill; decode speed counts the tokens after it.
         stats.decode_tokens_per_sec = (
             (stats.generated_tokens - 1) / stats.decode_seconds if stats.decode_seconds > 0 else 0.0
         )
         stats.tokens_per_cycle = self._committed_in_cycles / stats.cycles if stats.cycles else 0.0
+        stats.tokens_per_full_cycle = (
+            self._committed_in_full_cycles / self._full_cycles if self._full_cycles else 0.0
+        )
         stats.acceptance_per_position = [a / d for a, d in zip(self._accepted, self._drafted) if d]
         stats.peak_memory_gb = mx.get_peak_memory() / 1e9
 
@@ -159,6 +186,46 @@ class _TextAssembler:
         return delta
 
 
+class _CacheSession:
+    """One request's caches and what goes back into the prompt cache when it ends.
+
+    Caches that cannot be moved back (recurrent state) are snapshotted when they
+    hold all prompt positions but the last; pure KV caches are handed over at the
+    end, covering the generated tokens too (a chat's next turn repeats them).
+    """
+
+    def __init__(
+        self,
+        store: PromptCache,
+        prompt_tokens: list[int],
+        trunk_cache: list,
+        head_cache: list | None,
+        start: int,
+    ):
+        self.store = store
+        self.prompt_tokens = prompt_tokens
+        self.trunk_cache = trunk_cache
+        self.head_cache = head_cache
+        self.trimmable = is_trimmable(trunk_cache) and (head_cache is None or is_trimmable(head_cache))
+        self.tokens = list(prompt_tokens)  # every token the decode loop has seen
+        snapshot = None if self.trimmable or store.max_bytes == 0 else self._snapshot
+        self.prefix = decode.PromptPrefix(start, snapshot)
+
+    def _snapshot(self, size: int) -> None:
+        self.store.insert(self.prompt_tokens, size, self.trunk_cache, self.head_cache, copy=True)
+
+    def record(self, tokens: list[int]) -> None:
+        self.tokens.extend(tokens)
+
+    def finish(self) -> None:
+        """The decode loop stopped between steps: its caches are consistent with ``tokens``."""
+        if not self.trimmable or self.store.max_bytes == 0:
+            return
+        caches = list(self.trunk_cache) + list(self.head_cache or [])
+        size = min(min((c.offset for c in _cache_leaves(caches)), default=0), len(self.tokens))
+        self.store.insert(self.tokens, size, self.trunk_cache, self.head_cache, copy=False)
+
+
 class Engine:
     """A loaded target model plus (optionally) its MTP head."""
 
@@ -176,8 +243,11 @@ class Engine:
         draft_model=None,
         draft_vocab_size: int = 0,
         adaptive_threshold: float = 0.0,
+        prompt_cache_bytes: int = 0,
     ):
         self.trunk = Trunk(model)
+        # Caches of earlier prompts, reused for the longest common prefix (0 bytes: off).
+        self.prompt_cache = PromptCache(prompt_cache_bytes)
         self.tokenizer = tokenizer
         self.config = config
         self.head = head
@@ -200,6 +270,7 @@ class Engine:
         dtype: str | None = None,
         verify_backend: str = "auto",
         draft_model: str | Path | None = None,
+        prompt_cache_bytes: int = 0,
     ) -> Engine:
         """Load ``model`` (local path, Hugging Face repo id, or None for the embedded default).
 
@@ -210,7 +281,7 @@ class Engine:
         from mtplx import heads, loading
 
         if dtype not in (None, *loading.VARIANTS):
-            raise MtplxError(f"dtype: must be one of {', '.join(loading.VARIANTS)}, got {dtype!r}")
+            raise MtplxError(f"dtype must be one of {', '.join(loading.VARIANTS)} (got {dtype})")
         loaded = loading.load_model(model, variant=dtype or "float32")
         engine = cls(
             loaded.model,
@@ -219,17 +290,22 @@ class Engine:
             model_path=loaded.path,
             fingerprint=loaded.fingerprint,
             verify_backend=verify_backend,
+            prompt_cache_bytes=prompt_cache_bytes,
+        )
+        # The default model given by its converted directory is still the default model.
+        default_variant = (
+            (dtype or "float32") if model is None else loading.default_model_variant(loaded.path)
         )
         head_dir = (
             Path(head)
             if head is not None
-            else (heads.shipped_head_dir(loading.DEFAULT_MODEL_NAME) if model is None else None)
+            else (heads.shipped_head_dir(loading.DEFAULT_MODEL_NAME) if default_variant else None)
         )
         if head_dir is not None:
             from mtplx.heads import forged
 
             head_fingerprint = loaded.fingerprint
-            if model is None and dtype == "q4":
+            if default_variant == "q4":
                 # The float32 build is the exact dequantization of the same GGUF blocks, so the
                 # shipped head (forged on it) fits the 4-bit build too; check against its weights.
                 head_fingerprint = loading.load_model(None, variant="float32", lazy=True).fingerprint
@@ -237,7 +313,7 @@ class Engine:
         else:
             engine.head = heads.load_head(loaded.path, engine.trunk, loaded.config)
         if depth is not None and depth < 1:
-            raise MtplxError(f"depth: must be >= 1, got {depth}")
+            raise MtplxError(f"depth must be >= 1 (got {depth})")
         engine.depth = depth if depth is not None else engine._default_depth()
         engine.adaptive_threshold = engine._tuned_threshold()
         if draft_model is not None:
@@ -263,17 +339,17 @@ class Engine:
 
     def _tuned_threshold(self) -> float:
         """`mtplx tune`'s adaptive-length threshold for this model here, else the built-in default."""
-        from mtplx import tune
+        from mtplx import tuned
 
-        saved = tune.saved_threshold(self.fingerprint)
+        saved = tuned.saved_threshold(self.fingerprint)
         return saved if saved is not None else DEFAULT_ADAPTIVE_THRESHOLD
 
     def _default_depth(self) -> int:
         """`mtplx tune`'s choice for this model on this machine (0 = AR was fastest), else the head's default."""
-        from mtplx import tune
+        from mtplx import tuned
 
-        tuned = tune.saved_depth(self.fingerprint)
-        return tuned if tuned is not None else self._head_depth()
+        saved = tuned.saved_depth(self.fingerprint)
+        return saved if saved is not None else self._head_depth()
 
     def _head_depth(self) -> int:
         return int((self.head.default_depth if self.head is not None else None) or DEFAULT_DEPTH)
@@ -283,17 +359,26 @@ class Engine:
         return self.head is not None
 
     # --------------------------------------------------------------- prompting
-    def encode_prompt(self, prompt: str | Sequence[dict], chat: bool | None = None) -> list[int]:
+    def encode_prompt(
+        self, prompt: str | Sequence[dict] | Sequence[int], chat: bool | None = None
+    ) -> list[int]:
+        """Token ids of ``prompt``: raw text, a chat message list, or token ids (taken as they are)."""
+        if not isinstance(prompt, str) and prompt and all(isinstance(t, int) for t in prompt):
+            vocab = self.trunk.vocab_size
+            bad = next((t for t in prompt if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise MtplxError(f"prompt: token id {bad} is outside the vocabulary of {vocab}")
+            return list(prompt)
         if isinstance(prompt, str):
             if not prompt:
-                raise MtplxError("prompt: is empty")
+                raise MtplxError("prompt is empty")
             use_chat = bool(chat)
             if use_chat:
                 prompt = [{"role": "user", "content": prompt}]
         else:
             use_chat = True
             if not prompt:
-                raise MtplxError("prompt: the message list is empty")
+                raise MtplxError("prompt is an empty message list")
         if use_chat:
             if getattr(self.tokenizer, "chat_template", None) is None:
                 raise MtplxError("prompt: this model's tokenizer has no chat template; pass raw text")
@@ -306,7 +391,7 @@ class Engine:
             tokens = self.tokenizer.encode(prompt)
         tokens = list(tokens)
         if not tokens:
-            raise MtplxError("prompt: encodes to no tokens")
+            raise MtplxError("prompt encodes to no tokens")
         return tokens
 
     def _context_length(self) -> int | None:
@@ -333,6 +418,7 @@ class Engine:
         depth: int | None = None,
         greedy_draft: bool = False,
         chat: bool | None = None,
+        logprobs: int | None = None,
         draft: str | None = None,
         lookup: LookupConfig | None = None,
         adaptive: bool = False,
@@ -346,11 +432,14 @@ class Engine:
         (plain AR). ``mtp=True`` is an alias of "head", ``mtp=False`` of "none". ``depth`` is
         the most drafts a model drafter makes per cycle; ``adaptive`` stops the head earlier
         when it is unsure (threshold from `mtplx tune`, or ``adaptive_threshold``, which
-        implies ``adaptive``).
+        implies ``adaptive``). ``logprobs=n`` reports the target's log-probability of each
+        token plus its top n.
         """
-        if max_tokens <= 0:
-            raise MtplxError(f"max_tokens: must be > 0, got {max_tokens}")
-        sampler = SamplerConfig(
+        if logprobs is not None and logprobs < 0:
+            raise MtplxError(f"logprobs must be >= 0 (got {logprobs})")
+        sampler = check_generation_args(
+            max_tokens=max_tokens,
+            depth=depth,
             temperature=temperature,
             top_p=top_p,
             top_k=top_k,
@@ -360,14 +449,12 @@ class Engine:
             frequency_penalty=frequency_penalty,
             logit_bias=logit_bias,
         )
-        if depth is not None and depth < 1:
-            raise MtplxError(f"depth: must be >= 1, got {depth}")
         kind = self._draft_kind(draft, mtp)
         if adaptive_threshold is not None and not 0.0 < adaptive_threshold < 1.0:
             raise MtplxError(f"adaptive_threshold: must be in (0, 1), got {adaptive_threshold}")
         threshold = adaptive_threshold or (self.adaptive_threshold if adaptive else 0.0)
         lookup = (lookup or LookupConfig()).validate()
-        tuned_to_ar = depth is None and not self.depth  # tuning found plain AR fastest here
+        model_drafter = self._model_drafter(kind, tuned_to_ar=depth is None and not self.depth)
         # The head's tuned depth says nothing about a draft model's best depth.
         model_depth = depth if depth is not None else DEFAULT_DEPTH
         # An explicit drafter on a model tuned to AR (depth 0) still drafts, at the head's own depth.
@@ -386,22 +473,33 @@ class Engine:
             greedy_draft=greedy_draft,
             verify_backend=self.verify_backend,
             adaptive_threshold=threshold,
+            logprobs=logprobs,
         )
         key = mx.random.key(seed if seed is not None else int(time.time_ns() % (2**63)))
-        proposer = self._proposer(kind, settings, lookup, tuned_to_ar, model_depth)
+        session = self._cache_session(prompt_tokens, model_drafter == "head")
+        proposer = self._proposer(kind, model_drafter, settings, lookup, model_depth, session.head_cache)
         if proposer is not None:
-            steps = decode.speculative_decode(self.trunk, proposer, prompt_tokens, settings, key)
+            steps = decode.speculative_decode(
+                self.trunk, proposer, prompt_tokens, settings, key, session.trunk_cache, session.prefix
+            )
         else:
-            steps = decode.ar_decode(self.trunk, prompt_tokens, settings, key)
+            steps = decode.ar_decode(
+                self.trunk, prompt_tokens, settings, key, session.trunk_cache, session.prefix
+            )
         speculative = proposer is not None
         return self._assemble(
-            steps,
-            len(prompt_tokens),
-            max_tokens,
-            stops,
-            "mtp" if speculative else "ar",
-            depth if speculative else 0,
+            steps, session, max_tokens, stops, "mtp" if speculative else "ar", depth if speculative else 0
         )
+
+    def _cache_session(self, prompt_tokens: list[int], with_head: bool) -> _CacheSession:
+        hit = self.prompt_cache.lookup(prompt_tokens, with_head)
+        if hit is None:
+            trunk_cache = self.trunk.make_cache()
+            head_cache = self.head.make_cache() if with_head else None
+            start = 0
+        else:
+            trunk_cache, head_cache, start = hit.trunk_cache, hit.head_cache, hit.start
+        return _CacheSession(self.prompt_cache, prompt_tokens, trunk_cache, head_cache, start)
 
     def _draft_kind(self, draft: str | None, mtp: bool | None) -> str:
         """The drafter asked for, checked against what this engine has (one-line errors)."""
@@ -422,22 +520,32 @@ class Engine:
             )
         return kind
 
+    def _model_drafter(self, kind: str, *, tuned_to_ar: bool) -> str | None:
+        """Which model drafter a request uses: "head", "model" (the draft model) or None."""
+        if kind == "model" or (kind == "auto" and self.draft_model is not None):
+            return "model"
+        if kind == "head" or (kind == "auto" and self.head is not None and not tuned_to_ar):
+            return "head"
+        return None
+
     def _proposer(
         self,
         kind: str,
+        model_drafter: str | None,
         settings: decode.DecodeSettings,
         lookup: LookupConfig,
-        tuned_to_ar: bool,
         model_depth: int,
+        head_cache: list | None,
     ) -> Proposer | None:
-        """A fresh drafter for one request (its state lives and dies with the request)."""
+        """A fresh drafter for one request (its state lives and dies with the request, except
+        the head's cache, which comes from the request's prompt-cache session)."""
         if kind == "none":
             return None
         if kind == "lookup":
             return LookupProposer(lookup)
-        model_drafter = None
-        if kind == "model" or (kind == "auto" and self.draft_model is not None):
-            model_drafter = DraftModelProposer(
+        drafter: Proposer | None = None
+        if model_drafter == "model":
+            drafter = DraftModelProposer(
                 self.draft_model,
                 sampler=settings.sampler,
                 depth=model_depth,
@@ -447,34 +555,37 @@ class Engine:
                 prefill_step_size=settings.prefill_step_size,
                 verify_backend=settings.verify_backend,
             )
-        elif kind == "head" or (kind == "auto" and self.head is not None and not tuned_to_ar):
-            model_drafter = HeadProposer(
+        elif model_drafter == "head":
+            drafter = HeadProposer(
                 self.head,
                 sampler=settings.sampler,
                 depth=settings.depth,
                 greedy_draft=settings.greedy_draft,
                 adaptive_threshold=settings.adaptive_threshold,
                 verify_backend=settings.verify_backend,
+                cache=head_cache,
             )
         if kind == "auto":
-            return AutoProposer(LookupProposer(lookup), model_drafter)
-        return model_drafter
+            return AutoProposer(LookupProposer(lookup), drafter)
+        return drafter
 
     def _assemble(
         self,
         steps: Iterator[decode.Step],
-        num_prompt: int,
+        session: _CacheSession,
         max_tokens: int,
         stops: list[str],
         mode: str,
         depth: int,
     ) -> Iterator[GenerationChunk]:
         eos = set(self.tokenizer.eos_token_ids)
-        tracker = _StatsTracker(num_prompt, mode, depth)
+        tracker = _StatsTracker(len(session.prompt_tokens), mode, depth, session.prefix.start)
         text = _TextAssembler(self.tokenizer, stops)
         produced = 0
+        clean_end = False
         try:
             for step in steps:
+                session.record(step.tokens)
                 kept: list[int] = []
                 delta = ""
                 finish = None
@@ -492,13 +603,19 @@ class Engine:
                         finish = "length"
                         break
                 tracker.record(step, len(kept))
+                logprobs = step.logprobs[: len(kept)] if step.logprobs is not None else None
                 if finish is not None:
                     delta += text.finish()
-                    yield GenerationChunk(delta, kept, finish, tracker.stats)
+                    clean_end = True
+                    yield GenerationChunk(delta, kept, finish, tracker.stats, logprobs)
                     return
-                yield GenerationChunk(delta, kept, None, tracker.stats)
+                clean_end = True  # the consumer may close the stream at this yield
+                yield GenerationChunk(delta, kept, None, tracker.stats, logprobs)
+                clean_end = False
         finally:
             steps.close()
+            if clean_end:
+                session.finish()
 
     def generate(self, prompt: str | Sequence[dict], **kwargs) -> GenerationResult:
         """Generate to completion; the same keyword arguments as `stream`."""

@@ -18,7 +18,6 @@ Stages (each resumable, all deterministic given the seed):
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -32,9 +31,11 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 import mtplx  # noqa: F401  (optimized BLAS before mlx)
+from mtplx import compat
 from mtplx.errors import MtplxError
 from mtplx.forge_data import Corpus, Sample, corpus_from_paths, default_corpus
 from mtplx.heads.forged import ForgedMTPHead, build_forged_head, lm_head_matrix, save_forged_head
+from mtplx.io import atomic_path, atomic_write
 from mtplx.trunk import Trunk
 
 HIDDEN_SOURCES = ("pre_norm", "post_norm")
@@ -89,19 +90,9 @@ class ForgeConfig:
                 raise MtplxError(f"forge: {name} must be positive, got {getattr(self, name)}")
 
 
-# ---------------------------------------------------------------- atomic files
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write via a temp name in the same directory + rename: readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
-def atomic_write_json(path: Path, obj: Any) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
+def _write_json(path: Path, obj: Any) -> None:
+    with atomic_write(path) as handle:
+        handle.write(json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
 # ---------------------------------------------------------------- tokenizing
@@ -231,7 +222,7 @@ def precompute_teacher(
             np.lib.format.open_memmap(
                 cache_dir / f"{name}.npy", mode="w+", dtype=dtypes[name], shape=shapes[name]
             ).flush()
-        atomic_write_json(meta_path, meta)
+        _write_json(meta_path, meta)
     elif progress_path.exists():
         done = int(json.loads(progress_path.read_text())["sequences_done"])
     arrays = {name: np.load(cache_dir / f"{name}.npy", mmap_mode="r+") for name in _TEACHER_FILES}
@@ -258,7 +249,7 @@ def precompute_teacher(
             for a in arrays.values():
                 a.flush()
             # Progress is recorded only after the rows are on disk, so a kill loses at most one batch.
-            atomic_write_json(progress_path, {"sequences_done": stop})
+            _write_json(progress_path, {"sequences_done": stop})
             bar.update((stop - start) * seq_len)
         bar.close()
     ro = {name: np.load(cache_dir / f"{name}.npy", mmap_mode="r")[:todo] for name in _TEACHER_FILES}
@@ -425,12 +416,8 @@ def save_checkpoint(ckpt_dir: Path, step: int, head: Any, opt: optim.Optimizer, 
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     arrays = {f"head.{k}": v for k, v in tree_flatten(head.parameters())}
     arrays.update({f"opt.{k}": v for k, v in tree_flatten(opt.state)})
-    final = _ckpt_path(ckpt_dir, step)
-    tmp = (
-        ckpt_dir / f".tmp{os.getpid()}-{final.name}"
-    )  # must keep the .safetensors suffix (mlx appends one otherwise)
-    mx.save_safetensors(str(tmp), arrays)
-    os.replace(tmp, final)
+    with atomic_path(_ckpt_path(ckpt_dir, step)) as tmp:
+        mx.save_safetensors(str(tmp), arrays)
     for old in sorted(ckpt_dir.glob("step-*.safetensors"))[:-keep]:
         old.unlink()
 
@@ -635,14 +622,15 @@ def _eval_chain(
     tally: _Tally,
 ) -> None:
     seq_len = tokens.shape[1]
-    full_state = [c.state for c in cache]
+    full_state = [compat.kv_state(c) for c in cache]
     chain1 = _chain_input(head, g1)
     last_origin = seq_len - depths - 1  # the deepest draft must still have a trunk target
     for j in np.unique(np.linspace(0, max(last_origin, 0), num=min(origins, last_origin + 1)).astype(int)):
         j = int(j)
         step_cache = head.make_cache()
-        for c, (k, v, _) in zip(step_cache, full_state):
-            c.state = (k[..., : j + 1, :], v[..., : j + 1, :], j + 1)
+        for c, state in zip(step_cache, full_state):
+            prefix = compat.KVState(state.keys[..., : j + 1, :], state.values[..., : j + 1, :], j + 1)
+            compat.set_kv_state(c, prefix)
         x = chain1[:, j : j + 1]
         for d in range(2, depths + 1):
             # Draft d sits at position j+d-1: input = previous head output + true token j+d.

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from mtplx.errors import MtplxError
+from mtplx.io import atomic_write
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -327,5 +328,6 @@ def write_gguf(
         blobs.append(padded)
         offset += len(padded)
     out += b"\0" * (-len(out) % DEFAULT_ALIGNMENT)
-    path.write_bytes(bytes(out) + b"".join(blobs))
+    with atomic_write(path, "wb") as handle:
+        handle.write(bytes(out) + b"".join(blobs))
     return path

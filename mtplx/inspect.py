@@ -1,9 +1,13 @@
-"""`mtplx inspect MODEL`: what a checkpoint is and whether mtplx can draft with it, without running it.
+"""`mtplx inspect [MODEL]`: what a checkpoint is and whether mtplx can draft with it, without running it.
 
-Reads config.json and the safetensors headers only (no tensor data): architecture,
+Reads config.json and the safetensors headers (no tensor data): architecture,
 parameter count, memory by dtype (packed quantized weights counted at their real
-width), quantization, the MTP head the checkpoint ships (layout, layer count) or a
-forged head beside it, and a verdict: "MTP-ready", "AR-only" (suggest `mtplx forge`)
+width), quantization, and where the MTP head `mtplx generate` would draft with comes
+from: the checkpoint's own layout, the head mtplx ships for the default model, or a
+forged sidecar (``--head DIR``, or one beside the model). A sidecar head's manifest
+adds its size, trained and measured depth and acceptance; its trunk fingerprint is
+checked against the model's weights (the one place tensor data is read), which says
+which builds it fits. The verdict is "MTP-ready", "AR-only" (suggest `mtplx forge`)
 or "unsupported", with the reason.
 """
 
@@ -16,9 +20,10 @@ import re
 from pathlib import Path
 from typing import Any
 
+from mtplx.checkpoint import quantization_config, read_safetensors_header
 from mtplx.errors import MtplxError
-from mtplx.heads.base import quantization_config, read_safetensors_header, weight_index
-from mtplx.loading import read_config, resolve_model
+from mtplx.heads.base import weight_index
+from mtplx.loading import DEFAULT_MODEL_NAME, VARIANTS, default_model_variant, read_config, resolve_model
 
 _SAFETENSORS_BYTES = {
     "F64": 8,
@@ -86,37 +91,86 @@ def _head_predicate(layout: str | None, config: dict):
 
 
 def _find_forged(path: Path) -> dict | None:
-    """A forged head attached to this model: hook into ``mtplx.heads.forged`` when it exists,
-    else the sidecar conventions (``mtplx_head/manifest.json`` or ``*.mtplx-head.json``)."""
+    """A forged head stored beside the model, in ``<model>/mtplx_head/`` (pass that directory as
+    ``--head``); None when there is none."""
+    manifest = path / "mtplx_head" / "manifest.json"
+    if not manifest.is_file():
+        return None
     try:
-        from mtplx.heads import forged  # type: ignore[attr-defined]
-
-        finder = getattr(forged, "find_forged_head", None)
-        if finder is not None:
-            found = finder(path)
-            if found is not None:
-                return {"manifest": str(found)} if not isinstance(found, dict) else found
-    except ImportError:
-        pass
-    for manifest in [path / "mtplx_head" / "manifest.json", *sorted(path.glob("*.mtplx-head.json"))]:
-        if manifest.is_file():
-            try:
-                data = json.loads(manifest.read_text(encoding="utf-8"))
-            except (OSError, ValueError):
-                raise MtplxError(f"{manifest}: unreadable forged-head manifest") from None
-            return {
-                "manifest": str(manifest),
-                "layout": data.get("layout"),
-                "fingerprint": data.get("trunk_fingerprint"),
-            }
-    return None
+        data = json.loads(manifest.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        raise MtplxError(f"{manifest}: unreadable forged-head manifest") from None
+    if not isinstance(data, dict):
+        raise MtplxError(f"{manifest}: not a forged-head manifest (not a JSON object)")
+    return {
+        "manifest": str(manifest),
+        "layout": data.get("layout"),
+        "fingerprint": data.get("trunk_fingerprint"),
+    }
 
 
-def inspect_model(spec_or_path: str | Path) -> dict[str, Any]:
-    """Describe a model directory (or cached HF repo id) from config.json + safetensors headers."""
-    from mtplx.heads import declared_mtp_layers, detect_layout
+def _trunk_fingerprint(path: Path) -> str:
+    from mlx_lm.utils import load_model
 
-    path = resolve_model(spec_or_path)
+    from mtplx.fingerprint import model_fingerprint
+
+    model, _ = load_model(path, lazy=True)
+    return model_fingerprint(model)
+
+
+def _sidecar_head(
+    head_dir: Path, source: str, model_path: Path, default_variant: str | None
+) -> dict[str, Any]:
+    """A forged head's facts from its manifest and weights header, and the builds of the model it fits."""
+    from mtplx.heads.forged import MANIFEST, WEIGHTS, read_manifest
+
+    manifest = read_manifest(head_dir)
+    weights = head_dir / str(manifest.get("weights", WEIGHTS))
+    if not weights.is_file():
+        raise MtplxError(f"{weights}: forged-head weights not found")
+    header = read_safetensors_header(weights)
+    if default_variant is not None:
+        # The float32 build is the exact dequantization of the GGUF the q4 build packs, so a head
+        # forged on float32 weights fits both (what `Engine.load` checks too).
+        fingerprint = _trunk_fingerprint(resolve_model(None, variant="float32"))
+        builds = list(VARIANTS) if fingerprint == manifest["trunk_fingerprint"] else []
+    else:
+        fingerprint = _trunk_fingerprint(model_path)
+        builds = ["this model"] if fingerprint == manifest["trunk_fingerprint"] else []
+    return {
+        "source": source,
+        "dir": str(head_dir),
+        "manifest": str(head_dir / MANIFEST),
+        "layout": manifest.get("layout"),
+        "layers": int(manifest.get("num_layers", 1)),
+        "parameters": sum(math.prod(t["shape"]) for t in header.values()),
+        "bytes": weights.stat().st_size,
+        "draft_vocab": manifest.get("draft_vocab", "full"),
+        "depth_trained": manifest.get("depth_trained"),
+        "default_depth": manifest.get("default_depth"),
+        # {depth: {temperature: acceptance}}, measured on held-out text when the head was forged
+        "acceptance": manifest.get("acceptance"),
+        "trunk": manifest.get("trunk"),
+        "trunk_fingerprint": manifest["trunk_fingerprint"],
+        "model_fingerprint": fingerprint,
+        "fits": builds,
+    }
+
+
+def inspect_model(
+    spec_or_path: str | Path | None = None, *, head: str | Path | None = None, dtype: str | None = None
+) -> dict[str, Any]:
+    """Describe a model (a directory, an HF repo id, or None: the default model) and the head it drafts with.
+
+    ``head`` is a forged-head directory to check against the model (as ``generate --head`` uses it);
+    ``dtype`` picks the default model's build.
+    """
+    from mtplx.heads import declared_mtp_layers, detect_layout, shipped_head_dir
+
+    if dtype not in (None, *VARIANTS):
+        raise MtplxError(f"dtype must be one of {', '.join(VARIANTS)} (got {dtype})")
+    path = resolve_model(spec_or_path, variant=dtype or "float32")
+    default_variant = (dtype or "float32") if spec_or_path is None else default_model_variant(path)
     config = read_config(path)
     text = config.get("text_config") or {}
     model_type = str(config["model_type"])
@@ -147,6 +201,12 @@ def inspect_model(spec_or_path: str | Path) -> dict[str, Any]:
     declared = declared_mtp_layers(config, layout) if layout else declared_mtp_layers(config)
     head_tensors = sum(1 for k in header if is_head(k))
     forged = _find_forged(path)
+    shipped = shipped_head_dir(DEFAULT_MODEL_NAME) if default_variant else None
+    sidecar = None
+    if head is not None:
+        sidecar = _sidecar_head(Path(head), "forged sidecar given with --head", path, default_variant)
+    elif not head_tensors and shipped is not None:
+        sidecar = _sidecar_head(shipped, "shipped by mtplx for this model", path, default_variant)
     supported = _mlx_lm_supports(model_type)
     qc = config.get("quantization_config") or text.get("quantization_config")
     quant = None
@@ -163,8 +223,23 @@ def inspect_model(spec_or_path: str | Path) -> dict[str, Any]:
 
     if not supported:
         verdict, reason = "unsupported", f"mlx-lm has no model class for model_type {model_type!r}"
+    elif sidecar is not None and not sidecar["fits"]:
+        verdict, reason = (
+            "AR-only",
+            f"the head in {sidecar['dir']} was forged for trunk {sidecar['trunk_fingerprint']}, not these "
+            f"weights ({sidecar['model_fingerprint']}); run `mtplx forge` for this model",
+        )
+    elif sidecar is not None:
+        verdict, reason = "MTP-ready", f"drafts with the head {sidecar['source']} ({sidecar['dir']})"
     elif head_tensors and declared:
-        verdict, reason = "MTP-ready", f"ships {declared} MTP layer(s) ({layout} layout)"
+        verdict, reason = "MTP-ready", f"the checkpoint ships {declared} MTP layer(s) ({layout} layout)"
+        sidecar = {
+            "source": "in the checkpoint",
+            "layout": layout,
+            "layers": declared,
+            "parameters": params["mtp_head"],
+            "bytes": head_bytes,
+        }
     elif forged:
         verdict, reason = "MTP-ready", f"forged head attached ({forged.get('manifest')})"
     elif declared:
@@ -195,27 +270,72 @@ def inspect_model(spec_or_path: str | Path) -> dict[str, Any]:
             "tensors": head_tensors,
         },
         "forged_head": forged,
+        "default_model_build": default_variant,
+        "head": sidecar,
         "verdict": verdict,
         "reason": reason,
     }
 
 
 def _human(n: float, unit: str = "B") -> str:
+    """``1234567, "B"`` -> ``1.2 MB``; ``1234567, ""`` -> ``1.2M``."""
+    space = " " if unit else ""
     for prefix in ("", "K", "M", "G", "T"):
         if abs(n) < 1000 or prefix == "T":
-            return f"{n:.1f} {prefix}{unit}" if prefix else f"{int(n)} {unit}"
+            return f"{n:.1f}{space}{prefix}{unit}" if prefix else f"{int(n)}{space}{unit}"
         n /= 1000
-    return f"{n} {unit}"
+    return f"{n}{space}{unit}"
+
+
+def _acceptance_text(acceptance: dict[str, dict[str, float]]) -> str:
+    by_depth = []
+    for depth, by_temp in sorted(acceptance.items(), key=lambda kv: int(kv[0])):
+        temps = ", ".join(f"t={t} {a:.2f}" for t, a in sorted(by_temp.items(), key=lambda kv: float(kv[0])))
+        by_depth.append(f"depth {depth}: {temps}")
+    return "; ".join(by_depth)
+
+
+def _head_lines(info: dict[str, Any]) -> list[str]:
+    head, mtp = info["head"], info["mtp"]
+    if head is None:
+        if mtp["declared_layers"]:
+            return [f"MTP head      declared ({mtp['declared_layers']} layer(s)) but no tensors shipped"]
+        return ["MTP head      none"]
+    lines = [
+        f"MTP head      {head['source']}: {head['layout']} layout, {head['layers']} layer(s), "
+        f"{_human(head['parameters'], '')} parameters, {_human(head['bytes'])}"
+    ]
+    if "dir" in head:
+        lines.append(f"head files    {head['dir']} (draft vocabulary {head['draft_vocab']})")
+    if head.get("depth_trained") or head.get("default_depth"):
+        lines.append(
+            f"depth         trained at {head.get('depth_trained') or '?'}, default {head.get('default_depth') or '?'}"
+            " (`mtplx tune` measures this machine)"
+        )
+    if head.get("acceptance"):
+        lines.append(f"acceptance    {_acceptance_text(head['acceptance'])} (measured when forged)")
+    if "fits" in head:
+        if head["fits"] == ["this model"]:
+            fits = f"this model's weights (trunk {head['trunk_fingerprint']})"
+        elif head["fits"]:
+            fits = " and ".join(head["fits"]) + f" builds (trunk {head['trunk_fingerprint']})"
+        else:
+            fits = f"not these weights (forged for trunk {head['trunk_fingerprint']}, model is {head['model_fingerprint']})"
+        lines.append(f"fits          {fits}")
+    return lines
 
 
 def format_inspection(info: dict[str, Any]) -> str:
     """Human-readable text for ``mtplx inspect`` (``--json`` prints ``inspect_model``'s dict instead)."""
-    mtp = info["mtp"]
     lines = [
-        f"model         {info['path']}",
+        f"model         {info['path']}"
+        + (f" (default model, {info['default_model_build']} build)" if info["default_model_build"] else ""),
         f"architecture  {info['architecture']} (model_type {info['model_type']}, {info['num_hidden_layers']} layers, hidden {info['hidden_size']}, vocab {info['vocab_size']})",
-        f"parameters    {_human(info['parameters'], '')} (MTP head {_human(info['parameters_by_part']['mtp_head'], '')})".replace(
-            "  )", ")"
+        f"parameters    {_human(info['parameters'], '')}"
+        + (
+            f" (MTP head {_human(info['parameters_by_part']['mtp_head'], '')} of them)"
+            if info["parameters_by_part"]["mtp_head"]
+            else ""
         ),
         f"memory        {_human(info['memory_bytes'])} in {info['shards']} shard(s): "
         + ", ".join(f"{k} {_human(v)}" for k, v in info["memory_bytes_by_dtype"].items()),
@@ -228,15 +348,8 @@ def format_inspection(info: dict[str, Any]) -> str:
         lines.append(f"quantization  {q['bits']}-bit {q['mode']}, group size {q['group_size']}{extra}")
     else:
         lines.append(f"quantization  {q.get('method')}")
-    if mtp["tensors"]:
-        lines.append(
-            f"MTP head      {mtp['layout']} layout, {mtp['declared_layers']} layer(s), {mtp['tensors']} tensors, {_human(info['mtp_head_bytes'])}"
-        )
-    elif mtp["declared_layers"]:
-        lines.append(f"MTP head      declared ({mtp['declared_layers']} layer(s)) but no tensors shipped")
-    else:
-        lines.append("MTP head      none")
-    if info["forged_head"]:
+    lines.extend(_head_lines(info))
+    if info["forged_head"] and info["head"] is None:
         lines.append(f"forged head   {info['forged_head'].get('manifest')}")
     lines.append(f"verdict       {info['verdict']}: {info['reason']}")
     return "\n".join(lines)

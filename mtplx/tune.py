@@ -15,9 +15,7 @@ depends on both. `Engine.load` asks `saved_depth` when no depth is given.
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import math
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,103 +23,14 @@ from typing import Any
 
 from mtplx import bench
 from mtplx.errors import MtplxError
+from mtplx.tuned import config_file, machine_info, machine_key, read_config, save_entry, saved_entry
 
-SCHEMA = 1
 TUNE_TOKENS = 64
 TUNE_REPEATS = 3
 TUNE_PER_KIND = 1
-_warned_corrupt: set[str] = set()
-
 
 # Adaptive-length thresholds `mtplx tune` compares (head probability of its own draft).
 ADAPTIVE_THRESHOLDS = (0.2, 0.4)
-
-
-def config_file(config_path: str | Path | None = None) -> Path:
-    if config_path is not None:
-        return Path(config_path).expanduser()
-    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
-    return Path(base) / "mtplx" / "tune.json"
-
-
-def machine_key(info: dict[str, Any] | None = None) -> str:
-    """The parts of `bench.machine_info` that change which depth is fastest."""
-    info = info or bench.machine_info()
-    return f"{info['system']} {info['arch']} | {info['cpu']} | {info['cores']} cores | {info['device']}"
-
-
-def entry_key(fingerprint: str, machine: str) -> str:
-    return f"{fingerprint} @ {machine}"
-
-
-def read_config(config_path: str | Path | None = None) -> dict[str, Any]:
-    """The saved entries ({} when there is no file); one-line error when the file is damaged."""
-    path = config_file(config_path)
-    if not path.exists():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise MtplxError(
-            f"{path}: unreadable tune config ({type(e).__name__}); delete it or run `mtplx tune --retune`"
-        ) from None
-    if not isinstance(data, dict) or not isinstance(data.get("entries"), dict):
-        raise MtplxError(
-            f"{path}: not an mtplx tune config (no 'entries'); delete it or run `mtplx tune --retune`"
-        )
-    return data["entries"]
-
-
-def saved_entry(
-    fingerprint: str, config_path: str | Path | None = None, machine: str | None = None
-) -> dict | None:
-    entry = read_config(config_path).get(entry_key(fingerprint, machine or machine_key()))
-    return entry if isinstance(entry, dict) else None
-
-
-def saved_depth(fingerprint: str, config_path: str | Path | None = None) -> int | None:
-    """The tuned depth for this model on this machine: None = never tuned, 0 = AR is fastest.
-
-    Called on every `Engine.load` without a depth, so a damaged config must not stop
-    generation: it warns once on stderr and counts as "not tuned".
-    """
-    try:
-        entry = saved_entry(fingerprint, config_path)
-    except MtplxError as e:
-        if str(e) not in _warned_corrupt:
-            _warned_corrupt.add(str(e))
-            print(f"mtplx: warning: {e}", file=sys.stderr)
-        return None
-    if entry is None:
-        return None
-    depth = entry.get("depth")
-    return depth if isinstance(depth, int) and 0 <= depth <= bench.MAX_DEPTH else None
-
-
-def saved_threshold(fingerprint: str, config_path: str | Path | None = None) -> float | None:
-    """The adaptive-length threshold tuned with the depth (None = not measured here)."""
-    try:
-        entry = saved_entry(fingerprint, config_path)
-    except MtplxError:
-        return None  # saved_depth already warned about a damaged config
-    value = entry.get("adaptive_threshold") if entry is not None else None
-    return float(value) if isinstance(value, (int, float)) and 0.0 < value < 1.0 else None
-
-
-def save_entry(
-    fingerprint: str, entry: dict[str, Any], config_path: str | Path | None = None, machine: str | None = None
-) -> Path:
-    """Add or replace one entry, keeping the others; a damaged file is replaced (a retune's job)."""
-    path = config_file(config_path)
-    try:
-        entries = read_config(path)
-    except MtplxError:
-        entries = {}
-    entries[entry_key(fingerprint, machine or machine_key())] = entry
-    text = json.dumps({"schema": SCHEMA, "entries": entries}, indent=1, sort_keys=True)
-    with bench.atomic_output(path) as handle:
-        handle.write(text + "\n")
-    return path
 
 
 def _ratio_to_ar(row: bench.Summary, ar: bench.Summary) -> float:
@@ -206,7 +115,7 @@ def make_entry(
         "tokens_per_sec": {f"{s.variant} | {s.setting}": round(s.decode_tps, 3) for s in summaries},
         "model": str(model) if model is not None else "default",
         "model_path": str(getattr(engine, "model_path", "") or ""),
-        "machine": bench.machine_info(),
+        "machine": machine_info(),
         "mlx": versions["mlx"],
         "mtplx": versions["mtplx"],
         "tokens": plan.max_tokens,

@@ -8,6 +8,13 @@ on the float32 bit pattern when the nucleus is larger than that.
 
 `verify` and `sample` dispatch to a fused kernel (`mtplx.kernels.get_fused`)
 when the backend has one and `backend="auto"`.
+
+Host syncs: none on a GPU. (On the CPU backend only, the top-p search syncs to
+skip fallbacks no row needs; see `_queue_top_p_fallbacks`.) Invalid values (NaN/+inf logits, a row with no finite
+entry, draft ids outside the vocabulary) are reported through the results'
+lazy `invalid` flag, which the caller evaluates together with the tokens it
+reads anyway and turns into the error with `.checked()`; a decode cycle thus
+syncs once. Only shapes, dtypes and config are checked eagerly (no data read).
 """
 
 from __future__ import annotations
@@ -18,15 +25,18 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
+from mtplx.config import SamplerConfig
 from mtplx.errors import MtplxError
-from mtplx.sampling import SamplerConfig
 
 __all__ = [
+    "INVALID_DRAFTS",
+    "INVALID_LOGITS",
     "SampleResult",
     "VerifyResult",
     "draw_uniforms",
     "filtered_probs",
     "penalize_logits",
+    "raise_if_invalid",
     "sample",
     "verify",
 ]
@@ -44,15 +54,41 @@ _BISECTION_STEPS = 30  # 2**30 > _BITS_ABOVE_ONE
 _SMALLEST_UNIFORM = 2.0**-126  # draw_uniforms never returns 0
 
 
+# Bits of the lazy `invalid` flag.
+INVALID_LOGITS = 1  # NaN or +inf logits, or a row with no finite entry
+INVALID_DRAFTS = 2  # a draft token id outside [0, V)
+
+
+def raise_if_invalid(invalid: mx.array) -> None:
+    """Reads the flag (a sync unless it is already evaluated) and raises what it reports."""
+    code = int(invalid.item())
+    if code & INVALID_LOGITS:
+        raise ValueError("logits contain NaN or +inf, or a row with no finite entry")
+    if code & INVALID_DRAFTS:
+        raise ValueError("draft_tokens must lie in [0, vocabulary size)")
+
+
 class SampleResult(NamedTuple):
     tokens: mx.array  # [B] int32
     probs: mx.array  # [B, V] float32: the filtered distribution the token was drawn from
+    invalid: mx.array  # [] int32, lazy: INVALID_* bits; the tokens are meaningless when nonzero
+
+    def checked(self) -> SampleResult:
+        """This result, after raising ValueError if the inputs were invalid (reads `invalid`)."""
+        raise_if_invalid(self.invalid)
+        return self
 
 
 class VerifyResult(NamedTuple):
     num_accepted: mx.array  # [B] int32: length of the accepted draft prefix
     next_token: mx.array  # [B] int32: residual sample, or the bonus token when all were accepted
     accept_probs: mx.array  # [B, k] float32: min(1, p/q) at every draft position
+    invalid: mx.array  # [] int32, lazy: INVALID_* bits; the other fields are meaningless when nonzero
+
+    def checked(self) -> VerifyResult:
+        """This result, after raising ValueError if the inputs were invalid (reads `invalid`)."""
+        raise_if_invalid(self.invalid)
+        return self
 
 
 # ----------------------------------------------------------------------------
@@ -89,17 +125,11 @@ def _check_backend(backend: str) -> None:
         raise MtplxError(f"backend must be 'auto' or 'mlx', got {backend!r}")
 
 
-def _row_max_checked(rows: mx.array, extra_invalid: mx.array | None = None) -> mx.array:
-    """Row maxima [N, 1]; raises on NaN / +inf / all -inf rows (max propagates NaN)."""
+def _row_max_and_flag(rows: mx.array) -> tuple[mx.array, mx.array]:
+    """Row maxima [N, 1] and the lazy INVALID_LOGITS flag (max propagates NaN; -inf means no finite entry)."""
     row_max = mx.max(rows, axis=-1, keepdims=True)
-    bad_logits = mx.any(~mx.isfinite(row_max))
-    checks = [bad_logits] if extra_invalid is None else [bad_logits, extra_invalid]
-    mx.eval(row_max, *checks)
-    if bad_logits.item():
-        raise ValueError("logits contain NaN or +inf, or a row with no finite entry")
-    if extra_invalid is not None and extra_invalid.item():
-        raise ValueError(f"draft_tokens must lie in [0, {rows.shape[-1]})")
-    return row_max
+    invalid = mx.any(~mx.isfinite(row_max)).astype(mx.int32) * INVALID_LOGITS
+    return row_max, invalid
 
 
 # ----------------------------------------------------------------------------
@@ -174,17 +204,31 @@ def _top_p_threshold(
     threshold, decided = _top_p_threshold_from_pool(first_pool, row_max, cfg, kth_largest, target)
     if first_pool.shape[-1] == vocab_size:  # the pool is the whole row: nothing can be missing
         return threshold
+    queue_fallbacks = _queue_top_p_fallbacks()
     for pool_size in [size for size in TOP_P_CANDIDATE_POOLS[1:] if first_pool.shape[-1] < size < vocab_size]:
-        if mx.all(decided).item():  # a sync, cheap next to the exp pass
+        if not queue_fallbacks and mx.all(decided).item():
             return threshold
         pool_threshold, pool_decided = _top_p_threshold_from_pool(
             _descending_pool(rows, pool_size), row_max, cfg, kth_largest, target
         )
         threshold = mx.where(decided, threshold, pool_threshold)
         decided = decided | pool_decided
-    if mx.all(decided).item():
+    if not queue_fallbacks and mx.all(decided).item():
         return threshold
     return mx.where(decided, threshold, _top_p_threshold_by_bisection(weights, target))
+
+
+def _queue_top_p_fallbacks() -> bool:
+    """Whether the top-p fallbacks are queued for every row (no sync) or launched only when needed.
+
+    On a GPU a host sync drains the device queue and stalls the draft chain, while
+    the fallbacks (a larger pool, a 30-step bisection) cost little, so they are
+    queued and picked per row with `where`. On the CPU backend it is the other way
+    round: the fallbacks cost several ms a row, a sync only ends Python/compute
+    overlap, so it checks `decided` (an LLM nucleus rarely exceeds the first pool).
+    GPUs with a fused kernel (Metal, CUDA) never reach this code.
+    """
+    return mx.default_device().type == mx.DeviceType.gpu
 
 
 def _filtered_weights(rows: mx.array, row_max: mx.array, cfg: SamplerConfig) -> mx.array:
@@ -227,7 +271,8 @@ def _as_rows(logits: mx.array) -> mx.array:
 def filtered_probs(logits: mx.array, cfg: SamplerConfig) -> mx.array:
     """float32 distribution of steps 1 and 3-7 over the last axis (logits already penalized)."""
     rows = _as_rows(logits)
-    row_max = _row_max_checked(rows)
+    row_max, invalid = _row_max_and_flag(rows)
+    raise_if_invalid(invalid)  # a sync: this is an inspection helper, not the hot path
     if cfg.is_greedy:
         probs = _one_hot(mx.argmax(rows, axis=-1).astype(mx.int32), rows.shape[-1])
     else:
@@ -251,9 +296,7 @@ def _draw(weights: mx.array, uniforms: mx.array) -> mx.array:
 @lru_cache(maxsize=16)
 def _bias_vector(bias_items: tuple[tuple[int, float], ...], vocab_size: int) -> mx.array:
     if bias_items[-1][0] >= vocab_size:  # items are sorted by token id
-        raise MtplxError(
-            f"SamplerConfig.logit_bias has token id {bias_items[-1][0]} >= vocab size {vocab_size}"
-        )
+        raise MtplxError(f"logit_bias has token id {bias_items[-1][0]} >= vocab size {vocab_size}")
     ids = mx.array([token for token, _ in bias_items], dtype=mx.int32)
     values = mx.array([value for _, value in bias_items], dtype=mx.float32)
     return mx.zeros((vocab_size,), dtype=mx.float32).at[ids].add(values)
@@ -367,22 +410,26 @@ def _token_counts(
 
 
 def sample(logits: mx.array, cfg: SamplerConfig, uniforms: mx.array, backend: str = "auto") -> SampleResult:
-    """Draw one token per row: logits[B, V] (already penalized), uniforms[B] in (0, 1]."""
+    """Draw one token per row: logits[B, V] (already penalized), uniforms[B] in (0, 1].
+
+    Lazy: nothing is evaluated; call `.checked()` on the result after evaluating it.
+    """
     _check_backend(backend)
-    if backend == "auto" and (fused := _fused_implementation("sample")) is not None:
-        return fused(logits, cfg, uniforms)
     if logits.ndim != 2:
         raise ValueError(f"logits must be [B, V], got shape {logits.shape}")
     if uniforms.shape != (logits.shape[0],):
         raise ValueError(f"uniforms must have shape ({logits.shape[0]},), got {uniforms.shape}")
     rows = _as_rows(logits)
-    row_max = _row_max_checked(rows)
+    row_max, invalid = _row_max_and_flag(rows)
+    if backend == "auto" and (fused := _fused_implementation("sample")) is not None:
+        tokens, probs = fused(rows, cfg, uniforms)
+        return SampleResult(tokens, probs, invalid)
     if cfg.is_greedy:
         tokens = mx.argmax(rows, axis=-1).astype(mx.int32)
-        return SampleResult(tokens, _one_hot(tokens, rows.shape[-1]))
+        return SampleResult(tokens, _one_hot(tokens, rows.shape[-1]), invalid)
     weights = _filtered_weights(rows, row_max, cfg)
     probs = weights / mx.sum(weights, axis=-1, keepdims=True)
-    return SampleResult(_draw(weights, uniforms.astype(mx.float32)).astype(mx.int32), probs)
+    return SampleResult(_draw(weights, uniforms.astype(mx.float32)).astype(mx.int32), probs, invalid)
 
 
 def _check_verify_shapes(
@@ -420,18 +467,30 @@ def verify(
     target_logits[B, k+1, V] (already penalized), draft_tokens[B, k],
     draft_probs[B, k, V] float32 or None (greedy drafting: q one-hot at the
     draft), accept_uniforms[B, k] and sample_uniforms[B] in (0, 1].
+    Lazy: nothing is evaluated; call `.checked()` on the result after evaluating it.
     """
     _check_backend(backend)
-    if backend == "auto" and (fused := _fused_implementation("verify")) is not None:
-        return fused(target_logits, draft_tokens, draft_probs, cfg, accept_uniforms, sample_uniforms)
     _check_verify_shapes(target_logits, draft_tokens, draft_probs, accept_uniforms, sample_uniforms)
     batch, rows, vocab_size = target_logits.shape
     depth = rows - 1
-    drafts = draft_tokens.astype(mx.int32)
     flat_rows = _as_rows(target_logits)
-    row_max = _row_max_checked(flat_rows, extra_invalid=mx.any((drafts < 0) | (drafts >= vocab_size)))
+    row_max, invalid = _row_max_and_flag(flat_rows)
+    drafts_outside = (draft_tokens < 0) | (draft_tokens >= vocab_size)
+    invalid = invalid | (mx.any(drafts_outside).astype(mx.int32) * INVALID_DRAFTS)
+    # Gathers below read at the drafts: keep them in range even when flagged.
+    drafts = mx.clip(draft_tokens.astype(mx.int32), 0, vocab_size - 1)
+    if backend == "auto" and (fused := _fused_implementation("verify")) is not None:
+        num_accepted, next_token, accept_probs = fused(
+            flat_rows.reshape(batch, rows, vocab_size),
+            drafts,
+            draft_probs,
+            cfg,
+            accept_uniforms,
+            sample_uniforms,
+        )
+        return VerifyResult(num_accepted, next_token, accept_probs, invalid)
     if cfg.is_greedy:
-        return _verify_greedy(flat_rows.reshape(batch, rows, vocab_size), drafts)
+        return _verify_greedy(flat_rows.reshape(batch, rows, vocab_size), drafts, invalid)
 
     weights = _filtered_weights(flat_rows, row_max, cfg).reshape(batch, rows, vocab_size)
     totals = mx.sum(weights, axis=-1)  # [B, k+1]
@@ -468,14 +527,14 @@ def verify(
     from_target = _draw(weights_n, uniforms)  # used only where the residual has zero mass
     residual_has_mass = mx.sum(residual, axis=-1) > 0
     next_token = mx.where(residual_has_mass, from_residual, from_target).astype(mx.int32)
-    return VerifyResult(num_accepted, next_token, accept_probs)
+    return VerifyResult(num_accepted, next_token, accept_probs, invalid)
 
 
-def _verify_greedy(logits: mx.array, drafts: mx.array) -> VerifyResult:
+def _verify_greedy(logits: mx.array, drafts: mx.array, invalid: mx.array) -> VerifyResult:
     """temperature 0: accept while draft == argmax; the next token is the argmax of row n."""
     depth = drafts.shape[1]
     argmaxes = mx.argmax(logits, axis=-1).astype(mx.int32)  # lowest id on ties
     matches = drafts == argmaxes[:, :depth]
     num_accepted = mx.sum(mx.cumprod(matches.astype(mx.int32), axis=1), axis=1).astype(mx.int32)
     next_token = mx.take_along_axis(argmaxes, num_accepted[:, None], axis=1)[:, 0]
-    return VerifyResult(num_accepted, next_token, matches.astype(mx.float32))
+    return VerifyResult(num_accepted, next_token, matches.astype(mx.float32), invalid)

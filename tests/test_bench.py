@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 import mtplx  # noqa: F401  (BLAS before mlx)
-from mtplx import bench, tune
+from mtplx import bench, tune, tuned
 from mtplx.errors import MtplxError
+from mtplx.io import atomic_write
 
 # ----------------------------------------------------------------------------- fakes
 
@@ -367,11 +368,11 @@ def test_interrupted_sweep_writes_nothing(tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["w", "wb"])
-def test_atomic_output_keeps_old_file_when_interrupted_mid_write(tmp_path, mode):
+def test_atomic_write_keeps_old_file_when_interrupted_mid_write(tmp_path, mode):
     target = tmp_path / "out.json"
     target.write_text("old")
     with pytest.raises(KeyboardInterrupt):
-        with bench.atomic_output(target, mode) as handle:
+        with atomic_write(target, mode) as handle:
             handle.write("half" if mode == "w" else b"half")
             raise KeyboardInterrupt
     assert target.read_text() == "old"
@@ -571,19 +572,19 @@ def test_choose_depth_picks_best_geometric_mean_and_respects_noise():
 
 def test_tune_config_save_read_show_and_corrupt(tmp_path, capsys):
     config = tmp_path / "cfg" / "tune.json"
-    assert tune.saved_depth("fp", config) is None
-    tune.save_entry("fp", {"depth": 3, "model": "m", "margin_over_ar": 0.5, "spread": 0.05}, config)
-    tune.save_entry("other", {"depth": 0, "model": "n"}, config)
-    assert tune.saved_depth("fp", config) == 3
-    assert tune.saved_depth("other", config) == 0
+    assert tuned.saved_depth("fp", config) is None
+    tuned.save_entry("fp", {"depth": 3, "model": "m", "margin_over_ar": 0.5, "spread": 0.05}, config)
+    tuned.save_entry("other", {"depth": 0, "model": "n"}, config)
+    assert tuned.saved_depth("fp", config) == 3
+    assert tuned.saved_depth("other", config) == 0
     assert (
-        tune.saved_depth("fp", config) is not None
-        and tune.saved_entry("fp", config, machine="elsewhere") is None
+        tuned.saved_depth("fp", config) is not None
+        and tuned.saved_entry("fp", config, machine="elsewhere") is None
     )
     shown = tune.show_text(config)
     assert "depth 3" in shown and "AR (no depth beat it)" in shown and shown.count("\n* ") == 2
     config.write_text("{not json")
-    assert tune.saved_depth("fp", config) is None  # never blocks Engine.load
+    assert tuned.saved_depth("fp", config) is None  # never blocks Engine.load
     assert "unreadable tune config" in capsys.readouterr().err
     with pytest.raises(MtplxError) as err:
         tune.show_text(config)
@@ -599,7 +600,7 @@ def test_tune_main_saves_then_keeps_then_retunes(tmp_path, capsys):
     )
     first_calls = len(engine.calls)
     assert first_calls > 0 and all(c["depth"] in (None, 1, 2) for c in engine.calls)
-    depth = tune.saved_depth(engine.fingerprint, config)
+    depth = tuned.saved_depth(engine.fingerprint, config)
     assert depth in (0, 1, 2)
     assert "saved to" in capsys.readouterr().out
     tune.tune_main(engine=engine, config_path=config, progress=False)

@@ -282,8 +282,8 @@ def test_chi_square_catches_a_draft_model_reporting_the_wrong_q(monkeypatch):
     honest_draw = draft_model_module.draw_draft_token
 
     def uniform_q(logits, *args, **kwargs):
-        token, q = honest_draw(logits, *args, **kwargs)
-        return token, mx.full(q.shape, 1.0 / q.shape[-1])
+        token, q, invalid = honest_draw(logits, *args, **kwargs)
+        return token, mx.full(q.shape, 1.0 / q.shape[-1]), invalid
 
     monkeypatch.setattr(draft_model_module, "draw_draft_token", uniform_q)
     counts, expected = sampled_counts(CHI_SQUARE_MODEL, "model", SamplerConfig(temperature=1.0), 500, 98)
@@ -421,3 +421,30 @@ def test_draft_models_with_another_tokenizer_or_vocabulary_are_refused(
     with pytest.raises(MtplxError, match="other ids") as error:
         plain_engine._load_draft_model(other)
     assert "\n" not in str(error.value)
+
+
+# ------------------------------------------------------------------ host syncs
+
+
+@pytest.mark.parametrize("kind", ["lookup", "auto-head", "model", "auto-model"])
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_one_host_sync_per_cycle_with_every_drafter(kind, temperature):
+    """The default path (auto) and the others: one sync per cycle, lookup and AR-step cycles
+    included (PROMPT repeats, so lookup fires; min_ngram 2 leaves cycles without a match)."""
+    from sync_counter import counting_syncs
+
+    trunk, head = make_loop_pair(**GREEDY_CASES["llama"])
+    cfg = SamplerConfig(temperature=temperature)
+    lookup = LookupConfig(min_ngram=2, max_ngram=4, max_tokens=4)
+    proposer = make_proposer(
+        kind, trunk, head, cfg, draft=weaker_sibling(GREEDY_CASES["llama"]), lookup=lookup
+    )
+    steps = decode.speculative_decode(
+        trunk, proposer, PROMPT, decode.DecodeSettings(sampler=cfg), mx.random.key(0)
+    )
+    next(steps)  # prefill and the first token
+    with counting_syncs() as counter:
+        for _ in range(6):
+            next(steps)
+    steps.close()
+    assert counter.syncs == 6

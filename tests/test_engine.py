@@ -145,7 +145,7 @@ def test_cli_generate_streams_text_and_prints_stats():
     out = _cli("generate", "The capital of France is", "--raw", "--max-tokens", "12", "--stats")
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout
-    assert "acceptance per draft position" in out.stderr and "tokens per cycle" in out.stderr
+    assert "Acceptance per draft position" in out.stderr and "Tokens per verify cycle" in out.stderr
 
 
 def test_cli_json_and_stdin():
@@ -161,8 +161,8 @@ def test_cli_json_and_stdin():
 @pytest.mark.parametrize(
     "args,needle",
     [
-        (["generate", "hi", "--temp", "-1"], "temperature"),
-        (["generate", "hi", "--max-tokens", "0"], "max_tokens"),
+        (["generate", "hi", "--temp", "-1"], "--temp"),
+        (["generate", "hi", "--max-tokens", "0"], "--max-tokens"),
         (["generate", "hi", "--model", "/no/such/model"], "/no/such/model"),
         (["inspect", "/no/such/model"], "/no/such/model"),
     ],
@@ -197,4 +197,4 @@ def test_cli_ctrl_c_stops_cleanly_and_still_prints_stats():
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert first and proc.returncode == 130
-    assert "interrupted" in err and "tokens per cycle" in err and "Traceback" not in err
+    assert "interrupted" in err and "Tokens per verify cycle" in err and "Traceback" not in err

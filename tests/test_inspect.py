@@ -103,6 +103,20 @@ def test_model_without_head_is_ar_only_and_suggests_forge(tmp_path):
     assert info["verdict"] == "MTP-ready" and info["forged_head"]["layout"] == "qwen3_next"
 
 
+@pytest.mark.parametrize("content", ["{not json", "[1, 2]"])
+def test_damaged_forged_head_manifest_is_a_one_line_error(tmp_path, content):
+    """The sidecar lookup is self-contained (it once called a finder that does not exist)."""
+    tiny = tc.mimo(tmp_path / "m")
+    (tiny.path / "mtplx_head").mkdir()
+    manifest = tiny.path / "mtplx_head" / "manifest.json"
+    manifest.write_text(content)
+    with pytest.raises(MtplxError) as err:
+        inspect_model(tiny.path)
+    assert "\n" not in str(err.value) and str(manifest) in str(err.value)
+    manifest.unlink()
+    assert inspect_model(tiny.path)["forged_head"] is None  # negative control: no sidecar, no head
+
+
 def test_declared_but_missing_head_is_ar_only(tmp_path):
     tiny = tc.qwen3_5(tmp_path / "q35", ship_mtp=False)
     info = inspect_model(tiny.path)

@@ -15,6 +15,7 @@ import pytest
 
 import mtplx  # noqa: F401  (before mlx)
 from mtplx import kernels as K
+from mtplx import kernels_emulation as E
 
 # ---------------------------------------------------------------- emulation harness
 
@@ -52,7 +53,7 @@ extern "C" int shuffles(char* err, int n, unsigned* out) {
 
 @pytest.fixture(scope="module")
 def harness():
-    path = K._build(_HARNESS, [*K._CXXFLAGS, "-O1", "-shared", "-fPIC"], ".so")
+    path = E._build(_HARNESS, [*E._CXXFLAGS, "-O1", "-shared", "-fPIC"], ".so")
     lib = ctypes.CDLL(str(path))
     return lib
 
@@ -231,7 +232,7 @@ def test_cuda_variant_compiles_with_nvrtc(name):
     if lib is None:
         pytest.skip("NVRTC not importable (pip install nvidia-cuda-nvrtc-cu12 to run this check)")
     for arch in ("compute_80", "sm_90"):
-        rc, log = nvrtc_compile(lib, K.cuda_translation_unit(name, 256, prefix=_CUDA_STUB), arch)
+        rc, log = nvrtc_compile(lib, E.cuda_translation_unit(name, 256, prefix=_CUDA_STUB), arch)
         assert rc == 0, f"{arch}:\n{log}"
 
 
@@ -240,7 +241,7 @@ def test_nvrtc_check_rejects_metal_prelude():
     lib = _nvrtc()
     if lib is None:
         pytest.skip("NVRTC not importable (pip install nvidia-cuda-nvrtc-cu12 to run this check)")
-    src = K.cuda_translation_unit("sample", 256, prefix=_CUDA_STUB)
+    src = E.cuda_translation_unit("sample", 256, prefix=_CUDA_STUB)
     src = src.replace(K._read("prelude_cuda.h"), K._read("prelude_metal.h"))
     rc, _ = nvrtc_compile(lib, src, "compute_80")
     assert rc != 0

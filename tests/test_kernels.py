@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import mtplx  # noqa: F401  (before mlx: BLAS loader)
-from mtplx import kernels as K
+from mtplx import kernels_emulation as E
 
 pytest.importorskip("mtplx.sampling")
 
@@ -62,8 +62,8 @@ def make_verify_case(rng, B, k, V, kinds, draft, ties=False, masked=False):
 def check_verify(case, tg, defines=()):
     """(checked rows, skipped rows); asserts on every unambiguous row."""
     z, d, q, params, a, s = case
-    n, tok, ap = K.emulate_verify(z, d, q, params, a, s, tg=tg, defines=defines)
-    rn, rtok, rap = K.numpy_mirror_verify(z, d, q, params, a, s)
+    n, tok, ap = E.emulate_verify(z, d, q, params, a, s, tg=tg, defines=defines)
+    rn, rtok, rap = E.numpy_mirror_verify(z, d, q, params, a, s)
     checked = skipped = 0
     for b in range(z.shape[0]):
         ln, ltok, lap, amb, row_amb = ref.verify_row(
@@ -88,8 +88,8 @@ def check_verify(case, tg, defines=()):
 
 
 def check_sample(logits, params, u, tg):
-    tok, probs = K.emulate_sample(logits, params, u, tg=tg)
-    rtok, rprobs = K.numpy_mirror_sample(logits, params, u)
+    tok, probs = E.emulate_sample(logits, params, u, tg=tg)
+    rtok, rprobs = E.numpy_mirror_sample(logits, params, u)
     checked = skipped = 0
     for b in range(logits.shape[0]):
         ltok, lp, amb = ref.sample_row(logits[b], params[b], u[b])
@@ -173,8 +173,8 @@ def test_uniform_exactly_one_and_single_survivor():
     logits = rng.standard_normal((2, 500)).astype(np.float32)
     params = np.array([PARAMS["top_p"], (1.0, 1.0, 0.0, 1)], np.float32)
     u = np.ones(2, np.float32)
-    tok, _ = K.emulate_sample(logits, params, u, tg=64)
-    rtok, _ = K.numpy_mirror_sample(logits, params, u)
+    tok, _ = E.emulate_sample(logits, params, u, tg=64)
+    rtok, _ = E.numpy_mirror_sample(logits, params, u)
     assert tok.tolist() == rtok.tolist()
 
 
@@ -198,17 +198,17 @@ def _tsan_case():
 
 def test_tsan_clean_and_matches_oracle():
     z, d, q, params, a, s = _tsan_case()
-    (n, tok, ap), rc, err = K.emulate_verify(z, d, q, params, a, s, tg=64, tsan=True)
+    (n, tok, ap), rc, err = E.emulate_verify(z, d, q, params, a, s, tg=64, tsan=True)
     assert rc == 0 and "ThreadSanitizer" not in err, err[-4000:]
-    ln, ltok, _ = K.numpy_mirror_verify(z, d, q, params, a, s)
+    ln, ltok, _ = E.numpy_mirror_verify(z, d, q, params, a, s)
     assert n.tolist() == ln.tolist() and tok.tolist() == ltok.tolist()
-    (tok2, _), rc, err = K.emulate_sample(z[:, 0], params, s, tg=64, tsan=True)
+    (tok2, _), rc, err = E.emulate_sample(z[:, 0], params, s, tg=64, tsan=True)
     assert rc == 0 and "ThreadSanitizer" not in err, err[-4000:]
 
 
 def test_tsan_reports_planted_missing_barrier():
     z, d, q, params, a, s = _tsan_case()
-    _, rc, err = K.emulate_verify(
+    _, rc, err = E.emulate_verify(
         z, d, q, params, a, s, tg=64, tsan=True, defines=["MTPLX_PLANT_MISSING_BARRIER"]
     )
     assert rc == 66 and "data race" in err, (rc, err[-2000:])

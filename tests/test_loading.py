@@ -157,8 +157,11 @@ def test_resolve_repo_id_from_hub_cache(q4_dir, tmp_path):
     assert loaded.config["quantization"]["bits"] == 4
 
 
-def test_repo_id_not_in_cache(tmp_path):
-    with pytest.raises(MtplxError, match="not in the Hugging Face cache") as e:
+def test_repo_id_not_in_cache(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # offline mode: refused without a network call
+    with pytest.raises(MtplxError, match="not in the Hugging Face cache and offline mode is on") as e:
         resolve_model("someone/not-downloaded", hub_cache=tmp_path)
     _one_line_error_naming(e, "someone/not-downloaded")
 

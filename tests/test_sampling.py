@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pytest
+from seeds import SEEDS, resolve
 
 import mtplx  # noqa: F401  (optimized BLAS before mlx)
 from mtplx import sampling
@@ -22,10 +23,6 @@ from mtplx.sampling import (
     speculative_output_marginal,
 )
 from mtplx.speculative import speculative_output_marginal as reexported_marginal
-
-# Two fixed seeds plus one fresh seed per run; the seed is in the test id and in failure output.
-FRESH_SEED = int(np.random.SeedSequence().entropy % 2**32)
-SEEDS = [0, 1, FRESH_SEED]
 
 
 def random_config(rng: np.random.Generator, vocab_size: int) -> SamplerConfig:
@@ -64,6 +61,7 @@ def random_distribution(rng: np.random.Generator, vocab_size: int) -> np.ndarray
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_marginal_equals_target_for_random_pairs(seed: int) -> None:
+    seed = resolve(seed)
     rng = np.random.default_rng(seed)
     for trial in range(400):
         vocab_size = int(rng.choice([2, 5, 33]))
@@ -103,6 +101,7 @@ def test_marginal_is_not_target_for_a_wrong_residual(monkeypatch: pytest.MonkeyP
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_sparse_forms_equal_dense_forms(seed: int) -> None:
+    seed = resolve(seed)
     rng = np.random.default_rng(seed)
     for trial in range(300):
         vocab_size = int(rng.choice([3, 17, 64]))
@@ -168,6 +167,7 @@ def random_conditional_table(rng: np.random.Generator, vocab_size: int):
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("depth", [1, 2, 3, 4])
 def test_chain_oracle_equals_autoregressive_joint(seed: int, depth: int) -> None:
+    seed = resolve(seed)
     rng = np.random.default_rng(seed * 10 + depth)
     vocab_size = 3
     for trial in range(6 if depth < 4 else 3):
@@ -324,6 +324,18 @@ def test_invalid_config_raises_naming_the_field(field_name: str, value: object) 
     with pytest.raises(MtplxError, match=field_name):
         SamplerConfig(**{field_name: value})
     assert issubclass(MtplxError, ValueError)
+
+
+def test_config_errors_name_the_field_as_the_api_spells_it() -> None:
+    with pytest.raises(MtplxError) as raised:
+        SamplerConfig(temperature=-1.0)
+    assert str(raised.value) == "temperature must be >= 0 (got -1.0)"
+
+
+def test_sampling_reexports_the_runtime_config() -> None:
+    from mtplx import config
+
+    assert sampling.SamplerConfig is config.SamplerConfig
 
 
 def test_config_properties_and_hash() -> None:

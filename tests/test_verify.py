@@ -10,16 +10,22 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from scipy import stats
+from seeds import FRESH, SEEDS, resolve
 
 import mtplx  # noqa: F401  (optimized BLAS before mlx)
 from mtplx import sampling
 from mtplx import verify as verify_module
 from mtplx.errors import MtplxError
 from mtplx.sampling import SamplerConfig, distribution_from_logits, residual_distribution
-from mtplx.verify import draw_uniforms, filtered_probs, penalize_logits, sample, verify
-
-FRESH_SEED = int(np.random.SeedSequence().entropy % 2**32)
-SEEDS = [0, 1, FRESH_SEED]
+from mtplx.verify import (
+    INVALID_DRAFTS,
+    INVALID_LOGITS,
+    draw_uniforms,
+    filtered_probs,
+    penalize_logits,
+    sample,
+    verify,
+)
 
 CONFIGS = {
     "temperature": SamplerConfig(temperature=1.0),
@@ -120,6 +126,7 @@ def uniforms(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
 @pytest.mark.parametrize("cfg_name", list(CONFIGS))
 @pytest.mark.parametrize("drafting", ["stochastic", "greedy"])
 def test_verify_matches_reference_token_for_token(seed: int, cfg_name: str, drafting: str) -> None:
+    seed = resolve(seed)
     cfg = CONFIGS[cfg_name]
     rng = np.random.default_rng(seed)
     batch, vocab_size = 48, 64
@@ -160,6 +167,7 @@ def test_verify_matches_reference_token_for_token(seed: int, cfg_name: str, draf
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("cfg_name", list(CONFIGS))
 def test_sample_and_filtered_probs_match_reference(seed: int, cfg_name: str) -> None:
+    seed = resolve(seed)
     cfg = CONFIGS[cfg_name]
     rng = np.random.default_rng(seed)
     logits = random_logits(rng, (64, 50))
@@ -184,10 +192,14 @@ def test_sample_and_filtered_probs_match_reference(seed: int, cfg_name: str) -> 
     )
 
 
+@pytest.mark.parametrize("queued", [False, True], ids=["sync_decided", "queued"])
 @pytest.mark.parametrize("nucleus", ["second_pool", "bisection"])
-def test_large_nucleus_top_p_matches_reference(nucleus: str) -> None:
-    """Nuclei beyond the first (256) and second (4096) candidate pools."""
-    rng = np.random.default_rng(FRESH_SEED)
+def test_large_nucleus_top_p_matches_reference(nucleus: str, queued: bool, monkeypatch) -> None:
+    """Nuclei beyond the first (256) and second (4096) candidate pools, with the fallbacks
+    launched when a row needs them (the CPU policy) or queued for every row (the GPU policy)."""
+    monkeypatch.setattr(verify_module, "_queue_top_p_fallbacks", lambda: queued)
+    seed = resolve(FRESH)
+    rng = np.random.default_rng(seed)
     vocab_size = 3000 if nucleus == "second_pool" else 9000
     logits = rng.normal(scale=0.5, size=(32, vocab_size)).astype(np.float32)
     cfg = SamplerConfig(top_p=0.9, top_k=0 if nucleus == "second_pool" else 8500)
@@ -197,9 +209,9 @@ def test_large_nucleus_top_p_matches_reference(nucleus: str) -> None:
     fragile = np.array([kept_set_is_fragile(row, cfg) for row in logits])
     # Each of thousands of similar tokens holds ~1e-4 of the mass, so a 1e-5 nudge of top_p often
     # moves the boundary: many rows are near-ties. Enough are decided to compare.
-    assert (~fragile).sum() >= 4, f"seed {FRESH_SEED}: too many near-tie rows"
+    assert (~fragile).sum() >= 4, f"seed {seed}: too many near-tie rows"
     robust = ~fragile
-    np.testing.assert_array_equal(got[robust] > 0, expected[robust] > 0, err_msg=f"seed {FRESH_SEED}")
+    np.testing.assert_array_equal(got[robust] > 0, expected[robust] > 0, err_msg=f"seed {seed}")
     np.testing.assert_allclose(got[robust], expected[robust], rtol=1e-4, atol=1e-9)
 
 
@@ -313,6 +325,7 @@ def wrong_verifier_first_tokens(rng: np.random.Generator, mistake: str) -> np.nd
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_verify_output_distribution_is_the_target(seed: int) -> None:
+    seed = resolve(seed)
     rng = np.random.default_rng(seed)
     first_tokens, num_accepted, next_token = mlx_first_tokens(rng)
     p0 = distribution_from_logits(CHI_TARGET_LOGITS[0], CHI_CFG)
@@ -328,10 +341,11 @@ def test_verify_output_distribution_is_the_target(seed: int) -> None:
 @pytest.mark.parametrize("mistake", ["resample_from_target", "accept_if_p_at_least_q"])
 def test_chi_square_rejects_wrong_verifiers(mistake: str) -> None:
     """Negative control: the same test must catch a verifier that is subtly wrong."""
-    rng = np.random.default_rng(FRESH_SEED)
+    seed = resolve(FRESH)
+    rng = np.random.default_rng(seed)
     p0 = distribution_from_logits(CHI_TARGET_LOGITS[0], CHI_CFG)
     assert chi_square_rejects(wrong_verifier_first_tokens(rng, mistake), p0, FALSE_FAILURE_RATE), (
-        f"seed {FRESH_SEED}: {mistake} was not detected"
+        f"seed {seed}: {mistake} was not detected"
     )
 
 
@@ -350,6 +364,7 @@ def test_penalize_logits_without_penalties_returns_the_input() -> None:
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_penalize_logits_matches_reference_per_position(seed: int) -> None:
+    seed = resolve(seed)
     rng = np.random.default_rng(seed)
     batch, positions, vocab_size = 3, 4, 12
     cfg = SamplerConfig(
@@ -422,9 +437,28 @@ def test_nan_and_positive_inf_raise(bad: float, cfg_name: str) -> None:
             mx.ones((2, 2)),
             mx.ones((2,)),
             backend="mlx",
-        )
+        ).checked()
     with pytest.raises(ValueError, match="NaN"):
-        sample(mx.array(logits[:, 2]), CONFIGS[cfg_name], mx.ones((2,)), backend="mlx")
+        sample(mx.array(logits[:, 2]), CONFIGS[cfg_name], mx.ones((2,)), backend="mlx").checked()
+
+
+@pytest.mark.parametrize("cfg_name", ["temperature", "greedy", "top_p"])
+def test_invalid_inputs_are_flagged_lazily_not_synced(cfg_name: str) -> None:
+    """verify/sample read no data: the flag is evaluated with the tokens, `.checked()` raises."""
+    logits = np.zeros((1, 3, 5), dtype=np.float32)
+    args = (mx.zeros((1, 2), dtype=mx.int32), None, CONFIGS[cfg_name], mx.ones((1, 2)), mx.ones((1,)))
+    clean = verify(mx.array(logits), *args, backend="mlx")
+    logits[0, 1, 2] = np.nan
+    flagged = verify(mx.array(logits), *args, backend="mlx")  # no raise: nothing was read
+    mx.eval(clean, flagged)
+    assert clean.checked().invalid.item() == 0  # negative control: valid input passes
+    assert flagged.invalid.item() & INVALID_LOGITS
+    with pytest.raises(ValueError, match="NaN"):
+        flagged.checked()
+    out_of_range = verify(mx.zeros((1, 3, 5)), mx.array([[0, 7]]), *args[1:], backend="mlx")
+    assert out_of_range.invalid.item() == INVALID_DRAFTS
+    drawn = sample(mx.array(logits[:, 1]), CONFIGS[cfg_name], mx.ones((1,)), backend="mlx")
+    assert drawn.invalid.item() == INVALID_LOGITS
 
 
 def test_shape_token_and_backend_errors() -> None:
@@ -434,7 +468,7 @@ def test_shape_token_and_backend_errors() -> None:
     with pytest.raises(ValueError, match="draft_tokens"):
         verify(target, mx.zeros((2, 3), dtype=mx.int32), None, cfg, a, s, backend="mlx")
     with pytest.raises(ValueError, match="draft_tokens"):
-        verify(target, mx.array([[0, 5], [0, 0]]), None, cfg, a, s, backend="mlx")
+        verify(target, mx.array([[0, 5], [0, 0]]), None, cfg, a, s, backend="mlx").checked()
     with pytest.raises(ValueError, match="draft_probs"):
         verify(target, drafts, mx.ones((2, 2, 4)), cfg, a, s, backend="mlx")
     with pytest.raises(ValueError, match="accept_uniforms"):
@@ -452,7 +486,7 @@ def test_auto_backend_uses_a_fused_kernel_when_one_exists(monkeypatch: pytest.Mo
 
     def fake_fused_verify(*args):
         calls.append(len(args))
-        return "fused"
+        return "num_accepted", "next_token", "accept_probs"
 
     fake_kernels = types.ModuleType("mtplx.kernels")
     fake_kernels.get_fused = lambda name: fake_fused_verify if name == "verify" else None
@@ -460,7 +494,8 @@ def test_auto_backend_uses_a_fused_kernel_when_one_exists(monkeypatch: pytest.Mo
     monkeypatch.setattr(mtplx, "kernels", fake_kernels, raising=False)
     monkeypatch.setattr(verify_module, "_kernels_missing", False)
     target, drafts = mx.zeros((1, 2, 4)), mx.zeros((1, 1), dtype=mx.int32)
-    assert verify(target, drafts, None, SamplerConfig(), mx.ones((1, 1)), mx.ones((1,))) == "fused"
+    fused = verify(target, drafts, None, SamplerConfig(), mx.ones((1, 1)), mx.ones((1,)))
+    assert fused[:3] == ("num_accepted", "next_token", "accept_probs")
     assert calls == [6]
     mlx_result = verify(target, drafts, None, SamplerConfig(), mx.ones((1, 1)), mx.ones((1,)), backend="mlx")
     # Uniform p = 1/4 at the draft, u = 1: rejected; the residual's last token for u = 1.

@@ -23,7 +23,7 @@ from typing import Protocol
 import mlx.core as mx
 
 from mtplx import verify as verify_ops
-from mtplx.sampling import SamplerConfig
+from mtplx.config import SamplerConfig
 from mtplx.trunk import TrunkOutput
 
 
@@ -34,6 +34,7 @@ class Draft:
     tokens: mx.array  # [1, k] int32; may be lazy (evaluated with the verify forward)
     probs: mx.array | None  # [1, k, V] float32 q rows; None = every draft is a point mass
     sources: tuple[tuple[str, int], ...]  # (drafter name, how many drafts), in block order
+    invalid: mx.array | None = None  # [] int32, lazy: verify's INVALID_* bits of the draft sampling
 
     @property
     def num_tokens(self) -> int:
@@ -75,9 +76,13 @@ def join_drafts(parts: Sequence[Draft]) -> Draft:
         return parts[0]
     tokens = mx.concatenate([p.tokens for p in parts], axis=1)
     sources = tuple(s for p in parts for s in p.sources)
+    flags = [p.invalid for p in parts if p.invalid is not None]
+    invalid = None
+    for flag in flags:
+        invalid = flag if invalid is None else invalid | flag
     with_q = [p for p in parts if p.probs is not None]
     if not with_q:
-        return Draft(tokens, None, sources)
+        return Draft(tokens, None, sources, invalid)
     vocab_size = with_q[0].probs.shape[-1]
     rows = [
         p.probs
@@ -85,7 +90,7 @@ def join_drafts(parts: Sequence[Draft]) -> Draft:
         else (mx.arange(vocab_size, dtype=mx.int32) == p.tokens[..., None]).astype(mx.float32)
         for p in parts
     ]
-    return Draft(tokens, mx.concatenate(rows, axis=1), sources)
+    return Draft(tokens, mx.concatenate(rows, axis=1), sources, invalid)
 
 
 def draw_draft_token(
@@ -96,8 +101,9 @@ def draw_draft_token(
     *,
     greedy_draft: bool,
     backend: str,
-) -> tuple[mx.array, mx.array | None]:
-    """One model draft from logits[1, V]: (token [1] int32, q [1, V] or None for an argmax draft).
+) -> tuple[mx.array, mx.array | None, mx.array | None]:
+    """One model draft from logits[1, V]: (token [1] int32, q [1, V] or None for an argmax draft,
+    the sampler's lazy validity flag or None).
 
     ``context`` [1, C] holds the committed tokens and the drafts before this one, so the
     request's penalties see what the target will see at this position. No host sync.
@@ -105,12 +111,19 @@ def draw_draft_token(
     if cfg.has_penalties:
         logits = verify_ops.penalize_logits(logits[:, None, :], context, cfg)[:, 0, :]
     if greedy_draft:
-        return mx.argmax(logits, axis=-1).astype(mx.int32), None
+        return mx.argmax(logits, axis=-1).astype(mx.int32), None, None
     drawn = verify_ops.sample(logits, cfg, uniform, backend=backend)
-    return drawn.tokens.astype(mx.int32), drawn.probs
+    return drawn.tokens.astype(mx.int32), drawn.probs, drawn.invalid
 
 
-def stacked_draft(tokens: list[mx.array], probs: list[mx.array | None], name: str) -> Draft:
-    """A model drafter's block from per-position tokens [1] and q rows [1, V] (all or none None)."""
+def stacked_draft(
+    tokens: list[mx.array], probs: list[mx.array | None], flags: list[mx.array | None], name: str
+) -> Draft:
+    """A model drafter's block from per-position tokens [1], q rows [1, V] (all or none None)
+    and validity flags."""
     stacked_probs = None if probs[0] is None else mx.stack(probs, axis=1)
-    return Draft(mx.stack(tokens, axis=1), stacked_probs, ((name, len(tokens)),))
+    invalid = None
+    for flag in flags:
+        if flag is not None:
+            invalid = flag if invalid is None else invalid | flag
+    return Draft(mx.stack(tokens, axis=1), stacked_probs, ((name, len(tokens)),), invalid)

@@ -22,10 +22,10 @@ import mlx.nn as nn
 
 from mtplx import cache as cache_ops
 from mtplx import verify as verify_ops
+from mtplx.config import SamplerConfig
 from mtplx.drafters.base import CycleOutcome, Draft, draw_draft_token, join_drafts, stacked_draft
 from mtplx.drafters.lookup import point_mass_draft
 from mtplx.errors import MtplxError
-from mtplx.sampling import SamplerConfig
 from mtplx.trunk import TrunkOutput
 
 
@@ -150,12 +150,13 @@ class DraftModelProposer:
         context = mx.array(list(history) + list(forced), dtype=mx.int32)[None] if cfg.has_penalties else None
         tokens: list[mx.array] = []
         probs: list[mx.array | None] = []
+        flags: list[mx.array | None] = []
         for i in range(count):
             if i > 0:
                 logits = self._forward(tokens[-1].reshape(1, 1))
                 if context is not None:
                     context = mx.concatenate([context, tokens[-1][None]], axis=1)
-            token, q = draw_draft_token(
+            token, q, invalid = draw_draft_token(
                 self._aligned(logits),
                 context,
                 cfg,
@@ -165,7 +166,8 @@ class DraftModelProposer:
             )
             tokens.append(token)
             probs.append(q)
-        return join_drafts(prefix + [stacked_draft(tokens, probs, self.name)])
+            flags.append(invalid)
+        return join_drafts(prefix + [stacked_draft(tokens, probs, flags, self.name)])
 
     def commit(self, outcome: CycleOutcome) -> None:
         if self._checkpoint is not None:

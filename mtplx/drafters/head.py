@@ -19,9 +19,9 @@ import mlx.core as mx
 
 from mtplx import cache as cache_ops
 from mtplx import verify as verify_ops
+from mtplx.config import SamplerConfig
 from mtplx.drafters.base import CycleOutcome, Draft, draw_draft_token, stacked_draft
 from mtplx.heads.base import DraftHead
-from mtplx.sampling import SamplerConfig
 from mtplx.trunk import TrunkOutput
 
 
@@ -74,6 +74,7 @@ class HeadProposer:
         context = mx.array(history, dtype=mx.int32)[None] if cfg.has_penalties else None
         tokens: list[mx.array] = []
         probs: list[mx.array | None] = []
+        flags: list[mx.array | None] = []
         for i in range(self.depth):
             if i > 0:
                 head_out = self.head(
@@ -86,7 +87,7 @@ class HeadProposer:
             logits = self.head.logits(head_out, step=i)[:, -1, :]
             if context is not None and tokens:
                 context = mx.concatenate([context, tokens[-1][None]], axis=1)
-            token, q = draw_draft_token(
+            token, q, invalid = draw_draft_token(
                 logits,
                 context,
                 cfg,
@@ -96,10 +97,11 @@ class HeadProposer:
             )
             tokens.append(token)
             probs.append(q)
+            flags.append(invalid)
             if self.adaptive_threshold > 0 and i + 1 < self.depth and self._unsure(logits, token, q):
                 break
         self._chained = len(tokens) - 1
-        return stacked_draft(tokens, probs, self.name)
+        return stacked_draft(tokens, probs, flags, self.name)
 
     def _unsure(self, logits: mx.array, token: mx.array, q: mx.array | None) -> bool:
         """Whether the head gave its draft less than the threshold (a host read).

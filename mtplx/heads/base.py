@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import struct
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,6 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from mtplx.checkpoint import quantization_config, read_safetensors_header
 from mtplx.errors import MtplxError
 
 HiddenSource = Literal["pre_norm", "post_norm"]
@@ -137,7 +137,7 @@ class MTPHead(nn.Module):
 
     # --- helpers for subclasses ---------------------------------------------------
     def _run_layers(self, h: mx.array, layers: Iterable[nn.Module], cache: list | None) -> mx.array:
-        from mlx_lm.models.base import create_attention_mask
+        from mtplx.compat import create_attention_mask
 
         layers = list(layers)
         cache = cache if cache is not None else [None] * len(layers)
@@ -150,29 +150,6 @@ class MTPHead(nn.Module):
 
 
 # --- checkpoint access -------------------------------------------------------------
-
-
-def read_safetensors_header(path: Path) -> dict[str, dict]:
-    """The JSON header of a safetensors file (tensor name -> dtype/shape/offsets), no data read."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(8)
-            if len(raw) != 8:
-                raise MtplxError(f"{path}: truncated safetensors file (no header)")
-            (n,) = struct.unpack("<Q", raw)
-            size = path.stat().st_size
-            if n > size - 8 or n > 100_000_000:
-                raise MtplxError(f"{path}: corrupt safetensors header (length {n} > file size {size})")
-            header = json.loads(f.read(n))
-    except OSError as e:
-        raise MtplxError(f"{path}: cannot read ({e.strerror or e})") from None
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise MtplxError(f"{path}: corrupt safetensors header (not JSON)") from None
-    header.pop("__metadata__", None)
-    end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
-    if 8 + n + end > size:
-        raise MtplxError(f"{path}: truncated safetensors file ({size} bytes, header promises {8 + n + end})")
-    return header
 
 
 def weight_index(model_dir: Path) -> dict[str, str]:
@@ -269,16 +246,6 @@ def dequantize_fp8_blocks(weights: dict[str, mx.array], block: int = 128) -> dic
 
 
 # --- quantization ---------------------------------------------------------------
-
-
-def quantization_config(config: dict) -> dict | None:
-    """The mlx-format ``quantization`` block (top level or text_config), or None for float checkpoints."""
-    q = config.get("quantization") or config.get("text_config", {}).get("quantization")
-    if q is None:
-        qc = config.get("quantization_config") or config.get("text_config", {}).get("quantization_config")
-        if qc and "bits" in qc and "group_size" in qc:
-            q = qc
-    return q
 
 
 def quantize_like_checkpoint(

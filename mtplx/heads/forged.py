@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from mlx.utils import tree_flatten
 from mtplx.errors import MtplxError
 from mtplx.heads.base import HIDDEN_SOURCES, build_layer_like, check_and_load, model_args_of
 from mtplx.heads.qwen3_next import Qwen3NextMTPHead
+from mtplx.io import atomic_path, atomic_write
 
 LAYOUT = "qwen3_next"
 MANIFEST = "manifest.json"
@@ -66,17 +66,16 @@ class ForgedMTPHead(Qwen3NextMTPHead):
         self._vocab_size = int(full_proj.shape[1])
         mx.eval(self._vocab_ids, self._vocab_proj)
 
-    def subset_logits(self, head_hidden: mx.array) -> mx.array:
-        """Logits over ``vocab_ids`` only ([..., K]); the cheap path for a decode loop that maps ids back."""
-        if self._vocab_proj is None:
-            raise ValueError("this head drafts from the full vocabulary")
+    def _subset_logits(self, head_hidden: mx.array) -> mx.array:
+        """Logits over ``vocab_ids`` only ([..., K]): one [H, K] product, which `logits` scatters
+        into the full vocabulary (the decode loop and verify work in full-vocabulary ids)."""
         return head_hidden @ self._vocab_proj
 
     def logits(self, head_hidden: mx.array, step: int = 0) -> mx.array:
         """Full-vocabulary logits; with a reduced vocabulary, -inf outside it (q is exactly zero there)."""
         if self._vocab_proj is None:
             return super().logits(head_hidden)
-        sub = self.subset_logits(head_hidden)
+        sub = self._subset_logits(head_hidden)
         full = mx.full((*sub.shape[:-1], self._vocab_size), -mx.inf, dtype=sub.dtype)
         full[..., self._vocab_ids] = sub
         return full
@@ -127,9 +126,8 @@ def save_forged_head(out_dir: str | Path, head: ForgedMTPHead, manifest: dict[st
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     weights = dict(tree_flatten(head.parameters()))
-    tmp = out / f".tmp{os.getpid()}-{WEIGHTS}"  # keeps the .safetensors suffix mlx insists on
-    mx.save_safetensors(str(tmp), weights, metadata={"format": "mlx", "layout": LAYOUT})
-    os.replace(tmp, out / WEIGHTS)
+    with atomic_path(out / WEIGHTS) as tmp:
+        mx.save_safetensors(str(tmp), weights, metadata={"format": "mlx", "layout": LAYOUT})
     full = dict(manifest)
     full.update(
         {
@@ -146,9 +144,8 @@ def save_forged_head(out_dir: str | Path, head: ForgedMTPHead, manifest: dict[st
     if "trunk_fingerprint" not in full:
         raise ValueError("a forged-head manifest needs the trunk_fingerprint")
     path = out / MANIFEST
-    tmp_manifest = out / f".tmp{os.getpid()}-{MANIFEST}"
-    tmp_manifest.write_text(json.dumps(full, indent=1) + "\n")
-    os.replace(tmp_manifest, path)
+    with atomic_write(path) as handle:
+        handle.write(json.dumps(full, indent=1) + "\n")
     return path
 
 

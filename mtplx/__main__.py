@@ -1,0 +1,7 @@
+"""`python -m mtplx`: the command line."""
+
+import sys
+
+from mtplx.cli import main
+
+sys.exit(main())

@@ -1,0 +1,150 @@
+"""`mtplx chat`: an interactive multi-turn conversation on one loaded engine.
+
+Turns are read line by line from a terminal (with line editing) or a pipe; each reply
+streams as it is decoded, with MTP drafting as `generate` would. The whole conversation
+is sent through the chat template every turn, so the prompt of turn n+1 starts with the
+tokens of turn n: the engine's prompt cache (when it has one) then prefills only what is
+new. `/reset` starts over, `/stats` prints the last reply's stats, Ctrl-C stops the
+current reply (what was said so far stays in the conversation), Ctrl-D quits.
+Behaviour follows mlx_lm/chat.py (a REPL over `stream_generate` with a kept prompt cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TextIO
+
+from mtplx.errors import MtplxError
+
+COMMANDS = {"/reset": "forget the conversation", "/stats": "speed and acceptance of the last reply"}
+
+
+@dataclass
+class ChatSettings:
+    max_tokens: int
+    system_prompt: str | None = None
+    mtp: bool | None = None
+    greedy_draft: bool = False
+    show_stats: bool = False
+    sampling: dict = field(default_factory=dict)  # Engine.stream's sampling keyword arguments
+
+
+@dataclass
+class Conversation:
+    system_prompt: str | None = None
+    messages: list[dict] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+
+    def add(self, role: str, content: str) -> None:
+        self.messages.append({"role": role, "content": content})
+
+
+def settings_from_args(args: argparse.Namespace, sampling: dict) -> ChatSettings:
+    return ChatSettings(
+        max_tokens=args.max_tokens,
+        system_prompt=args.system_prompt,
+        mtp=args.mtp,
+        greedy_draft=args.greedy_draft,
+        show_stats=args.verbose if args.verbose is not None else args.stats,
+        sampling=sampling,
+    )
+
+
+def _read_turn(stdin: TextIO, interactive: bool) -> str | None:
+    """The next line (without its newline), or None at end of input (Ctrl-D)."""
+    if interactive:
+        try:
+            return input(">> ")  # readline editing on a terminal
+        except EOFError:
+            return None
+    line = stdin.readline()
+    return line.rstrip("\n") if line else None
+
+
+def _reply(engine, conversation: Conversation, settings: ChatSettings, stdout: TextIO, stderr: TextIO):
+    """Stream one reply; Ctrl-C stops it and keeps what was said. Returns the last stats (or None)."""
+    stream = engine.stream(
+        conversation.messages,
+        max_tokens=settings.max_tokens,
+        mtp=settings.mtp,
+        greedy_draft=settings.greedy_draft,
+        **settings.sampling,
+    )
+    text, chunk = [], None
+    try:
+        for chunk in stream:
+            text.append(chunk.text)
+            stdout.write(chunk.text)
+            stdout.flush()
+    except KeyboardInterrupt:
+        stream.close()
+        stdout.write("\n")
+        stdout.flush()
+        print("[reply stopped]", file=stderr, flush=True)
+    else:
+        stdout.write("\n")
+        stdout.flush()
+    conversation.add("assistant", "".join(text))
+    return chunk.stats if chunk is not None else None
+
+
+def run_chat(
+    engine,
+    settings: ChatSettings,
+    *,
+    format_stats: Callable,
+    stdin: TextIO | None = None,
+    stdout: TextIO | None = None,
+    stderr: TextIO | None = None,
+) -> int:
+    """The chat loop; returns the exit status (0 at end of input)."""
+    stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
+    if getattr(engine.tokenizer, "chat_template", None) is None:
+        raise MtplxError("chat: this model's tokenizer has no chat template (use `mtplx generate --raw`)")
+    interactive = stdin.isatty()
+    conversation = Conversation(settings.system_prompt)
+    last_stats = None
+    if interactive:
+        mode = (
+            f"MTP depth {engine.depth}" if engine.has_head and settings.mtp is not False else "autoregressive"
+        )
+        commands = ", ".join(COMMANDS)
+        print(f"mtplx chat ({mode}): {commands}; Ctrl-C stops a reply, Ctrl-D quits", file=stderr)
+    while True:
+        try:
+            line = _read_turn(stdin, interactive)
+        except KeyboardInterrupt:  # at the prompt: a fresh line, not an exit
+            stdout.write("\n")
+            continue
+        if line is None:
+            if interactive:
+                stdout.write("\n")  # leave the terminal on a fresh line after ^D
+            return 0
+        command = line.strip()
+        if not command:
+            continue
+        if command == "/reset":
+            conversation.reset()
+            print("[conversation reset]", file=stderr, flush=True)
+            continue
+        if command == "/stats":
+            print(format_stats(last_stats) if last_stats else "[no reply yet]", file=stderr, flush=True)
+            continue
+        conversation.add("user", line)
+        try:
+            stats = _reply(engine, conversation, settings, stdout, stderr)
+        except MtplxError as err:  # e.g. the conversation outgrew the context: say so, keep chatting
+            conversation.messages.pop()
+            print(f"mtplx: error: {err}", file=stderr, flush=True)
+            continue
+        last_stats = stats or last_stats
+        if settings.show_stats and stats is not None:
+            print(format_stats(stats), file=stderr, flush=True)

@@ -1,0 +1,22 @@
+"""Checks of a generation request's arguments that need no model (so a typo costs no load time).
+
+Messages name the argument as the API spells it (``max_tokens must be > 0 (got 0)``); the
+CLI rewrites the name into the flag the user typed. Kept light (no mlx, no mlx-lm) so the
+command line can run it before importing the engine.
+"""
+
+from __future__ import annotations
+
+from mtplx.config import SamplerConfig
+from mtplx.errors import MtplxError
+
+
+def check_generation_args(
+    *, max_tokens: int, depth: int | None = None, seed: int | None = None, **sampling
+) -> SamplerConfig:
+    """Validate ``max_tokens``, ``depth`` and the sampling arguments; returns the sampler config."""
+    if max_tokens <= 0:
+        raise MtplxError(f"max_tokens must be > 0 (got {max_tokens})")
+    if depth is not None and depth < 1:
+        raise MtplxError(f"depth must be >= 1 (got {depth})")
+    return SamplerConfig(**sampling)

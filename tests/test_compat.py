@@ -1,0 +1,151 @@
+"""mtplx.compat: the installed mlx-lm passes the layout check, and each changed layout fails it loudly."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+import mtplx  # noqa: F401  (BLAS before mlx)
+from mtplx import compat
+from mtplx.errors import MtplxError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _failure(**changed) -> str:
+    with pytest.raises(MtplxError) as raised:
+        compat.check(**changed)
+    message = str(raised.value)
+    assert "\n" not in message and "Install mlx-lm>=0.32.2,<0.33.0" in message
+    return message
+
+
+def test_installed_mlx_lm_passes_the_check() -> None:
+    compat.check()
+
+
+def test_pyproject_pins_the_range_compat_was_verified_on() -> None:
+    pin = re.search(r'"mlx-lm>=([\d.]+),<([\d.]+)"', (REPO / "pyproject.toml").read_text())
+    assert pin is not None
+    low, high = compat.SUPPORTED_MLX_LM
+    assert compat._parse_version(pin.group(1)) == low and compat._parse_version(pin.group(2)) == high
+
+
+def test_a_release_outside_the_range_is_refused() -> None:
+    assert "version 0.33.0 is outside" in _failure(version="0.33.0")
+    assert "version 0.31.9 is outside" in _failure(version="0.31.9")
+    compat.check(version="0.32.9")  # negative control: inside the range passes
+
+
+class _KVWithExtraField(compat.KVCache):
+    @property
+    def state(self):
+        return self.keys, self.values, self.offset, "step"
+
+    @state.setter
+    def state(self, v):
+        self.keys, self.values, self.offset, _ = v
+
+
+class _KVReordered(compat.KVCache):
+    @property
+    def state(self):
+        return self.offset, self.keys, self.values
+
+    @state.setter
+    def state(self, v):
+        self.offset, self.keys, self.values = v
+
+
+class _KVWithoutTrim(compat.KVCache):
+    def trim(self, n):
+        return 0
+
+
+def test_a_changed_kv_cache_layout_is_named() -> None:
+    assert "_KVWithExtraField.state has 4 fields" in _failure(kv_cls=_KVWithExtraField)
+    assert "_KVReordered.state is no longer (keys, values, offset)" in _failure(kv_cls=_KVReordered)
+    assert "_KVWithoutTrim.trim(n)" in _failure(trimmable_classes=(_KVWithoutTrim,))
+
+
+class _RotatingReordered(compat.RotatingKVCache):
+    @property
+    def state(self):
+        return self.keys, self.values, self._idx, self.offset, self.keep, self.max_size
+
+    @state.setter
+    def state(self, v):
+        self.keys, self.values, self._idx, self.offset, self.keep, self.max_size = v
+
+
+def test_a_changed_rotating_cache_layout_is_named() -> None:
+    message = _failure(rotating_cls=_RotatingReordered)
+    assert "_RotatingReordered.state is no longer (keys, values, offset, keep, max_size, _idx)" in message
+
+
+class _ArraysReordered(compat.ArraysCache):
+    @property
+    def state(self):
+        return self.left_padding, self.cache, self.lengths
+
+    @state.setter
+    def state(self, v):
+        self.left_padding, self.cache, self.lengths = v
+
+
+class _ArraysWithoutPrepare(compat.ArraysCache):
+    def prepare(self, lengths=None, **kwargs):
+        return None
+
+
+def test_a_changed_arrays_cache_is_named() -> None:
+    assert "_ArraysReordered.state is no longer (slots, left_padding, lengths)" in _failure(
+        arrays_cls=_ArraysReordered
+    )
+    assert "prepare(lengths=...)" in _failure(arrays_cls=_ArraysWithoutPrepare)
+
+
+def test_a_changed_gated_delta_interface_is_named() -> None:
+    def renamed(q, k, v, g, beta, state=None, mask=None):
+        return v, state
+
+    assert "gated_delta_update takes" in _failure(gated_delta_update=renamed)
+    assert "mlx_lm.models.no_such_model is gone" in _failure(
+        recurrent_modules=("mlx_lm.models.no_such_model",)
+    )
+    # A model module that stopped importing the function by name cannot be hooked.
+    assert "mlx_lm.models.llama no longer calls a module-level gated_delta_update" in _failure(
+        recurrent_modules=("mlx_lm.models.llama",)
+    )
+
+
+def test_a_changed_attention_mask_signature_is_named() -> None:
+    def mask(h, cache=None, return_array=False):
+        return None
+
+    assert "create_attention_mask takes" in _failure(mask_fn=mask)
+
+
+def test_every_problem_is_listed_in_one_message() -> None:
+    message = _failure(version="0.40.0", kv_cls=_KVReordered, rotating_cls=_RotatingReordered)
+    assert message.count(";") >= 2
+
+
+def test_norm_tap_records_and_untapped_call_does_not() -> None:
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    norm = nn.RMSNorm(4)
+    weights_before = dict(norm.parameters())
+    tap = compat.tap_final_norm(norm)
+    assert compat.tap_final_norm(norm) is tap  # once per norm
+    x = mx.random.normal((1, 2, 4))
+    out = norm(x)
+    assert tap.pre is x and tap.post is out
+    y = mx.random.normal((1, 1, 4))
+    plain = compat.untapped_norm(norm, y)
+    assert tap.pre is x  # not overwritten
+    assert mx.allclose(plain, nn.RMSNorm(4)(y)).item()
+    assert dict(norm.parameters()).keys() == weights_before.keys()  # parameter tree unchanged

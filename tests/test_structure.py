@@ -1,0 +1,163 @@
+"""Package structure: no import cycles, the runtime never loads test-only code, the seed API holds."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+import mtplx  # noqa: F401  (BLAS before mlx)
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "mtplx"
+
+# Test and tool code the runtime path must never import.
+TEST_ONLY_MODULES = ("mtplx.sampling", "mtplx.speculative", "mtplx.kernels_emulation")
+# Commands, not the engine's business: loading a model must not pull them in. (mtplx.convert
+# is not one: the default model is converted from its GGUF on first load.)
+COMMAND_MODULES = ("mtplx.bench", "mtplx.tune", "mtplx.forge")
+
+
+def import_graph(package_dir: Path) -> dict[str, set[str]]:
+    """module -> the package modules it imports anywhere (function-level imports included).
+
+    A package importing its own submodule (re-exports in __init__.py) is not an edge.
+    """
+    root_name = package_dir.name
+    modules: dict[str, tuple[Path, bool]] = {}
+    for path in sorted(package_dir.rglob("*.py")):
+        parts = (root_name, *path.relative_to(package_dir).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        modules[".".join(parts[:-1] if is_package else parts)] = (path, is_package)
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, (path, is_package) in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base_parts = name.split(".") if is_package else name.split(".")[:-1]
+                    base_parts = base_parts[: len(base_parts) - node.level + 1]
+                    base = ".".join(base_parts + ([node.module] if node.module else []))
+                else:
+                    base = node.module or ""
+                targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            for target in targets:
+                if target in modules and target != name and not target.startswith(name + "."):
+                    graph[name].add(target)
+    return graph
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every back edge of a depth-first walk, as the cycle it closes."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for successor in sorted(graph[node]):
+            if state.get(successor) == 1:
+                cycles.append(stack[stack.index(successor) :] + [successor])
+            elif successor not in state:
+                visit(successor)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    return cycles
+
+
+def test_no_import_cycles_among_mtplx_modules() -> None:
+    graph = import_graph(PACKAGE)
+    assert len(graph) > 20 and "mtplx.engine" in graph  # the walk saw the package
+    assert find_cycles(graph) == []
+
+
+def test_cycle_finder_catches_a_cycle(tmp_path: Path) -> None:
+    """Negative control: a function-level import closing a loop is reported."""
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("from pkg import a\n")
+    (package / "a.py").write_text("from pkg import b\n")
+    (package / "b.py").write_text("def f():\n    from . import a\n")
+    (package / "c.py").write_text("import pkg.a\n")
+    assert find_cycles(import_graph(package)) == [["pkg.a", "pkg.b", "pkg.a"]]
+
+
+def test_runtime_modules_do_not_import_test_code() -> None:
+    """Static half of the check below: no runtime module names a test-only module at all."""
+    graph = import_graph(PACKAGE)
+    offenders = {
+        name: sorted(graph[name] & set(TEST_ONLY_MODULES))
+        for name in graph
+        if name not in TEST_ONLY_MODULES and graph[name] & set(TEST_ONLY_MODULES)
+    }
+    assert offenders == {}
+
+
+_GENERATE_AND_LIST_MODULES = """
+import json, sys
+import mtplx
+from mtplx.engine import Engine
+engine = Engine.load()
+assert engine.head is not None, "the default model ships a head"
+mtp = engine.generate("Say hi.", max_tokens=8, temperature=0.7, top_p=0.9, top_k=20, seed=3, mtp=True)
+greedy = engine.generate("Say hi.", max_tokens=8, mtp=True)
+assert mtp.stats.cycles > 0 and greedy.stats.cycles > 0, "MTP did not run"
+print(json.dumps(sorted(m for m in sys.modules if m.startswith("mtplx"))))
+"""
+
+
+def _modules_after(script: str) -> list[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=REPO, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_mtp_generate_in_a_fresh_process_loads_no_test_or_command_code(default_model_dir) -> None:
+    loaded = _modules_after(_GENERATE_AND_LIST_MODULES)
+    assert "mtplx.decode" in loaded and "mtplx.verify" in loaded  # the listing is the real one
+    assert [name for name in loaded if name in TEST_ONLY_MODULES + COMMAND_MODULES] == []
+
+
+def test_fresh_process_check_sees_an_oracle_import() -> None:
+    """Negative control: a process that does import the oracle is caught by the same listing."""
+    loaded = _modules_after(
+        "import json, sys, mtplx, mtplx.sampling\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m.startswith('mtplx'))))"
+    )
+    assert "mtplx.sampling" in loaded
+
+
+def test_seed_api_works_verbatim() -> None:
+    """The seed's public sampling API, spelled exactly as it was."""
+    from mtplx.sampling import (
+        SamplerConfig,
+        acceptance_probability,
+        distribution_from_logits,
+        residual_distribution,
+        speculative_output_marginal,
+    )
+
+    cfg = SamplerConfig(temperature=1.0)
+    p = distribution_from_logits(np.log(np.array([0.5, 0.25, 0.25])), cfg)
+    q = distribution_from_logits(np.log(np.array([0.25, 0.25, 0.5])), cfg)
+    np.testing.assert_allclose(p, [0.5, 0.25, 0.25])
+    np.testing.assert_allclose(acceptance_probability(p, q), [1.0, 1.0, 0.5])
+    np.testing.assert_allclose(residual_distribution(p, q), [1.0, 0.0, 0.0])
+    np.testing.assert_allclose(speculative_output_marginal(p, q), p)
+    assert mtplx.SamplerConfig is SamplerConfig
