@@ -549,7 +549,7 @@ class Engine:
                 self.draft_model,
                 sampler=settings.sampler,
                 depth=model_depth,
-                target_vocab_size=int(self.trunk.inner.embed_tokens.weight.shape[0]),
+                target_vocab_size=int(self.trunk.vocab_size),
                 real_vocab_size=self.draft_vocab_size,
                 greedy_draft=settings.greedy_draft,
                 prefill_step_size=settings.prefill_step_size,

@@ -448,3 +448,53 @@ def test_one_host_sync_per_cycle_with_every_drafter(kind, temperature):
             next(steps)
     steps.close()
     assert counter.syncs == 6
+
+
+# ------------------------------------------------------------------ cache.checkpoint
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3-rotating", "qwen3_5-hybrid"])
+def test_checkpoint_restores_every_cache_kind_after_several_forwards(family):
+    """A draft model's rollback: after one-token forwards past a checkpoint (a rotating window
+    wraps here), abort_block leaves the cache equal to one that never saw them."""
+    import tiny_models
+
+    from mtplx import cache as cache_ops
+
+    build = {
+        "llama": tiny_models.tiny_llama,
+        "gemma3-rotating": tiny_models.tiny_gemma3,
+        "qwen3_5-hybrid": tiny_models.tiny_qwen3_5,
+    }[family]
+    model = build(seed=2)
+    prompt = mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])
+    cache, fresh = make_prompt_cache(model), make_prompt_cache(model)
+    model(prompt, cache=cache)
+    model(prompt, cache=fresh)
+    mx.eval([c.state for c in cache] + [c.state for c in fresh])
+    mark = cache_ops.checkpoint(cache)
+    for token in (7, 2, 8, 1, 8):
+        mx.eval(model(mx.array([[token]]), cache=cache))
+    cache_ops.abort_block(cache, mark)
+    # Equal states, and equal futures: the next forward sees the same context.
+    next_tokens = mx.array([[5, 3]])
+    np.testing.assert_allclose(
+        np.array(model(next_tokens, cache=cache)), np.array(model(next_tokens, cache=fresh)), atol=1e-5
+    )
+
+
+def test_checkpoint_comparison_catches_a_cache_that_was_not_restored():
+    """Negative control: without the restore the next forward differs."""
+    import tiny_models
+
+    model = tiny_models.tiny_llama(seed=2)
+    prompt = mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])
+    cache, fresh = make_prompt_cache(model), make_prompt_cache(model)
+    model(prompt, cache=cache)
+    model(prompt, cache=fresh)
+    for token in (7, 2):
+        mx.eval(model(mx.array([[token]]), cache=cache))
+    next_tokens = mx.array([[5, 3]])
+    assert not np.allclose(
+        np.array(model(next_tokens, cache=cache)), np.array(model(next_tokens, cache=fresh)), atol=1e-5
+    )

@@ -21,6 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mtplx import cache as cache_ops
+from mtplx import compat
 from mtplx import verify as verify_ops
 from mtplx.config import SamplerConfig
 from mtplx.drafters.base import CycleOutcome, Draft, draw_draft_token, join_drafts, stacked_draft
@@ -37,9 +38,7 @@ def real_vocab_size(tokenizer: Any) -> int:
 
 def embedding_rows(model: nn.Module) -> int:
     """Logit width of an mlx-lm model (its input embedding's row count)."""
-    from mtplx.trunk import find_inner_model
-
-    return int(find_inner_model(model).embed_tokens.weight.shape[0])
+    return int(compat.find_inner_model(model).embed_tokens.weight.shape[0])
 
 
 def _special_ids(tokenizer: Any) -> tuple:
@@ -86,8 +85,6 @@ class DraftModelProposer:
         verify_backend: str = "auto",
         cache: list | None = None,
     ):
-        from mlx_lm.models.cache import make_prompt_cache
-
         self.model = model
         self.sampler = sampler
         self.depth = depth
@@ -96,7 +93,7 @@ class DraftModelProposer:
         self.greedy_draft = greedy_draft
         self.prefill_step_size = prefill_step_size
         self.verify_backend = verify_backend
-        self.cache = cache if cache is not None else make_prompt_cache(model)
+        self.cache = cache if cache is not None else compat.make_prompt_cache(model)
         self._fed = 0  # history tokens forwarded through the draft model
         self._checkpoint: cache_ops.BlockCapture | None = None
 
