@@ -229,6 +229,12 @@ def format_stats(stats) -> str:
         f"Peak memory: {stats.peak_memory_gb:.3f} GB",
         f"Time to first token: {stats.ttft_seconds:.3f} s, total time: {stats.total_seconds:.3f} s",
     ]
+    if stats.distributed:
+        d = stats.distributed
+        lines.append(
+            f"Distributed: {d['mode']} over {d['ranks']} ranks, per cycle {d['collectives_per_cycle']} "
+            f"collectives, {d['bytes_per_cycle']} bytes"
+        )
     if stats.mode != "mtp":
         lines.append("Drafter: none (autoregressive)")
         return "\n".join(lines)
@@ -270,6 +276,18 @@ def _use_chat_template(args: argparse.Namespace, engine) -> bool:
     return use
 
 
+def _distributed_mode(args: argparse.Namespace) -> bool | str:
+    """--distributed, or "auto" when this process was started by mlx.launch with 2+ ranks."""
+    requested = getattr(args, "distributed", "off")
+    if requested == "off":
+        return False
+    if requested is not None:
+        return requested
+    from mtplx.distributed import world
+
+    return "auto" if world() is not None else False
+
+
 def load_engine(args: argparse.Namespace, *, quiet: bool = False, prompt_cache_bytes: int = 0):
     """The engine `generate` and `chat` run on; notes on stderr unless ``quiet``."""
     from mtplx.engine import Engine
@@ -277,9 +295,12 @@ def load_engine(args: argparse.Namespace, *, quiet: bool = False, prompt_cache_b
     engine = Engine.load(
         args.model,
         head=args.head,
+        mtp=args.mtp,
         depth=args.depth,
         dtype=args.dtype,
         prompt_cache_bytes=prompt_cache_bytes,
+        distributed=_distributed_mode(args),
+        collective_timeout=getattr(args, "collective_timeout", None),
         draft_model=getattr(args, "draft_model", None),
     )
     if args.mtp is None and not engine.has_head and engine.draft_model is None and not quiet:
@@ -296,6 +317,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = _read_prompt(args)
     quiet = args.verbose is False or args.json
     engine = load_engine(args, quiet=quiet)
+    # Under mlx.launch every rank runs the same loop; only rank 0 prints.
+    silent = engine.distributed is not None and engine.distributed.rank != 0
     chat = _use_chat_template(args, engine)
     if chat:
         system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
@@ -315,7 +338,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         for chunk in stream:
             text.append(chunk.text)
             tokens.extend(chunk.token_ids)
-            if not args.json:
+            if not args.json and not silent:
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
     except KeyboardInterrupt:
@@ -327,6 +350,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if chunk is not None and (_show_stats(args) or args.json):
             print(format_stats(chunk.stats), file=sys.stderr)
         return 130
+    if silent:
+        return 0
     if args.json:
         print(
             json.dumps(
@@ -352,7 +377,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     check_reply_args(args)
     # Each turn resends the conversation: the prompt cache makes it prefill only what is new.
-    engine = load_engine(args, prompt_cache_bytes=DEFAULT_PROMPT_CACHE_BYTES)
+    cache_bytes = DEFAULT_PROMPT_CACHE_BYTES if args.prompt_cache_bytes is None else args.prompt_cache_bytes
+    engine = load_engine(args, prompt_cache_bytes=cache_bytes)
     return run_chat(engine, settings_from_args(args, _sampling_kwargs(args)), format_stats=format_stats)
 
 
@@ -365,9 +391,26 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from mtplx.convert import convert_gguf
+    if str(args.source).endswith(".gguf"):
+        from mtplx.convert import convert_gguf
 
-    out = convert_gguf(args.gguf, args.out, dtype=args.dtype, overwrite=args.overwrite)
+        out = convert_gguf(args.source, args.out, dtype=args.dtype, overwrite=args.overwrite)
+    else:
+        from mtplx.convert_hf import convert_hf
+
+        head_bits = (
+            None
+            if args.head_bits is None
+            else (args.head_bits if args.head_bits == "float" else int(args.head_bits))
+        )
+        out = convert_hf(
+            args.source,
+            args.out,
+            q_bits=args.q_bits,
+            q_group_size=args.q_group_size,
+            head_bits=head_bits,
+            overwrite=args.overwrite,
+        )
     print(f"wrote {out}")
     return 0
 
@@ -465,6 +508,19 @@ def _add_generate_parser(sub) -> None:
         help="feed the prompt as raw text (--ignore-chat-template is mlx-lm's name)",
     )
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    gen.add_argument(
+        "--distributed",
+        choices=("auto", "pipeline", "tensor", "off"),
+        default=None,
+        help="shard the model over the ranks mlx.launch started (default: auto when launched with 2+)",
+    )
+    gen.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="exit with an error when the other ranks do not answer within this (default 300)",
+    )
     gen.set_defaults(func=cmd_generate, command_parser=gen)
 
 
@@ -477,11 +533,13 @@ def _add_chat_parser(sub) -> None:
     _add_sampling_args(chat)
     _add_drafting_args(chat)
     _add_reply_args(chat, max_tokens=512)
-    chat.add_argument(
+    _typed(
+        chat,
         "--prompt-cache-bytes",
-        type=int,
+        convert=int,
         default=None,
-        help="memory for the conversation's cached prompt (default: the engine's)",
+        help="memory for the conversation's cached prompt, so a turn prefills only what is new "
+        "(default 2 GiB; 0 turns it off)",
     )
     chat.set_defaults(func=cmd_chat, command_parser=chat)
 
@@ -513,11 +571,22 @@ def _build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--no-gflops", action="store_true", help="skip the matmul speed measurement")
     doctor.set_defaults(func=cmd_doctor, command_parser=doctor)
 
-    conv = sub.add_parser("convert", help="convert a llama-architecture GGUF into an mlx-lm model directory")
-    conv.add_argument("gguf", help="the .gguf file")
+    conv = sub.add_parser(
+        "convert",
+        help="a llama GGUF, or a Hugging Face checkpoint (quantized, keeping its MTP head), to an mlx-lm directory",
+    )
+    conv.add_argument("source", help="a .gguf file, or a Hugging Face checkpoint directory or repo id")
     conv.add_argument("out", help="output directory (written atomically)")
     conv.add_argument(
-        "--dtype", default="float32", help="float32 | float16 | bfloat16 | q4 (default float32)"
+        "--dtype", default="float32", help="GGUF: float32 | float16 | bfloat16 | q4 (default float32)"
+    )
+    conv.add_argument("--q-bits", type=int, default=4, help="HF: trunk bits per weight (default 4)")
+    conv.add_argument("--q-group-size", type=int, default=64, help="HF: quantization group size (default 64)")
+    conv.add_argument(
+        "--head-bits",
+        choices=["float", "2", "3", "4", "5", "6", "8"],
+        default=None,
+        help="HF: the MTP head's bits, or float to keep it unquantized (default: the trunk's bits)",
     )
     conv.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     conv.set_defaults(func=cmd_convert, command_parser=conv)

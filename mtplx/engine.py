@@ -57,6 +57,8 @@ class GenerationStats:
     # Draft tokens proposed / accepted by each drafter, e.g.
     # {"head": {"drafted": 40, "accepted": 22}, "lookup": {...}, "model": {...}}.
     drafters: dict[str, dict[str, int]] = field(default_factory=dict)
+    # Sharded runs: mode, ranks, collectives and payload bytes per cycle (see mtplx/distributed.py).
+    distributed: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -258,6 +260,7 @@ class Engine:
         self.draft_model = draft_model  # a separate mlx-lm model with the same tokenizer, or None
         self.draft_vocab_size = draft_vocab_size  # the real vocabulary both share (q = 0 past it)
         self.adaptive_threshold = adaptive_threshold  # used when adaptive drafting is asked for
+        self.distributed = None  # a mtplx.distributed.Distributed once sharded
 
     # ----------------------------------------------------------------- loading
     @classmethod
@@ -266,23 +269,38 @@ class Engine:
         model: str | Path | None = None,
         *,
         head: str | Path | None = None,
+        mtp: bool | None = None,
         depth: int | None = None,
         dtype: str | None = None,
         verify_backend: str = "auto",
         draft_model: str | Path | None = None,
         prompt_cache_bytes: int = 0,
+        distributed: bool | str = False,
+        collective_timeout: float | None = None,
     ) -> Engine:
         """Load ``model`` (local path, Hugging Face repo id, or None for the embedded default).
 
         ``head`` is a forged-head directory; without it the checkpoint's own MTP
         head is used, or for the default model the head shipped with mtplx.
         ``draft_model`` is a separate mlx-lm model with the same tokenizer (`draft="model"`).
+        ``mtp=False`` never loads a head; ``mtp=None`` loads one when the checkpoint ships it
+        (a config that declares MTP layers whose tensors a converter stripped gets a one-line
+        note on stderr and decodes AR); ``mtp=True`` makes a missing head an error.
+        ``distributed`` ("pipeline" | "tensor" | True = auto) shards the trunk over the
+        processes started by ``mlx.launch``; ``collective_timeout`` (seconds) bounds every
+        wait on the other ranks (see mtplx/distributed.py).
         """
         from mtplx import heads, loading
 
         if dtype not in (None, *loading.VARIANTS):
             raise MtplxError(f"dtype must be one of {', '.join(loading.VARIANTS)} (got {dtype})")
-        loaded = loading.load_model(model, variant=dtype or "float32")
+        if distributed:
+            from mtplx import distributed as dist
+
+            dist.parse_mode(distributed)
+            group = dist.launch_group()  # before the (long) load: refuse a process that runs alone
+        # Sharded: load lazily, so each rank only materializes the weights it keeps.
+        loaded = loading.load_model(model, variant=dtype or "float32", lazy=bool(distributed))
         engine = cls(
             loaded.model,
             loaded.tokenizer,
@@ -301,7 +319,9 @@ class Engine:
             if head is not None
             else (heads.shipped_head_dir(loading.DEFAULT_MODEL_NAME) if default_variant else None)
         )
-        if head_dir is not None:
+        if mtp is False:
+            engine.head = None  # never loaded: a stripped or broken head cannot stop AR decoding
+        elif head_dir is not None:
             from mtplx.heads import forged
 
             head_fingerprint = loaded.fingerprint
@@ -311,13 +331,20 @@ class Engine:
                 head_fingerprint = loading.load_model(None, variant="float32", lazy=True).fingerprint
             engine.head = forged.load_forged_head(head_dir, engine.trunk, head_fingerprint)
         else:
-            engine.head = heads.load_head(loaded.path, engine.trunk, loaded.config)
+            engine.head = heads.load_checkpoint_head(
+                loaded.path, engine.trunk, loaded.config, required=bool(mtp)
+            )
         if depth is not None and depth < 1:
             raise MtplxError(f"depth must be >= 1 (got {depth})")
         engine.depth = depth if depth is not None else engine._default_depth()
         engine.adaptive_threshold = engine._tuned_threshold()
         if draft_model is not None:
             engine._load_draft_model(draft_model)
+        if distributed:
+            timeout = (
+                collective_timeout if collective_timeout is not None else dist.DEFAULT_COLLECTIVE_TIMEOUT
+            )
+            engine.distributed = dist.shard_engine(engine, group, distributed, timeout)
         return engine
 
     def _load_draft_model(self, path: str | Path) -> None:
@@ -475,6 +502,10 @@ class Engine:
             adaptive_threshold=threshold,
             logprobs=logprobs,
         )
+        if self.distributed is not None:  # every rank must run this request with rank 0's seed
+            seed = self.distributed.agree_on_request(
+                seed, {"prompt": prompt_tokens, "settings": settings, "draft": kind, "max_tokens": max_tokens}
+            )
         key = mx.random.key(seed if seed is not None else int(time.time_ns() % (2**63)))
         session = self._cache_session(prompt_tokens, model_drafter == "head")
         proposer = self._proposer(kind, model_drafter, settings, lookup, model_depth, session.head_cache)
@@ -486,6 +517,8 @@ class Engine:
             steps = decode.ar_decode(
                 self.trunk, prompt_tokens, settings, key, session.trunk_cache, session.prefix
             )
+        if self.distributed is not None:
+            steps = self.distributed.guard_steps(steps)
         speculative = proposer is not None
         return self._assemble(
             steps, session, max_tokens, stops, "mtp" if speculative else "ar", depth if speculative else 0
@@ -580,6 +613,8 @@ class Engine:
     ) -> Iterator[GenerationChunk]:
         eos = set(self.tokenizer.eos_token_ids)
         tracker = _StatsTracker(len(session.prompt_tokens), mode, depth, session.prefix.start)
+        if self.distributed is not None:
+            tracker.stats.distributed = self.distributed.stats(depth + 1 if mode == "mtp" else 1)
         text = _TextAssembler(self.tokenizer, stops)
         produced = 0
         clean_end = False
