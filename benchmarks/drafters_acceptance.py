@@ -41,7 +41,8 @@ def main() -> None:
                 )
             )
             print(json.dumps(rows[-1]), flush=True)
-    atomic_write(OUT, json.dumps(rows, indent=1) + "\n")
+    with atomic_write(OUT) as handle:
+        handle.write(json.dumps(rows, indent=1) + "\n")
 
 
 if __name__ == "__main__":
