@@ -92,13 +92,24 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=48, help="tokens per greedy decoding run")
     ap.add_argument("--decode-prompts", type=int, default=4, help="prompts decoded per variant (0: none)")
+    ap.add_argument(
+        "--trunk",
+        choices=["q4", "float32"],
+        default="q4",
+        help="q4 (default) or float32: the exact dequantization of the same GGUF blocks, so the same "
+        "function up to rounding, and much faster on a CPU, where MLX's 4-bit matmul is slow",
+    )
+    ap.add_argument("--prompts", type=int, default=12, help="suite prompts scored teacher-forced")
+    ap.add_argument("--prompt-tokens", type=int, default=256, help="tokens scored per prompt (at most)")
     args = ap.parse_args()
-    rows = [json.loads(line) for line in SUITE.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in SUITE.read_text().splitlines() if line.strip()][: args.prompts]
     texts = [r.get("prompt") or r["messages"] for r in rows]  # raw text, or a chat
-    engine = Engine.load(None, dtype="q4")
+    engine = Engine.load(None, dtype=args.trunk)
+    print("loaded", flush=True)
     float_head = engine.head
     ids = float_head.vocab_ids if float_head.vocab_ids is not None else mx.arange(engine.trunk.vocab_size)
-    targets = trunk_rows(engine, [engine.encode_prompt(t)[:256] for t in texts], ids)
+    targets = trunk_rows(engine, [engine.encode_prompt(t)[: args.prompt_tokens] for t in texts], ids)
+    print("trunk rows", flush=True)
     head_dir = heads.shipped_head_dir(loading.DEFAULT_MODEL_NAME)
     fingerprint = loading.load_model(None, variant="float32", lazy=True).fingerprint
 

@@ -96,7 +96,10 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         help="local path or Hugging Face repo id (default: the embedded SmolLM2-135M-Instruct)",
     )
     parser.add_argument(
-        "--head", default=None, help="a forged MTP head directory (default: the model's own head)"
+        "--head",
+        default=None,
+        help="a forged MTP head directory or a Gemma 4 assistant (directory or cached repo id) "
+        "(default: the model's own head; for Gemma 4, <model>-assistant if present)",
     )
     parser.add_argument(
         "--dtype",
@@ -415,6 +418,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert_assistant(args: argparse.Namespace) -> int:
+    from mtplx.heads.gemma4_assistant import convert_assistant
+
+    print(f"wrote {convert_assistant(args.assistant, args.target, bits=args.bits)}")
+    return 0
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from mtplx.inspect import format_inspection, inspect_model
 
@@ -590,6 +600,16 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     conv.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     conv.set_defaults(func=cmd_convert, command_parser=conv)
+    ca = sub.add_parser(
+        "convert-assistant",
+        help="write a Gemma 4 assistant beside its (converted, e.g. 4-bit) target as <target>-assistant",
+    )
+    ca.add_argument("assistant", help="the assistant directory or cached repo id")
+    ca.add_argument("target", help="the target model directory it drafts for")
+    ca.add_argument(
+        "--bits", type=int, default=None, help="quantize the drafter (4 or 8; default: bfloat16, unquantized)"
+    )
+    ca.set_defaults(func=cmd_convert_assistant, command_parser=ca)
 
     frg = sub.add_parser("forge", help="train an MTP head for a model that has none (self-distillation)")
     frg.add_argument(

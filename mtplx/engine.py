@@ -188,6 +188,39 @@ class _TextAssembler:
         return delta
 
 
+def _load_head(model, head, dtype, loaded, trunk, required: bool = False):
+    """The draft head for a loaded target: ``head`` (a forged-head directory, or a Gemma 4
+    assistant directory / cached repo id), else the checkpoint's own, else for a Gemma 4 target
+    ``<target>-assistant`` beside it or in the HF cache, else for the default model the shipped one."""
+    from mtplx import heads, loading
+    from mtplx.heads import gemma4_assistant
+
+    # The default model given by its converted directory is still the default model.
+    default_variant = (dtype or "float32") if model is None else loading.default_model_variant(loaded.path)
+    head_dir = (
+        loading.resolve_model(head)  # a directory, or a repo id (Gemma 4 assistants)
+        if head is not None
+        else (heads.shipped_head_dir(loading.DEFAULT_MODEL_NAME) if default_variant else None)
+    )
+    if head_dir is None:
+        own = heads.load_checkpoint_head(loaded.path, trunk, loaded.config, required=required)
+        if own is not None or not gemma4_assistant.is_gemma4_target(loaded.config):
+            return own
+        head_dir = gemma4_assistant.find_assistant(loaded.path, model)
+        if head_dir is None:
+            return None
+    if gemma4_assistant.read_assistant_config(head_dir) is not None:
+        return gemma4_assistant.load_gemma4_assistant(head_dir, trunk, loaded.config)
+    from mtplx.heads import forged
+
+    head_fingerprint = loaded.fingerprint
+    if default_variant == "q4":
+        # The float32 build is the exact dequantization of the same GGUF blocks, so the
+        # shipped head (forged on it) fits the 4-bit build too; check against its weights.
+        head_fingerprint = loading.load_model(None, variant="float32", lazy=True).fingerprint
+    return forged.load_forged_head(head_dir, trunk, head_fingerprint)
+
+
 class _CacheSession:
     """One request's caches and what goes back into the prompt cache when it ends.
 
@@ -280,17 +313,18 @@ class Engine:
     ) -> Engine:
         """Load ``model`` (local path, Hugging Face repo id, or None for the embedded default).
 
-        ``head`` is a forged-head directory; without it the checkpoint's own MTP
-        head is used, or for the default model the head shipped with mtplx.
+        ``head`` is a forged-head directory or a Gemma 4 assistant (directory or cached repo id);
+        without it the checkpoint's own MTP head is used, for a Gemma 4 target the
+        ``<target>-assistant`` beside it or in the HF cache, or for the default model the head
+        shipped with mtplx. ``mtp=False`` never loads a head; ``mtp=None`` loads one when there
+        is one (a config that declares MTP layers whose tensors a converter stripped gets a
+        one-line note on stderr and decodes AR); ``mtp=True`` makes a missing head an error.
         ``draft_model`` is a separate mlx-lm model with the same tokenizer (`draft="model"`).
-        ``mtp=False`` never loads a head; ``mtp=None`` loads one when the checkpoint ships it
-        (a config that declares MTP layers whose tensors a converter stripped gets a one-line
-        note on stderr and decodes AR); ``mtp=True`` makes a missing head an error.
         ``distributed`` ("pipeline" | "tensor" | True = auto) shards the trunk over the
         processes started by ``mlx.launch``; ``collective_timeout`` (seconds) bounds every
         wait on the other ranks (see mtplx/distributed.py).
         """
-        from mtplx import heads, loading
+        from mtplx import loading
 
         if dtype not in (None, *loading.VARIANTS):
             raise MtplxError(f"dtype must be one of {', '.join(loading.VARIANTS)} (got {dtype})")
@@ -310,30 +344,8 @@ class Engine:
             verify_backend=verify_backend,
             prompt_cache_bytes=prompt_cache_bytes,
         )
-        # The default model given by its converted directory is still the default model.
-        default_variant = (
-            (dtype or "float32") if model is None else loading.default_model_variant(loaded.path)
-        )
-        head_dir = (
-            Path(head)
-            if head is not None
-            else (heads.shipped_head_dir(loading.DEFAULT_MODEL_NAME) if default_variant else None)
-        )
-        if mtp is False:
-            engine.head = None  # never loaded: a stripped or broken head cannot stop AR decoding
-        elif head_dir is not None:
-            from mtplx.heads import forged
-
-            head_fingerprint = loaded.fingerprint
-            if default_variant == "q4":
-                # The float32 build is the exact dequantization of the same GGUF blocks, so the
-                # shipped head (forged on it) fits the 4-bit build too; check against its weights.
-                head_fingerprint = loading.load_model(None, variant="float32", lazy=True).fingerprint
-            engine.head = forged.load_forged_head(head_dir, engine.trunk, head_fingerprint)
-        else:
-            engine.head = heads.load_checkpoint_head(
-                loaded.path, engine.trunk, loaded.config, required=bool(mtp)
-            )
+        if mtp is not False:  # mtp=False: plain AR; no head is looked for, so a misfit one cannot fail
+            engine.head = _load_head(model, head, dtype, loaded, engine.trunk, required=bool(mtp))
         if depth is not None and depth < 1:
             raise MtplxError(f"depth must be >= 1 (got {depth})")
         engine.depth = depth if depth is not None else engine._default_depth()
@@ -543,6 +555,10 @@ class Engine:
             raise MtplxError(f"draft: {draft!r} contradicts mtp={mtp} (an alias of draft={alias!r})")
         kind = draft or alias or "auto"
         if kind == "head" and self.head is None:
+            from mtplx.heads import gemma4_assistant
+
+            if gemma4_assistant.is_gemma4_target(self.config):
+                raise MtplxError(gemma4_assistant.MISSING_ASSISTANT)
             raise MtplxError(
                 "this model has no MTP head: use --draft lookup or --no-mtp (mtp=False), "
                 "or train one with `mtplx forge`"
@@ -617,6 +633,7 @@ class Engine:
             tracker.stats.distributed = self.distributed.stats(depth + 1 if mode == "mtp" else 1)
         text = _TextAssembler(self.tokenizer, stops)
         produced = 0
+        candidates_before = self._candidate_counts() if mode == "mtp" else None
         clean_end = False
         try:
             for step in steps:
@@ -640,6 +657,9 @@ class Engine:
                 tracker.record(step, len(kept))
                 logprobs = step.logprobs[: len(kept)] if step.logprobs is not None else None
                 if finish is not None:
+                    if candidates_before is not None:
+                        now = self._candidate_counts()
+                        tracker.stats.drafters["head"].update({k: now[k] - candidates_before[k] for k in now})
                     delta += text.finish()
                     clean_end = True
                     yield GenerationChunk(delta, kept, finish, tracker.stats, logprobs)
@@ -651,6 +671,19 @@ class Engine:
             steps.close()
             if clean_end:
                 session.finish()
+
+    def _candidate_counts(self) -> dict[str, int] | None:
+        """A Gemma 4 assistant with a narrowed vocabulary: its running counts of target tokens checked
+        against the draft candidates and found outside them (stats report this generation's share)."""
+        from mtplx.heads.gemma4_assistant import Gemma4AssistantHead
+
+        if isinstance(self.head, Gemma4AssistantHead) and self.head.narrowed:
+            counts = self.head.candidate_stats()
+            return {
+                "target_checked": counts["checked"],
+                "target_outside_candidates": counts["outside_candidates"],
+            }
+        return None
 
     def generate(self, prompt: str | Sequence[dict], **kwargs) -> GenerationResult:
         """Generate to completion; the same keyword arguments as `stream`."""

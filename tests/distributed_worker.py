@@ -96,7 +96,14 @@ def run_decode(spec: dict) -> dict:
             job["model"], head=job["head"], depth=job["depth"], distributed=job["mode"], collective_timeout=60
         )
         greedy = dict(max_tokens=spec["max_tokens"], temperature=0.0)
-        sampled = dict(max_tokens=spec["max_tokens"], temperature=0.9, top_p=0.95, seed=spec["seed"])
+        # EOS (id 0) banned so the sampled run is long enough to mean something.
+        sampled = dict(
+            max_tokens=spec["max_tokens"],
+            temperature=0.9,
+            top_p=0.95,
+            seed=spec["seed"],
+            logit_bias={0: -100.0},
+        )
         mtp_greedy = engine.generate(PROMPT_TEXT, mtp=True, **greedy)
         out[f"{job['name']}/{job['mode']}"] = {
             "ar_greedy": engine.generate(PROMPT_TEXT, mtp=False, **greedy).token_ids,

@@ -58,8 +58,9 @@ class HeadProposer:
     def observe_prefill(self, output: TrunkOutput, start: int, end: int, prompt_tokens: list[int]) -> None:
         # Head position i pairs trunk hidden i with token i+1; the last prompt
         # position pairs with the first generated token, at the first commit.
+        # A head without a cache of its own (a Gemma 4 assistant reads the trunk's) has nothing to prefill.
         stop = min(end, len(prompt_tokens) - 1)
-        if stop > start:
+        if stop > start and self.cache:
             hidden = trunk_hidden(output, self.head)[:, : stop - start]
             self.head(hidden, mx.array(prompt_tokens[start + 1 : stop + 1])[None], self.cache)
             mx.eval([c.state for c in self.cache])
