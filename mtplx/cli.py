@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 import mtplx  # noqa: F401  (loads the optimized BLAS before anything imports mlx)
+from mtplx.drafters import DRAFT_KINDS
 from mtplx.errors import MtplxError
 
 # API field -> argparse dest, where they differ.
@@ -143,6 +144,45 @@ def _add_drafting_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--greedy-draft", action="store_true", help="draft the head's argmax (still exact)")
 
 
+def _add_drafter_choice_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--draft",
+        default=None,
+        metavar="{" + ",".join(DRAFT_KINDS) + "}",
+        help="drafter: auto (default: prompt lookup where the text recurs, else the draft model or head), "
+        "head, lookup, model, none",
+    )
+    parser.add_argument("--draft-model", default=None, help="a smaller mlx-lm model with the same tokenizer")
+    _typed(
+        parser, "--lookup-min-ngram", convert=int, default=None, help="shortest suffix prompt lookup matches"
+    )
+    _typed(
+        parser, "--lookup-max-ngram", convert=int, default=None, help="longest suffix prompt lookup matches"
+    )
+    _typed(parser, "--lookup-max-tokens", convert=int, default=None, help="most tokens one lookup proposes")
+    parser.add_argument(
+        "--adaptive",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="stop head drafting early when the head is unsure (threshold from `mtplx tune`)",
+    )
+
+
+def _drafter_kwargs(args: argparse.Namespace) -> dict:
+    """The drafter choice for `Engine.stream`, validated before any model loads."""
+    from mtplx.drafters.lookup import LookupConfig
+
+    if args.draft is not None and args.draft not in DRAFT_KINDS:
+        raise MtplxError(f"--draft: must be one of {', '.join(DRAFT_KINDS)}, got {args.draft!r}")
+    defaults = LookupConfig()
+    lookup = LookupConfig(
+        min_ngram=args.lookup_min_ngram if args.lookup_min_ngram is not None else defaults.min_ngram,
+        max_ngram=args.lookup_max_ngram if args.lookup_max_ngram is not None else defaults.max_ngram,
+        max_tokens=args.lookup_max_tokens if args.lookup_max_tokens is not None else defaults.max_tokens,
+    ).validate()
+    return dict(draft=args.draft, lookup=lookup, adaptive=args.adaptive)
+
+
 def _add_reply_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
     _typed(parser, "--max-tokens", "-m", dest="max_tokens", convert=int, default=max_tokens)
     parser.add_argument("--system-prompt", default=None, help="a system message before the prompt")
@@ -264,10 +304,11 @@ def load_engine(args: argparse.Namespace, *, quiet: bool = False, prompt_cache_b
         prompt_cache_bytes=prompt_cache_bytes,
         distributed=_distributed_mode(args),
         collective_timeout=getattr(args, "collective_timeout", None),
+        draft_model=getattr(args, "draft_model", None),
     )
-    if args.mtp is None and not engine.has_head and not quiet:
+    if args.mtp is None and not engine.has_head and engine.draft_model is None and not quiet:
         print(
-            "mtplx: note: this model has no MTP head, decoding autoregressively (train one with `mtplx forge`)",
+            "mtplx: note: this model has no MTP head, drafting by prompt lookup only (train one with `mtplx forge`)",
             file=sys.stderr,
         )
     return engine
@@ -275,6 +316,7 @@ def load_engine(args: argparse.Namespace, *, quiet: bool = False, prompt_cache_b
 
 def cmd_generate(args: argparse.Namespace) -> int:
     check_reply_args(args)
+    drafting = _drafter_kwargs(args)  # before loading: a typo costs no load time
     prompt = _read_prompt(args)
     quiet = args.verbose is False or args.json
     engine = load_engine(args, quiet=quiet)
@@ -292,6 +334,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         greedy_draft=args.greedy_draft,
         chat=chat,
         **_sampling_kwargs(args),
+        **drafting,
     )
     text, tokens, chunk = [], [], None
     try:
@@ -456,6 +499,7 @@ def _add_generate_parser(sub) -> None:
     _add_model_args(gen)
     _add_sampling_args(gen)
     _add_drafting_args(gen)
+    _add_drafter_choice_args(gen)
     _add_reply_args(gen, max_tokens=256)
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     mode = gen.add_mutually_exclusive_group()

@@ -16,6 +16,12 @@ from pathlib import Path
 import mlx.core as mx
 
 from mtplx import decode
+from mtplx.drafters import DRAFT_KINDS
+from mtplx.drafters.auto import AutoProposer
+from mtplx.drafters.base import Proposer
+from mtplx.drafters.draft_model import DraftModelProposer
+from mtplx.drafters.head import HeadProposer
+from mtplx.drafters.lookup import LookupConfig, LookupProposer
 from mtplx.errors import MtplxError
 from mtplx.prompt_cache import PromptCache, is_trimmable
 from mtplx.prompt_cache import leaves as _cache_leaves
@@ -23,6 +29,8 @@ from mtplx.trunk import Trunk
 from mtplx.validation import check_generation_args
 
 DEFAULT_DEPTH = 3
+# Adaptive head drafting stops after a draft the head gave less than this probability.
+DEFAULT_ADAPTIVE_THRESHOLD = 0.3
 
 
 @dataclass
@@ -37,7 +45,7 @@ class GenerationStats:
     tokens_per_cycle: float = 0.0
     acceptance_per_position: list[float] = field(default_factory=list)
     peak_memory_gb: float = 0.0
-    mode: str = "ar"  # "ar" | "mtp"
+    mode: str = "ar"  # "ar" | "mtp" (speculative, with any drafter: see `drafters`)
     depth: int = 0
     ttft_seconds: float = 0.0  # from the start of the call to the first generated token
     total_seconds: float = 0.0  # from the start of the call to the last token so far
@@ -46,7 +54,8 @@ class GenerationStats:
     # Like tokens_per_cycle, over only the verify cycles whose tokens were all kept: the cycle that
     # EOS, a stop string or max_tokens cut short would understate what a cycle yields.
     tokens_per_full_cycle: float = 0.0
-    # Draft tokens proposed / accepted by each drafter, e.g. {"head": {"drafted": 40, "accepted": 22}}.
+    # Draft tokens proposed / accepted by each drafter, e.g.
+    # {"head": {"drafted": 40, "accepted": 22}, "lookup": {...}, "model": {...}}.
     drafters: dict[str, dict[str, int]] = field(default_factory=dict)
     # Sharded runs: mode, ranks, collectives and payload bytes per cycle (see mtplx/distributed.py).
     distributed: dict = field(default_factory=dict)
@@ -83,12 +92,10 @@ class _StatsTracker:
             prefilled_tokens=prompt_tokens - cached_tokens,
             cached_tokens=cached_tokens,
         )
-        if mode == "mtp":
-            self.stats.drafters["head"] = {"drafted": 0, "accepted": 0}
         self._start = time.perf_counter()
         self._first_token_time: float | None = None
-        self._drafted = [0] * depth
-        self._accepted = [0] * depth
+        self._drafted: list[int] = []  # per draft position (blocks may be longer than depth)
+        self._accepted: list[int] = []
         self._committed_in_cycles = 0
         self._full_cycles = 0
         self._committed_in_full_cycles = 0
@@ -102,17 +109,25 @@ class _StatsTracker:
             stats.prefill_seconds = now - self._start
             stats.prefill_tokens_per_sec = stats.prefilled_tokens / max(stats.prefill_seconds, 1e-9)
             stats.ttft_seconds = stats.prefill_seconds
-        elif step.num_drafted or stats.mode == "ar":
+        else:  # every step after the first is a cycle (one without drafts is an AR step)
             stats.cycles += 1
             self._committed_in_cycles += num_tokens_kept
             if num_tokens_kept == len(step.tokens):
                 self._full_cycles += 1
                 self._committed_in_full_cycles += num_tokens_kept
+            missing = step.num_drafted - len(self._drafted)
+            if missing > 0:
+                self._drafted += [0] * missing
+                self._accepted += [0] * missing
             for position in range(step.num_drafted):
                 self._drafted[position] += 1
                 self._accepted[position] += int(position < step.num_accepted)
-            if "head" in stats.drafters:
-                stats.drafters["head"] = {"drafted": sum(self._drafted), "accepted": sum(self._accepted)}
+            start = 0
+            for name, count in step.sources:
+                counts = stats.drafters.setdefault(name, {"drafted": 0, "accepted": 0})
+                counts["drafted"] += count
+                counts["accepted"] += min(max(step.num_accepted - start, 0), count)
+                start += count
         stats.generated_tokens += num_tokens_kept
         stats.decode_seconds = now - self._first_token_time
         stats.total_seconds = now - self._start
@@ -260,6 +275,9 @@ class Engine:
         model_path: Path | None = None,
         fingerprint: str = "",
         verify_backend: str = "auto",
+        draft_model=None,
+        draft_vocab_size: int = 0,
+        adaptive_threshold: float = 0.0,
         prompt_cache_bytes: int = 0,
     ):
         self.trunk = Trunk(model)
@@ -272,6 +290,9 @@ class Engine:
         self.model_path = model_path
         self.fingerprint = fingerprint
         self.verify_backend = verify_backend
+        self.draft_model = draft_model  # a separate mlx-lm model with the same tokenizer, or None
+        self.draft_vocab_size = draft_vocab_size  # the real vocabulary both share (q = 0 past it)
+        self.adaptive_threshold = adaptive_threshold  # used when adaptive drafting is asked for
         self.distributed = None  # a mtplx.distributed.Distributed once sharded
 
     # ----------------------------------------------------------------- loading
@@ -285,6 +306,7 @@ class Engine:
         depth: int | None = None,
         dtype: str | None = None,
         verify_backend: str = "auto",
+        draft_model: str | Path | None = None,
         prompt_cache_bytes: int = 0,
         distributed: bool | str = False,
         collective_timeout: float | None = None,
@@ -297,6 +319,7 @@ class Engine:
         shipped with mtplx. ``mtp=False`` never loads a head; ``mtp=None`` loads one when there
         is one (a config that declares MTP layers whose tensors a converter stripped gets a
         one-line note on stderr and decodes AR); ``mtp=True`` makes a missing head an error.
+        ``draft_model`` is a separate mlx-lm model with the same tokenizer (`draft="model"`).
         ``distributed`` ("pipeline" | "tensor" | True = auto) shards the trunk over the
         processes started by ``mlx.launch``; ``collective_timeout`` (seconds) bounds every
         wait on the other ranks (see mtplx/distributed.py).
@@ -326,12 +349,39 @@ class Engine:
         if depth is not None and depth < 1:
             raise MtplxError(f"depth must be >= 1 (got {depth})")
         engine.depth = depth if depth is not None else engine._default_depth()
+        engine.adaptive_threshold = engine._tuned_threshold()
+        if draft_model is not None:
+            engine._load_draft_model(draft_model)
         if distributed:
             timeout = (
                 collective_timeout if collective_timeout is not None else dist.DEFAULT_COLLECTIVE_TIMEOUT
             )
             engine.distributed = dist.shard_engine(engine, group, distributed, timeout)
         return engine
+
+    def _load_draft_model(self, path: str | Path) -> None:
+        from mtplx import loading
+        from mtplx.drafters.draft_model import check_compatible, embedding_rows
+
+        try:
+            loaded = loading.load_model(path)
+        except MtplxError as e:
+            raise MtplxError(f"draft model: {e}") from None
+        self.draft_vocab_size = check_compatible(
+            self.tokenizer,
+            loaded.tokenizer,
+            embedding_rows(self.trunk.model),
+            embedding_rows(loaded.model),
+            str(path),
+        )
+        self.draft_model = loaded.model
+
+    def _tuned_threshold(self) -> float:
+        """`mtplx tune`'s adaptive-length threshold for this model here, else the built-in default."""
+        from mtplx import tuned
+
+        saved = tuned.saved_threshold(self.fingerprint)
+        return saved if saved is not None else DEFAULT_ADAPTIVE_THRESHOLD
 
     def _default_depth(self) -> int:
         """`mtplx tune`'s choice for this model on this machine (0 = AR was fastest), else the head's default."""
@@ -408,12 +458,21 @@ class Engine:
         greedy_draft: bool = False,
         chat: bool | None = None,
         logprobs: int | None = None,
+        draft: str | None = None,
+        lookup: LookupConfig | None = None,
+        adaptive: bool = False,
+        adaptive_threshold: float | None = None,
     ) -> Iterator[GenerationChunk]:
         """Generate incrementally; each chunk carries new text, new token ids and running stats.
 
-        ``mtp=None`` decodes with the MTP head when the engine has one (and tuning did not
-        find plain AR faster here); ``mtp=True`` insists on it; ``mtp=False`` is plain AR.
-        ``logprobs=n`` reports the target's log-probability of each token plus its top n.
+        ``draft`` picks the drafter (`mtplx.drafters`): "auto" (default: prompt lookup where
+        the text recurs, else the draft model or the MTP head when the engine has one and
+        tuning did not find plain AR faster here), "head", "lookup", "model" or "none"
+        (plain AR). ``mtp=True`` is an alias of "head", ``mtp=False`` of "none". ``depth`` is
+        the most drafts a model drafter makes per cycle; ``adaptive`` stops the head earlier
+        when it is unsure (threshold from `mtplx tune`, or ``adaptive_threshold``, which
+        implies ``adaptive``). ``logprobs=n`` reports the target's log-probability of each
+        token plus its top n.
         """
         if logprobs is not None and logprobs < 0:
             raise MtplxError(f"logprobs must be >= 0 (got {logprobs})")
@@ -429,18 +488,16 @@ class Engine:
             frequency_penalty=frequency_penalty,
             logit_bias=logit_bias,
         )
-        if mtp is None:
-            mtp = self.head is not None and (depth is not None or bool(self.depth))
-        # An explicit mtp=True on a model tuned to AR (depth 0) still drafts, at the head's own depth.
+        kind = self._draft_kind(draft, mtp)
+        if adaptive_threshold is not None and not 0.0 < adaptive_threshold < 1.0:
+            raise MtplxError(f"adaptive_threshold: must be in (0, 1), got {adaptive_threshold}")
+        threshold = adaptive_threshold or (self.adaptive_threshold if adaptive else 0.0)
+        lookup = (lookup or LookupConfig()).validate()
+        model_drafter = self._model_drafter(kind, tuned_to_ar=depth is None and not self.depth)
+        # The head's tuned depth says nothing about a draft model's best depth.
+        model_depth = depth if depth is not None else DEFAULT_DEPTH
+        # An explicit drafter on a model tuned to AR (depth 0) still drafts, at the head's own depth.
         depth = depth if depth is not None else (self.depth or self._head_depth())
-        if mtp and self.head is None:
-            from mtplx.heads import gemma4_assistant
-
-            if gemma4_assistant.is_gemma4_target(self.config):
-                raise MtplxError(gemma4_assistant.MISSING_ASSISTANT)
-            raise MtplxError(
-                "this model has no MTP head: use --no-mtp (mtp=False), or train one with `mtplx forge`"
-            )
         prompt_tokens = self.encode_prompt(prompt, chat)
         limit = self._context_length()
         if limit is not None and len(prompt_tokens) + max_tokens > limit:
@@ -454,24 +511,19 @@ class Engine:
             depth=depth,
             greedy_draft=greedy_draft,
             verify_backend=self.verify_backend,
+            adaptive_threshold=threshold,
             logprobs=logprobs,
         )
         if self.distributed is not None:  # every rank must run this request with rank 0's seed
             seed = self.distributed.agree_on_request(
-                seed, {"prompt": prompt_tokens, "settings": settings, "mtp": mtp, "max_tokens": max_tokens}
+                seed, {"prompt": prompt_tokens, "settings": settings, "draft": kind, "max_tokens": max_tokens}
             )
         key = mx.random.key(seed if seed is not None else int(time.time_ns() % (2**63)))
-        session = self._cache_session(prompt_tokens, bool(mtp))
-        if mtp:
-            steps = decode.mtp_decode(
-                self.trunk,
-                self.head,
-                prompt_tokens,
-                settings,
-                key,
-                session.trunk_cache,
-                session.head_cache,
-                session.prefix,
+        session = self._cache_session(prompt_tokens, model_drafter == "head")
+        proposer = self._proposer(kind, model_drafter, settings, lookup, model_depth, session.head_cache)
+        if proposer is not None:
+            steps = decode.speculative_decode(
+                self.trunk, proposer, prompt_tokens, settings, key, session.trunk_cache, session.prefix
             )
         else:
             steps = decode.ar_decode(
@@ -479,7 +531,10 @@ class Engine:
             )
         if self.distributed is not None:
             steps = self.distributed.guard_steps(steps)
-        return self._assemble(steps, session, max_tokens, stops, "mtp" if mtp else "ar", depth if mtp else 0)
+        speculative = proposer is not None
+        return self._assemble(
+            steps, session, max_tokens, stops, "mtp" if speculative else "ar", depth if speculative else 0
+        )
 
     def _cache_session(self, prompt_tokens: list[int], with_head: bool) -> _CacheSession:
         hit = self.prompt_cache.lookup(prompt_tokens, with_head)
@@ -490,6 +545,78 @@ class Engine:
         else:
             trunk_cache, head_cache, start = hit.trunk_cache, hit.head_cache, hit.start
         return _CacheSession(self.prompt_cache, prompt_tokens, trunk_cache, head_cache, start)
+
+    def _draft_kind(self, draft: str | None, mtp: bool | None) -> str:
+        """The drafter asked for, checked against what this engine has (one-line errors)."""
+        if draft is not None and draft not in DRAFT_KINDS:
+            raise MtplxError(f"draft: must be one of {', '.join(DRAFT_KINDS)}, got {draft!r}")
+        alias = None if mtp is None else ("head" if mtp else "none")
+        if draft is not None and alias is not None and draft != alias:
+            raise MtplxError(f"draft: {draft!r} contradicts mtp={mtp} (an alias of draft={alias!r})")
+        kind = draft or alias or "auto"
+        if kind == "head" and self.head is None:
+            from mtplx.heads import gemma4_assistant
+
+            if gemma4_assistant.is_gemma4_target(self.config):
+                raise MtplxError(gemma4_assistant.MISSING_ASSISTANT)
+            raise MtplxError(
+                "this model has no MTP head: use --draft lookup or --no-mtp (mtp=False), "
+                "or train one with `mtplx forge`"
+            )
+        if kind == "model" and self.draft_model is None:
+            raise MtplxError(
+                "draft: 'model' needs a draft model (--draft-model PATH, Engine.load(draft_model=...))"
+            )
+        return kind
+
+    def _model_drafter(self, kind: str, *, tuned_to_ar: bool) -> str | None:
+        """Which model drafter a request uses: "head", "model" (the draft model) or None."""
+        if kind == "model" or (kind == "auto" and self.draft_model is not None):
+            return "model"
+        if kind == "head" or (kind == "auto" and self.head is not None and not tuned_to_ar):
+            return "head"
+        return None
+
+    def _proposer(
+        self,
+        kind: str,
+        model_drafter: str | None,
+        settings: decode.DecodeSettings,
+        lookup: LookupConfig,
+        model_depth: int,
+        head_cache: list | None,
+    ) -> Proposer | None:
+        """A fresh drafter for one request (its state lives and dies with the request, except
+        the head's cache, which comes from the request's prompt-cache session)."""
+        if kind == "none":
+            return None
+        if kind == "lookup":
+            return LookupProposer(lookup)
+        drafter: Proposer | None = None
+        if model_drafter == "model":
+            drafter = DraftModelProposer(
+                self.draft_model,
+                sampler=settings.sampler,
+                depth=model_depth,
+                target_vocab_size=int(self.trunk.vocab_size),
+                real_vocab_size=self.draft_vocab_size,
+                greedy_draft=settings.greedy_draft,
+                prefill_step_size=settings.prefill_step_size,
+                verify_backend=settings.verify_backend,
+            )
+        elif model_drafter == "head":
+            drafter = HeadProposer(
+                self.head,
+                sampler=settings.sampler,
+                depth=settings.depth,
+                greedy_draft=settings.greedy_draft,
+                adaptive_threshold=settings.adaptive_threshold,
+                verify_backend=settings.verify_backend,
+                cache=head_cache,
+            )
+        if kind == "auto":
+            return AutoProposer(LookupProposer(lookup), drafter)
+        return drafter
 
     def _assemble(
         self,
