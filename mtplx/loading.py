@@ -288,7 +288,7 @@ def load_model(
     """Resolve ``spec`` and load it through mlx-lm: model, tokenizer wrapper, config, fingerprint."""
     from mlx_lm.utils import load_tokenizer
 
-    from mtplx.fingerprint import model_fingerprint
+    from mtplx.fingerprint import model_fingerprint, streamed_fingerprint
 
     path = resolve_model(spec, variant=variant, cache_dir=cache_dir, hub_cache=hub_cache)
     model, config = load_mlx_model(path, lazy=lazy)
@@ -296,6 +296,6 @@ def load_model(
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     except Exception as e:
         raise MtplxError(f"{path}: cannot load tokenizer ({_first_line(e)})") from None
-    return LoadedModel(
-        model=model, tokenizer=tokenizer, config=config, path=path, fingerprint=model_fingerprint(model)
-    )
+    # A lazy load stays lazy: fingerprint the files, not the (then materialized) parameters.
+    fingerprint = streamed_fingerprint(path, model) if lazy else model_fingerprint(model)
+    return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=path, fingerprint=fingerprint)

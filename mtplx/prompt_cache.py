@@ -35,8 +35,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import mlx.core as mx
-from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache
 
+from mtplx.compat import CacheList, KVCache, QuantizedKVCache, cache_members
 from mtplx.errors import MtplxError
 
 __all__ = [
@@ -56,7 +56,7 @@ DEFAULT_PROMPT_CACHE_BYTES = 2 * 1024**3
 def leaves(cache: list) -> list:
     out = []
     for c in cache:
-        out.extend(leaves(list(c.caches)) if type(c) is CacheList else [c])
+        out.extend(leaves(cache_members(c)) if type(c) is CacheList else [c])
     return out
 
 
@@ -81,7 +81,7 @@ def copy_cache(cache: list) -> list:
     for c in cache:
         new = copy.copy(c)
         if type(c) is CacheList:
-            new.caches = tuple(copy_cache(list(c.caches)))
+            new.caches = tuple(copy_cache(cache_members(c)))
         else:
             new.__dict__.update({k: _detached(v) for k, v in vars(c).items()})
         out.append(new)
@@ -102,7 +102,7 @@ def cache_nbytes(cache: list) -> int:
 
 def _trim_to(cache: list, size: int) -> None:
     for c in leaves(cache):
-        c.offset = size
+        c.trim(c.offset - size)  # offset becomes size (KV caches only: is_trimmable)
 
 
 def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
