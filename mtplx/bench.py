@@ -53,7 +53,8 @@ from mtplx.tuned import machine_info
 
 # Large but finite: -inf can turn into NaN in the filter pipeline (inf - inf).
 BAN_BIAS = -1e9
-KINDS = ("code", "prose", "chat")
+KINDS = ("code", "prose", "chat", "grounded")
+DRAFTS = ("head", "lookup", "auto")  # the drafters a sweep can compare (`mtplx.drafters`)
 DEFAULT_DEPTHS = (1, 2, 3, 4)
 DEFAULT_TEMPS = (0.0, 0.7)
 DEFAULT_TOP_P = 0.95
@@ -99,13 +100,18 @@ class Prompt:
 
 @dataclass(frozen=True)
 class Variant:
-    mode: str  # "stock" | "ar" | "mtp"
+    mode: str  # "stock" | "ar" | "mtp" (speculative)
     depth: int = 0
+    draft: str = "head"  # the drafter of an "mtp" variant: "head" | "lookup" | "auto"
+    threshold: float = 0.0  # > 0: adaptive head drafting, up to ``depth``, with this threshold
 
     @property
     def name(self) -> str:
         if self.mode == "mtp":
-            return f"mtplx MTP d={self.depth}"
+            if self.draft == "lookup":
+                return "mtplx lookup"
+            adaptive = f" adaptive {self.threshold:g}" if self.threshold > 0 else ""
+            return f"mtplx {'MTP' if self.draft == 'head' else self.draft} d={self.depth}{adaptive}"
         return "mlx-lm stock" if self.mode == "stock" else "mtplx AR"
 
 
@@ -266,6 +272,9 @@ class RunRecord:
     accepted_per_position: list[int] = field(default_factory=list)  # cycles whose drafts 1..i+1 were all kept
     tokens_in_cycles: int = 0  # tokens committed by those cycles
     peak_memory_gb: float = 0.0
+    draft: str = "head"  # the drafter of an "mtp" run
+    threshold: float = 0.0  # adaptive head drafting threshold (0 = fixed depth)
+    drafters: dict[str, dict[str, int]] = field(default_factory=dict)  # per drafter: drafted/accepted
 
     @property
     def decode_tokens_per_sec(self) -> float:
@@ -362,6 +371,8 @@ def make_runner(engine, *, ban_eos: bool = True) -> Runner:
             variant=variant.name,
             mode=variant.mode,
             depth=variant.depth,
+            draft=variant.draft,
+            threshold=variant.threshold,
             setting=setting.name,
             prompt_id=prompt.id,
             kind=prompt.kind,
@@ -390,8 +401,9 @@ def make_runner(engine, *, ban_eos: bool = True) -> Runner:
             top_p=setting.top_p,
             logit_bias=bias,
             seed=seed,
-            mtp=variant.mode == "mtp",
-            depth=variant.depth if variant.mode == "mtp" else None,
+            draft=variant.draft if variant.mode == "mtp" else "none",
+            depth=variant.depth if variant.mode == "mtp" and variant.depth else None,
+            **({"adaptive_threshold": variant.threshold} if variant.threshold > 0 else {}),
         ):
             clock.tokens_arrived(len(chunk.token_ids))
             stats = chunk.stats
@@ -406,9 +418,11 @@ def make_runner(engine, *, ban_eos: bool = True) -> Runner:
         if variant.mode == "mtp" and stats is not None:
             record.cycles = int(stats.cycles)
             record.tokens_in_cycles = round(stats.tokens_per_cycle * stats.cycles)
-            record.accepted_per_position = accepted_counts(
-                stats.acceptance_per_position, stats.cycles, variant.depth
-            )
+            record.drafters = {name: dict(counts) for name, counts in stats.drafters.items()}
+            if variant.draft == "head" and variant.threshold == 0:  # fixed-length blocks only
+                record.accepted_per_position = accepted_counts(
+                    stats.acceptance_per_position, stats.cycles, variant.depth
+                )
         return record
 
     return run
@@ -441,8 +455,34 @@ class SweepPlan:
         return warmups + len(self.variants) * len(self.settings) * len(self.prompts) * self.repeats
 
 
-def make_variants(depths: Sequence[int], *, stock: bool = True) -> list[Variant]:
-    return ([Variant("stock")] if stock else []) + [Variant("ar")] + [Variant("mtp", d) for d in depths]
+def make_variants(
+    depths: Sequence[int],
+    *,
+    stock: bool = True,
+    drafts: Sequence[str] = ("head",),
+    thresholds: Sequence[float] = (),
+) -> list[Variant]:
+    """Stock, AR, then per drafter: the head and auto at each depth, lookup once (no depth);
+    with ``thresholds``, adaptive head drafting up to the largest depth, one per threshold."""
+    speculative = []
+    for draft in drafts:
+        if draft == "lookup":
+            speculative.append(Variant("mtp", 0, "lookup"))
+        else:
+            speculative += [Variant("mtp", d, draft) for d in depths]
+    if depths:
+        speculative += [Variant("mtp", max(depths), "head", t) for t in thresholds]
+    return ([Variant("stock")] if stock else []) + [Variant("ar")] + speculative
+
+
+def parse_drafts(spec: str | Sequence[str] | None) -> list[str]:
+    """'head,lookup,auto' -> the drafters to sweep (default: the head only)."""
+    items = spec.split(",") if isinstance(spec, str) else list(spec or ["head"])
+    drafts = [d.strip() for d in items if d.strip()]
+    unknown = [d for d in drafts if d not in DRAFTS]
+    if unknown or not drafts:
+        raise MtplxError(f"drafts: must be a comma-separated subset of {','.join(DRAFTS)}, got {spec!r}")
+    return list(dict.fromkeys(drafts))
 
 
 def run_sweep(
@@ -524,6 +564,10 @@ class Summary:
     tau: float | None = None  # measured tokens per verify cycle
     tau_theory: float | None = None
     efficiency: float | None = None  # ratio_to_stock / tau_theory
+    draft: str = "head"
+    threshold: float = 0.0
+    kind: str = "all"  # the prompt kind summarized, or "all"
+    drafters: dict[str, dict[str, int]] = field(default_factory=dict)  # drafted/accepted, all runs
 
 
 def _per_repeat_rates(records: Sequence[RunRecord]) -> tuple[list[float], list[float]]:
@@ -554,13 +598,21 @@ def summarize_group(records: Sequence[RunRecord]) -> Summary:
         prefill_tps=statistics.median(prefill),
         generated_tokens=sum(r.generated_tokens for r in records),
         peak_memory_gb=max(r.peak_memory_gb for r in records),
+        draft=first.draft,
+        threshold=first.threshold,
     )
+    for r in records:
+        for name, counts in r.drafters.items():
+            total = summary.drafters.setdefault(name, {"drafted": 0, "accepted": 0})
+            total["drafted"] += counts.get("drafted", 0)
+            total["accepted"] += counts.get("accepted", 0)
     cycles = sum(r.cycles for r in records)
     if first.mode == "mtp" and cycles > 0:
+        summary.tau = sum(r.tokens_in_cycles for r in records) / cycles
+    if first.mode == "mtp" and cycles > 0 and first.draft == "head" and first.threshold == 0:
         accepted = [sum(r.accepted_per_position[i] for r in records) for i in range(first.depth)]
         summary.acceptance_cumulative = [a / cycles for a in accepted]
         summary.acceptance = conditional_acceptance(summary.acceptance_cumulative)
-        summary.tau = sum(r.tokens_in_cycles for r in records) / cycles
         summary.tau_theory = theoretical_tau(summary.acceptance)
     return summary
 
@@ -584,6 +636,17 @@ def paired_ratios(records: Sequence[RunRecord], baseline_mode: str) -> dict[tupl
                 r.decode_tokens_per_sec / base.decode_tokens_per_sec
             )
     return ratios
+
+
+def summarize_by_kind(records: Sequence[RunRecord]) -> list[Summary]:
+    """`summarize` per prompt kind (each kind's own paired ratios), kinds in run order."""
+    kinds = list(dict.fromkeys(r.kind for r in records if r.repeat >= 0))
+    out = []
+    for kind in kinds:
+        for s in summarize([r for r in records if r.kind == kind]):
+            s.kind = kind
+            out.append(s)
+    return out
 
 
 def summarize(records: Sequence[RunRecord]) -> list[Summary]:
@@ -621,19 +684,31 @@ def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
+def _drafter_counts(s: Summary) -> str:
+    parts = [f"{name} {c['accepted']}/{c['drafted']}" for name, c in s.drafters.items() if c.get("drafted")]
+    return ", ".join(parts) or "-"
+
+
 def markdown_table(summaries: Sequence[Summary]) -> str:
+    """The results table; with a kind column when the summaries are per prompt kind, and a
+    drafters column (accepted/drafted per drafter) when a sweep compares drafters."""
+    by_kind = any(s.kind != "all" for s in summaries)
+    drafters = any(s.draft != "head" for s in summaries if s.mode == "mtp")
     header = (
-        "| setting | variant | decode tok/s (median [min-max]) | prefill tok/s | x stock (paired) | x mtplx AR (paired) "
-        "| acceptance per position | tau | tau theory | efficiency | peak GB |"
+        ("| kind " if by_kind else "")
+        + "| setting | variant | decode tok/s (median [min-max]) | prefill tok/s | x stock (paired) "
+        "| x mtplx AR (paired) | acceptance per position | tau | tau theory | efficiency | peak GB |"
+        + (" drafters (accepted/drafted) |" if drafters else "")
     )
-    rows = [header, "|" + "---|" * 11]
+    rows = [header, "|" + "---|" * (11 + by_kind + drafters)]
     for s in summaries:
         acceptance = "[" + ", ".join(f"{a:.2f}" for a in s.acceptance) + "]" if s.acceptance else "-"
         rows.append(
-            f"| {s.setting} | {s.variant} | {s.decode_tps:.2f} [{s.decode_tps_min:.2f}-{s.decode_tps_max:.2f}] "
+            (f"| {s.kind} " if by_kind else "")
+            + f"| {s.setting} | {s.variant} | {s.decode_tps:.2f} [{s.decode_tps_min:.2f}-{s.decode_tps_max:.2f}] "
             f"| {s.prefill_tps:.1f} | {_fmt(s.ratio_to_stock, '.2f', 'x')} | {_fmt(s.ratio_to_ar, '.2f', 'x')} "
             f"| {acceptance} | {_fmt(s.tau, '.2f')} | {_fmt(s.tau_theory, '.2f')} | {_fmt(s.efficiency, '.2f')} "
-            f"| {s.peak_memory_gb:.3f} |"
+            f"| {s.peak_memory_gb:.3f} |" + (f" {_drafter_counts(s)} |" if drafters else "")
         )
     return "\n".join(rows)
 
@@ -734,6 +809,8 @@ def write_plot(path: str | Path, summaries: Sequence[Summary], title: str = "") 
     fig, (ax, ax_ratio) = plt.subplots(1, 2, figsize=(11, 4.4), dpi=120)
     try:
         settings = list(dict.fromkeys(s.setting for s in summaries))
+        # The depth axis is the head's; lookup/auto rows are in the tables, not the plot.
+        summaries = [s for s in summaries if s.mode != "mtp" or (s.draft == "head" and s.threshold == 0)]
         depths = sorted({s.depth for s in summaries if s.mode in ("ar", "mtp")}) or [0]
         for index, setting in enumerate(settings):
             color = f"C{index}"
@@ -838,19 +915,23 @@ def run_benchmark(
     progress: bool = True,
     runner: Runner | None = None,
     desc: str = "bench",
+    drafts: Sequence[str] = ("head",),
+    thresholds: Sequence[float] = (),
 ) -> tuple[list[Summary], list[RunRecord], SweepPlan]:
     """Validate everything, then run the interleaved sweep on a loaded engine."""
     check_counts(tokens, repeats)
     if warmup_tokens < 0:
         raise MtplxError(f"warmup_tokens: must be >= 0, got {warmup_tokens}")
     depths = parse_depths(list(depths))
-    check_depths_servable(engine, depths)
+    drafts = parse_drafts(list(drafts))
+    if any(d != "lookup" for d in drafts):  # lookup alone needs no head
+        check_depths_servable(engine, depths)
     prompts = list(prompts) if prompts is not None else load_prompts()
     if not prompts:
         raise MtplxError("prompts: none given")
     check_prompts_fit(engine, prompts, tokens)
     plan = SweepPlan(
-        make_variants(depths, stock=stock),
+        make_variants(depths, stock=stock, drafts=drafts, thresholds=thresholds),
         make_settings(temps, top_p),
         prompts,
         tokens,
@@ -890,6 +971,7 @@ def bench_main(
     progress: bool = True,
     engine=None,
     out=None,
+    drafts: str | Sequence[str] | None = None,
 ) -> int:
     """`mtplx bench`: load, sweep, print the markdown table, write JSON and PNG (atomically).
 
@@ -900,6 +982,7 @@ def bench_main(
     check_counts(tokens, repeats)
     commit = _git_commit()  # now: files (a head, the engine) may change in the tree while the sweep runs
     depth_list = parse_depths(depths)
+    draft_list = parse_drafts(drafts)
     settings = make_settings(temps, top_p)
     prompt_list = load_prompts(prompts_file, kinds=kinds, per_kind=per_kind)
     if engine is None:
@@ -921,6 +1004,7 @@ def bench_main(
         warmup_tokens=warmup_tokens,
         seed=seed,
         progress=progress,
+        drafts=draft_list,
     )
     context = {
         "model": str(model) if model is not None else "default (SmolLM2-135M-Instruct)",
@@ -934,6 +1018,8 @@ def bench_main(
     }
     document = result_document(summaries, records, plan, context)
     print(markdown_table(summaries), file=out)
+    if len({p.kind for p in prompt_list}) > 1:
+        print("\nper prompt kind:\n\n" + markdown_table(summarize_by_kind(records)), file=out)
     if json_path:
         write_json(json_path, document)
         print(f"\nwrote {json_path}", file=out)
@@ -962,8 +1048,11 @@ def report_main(
         raise MtplxError(f"{path}: unreadable bench result ({type(e).__name__})") from None
     if not isinstance(document, dict):
         raise MtplxError(f"{path}: not an mtplx bench result")
-    summaries = summarize(records_from_document(document))
+    records = records_from_document(document)
+    summaries = summarize(records)
     print(markdown_table(summaries), file=out)
+    if len({r.kind for r in records}) > 1:
+        print("\nper prompt kind:\n\n" + markdown_table(summarize_by_kind(records)), file=out)
     if plot_path:
         machine = document.get("machine", {})
         plan = document.get("plan", {})
@@ -1017,6 +1106,11 @@ def add_bench_args(parser) -> None:
         help="prompts: .jsonl ({id, kind, prompt|messages}) or one raw prompt per line (default: the shipped suite)",
     )
     parser.add_argument("--kinds", default=None, help="comma-separated prompt kinds to keep, e.g. code,chat")
+    parser.add_argument(
+        "--drafts",
+        default="head",
+        help=f"drafters to compare, a subset of {','.join(DRAFTS)} (default head; lookup runs once, no depth)",
+    )
     parser.add_argument("--per-kind", type=int, default=None, help="keep the first N prompts of each kind")
     parser.add_argument("--temps", default="0,0.7", help="comma-separated temperatures (default 0,0.7)")
     parser.add_argument(
@@ -1073,4 +1167,5 @@ def bench_from_args(args) -> int:
         warmup_tokens=args.warmup_tokens,
         seed=args.seed,
         progress=not args.no_progress,
+        drafts=args.drafts,
     )

@@ -77,6 +77,7 @@ __all__ = [
     "abort_block",
     "begin_block",
     "check_rollback_support",
+    "checkpoint",
     "commit_block",
     "trim_kv",
 ]
@@ -356,6 +357,41 @@ def begin_block(cache: list, block_len: int | None = None) -> BlockCapture:
         else:
             records.append(_KVRecord(c, c.offset))
     return BlockCapture(block_len, records)
+
+
+@dataclass
+class _SlotsRecord:
+    cache: ArraysCache
+    slots_before: list
+
+    def abort(self) -> None:
+        # Layers assign new arrays into the slots (never write into them), so the old references are exact.
+        self.cache.cache = list(self.slots_before)
+
+
+def checkpoint(cache: list) -> BlockCapture:
+    """Record ``cache`` so that ``abort_block`` restores it after any number of forwards.
+
+    For autoregressive drafting (a draft model's own cache): several one-token
+    forwards follow, and all of them are undone at once. Unlike ``begin_block``
+    nothing switches to capture mode, so the forwards may be many; a partial
+    keep is not possible (the caller re-forwards the kept tokens instead).
+    Any ArraysCache is restorable here: its slots are replaced, not written into.
+    """
+    records: list = []
+    for i, c in _leaves(cache):
+        reason = _leaf_refusal(c)
+        if reason is None and _batch_size(c) not in (None, 1):
+            reason = f"batch size {_batch_size(c)} (only 1 is supported)"
+        if reason is not None:
+            raise ValueError(f"cannot checkpoint this cache: cache of layer {i}: {reason}")
+        if type(c) is ArraysCache:
+            records.append(_SlotsRecord(c, list(c.cache)))
+        elif type(c) is RotatingKVCache:
+            records.append(_begin_rotating(c, None))
+        else:
+            records.append(_KVRecord(c, c.offset))
+    return BlockCapture(None, records)
 
 
 def _block_len(capture: BlockCapture) -> int:

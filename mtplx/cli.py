@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 import mtplx  # noqa: F401  (loads the optimized BLAS before anything imports mlx)
+from mtplx.drafters import DRAFT_KINDS
 from mtplx.errors import MtplxError
 
 # API field -> argparse dest, where they differ.
@@ -95,7 +96,10 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         help="local path or Hugging Face repo id (default: the embedded SmolLM2-135M-Instruct)",
     )
     parser.add_argument(
-        "--head", default=None, help="a forged MTP head directory (default: the model's own head)"
+        "--head",
+        default=None,
+        help="a forged MTP head directory or a Gemma 4 assistant (directory or cached repo id) "
+        "(default: the model's own head; for Gemma 4, <model>-assistant if present)",
     )
     parser.add_argument(
         "--dtype",
@@ -138,6 +142,45 @@ def _add_drafting_args(parser: argparse.ArgumentParser) -> None:
         "--no-mtp", dest="mtp", action="store_false", help="plain autoregressive decoding"
     )
     parser.add_argument("--greedy-draft", action="store_true", help="draft the head's argmax (still exact)")
+
+
+def _add_drafter_choice_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--draft",
+        default=None,
+        metavar="{" + ",".join(DRAFT_KINDS) + "}",
+        help="drafter: auto (default: prompt lookup where the text recurs, else the draft model or head), "
+        "head, lookup, model, none",
+    )
+    parser.add_argument("--draft-model", default=None, help="a smaller mlx-lm model with the same tokenizer")
+    _typed(
+        parser, "--lookup-min-ngram", convert=int, default=None, help="shortest suffix prompt lookup matches"
+    )
+    _typed(
+        parser, "--lookup-max-ngram", convert=int, default=None, help="longest suffix prompt lookup matches"
+    )
+    _typed(parser, "--lookup-max-tokens", convert=int, default=None, help="most tokens one lookup proposes")
+    parser.add_argument(
+        "--adaptive",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="stop head drafting early when the head is unsure (threshold from `mtplx tune`)",
+    )
+
+
+def _drafter_kwargs(args: argparse.Namespace) -> dict:
+    """The drafter choice for `Engine.stream`, validated before any model loads."""
+    from mtplx.drafters.lookup import LookupConfig
+
+    if args.draft is not None and args.draft not in DRAFT_KINDS:
+        raise MtplxError(f"--draft: must be one of {', '.join(DRAFT_KINDS)}, got {args.draft!r}")
+    defaults = LookupConfig()
+    lookup = LookupConfig(
+        min_ngram=args.lookup_min_ngram if args.lookup_min_ngram is not None else defaults.min_ngram,
+        max_ngram=args.lookup_max_ngram if args.lookup_max_ngram is not None else defaults.max_ngram,
+        max_tokens=args.lookup_max_tokens if args.lookup_max_tokens is not None else defaults.max_tokens,
+    ).validate()
+    return dict(draft=args.draft, lookup=lookup, adaptive=args.adaptive)
 
 
 def _add_reply_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -189,6 +232,12 @@ def format_stats(stats) -> str:
         f"Peak memory: {stats.peak_memory_gb:.3f} GB",
         f"Time to first token: {stats.ttft_seconds:.3f} s, total time: {stats.total_seconds:.3f} s",
     ]
+    if stats.distributed:
+        d = stats.distributed
+        lines.append(
+            f"Distributed: {d['mode']} over {d['ranks']} ranks, per cycle {d['collectives_per_cycle']} "
+            f"collectives, {d['bytes_per_cycle']} bytes"
+        )
     if stats.mode != "mtp":
         lines.append("Drafter: none (autoregressive)")
         return "\n".join(lines)
@@ -230,14 +279,36 @@ def _use_chat_template(args: argparse.Namespace, engine) -> bool:
     return use
 
 
-def load_engine(args: argparse.Namespace, *, quiet: bool = False):
+def _distributed_mode(args: argparse.Namespace) -> bool | str:
+    """--distributed, or "auto" when this process was started by mlx.launch with 2+ ranks."""
+    requested = getattr(args, "distributed", "off")
+    if requested == "off":
+        return False
+    if requested is not None:
+        return requested
+    from mtplx.distributed import world
+
+    return "auto" if world() is not None else False
+
+
+def load_engine(args: argparse.Namespace, *, quiet: bool = False, prompt_cache_bytes: int = 0):
     """The engine `generate` and `chat` run on; notes on stderr unless ``quiet``."""
     from mtplx.engine import Engine
 
-    engine = Engine.load(args.model, head=args.head, depth=args.depth, dtype=args.dtype)
-    if args.mtp is None and not engine.has_head and not quiet:
+    engine = Engine.load(
+        args.model,
+        head=args.head,
+        mtp=args.mtp,
+        depth=args.depth,
+        dtype=args.dtype,
+        prompt_cache_bytes=prompt_cache_bytes,
+        distributed=_distributed_mode(args),
+        collective_timeout=getattr(args, "collective_timeout", None),
+        draft_model=getattr(args, "draft_model", None),
+    )
+    if args.mtp is None and not engine.has_head and engine.draft_model is None and not quiet:
         print(
-            "mtplx: note: this model has no MTP head, decoding autoregressively (train one with `mtplx forge`)",
+            "mtplx: note: this model has no MTP head, drafting by prompt lookup only (train one with `mtplx forge`)",
             file=sys.stderr,
         )
     return engine
@@ -245,9 +316,12 @@ def load_engine(args: argparse.Namespace, *, quiet: bool = False):
 
 def cmd_generate(args: argparse.Namespace) -> int:
     check_reply_args(args)
+    drafting = _drafter_kwargs(args)  # before loading: a typo costs no load time
     prompt = _read_prompt(args)
     quiet = args.verbose is False or args.json
     engine = load_engine(args, quiet=quiet)
+    # Under mlx.launch every rank runs the same loop; only rank 0 prints.
+    silent = engine.distributed is not None and engine.distributed.rank != 0
     chat = _use_chat_template(args, engine)
     if chat:
         system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
@@ -260,13 +334,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         greedy_draft=args.greedy_draft,
         chat=chat,
         **_sampling_kwargs(args),
+        **drafting,
     )
     text, tokens, chunk = [], [], None
     try:
         for chunk in stream:
             text.append(chunk.text)
             tokens.extend(chunk.token_ids)
-            if not args.json:
+            if not args.json and not silent:
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
     except KeyboardInterrupt:
@@ -278,6 +353,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if chunk is not None and (_show_stats(args) or args.json):
             print(format_stats(chunk.stats), file=sys.stderr)
         return 130
+    if silent:
+        return 0
     if args.json:
         print(
             json.dumps(
@@ -299,9 +376,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     from mtplx.chat import run_chat, settings_from_args
+    from mtplx.prompt_cache import DEFAULT_PROMPT_CACHE_BYTES
 
     check_reply_args(args)
-    engine = load_engine(args)
+    # Each turn resends the conversation: the prompt cache makes it prefill only what is new.
+    cache_bytes = DEFAULT_PROMPT_CACHE_BYTES if args.prompt_cache_bytes is None else args.prompt_cache_bytes
+    engine = load_engine(args, prompt_cache_bytes=cache_bytes)
     return run_chat(engine, settings_from_args(args, _sampling_kwargs(args)), format_stats=format_stats)
 
 
@@ -314,10 +394,34 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from mtplx.convert import convert_gguf
+    if str(args.source).endswith(".gguf"):
+        from mtplx.convert import convert_gguf
 
-    out = convert_gguf(args.gguf, args.out, dtype=args.dtype, overwrite=args.overwrite)
+        out = convert_gguf(args.source, args.out, dtype=args.dtype, overwrite=args.overwrite)
+    else:
+        from mtplx.convert_hf import convert_hf
+
+        head_bits = (
+            None
+            if args.head_bits is None
+            else (args.head_bits if args.head_bits == "float" else int(args.head_bits))
+        )
+        out = convert_hf(
+            args.source,
+            args.out,
+            q_bits=args.q_bits,
+            q_group_size=args.q_group_size,
+            head_bits=head_bits,
+            overwrite=args.overwrite,
+        )
     print(f"wrote {out}")
+    return 0
+
+
+def cmd_convert_assistant(args: argparse.Namespace) -> int:
+    from mtplx.heads.gemma4_assistant import convert_assistant
+
+    print(f"wrote {convert_assistant(args.assistant, args.target, bits=args.bits)}")
     return 0
 
 
@@ -437,6 +541,12 @@ def _add_forge_args(frg: argparse.ArgumentParser) -> None:
     frg.set_defaults(forge_defaults=d)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from mtplx.server.cli import serve_from_args
+
+    return serve_from_args(args)
+
+
 def _add_generate_parser(sub) -> None:
     gen = sub.add_parser("generate", help="generate text (streams to stdout)")
     gen.add_argument(
@@ -450,6 +560,7 @@ def _add_generate_parser(sub) -> None:
     _add_model_args(gen)
     _add_sampling_args(gen)
     _add_drafting_args(gen)
+    _add_drafter_choice_args(gen)
     _add_reply_args(gen, max_tokens=256)
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     mode = gen.add_mutually_exclusive_group()
@@ -468,6 +579,19 @@ def _add_generate_parser(sub) -> None:
         help="feed the prompt as raw text (--ignore-chat-template is mlx-lm's name)",
     )
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    gen.add_argument(
+        "--distributed",
+        choices=("auto", "pipeline", "tensor", "off"),
+        default=None,
+        help="shard the model over the ranks mlx.launch started (default: auto when launched with 2+)",
+    )
+    gen.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="exit with an error when the other ranks do not answer within this (default 300)",
+    )
     gen.set_defaults(func=cmd_generate, command_parser=gen)
 
 
@@ -480,11 +604,13 @@ def _add_chat_parser(sub) -> None:
     _add_sampling_args(chat)
     _add_drafting_args(chat)
     _add_reply_args(chat, max_tokens=512)
-    chat.add_argument(
+    _typed(
+        chat,
         "--prompt-cache-bytes",
-        type=int,
+        convert=int,
         default=None,
-        help="memory for the conversation's cached prompt (default: the engine's)",
+        help="memory for the conversation's cached prompt, so a turn prefills only what is new "
+        "(default 2 GiB; 0 turns it off)",
     )
     chat.set_defaults(func=cmd_chat, command_parser=chat)
 
@@ -516,14 +642,35 @@ def _build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--no-gflops", action="store_true", help="skip the matmul speed measurement")
     doctor.set_defaults(func=cmd_doctor, command_parser=doctor)
 
-    conv = sub.add_parser("convert", help="convert a llama-architecture GGUF into an mlx-lm model directory")
-    conv.add_argument("gguf", help="the .gguf file")
+    conv = sub.add_parser(
+        "convert",
+        help="a llama GGUF, or a Hugging Face checkpoint (quantized, keeping its MTP head), to an mlx-lm directory",
+    )
+    conv.add_argument("source", help="a .gguf file, or a Hugging Face checkpoint directory or repo id")
     conv.add_argument("out", help="output directory (written atomically)")
     conv.add_argument(
-        "--dtype", default="float32", help="float32 | float16 | bfloat16 | q4 (default float32)"
+        "--dtype", default="float32", help="GGUF: float32 | float16 | bfloat16 | q4 (default float32)"
+    )
+    conv.add_argument("--q-bits", type=int, default=4, help="HF: trunk bits per weight (default 4)")
+    conv.add_argument("--q-group-size", type=int, default=64, help="HF: quantization group size (default 64)")
+    conv.add_argument(
+        "--head-bits",
+        choices=["float", "2", "3", "4", "5", "6", "8"],
+        default=None,
+        help="HF: the MTP head's bits, or float to keep it unquantized (default: the trunk's bits)",
     )
     conv.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     conv.set_defaults(func=cmd_convert, command_parser=conv)
+    ca = sub.add_parser(
+        "convert-assistant",
+        help="write a Gemma 4 assistant beside its (converted, e.g. 4-bit) target as <target>-assistant",
+    )
+    ca.add_argument("assistant", help="the assistant directory or cached repo id")
+    ca.add_argument("target", help="the target model directory it drafts for")
+    ca.add_argument(
+        "--bits", type=int, default=None, help="quantize the drafter (4 or 8; default: bfloat16, unquantized)"
+    )
+    ca.set_defaults(func=cmd_convert_assistant, command_parser=ca)
 
     frg = sub.add_parser(
         "forge", help="train an MTP head for a model that has none, on the model's own generations"
@@ -540,6 +687,12 @@ def _build_parser() -> argparse.ArgumentParser:
     tune = sub.add_parser("tune", help="measure and save the fastest depth for this model on this machine")
     add_tune_args(tune)
     tune.set_defaults(func=cmd_tune, command_parser=tune)
+
+    from mtplx.server.cli import add_serve_args
+
+    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat and text completions)")
+    add_serve_args(srv)
+    srv.set_defaults(func=cmd_serve, command_parser=srv)
     return parser
 
 

@@ -1,4 +1,5 @@
-"""Convert a llama-architecture GGUF file into an mlx-lm model directory.
+"""Convert a llama-architecture GGUF file into an mlx-lm model directory
+(Hugging Face checkpoints that keep their MTP head: ``mtplx.convert_hf``).
 
 Output: ``model.safetensors``, ``config.json`` (with a ``quantization`` entry for
 ``q4``), ``tokenizer.json`` / ``tokenizer_config.json`` /
@@ -378,14 +379,24 @@ def convert_gguf(
     if dtype not in DTYPES:
         raise MtplxError(f"unsupported dtype {dtype!r} (choose from {', '.join(DTYPES)})")
     out_dir = Path(out_dir)
-    if out_dir.exists() and not overwrite:
-        raise MtplxError(f"{out_dir}: output already exists (pass overwrite to replace it)")
+    refuse_existing(out_dir, overwrite)
     gguf = read_gguf(gguf_path)
     check_architecture(gguf)
+    return write_dir_atomically(out_dir, lambda tmp: write_model_dir(gguf, tmp, dtype, on_tensor))
+
+
+def refuse_existing(out_dir: Path, overwrite: bool) -> None:
+    if out_dir.exists() and not overwrite:
+        raise MtplxError(f"{out_dir}: output already exists (pass overwrite to replace it)")
+
+
+def write_dir_atomically(out_dir: Path, write: Callable[[Path], None]) -> Path:
+    """Run ``write(tmp)`` on a fresh sibling temp directory, then rename it to ``out_dir``
+    (replacing an existing one); a failure or interruption leaves nothing behind."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        write_model_dir(gguf, tmp, dtype, on_tensor)
+        write(tmp)
         os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only; a model dir is ordinary readable data
         if out_dir.exists():  # overwrite: move the old one aside first so the swap is quick
             old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))

@@ -10,6 +10,8 @@ changes the fingerprint.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -29,14 +31,34 @@ def _tensor_bytes_sample(array: mx.array) -> bytes:
     return b"".join(flat[s : s + _SAMPLE_BYTES].tobytes() for s in starts)
 
 
-def weights_fingerprint(named_arrays: dict[str, mx.array]) -> str:
-    """sha256 (hex, first 16 chars) over sorted (name, shape, dtype, sampled bytes)."""
+def _fingerprint(named: Iterable[tuple[str, mx.array]]) -> str:
     digest = hashlib.sha256()
-    for name in sorted(named_arrays):
-        array = named_arrays[name]
+    for name, array in named:
         digest.update(f"{name}|{tuple(array.shape)}|{array.dtype}|".encode())
         digest.update(_tensor_bytes_sample(array))
     return digest.hexdigest()[:16]
+
+
+def weights_fingerprint(named_arrays: dict[str, mx.array]) -> str:
+    """sha256 (hex, first 16 chars) over sorted (name, shape, dtype, sampled bytes)."""
+    return _fingerprint((name, named_arrays[name]) for name in sorted(named_arrays))
+
+
+def streamed_fingerprint(model_dir: Path, model) -> str:
+    """``model_fingerprint`` of ``model`` loaded (lazily) from ``model_dir``, without materializing it.
+
+    mlx-lm loads ``model*.safetensors`` through the model's ``sanitize`` into the
+    parameters (a strict load: same names, shapes, dtypes, values), so hashing
+    those sanitized file tensors gives the same fingerprint. ``mx.load`` is lazy
+    per tensor and each one is dropped once hashed, so a rank of a sharded model
+    never holds more than one tensor of the layers it does not keep.
+    """
+    weights: dict[str, mx.array] = {}
+    for path in sorted(Path(model_dir).glob("model*.safetensors")):
+        weights.update(mx.load(str(path)))
+    if hasattr(model, "sanitize"):
+        weights = model.sanitize(weights)
+    return _fingerprint((name, weights.pop(name)) for name in sorted(weights))
 
 
 def model_fingerprint(model) -> str:

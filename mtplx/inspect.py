@@ -109,6 +109,26 @@ def _find_forged(path: Path) -> dict | None:
     }
 
 
+def _gemma4_assistant(path: Path, spec: str | Path | None, config: dict, given: Path | None) -> dict | None:
+    """The Gemma 4 assistant given with --head, or for a Gemma 4 target the one that pairs with
+    it (``<target>-assistant`` beside it or in the HF cache), checked against both configs; else
+    the name looked for and why it does not serve."""
+    from mtplx.heads import gemma4_assistant as ga
+
+    if given is not None:
+        problem = ga.pairing_problem(ga.read_assistant_config(given), config)
+        return {"name": str(given), "path": str(given), "pairs": problem is None, "problem": problem}
+    if not ga.is_gemma4_target(config):
+        return None
+    candidates = ga.assistant_candidates(path, spec)
+    for name, found in candidates:
+        assistant = ga.read_assistant_config(found) if found is not None else None
+        if assistant is not None:
+            problem = ga.pairing_problem(assistant, config)
+            return {"name": name, "path": str(found), "pairs": problem is None, "problem": problem}
+    return {"name": candidates[-1][0], "path": None, "pairs": False, "problem": "not found locally"}
+
+
 def _trunk_fingerprint(path: Path) -> str:
     from mlx_lm.utils import load_model
 
@@ -166,6 +186,7 @@ def inspect_model(
     ``dtype`` picks the default model's build.
     """
     from mtplx.heads import declared_mtp_layers, detect_layout, shipped_head_dir
+    from mtplx.heads.gemma4_assistant import is_assistant_config, read_assistant_config
 
     if dtype not in (None, *VARIANTS):
         raise MtplxError(f"dtype must be one of {', '.join(VARIANTS)} (got {dtype})")
@@ -203,10 +224,14 @@ def inspect_model(
     forged = _find_forged(path)
     shipped = shipped_head_dir(DEFAULT_MODEL_NAME) if default_variant else None
     sidecar = None
-    if head is not None:
+    given_assistant = resolve_model(head) if head is not None else None
+    if given_assistant is not None and read_assistant_config(given_assistant) is None:
+        given_assistant = None
+    if head is not None and given_assistant is None:
         sidecar = _sidecar_head(Path(head), "forged sidecar given with --head", path, default_variant)
     elif not head_tensors and shipped is not None:
         sidecar = _sidecar_head(shipped, "shipped by mtplx for this model", path, default_variant)
+    assistant = _gemma4_assistant(path, spec_or_path, config, given_assistant)
     supported = _mlx_lm_supports(model_type)
     qc = config.get("quantization_config") or text.get("quantization_config")
     quant = None
@@ -221,7 +246,10 @@ def inspect_model(
             **{k: qc[k] for k in ("weight_block_size", "fmt") if k in qc},
         }
 
-    if not supported:
+    if is_assistant_config(config):
+        verdict = "drafter"
+        reason = f"a Gemma 4 assistant for targets with hidden_size {config.get('backbone_hidden_size')}; use it with --head"
+    elif not supported:
         verdict, reason = "unsupported", f"mlx-lm has no model class for model_type {model_type!r}"
     elif sidecar is not None and not sidecar["fits"]:
         verdict, reason = (
@@ -242,6 +270,13 @@ def inspect_model(
         }
     elif forged:
         verdict, reason = "MTP-ready", f"forged head attached ({forged.get('manifest')})"
+    elif assistant is not None and assistant["pairs"]:
+        verdict, reason = "MTP-ready", f"Gemma 4 assistant {assistant['name']} pairs with it"
+    elif assistant is not None:
+        verdict, reason = (
+            "AR-only",
+            (f"Gemma 4 drafts with a separate assistant: {assistant['name']} ({assistant['problem']})"),
+        )
     elif declared:
         verdict, reason = (
             "AR-only",
@@ -272,6 +307,7 @@ def inspect_model(
         "forged_head": forged,
         "default_model_build": default_variant,
         "head": sidecar,
+        "assistant": assistant,
         "verdict": verdict,
         "reason": reason,
     }
@@ -351,5 +387,9 @@ def format_inspection(info: dict[str, Any]) -> str:
     lines.extend(_head_lines(info))
     if info["forged_head"] and info["head"] is None:
         lines.append(f"forged head   {info['forged_head'].get('manifest')}")
+    assistant = info.get("assistant")
+    if assistant:
+        state = "pairs" if assistant["pairs"] else assistant["problem"]
+        lines.append(f"assistant     {assistant['name']} ({state})")
     lines.append(f"verdict       {info['verdict']}: {info['reason']}")
     return "\n".join(lines)

@@ -259,24 +259,13 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-def load_model(
-    spec: str | Path | None = None,
-    *,
-    variant: Variant = "float32",
-    cache_dir: str | Path | None = None,
-    hub_cache: str | Path | None = None,
-    lazy: bool = False,
-) -> LoadedModel:
-    """Resolve ``spec`` and load it through mlx-lm: model, tokenizer wrapper, config, fingerprint."""
+def load_mlx_model(path: Path, *, lazy: bool = False) -> tuple[Any, dict[str, Any]]:
+    """mlx-lm's ``load_model`` on a checked directory, its failures as one-line MtplxErrors."""
     from mlx_lm.utils import load_model as mlx_load_model
-    from mlx_lm.utils import load_tokenizer
 
-    from mtplx.fingerprint import model_fingerprint
-
-    path = resolve_model(spec, variant=variant, cache_dir=cache_dir, hub_cache=hub_cache)
     check_model_dir(path)
     try:
-        model, config = mlx_load_model(path, lazy=lazy)
+        return mlx_load_model(path, lazy=lazy)
     except MtplxError:
         raise
     except ValueError as e:
@@ -286,10 +275,27 @@ def load_model(
         raise MtplxError(f"{path}: weights do not match config.json ({_first_line(e)})") from None
     except Exception as e:
         raise MtplxError(f"{path}: cannot load model ({_first_line(e)})") from None
+
+
+def load_model(
+    spec: str | Path | None = None,
+    *,
+    variant: Variant = "float32",
+    cache_dir: str | Path | None = None,
+    hub_cache: str | Path | None = None,
+    lazy: bool = False,
+) -> LoadedModel:
+    """Resolve ``spec`` and load it through mlx-lm: model, tokenizer wrapper, config, fingerprint."""
+    from mlx_lm.utils import load_tokenizer
+
+    from mtplx.fingerprint import model_fingerprint, streamed_fingerprint
+
+    path = resolve_model(spec, variant=variant, cache_dir=cache_dir, hub_cache=hub_cache)
+    model, config = load_mlx_model(path, lazy=lazy)
     try:
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     except Exception as e:
         raise MtplxError(f"{path}: cannot load tokenizer ({_first_line(e)})") from None
-    return LoadedModel(
-        model=model, tokenizer=tokenizer, config=config, path=path, fingerprint=model_fingerprint(model)
-    )
+    # A lazy load stays lazy: fingerprint the files, not the (then materialized) parameters.
+    fingerprint = streamed_fingerprint(path, model) if lazy else model_fingerprint(model)
+    return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=path, fingerprint=fingerprint)

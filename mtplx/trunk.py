@@ -67,6 +67,16 @@ class Trunk:
         # Untapped, so a head's own use does not overwrite the trunk's capture.
         return compat.untapped_norm(self.inner.norm, hidden)
 
+    @property
+    def output_layer(self) -> nn.Module | None:
+        """The untied LM head layer (None when tied to the embeddings)."""
+        return self._lm_head
+
+    @output_layer.setter
+    def output_layer(self, layer: nn.Module) -> None:
+        # Distributed tensor parallel wraps a vocabulary-sharded LM head so heads see all logits.
+        self._lm_head = layer
+
     def lm_head(self, hidden_post_norm: mx.array) -> mx.array:
         """Logits from a post-norm hidden state, through the trunk's (possibly tied) output layer."""
         if self._lm_head is not None:

@@ -29,6 +29,9 @@ TUNE_TOKENS = 64
 TUNE_REPEATS = 3
 TUNE_PER_KIND = 1
 
+# Adaptive-length thresholds `mtplx tune` compares (head probability of its own draft).
+ADAPTIVE_THRESHOLDS = (0.2, 0.4)
+
 
 def _ratio_to_ar(row: bench.Summary, ar: bench.Summary) -> float:
     """The paired ratio where the sweep measured one, else the ratio of medians."""
@@ -42,9 +45,10 @@ def choose_depth(summaries: Sequence[bench.Summary]) -> tuple[int, float, float]
     ar = {s.setting: s for s in summaries if s.mode == "ar"}
     if set(ar) != set(settings):
         raise MtplxError("tune: every setting needs an AR measurement")
+    fixed = [s for s in summaries if s.mode == "mtp" and s.draft == "head" and s.threshold == 0]
     best_depth, best_score = 0, 1.0
-    for depth in sorted({s.depth for s in summaries if s.mode == "mtp"}):
-        rows = {s.setting: s for s in summaries if s.mode == "mtp" and s.depth == depth}
+    for depth in sorted({s.depth for s in fixed}):
+        rows = {s.setting: s for s in fixed if s.depth == depth}
         ratios = [_ratio_to_ar(rows[k], ar[k]) for k in settings if k in rows and ar[k].decode_tps > 0]
         if len(ratios) != len(settings) or min(ratios) <= 0:
             continue
@@ -53,19 +57,59 @@ def choose_depth(summaries: Sequence[bench.Summary]) -> tuple[int, float, float]
             best_depth, best_score = depth, score
     if best_depth == 0:
         return 0, best_score - 1.0, max(s.spread for s in ar.values())
-    best = [s for s in summaries if s.mode == "mtp" and s.depth == best_depth]
+    best = [s for s in fixed if s.depth == best_depth]
     noise = max(max(s.spread for s in best), max(s.spread for s in ar.values()))
     margin = best_score - 1.0
     return (best_depth if margin > noise else 0), margin, noise
+
+
+def _geometric_mean_ratio(rows: Sequence[bench.Summary], ar: dict[str, bench.Summary]) -> float | None:
+    ratios = [
+        _ratio_to_ar(r, ar[r.setting]) for r in rows if r.setting in ar and ar[r.setting].decode_tps > 0
+    ]
+    if not ratios or len(ratios) != len(ar) or min(ratios) <= 0:
+        return None
+    return math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+
+
+def choose_threshold(summaries: Sequence[bench.Summary]) -> tuple[float | None, float]:
+    """(threshold, ratio to the best fixed depth): the adaptive-length threshold with the best
+    geometric-mean speed-up over AR, and how it compares with the fastest fixed depth
+    (> 1 = adaptive faster). (None, 0.0) when the sweep measured no adaptive variant."""
+    ar = {s.setting: s for s in summaries if s.mode == "ar"}
+    head = [s for s in summaries if s.mode == "mtp" and s.draft == "head"]
+    best_fixed = max(
+        (
+            score
+            for depth in {s.depth for s in head if s.threshold == 0}
+            if (
+                score := _geometric_mean_ratio([s for s in head if s.threshold == 0 and s.depth == depth], ar)
+            )
+        ),
+        default=None,
+    )
+    scored = [
+        (score, t)
+        for t in sorted({s.threshold for s in head if s.threshold > 0})
+        if (score := _geometric_mean_ratio([s for s in head if s.threshold == t], ar))
+    ]
+    if not scored or best_fixed is None:
+        return None, 0.0
+    score, threshold = max(scored)
+    return threshold, score / best_fixed
 
 
 def make_entry(
     engine, summaries: Sequence[bench.Summary], plan: bench.SweepPlan, model: str | None
 ) -> dict[str, Any]:
     depth, margin, noise = choose_depth(summaries)
+    threshold, adaptive_vs_fixed = choose_threshold(summaries)
     versions = bench._versions()
     return {
         "depth": depth,
+        # Used only when adaptive drafting is asked for (`--adaptive`); measured at the largest depth.
+        "adaptive_threshold": threshold,
+        "adaptive_vs_best_fixed": round(adaptive_vs_fixed, 4),
         "margin_over_ar": round(margin, 4),
         "spread": round(noise, 4),
         "tokens_per_sec": {f"{s.variant} | {s.setting}": round(s.decode_tps, 3) for s in summaries},
@@ -84,9 +128,15 @@ def make_entry(
 def describe(entry: dict[str, Any]) -> str:
     depth = entry.get("depth")
     choice = "AR (no depth beat it)" if depth == 0 else f"depth {depth}"
+    threshold = entry.get("adaptive_threshold")
+    adaptive = (
+        f"; adaptive threshold {threshold:g} ({entry.get('adaptive_vs_best_fixed', 0):.2f}x the best fixed depth)"
+        if isinstance(threshold, (int, float))
+        else ""
+    )
     return (
         f"{choice}; margin over AR {entry.get('margin_over_ar', 0):+.1%} vs spread "
-        f"{entry.get('spread', 0):.1%}; tuned {entry.get('tuned_at', '?')}"
+        f"{entry.get('spread', 0):.1%}{adaptive}; tuned {entry.get('tuned_at', '?')}"
     )
 
 
@@ -160,6 +210,7 @@ def tune_main(
         stock=False,
         progress=progress,
         desc="tune",
+        thresholds=ADAPTIVE_THRESHOLDS if max(depth_list) >= 2 else (),
     )
     entry = make_entry(engine, summaries, plan, model)
     path = save_entry(fingerprint, entry, config_path)

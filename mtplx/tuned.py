@@ -29,6 +29,7 @@ __all__ = [
     "read_config",
     "saved_entry",
     "saved_depth",
+    "saved_threshold",
     "save_entry",
 ]
 
@@ -95,6 +96,16 @@ def saved_depth(fingerprint: str, config_path: str | Path | None = None) -> int 
         return None
     depth = entry.get("depth")
     return depth if isinstance(depth, int) and 0 <= depth <= MAX_DEPTH else None
+
+
+def saved_threshold(fingerprint: str, config_path: str | Path | None = None) -> float | None:
+    """The adaptive-length threshold tuned with the depth (None = not measured here)."""
+    try:
+        entry = saved_entry(fingerprint, config_path)
+    except MtplxError:
+        return None  # saved_depth already warned about a damaged config
+    value = entry.get("adaptive_threshold") if entry is not None else None
+    return float(value) if isinstance(value, (int, float)) and 0.0 < value < 1.0 else None
 
 
 def save_entry(

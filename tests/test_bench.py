@@ -29,6 +29,7 @@ class FakeStats:
     tokens_per_cycle: float = 0.0
     acceptance_per_position: list[float] = field(default_factory=list)
     peak_memory_gb: float = 0.01
+    drafters: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -68,20 +69,21 @@ class FakeEngine:
             raise MtplxError("prompt: is empty")
         return [5] * 7
 
-    def stream(self, prompt, *, max_tokens, mtp=True, depth=None, **kwargs):
-        self.calls.append(dict(kwargs, max_tokens=max_tokens, mtp=mtp, depth=depth))
+    def stream(self, prompt, *, max_tokens, draft="auto", depth=None, **kwargs):
+        mtp = draft != "none"
+        self.calls.append(dict(kwargs, max_tokens=max_tokens, mtp=mtp, depth=depth, draft=draft))
         if self.interrupt_after is not None and len(self.calls) > self.interrupt_after:
             raise KeyboardInterrupt
         stats = FakeStats()
         yield FakeChunk("a", [1], None, stats)
-        produced, step = 1, (depth + 1 if mtp else 1)
+        produced, step = 1, ((depth or 4) + 1 if mtp else 1)  # lookup: blocks of 4
         while produced < max_tokens:
             n = min(step, max_tokens - produced)
             produced += n
             if mtp:
                 stats.cycles += 1
                 stats.tokens_per_cycle = float(step)
-                stats.acceptance_per_position = [1.0] * depth
+                stats.acceptance_per_position = [1.0] * (depth or 4)
             yield FakeChunk("b" * n, [2] * n, "length" if produced >= max_tokens else None, stats)
 
 
@@ -258,13 +260,15 @@ def test_prompt_too_long_for_context_fails_before_running():
 # ----------------------------------------------------------------------------- the sweep
 
 
-def test_shipped_suite_has_three_kinds_of_real_prompts():
+def test_shipped_suite_has_four_kinds_of_real_prompts():
     prompts = bench.load_prompts()
     kinds = [p.kind for p in prompts]
-    assert {k: kinds.count(k) for k in set(kinds)} == {"code": 4, "prose": 4, "chat": 4}
+    assert {k: kinds.count(k) for k in set(kinds)} == {"code": 4, "prose": 4, "grounded": 4, "chat": 4}
     assert all(p.source for p in prompts)
-    assert all(len(p.text) > 200 for p in prompts if p.kind != "chat")
-    assert [p.kind for p in bench.load_prompts(per_kind=1)] == ["code", "prose", "chat"]
+    assert all(len(p.text) > 200 for p in prompts if p.kind in ("code", "prose"))
+    # Input-grounded: a long given text (code or passage) that the answer is asked to copy from.
+    assert all(p.is_chat and len(p.messages[0]["content"]) > 400 for p in prompts if p.kind == "grounded")
+    assert [p.kind for p in bench.load_prompts(per_kind=1)] == ["code", "prose", "grounded", "chat"]
 
 
 def test_sweep_is_interleaved_with_one_warmup_each_and_shared_seeds():
@@ -315,6 +319,38 @@ def test_fake_engine_sweep_passes_eos_ban_and_counts_cycles():
     assert [s.mode for s in summaries] == ["ar", "mtp"]
 
 
+def test_sweep_compares_drafters_and_reports_per_kind():
+    engine = FakeEngine()
+    prompts = bench.load_prompts(per_kind=1)
+    summaries, records, plan = bench.run_benchmark(
+        engine,
+        depths=[2],
+        tokens=9,
+        repeats=1,
+        prompts=prompts,
+        temps=[0.0],
+        stock=False,
+        warmup_tokens=0,
+        progress=False,
+        drafts=["head", "lookup", "auto"],
+    )
+    assert [v.name for v in plan.variants] == ["mtplx AR", "mtplx MTP d=2", "mtplx lookup", "mtplx auto d=2"]
+    assert {(c["draft"], c["depth"]) for c in engine.calls} == {
+        ("none", None),
+        ("head", 2),
+        ("lookup", None),
+        ("auto", 2),
+    }
+    # Acceptance per position only for the fixed-length head blocks.
+    assert [bool(s.acceptance) for s in summaries] == [False, True, False, False]
+    per_kind = bench.summarize_by_kind(records)
+    assert [s.kind for s in per_kind] == [k for k in ("code", "prose", "grounded", "chat") for _ in range(4)]
+    table = bench.markdown_table(per_kind)
+    assert table.splitlines()[0].startswith("| kind |") and "drafters" in table.splitlines()[0]
+    with pytest.raises(MtplxError, match="drafts"):
+        bench.parse_drafts("head,ngram")
+
+
 def test_interrupted_sweep_writes_nothing(tmp_path):
     out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
     with pytest.raises(KeyboardInterrupt):
@@ -362,7 +398,7 @@ def test_fake_engine_bench_main_writes_table_json_and_png(tmp_path, capsys):
     assert "| t0.7-p0.95 | mtplx MTP d=2 |" in table and "| greedy | mtplx AR |" in table
     doc = json.loads(out_json.read_text())
     assert doc["plan"]["max_tokens"] == 9 and len(doc["summary"]) == 6 and doc["machine"]["cores"] >= 1
-    assert len(doc["runs"]) == 6 * 3 * 2  # timed runs (warm-ups are not results)
+    assert len(doc["runs"]) == 6 * 4 * 2  # timed runs over 4 prompts (warm-ups are not results)
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -491,6 +527,30 @@ def _summary(mode, depth, setting, tps, spread=0.02):
         generated_tokens=1,
         peak_memory_gb=0.0,
     )
+
+
+def test_choose_threshold_compares_adaptive_with_the_best_fixed_depth():
+    def adaptive(threshold, setting, tps):
+        row = _summary("mtp", 4, setting, tps)
+        row.threshold = threshold
+        return row
+
+    rows = [
+        _summary("ar", 0, "greedy", 10),
+        _summary("ar", 0, "t0.7", 10),
+        _summary("mtp", 2, "greedy", 20),  # best fixed: geometric mean 2.0
+        _summary("mtp", 2, "t0.7", 20),
+        _summary("mtp", 4, "greedy", 15),
+        _summary("mtp", 4, "t0.7", 15),
+        adaptive(0.2, "greedy", 22),  # 2.2 -> 1.1x the best fixed depth
+        adaptive(0.2, "t0.7", 22),
+        adaptive(0.4, "greedy", 30),  # 2.0: the t0.7 row halves it
+        adaptive(0.4, "t0.7", 13.3333),
+    ]
+    threshold, versus_fixed = tune.choose_threshold(rows)
+    assert threshold == 0.2 and versus_fixed == pytest.approx(1.1)
+    assert tune.choose_depth(rows)[0] == 2  # adaptive rows do not count as fixed depths
+    assert tune.choose_threshold(rows[:6]) == (None, 0.0)
 
 
 def test_choose_depth_picks_best_geometric_mean_and_respects_noise():

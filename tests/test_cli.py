@@ -143,6 +143,7 @@ def test_generate_prompt_from_stdin_with_system_prompt_json_and_quiet_verbose(to
         (["generate", "hi", "-p", "hi"], "prompt: give it once"),
         (["chat", "--temp", "-0.5"], "mtplx: error: --temp must be >= 0 (got -0.5)"),
         (["chat", "-m", "0"], "mtplx: error: --max-tokens must be > 0 (got 0)"),
+        (["chat", "--prompt-cache-bytes", "-1"], "mtplx: error: --prompt-cache-bytes must be >= 0 (got -1)"),
         (["inspect", "--head", "/no/such/head"], "/no/such/head"),
     ],
 )
@@ -247,15 +248,6 @@ def test_chat_keeps_the_conversation_and_resets(chat_session, tokenizer):
     assert prompts[3] == prompts[0] and replies[2] == replies[0]  # after /reset: a fresh conversation
 
 
-def _engine_has_prompt_cache() -> bool:
-    import inspect
-
-    from mtplx.engine import Engine
-
-    return "prompt_cache_bytes" in inspect.signature(Engine.load).parameters
-
-
-@pytest.mark.skipif(not _engine_has_prompt_cache(), reason="the engine's prompt cache has not landed yet")
 def test_chat_second_turn_prefills_only_new_tokens(chat_session):
     turns = _prompt_lines(chat_session.stderr)
     first_prompt = int(turns[0].group(1))

@@ -11,6 +11,7 @@ is checked structurally (HF per-expert tensors land stacked in mlx-lm's SwitchGL
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import mlx.core as mx
@@ -112,7 +113,7 @@ def differs(a: mx.array, b: np.ndarray) -> bool:
 # --------------------------------------------------------------------------- qwen3_5
 
 
-def qwen35_reference(t, hidden, next_tokens, cfg, offset=True):
+def qwen35_reference(t, hidden, next_tokens, cfg, offset=True, layer=0):
     tc_ = cfg["text_config"]
     nh, nkv, hd = tc_["num_attention_heads"], tc_["num_key_value_heads"], tc_["head_dim"]
     eps = tc_["rms_norm_eps"]
@@ -129,7 +130,7 @@ def qwen35_reference(t, hidden, next_tokens, cfg, offset=True):
         )
         @ t["mtp.fc.weight"].T
     )
-    p = "mtp.layers.0."
+    p = f"mtp.layers.{layer}."
     T = x.shape[0]
     a = rms(x, g(t[p + "input_layernorm.weight"]), eps)
     qg = (a @ t[p + "self_attn.q_proj.weight"].T).reshape(T, nh, 2 * hd)
@@ -265,14 +266,23 @@ def mla_block(x, t, p, cfg):
     return h + mlp(rms(h, t[p + "post_attention_layernorm.weight"], eps), t, p + "mlp.")
 
 
-def deepseek_reference(t, hidden, next_tokens, cfg):
-    p = f"model.layers.{cfg['num_hidden_layers']}."
+def zero_row0(emb, zero_first):
+    """vLLM deepseek_mtp.py / mimo_mtp.py: ``inputs_embeds[positions == 0] = 0`` (rows are positions 0..)."""
+    emb = emb.copy()
+    if zero_first:
+        emb[0] = 0.0
+    return emb
+
+
+def deepseek_reference(t, hidden, next_tokens, cfg, module=0, zero_first=True):
+    """-> (pre-norm, post-norm, logits) of module ``module`` over positions 0..T-1 (causal)."""
+    p = f"model.layers.{cfg['num_hidden_layers'] + module}."
     eps = cfg["rms_norm_eps"]
-    emb = t["model.embed_tokens.weight"][next_tokens]
+    emb = zero_row0(t["model.embed_tokens.weight"][next_tokens], zero_first)
     x = np.concatenate([rms(emb, t[p + "enorm.weight"], eps), rms(hidden, t[p + "hnorm.weight"], eps)], -1)
     x = mla_block(x @ t[p + "eh_proj.weight"].T, t, p, cfg)
     out = rms(x, t[p + "shared_head.norm.weight"], eps)
-    return out, out @ t[p + "shared_head.head.weight"].T
+    return x, out, out @ t[p + "shared_head.head.weight"].T
 
 
 @pytest.fixture(scope="module")
@@ -284,14 +294,18 @@ def deepseek(tmp_path_factory):
 
 def test_deepseek_head_matches_numpy_reference(deepseek):
     tiny, (trunk, _, head) = deepseek
-    assert head.layout == "deepseek" and head.hidden_source == "post_norm" and head.chain_source == "pre_norm"
+    assert (
+        head.layout == "deepseek" and head.hidden_source == "post_norm" and head.chain_source == "post_norm"
+    )
+    assert head.max_depth is None
     hidden, nxt = head_inputs(trunk, head)
     out = head(hidden, nxt, head.make_cache())
-    ref, ref_logits = deepseek_reference(
-        read_tensors(tiny.path), np.array(hidden[0], np.float64), np.array(nxt[0]), tiny.config
-    )
+    args = (read_tensors(tiny.path), np.array(hidden[0], np.float64), np.array(nxt[0]), tiny.config)
+    _, ref, ref_logits = deepseek_reference(*args)
     assert_close(out[0], ref)
     assert_close(head.logits(out)[0], ref_logits)
+    # Negative control: without the position-0 mask (the old convention) the output is elsewhere.
+    assert differs(out[0], deepseek_reference(*args, zero_first=False)[1])
     # The shipped shared_head.head equals the trunk's lm_head: no second copy is kept.
     assert not any("shared_head.head" in k for k, _ in tree_flatten(head.parameters()))
 
@@ -316,11 +330,13 @@ def test_deepseek_moe_experts_are_stacked(tmp_path):
 # --------------------------------------------------------------------------- mimo
 
 
-def mimo_reference(t, hidden, next_tokens, cfg, hidden_first=True):
+def mimo_reference(t, hidden, next_tokens, cfg, hidden_first=True, module=0, zero_first=True):
+    """-> (pre-norm, post-norm, logits) of MTP module ``module`` over positions 0..T-1 (causal)."""
     nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     hd, eps, T = cfg["hidden_size"] // nh, cfg["rms_norm_eps"], len(next_tokens)
-    p = "model.mtp_layers.0."
-    e = rms(t["model.embed_tokens.weight"][next_tokens], t[p + "token_layernorm.weight"], eps)
+    p = f"model.mtp_layers.{module}."
+    emb = zero_row0(t["model.embed_tokens.weight"][next_tokens], zero_first)
+    e = rms(emb, t[p + "token_layernorm.weight"], eps)
     h = rms(hidden, t[p + "hidden_layernorm.weight"], eps)
     x = np.concatenate([h, e] if hidden_first else [e, h], -1) @ t[p + "input_proj.weight"].T
     a = rms(x, t[p + "input_layernorm.weight"], eps)
@@ -330,19 +346,21 @@ def mimo_reference(t, hidden, next_tokens, cfg, hidden_first=True):
     o = attend(gqa_scores(q, k, hd**-0.5), np.repeat(proj["v"].reshape(T, nkv, hd), nh // nkv, axis=1))
     x = x + o @ t[p + "self_attn.o_proj.weight"].T
     x = x + mlp(rms(x, t[p + "post_attention_layernorm.weight"], eps), t, p + "mlp.")
-    return rms(x, t[p + "final_layernorm.weight"], eps)
+    out = rms(x, t[p + "final_layernorm.weight"], eps)
+    return x, out, out @ t["lm_head.weight"].T
 
 
 def test_mimo_head_matches_numpy_reference(tmp_path):
     tiny = tc.mimo(tmp_path / "MiMo-tiny")
     trunk, _, head = load(tiny.path)
-    assert head.layout == "mimo" and head.hidden_source == "pre_norm"
+    assert head.layout == "mimo" and head.hidden_source == "pre_norm" and head.max_depth is None
     hidden, nxt = head_inputs(trunk, head)
     out = head(hidden, nxt, head.make_cache())
     t = read_tensors(tiny.path)
     args = (t, np.array(hidden[0], np.float64), np.array(nxt[0]), tiny.config)
-    assert_close(out[0], mimo_reference(*args))
-    assert differs(out[0], mimo_reference(*args, hidden_first=False))  # negative control: concat order
+    assert_close(out[0], mimo_reference(*args)[1])
+    assert differs(out[0], mimo_reference(*args, hidden_first=False)[1])  # negative control: concat order
+    assert differs(out[0], mimo_reference(*args, zero_first=False)[1])  # negative control: position 0
 
 
 def test_quantized_checkpoint_head_is_quantized_like_the_checkpoint(tmp_path):
@@ -354,7 +372,8 @@ def test_quantized_checkpoint_head_is_quantized_like_the_checkpoint(tmp_path):
     # Same tensors, same quantization -> the module the checkpoint was written from (up to kernel rounding).
     ref = tiny.head_module
     hidden, nxt = head_inputs(trunk, head)
-    e = ref.token_layernorm(trunk.embed(nxt))
+    emb = trunk.embed(nxt)
+    e = ref.token_layernorm(mx.concatenate([mx.zeros_like(emb[:, :1]), emb[:, 1:]], axis=1))  # position 0
     x = ref.input_proj(mx.concatenate([ref.hidden_layernorm(hidden), e], -1))
     from mlx_lm.models.base import create_attention_mask
 
@@ -408,3 +427,242 @@ def test_no_declared_head_is_none(tmp_path):
 
 def test_default_hidden_sources_are_explicit():
     assert DEFAULT_HIDDEN_SOURCE == {"qwen3_next": "post_norm", "deepseek": "post_norm", "mimo": "pre_norm"}
+
+
+# --------------------------------------------------------------------------- draft-chain conventions
+
+
+DRAFTS = [7, 33, 50]  # teacher-forced draft tokens d_1..d_3 fed to steps 1..3
+
+
+def chain_reference(module_out, n, hidden, next_tokens, depth, *, pick=None, chain="post_norm"):
+    """The head's draft chain, re-implemented from the references, in NumPy float64.
+
+    Step 0 reads the true (trunk hidden, next token) pairs; step s >= 1 appends one pair
+    (the chained state of step s-1's last position, d_s). Step s is answered by module
+    ``s % n`` (vLLM ``deepseek_mtp.py`` / ``mimo_mtp.py`` / ``qwen3_next_mtp.py``:
+    ``spec_step_idx % num_mtp_layers``); every module has seen every earlier pair, so each
+    step is that module run causally over the whole pair sequence. The chained state is the
+    output after the module's final norm (SGLang ``deepseek_nextn.py``; vLLM's current
+    ``deepseek_mtp.py``), ``chain="pre_norm"`` the old convention.
+    ``module_out(j, hidden, tokens) -> (pre, post, logits)``. Returns [(post, logits)] per step.
+    """
+    pick = pick or (lambda s: s % n)
+    hs, toks = list(hidden), list(next_tokens)
+    steps, prev = [], None
+    for s in range(depth):
+        if s > 0:
+            hs.append(prev[0][-1] if chain == "pre_norm" else prev[1][-1])
+            toks.append(DRAFTS[s - 1])
+        prev = module_out(pick(s), np.array(hs), np.array(toks))
+        steps.append((prev[1][-1], prev[2][-1]))
+    return steps
+
+
+def run_chain(head, hidden, nxt, depth):
+    """The same chain through the mlx head and its caches, as the decode loop drives it."""
+    cache = head.make_cache()
+    out = head(hidden, nxt, cache, step=0)
+    steps = [(out[0, -1], head.logits(out, step=0)[0, -1])]
+    for s in range(1, depth):
+        out = head(head.chain_input(out), mx.array([[DRAFTS[s - 1]]]), cache, step=s)
+        steps.append((out[0, -1], head.logits(out, step=s)[0, -1]))
+    return steps
+
+
+def qwen35_module(t, cfg, layer):
+    def run(j, hidden, tokens):
+        post = qwen35_reference(t, hidden, tokens, cfg, layer=layer(j))
+        return None, post, post @ t["lm_head.weight"].T
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def two_module_heads(tmp_path_factory):
+    """family -> (tiny, trunk, head, module_out(j, hidden, tokens, zero_first)) with 2 MTP modules."""
+    root = tmp_path_factory.mktemp("two")
+    out = {}
+    ds = tc.deepseek_v3(root / "ds2", mtp_layers=2, sidecar=True, trunk_layers=2)
+    mi = tc.mimo(root / "mimo2", mtp_layers=2)
+    q = tc.qwen3_5(root / "q2", mtp_layers=2)
+    for name, tiny, ref in (
+        ("deepseek", ds, lambda t, c: lambda j, h, x, z=True: deepseek_reference(t, h, x, c, j, z)),
+        ("mimo", mi, lambda t, c: lambda j, h, x, z=True: mimo_reference(t, h, x, c, module=j, zero_first=z)),
+    ):
+        trunk, _, head = load(tiny.path)
+        out[name] = (tiny, trunk, head, ref(read_tensors(tiny.path), tiny.config))
+    trunk, _, head = load(q.path)
+    t = read_tensors(q.path)
+    out["qwen3_next"] = (
+        q,
+        trunk,
+        head,
+        lambda j, h, x, z=True: qwen35_module(t, q.config, lambda i: i)(j, h, x),
+    )
+    return out
+
+
+@pytest.mark.parametrize("family", ["deepseek", "mimo", "qwen3_next"])
+@pytest.mark.parametrize("depth", [1, 2, 3, 4])
+def test_two_module_chain_uses_module_s_mod_n(two_module_heads, family, depth):
+    tiny, trunk, head, module_out = two_module_heads[family]
+    assert len(head.make_cache()) == 2 and head.max_depth is None
+    hidden, nxt = head_inputs(trunk, head)
+    got = run_chain(head, hidden, nxt, depth)
+    h64, x = np.array(hidden[0], np.float64), np.array(nxt[0])
+    ref = chain_reference(module_out, 2, h64, x, depth)
+    for (out, logits), (ref_out, ref_logits) in zip(got, ref):
+        assert_close(out, ref_out)
+        assert_close(logits, ref_logits)
+    if depth >= 2:
+        # Negative control: module 0 at every step (the old loop) drafts differently from step 1 on.
+        old = chain_reference(module_out, 2, h64, x, depth, pick=lambda s: 0)
+        assert differs(got[1][0], old[1][0])
+
+
+@pytest.mark.parametrize("family", ["deepseek", "mimo"])
+def test_one_module_chain_feeds_back_post_norm_and_masks_position_zero(deepseek, tmp_path, family):
+    if family == "deepseek":
+        tiny, (trunk, _, head) = deepseek
+        t = read_tensors(tiny.path)
+        module_out = lambda j, h, x, z=True: deepseek_reference(t, h, x, tiny.config, j, z)  # noqa: E731
+    else:
+        tiny = tc.mimo(tmp_path / "mimo1")
+        trunk, _, head = load(tiny.path)
+        t = read_tensors(tiny.path)
+        module_out = lambda j, h, x, z=True: mimo_reference(t, h, x, tiny.config, module=j, zero_first=z)  # noqa: E731
+    hidden, nxt = head_inputs(trunk, head)
+    got = run_chain(head, hidden, nxt, 3)
+    h64, x = np.array(hidden[0], np.float64), np.array(nxt[0])
+    ref = chain_reference(module_out, 1, h64, x, 3)
+    for (out, logits), (ref_out, ref_logits) in zip(got, ref):
+        assert_close(out, ref_out)
+        assert_close(logits, ref_logits)
+    # Negative controls: pre-norm feedback (the old DeepSeek convention) and no position-0 mask.
+    pre = chain_reference(module_out, 1, h64, x, 3, chain="pre_norm")
+    assert differs(got[1][0], pre[1][0]) and differs(got[2][0], pre[2][0])
+    unmasked = chain_reference(lambda j, h, x_: module_out(j, h, x_, False), 1, h64, x, 3)
+    assert differs(got[2][0], unmasked[2][0])
+
+
+@pytest.mark.parametrize("family", ["deepseek", "mimo"])
+def test_two_module_heads_decode_at_depths_1_to_4(two_module_heads, family):
+    """The decode loop runs a 2-module head at every depth (it crashed in trim_kv at depth >= 2),
+    greedy MTP equals greedy AR, and after the run every module's cache equals the cache a
+    from-scratch pass over the committed tokens builds (the rollback drops exactly the drafts)."""
+    from mtplx import decode
+    from mtplx.sampling import SamplerConfig
+
+    _, trunk, head, _ = two_module_heads[family]
+    prompt = [3, 17, 42, 5, 60, 9, 11, 2]
+    greedy = SamplerConfig(temperature=0.0)
+
+    def take(steps, n):
+        out = []
+        for step in steps:
+            out.extend(step.tokens)
+            if len(out) >= n:
+                steps.close()
+                return out[:n]
+
+    ar = take(decode.ar_decode(trunk, prompt, decode.DecodeSettings(sampler=greedy), mx.random.key(0)), 8)
+    for depth in (1, 2, 3, 4):
+        head_cache = head.make_cache()
+        settings = decode.DecodeSettings(sampler=greedy, depth=depth)
+        steps = decode.mtp_decode(trunk, head, prompt, settings, mx.random.key(0), head_cache=head_cache)
+        assert take(steps, 8) == ar, depth
+        # From scratch: the true (trunk hidden, next token) pairs of the committed sequence.
+        held = head_cache[0].offset
+        assert all(c.offset == held for c in head_cache)
+        seq = prompt + ar
+        out = trunk(mx.array([seq[: held + 1]]))
+        hidden = out.hidden_pre_norm if head.hidden_source == "pre_norm" else out.hidden_post_norm
+        fresh = head.make_cache()
+        head(hidden[:, :held], mx.array([seq[1 : held + 1]]), fresh)
+        for c, f in zip(head_cache, fresh):
+            k, fk = c.state[0][..., :held, :], f.state[0][..., :held, :]
+            assert mx.allclose(k, fk, atol=1e-4).item(), depth
+
+
+def test_qwen_norm_offset_is_decided_per_tensor(tmp_path):
+    """A converter that shifted some norms to plain scales and left others as offsets from 1
+    (mlx-lm shifts the trunk's; re-exports differ on the head's) still loads the right head:
+    each MTP norm is judged on its own. Negative control: any one rule for all of them (what
+    inferring the convention from the trunk gives) is far from the reference."""
+    tiny = tc.qwen3_5(tmp_path / "mixed")
+    t = read_tensors(tiny.path)  # as written: every norm an offset from 1
+    arrays = dict(mx.load(str(tiny.path / "model.safetensors")))
+    shifted = ["mtp.pre_fc_norm_hidden.weight", "mtp.layers.0.input_layernorm.weight", "mtp.norm.weight"]
+    for k in shifted:
+        arrays[k] = arrays[k] + 1.0
+    mx.save_safetensors(str(tiny.path / "model.safetensors"), arrays, {"format": "pt"})
+    trunk, _, head = load(tiny.path)
+    hidden, nxt = head_inputs(trunk, head)
+    out = head(hidden, nxt, head.make_cache())
+    h64, x = np.array(hidden[0], np.float64), np.array(nxt[0])
+    assert_close(out[0], qwen35_reference(t, h64, x, tiny.config))
+    as_stored = {k: (v + 1.0 if k in shifted else v) for k, v in t.items()}
+    assert differs(out[0], qwen35_reference(as_stored, h64, x, tiny.config, offset=True))
+    assert differs(out[0], qwen35_reference(as_stored, h64, x, tiny.config, offset=False))
+
+
+# --------------------------------------------------------------------------- Engine.load and head discovery
+
+
+def _mimo_with_tokenizer(path: Path, **kw) -> tc.Tiny:
+    tiny = tc.mimo(path, **kw)
+    tc.add_tokenizer(path)
+    return tiny
+
+
+def test_engine_load_on_a_stripped_head(tmp_path, capsys):
+    """Config declares MTP layers, a converter dropped their tensors (as mlx-lm's does)."""
+    from mtplx.engine import Engine
+
+    tiny = _mimo_with_tokenizer(tmp_path / "stripped")
+    _drop_head_tensors(tiny.path, lambda k: not k.startswith("model.mtp_layers."))
+    engine = Engine.load(str(tiny.path), mtp=False)
+    assert engine.head is None and capsys.readouterr().err == ""
+    engine = Engine.load(str(tiny.path))
+    err = capsys.readouterr().err
+    assert engine.head is None and err.count("\n") == 1 and "ships no model.mtp_layers" in err
+    result = engine.generate("w3 w5 w7", max_tokens=4, seed=0)
+    assert "head" not in result.stats.drafters and len(result.token_ids) >= 1  # no head drafts
+    with pytest.raises(MtplxError) as excinfo:
+        Engine.load(str(tiny.path), mtp=True)
+    assert "\n" not in str(excinfo.value) and "ships no" in str(excinfo.value)
+
+
+def test_engine_load_mtp_false_never_reads_the_head(tmp_path):
+    from mtplx.engine import Engine
+
+    tiny = _mimo_with_tokenizer(tmp_path / "broken")
+    arrays = dict(mx.load(str(tiny.path / "model.safetensors")))
+    key = "model.mtp_layers.0.input_proj.weight"
+    arrays[key] = arrays[key][:, : tc.H]  # mis-shaped: loading the head would fail
+    mx.save_safetensors(str(tiny.path / "model.safetensors"), arrays, {"format": "pt"})
+    with pytest.raises(MtplxError, match="shape"):
+        Engine.load(str(tiny.path))
+    assert Engine.load(str(tiny.path), mtp=False).head is None
+
+
+def test_sidecar_head_file_outside_the_shard_index_is_found(tmp_path):
+    """Head tensors in ``mtp.safetensors`` beside index-listed shards (not in the index)."""
+    tiny = tc.mimo(tmp_path / "sharded", shards=2)
+    trunk, _, expected = load(tiny.path)
+    hidden, nxt = head_inputs(trunk, expected)
+    index_file = tiny.path / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    head: dict[str, mx.array] = {}
+    for f in sorted(tiny.path.glob("model-*.safetensors")):
+        arrays = dict(mx.load(str(f)))
+        mx.eval(arrays)  # read before the file is rewritten
+        head.update({k: v for k, v in arrays.items() if k.startswith("model.mtp_layers.")})
+        mx.save_safetensors(str(f), {k: v for k, v in arrays.items() if k not in head}, {"format": "pt"})
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if k not in head}
+    index_file.write_text(json.dumps(index))
+    mx.save_safetensors(str(tiny.path / "mtp.safetensors"), head, {"format": "pt"})
+    trunk2, _, found = load(tiny.path)
+    assert found is not None
+    assert mx.allclose(found(hidden, nxt), expected(hidden, nxt), atol=1e-6).item()

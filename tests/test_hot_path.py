@@ -151,3 +151,21 @@ def test_sync_counter_sees_a_sync() -> None:
         mx.eval(evaluated)
         evaluated.item() if evaluated.size == 1 else evaluated.tolist()
     assert counter.syncs == 2
+
+
+def test_logprobs_cost_one_extra_sync_per_cycle(monkeypatch) -> None:
+    """Requested logprobs depend on the accept count, so they are read after the cycle's sync:
+    one more, not one per array."""
+    import mlx.core as mx
+    from sync_counter import counting_syncs
+
+    monkeypatch.setattr(verify_ops, "_queue_top_p_fallbacks", lambda: True)
+    trunk, head = make_loop_pair(vocab_size=300, seed=3, logit_scale=8.0)
+    settings = decode.DecodeSettings(sampler=SamplerConfig(temperature=0.7), depth=3, logprobs=5)
+    steps = decode.mtp_decode(trunk, head, PROMPT, settings, mx.random.key(0))
+    next(steps)
+    with counting_syncs() as counter:
+        produced = [next(steps) for _ in range(4)]
+    steps.close()
+    assert all(len(step.logprobs) == len(step.tokens) for step in produced)
+    assert counter.syncs == 2 * 4

@@ -98,14 +98,6 @@ def _prefixed(module: nn.Module, prefix: str) -> dict[str, mx.array]:
 # --------------------------------------------------------------------------- qwen3_5
 
 
-QWEN35_NORMS = (
-    ".input_layernorm.weight",
-    ".post_attention_layernorm.weight",
-    ".q_norm.weight",
-    ".k_norm.weight",
-)
-
-
 def qwen3_5_config(mtp_layers: int = 1) -> dict:
     text = {
         "model_type": "qwen3_5_text",
@@ -138,9 +130,8 @@ def qwen3_5_config(mtp_layers: int = 1) -> dict:
 
 def _qwen35_offset(name: str, v: mx.array) -> mx.array:
     # HF Qwen3.5 RMSNorm computes x * (1 + w): the file stores w = weight - 1.
-    is_norm = v.ndim == 1 and (
-        name.endswith(QWEN35_NORMS) or name.endswith("norm.weight") and "linear_attn" not in name
-    )
+    # Every RMSNorm but the gated-delta one (mtp.pre_fc_norm_* included, as in the HF files).
+    is_norm = v.ndim == 1 and "norm" in name.split(".")[-2] and "linear_attn" not in name
     return v - 1.0 if is_norm else v
 
 
@@ -184,7 +175,7 @@ def _qwen_next_head_module(layers: list) -> nn.Module:
 # --------------------------------------------------------------------------- deepseek_v3
 
 
-def deepseek_v3_config(moe: bool = False, mtp_layers: int = 1) -> dict:
+def deepseek_v3_config(moe: bool = False, mtp_layers: int = 1, trunk_layers: int = 61) -> dict:
     cfg = {
         "model_type": "deepseek_v3",
         "architectures": ["DeepseekV3ForCausalLM"],
@@ -193,7 +184,7 @@ def deepseek_v3_config(moe: bool = False, mtp_layers: int = 1) -> dict:
         "intermediate_size": 64,
         "moe_intermediate_size": 16,
         # 61 as in DeepSeek-V3: mlx-lm's deepseek_v3 sanitize drops exactly model.layers.61.*
-        "num_hidden_layers": 61,
+        "num_hidden_layers": trunk_layers,
         "num_attention_heads": 4,
         "num_key_value_heads": 4,
         "kv_lora_rank": 16,
@@ -247,11 +238,22 @@ def _deepseek_hf_layer(prefix: str, layer: nn.Module, args) -> dict[str, mx.arra
 
 
 def deepseek_v3(
-    path: Path, *, moe: bool = False, ship_mtp: bool = True, shards: int = 1, seed: int = 0
+    path: Path,
+    *,
+    moe: bool = False,
+    ship_mtp: bool = True,
+    shards: int = 1,
+    seed: int = 0,
+    mtp_layers: int = 1,
+    sidecar: bool = False,
+    trunk_layers: int = 61,
 ) -> Tiny:
+    """``sidecar=True`` writes the MTP layers to ``mtp.safetensors`` beside the trunk's files,
+    where mlx-lm never reads them (needed for ``mtp_layers > 1`` or ``trunk_layers != 61``:
+    mlx-lm's sanitize drops only ``model.layers.61.*``)."""
     from mlx_lm.models import deepseek_v3 as d
 
-    config = deepseek_v3_config(moe)
+    config = deepseek_v3_config(moe, mtp_layers, trunk_layers)
     args = d.ModelArgs.from_dict(config)
     model = d.Model(args)
     randomize(model, seed)
@@ -262,23 +264,35 @@ def deepseek_v3(
     }
     for i, layer in enumerate(model.model.layers):
         tensors.update(_deepseek_hf_layer(f"model.layers.{i}.", layer, args))
-    if ship_mtp:
-        L = args.num_hidden_layers
+    head: dict[str, mx.array] = {}
+    for m in range(mtp_layers if ship_mtp else 0):
+        L = args.num_hidden_layers + m
         block = d.DeepseekV3DecoderLayer(args, L)
-        randomize(block, seed + 1)
+        randomize(block, seed + 1 + 3 * m)
         p = f"model.layers.{L}."
-        tensors.update(_deepseek_hf_layer(p, block, args))
+        head.update(_deepseek_hf_layer(p, block, args))
         extra = nn.Module()
         extra.enorm, extra.hnorm = nn.RMSNorm(H), nn.RMSNorm(H)
         extra.eh_proj = nn.Linear(2 * H, H, bias=False)
         extra.shared_head = nn.Module()
         extra.shared_head.norm = nn.RMSNorm(H)
-        randomize(extra, seed + 2)
-        tensors.update(_prefixed(extra, p))
+        randomize(extra, seed + 2 + 3 * m)
+        head.update(_prefixed(extra, p))
         # DeepSeek ships copies of the embedding and the LM head inside the MTP layer.
-        tensors[p + "embed_tokens.weight"] = model.model.embed_tokens.weight
-        tensors[p + "shared_head.head.weight"] = model.lm_head.weight
-    return write_checkpoint(path, tensors, config, shards)
+        head[p + "embed_tokens.weight"] = model.model.embed_tokens.weight
+        head[p + "shared_head.head.weight"] = model.lm_head.weight
+    return _write_with_head(path, tensors, head, config, shards, sidecar)
+
+
+def _write_with_head(
+    path: Path, trunk: dict, head: dict, config: dict, shards: int, sidecar: bool, sidecar_name: str = "mtp"
+) -> Tiny:
+    if not sidecar:
+        return write_checkpoint(path, {**trunk, **head}, config, shards)
+    tiny = write_checkpoint(path, trunk, config, shards)
+    mx.save_safetensors(str(path / f"{sidecar_name}.safetensors"), head, {"format": "pt"})
+    tiny.tensors.update({k: np.array(v) for k, v in head.items()})
+    return tiny
 
 
 # --------------------------------------------------------------------------- mimo
@@ -327,40 +341,60 @@ def mimo(
     seed: int = 0,
     quantize: dict | None = None,
     head_override_bits: int | None = None,
+    mtp_layers: int = 1,
 ) -> Tiny:
     """``quantize={"group_size": 32, "bits": 4}`` writes an mlx-format quantized checkpoint
     (``.scales``/``.biases``, a ``quantization`` block); ``head_override_bits`` adds a per-layer
     override for the head's ``input_proj``."""
     from mlx_lm.models import mimo as m
 
-    config = mimo_config()
+    config = mimo_config(mtp_layers)
     args = m.ModelArgs.from_dict(config)
     model = m.Model(args)
     randomize(model, seed)
-    head = mimo_head_module(m.TransformerBlock(args))
-    randomize(head, seed + 1)
+    heads = [mimo_head_module(m.TransformerBlock(args)) for _ in range(mtp_layers)]
+    for i, head in enumerate(heads):
+        randomize(head, seed + 1 + i)
     if quantize:
         nn.quantize(model, **quantize)
         q = dict(quantize)
-        if head_override_bits:
-            q["model.mtp_layers.0.input_proj"] = {
-                "group_size": quantize["group_size"],
-                "bits": head_override_bits,
-            }
+        for i, head in enumerate(heads):
+            if head_override_bits:
+                q[f"model.mtp_layers.{i}.input_proj"] = {
+                    "group_size": quantize["group_size"],
+                    "bits": head_override_bits,
+                }
+                nn.quantize(
+                    head,
+                    group_size=quantize["group_size"],
+                    bits=head_override_bits,
+                    class_predicate=lambda p, mod: p == "input_proj",
+                )
             nn.quantize(
-                head,
-                group_size=quantize["group_size"],
-                bits=head_override_bits,
-                class_predicate=lambda p, mod: p == "input_proj",
+                head, **quantize, class_predicate=lambda p, mod: isinstance(mod, (nn.Linear, nn.Embedding))
             )
-        nn.quantize(
-            head, **quantize, class_predicate=lambda p, mod: isinstance(mod, (nn.Linear, nn.Embedding))
-        )
         config["quantization"] = q
         config["quantization_config"] = q
     tensors = dict(tree_flatten(model.parameters()))
     if ship_mtp:
-        tensors.update(_mimo_hf(head, "model.mtp_layers.0."))
+        for i, head in enumerate(heads):
+            tensors.update(_mimo_hf(head, f"model.mtp_layers.{i}."))
     tiny = write_checkpoint(path, tensors, config, shards)
-    tiny.head_module = head
+    tiny.head_module = heads[0]
     return tiny
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+def add_tokenizer(path: Path) -> None:
+    """A word-level tokenizer over the tiny vocabulary (``w0``..``w{V-1}``, ``w1`` = EOS), so
+    ``Engine.load`` and ``mlx_lm.load`` open the checkpoint like a real one."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(V)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "w1", "unk_token": "w0"}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))

@@ -1,6 +1,6 @@
 """Build benchmarks/prompts/suite.jsonl: the benchmark prompt suite, from text on this machine.
 
-Three kinds, four prompts each, all held out from the default head's training data
+Four kinds, four prompts each, all held out from the default head's training data
 (mtplx/forge_data.py: top-level stdlib ``*.py`` files, the Python docs' reST sources
 split by file-name hash, Shakespeare's plays):
 
@@ -12,6 +12,10 @@ split by file-name hash, Shakespeare's plays):
   sentence end.
 * chat  (chat template): questions about the topics of those eval-split pages;
   the FAQ ones are that page's own headings, verbatim.
+* grounded (chat template): input-grounded requests whose answer copies from the
+  prompt, where prompt lookup drafts: edit/refactor a whole function given in
+  the message (the same held-out sub-package files), and summarise a passage
+  quoting it (the prose passages above).
 
 Run: ``.venv/bin/python benchmarks/prompts/build_suite.py`` (deterministic: same
 sources, same file). Re-check the held-out claim against a head's manifest with
@@ -62,6 +66,50 @@ CHAT = [
         "In Python 3, what is the difference between str and bytes, and how do I convert between them?",
     ),
 ]
+
+
+# (id, stdlib file, function given whole, the request)
+GROUNDED_CODE = [
+    (
+        "grounded-edit-json-encoder",
+        "json/encoder.py",
+        "py_encode_basestring_ascii",
+        "Rename the parameter `s` to `text` everywhere in this function and return the complete "
+        "updated function, nothing else.",
+    ),
+    (
+        "grounded-refactor-futures-wait",
+        "concurrent/futures/_base.py",
+        "wait",
+        "Refactor this function: add type hints to its signature and split the waiter set-up into a "
+        "helper function. Return the complete refactored code.",
+    ),
+]
+# (id, the prose prompt whose passage is given, the request)
+GROUNDED_QUOTE = [
+    (
+        "grounded-quote-unicode",
+        "prose-unicode-definitions",
+        "Summarise this passage in a few sentences, quoting its key sentences verbatim.",
+    ),
+    (
+        "grounded-quote-errors",
+        "prose-tutorial-errors",
+        "Summarise this passage in a few sentences, quoting its key sentences verbatim.",
+    ),
+]
+
+
+def whole_function(path: Path, function: str) -> str:
+    """The top-level function ``function`` of ``path``, from its def to its last body line."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"def {function}("))
+    end = start + 1
+    while end < len(lines) and (not lines[end].strip() or lines[end].startswith((" ", "\t"))):
+        end += 1
+    while not lines[end - 1].strip():
+        end -= 1
+    return "\n".join(lines[start:end]) + "\n"
 
 
 def code_prompt(path: Path, function: str, before: int) -> str:
@@ -116,6 +164,27 @@ def build() -> list[dict]:
                 "source": f"python3.11-doc {rel} ({heading})",
             }
         )
+    passages = {row["id"]: (row["prompt"], row["source"]) for row in rows if row["kind"] == "prose"}
+    for pid, rel, function, request in GROUNDED_CODE:
+        code = whole_function(STDLIB / rel, function)
+        rows.append(
+            {
+                "id": pid,
+                "kind": "grounded",
+                "messages": [{"role": "user", "content": f"{request}\n\n```python\n{code}```"}],
+                "source": f"CPython {sys.version.split()[0]} Lib/{rel} ({function}, whole)",
+            }
+        )
+    for pid, prose_id, request in GROUNDED_QUOTE:
+        passage, source = passages[prose_id]
+        rows.append(
+            {
+                "id": pid,
+                "kind": "grounded",
+                "messages": [{"role": "user", "content": f"{request}\n\n{passage}"}],
+                "source": source,
+            }
+        )
     for pid, rel, question in CHAT:
         rows.append(
             {
@@ -135,7 +204,7 @@ def check(manifest: Path, rows: list[dict]) -> int:
     clashes = []
     for row in rows:
         rel = (
-            row["source"].split()[-2] if row["kind"] != "code" else row["source"].split("Lib/")[1].split()[0]
+            row["source"].split("Lib/")[1].split()[0] if "Lib/" in row["source"] else row["source"].split()[1]
         )
         if {f"python-doc/{rel}", f"stdlib/{rel}"} & trained:
             clashes.append(f"{row['id']}: {rel}")

@@ -8,13 +8,14 @@ Layouts (see each file for the math and the chosen ``hidden_source``):
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from mtplx.errors import MtplxError
 from mtplx.heads import deepseek, mimo, qwen3_next
-from mtplx.heads.base import MTPHead, weight_index
+from mtplx.heads.base import MissingHeadError, MTPHead, weight_index
 from mtplx.heads.deepseek import DeepSeekMTPHead
 from mtplx.heads.mimo import MiMoMTPHead
 from mtplx.heads.qwen3_next import Qwen3NextMTPHead
@@ -25,6 +26,8 @@ __all__ = [
     "DeepSeekMTPHead",
     "MiMoMTPHead",
     "load_head",
+    "load_checkpoint_head",
+    "MissingHeadError",
     "detect_layout",
     "declared_mtp_layers",
     "DEFAULT_HIDDEN_SOURCE",
@@ -93,6 +96,21 @@ def load_head(model_dir: Path, trunk: Any, config: dict, hidden_source: str | No
         return None
     kwargs = {} if hidden_source is None else {"hidden_source": hidden_source}
     return _LOADERS[layout](model_dir, trunk, config, index, **kwargs)
+
+
+def load_checkpoint_head(
+    model_dir: Path, trunk: Any, config: dict, *, required: bool = False
+) -> MTPHead | None:
+    """``load_head`` for ``Engine.load``: a checkpoint whose config declares MTP layers but whose
+    head tensors were stripped (mlx-lm's converter drops them) loads without a head, with a
+    one-line note on stderr; ``required=True`` makes that an error instead."""
+    try:
+        return load_head(model_dir, trunk, config)
+    except MissingHeadError as e:
+        if required:
+            raise
+        print(f"note: {e}; decoding without MTP", file=sys.stderr)
+        return None
 
 
 def shipped_head_dir(model_name: str) -> Path | None:

@@ -23,6 +23,12 @@ from mlx.utils import tree_flatten
 from mtplx.checkpoint import quantization_config, read_safetensors_header
 from mtplx.errors import MtplxError
 
+
+class MissingHeadError(MtplxError):
+    """The config declares MTP layers but the checkpoint ships none of their tensors
+    (mlx-lm's converter drops them): the model still decodes, autoregressively."""
+
+
 HiddenSource = Literal["pre_norm", "post_norm"]
 HIDDEN_SOURCES = ("pre_norm", "post_norm")
 Embed = Callable[[mx.array], mx.array]
@@ -149,23 +155,100 @@ class MTPHead(nn.Module):
         return h
 
 
+def zero_first_position(embedded: mx.array, offset: int) -> mx.array:
+    """Zero the token embedding of sequence position 0 (rows are positions ``offset, offset+1, ...``).
+
+    DeepSeek-V3 / GLM / MiMo serving code masks it (vLLM ``deepseek_mtp.py``, ``glm4_moe_mtp.py``,
+    ``mimo_mtp.py``: ``inputs_embeds[positions == 0] = 0``; SGLang ``mimo_nextn.py`` the same):
+    position 0 pairs the first hidden state with the second token and training never used it.
+    """
+    if offset > 0:
+        return embedded
+    return mx.concatenate([mx.zeros_like(embedded[:, :1]), embedded[:, 1:]], axis=1)
+
+
+class ModuleStackHead(MTPHead):
+    """A layout with ``n`` independent MTP modules (DeepSeek ``num_nextn_predict_layers``,
+    MiMo ``mtp_layers``), each with its own KV cache.
+
+    Draft step ``s`` reads module ``s % n`` (vLLM's ``spec_step_idx % num_mtp_layers`` in
+    ``deepseek_mtp.py`` / ``mimo_mtp.py``; with one module every step uses it). Every call runs
+    *all* modules on its input so each module's cache holds every position: the references
+    write a module's KV slot only at the steps it runs and leave holes elsewhere; a complete
+    cache keeps positions (rope) and attention context exact, and lets the decode loop roll
+    every head cache back by the same count. Only module ``s % n``'s output is returned.
+    """
+
+    zero_position_zero: bool = True
+
+    @property
+    def num_modules(self) -> int:
+        return len(self.modules_)
+
+    def decoder_layers(self) -> list[nn.Module]:
+        return [m.block for m in self.modules_]
+
+    def _module_forward(self, m: nn.Module, hidden: mx.array, embedded: mx.array, cache: Any) -> mx.array:
+        """One module: the pre-final-norm output for (hidden, embedded next token) pairs."""
+        raise NotImplementedError
+
+    def _final_norm(self, m: nn.Module) -> nn.Module:
+        raise NotImplementedError
+
+    def __call__(
+        self,
+        hidden: mx.array,
+        next_tokens: mx.array,
+        cache: list | None = None,
+        *,
+        step: int = 0,
+        trunk_cache: list | None = None,
+    ) -> mx.array:
+        n = self.num_modules
+        caches = cache if cache is not None else [None] * n
+        if len(caches) != n:
+            raise ValueError(f"head cache has {len(caches)} entries for {n} modules")
+        embedded = self._embed(next_tokens)
+        offset = caches[0].offset if caches[0] is not None else 0
+        if self.zero_position_zero:
+            embedded = zero_first_position(embedded, offset)
+        chosen = step % n
+        # Without a cache the other modules' outputs are unused: skip them.
+        order = [i for i in range(n) if i != chosen and caches[i] is not None] + [chosen]
+        for i in order:
+            x = self._module_forward(self.modules_[i], hidden, embedded, caches[i])
+        self._scratch.pre_norm = x
+        return self._final_norm(self.modules_[chosen])(x)
+
+    def make_cache(self) -> list:
+        from mlx_lm.models.cache import KVCache
+
+        return [KVCache() for _ in self.modules_]
+
+
 # --- checkpoint access -------------------------------------------------------------
 
 
 def weight_index(model_dir: Path) -> dict[str, str]:
-    """``{tensor name: shard file name}`` from model.safetensors.index.json, else every *.safetensors header."""
+    """``{tensor name: file name}`` over every ``*.safetensors`` in ``model_dir``: the shard index's
+    weight_map, plus the headers of files it does not list (sidecars such as ``mtp.safetensors``
+    that ship the head beside the trunk's shards, as ``mtplx convert`` writes)."""
     model_dir = Path(model_dir)
     index_file = model_dir / "model.safetensors.index.json"
+    index: dict[str, str] = {}
     if index_file.exists():
         try:
             weight_map = json.loads(index_file.read_text())["weight_map"]
         except (OSError, ValueError, KeyError, TypeError):
             raise MtplxError(f"{index_file}: unreadable shard index (no weight_map)") from None
-        return {str(k): str(v) for k, v in weight_map.items()}
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
+        index = {str(k): str(v) for k, v in weight_map.items()}
+    listed = set(index.values())
+    files = [f for f in sorted(model_dir.glob("*.safetensors")) if f.name not in listed]
+    if not index and not files:
         raise MtplxError(f"{model_dir}: no *.safetensors weights found")
-    return {name: f.name for f in files for name in read_safetensors_header(f)}
+    for f in files:
+        index.update({name: f.name for name in read_safetensors_header(f) if name not in index})
+    return index
 
 
 def load_tensors(model_dir: Path, index: dict[str, str], names: Iterable[str]) -> dict[str, mx.array]:
@@ -276,28 +359,21 @@ def quantize_like_checkpoint(
 # --- norm convention ---------------------------------------------------------------
 
 
-def trunk_norm_offset(
-    model_dir: Path, index: dict[str, str], trunk: Any, norm_keys: Iterable[str]
-) -> bool | None:
-    """Whether the checkpoint stores RMSNorm weights as offsets from 1, *as measured on the trunk*:
-    the stored final-norm tensor versus what mlx-lm's sanitize actually loaded into the trunk.
-    None when it cannot be measured (no stored key, or no trunk norm)."""
-    norm = getattr(getattr(trunk, "inner", None), "norm", None)
-    key = next((k for k in norm_keys if k in index), None)
-    if norm is None or key is None or "weight" not in norm:
-        return None
-    stored = load_tensors(model_dir, index, [key])[key].astype(mx.float32)
-    loaded = norm.weight.astype(mx.float32)
-    if stored.shape != loaded.shape:
-        return None
-    as_offset = mx.allclose(stored + 1.0, loaded, atol=1e-2).item()
-    as_is = mx.allclose(stored, loaded, atol=1e-2).item()
-    return bool(as_offset and not as_is)
+def is_norm_weight(name: str, value: mx.array) -> bool:
+    return value.ndim == 1 and _NORM_WEIGHT.search(name) is not None
 
 
-def add_one_to_norms(weights: dict[str, mx.array]) -> dict[str, mx.array]:
-    """Offset-from-1 RMSNorm weights -> plain RMSNorm weights (every 1-D ``*norm*.weight``)."""
-    return {k: (v + 1.0 if v.ndim == 1 and _NORM_WEIGHT.search(k) else v) for k, v in weights.items()}
+def stored_as_offset(value: mx.array) -> bool:
+    """Whether one RMSNorm weight is stored as an offset from 1 (HF Qwen3-Next / Qwen3.5 compute
+    ``x * (1 + w)``) rather than as the plain scale: decided from the tensor itself, its mean
+    nearer 0 than 1. Converters shift some norms and not others (mlx-lm shifts the trunk's and
+    drops the head), so no other tensor can answer this for it."""
+    return abs(mx.mean(value.astype(mx.float32)).item()) < 0.5
+
+
+def plain_norms(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Every 1-D ``*norm*.weight`` as a plain RMSNorm scale: +1 for those stored as offsets."""
+    return {k: (v + 1.0 if is_norm_weight(k, v) and stored_as_offset(v) else v) for k, v in weights.items()}
 
 
 _NORM_WEIGHT = re.compile(r"(^|\.)[^.]*norm[^.]*\.weight$")

@@ -2,22 +2,25 @@
 
 Module ``i`` lives at ``model.layers.{num_hidden_layers + i}``:
 
-    x = eh_proj(concat([enorm(embed(next_token)), hnorm(hidden)], -1))   # embedding FIRST
+    e = embed(next_token), zeroed at sequence position 0
+    x = eh_proj(concat([enorm(e), hnorm(hidden)], -1))   # embedding FIRST
     x = <that layer's own decoder block>(x)   # self_attn/mlp/input_layernorm/... at the same prefix
     out = shared_head.norm(x)                 # -> shared_head.head (the checkpoint's own LM head copy)
 
-Count: ``num_nextn_predict_layers`` (1 in every published checkpoint). With several
-modules, depth ``d`` uses module ``d % n`` and its own KV cache (the serving convention).
-The checkpoint's copy of the embedding at that prefix (``embed_tokens``) is ignored in
-favour of the trunk's; ``shared_head.head`` is kept only when it differs from the trunk's
-LM head (DeepSeek ships an identical copy, so normally nothing extra stays in memory).
+Count: ``num_nextn_predict_layers`` (1 in every published DeepSeek/GLM checkpoint). Draft
+step ``s`` uses module ``s % n`` (see ``ModuleStackHead``). The checkpoint's copy of the
+embedding at that prefix (``embed_tokens``) is ignored in favour of the trunk's;
+``shared_head.head`` is kept only when it differs from the trunk's LM head (DeepSeek ships
+an identical copy, so normally nothing extra stays in memory).
 
 hidden_source default "post_norm": vLLM's and SGLang's DeepSeek MTP take the hidden state
 the target model returns, which is after its final norm. The paper says only "the
 representation given by the main model", so this is disputed (some training code feeds
 the pre-norm state); ``hidden_source="pre_norm"`` switches it, to be settled by measured
-acceptance. When chaining, those implementations feed back the module output *before*
-``shared_head.norm``: ``chain_source = "pre_norm"`` (read ``head.last_pre_norm``).
+acceptance. Chaining (step >= 1) feeds back the module output *after* ``shared_head.norm``
+(``chain_source = "post_norm"``): SGLang's ``deepseek_nextn.py`` always returned the normed
+state, and vLLM's ``deepseek_mtp.py`` moved to it after measuring pre-norm feedback collapse
+GLM-4.5's acceptance at position 2. ``max_depth`` is None: modules cycle, no limit is known.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ from mtplx.heads.base import (
     Embed,
     HiddenSource,
     LMHead,
-    MTPHead,
+    MissingHeadError,
+    ModuleStackHead,
     build_layer_like,
     check_and_load,
     dequantize_fp8_blocks,
@@ -72,9 +76,9 @@ class DeepSeekMTPModule(nn.Module):
         self.shared_head = SharedHead(hidden_size, eps)
 
 
-class DeepSeekMTPHead(MTPHead):
+class DeepSeekMTPHead(ModuleStackHead):
     layout = LAYOUT
-    chain_source: HiddenSource = "pre_norm"
+    chain_source: HiddenSource = "post_norm"
     mask_as_array = True  # mlx-lm's MLA attention applies the mask with mx.where
 
     def __init__(
@@ -93,36 +97,19 @@ class DeepSeekMTPHead(MTPHead):
         self.modules_ = [DeepSeekMTPModule(b, hidden_size, eps) for b in blocks]
         self.first_layer = first_layer
 
-    def decoder_layers(self) -> list[nn.Module]:
-        return [m.block for m in self.modules_]
-
     def attach_own_lm_head(self, weight_owner_index: int, head: nn.Module) -> None:
         self.modules_[weight_owner_index].shared_head.head = head
 
-    def __call__(
-        self,
-        hidden: mx.array,
-        next_tokens: mx.array,
-        cache: list | None = None,
-        *,
-        step: int = 0,
-        trunk_cache: list | None = None,
-    ) -> mx.array:
-        i = 0  # vLLM V1 semantics: module 0 drafts every step (see the internals issue)
-        m = self.modules_[i]
-        e = m.enorm(self._embed(next_tokens))
+    def _module_forward(self, m: nn.Module, hidden: mx.array, embedded: mx.array, cache: Any) -> mx.array:
+        e = m.enorm(embedded)
         x = m.eh_proj(mx.concatenate([e, m.hnorm(hidden).astype(e.dtype)], axis=-1))
-        x = self._run_layers(x, [m.block], None if cache is None else [cache[i]])
-        self._scratch.pre_norm = x
-        return m.shared_head.norm(x)
+        return self._run_layers(x, [m.block], [cache])
 
-    def make_cache(self) -> list:
-        from mlx_lm.models.cache import KVCache
-
-        return [KVCache() for _ in self.modules_]
+    def _final_norm(self, m: nn.Module) -> nn.Module:
+        return m.shared_head.norm
 
     def logits(self, head_hidden: mx.array, step: int = 0) -> mx.array:
-        sh = self.modules_[0].shared_head
+        sh = self.modules_[step % self.num_modules].shared_head
         return sh["head"](head_hidden) if "head" in sh else self._shared_lm_head(head_hidden)
 
     def checkpoint_keys(self) -> dict[str, str]:
@@ -192,12 +179,12 @@ def load_deepseek_head(
     source = source_name(model_dir)
     args = model_args_of(trunk.model)
     first = int(args.num_hidden_layers)
+    if not any(k.startswith(f"model.layers.{first + i}.") for k in index for i in range(n)):
+        raise MissingHeadError(
+            f"{source}: config declares {n} MTP layer(s) but the checkpoint ships no model.layers.{first}.* tensors"
+        )
     for i in range(n):
         if f"model.layers.{first + i}.eh_proj.weight" not in index:
-            if not any(k.startswith(f"model.layers.{first + i}.") for k in index):
-                raise MtplxError(
-                    f"{source}: config declares {n} MTP layer(s) but the checkpoint ships no model.layers.{first + i}.* tensors"
-                )
             raise MtplxError(f"{source}: MTP layer model.layers.{first + i} has no eh_proj.weight")
 
     blocks = [build_layer_like(trunk.layers[-1], args, first + i) for i in range(n)]

@@ -1,6 +1,7 @@
 """The MiMo MTP layout: ``model.mtp_layers.{i}``.
 
     x = input_proj(concat([hidden_layernorm(hidden), token_layernorm(embed(next_token))], -1))
+                                          # embedding zeroed at sequence position 0
                                           # HIDDEN FIRST: the reverse of Qwen3-Next / DeepSeek
     x = decoder block (Qwen2-style: input_layernorm, self_attn, post_attention_layernorm, mlp)
     out = final_layernorm(x)              # -> the trunk's lm_head; also what is chained
@@ -8,7 +9,8 @@
 In the published checkpoints the block's tensors sit directly under
 ``model.mtp_layers.{i}.`` (``model.mtp_layers.0.self_attn.q_proj.weight``); some
 re-exports nest them under ``mtp_block.`` (the serving code's module name). Both load.
-Count: ``num_nextn_predict_layers``; depth ``d`` uses module ``d % n``.
+Count: ``num_nextn_predict_layers``; draft step ``s`` uses module ``s % n`` (vLLM
+``mimo_mtp.py``; see ``ModuleStackHead``); ``max_depth`` is None (modules cycle).
 
 hidden_source default "pre_norm": MiMo's authors' own vLLM integration moves the
 trunk's final norm out of the model forward (it is applied when computing logits),
@@ -32,7 +34,8 @@ from mtplx.heads.base import (
     Embed,
     HiddenSource,
     LMHead,
-    MTPHead,
+    MissingHeadError,
+    ModuleStackHead,
     build_layer_like,
     check_and_load,
     dequantize_fp8_blocks,
@@ -62,7 +65,7 @@ class MiMoMTPModule(nn.Module):
         self.final_layernorm = nn.RMSNorm(hidden_size, eps=eps)
 
 
-class MiMoMTPHead(MTPHead):
+class MiMoMTPHead(ModuleStackHead):
     layout = LAYOUT
 
     def __init__(
@@ -81,30 +84,13 @@ class MiMoMTPHead(MTPHead):
         self.modules_ = [MiMoMTPModule(b, hidden_size, eps) for b in blocks]
         self.nested_block = nested_block  # checkpoint spells the block as "mtp_block."
 
-    def decoder_layers(self) -> list[nn.Module]:
-        return [m.block for m in self.modules_]
-
-    def __call__(
-        self,
-        hidden: mx.array,
-        next_tokens: mx.array,
-        cache: list | None = None,
-        *,
-        step: int = 0,
-        trunk_cache: list | None = None,
-    ) -> mx.array:
-        i = 0  # vLLM V1 semantics: module 0 drafts every step (see the internals issue)
-        m = self.modules_[i]
-        e = m.token_layernorm(self._embed(next_tokens))
+    def _module_forward(self, m: nn.Module, hidden: mx.array, embedded: mx.array, cache: Any) -> mx.array:
+        e = m.token_layernorm(embedded)
         x = m.input_proj(mx.concatenate([m.hidden_layernorm(hidden).astype(e.dtype), e], axis=-1))
-        x = self._run_layers(x, [m.block], None if cache is None else [cache[i]])
-        self._scratch.pre_norm = x
-        return m.final_layernorm(x)
+        return self._run_layers(x, [m.block], [cache])
 
-    def make_cache(self) -> list:
-        from mlx_lm.models.cache import KVCache
-
-        return [KVCache() for _ in self.modules_]
+    def _final_norm(self, m: nn.Module) -> nn.Module:
+        return m.final_layernorm
 
     def checkpoint_keys(self) -> dict[str, str]:
         return {p: module_to_checkpoint(p, self.nested_block) for p, _ in tree_flatten(self.parameters())}
@@ -147,7 +133,7 @@ def load_mimo_head(
     source = source_name(model_dir)
     present = sorted({int(k[len(PREFIX) :].split(".")[0]) for k in index if k.startswith(PREFIX)})
     if not present:
-        raise MtplxError(
+        raise MissingHeadError(
             f"{source}: config declares {n} MTP layer(s) but the checkpoint ships no model.mtp_layers.* tensors"
         )
     if present != list(range(n)):

@@ -9,8 +9,12 @@
 Checkpoint tensors: ``mtp.fc.weight``, ``mtp.pre_fc_norm_{embedding,hidden}.weight``,
 ``mtp.layers.{i}.*`` (a full-attention decoder layer of the trunk, MoE MLP in MoE
 variants), ``mtp.norm.weight``; count from ``mtp_num_hidden_layers`` (or
-``num_nextn_predict_layers``). Every published checkpoint has one layer; with N > 1
-the layers run in sequence (the forged-head reading), not one layer per depth.
+``num_nextn_predict_layers``). Every published checkpoint has one layer; with N > 1 a
+checkpoint head uses layer ``s % N`` at draft step ``s`` after the shared ``fc`` (vLLM's
+``qwen3_next_mtp.py``: ``layers[spec_step_idx % num_mtp_layers]``), every layer filling its
+own cache at every position as ``ModuleStackHead`` does. A forged head (``layer_per_step=False``)
+is one module whose layers run in sequence. Norm weights: HF Qwen3-Next/3.5 store RMSNorm
+weights as offsets from 1; each head norm tensor is judged on its own (``stored_as_offset``).
 
 hidden_source default "post_norm": the serving implementations that published
 Qwen3-Next MTP acceptance (vLLM's and SGLang's qwen3_next MTP) hand the drafter the
@@ -35,8 +39,8 @@ from mtplx.heads.base import (
     Embed,
     HiddenSource,
     LMHead,
+    MissingHeadError,
     MTPHead,
-    add_one_to_norms,
     build_layer_like,
     check_and_load,
     dequantize_fp8_blocks,
@@ -44,11 +48,11 @@ from mtplx.heads.base import (
     keys_with_prefix,
     load_tensors,
     model_args_of,
+    plain_norms,
     quantize_like_checkpoint,
     shared_callables,
     source_name,
     stack_experts,
-    trunk_norm_offset,
     weight_index,
 )
 
@@ -56,12 +60,6 @@ LAYOUT = "qwen3_next"
 DEFAULT_HIDDEN_SOURCE: HiddenSource = "post_norm"
 KEY_PREFIX = "mtp."
 COUNT_KEYS = ("mtp_num_hidden_layers", "num_nextn_predict_layers")
-# Where the trunk's own final norm lives in HF (and mlx) spellings, to measure its norm convention.
-TRUNK_NORM_KEYS = (
-    "model.norm.weight",
-    "model.language_model.norm.weight",
-    "language_model.model.norm.weight",
-)
 
 
 class Qwen3NextMTPHead(MTPHead):
@@ -80,6 +78,7 @@ class Qwen3NextMTPHead(MTPHead):
         lm_head: LMHead | None = None,
         hidden_source: HiddenSource = DEFAULT_HIDDEN_SOURCE,
         key_prefix: str = KEY_PREFIX,
+        layer_per_step: bool = False,
     ):
         """``layers``: already-built decoder layers of the trunk's architecture (called as
         ``layer(x, mask, cache)``, as every mlx-lm layer is); ``trunk`` (a ``Trunk``) or the
@@ -93,6 +92,8 @@ class Qwen3NextMTPHead(MTPHead):
         self.layers = list(layers)
         self.norm = nn.RMSNorm(hidden_size, eps=eps)
         self.key_prefix = key_prefix
+        # True: layer s % N drafts step s (checkpoint heads); False: the layers form one module.
+        self.layer_per_step = layer_per_step
 
     def decoder_layers(self) -> list[nn.Module]:
         return self.layers
@@ -109,7 +110,16 @@ class Qwen3NextMTPHead(MTPHead):
         e = self.pre_fc_norm_embedding(self._embed(next_tokens))
         h = self.pre_fc_norm_hidden(hidden)
         x = self.fc(mx.concatenate([e, h.astype(e.dtype)], axis=-1))
-        x = self._run_layers(x, self.layers, cache)
+        if not self.layer_per_step:
+            x = self._run_layers(x, self.layers, cache)
+        else:
+            n = len(self.layers)
+            caches = cache if cache is not None else [None] * n
+            chosen = step % n
+            order = [i for i in range(n) if i != chosen and caches[i] is not None] + [chosen]
+            for i in order:  # every layer fills its cache at every position (see ModuleStackHead)
+                y = self._run_layers(x, [self.layers[i]], [caches[i]])
+            x = y
         self._scratch.pre_norm = x
         return self.norm(x)
 
@@ -155,7 +165,7 @@ def load_qwen3_next_head(
     source = source_name(model_dir)
     found = find_prefix(index, r"mtp\.fc\.weight")
     if found is None:
-        raise MtplxError(
+        raise MissingHeadError(
             f"{source}: config declares {n} MTP layer(s) but the checkpoint ships no mtp.* tensors"
         )
     prefix = found + KEY_PREFIX
@@ -175,17 +185,14 @@ def load_qwen3_next_head(
         trunk=trunk,
         hidden_source=hidden_source,
         key_prefix=prefix,
+        layer_per_step=True,
     )
 
     raw = load_tensors(model_dir, index, keys_with_prefix(index, prefix))
     weights = dequantize_fp8_blocks({k[len(prefix) :]: v for k, v in raw.items()})
     for i in range(n):
         weights = stack_experts(weights, f"layers.{i}.mlp", int(getattr(args, "num_experts", 0) or 0))
-    offset = trunk_norm_offset(model_dir, index, trunk, TRUNK_NORM_KEYS)
-    # Unmeasurable (no stored trunk norm): HF Qwen3-Next/3.5 checkpoints, the only ones that ship
-    # mtp.* tensors (mlx-lm's convert drops them), store every RMSNorm as an offset from 1.
-    if offset is None or offset:
-        weights = add_one_to_norms(weights)
+    weights = plain_norms(weights)
     quantize_like_checkpoint(head, lambda p: prefix + p, set(index), config)
     check_and_load(head, weights, source)
     return head

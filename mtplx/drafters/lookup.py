@@ -1,0 +1,115 @@
+"""Prompt lookup: propose what followed the latest earlier occurrence of the text's suffix.
+
+The longest suffix of prompt + committed text (between ``min_ngram`` and
+``max_ngram`` tokens) that also occurs earlier in that text is matched at its
+most recent earlier occurrence, and the tokens that followed it (up to
+``max_tokens``, copied on through the suffix itself when the occurrence is
+that recent) are proposed as point-mass drafts. The facts follow vLLM's
+vllm/v1/spec_decode/ngram_proposer.py; the matcher here is an incremental
+hash index instead of a rescan: every n-gram is inserted once, when the token
+ending it is committed, so a cycle costs O(new tokens x n sizes) dictionary
+operations whether or not anything matches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from mtplx.drafters.base import CycleOutcome, Draft
+from mtplx.errors import MtplxError
+from mtplx.trunk import TrunkOutput
+
+MAX_NGRAM_LIMIT = 64
+MAX_TOKENS_LIMIT = 64
+
+
+@dataclass(frozen=True)
+class LookupConfig:
+    min_ngram: int = 3
+    max_ngram: int = 6
+    max_tokens: int = 10
+
+    def validate(self) -> LookupConfig:
+        if not 1 <= self.min_ngram <= MAX_NGRAM_LIMIT:
+            raise MtplxError(f"lookup min ngram: must be in [1, {MAX_NGRAM_LIMIT}], got {self.min_ngram}")
+        if not self.min_ngram <= self.max_ngram <= MAX_NGRAM_LIMIT:
+            raise MtplxError(
+                f"lookup max ngram: must be in [min ngram {self.min_ngram}, {MAX_NGRAM_LIMIT}], "
+                f"got {self.max_ngram}"
+            )
+        if not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
+            raise MtplxError(f"lookup max tokens: must be in [1, {MAX_TOKENS_LIMIT}], got {self.max_tokens}")
+        return self
+
+
+class NgramIndex:
+    """Latest end position of every n-gram (min_n <= n <= max_n) of a growing token list,
+    excluding the n-grams that end at the very end (the suffix must match *elsewhere*)."""
+
+    def __init__(self, min_n: int, max_n: int):
+        self.tokens: list[int] = []
+        self._tables: list[tuple[int, dict[tuple[int, ...], int]]] = [
+            (n, {}) for n in range(max_n, min_n - 1, -1)
+        ]
+        self._next_end = 0  # n-grams ending before this position are indexed
+
+    def extend(self, tokens: list[int]) -> None:
+        self.tokens.extend(tokens)
+
+    def _catch_up(self) -> None:
+        tokens, end = self.tokens, len(self.tokens)
+        for j in range(self._next_end, end):
+            for n, table in self._tables:
+                if j >= n:
+                    table[tuple(tokens[j - n : j])] = j
+        self._next_end = end
+
+    def match(self, max_tokens: int) -> list[int]:
+        """The continuation of the longest matching suffix ([] when no suffix of >= min_n matches)."""
+        self._catch_up()
+        tokens, end = self.tokens, len(self.tokens)
+        for n, table in self._tables:
+            if n <= end:
+                found = table.get(tuple(tokens[end - n :]))
+                if found is not None:
+                    return _copy_forward(tokens, found, max_tokens)
+        return []
+
+
+def _copy_forward(tokens: list[int], start: int, count: int) -> list[int]:
+    """``count`` tokens copied from ``start`` on; past the end the copy reads its own output
+    (an overlapping copy, as in LZ77), so a loop of period p proposes the loop, not p tokens."""
+    out = tokens[start : start + count]
+    offset = len(tokens) - start  # out[i] = (tokens + out)[start + i]
+    while len(out) < count:
+        out.append(out[len(out) - offset])
+    return out
+
+
+class LookupProposer:
+    name = "lookup"
+
+    def __init__(self, config: LookupConfig):
+        self.config = config.validate()
+        self.index = NgramIndex(config.min_ngram, config.max_ngram)
+
+    def observe_prefill(self, output: TrunkOutput, start: int, end: int, prompt_tokens: list[int]) -> None:
+        return None
+
+    def find(self, history: list[int]) -> list[int]:
+        """Host-side continuation after ``history`` ([] when nothing matches)."""
+        self.index.extend(history[len(self.index.tokens) :])
+        return self.index.match(self.config.max_tokens)
+
+    def propose(self, history: list[int], key: mx.array, trunk_cache: list) -> Draft | None:
+        found = self.find(history)
+        return point_mass_draft(found, self.name) if found else None
+
+    def commit(self, outcome: CycleOutcome) -> None:
+        return None  # the index catches up from the history at the next proposal
+
+
+def point_mass_draft(tokens: list[int], name: str) -> Draft:
+    return Draft(mx.array(tokens, dtype=mx.int32)[None], None, ((name, len(tokens)),))

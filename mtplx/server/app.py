@@ -1,0 +1,570 @@
+"""The OpenAI-compatible HTTP API (FastAPI): routes, validation, errors, streaming.
+
+Route shapes follow the OpenAI API reference (chat completions, completions,
+models) and vLLM's server for the details it settles (logprobs are the raw
+target log-probabilities; an error after streaming began is sent as a final
+``data: {"error": ...}`` event). Generation runs on `GenerationWorker`'s thread;
+handlers only validate, tokenize, queue and format.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from mtplx.engine import GenerationChunk, GenerationStats
+from mtplx.errors import MtplxError
+from mtplx.server.schemas import ChatCompletionRequest, CompletionRequest
+from mtplx.server.settings import ServerSettings
+from mtplx.server.worker import Finished, GenerationWorker, Job, JobFailed, JobTimeout, QueueFull
+from mtplx.validation import check_generation_args
+
+log = logging.getLogger("mtplx.server")
+
+# How often a waiting handler checks for a departed client and its deadline.
+_POLL_SECONDS = 0.5
+
+
+class APIError(Exception):
+    """An error answered in the OpenAI shape."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(
+            error_body(self.message, self.type, self.param, self.code), self.status, headers=self.headers
+        )
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# ------------------------------------------------------------------ middleware
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class LimitsAndLogMiddleware:
+    """Body size limit (413, before any handler reads it) and one log line per request.
+
+    A pure ASGI middleware: it sees the declared Content-Length and every body
+    chunk, and the response status. Handlers leave generation stats in
+    ``scope["state"]["mtplx_stats"]`` for the log line.
+    """
+
+    def __init__(self, app, max_body_bytes: int):
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start = time.perf_counter()
+        status = {"code": 500, "started": False}
+        limit = self.max_body_bytes
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise _BodyTooLarge
+            return message
+
+        async def recording_send(message):
+            if message["type"] == "http.response.start":
+                status["code"], status["started"] = message["status"], True
+            await send(message)
+
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        try:
+            if declared is not None and declared.isdigit() and int(declared) > limit:
+                raise _BodyTooLarge
+            await self.app(scope, limited_receive, recording_send)
+        except _BodyTooLarge:
+            if not status["started"]:
+                message = f"request body: larger than the limit of {limit} bytes"
+                await JSONResponse(error_body(message, "invalid_request_error", None, "body_too_large"), 413)(
+                    scope, receive, recording_send
+                )
+        finally:
+            _log_request(scope, status["code"], time.perf_counter() - start)
+
+
+def _log_request(scope, status: int, seconds: float) -> None:
+    stats: GenerationStats | None = (scope.get("state") or {}).get("mtplx_stats")
+    line = f"{scope.get('method', '')} {scope.get('path', '')} {status} {seconds:.2f}s"
+    if stats is not None:
+        line += (
+            f" prompt={stats.prompt_tokens} cached={stats.cached_tokens} completion={stats.generated_tokens}"
+            f" {stats.decode_tokens_per_sec:.1f} tok/s {stats.tokens_per_cycle:.2f} tok/cycle"
+        )
+    log.info(line)
+
+
+# ------------------------------------------------------------------ app
+
+
+def create_app(worker: GenerationWorker, settings: ServerSettings) -> FastAPI:
+    engine = worker.engine
+    app = FastAPI(title="mtplx", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.worker = worker
+    created = int(time.time())
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, err: APIError):
+        return err.response()
+
+    @app.exception_handler(MtplxError)
+    async def _mtplx_error(request: Request, err: MtplxError):
+        return APIError(400, str(err)).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, err: RequestValidationError):
+        first = err.errors()[0]
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        if first.get("type") == "json_invalid":
+            message = "request body: not valid JSON"
+        else:
+            message = f"{param or 'request body'}: {first.get('msg', 'invalid value')}"
+        return APIError(400, message, param=param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, err: StarletteHTTPException):
+        if err.status_code == 404:
+            return APIError(404, f"route: {request.url.path} does not exist", code="not_found").response()
+        return APIError(err.status_code, str(err.detail)).response()
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, err: Exception):
+        log.error("internal error on %s", request.url.path, exc_info=err)
+        return APIError(
+            500, "internal server error (details in the server log)", type="server_error"
+        ).response()
+
+    def check_key(request: Request) -> None:
+        if settings.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            given.strip().encode(), settings.api_key.encode()
+        ):
+            raise APIError(
+                401, "api key: missing or invalid", type="authentication_error", code="invalid_api_key"
+            )
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": settings.model_id, "queued": worker.queued, "busy": worker.busy}
+
+    @v1.get("/models")
+    async def models():
+        return {"object": "list", "data": [_model_card(settings.model_id, created)]}
+
+    @v1.get("/models/{model_id:path}")
+    async def model(model_id: str):
+        _check_model(model_id, settings)
+        return _model_card(settings.model_id, created)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        _check_common(body, settings)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        prompt_tokens = await _encode(engine, messages, "messages")
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        job = _make_job(engine, body, prompt_tokens, max_tokens, logprobs, settings)
+        return await _respond(request, worker, job, settings, _ChatFormat(engine, settings.model_id), body)
+
+    @v1.post("/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        _check_common(body, settings)
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise APIError(400, "prompt: only one prompt per request is supported", param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str) and not prompt:
+            raise APIError(400, "prompt: is empty", param="prompt")
+        prompt_tokens = await _encode(engine, prompt, "prompt")
+        job = _make_job(engine, body, prompt_tokens, body.max_tokens, body.logprobs, settings)
+        return await _respond(request, worker, job, settings, _TextFormat(engine, settings.model_id), body)
+
+    app.include_router(v1)
+    app.add_middleware(LimitsAndLogMiddleware, max_body_bytes=settings.max_body_bytes)
+    if settings.allowed_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(settings.allowed_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
+    return app
+
+
+def _model_card(model_id: str, created: int) -> dict:
+    return {"id": model_id, "object": "model", "created": created, "owned_by": "mtplx"}
+
+
+def _check_model(name: str, settings: ServerSettings) -> None:
+    # The name is compared, never resolved: a request cannot make the server load or read anything.
+    if name != settings.model_id:
+        raise APIError(
+            404,
+            f"model: {name!r} is not served here (this server serves {settings.model_id!r})",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _check_common(body, settings: ServerSettings) -> None:
+    _check_model(body.model, settings)
+    if body.n not in (None, 1):
+        raise APIError(400, f"n: only 1 completion per request is supported, got {body.n}", param="n")
+    requested = getattr(body, "max_completion_tokens", None) or body.max_tokens
+    if requested is not None and requested > settings.max_tokens_cap:
+        raise APIError(
+            400,
+            f"max_tokens: {requested} exceeds this server's cap of {settings.max_tokens_cap}",
+            param="max_tokens",
+        )
+
+
+async def _encode(engine, prompt, param: str) -> list[int]:
+    try:
+        return await run_in_threadpool(engine.encode_prompt, prompt, isinstance(prompt, list))
+    except MtplxError as err:
+        raise APIError(400, str(err), param=param) from None
+
+
+def _make_job(
+    engine, body, prompt_tokens: list[int], max_tokens: int | None, logprobs: int | None, settings
+) -> Job:
+    context = engine._context_length()
+    if max_tokens is None:
+        max_tokens = settings.default_max_tokens
+        if context is not None:
+            max_tokens = min(max_tokens, context - len(prompt_tokens))
+    if context is not None and (max_tokens < 1 or len(prompt_tokens) + max_tokens > context):
+        raise APIError(
+            400,
+            f"prompt: {len(prompt_tokens)} tokens + max_tokens {max_tokens} exceed the model's "
+            f"context of {context} tokens",
+            param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+            code="context_length_exceeded",
+        )
+    bias = None
+    if body.logit_bias:
+        vocab = engine.trunk.vocab_size
+        bias = {int(k): v for k, v in body.logit_bias.items()}
+        outside = [k for k in bias if k >= vocab]
+        if outside:
+            raise APIError(
+                400,
+                f"logit_bias: token id {outside[0]} is outside the vocabulary of {vocab}",
+                param="logit_bias",
+            )
+    sampler = dict(
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=body.top_k or 0,
+        min_p=body.min_p or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        logit_bias=bias,
+    )
+    try:  # a bad combination is a 400 now, not an error after queueing
+        check_generation_args(max_tokens=max_tokens, **sampler)
+    except MtplxError as err:
+        field = str(err).split(" ", 1)[0]  # the messages start with the field's API name
+        raise APIError(400, str(err), param=field if field in sampler else None) from None
+    stream_kwargs = dict(
+        sampler,
+        max_tokens=max_tokens,
+        seed=body.seed,
+        stop=body.stop,
+        mtp=settings.mtp,
+        depth=settings.depth,
+        greedy_draft=settings.greedy_draft,
+        logprobs=logprobs,
+    )
+    deadline = time.monotonic() + settings.request_timeout
+    return Job(prompt_tokens, stream_kwargs, deadline, asyncio.get_running_loop())
+
+
+# ------------------------------------------------------------------ running a job
+
+
+async def _watch_disconnect(request: Request, job: Job) -> None:
+    """Cancel the job when the client goes away (the body is already read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            job.cancel()
+            return
+
+
+async def _next_item(job: Job):
+    """The worker's next item, or JobTimeout once the deadline passes first."""
+    while True:
+        remaining = job.deadline - time.monotonic()
+        if remaining <= 0:
+            job.cancel()
+            return JobTimeout()
+        try:
+            return await asyncio.wait_for(job.chunks.get(), timeout=min(remaining, _POLL_SECONDS))
+        except asyncio.TimeoutError:
+            continue
+
+
+def _raise_for(item) -> None:
+    if isinstance(item, MtplxError):
+        raise APIError(400, str(item))
+    if isinstance(item, JobTimeout):
+        raise APIError(504, "request: ran past the server's request timeout", type="timeout", code="timeout")
+    if isinstance(item, JobFailed):
+        raise APIError(500, "internal server error (details in the server log)", type="server_error")
+
+
+async def _respond(request: Request, worker: GenerationWorker, job: Job, settings, fmt, body):
+    try:
+        worker.submit(job)
+    except QueueFull:
+        raise APIError(
+            429,
+            f"server busy: {settings.max_queue} requests are already queued; retry later",
+            type="rate_limit_error",
+            code="queue_full",
+            headers={"Retry-After": "1"},
+        ) from None
+    watcher = asyncio.create_task(_watch_disconnect(request, job))
+    try:
+        first = await _next_item(job)
+        _raise_for(first)
+    except BaseException:
+        job.cancel()
+        watcher.cancel()
+        raise
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(
+            _sse(request, job, first, fmt, include_usage, watcher),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    try:
+        chunks = []
+        item = first
+        while not isinstance(item, Finished):
+            _raise_for(item)
+            chunks.append(item)
+            item = await _next_item(job)
+    finally:
+        job.cancel()
+        watcher.cancel()
+    if not chunks:  # cancelled before the first token (client gone): nobody reads this
+        raise APIError(499, "request: cancelled")
+    request.state.mtplx_stats = chunks[-1].stats
+    return fmt.response(chunks)
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+async def _sse(
+    request: Request, job: Job, first, fmt, include_usage: bool, watcher: asyncio.Task
+) -> AsyncIterator[str]:
+    item = first
+    last: GenerationChunk | None = None
+    try:
+        opening = fmt.opening_chunk()
+        if opening is not None:
+            yield _event(opening)
+        while not isinstance(item, Finished):
+            try:
+                _raise_for(item)
+            except APIError as err:
+                yield _event(error_body(err.message, err.type, err.param, err.code))
+                break
+            last = item
+            request.state.mtplx_stats = item.stats  # the log line counts what was generated, even if cut
+            yield _event(fmt.chunk(item))
+            item = await _next_item(job)
+        if last is not None and include_usage:
+            yield _event(fmt.usage_chunk(last.stats))
+        yield "data: [DONE]\n\n"
+    finally:
+        job.cancel()
+        watcher.cancel()
+
+
+# ------------------------------------------------------------------ response formats
+
+
+def _usage(stats: GenerationStats) -> dict:
+    return {
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.generated_tokens,
+        "total_tokens": stats.prompt_tokens + stats.generated_tokens,
+        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
+    }
+
+
+def _decode_stats(stats: GenerationStats) -> dict:
+    """The mtplx extension: how the speculative decode went."""
+    return {
+        "mode": stats.mode,
+        "depth": stats.depth,
+        "cycles": stats.cycles,
+        "tokens_per_cycle": stats.tokens_per_cycle,
+        "acceptance_per_position": stats.acceptance_per_position,
+        "cached_tokens": stats.cached_tokens,
+        "prefilled_tokens": stats.prefilled_tokens,
+        "prefill_seconds": stats.prefill_seconds,
+        "decode_tokens_per_sec": stats.decode_tokens_per_sec,
+    }
+
+
+class _Format:
+    object_name = ""
+
+    def __init__(self, engine, model_id: str):
+        self.tokenizer = engine.tokenizer
+        self.model_id = model_id
+        self.id = f"{self.prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _envelope(self, object_name: str, choices: list) -> dict:
+        return {
+            "id": self.id,
+            "object": object_name,
+            "created": self.created,
+            "model": self.model_id,
+            "choices": choices,
+        }
+
+    def _token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    def response(self, chunks: list[GenerationChunk]) -> dict:
+        text = "".join(c.text for c in chunks)
+        logprobs = self._logprobs(chunks) if chunks[0].logprobs is not None else None
+        body = self._envelope(self.object_name, [self._choice(text, logprobs, chunks[-1].finish_reason)])
+        body["usage"] = _usage(chunks[-1].stats)
+        body["mtplx"] = _decode_stats(chunks[-1].stats)
+        return body
+
+    def usage_chunk(self, stats: GenerationStats) -> dict:
+        body = self._envelope(self.chunk_object, [])
+        body["usage"] = _usage(stats)
+        body["mtplx"] = _decode_stats(stats)
+        return body
+
+
+class _ChatFormat(_Format):
+    prefix = "chatcmpl"
+    object_name = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    def _entry(self, token: int, logprob: float) -> dict:
+        text = self._token_text(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def _logprobs(self, chunks: list[GenerationChunk]) -> dict:
+        content = []
+        for chunk in chunks:
+            for token, lp in zip(chunk.token_ids, chunk.logprobs or []):
+                entry = self._entry(token, lp.logprob)
+                entry["top_logprobs"] = [self._entry(t, v) for t, v in lp.top]
+                content.append(entry)
+        return {"content": content}
+
+    def _choice(self, text: str, logprobs: dict | None, finish: str | None) -> dict:
+        message = {"role": "assistant", "content": text}
+        return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
+
+    def opening_chunk(self) -> dict:
+        choice = {
+            "index": 0,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        return self._envelope(self.chunk_object, [choice])
+
+    def chunk(self, chunk: GenerationChunk) -> dict:
+        delta = {"content": chunk.text} if chunk.text else {}
+        logprobs = self._logprobs([chunk]) if chunk.logprobs is not None else None
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": chunk.finish_reason}
+        return self._envelope(self.chunk_object, [choice])
+
+
+class _TextFormat(_Format):
+    prefix = "cmpl"
+    object_name = "text_completion"
+    chunk_object = "text_completion"
+
+    def _logprobs(self, chunks: list[GenerationChunk], offset: int = 0) -> dict:
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        for chunk in chunks:
+            for token, lp in zip(chunk.token_ids, chunk.logprobs or []):
+                text = self._token_text(token)
+                tokens.append(text)
+                token_logprobs.append(lp.logprob)
+                top.append({self._token_text(t): v for t, v in lp.top})
+                offsets.append(offset)
+                offset += len(text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top,
+            "text_offset": offsets,
+        }
+
+    def _choice(self, text: str, logprobs: dict | None, finish: str | None) -> dict:
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+    def opening_chunk(self) -> None:
+        return None  # text completion streams start with the first text
+
+    def chunk(self, chunk: GenerationChunk) -> dict:
+        logprobs = self._logprobs([chunk]) if chunk.logprobs is not None else None
+        return self._envelope(self.chunk_object, [self._choice(chunk.text, logprobs, chunk.finish_reason)])

@@ -1,0 +1,296 @@
+"""MTP decoding on a trunk sharded over 2 local processes (mlx.launch, ring backend, CPU).
+
+Tiny llama and Qwen3.5-hybrid trunks with their heads are saved to a temp dir so
+both ranks load the same files; `distributed_worker.py` is one rank. Pipeline
+mode must reproduce one process exactly (greedy MTP == single-process AR;
+seeded sampled MTP == single-process MTP with the seed); tensor mode sums
+partial products in another order, so its greedy MTP is compared with its own
+sharded AR. Every rank's caches must equal a from-scratch forward after a run
+with random accept patterns. Then the default model through `mtplx generate`,
+and the failure cases: mismatched head files, a rank that exits, a rank that hangs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import string
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from loop_models import make_loop_pair
+from mlx.utils import tree_flatten
+
+import mtplx  # noqa: F401  (BLAS before mlx)
+from mtplx import MtplxError, distributed, loading
+from mtplx.engine import Engine
+from mtplx.fingerprint import model_fingerprint
+from mtplx.heads.forged import build_forged_head, save_forged_head
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = Path(__file__).resolve().parent / "distributed_worker.py"
+LAUNCH = Path(sys.executable).parent / "mlx.launch"
+MAX_TOKENS = 40
+SEED = 1234
+DEPTH = 3
+# Greedy runs under these settings see both accepted and rejected drafts (cf. test_decode).
+FAMILIES = {
+    "llama": dict(seed=0, context_strength=6.0, head_noise=2.0, family="llama"),
+    "qwen3_5": dict(seed=1, head_noise=0.5, family="qwen3_5"),
+}
+
+pytestmark = pytest.mark.skipif(not LAUNCH.exists(), reason="mlx.launch not installed")
+
+
+def _char_tokenizer():
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
+    vocab = {"<eos>": 0, **{c: i + 1 for i, c in enumerate(chars)}}
+    raw = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    raw.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<eos>"), len(vocab)
+
+
+def _save_tiny(root: Path, name: str, params: dict) -> dict[str, str]:
+    """A tiny trunk as an mlx-lm directory, its head as a forged head, and a second, different head."""
+    tokenizer, vocab = _char_tokenizer()
+    trunk, head = make_loop_pair(vocab_size=vocab, **params)
+    model = trunk.model
+    model_dir, head_dir, other_dir = root / name, root / f"{name}-head", root / f"{name}-other-head"
+    model_dir.mkdir(parents=True)
+    if params["family"] == "llama":
+        config = {k: v for k, v in asdict(model.args).items() if v is not None}
+    else:
+        config = {"model_type": "qwen3_5", "text_config": model.args.text_config}
+    config["max_position_embeddings"] = 4096
+    (model_dir / "config.json").write_text(json.dumps(config))
+    mx.save_safetensors(str(model_dir / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    tokenizer.save_pretrained(str(model_dir))
+    manifest = {"trunk_fingerprint": model_fingerprint(model)}
+    for out, noise in ((head_dir, 0.0), (other_dir, 0.1)):
+        forged = build_forged_head(trunk, head.hidden_source)
+        forged.update(head.parameters())
+        forged.fc.weight = forged.fc.weight + noise
+        save_forged_head(out, forged, manifest)
+    return {"model": str(model_dir), "head": str(head_dir), "other_head": str(other_dir)}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict[str, dict[str, str]]:
+    root = tmp_path_factory.mktemp("distributed")
+    return {name: _save_tiny(root, name, params) for name, params in FAMILIES.items()}
+
+
+def _launch(args: list[str], tmp_path: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + str(ROOT / "tests")}
+    # One BLAS thread per rank: two processes on 2 cores oversubscribe (OpenBLAS threads spin).
+    command = [str(LAUNCH), "-n", "2", "--backend", "ring", "--env", "OPENBLAS_NUM_THREADS=1"]
+    command += ["--", sys.executable, *args]
+    return subprocess.run(
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def _run_worker(kind: str, spec: dict, tmp_path: Path) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    spec_path = tmp_path / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    proc = _launch([str(WORKER), kind, str(spec_path), str(tmp_path)], tmp_path)
+    ranks = [tmp_path / f"rank{r}.json" for r in range(2)]
+    return proc, [json.loads(p.read_text()) for p in ranks if p.exists()]
+
+
+def _single_process(paths: dict[str, str]) -> dict[str, list[int]]:
+    engine = Engine.load(paths["model"], head=paths["head"], depth=DEPTH)
+    prompt = "def add(a, b):\n    return a + b\n"
+    greedy = dict(max_tokens=MAX_TOKENS, temperature=0.0)
+    return {
+        "ar_greedy": engine.generate(prompt, mtp=False, **greedy).token_ids,
+        "mtp_sampled": engine.generate(
+            prompt,
+            mtp=True,
+            max_tokens=MAX_TOKENS,
+            temperature=0.9,
+            top_p=0.95,
+            seed=SEED,
+            logit_bias={0: -100.0},
+        ).token_ids,
+    }
+
+
+@pytest.fixture(scope="module")
+def sharded_runs(tiny, tmp_path_factory) -> list[dict]:
+    """One launch runs every (model, mode) job; each rank reports what it generated and checked."""
+    tmp_path = tmp_path_factory.mktemp("decode")
+    jobs = [
+        {"name": name, "mode": mode, "depth": DEPTH, **paths}
+        for name, paths in tiny.items()
+        for mode in ("pipeline", "tensor")
+    ]
+    spec = {"jobs": jobs, "max_tokens": MAX_TOKENS, "seed": SEED, "other_head": tiny["llama"]["other_head"]}
+    proc, ranks = _run_worker("decode", spec, tmp_path)
+    assert proc.returncode == 0 and len(ranks) == 2, proc.stderr[-3000:]
+    return ranks
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_pipeline_mtp_reproduces_one_process(tiny, sharded_runs, name):
+    reference = _single_process(tiny[name])
+    for rank in sharded_runs:
+        run = rank[f"{name}/pipeline"]
+        assert len(run["mtp_greedy"]) == MAX_TOKENS
+        assert run["mtp_greedy"] == reference["ar_greedy"]
+        assert run["ar_greedy"] == reference["ar_greedy"]
+        assert run["mtp_sampled"] == reference["mtp_sampled"]
+        assert len(run["mtp_sampled"]) == MAX_TOKENS
+        # The comparison means something only if drafts were both accepted and rejected.
+        assert any(0 < a < 1 for a in run["acceptance"]), run["acceptance"]
+    # A different seed gives a different sample (the seed reaches every rank).
+    assert reference["mtp_sampled"] != reference["ar_greedy"]
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_tensor_mtp_greedy_equals_sharded_ar(sharded_runs, name):
+    runs = [rank[f"{name}/tensor"] for rank in sharded_runs]
+    for run in runs:
+        assert len(run["mtp_greedy"]) == MAX_TOKENS
+        assert run["mtp_greedy"] == run["ar_greedy"]
+    assert runs[0]["mtp_sampled"] == runs[1]["mtp_sampled"]  # both ranks took the same decisions
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("mode", ["pipeline", "tensor"])
+def test_every_ranks_caches_equal_a_from_scratch_run(sharded_runs, name, mode):
+    layers = []
+    for rank in sharded_runs:
+        caches = rank[f"{name}/{mode}"]["caches"]
+        assert len(caches["patterns"]) >= 2  # at least two different accept counts happened
+        assert caches["trunk_diff"] <= 5e-5 and caches["head_diff"] <= 5e-5, caches
+        assert caches["control_diff"] > 1e-3, caches  # the comparison sees a one-token change
+        assert all(o == caches["committed"] for o in caches["offsets"])
+        layers.append(caches["local_layers"])
+    total = 2 if name == "llama" else 4
+    assert layers == ([total // 2, total // 2] if mode == "pipeline" else [total, total])
+
+
+def test_stats_report_the_collectives_of_each_mode(sharded_runs):
+    pipeline = sharded_runs[0]["llama/pipeline"]["stats"]
+    tensor = sharded_runs[0]["llama/tensor"]["stats"]
+    hidden_bytes = (DEPTH + 1) * 32 * 4  # one [1, k+1, hidden] float32 block
+    # Rank 0 (last layers): receives the block, then all-gathers it.
+    assert pipeline["collective_kinds"] == {"all_gather": 1, "recv_like": 1}
+    assert pipeline["bytes_per_cycle"] == 2 * hidden_bytes
+    # Tensor parallel: one all-reduce after attention and one after the MLP, per layer.
+    assert tensor["collective_kinds"] == {"all_sum": 4}
+    assert tensor["bytes_per_cycle"] == 4 * hidden_bytes
+    assert sharded_runs[1]["llama/pipeline"]["stats"]["collective_kinds"] == {"all_gather": 1, "send": 1}
+
+
+def _cli_under_launch(tmp_path: Path, prompt: str, *options: str) -> dict:
+    proc = _launch(["-m", "mtplx", "generate", prompt, "--json", "--stats", *options], tmp_path)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, proc.stdout + proc.stderr[-3000:]  # only rank 0 prints
+    return json.loads(lines[0])
+
+
+def test_cli_under_mlx_launch_shards_and_only_rank_0_prints(tiny, tmp_path):
+    paths = tiny["llama"]
+    prompt = "def add(a, b):"
+    sharded = _cli_under_launch(
+        tmp_path, prompt, "--raw", "--model", paths["model"], "--head", paths["head"], "--max-tokens", "16"
+    )
+    assert sharded["stats"]["mode"] == "mtp" and sharded["stats"]["distributed"]["mode"] == "pipeline"
+    single = Engine.load(paths["model"], head=paths["head"]).generate(prompt, max_tokens=16, mtp=False)
+    assert sharded["token_ids"] == single.token_ids
+
+
+@pytest.mark.slow  # the CLI test above at full size: the default model split over 2 processes
+def test_default_model_pipeline_through_the_cli(tmp_path, default_model_dir):
+    prompt = "Write a Python function that reverses a string."
+    sharded = _cli_under_launch(tmp_path, prompt, "--max-tokens", "24")
+    assert sharded["stats"]["mode"] == "mtp" and sharded["stats"]["distributed"]["mode"] == "pipeline"
+    single = Engine.load().generate(prompt, chat=True, max_tokens=24, mtp=False)
+    assert sharded["token_ids"] == single.token_ids
+
+
+def test_ranks_with_different_head_files_refuse_to_generate(sharded_runs):
+    for rank in sharded_runs:
+        assert "rank 1 has a different head than rank 0" in rank["mismatch_error"]
+
+
+def test_a_rank_that_exits_mid_generation_fails_the_others(tiny, tmp_path):
+    spec = {"jobs": [{"depth": DEPTH, **tiny["llama"]}], "timeout": 60}
+    proc, ranks = _run_worker("die", spec, tmp_path)
+    assert not ranks
+    assert "rank 0: a decode step failed" in proc.stderr
+    assert "another rank died or the network dropped" in proc.stderr
+    assert "Node with rank 0 exited with code 2" in proc.stderr
+
+
+def test_a_rank_that_hangs_trips_the_collective_timeout(tiny, tmp_path):
+    spec = {"jobs": [{"depth": DEPTH, **tiny["llama"]}], "timeout": 3}
+    proc, ranks = _run_worker("hang", spec, tmp_path)
+    assert not ranks
+    assert "rank 0: a decode step did not finish within the collective timeout of 3 s" in proc.stderr
+    assert f"Node with rank 0 exited with code {distributed.EXIT_COLLECTIVE_TIMEOUT}" in proc.stderr
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_a_lazy_load_fingerprints_the_files_like_the_loaded_parameters(tiny, name):
+    """Sharded loads are lazy and fingerprint the files (never materializing other ranks' layers)."""
+    lazy = loading.load_model(tiny[name]["model"], lazy=True).fingerprint
+    assert lazy == loading.load_model(tiny[name]["model"]).fingerprint
+    other = loading.load_model(tiny["qwen3_5" if name == "llama" else "llama"]["model"], lazy=True)
+    assert other.fingerprint != lazy
+
+
+def test_default_model_lazy_fingerprint_matches(default_model_dir):
+    assert loading.load_model(default_model_dir, lazy=True).fingerprint == (
+        loading.load_model(default_model_dir).fingerprint
+    )
+
+
+def test_a_model_without_any_sharding_mode_is_named():
+    from tiny_models import tiny_gemma3
+
+    from mtplx.trunk import Trunk
+
+    trunk = Trunk(tiny_gemma3())
+    with pytest.raises(MtplxError, match="'gemma3_text' supports neither pipeline nor tensor"):
+        distributed.choose_mode(trunk.model, trunk.inner, "auto", {"model_type": "gemma3_text"})
+
+
+def test_tensor_parallel_refuses_head_counts_that_do_not_split():
+    """The default model's shape: 9 query / 3 KV heads do not split over 2 ranks (pipeline does)."""
+    from mlx_lm.models import llama
+
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=72,
+        num_hidden_layers=2,
+        intermediate_size=96,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        rms_norm_eps=1e-5,
+        vocab_size=16,
+    )
+    model = llama.Model(args)
+    with pytest.raises(MtplxError, match=r"num_attention_heads \(9\) divisible by 2 ranks"):
+        distributed.check_tensor_split(model, 2, {"model_type": "llama"})
+    distributed.check_tensor_split(model, 3, {"model_type": "llama"})  # 9 and 3 split over 3
+    assert distributed.choose_mode(model, model.model, "auto", {}) == "pipeline"
+
+
+def test_distributed_without_a_launch_group_is_refused(tiny):
+    with pytest.raises(MtplxError, match="not part of a group"):
+        Engine.load(tiny["llama"]["model"], head=tiny["llama"]["head"], distributed="pipeline")
+
+
+def test_unknown_distributed_mode_is_refused(tiny):
+    with pytest.raises(MtplxError, match="distributed: must be"):
+        Engine.load(tiny["llama"]["model"], distributed="rows")

@@ -1,0 +1,449 @@
+"""`mtplx serve` as a real process on a free port, driven by the real `openai` client and httpx.
+
+The served model is a tiny random MiMo checkpoint (plain attention, its own MTP
+head, context 256) with the default model's real tokenizer, so the server runs
+the MTP path at test speed. Expected outputs come from `Engine.generate` on the
+same directory in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+import mtplx  # noqa: F401  (BLAS before mlx)
+from tests import tiny_checkpoints
+
+KEY = "test-key-0123"
+MAX_QUEUE = 8
+MAX_BODY = 100_000
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, default_model_dir) -> Path:
+    path = tmp_path_factory.mktemp("served") / "tiny-mimo"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tiny_checkpoints, "V", 49152)  # the default tokenizer's vocabulary
+        tiny_checkpoints.mimo(path, seed=0)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(default_model_dir / name, path / name)
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("log") / "server.log"
+    env = dict(os.environ, MTPLX_API_KEY=KEY, PYTHONPATH=str(ROOT))
+    args = [sys.executable, "-m", "mtplx.cli", "serve", "--model", str(model_dir), "--port", str(port)]
+    args += ["--depth", "2", "--max-queue", str(MAX_QUEUE), "--max-body-bytes", str(MAX_BODY)]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()}")
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"server did not come up:\n{log_path.read_text()}")
+            time.sleep(0.3)
+        yield base, log_path
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    from mtplx.engine import Engine
+
+    return Engine.load(model_dir, depth=2)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model_id(model_dir) -> str:
+    return str(model_dir)
+
+
+def _messages(text: str) -> list[dict]:
+    return [{"role": "system", "content": "You are terse."}, {"role": "user", "content": text}]
+
+
+def test_models_and_health(server, client, model_id):
+    assert [m.id for m in client.models.list().data] == [model_id]
+    health = httpx.get(server[0] + "/health").json()
+    assert health["status"] == "ok" and health["model"] == model_id
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_equals_engine_generate_with_usage(client, engine, model_id, stream):
+    messages = _messages(f"Tell me about caches (stream={stream}).")
+    expected = engine.generate(messages, max_tokens=12, temperature=0.0)
+    if stream:
+        chunks = list(
+            client.chat.completions.create(
+                model=model_id,
+                messages=messages,
+                max_tokens=12,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        assert chunks[0].choices[0].delta.role == "assistant"
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        usage, extra = chunks[-1].usage, chunks[-1].model_extra["mtplx"]
+        assert chunks[-1].choices == []
+    else:
+        response = client.chat.completions.create(
+            model=model_id, messages=messages, max_tokens=12, temperature=0
+        )
+        text, finish = response.choices[0].message.content, [response.choices[0].finish_reason]
+        usage, extra = response.usage, response.model_extra["mtplx"]
+    assert text == expected.text
+    assert finish == [expected.finish_reason]
+    assert usage.prompt_tokens == len(engine.encode_prompt(messages))
+    assert usage.completion_tokens == len(expected.token_ids)
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    # The system message is shared with earlier requests: its tokens may come from the cache.
+    cached = usage.prompt_tokens_details.cached_tokens
+    assert 0 <= cached < usage.prompt_tokens and extra["cached_tokens"] == cached
+    assert extra["prefilled_tokens"] == usage.prompt_tokens - cached
+    assert extra["mode"] == "mtp" and extra["depth"] == 2 and extra["tokens_per_cycle"] >= 1.0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_equals_engine_generate(client, engine, model_id, stream):
+    prompt = f"Once upon a time, stream={stream}"
+    expected = engine.generate(prompt, max_tokens=10, temperature=0.7, seed=123, chat=False)
+    kwargs = dict(model=model_id, prompt=prompt, max_tokens=10, temperature=0.7, seed=123)
+    if stream:
+        chunks = list(client.completions.create(stream=True, **kwargs))
+        text = "".join(c.choices[0].text for c in chunks)
+        assert chunks[-1].choices[0].finish_reason == expected.finish_reason
+    else:
+        response = client.completions.create(**kwargs)
+        text = response.choices[0].text
+        assert response.usage.completion_tokens == len(expected.token_ids)
+    assert text == expected.text
+
+
+def test_logprobs_are_the_engines(client, engine, model_id):
+    messages = _messages("Logprobs please.")
+    expected = [
+        lp
+        for chunk in engine.stream(messages, max_tokens=8, temperature=0.9, seed=4, logprobs=3)
+        for lp in chunk.logprobs
+    ]
+    response = client.chat.completions.create(
+        model=model_id,
+        messages=messages,
+        max_tokens=8,
+        temperature=0.9,
+        seed=4,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    content = response.choices[0].logprobs.content
+    assert len(content) == len(expected)
+    for got, want in zip(content, expected):
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+        assert [t.logprob for t in got.top_logprobs] == pytest.approx([v for _, v in want.top], abs=1e-4)
+        assert [t.token for t in got.top_logprobs] == [engine.tokenizer.decode([t]) for t, _ in want.top]
+
+
+def test_second_turn_reuses_the_first_turns_cache(client, model_id):
+    messages = _messages("A question that starts a chat.")
+    first = client.chat.completions.create(model=model_id, messages=messages, max_tokens=6, temperature=0)
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And a follow-up."},
+    ]
+    second = client.chat.completions.create(model=model_id, messages=messages, max_tokens=6, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= first.usage.prompt_tokens - 1
+    assert second.model_extra["mtplx"]["prefilled_tokens"] == second.usage.prompt_tokens - cached
+
+
+def test_eight_concurrent_streams_each_get_their_own_output(server, engine, model_id):
+    prompts = [_messages(f"Concurrent request number {i}: say something about {i * 7}.") for i in range(8)]
+    expected = [engine.generate(p, max_tokens=8, temperature=0.0).text for p in prompts]
+    results: dict[int, str] = {}
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            c = openai.OpenAI(base_url=server[0] + "/v1", api_key=KEY, max_retries=0, timeout=120)
+            stream = c.chat.completions.create(
+                model=model_id, messages=prompts[i], max_tokens=8, temperature=0, stream=True
+            )
+            results[i] = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+        except BaseException as err:  # reported below, with the index
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors
+    assert [results.get(i) for i in range(8)] == expected
+
+
+def _stream_lines(base: str, body: dict):
+    return httpx.stream(
+        "POST",
+        base + "/v1/chat/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=120,
+    )
+
+
+def test_disconnect_mid_stream_cancels_and_the_next_request_is_fine(server, client, engine, model_id):
+    base, log_path = server
+    body = dict(
+        model=model_id,
+        messages=_messages("A long answer, please."),
+        max_tokens=200,
+        temperature=0,
+        stream=True,
+    )
+    with _stream_lines(base, body) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+        assert next(line for line in lines if line.startswith("data: "))
+    # The next request is served as usual.
+    messages = _messages("After the disconnect.")
+    expected = engine.generate(messages, max_tokens=8, temperature=0.0)
+    response = client.chat.completions.create(model=model_id, messages=messages, max_tokens=8, temperature=0)
+    assert response.choices[0].message.content == expected.text
+    # The abandoned generation stopped early (its log line counts its tokens).
+    time.sleep(0.5)
+    completions = [
+        int(line.split("completion=")[1].split()[0])
+        for line in log_path.read_text().splitlines()
+        if "completion=" in line
+    ]
+    assert any(n < 200 for n in completions) and 200 not in completions
+
+
+def test_queue_full_answers_429_with_retry_after(server, model_id):
+    base, _ = server
+    body = dict(
+        model=model_id,
+        messages=_messages("Keep the worker busy."),
+        max_tokens=200,
+        temperature=0,
+        stream=True,
+    )
+    burst = 3 * MAX_QUEUE
+    short = dict(model=model_id, messages=_messages("short"), max_tokens=4, temperature=0)
+    statuses: list[httpx.Response] = []
+    start = threading.Barrier(burst)
+
+    def post() -> None:
+        start.wait()
+        headers = {"Authorization": f"Bearer {KEY}"}
+        statuses.append(httpx.post(base + "/v1/chat/completions", json=short, headers=headers, timeout=120))
+
+    with _stream_lines(base, body) as running:
+        next(running.iter_lines())  # the worker is busy with this one
+        # A burst three times the queue's size: far more arrive than one worker drains meanwhile.
+        threads = [threading.Thread(target=post) for _ in range(burst)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    rejected = [r for r in statuses if r.status_code == 429]
+    assert len(statuses) == burst
+    assert rejected, "no request was turned away"
+    assert all(
+        r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "rate_limit_error" for r in rejected
+    )
+    served = [r for r in statuses if r.status_code == 200]
+    assert len(served) + len(rejected) == burst
+    assert all(r.json()["choices"][0]["finish_reason"] in ("stop", "length") for r in served)
+
+
+def _chat(model="__served__", **fields):
+    return {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **fields}
+
+
+BAD_REQUESTS = [
+    # (name, path, body (dict, or raw bytes), headers override, expected status, param)
+    ("malformed JSON", "/v1/chat/completions", b'{"model": "x", "messages": [', None, 400, None),
+    ("messages not a list", "/v1/chat/completions", _chat(messages="hi"), None, 400, "messages"),
+    ("missing messages", "/v1/chat/completions", {"model": "__served__"}, None, 400, "messages"),
+    ("empty messages", "/v1/chat/completions", _chat(messages=[]), None, 400, "messages"),
+    (
+        "unknown role",
+        "/v1/chat/completions",
+        _chat(messages=[{"role": "wizard", "content": "x"}]),
+        None,
+        400,
+        None,
+    ),
+    ("temperature a string", "/v1/chat/completions", _chat(temperature="hot"), None, 400, "temperature"),
+    ("negative temperature", "/v1/chat/completions", _chat(temperature=-1), None, 400, "temperature"),
+    ("top_p 0", "/v1/chat/completions", _chat(top_p=0), None, 400, "top_p"),
+    ("top_p above 1", "/v1/chat/completions", _chat(top_p=1.5), None, 400, "top_p"),
+    ("min_p 1", "/v1/chat/completions", _chat(min_p=1.0), None, 400, "min_p"),
+    ("max_tokens 0", "/v1/chat/completions", _chat(max_tokens=0), None, 400, "max_tokens"),
+    ("max_tokens a float", "/v1/chat/completions", _chat(max_tokens=2.5), None, 400, "max_tokens"),
+    ("max_tokens over the cap", "/v1/chat/completions", _chat(max_tokens=9000), None, 400, "max_tokens"),
+    ("n > 1", "/v1/chat/completions", _chat(n=2), None, 400, "n"),
+    (
+        "logit_bias key not an id",
+        "/v1/chat/completions",
+        _chat(logit_bias={"abc": 1}),
+        None,
+        400,
+        "logit_bias",
+    ),
+    (
+        "logit_bias id past vocab",
+        "/v1/chat/completions",
+        _chat(logit_bias={"999999": 1}),
+        None,
+        400,
+        "logit_bias",
+    ),
+    ("logit_bias value out of range", "/v1/chat/completions", _chat(logit_bias={"5": 500}), None, 400, None),
+    (
+        "top_logprobs without logprobs",
+        "/v1/chat/completions",
+        _chat(top_logprobs=2),
+        None,
+        400,
+        "top_logprobs",
+    ),
+    ("top_logprobs too many", "/v1/chat/completions", _chat(logprobs=True, top_logprobs=50), None, 400, None),
+    (
+        "prompt over context",
+        "/v1/chat/completions",
+        _chat(messages=[{"role": "user", "content": "word " * 300}]),
+        None,
+        400,
+        "messages",
+    ),
+    ("max_tokens past context", "/v1/chat/completions", _chat(max_tokens=250), None, 400, "messages"),
+    ("unknown model", "/v1/chat/completions", _chat(model="../../etc/passwd"), None, 404, "model"),
+    ("empty prompt", "/v1/completions", {"model": "__served__", "prompt": ""}, None, 400, "prompt"),
+    ("missing prompt", "/v1/completions", {"model": "__served__"}, None, 400, "prompt"),
+    ("two prompts", "/v1/completions", {"model": "__served__", "prompt": ["a", "b"]}, None, 400, "prompt"),
+    (
+        "oversized body",
+        "/v1/chat/completions",
+        _chat(messages=[{"role": "user", "content": "x" * (MAX_BODY + 10)}]),
+        None,
+        413,
+        None,
+    ),
+    ("bad API key", "/v1/chat/completions", _chat(), {"Authorization": "Bearer wrong"}, 401, None),
+    ("missing API key", "/v1/chat/completions", _chat(), {}, 401, None),
+    ("unknown route", "/v1/embeddings", _chat(), None, 404, None),
+]
+
+
+@pytest.mark.parametrize(
+    "name,path,body,headers,status,param", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS]
+)
+def test_bad_requests_get_a_4xx_in_the_openai_shape(
+    server, model_id, name, path, body, headers, status, param
+):
+    base, _ = server
+    if isinstance(body, dict):
+        body = json.dumps({**body, "model": model_id} if body.get("model") == "__served__" else body).encode()
+    sent_headers = {"Content-Type": "application/json"}
+    sent_headers.update({"Authorization": f"Bearer {KEY}"} if headers is None else headers)
+    response = httpx.post(base + path, content=body, headers=sent_headers, timeout=60)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert (
+        isinstance(error["message"], str)
+        and "\n" not in error["message"]
+        and "Traceback" not in error["message"]
+    )
+    if param is not None:
+        assert error["param"] == param
+
+
+def test_server_still_serves_after_bad_requests_and_logs_each(server, client, model_id):
+    base, log_path = server
+    response = client.chat.completions.create(
+        model=model_id, messages=_messages("still alive?"), max_tokens=3
+    )
+    assert response.choices[0].finish_reason in ("stop", "length")
+    log = log_path.read_text()
+    assert "Traceback" not in log
+    assert " 401 " in log and " 413 " in log and " 404 " in log
+    assert "tok/cycle" in log
+
+
+def test_cors_is_off_unless_origins_are_allowed(server, model_id):
+    base, _ = server
+    response = httpx.get(
+        base + "/v1/models", headers={"Origin": "http://evil.example", "Authorization": f"Bearer {KEY}"}
+    )
+    assert response.status_code == 200 and "access-control-allow-origin" not in response.headers
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_request_timeout_is_a_504_in_the_openai_shape(engine, stream):
+    """In-process app (same code as the served one) with a timeout that has always passed."""
+    from fastapi.testclient import TestClient
+
+    from mtplx.server.app import create_app
+    from mtplx.server.settings import ServerSettings
+    from mtplx.server.worker import GenerationWorker
+
+    worker = GenerationWorker(engine, max_queue=4)
+    worker.start()
+    try:
+        app = create_app(worker, ServerSettings(model_id="tiny", request_timeout=1e-9))
+        with TestClient(app) as http:
+            body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+            response = http.post("/v1/chat/completions", json={**body, "stream": stream})
+            assert response.status_code == 504
+            assert response.json()["error"]["code"] == "timeout"
+            ok = create_app(worker, ServerSettings(model_id="tiny"))
+            with TestClient(ok) as http2:
+                assert http2.post("/v1/chat/completions", json=body).json()["choices"][0]["finish_reason"]
+    finally:
+        worker.stop()
