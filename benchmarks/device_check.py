@@ -7,16 +7,16 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
-import _kernel_ref as ref
-import mlx.core as mx
-import numpy as np
-import test_kernels as T
-
 import mtplx  # noqa: F401  (before mlx)
 from mtplx import kernels as K
 from mtplx import kernels_emulation as E
 from mtplx import verify as V
 from mtplx.config import SamplerConfig
+
+import _kernel_ref as ref
+import mlx.core as mx
+import numpy as np
+import test_kernels as T
 
 
 def cfg_of(row):

@@ -18,12 +18,12 @@ import argparse
 import json
 from pathlib import Path
 
-import mlx.core as mx
-import mlx.nn as nn
-
 from mtplx import heads, loading
 from mtplx.engine import Engine
 from mtplx.heads import forged
+
+import mlx.core as mx
+import mlx.nn as nn
 
 SUITE = Path(__file__).parent / "prompts" / "suite.jsonl"
 

@@ -27,12 +27,12 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 
-import mlx.core as mx
-
 import mtplx  # noqa: F401  (optimized BLAS before mlx)
 from mtplx import bench
 from mtplx import cache as cache_ops
 from mtplx import verify as verify_ops
+
+import mlx.core as mx
 
 PHASES = ("head layer", "head lm_head", "draft sample", "verify forward", "verify math", "rollback")
 

@@ -15,12 +15,12 @@ import argparse
 import statistics
 import time
 
-import mlx.core as mx
-import numpy as np
-
 import mtplx  # noqa: F401  (optimized BLAS before mlx)
 from mtplx.sampling import SamplerConfig
 from mtplx.verify import draw_uniforms, filtered_probs, verify
+
+import mlx.core as mx
+import numpy as np
 
 SETTINGS = {
     "temperature 1.0": SamplerConfig(temperature=1.0),

@@ -47,9 +47,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import mlx.core as mx
-import mlx.nn as nn
-
 from mtplx.compat import (
     CONV_SLOT,
     ORIGINAL_GATED_DELTA_UPDATE,
@@ -68,6 +65,9 @@ from mtplx.compat import (
     set_arrays_slots,
     set_rotating_state,
 )
+
+import mlx.core as mx
+import mlx.nn as nn
 
 # Conv rows recorded when begin_block is not told the block length.
 DEFAULT_MAX_BLOCK = 16

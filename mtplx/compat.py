@@ -36,6 +36,8 @@ from collections.abc import Callable, Sequence
 from importlib import metadata
 from typing import Any, NamedTuple
 
+from mtplx.errors import MtplxError
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import gated_delta as _gated_delta
@@ -48,8 +50,6 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
     make_prompt_cache,
 )
-
-from mtplx.errors import MtplxError
 
 __all__ = [
     "SUPPORTED_MLX_LM",

@@ -20,8 +20,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-import mlx.core as mx
-
 from mtplx.errors import MtplxError
 from mtplx.gguf import (
     GGML_F16,
@@ -35,6 +33,8 @@ from mtplx.gguf import (
     load_tensors,
     read_gguf,
 )
+
+import mlx.core as mx
 
 Dtype = Literal["float32", "float16", "bfloat16", "q4"]
 DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16", "q4")

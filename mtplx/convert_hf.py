@@ -22,12 +22,12 @@ import sys
 from pathlib import Path
 from typing import Any, Literal
 
+from mtplx.convert import refuse_existing, write_dir_atomically
+from mtplx.errors import MtplxError
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
-
-from mtplx.convert import refuse_existing, write_dir_atomically
-from mtplx.errors import MtplxError
 
 HEAD_FILE = "mtp.safetensors"
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")  # mlx_lm.convert's MODEL_CONVERSION_DTYPES
@@ -141,11 +141,11 @@ def convert_hf(
     ``head_bits``: None quantizes the head like the trunk, ``"float"`` keeps it unquantized (in
     the dtype the trunk is cast to), an int gives it its own bit width. Output is atomic.
     """
-    from mlx_lm.utils import quantize_model, save_config, save_model
-
     from mtplx import heads, loading
     from mtplx.checkpoint import quantization_config
     from mtplx.trunk import Trunk
+
+    from mlx_lm.utils import quantize_model, save_config, save_model
 
     if q_bits not in (2, 3, 4, 5, 6, 8):
         raise MtplxError(f"q_bits: must be one of 2, 3, 4, 5, 6, 8, got {q_bits}")

@@ -23,8 +23,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-import mlx.core as mx
-
 from mtplx import cache as cache_ops
 from mtplx import verify as verify_ops
 from mtplx.config import SamplerConfig
@@ -33,6 +31,8 @@ from mtplx.drafters.head import HeadProposer
 from mtplx.errors import MtplxError
 from mtplx.heads.base import DraftHead
 from mtplx.trunk import Trunk, TrunkOutput
+
+import mlx.core as mx
 
 
 @dataclass(frozen=True)

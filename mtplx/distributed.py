@@ -45,14 +45,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from mtplx.errors import MtplxError
+from mtplx.fingerprint import weights_fingerprint
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.nn.layers.distributed import AllToShardedLinear, QuantizedAllToShardedLinear
 from mlx.utils import tree_flatten
-
-from mtplx.errors import MtplxError
-from mtplx.fingerprint import weights_fingerprint
 
 MODES = ("pipeline", "tensor")
 DEFAULT_COLLECTIVE_TIMEOUT = 300.0  # seconds; a long prompt's prefill on big models must fit

@@ -158,9 +158,9 @@ def check_fused_kernel() -> Check:
 
 
 def check_caches() -> list[Check]:
-    from huggingface_hub import constants
-
     from mtplx import loading, tuned
+
+    from huggingface_hub import constants
 
     checks = []
     for name, path, env in (

@@ -14,8 +14,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import mlx.core as mx
-
 from mtplx import decode
 from mtplx.drafters import DRAFT_KINDS
 from mtplx.drafters.auto import AutoProposer
@@ -28,6 +26,8 @@ from mtplx.prompt_cache import PromptCache, is_trimmable
 from mtplx.prompt_cache import leaves as _cache_leaves
 from mtplx.trunk import Trunk
 from mtplx.validation import check_generation_args
+
+import mlx.core as mx
 
 DEFAULT_DEPTH = 3
 # Adaptive head drafting stops after a draft the head gave less than this probability.

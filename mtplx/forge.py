@@ -37,12 +37,6 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
-import mlx.nn as nn
-import mlx.optimizers as optim
-import numpy as np
-from mlx.utils import tree_flatten
-
 import mtplx  # noqa: F401  (optimized BLAS before mlx)
 from mtplx import compat
 from mtplx.errors import MtplxError
@@ -60,6 +54,12 @@ from mtplx.heads.base import HIDDEN_SOURCES
 from mtplx.heads.forged import ForgedMTPHead, build_forged_head, lm_head_matrix, save_forged_head
 from mtplx.io import atomic_path, atomic_write
 from mtplx.trunk import Trunk
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten
 
 # The benchmark suite of this repository: held out from every forge run that can see it.
 BENCHMARK_SUITE = Path(__file__).resolve().parent.parent / "benchmarks" / "prompts" / "suite.jsonl"

@@ -32,13 +32,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import mlx.core as mx
-import numpy as np
-
 from mtplx.errors import MtplxError
 from mtplx.forge_prompts import Prompt, prompt_ids
 from mtplx.io import atomic_path
 from mtplx.trunk import Trunk
+
+import mlx.core as mx
+import numpy as np
 
 SHARD_FILES = ("tokens", "hidden", "top_ids", "top_logp", "valid")
 

@@ -130,9 +130,9 @@ def _gemma4_assistant(path: Path, spec: str | Path | None, config: dict, given: 
 
 
 def _trunk_fingerprint(path: Path) -> str:
-    from mlx_lm.utils import load_model
-
     from mtplx.fingerprint import model_fingerprint
+
+    from mlx_lm.utils import load_model
 
     model, _ = load_model(path, lazy=True)
     return model_fingerprint(model)

@@ -19,13 +19,13 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
-
 from mtplx.config import SamplerConfig
 from mtplx.io import atomic_path
 from mtplx.kernels import DEFAULT_TG, SPECS, _read, cuda_sources, kernel_dir
 from mtplx.loading import cache_root
 from mtplx.sampling import sample_reference, verify_reference
+
+import numpy as np
 
 __all__ = [
     "CPU_TGS",

@@ -286,9 +286,9 @@ def load_model(
     lazy: bool = False,
 ) -> LoadedModel:
     """Resolve ``spec`` and load it through mlx-lm: model, tokenizer wrapper, config, fingerprint."""
-    from mlx_lm.utils import load_tokenizer
-
     from mtplx.fingerprint import model_fingerprint, streamed_fingerprint
+
+    from mlx_lm.utils import load_tokenizer
 
     path = resolve_model(spec, variant=variant, cache_dir=cache_dir, hub_cache=hub_cache)
     model, config = load_mlx_model(path, lazy=lazy)

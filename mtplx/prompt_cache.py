@@ -34,10 +34,10 @@ import copy
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import mlx.core as mx
-
 from mtplx.compat import CacheList, KVCache, QuantizedKVCache, cache_members
 from mtplx.errors import MtplxError
+
+import mlx.core as mx
 
 __all__ = [
     "DEFAULT_PROMPT_CACHE_BYTES",

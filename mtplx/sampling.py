@@ -14,10 +14,10 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
 from mtplx.config import SamplerConfig
 from mtplx.errors import MtplxError
+
+import numpy as np
 
 __all__ = [
     "SamplerConfig",

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mtplx import compat
+
 import mlx.core as mx
 import mlx.nn as nn
-
-from mtplx import compat
 
 
 @dataclass

@@ -126,9 +126,9 @@ def save_entry(
 
 def machine_info() -> dict[str, Any]:
     """What the numbers depend on: OS, CPU, cores, MLX device and BLAS."""
-    import mlx.core as mx
-
     import mtplx
+
+    import mlx.core as mx
 
     cpu = platform.processor() or platform.machine()
     with contextlib.suppress(OSError):

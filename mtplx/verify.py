@@ -23,10 +23,10 @@ from collections.abc import Callable
 from functools import lru_cache
 from typing import NamedTuple
 
-import mlx.core as mx
-
 from mtplx.config import SamplerConfig
 from mtplx.errors import MtplxError
+
+import mlx.core as mx
 
 __all__ = [
     "INVALID_DRAFTS",

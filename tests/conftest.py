@@ -1,3 +1,6 @@
+# `import mtplx` first: it loads the optimized BLAS before any test module imports MLX.
+import mtplx  # noqa: F401
+
 # --- default model (mtplx.loading); shared by every test that needs a real trunk ---
 import pytest as _pytest_default_model
 
@@ -9,7 +12,6 @@ def default_model_dir():
     Uses the normal cache (~/.cache/mtplx or $MTPLX_CACHE), so it converts once per
     machine, not once per test session.
     """
-    import mtplx  # noqa: F401  (optimized BLAS before mlx)
     from mtplx.loading import default_model_dir as _default_model_dir
 
     return _default_model_dir("float32")

@@ -19,14 +19,14 @@ import sys
 import time
 from pathlib import Path
 
-import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache
-
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx import decode
 from mtplx.config import SamplerConfig
 from mtplx.engine import Engine
 from mtplx.errors import MtplxError
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache
 
 PROMPT_TEXT = "def add(a, b):\n    return a + b\n"
 

@@ -11,13 +11,13 @@ the next token's embedding, so it predicts the trunk's bigram part, and
 
 from __future__ import annotations
 
-import mlx.core as mx
-from mlx.utils import tree_flatten, tree_unflatten
-from mlx_lm.models import llama, qwen3_5
-
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.heads.qwen3_next import Qwen3NextMTPHead
 from mtplx.trunk import Trunk
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.models import llama, qwen3_5
 
 HIDDEN = 32
 _OUTPUT_PROJECTIONS = ("o_proj.weight", "down_proj.weight", "out_proj.weight")

@@ -13,12 +13,12 @@ import string
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pytest
-
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx import bench, tune, tuned
 from mtplx.errors import MtplxError
 from mtplx.io import atomic_write
+
+import pytest
 
 # ----------------------------------------------------------------------------- fakes
 
@@ -424,11 +424,11 @@ def _char_tokenizer():
 
 @pytest.fixture(scope="module")
 def tiny_engine():
-    import mlx.core as mx
-    from mlx_lm.models import llama
-
     from mtplx.engine import Engine
     from mtplx.heads.qwen3_next import Qwen3NextMTPHead
+
+    import mlx.core as mx
+    from mlx_lm.models import llama
 
     tokenizer, vocab = _char_tokenizer()
     mx.random.seed(3)

@@ -5,10 +5,10 @@ import platform
 import subprocess
 import sys
 
-import pytest
-
 import mtplx
 from mtplx import blas
+
+import pytest
 
 pytestmark = pytest.mark.skipif(platform.system() != "Linux", reason="BLAS preloading is Linux-only")
 

@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+from mtplx import cache as cache_ops  # noqa: E402
+
 import mlx.core as mx  # noqa: E402
 import tiny_models  # noqa: E402  (imports mtplx before mlx)
 from mlx_lm.models.cache import (  # noqa: E402
@@ -29,8 +31,6 @@ from mlx_lm.models.cache import (  # noqa: E402
     QuantizedKVCache,
     RotatingKVCache,
 )
-
-from mtplx import cache as cache_ops  # noqa: E402
 
 TOL = 2e-4  # float32 models; a from-scratch prefill differs only by matmul blocking
 

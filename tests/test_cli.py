@@ -16,11 +16,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import mtplx  # noqa: F401  (BLAS before mlx)
+
 import fake_hub
 import pytest
 import tiny_checkpoints as tc
-
-import mtplx  # noqa: F401  (BLAS before mlx)
 
 REPO = Path(__file__).resolve().parent.parent
 

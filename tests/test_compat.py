@@ -5,11 +5,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import pytest
-
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx import compat
 from mtplx.errors import MtplxError
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 

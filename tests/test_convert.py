@@ -7,18 +7,18 @@ import math
 import struct
 from pathlib import Path
 
+import mtplx  # noqa: F401  (optimized BLAS before mlx)
+from mtplx.convert import convert_gguf, convert_weights
+from mtplx.errors import MtplxError
+from mtplx.gguf import GGML_F16, GGML_F32, GGML_Q4_0, GGML_Q4_1, GGML_Q8_0, read_gguf, write_gguf
+from mtplx.loading import default_gguf_path
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm import generate as mlx_lm_generate
 from mlx_lm.utils import load as mlx_lm_load
 from mlx_lm.utils import load_model as mlx_load_model
-
-import mtplx  # noqa: F401  (optimized BLAS before mlx)
-from mtplx.convert import convert_gguf, convert_weights
-from mtplx.errors import MtplxError
-from mtplx.gguf import GGML_F16, GGML_F32, GGML_Q4_0, GGML_Q4_1, GGML_Q8_0, read_gguf, write_gguf
-from mtplx.loading import default_gguf_path
 
 # Ordinary English written for this test: an encyclopedic paragraph set (predictable; the float32
 # model scores ~5.0 on it alone) and a narrative one (~22.5 alone). Together: ~11.4 over ~550 tokens.

@@ -12,19 +12,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import mlx.core as mx
-import mlx.nn as nn
-import pytest
-import tiny_checkpoints as tc
-from mlx_lm.utils import load as mlx_lm_load
-from mlx_lm.utils import load_model as mlx_load_model
-
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx import cli
 from mtplx.convert_hf import HEAD_FILE, convert_hf
 from mtplx.errors import MtplxError
 from mtplx.heads import MissingHeadError, load_head
 from mtplx.trunk import Trunk
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+import tiny_checkpoints as tc
+from mlx_lm.utils import load as mlx_lm_load
+from mlx_lm.utils import load_model as mlx_load_model
 
 GROUP, BITS = 32, 4  # the tiny models' hidden size is 32: group 64 would leave everything float
 TOKENS = [[3, 17, 42, 5, 60, 9]]

@@ -20,16 +20,16 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-import mlx.core as mx
-import pytest
-from loop_models import make_loop_pair
-from mlx.utils import tree_flatten
-
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx import MtplxError, distributed, loading
 from mtplx.engine import Engine
 from mtplx.fingerprint import model_fingerprint
 from mtplx.heads.forged import build_forged_head, save_forged_head
+
+import mlx.core as mx
+import pytest
+from loop_models import make_loop_pair
+from mlx.utils import tree_flatten
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "distributed_worker.py"
@@ -256,9 +256,9 @@ def test_default_model_lazy_fingerprint_matches(default_model_dir):
 
 
 def test_a_model_without_any_sharding_mode_is_named():
-    from tiny_models import tiny_gemma3
-
     from mtplx.trunk import Trunk
+
+    from tiny_models import tiny_gemma3
 
     trunk = Trunk(tiny_gemma3())
     with pytest.raises(MtplxError, match="'gemma3_text' supports neither pipeline nor tensor"):

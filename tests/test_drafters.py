@@ -7,6 +7,17 @@ from __future__ import annotations
 import os
 import random
 
+import mtplx  # noqa: F401  (BLAS before mlx)
+from mtplx import decode
+from mtplx import verify as verify_ops
+from mtplx.drafters import draft_model as draft_model_module
+from mtplx.drafters.auto import AutoProposer
+from mtplx.drafters.draft_model import DraftModelProposer
+from mtplx.drafters.head import HeadProposer
+from mtplx.drafters.lookup import LookupConfig, LookupProposer, NgramIndex
+from mtplx.errors import MtplxError
+from mtplx.sampling import SamplerConfig
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -21,17 +32,6 @@ from test_decode import (
     loop_p_value,
     run_loop,
 )
-
-import mtplx  # noqa: F401  (BLAS before mlx)
-from mtplx import decode
-from mtplx import verify as verify_ops
-from mtplx.drafters import draft_model as draft_model_module
-from mtplx.drafters.auto import AutoProposer
-from mtplx.drafters.draft_model import DraftModelProposer
-from mtplx.drafters.head import HeadProposer
-from mtplx.drafters.lookup import LookupConfig, LookupProposer, NgramIndex
-from mtplx.errors import MtplxError
-from mtplx.sampling import SamplerConfig
 
 # ------------------------------------------------------------------ lookup matcher
 
@@ -306,7 +306,10 @@ def assert_draft_cache_matches_a_from_scratch_run(family: str, kind: str = "mode
     history = PROMPT + [t for s in steps for t in s.tokens]
     fresh = make_prompt_cache(draft)
     draft(mx.array(history[:fed])[None], cache=fresh)
-    assert_same_caches(model_drafter.cache, fresh)
+    # A hybrid draft's recurrent state is built in other block sizes here than in one
+    # from-scratch forward: float32 rounding differs by ~1e-4 relative over 40 tokens,
+    # while a missing rollback (the control below) differs by O(1).
+    assert_same_caches(model_drafter.cache, fresh, rtol=1e-3, atol=5e-5)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_5"])
@@ -457,9 +460,9 @@ def test_one_host_sync_per_cycle_with_every_drafter(kind, temperature):
 def test_checkpoint_restores_every_cache_kind_after_several_forwards(family):
     """A draft model's rollback: after one-token forwards past a checkpoint (a rotating window
     wraps here), abort_block leaves the cache equal to one that never saw them."""
-    import tiny_models
-
     from mtplx import cache as cache_ops
+
+    import tiny_models
 
     build = {
         "llama": tiny_models.tiny_llama,

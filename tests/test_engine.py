@@ -6,14 +6,14 @@ import json
 import subprocess
 import sys
 
-import mlx.core as mx
-import pytest
-
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx import MtplxError, loading
 from mtplx.engine import Engine
 from mtplx.heads.forged import build_forged_head
 from mtplx.trunk import Trunk
+
+import mlx.core as mx
+import pytest
 
 PROMPTS = [
     "Write a Python function that reverses a string.",
@@ -132,7 +132,9 @@ def test_mtp_without_a_head_is_refused_with_advice(engine):
     headless = Engine(engine.trunk.model, engine.tokenizer, engine.config)
     with pytest.raises(MtplxError, match="no-mtp"):
         headless.generate("hello", max_tokens=3, mtp=True)
-    assert headless.generate("hello", max_tokens=3).stats.mode == "ar"  # default: AR when there is no head
+    # Default draft="auto": without a head, prompt lookup is the only drafter; mtp=False is plain AR.
+    assert set(headless.generate("hello", max_tokens=3).stats.drafters) <= {"lookup"}
+    assert headless.generate("hello", max_tokens=3, mtp=False).stats.mode == "ar"
 
 
 def _cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:

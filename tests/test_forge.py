@@ -6,14 +6,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import mlx.core as mx
-import mlx.nn as nn
-import numpy as np
-import pytest
-from mlx.utils import tree_flatten
-from mlx_lm.models import llama
-from mlx_lm.models.cache import KVCache
-
 import mtplx  # noqa: F401  (optimized BLAS before mlx)
 from mtplx.errors import MtplxError
 from mtplx.forge import (
@@ -38,6 +30,14 @@ from mtplx.forge_gen import ForgeData, Setting, ShardPlan, generate_batch, gener
 from mtplx.forge_prompts import Prompt, check_held_out, drop_held_out
 from mtplx.heads.forged import MANIFEST, lm_head_matrix, load_forged_head, save_forged_head
 from mtplx.trunk import Trunk
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.models import llama
+from mlx_lm.models.cache import KVCache
 
 VOCAB, SEQ, HIDDEN = 48, 24, 32
 EOS = VOCAB - 1
@@ -402,10 +402,10 @@ def test_budget_is_a_time_or_a_token_count() -> None:
 
 
 def test_forge_end_to_end_on_a_user_model_and_prompts(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    from forge_helpers import tiny_model_dir
-
     from mtplx.cli import main
     from mtplx.engine import Engine
+
+    from forge_helpers import tiny_model_dir
 
     model_dir = tiny_model_dir(tmp_path / "model", _tiny_trunk(seed=3))
     data = tmp_path / "data"

@@ -13,6 +13,15 @@ import sys
 import types
 from pathlib import Path
 
+import mtplx  # noqa: F401  (BLAS before mlx)
+from mtplx import cache as cache_ops
+from mtplx import decode
+from mtplx import verify as verify_ops
+from mtplx.errors import MtplxError
+from mtplx.heads import gemma4_assistant as ga
+from mtplx.sampling import SamplerConfig
+from mtplx.trunk import Trunk
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -28,15 +37,6 @@ from test_decode import (
     run_mtp_steps,
     sample_counts,
 )
-
-import mtplx  # noqa: F401  (BLAS before mlx)
-from mtplx import cache as cache_ops
-from mtplx import decode
-from mtplx import verify as verify_ops
-from mtplx.errors import MtplxError
-from mtplx.heads import gemma4_assistant as ga
-from mtplx.sampling import SamplerConfig
-from mtplx.trunk import Trunk
 
 
 def build_pair(tmp_path: Path, *, vocab_size=64, ordered=False, num_centroids=8, top_k=2, fill="floor", **kw):

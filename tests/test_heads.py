@@ -14,6 +14,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import mtplx  # noqa: F401  (BLAS before mlx)
+from mtplx.errors import MtplxError
+from mtplx.heads import DEFAULT_HIDDEN_SOURCE, Qwen3NextMTPHead, load_head
+from mtplx.trunk import Trunk
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -22,11 +27,6 @@ import tiny_checkpoints as tc
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model as mlx_load_model
 from safetensors.numpy import load_file
-
-import mtplx  # noqa: F401  (BLAS before mlx)
-from mtplx.errors import MtplxError
-from mtplx.heads import DEFAULT_HIDDEN_SOURCE, Qwen3NextMTPHead, load_head
-from mtplx.trunk import Trunk
 
 TOKENS = [[3, 17, 42, 5, 60, 9]]
 NEXT = [[17, 42, 5, 60, 9, 11]]

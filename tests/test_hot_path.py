@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import math
 
-import pytest
-from loop_models import make_loop_pair
-
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx import decode
 from mtplx import verify as verify_ops
 from mtplx.config import SamplerConfig
+
+import pytest
+from loop_models import make_loop_pair
 
 PROMPT = [1, 2, 0, 2, 1, 0, 2]
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 import json
 import math
 
+import mtplx  # noqa: F401
+from mtplx.errors import MtplxError
+from mtplx.inspect import format_inspection, inspect_model
+
 import mlx.core as mx
 import pytest
 import tiny_checkpoints as tc
 from mlx.utils import tree_flatten
-
-import mtplx  # noqa: F401
-from mtplx.errors import MtplxError
-from mtplx.inspect import format_inspection, inspect_model
 
 
 def _numel(tensors) -> int:

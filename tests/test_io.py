@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 import stat
 
-import pytest
-
 from mtplx.io import atomic_path, atomic_write
+
+import pytest
 
 
 def test_atomic_path_keeps_the_suffix_and_renames_on_success(tmp_path) -> None:

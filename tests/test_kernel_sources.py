@@ -9,13 +9,13 @@ import os
 import re
 import warnings
 
-import mlx.core as mx
-import numpy as np
-import pytest
-
 import mtplx  # noqa: F401  (before mlx)
 from mtplx import kernels as K
 from mtplx import kernels_emulation as E
+
+import mlx.core as mx
+import numpy as np
+import pytest
 
 # ---------------------------------------------------------------- emulation harness
 

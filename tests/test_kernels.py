@@ -6,12 +6,12 @@ explicitly, and the skip rate is bounded so the comparison cannot go vacuous."""
 
 import secrets
 
+import mtplx  # noqa: F401  (before mlx: BLAS loader)
+from mtplx import kernels_emulation as E
+
 import _kernel_ref as ref
 import numpy as np
 import pytest
-
-import mtplx  # noqa: F401  (before mlx: BLAS loader)
-from mtplx import kernels_emulation as E
 
 pytest.importorskip("mtplx.sampling")
 

@@ -10,13 +10,13 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-from mlx_lm import generate
-from mlx_lm.tokenizer_utils import TokenizerWrapper
-
 import mtplx  # noqa: F401  (optimized BLAS before mlx)
 from mtplx.errors import MtplxError
 from mtplx.loading import LoadedModel, cache_root, default_model_dir, load_model, resolve_model
+
+import pytest
+from mlx_lm import generate
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 REPO = Path(__file__).resolve().parents[1]
 

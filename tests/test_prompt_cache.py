@@ -8,15 +8,16 @@ without a prompt cache, or a teacher-forced forward in NumPy float64.
 
 from __future__ import annotations
 
-import mlx.core as mx
-import numpy as np
-import pytest
-
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx import decode
 from mtplx.config import SamplerConfig
 from mtplx.engine import Engine
 from mtplx.prompt_cache import PromptCache, cache_nbytes
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
 from tests.loop_models import make_loop_pair
 
 VOCAB = 49152  # the default tokenizer's

@@ -4,10 +4,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-import pytest
-from seeds import SEEDS, resolve
-
 import mtplx  # noqa: F401  (optimized BLAS before mlx)
 from mtplx import sampling
 from mtplx.errors import MtplxError
@@ -23,6 +19,10 @@ from mtplx.sampling import (
     speculative_output_marginal,
 )
 from mtplx.speculative import speculative_output_marginal as reexported_marginal
+
+import numpy as np
+import pytest
+from seeds import SEEDS, resolve
 
 
 def random_config(rng: np.random.Generator, vocab_size: int) -> SamplerConfig:

@@ -18,11 +18,12 @@ import threading
 import time
 from pathlib import Path
 
+import mtplx  # noqa: F401  (BLAS before mlx)
+
 import httpx
 import openai
 import pytest
 
-import mtplx  # noqa: F401  (BLAS before mlx)
 from tests import tiny_checkpoints
 
 KEY = "test-key-0123"
@@ -427,11 +428,11 @@ def test_cors_is_off_unless_origins_are_allowed(server, model_id):
 @pytest.mark.parametrize("stream", [False, True])
 def test_request_timeout_is_a_504_in_the_openai_shape(engine, stream):
     """In-process app (same code as the served one) with a timeout that has always passed."""
-    from fastapi.testclient import TestClient
-
     from mtplx.server.app import create_app
     from mtplx.server.settings import ServerSettings
     from mtplx.server.worker import GenerationWorker
+
+    from fastapi.testclient import TestClient
 
     worker = GenerationWorker(engine, max_queue=4)
     worker.start()

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import pytest
-
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.engine import Engine
+
+import pytest
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
-
 import mtplx  # noqa: F401  (BLAS before mlx)
+
+import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "mtplx"

@@ -6,12 +6,6 @@ import dataclasses
 import sys
 import types
 
-import mlx.core as mx
-import numpy as np
-import pytest
-from scipy import stats
-from seeds import FRESH, SEEDS, resolve
-
 import mtplx  # noqa: F401  (optimized BLAS before mlx)
 from mtplx import sampling
 from mtplx import verify as verify_module
@@ -26,6 +20,12 @@ from mtplx.verify import (
     sample,
     verify,
 )
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from scipy import stats
+from seeds import FRESH, SEEDS, resolve
 
 CONFIGS = {
     "temperature": SamplerConfig(temperature=1.0),

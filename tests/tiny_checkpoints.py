@@ -17,12 +17,12 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import mtplx  # noqa: F401  (BLAS before mlx)
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
-
-import mtplx  # noqa: F401  (BLAS before mlx)
 
 H, V = 32, 64  # hidden size and vocabulary of every tiny model
 

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import mtplx  # noqa: F401  (BLAS before mlx)
+
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 from tiny_checkpoints import randomize, write_checkpoint
-
-import mtplx  # noqa: F401  (BLAS before mlx)
 
 H = 32  # target hidden size
 DRAFT_H = 16

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import mtplx  # noqa: F401  (loads the BLAS before mlx)
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import QuantizedKVCache
-
-import mtplx  # noqa: F401  (loads the BLAS before mlx)
 
 VOCAB = 97
 

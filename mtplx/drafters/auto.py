@@ -9,12 +9,12 @@ one the cycle has no drafts (plain AR step).
 
 from __future__ import annotations
 
-import mlx.core as mx
-
 from mtplx.drafters.base import CycleOutcome, Draft, Proposer
 from mtplx.drafters.draft_model import DraftModelProposer
 from mtplx.drafters.lookup import LookupProposer, point_mass_draft
 from mtplx.trunk import TrunkOutput
+
+import mlx.core as mx
 
 
 class AutoProposer:

@@ -20,11 +20,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-import mlx.core as mx
-
 from mtplx import verify as verify_ops
 from mtplx.config import SamplerConfig
 from mtplx.trunk import TrunkOutput
+
+import mlx.core as mx
 
 
 @dataclass

@@ -17,9 +17,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import mlx.core as mx
-import mlx.nn as nn
-
 from mtplx import cache as cache_ops
 from mtplx import compat
 from mtplx import verify as verify_ops
@@ -28,6 +25,9 @@ from mtplx.drafters.base import CycleOutcome, Draft, draw_draft_token, join_draf
 from mtplx.drafters.lookup import point_mass_draft
 from mtplx.errors import MtplxError
 from mtplx.trunk import TrunkOutput
+
+import mlx.core as mx
+import mlx.nn as nn
 
 
 def real_vocab_size(tokenizer: Any) -> int:

@@ -15,14 +15,14 @@ off by default). ``depth`` stays the maximum.
 
 from __future__ import annotations
 
-import mlx.core as mx
-
 from mtplx import cache as cache_ops
 from mtplx import verify as verify_ops
 from mtplx.config import SamplerConfig
 from mtplx.drafters.base import CycleOutcome, Draft, draw_draft_token, stacked_draft
 from mtplx.heads.base import DraftHead
 from mtplx.trunk import TrunkOutput
+
+import mlx.core as mx
 
 
 def trunk_hidden(output: TrunkOutput, head: DraftHead) -> mx.array:

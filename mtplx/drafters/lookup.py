@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import mlx.core as mx
-
 from mtplx.drafters.base import CycleOutcome, Draft
 from mtplx.errors import MtplxError
 from mtplx.trunk import TrunkOutput
+
+import mlx.core as mx
 
 MAX_NGRAM_LIMIT = 64
 MAX_TOKENS_LIMIT = 64

@@ -16,12 +16,12 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Literal, Protocol, runtime_checkable
 
+from mtplx.checkpoint import quantization_config, read_safetensors_header
+from mtplx.errors import MtplxError
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-
-from mtplx.checkpoint import quantization_config, read_safetensors_header
-from mtplx.errors import MtplxError
 
 
 class MissingHeadError(MtplxError):

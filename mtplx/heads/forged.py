@@ -19,14 +19,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
-import mlx.nn as nn
-from mlx.utils import tree_flatten
-
 from mtplx.errors import MtplxError
 from mtplx.heads.base import HIDDEN_SOURCES, build_layer_like, check_and_load, model_args_of
 from mtplx.heads.qwen3_next import Qwen3NextMTPHead
 from mtplx.io import atomic_path, atomic_write
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 LAYOUT = "qwen3_next"
 MANIFEST = "manifest.json"

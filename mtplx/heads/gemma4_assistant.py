@@ -57,10 +57,6 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal
 
-import mlx.core as mx
-import mlx.nn as nn
-from mlx.utils import tree_flatten
-
 from mtplx.compat import KVCache, RotatingKVCache, kv_state, rotating_state
 from mtplx.errors import MtplxError
 from mtplx.heads.base import (
@@ -73,6 +69,10 @@ from mtplx.heads.base import (
     source_name,
     weight_index,
 )
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 LAYOUT = "gemma4_assistant"
 ASSISTANT_MODEL_TYPES = ("gemma4_assistant", "gemma4_unified_assistant")

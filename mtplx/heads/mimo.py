@@ -25,10 +25,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
-import mlx.nn as nn
-from mlx.utils import tree_flatten
-
 from mtplx.errors import MtplxError
 from mtplx.heads.base import (
     Embed,
@@ -47,6 +43,10 @@ from mtplx.heads.base import (
     source_name,
     weight_index,
 )
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 LAYOUT = "mimo"
 DEFAULT_HIDDEN_SOURCE: HiddenSource = "pre_norm"

@@ -30,10 +30,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
-import mlx.nn as nn
-from mlx.utils import tree_flatten
-
 from mtplx.errors import MtplxError
 from mtplx.heads.base import (
     Embed,
@@ -55,6 +51,10 @@ from mtplx.heads.base import (
     stack_experts,
     weight_index,
 )
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 LAYOUT = "qwen3_next"
 DEFAULT_HIDDEN_SOURCE: HiddenSource = "post_norm"

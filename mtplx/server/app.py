@@ -17,18 +17,18 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.concurrency import run_in_threadpool
-from starlette.exceptions import HTTPException as StarletteHTTPException
-
 from mtplx.engine import GenerationChunk, GenerationStats
 from mtplx.errors import MtplxError
 from mtplx.server.schemas import ChatCompletionRequest, CompletionRequest
 from mtplx.server.settings import ServerSettings
 from mtplx.server.worker import Finished, GenerationWorker, Job, JobFailed, JobTimeout, QueueFull
 from mtplx.validation import check_generation_args
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("mtplx.server")
 
