@@ -29,7 +29,7 @@ import hashlib
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from mtplx.errors import MtplxError
@@ -128,6 +128,8 @@ def generate_batch(
 ) -> ForgeData:
     """Generate a response for every prompt (until EOS or ``seq_len`` slots) and record the training data.
 
+    Rows that reach EOS leave the batch (``BatchKVCache.filter``): responses differ a lot in
+    length, and decoding finished rows to the longest one's end wasted most of the compute.
     ``deadline`` (time.time()) cuts every response short when it passes, so a time budget
     is kept even when one batch takes minutes (the cut responses are still valid data)."""
     from mlx_lm.models.cache import BatchKVCache
@@ -142,9 +144,10 @@ def generate_batch(
     pre, post = trunk.forward_hidden(batch, cache)
     prompt_hidden = np.asarray(pre.astype(mx.float16))
     rows, k = len(prompts), min(top_k, trunk.vocab_size)
+    response = [_Response() for _ in range(rows)]
+    active = np.arange(rows)  # original row of each batch row
+    eos = np.array(sorted(eos_ids))
     steps = seq_len - width  # every row's response fits its slots
-    step_hidden, step_ids, step_logp, step_tokens = [], [], [], []
-    done = np.zeros(rows, dtype=bool)
     for j in range(steps):
         logits = trunk.lm_head(post[:, -1, :]).astype(mx.float32)
         logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # raw: temperature 1, no filter
@@ -152,31 +155,47 @@ def generate_batch(
         token = _sample(logp, setting, step_key).astype(mx.int32)
         ids, vals = _top_k(logp, k)
         mx.eval(token, ids, vals)
-        step_ids.append(np.asarray(ids))
-        step_logp.append(np.asarray(vals))
-        step_tokens.append(np.asarray(token))
-        done |= np.isin(step_tokens[-1], list(eos_ids))
-        if done.all() or j == steps - 1 or (deadline is not None and time.time() >= deadline):
+        token_np, ids_np, vals_np = np.asarray(token), np.asarray(ids), np.asarray(vals)
+        for b, r in enumerate(active):
+            response[r].add(token_np[b], ids_np[b], vals_np[b])
+        going = ~np.isin(token_np, eos)
+        if not going.any() or j == steps - 1 or (deadline is not None and time.time() >= deadline):
             break
+        if not going.all():
+            keep = mx.array(np.flatnonzero(going))
+            for c in cache:
+                c.filter(keep)
+            token, active = token[keep], active[going]
         pre, post = trunk.forward_hidden(token[:, None], cache)
-        step_hidden.append(np.asarray(pre[:, -1].astype(mx.float16)))
-    return _pack(
-        prompts, prompt_hidden, pads, step_hidden, step_ids, step_logp, step_tokens, seq_len, eos_ids
-    )
+        hidden_np = np.asarray(pre[:, -1].astype(mx.float16))
+        for b, r in enumerate(active):
+            response[r].hidden.append(hidden_np[b])
+    return _pack(prompts, prompt_hidden, pads, response, seq_len)
+
+
+@dataclass
+class _Response:
+    """One row's generated tokens, the distributions they came from, and the states after reading them."""
+
+    tokens: list[int] = field(default_factory=list)
+    top_ids: list[np.ndarray] = field(default_factory=list)
+    top_logp: list[np.ndarray] = field(default_factory=list)
+    hidden: list[np.ndarray] = field(default_factory=list)
+
+    def add(self, token: np.integer, ids: np.ndarray, logp: np.ndarray) -> None:
+        self.tokens.append(int(token))
+        self.top_ids.append(ids)
+        self.top_logp.append(logp)
 
 
 def _pack(
     prompts: Sequence[list[int]],
     prompt_hidden: np.ndarray,
     pads: list[int],
-    step_hidden: list[np.ndarray],
-    step_ids: list[np.ndarray],
-    step_logp: list[np.ndarray],
-    step_tokens: list[np.ndarray],
+    response: Sequence[_Response],
     seq_len: int,
-    eos_ids: set[int],
 ) -> ForgeData:
-    rows, hidden_size, k = len(prompts), prompt_hidden.shape[-1], step_ids[0].shape[-1]
+    rows, hidden_size, k = len(prompts), prompt_hidden.shape[-1], response[0].top_ids[0].shape[-1]
     out = ForgeData(
         np.zeros((rows, seq_len), np.int32),
         np.zeros((rows, seq_len, hidden_size), np.float16),
@@ -184,19 +203,15 @@ def _pack(
         np.zeros((rows, seq_len, k), np.float32),
         np.zeros((rows, seq_len), bool),
     )
-    gen = np.stack(step_tokens, axis=1)  # [B, n]
-    ids, logp = np.stack(step_ids, axis=1), np.stack(step_logp, axis=1)
-    hid = np.stack(step_hidden, axis=1) if step_hidden else np.zeros((rows, 0, hidden_size), np.float16)
-    for r, prompt in enumerate(prompts):
-        p = len(prompt)
-        eos = np.flatnonzero(np.isin(gen[r], list(eos_ids)))
-        n = int(eos[0]) + 1 if eos.size else gen.shape[1]  # response length, EOS included
+    for r, (prompt, resp) in enumerate(zip(prompts, response)):
+        p, n = len(prompt), len(resp.tokens)  # response length, EOS included
         out.tokens[r, :p] = prompt
-        out.tokens[r, p : p + n] = gen[r, :n]
+        out.tokens[r, p : p + n] = resp.tokens
         out.hidden[r, :p] = prompt_hidden[r, pads[r] :]
-        out.hidden[r, p : p + n - 1] = hid[r, : n - 1]  # state after reading response token j
-        out.top_ids[r, p - 1 : p - 1 + n] = ids[r, :n]  # distribution response token j was drawn from
-        out.top_logp[r, p - 1 : p - 1 + n] = logp[r, :n]
+        if n > 1:
+            out.hidden[r, p : p + n - 1] = np.stack(resp.hidden[: n - 1])  # state after reading token j
+        out.top_ids[r, p - 1 : p - 1 + n] = np.stack(resp.top_ids)  # distribution token j was drawn from
+        out.top_logp[r, p - 1 : p - 1 + n] = np.stack(resp.top_logp)
         out.valid[r, p : p - 1 + n] = True
     return out
 

@@ -545,10 +545,13 @@ def test_a_time_budget_fixes_the_step_count_once(trunk: Trunk, data: ForgeData, 
     cfg = _cfg(tmp_path, budget="10m", depth=2)
     per_step = seconds_per_step(cfg, trunk, build_head(trunk, "pre_norm"), data, Objective.build(trunk, None))
     assert per_step > 0
-    steps = _planned_steps(cfg, parse_budget("10m"), tmp_path / "c", time.time() + 115.6, lambda: 1.0, 24)
+    steps = _planned_steps(cfg, parse_budget("10m"), tmp_path / "c", time.time() + 115.6, lambda: 1.0, 2400)
     assert steps == 100  # 115 s left at 1 s per step, 15% kept for checkpoints
     # Resumed later (less time left, another speed): the schedule recorded first is kept.
     assert _planned_steps(cfg, parse_budget("10m"), tmp_path / "c", time.time() + 5.0, lambda: 9.0, 24) == 100
+    # Little data: the time would allow 100 steps, the epoch cap stops earlier.
+    capped = _planned_steps(cfg, parse_budget("10m"), tmp_path / "f", time.time() + 115.6, lambda: 1.0, 24)
+    assert capped == int(np.ceil(cfg.max_epochs * 24 / cfg.batch_size)) < 100
     with pytest.raises(
         MtplxError, match=r"--budget: 10m is too small to train anything \(one step takes 9\.0s\)"
     ):
