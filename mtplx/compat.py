@@ -20,6 +20,9 @@ are done here, against layouts read from its source
   ``ArraysCache.state`` = (slots, left_padding, lengths), with a gated-delta
   layer's conv state in slot 0 and recurrent state in slot 1. They are read
   and written here by name (``KVState``, ``RotatingState``), nowhere by position.
+* cache copies: mlx-lm has no copy for its caches; ``copy_cache`` copies a
+  cache's instance attributes (arrays re-wrapped, so in-place slice updates on
+  one side never show on the other).
 
 ``check()`` verifies every one of these assumptions on the installed mlx-lm
 and raises one clear error naming what changed; the trunk calls it once per
@@ -29,6 +32,7 @@ notices. pyproject pins the range it was verified on (``SUPPORTED_MLX_LM``).
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import sys
@@ -44,6 +48,7 @@ from mlx_lm.models import gated_delta as _gated_delta
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import (
     ArraysCache,
+    BatchKVCache,
     CacheList,
     KVCache,
     QuantizedKVCache,
@@ -57,6 +62,7 @@ __all__ = [
     "CONV_SLOT",
     "STATE_SLOT",
     "ArraysCache",
+    "BatchKVCache",
     "CacheList",
     "KVCache",
     "KVState",
@@ -66,8 +72,10 @@ __all__ = [
     "RotatingKVCache",
     "RotatingState",
     "arrays_slots",
+    "cache_leaves",
     "cache_members",
     "check",
+    "copy_cache",
     "create_attention_mask",
     "find_inner_model",
     "find_lm_head",
@@ -211,6 +219,37 @@ def set_arrays_slots(cache: ArraysCache, slots: list) -> None:
 def cache_members(cache: CacheList) -> list:
     """The caches inside a ``CacheList`` (one layer with several kinds of state)."""
     return list(cache.caches)
+
+
+def cache_leaves(cache: Sequence) -> list:
+    """Every leaf cache of a cache list, a ``CacheList`` contributing its members."""
+    out = []
+    for c in cache:
+        out.extend(cache_leaves(cache_members(c)) if type(c) is CacheList else [c])
+    return out
+
+
+def _detached(x: Any) -> Any:
+    # mx.array(a) is a new array object with a's value: in-place updates (slice
+    # assignment) on one of them never show in the other.
+    if isinstance(x, mx.array):
+        return mx.array(x)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_detached(v) for v in x)
+    return x
+
+
+def copy_cache(cache: Sequence) -> list:
+    """An independent copy of an mlx-lm cache list (shares memory until one side writes)."""
+    out = []
+    for c in cache:
+        new = copy.copy(c)
+        if type(c) is CacheList:
+            new.caches = tuple(copy_cache(cache_members(c)))
+        else:
+            new.__dict__.update({k: _detached(v) for k, v in vars(c).items()})
+        out.append(new)
+    return out
 
 
 # --------------------------------------------------------------------------- gated-delta hook
@@ -359,6 +398,21 @@ def _check_cache_list(cache_list_cls: type) -> list[str]:
     return []
 
 
+def _check_copy(kv_cls: type, arrays_cls: type) -> list[str]:
+    kv, arrays = kv_cls(), arrays_cls(2)
+    kv.update_and_fetch(mx.zeros((1, 1, 2, 2)), mx.zeros((1, 1, 2, 2)))
+    arrays[0] = mx.zeros((1, 2))
+    kv_copy, arrays_copy = copy_cache([kv, arrays])
+    kv.update_and_fetch(mx.ones((1, 1, 1, 2)), mx.ones((1, 1, 1, 2)))  # writes into kv's buffer in place
+    arrays[0] = mx.ones((1, 2))
+    problems = []
+    if kv_copy.offset != 2 or float(mx.abs(kv_state(kv_copy).keys).sum()) != 0.0:
+        problems.append(f"a copied {kv_cls.__name__} changes when the original is updated")
+    if float(mx.abs(arrays_copy[0]).sum()) != 0.0:
+        problems.append(f"a copied {arrays_cls.__name__} changes when the original is updated")
+    return problems
+
+
 def _check_mask(mask_fn: Callable) -> list[str]:
     names = tuple(inspect.signature(mask_fn).parameters)
     expected = ("h", "cache", "window_size", "return_array")
@@ -402,6 +456,7 @@ def check(
     problems += _guarded(
         "probing gated_delta_update", _check_gated_delta, gated_delta_update, recurrent_modules
     )
+    problems += _guarded("probing cache copies", _check_copy, kv_cls, arrays_cls)
     problems += _guarded("probing create_attention_mask", _check_mask, mask_fn)
     problems += _guarded("probing the final-norm tap", _check_norm_tap)
     if problems:

@@ -154,7 +154,7 @@ class Watchdog:
 
 def _pipelined_llama_call(self, inputs: mx.array, cache=None, input_embeddings: mx.array | None = None):
     """`LlamaModel.__call__` for the local slice of layers, in mlx-lm's pipeline style."""
-    from mlx_lm.models.base import create_attention_mask
+    from mtplx.compat import create_attention_mask
 
     h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)
     cache = cache if cache is not None else [None] * len(self.layers)

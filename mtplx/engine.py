@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from mtplx import decode
+from mtplx.compat import cache_leaves
 from mtplx.drafters import DRAFT_KINDS
 from mtplx.drafters.auto import AutoProposer
 from mtplx.drafters.base import Proposer
@@ -23,7 +24,6 @@ from mtplx.drafters.head import HeadProposer
 from mtplx.drafters.lookup import LookupConfig, LookupProposer
 from mtplx.errors import MtplxError
 from mtplx.prompt_cache import PromptCache, is_trimmable
-from mtplx.prompt_cache import leaves as _cache_leaves
 from mtplx.trunk import Trunk
 from mtplx.validation import check_generation_args
 
@@ -258,7 +258,7 @@ class _CacheSession:
         if not self.trimmable or self.store.max_bytes == 0:
             return
         caches = list(self.trunk_cache) + list(self.head_cache or [])
-        size = min(min((c.offset for c in _cache_leaves(caches)), default=0), len(self.tokens))
+        size = min(min((c.offset for c in cache_leaves(caches)), default=0), len(self.tokens))
         self.store.insert(self.tokens, size, self.trunk_cache, self.head_cache, copy=False)
 
 

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mtplx.compat import BatchKVCache
 from mtplx.errors import MtplxError
 from mtplx.forge_prompts import Prompt, prompt_ids
 from mtplx.io import atomic_path
@@ -132,8 +133,6 @@ def generate_batch(
     length, and decoding finished rows to the longest one's end wasted most of the compute.
     ``deadline`` (time.time()) cuts every response short when it passes, so a time budget
     is kept even when one batch takes minutes (the cut responses are still valid data)."""
-    from mlx_lm.models.cache import BatchKVCache
-
     lengths = [len(p) for p in prompts]
     width = max(lengths)
     if width >= seq_len - 1:

@@ -30,14 +30,11 @@ longest-prefix entry; the data structure here is our own.
 
 from __future__ import annotations
 
-import copy
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from mtplx.compat import CacheList, KVCache, QuantizedKVCache, cache_members
+from mtplx.compat import KVCache, QuantizedKVCache, cache_leaves, copy_cache
 from mtplx.errors import MtplxError
-
-import mlx.core as mx
 
 __all__ = [
     "DEFAULT_PROMPT_CACHE_BYTES",
@@ -46,62 +43,24 @@ __all__ = [
     "cache_nbytes",
     "copy_cache",
     "is_trimmable",
-    "leaves",
 ]
 
 # What `mtplx serve` and `mtplx chat` keep unless told otherwise.
 DEFAULT_PROMPT_CACHE_BYTES = 2 * 1024**3
 
 
-def leaves(cache: list) -> list:
-    out = []
-    for c in cache:
-        out.extend(leaves(cache_members(c)) if type(c) is CacheList else [c])
-    return out
-
-
 def is_trimmable(cache: list) -> bool:
     """True if every cache can be moved back by any number of positions (pure KV)."""
-    return all(type(c) in (KVCache, QuantizedKVCache) for c in leaves(cache))
-
-
-def _detached(x):
-    # mx.array(a) is a new array object with a's value: in-place updates (slice
-    # assignment) on one of them never show in the other.
-    if isinstance(x, mx.array):
-        return mx.array(x)
-    if isinstance(x, (list, tuple)):
-        return type(x)(_detached(v) for v in x)
-    return x
-
-
-def copy_cache(cache: list) -> list:
-    """An independent copy of an mlx-lm cache list (shares memory until one side writes)."""
-    out = []
-    for c in cache:
-        new = copy.copy(c)
-        if type(c) is CacheList:
-            new.caches = tuple(copy_cache(cache_members(c)))
-        else:
-            new.__dict__.update({k: _detached(v) for k, v in vars(c).items()})
-        out.append(new)
-    return out
+    return all(type(c) in (KVCache, QuantizedKVCache) for c in cache_leaves(cache))
 
 
 def cache_nbytes(cache: list) -> int:
     """Bytes held, counting whole buffers (a KVCache allocates ahead of its offset)."""
-    total = 0
-    for c in leaves(cache):
-        for v in vars(c).values():
-            for a in v if isinstance(v, (list, tuple)) else [v]:
-                for leaf in a if isinstance(a, (list, tuple)) else [a]:
-                    if isinstance(leaf, mx.array):
-                        total += leaf.nbytes
-    return total
+    return sum(c.nbytes for c in cache_leaves(cache))
 
 
 def _trim_to(cache: list, size: int) -> None:
-    for c in leaves(cache):
+    for c in cache_leaves(cache):
         c.trim(c.offset - size)  # offset becomes size (KV caches only: is_trimmable)
 
 

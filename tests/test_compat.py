@@ -9,6 +9,7 @@ import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx import compat
 from mtplx.errors import MtplxError
 
+import mlx.core as mx
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -149,3 +150,25 @@ def test_norm_tap_records_and_untapped_call_does_not() -> None:
     assert tap.pre is x  # not overwritten
     assert mx.allclose(plain, nn.RMSNorm(4)(y)).item()
     assert dict(norm.parameters()).keys() == weights_before.keys()  # parameter tree unchanged
+
+
+class _KVInADict(compat.KVCache):
+    """Buffers behind a dict: a copy of the instance attributes would share them."""
+
+    def __init__(self):
+        self.store = {"keys": None, "values": None}
+        self.offset = 0
+
+    keys = property(lambda self: self.store["keys"], lambda self, v: self.store.__setitem__("keys", v))
+    values = property(lambda self: self.store["values"], lambda self, v: self.store.__setitem__("values", v))
+
+
+def test_a_cache_whose_copy_is_not_independent_is_named() -> None:
+    message = _failure(kv_cls=_KVInADict)
+    assert "a copied _KVInADict changes when the original is updated" in message
+    kv = compat.KVCache()
+    kv.update_and_fetch(mx.zeros((1, 1, 2, 2)), mx.zeros((1, 1, 2, 2)))
+    (copied,) = compat.copy_cache([kv])
+    kv.update_and_fetch(mx.ones((1, 1, 1, 2)), mx.ones((1, 1, 1, 2)))
+    assert copied.offset == 2 and kv.offset == 3
+    assert float(mx.abs(copied.keys).sum()) == 0.0 and float(mx.abs(kv.keys).sum()) > 0.0

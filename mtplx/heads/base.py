@@ -17,6 +17,7 @@ from types import SimpleNamespace
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from mtplx.checkpoint import quantization_config, read_safetensors_header
+from mtplx.compat import KVCache
 from mtplx.errors import MtplxError
 
 import mlx.core as mx
@@ -121,8 +122,6 @@ class MTPHead(nn.Module):
 
     def make_cache(self) -> list:
         """One mlx-lm ``KVCache`` per head decoder layer (every head layer is full attention)."""
-        from mlx_lm.models.cache import KVCache
-
         return [KVCache() for _ in self.decoder_layers()]
 
     def logits(self, head_hidden: mx.array, step: int = 0) -> mx.array:
@@ -221,8 +220,6 @@ class ModuleStackHead(MTPHead):
         return self._final_norm(self.modules_[chosen])(x)
 
     def make_cache(self) -> list:
-        from mlx_lm.models.cache import KVCache
-
         return [KVCache() for _ in self.modules_]
 
 
