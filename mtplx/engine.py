@@ -491,6 +491,7 @@ class Engine:
         sampler = check_generation_args(
             max_tokens=max_tokens,
             depth=depth,
+            seed=seed,
             temperature=temperature,
             top_p=top_p,
             top_k=top_k,

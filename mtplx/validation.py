@@ -10,6 +10,9 @@ from __future__ import annotations
 from mtplx.config import SamplerConfig
 from mtplx.errors import MtplxError
 
+# mx.random.key takes an unsigned 64-bit seed.
+SEED_LIMIT = 2**64
+
 
 def check_generation_args(
     *, max_tokens: int, depth: int | None = None, seed: int | None = None, **sampling
@@ -19,4 +22,6 @@ def check_generation_args(
         raise MtplxError(f"max_tokens must be > 0 (got {max_tokens})")
     if depth is not None and depth < 1:
         raise MtplxError(f"depth must be >= 1 (got {depth})")
+    if seed is not None and not 0 <= seed < SEED_LIMIT:
+        raise MtplxError(f"seed must be in [0, 2**64) (got {seed})")
     return SamplerConfig(**sampling)

@@ -140,6 +140,7 @@ def test_generate_prompt_from_stdin_with_system_prompt_json_and_quiet_verbose(to
             "mtplx: error: --num-draft-tokens must be >= 1 (got 0)",
         ),
         (["generate", "hi", "--depth", "0"], "mtplx: error: --depth must be >= 1 (got 0)"),
+        (["generate", "hi", "--seed", "-1"], "mtplx: error: --seed must be in [0, 2**64) (got -1)"),
         (["generate", "hi", "-p", "hi"], "prompt: give it once"),
         (["chat", "--temp", "-0.5"], "mtplx: error: --temp must be >= 0 (got -0.5)"),
         (["chat", "-m", "0"], "mtplx: error: --max-tokens must be > 0 (got 0)"),

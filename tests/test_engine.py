@@ -117,6 +117,8 @@ def test_engine_serves_correctly_after_an_interrupted_call(engine):
         (dict(top_k=-2), "top_k"),
         (dict(min_p=1.0), "min_p"),
         (dict(depth=0), "depth"),
+        (dict(seed=-1), "seed"),
+        (dict(seed=2**64), "seed"),
         (dict(max_tokens=10**7), "context"),
     ],
 )

@@ -8,6 +8,7 @@ same directory in this process.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -49,15 +50,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
+@contextlib.contextmanager
+def _running_server(model_dir: Path, log_path: Path, *flags: str, api_key: str | None = KEY):
+    """`mtplx serve` on ``model_dir`` and a free port; yields (base URL, log path) once /health answers."""
     port = _free_port()
-    log_path = tmp_path_factory.mktemp("log") / "server.log"
-    env = dict(os.environ, MTPLX_API_KEY=KEY, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("MTPLX_API_KEY", None)
+    if api_key is not None:
+        env["MTPLX_API_KEY"] = api_key
     args = [sys.executable, "-m", "mtplx.cli", "serve", "--model", str(model_dir), "--port", str(port)]
-    args += ["--depth", "2", "--max-queue", str(MAX_QUEUE), "--max-body-bytes", str(MAX_BODY)]
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        proc = subprocess.Popen([*args, *flags], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180
@@ -79,6 +82,14 @@ def server(model_dir, tmp_path_factory):
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    log_path = tmp_path_factory.mktemp("log") / "server.log"
+    flags = ["--depth", "2", "--max-queue", str(MAX_QUEUE), "--max-body-bytes", str(MAX_BODY)]
+    with _running_server(model_dir, log_path, *flags) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
@@ -324,6 +335,15 @@ BAD_REQUESTS = [
     ("top_p 0", "/v1/chat/completions", _chat(top_p=0), None, 400, "top_p"),
     ("top_p above 1", "/v1/chat/completions", _chat(top_p=1.5), None, 400, "top_p"),
     ("min_p 1", "/v1/chat/completions", _chat(min_p=1.0), None, 400, "min_p"),
+    ("negative seed", "/v1/chat/completions", _chat(seed=-1), None, 400, "seed"),
+    (
+        "seed past 64 bits",
+        "/v1/completions",
+        {"model": "__served__", "prompt": "a", "seed": 2**64},
+        None,
+        400,
+        "seed",
+    ),
     ("max_tokens 0", "/v1/chat/completions", _chat(max_tokens=0), None, 400, "max_tokens"),
     ("max_tokens a float", "/v1/chat/completions", _chat(max_tokens=2.5), None, 400, "max_tokens"),
     ("max_tokens over the cap", "/v1/chat/completions", _chat(max_tokens=9000), None, 400, "max_tokens"),
@@ -448,3 +468,204 @@ def test_request_timeout_is_a_504_in_the_openai_shape(engine, stream):
                 assert http2.post("/v1/chat/completions", json=body).json()["choices"][0]["finish_reason"]
     finally:
         worker.stop()
+
+
+def test_every_v1_route_needs_the_key_and_health_does_not(server, model_id):
+    base, _ = server
+    for method, path in [
+        ("GET", "/v1/models"),
+        ("GET", f"/v1/models/{model_id}"),
+        ("POST", "/v1/completions"),
+    ]:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+            response = httpx.request(method, base + path, json={}, headers=headers)
+            assert response.status_code == 401, (method, path, headers)
+            assert response.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(base + "/health").status_code == 200
+
+
+def test_sampler_fields_reach_the_engine(client, engine, model_id):
+    """stop, penalties, top_k, min_p and logit_bias through the server equal the engine's own run."""
+    messages = _messages("Sampler fields, all at once.")
+    sampler = dict(
+        temperature=0.8,
+        top_p=0.9,
+        top_k=50,
+        min_p=0.02,
+        presence_penalty=0.5,
+        frequency_penalty=0.3,
+        repetition_penalty=1.1,
+        seed=7,
+        logit_bias={11: 2.0, 12: -100.0},
+    )
+    free = engine.generate(messages, max_tokens=12, **sampler)
+    assert len(free.token_ids) == 12
+    # A stop string taken from the middle of the unstopped output: it must end the text there.
+    stop = engine.tokenizer.decode(free.token_ids[5:7])
+    expected = engine.generate(messages, max_tokens=12, stop=[stop, "\x00never"], **sampler)
+    assert expected.finish_reason == "stop" and len(expected.text) < len(free.text)
+    extra = {"top_k": 50, "min_p": 0.02, "repetition_penalty": 1.1}
+    fields = {k: v for k, v in sampler.items() if k not in extra}
+    fields["logit_bias"] = {str(k): v for k, v in sampler["logit_bias"].items()}
+    response = client.chat.completions.create(
+        model=model_id, messages=messages, max_tokens=12, stop=[stop, "\x00never"], extra_body=extra, **fields
+    )
+    assert response.choices[0].message.content == expected.text
+    assert response.choices[0].finish_reason == "stop"
+
+
+# ------------------------------------------------------------------ a second server: damaged checkpoint, no key
+
+NAN_TOKEN = 40000  # the damaged checkpoint's embedding row for this token id is NaN
+
+
+@pytest.fixture(scope="module")
+def damaged_model_dir(model_dir, tmp_path_factory) -> Path:
+    """The served checkpoint with one embedding row overwritten by NaN.
+
+    A real way for generation to fail inside the server (as a bad conversion or a corrupted
+    download leaves a checkpoint): the engine's NaN check raises when a request reads that
+    token, while requests that never read it are served exactly as by the undamaged model.
+    """
+    import mlx.core as mx
+
+    path = tmp_path_factory.mktemp("damaged") / "tiny-mimo"
+    shutil.copytree(model_dir, path)
+    tensors = mx.load(str(path / "model.safetensors"))
+    weight = tensors["model.embed_tokens.weight"]
+    row = mx.arange(weight.shape[0])[:, None] == NAN_TOKEN
+    tensors["model.embed_tokens.weight"] = mx.where(row, mx.array(float("nan"), weight.dtype), weight)
+    mx.save_safetensors(str(path / "model.safetensors"), tensors, {"format": "pt"})
+    return path
+
+
+ALLOWED_ORIGIN = "http://editor.example"
+
+
+@pytest.fixture(scope="module")
+def open_server(damaged_model_dir, tmp_path_factory):
+    """No API key, bound to 127.0.0.1, CORS allowed for one origin, serving the damaged checkpoint."""
+    log_path = tmp_path_factory.mktemp("log") / "open-server.log"
+    flags = ["--depth", "2", "--allowed-origins", ALLOWED_ORIGIN]
+    with _running_server(damaged_model_dir, log_path, *flags, api_key=None) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def open_client(open_server):
+    return openai.OpenAI(base_url=open_server[0] + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _assert_internal_error_body(error: dict) -> None:
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "server_error"
+    message = error["message"]
+    assert "\n" not in message and "details in the server log" in message
+    for leak in ("Traceback", "ValueError", "NaN", "File ", ".py"):
+        assert leak not in message
+
+
+def test_internal_failure_is_a_500_and_the_next_request_is_served(open_server, open_client, engine):
+    base, log_path = open_server
+    model_id = open_client.models.list().data[0].id
+    prefix = engine.encode_prompt("Once upon a time there was", chat=False)
+    for stream in (False, True):
+        with pytest.raises(openai.InternalServerError) as info:
+            response = open_client.completions.create(
+                model=model_id, prompt=[*prefix, NAN_TOKEN], max_tokens=6, temperature=0, stream=stream
+            )
+            list(response) if stream else response
+        assert info.value.status_code == 500
+        _assert_internal_error_body(info.value.response.json()["error"])
+    # The details went to the server log, not to the client.
+    log = log_path.read_text()
+    assert "Traceback" in log and "logits contain NaN" in log
+    assert len([line for line in log.splitlines() if "/v1/completions 500" in line]) == 2
+    # The next requests (one sharing the failed prompt's prefix) are served exactly.
+    for prompt in ([*prefix, 11, 12], "A different prompt"):
+        expected = engine.generate(prompt, max_tokens=8, temperature=0.0, chat=False)
+        assert NAN_TOKEN not in expected.token_ids
+        response = open_client.completions.create(model=model_id, prompt=prompt, max_tokens=8, temperature=0)
+        assert response.choices[0].text == expected.text
+        assert response.usage.completion_tokens == len(expected.token_ids)
+
+
+def test_failure_after_streaming_began_ends_the_stream_with_an_error_event(open_server, open_client, engine):
+    base, _ = open_server
+    model_id = open_client.models.list().data[0].id
+    # The bias makes the damaged token the first one generated: the next forward pass reads it.
+    body = dict(
+        model=model_id,
+        messages=_messages("Anything."),
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        logit_bias={str(NAN_TOKEN): 100},
+    )
+    with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=120) as response:
+        assert response.status_code == 200
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert events[-1].keys() == {"error"}
+    _assert_internal_error_body(events[-1]["error"])
+    generated = [e for e in events[1:-1] if e["choices"]]
+    assert generated and all(e["choices"][0]["finish_reason"] is None for e in generated)
+    # The openai client raises on the error event.
+    with pytest.raises(openai.APIError):
+        list(open_client.chat.completions.create(**body))
+    # The next chat is served exactly.
+    messages = _messages("After a failed stream.")
+    expected = engine.generate(messages, max_tokens=8, temperature=0.0)
+    response = open_client.chat.completions.create(
+        model=model_id, messages=messages, max_tokens=8, temperature=0
+    )
+    assert response.choices[0].message.content == expected.text
+
+
+def test_no_key_on_loopback_serves_without_auth_and_does_not_warn(open_server, open_client):
+    base, log_path = open_server
+    assert open_client.models.list().data
+    assert httpx.get(base + "/v1/models").status_code == 200  # no Authorization header at all
+    assert "without an API key" not in log_path.read_text()
+
+
+def test_cors_answers_only_the_allowed_origin(open_server):
+    base, _ = open_server
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"}
+    allowed = httpx.options(base + "/v1/chat/completions", headers={"Origin": ALLOWED_ORIGIN, **preflight})
+    assert allowed.status_code == 200
+    assert allowed.headers["access-control-allow-origin"] == ALLOWED_ORIGIN
+    other = httpx.options(
+        base + "/v1/chat/completions", headers={"Origin": "http://evil.example", **preflight}
+    )
+    assert "access-control-allow-origin" not in other.headers
+    simple = httpx.get(base + "/v1/models", headers={"Origin": ALLOWED_ORIGIN})
+    assert simple.headers["access-control-allow-origin"] == ALLOWED_ORIGIN
+
+
+@pytest.mark.parametrize("with_key", [False, True])
+def test_binding_a_non_local_address_without_a_key_warns(model_dir, tmp_path, with_key):
+    log_path = tmp_path / "server.log"
+    key = KEY if with_key else None
+    with _running_server(model_dir, log_path, "--host", "0.0.0.0", api_key=key) as (base, _):
+        log = log_path.read_text()
+        status = httpx.get(base + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code
+    assert status == 200
+    warned = [line for line in log.splitlines() if "without an API key" in line]
+    if with_key:
+        assert not warned
+    else:
+        assert len(warned) == 1 and "WARNING" in warned[0] and "0.0.0.0" in warned[0]
+
+
+def test_omitted_max_tokens_defaults_to_what_the_context_leaves(open_client, engine):
+    """Without max_tokens a request gets min(512, context - prompt): here 256 - 250 = 6 tokens."""
+    model_id = open_client.models.list().data[0].id
+    words = engine.encode_prompt("the cache keeps every turn of the chat " * 40, chat=False)
+    prompt = [t for t in words if t != NAN_TOKEN][:250]
+    assert len(prompt) == 250
+    expected = engine.generate(prompt, max_tokens=6, temperature=0.0, chat=False)
+    response = open_client.completions.create(model=model_id, prompt=prompt, temperature=0)
+    assert response.choices[0].text == expected.text
+    assert response.usage.completion_tokens == len(expected.token_ids) <= 6
+    assert response.choices[0].finish_reason == expected.finish_reason

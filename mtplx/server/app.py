@@ -311,10 +311,11 @@ def _make_job(
         logit_bias=bias,
     )
     try:  # a bad combination is a 400 now, not an error after queueing
-        check_generation_args(max_tokens=max_tokens, **sampler)
+        check_generation_args(max_tokens=max_tokens, seed=body.seed, **sampler)
     except MtplxError as err:
         field = str(err).split(" ", 1)[0]  # the messages start with the field's API name
-        raise APIError(400, str(err), param=field if field in sampler else None) from None
+        known = field in sampler or field == "seed"
+        raise APIError(400, str(err), param=field if known else None) from None
     stream_kwargs = dict(
         sampler,
         max_tokens=max_tokens,
