@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 
 import mtplx  # noqa: F401  (optimized BLAS before mlx)
-from mtplx.forge import DEFAULT_FORGE_CONFIG, build_head, evaluate_acceptance
+from mtplx.forge import DEFAULT_FORGE_CONFIG, build_head, evaluate_acceptance, init_from_head
 from mtplx.forge_gen import load_shards
 from mtplx.io import atomic_write
 from mtplx.loading import load_model
@@ -32,6 +32,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--run-dir", required=True, type=Path, help="the forge run (holds train/ and eval/)")
     ap.add_argument("--checkpoints", required=True, type=Path, help="directory of step-*.safetensors")
+    ap.add_argument(
+        "--init-head", default=None, help="the forged head the run started from (--init-head of the run)"
+    )
     ap.add_argument("--every", type=int, default=1, help="score every Nth checkpoint (the last always)")
     ap.add_argument("--origins", type=int, default=DEFAULT_FORGE_CONFIG.eval_origins)
     ap.add_argument("--json", type=Path, default=Path("forge-curve.json"))
@@ -49,8 +52,10 @@ def main() -> None:
         raise SystemExit(f"{args.checkpoints}: no step-*.safetensors checkpoints")
     chosen = paths[:: args.every] + ([paths[-1]] if (len(paths) - 1) % args.every else [])
     points = []
-    for path in [None, *chosen]:  # None: the initial head (the trunk's last layer), step 0
+    for path in [None, *chosen]:  # None: the head the run started from, step 0
         head = build_head(trunk, cfg.hidden_source, cfg.chain_source)
+        if args.init_head:
+            init_from_head(head, args.init_head, trunk, loaded.fingerprint)
         step = 0
         if path is not None:
             step = int(path.stem.split("-")[1])
