@@ -352,11 +352,16 @@ def plain_engine(default_model_dir):
     return engine
 
 
+@pytest.fixture(scope="module")
+def code_edit_ar(plain_engine):
+    """The greedy AR reference, computed once for the three drafters compared with it."""
+    return plain_engine.generate(CODE_EDIT_PROMPT, chat=True, max_tokens=40, draft="none")
+
+
 @pytest.mark.parametrize("draft", ["lookup", "auto", "model"])
-def test_engine_greedy_output_equals_ar_with_each_drafter(plain_engine, draft):
-    ar = plain_engine.generate(CODE_EDIT_PROMPT, chat=True, max_tokens=40, draft="none")
+def test_engine_greedy_output_equals_ar_with_each_drafter(plain_engine, code_edit_ar, draft):
     result = plain_engine.generate(CODE_EDIT_PROMPT, chat=True, max_tokens=40, draft=draft, depth=2)
-    assert result.token_ids == ar.token_ids
+    assert result.token_ids == code_edit_ar.token_ids
     assert result.stats.mode == "mtp"
     drafters = result.stats.drafters
     expected = {"lookup": {"lookup"}, "model": {"model"}, "auto": {"lookup", "model"}}[draft]
