@@ -297,6 +297,8 @@ def test_chat_ctrl_c_stops_the_reply_not_the_chat():
         stderr=subprocess.PIPE,
         text=True,
         env=_env(),
+        # A shell that starts the suite in the background ignores SIGINT, and children inherit that.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     proc.stdin.write("Tell me a long story about a dragon.\n")
     proc.stdin.flush()

@@ -204,6 +204,8 @@ def test_cli_ctrl_c_stops_cleanly_and_still_prints_stats():
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # A shell that starts the suite in the background ignores SIGINT, and children inherit that.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     first = proc.stdout.read(1)  # generation has started
     proc.send_signal(signal.SIGINT)
