@@ -1,7 +1,8 @@
 """The command line as a user drives it: real subprocesses of `python -m mtplx`, the default model.
 
 Covers mlx-lm's flag spellings, error messages that name the flag typed (no traceback,
-non-zero exit, the subcommand's usage), the stats lines, `inspect` without argument,
+non-zero exit, the subcommand's usage; each flag checked through ``mtplx.cli.main`` in-process,
+the entry point itself by one real subprocess per kind of error), the stats lines, `inspect` without argument,
 `chat` through a scripted stdin session, `doctor`, first-use conversion status, and
 Hugging Face repo ids in offline mode / without a reachable Hub.
 """
@@ -41,6 +42,24 @@ def _cli(*args: str, stdin: str | None = None, **env: str) -> subprocess.Complet
         timeout=300,
         env=_env(**env),
     )
+
+
+def _main(*args: str) -> subprocess.CompletedProcess:
+    """`mtplx ARGS` through ``mtplx.cli.main`` in this process: what a subprocess would print and
+    return, without paying a Python start and the imports for each check of a flag. Any exception
+    other than argparse's exit escapes and fails the test (a subprocess would print a traceback)."""
+    import contextlib
+    import io
+
+    from mtplx.cli import main
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            code = main(list(args))
+        except SystemExit as exit_:  # argparse usage errors
+            code = exit_.code
+    return subprocess.CompletedProcess(["mtplx", *args], code, stdout.getvalue(), stderr.getvalue())
 
 
 def _one_line_error(out: subprocess.CompletedProcess) -> str:
@@ -149,7 +168,7 @@ def test_generate_prompt_from_stdin_with_system_prompt_json_and_quiet_verbose(to
     ],
 )
 def test_errors_name_the_flag_typed(args, expected):
-    assert expected in _one_line_error(_cli(*args))
+    assert expected in _one_line_error(_main(*args))
 
 
 @pytest.mark.parametrize(
@@ -162,10 +181,24 @@ def test_errors_name_the_flag_typed(args, expected):
     ],
 )
 def test_usage_errors_print_the_subcommands_usage(args, expected):
-    out = _cli(*args)
+    out = _main(*args)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.startswith(f"usage: mtplx {args[0]} "), out.stderr
     assert out.stderr.rstrip().endswith(f"mtplx {args[0]}: error: {expected}"), out.stderr
+
+
+def test_errors_from_the_real_command_are_one_line_with_the_exit_code_main_returns():
+    """The cases above call main() in-process; the entry point a user runs (`python -m mtplx`)
+    turns them into the same one-line stderr and exit status, with no traceback."""
+    assert "mtplx: error: --temp must be >= 0 (got -1)" in _one_line_error(
+        _cli("generate", "hi", "--temp", "-1")
+    )
+    usage = _cli("chat", "--top-k", "x")
+    assert usage.returncode == 2 and "Traceback" not in usage.stderr
+    assert usage.stderr.startswith("usage: mtplx chat "), usage.stderr
+    assert usage.stderr.rstrip().endswith("mtplx chat: error: argument --top-k: invalid value 'x'"), (
+        usage.stderr
+    )
 
 
 # ------------------------------------------------------------------ inspect
@@ -265,6 +298,8 @@ def test_chat_ctrl_c_stops_the_reply_not_the_chat():
         stderr=subprocess.PIPE,
         text=True,
         env=_env(),
+        # A shell that starts the suite in the background ignores SIGINT, and children inherit that.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     proc.stdin.write("Tell me a long story about a dragon.\n")
     proc.stdin.flush()

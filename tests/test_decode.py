@@ -246,7 +246,12 @@ CHI_SQUARE_CASES = [
     (CHI_SQUARE_MODEL, 3, SamplerConfig(temperature=0.7, top_p=0.9, top_k=4)),
     (HYBRID_CHI_SQUARE_MODEL, 2, SamplerConfig(temperature=1.0)),
 ]
-NUM_SAMPLES = 2000
+# Power (bootstrap from 2000-3000 samples of each bug, 2000 redraws per size): the loop that
+# commits the rejected draft (the control below) and a head that reports a wrong q (uniform)
+# both fail at p < 1e-6 in every redraw from 250 samples on (median p < 1e-18). In general, a
+# bug that moves one output position's marginal by a chi-square divergence
+# D = sum((p' - p)^2 / p) >= 66 / NUM_SAMPLES (0.066 here) fails with >= 99% probability.
+NUM_SAMPLES = 1000
 
 
 @pytest.mark.parametrize(

@@ -211,7 +211,13 @@ def test_adaptive_head_drafting_stops_early_and_stays_exact_at_greedy(temperatur
 
 CHI_SQUARE_MODEL = dict(vocab_size=5, seed=11, context_strength=6.0, head_noise=1.5, logit_scale=1.5)
 HYBRID_MODEL = dict(vocab_size=5, seed=11, family="qwen3_5")
-NUM_SAMPLES = 1000
+# Power (bootstrap from 2000 samples of each bug, 2000 redraws per size): the two negative
+# controls below (a point-mass rejection that keeps the draft; a draft model reporting a wrong
+# q) fail at p < 1e-6 in every redraw at this size (the weaker, the wrong q: median p ~ 4e-20,
+# worst 2e-7), and at 500 samples, where the controls run, in 99.6% of them (their seeds are
+# fixed). A bug moving one position's marginal by a chi-square divergence
+# D = sum((p' - p)^2 / p) >= 66 / NUM_SAMPLES (0.095) fails with >= 99% probability.
+NUM_SAMPLES = 700
 
 
 def sampled_counts(model, kind, cfg, num_samples, seed0, draft_family="llama", draft_vocab=None):
@@ -346,11 +352,16 @@ def plain_engine(default_model_dir):
     return engine
 
 
+@pytest.fixture(scope="module")
+def code_edit_ar(plain_engine):
+    """The greedy AR reference, computed once for the three drafters compared with it."""
+    return plain_engine.generate(CODE_EDIT_PROMPT, chat=True, max_tokens=40, draft="none")
+
+
 @pytest.mark.parametrize("draft", ["lookup", "auto", "model"])
-def test_engine_greedy_output_equals_ar_with_each_drafter(plain_engine, draft):
-    ar = plain_engine.generate(CODE_EDIT_PROMPT, chat=True, max_tokens=40, draft="none")
+def test_engine_greedy_output_equals_ar_with_each_drafter(plain_engine, code_edit_ar, draft):
     result = plain_engine.generate(CODE_EDIT_PROMPT, chat=True, max_tokens=40, draft=draft, depth=2)
-    assert result.token_ids == ar.token_ids
+    assert result.token_ids == code_edit_ar.token_ids
     assert result.stats.mode == "mtp"
     drafters = result.stats.drafters
     expected = {"lookup": {"lookup"}, "model": {"model"}, "auto": {"lookup", "model"}}[draft]

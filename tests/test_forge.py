@@ -480,20 +480,30 @@ def test_forge_end_to_end_on_a_user_model_and_prompts(tmp_path: Path, capsys: py
 def test_bad_input_is_refused_before_any_work(tmp_path: Path) -> None:
     from forge_helpers import tiny_model_dir
 
+    # A work_dir under tmp_path in every call: a refusal that came too late must not write
+    # shards into the user's real cache (~/.cache/mtplx/forge).
+    work = str(tmp_path / "work")
+
     with pytest.raises(MtplxError, match=r"missing: training data not found"):
-        forge(out_dir=str(tmp_path / "o"), data=(str(tmp_path / "missing"),), held_out=None)
+        forge(out_dir=str(tmp_path / "o"), work_dir=work, data=(str(tmp_path / "missing"),), held_out=None)
     (tmp_path / "empty").mkdir()
     with pytest.raises(MtplxError, match=r"empty: no training files"):
-        forge(out_dir=str(tmp_path / "o"), data=(str(tmp_path / "empty"),), held_out=None)
+        forge(out_dir=str(tmp_path / "o"), work_dir=work, data=(str(tmp_path / "empty"),), held_out=None)
     with pytest.raises(MtplxError, match=r"--budget: 10s is too small to train anything"):
-        forge(out_dir=str(tmp_path / "o"), budget="10s")
+        forge(out_dir=str(tmp_path / "o"), work_dir=work, budget="10s")
     (tmp_path / "exists").mkdir()
     with pytest.raises(MtplxError, match=r"exists: output directory exists; pass --overwrite"):
-        forge(out_dir=str(tmp_path / "exists"))
+        forge(out_dir=str(tmp_path / "exists"), work_dir=work)
     prompts = tmp_path / "p.txt"
     prompts.write_text("some prompt text for the model to continue")
     with pytest.raises(MtplxError, match=r"nope"):
-        forge(out_dir=str(tmp_path / "o"), model=str(tmp_path / "nope"), data=(str(prompts),), held_out=None)
+        forge(
+            out_dir=str(tmp_path / "o"),
+            work_dir=work,
+            model=str(tmp_path / "nope"),
+            data=(str(prompts),),
+            held_out=None,
+        )
     question = {"role": "user", "content": "What does functools.partial do in Python?"}
     chats = tmp_path / "chats.jsonl"
     chats.write_text(json.dumps({"messages": [question, {"role": "assistant", "content": "It..."}]}) + "\n")
@@ -502,11 +512,12 @@ def test_bad_input_is_refused_before_any_work(tmp_path: Path) -> None:
     with pytest.raises(MtplxError, match=r"overlaps held-out prompt 'h1'"):
         forge(
             out_dir=str(tmp_path / "o"),
+            work_dir=work,
             model=str(tiny_model_dir(tmp_path / "m", _tiny_trunk(1))),
             data=(str(chats),),
             held_out=str(held),
         )
-    assert not (tmp_path / "o").exists()  # nothing written on refusal
+    assert not (tmp_path / "o").exists() and not (tmp_path / "work").exists()  # nothing written on refusal
 
 
 def test_nucleus_sampling_draws_only_inside_the_top_p_set() -> None:
