@@ -210,7 +210,9 @@ def test_inspect_without_argument_is_mtp_ready_with_the_shipped_head():
     text = out.stdout
     assert "verdict       MTP-ready: drafts with the head shipped by mtplx for this model" in text
     assert re.search(r"^MTP head      shipped by mtplx .* [\d.]+M parameters, [\d.]+ MB$", text, re.M), text
-    assert re.search(r"^depth         trained at 1, default 1", text, re.M), text
+    manifest = json.loads((REPO / "models" / "smollm2-135m-instruct" / "manifest.json").read_text())
+    trained, default = manifest["depth_trained"], manifest["default_depth"]
+    assert re.search(rf"^depth         trained at {trained}, default {default}", text, re.M), text
     assert re.search(r"^acceptance    depth 1: t=0.0 0\.\d\d", text, re.M), text
     assert re.search(r"^fits          float32 and q4 builds", text, re.M), text
 

@@ -11,7 +11,6 @@ import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx import decode
 from mtplx import verify as verify_ops
 from mtplx.drafters import draft_model as draft_model_module
-from mtplx.drafters import head as head_drafter_module
 from mtplx.drafters.auto import AutoProposer
 from mtplx.drafters.draft_model import DraftModelProposer
 from mtplx.drafters.head import HeadProposer
@@ -103,8 +102,6 @@ def test_lookup_parameters_out_of_range_are_one_line_errors(kwargs):
 # ------------------------------------------------------------------ the loop with each drafter
 
 DEPTH = 3
-# Inside the chi-square model's head confidence range at temperature 1: some blocks stop early.
-ADAPTIVE_THRESHOLD = 0.3
 
 
 def draft_model_for(vocab_size: int, family: str, seed: int = 5):
@@ -139,8 +136,6 @@ def make_proposer(kind, trunk, head, cfg, *, draft=None, real_vocab=None, lookup
         return LookupProposer(lookup_cfg)
     if kind == "head":
         return HeadProposer(head, sampler=cfg, depth=depth)
-    if kind == "head-adaptive":
-        return HeadProposer(head, sampler=cfg, depth=depth, adaptive_threshold=ADAPTIVE_THRESHOLD)
     if kind == "model":
         return model_drafter()
     if kind == "auto-head":
@@ -265,35 +260,6 @@ def test_sampled_distribution_matches_ar_with_every_drafter(case):
     counts, expected = sampled_counts(model, kind, cfg, NUM_SAMPLES, seed0, draft_family, draft_vocab)
     p_value = loop_p_value(counts, expected)
     assert p_value > FALSE_FAILURE_RATE, f"p={p_value:.3g} (seed0={seed0})"
-
-
-def test_adaptive_drafting_keeps_the_sampled_distribution():
-    """Adaptive length stops on the head's own q of a draft it already drew (never on the verify
-    uniforms), so the early-stopped blocks keep the AR distribution."""
-    cfg = SamplerConfig(temperature=1.0)
-    trunk, head = make_loop_pair(**CHI_SQUARE_MODEL)
-    _, steps = run_steps(trunk, make_proposer("head-adaptive", trunk, head, cfg), cfg, 60, seed=1)
-    assert len({s.num_drafted for s in steps[1:]}) >= 2  # early stops and full blocks both occur
-    seed0 = int.from_bytes(os.urandom(4), "little")
-    counts, expected = sampled_counts(CHI_SQUARE_MODEL, "head-adaptive", cfg, NUM_SAMPLES, seed0)
-    p_value = loop_p_value(counts, expected)
-    assert p_value > FALSE_FAILURE_RATE, f"p={p_value:.3g} (seed0={seed0})"
-
-
-def test_chi_square_catches_an_early_stop_that_reports_its_last_draft_as_certain(monkeypatch):
-    """Negative control for adaptive length: a block cut short whose last draft is reported
-    as a point mass (q one-hot) although it was sampled from the head's q."""
-    honest_stack = head_drafter_module.stacked_draft
-
-    def last_one_hot(tokens, probs, flags, name):
-        if len(tokens) < DEPTH and probs[-1] is not None:
-            probs = [*probs[:-1], mx.eye(probs[-1].shape[-1])[tokens[-1]]]
-        return honest_stack(tokens, probs, flags, name)
-
-    monkeypatch.setattr(head_drafter_module, "stacked_draft", last_one_hot)
-    cfg = SamplerConfig(temperature=1.0)
-    counts, expected = sampled_counts(CHI_SQUARE_MODEL, "head-adaptive", cfg, 500, 97)
-    assert loop_p_value(counts, expected) < FALSE_FAILURE_RATE
 
 
 def test_chi_square_catches_a_point_mass_rejection_that_keeps_the_draft(monkeypatch):
