@@ -577,10 +577,18 @@ def test_internal_failure_is_a_500_and_the_next_request_is_served(open_server, o
             list(response) if stream else response
         assert info.value.status_code == 500
         _assert_internal_error_body(info.value.response.json()["error"])
-    # The details went to the server log, not to the client.
+
+    # The details went to the server log, not to the client. The request line is logged when the
+    # request ends, which may be just after the client saw the 500: wait for it (bounded).
+    def failed_lines() -> int:
+        return len([line for line in log_path.read_text().splitlines() if "/v1/completions 500" in line])
+
+    deadline = time.monotonic() + 30
+    while failed_lines() < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
     log = log_path.read_text()
     assert "Traceback" in log and "logits contain NaN" in log
-    assert len([line for line in log.splitlines() if "/v1/completions 500" in line]) == 2
+    assert failed_lines() == 2
     # The next requests (one sharing the failed prompt's prefix) are served exactly.
     for prompt in ([*prefix, 11, 12], "A different prompt"):
         expected = engine.generate(prompt, max_tokens=8, temperature=0.0, chat=False)
