@@ -30,7 +30,8 @@ def test_mtp_stats_count_the_head_drafts_and_full_cycles(engine):
     assert stats.cached_tokens == 0 and stats.prefilled_tokens == len(
         engine.encode_prompt("Say only the word yes.", chat=True)
     )
-    assert 0 < stats.ttft_seconds <= stats.total_seconds
+    # Accounting, not speed: the total is the first token's wait plus the decode that followed.
+    assert stats.ttft_seconds > 0 and stats.decode_seconds >= 0
     assert stats.total_seconds == pytest.approx(stats.ttft_seconds + stats.decode_seconds)
 
 
