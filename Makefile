@@ -10,12 +10,13 @@ PROMPT ?= Write a Python function that reverses a string.
 generate: $(STAMP)
 	$(VENV)/bin/mtplx generate --stats "$(PROMPT)"
 
+# Two workers, one test file each at a time (pytest-xdist): module fixtures are built once.
 test: $(STAMP) lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 # Tests marked `slow`: larger-size repeats of behaviour `make test` already covers (never the only test of anything).
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -m slow
+	$(PY) -m pytest -q -n 2 --dist loadfile -m slow
 
 # Formatter and linter (configured in pyproject.toml); `make format` applies both fixes.
 lint: $(STAMP)
