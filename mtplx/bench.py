@@ -972,6 +972,7 @@ def bench_main(
     engine=None,
     out=None,
     drafts: str | Sequence[str] | None = None,
+    thresholds: Sequence[float] = (),
 ) -> int:
     """`mtplx bench`: load, sweep, print the markdown table, write JSON and PNG (atomically).
 
@@ -983,6 +984,7 @@ def bench_main(
     commit = _git_commit()  # now: files (a head, the engine) may change in the tree while the sweep runs
     depth_list = parse_depths(depths)
     draft_list = parse_drafts(drafts)
+    threshold_list = check_thresholds(thresholds, depth_list)
     settings = make_settings(temps, top_p)
     prompt_list = load_prompts(prompts_file, kinds=kinds, per_kind=per_kind)
     if engine is None:
@@ -1005,6 +1007,7 @@ def bench_main(
         seed=seed,
         progress=progress,
         drafts=draft_list,
+        thresholds=threshold_list,
     )
     context = {
         "model": str(model) if model is not None else "default (SmolLM2-135M-Instruct)",
@@ -1072,11 +1075,21 @@ def report_main(
 # ----------------------------------------------------------------------------- CLI glue
 
 
-def _floats(text: str) -> list[float]:
+def _floats(text: str, name: str = "temps", example: str = "0,0.7") -> list[float]:
     try:
         return [float(t) for t in text.split(",") if t.strip()]
     except ValueError:
-        raise MtplxError(f"temps: cannot read {text!r} (use e.g. 0,0.7)") from None
+        raise MtplxError(f"{name}: cannot read {text!r} (use e.g. {example})") from None
+
+
+def check_thresholds(thresholds: Sequence[float], depths: Sequence[int]) -> list[float]:
+    """Adaptive-length thresholds to sweep: each in (0, 1), and a depth to stop short of."""
+    bad = next((t for t in thresholds if not 0.0 < t < 1.0), None)
+    if bad is not None:
+        raise MtplxError(f"thresholds: each must be in (0, 1), got {bad:g}")
+    if thresholds and not any(d > 0 for d in depths):
+        raise MtplxError("thresholds: adaptive drafting needs an MTP depth (--depths) to stop short of")
+    return list(dict.fromkeys(thresholds))
 
 
 def add_bench_args(parser) -> None:
@@ -1110,6 +1123,12 @@ def add_bench_args(parser) -> None:
         "--drafts",
         default="head",
         help=f"drafters to compare, a subset of {','.join(DRAFTS)} (default head; lookup runs once, no depth)",
+    )
+    parser.add_argument(
+        "--thresholds",
+        default="",
+        help="adaptive head drafting to compare, one variant per threshold, each up to the largest "
+        "depth, e.g. 0.2,0.4 (default none)",
     )
     parser.add_argument("--per-kind", type=int, default=None, help="keep the first N prompts of each kind")
     parser.add_argument("--temps", default="0,0.7", help="comma-separated temperatures (default 0,0.7)")
@@ -1168,4 +1187,5 @@ def bench_from_args(args) -> int:
         seed=args.seed,
         progress=not args.no_progress,
         drafts=args.drafts,
+        thresholds=_floats(args.thresholds, "thresholds", "0.2,0.4"),
     )

@@ -645,3 +645,39 @@ def test_cli_glue_parses_flags():
     tune.add_tune_args(tparser)
     targs = tparser.parse_args(["--show", "--config", "/nonexistent/x.json"])
     assert tune.tune_from_args(targs) == 0
+
+
+@pytest.mark.parametrize(
+    "thresholds, depths, fragment",
+    [((1.5,), "1-3", "(0, 1)"), ((0.0,), "1-3", "(0, 1)"), ((-0.2,), "2", "(0, 1)"), ((0.3,), "0", "depth")],
+)
+def test_bad_adaptive_thresholds_fail_before_loading(thresholds, depths, fragment):
+    with pytest.raises(MtplxError) as err:  # model would take seconds to load: it must not get there
+        bench.bench_main(depths=depths, thresholds=thresholds, model="/definitely/not/loaded")
+    line = _one_line(err)
+    assert line.startswith("thresholds:") and fragment in line
+
+
+def test_thresholds_flag_adds_one_adaptive_variant_per_threshold_at_the_largest_depth(capsys):
+    parser = argparse.ArgumentParser()
+    bench.add_bench_args(parser)
+    with pytest.raises(MtplxError, match="thresholds: cannot read"):
+        bench.bench_from_args(parser.parse_args(["--thresholds", "0.2,high", "--no-plot"]))
+    code = bench.bench_main(
+        engine=FakeEngine(),
+        depths="1-2",
+        thresholds=(0.3, 0.5, 0.3),
+        tokens=9,
+        repeats=1,
+        stock=False,
+        per_kind=1,
+        temps=[0.0],
+        json_path=None,
+        plot_path=None,
+        progress=False,
+    )
+    assert code == 0
+    table = capsys.readouterr().out.split("per prompt kind")[0]
+    rows = [line for line in table.splitlines() if "adaptive" in line]
+    assert len(rows) == 2 and all("d=2 adaptive" in r for r in rows), table
+    assert any("adaptive 0.3" in r for r in rows) and any("adaptive 0.5" in r for r in rows)
