@@ -16,6 +16,12 @@ and pools the engine's own statistics over prompts, weighted by verify cycles:
   efficiency per depth measured in the last full `mtplx bench` sweep (benchmarks/RESULTS.md),
   because a timing sweep on a loaded machine means nothing. It is an estimate, labelled so.
 
+With ``--teacher-forced``, each greedy generation is also scored teacher-forced (the head at
+every generated position, given the trunk's hidden state and the true next token: what
+`mtplx forge` reports on its held-out data), pooled per kind as ``teacher_forced_first``. On the
+same text the two should agree; a gap between this and the forge manifest's figure is a gap
+between the suite's text and the forge data, not a decoding bug.
+
 No timing is taken: acceptance does not depend on the machine's load.
 """
 
@@ -28,7 +34,10 @@ from pathlib import Path
 
 import mtplx  # noqa: F401  (optimized BLAS before mlx)
 from mtplx.engine import Engine
+from mtplx.forge import evaluate_acceptance
 from mtplx.forge_prompts import read_held_out
+
+import numpy as np
 
 HERE = Path(__file__).resolve().parent
 SUITE = HERE / "prompts" / "suite.jsonl"
@@ -37,7 +46,25 @@ SETTINGS = {"greedy": dict(temperature=0.0), "t0.7-p0.95": dict(temperature=0.7,
 EFFICIENCY = {"greedy": {1: 0.84, 2: 0.83, 3: 0.75}, "t0.7-p0.95": {1: 0.84, 2: 0.77, 3: 0.67}}
 
 
-def measure(engine: Engine, depth: int, tokens: int, seed: int, per_kind: int | None = None) -> dict:
+def teacher_forced_first(engine: Engine, prompt_tokens: list[int], generated: list[int]) -> float:
+    """Greedy first-draft acceptance of the head at every generated position, teacher-forced."""
+    window = np.array([prompt_tokens + generated])
+    scored = np.zeros(window.shape, dtype=bool)
+    scored[0, len(prompt_tokens) :] = True
+    table = evaluate_acceptance(
+        engine.trunk, engine.head, window, depths=1, temperatures=(0.0,), valid=scored
+    )
+    return table["1"]["0.0"]
+
+
+def measure(
+    engine: Engine,
+    depth: int,
+    tokens: int,
+    seed: int,
+    per_kind: int | None = None,
+    teacher_forced: bool = False,
+) -> dict:
     prompts, taken = [], {}
     for p in read_held_out(SUITE):  # the first ``per_kind`` prompts of each kind, in suite order
         taken[p.kind] = taken.get(p.kind, 0) + 1
@@ -52,14 +79,22 @@ def measure(engine: Engine, depth: int, tokens: int, seed: int, per_kind: int | 
                 request, max_tokens=tokens, depth=depth, mtp=True, seed=seed, chat=p.is_chat, **sampling
             )
             s = result.stats
+            tf = None
+            if teacher_forced and setting == "greedy":
+                prompt_tokens = engine.encode_prompt(request, chat=p.is_chat)
+                tf = teacher_forced_first(engine, prompt_tokens, result.token_ids)
             for key in (p.kind, "all"):
                 row = pooled.setdefault(key, {"cycles": 0, "reach_sum": [0.0] * depth, "committed": 0})
+                if tf is not None:  # weighted by the positions scored
+                    row["tf_sum"] = row.get("tf_sum", 0.0) + tf * len(result.token_ids)
+                    row["tf_positions"] = row.get("tf_positions", 0) + len(result.token_ids)
                 row["cycles"] += s.cycles
                 row["committed"] += round(s.tokens_per_cycle * s.cycles)
                 for k, a in enumerate(s.acceptance_per_position):
                     row["reach_sum"][k] += a * s.cycles
             print(
-                f"{setting} {p.source}: tau {s.tokens_per_cycle:.2f} {s.acceptance_per_position}",
+                f"{setting} {p.source}: tau {s.tokens_per_cycle:.2f} {s.acceptance_per_position}"
+                + ("" if tf is None else f" teacher-forced first {tf:.3f}"),
                 file=sys.stderr,
             )
         table[setting] = {kind: _summarize(row, setting, depth) for kind, row in pooled.items()}
@@ -73,7 +108,11 @@ def _summarize(row: dict, setting: str, depth: int) -> dict:
     tau_at = {d: 1.0 + sum(reach[:d]) for d in range(1, depth + 1)}
     eff = EFFICIENCY[setting]
     best = max((d for d in tau_at if d in eff), key=lambda d: eff[d] * tau_at[d])
+    extra = {}
+    if row.get("tf_positions"):
+        extra["teacher_forced_first"] = round(row["tf_sum"] / row["tf_positions"], 3)
     return {
+        **extra,
         "cycles": row["cycles"],
         "reach": [round(x, 3) for x in reach],
         "conditional": [round(x, 3) for x in conditional],
@@ -92,10 +131,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--per-kind", type=int, default=None, help="first N prompts of each kind (default all)"
     )
+    parser.add_argument(
+        "--teacher-forced", action="store_true", help="also score greedy generations teacher-forced"
+    )
     parser.add_argument("--json", default=None, help="write the table here")
     args = parser.parse_args(argv)
     engine = Engine.load(None, head=args.head)
-    table = measure(engine, args.depth, args.tokens, args.seed, args.per_kind)
+    table = measure(engine, args.depth, args.tokens, args.seed, args.per_kind, args.teacher_forced)
     record = {
         "head": args.head,
         "depth": args.depth,

@@ -161,6 +161,13 @@ def _add_drafter_choice_args(parser: argparse.ArgumentParser) -> None:
     )
     _typed(parser, "--lookup-max-tokens", convert=int, default=None, help="most tokens one lookup proposes")
     parser.add_argument(
+        "--lookup-adaptive",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="lookup blocks grow while kept whole and shrink when cut (default on; "
+        "--no-lookup-adaptive: always --lookup-max-tokens)",
+    )
+    parser.add_argument(
         "--adaptive",
         action=argparse.BooleanOptionalAction,
         default=False,
@@ -179,6 +186,7 @@ def _drafter_kwargs(args: argparse.Namespace) -> dict:
         min_ngram=args.lookup_min_ngram if args.lookup_min_ngram is not None else defaults.min_ngram,
         max_ngram=args.lookup_max_ngram if args.lookup_max_ngram is not None else defaults.max_ngram,
         max_tokens=args.lookup_max_tokens if args.lookup_max_tokens is not None else defaults.max_tokens,
+        adaptive_length=args.lookup_adaptive,
     ).validate()
     return dict(draft=args.draft, lookup=lookup, adaptive=args.adaptive)
 

@@ -1,4 +1,6 @@
-"""Runtime configuration objects: how logits become a distribution (docs/sampling.md).
+"""Runtime configuration objects: how logits become a distribution (docs/sampling.md), and
+how a request decodes (`DecodeSettings`: depth, drafting, backend; read by the decode loop and
+the drafters it builds).
 
 This is the small module both the MLX runtime (`mtplx.verify`, `mtplx.decode`,
 `mtplx.engine`) and the NumPy oracle (`mtplx.sampling`) read, so the runtime
@@ -18,7 +20,7 @@ from types import MappingProxyType
 
 from mtplx.errors import MtplxError
 
-__all__ = ["MAX_DEPTH", "SamplerConfig"]
+__all__ = ["MAX_DEPTH", "DecodeSettings", "SamplerConfig"]
 
 MAX_DEPTH = 16  # drafts per cycle mtplx serves: no head layout chains usefully beyond this; a typo guard
 
@@ -137,3 +139,17 @@ class SamplerConfig:
     @property
     def has_filters(self) -> bool:
         return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    depth: int = 3  # draft tokens per verify cycle
+    greedy_draft: bool = False  # draft the head's argmax (q one-hot) instead of sampling q
+    prefill_step_size: int = 512
+    verify_backend: str = "auto"  # "auto" (fused kernel where available) | "mlx"
+    # Adaptive head drafting: stop after a draft the head gave less than this probability (0 = off).
+    adaptive_threshold: float = 0.0
+    # Report the target's log-probabilities of each committed token plus this many top
+    # alternatives (None: off). Raw log_softmax of the trunk logits, before penalties and filters.
+    logprobs: int | None = None

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from mtplx import cache as cache_ops
 from mtplx import verify as verify_ops
-from mtplx.config import SamplerConfig
+from mtplx.config import DecodeSettings, SamplerConfig
 from mtplx.drafters.base import CycleOutcome, Proposer
 from mtplx.drafters.head import HeadProposer
 from mtplx.errors import MtplxError
@@ -33,20 +33,6 @@ from mtplx.heads.base import DraftHead
 from mtplx.trunk import Trunk, TrunkOutput
 
 import mlx.core as mx
-
-
-@dataclass(frozen=True)
-class DecodeSettings:
-    sampler: SamplerConfig = field(default_factory=SamplerConfig)
-    depth: int = 3  # draft tokens per verify cycle
-    greedy_draft: bool = False  # draft the head's argmax (q one-hot) instead of sampling q
-    prefill_step_size: int = 512
-    verify_backend: str = "auto"  # "auto" (fused kernel where available) | "mlx"
-    # Adaptive head drafting: stop after a draft the head gave less than this probability (0 = off).
-    adaptive_threshold: float = 0.0
-    # Report the target's log-probabilities of each committed token plus this many top
-    # alternatives (None: off). Raw log_softmax of the trunk logits, before penalties and filters.
-    logprobs: int | None = None
 
 
 @dataclass
@@ -315,13 +301,5 @@ def mtp_decode(
     """Exact speculative decoding with the model's MTP head as the drafter."""
     if settings.depth < 1:
         raise MtplxError(f"depth must be >= 1 (got {settings.depth})")
-    proposer = HeadProposer(
-        head,
-        sampler=settings.sampler,
-        depth=settings.depth,
-        greedy_draft=settings.greedy_draft,
-        adaptive_threshold=settings.adaptive_threshold,
-        verify_backend=settings.verify_backend,
-        cache=head_cache,
-    )
+    proposer = HeadProposer.from_settings(head, settings, head_cache)
     return speculative_decode(trunk, proposer, prompt_tokens, settings, key, trunk_cache, prefix)

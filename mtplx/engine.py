@@ -620,15 +620,7 @@ class Engine:
                 verify_backend=settings.verify_backend,
             )
         elif model_drafter == "head":
-            drafter = HeadProposer(
-                self.head,
-                sampler=settings.sampler,
-                depth=settings.depth,
-                greedy_draft=settings.greedy_draft,
-                adaptive_threshold=settings.adaptive_threshold,
-                verify_backend=settings.verify_backend,
-                cache=head_cache,
-            )
+            drafter = HeadProposer.from_settings(self.head, settings, head_cache)
         if kind == "auto":
             return AutoProposer(LookupProposer(lookup), drafter)
         return drafter

@@ -186,14 +186,49 @@ def test_greedy_output_is_token_identical_to_ar_with_every_drafter(case, kind):
 
 
 def test_block_length_varies_per_cycle_with_the_drafter():
-    """Lookup-only: full lookup blocks, or no drafts (an AR step) without a match; auto: lookup
-    blocks where the text recurs, the head's depth elsewhere."""
+    """Lookup-only with fixed-length blocks: full lookup blocks, or no drafts (an AR step)
+    without a match; auto: lookup blocks where the text recurs, the head's depth elsewhere."""
     trunk, head = make_loop_pair(**GREEDY_CASES["qwen3_5-hybrid"])
     cfg = SamplerConfig(temperature=1.0)
     for kind, min_ngram, expected in (("lookup", 2, {0, 5}), ("auto-head", 1, {DEPTH, 5})):
-        lookup = LookupConfig(min_ngram=min_ngram, max_ngram=4, max_tokens=5)
+        lookup = LookupConfig(min_ngram=min_ngram, max_ngram=4, max_tokens=5, adaptive_length=False)
         _, steps = run_steps(trunk, make_proposer(kind, trunk, head, cfg, lookup=lookup), cfg, 120, seed=4)
         assert {s.num_drafted for s in steps[1:]} == expected, kind
+
+
+def expected_lookup_lengths(steps, max_tokens: int) -> list[tuple[int, int]]:
+    """(drafted, expected) per lookup block, from the schedule written out here: start at
+    max_tokens, +2 after a block kept whole, -1 after a cut one, within [1, max_tokens]."""
+    pairs, length = [], max_tokens
+    for step in steps:
+        if not step.sources or step.sources[0][0] != "lookup":
+            continue
+        drafted = step.sources[0][1]
+        pairs.append((drafted, length))
+        length = min(max_tokens, max(1, length + (2 if step.num_accepted >= drafted else -1)))
+    return pairs
+
+
+@pytest.mark.parametrize("kind", ["lookup", "auto-head"])
+def test_adaptive_lookup_blocks_follow_the_schedule(kind):
+    trunk, head = make_loop_pair(**GREEDY_CASES["qwen3_5-hybrid"])
+    cfg = SamplerConfig(temperature=1.0)
+    lookup = LookupConfig(min_ngram=1, max_ngram=4, max_tokens=6)
+    _, steps = run_steps(trunk, make_proposer(kind, trunk, head, cfg, lookup=lookup), cfg, 150, seed=4)
+    pairs = expected_lookup_lengths(steps, lookup.max_tokens)
+    lengths = {drafted for drafted, _ in pairs}
+    assert len(pairs) >= 10 and len(lengths) >= 3, pairs  # the length moved, both ways
+    assert [d for d, _ in pairs] == [e for _, e in pairs]
+
+
+def test_schedule_check_sees_fixed_length_blocks():
+    """Negative control: blocks of a fixed length do not pass for the schedule."""
+    trunk, head = make_loop_pair(**GREEDY_CASES["qwen3_5-hybrid"])
+    cfg = SamplerConfig(temperature=1.0)
+    lookup = LookupConfig(min_ngram=1, max_ngram=4, max_tokens=6, adaptive_length=False)
+    _, steps = run_steps(trunk, make_proposer("lookup", trunk, head, cfg, lookup=lookup), cfg, 150, seed=4)
+    pairs = expected_lookup_lengths(steps, lookup.max_tokens)
+    assert [d for d, _ in pairs] != [e for _, e in pairs]
 
 
 # Thresholds inside this random head's confidence range (its distributions are flat).

@@ -33,6 +33,14 @@ MAX_BODY = 100_000
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _wait_for(condition, timeout: float = 30.0) -> None:
+    """Poll ``condition`` until true or ``timeout`` s (server log lines are written as requests
+    end, which may be just after the client saw the response); the caller asserts after."""
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, default_model_dir) -> Path:
     path = tmp_path_factory.mktemp("served") / "tiny-mimo"
@@ -264,14 +272,17 @@ def test_disconnect_mid_stream_cancels_and_the_next_request_is_fine(server, clie
     expected = engine.generate(messages, max_tokens=8, temperature=0.0)
     response = client.chat.completions.create(model=model_id, messages=messages, max_tokens=8, temperature=0)
     assert response.choices[0].message.content == expected.text
-    # The abandoned generation stopped early (its log line counts its tokens).
-    time.sleep(0.5)
-    completions = [
-        int(line.split("completion=")[1].split()[0])
-        for line in log_path.read_text().splitlines()
-        if "completion=" in line
-    ]
-    assert any(n < 200 for n in completions) and 200 not in completions
+
+    # The abandoned generation stopped early (its log line, written as it ends, counts its tokens).
+    def completions() -> list[int]:
+        return [
+            int(line.split("completion=")[1].split()[0])
+            for line in log_path.read_text().splitlines()
+            if "completion=" in line
+        ]
+
+    _wait_for(lambda: any(n < 200 for n in completions()))
+    assert any(n < 200 for n in completions()) and 200 not in completions()
 
 
 def test_queue_full_answers_429_with_retry_after(server, model_id):
@@ -583,9 +594,7 @@ def test_internal_failure_is_a_500_and_the_next_request_is_served(open_server, o
     def failed_lines() -> int:
         return len([line for line in log_path.read_text().splitlines() if "/v1/completions 500" in line])
 
-    deadline = time.monotonic() + 30
-    while failed_lines() < 2 and time.monotonic() < deadline:
-        time.sleep(0.1)
+    _wait_for(lambda: failed_lines() >= 2)
     log = log_path.read_text()
     assert "Traceback" in log and "logits contain NaN" in log
     assert failed_lines() == 2

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from mtplx import cache as cache_ops
 from mtplx import verify as verify_ops
-from mtplx.config import SamplerConfig
+from mtplx.config import DecodeSettings, SamplerConfig
 from mtplx.drafters.base import CycleOutcome, Draft, draw_draft_token, stacked_draft
 from mtplx.heads.base import DraftHead
 from mtplx.trunk import TrunkOutput
@@ -54,6 +54,21 @@ class HeadProposer:
         self._pending_hidden: list[mx.array] = []
         self._pending_tokens: list[int] = []
         self._chained = 0  # head entries made from drafted states this cycle (dropped at commit)
+
+    @classmethod
+    def from_settings(
+        cls, head: DraftHead, settings: DecodeSettings, cache: list | None = None
+    ) -> HeadProposer:
+        """The head drafting as a request's decode settings say (depth, sampler, adaptive length)."""
+        return cls(
+            head,
+            sampler=settings.sampler,
+            depth=settings.depth,
+            greedy_draft=settings.greedy_draft,
+            adaptive_threshold=settings.adaptive_threshold,
+            verify_backend=settings.verify_backend,
+            cache=cache,
+        )
 
     def observe_prefill(self, output: TrunkOutput, start: int, end: int, prompt_tokens: list[int]) -> None:
         # Head position i pairs trunk hidden i with token i+1; the last prompt

@@ -9,6 +9,15 @@ vllm/v1/spec_decode/ngram_proposer.py; the matcher here is an incremental
 hash index instead of a rescan: every n-gram is inserted once, when the token
 ending it is committed, so a cycle costs O(new tokens x n sizes) dictionary
 operations whether or not anything matches.
+
+Block length: with ``adaptive_length`` (the default) a request's lookup blocks start at
+``max_tokens`` and follow the schedule of Hugging Face transformers' assisted generation
+(``num_assistant_tokens_schedule="heuristic"`` in
+transformers/generation/candidate_generator.py): +2 after a block that was kept whole,
+-1 after one that was cut, within [1, ``max_tokens``]. A rejected lookup token costs a
+verify position; on a CPU that is ~0.1-0.15 of a decode step (benchmarks/RESULTS.md), so
+long blocks the model does not copy cost more than they return. The length depends only on
+earlier cycles' outcomes, so exactness does not depend on it (drafters/base.py).
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ class LookupConfig:
     min_ngram: int = 3
     max_ngram: int = 6
     max_tokens: int = 10
+    adaptive_length: bool = True  # the block length follows acceptance (module docstring)
 
     def validate(self) -> LookupConfig:
         if not 1 <= self.min_ngram <= MAX_NGRAM_LIMIT:
@@ -94,6 +104,7 @@ class LookupProposer:
     def __init__(self, config: LookupConfig):
         self.config = config.validate()
         self.index = NgramIndex(config.min_ngram, config.max_ngram)
+        self.block_tokens = config.max_tokens  # the next block's length
 
     def observe_prefill(self, output: TrunkOutput, start: int, end: int, prompt_tokens: list[int]) -> None:
         return None
@@ -101,14 +112,22 @@ class LookupProposer:
     def find(self, history: list[int]) -> list[int]:
         """Host-side continuation after ``history`` ([] when nothing matches)."""
         self.index.extend(history[len(self.index.tokens) :])
-        return self.index.match(self.config.max_tokens)
+        return self.index.match(self.block_tokens)
 
     def propose(self, history: list[int], key: mx.array, trunk_cache: list) -> Draft | None:
         found = self.find(history)
         return point_mass_draft(found, self.name) if found else None
 
     def commit(self, outcome: CycleOutcome) -> None:
-        return None  # the index catches up from the history at the next proposal
+        # The index catches up from the history at the next proposal; only the length adapts.
+        if not self.config.adaptive_length or outcome.draft is None:
+            return
+        source, drafted = outcome.draft.sources[0]
+        if source != self.name:
+            return  # a cycle another drafter proposed for says nothing about lookup blocks
+        kept_whole = outcome.num_accepted >= drafted
+        step = 2 if kept_whole else -1
+        self.block_tokens = min(self.config.max_tokens, max(1, self.block_tokens + step))
 
 
 def point_mass_draft(tokens: list[int], name: str) -> Draft:
