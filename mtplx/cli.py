@@ -252,11 +252,13 @@ def format_stats(stats) -> str:
     for name, counts in stats.drafters.items():
         drafted, accepted = counts.get("drafted", 0), counts.get("accepted", 0)
         rate = accepted / drafted if drafted else 0.0
-        lines.append(
-            f"Drafter: {name}, depth {stats.depth}: drafted {drafted}, accepted {accepted} ({rate:.2f})"
-        )
-    per_position = ", ".join(f"{i + 1}: {a:.2f}" for i, a in enumerate(stats.acceptance_per_position))
-    lines.append(f"Acceptance per draft position: {per_position}")
+        depth = "" if name == "lookup" else f", depth {stats.depth}"  # lookup blocks have no fixed depth
+        lines.append(f"Drafter: {name}{depth}: drafted {drafted}, accepted {accepted} ({rate:.2f})")
+    per_position = ", ".join(
+        f"{i + 1}: {a:.2f} ({n})"
+        for i, (a, n) in enumerate(zip(stats.acceptance_per_position, stats.drafted_per_position))
+    )
+    lines.append(f"Acceptance per draft position (cycles drafting it): {per_position}")
     lines.append(
         f"Tokens per verify cycle: {stats.tokens_per_cycle:.2f} over {stats.cycles} cycles"
         f" ({stats.tokens_per_full_cycle:.2f} over full cycles)"

@@ -45,6 +45,9 @@ class GenerationStats:
     cycles: int = 0  # verify cycles (MTP) or decode steps (AR)
     tokens_per_cycle: float = 0.0
     acceptance_per_position: list[float] = field(default_factory=list)
+    # Cycles that drafted at least k tokens, per position k: what each acceptance figure is over
+    # (a lookup block can reach positions the model drafters never draft).
+    drafted_per_position: list[int] = field(default_factory=list)
     peak_memory_gb: float = 0.0
     mode: str = "ar"  # "ar" | "mtp" (speculative, with any drafter: see `drafters`)
     depth: int = 0
@@ -141,6 +144,7 @@ class _StatsTracker:
             self._committed_in_full_cycles / self._full_cycles if self._full_cycles else 0.0
         )
         stats.acceptance_per_position = [a / d for a, d in zip(self._accepted, self._drafted) if d]
+        stats.drafted_per_position = [d for d in self._drafted if d]
         stats.peak_memory_gb = mx.get_peak_memory() / 1e9
 
 

@@ -39,3 +39,23 @@ def test_ar_stats_have_no_drafter(engine):
     stats = engine.generate("hello", max_tokens=4, mtp=False).stats
     assert stats.mode == "ar" and stats.drafters == {}
     assert stats.generated_tokens == 4 and stats.tokens_per_full_cycle == 1.0
+
+
+def test_cli_stats_name_lookup_without_a_depth_and_count_cycles_per_position():
+    from mtplx.cli import format_stats
+    from mtplx.engine import GenerationStats
+
+    stats = GenerationStats(
+        mode="mtp",
+        depth=1,
+        cycles=40,
+        acceptance_per_position=[0.4, 0.0, 0.0],
+        drafted_per_position=[39, 1, 1],
+        drafters={"head": {"drafted": 38, "accepted": 16}, "lookup": {"drafted": 3, "accepted": 0}},
+    )
+    lines = format_stats(stats).splitlines()
+    assert "Drafter: head, depth 1: drafted 38, accepted 16 (0.42)" in lines
+    assert "Drafter: lookup: drafted 3, accepted 0 (0.00)" in lines
+    assert (
+        "Acceptance per draft position (cycles drafting it): 1: 0.40 (39), 2: 0.00 (1), 3: 0.00 (1)" in lines
+    )
