@@ -516,7 +516,7 @@ _FORGE_FLAGS = (
 
 
 def _add_forge_args(frg: argparse.ArgumentParser) -> None:
-    from mtplx.forge import DEFAULT_FORGE_CONFIG as d
+    from mtplx.forge_config import DEFAULT_FORGE_CONFIG as d
 
     frg.add_argument("--model", help="local path or Hugging Face repo id (default: the embedded model)")
     frg.add_argument("--out", dest="out_dir", help=f"output head directory (default {d.out_dir})")

@@ -20,8 +20,10 @@ from types import MappingProxyType
 
 from mtplx.errors import MtplxError
 
-__all__ = ["MAX_DEPTH", "DecodeSettings", "SamplerConfig"]
+__all__ = ["HIDDEN_SOURCES", "MAX_DEPTH", "DecodeSettings", "SamplerConfig"]
 
+# Which trunk hidden state a head reads (and chains): before or after the final norm.
+HIDDEN_SOURCES = ("pre_norm", "post_norm")
 MAX_DEPTH = 16  # drafts per cycle mtplx serves: no head layout chains usefully beyond this; a typo guard
 
 

@@ -143,6 +143,29 @@ def test_fresh_process_check_sees_an_oracle_import() -> None:
     assert "mtplx.sampling" in loaded
 
 
+_HEAVY = ("mlx.core", "mlx_lm", "transformers", "mtplx.forge", "mtplx.engine")
+_PARSER_AND_LIST_HEAVY = (
+    "import json, sys\n"
+    "from mtplx.cli import _build_parser\n"
+    "_build_parser()\n"
+    "{extra}"
+    f"print(json.dumps([m for m in {_HEAVY!r} if m in sys.modules]))"
+)
+
+
+def test_cli_parser_imports_no_mlx_or_model_code() -> None:
+    """`mtplx --help` and every argument error come before any model code: building the
+    parser (forge's defaults included, from mtplx.forge_config) imports no MLX, mlx-lm or
+    transformers (~2 s on the 2-core CPU)."""
+    assert _modules_after(_PARSER_AND_LIST_HEAVY.format(extra="")) == []
+
+
+def test_cli_parser_check_sees_a_heavy_import() -> None:
+    """Negative control: the same listing after importing mtplx.forge names what it pulled in."""
+    loaded = _modules_after(_PARSER_AND_LIST_HEAVY.format(extra="import mtplx.forge\n"))
+    assert {"mlx.core", "mlx_lm", "mtplx.forge"} <= set(loaded)
+
+
 def test_seed_api_works_verbatim() -> None:
     """The seed's public sampling API, spelled exactly as it was."""
     from mtplx.sampling import (

@@ -18,6 +18,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from mtplx.checkpoint import quantization_config, read_safetensors_header
 from mtplx.compat import KVCache
+from mtplx.config import HIDDEN_SOURCES
 from mtplx.errors import MtplxError
 
 import mlx.core as mx
@@ -31,7 +32,6 @@ class MissingHeadError(MtplxError):
 
 
 HiddenSource = Literal["pre_norm", "post_norm"]
-HIDDEN_SOURCES = ("pre_norm", "post_norm")
 Embed = Callable[[mx.array], mx.array]
 LMHead = Callable[[mx.array], mx.array]
 
