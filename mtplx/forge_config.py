@@ -42,8 +42,8 @@ class ForgeConfig:
     overwrite: bool = False
     init_head: str | None = None  # start from this forged head (same trunk) instead of the trunk's last layer
     # data generation
-    seq_len: int = 256  # slots per sequence: prompt + response
-    max_prompt: int = 128  # longer prompts are skipped (a chat template cannot be cut)
+    seq_len: int = 384  # slots per sequence: prompt + response
+    max_prompt: int = 256  # longer prompts are skipped (a chat template cannot be cut)
     gen_batch: int = 32  # sequences per batched forward (finished rows leave the batch)
     settings: tuple[tuple[float, float], ...] = ((0.0, 1.0), (0.7, 0.95))  # (temperature, top_p), by shard
     top_n: int = 32  # teacher log-probs kept per position (plus the rest mass)

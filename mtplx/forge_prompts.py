@@ -5,13 +5,19 @@ writes, in the situations it will be asked to draft in. So forge does not train 
 human text: it asks the trunk to write, and these are the requests. The default
 set is built offline from text every Python install has, in the shapes users
 send: instructions, code questions, "explain this code", multi-turn chat (through
-the chat template), and raw continuations of code and prose.
+the chat template), requests that hand it text to rework or quote ("grounded":
+the answer copies much of the prompt), and raw continuations of code and prose.
+Raw continuations make up about half of what fits (the benchmark suite is half
+raw continuations; the first forged head saw 14% and drafted prose worst).
 
 * CPython's top-level standard library files (``Lib/*.py``; the benchmark suite
   takes its code from sub-packages, which are never read here): functions and
   classes with docstrings (via ``ast``) give code questions, explanations,
   instructions, follow-up turns and raw code continuations; module docstrings
   give prose continuations.
+* The Python language reference as every CPython install ships it
+  (``pydoc_data/topics.py``, the text ``help("topic")`` prints): prose
+  continuations and quote/summarize requests.
 * Debian's package documentation (``/usr/share/doc/*/README*``, ``*.md``,
   ``*.txt``; uncompressed files only): prose continuations and "summarize" requests.
 
@@ -43,6 +49,7 @@ KINDS = (
     "code_question",
     "explanation",
     "multi_turn",
+    "grounded",
     "code_continuation",
     "prose_continuation",
 )
@@ -98,9 +105,21 @@ _FOLLOW_UPS = (
 )
 _SUMMARIZE = (
     "Summarize this text:\n\n{t}",
-    "What is this README about?\n\n{t}",
+    "What is this text about?\n\n{t}",
     "Rewrite this in plain words:\n\n{t}",
 )
+# Grounded requests: the answer reuses much of the given text (what prompt lookup drafts well).
+_CODE_EDITS = (
+    "Add type hints to this function and return the whole function:\n\n```python\n{body}\n```",
+    "Rewrite this code with clearer variable names. Return only the code.\n\n```python\n{body}\n```",
+    "Add a comment above each step of this code and return it:\n\n```python\n{body}\n```",
+    "Check this function for bugs and return a corrected version:\n\n```python\n{body}\n```",
+)
+_QUOTES = (
+    "Which sentences of this text matter most? Quote them exactly.\n\n{t}",
+    "Give the main points of this text, citing its own words:\n\n{t}",
+)
+_GROUNDED_LINES = 25  # function bodies handed to the trunk; longer ones would not fit max_prompt
 
 
 def _pick(options: Sequence[str], key: str) -> str:
@@ -140,20 +159,27 @@ def _code_prompts(path: Path, label: str) -> list[Prompt]:
         if not doc or node.name.startswith("__") or len(doc) < 40:
             continue
         key = f"{label}:{node.name}:{node.lineno}"
-        body = "\n".join(lines[node.lineno - 1 : min(node.end_lineno or node.lineno, node.lineno + 40)])
         qual = f"{module}.{node.name}"
         choice = unit_hash("kind:" + key)
-        if isinstance(node, ast.ClassDef) or choice < 0.2:
+        short_body = "\n".join(
+            lines[node.lineno - 1 : min(node.end_lineno or node.lineno, node.lineno + _GROUNDED_LINES)]
+        )
+        if isinstance(node, ast.ClassDef):
+            choice = 0.0 if choice < 0.4 else 1.0  # instruction or continuation: no signature to ask for
+        if choice < 0.12:
             out.append(
                 Prompt("instruction", key, messages=(("user", _pick(_INSTRUCTIONS, key).format(q=qual)),))
             )
-        elif choice < 0.4:
+        elif choice < 0.24:
             question = _pick(_CODE_QUESTIONS, key).format(sig=_signature(node), doc=_first_sentence(doc))
             out.append(Prompt("code_question", key, messages=(("user", question),)))
-        elif choice < 0.55:
-            ask = f"Explain what this Python code does:\n\n```python\n{body}\n```"
+        elif choice < 0.32:
+            ask = f"Explain what this Python code does:\n\n```python\n{short_body}\n```"
             out.append(Prompt("explanation", key, messages=(("user", ask),)))
-        elif choice < 0.7:
+        elif choice < 0.42:
+            ask = _pick(_CODE_EDITS, key).format(body=short_body)
+            out.append(Prompt("grounded", key, messages=(("user", ask),)))
+        elif choice < 0.52:
             turns = (
                 ("user", _pick(_INSTRUCTIONS, key).format(q=qual)),
                 ("assistant", " ".join(doc.split())[:600]),
@@ -169,6 +195,25 @@ def _code_prompts(path: Path, label: str) -> list[Prompt]:
     return out
 
 
+def _passage_prompts(passages: Sequence[str], label: str) -> list[Prompt]:
+    """Prose continuations (60%), summarize (20%) and quote (20%) requests from passages of a text."""
+    out: list[Prompt] = []
+    for i, passage in enumerate(passages):
+        if len(passage) < 300:
+            continue
+        key = f"{label}#{i}"
+        choice = unit_hash("kind:" + key)
+        if choice < 0.6:
+            out.append(Prompt("prose_continuation", key, text=passage[: len(passage) * 2 // 3]))
+        elif choice < 0.8:
+            ask = _pick(_SUMMARIZE, key).format(t=passage)
+            out.append(Prompt("instruction", key, messages=(("user", ask),)))
+        else:
+            ask = _pick(_QUOTES, key).format(t=passage)
+            out.append(Prompt("grounded", key, messages=(("user", ask),)))
+    return out
+
+
 def _debian_prompts(root: Path) -> list[Prompt]:
     out: list[Prompt] = []
     patterns = ("README*", "*.md", "*.txt")
@@ -178,16 +223,26 @@ def _debian_prompts(root: Path) -> list[Prompt]:
             text = f.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError):
             continue
-        label = f"debian-doc/{f.relative_to(root)}"
-        for i, passage in enumerate(split_passages(text, max_chars=1200)[:3]):
-            if len(passage) < 300:
-                continue
-            key = f"{label}#{i}"
-            if unit_hash("kind:" + key) < 0.5:
-                out.append(Prompt("prose_continuation", key, text=passage[: len(passage) * 2 // 3]))
-            else:
-                ask = _pick(_SUMMARIZE, key).format(t=passage)
-                out.append(Prompt("instruction", key, messages=(("user", ask),)))
+        out.extend(
+            _passage_prompts(split_passages(text, max_chars=1000)[:3], f"debian-doc/{f.relative_to(root)}")
+        )
+    return out
+
+
+def _reference_prompts(stdlib: Path) -> list[Prompt]:
+    """The language reference's topics (``pydoc_data/topics.py``: a dict literal, read without importing it)."""
+    path = stdlib / "pydoc_data" / "topics.py"
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        topics = next(ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign))
+    except (OSError, UnicodeDecodeError, SyntaxError, ValueError, StopIteration):
+        return []
+    if not isinstance(topics, dict):
+        return []
+    out: list[Prompt] = []
+    for name in sorted(topics):
+        text = str(topics[name])
+        out.extend(_passage_prompts(split_passages(text, max_chars=1000)[:6], f"pydoc-topics/{name}"))
     return out
 
 
@@ -200,6 +255,10 @@ def default_prompts(
     for f in sorted(stdlib.glob("*.py")):  # top level only: the benchmark's code is in sub-packages
         prompts.extend(_code_prompts(f, f"stdlib/{f.name}"))
     parts = [f"CPython stdlib ({stdlib}/*.py, top level)"]
+    reference = _reference_prompts(stdlib)
+    if reference:
+        prompts.extend(reference)
+        parts.append(f"the language reference ({stdlib}/pydoc_data/topics.py)")
     if debian_doc is not None and debian_doc.is_dir():
         prompts.extend(_debian_prompts(debian_doc))
         parts.append(f"Debian package docs ({debian_doc}/*/README*, *.md, *.txt)")
