@@ -27,7 +27,7 @@ from mtplx.forge import (
     weighted_loss,
 )
 from mtplx.forge_gen import ForgeData, Setting, ShardPlan, generate_batch, generate_shards, load_shards
-from mtplx.forge_prompts import Prompt, check_held_out, drop_held_out
+from mtplx.forge_prompts import KINDS, Prompt, check_held_out, default_prompts, drop_held_out
 from mtplx.heads.forged import MANIFEST, lm_head_matrix, load_forged_head, save_forged_head
 from mtplx.trunk import Trunk
 
@@ -375,6 +375,39 @@ def test_held_out_check_refuses_overlapping_prompts() -> None:
         check_held_out(whole, held)
     kept, dropped = drop_held_out(clean + line + whole, held)
     assert kept == clean and dropped == 2
+
+
+def _fake_stdlib(root: Path, functions: int) -> Path:
+    """A stand-in standard library: one module of documented functions, and the reference topics."""
+    defs = "\n".join(
+        f"def helper_{i}(path, mode):\n"
+        f'    """Open the file number {i} at path in the given mode and return its contents."""\n'
+        f"    with open(path, mode) as handle:\n        return handle.read() + {i!r}\n"
+        for i in range(functions)
+    )
+    (root / "lib.py").write_text(defs)
+    (root / "pydoc_data").mkdir()
+    passage = "The reference says a great deal about names and what they are bound to. " * 6
+    topics = {f"topic{i}": "\n\n".join([passage] * 4) for i in range(8)}
+    # Never imported: a module that ran this would exit the test process.
+    (root / "pydoc_data" / "topics.py").write_text(f"import os\nos._exit(3)\ntopics = {topics!r}\n")
+    return root
+
+
+def test_default_prompts_are_half_raw_continuations(tmp_path: Path) -> None:
+    prompts, desc = default_prompts(_fake_stdlib(tmp_path, 400), debian_doc=None)
+    kinds = [p.kind for p in prompts]
+    assert set(kinds) <= set(KINDS) and "pydoc_data/topics.py" in desc
+    code = [p for p in prompts if p.source.startswith("stdlib/")]
+    share = sum(p.kind == "code_continuation" for p in code) / len(code)
+    assert 0.4 < share < 0.56  # the suite is half raw continuations; the first head saw 14%
+    reference = [p for p in prompts if p.source.startswith("pydoc-topics/")]
+    assert {p.kind for p in reference} == {"prose_continuation", "instruction", "grounded"}
+    assert sum(p.kind == "prose_continuation" for p in reference) > len(reference) / 3
+    # Grounded requests hand the trunk the code it should rework.
+    edits = [p for p in code if p.kind == "grounded"]
+    assert edits and all("with open(path, mode) as handle:" in p.messages[0][1] for p in edits)
+    assert all(p.text.rstrip().endswith('"""') for p in code if p.kind == "code_continuation")
 
 
 def test_cli_and_library_defaults_are_the_same_object() -> None:
