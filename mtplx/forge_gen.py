@@ -332,6 +332,8 @@ def generate_shards(
                 "kinds": [p.kind for p, _ in encoded],
                 "sources": [p.source for p, _ in encoded],
             }
+            data, meta = drop_empty_rows(data, meta)
+        if encoded and data.num_sequences:
             save_shard(_shard_path(directory, index), data, meta)
             tokens += data.num_response_tokens
             made += data.num_response_tokens
@@ -348,6 +350,20 @@ def generate_shards(
         "response_tokens": tokens,
         "seconds_this_run": round(time.time() - start, 1),
     }
+
+
+def drop_empty_rows(data: ForgeData, meta: dict) -> tuple[ForgeData, dict]:
+    """Rows without a position to train on (EOS first, or cut by the deadline before a second token) removed.
+
+    They cost a batch slot and teach nothing; a deadline in the middle of a prefill left a whole
+    shard of them (shard 38 of the head shipped on 2026-12-01's second run).
+    """
+    keep = data.valid.any(axis=1)
+    if keep.all():
+        return data, meta
+    rows = np.flatnonzero(keep)
+    per_row = {k: [v[i] for i in rows] for k, v in meta.items() if isinstance(v, list)}
+    return ForgeData(*(getattr(data, n)[rows] for n in SHARD_FILES)), {**meta, **per_row}
 
 
 def kind_counts(metas: Sequence[dict]) -> dict[str, dict[str, int]]:

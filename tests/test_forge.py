@@ -26,7 +26,15 @@ from mtplx.forge import (
     unrolled_step_losses,
     weighted_loss,
 )
-from mtplx.forge_gen import ForgeData, Setting, ShardPlan, generate_batch, generate_shards, load_shards
+from mtplx.forge_gen import (
+    ForgeData,
+    Setting,
+    ShardPlan,
+    drop_empty_rows,
+    generate_batch,
+    generate_shards,
+    load_shards,
+)
 from mtplx.forge_prompts import KINDS, Prompt, check_held_out, default_prompts, drop_held_out
 from mtplx.heads.forged import MANIFEST, lm_head_matrix, load_forged_head, save_forged_head
 from mtplx.trunk import Trunk
@@ -154,7 +162,8 @@ def test_shards_resume_to_the_same_data_as_a_straight_run(trunk: Trunk, tmp_path
     generate_shards(trunk, tok, plan, tmp_path / "b", 10**9, None, False, max_prompt=8, max_shards=3)
     a, _ = load_shards(tmp_path / "a")
     b, metas = load_shards(tmp_path / "b")
-    assert a.num_sequences == b.num_sequences == 12
+    # Every prompt answered, less the rows with nothing to train on (EOS drawn first).
+    assert a.num_sequences == b.num_sequences and 0 < a.num_sequences <= 12 and a.valid.any(axis=1).all()
     assert np.array_equal(a.tokens, b.tokens) and np.array_equal(a.hidden, b.hidden)
     assert [m["setting"] for m in metas] == ["greedy", "t0.7-p0.95", "greedy"]
 
@@ -375,6 +384,29 @@ def test_held_out_check_refuses_overlapping_prompts() -> None:
         check_held_out(whole, held)
     kept, dropped = drop_held_out(clean + line + whole, held)
     assert kept == clean and dropped == 2
+
+
+def test_rows_without_a_training_position_are_not_kept() -> None:
+    rows, seq, hid, k = 4, 6, 3, 2
+    rng = np.random.default_rng(0)
+    data = ForgeData(
+        rng.integers(0, 50, (rows, seq)).astype(np.int32),
+        rng.standard_normal((rows, seq, hid)).astype(np.float16),
+        rng.integers(0, 50, (rows, seq, k)).astype(np.int32),
+        rng.standard_normal((rows, seq, k)).astype(np.float32),
+        np.zeros((rows, seq), bool),
+    )
+    data.valid[1, 3:5] = True
+    data.valid[3, 2] = True
+    meta = {"setting": "greedy", "kinds": ["a", "b", "c", "d"], "sources": ["s0", "s1", "s2", "s3"]}
+    kept, kept_meta = drop_empty_rows(data, meta)
+    assert kept_meta == {"setting": "greedy", "kinds": ["b", "d"], "sources": ["s1", "s3"]}
+    for name in ("tokens", "hidden", "top_ids", "top_logp", "valid"):
+        np.testing.assert_array_equal(getattr(kept, name), getattr(data, name)[[1, 3]])
+    data.valid[:] = True  # negative control: nothing to drop, the same objects come back
+    assert drop_empty_rows(data, meta) == (data, meta)
+    data.valid[:] = False
+    assert drop_empty_rows(data, meta)[0].num_sequences == 0
 
 
 def _fake_stdlib(root: Path, functions: int) -> Path:
