@@ -355,8 +355,8 @@ def generate_shards(
 def drop_empty_rows(data: ForgeData, meta: dict) -> tuple[ForgeData, dict]:
     """Rows without a position to train on (EOS first, or cut by the deadline before a second token) removed.
 
-    They cost a batch slot and teach nothing; a deadline in the middle of a prefill left a whole
-    shard of them (shard 38 of the head shipped on 2026-12-01's second run).
+    They cost a batch slot and teach nothing; a deadline in the middle of a prefill once left a
+    whole shard of them (the last shard of a 110-minute run, 2026-12-01).
     """
     keep = data.valid.any(axis=1)
     if keep.all():

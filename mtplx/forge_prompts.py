@@ -7,8 +7,8 @@ set is built offline from text every Python install has, in the shapes users
 send: instructions, code questions, "explain this code", multi-turn chat (through
 the chat template), requests that hand it text to rework or quote ("grounded":
 the answer copies much of the prompt), and raw continuations of code and prose.
-Raw continuations make up about half of what fits (the benchmark suite is half
-raw continuations; the first forged head saw 14% and drafted prose worst).
+Raw continuations make up about half of what fits, as in the benchmark suite (the
+first forged head's data held 14%: most continuation prompts exceeded ``max_prompt``).
 
 * CPython's top-level standard library files (``Lib/*.py``; the benchmark suite
   takes its code from sub-packages, which are never read here): functions and
@@ -19,7 +19,7 @@ raw continuations; the first forged head saw 14% and drafted prose worst).
   (``pydoc_data/topics.py``, the text ``help("topic")`` prints): prose
   continuations and quote/summarize requests.
 * Debian's package documentation (``/usr/share/doc/*/README*``, ``*.md``,
-  ``*.txt``; uncompressed files only): prose continuations and "summarize" requests.
+  ``*.txt``; uncompressed files only): prose continuations, summarize and quote requests.
 
 User data (``--data``) is turned into prompts the same way: chat samples keep
 their user turns (the last assistant turn is dropped: the trunk writes it), text
