@@ -509,6 +509,7 @@ _FORGE_FLAGS = (
     "batch_size",
     "lr",
     "init_head",
+    "head_layers",
     "seed",
     "hidden_source",
     "chain_source",
@@ -535,6 +536,12 @@ def _add_forge_args(frg: argparse.ArgumentParser) -> None:
     frg.add_argument("--batch-size", type=int, help=f"sequences per step (default {d.batch_size})")
     frg.add_argument("--lr", type=float, help=f"peak learning rate (default {d.lr})")
     frg.add_argument("--init-head", help="start from this forged head of the same model (default: none)")
+    frg.add_argument(
+        "--head-layers",
+        type=int,
+        help=f"decoder layers per draft step (default {d.head_layers}); with --init-head, layers beyond "
+        "the init head's start as the identity",
+    )
     frg.add_argument("--seed", type=int, help=f"seed of prompts, sampling and batches (default {d.seed})")
     frg.add_argument(
         "--hidden-source", choices=("pre_norm", "post_norm"), help=f"(default {d.hidden_source})"

@@ -113,17 +113,25 @@ def _settings(cfg: ForgeConfig) -> tuple[Setting, ...]:
 # ---------------------------------------------------------------- the head
 
 
-def build_head(trunk: Trunk, hidden_source: str, chain_source: str | None = None) -> ForgedMTPHead:
+def build_head(
+    trunk: Trunk, hidden_source: str, chain_source: str | None = None, num_layers: int = 1
+) -> ForgedMTPHead:
     """A forged head for ``trunk``, initialised to start near the trunk's own behaviour.
 
-    The decoder layer is a copy of the trunk's LAST layer (it already maps late-layer
+    The first decoder layer is a copy of the trunk's LAST layer (it already maps late-layer
     states toward next-token features); fc sums the two normed inputs (identity
     blocks) so both the new token and the context reach that layer from step 0;
     the output norm copies the trunk's final norm, which the shared LM head expects.
+    Further layers start as the identity (see ``_as_identity``), so a deeper head starts
+    as the one-layer head and its extra depth is learned, not a random perturbation.
     """
-    head = build_forged_head(trunk, hidden_source, 1, chain_source)
+    head = build_forged_head(trunk, hidden_source, num_layers, chain_source)
     template = trunk.layers[len(trunk.layers) - 1]
-    head.layers[0].load_weights([(k, mx.array(v)) for k, v in tree_flatten(template.parameters())])
+    template_weights = [(k, mx.array(v)) for k, v in tree_flatten(template.parameters())]
+    for i, layer in enumerate(head.layers):
+        layer.load_weights(template_weights)
+        if i > 0:
+            _as_identity(layer)
     hidden_size = int(head.fc.weight.shape[0])
     eye = mx.eye(hidden_size, dtype=mx.float32)
     head.fc.weight = mx.concatenate([eye, eye], axis=1)
@@ -132,17 +140,38 @@ def build_head(trunk: Trunk, hidden_source: str, chain_source: str | None = None
     return head
 
 
+def _as_identity(layer: nn.Module) -> None:
+    """Zero the projections that write into the residual stream (attention output, MLP down), so
+    the pre-norm decoder layer returns its input; its other weights still get gradients once
+    those projections move off zero (as a LoRA adapter's zero-initialised B does)."""
+    zeroed = [
+        (path, mx.zeros_like(value))
+        for path, value in tree_flatten(layer.parameters())
+        if path.endswith(("o_proj.weight", "down_proj.weight"))
+    ]
+    if len(zeroed) != 2:
+        raise MtplxError(
+            f"{type(layer).__name__}: cannot start an extra head layer as the identity "
+            "(expected one o_proj and one down_proj weight)"
+        )
+    layer.load_weights(zeroed, strict=False)
+
+
 def init_from_head(head: ForgedMTPHead, head_dir: str, trunk: Trunk, fingerprint: str) -> str:
     """Copy the weights of the forged head in ``head_dir`` (forged for this trunk) into ``head``;
-    returns their sha256 for the manifest."""
+    returns their sha256 for the manifest.
+
+    ``head`` may be deeper than the source: its first layers take the source's, and the
+    rest keep their identity start, so the deeper head begins exactly where the source was.
+    """
     from mtplx.heads.forged import load_forged_head, read_manifest
 
     source = load_forged_head(head_dir, trunk, fingerprint)
-    if source.num_layers != head.num_layers:
+    if source.num_layers > head.num_layers:
         raise MtplxError(
             f"{head_dir}: init head has {source.num_layers} layer(s), this run builds {head.num_layers}"
         )
-    head.load_weights(list(tree_flatten(source.parameters())), strict=True)
+    head.load_weights(list(tree_flatten(source.parameters())), strict=source.num_layers == head.num_layers)
     mx.eval(head.parameters())
     return str(read_manifest(head_dir).get("weights_sha256", ""))
 
@@ -702,6 +731,8 @@ def _ckpt_dir(cfg: ForgeConfig, run_dir: Path, rows: int, init_sha: str | None) 
             init_sha,
             rows,
         ]
+        # Keyed only when set, so the checkpoints of one-layer runs keep their directory.
+        + ([cfg.head_layers] if cfg.head_layers != 1 else [])
     )
     return run_dir / f"ckpt-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
 
@@ -837,7 +868,7 @@ def forge(config: ForgeConfig = DEFAULT_FORGE_CONFIG, **overrides: Any) -> Forge
     train_ids = (
         frequent_ids(data, cfg.train_vocab, vocab) if cfg.train_vocab and cfg.train_vocab < vocab else None
     )
-    head = build_head(trunk, cfg.hidden_source, cfg.chain_source)
+    head = build_head(trunk, cfg.hidden_source, cfg.chain_source, cfg.head_layers)
     init_sha = init_from_head(head, cfg.init_head, trunk, loaded.fingerprint) if cfg.init_head else None
     ckpt_dir = _ckpt_dir(cfg, run_dir, data.num_sequences, init_sha)
     train_until = t_start + (GEN_SHARE + TRAIN_SHARE) * budget.seconds if budget and budget.seconds else None

@@ -356,6 +356,40 @@ def test_sidecar_round_trip_max_depth_and_fingerprint_refusal(
         load_forged_head(out, trunk, "abc123")
 
 
+def test_a_deeper_head_starts_as_the_one_layer_head_and_learns_its_extra_layer(
+    trunk: Trunk, data: ForgeData, tmp_path: Path
+) -> None:
+    from mtplx.forge import init_from_head
+
+    one = build_head(trunk, "pre_norm")
+    train_head(_cfg(tmp_path, steps=5), trunk, one, data, None, tmp_path / "ckpt1")
+    save_forged_head(tmp_path / "one", one, {"trunk_fingerprint": "fp"})
+    two = build_head(trunk, "pre_norm", num_layers=2)
+    init_from_head(two, str(tmp_path / "one"), trunk, "fp")
+    x, t = mx.random.normal((2, 6, HIDDEN)), mx.random.randint(0, VOCAB, (2, 6))
+    chained = [one(x, t, one.make_cache()), two(x, t, two.make_cache())]
+    np.testing.assert_allclose(np.asarray(chained[1]), np.asarray(chained[0]), rtol=1e-5, atol=1e-5)
+    # Negative control: without the identity start, the grown head is another function.
+    plain = build_head(trunk, "pre_norm", num_layers=2)
+    plain.layers[1].load_weights(list(tree_flatten(trunk.layers[-1].parameters())))
+    init_from_head(plain, str(tmp_path / "one"), trunk, "fp")
+    assert float(mx.abs(plain(x, t, plain.make_cache()) - chained[0]).max()) > 1e-3
+    # Its zero projections move, and the layer's other weights then learn too.
+    before = _params(two)
+    train_head(_cfg(tmp_path, steps=6), trunk, two, data, None, tmp_path / "ckpt2")
+    after = _params(two)
+    for name in (
+        "layers.1.self_attn.o_proj.weight",
+        "layers.1.mlp.down_proj.weight",
+        "layers.1.mlp.up_proj.weight",
+    ):
+        assert np.abs(after[name] - before[name]).max() > 1e-5, name
+    save_forged_head(tmp_path / "two", two, {"trunk_fingerprint": "fp"})
+    assert load_forged_head(tmp_path / "two", trunk, "fp").num_layers == 2
+    with pytest.raises(MtplxError, match="init head has 2 layer"):
+        init_from_head(build_head(trunk, "pre_norm"), str(tmp_path / "two"), trunk, "fp")
+
+
 # ---------------------------------------------------------------- held-out check, defaults, budget
 
 
@@ -451,8 +485,10 @@ def test_cli_and_library_defaults_are_the_same_object() -> None:
     import inspect
 
     assert inspect.signature(forge).parameters["config"].default is DEFAULT_FORGE_CONFIG
-    given = forge_config(_build_parser().parse_args(["forge", "--budget", "45m", "--depth", "2"]))
-    assert given == ForgeConfig(budget="45m", depth=2)
+    given = forge_config(
+        _build_parser().parse_args(["forge", "--budget", "45m", "--depth", "2", "--head-layers", "2"])
+    )
+    assert given == ForgeConfig(budget="45m", depth=2, head_layers=2)
 
 
 def test_budget_is_a_time_or_a_token_count() -> None:
