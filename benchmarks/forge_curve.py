@@ -35,6 +35,9 @@ def main() -> None:
     ap.add_argument(
         "--init-head", default=None, help="the forged head the run started from (--init-head of the run)"
     )
+    ap.add_argument(
+        "--head-layers", type=int, default=DEFAULT_FORGE_CONFIG.head_layers, help="--head-layers of the run"
+    )
     ap.add_argument("--every", type=int, default=1, help="score every Nth checkpoint (the last always)")
     ap.add_argument("--origins", type=int, default=DEFAULT_FORGE_CONFIG.eval_origins)
     ap.add_argument("--json", type=Path, default=Path("forge-curve.json"))
@@ -53,7 +56,7 @@ def main() -> None:
     chosen = paths[:: args.every] + ([paths[-1]] if (len(paths) - 1) % args.every else [])
     points = []
     for path in [None, *chosen]:  # None: the head the run started from, step 0
-        head = build_head(trunk, cfg.hidden_source, cfg.chain_source)
+        head = build_head(trunk, cfg.hidden_source, cfg.chain_source, args.head_layers)
         if args.init_head:
             init_from_head(head, args.init_head, trunk, loaded.fingerprint)
         step = 0
