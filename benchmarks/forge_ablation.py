@@ -220,8 +220,8 @@ def score(trunk: Trunk, head, held: ForgeData, suite: tuple, origins: int) -> di
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--run-dir", required=True, type=Path, help="a forge run (holds train/ and eval/)")
-    ap.add_argument("--init-head", required=True, help="the forged head every arm starts from")
+    ap.add_argument("--run-dir", type=Path, help="a forge run (holds train/ and eval/)")
+    ap.add_argument("--init-head", help="the forged head every arm starts from")
     ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
     ap.add_argument("--steps", type=int, default=90)
     ap.add_argument("--eval-every", type=int, default=30)
@@ -229,10 +229,21 @@ def main() -> None:
     ap.add_argument("--fused-layers", default="2,15", help="low and middle trunk layers (0-based) of fusion")
     ap.add_argument("--suite-tokens", type=int, default=64)
     ap.add_argument("--origins", type=int, default=DEFAULT_FORGE_CONFIG.eval_origins)
-    ap.add_argument("--out", required=True, type=Path, help="checkpoints and the cached suite text")
+    ap.add_argument("--out", type=Path, help="checkpoints and the cached suite text")
     ap.add_argument("--json", type=Path, default=Path("forge-ablation.json"))
     ap.add_argument("--plot", type=Path, default=None)
+    ap.add_argument(
+        "--report-only", action="store_true", help="print the table (and plot) of --json; no training"
+    )
     args = ap.parse_args()
+    if args.report_only:
+        report = json.loads(args.json.read_text())
+        print(markdown_table(report))
+        if args.plot:
+            plot(report, args.plot)
+        return
+    if args.run_dir is None or args.init_head is None or args.out is None:
+        raise SystemExit("--run-dir, --init-head and --out are needed to train (or pass --report-only)")
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     unknown = sorted(set(arms) - set(ARMS))
     if unknown:
@@ -297,8 +308,27 @@ def main() -> None:
         }
         with atomic_write(args.json) as f:
             f.write(json.dumps(report, indent=1) + "\n")
+    print(markdown_table(report))
     if args.plot:
         plot(report, args.plot)
+
+
+def markdown_table(report: dict) -> str:
+    """One row per arm and scored point: held-out depth 1/2/3 and suite depth 1, each at t 0 / t 0.7."""
+    lines = [
+        "| arm | step (tokens) | held-out d1 | held-out d2 | held-out d3 | suite d1 |",
+        "|---|---|---|---|---|---|",
+    ]
+    for arm, entry in report["arms"].items():
+        for p in entry["points"]:
+            cells = [
+                f"{p['held_out'][d]['0.0']:.3f} / {p['held_out'][d]['0.7']:.3f}" for d in ("1", "2", "3")
+            ]
+            suite = f"{p['suite_depth1']['0.0']:.3f} / {p['suite_depth1']['0.7']:.3f}"
+            lines.append(
+                f"| {arm} | {p['step']} ({p['tokens'] / 1e3:.0f}k) | {' | '.join(cells)} | {suite} |"
+            )
+    return "\n".join(lines)
 
 
 def _rows(cfg, data: ForgeData, step: int) -> np.ndarray:
@@ -319,10 +349,10 @@ def plot(report: dict, path: Path) -> None:
         ("suite text, depth 1", lambda p, t: p["suite_depth1"][t]),
     )
     for ax, (title, value) in zip(axes, panels):
-        for arm, entry in report["arms"].items():
+        for color, (arm, entry) in zip(("C0", "C1", "C2", "C3"), report["arms"].items()):
             xs = [p["tokens"] / 1e3 for p in entry["points"]]
             for t, style in (("0.0", "-o"), ("0.7", "--s")):
-                ax.plot(xs, [value(p, t) for p in entry["points"]], style, label=f"{arm}, t {t}")
+                ax.plot(xs, [value(p, t) for p in entry["points"]], style, color=color, label=f"{arm}, t {t}")
         ax.set_title(title)
         ax.set_xlabel("response tokens trained on (thousands)")
         ax.set_ylabel("teacher-forced acceptance")
