@@ -41,7 +41,7 @@ class ForgeConfig:
     steps: int = 1500
     overwrite: bool = False
     init_head: str | None = None  # start from this forged head (same trunk) instead of the trunk's last layer
-    head_layers: int = 1  # decoder layers run in sequence per draft step (layers beyond init_head's start as identity)
+    head_layers: int = 1  # layers run in sequence per draft step; those beyond init_head's start as identity
     # data generation
     seq_len: int = 384  # slots per sequence: prompt + response
     max_prompt: int = 256  # longer prompts are skipped (a chat template cannot be cut)
