@@ -151,8 +151,8 @@ def _as_identity(layer: nn.Module) -> None:
     ]
     if len(zeroed) != 2:
         raise MtplxError(
-            f"{type(layer).__name__}: cannot start an extra head layer as the identity "
-            "(expected one o_proj and one down_proj weight)"
+            f"--head-layers: {type(layer).__name__} layers have no o_proj and down_proj to start an extra "
+            "head layer as the identity; use --head-layers 1 for this model"
         )
     layer.load_weights(zeroed, strict=False)
 
