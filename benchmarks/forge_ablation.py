@@ -39,6 +39,7 @@ import mtplx  # noqa: F401  (optimized BLAS before mlx)
 from mtplx.engine import Engine
 from mtplx.forge import (
     DEFAULT_FORGE_CONFIG,
+    batch_rows,
     build_head,
     evaluate_acceptance,
     frequent_ids,
@@ -262,7 +263,6 @@ def main() -> None:
     plain_memo = MemoTrunk(trunk)
     stops = list(range(args.eval_every, args.steps, args.eval_every)) + [args.steps]
 
-    previous = json.loads(args.json.read_text()) if args.json.is_file() else {}
     report = {
         "run_dir": str(args.run_dir),
         "init_head": args.init_head,
@@ -272,15 +272,23 @@ def main() -> None:
         "train_sequences": data.num_sequences,
         "fused_layers": list(fused_layers),
         "suite_tokens": args.suite_tokens,
-        "arms": previous.get("arms", {}),
+        "arms": {},
     }
+    # Arms of an earlier invocation join this report only when they were trained the same way.
+    previous = json.loads(args.json.read_text()) if args.json.is_file() else {}
+    if all(previous.get(k) == v for k, v in report.items() if k != "arms"):
+        report["arms"] = previous.get("arms", {})
     for arm in arms:
         ckpt_dir = args.out / f"ckpt-{arm}"
         shutil.rmtree(ckpt_dir, ignore_errors=True)  # a stale run's checkpoints would be resumed
         arm_trunk, arm_data = plain_memo, data
         if arm == "fusion":
             arm_trunk = MemoTrunk(FusionTrunk(trunk.model, fused_layers))
-            needed = np.unique(np.concatenate([_rows(cfg, data, s) for s in range(args.steps)]))
+            needed = np.unique(
+                np.concatenate(
+                    [batch_rows(data.num_sequences, cfg.batch_size, s, cfg.seed) for s in range(args.steps)]
+                )
+            )
             arm_data = fused_training_data(trunk, data, needed, fused_layers)
             head = build_fusion_head(trunk, args.init_head, fingerprint)
         else:
@@ -329,12 +337,6 @@ def markdown_table(report: dict) -> str:
                 f"| {arm} | {p['step']} ({p['tokens'] / 1e3:.0f}k) | {' | '.join(cells)} | {suite} |"
             )
     return "\n".join(lines)
-
-
-def _rows(cfg, data: ForgeData, step: int) -> np.ndarray:
-    from mtplx.forge import batch_rows
-
-    return batch_rows(data.num_sequences, cfg.batch_size, step, cfg.seed)
 
 
 def plot(report: dict, path: Path) -> None:
