@@ -79,10 +79,6 @@ def layer_outputs(trunk: Trunk, tokens: mx.array, layer_ids: tuple[int, ...]) ->
     return [found[i] for i in layer_ids]
 
 
-def _rms(x: mx.array) -> mx.array:
-    return x * mx.rsqrt(mx.mean(x.astype(mx.float32) ** 2, axis=-1, keepdims=True) + 1e-6)
-
-
 class FusedInputHead(ForgedMTPHead):
     """A forged head whose step-0 hidden input is [low, mid, last] trunk states ([.., 3H]), fused to H.
 
@@ -100,7 +96,11 @@ class FusedInputHead(ForgedMTPHead):
     def __call__(self, hidden, next_tokens, cache=None, *, step=0, trunk_cache=None):
         if hidden.shape[-1] == self.fuse.weight.shape[1]:
             low, mid, last = mx.split(hidden, 3, axis=-1)
-            hidden = self.fuse(mx.concatenate([_rms(low), _rms(mid), last], axis=-1))
+            hidden = self.fuse(
+                mx.concatenate(
+                    [mx.fast.rms_norm(low, None, 1e-6), mx.fast.rms_norm(mid, None, 1e-6), last], axis=-1
+                )
+            )
         return super().__call__(hidden, next_tokens, cache, step=step, trunk_cache=trunk_cache)
 
 
