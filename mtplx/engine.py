@@ -316,6 +316,7 @@ class Engine:
         prompt_cache_bytes: int = 0,
         distributed: bool | str = False,
         collective_timeout: float | None = None,
+        adapter_path: str | Path | None = None,
     ) -> Engine:
         """Load ``model`` (local path, Hugging Face repo id, or None for the embedded default).
 
@@ -328,7 +329,9 @@ class Engine:
         ``draft_model`` is a separate mlx-lm model with the same tokenizer (`draft="model"`).
         ``distributed`` ("pipeline" | "tensor" | True = auto) shards the trunk over the
         processes started by ``mlx.launch``; ``collective_timeout`` (seconds) bounds every
-        wait on the other ranks (see mtplx/distributed.py).
+        wait on the other ranks (see mtplx/distributed.py). ``adapter_path`` applies adapters
+        trained with ``mlx_lm.lora``; the head keeps drafting and the output is the adapted
+        model's, exactly.
         """
         from mtplx import loading
 
@@ -338,9 +341,15 @@ class Engine:
             from mtplx import distributed as dist
 
             dist.parse_mode(distributed)
+            if adapter_path is not None:
+                raise MtplxError(
+                    "adapter_path: not supported when sharded; merge the adapters first (mlx_lm.fuse)"
+                )
             group = dist.launch_group()  # before the (long) load: refuse a process that runs alone
         # Sharded: load lazily, so each rank only materializes the weights it keeps.
-        loaded = loading.load_model(model, variant=dtype or "float32", lazy=bool(distributed))
+        loaded = loading.load_model(
+            model, variant=dtype or "float32", lazy=bool(distributed), adapter_path=adapter_path
+        )
         engine = cls(
             loaded.model,
             loaded.tokenizer,

@@ -277,6 +277,39 @@ def load_mlx_model(path: Path, *, lazy: bool = False) -> tuple[Any, dict[str, An
         raise MtplxError(f"{path}: cannot load model ({_first_line(e)})") from None
 
 
+ADAPTER_FILES = ("adapter_config.json", "adapters.safetensors")
+
+
+def check_adapter_dir(adapter_dir: Path) -> None:
+    if not adapter_dir.is_dir():
+        raise MtplxError(f"{adapter_dir}: adapter directory not found")
+    for name in ADAPTER_FILES:
+        if not (adapter_dir / name).is_file():
+            raise MtplxError(f"{adapter_dir}: not an mlx-lm adapter directory (no {name})")
+
+
+def apply_adapters(model: Any, adapter_dir: Path) -> None:
+    """mlx-lm's ``load_adapters`` on a checked directory, its failures as one-line MtplxErrors."""
+    from mlx_lm.tuner.utils import load_adapters
+
+    check_adapter_dir(adapter_dir)
+    try:
+        load_adapters(model, str(adapter_dir))
+    except json.JSONDecodeError as e:
+        raise MtplxError(f"{adapter_dir / 'adapter_config.json'}: not valid JSON ({e.msg})") from None
+    except (AttributeError, KeyError, TypeError) as e:  # a config without num_layers / lora_parameters
+        raise MtplxError(
+            f"{adapter_dir}: adapter_config.json lacks a LoRA setting ({_first_line(e)})"
+        ) from None
+    except ValueError as e:  # tensors the model has no place for, or of the wrong shape
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        detail = lines[1] if len(lines) > 1 else _first_line(e)
+        raise MtplxError(f"{adapter_dir}: adapters do not fit this model ({detail})") from None
+    except Exception as e:
+        raise MtplxError(f"{adapter_dir}: cannot load adapters ({_first_line(e)})") from None
+    model.eval()  # LoRA dropout is for training
+
+
 def load_model(
     spec: str | Path | None = None,
     *,
@@ -284,12 +317,20 @@ def load_model(
     cache_dir: str | Path | None = None,
     hub_cache: str | Path | None = None,
     lazy: bool = False,
+    adapter_path: str | Path | None = None,
 ) -> LoadedModel:
-    """Resolve ``spec`` and load it through mlx-lm: model, tokenizer wrapper, config, fingerprint."""
+    """Resolve ``spec`` and load it through mlx-lm: model, tokenizer wrapper, config, fingerprint.
+
+    ``adapter_path`` applies fine-tuned adapters written by ``mlx_lm.lora`` (LoRA, DoRA or a
+    full fine-tune of the last layers). The fingerprint stays the base model's: a head forged for
+    the base drafts for the adapted model too, and verification against the adapted model keeps
+    the output exact, whatever the adapter did to acceptance."""
     from mtplx.fingerprint import model_fingerprint, streamed_fingerprint
 
     from mlx_lm.utils import load_tokenizer
 
+    if adapter_path is not None:
+        check_adapter_dir(Path(adapter_path))  # before the (long) model load
     path = resolve_model(spec, variant=variant, cache_dir=cache_dir, hub_cache=hub_cache)
     model, config = load_mlx_model(path, lazy=lazy)
     try:
@@ -298,4 +339,6 @@ def load_model(
         raise MtplxError(f"{path}: cannot load tokenizer ({_first_line(e)})") from None
     # A lazy load stays lazy: fingerprint the files, not the (then materialized) parameters.
     fingerprint = streamed_fingerprint(path, model) if lazy else model_fingerprint(model)
+    if adapter_path is not None:
+        apply_adapters(model, Path(adapter_path))
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=path, fingerprint=fingerprint)

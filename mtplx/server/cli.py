@@ -59,6 +59,9 @@ def add_serve_args(parser) -> None:
         "--head", default=None, help="a forged MTP head directory (default: the model's own head)"
     )
     parser.add_argument("--dtype", choices=("float32", "q4"), default=None, help="build of the default model")
+    parser.add_argument(
+        "--adapter-path", default=None, help="fine-tuned adapters from mlx_lm.lora (a directory)"
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(
@@ -115,6 +118,7 @@ def serve_from_args(args) -> int:
         depth=args.depth,
         dtype=args.dtype,
         prompt_cache_bytes=cache_bytes,
+        adapter_path=args.adapter_path,
     )
     if args.mtp and not engine.has_head:
         raise MtplxError("--mtp: this model has no MTP head (use --no-mtp, or train one with `mtplx forge`)")
