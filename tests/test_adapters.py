@@ -33,28 +33,34 @@ TOKENS = 16
 LORA = {"rank": 8, "scale": 20.0, "dropout": 0.0}
 
 
-def write_adapter(model_dir: Path, out: Path, seed: int, num_layers: int = 4) -> Path:
+def write_adapter(model_dir: Path, out: Path, seed: int, kind: str = "lora", num_layers: int = 4) -> Path:
     """An adapter directory as `mlx_lm.lora` writes it, with trained-looking (non-zero) B."""
     model, _ = mlx_lm_load_model(model_dir)
-    linear_to_lora_layers(model, num_layers, LORA)
+    linear_to_lora_layers(model, num_layers, LORA, use_dora=kind == "dora")
     rng = np.random.default_rng(seed)
     adapters = {}
     for name, value in tree_flatten(model.parameters()):
         if name.endswith(".lora_b"):
             value = mx.array(rng.normal(0.0, 0.02, value.shape).astype(np.float32))
-        if name.endswith((".lora_a", ".lora_b")):
+        if name.endswith((".lora_a", ".lora_b", ".m")):  # m: DoRA's magnitudes
             adapters[name] = value
     out.mkdir(parents=True)
     mx.save_safetensors(str(out / "adapters.safetensors"), adapters)
-    config = {"fine_tune_type": "lora", "num_layers": num_layers, "lora_parameters": LORA}
+    config = {"fine_tune_type": kind, "num_layers": num_layers, "lora_parameters": LORA}
     (out / "adapter_config.json").write_text(json.dumps(config))
     return out
 
 
-@pytest.fixture(scope="module", params=[SEEDS[0], SEEDS[2]])  # a fixed and a fresh adapter
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param((0, "lora"), id="lora-seed0"),
+        pytest.param((SEEDS[2].values[0], "dora"), id="dora-fresh"),
+    ],
+)
 def adapter_dir(request, tmp_path_factory, default_model_dir) -> Path:
-    seed = resolve(request.param)
-    return write_adapter(default_model_dir, tmp_path_factory.mktemp(f"adapter-{seed}") / "lora", seed)
+    seed, kind = resolve(request.param[0]), request.param[1]
+    return write_adapter(default_model_dir, tmp_path_factory.mktemp(f"adapter-{seed}") / kind, seed, kind)
 
 
 def mlx_lm_greedy(model_dir: Path, adapter: Path | None) -> list[int]:
