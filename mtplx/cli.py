@@ -527,6 +527,7 @@ _FORGE_FLAGS = (
 
 def _add_forge_args(frg: argparse.ArgumentParser) -> None:
     from mtplx.forge_config import DEFAULT_FORGE_CONFIG as d
+    from mtplx.forge_config import FINE_TUNE_LR, SCRATCH_LR
 
     frg.add_argument("--model", help="local path or Hugging Face repo id (default: the embedded model)")
     frg.add_argument("--out", dest="out_dir", help=f"output head directory (default {d.out_dir})")
@@ -543,7 +544,11 @@ def _add_forge_args(frg: argparse.ArgumentParser) -> None:
     frg.add_argument("--steps", type=int, help=f"training steps (default {d.steps})")
     frg.add_argument("--depth", type=int, help=f"draft steps unrolled in training (default {d.depth})")
     frg.add_argument("--batch-size", type=int, help=f"sequences per step (default {d.batch_size})")
-    frg.add_argument("--lr", type=float, help=f"peak learning rate (default {d.lr})")
+    frg.add_argument(
+        "--lr",
+        type=float,
+        help=f"peak learning rate (default {SCRATCH_LR:g}; {FINE_TUNE_LR:g} with --init-head)",
+    )
     frg.add_argument("--init-head", help="start from this forged head of the same model (default: none)")
     frg.add_argument(
         "--head-layers",

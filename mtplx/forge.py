@@ -342,8 +342,9 @@ def weighted_loss(losses: Sequence[mx.array], weights: Sequence[float]) -> mx.ar
 
 def lr_schedule(cfg: ForgeConfig, steps: int) -> Callable[[mx.array], mx.array]:
     warmup = max(min(cfg.warmup, steps // 4), 1)
-    warm = optim.linear_schedule(cfg.lr * 0.01, cfg.lr, warmup)
-    decay = optim.cosine_decay(cfg.lr, max(steps - warmup, 1), cfg.lr * 0.1)
+    peak = cfg.peak_lr
+    warm = optim.linear_schedule(peak * 0.01, peak, warmup)
+    decay = optim.cosine_decay(peak, max(steps - warmup, 1), peak * 0.1)
     return optim.join_schedules([warm, decay], [warmup])
 
 
@@ -719,7 +720,7 @@ def _ckpt_dir(cfg: ForgeConfig, run_dir: Path, rows: int, init_sha: str | None) 
             cfg.steps,
             cfg.batch_size,
             cfg.max_epochs,
-            cfg.lr,
+            cfg.peak_lr,
             cfg.warmup,
             cfg.weight_decay,
             cfg.seed,
@@ -912,7 +913,12 @@ def forge(config: ForgeConfig = DEFAULT_FORGE_CONFIG, **overrides: Any) -> Forge
         "objective": f"KL(p_trunk || q_head) over teacher top-{cfg.top_n} + rest mass, response tokens only, "
         f"draft chain unrolled {cfg.depth} steps with weights {list(cfg.step_weights[: cfg.depth])}",
         "recipe": {
-            k: v for k, v in asdict(cfg).items() if k not in ("out_dir", "work_dir", "progress", "overwrite")
+            **{
+                k: v
+                for k, v in asdict(cfg).items()
+                if k not in ("out_dir", "work_dir", "progress", "overwrite")
+            },
+            "lr": cfg.peak_lr,
         },
         "init_head_weights_sha256": init_sha,
         "data": {

@@ -19,6 +19,7 @@ from mtplx.forge import (
     evaluate_acceptance,
     forge,
     frequent_ids,
+    lr_schedule,
     make_batch,
     parse_budget,
     position_ce,
@@ -489,6 +490,27 @@ def test_cli_and_library_defaults_are_the_same_object() -> None:
         _build_parser().parse_args(["forge", "--budget", "45m", "--depth", "2", "--head-layers", "2"])
     )
     assert given == ForgeConfig(budget="45m", depth=2, head_layers=2)
+
+
+def test_the_default_peak_lr_is_lower_for_a_fine_tune_and_an_explicit_one_wins() -> None:
+    from mtplx.cli import _build_parser, forge_config
+    from mtplx.forge_config import FINE_TUNE_LR, SCRATCH_LR
+
+    assert FINE_TUNE_LR < SCRATCH_LR
+    assert DEFAULT_FORGE_CONFIG.peak_lr == SCRATCH_LR
+    tuned = forge_config(_build_parser().parse_args(["forge", "--init-head", "h"]))
+    assert tuned.peak_lr == FINE_TUNE_LR
+    explicit = forge_config(_build_parser().parse_args(["forge", "--init-head", "h", "--lr", "3e-4"]))
+    assert explicit.peak_lr == 3e-4
+    # The schedule peaks at the resolved rate (warm-up, then cosine decay to a tenth).
+    steps = 200
+    rates = [float(lr_schedule(tuned, steps)(mx.array(i))) for i in range(steps)]
+    assert max(rates) == pytest.approx(FINE_TUNE_LR) and rates[-1] == pytest.approx(
+        FINE_TUNE_LR / 10, rel=0.05
+    )
+    for bad in (0.0, -1e-3):
+        with pytest.raises(MtplxError, match="lr must be positive"):
+            ForgeConfig(lr=bad)
 
 
 def test_budget_is_a_time_or_a_token_count() -> None:
