@@ -26,7 +26,7 @@ from mlx_lm import stream_generate
 from mlx_lm.tuner.utils import linear_to_lora_layers
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
-from tests.seeds import SEEDS, resolve
+from tests.seeds import FRESH, resolve
 
 PROMPT = "The three most useful Python data structures are"
 TOKENS = 16
@@ -55,7 +55,7 @@ def write_adapter(model_dir: Path, out: Path, seed: int, kind: str = "lora", num
     scope="module",
     params=[
         pytest.param((0, "lora"), id="lora-seed0"),
-        pytest.param((SEEDS[2].values[0], "dora"), id="dora-fresh"),
+        pytest.param((FRESH, "dora"), id="dora-fresh"),
     ],
 )
 def adapter_dir(request, tmp_path_factory, default_model_dir) -> Path:
