@@ -7,7 +7,7 @@ recorded plain-AR trajectory a deterministic drafter keeps exactly the common pr
 block and the text, at any temperature, and each drafter can be replayed without running the
 trunk again. Replayed here, per suite prompt and setting (greedy; t 0.7 / top-p 0.95):
 
-* ``head``: the shipped head's first draft at depth 1, as its argmax (the engine's
+* ``head``: the loaded head's first draft at depth 1 (stored with the trajectories), as its argmax (the engine's
   ``greedy_draft`` mode; at t 0.7 the default sampled head draft differs slightly);
 * ``lookup`` and ``auto``: the engine's own `LookupProposer` (default config, adaptive blocks)
   and auto's rule (lookup when a suffix matches, else the head);
