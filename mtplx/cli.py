@@ -107,9 +107,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="build of the embedded default model (default float32, the faster one on CPU)",
     )
-    parser.add_argument(
-        "--adapter-path", default=None, help="fine-tuned adapters from mlx_lm.lora (a directory)"
-    )
+    _typed(parser, "--adapter-path", default=None, help="fine-tuned adapters from mlx_lm.lora (a directory)")
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -308,11 +306,6 @@ def load_engine(args: argparse.Namespace, *, quiet: bool = False, prompt_cache_b
     """The engine `generate` and `chat` run on; notes on stderr unless ``quiet``."""
     from mtplx.engine import Engine
 
-    distributed = _distributed_mode(args)
-    if distributed and args.adapter_path is not None:
-        raise MtplxError(
-            "--adapter-path: not supported with --distributed; merge the adapters first (mlx_lm.fuse)"
-        )
     engine = Engine.load(
         args.model,
         head=args.head,
@@ -320,7 +313,7 @@ def load_engine(args: argparse.Namespace, *, quiet: bool = False, prompt_cache_b
         depth=args.depth,
         dtype=args.dtype,
         prompt_cache_bytes=prompt_cache_bytes,
-        distributed=distributed,
+        distributed=_distributed_mode(args),
         collective_timeout=getattr(args, "collective_timeout", None),
         draft_model=getattr(args, "draft_model", None),
         adapter_path=args.adapter_path,
