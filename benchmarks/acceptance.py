@@ -33,9 +33,9 @@ import sys
 from pathlib import Path
 
 import mtplx  # noqa: F401  (optimized BLAS before mlx)
-from mtplx.engine import Engine
-from mtplx.forge import evaluate_acceptance
-from mtplx.forge_prompts import read_held_out
+from mtplx.engine.engine import Engine
+from mtplx.forge.prompts import read_held_out
+from mtplx.forge.run import evaluate_acceptance
 
 import numpy as np
 

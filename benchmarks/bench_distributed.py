@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", default="Write a Python function that reverses a string.")
     args = parser.parse_args(argv)
 
-    from mtplx.engine import Engine
+    from mtplx.engine.engine import Engine
     from mtplx.heads.base import model_args_of
 
     engine = Engine.load(args.model, head=args.head, distributed=args.mode)

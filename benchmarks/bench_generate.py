@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_generate.py --tokens 256 --repeats 3 --depths 1-4
 
-The same thing as `mtplx bench`; all the logic lives in `mtplx/bench.py` (see its
+The same thing as `mtplx bench`; all the logic lives in `mtplx/bench/run.py` (see its
 docstring for how runs are timed and made equal in length). Prints a markdown
 table; writes a JSON file and a PNG (``--json``, ``--plot``), only when the sweep
 completes (Ctrl-C leaves no half-written files).
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from mtplx.cli import main
+from mtplx.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main(["bench", *sys.argv[1:]]))

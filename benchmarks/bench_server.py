@@ -61,7 +61,7 @@ class Server:
         env.pop("MTPLX_API_KEY", None)
         self.log = open(Path(tempfile.gettempdir()) / f"mtplx-bench-server-{self.port}.log", "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mtplx.cli", "serve", "--port", str(self.port), *flags],
+            [sys.executable, "-m", "mtplx.cli.main", "serve", "--port", str(self.port), *flags],
             stdout=self.log,
             stderr=subprocess.STDOUT,
             env=env,
@@ -130,7 +130,7 @@ def _messages(question: str) -> list[dict]:
 
 
 def bench_decode(server: Server, rounds: int, max_tokens: int) -> dict:
-    from mtplx.engine import Engine
+    from mtplx.engine.engine import Engine
 
     engine = Engine.load()
     pairs = []

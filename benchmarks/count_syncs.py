@@ -18,9 +18,9 @@ import mlx.core as mx
 from loop_models import make_loop_pair
 from sync_counter import counting_syncs
 
-from mtplx import decode
-from mtplx import verify as verify_ops
-from mtplx.config import SamplerConfig
+from mtplx.spec_decode import loop as decode
+from mtplx.sample import rejection as verify_ops
+from mtplx.sample.params import SamplerConfig
 
 PROMPT = [1, 2, 0, 2, 1, 0, 2]
 CYCLES = 10

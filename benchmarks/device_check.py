@@ -8,10 +8,10 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 import mtplx  # noqa: F401  (before mlx)
-from mtplx import kernels as K
-from mtplx import kernels_emulation as E
-from mtplx import verify as V
-from mtplx.config import SamplerConfig
+from mtplx.sample import emulation as E
+from mtplx.sample import kernels as K
+from mtplx.sample import rejection as V
+from mtplx.sample.params import SamplerConfig
 
 import _kernel_ref as ref
 import mlx.core as mx

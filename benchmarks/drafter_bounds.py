@@ -35,11 +35,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import mtplx  # noqa: F401  (optimized BLAS before mlx)
-from mtplx import bench
-from mtplx.drafters.base import CycleOutcome
-from mtplx.drafters.lookup import LookupConfig, LookupProposer, point_mass_draft
-from mtplx.engine import Engine
+from mtplx.bench import run as bench
+from mtplx.engine.engine import Engine
 from mtplx.io import atomic_write
+from mtplx.spec_decode.lookup_proposer import LookupConfig, LookupProposer, point_mass_draft
+from mtplx.spec_decode.proposer import CycleOutcome
 
 import mlx.core as mx
 import numpy as np

@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 
 import mtplx  # noqa: F401  (BLAS before mlx)
-from mtplx import bench
-from mtplx.engine import Engine
+from mtplx.bench import run as bench
+from mtplx.engine.engine import Engine
 from mtplx.io import atomic_write
 
 OUT = "benchmarks/results/drafters-grounded-cpu.json"

@@ -36,8 +36,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import mtplx  # noqa: F401  (optimized BLAS before mlx)
-from mtplx.engine import Engine
-from mtplx.forge import (
+from mtplx.engine.engine import Engine
+from mtplx.forge.prompts import read_held_out
+from mtplx.forge.record import ForgeData, load_shards
+from mtplx.forge.run import (
     DEFAULT_FORGE_CONFIG,
     batch_rows,
     build_head,
@@ -46,12 +48,10 @@ from mtplx.forge import (
     init_from_head,
     train_head,
 )
-from mtplx.forge_gen import ForgeData, load_shards
-from mtplx.forge_prompts import read_held_out
 from mtplx.heads.base import build_layer_like, model_args_of
 from mtplx.heads.forged import ForgedMTPHead, load_forged_head
 from mtplx.io import atomic_write
-from mtplx.trunk import Trunk, TrunkOutput
+from mtplx.trunk.model import Trunk, TrunkOutput
 
 import mlx.core as mx
 import mlx.nn as nn

@@ -19,11 +19,11 @@ import json
 from pathlib import Path
 
 import mtplx  # noqa: F401  (optimized BLAS before mlx)
-from mtplx.forge import DEFAULT_FORGE_CONFIG, build_head, evaluate_acceptance, init_from_head
-from mtplx.forge_gen import load_shards
+from mtplx.checkpoints.load import load_model
+from mtplx.forge.record import load_shards
+from mtplx.forge.run import DEFAULT_FORGE_CONFIG, build_head, evaluate_acceptance, init_from_head
 from mtplx.io import atomic_write
-from mtplx.loading import load_model
-from mtplx.trunk import Trunk
+from mtplx.trunk.model import Trunk
 
 import mlx.core as mx
 

@@ -18,8 +18,9 @@ import argparse
 import json
 from pathlib import Path
 
-from mtplx import heads, loading
-from mtplx.engine import Engine
+from mtplx import resources
+from mtplx.checkpoints import load as loading
+from mtplx.engine.engine import Engine
 from mtplx.heads import forged
 
 import mlx.core as mx
@@ -110,7 +111,7 @@ def main() -> None:
     ids = float_head.vocab_ids if float_head.vocab_ids is not None else mx.arange(engine.trunk.vocab_size)
     targets = trunk_rows(engine, [engine.encode_prompt(t)[: args.prompt_tokens] for t in texts], ids)
     print("trunk rows", flush=True)
-    head_dir = heads.shipped_head_dir(loading.DEFAULT_MODEL_NAME)
+    head_dir = resources.shipped_head_dir(loading.DEFAULT_MODEL_NAME)
     fingerprint = loading.load_model(None, variant="float32", lazy=True).fingerprint
 
     def fresh() -> nn.Module:  # each variant quantizes its own copy of the shipped float head

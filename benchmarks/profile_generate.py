@@ -28,9 +28,9 @@ from collections import defaultdict
 from contextlib import contextmanager
 
 import mtplx  # noqa: F401  (optimized BLAS before mlx)
-from mtplx import bench
-from mtplx import cache as cache_ops
-from mtplx import verify as verify_ops
+from mtplx.bench import run as bench
+from mtplx.sample import rejection as verify_ops
+from mtplx.trunk import rollback as cache_ops
 
 import mlx.core as mx
 
@@ -198,7 +198,7 @@ def isolated_costs(engine, depth: int, context: int, repeats: int) -> dict[str, 
 
 
 def bench_cfg(temp: float, top_p: float = 1.0):
-    from mtplx.config import SamplerConfig
+    from mtplx.sample.params import SamplerConfig
 
     return SamplerConfig(temperature=temp, top_p=top_p)
 
@@ -222,11 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
-    from mtplx.engine import Engine
+    from mtplx.engine.engine import Engine
 
     engine = Engine.load(args.model, head=args.head, depth=args.depth)
     if args.untrained_head:
-        from mtplx.forge import build_head
+        from mtplx.forge.run import build_head
 
         engine.head = build_head(engine.trunk, "post_norm")
     if engine.head is None:

@@ -16,8 +16,8 @@ import statistics
 import time
 
 import mtplx  # noqa: F401  (optimized BLAS before mlx)
+from mtplx.sample.rejection import draw_uniforms, filtered_probs, verify
 from mtplx.sampling import SamplerConfig
-from mtplx.verify import draw_uniforms, filtered_probs, verify
 
 import mlx.core as mx
 import numpy as np

@@ -7,13 +7,13 @@ BLAS = load_optimized_blas()
 
 __version__ = "0.1.0"
 
-from mtplx.config import SamplerConfig  # noqa: E402
+from mtplx.sample.params import SamplerConfig  # noqa: E402
 
 
 def __getattr__(name: str):
     # The engine pulls in mlx-lm; keep `import mtplx` cheap for tools that only need sampling.
     if name in ("Engine", "GenerationResult", "GenerationChunk", "MtplxError"):
-        from mtplx import engine
+        from mtplx.engine import engine
 
         return getattr(engine, name)
     raise AttributeError(f"module 'mtplx' has no attribute {name!r}")

@@ -2,6 +2,6 @@
 
 import sys
 
-from mtplx.cli import main
+from mtplx.cli.main import main
 
 sys.exit(main())

@@ -2,7 +2,7 @@
 
 A write goes to a hidden temp file beside the target and is renamed onto it
 only on success, so an error or Ctrl-C mid-write leaves the old file or
-nothing, never half a file. (Directories, as in `mtplx.convert`, are swapped
+nothing, never half a file. (Directories, as in `mtplx.checkpoints.convert_gguf`, are swapped
 with their own rename dance.) Imports the standard library only.
 """
 

@@ -10,7 +10,7 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
 # `import mtplx` first: it loads the optimized BLAS before any test module imports MLX.
 import mtplx  # noqa: E402, F401
 
-# --- default model (mtplx.loading); shared by every test that needs a real trunk ---
+# --- default model (mtplx.checkpoints.load); shared by every test that needs a real trunk ---
 import pytest as _pytest_default_model
 
 
@@ -21,6 +21,6 @@ def default_model_dir():
     Uses the normal cache (~/.cache/mtplx or $MTPLX_CACHE), so it converts once per
     machine, not once per test session.
     """
-    from mtplx.loading import default_model_dir as _default_model_dir
+    from mtplx.checkpoints.load import default_model_dir as _default_model_dir
 
     return _default_model_dir("float32")

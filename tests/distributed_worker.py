@@ -20,10 +20,10 @@ import time
 from pathlib import Path
 
 import mtplx  # noqa: F401  (BLAS before mlx)
-from mtplx import decode
-from mtplx.config import SamplerConfig
-from mtplx.engine import Engine
+from mtplx.engine.engine import Engine
 from mtplx.errors import MtplxError
+from mtplx.sample.params import SamplerConfig
+from mtplx.spec_decode import loop as decode
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache

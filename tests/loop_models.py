@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.heads.qwen3_next import Qwen3NextMTPHead
-from mtplx.trunk import Trunk
+from mtplx.trunk.model import Trunk
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten

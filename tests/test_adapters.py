@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 
 import mtplx  # noqa: F401  (optimized BLAS before mlx)
-from mtplx.engine import Engine
+from mtplx.checkpoints.load import load_model
+from mtplx.engine.engine import Engine
 from mtplx.errors import MtplxError
-from mtplx.loading import load_model
 
 import mlx.core as mx
 import numpy as np

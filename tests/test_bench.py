@@ -1,4 +1,4 @@
-"""mtplx.bench and mtplx.tune: reports, formulas, bad input, interruption, the tune config.
+"""mtplx.bench.run and mtplx.bench.tune: reports, formulas, bad input, interruption, the tune config.
 
 Fast: a fake engine (scripted chunks and stats) for the bookkeeping, and one real
 sweep on a tiny random llama + head with a character-level tokenizer. Nothing here
@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import mtplx  # noqa: F401  (BLAS before mlx)
-from mtplx import bench, tune, tuned
+from mtplx.bench import run as bench
+from mtplx.bench import tune
+from mtplx.engine import tuned
 from mtplx.errors import MtplxError
 from mtplx.io import atomic_write
 
@@ -424,7 +426,7 @@ def _char_tokenizer():
 
 @pytest.fixture(scope="module")
 def tiny_engine():
-    from mtplx.engine import Engine
+    from mtplx.engine.engine import Engine
     from mtplx.heads.qwen3_next import Qwen3NextMTPHead
 
     import mlx.core as mx

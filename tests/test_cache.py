@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from mtplx import cache as cache_ops  # noqa: E402
+from mtplx.trunk import rollback as cache_ops  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 import tiny_models  # noqa: E402  (imports mtplx before mlx)

@@ -1,7 +1,7 @@
 """The command line as a user drives it: real subprocesses of `python -m mtplx`, the default model.
 
 Covers mlx-lm's flag spellings, error messages that name the flag typed (no traceback,
-non-zero exit, the subcommand's usage; each flag checked through ``mtplx.cli.main`` in-process,
+non-zero exit, the subcommand's usage; each flag checked through ``mtplx.cli.main.main`` in-process,
 the entry point itself by one real subprocess per kind of error), the stats lines, `inspect` without argument,
 `chat` through a scripted stdin session, `doctor`, first-use conversion status, and
 Hugging Face repo ids in offline mode / without a reachable Hub.
@@ -45,13 +45,13 @@ def _cli(*args: str, stdin: str | None = None, **env: str) -> subprocess.Complet
 
 
 def _main(*args: str) -> subprocess.CompletedProcess:
-    """`mtplx ARGS` through ``mtplx.cli.main`` in this process: what a subprocess would print and
+    """`mtplx ARGS` through ``mtplx.cli.main.main`` in this process: what a subprocess would print and
     return, without paying a Python start and the imports for each check of a flag. Any exception
     other than argparse's exit escapes and fails the test (a subprocess would print a traceback)."""
     import contextlib
     import io
 
-    from mtplx.cli import main
+    from mtplx.cli.main import main
 
     stdout, stderr = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
@@ -243,7 +243,7 @@ def test_inspect_with_a_head_forged_for_other_weights_is_not_mtp_ready(tmp_path)
     manifest["trunk_fingerprint"] = "0123456789abcdef"
     (head / "manifest.json").write_text(json.dumps(manifest))
     (head / "head.safetensors").symlink_to(shipped / "head.safetensors")
-    from mtplx.inspect import format_inspection, inspect_model
+    from mtplx.checkpoints.inspect import format_inspection, inspect_model
 
     info = inspect_model(head=head)  # in-process: the CLI path is covered above; this is the negative control
     assert info["verdict"] == "AR-only" and info["head"]["fits"] == []
@@ -374,9 +374,9 @@ def test_first_use_conversion_says_so_on_stderr(tmp_path):
 
 
 def test_conversion_reports_progress_per_tensor(tmp_path):
-    from mtplx.convert import convert_gguf
-    from mtplx.gguf import read_gguf
-    from mtplx.loading import default_gguf_path
+    from mtplx.checkpoints.convert_gguf import convert_gguf
+    from mtplx.checkpoints.gguf import read_gguf
+    from mtplx.checkpoints.load import default_gguf_path
 
     seen: list[tuple[int, int]] = []
     convert_gguf(

@@ -1,4 +1,4 @@
-"""mtplx.compat: the installed mlx-lm passes the layout check, and each changed layout fails it loudly."""
+"""mtplx.trunk.compat: the installed mlx-lm passes the layout check, and each changed layout fails it loudly."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import re
 from pathlib import Path
 
 import mtplx  # noqa: F401  (BLAS before mlx)
-from mtplx import compat
 from mtplx.errors import MtplxError
+from mtplx.trunk import compat
 
 import mlx.core as mx
 import pytest

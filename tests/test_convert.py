@@ -8,10 +8,10 @@ import struct
 from pathlib import Path
 
 import mtplx  # noqa: F401  (optimized BLAS before mlx)
-from mtplx.convert import convert_gguf, convert_weights
+from mtplx.checkpoints.convert_gguf import convert_gguf, convert_weights
+from mtplx.checkpoints.gguf import GGML_F16, GGML_F32, GGML_Q4_0, GGML_Q4_1, GGML_Q8_0, read_gguf, write_gguf
+from mtplx.checkpoints.load import default_gguf_path
 from mtplx.errors import MtplxError
-from mtplx.gguf import GGML_F16, GGML_F32, GGML_Q4_0, GGML_Q4_1, GGML_Q8_0, read_gguf, write_gguf
-from mtplx.loading import default_gguf_path
 
 import mlx.core as mx
 import numpy as np

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx import cli
-from mtplx.convert_hf import HEAD_FILE, convert_hf
+from mtplx.checkpoints.convert_hf import HEAD_FILE, convert_hf
 from mtplx.errors import MtplxError
 from mtplx.heads import MissingHeadError, load_head
-from mtplx.trunk import Trunk
+from mtplx.trunk.model import Trunk
 
 import mlx.core as mx
 import mlx.nn as nn

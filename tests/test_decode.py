@@ -6,10 +6,10 @@ from __future__ import annotations
 import os
 
 import mtplx  # noqa: F401  (BLAS before mlx)
-from mtplx import cache as cache_ops
-from mtplx import decode
-from mtplx import verify as verify_ops
+from mtplx.sample import rejection as verify_ops
 from mtplx.sampling import SamplerConfig, distribution_from_logits
+from mtplx.spec_decode import loop as decode
+from mtplx.trunk import rollback as cache_ops
 
 import mlx.core as mx
 import numpy as np
@@ -295,7 +295,7 @@ def test_chi_square_rejects_a_loop_that_commits_the_rejected_draft(monkeypatch):
 def test_greedy_identity_with_each_familys_checkpoint_head(family, depth, tmp_path):
     """Tiny random checkpoints in real HF layout, head loaded through the user's code path."""
     from mtplx.heads import load_head
-    from mtplx.trunk import Trunk
+    from mtplx.trunk.model import Trunk
 
     import tiny_checkpoints
     from mlx_lm.utils import load_model as mlx_load_model

@@ -21,9 +21,11 @@ from dataclasses import asdict
 from pathlib import Path
 
 import mtplx  # noqa: F401  (BLAS before mlx)
-from mtplx import MtplxError, distributed, loading
-from mtplx.engine import Engine
-from mtplx.fingerprint import model_fingerprint
+from mtplx import MtplxError
+from mtplx.checkpoints import load as loading
+from mtplx.checkpoints.fingerprint import model_fingerprint
+from mtplx.engine import distributed
+from mtplx.engine.engine import Engine
 from mtplx.heads.forged import build_forged_head, save_forged_head
 
 import mlx.core as mx
@@ -256,7 +258,7 @@ def test_default_model_lazy_fingerprint_matches(default_model_dir):
 
 
 def test_a_model_without_any_sharding_mode_is_named():
-    from mtplx.trunk import Trunk
+    from mtplx.trunk.model import Trunk
 
     from tiny_models import tiny_gemma3
 

@@ -8,15 +8,15 @@ import os
 import random
 
 import mtplx  # noqa: F401  (BLAS before mlx)
-from mtplx import decode
-from mtplx import verify as verify_ops
-from mtplx.drafters import draft_model as draft_model_module
-from mtplx.drafters.auto import AutoProposer
-from mtplx.drafters.draft_model import DraftModelProposer
-from mtplx.drafters.head import HeadProposer
-from mtplx.drafters.lookup import LookupConfig, LookupProposer, NgramIndex
 from mtplx.errors import MtplxError
+from mtplx.sample import rejection as verify_ops
 from mtplx.sampling import SamplerConfig
+from mtplx.spec_decode import draft_model_proposer as draft_model_module
+from mtplx.spec_decode import loop as decode
+from mtplx.spec_decode.auto_proposer import AutoProposer
+from mtplx.spec_decode.draft_model_proposer import DraftModelProposer
+from mtplx.spec_decode.head_proposer import HeadProposer
+from mtplx.spec_decode.lookup_proposer import LookupConfig, LookupProposer, NgramIndex
 
 import mlx.core as mx
 import numpy as np
@@ -380,8 +380,8 @@ CODE_EDIT_PROMPT = (
 @pytest.fixture(scope="module")
 def plain_engine(default_model_dir):
     """The default model without a head, with itself as the draft model (same tokenizer)."""
-    from mtplx import loading
-    from mtplx.engine import Engine
+    from mtplx.checkpoints import load as loading
+    from mtplx.engine.engine import Engine
 
     loaded = loading.load_model(default_model_dir)
     engine = Engine(loaded.model, loaded.tokenizer, loaded.config, fingerprint=loaded.fingerprint, depth=3)
@@ -444,7 +444,7 @@ def test_draft_model_kind_without_a_draft_model_is_refused(plain_engine):
 def test_draft_models_with_another_tokenizer_or_vocabulary_are_refused(
     plain_engine, default_model_dir, tmp_path
 ):
-    from mtplx.drafters.draft_model import check_compatible
+    from mtplx.spec_decode.draft_model_proposer import check_compatible
 
     tokenizer = plain_engine.tokenizer
     vocab = draft_model_module.real_vocab_size(tokenizer)
@@ -508,7 +508,7 @@ def test_one_host_sync_per_cycle_with_every_drafter(kind, temperature):
 def test_checkpoint_restores_every_cache_kind_after_several_forwards(family):
     """A draft model's rollback: after one-token forwards past a checkpoint (a rotating window
     wraps here), abort_block leaves the cache equal to one that never saw them."""
-    from mtplx import cache as cache_ops
+    from mtplx.trunk import rollback as cache_ops
 
     import tiny_models
 

@@ -7,10 +7,11 @@ import subprocess
 import sys
 
 import mtplx  # noqa: F401  (BLAS before mlx)
-from mtplx import MtplxError, loading
-from mtplx.engine import Engine
+from mtplx import MtplxError
+from mtplx.checkpoints import load as loading
+from mtplx.engine.engine import Engine
 from mtplx.heads.forged import build_forged_head
-from mtplx.trunk import Trunk
+from mtplx.trunk.model import Trunk
 
 import mlx.core as mx
 import pytest
@@ -141,7 +142,11 @@ def test_mtp_without_a_head_is_refused_with_advice(engine):
 
 def _cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "mtplx.cli", *args], capture_output=True, text=True, input=stdin, timeout=300
+        [sys.executable, "-m", "mtplx", *args],
+        capture_output=True,
+        text=True,
+        input=stdin,
+        timeout=300,
     )
 
 
@@ -172,7 +177,7 @@ def test_cli_json_and_stdin():
     ],
 )
 def test_cli_bad_input_is_one_line_no_traceback(args, needle, capsys):
-    from mtplx.cli import main
+    from mtplx.cli.main import main
 
     # main() in-process (an exception would fail the test); the test below runs the module itself.
     assert main(args) != 0
@@ -196,7 +201,7 @@ def test_cli_ctrl_c_stops_cleanly_and_still_prints_stats():
         [
             sys.executable,
             "-m",
-            "mtplx.cli",
+            "mtplx",
             "generate",
             "Tell me a long story about a dragon.",
             "--max-tokens",

@@ -8,7 +8,17 @@ from pathlib import Path
 
 import mtplx  # noqa: F401  (optimized BLAS before mlx)
 from mtplx.errors import MtplxError
-from mtplx.forge import (
+from mtplx.forge.prompts import KINDS, Prompt, check_held_out, default_prompts, drop_held_out
+from mtplx.forge.record import (
+    ForgeData,
+    Setting,
+    ShardPlan,
+    drop_empty_rows,
+    generate_batch,
+    generate_shards,
+    load_shards,
+)
+from mtplx.forge.run import (
     DEFAULT_FORGE_CONFIG,
     Budget,
     ForgeConfig,
@@ -27,18 +37,8 @@ from mtplx.forge import (
     unrolled_step_losses,
     weighted_loss,
 )
-from mtplx.forge_gen import (
-    ForgeData,
-    Setting,
-    ShardPlan,
-    drop_empty_rows,
-    generate_batch,
-    generate_shards,
-    load_shards,
-)
-from mtplx.forge_prompts import KINDS, Prompt, check_held_out, default_prompts, drop_held_out
 from mtplx.heads.forged import MANIFEST, lm_head_matrix, load_forged_head, save_forged_head
-from mtplx.trunk import Trunk
+from mtplx.trunk.model import Trunk
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -243,7 +243,7 @@ def test_unrolled_step_matches_a_step_by_step_reference(
             np.asarray(flat_u[k]), np.asarray(flat_r[k]), rtol=2e-3, atol=2e-5, err_msg=k
         )
     # Negative control: an unrolled chain that forgets its own chain entries (plain causal mask) differs.
-    from mtplx import forge as forge_mod
+    from mtplx.forge import run as forge_mod
 
     original = forge_mod.UnrollCache.make_mask
     forge_mod.UnrollCache.make_mask = lambda self, n, **_: mx.concatenate(
@@ -360,7 +360,7 @@ def test_sidecar_round_trip_max_depth_and_fingerprint_refusal(
 def test_a_deeper_head_starts_as_the_one_layer_head_and_learns_its_extra_layer(
     trunk: Trunk, data: ForgeData, tmp_path: Path
 ) -> None:
-    from mtplx.forge import init_from_head
+    from mtplx.forge.run import init_from_head
 
     one = build_head(trunk, "pre_norm")
     train_head(_cfg(tmp_path, steps=5), trunk, one, data, None, tmp_path / "ckpt1")
@@ -478,7 +478,7 @@ def test_default_prompts_are_half_raw_continuations(tmp_path: Path) -> None:
 
 
 def test_cli_and_library_defaults_are_the_same_object() -> None:
-    from mtplx.cli import _build_parser, forge_config
+    from mtplx.cli.main import _build_parser, forge_config
 
     args = _build_parser().parse_args(["forge"])
     assert args.forge_defaults is DEFAULT_FORGE_CONFIG
@@ -493,8 +493,8 @@ def test_cli_and_library_defaults_are_the_same_object() -> None:
 
 
 def test_the_default_peak_lr_is_lower_for_a_fine_tune_and_an_explicit_one_wins() -> None:
-    from mtplx.cli import _build_parser, forge_config
-    from mtplx.forge_config import FINE_TUNE_LR, SCRATCH_LR
+    from mtplx.cli.main import _build_parser, forge_config
+    from mtplx.forge.config import FINE_TUNE_LR, SCRATCH_LR
 
     assert FINE_TUNE_LR < SCRATCH_LR
     assert DEFAULT_FORGE_CONFIG.peak_lr == SCRATCH_LR
@@ -525,8 +525,8 @@ def test_budget_is_a_time_or_a_token_count() -> None:
 
 
 def test_forge_end_to_end_on_a_user_model_and_prompts(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    from mtplx.cli import main
-    from mtplx.engine import Engine
+    from mtplx.cli.main import main
+    from mtplx.engine.engine import Engine
 
     from forge_helpers import tiny_model_dir
 
@@ -644,7 +644,7 @@ def test_bad_input_is_refused_before_any_work(tmp_path: Path) -> None:
 
 
 def test_nucleus_sampling_draws_only_inside_the_top_p_set() -> None:
-    from mtplx.forge_gen import _sample
+    from mtplx.forge.record import _sample
 
     rng = np.random.default_rng()
     logits = rng.normal(size=(4, VOCAB)) * 2.0
@@ -674,7 +674,7 @@ def test_nucleus_sampling_draws_only_inside_the_top_p_set() -> None:
 def test_a_time_budget_fixes_the_step_count_once(trunk: Trunk, data: ForgeData, tmp_path: Path) -> None:
     import time
 
-    from mtplx.forge import _planned_steps, seconds_per_step
+    from mtplx.forge.run import _planned_steps, seconds_per_step
 
     cfg = _cfg(tmp_path, budget="10m", depth=2)
     per_step = seconds_per_step(cfg, trunk, build_head(trunk, "pre_norm"), data, Objective.build(trunk, None))

@@ -14,13 +14,13 @@ import types
 from pathlib import Path
 
 import mtplx  # noqa: F401  (BLAS before mlx)
-from mtplx import cache as cache_ops
-from mtplx import decode
-from mtplx import verify as verify_ops
 from mtplx.errors import MtplxError
 from mtplx.heads import gemma4_assistant as ga
+from mtplx.sample import rejection as verify_ops
 from mtplx.sampling import SamplerConfig
-from mtplx.trunk import Trunk
+from mtplx.spec_decode import loop as decode
+from mtplx.trunk import rollback as cache_ops
+from mtplx.trunk.model import Trunk
 
 import mlx.core as mx
 import numpy as np
@@ -451,7 +451,7 @@ def test_the_assistant_is_found_beside_the_target_and_in_the_hub_cache(tmp_path)
 
 
 def test_engine_loads_the_assistant_beside_a_gemma_target_and_refuses_forced_mtp_without_one(tmp_path):
-    from mtplx.engine import Engine
+    from mtplx.engine.engine import Engine
 
     target = tg.gemma4_target(tmp_path / "gemma-4-tiny", 8, context_strength=3.0)
     tg.write_word_tokenizer(target.path, 8)
@@ -476,7 +476,7 @@ def test_engine_loads_the_assistant_beside_a_gemma_target_and_refuses_forced_mtp
 
 
 def test_inspect_names_the_assistant_that_pairs_with_a_gemma_target(tmp_path):
-    from mtplx.inspect import format_inspection, inspect_model
+    from mtplx.checkpoints.inspect import format_inspection, inspect_model
 
     target = tg.gemma4_target(tmp_path / "gemma-4-tiny")
     info = inspect_model(str(target.path))
@@ -515,7 +515,7 @@ def _cli(*args):
 
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     return subprocess.run(
-        [sys.executable, "-m", "mtplx.cli", *args], capture_output=True, text=True, timeout=300, env=env
+        [sys.executable, "-m", "mtplx", *args], capture_output=True, text=True, timeout=300, env=env
     )
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.errors import MtplxError
 from mtplx.heads import DEFAULT_HIDDEN_SOURCE, Qwen3NextMTPHead, load_head
-from mtplx.trunk import Trunk
+from mtplx.trunk.model import Trunk
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -198,7 +198,7 @@ def test_checkpoint_keys_are_the_hf_names(qwen35):
 
 
 def test_sharded_and_hub_cache_layouts_load_the_same_head(qwen35, tmp_path):
-    from mtplx.loading import resolve_model
+    from mtplx.checkpoints.load import resolve_model
 
     tiny, (trunk, _, head) = qwen35
     hidden, nxt = head_inputs(trunk, head)
@@ -551,8 +551,8 @@ def test_two_module_heads_decode_at_depths_1_to_4(two_module_heads, family):
     """The decode loop runs a 2-module head at every depth (it crashed in trim_kv at depth >= 2),
     greedy MTP equals greedy AR, and after the run every module's cache equals the cache a
     from-scratch pass over the committed tokens builds (the rollback drops exactly the drafts)."""
-    from mtplx import decode
     from mtplx.sampling import SamplerConfig
+    from mtplx.spec_decode import loop as decode
 
     _, trunk, head, _ = two_module_heads[family]
     prompt = [3, 17, 42, 5, 60, 9, 11, 2]
@@ -618,7 +618,7 @@ def _mimo_with_tokenizer(path: Path, **kw) -> tc.Tiny:
 
 def test_engine_load_on_a_stripped_head(tmp_path, capsys):
     """Config declares MTP layers, a converter dropped their tensors (as mlx-lm's does)."""
-    from mtplx.engine import Engine
+    from mtplx.engine.engine import Engine
 
     tiny = _mimo_with_tokenizer(tmp_path / "stripped")
     _drop_head_tensors(tiny.path, lambda k: not k.startswith("model.mtp_layers."))
@@ -635,7 +635,7 @@ def test_engine_load_on_a_stripped_head(tmp_path, capsys):
 
 
 def test_engine_load_mtp_false_never_reads_the_head(tmp_path):
-    from mtplx.engine import Engine
+    from mtplx.engine.engine import Engine
 
     tiny = _mimo_with_tokenizer(tmp_path / "broken")
     arrays = dict(mx.load(str(tiny.path / "model.safetensors")))

@@ -6,9 +6,9 @@ from __future__ import annotations
 import math
 
 import mtplx  # noqa: F401  (BLAS before mlx)
-from mtplx import decode
-from mtplx import verify as verify_ops
-from mtplx.config import SamplerConfig
+from mtplx.sample import rejection as verify_ops
+from mtplx.sample.params import SamplerConfig
+from mtplx.spec_decode import loop as decode
 
 import pytest
 from loop_models import make_loop_pair

@@ -6,8 +6,8 @@ import json
 import math
 
 import mtplx  # noqa: F401
+from mtplx.checkpoints.inspect import format_inspection, inspect_model
 from mtplx.errors import MtplxError
-from mtplx.inspect import format_inspection, inspect_model
 
 import mlx.core as mx
 import pytest
@@ -136,7 +136,7 @@ def test_unsupported_architecture(tmp_path):
 def test_hub_cache_repo_id(tmp_path):
     tiny = tc.mimo(tmp_path / "src")
     tc.hub_cache_layout(tiny.path, tmp_path / "hub", "tiny-org/MiMo-tiny")
-    from mtplx.loading import resolve_model
+    from mtplx.checkpoints.load import resolve_model
 
     path = resolve_model("tiny-org/MiMo-tiny", hub_cache=tmp_path / "hub")
     assert inspect_model(path)["verdict"] == "MTP-ready"

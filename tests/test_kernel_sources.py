@@ -10,8 +10,8 @@ import re
 import warnings
 
 import mtplx  # noqa: F401  (before mlx)
-from mtplx import kernels as K
-from mtplx import kernels_emulation as E
+from mtplx.sample import emulation as E
+from mtplx.sample import kernels as K
 
 import mlx.core as mx
 import numpy as np

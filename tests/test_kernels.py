@@ -7,7 +7,7 @@ explicitly, and the skip rate is bounded so the comparison cannot go vacuous."""
 import secrets
 
 import mtplx  # noqa: F401  (before mlx: BLAS loader)
-from mtplx import kernels_emulation as E
+from mtplx.sample import emulation as E
 
 import _kernel_ref as ref
 import numpy as np

@@ -11,8 +11,9 @@ import time
 from pathlib import Path
 
 import mtplx  # noqa: F401  (optimized BLAS before mlx)
+from mtplx.checkpoints.load import LoadedModel, default_model_dir, load_model, resolve_model
 from mtplx.errors import MtplxError
-from mtplx.loading import LoadedModel, cache_root, default_model_dir, load_model, resolve_model
+from mtplx.resources import cache_root
 
 import pytest
 from mlx_lm import generate
@@ -96,7 +97,7 @@ def test_concurrent_first_use_converts_once(tmp_path):
     # Both wait for the same instant after their (slow) imports, so the first uses really overlap;
     # without the lock the loser's convert_gguf would find the output existing and fail.
     code = (
-        "import sys, time, mtplx; from mtplx.loading import default_model_dir;"
+        "import sys, time, mtplx; from mtplx.checkpoints.load import default_model_dir;"
         "time.sleep(max(0.0, float(sys.argv[2]) - time.time()));"
         "p = default_model_dir('q4', cache_dir=sys.argv[1]);"
         "print(p, (p / 'model.safetensors').stat().st_ino)"
@@ -117,7 +118,7 @@ def test_concurrent_first_use_converts_once(tmp_path):
 
 
 def test_mtplx_cache_env_var_sets_cache_root(tmp_path):
-    code = "import mtplx; from mtplx.loading import cache_root; print(cache_root())"
+    code = "import mtplx; from mtplx.resources import cache_root; print(cache_root())"
     env = {**os.environ, "PYTHONPATH": str(REPO), "MTPLX_CACHE": str(tmp_path / "elsewhere")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.strip() == str(tmp_path / "elsewhere")

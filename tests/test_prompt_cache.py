@@ -1,4 +1,4 @@
-"""Prompt cache across requests (mtplx/prompt_cache.py) and the decode loop's target logprobs.
+"""Prompt cache across requests (mtplx/trunk/prompt_cache.py) and the decode loop's target logprobs.
 
 Tiny random trunks and heads (tests/loop_models.py) with the default model's
 real tokenizer (vocabulary 49152), driven through `Engine` with token-id
@@ -9,10 +9,10 @@ without a prompt cache, or a teacher-forced forward in NumPy float64.
 from __future__ import annotations
 
 import mtplx  # noqa: F401  (BLAS before mlx)
-from mtplx import decode
-from mtplx.config import SamplerConfig
-from mtplx.engine import Engine
-from mtplx.prompt_cache import PromptCache, cache_nbytes
+from mtplx.engine.engine import Engine
+from mtplx.sample.params import SamplerConfig
+from mtplx.spec_decode import loop as decode
+from mtplx.trunk.prompt_cache import PromptCache, cache_nbytes
 
 import mlx.core as mx
 import numpy as np

@@ -66,7 +66,7 @@ def _running_server(model_dir: Path, log_path: Path, *flags: str, api_key: str |
     env.pop("MTPLX_API_KEY", None)
     if api_key is not None:
         env["MTPLX_API_KEY"] = api_key
-    args = [sys.executable, "-m", "mtplx.cli", "serve", "--model", str(model_dir), "--port", str(port)]
+    args = [sys.executable, "-m", "mtplx", "serve", "--model", str(model_dir), "--port", str(port)]
     with open(log_path, "w") as log:
         proc = subprocess.Popen([*args, *flags], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     base = f"http://127.0.0.1:{port}"
@@ -102,7 +102,7 @@ def server(model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    from mtplx.engine import Engine
+    from mtplx.engine.engine import Engine
 
     return Engine.load(model_dir, depth=2)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import mtplx  # noqa: F401  (BLAS before mlx)
-from mtplx.engine import Engine
+from mtplx.engine.engine import Engine
 
 import pytest
 
@@ -42,8 +42,8 @@ def test_ar_stats_have_no_drafter(engine):
 
 
 def test_cli_stats_name_lookup_without_a_depth_and_count_cycles_per_position():
-    from mtplx.cli import format_stats
-    from mtplx.engine import GenerationStats
+    from mtplx.cli.main import format_stats
+    from mtplx.engine.engine import GenerationStats
 
     stats = GenerationStats(
         mode="mtp",

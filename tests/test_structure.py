@@ -17,10 +17,10 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "mtplx"
 
 # Test and tool code the runtime path must never import.
-TEST_ONLY_MODULES = ("mtplx.sampling", "mtplx.speculative", "mtplx.kernels_emulation")
-# Commands, not the engine's business: loading a model must not pull them in. (mtplx.convert
+TEST_ONLY_MODULES = ("mtplx.sampling", "mtplx.sample.reference", "mtplx.sample.emulation")
+# Commands, not the engine's business: loading a model must not pull them in. (mtplx.checkpoints.convert_gguf
 # is not one: the default model is converted from its GGUF on first load.)
-COMMAND_MODULES = ("mtplx.bench", "mtplx.tune", "mtplx.forge")
+COMMAND_MODULES = ("mtplx.bench.run", "mtplx.bench.tune", "mtplx.forge.run")
 
 
 def import_graph(package_dir: Path) -> dict[str, set[str]]:
@@ -80,7 +80,7 @@ def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_cycles_among_mtplx_modules() -> None:
     graph = import_graph(PACKAGE)
-    assert len(graph) > 20 and "mtplx.engine" in graph  # the walk saw the package
+    assert len(graph) > 20 and "mtplx.engine.engine" in graph  # the walk saw the package
     assert find_cycles(graph) == []
 
 
@@ -109,7 +109,7 @@ def test_runtime_modules_do_not_import_test_code() -> None:
 _GENERATE_AND_LIST_MODULES = """
 import json, sys
 import mtplx
-from mtplx.engine import Engine
+from mtplx.engine.engine import Engine
 engine = Engine.load()
 assert engine.head is not None, "the default model ships a head"
 mtp = engine.generate("Say hi.", max_tokens=8, temperature=0.7, top_p=0.9, top_k=20, seed=3, mtp=True)
@@ -130,7 +130,9 @@ def _modules_after(script: str) -> list[str]:
 
 def test_mtp_generate_in_a_fresh_process_loads_no_test_or_command_code(default_model_dir) -> None:
     loaded = _modules_after(_GENERATE_AND_LIST_MODULES)
-    assert "mtplx.decode" in loaded and "mtplx.verify" in loaded  # the listing is the real one
+    assert (
+        "mtplx.spec_decode.loop" in loaded and "mtplx.sample.rejection" in loaded
+    )  # the listing is the real one
     assert [name for name in loaded if name in TEST_ONLY_MODULES + COMMAND_MODULES] == []
 
 
@@ -143,10 +145,10 @@ def test_fresh_process_check_sees_an_oracle_import() -> None:
     assert "mtplx.sampling" in loaded
 
 
-_HEAVY = ("mlx.core", "mlx_lm", "transformers", "mtplx.forge", "mtplx.engine")
+_HEAVY = ("mlx.core", "mlx_lm", "transformers", "mtplx.forge.run", "mtplx.engine.engine")
 _PARSER_AND_LIST_HEAVY = (
     "import json, sys\n"
-    "from mtplx.cli import _build_parser\n"
+    "from mtplx.cli.main import _build_parser\n"
     "_build_parser()\n"
     "{extra}"
     f"print(json.dumps([m for m in {_HEAVY!r} if m in sys.modules]))"
@@ -155,15 +157,15 @@ _PARSER_AND_LIST_HEAVY = (
 
 def test_cli_parser_imports_no_mlx_or_model_code() -> None:
     """`mtplx --help` and every argument error come before any model code: building the
-    parser (forge's defaults included, from mtplx.forge_config) imports no MLX, mlx-lm or
+    parser (forge's defaults included, from mtplx.forge.config) imports no MLX, mlx-lm or
     transformers (~2 s on the 2-core CPU)."""
     assert _modules_after(_PARSER_AND_LIST_HEAVY.format(extra="")) == []
 
 
 def test_cli_parser_check_sees_a_heavy_import() -> None:
-    """Negative control: the same listing after importing mtplx.forge names what it pulled in."""
-    loaded = _modules_after(_PARSER_AND_LIST_HEAVY.format(extra="import mtplx.forge\n"))
-    assert {"mlx.core", "mlx_lm", "mtplx.forge"} <= set(loaded)
+    """Negative control: the same listing after importing mtplx.forge.run names what it pulled in."""
+    loaded = _modules_after(_PARSER_AND_LIST_HEAVY.format(extra="import mtplx.forge.run\n"))
+    assert {"mlx.core", "mlx_lm", "mtplx.forge.run"} <= set(loaded)
 
 
 def test_seed_api_works_verbatim() -> None:

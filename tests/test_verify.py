@@ -6,12 +6,11 @@ import dataclasses
 import sys
 import types
 
-import mtplx  # noqa: F401  (optimized BLAS before mlx)
+import mtplx.sample  # noqa: F401  (optimized BLAS before mlx)
 from mtplx import sampling
-from mtplx import verify as verify_module
 from mtplx.errors import MtplxError
-from mtplx.sampling import SamplerConfig, distribution_from_logits, residual_distribution
-from mtplx.verify import (
+from mtplx.sample import rejection as verify_module
+from mtplx.sample.rejection import (
     INVALID_DRAFTS,
     INVALID_LOGITS,
     draw_uniforms,
@@ -20,6 +19,7 @@ from mtplx.verify import (
     sample,
     verify,
 )
+from mtplx.sampling import SamplerConfig, distribution_from_logits, residual_distribution
 
 import mlx.core as mx
 import numpy as np
@@ -488,10 +488,10 @@ def test_auto_backend_uses_a_fused_kernel_when_one_exists(monkeypatch: pytest.Mo
         calls.append(len(args))
         return "num_accepted", "next_token", "accept_probs"
 
-    fake_kernels = types.ModuleType("mtplx.kernels")
+    fake_kernels = types.ModuleType("mtplx.sample.kernels")
     fake_kernels.get_fused = lambda name: fake_fused_verify if name == "verify" else None
-    monkeypatch.setitem(sys.modules, "mtplx.kernels", fake_kernels)
-    monkeypatch.setattr(mtplx, "kernels", fake_kernels, raising=False)
+    monkeypatch.setitem(sys.modules, "mtplx.sample.kernels", fake_kernels)
+    monkeypatch.setattr(mtplx.sample, "kernels", fake_kernels, raising=False)
     monkeypatch.setattr(verify_module, "_kernels_missing", False)
     target, drafts = mx.zeros((1, 2, 4)), mx.zeros((1, 1), dtype=mx.int32)
     fused = verify(target, drafts, None, SamplerConfig(), mx.ones((1, 1)), mx.ones((1,)))

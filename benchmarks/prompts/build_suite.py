@@ -1,7 +1,7 @@
 """Build benchmarks/prompts/suite.jsonl: the benchmark prompt suite, from text on this machine.
 
 Four kinds, four prompts each, all held out from the default head's training data
-(mtplx/forge_data.py: top-level stdlib ``*.py`` files, the Python docs' reST sources
+(mtplx/forge/corpus.py: top-level stdlib ``*.py`` files, the Python docs' reST sources
 split by file-name hash, Shakespeare's plays):
 
 * code  (raw continuation): the lines before and including a function's ``def``

@@ -78,7 +78,7 @@ def declared_mtp_layers(config: dict, layout: str | None = None) -> int:
 
 
 def load_head(model_dir: Path, trunk: Any, config: dict, hidden_source: str | None = None) -> MTPHead | None:
-    """The MTP head a checkpoint ships, built beside the mlx-lm ``trunk`` (a ``mtplx.trunk.Trunk``).
+    """The MTP head a checkpoint ships, built beside the mlx-lm ``trunk`` (a ``mtplx.trunk.model.Trunk``).
 
     None when the config declares no MTP layers; MtplxError (one line, naming the file)
     when it declares some but the tensors are missing or mis-shaped, or the layout is unknown.
@@ -111,13 +111,3 @@ def load_checkpoint_head(
             raise
         print(f"note: {e}; decoding without MTP", file=sys.stderr)
         return None
-
-
-def shipped_head_dir(model_name: str) -> Path | None:
-    """The forged head mtplx ships for ``model_name`` (``models/<name>/``), in a checkout or an installed wheel."""
-    package_dir = Path(__file__).resolve().parent.parent
-    for root in (package_dir / "_models", package_dir.parent / "models"):
-        candidate = root / model_name
-        if (candidate / "manifest.json").is_file():
-            return candidate
-    return None

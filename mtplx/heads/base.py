@@ -16,10 +16,10 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from mtplx.checkpoint import quantization_config, read_safetensors_header
-from mtplx.compat import KVCache
-from mtplx.config import HIDDEN_SOURCES
+from mtplx.checkpoints.headers import quantization_config, read_safetensors_header
 from mtplx.errors import MtplxError
+from mtplx.sample.params import HIDDEN_SOURCES
+from mtplx.trunk.compat import KVCache
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -142,7 +142,7 @@ class MTPHead(nn.Module):
 
     # --- helpers for subclasses ---------------------------------------------------
     def _run_layers(self, h: mx.array, layers: Iterable[nn.Module], cache: list | None) -> mx.array:
-        from mtplx.compat import create_attention_mask
+        from mtplx.trunk.compat import create_attention_mask
 
         layers = list(layers)
         cache = cache if cache is not None else [None] * len(layers)

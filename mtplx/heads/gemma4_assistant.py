@@ -57,7 +57,6 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal
 
-from mtplx.compat import KVCache, RotatingKVCache, kv_state, rotating_state
 from mtplx.errors import MtplxError
 from mtplx.heads.base import (
     HiddenSource,
@@ -69,6 +68,7 @@ from mtplx.heads.base import (
     source_name,
     weight_index,
 )
+from mtplx.trunk.compat import KVCache, RotatingKVCache, kv_state, rotating_state
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -491,7 +491,7 @@ def convert_assistant(
     Written to a temporary name, then renamed."""
     import shutil
 
-    from mtplx.loading import resolve_model
+    from mtplx.checkpoints.load import resolve_model
 
     if bits not in (None, 4, 8):
         raise MtplxError(f"bits: must be 4 or 8 (or omitted for bfloat16), got {bits}")

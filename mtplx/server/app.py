@@ -17,12 +17,12 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from mtplx.engine import GenerationChunk, GenerationStats
+from mtplx.engine.engine import GenerationChunk, GenerationStats
+from mtplx.engine.request import check_generation_args
 from mtplx.errors import MtplxError
 from mtplx.server.schemas import ChatCompletionRequest, CompletionRequest
 from mtplx.server.settings import ServerSettings
 from mtplx.server.worker import Finished, GenerationWorker, Job, JobFailed, JobTimeout, QueueFull
-from mtplx.validation import check_generation_args
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError

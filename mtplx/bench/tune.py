@@ -1,0 +1,255 @@
+"""`mtplx tune`: measure which MTP depth is fastest for a model on this machine, and remember it.
+
+A short version of the benchmark sweep (`mtplx.bench.run`: mtplx AR and MTP at each depth,
+interleaved, median of repeats) picks the depth with the best speed-up over AR,
+geometric mean over the sampling settings. AR (saved as depth 0) wins unless the best
+depth beats it by more than the measured run-to-run spread: on a noisy machine a 3%
+"win" is not a win.
+
+The choice lives in a per-user JSON file (``~/.config/mtplx/tune.json``, or
+``$XDG_CONFIG_HOME/mtplx/tune.json``), keyed by the model's weight fingerprint and a
+description of the machine (OS, CPU, cores, MLX device), because the fastest depth
+depends on both. `Engine.load` asks `saved_depth` when no depth is given.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from mtplx.bench import run as bench
+from mtplx.engine.tuned import config_file, machine_info, machine_key, read_config, save_entry, saved_entry
+from mtplx.errors import MtplxError
+
+TUNE_TOKENS = 64
+TUNE_REPEATS = 3
+TUNE_PER_KIND = 1
+
+# Adaptive-length thresholds `mtplx tune` compares (head probability of its own draft).
+ADAPTIVE_THRESHOLDS = (0.2, 0.4)
+
+
+def _ratio_to_ar(row: bench.Summary, ar: bench.Summary) -> float:
+    """The paired ratio where the sweep measured one, else the ratio of medians."""
+    return row.ratio_to_ar if row.ratio_to_ar is not None else row.decode_tps / ar.decode_tps
+
+
+def choose_depth(summaries: Sequence[bench.Summary]) -> tuple[int, float, float]:
+    """(depth, margin, noise): the MTP depth with the best geometric-mean speed-up over AR
+    across settings, or 0 when its margin over AR does not exceed the run-to-run spread."""
+    settings = list(dict.fromkeys(s.setting for s in summaries))
+    ar = {s.setting: s for s in summaries if s.mode == "ar"}
+    if set(ar) != set(settings):
+        raise MtplxError("tune: every setting needs an AR measurement")
+    fixed = [s for s in summaries if s.mode == "mtp" and s.draft == "head" and s.threshold == 0]
+    best_depth, best_score = 0, 1.0
+    for depth in sorted({s.depth for s in fixed}):
+        rows = {s.setting: s for s in fixed if s.depth == depth}
+        ratios = [_ratio_to_ar(rows[k], ar[k]) for k in settings if k in rows and ar[k].decode_tps > 0]
+        if len(ratios) != len(settings) or min(ratios) <= 0:
+            continue
+        score = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+        if score > best_score:
+            best_depth, best_score = depth, score
+    if best_depth == 0:
+        return 0, best_score - 1.0, max(s.spread for s in ar.values())
+    best = [s for s in fixed if s.depth == best_depth]
+    noise = max(max(s.spread for s in best), max(s.spread for s in ar.values()))
+    margin = best_score - 1.0
+    return (best_depth if margin > noise else 0), margin, noise
+
+
+def _geometric_mean_ratio(rows: Sequence[bench.Summary], ar: dict[str, bench.Summary]) -> float | None:
+    ratios = [
+        _ratio_to_ar(r, ar[r.setting]) for r in rows if r.setting in ar and ar[r.setting].decode_tps > 0
+    ]
+    if not ratios or len(ratios) != len(ar) or min(ratios) <= 0:
+        return None
+    return math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+
+
+def choose_threshold(summaries: Sequence[bench.Summary]) -> tuple[float | None, float]:
+    """(threshold, ratio to the best fixed depth): the adaptive-length threshold with the best
+    geometric-mean speed-up over AR, and how it compares with the fastest fixed depth
+    (> 1 = adaptive faster). (None, 0.0) when the sweep measured no adaptive variant."""
+    ar = {s.setting: s for s in summaries if s.mode == "ar"}
+    head = [s for s in summaries if s.mode == "mtp" and s.draft == "head"]
+    best_fixed = max(
+        (
+            score
+            for depth in {s.depth for s in head if s.threshold == 0}
+            if (
+                score := _geometric_mean_ratio([s for s in head if s.threshold == 0 and s.depth == depth], ar)
+            )
+        ),
+        default=None,
+    )
+    scored = [
+        (score, t)
+        for t in sorted({s.threshold for s in head if s.threshold > 0})
+        if (score := _geometric_mean_ratio([s for s in head if s.threshold == t], ar))
+    ]
+    if not scored or best_fixed is None:
+        return None, 0.0
+    score, threshold = max(scored)
+    return threshold, score / best_fixed
+
+
+def make_entry(
+    engine, summaries: Sequence[bench.Summary], plan: bench.SweepPlan, model: str | None
+) -> dict[str, Any]:
+    depth, margin, noise = choose_depth(summaries)
+    threshold, adaptive_vs_fixed = choose_threshold(summaries)
+    versions = bench._versions()
+    return {
+        "depth": depth,
+        # Used only when adaptive drafting is asked for (`--adaptive`); measured at the largest depth.
+        "adaptive_threshold": threshold,
+        "adaptive_vs_best_fixed": round(adaptive_vs_fixed, 4),
+        "margin_over_ar": round(margin, 4),
+        "spread": round(noise, 4),
+        "tokens_per_sec": {f"{s.variant} | {s.setting}": round(s.decode_tps, 3) for s in summaries},
+        "model": str(model) if model is not None else "default",
+        "model_path": str(getattr(engine, "model_path", "") or ""),
+        "machine": machine_info(),
+        "mlx": versions["mlx"],
+        "mtplx": versions["mtplx"],
+        "tokens": plan.max_tokens,
+        "repeats": plan.repeats,
+        "settings": [s.name for s in plan.settings],
+        "tuned_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def describe(entry: dict[str, Any]) -> str:
+    depth = entry.get("depth")
+    choice = "AR (no depth beat it)" if depth == 0 else f"depth {depth}"
+    threshold = entry.get("adaptive_threshold")
+    adaptive = (
+        f"; adaptive threshold {threshold:g} ({entry.get('adaptive_vs_best_fixed', 0):.2f}x the best fixed depth)"
+        if isinstance(threshold, (int, float))
+        else ""
+    )
+    return (
+        f"{choice}; margin over AR {entry.get('margin_over_ar', 0):+.1%} vs spread "
+        f"{entry.get('spread', 0):.1%}{adaptive}; tuned {entry.get('tuned_at', '?')}"
+    )
+
+
+def show_text(config_path: str | Path | None = None) -> str:
+    """What `mtplx tune --show` prints: every saved entry, this machine's marked with '*'."""
+    path = config_file(config_path)
+    entries = read_config(path)
+    if not entries:
+        return f"{path}: nothing tuned yet (run `mtplx tune`)"
+    here = machine_key()
+    lines = [f"{path}:"]
+    for key in sorted(entries):
+        entry = entries[key]
+        fingerprint, _, machine = key.partition(" @ ")
+        mark = "*" if machine == here else " "
+        lines.append(f"{mark} {entry.get('model', '?')} [{fingerprint}] on {machine}: {describe(entry)}")
+    return "\n".join(lines)
+
+
+def tune_main(
+    *,
+    model: str | None = None,
+    head: str | None = None,
+    retune: bool = False,
+    show: bool = False,
+    config_path: str | Path | None = None,
+    depths: str | Sequence[int] | None = None,
+    tokens: int = TUNE_TOKENS,
+    repeats: int = TUNE_REPEATS,
+    prompts_file: str | None = None,
+    per_kind: int | None = TUNE_PER_KIND,
+    temps: Sequence[float] = bench.DEFAULT_TEMPS,
+    top_p: float = bench.DEFAULT_TOP_P,
+    progress: bool = True,
+    engine=None,
+    out=None,
+) -> int:
+    """`mtplx tune`: returns the exit code. Without ``retune`` an existing entry is kept."""
+    out = out or sys.stdout
+    if show:
+        print(show_text(config_path), file=out)
+        return 0
+    bench.check_counts(tokens, repeats)
+    depth_list = bench.parse_depths(depths)
+    if not depth_list:
+        raise MtplxError("depths: tune needs at least one MTP depth to compare with AR")
+    prompts = bench.load_prompts(prompts_file, per_kind=per_kind)
+    if engine is None:
+        from mtplx.engine.engine import Engine
+
+        # An explicit depth: loading must not consult the very config being (re)built.
+        engine = Engine.load(model, head=head, depth=depth_list[0])
+    fingerprint = engine.fingerprint
+    existing = None if retune else saved_entry(fingerprint, config_path)
+    if existing is not None:
+        print(f"already tuned: {describe(existing)} (pass --retune to measure again)", file=out)
+        return 0
+    limit = getattr(engine.head, "max_depth", None) if getattr(engine, "head", None) is not None else None
+    if limit is not None and depths is None:
+        depth_list = [
+            d for d in depth_list if d <= int(limit)
+        ]  # the default range, cut to what the head serves
+    summaries, _, plan = bench.run_benchmark(
+        engine,
+        depths=depth_list,
+        tokens=tokens,
+        repeats=repeats,
+        prompts=prompts,
+        temps=temps,
+        top_p=top_p,
+        stock=False,
+        progress=progress,
+        desc="tune",
+        thresholds=ADAPTIVE_THRESHOLDS if max(depth_list) >= 2 else (),
+    )
+    entry = make_entry(engine, summaries, plan, model)
+    path = save_entry(fingerprint, entry, config_path)
+    print(bench.markdown_table(summaries), file=out)
+    print(f"\nsaved to {path}: {describe(entry)}", file=out)
+    return 0
+
+
+def add_tune_args(parser) -> None:
+    parser.add_argument(
+        "--model", default=None, help="local path or Hugging Face repo id (default: the embedded model)"
+    )
+    parser.add_argument(
+        "--head", default=None, help="a forged MTP head directory (default: the model's own head)"
+    )
+    parser.add_argument(
+        "--retune", action="store_true", help="measure again even if this model is tuned here"
+    )
+    parser.add_argument("--show", action="store_true", help="print the saved choices and exit")
+    parser.add_argument("--config", default=None, help="tune config file (default ~/.config/mtplx/tune.json)")
+    parser.add_argument("--depths", default=None, help="depths to try (default 1-4)")
+    parser.add_argument(
+        "--tokens", type=int, default=TUNE_TOKENS, help=f"tokens per run (default {TUNE_TOKENS})"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=TUNE_REPEATS, help=f"timed repeats (default {TUNE_REPEATS})"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def tune_from_args(args) -> int:
+    return tune_main(
+        model=args.model,
+        head=args.head,
+        retune=args.retune,
+        show=args.show,
+        config_path=args.config,
+        depths=args.depths,
+        tokens=args.tokens,
+        repeats=args.repeats,
+        progress=not args.no_progress,
+    )

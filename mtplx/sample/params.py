@@ -1,0 +1,157 @@
+"""Runtime configuration objects: how logits become a distribution (docs/sampling.md), and
+how a request decodes (`DecodeSettings`: depth, drafting, backend; read by the decode loop and
+the drafters it builds).
+
+This is the small module both the MLX runtime (`mtplx.sample.rejection`, `mtplx.spec_decode.loop`,
+`mtplx.engine.engine`) and the NumPy oracle (`mtplx.sample.reference`) read, so the runtime
+never imports the oracle. Imports the standard library only.
+
+Validation errors name the field the way a caller spells it in the API
+(``temperature must be >= 0 (got -1.0)``); the CLI maps them to flag names.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from mtplx.errors import MtplxError
+
+__all__ = ["HIDDEN_SOURCES", "MAX_DEPTH", "DecodeSettings", "SamplerConfig"]
+
+# Which trunk hidden state a head reads (and chains): before or after the final norm.
+HIDDEN_SOURCES = ("pre_norm", "post_norm")
+MAX_DEPTH = 16  # drafts per cycle mtplx serves: no head layout chains usefully beyond this; a typo guard
+
+
+def _real(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise MtplxError(f"{name} must be a number (got {value!r})")
+    as_float = float(value)
+    if not math.isfinite(as_float):
+        raise MtplxError(f"{name} must be finite (got {value!r})")
+    return as_float
+
+
+def _integer(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise MtplxError(f"{name} must be an integer (got {value!r})")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    """How logits become a distribution (docs/sampling.md). Immutable and hashable."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    repetition_context_size: int = 20
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Mapping[int, float] | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        set_field = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+        temperature = _real("temperature", self.temperature)
+        if temperature < 0:
+            raise MtplxError(f"temperature must be >= 0 (got {self.temperature!r})")
+        top_p = _real("top_p", self.top_p)
+        if not 0.0 < top_p <= 1.0:
+            raise MtplxError(f"top_p must be in (0, 1] (got {self.top_p!r})")
+        top_k = _integer("top_k", self.top_k)
+        if top_k < 0:
+            raise MtplxError(f"top_k must be >= 0, 0 disables it (got {self.top_k!r})")
+        min_p = _real("min_p", self.min_p)
+        if not 0.0 <= min_p < 1.0:
+            raise MtplxError(f"min_p must be in [0, 1) (got {self.min_p!r})")
+        repetition_penalty = _real("repetition_penalty", self.repetition_penalty)
+        if repetition_penalty <= 0:
+            raise MtplxError(f"repetition_penalty must be > 0 (got {self.repetition_penalty!r})")
+        repetition_context_size = _integer("repetition_context_size", self.repetition_context_size)
+        if repetition_context_size < 0:
+            raise MtplxError(f"repetition_context_size must be >= 0 (got {self.repetition_context_size!r})")
+        presence_penalty = _real("presence_penalty", self.presence_penalty)
+        frequency_penalty = _real("frequency_penalty", self.frequency_penalty)
+        set_field("temperature", temperature)
+        set_field("top_p", top_p)
+        set_field("top_k", top_k)
+        set_field("min_p", min_p)
+        set_field("repetition_penalty", repetition_penalty)
+        set_field("repetition_context_size", repetition_context_size)
+        set_field("presence_penalty", presence_penalty)
+        set_field("frequency_penalty", frequency_penalty)
+        set_field("logit_bias", self._validated_bias(self.logit_bias))
+
+    @staticmethod
+    def _validated_bias(bias: Mapping[int, float] | None) -> Mapping[int, float] | None:
+        if bias is None:
+            return None
+        if not isinstance(bias, Mapping):
+            raise MtplxError(f"logit_bias must be a mapping token_id -> bias (got {bias!r})")
+        checked: dict[int, float] = {}
+        for token, value in bias.items():
+            if isinstance(token, bool) or not isinstance(token, numbers.Integral) or token < 0:
+                raise MtplxError(f"logit_bias keys must be token ids >= 0 (got {token!r})")
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise MtplxError(f"logit_bias[{token}] must be a finite number (got {value!r})")
+            checked[int(token)] = float(value)
+        # Read-only, so a config cannot change under a cache keyed by it.
+        return MappingProxyType(dict(sorted(checked.items()))) if checked else None
+
+    def __hash__(self) -> int:
+        bias_items = tuple(self.logit_bias.items()) if self.logit_bias else ()
+        return hash(
+            (
+                self.temperature,
+                self.top_p,
+                self.top_k,
+                self.min_p,
+                self.repetition_penalty,
+                self.repetition_context_size,
+                self.presence_penalty,
+                self.frequency_penalty,
+                bias_items,
+            )
+        )
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_repetition_penalty(self) -> bool:
+        return self.repetition_penalty != 1.0 and self.repetition_context_size > 0
+
+    @property
+    def has_penalties(self) -> bool:
+        """False exactly when the penalty/bias stage is a no-op."""
+        return (
+            self.has_repetition_penalty
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or bool(self.logit_bias)
+        )
+
+    @property
+    def has_filters(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    depth: int = 3  # draft tokens per verify cycle
+    greedy_draft: bool = False  # draft the head's argmax (q one-hot) instead of sampling q
+    prefill_step_size: int = 512
+    verify_backend: str = "auto"  # "auto" (fused kernel where available) | "mlx"
+    # Adaptive head drafting: stop after a draft the head gave less than this probability (0 = off).
+    adaptive_threshold: float = 0.0
+    # Report the target's log-probabilities of each committed token plus this many top
+    # alternatives (None: off). Raw log_softmax of the trunk logits, before penalties and filters.
+    logprobs: int | None = None

@@ -1,0 +1,137 @@
+"""The MTP head as a drafter: a chain of head steps on its own output hidden state.
+
+Cycle (docs/ARCHITECTURE.md): the head first consumes the true (trunk hidden i,
+token i+1) pairs it has not seen yet, drafts d_1 from the last of them, then
+chains: step i reads its previous output and d_i. The entries made from drafted
+(not true) hidden states are dropped at commit and the committed positions are
+re-fed from the trunk's true hidden states at the next proposal, so the head's
+cache always equals the one a from-scratch run builds. Cycles the head did not
+draft for (prompt lookup) only add true pairs.
+
+Adaptive length: with ``adaptive_threshold`` > 0 drafting stops after a draft the
+head gave less than that probability (one host read per draft step, so it is
+off by default). ``depth`` stays the maximum.
+"""
+
+from __future__ import annotations
+
+from mtplx.heads.base import DraftHead
+from mtplx.sample import rejection as verify_ops
+from mtplx.sample.params import DecodeSettings, SamplerConfig
+from mtplx.spec_decode.proposer import CycleOutcome, Draft, draw_draft_token, stacked_draft
+from mtplx.trunk import rollback as cache_ops
+from mtplx.trunk.model import TrunkOutput
+
+import mlx.core as mx
+
+
+def trunk_hidden(output: TrunkOutput, head: DraftHead) -> mx.array:
+    return output.hidden_pre_norm if head.hidden_source == "pre_norm" else output.hidden_post_norm
+
+
+class HeadProposer:
+    name = "head"
+
+    def __init__(
+        self,
+        head: DraftHead,
+        *,
+        sampler: SamplerConfig,
+        depth: int,
+        greedy_draft: bool = False,
+        adaptive_threshold: float = 0.0,
+        verify_backend: str = "auto",
+        cache: list | None = None,
+    ):
+        self.head = head
+        self.sampler = sampler
+        self.depth = depth
+        self.greedy_draft = greedy_draft
+        self.adaptive_threshold = adaptive_threshold
+        self.verify_backend = verify_backend
+        self.cache = cache if cache is not None else head.make_cache()
+        # True (hidden, next token) pairs the head has not consumed; the last one drafts d_1.
+        self._pending_hidden: list[mx.array] = []
+        self._pending_tokens: list[int] = []
+        self._chained = 0  # head entries made from drafted states this cycle (dropped at commit)
+
+    @classmethod
+    def from_settings(
+        cls, head: DraftHead, settings: DecodeSettings, cache: list | None = None
+    ) -> HeadProposer:
+        """The head drafting as a request's decode settings say (depth, sampler, adaptive length)."""
+        return cls(
+            head,
+            sampler=settings.sampler,
+            depth=settings.depth,
+            greedy_draft=settings.greedy_draft,
+            adaptive_threshold=settings.adaptive_threshold,
+            verify_backend=settings.verify_backend,
+            cache=cache,
+        )
+
+    def observe_prefill(self, output: TrunkOutput, start: int, end: int, prompt_tokens: list[int]) -> None:
+        # Head position i pairs trunk hidden i with token i+1; the last prompt
+        # position pairs with the first generated token, at the first commit.
+        # A head without a cache of its own (a Gemma 4 assistant reads the trunk's) has nothing to prefill.
+        stop = min(end, len(prompt_tokens) - 1)
+        if stop > start and self.cache:
+            hidden = trunk_hidden(output, self.head)[:, : stop - start]
+            self.head(hidden, mx.array(prompt_tokens[start + 1 : stop + 1])[None], self.cache)
+            mx.eval([c.state for c in self.cache])
+
+    def propose(self, history: list[int], key: mx.array, trunk_cache: list) -> Draft:
+        cfg = self.sampler
+        uniforms = verify_ops.draw_uniforms((self.depth,), key)
+        hidden_in = mx.concatenate(self._pending_hidden, axis=1)
+        tokens_in = mx.array(self._pending_tokens)[None]
+        self._pending_hidden, self._pending_tokens = [], []
+        head_out = self.head(hidden_in, tokens_in, self.cache, trunk_cache=trunk_cache)[:, -1:]
+        context = mx.array(history, dtype=mx.int32)[None] if cfg.has_penalties else None
+        tokens: list[mx.array] = []
+        probs: list[mx.array | None] = []
+        flags: list[mx.array | None] = []
+        for i in range(self.depth):
+            if i > 0:
+                head_out = self.head(
+                    self.head.chain_input(head_out),
+                    tokens[-1].reshape(1, 1),
+                    self.cache,
+                    step=i,
+                    trunk_cache=trunk_cache,
+                )
+            logits = self.head.logits(head_out, step=i)[:, -1, :]
+            if context is not None and tokens:
+                context = mx.concatenate([context, tokens[-1][None]], axis=1)
+            token, q, invalid = draw_draft_token(
+                logits,
+                context,
+                cfg,
+                uniforms[i : i + 1],
+                greedy_draft=self.greedy_draft,
+                backend=self.verify_backend,
+            )
+            tokens.append(token)
+            probs.append(q)
+            flags.append(invalid)
+            if self.adaptive_threshold > 0 and i + 1 < self.depth and self._unsure(logits, token, q):
+                break
+        self._chained = len(tokens) - 1
+        return stacked_draft(tokens, probs, flags, self.name)
+
+    def _unsure(self, logits: mx.array, token: mx.array, q: mx.array | None) -> bool:
+        """Whether the head gave its draft less than the threshold (a host read).
+
+        q is the sampled-from distribution; for argmax drafts (or greedy requests, where
+        q is one-hot) the head's plain softmax says how sure it was."""
+        if q is None or self.sampler.is_greedy:
+            q = mx.softmax(logits.astype(mx.float32), axis=-1)
+        return float(q[0, token[0]].item()) < self.adaptive_threshold
+
+    def commit(self, outcome: CycleOutcome) -> None:
+        if self._chained:
+            cache_ops.trim_kv(self.cache, self._chained)
+        self._chained = 0
+        kept = outcome.num_accepted + 1
+        self._pending_hidden.append(trunk_hidden(outcome.output, self.head)[:, :kept])
+        self._pending_tokens.extend(outcome.committed)

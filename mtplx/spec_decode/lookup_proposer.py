@@ -1,0 +1,134 @@
+"""Prompt lookup: propose what followed the latest earlier occurrence of the text's suffix.
+
+The longest suffix of prompt + committed text (between ``min_ngram`` and
+``max_ngram`` tokens) that also occurs earlier in that text is matched at its
+most recent earlier occurrence, and the tokens that followed it (up to
+``max_tokens``, copied on through the suffix itself when the occurrence is
+that recent) are proposed as point-mass drafts. The facts follow vLLM's
+vllm/v1/spec_decode/ngram_proposer.py; the matcher here is an incremental
+hash index instead of a rescan: every n-gram is inserted once, when the token
+ending it is committed, so a cycle costs O(new tokens x n sizes) dictionary
+operations whether or not anything matches.
+
+Block length: with ``adaptive_length`` (the default) a request's lookup blocks start at
+``max_tokens`` and follow the schedule of Hugging Face transformers' assisted generation
+(``num_assistant_tokens_schedule="heuristic"`` in
+transformers/generation/candidate_generator.py): +2 after a block that was kept whole,
+-1 after one that was cut, within [1, ``max_tokens``]. A rejected lookup token costs a
+verify position; on a CPU that is ~0.1-0.15 of a decode step (benchmarks/RESULTS.md), so
+long blocks the model does not copy cost more than they return. The length depends only on
+earlier cycles' outcomes, so exactness does not depend on it (drafters/base.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mtplx.errors import MtplxError
+from mtplx.spec_decode.proposer import CycleOutcome, Draft
+from mtplx.trunk.model import TrunkOutput
+
+import mlx.core as mx
+
+MAX_NGRAM_LIMIT = 64
+MAX_TOKENS_LIMIT = 64
+
+
+@dataclass(frozen=True)
+class LookupConfig:
+    min_ngram: int = 3
+    max_ngram: int = 6
+    max_tokens: int = 10
+    adaptive_length: bool = True  # the block length follows acceptance (module docstring)
+
+    def validate(self) -> LookupConfig:
+        if not 1 <= self.min_ngram <= MAX_NGRAM_LIMIT:
+            raise MtplxError(f"lookup min ngram: must be in [1, {MAX_NGRAM_LIMIT}], got {self.min_ngram}")
+        if not self.min_ngram <= self.max_ngram <= MAX_NGRAM_LIMIT:
+            raise MtplxError(
+                f"lookup max ngram: must be in [min ngram {self.min_ngram}, {MAX_NGRAM_LIMIT}], "
+                f"got {self.max_ngram}"
+            )
+        if not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
+            raise MtplxError(f"lookup max tokens: must be in [1, {MAX_TOKENS_LIMIT}], got {self.max_tokens}")
+        return self
+
+
+class NgramIndex:
+    """Latest end position of every n-gram (min_n <= n <= max_n) of a growing token list,
+    excluding the n-grams that end at the very end (the suffix must match *elsewhere*)."""
+
+    def __init__(self, min_n: int, max_n: int):
+        self.tokens: list[int] = []
+        self._tables: list[tuple[int, dict[tuple[int, ...], int]]] = [
+            (n, {}) for n in range(max_n, min_n - 1, -1)
+        ]
+        self._next_end = 0  # n-grams ending before this position are indexed
+
+    def extend(self, tokens: list[int]) -> None:
+        self.tokens.extend(tokens)
+
+    def _catch_up(self) -> None:
+        tokens, end = self.tokens, len(self.tokens)
+        for j in range(self._next_end, end):
+            for n, table in self._tables:
+                if j >= n:
+                    table[tuple(tokens[j - n : j])] = j
+        self._next_end = end
+
+    def match(self, max_tokens: int) -> list[int]:
+        """The continuation of the longest matching suffix ([] when no suffix of >= min_n matches)."""
+        self._catch_up()
+        tokens, end = self.tokens, len(self.tokens)
+        for n, table in self._tables:
+            if n <= end:
+                found = table.get(tuple(tokens[end - n :]))
+                if found is not None:
+                    return _copy_forward(tokens, found, max_tokens)
+        return []
+
+
+def _copy_forward(tokens: list[int], start: int, count: int) -> list[int]:
+    """``count`` tokens copied from ``start`` on; past the end the copy reads its own output
+    (an overlapping copy, as in LZ77), so a loop of period p proposes the loop, not p tokens."""
+    out = tokens[start : start + count]
+    offset = len(tokens) - start  # out[i] = (tokens + out)[start + i]
+    while len(out) < count:
+        out.append(out[len(out) - offset])
+    return out
+
+
+class LookupProposer:
+    name = "lookup"
+
+    def __init__(self, config: LookupConfig):
+        self.config = config.validate()
+        self.index = NgramIndex(config.min_ngram, config.max_ngram)
+        self.block_tokens = config.max_tokens  # the next block's length
+
+    def observe_prefill(self, output: TrunkOutput, start: int, end: int, prompt_tokens: list[int]) -> None:
+        return None
+
+    def find(self, history: list[int]) -> list[int]:
+        """Host-side continuation after ``history`` ([] when nothing matches)."""
+        self.index.extend(history[len(self.index.tokens) :])
+        return self.index.match(self.block_tokens)
+
+    def propose(self, history: list[int], key: mx.array, trunk_cache: list) -> Draft | None:
+        found = self.find(history)
+        return point_mass_draft(found, self.name) if found else None
+
+    def commit(self, outcome: CycleOutcome) -> None:
+        # The index catches up from the history at the next proposal; only the length adapts.
+        if not self.config.adaptive_length or outcome.draft is None:
+            return
+        source, drafted = outcome.draft.sources[0]
+        if source != self.name:
+            return  # a cycle another drafter proposed for says nothing about lookup blocks
+        kept_whole = outcome.num_accepted >= drafted
+        step = 2 if kept_whole else -1
+        self.block_tokens = min(self.config.max_tokens, max(1, self.block_tokens + step))
+
+
+def point_mass_draft(tokens: list[int], name: str) -> Draft:
+    return Draft(mx.array(tokens, dtype=mx.int32)[None], None, ((name, len(tokens)),))

@@ -1,0 +1,305 @@
+"""The decode loops: plain autoregressive and speculative (any drafter), as small generators.
+
+Both yield `Step`s: the tokens committed by one iteration plus what the
+iteration measured. They never stop on their own; the caller (the engine)
+stops iterating on EOS, stop strings or max_tokens, and closes them.
+
+Speculative cycle (see docs/ARCHITECTURE.md): with committed tokens c_0..c_{m-1}
+forwarded through the trunk and a pending token c_m not yet forwarded,
+  1. a drafter (`mtplx.spec_decode`: MTP head, prompt lookup, draft model, auto)
+     proposes d_1..d_k (k may change per cycle, 0 = a plain AR step) and the q
+     each was drawn from, or none for point-mass drafts;
+  2. one trunk forward over [c_m, d_1..d_k] gives target rows p_0..p_k;
+  3. `verify` accepts a prefix d_1..d_n and draws the next token y;
+  4. caches are rolled back to c_0..c_m, d_1..d_n, the drafter rolls its own
+     state back (`Proposer.commit`); y becomes the pending token and is
+     forwarded as the first position of the next block.
+One host sync per cycle: the drafts, the verify forward, the verdict and every
+lazy validity flag are evaluated together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from mtplx.errors import MtplxError
+from mtplx.heads.base import DraftHead
+from mtplx.sample import rejection as verify_ops
+from mtplx.sample.params import DecodeSettings, SamplerConfig
+from mtplx.spec_decode.head_proposer import HeadProposer
+from mtplx.spec_decode.proposer import CycleOutcome, Proposer
+from mtplx.trunk import rollback as cache_ops
+from mtplx.trunk.model import Trunk, TrunkOutput
+
+import mlx.core as mx
+
+
+@dataclass
+class TokenLogprobs:
+    logprob: float  # of the committed token under the target model
+    top: list[tuple[int, float]]  # (token id, log-probability), most likely first
+
+
+@dataclass
+class Step:
+    tokens: list[int]  # committed by this iteration, in order
+    num_drafted: int = 0
+    num_accepted: int = 0
+    accept_probs: list[float] = field(default_factory=list)  # min(1, p/q) per draft position
+    logprobs: list[TokenLogprobs] | None = None  # one per token, when DecodeSettings.logprobs is set
+    sources: tuple[tuple[str, int], ...] = ()  # (drafter, drafts) segments of the block, in order
+
+
+@dataclass
+class PromptPrefix:
+    """Where a prompt cache stands at the start of a decode (see mtplx/trunk/prompt_cache.py).
+
+    The caches passed to the loop already hold ``start`` prompt positions: the
+    trunk's positions 0..start-1 and the head's (hidden i, token i+1) pairs for
+    i < start. ``on_prompt_prefix(n)`` is called when the caches hold exactly the
+    first ``n`` prompt positions (n = len(prompt) - 1, right before the last
+    prompt token is forwarded), so a snapshot can be taken there.
+    """
+
+    start: int = 0
+    on_prompt_prefix: Callable[[int], None] | None = None
+
+
+def _token_logprobs(logits: mx.array, tokens: list[int], top: int) -> list[TokenLogprobs]:
+    """Log-probabilities of ``tokens`` under rows logits[T, V] (raw: no penalty, no filter)."""
+    logprobs = logits.astype(mx.float32) - mx.logsumexp(logits.astype(mx.float32), axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(logprobs, mx.array(tokens)[:, None], axis=-1)[:, 0]
+    top = min(top, logits.shape[-1])
+    if top > 0:
+        # A partial selection of the top ``top``, then an order among those few.
+        top_ids = mx.argpartition(-logprobs, kth=top - 1, axis=-1)[:, :top]
+        top_lps = mx.take_along_axis(logprobs, top_ids, axis=-1)
+        order = mx.argsort(-top_lps, axis=-1)
+        top_ids = mx.take_along_axis(top_ids, order, axis=-1)
+        top_lps = mx.take_along_axis(top_lps, order, axis=-1)
+        mx.eval(chosen, top_ids, top_lps)  # one sync for all three reads below
+        ids, lps = top_ids.tolist(), top_lps.tolist()
+    else:
+        ids = lps = [[] for _ in tokens]
+    return [TokenLogprobs(lp, list(zip(i, v))) for lp, i, v in zip(chosen.tolist(), ids, lps)]
+
+
+def _split_key(key: mx.array) -> tuple[mx.array, mx.array]:
+    pair = mx.random.split(key)
+    return pair[0], pair[1]
+
+
+def prefill(
+    trunk: Trunk,
+    prompt_tokens: list[int],
+    trunk_cache: list,
+    step_size: int,
+    on_chunk: Callable[[TrunkOutput, int, int], None] | None = None,
+    prefix: PromptPrefix | None = None,
+) -> TrunkOutput:
+    """Forward the prompt in chunks; return the output of the last position alone.
+
+    ``on_chunk(output, start, end)`` sees every chunk's hidden states (for the
+    head's own prefill). The last token is forwarded on its own, as mlx-lm does,
+    so the LM head projects one row instead of a whole chunk; the other chunks'
+    logits are never evaluated (MLX is lazy and only the cache state is forced).
+    With ``prefix``, the caches already hold ``prompt_tokens[:prefix.start]``.
+    """
+    last = len(prompt_tokens) - 1
+    first = prefix.start if prefix is not None else 0
+    if not 0 <= first <= last:
+        raise ValueError(f"prefill: cached prefix of {first} tokens leaves nothing of {last + 1} to forward")
+    for start in range(first, last, step_size):
+        end = min(start + step_size, last)
+        output = trunk(mx.array(prompt_tokens[start:end])[None], trunk_cache)
+        if on_chunk is not None:
+            on_chunk(output, start, end)
+        mx.eval([c.state for c in trunk_cache])
+    if prefix is not None and prefix.on_prompt_prefix is not None and last > first:
+        prefix.on_prompt_prefix(last)
+    output = trunk(mx.array(prompt_tokens[last:])[None], trunk_cache)
+    if on_chunk is not None:
+        on_chunk(output, last, last + 1)
+    return output
+
+
+def _penalize(
+    logits: mx.array, context: list[int], cfg: SamplerConfig, block_tokens: mx.array | None = None
+) -> mx.array:
+    """Penalties for rows logits[B, T, V]: row t sees ``context`` then block_tokens[:, :t].
+
+    Without penalties this returns ``logits`` untouched (the plain path costs nothing).
+    """
+    if not cfg.has_penalties:
+        return logits
+    return verify_ops.penalize_logits(logits, mx.array(context, dtype=mx.int32)[None], cfg, block_tokens)
+
+
+def ar_decode(
+    trunk: Trunk,
+    prompt_tokens: list[int],
+    settings: DecodeSettings,
+    key: mx.array,
+    trunk_cache: list | None = None,
+    prefix: PromptPrefix | None = None,
+) -> Iterator[Step]:
+    """Plain autoregressive sampling, one token per step.
+
+    The next token's graph is built and queued (async_eval) before the current
+    token is handed out, so Python work overlaps the model's compute.
+    """
+    cfg = settings.sampler
+    trunk_cache = trunk_cache if trunk_cache is not None else trunk.make_cache()
+    history = list(prompt_tokens)
+
+    def next_token(logits: mx.array, step_key: mx.array) -> verify_ops.SampleResult:
+        logits = _penalize(logits[:, -1:, :], history, cfg)[:, 0, :]
+        uniforms = verify_ops.draw_uniforms((1,), step_key)
+        return verify_ops.sample(logits, cfg, uniforms, backend=settings.verify_backend)
+
+    key, step_key = _split_key(key)
+    output = prefill(trunk, prompt_tokens, trunk_cache, settings.prefill_step_size, prefix=prefix)
+    logits = output.logits
+    drawn = next_token(logits, step_key)
+    mx.async_eval(drawn.tokens, drawn.invalid)
+    while True:
+        key, step_key = _split_key(key)
+        token_id = drawn.tokens.item()  # the step's one sync; the flag was evaluated with it
+        drawn.checked()
+        history.append(token_id)
+        logprobs = (
+            None
+            if settings.logprobs is None
+            else _token_logprobs(logits[0, -1:], [token_id], settings.logprobs)
+        )
+        logits = trunk.model(drawn.tokens.reshape(1, 1), cache=trunk_cache)
+        upcoming = next_token(logits, step_key)
+        mx.async_eval(upcoming.tokens, upcoming.invalid)
+        yield Step([token_id], logprobs=logprobs)
+        drawn = upcoming
+
+
+def speculative_decode(
+    trunk: Trunk,
+    proposer: Proposer,
+    prompt_tokens: list[int],
+    settings: DecodeSettings,
+    key: mx.array,
+    trunk_cache: list | None = None,
+    prefix: PromptPrefix | None = None,
+) -> Iterator[Step]:
+    """Exact speculative decoding with any drafter (`mtplx.spec_decode`): one verifier for all."""
+    cfg = settings.sampler
+    trunk_cache = trunk_cache if trunk_cache is not None else trunk.make_cache()
+    reason = cache_ops.check_rollback_support(trunk_cache, trunk.model)
+    if reason is not None:
+        raise MtplxError(
+            f"speculative decoding cannot run on this model: {reason}; use --no-mtp (--draft none)"
+        )
+    history = list(prompt_tokens)
+
+    def observe(output: TrunkOutput, start: int, end: int) -> None:
+        proposer.observe_prefill(output, start, end, prompt_tokens)
+
+    key, step_key = _split_key(key)
+    output = prefill(trunk, prompt_tokens, trunk_cache, settings.prefill_step_size, observe, prefix)
+    first_logits = _penalize(output.logits[:, -1:, :], history, cfg)[:, 0, :]
+    first = verify_ops.sample(
+        first_logits, cfg, verify_ops.draw_uniforms((1,), step_key), backend=settings.verify_backend
+    )
+    mx.eval(first.tokens, first.invalid)
+    pending = int(first.checked().tokens.item())
+    history.append(pending)
+    proposer.commit(CycleOutcome(output, 0, [pending], None))
+    yield Step(
+        [pending],
+        logprobs=None
+        if settings.logprobs is None
+        else _token_logprobs(output.logits[0, -1:], [pending], settings.logprobs),
+    )
+
+    while True:
+        key, draft_key, accept_key, sample_key = mx.random.split(key, 4)
+        # 1. Draft (lazy for model drafters: evaluated together with the verify forward).
+        draft = proposer.propose(history, draft_key, trunk_cache)
+        num_drafted = draft.num_tokens if draft is not None else 0
+        block = mx.array([[pending]], dtype=mx.int32)
+        if draft is not None:
+            block = mx.concatenate([block, draft.tokens], axis=1)
+        # 2. One trunk forward over [pending, d_1..d_k]; 3. verify (k = 0: a plain AR step).
+        capture = cache_ops.begin_block(trunk_cache, block_len=num_drafted + 1)
+        try:
+            output = trunk(block, trunk_cache)
+            if draft is None:
+                drawn = verify_ops.sample(
+                    _penalize(output.logits, history, cfg)[:, 0, :],
+                    cfg,
+                    verify_ops.draw_uniforms((1,), sample_key),
+                    backend=settings.verify_backend,
+                )
+                result = verify_ops.VerifyResult(
+                    mx.zeros((1,), dtype=mx.int32),
+                    drawn.tokens,
+                    mx.zeros((1, 0), dtype=mx.float32),
+                    drawn.invalid,
+                )
+                invalid = result.invalid
+            else:
+                result = verify_ops.verify(
+                    _penalize(output.logits, history, cfg, draft.tokens),
+                    draft.tokens,
+                    draft.probs,
+                    cfg,
+                    verify_ops.draw_uniforms((1, num_drafted), accept_key),
+                    verify_ops.draw_uniforms((1,), sample_key),
+                    backend=settings.verify_backend,
+                )
+                invalid = result.invalid if draft.invalid is None else result.invalid | draft.invalid
+            # The cycle's one sync: tokens, accept count and every lazy validity flag together.
+            mx.eval(result, block, invalid)
+            verify_ops.raise_if_invalid(invalid)
+        except BaseException:
+            # Interrupted or failed mid-cycle: leave the caches as they were before the block.
+            cache_ops.abort_block(trunk_cache, capture)
+            raise
+        # Reads of evaluated arrays only (indexing first would queue new work).
+        num_accepted = int(result.num_accepted.item())
+        next_token = int(result.next_token.item())
+        committed = block.tolist()[0][1 : num_accepted + 1] + [next_token]
+
+        # 4. Roll back to the committed prefix: the trunk's cache, then the drafter's state.
+        cache_ops.commit_block(trunk_cache, capture, num_accepted + 1)
+        proposer.commit(CycleOutcome(output, num_accepted, committed, draft))
+        history.extend(committed)
+        pending = next_token
+        logprobs = (
+            None
+            if settings.logprobs is None
+            else _token_logprobs(output.logits[0, : num_accepted + 1], committed, settings.logprobs)
+        )
+        yield Step(
+            committed,
+            num_drafted,
+            num_accepted,
+            result.accept_probs.tolist()[0],
+            logprobs,
+            draft.sources if draft is not None else (),
+        )
+
+
+def mtp_decode(
+    trunk: Trunk,
+    head: DraftHead,
+    prompt_tokens: list[int],
+    settings: DecodeSettings,
+    key: mx.array,
+    trunk_cache: list | None = None,
+    head_cache: list | None = None,
+    prefix: PromptPrefix | None = None,
+) -> Iterator[Step]:
+    """Exact speculative decoding with the model's MTP head as the drafter."""
+    if settings.depth < 1:
+        raise MtplxError(f"depth must be >= 1 (got {settings.depth})")
+    proposer = HeadProposer.from_settings(head, settings, head_cache)
+    return speculative_decode(trunk, proposer, prompt_tokens, settings, key, trunk_cache, prefix)

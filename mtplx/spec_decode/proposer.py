@@ -1,0 +1,129 @@
+"""What every drafter (proposer) gives the speculative loop, and what the loop tells it back.
+
+The shape follows vLLM's spec_decode (vllm/v1/spec_decode/{ngram_proposer,eagle}.py
+beside vllm/v1/sample/rejection_sampler.py): proposers only propose; one
+verifier (`mtplx.sample.rejection.verify`) accepts or rejects every proposer's block, so
+exactness is argued once, for any q. A proposer returns the draft tokens and the
+distribution q each was drawn from, or nothing for a point mass (deterministic
+drafts such as prompt lookup); `verify` treats a missing q as a one-hot at the
+draft, which accepts d with probability p(d) and on rejection samples p with d
+removed and renormalised.
+
+Exactness does not depend on how a proposer chooses its block (length, source,
+early stop), as long as the choice for position i uses only the committed text,
+earlier drafts and randomness independent of the verify uniforms.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from mtplx.sample import rejection as verify_ops
+from mtplx.sample.params import SamplerConfig
+from mtplx.trunk.model import TrunkOutput
+
+import mlx.core as mx
+
+
+@dataclass
+class Draft:
+    """A block of draft tokens for one cycle (k >= 1)."""
+
+    tokens: mx.array  # [1, k] int32; may be lazy (evaluated with the verify forward)
+    probs: mx.array | None  # [1, k, V] float32 q rows; None = every draft is a point mass
+    sources: tuple[tuple[str, int], ...]  # (drafter name, how many drafts), in block order
+    invalid: mx.array | None = None  # [] int32, lazy: verify's INVALID_* bits of the draft sampling
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.shape[1])
+
+
+@dataclass
+class CycleOutcome:
+    """What the loop committed in one cycle; every proposer sees every cycle."""
+
+    output: TrunkOutput  # the trunk forward over [pending, drafts] (prefill: the last prompt row)
+    num_accepted: int
+    committed: list[int]  # accepted drafts + the next token
+    draft: Draft | None  # the block that was verified (None: a cycle without drafts)
+
+
+class Proposer(Protocol):
+    """A drafter. ``propose`` is called once per cycle; ``commit`` after every cycle,
+    including those another drafter (or nobody) proposed for, so the proposer can
+    roll its own state back to, or catch it up with, the committed text."""
+
+    name: str
+
+    def observe_prefill(self, output: TrunkOutput, start: int, end: int, prompt_tokens: list[int]) -> None:
+        """Sees the trunk's output for prompt positions [start, end) during prefill."""
+        ...
+
+    def propose(self, history: list[int], key: mx.array, trunk_cache: list) -> Draft | None:
+        """Drafts after ``history`` (prompt + committed tokens; the last one is not yet forwarded)."""
+        ...
+
+    def commit(self, outcome: CycleOutcome) -> None: ...
+
+
+def join_drafts(parts: Sequence[Draft]) -> Draft:
+    """One block from consecutive parts; point-mass parts get explicit one-hot q rows when
+    another part carries a real distribution (verify takes one q tensor per block)."""
+    if len(parts) == 1:
+        return parts[0]
+    tokens = mx.concatenate([p.tokens for p in parts], axis=1)
+    sources = tuple(s for p in parts for s in p.sources)
+    flags = [p.invalid for p in parts if p.invalid is not None]
+    invalid = None
+    for flag in flags:
+        invalid = flag if invalid is None else invalid | flag
+    with_q = [p for p in parts if p.probs is not None]
+    if not with_q:
+        return Draft(tokens, None, sources, invalid)
+    vocab_size = with_q[0].probs.shape[-1]
+    rows = [
+        p.probs
+        if p.probs is not None
+        else (mx.arange(vocab_size, dtype=mx.int32) == p.tokens[..., None]).astype(mx.float32)
+        for p in parts
+    ]
+    return Draft(tokens, mx.concatenate(rows, axis=1), sources, invalid)
+
+
+def draw_draft_token(
+    logits: mx.array,
+    context: mx.array | None,
+    cfg: SamplerConfig,
+    uniform: mx.array,
+    *,
+    greedy_draft: bool,
+    backend: str,
+) -> tuple[mx.array, mx.array | None, mx.array | None]:
+    """One model draft from logits[1, V]: (token [1] int32, q [1, V] or None for an argmax draft,
+    the sampler's lazy validity flag or None).
+
+    ``context`` [1, C] holds the committed tokens and the drafts before this one, so the
+    request's penalties see what the target will see at this position. No host sync.
+    """
+    if cfg.has_penalties:
+        logits = verify_ops.penalize_logits(logits[:, None, :], context, cfg)[:, 0, :]
+    if greedy_draft:
+        return mx.argmax(logits, axis=-1).astype(mx.int32), None, None
+    drawn = verify_ops.sample(logits, cfg, uniform, backend=backend)
+    return drawn.tokens.astype(mx.int32), drawn.probs, drawn.invalid
+
+
+def stacked_draft(
+    tokens: list[mx.array], probs: list[mx.array | None], flags: list[mx.array | None], name: str
+) -> Draft:
+    """A model drafter's block from per-position tokens [1], q rows [1, V] (all or none None)
+    and validity flags."""
+    stacked_probs = None if probs[0] is None else mx.stack(probs, axis=1)
+    invalid = None
+    for flag in flags:
+        if flag is not None:
+            invalid = flag if invalid is None else invalid | flag
+    return Draft(mx.stack(tokens, axis=1), stacked_probs, ((name, len(tokens)),), invalid)

@@ -1,0 +1,473 @@
+"""Every contact mtplx has with mlx-lm internals, in one place, checked against the installed mlx-lm.
+
+mlx-lm's public API (``load``, ``make_prompt_cache``, the cache classes and
+their ``trim`` / ``prepare`` / ``finalize`` methods, ``create_attention_mask``)
+is used where it exists. Three things have no public hook in mlx-lm 0.32 and
+are done here, against layouts read from its source
+(``mlx_lm/models/cache.py``, ``mlx_lm/models/gated_delta.py``,
+``mlx_lm/models/qwen3_5.py``, ``mlx_lm/models/base.py``):
+
+* the final-norm tap: models return logits only, and MTP heads need the hidden
+  state before and after the final norm, so the norm instance's class is
+  swapped for a subclass that records its input and output (the parameter tree
+  stays the same, so loading, quantization and fingerprints are unaffected);
+* recurrent-state capture: the gated-delta layers of the modules in
+  ``SUPPORTED_RECURRENT_MODULES`` call their module-level name
+  ``gated_delta_update``, which ``install_gated_delta_hook`` rebinds to a
+  wrapper (``mtplx.trunk.rollback`` owns the wrapper's logic);
+* cache state layouts: ``KVCache.state`` = (keys, values, offset),
+  ``RotatingKVCache.state`` = (keys, values, offset, keep, max_size, _idx),
+  ``ArraysCache.state`` = (slots, left_padding, lengths), with a gated-delta
+  layer's conv state in slot 0 and recurrent state in slot 1. They are read
+  and written here by name (``KVState``, ``RotatingState``), nowhere by position.
+* cache copies: mlx-lm has no copy for its caches; ``copy_cache`` copies a
+  cache's instance attributes (arrays re-wrapped, so in-place slice updates on
+  one side never show on the other).
+
+``check()`` verifies every one of these assumptions on the installed mlx-lm
+and raises one clear error naming what changed; the trunk calls it once per
+process, and the tests call it with deliberately changed layouts to prove it
+notices. pyproject pins the range it was verified on (``SUPPORTED_MLX_LM``).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+import sys
+from collections.abc import Callable, Sequence
+from importlib import metadata
+from typing import Any, NamedTuple
+
+from mtplx.errors import MtplxError
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import gated_delta as _gated_delta
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import (
+    ArraysCache,
+    BatchKVCache,
+    CacheList,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
+
+__all__ = [
+    "SUPPORTED_MLX_LM",
+    "SUPPORTED_RECURRENT_MODULES",
+    "CONV_SLOT",
+    "STATE_SLOT",
+    "ArraysCache",
+    "BatchKVCache",
+    "CacheList",
+    "KVCache",
+    "KVState",
+    "ORIGINAL_GATED_DELTA_UPDATE",
+    "NormTap",
+    "QuantizedKVCache",
+    "RotatingKVCache",
+    "RotatingState",
+    "arrays_slots",
+    "cache_leaves",
+    "cache_members",
+    "check",
+    "copy_cache",
+    "create_attention_mask",
+    "find_inner_model",
+    "find_lm_head",
+    "install_gated_delta_hook",
+    "is_supported_gated_delta_layer",
+    "kv_state",
+    "make_prompt_cache",
+    "rotating_state",
+    "set_arrays_slots",
+    "set_kv_state",
+    "set_rotating_state",
+    "tap_final_norm",
+    "untapped_norm",
+]
+
+# [low, high): the mlx-lm releases whose internals this module was verified on (pyproject pins the same).
+SUPPORTED_MLX_LM = ((0, 32, 2), (0, 33, 0))
+
+# Modules whose gated-delta layers read slot 0 = conv state, slot 1 = recurrent
+# state, honour ``cache.lengths`` for the conv state, and pass the recurrent
+# state from the cache unchanged into their module-level ``gated_delta_update``.
+SUPPORTED_RECURRENT_MODULES = ("mlx_lm.models.qwen3_5", "mlx_lm.models.qwen3_next")
+CONV_SLOT = 0
+STATE_SLOT = 1
+
+# mlx-lm's own function; the hook's wrapper calls it.
+ORIGINAL_GATED_DELTA_UPDATE = _gated_delta.gated_delta_update
+_GATED_DELTA_PARAMETERS = ("q", "k", "v", "a", "b", "A_log", "dt_bias", "state", "mask")
+
+
+# --------------------------------------------------------------------------- model structure
+
+
+def find_inner_model(model: nn.Module) -> nn.Module:
+    """The module that owns ``embed_tokens``, ``layers`` and ``norm`` (wrapper models nest it)."""
+    for path in (("model",), ("language_model", "model"), ("model", "language_model"), ()):
+        node: Any = model
+        try:
+            for name in path:
+                node = getattr(node, name)
+        except AttributeError:
+            continue
+        if all(hasattr(node, a) for a in ("embed_tokens", "layers", "norm")):
+            return node
+    raise ValueError(f"unsupported model class {type(model).__name__}: no embed_tokens/layers/norm found")
+
+
+def find_lm_head(model: nn.Module) -> nn.Module | None:
+    """The untied output layer, or None when the embedding is tied."""
+    for owner in (model, getattr(model, "language_model", None)):
+        if owner is not None and "lm_head" in owner:
+            return owner["lm_head"]
+    return None
+
+
+# --------------------------------------------------------------------------- final-norm tap
+
+
+class NormTap:
+    """Holds the last final-norm input (``pre``) and output (``post``) of one forward pass."""
+
+    def __init__(self) -> None:
+        self.pre: mx.array | None = None
+        self.post: mx.array | None = None
+
+
+def tap_final_norm(norm: nn.Module) -> NormTap:
+    """Make ``norm`` record its input and output (once: a second trunk over the same model shares it).
+
+    Only this instance's class changes, to a subclass of its own class; the parameters stay put.
+    """
+    existing = getattr(type(norm), "_mtplx_tap", None)
+    if existing is not None:
+        return existing
+    base = type(norm)
+    tap = NormTap()
+
+    def __call__(self, x, *args, **kwargs):
+        out = base.__call__(self, x, *args, **kwargs)
+        tap.pre, tap.post = x, out
+        return out
+
+    norm.__class__ = type(f"Tapped{base.__name__}", (base,), {"__call__": __call__, "_mtplx_tap": tap})
+    return tap
+
+
+def untapped_norm(norm: nn.Module, hidden: mx.array) -> mx.array:
+    """``norm(hidden)`` without recording it (a head's own use must not overwrite the trunk's capture)."""
+    cls = type(norm)
+    base = cls.__mro__[1] if getattr(cls, "_mtplx_tap", None) is not None else cls
+    return base.__call__(norm, hidden)
+
+
+# --------------------------------------------------------------------------- cache layouts
+
+
+class KVState(NamedTuple):
+    """``KVCache.state`` by name."""
+
+    keys: mx.array | None
+    values: mx.array | None
+    offset: int
+
+
+class RotatingState(NamedTuple):
+    """``RotatingKVCache.state`` by name; ``idx`` is the write position (mlx-lm's ``_idx``)."""
+
+    keys: mx.array | None
+    values: mx.array | None
+    offset: int
+    keep: int
+    max_size: int
+    idx: int
+
+
+def kv_state(cache: KVCache) -> KVState:
+    return KVState(*cache.state)
+
+
+def set_kv_state(cache: KVCache, state: KVState) -> None:
+    cache.state = tuple(state)
+
+
+def rotating_state(cache: RotatingKVCache) -> RotatingState:
+    return RotatingState(*cache.state)
+
+
+def set_rotating_state(cache: RotatingKVCache, state: RotatingState) -> None:
+    cache.state = tuple(state)
+
+
+def arrays_slots(cache: ArraysCache) -> list:
+    """The slot arrays of an ``ArraysCache`` (the list itself: item assignment goes through ``cache[i]``)."""
+    return cache.cache
+
+
+def set_arrays_slots(cache: ArraysCache, slots: list) -> None:
+    cache.cache = list(slots)
+
+
+def cache_members(cache: CacheList) -> list:
+    """The caches inside a ``CacheList`` (one layer with several kinds of state)."""
+    return list(cache.caches)
+
+
+def cache_leaves(cache: Sequence) -> list:
+    """Every leaf cache of a cache list, a ``CacheList`` contributing its members."""
+    out = []
+    for c in cache:
+        out.extend(cache_leaves(cache_members(c)) if type(c) is CacheList else [c])
+    return out
+
+
+def _detached(x: Any) -> Any:
+    # mx.array(a) is a new array object with a's value: in-place updates (slice
+    # assignment) on one of them never show in the other.
+    if isinstance(x, mx.array):
+        return mx.array(x)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_detached(v) for v in x)
+    return x
+
+
+def copy_cache(cache: Sequence) -> list:
+    """An independent copy of an mlx-lm cache list (shares memory until one side writes)."""
+    out = []
+    for c in cache:
+        new = copy.copy(c)
+        if type(c) is CacheList:
+            new.caches = tuple(copy_cache(cache_members(c)))
+        else:
+            new.__dict__.update({k: _detached(v) for k, v in vars(c).items()})
+        out.append(new)
+    return out
+
+
+# --------------------------------------------------------------------------- gated-delta hook
+
+
+def install_gated_delta_hook(wrapper: Callable) -> None:
+    """Rebind ``gated_delta_update`` in the supported, already-imported model modules to ``wrapper``.
+
+    Idempotent; the wrapper must pass every call it does not capture straight through.
+    """
+    for name in SUPPORTED_RECURRENT_MODULES:
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "gated_delta_update", None) is ORIGINAL_GATED_DELTA_UPDATE:
+            module.gated_delta_update = wrapper
+
+
+def is_supported_gated_delta_layer(layer: nn.Module) -> bool:
+    return any(
+        type(m).__module__ in SUPPORTED_RECURRENT_MODULES and hasattr(m, "conv1d")
+        for _, m in layer.named_modules()
+    )
+
+
+# --------------------------------------------------------------------------- the check
+
+
+def _parse_version(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in text.split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts + [0] * (3 - len(parts)))
+
+
+def _fmt(version: tuple[int, ...]) -> str:
+    return ".".join(str(v) for v in version)
+
+
+def _is_int(value: object, expected: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value == expected
+
+
+def _guarded(what: str, check_fn: Callable, *args: Any) -> list[str]:
+    """A layout so changed that probing it raises is reported like any other change."""
+    try:
+        return check_fn(*args)
+    except Exception as e:  # the point is to turn any breakage into one clear message
+        return [f"{what} failed ({type(e).__name__}: {e})"]
+
+
+def _check_version(version: str) -> list[str]:
+    low, high = SUPPORTED_MLX_LM
+    if not low <= _parse_version(version) < high:
+        return [f"version {version} is outside the supported range >={_fmt(low)},<{_fmt(high)}"]
+    return []
+
+
+def _check_kv(kv_cls: type) -> list[str]:
+    cache = kv_cls()
+    cache.update_and_fetch(mx.zeros((1, 1, 3, 2)), mx.zeros((1, 1, 3, 2)))
+    state = tuple(cache.state)
+    if len(state) != len(KVState._fields):
+        return [f"{kv_cls.__name__}.state has {len(state)} fields, expected {KVState._fields}"]
+    named = KVState(*state)
+    if not _is_int(named.offset, 3) or not _is_int(cache.offset, 3) or named.keys is not cache.keys:
+        return [f"{kv_cls.__name__}.state is no longer (keys, values, offset)"]
+    return []
+
+
+def _check_trim(kv_cls: type) -> list[str]:
+    """Offset-addressed caches: ``.offset`` counts entries and ``trim(n)`` moves it back by n."""
+    cache = kv_cls()
+    head_dim = 64  # a multiple of every quantization group size
+    cache.update_and_fetch(mx.zeros((1, 1, 3, head_dim)), mx.zeros((1, 1, 3, head_dim)))
+    if not _is_int(getattr(cache, "offset", None), 3):
+        return [f"{kv_cls.__name__}.offset no longer counts the entries"]
+    if (
+        not callable(getattr(cache, "trim", None))
+        or not _is_int(cache.trim(1), 1)
+        or not _is_int(cache.offset, 2)
+    ):
+        return [f"{kv_cls.__name__}.trim(n) no longer moves the offset back by n"]
+    return []
+
+
+def _check_rotating(rotating_cls: type) -> list[str]:
+    cache = rotating_cls(max_size=8, keep=1)
+    cache.update_and_fetch(mx.zeros((1, 1, 3, 2)), mx.zeros((1, 1, 3, 2)))
+    state = tuple(cache.state)
+    if len(state) != len(RotatingState._fields):
+        return [f"{rotating_cls.__name__}.state has {len(state)} fields, expected {RotatingState._fields}"]
+    named = RotatingState(*state)
+    counters = (named.offset, named.keep, named.max_size, named.idx)
+    if (
+        not all(_is_int(got, want) for got, want in zip(counters, (3, 1, 8, 3)))
+        or named.keys is not cache.keys
+    ):
+        return [f"{rotating_cls.__name__}.state is no longer (keys, values, offset, keep, max_size, _idx)"]
+    if named.keys.shape[2] != named.idx:
+        return [
+            f"{rotating_cls.__name__}: a multi-token update no longer leaves the buffer in temporal order"
+        ]
+    return []
+
+
+def _check_arrays(arrays_cls: type) -> list[str]:
+    cache = arrays_cls(2)
+    state = tuple(cache.state)
+    if len(state) != 3 or state[0] is not cache.cache or len(state[0]) != 2:
+        return [f"{arrays_cls.__name__}.state is no longer (slots, left_padding, lengths)"]
+    missing = [
+        m for m in ("prepare", "finalize", "make_mask", "advance") if not callable(getattr(cache, m, None))
+    ]
+    if missing:
+        return [f"{arrays_cls.__name__} lacks {', '.join(missing)}"]
+    cache.prepare(lengths=[0, 1, 2])
+    if cache.lengths is None or cache.lengths.tolist() != [0, 1, 2]:
+        return [f"{arrays_cls.__name__}.prepare(lengths=...) no longer sets .lengths"]
+    cache.finalize()
+    if cache.lengths is not None:
+        return [f"{arrays_cls.__name__}.finalize() no longer clears .lengths"]
+    return []
+
+
+def _check_gated_delta(update: Callable, module_names: Sequence[str]) -> list[str]:
+    problems = []
+    parameters = tuple(inspect.signature(update).parameters)[: len(_GATED_DELTA_PARAMETERS)]
+    if parameters != _GATED_DELTA_PARAMETERS:
+        problems.append(f"gated_delta_update takes {parameters}, expected {_GATED_DELTA_PARAMETERS} first")
+    for name in module_names:
+        try:
+            module = __import__(name, fromlist=["_"])
+        except ImportError:
+            problems.append(f"{name} is gone")
+            continue
+        bound = getattr(module, "gated_delta_update", None)
+        if bound is None:
+            problems.append(f"{name} no longer calls a module-level gated_delta_update")
+    return problems
+
+
+def _check_cache_list(cache_list_cls: type) -> list[str]:
+    member = KVCache()
+    if list(getattr(cache_list_cls(member), "caches", ())) != [member]:
+        return [f"{cache_list_cls.__name__} no longer keeps its members in .caches"]
+    return []
+
+
+def _check_copy(kv_cls: type, arrays_cls: type) -> list[str]:
+    kv, arrays = kv_cls(), arrays_cls(2)
+    kv.update_and_fetch(mx.zeros((1, 1, 2, 2)), mx.zeros((1, 1, 2, 2)))
+    arrays[0] = mx.zeros((1, 2))
+    kv_copy, arrays_copy = copy_cache([kv, arrays])
+    kv.update_and_fetch(mx.ones((1, 1, 1, 2)), mx.ones((1, 1, 1, 2)))  # writes into kv's buffer in place
+    arrays[0] = mx.ones((1, 2))
+    problems = []
+    if kv_copy.offset != 2 or float(mx.abs(kv_state(kv_copy).keys).sum()) != 0.0:
+        problems.append(f"a copied {kv_cls.__name__} changes when the original is updated")
+    if float(mx.abs(arrays_copy[0]).sum()) != 0.0:
+        problems.append(f"a copied {arrays_cls.__name__} changes when the original is updated")
+    return problems
+
+
+def _check_mask(mask_fn: Callable) -> list[str]:
+    names = tuple(inspect.signature(mask_fn).parameters)
+    expected = ("h", "cache", "window_size", "return_array")
+    return [] if names[:4] == expected else [f"create_attention_mask takes {names}, expected {expected}"]
+
+
+def _check_norm_tap() -> list[str]:
+    norm = nn.RMSNorm(2)
+    tap = tap_final_norm(norm)
+    x = mx.ones((1, 1, 2))
+    out = norm(x)
+    if tap.pre is not x or tap.post is not out or "weight" not in dict(norm.parameters()):
+        return ["the final-norm tap no longer records the norm's input/output"]
+    return []
+
+
+def check(
+    *,
+    version: str | None = None,
+    kv_cls: type = KVCache,
+    trimmable_classes: Sequence[type] = (KVCache, QuantizedKVCache),
+    rotating_cls: type = RotatingKVCache,
+    arrays_cls: type = ArraysCache,
+    cache_list_cls: type = CacheList,
+    gated_delta_update: Callable = ORIGINAL_GATED_DELTA_UPDATE,
+    recurrent_modules: Sequence[str] = SUPPORTED_RECURRENT_MODULES,
+    mask_fn: Callable = create_attention_mask,
+) -> None:
+    """Raise one MtplxError naming every layout assumption the installed mlx-lm breaks.
+
+    The keyword arguments default to the installed mlx-lm; the tests pass changed
+    classes and functions to prove each assumption is really checked.
+    """
+    problems = _check_version(metadata.version("mlx-lm") if version is None else version)
+    problems += _guarded(f"probing {kv_cls.__name__}", _check_kv, kv_cls)
+    for trimmable in trimmable_classes:
+        problems += _guarded(f"probing {trimmable.__name__}", _check_trim, trimmable)
+    problems += _guarded(f"probing {rotating_cls.__name__}", _check_rotating, rotating_cls)
+    problems += _guarded(f"probing {arrays_cls.__name__}", _check_arrays, arrays_cls)
+    problems += _guarded(f"probing {cache_list_cls.__name__}", _check_cache_list, cache_list_cls)
+    problems += _guarded(
+        "probing gated_delta_update", _check_gated_delta, gated_delta_update, recurrent_modules
+    )
+    problems += _guarded("probing cache copies", _check_copy, kv_cls, arrays_cls)
+    problems += _guarded("probing create_attention_mask", _check_mask, mask_fn)
+    problems += _guarded("probing the final-norm tap", _check_norm_tap)
+    if problems:
+        raise MtplxError(
+            "the installed mlx-lm changed internals mtplx relies on (mtplx/trunk/compat.py): "
+            + "; ".join(problems)
+            + f". Install mlx-lm>={_fmt(SUPPORTED_MLX_LM[0])},<{_fmt(SUPPORTED_MLX_LM[1])}"
+        )
+
+
+@functools.cache
+def check_once() -> None:
+    """``check()`` once per process (the trunk calls this when it wraps a model)."""
+    check()

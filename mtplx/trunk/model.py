@@ -1,0 +1,84 @@
+"""The target model ("trunk") as the decode loop sees it.
+
+An mlx-lm model returns only logits. MTP heads also need the trunk's last
+hidden state, before or after its final norm depending on the family. Rather
+than re-implementing every model's forward, the trunk's final norm is tapped
+(`mtplx.trunk.compat.tap_final_norm`: the norm's class becomes a recording subclass
+of itself; the parameter tree, and so loading, quantization and fingerprints,
+is unchanged).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mtplx.trunk import compat
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+@dataclass
+class TrunkOutput:
+    logits: mx.array  # [B, T, V]
+    hidden_pre_norm: mx.array  # [B, T, H]: input of the final norm
+    hidden_post_norm: mx.array  # [B, T, H]: what the LM head reads
+
+
+class Trunk:
+    """Wraps an mlx-lm model: logits plus the hidden states MTP heads consume."""
+
+    def __init__(self, model: nn.Module):
+        compat.check_once()  # a changed mlx-lm fails here, with a clear message, not mid-decode
+        self.model = model
+        self.inner = compat.find_inner_model(model)
+        self._tap = compat.tap_final_norm(self.inner.norm)
+        self._lm_head = compat.find_lm_head(model)
+
+    @property
+    def layers(self) -> list:
+        return self.model.layers
+
+    @property
+    def vocab_size(self) -> int:
+        return self.inner.embed_tokens.weight.shape[0]
+
+    def make_cache(self) -> list:
+        return compat.make_prompt_cache(self.model)
+
+    def __call__(self, tokens: mx.array, cache: list | None = None) -> TrunkOutput:
+        logits = self.model(tokens, cache=cache)
+        out = TrunkOutput(logits, self._tap.pre, self._tap.post)
+        self._tap.pre = self._tap.post = None
+        return out
+
+    def forward_hidden(self, tokens: mx.array, cache: list | None = None) -> tuple[mx.array, mx.array]:
+        """(pre-norm, post-norm) hidden states without the LM head (forge records them for every position
+        but needs logits only at the last one)."""
+        post = self.inner(tokens, cache=cache)
+        pre = self._tap.pre
+        self._tap.pre = self._tap.post = None
+        return pre, post
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        return self.inner.embed_tokens(tokens)
+
+    def final_norm(self, hidden: mx.array) -> mx.array:
+        # Untapped, so a head's own use does not overwrite the trunk's capture.
+        return compat.untapped_norm(self.inner.norm, hidden)
+
+    @property
+    def output_layer(self) -> nn.Module | None:
+        """The untied LM head layer (None when tied to the embeddings)."""
+        return self._lm_head
+
+    @output_layer.setter
+    def output_layer(self, layer: nn.Module) -> None:
+        # Distributed tensor parallel wraps a vocabulary-sharded LM head so heads see all logits.
+        self._lm_head = layer
+
+    def lm_head(self, hidden_post_norm: mx.array) -> mx.array:
+        """Logits from a post-norm hidden state, through the trunk's (possibly tied) output layer."""
+        if self._lm_head is not None:
+            return self._lm_head(hidden_post_norm)
+        return self.inner.embed_tokens.as_linear(hidden_post_norm)
