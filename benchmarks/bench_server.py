@@ -61,7 +61,7 @@ class Server:
         env.pop("MTPLX_API_KEY", None)
         self.log = open(Path(tempfile.gettempdir()) / f"mtplx-bench-server-{self.port}.log", "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mtplx.cli.main", "serve", "--port", str(self.port), *flags],
+            [sys.executable, "-m", "mtplx", "serve", "--port", str(self.port), *flags],
             stdout=self.log,
             stderr=subprocess.STDOUT,
             env=env,

@@ -19,7 +19,7 @@ from loop_models import make_loop_pair
 from sync_counter import counting_syncs
 
 from mtplx.spec_decode import loop as decode
-from mtplx.sample import rejection as verify_ops
+from mtplx.sample import ops as sample_ops
 from mtplx.sample.params import SamplerConfig
 
 PROMPT = [1, 2, 0, 2, 1, 0, 2]
@@ -39,10 +39,10 @@ CASES = {
 
 def main() -> None:
     trunk, head = make_loop_pair(vocab_size=49152, seed=3, logit_scale=20.0)
-    cpu_policy = verify_ops._queue_top_p_fallbacks
+    cpu_policy = sample_ops._queue_top_p_fallbacks
     print("| sampler setting | host syncs per cycle (depth 3) |\n|---|---|")
     for name, cfg in CASES.items():
-        verify_ops._queue_top_p_fallbacks = (lambda: True) if "GPU policy" in name else cpu_policy
+        sample_ops._queue_top_p_fallbacks = (lambda: True) if "GPU policy" in name else cpu_policy
         steps = decode.mtp_decode(
             trunk, head, PROMPT, decode.DecodeSettings(sampler=cfg, depth=3), mx.random.key(0)
         )
@@ -52,7 +52,7 @@ def main() -> None:
                 next(steps)
         steps.close()
         print(f"| {name} | {counter.syncs / CYCLES:.1f} |")
-    verify_ops._queue_top_p_fallbacks = cpu_policy
+    sample_ops._queue_top_p_fallbacks = cpu_policy
 
 
 if __name__ == "__main__":

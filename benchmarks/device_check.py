@@ -10,7 +10,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import mtplx  # noqa: F401  (before mlx)
 from mtplx.sample import emulation as E
 from mtplx.sample import kernels as K
-from mtplx.sample import rejection as V
+from mtplx.sample import ops as sample_ops
+from mtplx.sample import rejection
 from mtplx.sample.params import SamplerConfig
 
 import _kernel_ref as ref
@@ -68,9 +69,9 @@ def timings():
             z = mx.random.normal((B, k + 1, vocab)) * 3
             q = mx.softmax(mx.random.normal((B, k, vocab)) * 3, axis=-1)
             d = mx.argmax(q, axis=-1).astype(mx.int32)
-            a, s = V.draw_uniforms((B, k)), V.draw_uniforms((B,))
+            a, s = sample_ops.draw_uniforms((B, k)), sample_ops.draw_uniforms((B,))
             mx.eval(z, q, d, a, s)
-            ops = bench(lambda z=z, d=d, q=q, a=a, s=s: V.verify(z, d, q, cfg, a, s, backend="mlx"))
+            ops = bench(lambda z=z, d=d, q=q, a=a, s=s: rejection.verify(z, d, q, cfg, a, s, backend="mlx"))
             fu = bench(lambda z=z, d=d, q=q, a=a, s=s: fused(z, d, q, cfg, a, s))
             print(f"| {B} | {k} | {ops:.3f} | {fu:.3f} | {ops / fu:.2f}x |", flush=True)
 

@@ -29,7 +29,8 @@ from contextlib import contextmanager
 
 import mtplx  # noqa: F401  (optimized BLAS before mlx)
 from mtplx.bench import run as bench
-from mtplx.sample import rejection as verify_ops
+from mtplx.sample import ops as sample_ops
+from mtplx.sample import rejection
 from mtplx.trunk import rollback as cache_ops
 
 import mlx.core as mx
@@ -101,15 +102,15 @@ def instrumented(engine, phases: Phases):
     saved = (
         engine.head,
         engine.trunk,
-        verify_ops.sample,
-        verify_ops.verify,
+        sample_ops.sample,
+        rejection.verify,
         cache_ops.commit_block,
         cache_ops.trim_kv,
     )
     engine.head = _HeadProxy(engine.head, phases)
     engine.trunk = _TrunkProxy(engine.trunk, phases)
-    verify_ops.sample = phases.timed("draft sample", saved[2])
-    verify_ops.verify = phases.timed("verify math", saved[3])
+    sample_ops.sample = phases.timed("draft sample", saved[2])
+    rejection.verify = phases.timed("verify math", saved[3])
 
     def commit(trunk_cache, *args, **kwargs):
         out = saved[4](trunk_cache, *args, **kwargs)
@@ -129,8 +130,8 @@ def instrumented(engine, phases: Phases):
         (
             engine.head,
             engine.trunk,
-            verify_ops.sample,
-            verify_ops.verify,
+            sample_ops.sample,
+            rejection.verify,
             cache_ops.commit_block,
             cache_ops.trim_kv,
         ) = saved
@@ -180,7 +181,7 @@ def isolated_costs(engine, depth: int, context: int, repeats: int) -> dict[str, 
 
     head_out = head(hidden, tokens[:, -1:])
     mx.eval(head_out)
-    uniforms = verify_ops.draw_uniforms((1,), mx.random.key(0))
+    uniforms = sample_ops.draw_uniforms((1,), mx.random.key(0))
     logits = head.logits(head_out)[:, -1, :]
     mx.eval(logits)
     return {
@@ -189,10 +190,10 @@ def isolated_costs(engine, depth: int, context: int, repeats: int) -> dict[str, 
         "head layer step": _median_time(head_step, repeats),
         "LM head (1 row)": _median_time(lambda: head.logits(head_out), repeats),
         "sample greedy (1 row)": _median_time(
-            lambda: verify_ops.sample(logits, bench_cfg(0.0), uniforms).tokens, repeats
+            lambda: sample_ops.sample(logits, bench_cfg(0.0), uniforms).tokens, repeats
         ),
         "sample t0.7/p0.95 (1 row)": _median_time(
-            lambda: verify_ops.sample(logits, bench_cfg(0.7, 0.95), uniforms).tokens, repeats
+            lambda: sample_ops.sample(logits, bench_cfg(0.7, 0.95), uniforms).tokens, repeats
         ),
     }
 
@@ -226,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
 
     engine = Engine.load(args.model, head=args.head, depth=args.depth)
     if args.untrained_head:
-        from mtplx.forge.run import build_head
+        from mtplx.forge.train import build_head
 
         engine.head = build_head(engine.trunk, "post_norm")
     if engine.head is None:

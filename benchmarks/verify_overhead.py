@@ -16,7 +16,8 @@ import statistics
 import time
 
 import mtplx  # noqa: F401  (optimized BLAS before mlx)
-from mtplx.sample.rejection import draw_uniforms, filtered_probs, verify
+from mtplx.sample.ops import draw_uniforms, filtered_probs
+from mtplx.sample.rejection import verify
 from mtplx.sampling import SamplerConfig
 
 import mlx.core as mx

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 import mtplx  # noqa: F401  (BLAS before mlx)
-from mtplx.sample import rejection as verify_ops
+from mtplx.sample import rejection
 from mtplx.sampling import SamplerConfig, distribution_from_logits
 from mtplx.spec_decode import loop as decode
 from mtplx.trunk import rollback as cache_ops
@@ -271,7 +271,7 @@ def test_chi_square_rejects_a_loop_that_commits_the_rejected_draft(monkeypatch):
     i.e. the rejected draft kept instead of the correction token) must be caught by
     the same test. (A stale head cache cannot be caught this way: any q keeps the
     output exact; the cache tests above catch that one.)"""
-    honest_verify = verify_ops.verify
+    honest_verify = rejection.verify
 
     def commit_rejected_draft(target_logits, draft_tokens, *args, **kwargs):
         result = honest_verify(target_logits, draft_tokens, *args, **kwargs)
@@ -279,7 +279,7 @@ def test_chi_square_rejects_a_loop_that_commits_the_rejected_draft(monkeypatch):
         rejected = draft_tokens[0, mx.minimum(result.num_accepted, k - 1)]
         return result._replace(next_token=mx.where(result.num_accepted < k, rejected, result.next_token))
 
-    monkeypatch.setattr(verify_ops, "verify", commit_rejected_draft)
+    monkeypatch.setattr(rejection, "verify", commit_rejected_draft)
     trunk, head = make_loop_pair(**CHI_SQUARE_MODEL)
     cfg = SamplerConfig(temperature=1.0)
     expected = exact_ar_joint(trunk, cfg, CHI_SQUARE_MODEL["vocab_size"])

@@ -9,7 +9,8 @@ import random
 
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.errors import MtplxError
-from mtplx.sample import rejection as verify_ops
+from mtplx.sample import ops as sample_ops
+from mtplx.sample import rejection
 from mtplx.sampling import SamplerConfig
 from mtplx.spec_decode import draft_model_proposer as draft_model_module
 from mtplx.spec_decode import loop as decode
@@ -302,7 +303,7 @@ def test_sampled_distribution_matches_ar_with_every_drafter(case):
 def test_chi_square_catches_a_point_mass_rejection_that_keeps_the_draft(monkeypatch):
     """Negative control for lookup/auto: on rejecting a point-mass draft d, sampling from p
     itself (d not removed) over-weights d; the same test must see it."""
-    honest_verify = verify_ops.verify
+    honest_verify = rejection.verify
 
     def resample_with_draft(
         target_logits, draft_tokens, draft_probs, cfg, accept_u, sample_u, backend="auto"
@@ -312,10 +313,10 @@ def test_chi_square_catches_a_point_mass_rejection_that_keeps_the_draft(monkeypa
             return result
         k = draft_tokens.shape[1]
         row = mx.take_along_axis(target_logits, result.num_accepted[:, None, None], axis=1)[:, 0, :]
-        from_p = verify_ops.sample(row, cfg, sample_u).tokens
+        from_p = sample_ops.sample(row, cfg, sample_u).tokens
         return result._replace(next_token=mx.where(result.num_accepted < k, from_p, result.next_token))
 
-    monkeypatch.setattr(verify_ops, "verify", resample_with_draft)
+    monkeypatch.setattr(rejection, "verify", resample_with_draft)
     counts, expected = sampled_counts(CHI_SQUARE_MODEL, "lookup", SamplerConfig(temperature=1.0), 500, 99)
     assert loop_p_value(counts, expected) < FALSE_FAILURE_RATE
 

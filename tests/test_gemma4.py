@@ -16,7 +16,7 @@ from pathlib import Path
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.errors import MtplxError
 from mtplx.heads import gemma4_assistant as ga
-from mtplx.sample import rejection as verify_ops
+from mtplx.sample import rejection
 from mtplx.sampling import SamplerConfig
 from mtplx.spec_decode import loop as decode
 from mtplx.trunk import rollback as cache_ops
@@ -329,7 +329,7 @@ def test_mtp_sampled_distribution_matches_ar(tmp_path, fill, depth, num_samples)
 
 
 def test_chi_square_rejects_a_loop_that_commits_the_rejected_draft(tmp_path, monkeypatch):
-    honest = verify_ops.verify
+    honest = rejection.verify
 
     def commit_rejected_draft(target_logits, draft_tokens, *args, **kwargs):
         result = honest(target_logits, draft_tokens, *args, **kwargs)
@@ -337,7 +337,7 @@ def test_chi_square_rejects_a_loop_that_commits_the_rejected_draft(tmp_path, mon
         rejected = draft_tokens[0, mx.minimum(result.num_accepted, k - 1)]
         return result._replace(next_token=mx.where(result.num_accepted < k, rejected, result.next_token))
 
-    monkeypatch.setattr(verify_ops, "verify", commit_rejected_draft)
+    monkeypatch.setattr(rejection, "verify", commit_rejected_draft)
     trunk, head, *_ = build_pair(tmp_path, ordered=True, **CHI)
     cfg = SamplerConfig(temperature=1.0)
     expected = exact_ar_joint(trunk, cfg, CHI["vocab_size"])

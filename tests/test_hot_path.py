@@ -6,7 +6,8 @@ from __future__ import annotations
 import math
 
 import mtplx  # noqa: F401  (BLAS before mlx)
-from mtplx.sample import rejection as verify_ops
+from mtplx.sample import ops as sample_ops
+from mtplx.sample import rejection
 from mtplx.sample.params import SamplerConfig
 from mtplx.spec_decode import loop as decode
 
@@ -78,7 +79,7 @@ def test_nan_in_the_trunk_is_caught_by_the_cycle_check() -> None:
 def test_every_sample_and_verify_uses_the_configured_backend(monkeypatch, depth: int | None) -> None:
     """Including the first token of an MTP run, which once ignored `verify_backend`."""
     seen: list[tuple[str, str]] = []
-    honest_sample, honest_verify = verify_ops.sample, verify_ops.verify
+    honest_sample, honest_verify = sample_ops.sample, rejection.verify
 
     def recording_sample(*args, backend="auto", **kwargs):
         seen.append(("sample", backend))
@@ -88,8 +89,8 @@ def test_every_sample_and_verify_uses_the_configured_backend(monkeypatch, depth:
         seen.append(("verify", backend))
         return honest_verify(*args, backend=backend, **kwargs)
 
-    monkeypatch.setattr(verify_ops, "sample", recording_sample)
-    monkeypatch.setattr(verify_ops, "verify", recording_verify)
+    monkeypatch.setattr(sample_ops, "sample", recording_sample)
+    monkeypatch.setattr(rejection, "verify", recording_verify)
     trunk, head = make_loop_pair(vocab_size=6, seed=3)
     settings = decode.DecodeSettings(sampler=SamplerConfig(temperature=1.0), depth=2, verify_backend="mlx")
     _first_tokens(trunk, head, settings, 8, depth)
@@ -127,7 +128,7 @@ def test_one_host_sync_per_mtp_cycle(monkeypatch, case: str, greedy_draft: bool)
     import mlx.core as mx
     from sync_counter import counting_syncs
 
-    monkeypatch.setattr(verify_ops, "_queue_top_p_fallbacks", lambda: True)
+    monkeypatch.setattr(sample_ops, "_queue_top_p_fallbacks", lambda: True)
     trunk, head = make_loop_pair(vocab_size=300, seed=3, logit_scale=8.0)
     settings = decode.DecodeSettings(sampler=SYNC_CASES[case], depth=3, greedy_draft=greedy_draft)
     steps = decode.mtp_decode(trunk, head, PROMPT, settings, mx.random.key(0))
@@ -159,7 +160,7 @@ def test_logprobs_cost_one_extra_sync_per_cycle(monkeypatch) -> None:
     import mlx.core as mx
     from sync_counter import counting_syncs
 
-    monkeypatch.setattr(verify_ops, "_queue_top_p_fallbacks", lambda: True)
+    monkeypatch.setattr(sample_ops, "_queue_top_p_fallbacks", lambda: True)
     trunk, head = make_loop_pair(vocab_size=300, seed=3, logit_scale=8.0)
     settings = decode.DecodeSettings(sampler=SamplerConfig(temperature=0.7), depth=3, logprobs=5)
     steps = decode.mtp_decode(trunk, head, PROMPT, settings, mx.random.key(0))

@@ -42,7 +42,7 @@ def test_ar_stats_have_no_drafter(engine):
 
 
 def test_cli_stats_name_lookup_without_a_depth_and_count_cycles_per_position():
-    from mtplx.cli.main import format_stats
+    from mtplx.cli.report import format_stats
     from mtplx.engine.engine import GenerationStats
 
     stats = GenerationStats(

@@ -131,7 +131,9 @@ def _modules_after(script: str) -> list[str]:
 def test_mtp_generate_in_a_fresh_process_loads_no_test_or_command_code(default_model_dir) -> None:
     loaded = _modules_after(_GENERATE_AND_LIST_MODULES)
     assert (
-        "mtplx.spec_decode.loop" in loaded and "mtplx.sample.rejection" in loaded
+        "mtplx.spec_decode.loop" in loaded
+        and "mtplx.sample.rejection" in loaded
+        and "mtplx.sample.ops" in loaded
     )  # the listing is the real one
     assert [name for name in loaded if name in TEST_ONLY_MODULES + COMMAND_MODULES] == []
 

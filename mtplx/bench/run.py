@@ -50,7 +50,7 @@ from mtplx import resources
 from mtplx.engine.tuned import machine_info
 from mtplx.errors import MtplxError
 from mtplx.io import atomic_write
-from mtplx.sample.params import MAX_DEPTH
+from mtplx.spec_decode.settings import MAX_DEPTH
 
 # Large but finite: -inf can turn into NaN in the filter pipeline (inf - inf).
 BAN_BIAS = -1e9

@@ -13,23 +13,33 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TextIO
 
+from mtplx.cli.args import (
+    add_drafting_args,
+    add_model_args,
+    add_reply_args,
+    add_sampling_args,
+    load_engine,
+    request_from_args,
+    show_stats,
+    typed,
+)
+from mtplx.cli.report import format_stats
+from mtplx.engine.request import GenerationRequest
 from mtplx.errors import MtplxError
+
+HELP = "interactive multi-turn chat (reads turns line by line; /reset, /stats, Ctrl-D quits)"
 
 COMMANDS = {"/reset": "forget the conversation", "/stats": "speed and acceptance of the last reply"}
 
 
 @dataclass
 class ChatSettings:
-    max_tokens: int
+    request: GenerationRequest  # every reply's sampler, limits and drafting
     system_prompt: str | None = None
-    mtp: bool | None = None
-    greedy_draft: bool = False
     show_stats: bool = False
-    sampling: dict = field(default_factory=dict)  # Engine.stream's sampling keyword arguments
 
 
 @dataclass
@@ -47,17 +57,6 @@ class Conversation:
         self.messages.append({"role": role, "content": content})
 
 
-def settings_from_args(args: argparse.Namespace, sampling: dict) -> ChatSettings:
-    return ChatSettings(
-        max_tokens=args.max_tokens,
-        system_prompt=args.system_prompt,
-        mtp=args.mtp,
-        greedy_draft=args.greedy_draft,
-        show_stats=args.verbose if args.verbose is not None else args.stats,
-        sampling=sampling,
-    )
-
-
 def _read_turn(stdin: TextIO, interactive: bool) -> str | None:
     """The next line (without its newline), or None at end of input (Ctrl-D)."""
     if interactive:
@@ -71,13 +70,7 @@ def _read_turn(stdin: TextIO, interactive: bool) -> str | None:
 
 def _reply(engine, conversation: Conversation, settings: ChatSettings, stdout: TextIO, stderr: TextIO):
     """Stream one reply; Ctrl-C stops it and keeps what was said. Returns the last stats (or None)."""
-    stream = engine.stream(
-        conversation.messages,
-        max_tokens=settings.max_tokens,
-        mtp=settings.mtp,
-        greedy_draft=settings.greedy_draft,
-        **settings.sampling,
-    )
+    stream = engine.stream(conversation.messages, settings.request)
     text, chunk = [], None
     try:
         for chunk in stream:
@@ -100,7 +93,6 @@ def run_chat(
     engine,
     settings: ChatSettings,
     *,
-    format_stats: Callable,
     stdin: TextIO | None = None,
     stdout: TextIO | None = None,
     stderr: TextIO | None = None,
@@ -114,7 +106,9 @@ def run_chat(
     last_stats = None
     if interactive:
         mode = (
-            f"MTP depth {engine.depth}" if engine.has_head and settings.mtp is not False else "autoregressive"
+            f"MTP depth {engine.depth}"
+            if engine.has_head and settings.request.drafting.kind != "none"
+            else "autoregressive"
         )
         commands = ", ".join(COMMANDS)
         print(f"mtplx chat ({mode}): {commands}; Ctrl-C stops a reply, Ctrl-D quits", file=stderr)
@@ -148,3 +142,28 @@ def run_chat(
         last_stats = stats or last_stats
         if settings.show_stats and stats is not None:
             print(format_stats(stats), file=stderr, flush=True)
+
+
+def add_args(chat: argparse.ArgumentParser) -> None:
+    add_model_args(chat)
+    add_sampling_args(chat, GenerationRequest().sampler)
+    add_drafting_args(chat)
+    add_reply_args(chat, max_tokens=512)
+    typed(
+        chat,
+        "--prompt-cache-bytes",
+        convert=int,
+        default=None,
+        help="memory for the conversation's cached prompt, so a turn prefills only what is new "
+        "(default 2 GiB; 0 turns it off)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from mtplx.trunk.prompt_cache import DEFAULT_PROMPT_CACHE_BYTES
+
+    request = request_from_args(args, max_tokens=args.max_tokens)  # before loading: a typo costs no load time
+    # Each turn resends the conversation: the prompt cache makes it prefill only what is new.
+    cache_bytes = DEFAULT_PROMPT_CACHE_BYTES if args.prompt_cache_bytes is None else args.prompt_cache_bytes
+    engine = load_engine(args, prompt_cache_bytes=cache_bytes)
+    return run_chat(engine, ChatSettings(request, args.system_prompt, show_stats(args)))

@@ -11,6 +11,8 @@ the command exit non-zero.
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import platform
 import sys
@@ -267,3 +269,17 @@ def format_report(report: Report) -> str:
     problems = sum(check.problem is not None for check in report.checks)
     lines.append("status".ljust(width) + ("ok" if report.healthy else f"{problems} problem(s), fixes above"))
     return "\n".join(lines)
+
+
+HELP = "check the environment: MLX backend, BLAS, kernels, caches, model"
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.add_argument("--no-gflops", action="store_true", help="skip the matmul speed measurement")
+
+
+def run(args: argparse.Namespace) -> int:
+    report = diagnose(gflops=not args.no_gflops)
+    print(json.dumps(report.as_dict(), indent=2) if args.json else format_report(report))
+    return 0 if report.healthy else 1

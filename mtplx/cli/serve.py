@@ -1,15 +1,32 @@
-"""`mtplx serve`: command-line flags and start-up; the app itself is in app.py."""
+"""`mtplx serve`: flags and start-up; the app is `mtplx.server.app`.
+
+The model, sampling and drafting flags are `generate`'s (`mtplx.cli.args`); on `serve` the
+sampling and drafting ones are the defaults for the fields a request omits (OpenAI's sampler
+defaults when not given), as in `mlx_lm.server`.
+"""
 
 from __future__ import annotations
 
+import argparse
 import ipaddress
 import logging
+import os
 import sys
 
+from mtplx.cli.args import (
+    add_drafting_args,
+    add_model_args,
+    add_sampling_args,
+    load_engine,
+    request_from_args,
+)
 from mtplx.errors import MtplxError
+from mtplx.sample.params import SamplerConfig
 from mtplx.server.settings import ServerSettings
 
-__all__ = ["add_serve_args", "serve", "serve_from_args"]
+__all__ = ["HELP", "add_args", "run", "serve"]
+
+HELP = "an OpenAI-compatible HTTP server (chat and text completions)"
 
 log = logging.getLogger("mtplx.server")
 
@@ -51,17 +68,11 @@ def serve(
         worker.stop()
 
 
-def add_serve_args(parser) -> None:
-    parser.add_argument(
-        "--model", default=None, help="local path or Hugging Face repo id (default: the embedded model)"
-    )
-    parser.add_argument(
-        "--head", default=None, help="a forged MTP head directory (default: the model's own head)"
-    )
-    parser.add_argument("--dtype", choices=("float32", "q4"), default=None, help="build of the default model")
-    parser.add_argument(
-        "--adapter-path", default=None, help="fine-tuned adapters from mlx_lm.lora (a directory)"
-    )
+def add_args(parser: argparse.ArgumentParser) -> None:
+    add_model_args(parser)
+    # Defaults for the fields a request omits; OpenAI's sampler defaults unless given.
+    add_sampling_args(parser, SamplerConfig())
+    add_drafting_args(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(
@@ -82,22 +93,9 @@ def add_serve_args(parser) -> None:
     parser.add_argument(
         "--allowed-origins", default=None, help="comma-separated CORS origins (default: CORS off)"
     )
-    parser.add_argument("--depth", type=int, default=None, help="draft tokens per verify cycle")
-    speculative = parser.add_mutually_exclusive_group()
-    speculative.add_argument("--mtp", dest="mtp", action="store_true", default=None, help="require MTP")
-    speculative.add_argument(
-        "--no-mtp", dest="mtp", action="store_false", help="plain autoregressive decoding"
-    )
-    parser.add_argument("--greedy-draft", action="store_true", help="draft the head's argmax (still exact)")
 
 
-def serve_from_args(args) -> int:
-    import os
-
-    from mtplx.checkpoints import load as loading
-    from mtplx.engine.engine import Engine
-    from mtplx.trunk.prompt_cache import DEFAULT_PROMPT_CACHE_BYTES
-
+def _check_server_flags(args: argparse.Namespace) -> None:
     for name in ("port", "max_queue", "max_tokens_cap", "max_body_bytes"):
         if getattr(args, name) <= 0:
             raise MtplxError(f"--{name.replace('_', '-')}: must be > 0, got {getattr(args, name)}")
@@ -105,34 +103,29 @@ def serve_from_args(args) -> int:
         raise MtplxError(f"--port: must be <= 65535, got {args.port}")
     if args.request_timeout <= 0:
         raise MtplxError(f"--request-timeout: must be > 0, got {args.request_timeout}")
+    if args.prompt_cache_bytes is not None and args.prompt_cache_bytes < 0:
+        raise MtplxError(f"--prompt-cache-bytes: must be >= 0, got {args.prompt_cache_bytes}")
+
+
+def run(args: argparse.Namespace) -> int:
+    from mtplx.checkpoints import load as loading
+    from mtplx.trunk.prompt_cache import DEFAULT_PROMPT_CACHE_BYTES
+
+    _check_server_flags(args)
+    defaults = request_from_args(args)  # before loading: a typo costs no load time
     cache_bytes = DEFAULT_PROMPT_CACHE_BYTES if args.prompt_cache_bytes is None else args.prompt_cache_bytes
-    if cache_bytes < 0:
-        raise MtplxError(f"--prompt-cache-bytes: must be >= 0, got {cache_bytes}")
-    if args.depth is not None and args.depth < 1:
-        raise MtplxError(f"--depth: must be >= 1, got {args.depth}")
     api_key = args.api_key if args.api_key is not None else os.environ.get("MTPLX_API_KEY") or None
     origins = tuple(o.strip() for o in (args.allowed_origins or "").split(",") if o.strip())
-    engine = Engine.load(
-        args.model,
-        head=args.head,
-        depth=args.depth,
-        dtype=args.dtype,
-        prompt_cache_bytes=cache_bytes,
-        adapter_path=args.adapter_path,
-    )
-    if args.mtp and not engine.has_head:
-        raise MtplxError("--mtp: this model has no MTP head (use --no-mtp, or train one with `mtplx forge`)")
+    engine = load_engine(args, prompt_cache_bytes=cache_bytes)
     settings = ServerSettings(
         model_id=args.model if args.model is not None else loading.DEFAULT_MODEL_NAME,
+        defaults=defaults,
         api_key=api_key,
         max_queue=args.max_queue,
         request_timeout=args.request_timeout,
         max_tokens_cap=args.max_tokens_cap,
         max_body_bytes=args.max_body_bytes,
         allowed_origins=origins,
-        mtp=args.mtp,
-        depth=args.depth,
-        greedy_draft=args.greedy_draft,
     )
     serve(engine, settings, host=args.host, port=args.port)
     return 0

@@ -1,9 +1,11 @@
-"""`Engine`: load a model (and its MTP head), generate and stream text.
+"""`Engine`: load a model (and its MTP head), then stream or generate text for a `GenerationRequest`.
 
-The engine owns everything between a prompt and text: tokenization and chat
-templates, picking the decode loop, EOS / stop strings / max_tokens,
-incremental detokenization that never splits a multi-byte character, and the
-stats. The loops themselves live in `decode.py`.
+One call, end to end: the request (validated at the edge) -> prompt ids (`text.encode_prompt`) ->
+the caches it starts from (`session.open_session`, the prompt cache) -> the drafter and depth
+(`spec_decode.select`) -> the decode loop (`spec_decode.loop`: `speculative_decode` or `ar_decode`)
+-> per step: EOS / stop strings / max_tokens, incremental text (`text.TextAssembler`), running
+stats (`stats.StatsTracker`) -> `GenerationChunk`s. The engine holds what outlives a request: the
+trunk, the head, a draft model, the prompt cache, the tuned defaults, the sharding.
 """
 
 from __future__ import annotations
@@ -11,62 +13,27 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from mtplx import resources
-from mtplx.engine.request import check_generation_args
+from mtplx.engine.request import GenerationRequest
+from mtplx.engine.session import CacheSession, open_session
+from mtplx.engine.stats import GenerationStats, StatsTracker
+from mtplx.engine.text import TextAssembler, encode_prompt
 from mtplx.errors import MtplxError
-from mtplx.spec_decode import DRAFT_KINDS
 from mtplx.spec_decode import loop as decode
-from mtplx.spec_decode.auto_proposer import AutoProposer
-from mtplx.spec_decode.draft_model_proposer import DraftModelProposer
-from mtplx.spec_decode.head_proposer import HeadProposer
-from mtplx.spec_decode.lookup_proposer import LookupConfig, LookupProposer
-from mtplx.spec_decode.proposer import Proposer
-from mtplx.trunk.compat import cache_leaves
+from mtplx.spec_decode.select import DEFAULT_DEPTH, DrafterChoice, build_proposer, choose_drafter
+from mtplx.spec_decode.settings import DecodeSettings
 from mtplx.trunk.model import Trunk
-from mtplx.trunk.prompt_cache import PromptCache, is_trimmable
+from mtplx.trunk.prompt_cache import PromptCache
 
 import mlx.core as mx
 
-DEFAULT_DEPTH = 3
+__all__ = ["Engine", "GenerationChunk", "GenerationRequest", "GenerationResult", "GenerationStats"]
+
 # Adaptive head drafting stops after a draft the head gave less than this probability.
 DEFAULT_ADAPTIVE_THRESHOLD = 0.3
-
-
-@dataclass
-class GenerationStats:
-    prompt_tokens: int = 0
-    prefill_seconds: float = 0.0
-    prefill_tokens_per_sec: float = 0.0
-    generated_tokens: int = 0
-    decode_seconds: float = 0.0  # from the first generated token on: prefill excluded
-    decode_tokens_per_sec: float = 0.0
-    cycles: int = 0  # verify cycles (MTP) or decode steps (AR)
-    tokens_per_cycle: float = 0.0
-    acceptance_per_position: list[float] = field(default_factory=list)
-    # Cycles that drafted at least k tokens, per position k: what each acceptance figure is over
-    # (a lookup block can reach positions the model drafters never draft).
-    drafted_per_position: list[int] = field(default_factory=list)
-    peak_memory_gb: float = 0.0
-    mode: str = "ar"  # "ar" | "mtp" (speculative, with any drafter: see `drafters`)
-    depth: int = 0
-    ttft_seconds: float = 0.0  # from the start of the call to the first generated token
-    total_seconds: float = 0.0  # from the start of the call to the last token so far
-    prefilled_tokens: int = 0  # prompt tokens run through the trunk by this call
-    cached_tokens: int = 0  # prompt tokens reused from a prompt cache (prompt = prefilled + cached)
-    # Like tokens_per_cycle, over only the verify cycles whose tokens were all kept: the cycle that
-    # EOS, a stop string or max_tokens cut short would understate what a cycle yields.
-    tokens_per_full_cycle: float = 0.0
-    # Draft tokens proposed / accepted by each drafter, e.g.
-    # {"head": {"drafted": 40, "accepted": 22}, "lookup": {...}, "model": {...}}.
-    drafters: dict[str, dict[str, int]] = field(default_factory=dict)
-    # Sharded runs: mode, ranks, collectives and payload bytes per cycle (see mtplx/engine/distributed.py).
-    distributed: dict = field(default_factory=dict)
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 @dataclass
@@ -84,114 +51,6 @@ class GenerationResult:
     token_ids: list[int]
     finish_reason: str
     stats: GenerationStats
-
-
-class _StatsTracker:
-    """Accumulates per-step measurements into `GenerationStats`."""
-
-    def __init__(self, prompt_tokens: int, mode: str, depth: int, cached_tokens: int = 0):
-        self.stats = GenerationStats(
-            prompt_tokens=prompt_tokens,
-            mode=mode,
-            depth=depth,
-            prefilled_tokens=prompt_tokens - cached_tokens,
-            cached_tokens=cached_tokens,
-        )
-        self._start = time.perf_counter()
-        self._first_token_time: float | None = None
-        self._drafted: list[int] = []  # per draft position (blocks may be longer than depth)
-        self._accepted: list[int] = []
-        self._committed_in_cycles = 0
-        self._full_cycles = 0
-        self._committed_in_full_cycles = 0
-        mx.reset_peak_memory()
-
-    def record(self, step: decode.Step, num_tokens_kept: int) -> None:
-        now = time.perf_counter()
-        stats = self.stats
-        if self._first_token_time is None:
-            self._first_token_time = now
-            stats.prefill_seconds = now - self._start
-            stats.prefill_tokens_per_sec = stats.prefilled_tokens / max(stats.prefill_seconds, 1e-9)
-            stats.ttft_seconds = stats.prefill_seconds
-        else:  # every step after the first is a cycle (one without drafts is an AR step)
-            stats.cycles += 1
-            self._committed_in_cycles += num_tokens_kept
-            if num_tokens_kept == len(step.tokens):
-                self._full_cycles += 1
-                self._committed_in_full_cycles += num_tokens_kept
-            missing = step.num_drafted - len(self._drafted)
-            if missing > 0:
-                self._drafted += [0] * missing
-                self._accepted += [0] * missing
-            for position in range(step.num_drafted):
-                self._drafted[position] += 1
-                self._accepted[position] += int(position < step.num_accepted)
-            start = 0
-            for name, count in step.sources:
-                counts = stats.drafters.setdefault(name, {"drafted": 0, "accepted": 0})
-                counts["drafted"] += count
-                counts["accepted"] += min(max(step.num_accepted - start, 0), count)
-                start += count
-        stats.generated_tokens += num_tokens_kept
-        stats.decode_seconds = now - self._first_token_time
-        stats.total_seconds = now - self._start
-        # The first token comes from prefill; decode speed counts the tokens after it.
-        stats.decode_tokens_per_sec = (
-            (stats.generated_tokens - 1) / stats.decode_seconds if stats.decode_seconds > 0 else 0.0
-        )
-        stats.tokens_per_cycle = self._committed_in_cycles / stats.cycles if stats.cycles else 0.0
-        stats.tokens_per_full_cycle = (
-            self._committed_in_full_cycles / self._full_cycles if self._full_cycles else 0.0
-        )
-        stats.acceptance_per_position = [a / d for a, d in zip(self._accepted, self._drafted) if d]
-        stats.drafted_per_position = [d for d in self._drafted if d]
-        stats.peak_memory_gb = mx.get_peak_memory() / 1e9
-
-
-class _TextAssembler:
-    """Incremental detokenization with stop strings that may span tokens.
-
-    Text that could still turn out to be the start of a stop string is held
-    back, so a stop string is never emitted, even partly.
-    """
-
-    def __init__(self, tokenizer, stop: Sequence[str]):
-        self._detok = tokenizer.detokenizer
-        self._detok.reset()
-        self._stop = [s for s in stop if s]
-        self._emitted = 0
-        self.stopped = False
-
-    def _held_back(self, text: str) -> int:
-        longest = 0
-        for s in self._stop:
-            for n in range(min(len(s) - 1, len(text)), longest, -1):
-                if text.endswith(s[:n]):
-                    longest = n
-                    break
-        return longest
-
-    def add(self, token: int) -> str:
-        self._detok.add_token(token)
-        text = self._detok.text
-        hits = [i for i in (text.find(s, max(self._emitted - len(s), 0)) for s in self._stop) if i >= 0]
-        if hits:
-            self.stopped = True
-            return self._take(text, min(hits))
-        return self._take(text, len(text) - self._held_back(text))
-
-    def finish(self) -> str:
-        if self.stopped:
-            return ""
-        self._detok.finalize()
-        return self._take(self._detok.text, len(self._detok.text))
-
-    def _take(self, text: str, end: int) -> str:
-        end = max(end, self._emitted)
-        delta = text[self._emitted : end]
-        self._emitted = end
-        return delta
 
 
 def _load_head(model, head, dtype, loaded, trunk, required: bool = False):
@@ -226,46 +85,6 @@ def _load_head(model, head, dtype, loaded, trunk, required: bool = False):
         # shipped head (forged on it) fits the 4-bit build too; check against its weights.
         head_fingerprint = loading.load_model(None, variant="float32", lazy=True).fingerprint
     return forged.load_forged_head(head_dir, trunk, head_fingerprint)
-
-
-class _CacheSession:
-    """One request's caches and what goes back into the prompt cache when it ends.
-
-    Caches that cannot be moved back (recurrent state) are snapshotted when they
-    hold all prompt positions but the last; pure KV caches are handed over at the
-    end, covering the generated tokens too (a chat's next turn repeats them).
-    """
-
-    def __init__(
-        self,
-        store: PromptCache,
-        prompt_tokens: list[int],
-        trunk_cache: list,
-        head_cache: list | None,
-        start: int,
-    ):
-        self.store = store
-        self.prompt_tokens = prompt_tokens
-        self.trunk_cache = trunk_cache
-        self.head_cache = head_cache
-        self.trimmable = is_trimmable(trunk_cache) and (head_cache is None or is_trimmable(head_cache))
-        self.tokens = list(prompt_tokens)  # every token the decode loop has seen
-        snapshot = None if self.trimmable or store.max_bytes == 0 else self._snapshot
-        self.prefix = decode.PromptPrefix(start, snapshot)
-
-    def _snapshot(self, size: int) -> None:
-        self.store.insert(self.prompt_tokens, size, self.trunk_cache, self.head_cache, copy=True)
-
-    def record(self, tokens: list[int]) -> None:
-        self.tokens.extend(tokens)
-
-    def finish(self) -> None:
-        """The decode loop stopped between steps: its caches are consistent with ``tokens``."""
-        if not self.trimmable or self.store.max_bytes == 0:
-            return
-        caches = list(self.trunk_cache) + list(self.head_cache or [])
-        size = min(min((c.offset for c in cache_leaves(caches)), default=0), len(self.tokens))
-        self.store.insert(self.tokens, size, self.trunk_cache, self.head_cache, copy=False)
 
 
 class Engine:
@@ -429,128 +248,73 @@ class Engine:
         self, prompt: str | Sequence[dict] | Sequence[int], chat: bool | None = None
     ) -> list[int]:
         """Token ids of ``prompt``: raw text, a chat message list, or token ids (taken as they are)."""
-        if not isinstance(prompt, str) and prompt and all(isinstance(t, int) for t in prompt):
-            vocab = self.trunk.vocab_size
-            bad = next((t for t in prompt if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise MtplxError(f"prompt: token id {bad} is outside the vocabulary of {vocab}")
-            return list(prompt)
-        if isinstance(prompt, str):
-            if not prompt:
-                raise MtplxError("prompt is empty")
-            use_chat = bool(chat)
-            if use_chat:
-                prompt = [{"role": "user", "content": prompt}]
-        else:
-            use_chat = True
-            if not prompt:
-                raise MtplxError("prompt is an empty message list")
-        if use_chat:
-            if getattr(self.tokenizer, "chat_template", None) is None:
-                raise MtplxError("prompt: this model's tokenizer has no chat template; pass raw text")
-            tokens = self.tokenizer.apply_chat_template(
-                list(prompt), add_generation_prompt=True, tokenize=True
-            )
-            if isinstance(tokens, dict):
-                tokens = tokens["input_ids"]
-        else:
-            tokens = self.tokenizer.encode(prompt)
-        tokens = list(tokens)
-        if not tokens:
-            raise MtplxError("prompt encodes to no tokens")
-        return tokens
+        return encode_prompt(self.tokenizer, self.trunk.vocab_size, prompt, chat)
 
-    def _context_length(self) -> int | None:
+    @property
+    def context_length(self) -> int | None:
+        """The model's context in tokens (``max_position_embeddings``), None when the config has none."""
         text_config = self.config.get("text_config", self.config)
         return text_config.get("max_position_embeddings")
 
     # -------------------------------------------------------------- generation
     def stream(
-        self,
-        prompt: str | Sequence[dict],
-        *,
-        max_tokens: int = 256,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        min_p: float = 0.0,
-        repetition_penalty: float = 1.0,
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        logit_bias: dict[int, float] | None = None,
-        seed: int | None = None,
-        stop: Sequence[str] | str | None = None,
-        mtp: bool | None = None,
-        depth: int | None = None,
-        greedy_draft: bool = False,
-        chat: bool | None = None,
-        logprobs: int | None = None,
-        draft: str | None = None,
-        lookup: LookupConfig | None = None,
-        adaptive: bool = False,
-        adaptive_threshold: float | None = None,
+        self, prompt: str | Sequence[dict] | Sequence[int], request: GenerationRequest | None = None, **kwargs
     ) -> Iterator[GenerationChunk]:
         """Generate incrementally; each chunk carries new text, new token ids and running stats.
 
-        ``draft`` picks the drafter (`mtplx.spec_decode`): "auto" (default: prompt lookup where
-        the text recurs, else the draft model or the MTP head when the engine has one and
-        tuning did not find plain AR faster here), "head", "lookup", "model" or "none"
-        (plain AR). ``mtp=True`` is an alias of "head", ``mtp=False`` of "none". ``depth`` is
-        the most drafts a model drafter makes per cycle; ``adaptive`` stops the head earlier
-        when it is unsure (threshold from `mtplx tune`, or ``adaptive_threshold``, which
-        implies ``adaptive``). ``logprobs=n`` reports the target's log-probability of each
-        token plus its top n.
+        ``request`` says what to generate (`GenerationRequest`); or pass its fields as keyword
+        arguments, as `GenerationRequest.from_kwargs` names them: ``max_tokens``, the sampler
+        (``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``,
+        ``presence_penalty``, ``frequency_penalty``, ``logit_bias``), ``seed``, ``stop``, ``chat``,
+        ``logprobs`` (the target's log-probability of each token plus its top n), and the drafting:
+        ``draft`` = "auto" (default: prompt lookup where the text recurs, else the draft model or
+        the MTP head unless tuning found plain AR faster here), "head", "lookup", "model" or
+        "none" (plain AR; ``mtp=True`` / ``False`` are aliases of "head" / "none"), ``depth`` (the
+        most drafts a model drafter makes per cycle), ``greedy_draft``, ``lookup``, ``adaptive``
+        (stop the head early when it is unsure; ``adaptive_threshold`` sets the threshold).
         """
-        if logprobs is not None and logprobs < 0:
-            raise MtplxError(f"logprobs must be >= 0 (got {logprobs})")
-        sampler = check_generation_args(
-            max_tokens=max_tokens,
-            depth=depth,
-            seed=seed,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            min_p=min_p,
-            repetition_penalty=repetition_penalty,
-            presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty,
-            logit_bias=logit_bias,
-        )
-        kind = self._draft_kind(draft, mtp)
-        if adaptive_threshold is not None and not 0.0 < adaptive_threshold < 1.0:
-            raise MtplxError(f"adaptive_threshold: must be in (0, 1), got {adaptive_threshold}")
-        threshold = adaptive_threshold or (self.adaptive_threshold if adaptive else 0.0)
-        lookup = (lookup or LookupConfig()).validate()
-        model_drafter = self._model_drafter(kind, tuned_to_ar=depth is None and not self.depth)
-        # The head's tuned depth says nothing about a draft model's best depth.
-        model_depth = depth if depth is not None else DEFAULT_DEPTH
-        # An explicit drafter on a model tuned to AR (depth 0) still drafts, at the head's own depth.
-        depth = depth if depth is not None else (self.depth or self._head_depth())
-        prompt_tokens = self.encode_prompt(prompt, chat)
-        if model_drafter == "head":
-            self._warn_if_deeper_than_trained(depth)
-        limit = self._context_length()
-        if limit is not None and len(prompt_tokens) + max_tokens > limit:
-            raise MtplxError(
-                f"prompt: {len(prompt_tokens)} tokens + max_tokens {max_tokens} exceed "
-                f"the model's context of {limit} tokens"
-            )
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        settings = decode.DecodeSettings(
-            sampler=sampler,
-            depth=depth,
-            greedy_draft=greedy_draft,
+        if request is None:
+            request = GenerationRequest.from_kwargs(**kwargs)
+        elif kwargs:
+            raise MtplxError(f"stream: pass a request or keyword arguments, not both (got {sorted(kwargs)})")
+        choice = self._choose_drafter(request)
+        prompt_tokens = self.encode_prompt(prompt, request.chat)
+        self._check_fits(prompt_tokens, request.max_tokens)
+        drafting = request.drafting
+        threshold = drafting.adaptive_threshold or (self.adaptive_threshold if drafting.adaptive else 0.0)
+        settings = DecodeSettings(
+            sampler=request.sampler,
+            depth=choice.depth,
+            greedy_draft=drafting.greedy_draft,
             verify_backend=self.verify_backend,
             adaptive_threshold=threshold,
-            logprobs=logprobs,
+            logprobs=request.logprobs,
         )
+        seed = request.seed
         if self.distributed is not None:  # every rank must run this request with rank 0's seed
             seed = self.distributed.agree_on_request(
-                seed, {"prompt": prompt_tokens, "settings": settings, "draft": kind, "max_tokens": max_tokens}
+                seed,
+                {
+                    "prompt": prompt_tokens,
+                    "settings": settings,
+                    "draft": choice.kind,
+                    "max_tokens": request.max_tokens,
+                },
             )
         key = mx.random.key(seed if seed is not None else int(time.time_ns() % (2**63)))
-        session = self._cache_session(prompt_tokens, model_drafter == "head")
-        proposer = self._proposer(kind, model_drafter, settings, lookup, model_depth, session.head_cache)
+        session = open_session(
+            self.prompt_cache, self.trunk, self.head, prompt_tokens, choice.model_drafter == "head"
+        )
+        proposer = build_proposer(
+            choice,
+            drafting,
+            settings,
+            head=self.head,
+            head_cache=session.head_cache,
+            draft_model=self.draft_model,
+            target_vocab_size=int(self.trunk.vocab_size),
+            draft_vocab_size=self.draft_vocab_size,
+        )
         if proposer is not None:
             steps = decode.speculative_decode(
                 self.trunk, proposer, prompt_tokens, settings, key, session.trunk_cache, session.prefix
@@ -561,29 +325,12 @@ class Engine:
             )
         if self.distributed is not None:
             steps = self.distributed.guard_steps(steps)
-        speculative = proposer is not None
-        return self._assemble(
-            steps, session, max_tokens, stops, "mtp" if speculative else "ar", depth if speculative else 0
-        )
+        mode, depth = ("mtp", choice.depth) if proposer is not None else ("ar", 0)
+        return self._assemble(steps, session, request, mode, depth)
 
-    def _cache_session(self, prompt_tokens: list[int], with_head: bool) -> _CacheSession:
-        hit = self.prompt_cache.lookup(prompt_tokens, with_head)
-        if hit is None:
-            trunk_cache = self.trunk.make_cache()
-            head_cache = self.head.make_cache() if with_head else None
-            start = 0
-        else:
-            trunk_cache, head_cache, start = hit.trunk_cache, hit.head_cache, hit.start
-        return _CacheSession(self.prompt_cache, prompt_tokens, trunk_cache, head_cache, start)
-
-    def _draft_kind(self, draft: str | None, mtp: bool | None) -> str:
-        """The drafter asked for, checked against what this engine has (one-line errors)."""
-        if draft is not None and draft not in DRAFT_KINDS:
-            raise MtplxError(f"draft: must be one of {', '.join(DRAFT_KINDS)}, got {draft!r}")
-        alias = None if mtp is None else ("head" if mtp else "none")
-        if draft is not None and alias is not None and draft != alias:
-            raise MtplxError(f"draft: {draft!r} contradicts mtp={mtp} (an alias of draft={alias!r})")
-        kind = draft or alias or "auto"
+    def _choose_drafter(self, request: GenerationRequest) -> DrafterChoice:
+        """The request's drafter, refused with a one-line error when this engine cannot serve it."""
+        kind = request.drafting.kind
         if kind == "head" and self.head is None:
             from mtplx.heads import gemma4_assistant
 
@@ -597,63 +344,39 @@ class Engine:
             raise MtplxError(
                 "draft: 'model' needs a draft model (--draft-model PATH, Engine.load(draft_model=...))"
             )
-        return kind
+        choice = choose_drafter(
+            request.drafting,
+            has_head=self.head is not None,
+            has_draft_model=self.draft_model is not None,
+            engine_depth=self.depth or 0,
+            head_depth=self._head_depth(),
+        )
+        if choice.model_drafter == "head":
+            self._warn_if_deeper_than_trained(choice.depth)
+        return choice
 
-    def _model_drafter(self, kind: str, *, tuned_to_ar: bool) -> str | None:
-        """Which model drafter a request uses: "head", "model" (the draft model) or None."""
-        if kind == "model" or (kind == "auto" and self.draft_model is not None):
-            return "model"
-        if kind == "head" or (kind == "auto" and self.head is not None and not tuned_to_ar):
-            return "head"
-        return None
-
-    def _proposer(
-        self,
-        kind: str,
-        model_drafter: str | None,
-        settings: decode.DecodeSettings,
-        lookup: LookupConfig,
-        model_depth: int,
-        head_cache: list | None,
-    ) -> Proposer | None:
-        """A fresh drafter for one request (its state lives and dies with the request, except
-        the head's cache, which comes from the request's prompt-cache session)."""
-        if kind == "none":
-            return None
-        if kind == "lookup":
-            return LookupProposer(lookup)
-        drafter: Proposer | None = None
-        if model_drafter == "model":
-            drafter = DraftModelProposer(
-                self.draft_model,
-                sampler=settings.sampler,
-                depth=model_depth,
-                target_vocab_size=int(self.trunk.vocab_size),
-                real_vocab_size=self.draft_vocab_size,
-                greedy_draft=settings.greedy_draft,
-                prefill_step_size=settings.prefill_step_size,
-                verify_backend=settings.verify_backend,
+    def _check_fits(self, prompt_tokens: list[int], max_tokens: int) -> None:
+        limit = self.context_length
+        if limit is not None and len(prompt_tokens) + max_tokens > limit:
+            raise MtplxError(
+                f"prompt: {len(prompt_tokens)} tokens + max_tokens {max_tokens} exceed "
+                f"the model's context of {limit} tokens"
             )
-        elif model_drafter == "head":
-            drafter = HeadProposer.from_settings(self.head, settings, head_cache)
-        if kind == "auto":
-            return AutoProposer(LookupProposer(lookup), drafter)
-        return drafter
 
     def _assemble(
         self,
         steps: Iterator[decode.Step],
-        session: _CacheSession,
-        max_tokens: int,
-        stops: list[str],
+        session: CacheSession,
+        request: GenerationRequest,
         mode: str,
         depth: int,
     ) -> Iterator[GenerationChunk]:
         eos = set(self.tokenizer.eos_token_ids)
-        tracker = _StatsTracker(len(session.prompt_tokens), mode, depth, session.prefix.start)
+        max_tokens = request.max_tokens
+        tracker = StatsTracker(len(session.prompt_tokens), mode, depth, session.prefix.start)
         if self.distributed is not None:
             tracker.stats.distributed = self.distributed.stats(depth + 1 if mode == "mtp" else 1)
-        text = _TextAssembler(self.tokenizer, stops)
+        text = TextAssembler(self.tokenizer, request.stop)
         produced = 0
         candidates_before = self._candidate_counts() if mode == "mtp" else None
         clean_end = False
@@ -707,11 +430,13 @@ class Engine:
             }
         return None
 
-    def generate(self, prompt: str | Sequence[dict], **kwargs) -> GenerationResult:
-        """Generate to completion; the same keyword arguments as `stream`."""
+    def generate(
+        self, prompt: str | Sequence[dict] | Sequence[int], request: GenerationRequest | None = None, **kwargs
+    ) -> GenerationResult:
+        """Generate to completion; the same arguments as `stream`."""
         text, tokens = [], []
         chunk = None
-        for chunk in self.stream(prompt, **kwargs):
+        for chunk in self.stream(prompt, request, **kwargs):
             text.append(chunk.text)
             tokens.extend(chunk.token_ids)
         assert chunk is not None  # stream always yields a final chunk

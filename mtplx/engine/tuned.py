@@ -19,7 +19,7 @@ from typing import Any
 
 from mtplx.errors import MtplxError
 from mtplx.io import atomic_write
-from mtplx.sample.params import MAX_DEPTH
+from mtplx.spec_decode.settings import MAX_DEPTH
 
 __all__ = [
     "config_file",

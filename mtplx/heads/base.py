@@ -18,7 +18,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from mtplx.checkpoints.headers import quantization_config, read_safetensors_header
 from mtplx.errors import MtplxError
-from mtplx.sample.params import HIDDEN_SOURCES
+from mtplx.spec_decode.settings import HIDDEN_SOURCES
 from mtplx.trunk.compat import KVCache
 
 import mlx.core as mx

@@ -1,10 +1,8 @@
-"""Runtime configuration objects: how logits become a distribution (docs/sampling.md), and
-how a request decodes (`DecodeSettings`: depth, drafting, backend; read by the decode loop and
-the drafters it builds).
+"""`SamplerConfig`: how logits become a distribution (docs/sampling.md).
 
-This is the small module both the MLX runtime (`mtplx.sample.rejection`, `mtplx.spec_decode.loop`,
-`mtplx.engine.engine`) and the NumPy oracle (`mtplx.sample.reference`) read, so the runtime
-never imports the oracle. Imports the standard library only.
+The one small module both the MLX runtime (`mtplx.sample.ops`, `mtplx.sample.rejection`,
+the decode loop) and the NumPy oracle (`mtplx.sample.reference`) read, so the runtime never
+imports the oracle. Imports the standard library only.
 
 Validation errors name the field the way a caller spells it in the API
 (``temperature must be >= 0 (got -1.0)``); the CLI maps them to flag names.
@@ -20,14 +18,11 @@ from types import MappingProxyType
 
 from mtplx.errors import MtplxError
 
-__all__ = ["HIDDEN_SOURCES", "MAX_DEPTH", "DecodeSettings", "SamplerConfig"]
-
-# Which trunk hidden state a head reads (and chains): before or after the final norm.
-HIDDEN_SOURCES = ("pre_norm", "post_norm")
-MAX_DEPTH = 16  # drafts per cycle mtplx serves: no head layout chains usefully beyond this; a typo guard
+__all__ = ["SamplerConfig", "integer_value", "real_value"]
 
 
-def _real(name: str, value: object) -> float:
+def real_value(name: str, value: object) -> float:
+    """``value`` as a finite float, else an error naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise MtplxError(f"{name} must be a number (got {value!r})")
     as_float = float(value)
@@ -36,7 +31,8 @@ def _real(name: str, value: object) -> float:
     return as_float
 
 
-def _integer(name: str, value: object) -> int:
+def integer_value(name: str, value: object) -> int:
+    """``value`` as an int (not a bool), else an error naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise MtplxError(f"{name} must be an integer (got {value!r})")
     return int(value)
@@ -58,26 +54,26 @@ class SamplerConfig:
 
     def __post_init__(self) -> None:
         set_field = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
-        temperature = _real("temperature", self.temperature)
+        temperature = real_value("temperature", self.temperature)
         if temperature < 0:
             raise MtplxError(f"temperature must be >= 0 (got {self.temperature!r})")
-        top_p = _real("top_p", self.top_p)
+        top_p = real_value("top_p", self.top_p)
         if not 0.0 < top_p <= 1.0:
             raise MtplxError(f"top_p must be in (0, 1] (got {self.top_p!r})")
-        top_k = _integer("top_k", self.top_k)
+        top_k = integer_value("top_k", self.top_k)
         if top_k < 0:
             raise MtplxError(f"top_k must be >= 0, 0 disables it (got {self.top_k!r})")
-        min_p = _real("min_p", self.min_p)
+        min_p = real_value("min_p", self.min_p)
         if not 0.0 <= min_p < 1.0:
             raise MtplxError(f"min_p must be in [0, 1) (got {self.min_p!r})")
-        repetition_penalty = _real("repetition_penalty", self.repetition_penalty)
+        repetition_penalty = real_value("repetition_penalty", self.repetition_penalty)
         if repetition_penalty <= 0:
             raise MtplxError(f"repetition_penalty must be > 0 (got {self.repetition_penalty!r})")
-        repetition_context_size = _integer("repetition_context_size", self.repetition_context_size)
+        repetition_context_size = integer_value("repetition_context_size", self.repetition_context_size)
         if repetition_context_size < 0:
             raise MtplxError(f"repetition_context_size must be >= 0 (got {self.repetition_context_size!r})")
-        presence_penalty = _real("presence_penalty", self.presence_penalty)
-        frequency_penalty = _real("frequency_penalty", self.frequency_penalty)
+        presence_penalty = real_value("presence_penalty", self.presence_penalty)
+        frequency_penalty = real_value("frequency_penalty", self.frequency_penalty)
         set_field("temperature", temperature)
         set_field("top_p", top_p)
         set_field("top_k", top_k)
@@ -141,17 +137,3 @@ class SamplerConfig:
     @property
     def has_filters(self) -> bool:
         return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
-
-
-@dataclass(frozen=True)
-class DecodeSettings:
-    sampler: SamplerConfig = field(default_factory=SamplerConfig)
-    depth: int = 3  # draft tokens per verify cycle
-    greedy_draft: bool = False  # draft the head's argmax (q one-hot) instead of sampling q
-    prefill_step_size: int = 512
-    verify_backend: str = "auto"  # "auto" (fused kernel where available) | "mlx"
-    # Adaptive head drafting: stop after a draft the head gave less than this probability (0 = off).
-    adaptive_threshold: float = 0.0
-    # Report the target's log-probabilities of each committed token plus this many top
-    # alternatives (None: off). Raw log_softmax of the trunk logits, before penalties and filters.
-    logprobs: int | None = None

@@ -16,9 +16,10 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from mtplx.engine.engine import GenerationChunk, GenerationStats
-from mtplx.engine.request import check_generation_args
+from mtplx.engine.request import GenerationRequest
 from mtplx.errors import MtplxError
 from mtplx.server.schemas import ChatCompletionRequest, CompletionRequest
 from mtplx.server.settings import ServerSettings
@@ -276,7 +277,7 @@ async def _encode(engine, prompt, param: str) -> list[int]:
 def _make_job(
     engine, body, prompt_tokens: list[int], max_tokens: int | None, logprobs: int | None, settings
 ) -> Job:
-    context = engine._context_length()
+    context = engine.context_length
     if max_tokens is None:
         max_tokens = settings.default_max_tokens
         if context is not None:
@@ -300,34 +301,41 @@ def _make_job(
                 f"logit_bias: token id {outside[0]} is outside the vocabulary of {vocab}",
                 param="logit_bias",
             )
-    sampler = dict(
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=body.top_k or 0,
-        min_p=body.min_p or 0.0,
-        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-        presence_penalty=body.presence_penalty or 0.0,
-        frequency_penalty=body.frequency_penalty or 0.0,
-        logit_bias=bias,
-    )
-    try:  # a bad combination is a 400 now, not an error after queueing
-        check_generation_args(max_tokens=max_tokens, seed=body.seed, **sampler)
+    request = _request(body, settings.defaults, max_tokens, logprobs, bias)
+    deadline = time.monotonic() + settings.request_timeout
+    return Job(prompt_tokens, request, deadline, asyncio.get_running_loop())
+
+
+_SAMPLER_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+
+
+def _request(
+    body, defaults: GenerationRequest, max_tokens: int, logprobs: int | None, bias: dict[int, float] | None
+) -> GenerationRequest:
+    """The body's fields over the served defaults; a bad combination is a 400 now, not after queueing."""
+    given = {name: getattr(body, name) for name in _SAMPLER_FIELDS if getattr(body, name) is not None}
+    try:
+        sampler = replace(defaults.sampler, **given, logit_bias=bias)
+        return replace(
+            defaults,
+            sampler=sampler,
+            max_tokens=max_tokens,
+            seed=body.seed if body.seed is not None else defaults.seed,
+            stop=body.stop or (),
+            logprobs=logprobs,
+        )
     except MtplxError as err:
         field = str(err).split(" ", 1)[0]  # the messages start with the field's API name
-        known = field in sampler or field == "seed"
+        known = field in _SAMPLER_FIELDS or field in ("seed", "logit_bias", "stop")
         raise APIError(400, str(err), param=field if known else None) from None
-    stream_kwargs = dict(
-        sampler,
-        max_tokens=max_tokens,
-        seed=body.seed,
-        stop=body.stop,
-        mtp=settings.mtp,
-        depth=settings.depth,
-        greedy_draft=settings.greedy_draft,
-        logprobs=logprobs,
-    )
-    deadline = time.monotonic() + settings.request_timeout
-    return Job(prompt_tokens, stream_kwargs, deadline, asyncio.get_running_loop())
 
 
 # ------------------------------------------------------------------ running a job

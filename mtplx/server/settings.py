@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from mtplx.engine.request import GenerationRequest
+from mtplx.sample.params import SamplerConfig
 
 
 @dataclass(frozen=True)
 class ServerSettings:
-    model_id: str  # the one name the `model` field may carry
+    model_id: str  # the name the served model answers to (`model` may also be omitted)
+    # What a request body leaves out: the sampler (OpenAI's defaults unless `serve` flags set
+    # them), the seed and the drafting (`--draft`, `--depth`, ...). `max_tokens` is `default_max_tokens`.
+    defaults: GenerationRequest = field(default_factory=lambda: GenerationRequest(sampler=SamplerConfig()))
     api_key: str | None = None
     max_queue: int = 64
     request_timeout: float = 600.0
@@ -15,6 +21,3 @@ class ServerSettings:
     max_tokens_cap: int = 8192
     max_body_bytes: int = 10 * 1024 * 1024
     allowed_origins: tuple[str, ...] = ()
-    mtp: bool | None = None  # Engine.stream's mtp (None: the engine's default)
-    depth: int | None = None
-    greedy_draft: bool = False

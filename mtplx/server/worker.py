@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from mtplx.engine.request import GenerationRequest
 from mtplx.errors import MtplxError
 
 log = logging.getLogger("mtplx.server")
@@ -43,7 +44,7 @@ class Finished:
 @dataclass
 class Job:
     prompt_tokens: list[int]
-    stream_kwargs: dict[str, Any]  # keyword arguments of Engine.stream
+    request: GenerationRequest  # what to generate, built from the body over the served defaults
     deadline: float  # time.monotonic() after which generation stops
     loop: asyncio.AbstractEventLoop
     chunks: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -113,7 +114,7 @@ class GenerationWorker:
             job.emit(JobTimeout())
             return
         try:
-            stream = self.engine.stream(job.prompt_tokens, **job.stream_kwargs)
+            stream = self.engine.stream(job.prompt_tokens, job.request)
             try:
                 for chunk in stream:
                     job.emit(chunk)

@@ -1,8 +1,5 @@
-"""Drafters (proposers) for the one speculative loop in `mtplx.spec_decode.loop`; see `base.py`.
-
-base.py: the `Proposer` protocol and `Draft`; head.py: the MTP head chain; lookup.py:
-prompt lookup; draft_model.py: a separate small model; auto.py: lookup, else a model drafter.
-This package module stays import-light (the CLI reads the kinds before loading MLX).
+"""Speculative decoding: the one loop (`loop.py`), the `Proposer` protocol (`proposer.py`),
+one file per proposer (`head_proposer.py`, `lookup_proposer.py`, `draft_model_proposer.py`,
+`auto_proposer.py`), the choice of drafter and depth (`select.py`) and what a decode is
+configured by (`settings.py`, standard library only: the CLI reads it before loading MLX).
 """
-
-DRAFT_KINDS = ("auto", "head", "lookup", "model", "none")

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mtplx.errors import MtplxError
-from mtplx.sample import rejection as verify_ops
+from mtplx.sample import ops as sample_ops
 from mtplx.sample.params import SamplerConfig
 from mtplx.spec_decode.lookup_proposer import point_mass_draft
 from mtplx.spec_decode.proposer import CycleOutcome, Draft, draw_draft_token, join_drafts, stacked_draft
@@ -143,7 +143,7 @@ class DraftModelProposer:
         if count <= 0:
             return join_drafts(prefix) if prefix else None
         cfg = self.sampler
-        uniforms = verify_ops.draw_uniforms((count,), key)
+        uniforms = sample_ops.draw_uniforms((count,), key)
         context = mx.array(list(history) + list(forced), dtype=mx.int32)[None] if cfg.has_penalties else None
         tokens: list[mx.array] = []
         probs: list[mx.array | None] = []

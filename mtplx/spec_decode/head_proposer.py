@@ -16,9 +16,10 @@ off by default). ``depth`` stays the maximum.
 from __future__ import annotations
 
 from mtplx.heads.base import DraftHead
-from mtplx.sample import rejection as verify_ops
-from mtplx.sample.params import DecodeSettings, SamplerConfig
+from mtplx.sample import ops as sample_ops
+from mtplx.sample.params import SamplerConfig
 from mtplx.spec_decode.proposer import CycleOutcome, Draft, draw_draft_token, stacked_draft
+from mtplx.spec_decode.settings import DecodeSettings
 from mtplx.trunk import rollback as cache_ops
 from mtplx.trunk.model import TrunkOutput
 
@@ -82,7 +83,7 @@ class HeadProposer:
 
     def propose(self, history: list[int], key: mx.array, trunk_cache: list) -> Draft:
         cfg = self.sampler
-        uniforms = verify_ops.draw_uniforms((self.depth,), key)
+        uniforms = sample_ops.draw_uniforms((self.depth,), key)
         hidden_in = mx.concatenate(self._pending_hidden, axis=1)
         tokens_in = mx.array(self._pending_tokens)[None]
         self._pending_hidden, self._pending_tokens = [], []

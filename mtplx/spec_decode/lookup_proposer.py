@@ -22,36 +22,11 @@ earlier cycles' outcomes, so exactness does not depend on it (drafters/base.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from mtplx.errors import MtplxError
 from mtplx.spec_decode.proposer import CycleOutcome, Draft
+from mtplx.spec_decode.settings import LookupConfig
 from mtplx.trunk.model import TrunkOutput
 
 import mlx.core as mx
-
-MAX_NGRAM_LIMIT = 64
-MAX_TOKENS_LIMIT = 64
-
-
-@dataclass(frozen=True)
-class LookupConfig:
-    min_ngram: int = 3
-    max_ngram: int = 6
-    max_tokens: int = 10
-    adaptive_length: bool = True  # the block length follows acceptance (module docstring)
-
-    def validate(self) -> LookupConfig:
-        if not 1 <= self.min_ngram <= MAX_NGRAM_LIMIT:
-            raise MtplxError(f"lookup min ngram: must be in [1, {MAX_NGRAM_LIMIT}], got {self.min_ngram}")
-        if not self.min_ngram <= self.max_ngram <= MAX_NGRAM_LIMIT:
-            raise MtplxError(
-                f"lookup max ngram: must be in [min ngram {self.min_ngram}, {MAX_NGRAM_LIMIT}], "
-                f"got {self.max_ngram}"
-            )
-        if not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
-            raise MtplxError(f"lookup max tokens: must be in [1, {MAX_TOKENS_LIMIT}], got {self.max_tokens}")
-        return self
 
 
 class NgramIndex:

@@ -25,10 +25,12 @@ from dataclasses import dataclass, field
 
 from mtplx.errors import MtplxError
 from mtplx.heads.base import DraftHead
-from mtplx.sample import rejection as verify_ops
-from mtplx.sample.params import DecodeSettings, SamplerConfig
+from mtplx.sample import ops as sample_ops
+from mtplx.sample import rejection
+from mtplx.sample.params import SamplerConfig
 from mtplx.spec_decode.head_proposer import HeadProposer
 from mtplx.spec_decode.proposer import CycleOutcome, Proposer
+from mtplx.spec_decode.settings import DecodeSettings
 from mtplx.trunk import rollback as cache_ops
 from mtplx.trunk.model import Trunk, TrunkOutput
 
@@ -133,7 +135,7 @@ def _penalize(
     """
     if not cfg.has_penalties:
         return logits
-    return verify_ops.penalize_logits(logits, mx.array(context, dtype=mx.int32)[None], cfg, block_tokens)
+    return sample_ops.penalize_logits(logits, mx.array(context, dtype=mx.int32)[None], cfg, block_tokens)
 
 
 def ar_decode(
@@ -153,10 +155,10 @@ def ar_decode(
     trunk_cache = trunk_cache if trunk_cache is not None else trunk.make_cache()
     history = list(prompt_tokens)
 
-    def next_token(logits: mx.array, step_key: mx.array) -> verify_ops.SampleResult:
+    def next_token(logits: mx.array, step_key: mx.array) -> sample_ops.SampleResult:
         logits = _penalize(logits[:, -1:, :], history, cfg)[:, 0, :]
-        uniforms = verify_ops.draw_uniforms((1,), step_key)
-        return verify_ops.sample(logits, cfg, uniforms, backend=settings.verify_backend)
+        uniforms = sample_ops.draw_uniforms((1,), step_key)
+        return sample_ops.sample(logits, cfg, uniforms, backend=settings.verify_backend)
 
     key, step_key = _split_key(key)
     output = prefill(trunk, prompt_tokens, trunk_cache, settings.prefill_step_size, prefix=prefix)
@@ -205,8 +207,8 @@ def speculative_decode(
     key, step_key = _split_key(key)
     output = prefill(trunk, prompt_tokens, trunk_cache, settings.prefill_step_size, observe, prefix)
     first_logits = _penalize(output.logits[:, -1:, :], history, cfg)[:, 0, :]
-    first = verify_ops.sample(
-        first_logits, cfg, verify_ops.draw_uniforms((1,), step_key), backend=settings.verify_backend
+    first = sample_ops.sample(
+        first_logits, cfg, sample_ops.draw_uniforms((1,), step_key), backend=settings.verify_backend
     )
     mx.eval(first.tokens, first.invalid)
     pending = int(first.checked().tokens.item())
@@ -232,13 +234,13 @@ def speculative_decode(
         try:
             output = trunk(block, trunk_cache)
             if draft is None:
-                drawn = verify_ops.sample(
+                drawn = sample_ops.sample(
                     _penalize(output.logits, history, cfg)[:, 0, :],
                     cfg,
-                    verify_ops.draw_uniforms((1,), sample_key),
+                    sample_ops.draw_uniforms((1,), sample_key),
                     backend=settings.verify_backend,
                 )
-                result = verify_ops.VerifyResult(
+                result = rejection.VerifyResult(
                     mx.zeros((1,), dtype=mx.int32),
                     drawn.tokens,
                     mx.zeros((1, 0), dtype=mx.float32),
@@ -246,19 +248,19 @@ def speculative_decode(
                 )
                 invalid = result.invalid
             else:
-                result = verify_ops.verify(
+                result = rejection.verify(
                     _penalize(output.logits, history, cfg, draft.tokens),
                     draft.tokens,
                     draft.probs,
                     cfg,
-                    verify_ops.draw_uniforms((1, num_drafted), accept_key),
-                    verify_ops.draw_uniforms((1,), sample_key),
+                    sample_ops.draw_uniforms((1, num_drafted), accept_key),
+                    sample_ops.draw_uniforms((1,), sample_key),
                     backend=settings.verify_backend,
                 )
                 invalid = result.invalid if draft.invalid is None else result.invalid | draft.invalid
             # The cycle's one sync: tokens, accept count and every lazy validity flag together.
             mx.eval(result, block, invalid)
-            verify_ops.raise_if_invalid(invalid)
+            sample_ops.raise_if_invalid(invalid)
         except BaseException:
             # Interrupted or failed mid-cycle: leave the caches as they were before the block.
             cache_ops.abort_block(trunk_cache, capture)

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from mtplx.sample import rejection as verify_ops
+from mtplx.sample import ops as sample_ops
 from mtplx.sample.params import SamplerConfig
 from mtplx.trunk.model import TrunkOutput
 
@@ -109,10 +109,10 @@ def draw_draft_token(
     request's penalties see what the target will see at this position. No host sync.
     """
     if cfg.has_penalties:
-        logits = verify_ops.penalize_logits(logits[:, None, :], context, cfg)[:, 0, :]
+        logits = sample_ops.penalize_logits(logits[:, None, :], context, cfg)[:, 0, :]
     if greedy_draft:
         return mx.argmax(logits, axis=-1).astype(mx.int32), None, None
-    drawn = verify_ops.sample(logits, cfg, uniform, backend=backend)
+    drawn = sample_ops.sample(logits, cfg, uniform, backend=backend)
     return drawn.tokens.astype(mx.int32), drawn.probs, drawn.invalid
 
 

@@ -1,0 +1,67 @@
+"""`CacheSession`: one request's caches, taken from the prompt cache or made fresh, and what goes
+back into the prompt cache when the request ends.
+
+Invariant: what is stored is consistent with the tokens the loop has seen. Pure-KV caches are
+handed over at the end (trimmed on reuse); caches with recurrent or sliding-window state are
+snapshotted by the loop's `PromptPrefix` hook when they hold all prompt positions but the last.
+"""
+
+from __future__ import annotations
+
+from mtplx.spec_decode.loop import PromptPrefix
+from mtplx.trunk.compat import cache_leaves
+from mtplx.trunk.prompt_cache import PromptCache, is_trimmable
+
+__all__ = ["CacheSession", "open_session"]
+
+
+class CacheSession:
+    """One request's caches and what goes back into the prompt cache when it ends.
+
+    Caches that cannot be moved back (recurrent state) are snapshotted when they
+    hold all prompt positions but the last; pure KV caches are handed over at the
+    end, covering the generated tokens too (a chat's next turn repeats them).
+    """
+
+    def __init__(
+        self,
+        store: PromptCache,
+        prompt_tokens: list[int],
+        trunk_cache: list,
+        head_cache: list | None,
+        start: int,
+    ):
+        self.store = store
+        self.prompt_tokens = prompt_tokens
+        self.trunk_cache = trunk_cache
+        self.head_cache = head_cache
+        self.trimmable = is_trimmable(trunk_cache) and (head_cache is None or is_trimmable(head_cache))
+        self.tokens = list(prompt_tokens)  # every token the decode loop has seen
+        snapshot = None if self.trimmable or store.max_bytes == 0 else self._snapshot
+        self.prefix = PromptPrefix(start, snapshot)
+
+    def _snapshot(self, size: int) -> None:
+        self.store.insert(self.prompt_tokens, size, self.trunk_cache, self.head_cache, copy=True)
+
+    def record(self, tokens: list[int]) -> None:
+        self.tokens.extend(tokens)
+
+    def finish(self) -> None:
+        """The decode loop stopped between steps: its caches are consistent with ``tokens``."""
+        if not self.trimmable or self.store.max_bytes == 0:
+            return
+        caches = list(self.trunk_cache) + list(self.head_cache or [])
+        size = min(min((c.offset for c in cache_leaves(caches)), default=0), len(self.tokens))
+        self.store.insert(self.tokens, size, self.trunk_cache, self.head_cache, copy=False)
+
+
+def open_session(store: PromptCache, trunk, head, prompt_tokens: list[int], with_head: bool) -> CacheSession:
+    """The caches a request starts from: the longest reusable prefix in ``store``, else fresh ones."""
+    hit = store.lookup(prompt_tokens, with_head)
+    if hit is None:
+        trunk_cache = trunk.make_cache()
+        head_cache = head.make_cache() if with_head else None
+        start = 0
+    else:
+        trunk_cache, head_cache, start = hit.trunk_cache, hit.head_cache, hit.start
+    return CacheSession(store, prompt_tokens, trunk_cache, head_cache, start)

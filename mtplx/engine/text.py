@@ -1,0 +1,94 @@
+"""Text in and out of the model: prompts to token ids (raw text, chat messages through the
+tokenizer's template, or ids as they are), and token ids to text with stop strings.
+
+`TextAssembler` detokenizes incrementally (never splitting a multi-byte character: mlx-lm's
+streaming detokenizer) and holds back any text that could still become a stop string, so a stop
+string is never emitted, even in part.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from mtplx.errors import MtplxError
+
+__all__ = ["TextAssembler", "encode_prompt"]
+
+
+def encode_prompt(
+    tokenizer, vocab_size: int, prompt: str | Sequence[dict] | Sequence[int], chat: bool | None = None
+) -> list[int]:
+    """Token ids of ``prompt``: raw text (through the chat template when ``chat``), a chat message
+    list (always through the template), or token ids (checked against the vocabulary, taken as they are)."""
+    if not isinstance(prompt, str) and prompt and all(isinstance(t, int) for t in prompt):
+        bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise MtplxError(f"prompt: token id {bad} is outside the vocabulary of {vocab_size}")
+        return list(prompt)
+    if isinstance(prompt, str):
+        if not prompt:
+            raise MtplxError("prompt is empty")
+        use_chat = bool(chat)
+        if use_chat:
+            prompt = [{"role": "user", "content": prompt}]
+    else:
+        use_chat = True
+        if not prompt:
+            raise MtplxError("prompt is an empty message list")
+    if use_chat:
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise MtplxError("prompt: this model's tokenizer has no chat template; pass raw text")
+        tokens = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
+        if isinstance(tokens, dict):
+            tokens = tokens["input_ids"]
+    else:
+        tokens = tokenizer.encode(prompt)
+    tokens = list(tokens)
+    if not tokens:
+        raise MtplxError("prompt encodes to no tokens")
+    return tokens
+
+
+class TextAssembler:
+    """Incremental detokenization with stop strings that may span tokens.
+
+    Text that could still turn out to be the start of a stop string is held
+    back, so a stop string is never emitted, even partly.
+    """
+
+    def __init__(self, tokenizer, stop: Sequence[str]):
+        self._detok = tokenizer.detokenizer
+        self._detok.reset()
+        self._stop = [s for s in stop if s]
+        self._emitted = 0
+        self.stopped = False
+
+    def _held_back(self, text: str) -> int:
+        longest = 0
+        for s in self._stop:
+            for n in range(min(len(s) - 1, len(text)), longest, -1):
+                if text.endswith(s[:n]):
+                    longest = n
+                    break
+        return longest
+
+    def add(self, token: int) -> str:
+        self._detok.add_token(token)
+        text = self._detok.text
+        hits = [i for i in (text.find(s, max(self._emitted - len(s), 0)) for s in self._stop) if i >= 0]
+        if hits:
+            self.stopped = True
+            return self._take(text, min(hits))
+        return self._take(text, len(text) - self._held_back(text))
+
+    def finish(self) -> str:
+        if self.stopped:
+            return ""
+        self._detok.finalize()
+        return self._take(self._detok.text, len(self._detok.text))
+
+    def _take(self, text: str, end: int) -> str:
+        end = max(end, self._emitted)
+        delta = text[self._emitted : end]
+        self._emitted = end
+        return delta

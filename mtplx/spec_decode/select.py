@@ -1,0 +1,100 @@
+"""Which drafter a request decodes with, how deep it drafts, and building that proposer.
+
+The rules, in order:
+1. kind: the request's `Drafting.kind` ("auto" unless asked); the engine has already refused a
+   kind it cannot serve (no head, no draft model).
+2. model drafter: the draft model when asked for, or under "auto" when one is loaded; else the
+   MTP head when asked for, or under "auto" when there is one, unless `mtplx tune` found plain AR
+   fastest on this machine (the engine's depth is 0) and the request names no depth.
+3. depth: the request's, else the engine's (tuned, else the head's default), else the head's
+   own default when tuning chose AR but a drafter was asked for explicitly. A draft model drafts
+   the request's depth or `DEFAULT_DEPTH`: the head's tuning says nothing about it.
+
+Exactness never depends on these choices (any proposer is exact, `proposer.py`); speed does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mtplx.spec_decode.auto_proposer import AutoProposer
+from mtplx.spec_decode.draft_model_proposer import DraftModelProposer
+from mtplx.spec_decode.head_proposer import HeadProposer
+from mtplx.spec_decode.lookup_proposer import LookupProposer
+from mtplx.spec_decode.proposer import Proposer
+from mtplx.spec_decode.settings import DecodeSettings, Drafting
+
+__all__ = ["DEFAULT_DEPTH", "DrafterChoice", "build_proposer", "choose_drafter"]
+
+DEFAULT_DEPTH = 3  # drafts per cycle when neither the head, tuning nor the request says
+
+
+@dataclass(frozen=True)
+class DrafterChoice:
+    kind: str  # the drafter asked for (settings.DRAFT_KINDS)
+    model_drafter: str | None  # "head" | "model" | None: the model drafter behind kind
+    depth: int  # the head's drafts per cycle (and the depth stats report)
+    model_depth: int  # a draft model's drafts per cycle
+
+    @property
+    def speculative(self) -> bool:
+        return self.kind != "none"
+
+
+def choose_drafter(
+    drafting: Drafting, *, has_head: bool, has_draft_model: bool, engine_depth: int, head_depth: int
+) -> DrafterChoice:
+    """The drafter and depths for one request (the module docstring's rules).
+
+    ``engine_depth`` is the engine's default depth (0: tuning found plain AR fastest);
+    ``head_depth`` the head's own default.
+    """
+    kind, asked_depth = drafting.kind, drafting.depth
+    if kind == "model" or (kind == "auto" and has_draft_model):
+        model_drafter = "model"
+    elif kind == "head" or (kind == "auto" and has_head and not (asked_depth is None and not engine_depth)):
+        model_drafter = "head"
+    else:
+        model_drafter = None
+    return DrafterChoice(
+        kind=kind,
+        model_drafter=model_drafter,
+        depth=asked_depth if asked_depth is not None else (engine_depth or head_depth),
+        model_depth=asked_depth if asked_depth is not None else DEFAULT_DEPTH,
+    )
+
+
+def build_proposer(
+    choice: DrafterChoice,
+    drafting: Drafting,
+    settings: DecodeSettings,
+    *,
+    head=None,
+    head_cache: list | None = None,
+    draft_model=None,
+    target_vocab_size: int = 0,
+    draft_vocab_size: int = 0,
+) -> Proposer | None:
+    """A fresh proposer for one request (None: plain AR). Its state lives and dies with the
+    request, except the head's cache, which comes from the request's prompt-cache session."""
+    if choice.kind == "none":
+        return None
+    if choice.kind == "lookup":
+        return LookupProposer(drafting.lookup)
+    drafter: Proposer | None = None
+    if choice.model_drafter == "model":
+        drafter = DraftModelProposer(
+            draft_model,
+            sampler=settings.sampler,
+            depth=choice.model_depth,
+            target_vocab_size=target_vocab_size,
+            real_vocab_size=draft_vocab_size,
+            greedy_draft=settings.greedy_draft,
+            prefill_step_size=settings.prefill_step_size,
+            verify_backend=settings.verify_backend,
+        )
+    elif choice.model_drafter == "head":
+        drafter = HeadProposer.from_settings(head, settings, head_cache)
+    if choice.kind == "auto":
+        return AutoProposer(LookupProposer(drafting.lookup), drafter)
+    return drafter

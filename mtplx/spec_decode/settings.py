@@ -1,0 +1,100 @@
+"""What a decode is configured by: a request's `Drafting` (which drafter, how deep), the loop's
+`DecodeSettings`, prompt lookup's `LookupConfig`, and the limits they are checked against.
+
+Standard library only (plus `SamplerConfig`), so `mtplx.engine.request`, the CLI and the server
+validate a request before anything imports MLX.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mtplx.errors import MtplxError
+from mtplx.sample.params import SamplerConfig, integer_value
+
+__all__ = [
+    "DRAFT_KINDS",
+    "HIDDEN_SOURCES",
+    "MAX_DEPTH",
+    "DecodeSettings",
+    "Drafting",
+    "LookupConfig",
+]
+
+# The drafters a request can ask for (`mtplx.spec_decode.select` builds them); "none" is plain AR.
+DRAFT_KINDS = ("auto", "head", "lookup", "model", "none")
+# Which trunk hidden state a head reads (and chains): before or after the final norm.
+HIDDEN_SOURCES = ("pre_norm", "post_norm")
+MAX_DEPTH = 16  # drafts per cycle mtplx serves: no head layout chains usefully beyond this; a typo guard
+MAX_NGRAM_LIMIT = 64
+MAX_TOKENS_LIMIT = 64
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    """One request's decode, as the loop and the drafters read it."""
+
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    depth: int = 3  # draft tokens per verify cycle
+    greedy_draft: bool = False  # draft the head's argmax (q one-hot) instead of sampling q
+    prefill_step_size: int = 512
+    verify_backend: str = "auto"  # "auto" (fused kernel where available) | "mlx"
+    # Adaptive head drafting: stop after a draft the head gave less than this probability (0 = off).
+    adaptive_threshold: float = 0.0
+    # Report the target's log-probabilities of each committed token plus this many top
+    # alternatives (None: off). Raw log_softmax of the trunk logits, before penalties and filters.
+    logprobs: int | None = None
+
+
+@dataclass(frozen=True)
+class LookupConfig:
+    """Prompt lookup's matcher and block length (`mtplx.spec_decode.lookup_proposer`)."""
+
+    min_ngram: int = 3
+    max_ngram: int = 6
+    max_tokens: int = 10
+    adaptive_length: bool = True  # the block length follows acceptance (lookup_proposer's docstring)
+
+    def validate(self) -> LookupConfig:
+        if not 1 <= self.min_ngram <= MAX_NGRAM_LIMIT:
+            raise MtplxError(f"lookup min ngram: must be in [1, {MAX_NGRAM_LIMIT}], got {self.min_ngram}")
+        if not self.min_ngram <= self.max_ngram <= MAX_NGRAM_LIMIT:
+            raise MtplxError(
+                f"lookup max ngram: must be in [min ngram {self.min_ngram}, {MAX_NGRAM_LIMIT}], "
+                f"got {self.max_ngram}"
+            )
+        if not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
+            raise MtplxError(f"lookup max tokens: must be in [1, {MAX_TOKENS_LIMIT}], got {self.max_tokens}")
+        return self
+
+
+@dataclass(frozen=True)
+class Drafting:
+    """How a request drafts. The batched loop's per-row pins (a fixed draft length) join here."""
+
+    kind: str = "auto"  # one of DRAFT_KINDS; "none" is plain AR
+    depth: int | None = None  # most drafts per cycle for a model drafter; None: tuned, else the head's
+    greedy_draft: bool = False  # draft the head's argmax (q one-hot; still exact)
+    adaptive: bool = False  # stop head drafting early when the head is unsure
+    adaptive_threshold: float | None = None  # that threshold (implies adaptive); None: tuned, else default
+    lookup: LookupConfig = field(default_factory=LookupConfig)
+
+    def __post_init__(self) -> None:
+        if self.kind not in DRAFT_KINDS:
+            raise MtplxError(f"draft: must be one of {', '.join(DRAFT_KINDS)}, got {self.kind!r}")
+        if self.depth is not None and integer_value("depth", self.depth) < 1:
+            raise MtplxError(f"depth must be >= 1 (got {self.depth})")
+        threshold = self.adaptive_threshold
+        if threshold is not None and not 0.0 < threshold < 1.0:
+            raise MtplxError(f"adaptive_threshold: must be in (0, 1), got {threshold}")
+        self.lookup.validate()
+
+    @staticmethod
+    def kind_from(draft: str | None, mtp: bool | None) -> str:
+        """The drafter kind from ``draft`` and its older alias ``mtp`` (True = "head", False = "none")."""
+        if draft is not None and draft not in DRAFT_KINDS:
+            raise MtplxError(f"draft: must be one of {', '.join(DRAFT_KINDS)}, got {draft!r}")
+        alias = None if mtp is None else ("head" if mtp else "none")
+        if draft is not None and alias is not None and draft != alias:
+            raise MtplxError(f"draft: {draft!r} contradicts mtp={mtp} (an alias of draft={alias!r})")
+        return draft or alias or "auto"
