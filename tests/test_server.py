@@ -686,3 +686,33 @@ def test_omitted_max_tokens_defaults_to_what_the_context_leaves(open_client, eng
     assert response.choices[0].text == expected.text
     assert response.usage.completion_tokens == len(expected.token_ids) <= 6
     assert response.choices[0].finish_reason == expected.finish_reason
+
+
+REPEATING = "Copy this line twice: the quick brown fox jumps over the lazy dog, the quick brown fox jumps"
+
+
+def test_serve_sampling_and_drafting_flags_are_the_defaults_of_omitted_fields(
+    model_dir, tmp_path, server, engine
+):
+    """`mtplx serve --draft lookup --temp 0`: a request that names neither decodes greedily with prompt
+    lookup only, exactly as the engine does with those arguments; the default server (auto drafting,
+    the head) answers the same request with head drafts (the control that the flag changed something)."""
+    request = dict(prompt=REPEATING, max_tokens=24)
+    expected = engine.generate(REPEATING, max_tokens=24, temperature=0.0, draft="lookup", chat=False)
+    flags = ["--draft", "lookup", "--temp", "0", "--depth", "2"]
+    with _running_server(model_dir, tmp_path / "lookup.log", *flags) as (base, _):
+        body = httpx.post(
+            base + "/v1/completions",
+            json={"model": str(model_dir), **request},
+            headers={"Authorization": f"Bearer {KEY}"},
+            timeout=120,
+        ).json()
+    assert body["choices"][0]["text"] == expected.text
+    assert body["mtplx"]["mode"] == "mtp" and set(body["mtplx"]["drafters"]) <= {"lookup"}
+    auto = httpx.post(
+        server[0] + "/v1/completions",
+        json={"model": str(model_dir), **request, "temperature": 0},
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=120,
+    ).json()
+    assert "head" in auto["mtplx"]["drafters"]

@@ -469,6 +469,7 @@ def _decode_stats(stats: GenerationStats) -> dict:
         "prefilled_tokens": stats.prefilled_tokens,
         "prefill_seconds": stats.prefill_seconds,
         "decode_tokens_per_sec": stats.decode_tokens_per_sec,
+        "drafters": stats.drafters,  # drafted / accepted per drafter ("head", "lookup", "model")
     }
 
 
