@@ -6,3 +6,9 @@ class MtplxError(ValueError):
 
     The CLI prints ``str(err)`` on one line and exits non-zero, without a traceback.
     """
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of a library's error message (its type name when it has none), for a one-line error."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

@@ -51,14 +51,14 @@ _DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.py", "*.model", "*.tiktoken"
 def resolve_source(source: str | Path, hub_cache: str | Path | None = None) -> Path:
     """A local checkpoint directory for ``source``: a directory, or a Hugging Face repo id
     (taken from the hub cache when it is there, else downloaded with ``snapshot_download``)."""
-    from mtplx.checkpoints.load import _REPO_ID
+    from mtplx.checkpoints.hub import is_repo_id
 
     path = Path(source).expanduser()
     if path.is_dir():
         return path
     if path.exists():
         raise MtplxError(f"{path}: not a checkpoint directory or a .gguf file")
-    if not (isinstance(source, str) and _REPO_ID.match(source)):
+    if not (isinstance(source, str) and is_repo_id(source)):
         raise MtplxError(f"{path}: checkpoint directory not found")
     from huggingface_hub import snapshot_download
 

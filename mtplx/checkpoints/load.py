@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
-import re
 import shutil
 import sys
 from collections.abc import Callable, Iterator
@@ -22,7 +21,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from mtplx.checkpoints.headers import read_safetensors_header
-from mtplx.errors import MtplxError
+from mtplx.checkpoints.hub import is_repo_id, snapshot_dir
+from mtplx.errors import MtplxError, first_line
 from mtplx.resources import cache_root
 
 Variant = Literal["float32", "q4"]
@@ -135,56 +135,6 @@ def default_model_variant(path: str | Path, *, cache_dir: str | Path | None = No
 
 # ---------------------------------------------------------------- resolving a spec
 
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
-
-
-# The files an mlx-lm model directory needs (mlx_lm/utils.py get_model_path downloads the same kinds).
-HUB_ALLOW_PATTERNS = (
-    "*.json",
-    "model*.safetensors",
-    "*.py",
-    "tokenizer.model",
-    "*.tiktoken",
-    "tiktoken.model",
-    "*.txt",
-    "*.jsonl",
-    "*.jinja",
-)
-
-
-def _from_hub(repo_id: str, hub_cache: str | Path | None) -> Path:
-    """The repo's snapshot directory: from the hub cache, else downloaded (huggingface_hub's progress bars)."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
-
-    try:  # cached: no network round trip at all
-        return Path(snapshot_download(repo_id, local_files_only=True, cache_dir=hub_cache))
-    except Exception:  # LocalEntryNotFoundError and kin: not (fully) cached
-        pass
-    if _hub_offline():
-        raise MtplxError(
-            f"{repo_id}: not in the Hugging Face cache and offline mode is on (HF_HUB_OFFLINE); "
-            "unset it to download, or pass a local directory"
-        )
-    try:
-        return Path(snapshot_download(repo_id, cache_dir=hub_cache, allow_patterns=list(HUB_ALLOW_PATTERNS)))
-    except (RepositoryNotFoundError, GatedRepoError):
-        raise MtplxError(
-            f"{repo_id}: not found on the Hugging Face Hub (or gated/private: log in with `hf auth login`)"
-        ) from None
-    except Exception as e:  # no network, Hub down, disk full, ...
-        cause = e.__cause__ or e
-        raise MtplxError(
-            f"{repo_id}: not in the Hugging Face cache and the download failed "
-            f"({type(cause).__name__}: {_first_line(cause)})"
-        ) from None
-
-
-def _hub_offline() -> bool:
-    from huggingface_hub import constants
-
-    return bool(constants.HF_HUB_OFFLINE)
-
 
 def resolve_model(
     spec: str | Path | None,
@@ -208,8 +158,8 @@ def resolve_model(
         if not path.is_dir():
             raise MtplxError(f"{path}: not a model directory")
         return path
-    if isinstance(spec, str) and _REPO_ID.match(spec) and not spec.startswith((".", "~")):
-        return _from_hub(spec, hub_cache)
+    if isinstance(spec, str) and is_repo_id(spec) and not spec.startswith((".", "~")):
+        return snapshot_dir(spec, hub_cache)
     raise MtplxError(f"{path}: model directory not found")
 
 
@@ -243,11 +193,6 @@ def check_model_dir(path: Path) -> dict[str, Any]:
     return config
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
-
-
 def load_mlx_model(path: Path, *, lazy: bool = False) -> tuple[Any, dict[str, Any]]:
     """mlx-lm's ``load_model`` on a checked directory, its failures as one-line MtplxErrors."""
     from mlx_lm.utils import load_model as mlx_load_model
@@ -259,11 +204,11 @@ def load_mlx_model(path: Path, *, lazy: bool = False) -> tuple[Any, dict[str, An
         raise
     except ValueError as e:
         if "not supported" in str(e):  # mlx-lm has no class for this model_type
-            raise MtplxError(f"{path}: unsupported architecture ({_first_line(e)})") from None
+            raise MtplxError(f"{path}: unsupported architecture ({first_line(e)})") from None
         # mlx-lm's strict load_weights: missing, extra or mis-shaped parameters
-        raise MtplxError(f"{path}: weights do not match config.json ({_first_line(e)})") from None
+        raise MtplxError(f"{path}: weights do not match config.json ({first_line(e)})") from None
     except Exception as e:
-        raise MtplxError(f"{path}: cannot load model ({_first_line(e)})") from None
+        raise MtplxError(f"{path}: cannot load model ({first_line(e)})") from None
 
 
 ADAPTER_FILES = ("adapter_config.json", "adapters.safetensors")
@@ -288,14 +233,14 @@ def apply_adapters(model: Any, adapter_dir: Path) -> None:
         raise MtplxError(f"{adapter_dir / 'adapter_config.json'}: not valid JSON ({e.msg})") from None
     except (AttributeError, KeyError, TypeError) as e:  # a config without num_layers / lora_parameters
         raise MtplxError(
-            f"{adapter_dir}: adapter_config.json lacks a LoRA setting ({_first_line(e)})"
+            f"{adapter_dir}: adapter_config.json lacks a LoRA setting ({first_line(e)})"
         ) from None
     except ValueError as e:  # tensors the model has no place for, or of the wrong shape
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-        detail = lines[1] if len(lines) > 1 else _first_line(e)
+        detail = lines[1] if len(lines) > 1 else first_line(e)
         raise MtplxError(f"{adapter_dir}: adapters do not fit this model ({detail})") from None
     except Exception as e:
-        raise MtplxError(f"{adapter_dir}: cannot load adapters ({_first_line(e)})") from None
+        raise MtplxError(f"{adapter_dir}: cannot load adapters ({first_line(e)})") from None
     model.eval()  # LoRA dropout is for training
 
 
@@ -325,7 +270,7 @@ def load_model(
     try:
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     except Exception as e:
-        raise MtplxError(f"{path}: cannot load tokenizer ({_first_line(e)})") from None
+        raise MtplxError(f"{path}: cannot load tokenizer ({first_line(e)})") from None
     # A lazy load stays lazy: fingerprint the files, not the (then materialized) parameters.
     fingerprint = streamed_fingerprint(path, model) if lazy else model_fingerprint(model)
     if adapter_path is not None:

@@ -1,4 +1,6 @@
-"""The OpenAI-compatible HTTP API (FastAPI): routes, validation, errors, streaming.
+"""The OpenAI-compatible HTTP API (FastAPI): routes, validation, queueing, streaming.
+
+The wire format (response bodies, stream chunks, error bodies) is `mtplx.server.openai`.
 
 Route shapes follow the OpenAI API reference (chat completions, completions,
 models) and vLLM's server for the details it settles (logprobs are the raw
@@ -14,13 +16,13 @@ import hmac
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from mtplx.engine.engine import GenerationChunk, GenerationStats
 from mtplx.engine.request import GenerationRequest
 from mtplx.errors import MtplxError
+from mtplx.server.openai import APIError, ChatFormat, TextFormat, error_body
 from mtplx.server.schemas import ChatCompletionRequest, CompletionRequest
 from mtplx.server.settings import ServerSettings
 from mtplx.server.worker import Finished, GenerationWorker, Job, JobFailed, JobTimeout, QueueFull
@@ -35,36 +37,6 @@ log = logging.getLogger("mtplx.server")
 
 # How often a waiting handler checks for a departed client and its deadline.
 _POLL_SECONDS = 0.5
-
-
-class APIError(Exception):
-    """An error answered in the OpenAI shape."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers = headers
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(
-            error_body(self.message, self.type, self.param, self.code), self.status, headers=self.headers
-        )
-
-
-def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-# ------------------------------------------------------------------ middleware
 
 
 class _BodyTooLarge(Exception):
@@ -209,7 +181,7 @@ def create_app(worker: GenerationWorker, settings: ServerSettings) -> FastAPI:
         max_tokens = body.max_completion_tokens or body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         job = _make_job(engine, body, prompt_tokens, max_tokens, logprobs, settings)
-        return await _respond(request, worker, job, settings, _ChatFormat(engine, settings.model_id), body)
+        return await _respond(request, worker, job, settings, ChatFormat(engine, settings.model_id), body)
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -223,7 +195,7 @@ def create_app(worker: GenerationWorker, settings: ServerSettings) -> FastAPI:
             raise APIError(400, "prompt: is empty", param="prompt")
         prompt_tokens = await _encode(engine, prompt, "prompt")
         job = _make_job(engine, body, prompt_tokens, body.max_tokens, body.logprobs, settings)
-        return await _respond(request, worker, job, settings, _TextFormat(engine, settings.model_id), body)
+        return await _respond(request, worker, job, settings, TextFormat(engine, settings.model_id), body)
 
     app.include_router(v1)
     app.add_middleware(LimitsAndLogMiddleware, max_body_bytes=settings.max_body_bytes)
@@ -443,138 +415,3 @@ async def _sse(
     finally:
         job.cancel()
         watcher.cancel()
-
-
-# ------------------------------------------------------------------ response formats
-
-
-def _usage(stats: GenerationStats) -> dict:
-    return {
-        "prompt_tokens": stats.prompt_tokens,
-        "completion_tokens": stats.generated_tokens,
-        "total_tokens": stats.prompt_tokens + stats.generated_tokens,
-        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
-    }
-
-
-def _decode_stats(stats: GenerationStats) -> dict:
-    """The mtplx extension: how the speculative decode went."""
-    return {
-        "mode": stats.mode,
-        "depth": stats.depth,
-        "cycles": stats.cycles,
-        "tokens_per_cycle": stats.tokens_per_cycle,
-        "acceptance_per_position": stats.acceptance_per_position,
-        "cached_tokens": stats.cached_tokens,
-        "prefilled_tokens": stats.prefilled_tokens,
-        "prefill_seconds": stats.prefill_seconds,
-        "decode_tokens_per_sec": stats.decode_tokens_per_sec,
-        "drafters": stats.drafters,  # drafted / accepted per drafter ("head", "lookup", "model")
-    }
-
-
-class _Format:
-    object_name = ""
-
-    def __init__(self, engine, model_id: str):
-        self.tokenizer = engine.tokenizer
-        self.model_id = model_id
-        self.id = f"{self.prefix}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-
-    def _envelope(self, object_name: str, choices: list) -> dict:
-        return {
-            "id": self.id,
-            "object": object_name,
-            "created": self.created,
-            "model": self.model_id,
-            "choices": choices,
-        }
-
-    def _token_text(self, token: int) -> str:
-        return self.tokenizer.decode([token])
-
-    def response(self, chunks: list[GenerationChunk]) -> dict:
-        text = "".join(c.text for c in chunks)
-        logprobs = self._logprobs(chunks) if chunks[0].logprobs is not None else None
-        body = self._envelope(self.object_name, [self._choice(text, logprobs, chunks[-1].finish_reason)])
-        body["usage"] = _usage(chunks[-1].stats)
-        body["mtplx"] = _decode_stats(chunks[-1].stats)
-        return body
-
-    def usage_chunk(self, stats: GenerationStats) -> dict:
-        body = self._envelope(self.chunk_object, [])
-        body["usage"] = _usage(stats)
-        body["mtplx"] = _decode_stats(stats)
-        return body
-
-
-class _ChatFormat(_Format):
-    prefix = "chatcmpl"
-    object_name = "chat.completion"
-    chunk_object = "chat.completion.chunk"
-
-    def _entry(self, token: int, logprob: float) -> dict:
-        text = self._token_text(token)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-    def _logprobs(self, chunks: list[GenerationChunk]) -> dict:
-        content = []
-        for chunk in chunks:
-            for token, lp in zip(chunk.token_ids, chunk.logprobs or []):
-                entry = self._entry(token, lp.logprob)
-                entry["top_logprobs"] = [self._entry(t, v) for t, v in lp.top]
-                content.append(entry)
-        return {"content": content}
-
-    def _choice(self, text: str, logprobs: dict | None, finish: str | None) -> dict:
-        message = {"role": "assistant", "content": text}
-        return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
-
-    def opening_chunk(self) -> dict:
-        choice = {
-            "index": 0,
-            "delta": {"role": "assistant", "content": ""},
-            "logprobs": None,
-            "finish_reason": None,
-        }
-        return self._envelope(self.chunk_object, [choice])
-
-    def chunk(self, chunk: GenerationChunk) -> dict:
-        delta = {"content": chunk.text} if chunk.text else {}
-        logprobs = self._logprobs([chunk]) if chunk.logprobs is not None else None
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": chunk.finish_reason}
-        return self._envelope(self.chunk_object, [choice])
-
-
-class _TextFormat(_Format):
-    prefix = "cmpl"
-    object_name = "text_completion"
-    chunk_object = "text_completion"
-
-    def _logprobs(self, chunks: list[GenerationChunk], offset: int = 0) -> dict:
-        tokens, token_logprobs, top, offsets = [], [], [], []
-        for chunk in chunks:
-            for token, lp in zip(chunk.token_ids, chunk.logprobs or []):
-                text = self._token_text(token)
-                tokens.append(text)
-                token_logprobs.append(lp.logprob)
-                top.append({self._token_text(t): v for t, v in lp.top})
-                offsets.append(offset)
-                offset += len(text)
-        return {
-            "tokens": tokens,
-            "token_logprobs": token_logprobs,
-            "top_logprobs": top,
-            "text_offset": offsets,
-        }
-
-    def _choice(self, text: str, logprobs: dict | None, finish: str | None) -> dict:
-        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
-
-    def opening_chunk(self) -> None:
-        return None  # text completion streams start with the first text
-
-    def chunk(self, chunk: GenerationChunk) -> dict:
-        logprobs = self._logprobs([chunk]) if chunk.logprobs is not None else None
-        return self._envelope(self.chunk_object, [self._choice(chunk.text, logprobs, chunk.finish_reason)])
