@@ -377,6 +377,27 @@ def test_outside_candidate_stats_count_the_target_tokens_the_narrowed_vocabulary
     assert stats["checked"] > 0
 
 
+def test_a_narrowed_assistants_counters_grow_as_it_drafts_and_a_dense_one_has_none(tmp_path):
+    """``counters()``, the head protocol's hook the engine reports per request: running totals
+    (never reset), the same values ``candidate_stats`` gives under the names stats report."""
+    trunk, head, *_ = build_pair(tmp_path / "narrowed", ordered=True, fill="zero_mass", **LOOP)
+    assert head.counters() == {"target_checked": 0, "target_outside_candidates": 0}
+    run_mtp_steps(trunk, head, SamplerConfig(temperature=1.0), 2, 12)
+    first = head.counters()
+    assert first["target_checked"] > 0 and 0 <= first["target_outside_candidates"] <= first["target_checked"]
+    legacy = head.candidate_stats()
+    assert first == {
+        "target_checked": legacy["checked"],
+        "target_outside_candidates": legacy["outside_candidates"],
+    }
+    run_mtp_steps(trunk, head, SamplerConfig(temperature=1.0), 2, 12)
+    assert head.counters()["target_checked"] > first["target_checked"]
+
+    trunk, dense, *_ = build_pair(tmp_path / "dense", ordered=False, **LOOP)
+    run_mtp_steps(trunk, dense, SamplerConfig(temperature=1.0), 2, 12)
+    assert dense.counters() == {}
+
+
 # ----------------------------------------------------------------- pairing and bad input
 
 
