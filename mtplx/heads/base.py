@@ -242,6 +242,7 @@ class ModuleStackHead(MTPHead):
     module_class: type[nn.Module]  # built as module_class(block, hidden_size, eps)
     own_keys: tuple[str, ...] = ()
     block_name: str | None = None
+    nested_block: bool = False
     zero_position_zero: bool = True
 
     def __init__(self, blocks: Sequence[nn.Module], hidden_size: int, *, eps: float = 1e-6, **shared: Any):
@@ -249,7 +250,6 @@ class ModuleStackHead(MTPHead):
         ``shared``: ``MTPHead``'s keywords."""
         super().__init__(**shared)
         self.modules_ = [self.module_class(b, hidden_size, eps) for b in blocks]
-        self.nested_block = False
 
     @property
     def num_modules(self) -> int:
