@@ -365,7 +365,7 @@ def test_outside_candidate_stats_count_the_target_tokens_the_narrowed_vocabulary
         for j, token in enumerate(step.tokens[:2]):
             checked += 1
             outside += token not in cycle[j][1]
-    stats = head.candidate_stats()
+    stats = head.counters()
     # The head counts a cycle's targets when the next cycle starts: the last cycle is not counted yet.
     last = [s for s in steps if s.num_drafted][-1]
     last_checked = min(len(last.tokens), 2)
@@ -373,8 +373,27 @@ def test_outside_candidate_stats_count_the_target_tokens_the_narrowed_vocabulary
         t not in cycles[len([s for s in steps if s.num_drafted]) - 1][j][1]
         for j, t in enumerate(last.tokens[:2])
     )
-    assert stats == {"checked": checked - last_checked, "outside_candidates": outside - last_outside}
-    assert stats["checked"] > 0
+    assert stats == {
+        "target_checked": checked - last_checked,
+        "target_outside_candidates": outside - last_outside,
+    }
+    assert stats["target_checked"] > 0
+
+
+def test_a_narrowed_assistants_counters_grow_as_it_drafts_and_a_dense_one_has_none(tmp_path):
+    """``counters()``, the head protocol's hook the engine reports per request: running totals
+    (never reset), under the names stats report."""
+    trunk, head, *_ = build_pair(tmp_path / "narrowed", ordered=True, fill="zero_mass", **LOOP)
+    assert head.counters() == {"target_checked": 0, "target_outside_candidates": 0}
+    run_mtp_steps(trunk, head, SamplerConfig(temperature=1.0), 2, 12)
+    first = head.counters()
+    assert first["target_checked"] > 0 and 0 <= first["target_outside_candidates"] <= first["target_checked"]
+    run_mtp_steps(trunk, head, SamplerConfig(temperature=1.0), 2, 12)
+    assert head.counters()["target_checked"] > first["target_checked"]
+
+    trunk, dense, *_ = build_pair(tmp_path / "dense", ordered=False, **LOOP)
+    run_mtp_steps(trunk, dense, SamplerConfig(temperature=1.0), 2, 12)
+    assert dense.counters() == {}
 
 
 # ----------------------------------------------------------------- pairing and bad input

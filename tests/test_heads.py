@@ -16,7 +16,14 @@ from pathlib import Path
 
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.errors import MtplxError
-from mtplx.heads import DEFAULT_HIDDEN_SOURCE, Qwen3NextMTPHead, load_head
+from mtplx.heads import (
+    DEFAULT_HIDDEN_SOURCE,
+    Qwen3NextMTPHead,
+    declared_mtp_layers,
+    detect_layout,
+    find_head,
+    load_head,
+)
 from mtplx.trunk.model import Trunk
 
 import mlx.core as mx
@@ -327,6 +334,25 @@ def test_deepseek_moe_experts_are_stacked(tmp_path):
     assert np.isfinite(np.array(head(hidden, nxt, head.make_cache()))).all()
 
 
+def test_deepseek_own_lm_head_copy_that_differs_is_kept_and_drafts(tmp_path):
+    """A ``shared_head.head`` that is not the trunk's LM head becomes the module's own (loaded
+    with the rest of the head) and gives the head's logits; the checkpoint name round-trips."""
+    tiny = tc.deepseek_v3(tmp_path / "own-head")
+    arrays = dict(mx.load(str(tiny.path / "model.safetensors")))
+    key = "model.layers.61.shared_head.head.weight"
+    arrays[key] = arrays[key] * 0.5 + 0.01
+    mx.save_safetensors(str(tiny.path / "model.safetensors"), arrays, {"format": "pt"})
+    trunk, _, head = load(tiny.path)
+    assert head.checkpoint_keys()["modules_.0.shared_head.head.weight"] == key
+    hidden, nxt = head_inputs(trunk, head)
+    out = head(hidden, nxt, head.make_cache())
+    args = (read_tensors(tiny.path), np.array(hidden[0], np.float64), np.array(nxt[0]), tiny.config)
+    _, ref, ref_logits = deepseek_reference(*args)  # logits through the checkpoint's (changed) copy
+    assert_close(out[0], ref)
+    assert_close(head.logits(out)[0], ref_logits)
+    assert differs(head.logits(out)[0], ref @ args[0]["lm_head.weight"].T)  # not the trunk's LM head
+
+
 # --------------------------------------------------------------------------- mimo
 
 
@@ -427,6 +453,26 @@ def test_no_declared_head_is_none(tmp_path):
 
 def test_default_hidden_sources_are_explicit():
     assert DEFAULT_HIDDEN_SOURCE == {"qwen3_next": "post_norm", "deepseek": "post_norm", "mimo": "pre_norm"}
+
+
+def test_each_registry_row_recognises_its_own_checkpoint_and_no_other(tmp_path):
+    """One row per family: a checkpoint's tensors match exactly one row's marker, and the row's
+    model types and count keys give the same layout and layer count from the config alone."""
+    from mtplx.heads.registry import FAMILIES
+    from mtplx.heads.weights import weight_index
+
+    built = {
+        "qwen3_next": tc.qwen3_5(tmp_path / "q", mtp_layers=2),
+        "deepseek": tc.deepseek_v3(tmp_path / "d", mtp_layers=2, sidecar=True, trunk_layers=2),
+        "mimo": tc.mimo(tmp_path / "m", mtp_layers=2),
+    }
+    assert set(built) == set(FAMILIES)
+    for name, tiny in built.items():
+        index = weight_index(tiny.path)
+        assert [f.name for f in FAMILIES.values() if f.has_layout(index)] == [name]
+        assert detect_layout({}, tiny.config) == name  # stripped head: the model_type decides
+        assert FAMILIES[name].declared_layers(tiny.config) == declared_mtp_layers(tiny.config) == 2
+    assert detect_layout({"model.norm.weight": "x"}, {"model_type": "llama"}) is None
 
 
 # --------------------------------------------------------------------------- draft-chain conventions
@@ -666,3 +712,35 @@ def test_sidecar_head_file_outside_the_shard_index_is_found(tmp_path):
     trunk2, _, found = load(tiny.path)
     assert found is not None
     assert mx.allclose(found(hidden, nxt), expected(hidden, nxt), atol=1e-6).item()
+
+
+def test_find_head_gives_the_shipped_head_for_the_default_model(default_model_dir):
+    from mtplx.checkpoints import load as loading
+    from mtplx.heads.forged import ForgedMTPHead
+
+    loaded = loading.load_model(None)
+    head = find_head(loaded, Trunk(loaded.model))
+    assert isinstance(head, ForgedMTPHead) and head.default_depth is not None
+    # Given by its converted directory, the default model is still the default model.
+    again = find_head(loaded, Trunk(loaded.model), model=str(default_model_dir))
+    assert isinstance(again, ForgedMTPHead)
+
+
+def test_find_head_gives_the_checkpoints_own_head_or_none(tmp_path, capsys):
+    from mtplx.checkpoints.load import LoadedModel
+
+    def loaded_model(tiny: tc.Tiny) -> LoadedModel:
+        model, config = mlx_load_model(tiny.path)
+        return LoadedModel(model, None, config, tiny.path, "fingerprint")
+
+    own = loaded_model(tc.mimo(tmp_path / "mimo"))
+    head = find_head(own, Trunk(own.model), model=str(own.path))
+    assert head is not None and head.layout == "mimo"
+    bare = loaded_model(tc.qwen3_5(tmp_path / "nomtp", mtp_layers=0))
+    assert find_head(bare, Trunk(bare.model), model=str(bare.path)) is None
+    stripped = loaded_model(tc.mimo(tmp_path / "stripped"))
+    _drop_head_tensors(stripped.path, lambda k: not k.startswith("model.mtp_layers."))
+    assert find_head(stripped, Trunk(stripped.model), model=str(stripped.path)) is None
+    assert "ships no model.mtp_layers" in capsys.readouterr().err
+    with pytest.raises(MtplxError, match="ships no"):
+        find_head(stripped, Trunk(stripped.model), model=str(stripped.path), required=True)

@@ -29,7 +29,7 @@ from mtplx.checkpoints.load import (
     resolve_model,
 )
 from mtplx.errors import MtplxError
-from mtplx.heads.base import weight_index
+from mtplx.heads.weights import weight_index
 
 _SAFETENSORS_BYTES = {
     "F64": 8,

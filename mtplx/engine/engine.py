@@ -16,12 +16,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from mtplx import resources
 from mtplx.engine.request import GenerationRequest
 from mtplx.engine.session import CacheSession, open_session
 from mtplx.engine.stats import GenerationStats, StatsTracker
 from mtplx.engine.text import TextAssembler, encode_prompt
 from mtplx.errors import MtplxError
+from mtplx.heads.discovery import find_head, missing_head_message
 from mtplx.spec_decode import loop as decode
 from mtplx.spec_decode.select import DEFAULT_DEPTH, DrafterChoice, build_proposer, choose_drafter
 from mtplx.spec_decode.settings import DecodeSettings
@@ -51,40 +51,6 @@ class GenerationResult:
     token_ids: list[int]
     finish_reason: str
     stats: GenerationStats
-
-
-def _load_head(model, head, dtype, loaded, trunk, required: bool = False):
-    """The draft head for a loaded target: ``head`` (a forged-head directory, or a Gemma 4
-    assistant directory / cached repo id), else the checkpoint's own, else for a Gemma 4 target
-    ``<target>-assistant`` beside it or in the HF cache, else for the default model the shipped one."""
-    from mtplx import heads
-    from mtplx.checkpoints import load as loading
-    from mtplx.heads import gemma4_assistant
-
-    # The default model given by its converted directory is still the default model.
-    default_variant = (dtype or "float32") if model is None else loading.default_model_variant(loaded.path)
-    head_dir = (
-        loading.resolve_model(head)  # a directory, or a repo id (Gemma 4 assistants)
-        if head is not None
-        else (resources.shipped_head_dir(loading.DEFAULT_MODEL_NAME) if default_variant else None)
-    )
-    if head_dir is None:
-        own = heads.load_checkpoint_head(loaded.path, trunk, loaded.config, required=required)
-        if own is not None or not gemma4_assistant.is_gemma4_target(loaded.config):
-            return own
-        head_dir = gemma4_assistant.find_assistant(loaded.path, model)
-        if head_dir is None:
-            return None
-    if gemma4_assistant.read_assistant_config(head_dir) is not None:
-        return gemma4_assistant.load_gemma4_assistant(head_dir, trunk, loaded.config)
-    from mtplx.heads import forged
-
-    head_fingerprint = loaded.fingerprint
-    if default_variant == "q4":
-        # The float32 build is the exact dequantization of the same GGUF blocks, so the
-        # shipped head (forged on it) fits the 4-bit build too; check against its weights.
-        head_fingerprint = loading.load_model(None, variant="float32", lazy=True).fingerprint
-    return forged.load_forged_head(head_dir, trunk, head_fingerprint)
 
 
 class Engine:
@@ -181,7 +147,9 @@ class Engine:
             prompt_cache_bytes=prompt_cache_bytes,
         )
         if mtp is not False:  # mtp=False: plain AR; no head is looked for, so a misfit one cannot fail
-            engine.head = _load_head(model, head, dtype, loaded, engine.trunk, required=bool(mtp))
+            engine.head = find_head(
+                loaded, engine.trunk, model=model, head=head, dtype=dtype, required=bool(mtp)
+            )
         if depth is not None and depth < 1:
             raise MtplxError(f"depth must be >= 1 (got {depth})")
         engine.depth = depth if depth is not None else engine._default_depth()
@@ -332,14 +300,7 @@ class Engine:
         """The request's drafter, refused with a one-line error when this engine cannot serve it."""
         kind = request.drafting.kind
         if kind == "head" and self.head is None:
-            from mtplx.heads import gemma4_assistant
-
-            if gemma4_assistant.is_gemma4_target(self.config):
-                raise MtplxError(gemma4_assistant.MISSING_ASSISTANT)
-            raise MtplxError(
-                "this model has no MTP head: use --draft lookup or --no-mtp (mtp=False), "
-                "or train one with `mtplx forge`"
-            )
+            raise MtplxError(missing_head_message(self.config))
         if kind == "model" and self.draft_model is None:
             raise MtplxError(
                 "draft: 'model' needs a draft model (--draft-model PATH, Engine.load(draft_model=...))"
@@ -378,7 +339,7 @@ class Engine:
             tracker.stats.distributed = self.distributed.stats(depth + 1 if mode == "mtp" else 1)
         text = TextAssembler(self.tokenizer, request.stop)
         produced = 0
-        candidates_before = self._candidate_counts() if mode == "mtp" else None
+        counters_before = self.head.counters() if mode == "mtp" and self.head is not None else {}
         clean_end = False
         try:
             for step in steps:
@@ -402,9 +363,12 @@ class Engine:
                 tracker.record(step, len(kept))
                 logprobs = step.logprobs[: len(kept)] if step.logprobs is not None else None
                 if finish is not None:
-                    if candidates_before is not None:
-                        now = self._candidate_counts()
-                        tracker.stats.drafters["head"].update({k: now[k] - candidates_before[k] for k in now})
+                    if (
+                        counters_before
+                    ):  # the head's own counters (e.g. a narrowed vocabulary's misses), this call's share
+                        now = self.head.counters()
+                        head_stats = tracker.stats.drafters.setdefault("head", {"drafted": 0, "accepted": 0})
+                        head_stats.update({k: now[k] - counters_before[k] for k in now})
                     delta += text.finish()
                     clean_end = True
                     yield GenerationChunk(delta, kept, finish, tracker.stats, logprobs)
@@ -416,19 +380,6 @@ class Engine:
             steps.close()
             if clean_end:
                 session.finish()
-
-    def _candidate_counts(self) -> dict[str, int] | None:
-        """A Gemma 4 assistant with a narrowed vocabulary: its running counts of target tokens checked
-        against the draft candidates and found outside them (stats report this generation's share)."""
-        from mtplx.heads.gemma4_assistant import Gemma4AssistantHead
-
-        if isinstance(self.head, Gemma4AssistantHead) and self.head.narrowed:
-            counts = self.head.candidate_stats()
-            return {
-                "target_checked": counts["checked"],
-                "target_outside_candidates": counts["outside_candidates"],
-            }
-        return None
 
     def generate(
         self, prompt: str | Sequence[dict] | Sequence[int], request: GenerationRequest | None = None, **kwargs

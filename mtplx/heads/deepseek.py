@@ -25,30 +25,12 @@ GLM-4.5's acceptance at position 2. ``max_depth`` is None: modules cycle, no lim
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
+from mtplx.checkpoints.headers import quantization_config
 from mtplx.errors import MtplxError
-from mtplx.heads.base import (
-    Embed,
-    HiddenSource,
-    LMHead,
-    MissingHeadError,
-    ModuleStackHead,
-    build_layer_like,
-    check_and_load,
-    dequantize_fp8_blocks,
-    keys_with_prefix,
-    load_tensors,
-    model_args_of,
-    quantization_config,
-    quantize_like_checkpoint,
-    shared_callables,
-    source_name,
-    stack_experts,
-    weight_index,
-)
+from mtplx.heads.base import HiddenSource, ModuleStackHead, build_layer_like, model_args_of
+from mtplx.heads.weights import HeadSource, MissingHeadError, keys_with_prefix, load_tensors, stack_experts
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -56,8 +38,7 @@ from mlx.utils import tree_flatten
 
 LAYOUT = "deepseek"
 DEFAULT_HIDDEN_SOURCE: HiddenSource = "post_norm"
-COUNT_KEY = "num_nextn_predict_layers"
-_OWN_KEYS = ("enorm", "hnorm", "eh_proj", "shared_head")  # everything else at the prefix is the block
+OWN_HEAD = "shared_head.head."  # the module's copy of the LM head
 
 
 class SharedHead(nn.Module):
@@ -78,66 +59,47 @@ class DeepSeekMTPModule(nn.Module):
 
 class DeepSeekMTPHead(ModuleStackHead):
     layout = LAYOUT
+    hidden_source: HiddenSource = DEFAULT_HIDDEN_SOURCE
     chain_source: HiddenSource = "post_norm"
     mask_as_array = True  # mlx-lm's MLA attention applies the mask with mx.where
+    module_class = DeepSeekMTPModule
+    own_keys = ("enorm", "hnorm", "eh_proj", "shared_head")  # everything else at the prefix is the block
 
-    def __init__(
-        self,
-        blocks: Sequence[nn.Module],
-        hidden_size: int,
-        *,
-        eps: float = 1e-6,
-        first_layer: int,
-        trunk: Any = None,
-        embed: Embed | None = None,
-        lm_head: LMHead | None = None,
-        hidden_source: HiddenSource = DEFAULT_HIDDEN_SOURCE,
-    ):
-        super().__init__(*shared_callables(trunk, embed, lm_head), hidden_source)
-        self.modules_ = [DeepSeekMTPModule(b, hidden_size, eps) for b in blocks]
+    def __init__(self, *args: Any, first_layer: int, **kwargs: Any):
+        """``ModuleStackHead``'s arguments; module ``i`` is checkpoint layer ``first_layer + i``."""
+        super().__init__(*args, **kwargs)
         self.first_layer = first_layer
-
-    def attach_own_lm_head(self, weight_owner_index: int, head: nn.Module) -> None:
-        self.modules_[weight_owner_index].shared_head.head = head
 
     def _module_forward(self, m: nn.Module, hidden: mx.array, embedded: mx.array, cache: Any) -> mx.array:
         e = m.enorm(embedded)
         x = m.eh_proj(mx.concatenate([e, m.hnorm(hidden).astype(e.dtype)], axis=-1))
         return self._run_layers(x, [m.block], [cache])
 
-    def _final_norm(self, m: nn.Module) -> nn.Module:
+    def _module_final_norm(self, m: nn.Module) -> nn.Module:
         return m.shared_head.norm
 
     def logits(self, head_hidden: mx.array, step: int = 0) -> mx.array:
         sh = self.modules_[step % self.num_modules].shared_head
         return sh["head"](head_hidden) if "head" in sh else self._shared_lm_head(head_hidden)
 
-    def checkpoint_keys(self) -> dict[str, str]:
-        return {
-            path: module_to_checkpoint(path, self.first_layer) for path, _ in tree_flatten(self.parameters())
+    # --- checkpoint naming ---------------------------------------------------------------
+    def module_prefix(self, i: int) -> str:
+        return f"model.layers.{self.first_layer + i}."
+
+    def _convert_module(self, i: int, tensors: dict[str, mx.array], src: HeadSource) -> dict[str, mx.array]:
+        """The trunk's embedding serves (the module's ``embed_tokens`` copy is dropped), and so
+        does its LM head unless the module has its own; HF experts and MLA ``kv_b_proj`` become
+        mlx-lm's stacked experts and per-head projections."""
+        own_head = "head" in self.modules_[i].shared_head
+        tensors = {
+            k: v
+            for k, v in tensors.items()
+            if not k.startswith("embed_tokens.") and (own_head or not k.startswith(OWN_HEAD))
         }
-
-
-def module_to_checkpoint(path: str, first_layer: int) -> str:
-    """``modules_.0.block.self_attn.q_proj`` -> ``model.layers.{first+0}.self_attn.q_proj``."""
-    parts = path.split(".")
-    if parts[0] != "modules_":
-        return path
-    rest = parts[2:]
-    if rest and rest[0] == "block":
-        rest = rest[1:]
-    return ".".join([f"model.layers.{first_layer + int(parts[1])}", *rest])
-
-
-def declared_layers(config: dict) -> int:
-    for cfg in (config.get("text_config") or {}, config):
-        if cfg.get(COUNT_KEY):
-            return int(cfg[COUNT_KEY])
-    return 0
-
-
-def has_layout(index: dict[str, str]) -> bool:
-    return any(k.startswith("model.layers.") and k.endswith(".eh_proj.weight") for k in index)
+        args = model_args_of(src.trunk.model)
+        stack_experts(tensors, "mlp", int(getattr(args, "n_routed_experts", 0) or 0))
+        _split_kv_b_proj(tensors, "self_attn", args, src.config)
+        return tensors
 
 
 def _split_kv_b_proj(weights: dict[str, mx.array], prefix: str, args: Any, config: dict) -> None:
@@ -164,90 +126,47 @@ def _split_kv_b_proj(weights: dict[str, mx.array], prefix: str, args: Any, confi
         weights[f"{prefix}.{name}.weight"] = t
 
 
-def load_deepseek_head(
-    model_dir: Path,
-    trunk: Any,
-    config: dict,
-    index: dict[str, str] | None = None,
-    hidden_source: HiddenSource = DEFAULT_HIDDEN_SOURCE,
-) -> DeepSeekMTPHead | None:
-    model_dir = Path(model_dir)
-    n = declared_layers(config)
-    if n == 0:
-        return None
-    index = weight_index(model_dir) if index is None else index
-    source = source_name(model_dir)
-    args = model_args_of(trunk.model)
+def build_head(src: HeadSource, num_layers: int, hidden_source: HiddenSource) -> DeepSeekMTPHead:
+    """An unloaded head for checkpoint layers ``num_hidden_layers + i``, checked against what the
+    checkpoint ships; a module keeps its own LM head only where its copy differs from the trunk's."""
+    args = model_args_of(src.trunk.model)
     first = int(args.num_hidden_layers)
-    if not any(k.startswith(f"model.layers.{first + i}.") for k in index for i in range(n)):
+    if not any(k.startswith(f"model.layers.{first + i}.") for k in src.index for i in range(num_layers)):
         raise MissingHeadError(
-            f"{source}: config declares {n} MTP layer(s) but the checkpoint ships no model.layers.{first}.* tensors"
+            f"{src.source}: config declares {num_layers} MTP layer(s) but the checkpoint ships no model.layers.{first}.* tensors"
         )
-    for i in range(n):
-        if f"model.layers.{first + i}.eh_proj.weight" not in index:
-            raise MtplxError(f"{source}: MTP layer model.layers.{first + i} has no eh_proj.weight")
-
-    blocks = [build_layer_like(trunk.layers[-1], args, first + i) for i in range(n)]
+    for i in range(num_layers):
+        if f"model.layers.{first + i}.eh_proj.weight" not in src.index:
+            raise MtplxError(f"{src.source}: MTP layer model.layers.{first + i} has no eh_proj.weight")
     head = DeepSeekMTPHead(
-        blocks,
+        [build_layer_like(src.trunk.layers[-1], args, first + i) for i in range(num_layers)],
         args.hidden_size,
         eps=args.rms_norm_eps,
         first_layer=first,
-        trunk=trunk,
+        trunk=src.trunk,
         hidden_source=hidden_source,
     )
-
-    weights: dict[str, mx.array] = {}
-    own_heads: dict[int, nn.Module] = {}
-    for i in range(n):
-        prefix = f"model.layers.{first + i}."
-        names = [
-            k for k in keys_with_prefix(index, prefix) if not k[len(prefix) :].startswith("embed_tokens.")
-        ]
-        raw = dequantize_fp8_blocks(
-            {k[len(prefix) :]: v for k, v in load_tensors(model_dir, index, names).items()}
-        )
-        raw = {(k if k.split(".")[0] in _OWN_KEYS else f"block.{k}"): v for k, v in raw.items()}
-        stack_experts(raw, "block.mlp", int(getattr(args, "n_routed_experts", 0) or 0))
-        _split_kv_b_proj(raw, "block.self_attn", args, config)
-        own_head = {k: raw.pop(k) for k in list(raw) if k.startswith("shared_head.head.")}
-        if own_head and not _same_as_trunk_lm_head(own_head, trunk):
-            own_heads[i] = _linear_from(own_head, config)
-        weights.update({f"modules_.{i}.{k}": v for k, v in raw.items()})
-
-    quantize_like_checkpoint(head, lambda p: module_to_checkpoint(p, first), set(index), config)
-    check_and_load(head, weights, source)
-    for (
-        i,
-        lin,
-    ) in own_heads.items():  # attached after loading: built from its own (possibly quantized) tensors
-        head.attach_own_lm_head(i, lin)
+    for i in range(num_layers):
+        prefix = head.module_prefix(i) + OWN_HEAD
+        own = load_tensors(src.model_dir, src.index, keys_with_prefix(src.index, prefix))
+        own = {k[len(prefix) :]: v for k, v in own.items()}
+        if own and not _same_as_trunk_lm_head(own, src.trunk):
+            # Filled when the weights load, and quantized as the checkpoint stores it.
+            head.modules_[i].shared_head.head = nn.Linear(
+                args.hidden_size, own["weight"].shape[0], bias=False
+            )
     return head
 
 
 def _same_as_trunk_lm_head(own: dict[str, mx.array], trunk: Any) -> bool:
-    """True when the checkpoint's ``shared_head.head`` copy equals the trunk's LM head (keep one)."""
+    """True when the checkpoint's ``shared_head.head`` copy (``{weight, scales?, biases?}``)
+    equals the trunk's LM head (keep one)."""
     lm = getattr(trunk, "_lm_head", None)
     if lm is None:
         lm = getattr(getattr(trunk, "inner", None), "embed_tokens", None)
     if lm is None:
         return False
     params = dict(tree_flatten(lm.parameters()))
-    mine = {k[len("shared_head.head.") :]: v for k, v in own.items()}
-    if set(mine) != set(params):
+    if set(own) != set(params):
         return False
-    return all(params[k].shape == v.shape and mx.array_equal(params[k], v).item() for k, v in mine.items())
-
-
-def _linear_from(tensors: dict[str, mx.array], config: dict) -> nn.Module:
-    w = tensors["shared_head.head.weight"]
-    if "shared_head.head.scales" in tensors:
-        q = quantization_config(config)
-        out_dims = w.shape[0]
-        in_dims = w.shape[1] * 32 // q["bits"]
-        lin = nn.QuantizedLinear(in_dims, out_dims, bias=False, group_size=q["group_size"], bits=q["bits"])
-        lin.load_weights([(k.split(".")[-1], v) for k, v in tensors.items()])
-        return lin
-    lin = nn.Linear(w.shape[1], w.shape[0], bias=False)
-    lin.weight = w
-    return lin
+    return all(params[k].shape == v.shape and mx.array_equal(params[k], v).item() for k, v in own.items())

@@ -58,21 +58,12 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 from mtplx.errors import MtplxError
-from mtplx.heads.base import (
-    HiddenSource,
-    MTPHead,
-    check_and_load,
-    load_tensors,
-    model_args_of,
-    quantize_like_checkpoint,
-    source_name,
-    weight_index,
-)
+from mtplx.heads.base import HiddenSource, MTPHead, model_args_of
+from mtplx.heads.weights import HeadSource, load_head_weights, load_tensors, weight_index
 from mtplx.trunk.compat import KVCache, RotatingKVCache, kv_state, rotating_state
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 
 LAYOUT = "gemma4_assistant"
 ASSISTANT_MODEL_TYPES = ("gemma4_assistant", "gemma4_unified_assistant")
@@ -120,6 +111,7 @@ class Gemma4AssistantHead(MTPHead):
     """A Gemma 4 assistant checkpoint as a draft head (no own cache; reads the trunk's KV)."""
 
     layout = LAYOUT
+    hidden_source: HiddenSource = DEFAULT_HIDDEN_SOURCE
     reads_trunk_cache = True
 
     def __init__(
@@ -139,7 +131,7 @@ class Gemma4AssistantHead(MTPHead):
                 f"non_candidate_fill must be one of {NON_CANDIDATE_FILLS}, got {non_candidate_fill!r}"
             )
         target_embed_scale = float(getattr(trunk.inner, "embed_scale", 1.0))
-        super().__init__(lambda t: trunk.embed(t) * target_embed_scale, trunk.lm_head, DEFAULT_HIDDEN_SOURCE)
+        super().__init__(embed=lambda t: trunk.embed(t) * target_embed_scale, lm_head=trunk.lm_head)
         args = drafter_args(config)
         backbone = int(config["backbone_hidden_size"])
         # A read-only mapping, not a dict: dicts set on a Module join its parameter tree.
@@ -165,7 +157,6 @@ class Gemma4AssistantHead(MTPHead):
                 int(config.get("num_centroids", 2048)),
                 int(config.get("centroid_intermediate_top_k", 32)),
             )
-        self._scratch.projected = None
         self._scratch.candidates = []  # per draft step of the current cycle: [ids], with its position
         self._scratch.position = None
         self._scratch.outside = mx.array(0)
@@ -181,31 +172,23 @@ class Gemma4AssistantHead(MTPHead):
 
     def chain_input(self, head_out: mx.array) -> mx.array:
         """The up-projected state (``post_projection``), which the next step reads as its hidden."""
-        return self._scratch.projected[:, -1:]
+        return self.post_projection(head_out[:, -1:])
 
-    def __call__(
-        self,
-        hidden: mx.array,
-        next_tokens: mx.array,
-        cache: list | None = None,
-        *,
-        step: int = 0,
-        trunk_cache: list | None = None,
-    ) -> mx.array:
-        """Only the last (hidden, token) pair matters: the drafter keeps no state between calls."""
-        if trunk_cache is None:
-            raise ValueError("a Gemma 4 assistant reads the target's KV cache: pass trunk_cache")
-        position = self._position(trunk_cache)
+    def _forward(self, hidden: mx.array, next_tokens: mx.array, cache: list | None, step: int) -> mx.array:
+        """``cache`` is the target's (``reads_trunk_cache``). Only the last (hidden, token) pair
+        matters: the drafter keeps no state between calls."""
+        position = self._position(cache)
         if step == 0:
             self._count_targets_outside(next_tokens, position)
-        kv = {kind: _window_kv(trunk_cache[i], self._window(kind)) for kind, i in self.source_layers.items()}
+        kv = {kind: _window_kv(cache[i], self._window(kind)) for kind, i in self.source_layers.items()}
         x = self.pre_projection(mx.concatenate([self._embed(next_tokens[:, -1:]), hidden[:, -1:]], axis=-1))
         for layer in self.model.layers:
             x, _, _ = layer(x, None, None, shared_kv=kv[layer.layer_type], offset=position)
-        h = self.model.norm(x)
-        self._scratch.projected = self.post_projection(h)
         self._scratch.position = position
-        return h
+        return x
+
+    def _final_norm(self, step: int) -> nn.Module:
+        return self.model.norm
 
     def logits(self, head_hidden: mx.array, step: int = 0) -> mx.array:
         if not self.narrowed:
@@ -227,10 +210,15 @@ class Gemma4AssistantHead(MTPHead):
         """Whether it drafts from a centroid-narrowed vocabulary (ordered-embedding checkpoints)."""
         return "masked_embedding" in self
 
-    def candidate_stats(self) -> dict[str, int]:
-        """How many target tokens (committed at a drafted position) were checked against that
-        step's candidate set, and how many lay outside it (ordered-embedding checkpoints only)."""
-        return {"checked": self._scratch.checked, "outside_candidates": int(self._scratch.outside.item())}
+    def counters(self) -> dict[str, int]:
+        """With a narrowed vocabulary: how many target tokens (committed at a drafted position)
+        were checked against that step's candidate set, and how many lay outside it."""
+        if not self.narrowed:
+            return {}
+        return {
+            "target_checked": self._scratch.checked,
+            "target_outside_candidates": int(self._scratch.outside.item()),
+        }
 
     # --- helpers ------------------------------------------------------------------------
     def _output_embedding(self) -> mx.array:
@@ -268,8 +256,26 @@ class Gemma4AssistantHead(MTPHead):
         # Evaluated in the background, so the running count never holds the candidate sets alive.
         mx.async_eval(self._scratch.outside)
 
-    def checkpoint_keys(self) -> dict[str, str]:
-        return {path: path for path, _ in tree_flatten(self.parameters())}
+    # --- checkpoint naming: the assistant's own checkpoint, named as its parameters -------
+    def checkpoint_prefixes(self) -> tuple[str, ...]:
+        return ("",)
+
+    def checkpoint_name(self, path: str) -> str:
+        return path
+
+    def sanitize(self, tensors: dict[str, mx.array], src: HeadSource) -> dict[str, mx.array]:
+        """Drops what a KV-shared, tied drafter never uses; ``token_ordering`` (int64 in HF files) as int32."""
+        weights = {
+            k: v
+            for k, v in tensors.items()
+            if "self_attn.rotary_emb" not in k
+            and not k.endswith(_UNUSED_SUFFIXES)
+            and not (self.tied and k == "lm_head.weight")
+        }
+        if "masked_embedding.token_ordering" in weights:
+            ordering = weights["masked_embedding.token_ordering"]
+            weights["masked_embedding.token_ordering"] = ordering.astype(mx.int32)
+        return weights
 
 
 def _window_kv(cache: Any, window: int | None) -> tuple[mx.array, mx.array]:
@@ -420,21 +426,7 @@ def load_gemma4_assistant(
     head = Gemma4AssistantHead(config, sources, trunk=trunk, non_candidate_fill=non_candidate_fill)
     _check_layer_shapes(head, trunk.model, str(config_path))
 
-    index = weight_index(assistant_dir)
-    names = [
-        k
-        for k in index
-        if "self_attn.rotary_emb" not in k
-        and not k.endswith(_UNUSED_SUFFIXES)
-        and not (head.tied and k == "lm_head.weight")
-    ]
-    weights = load_tensors(assistant_dir, index, names)
-    if "masked_embedding.token_ordering" in weights:
-        weights["masked_embedding.token_ordering"] = weights["masked_embedding.token_ordering"].astype(
-            mx.int32
-        )
-    quantize_like_checkpoint(head, lambda p: p, set(index), config)
-    check_and_load(head, weights, str(source_name(assistant_dir)))
+    load_head_weights(head, HeadSource(assistant_dir, config, weight_index(assistant_dir), trunk))
     return head
 
 

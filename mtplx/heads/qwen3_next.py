@@ -27,45 +27,32 @@ confirmed by measured acceptance (``hidden_source="pre_norm"`` switches it).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from mtplx.errors import MtplxError
-from mtplx.heads.base import (
-    Embed,
-    HiddenSource,
-    LMHead,
+from mtplx.heads.base import HiddenSource, MTPHead, build_layer_like, model_args_of, run_every_module
+from mtplx.heads.weights import (
+    HeadSource,
     MissingHeadError,
-    MTPHead,
-    build_layer_like,
-    check_and_load,
-    dequantize_fp8_blocks,
     find_prefix,
-    keys_with_prefix,
-    load_tensors,
-    model_args_of,
     plain_norms,
-    quantize_like_checkpoint,
-    shared_callables,
-    source_name,
     stack_experts,
-    weight_index,
+    strip_prefix,
 )
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 
 LAYOUT = "qwen3_next"
 DEFAULT_HIDDEN_SOURCE: HiddenSource = "post_norm"
 KEY_PREFIX = "mtp."
-COUNT_KEYS = ("mtp_num_hidden_layers", "num_nextn_predict_layers")
 
 
 class Qwen3NextMTPHead(MTPHead):
     """fc(concat[norm(embed(t)), norm(h)]) -> N decoder layers -> norm. Shares embed and lm_head."""
 
     layout = LAYOUT
+    hidden_source: HiddenSource = DEFAULT_HIDDEN_SOURCE
 
     def __init__(
         self,
@@ -73,17 +60,14 @@ class Qwen3NextMTPHead(MTPHead):
         hidden_size: int,
         *,
         eps: float = 1e-6,
-        trunk: Any = None,
-        embed: Embed | None = None,
-        lm_head: LMHead | None = None,
-        hidden_source: HiddenSource = DEFAULT_HIDDEN_SOURCE,
         key_prefix: str = KEY_PREFIX,
         layer_per_step: bool = False,
+        **shared: Any,
     ):
         """``layers``: already-built decoder layers of the trunk's architecture (called as
-        ``layer(x, mask, cache)``, as every mlx-lm layer is); ``trunk`` (a ``Trunk``) or the
-        ``embed``/``lm_head`` callables supply the shared weights."""
-        super().__init__(*shared_callables(trunk, embed, lm_head), hidden_source)
+        ``layer(x, mask, cache)``, as every mlx-lm layer is); ``shared``: ``MTPHead``'s keywords
+        (``trunk=`` or ``embed=``/``lm_head=``, ``hidden_source=``)."""
+        super().__init__(**shared)
         if not layers:
             raise ValueError("a Qwen3-Next MTP head needs at least one decoder layer")
         self.fc = nn.Linear(2 * hidden_size, hidden_size, bias=False)
@@ -98,46 +82,33 @@ class Qwen3NextMTPHead(MTPHead):
     def decoder_layers(self) -> list[nn.Module]:
         return self.layers
 
-    def __call__(
-        self,
-        hidden: mx.array,
-        next_tokens: mx.array,
-        cache: list | None = None,
-        *,
-        step: int = 0,
-        trunk_cache: list | None = None,
-    ) -> mx.array:
+    def _forward(self, hidden: mx.array, next_tokens: mx.array, cache: list | None, step: int) -> mx.array:
         e = self.pre_fc_norm_embedding(self._embed(next_tokens))
         h = self.pre_fc_norm_hidden(hidden)
         x = self.fc(mx.concatenate([e, h.astype(e.dtype)], axis=-1))
         if not self.layer_per_step:
-            x = self._run_layers(x, self.layers, cache)
-        else:
-            n = len(self.layers)
-            caches = cache if cache is not None else [None] * n
-            chosen = step % n
-            order = [i for i in range(n) if i != chosen and caches[i] is not None] + [chosen]
-            for i in order:  # every layer fills its cache at every position (see ModuleStackHead)
-                y = self._run_layers(x, [self.layers[i]], [caches[i]])
-            x = y
-        self._scratch.pre_norm = x
-        return self.norm(x)
+            return self._run_layers(x, self.layers, cache)
+        caches = cache if cache is not None else [None] * len(self.layers)
+        return run_every_module(
+            lambda i: self._run_layers(x, [self.layers[i]], [caches[i]]), caches, step % len(self.layers)
+        )
 
-    def checkpoint_keys(self) -> dict[str, str]:
-        return {path: self.key_prefix + path for path, _ in tree_flatten(self.parameters())}
+    def _final_norm(self, step: int) -> nn.Module:
+        return self.norm
 
+    # --- checkpoint naming ---------------------------------------------------------------
+    def checkpoint_prefixes(self) -> tuple[str, ...]:
+        return (self.key_prefix,)
 
-def declared_layers(config: dict) -> int:
-    """MTP layer count the config declares (text_config first: Qwen3.5 nests it there)."""
-    for cfg in (config.get("text_config") or {}, config):
-        for key in COUNT_KEYS:
-            if cfg.get(key):
-                return int(cfg[key])
-    return 0
+    def checkpoint_name(self, path: str) -> str:
+        return self.key_prefix + path
 
-
-def has_layout(index: dict[str, str]) -> bool:
-    return find_prefix(index, r"mtp\.fc\.weight") is not None
+    def sanitize(self, tensors: dict[str, mx.array], src: HeadSource) -> dict[str, mx.array]:
+        weights = strip_prefix(tensors, self.key_prefix)
+        num_experts = int(getattr(model_args_of(src.trunk.model), "num_experts", 0) or 0)
+        for i in range(len(self.layers)):
+            weights = stack_experts(weights, f"layers.{i}.mlp", num_experts)
+        return plain_norms(weights)
 
 
 def _attention_template(trunk: Any) -> tuple[nn.Module, int]:
@@ -149,50 +120,29 @@ def _attention_template(trunk: Any) -> tuple[nn.Module, int]:
     raise MtplxError(f"{type(trunk.model).__name__}: no full-attention trunk layer to model the MTP layer on")
 
 
-def load_qwen3_next_head(
-    model_dir: Path,
-    trunk: Any,
-    config: dict,
-    index: dict[str, str] | None = None,
-    hidden_source: HiddenSource = DEFAULT_HIDDEN_SOURCE,
-) -> Qwen3NextMTPHead | None:
-    """The checkpoint's ``mtp.*`` head, or None when the config declares no MTP layers."""
-    model_dir = Path(model_dir)
-    n = declared_layers(config)
-    if n == 0:
-        return None
-    index = weight_index(model_dir) if index is None else index
-    source = source_name(model_dir)
-    found = find_prefix(index, r"mtp\.fc\.weight")
+def build_head(src: HeadSource, num_layers: int, hidden_source: HiddenSource) -> Qwen3NextMTPHead:
+    """An unloaded head for the checkpoint's ``mtp.*`` tensors (``num_layers`` declared), checked
+    against what the checkpoint ships."""
+    found = find_prefix(src.index, r"mtp\.fc\.weight")
     if found is None:
         raise MissingHeadError(
-            f"{source}: config declares {n} MTP layer(s) but the checkpoint ships no mtp.* tensors"
+            f"{src.source}: config declares {num_layers} MTP layer(s) but the checkpoint ships no mtp.* tensors"
         )
     prefix = found + KEY_PREFIX
-    present = {int(k[len(prefix) + 7 :].split(".")[0]) for k in index if k.startswith(prefix + "layers.")}
-    if present != set(range(n)):
+    layer_keys = (k[len(prefix) + 7 :] for k in src.index if k.startswith(prefix + "layers."))
+    present = {int(k.split(".")[0]) for k in layer_keys}
+    if present != set(range(num_layers)):
         raise MtplxError(
-            f"{source}: config declares {n} MTP layer(s), checkpoint has mtp.layers {sorted(present)}"
+            f"{src.source}: config declares {num_layers} MTP layer(s), checkpoint has mtp.layers {sorted(present)}"
         )
-
-    args = model_args_of(trunk.model)
-    template, idx = _attention_template(trunk)
-    layers = [build_layer_like(template, args, idx) for _ in range(n)]
-    head = Qwen3NextMTPHead(
-        layers,
+    args = model_args_of(src.trunk.model)
+    template, idx = _attention_template(src.trunk)
+    return Qwen3NextMTPHead(
+        [build_layer_like(template, args, idx) for _ in range(num_layers)],
         args.hidden_size,
         eps=args.rms_norm_eps,
-        trunk=trunk,
+        trunk=src.trunk,
         hidden_source=hidden_source,
         key_prefix=prefix,
         layer_per_step=True,
     )
-
-    raw = load_tensors(model_dir, index, keys_with_prefix(index, prefix))
-    weights = dequantize_fp8_blocks({k[len(prefix) :]: v for k, v in raw.items()})
-    for i in range(n):
-        weights = stack_experts(weights, f"layers.{i}.mlp", int(getattr(args, "num_experts", 0) or 0))
-    weights = plain_norms(weights)
-    quantize_like_checkpoint(head, lambda p: prefix + p, set(index), config)
-    check_and_load(head, weights, source)
-    return head

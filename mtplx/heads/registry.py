@@ -1,0 +1,135 @@
+"""The head families a checkpoint can ship its MTP layers in: one row each, and the lookups.
+
+As mlx-lm's ``models/`` + ``_get_classes`` and vLLM's model registry: a family is a file
+(its math and its key renaming) plus one ``HeadFamily`` row here; nothing else names it.
+``detect_layout`` prefers the tensors a checkpoint holds over what its ``model_type`` implies,
+so a re-export in another family's spelling still loads, and a config whose head tensors were
+stripped is still recognised (``MissingHeadError``, not "unsupported").
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mtplx.errors import MtplxError
+from mtplx.heads import deepseek, mimo, qwen3_next
+from mtplx.heads.base import HiddenSource, MTPHead
+from mtplx.heads.weights import HeadSource, load_head_weights, weight_index
+
+BuildHead = Callable[[HeadSource, int, HiddenSource], MTPHead]
+
+
+@dataclass(frozen=True)
+class HeadFamily:
+    """One checkpoint layout of in-checkpoint MTP heads.
+
+    ``marker``: a regex some tensor name of the layout fully matches (and no other layout's);
+    ``count_keys``: the config keys that declare the layer count, first found wins (text_config
+    before the top level: Qwen3.5 nests it there); ``build``: an unloaded head of the declared
+    layer count, checked against the checkpoint (``MissingHeadError`` when it ships none).
+    """
+
+    name: str
+    model_types: tuple[str, ...]
+    marker: str
+    count_keys: tuple[str, ...]
+    default_hidden_source: HiddenSource
+    build: BuildHead
+
+    def has_layout(self, index: dict[str, str]) -> bool:
+        rx = re.compile(self.marker)
+        return any(rx.fullmatch(k) for k in index)
+
+    def declared_layers(self, config: dict) -> int:
+        """MTP layer count the config declares (0 = none)."""
+        for cfg in (config.get("text_config") or {}, config):
+            for key in self.count_keys:
+                if cfg.get(key):
+                    return int(cfg[key])
+        return 0
+
+
+FAMILIES: dict[str, HeadFamily] = {
+    f.name: f
+    for f in (
+        HeadFamily(
+            name=qwen3_next.LAYOUT,
+            model_types=("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text"),
+            marker=r".*mtp\.fc\.weight",
+            count_keys=("mtp_num_hidden_layers", "num_nextn_predict_layers"),
+            default_hidden_source=qwen3_next.DEFAULT_HIDDEN_SOURCE,
+            build=qwen3_next.build_head,
+        ),
+        HeadFamily(
+            name=deepseek.LAYOUT,
+            model_types=("deepseek_v3", "deepseek_v32", "kimi_k2", "glm4_moe"),
+            marker=r"model\.layers\..*\.eh_proj\.weight",
+            count_keys=("num_nextn_predict_layers",),
+            default_hidden_source=deepseek.DEFAULT_HIDDEN_SOURCE,
+            build=deepseek.build_head,
+        ),
+        HeadFamily(
+            name=mimo.LAYOUT,
+            model_types=("mimo",),
+            marker=r"model\.mtp_layers\..*",
+            count_keys=("num_nextn_predict_layers",),
+            default_hidden_source=mimo.DEFAULT_HIDDEN_SOURCE,
+            build=mimo.build_head,
+        ),
+    )
+}
+# The trunk hidden state each layout reads unless told otherwise (each family file says why).
+DEFAULT_HIDDEN_SOURCE = {name: f.default_hidden_source for name, f in FAMILIES.items()}
+
+
+def _model_types(config: dict) -> list[str]:
+    return [str(c.get("model_type", "")) for c in (config, config.get("text_config") or {})]
+
+
+def detect_layout(index: dict[str, str], config: dict) -> str | None:
+    """The layout whose tensors the checkpoint holds; else the one its model_type implies; else None."""
+    for name, family in FAMILIES.items():
+        if family.has_layout(index):
+            return name
+    for mt in _model_types(config):
+        for name, family in FAMILIES.items():
+            if mt in family.model_types:
+                return name
+    return None
+
+
+def declared_mtp_layers(config: dict, layout: str | None = None) -> int:
+    """How many MTP layers the config declares (0 = none); under ``layout``'s keys when given."""
+    families = [FAMILIES[layout]] if layout else list(FAMILIES.values())
+    return max(f.declared_layers(config) for f in families)
+
+
+def load_head(model_dir: Path, trunk: Any, config: dict, hidden_source: str | None = None) -> MTPHead | None:
+    """The MTP head a checkpoint ships, built beside the mlx-lm ``trunk`` (a ``mtplx.trunk.model.Trunk``).
+
+    None when the config declares no MTP layers; MtplxError (one line, naming the file)
+    when it declares some but the tensors are missing or mis-shaped, or the layout is unknown.
+    ``hidden_source`` overrides the layout's default trunk hidden ("pre_norm" / "post_norm").
+    """
+    model_dir = Path(model_dir)
+    index = weight_index(model_dir)
+    layout = detect_layout(index, config)
+    if layout is None:
+        if declared_mtp_layers(config):
+            kind = ", ".join(t for t in _model_types(config) if t) or "unknown"
+            raise MtplxError(
+                f"{model_dir / 'config.json'}: declares MTP layers for an unsupported layout ({kind})"
+            )
+        return None
+    family = FAMILIES[layout]
+    num_layers = family.declared_layers(config)
+    if num_layers == 0:
+        return None
+    src = HeadSource(model_dir, config, index, trunk)
+    head = family.build(src, num_layers, hidden_source or family.default_hidden_source)
+    load_head_weights(head, src)
+    return head

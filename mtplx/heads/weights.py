@@ -1,0 +1,251 @@
+"""Reading a head out of a checkpoint: the one loader template every head family shares.
+
+``load_head_weights`` is mlx-lm's ``load_model`` for heads: a freshly built head names the
+checkpoint prefixes its tensors sit under; those tensors are read (lazily: ``mx.load`` maps a
+shard, so a tensor dropped later costs nothing), FP8 blocks dequantized, renamed to the head's
+parameter paths by the head's own ``sanitize``, the layers the checkpoint stores quantized are
+quantized the same way, and everything is loaded with one-line errors. A family adds only its
+math and its renaming (``checkpoint_prefixes`` / ``sanitize`` / ``checkpoint_name`` on its head).
+
+The helpers below are the HF -> mlx spellings (stacked experts, FP8 blocks, norm offsets) that
+more than one family's ``sanitize`` needs.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from mtplx.checkpoints.headers import quantization_config, read_safetensors_header
+from mtplx.errors import MtplxError
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+
+class MissingHeadError(MtplxError):
+    """The config declares MTP layers but the checkpoint ships none of their tensors
+    (mlx-lm's converter drops them): the model still decodes, autoregressively."""
+
+
+@dataclass(frozen=True)
+class HeadSource:
+    """A checkpoint being read for a head, and the trunk the head is built beside.
+
+    ``config`` and ``index`` are the checkpoint's (for a Gemma 4 assistant: the assistant's,
+    while ``trunk`` is the target's)."""
+
+    model_dir: Path
+    config: dict
+    index: dict[str, str]
+    trunk: Any
+
+    @property
+    def source(self) -> Path:
+        """The file to name in errors about this checkpoint's tensors."""
+        return source_name(self.model_dir)
+
+
+class CheckpointHead(Protocol):
+    """The renaming a head supplies to ``load_head_weights`` (``MTPHead`` declares it)."""
+
+    def checkpoint_prefixes(self) -> tuple[str, ...]: ...
+
+    def sanitize(self, tensors: dict[str, mx.array], src: HeadSource) -> dict[str, mx.array]: ...
+
+    def checkpoint_name(self, path: str) -> str: ...
+
+
+def load_head_weights(head: CheckpointHead, src: HeadSource) -> None:
+    """Fill a freshly built ``head`` from ``src``: read -> dequantize FP8 -> rename -> quantize
+    like the checkpoint -> load (one-line MtplxErrors for missing, extra or mis-shaped tensors)."""
+    prefixes = head.checkpoint_prefixes()
+    names = sorted(k for k in src.index if k.startswith(prefixes))
+    tensors = dequantize_fp8_blocks(load_tensors(src.model_dir, src.index, names))
+    weights = head.sanitize(tensors, src)
+    quantize_like_checkpoint(head, head.checkpoint_name, set(src.index), src.config)
+    check_and_load(head, weights, str(src.source))
+
+
+# --- checkpoint access -------------------------------------------------------------
+
+
+def weight_index(model_dir: Path) -> dict[str, str]:
+    """``{tensor name: file name}`` over every ``*.safetensors`` in ``model_dir``: the shard index's
+    weight_map, plus the headers of files it does not list (sidecars such as ``mtp.safetensors``
+    that ship the head beside the trunk's shards, as ``mtplx convert`` writes)."""
+    model_dir = Path(model_dir)
+    index_file = model_dir / "model.safetensors.index.json"
+    index: dict[str, str] = {}
+    if index_file.exists():
+        try:
+            weight_map = json.loads(index_file.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError):
+            raise MtplxError(f"{index_file}: unreadable shard index (no weight_map)") from None
+        index = {str(k): str(v) for k, v in weight_map.items()}
+    listed = set(index.values())
+    files = [f for f in sorted(model_dir.glob("*.safetensors")) if f.name not in listed]
+    if not index and not files:
+        raise MtplxError(f"{model_dir}: no *.safetensors weights found")
+    for f in files:
+        index.update({name: f.name for name in read_safetensors_header(f) if name not in index})
+    return index
+
+
+def load_tensors(model_dir: Path, index: dict[str, str], names: Iterable[str]) -> dict[str, mx.array]:
+    """Load only ``names``, opening each shard once (mx.load maps the file; untouched tensors cost nothing)."""
+    by_file: dict[str, list[str]] = {}
+    for name in names:
+        by_file.setdefault(index[name], []).append(name)
+    out: dict[str, mx.array] = {}
+    for file, wanted in by_file.items():
+        path = Path(model_dir) / file
+        if not path.exists():
+            raise MtplxError(f"{path}: shard listed in the index is missing")
+        read_safetensors_header(path)  # clear error for truncated/corrupt shards
+        try:
+            arrays = mx.load(str(path))
+        except Exception as e:  # mlx raises RuntimeError/ValueError with a multi-line text
+            raise MtplxError(f"{path}: cannot load safetensors ({str(e).splitlines()[0]})") from None
+        for name in wanted:
+            if name not in arrays:
+                raise MtplxError(f"{path}: tensor {name} listed in the index is missing")
+            out[name] = arrays[name]
+    return out
+
+
+def source_name(model_dir: Path) -> Path:
+    """The file to name in errors about a checkpoint's tensors: its shard index or single shard."""
+    for name in ("model.safetensors.index.json", "model.safetensors"):
+        if (Path(model_dir) / name).exists():
+            return Path(model_dir) / name
+    return Path(model_dir)
+
+
+def keys_with_prefix(index: dict[str, str], prefix: str) -> list[str]:
+    return sorted(k for k in index if k.startswith(prefix))
+
+
+def find_prefix(index: dict[str, str], pattern: str) -> str | None:
+    """The shortest prefix ``p`` such that ``p + pattern`` fully matches some key (regex suffix)."""
+    rx = re.compile(rf"^(.*?){pattern}$")
+    found = sorted({m.group(1) for k in index if (m := rx.match(k))}, key=len)
+    return found[0] if found else None
+
+
+def strip_prefix(tensors: dict[str, mx.array], prefix: str) -> dict[str, mx.array]:
+    """The tensors under ``prefix``, named relative to it."""
+    return {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+
+
+# --- HF -> mlx-side tensor spellings ------------------------------------------------
+
+
+def stack_experts(weights: dict[str, mx.array], mlp_prefix: str, num_experts: int) -> dict[str, mx.array]:
+    """Per-expert HF tensors (``experts.{e}.gate_proj.weight`` or fused ``experts.gate_up_proj``)
+    -> mlx-lm's stacked ``switch_mlp.{gate,up,down}_proj.*``; already-stacked input passes through."""
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        for kind in ("weight", "scales", "biases"):
+            first = f"{mlp_prefix}.experts.0.{proj}.{kind}"
+            if first in weights:
+                parts = [weights.pop(f"{mlp_prefix}.experts.{e}.{proj}.{kind}") for e in range(num_experts)]
+                weights[f"{mlp_prefix}.switch_mlp.{proj}.{kind}"] = mx.stack(parts)
+    fused = f"{mlp_prefix}.experts.gate_up_proj"
+    if fused in weights:
+        gate_up = weights.pop(fused)
+        mid = gate_up.shape[-2] // 2
+        weights[f"{mlp_prefix}.switch_mlp.gate_proj.weight"] = gate_up[..., :mid, :]
+        weights[f"{mlp_prefix}.switch_mlp.up_proj.weight"] = gate_up[..., mid:, :]
+        weights[f"{mlp_prefix}.switch_mlp.down_proj.weight"] = weights.pop(f"{mlp_prefix}.experts.down_proj")
+    return weights
+
+
+def dequantize_fp8_blocks(weights: dict[str, mx.array], block: int = 128) -> dict[str, mx.array]:
+    """DeepSeek-style FP8 checkpoints: ``w`` (e4m3) with per-128x128-block ``w_scale_inv`` -> bfloat16."""
+    for key in [k for k in weights if k.endswith(".weight_scale_inv")]:
+        scale = weights.pop(key)
+        wkey = key[: -len("_scale_inv")]
+        w = mx.from_fp8(weights[wkey], dtype=mx.bfloat16)
+        m, n = w.shape
+        pm, pn = (-m) % block, (-n) % block
+        w = mx.pad(w, ((0, pm), (0, pn))).reshape((m + pm) // block, block, (n + pn) // block, block)
+        w = (w * scale[:, None, :, None]).reshape(m + pm, n + pn)
+        weights[wkey] = w[:m, :n].astype(mx.bfloat16)
+    return weights
+
+
+# --- norm convention ---------------------------------------------------------------
+
+_NORM_WEIGHT = re.compile(r"(^|\.)[^.]*norm[^.]*\.weight$")
+
+
+def is_norm_weight(name: str, value: mx.array) -> bool:
+    return value.ndim == 1 and _NORM_WEIGHT.search(name) is not None
+
+
+def stored_as_offset(value: mx.array) -> bool:
+    """Whether one RMSNorm weight is stored as an offset from 1 (HF Qwen3-Next / Qwen3.5 compute
+    ``x * (1 + w)``) rather than as the plain scale: decided from the tensor itself, its mean
+    nearer 0 than 1. Converters shift some norms and not others (mlx-lm shifts the trunk's and
+    drops the head), so no other tensor can answer this for it."""
+    return abs(mx.mean(value.astype(mx.float32)).item()) < 0.5
+
+
+def plain_norms(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Every 1-D ``*norm*.weight`` as a plain RMSNorm scale: +1 for those stored as offsets."""
+    return {k: (v + 1.0 if is_norm_weight(k, v) and stored_as_offset(v) else v) for k, v in weights.items()}
+
+
+# --- quantization and loading -------------------------------------------------------
+
+
+def quantize_like_checkpoint(
+    module: nn.Module, module_to_ckpt: Callable[[str], str], stored: set[str], config: dict
+) -> None:
+    """Quantize exactly the layers the checkpoint stores quantized (``<key>.scales`` present),
+    with its group size / bits / mode, honouring per-layer overrides keyed by checkpoint path."""
+    q = quantization_config(config)
+    if q is None:
+        return
+
+    def predicate(path: str, m: nn.Module):
+        ckpt = module_to_ckpt(path)
+        override = q.get(ckpt)
+        if override is not None:
+            return override  # False or {"group_size":..., "bits":...}
+        return hasattr(m, "to_quantized") and f"{ckpt}.scales" in stored
+
+    nn.quantize(
+        module,
+        group_size=q["group_size"],
+        bits=q["bits"],
+        mode=q.get("mode", "affine"),
+        class_predicate=predicate,
+    )
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (" ..." if len(names) > 3 else "")
+
+
+def check_and_load(module: nn.Module, weights: dict[str, mx.array], source: str) -> None:
+    """``module.load_weights`` with one-line MtplxErrors for missing/unexpected/mis-shaped tensors."""
+    params = dict(tree_flatten(module.parameters()))
+    missing = sorted(set(params) - set(weights))
+    if missing:
+        raise MtplxError(f"{source}: MTP head tensor(s) missing: {_listed(missing)}")
+    extra = sorted(set(weights) - set(params))
+    if extra:
+        raise MtplxError(f"{source}: unexpected MTP head tensor(s): {_listed(extra)}")
+    for name, p in params.items():
+        if tuple(weights[name].shape) != tuple(p.shape):
+            raise MtplxError(
+                f"{source}: MTP head tensor {name} has shape {tuple(weights[name].shape)}, expected {tuple(p.shape)}"
+            )
+    module.load_weights(list(weights.items()), strict=True)
+    mx.eval(module.parameters())
