@@ -7,6 +7,7 @@ BLAS = load_optimized_blas()
 
 __version__ = "0.1.0"
 
+from mtplx.engine.request import GenerationRequest  # noqa: E402
 from mtplx.sample.params import SamplerConfig  # noqa: E402
 
 
@@ -19,4 +20,12 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'mtplx' has no attribute {name!r}")
 
 
-__all__ = ["Engine", "GenerationResult", "GenerationChunk", "MtplxError", "SamplerConfig", "BLAS"]
+__all__ = [
+    "Engine",
+    "GenerationRequest",
+    "GenerationResult",
+    "GenerationChunk",
+    "MtplxError",
+    "SamplerConfig",
+    "BLAS",
+]
