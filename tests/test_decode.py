@@ -14,9 +14,9 @@ from mtplx.trunk import rollback as cache_ops
 import mlx.core as mx
 import numpy as np
 import pytest
-from loop_models import make_loop_pair
 from mlx_lm.models.cache import ArraysCache
 from scipy import stats as scipy_stats
+from support.models import make_loop_pair
 
 PROMPT = [1, 2, 0, 2, 1, 0, 2]  # valid for every vocabulary size used here (>= 3)
 FALSE_FAILURE_RATE = 1e-6
@@ -297,10 +297,10 @@ def test_greedy_identity_with_each_familys_checkpoint_head(family, depth, tmp_pa
     from mtplx.heads import load_head
     from mtplx.trunk.model import Trunk
 
-    import tiny_checkpoints
     from mlx_lm.utils import load_model as mlx_load_model
+    from support import checkpoints
 
-    tiny = getattr(tiny_checkpoints, family)(tmp_path / family)
+    tiny = getattr(checkpoints, family)(tmp_path / family)
     model, config = mlx_load_model(tiny.path)
     trunk = Trunk(model)
     head = load_head(tiny.path, trunk, config)

@@ -21,9 +21,9 @@ from mtplx.spec_decode.lookup_proposer import LookupConfig, LookupProposer, Ngra
 import mlx.core as mx
 import numpy as np
 import pytest
-from loop_models import make_loop_pair
 from mlx_lm.models.cache import make_prompt_cache
-from seeds import SEEDS, resolve
+from support.models import make_loop_pair, rollback_model
+from support.seeds import SEEDS, resolve
 from test_decode import (
     FALSE_FAILURE_RATE,
     NUM_OUTPUT_TOKENS,
@@ -482,7 +482,7 @@ def test_draft_models_with_another_tokenizer_or_vocabulary_are_refused(
 def test_one_host_sync_per_cycle_with_every_drafter(kind, temperature):
     """The default path (auto) and the others: one sync per cycle, lookup and AR-step cycles
     included (PROMPT repeats, so lookup fires; min_ngram 2 leaves cycles without a match)."""
-    from sync_counter import counting_syncs
+    from support.sync_counter import counting_syncs
 
     trunk, head = make_loop_pair(**GREEDY_CASES["llama"])
     cfg = SamplerConfig(temperature=temperature)
@@ -510,14 +510,9 @@ def test_checkpoint_restores_every_cache_kind_after_several_forwards(family):
     wraps here), abort_block leaves the cache equal to one that never saw them."""
     from mtplx.trunk import rollback as cache_ops
 
-    import tiny_models
-
-    build = {
-        "llama": tiny_models.tiny_llama,
-        "gemma3-rotating": tiny_models.tiny_gemma3,
-        "qwen3_5-hybrid": tiny_models.tiny_qwen3_5,
-    }[family]
-    model = build(seed=2)
+    model = rollback_model(
+        {"llama": "llama", "gemma3-rotating": "gemma3", "qwen3_5-hybrid": "qwen3_5"}[family], seed=2
+    )
     prompt = mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])
     cache, fresh = make_prompt_cache(model), make_prompt_cache(model)
     model(prompt, cache=cache)
@@ -536,9 +531,7 @@ def test_checkpoint_restores_every_cache_kind_after_several_forwards(family):
 
 def test_checkpoint_comparison_catches_a_cache_that_was_not_restored():
     """Negative control: without the restore the next forward differs."""
-    import tiny_models
-
-    model = tiny_models.tiny_llama(seed=2)
+    model = rollback_model("llama", seed=2)
     prompt = mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])
     cache, fresh = make_prompt_cache(model), make_prompt_cache(model)
     model(prompt, cache=cache)

@@ -11,7 +11,7 @@ from mtplx.sample.params import SamplerConfig
 from mtplx.spec_decode import loop as decode
 
 import pytest
-from loop_models import make_loop_pair
+from support.models import make_loop_pair
 
 PROMPT = [1, 2, 0, 2, 1, 0, 2]
 
@@ -125,7 +125,7 @@ def test_one_host_sync_per_mtp_cycle(monkeypatch, case: str, greedy_draft: bool)
     """Every default sampler path: one sync per cycle (the top-p fallbacks queued, as on a GPU;
     a vocabulary above the first top-p pool so the fallback logic runs)."""
     import mlx.core as mx
-    from sync_counter import counting_syncs
+    from support.sync_counter import counting_syncs
 
     monkeypatch.setattr(verify_ops, "_queue_top_p_fallbacks", lambda: True)
     trunk, head = make_loop_pair(vocab_size=300, seed=3, logit_scale=8.0)
@@ -142,7 +142,7 @@ def test_one_host_sync_per_mtp_cycle(monkeypatch, case: str, greedy_draft: bool)
 def test_sync_counter_sees_a_sync() -> None:
     """Negative control: an unevaluated read is counted, a read after eval is not."""
     import mlx.core as mx
-    from sync_counter import counting_syncs
+    from support.sync_counter import counting_syncs
 
     with counting_syncs() as counter:
         lazy = mx.arange(3) * 2
@@ -157,7 +157,7 @@ def test_logprobs_cost_one_extra_sync_per_cycle(monkeypatch) -> None:
     """Requested logprobs depend on the accept count, so they are read after the cycle's sync:
     one more, not one per array."""
     import mlx.core as mx
-    from sync_counter import counting_syncs
+    from support.sync_counter import counting_syncs
 
     monkeypatch.setattr(verify_ops, "_queue_top_p_fallbacks", lambda: True)
     trunk, head = make_loop_pair(vocab_size=300, seed=3, logit_scale=8.0)
