@@ -170,35 +170,15 @@ def qwen3_5_mtp_layer(model: qwen3_5.Model) -> nn.Module:
 
 
 def tiny_qwen3_next(vocab_size: int = VOCAB, *, seed: int = 0) -> qwen3_next.Model:
-    """A 2-layer Qwen3-Next (layer 0 gated-delta, layer 1 attention; a 2-expert MoE MLP with a
-    shared expert), hidden 64: the other recurrent module mtplx rolls back."""
-    args = qwen3_next.ModelArgs(
-        model_type="qwen3_next",
-        hidden_size=64,
-        num_hidden_layers=2,
-        intermediate_size=128,
-        num_attention_heads=4,
-        linear_num_value_heads=4,
-        linear_num_key_heads=2,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        linear_conv_kernel_dim=4,
-        num_experts=2,
-        num_experts_per_tok=1,
-        decoder_sparse_step=1,
-        shared_expert_intermediate_size=64,
-        mlp_only_layers=[],
-        moe_intermediate_size=64,
-        rms_norm_eps=1e-6,
-        vocab_size=vocab_size,
-        num_key_value_heads=2,
-        rope_theta=10000.0,
-        partial_rotary_factor=0.5,
-        max_position_embeddings=512,
-        head_dim=16,
-        full_attention_interval=2,
-    )
-    return _seeded(lambda: qwen3_next.Model(args), seed)
+    """``qwen3_5_config``'s hybrid at hidden 64 as a 2-layer Qwen3-Next (layer 0 gated-delta,
+    layer 1 attention) with a 2-expert MoE MLP and a shared expert: the other recurrent module
+    mtplx rolls back."""
+    text = qwen3_5_config(vocab_size, hidden_size=64)["text_config"]
+    rope = {k: text["rope_parameters"][k] for k in ("rope_theta", "partial_rotary_factor")}  # flat here
+    moe = dict(num_experts=2, num_experts_per_tok=1, decoder_sparse_step=1, mlp_only_layers=[])
+    moe.update(moe_intermediate_size=64, shared_expert_intermediate_size=64)
+    config = {**text, **rope, **moe, "model_type": "qwen3_next", "num_hidden_layers": 2}
+    return _seeded(lambda: qwen3_next.Model(qwen3_next.ModelArgs.from_dict(config)), seed)
 
 
 def tiny_gemma3(vocab_size: int = VOCAB, *, seed: int = 0, sliding_window: int = 4) -> gemma3_text.Model:
