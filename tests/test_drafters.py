@@ -22,6 +22,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
+from support.decoding import take_steps
 from support.models import make_loop_pair, rollback_model
 from support.seeds import SEEDS, resolve
 from test_decode import (
@@ -151,14 +152,7 @@ def run_steps(trunk, proposer, cfg, n: int, seed: int = 0, trunk_cache=None):
     steps = decode.speculative_decode(
         trunk, proposer, PROMPT, decode.DecodeSettings(sampler=cfg), mx.random.key(seed), trunk_cache
     )
-    tokens, produced = [], []
-    for step in steps:
-        tokens.extend(step.tokens)
-        produced.append(step)
-        if len(tokens) >= n:
-            break
-    steps.close()
-    return tokens[:n], produced
+    return take_steps(steps, n)
 
 
 GREEDY_CASES = {
@@ -482,7 +476,7 @@ def test_draft_models_with_another_tokenizer_or_vocabulary_are_refused(
 def test_one_host_sync_per_cycle_with_every_drafter(kind, temperature):
     """The default path (auto) and the others: one sync per cycle, lookup and AR-step cycles
     included (PROMPT repeats, so lookup fires; min_ngram 2 leaves cycles without a match)."""
-    from support.sync_counter import counting_syncs
+    from support.sync_counter import syncs_after_prefill
 
     trunk, head = make_loop_pair(**GREEDY_CASES["llama"])
     cfg = SamplerConfig(temperature=temperature)
@@ -493,12 +487,7 @@ def test_one_host_sync_per_cycle_with_every_drafter(kind, temperature):
     steps = decode.speculative_decode(
         trunk, proposer, PROMPT, decode.DecodeSettings(sampler=cfg), mx.random.key(0)
     )
-    next(steps)  # prefill and the first token
-    with counting_syncs() as counter:
-        for _ in range(6):
-            next(steps)
-    steps.close()
-    assert counter.syncs == 6
+    assert syncs_after_prefill(steps, 6) == 6
 
 
 # ------------------------------------------------------------------ cache.checkpoint

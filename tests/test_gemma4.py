@@ -28,6 +28,7 @@ import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 from mlx_lm.utils import load_model as mlx_load_model
 from support import checkpoints, gemma4_ref
+from support.decoding import sample_until_rollbacks
 from support.hub import cache_layout
 from support.models import GEMMA4_WINDOW, HIDDEN, gemma4_config
 from support.tokenizer import word_level
@@ -282,14 +283,7 @@ def assert_caches_match_a_from_scratch_run(tmp_path, depth: int) -> None:
         mx.random.key(int.from_bytes(os.urandom(4), "little")),
         trunk_cache=trunk_cache,
     )
-    generated, patterns = [], set()
-    for step in steps:
-        generated.extend(step.tokens)
-        if step.num_drafted:
-            patterns.add(step.num_accepted)
-        if len(patterns) >= 2 and len(generated) > 3 * GEMMA4_WINDOW:
-            break
-    steps.close()
+    generated, _ = sample_until_rollbacks(steps, 3 * GEMMA4_WINDOW)
     committed = PROMPT + generated[:-1]
     assert all(c.offset == len(committed) for c in trunk_cache)
     fresh = trunk.make_cache()

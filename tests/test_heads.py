@@ -27,6 +27,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model as mlx_load_model
 from safetensors.numpy import load_file
 from support import checkpoints, models
+from support.decoding import take_tokens
 from support.hub import cache_layout
 from support.tokenizer import word_level
 
@@ -552,20 +553,14 @@ def test_two_module_heads_decode_at_depths_1_to_4(two_module_heads, family):
     prompt = [3, 17, 42, 5, 60, 9, 11, 2]
     greedy = SamplerConfig(temperature=0.0)
 
-    def take(steps, n):
-        out = []
-        for step in steps:
-            out.extend(step.tokens)
-            if len(out) >= n:
-                steps.close()
-                return out[:n]
-
-    ar = take(decode.ar_decode(trunk, prompt, decode.DecodeSettings(sampler=greedy), mx.random.key(0)), 8)
+    ar = take_tokens(
+        decode.ar_decode(trunk, prompt, decode.DecodeSettings(sampler=greedy), mx.random.key(0)), 8
+    )
     for depth in (1, 2, 3, 4):
         head_cache = head.make_cache()
         settings = decode.DecodeSettings(sampler=greedy, depth=depth)
         steps = decode.mtp_decode(trunk, head, prompt, settings, mx.random.key(0), head_cache=head_cache)
-        assert take(steps, 8) == ar, depth
+        assert take_tokens(steps, 8) == ar, depth
         # From scratch: the true (trunk hidden, next token) pairs of the committed sequence.
         held = head_cache[0].offset
         assert all(c.offset == held for c in head_cache)
