@@ -34,6 +34,7 @@ from support.models import (
     gemma4_config,
     mimo_config,
     qwen3_5_config,
+    qwen3_5_mtp_layer,
     randomize,
     tiny_gemma4,
 )
@@ -129,9 +130,7 @@ def qwen3_5(
             v = v.moveaxis(2, 1)  # mlx [C, K, 1] -> torch [C, 1, K]
         tensors[hf] = _qwen35_offset(hf, v)
     if mtp_layers and ship_mtp:
-        args = model.language_model.args
-        layers = [q.DecoderLayer(args, layer_idx=args.full_attention_interval - 1) for _ in range(mtp_layers)]
-        head = _qwen_next_head_module(layers)
+        head = _qwen_next_head_module([qwen3_5_mtp_layer(model) for _ in range(mtp_layers)])
         randomize(head, seed + 1)
         for name, v in _prefixed(head, "mtp.").items():
             tensors[name] = _qwen35_offset(name, v)

@@ -15,6 +15,8 @@ its assistant drafter; the configs of the DeepSeek-V3 and MiMo checkpoints; and 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.heads.qwen3_next import Qwen3NextMTPHead
 from mtplx.trunk.model import Trunk
@@ -33,7 +35,7 @@ ROLLBACK_VOCAB = 97  # vocabulary of ``rollback_model``'s models
 _OUTPUT_PROJECTIONS = ("o_proj.weight", "down_proj.weight", "out_proj.weight")
 
 
-def _seeded(build, seed: int) -> nn.Module:
+def _seeded(build: Callable[[], nn.Module], seed: int) -> nn.Module:
     """``build()`` under ``mx.random.seed(seed)``, evaluated: mlx-lm's own initialisation."""
     mx.random.seed(seed)
     model = build()
