@@ -1,5 +1,8 @@
 import os
 
+# pytest puts tests/ (this conftest's folder, which has no __init__.py) on sys.path, so the shared
+# helpers import as the package `support` (tests/support/) from any test file below it.
+
 # Under pytest-xdist (`make test` runs 2 workers) each worker gets its share of the cores for
 # OpenBLAS; a full-width pool per worker oversubscribes them (on 2 cores: 7 min 48 s with
 # 2 threads per worker, 6 min 28 s with 1). Read when the library loads, so set before mtplx.

@@ -1,4 +1,5 @@
-"""One rank of the 2-process tests in test_distributed.py (run under ``mlx.launch``).
+"""One rank of the 2-process tests in test_distributed.py (run under ``mlx.launch``, with
+``tests/`` on ``PYTHONPATH`` for ``support``).
 
 ``python distributed_worker.py JOB SPEC.json OUT_DIR``: loads the tiny models the
 test saved (same files on every rank), runs JOB sharded and writes what this rank
@@ -27,23 +28,14 @@ from mtplx.spec_decode import loop as decode
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
+from support.decoding import cache_arrays, sample_until_rollbacks
 
 PROMPT_TEXT = "def add(a, b):\n    return a + b\n"
 
 
-def _cache_arrays(cache_list) -> list[mx.array]:
-    out = []
-    for c in cache_list:
-        if isinstance(c, ArraysCache):
-            out += list(c.cache)
-        else:
-            out += [c.keys[..., : c.offset, :], c.values[..., : c.offset, :]]
-    return out
-
-
 def _max_diff(got: list, want: list) -> float:
     worst = 0.0
-    for a, b in zip(_cache_arrays(got), _cache_arrays(want), strict=True):
+    for a, b in zip(cache_arrays(got), cache_arrays(want), strict=True):
         if a.shape != b.shape:
             return float("inf")
         worst = max(worst, float(mx.max(mx.abs(a - b))))
@@ -59,15 +51,7 @@ def cache_check(engine: Engine, depth: int) -> dict:
     steps = decode.mtp_decode(
         trunk, head, prompt, settings, mx.random.key(3), trunk_cache=trunk_cache, head_cache=head_cache
     )
-    generated: list[int] = []
-    patterns: set[int] = set()
-    for step in steps:
-        generated.extend(step.tokens)
-        if step.num_drafted:
-            patterns.add(step.num_accepted)
-        if len(patterns) >= 2 and len(generated) > 20:
-            break
-    steps.close()
+    generated, patterns = sample_until_rollbacks(steps, 20)
     committed = prompt + generated[:-1]
     fresh = trunk.make_cache()
     reference = trunk(mx.array(committed)[None], fresh)

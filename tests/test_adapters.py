@@ -25,8 +25,7 @@ from mlx_lm import load as mlx_lm_load
 from mlx_lm import stream_generate
 from mlx_lm.tuner.utils import linear_to_lora_layers
 from mlx_lm.utils import load_model as mlx_lm_load_model
-
-from tests.seeds import FRESH, resolve
+from support.seeds import FRESH, resolve
 
 PROMPT = "The three most useful Python data structures are"
 TOKENS = 16

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import string
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -407,23 +406,6 @@ def test_fake_engine_bench_main_writes_table_json_and_png(tmp_path, capsys):
 # ----------------------------------------------------------------------------- a real tiny model
 
 
-def _char_tokenizer():
-    from mlx_lm.tokenizer_utils import TokenizerWrapper
-    from tokenizers import Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast
-
-    chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]  # 96 characters + EOS = 97
-    vocab = {"<eos>": 0, **{c: i + 1 for i, c in enumerate(chars)}}
-    raw = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    raw.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<eos>")
-    fast.chat_template = (
-        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-        "{% if add_generation_prompt %}<assistant>{% endif %}"
-    )
-    return TokenizerWrapper(fast), len(vocab)
-
-
 @pytest.fixture(scope="module")
 def tiny_engine():
     from mtplx.engine.engine import Engine
@@ -431,24 +413,16 @@ def tiny_engine():
 
     import mlx.core as mx
     from mlx_lm.models import llama
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from support import models
+    from support.tokenizer import printable_chars
 
-    tokenizer, vocab = _char_tokenizer()
-    mx.random.seed(3)
-    args = llama.ModelArgs(
-        model_type="llama",
-        hidden_size=32,
-        num_hidden_layers=2,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rms_norm_eps=1e-5,
-        vocab_size=vocab,
-        tie_word_embeddings=True,
-        rope_theta=10000.0,
+    chars, vocab = printable_chars()
+    model = models.tiny_llama(vocab, seed=3)
+    engine = Engine(
+        model, TokenizerWrapper(chars), {"max_position_embeddings": 4096}, fingerprint="tinyfingerprint1"
     )
-    model = llama.Model(args)
-    engine = Engine(model, tokenizer, {"max_position_embeddings": 4096}, fingerprint="tinyfingerprint1")
-    engine.head = Qwen3NextMTPHead([llama.TransformerBlock(args)], 32, eps=1e-5, trunk=engine.trunk)
+    engine.head = Qwen3NextMTPHead([llama.TransformerBlock(model.args)], 32, eps=1e-5, trunk=engine.trunk)
     engine.depth = 2
     mx.eval(model.parameters(), engine.head.parameters())
     return engine

@@ -10,19 +10,15 @@ commits and must be caught by the same comparison.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
+import mtplx  # noqa: F401  (BLAS before mlx)
+from mtplx.trunk import rollback as cache_ops
+
+import mlx.core as mx
 import numpy as np
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
-from mtplx.trunk import rollback as cache_ops  # noqa: E402
-
-import mlx.core as mx  # noqa: E402
-import tiny_models  # noqa: E402  (imports mtplx before mlx)
-from mlx_lm.models.cache import (  # noqa: E402
+from mlx_lm.models.cache import (
     ArraysCache,
     BatchKVCache,
     ChunkedKVCache,
@@ -31,6 +27,7 @@ from mlx_lm.models.cache import (  # noqa: E402
     QuantizedKVCache,
     RotatingKVCache,
 )
+from support import models
 
 TOL = 2e-4  # float32 models; a from-scratch prefill differs only by matmul blocking
 
@@ -109,16 +106,16 @@ def run_cycles(
 ) -> str | None:
     """Random (or given) (block length, num_keep) cycles; the first mismatch with a scratch run, or None."""
     rng = np.random.default_rng(seed)
-    tokens = rng.integers(0, tiny_models.VOCAB, size=prompt_len).tolist()
+    tokens = rng.integers(0, models.ROLLBACK_VOCAB, size=prompt_len).tolist()
     cache = make_cache()
     mx.eval(model(mx.array(tokens)[None], cache=cache))
-    pending = int(rng.integers(tiny_models.VOCAB))
+    pending = int(rng.integers(models.ROLLBACK_VOCAB))
     want_next = None  # logits for `pending` computed through a scratch cache
     steps = pattern or [(0, 0)] * cycles
     for cycle, (block_len, num_keep) in enumerate(steps):
         block_len = block_len or int(rng.integers(1, 10))
         num_keep = num_keep or int(rng.integers(1, block_len + 1))
-        block = [pending] + rng.integers(0, tiny_models.VOCAB, size=block_len - 1).tolist()
+        block = [pending] + rng.integers(0, models.ROLLBACK_VOCAB, size=block_len - 1).tolist()
         told = block_len if rng.random() < 0.5 else None  # the decode loop may or may not pass it
         capture = cache_ops.begin_block(cache, told)
         logits = model(mx.array(block)[None], cache=cache)
@@ -127,7 +124,7 @@ def run_cycles(
             return f"cycle {cycle}: next-step logits differ by {d:.3g}"
         commit(cache, capture, num_keep)
         tokens += block[:num_keep]
-        pending = int(rng.integers(tiny_models.VOCAB))
+        pending = int(rng.integers(models.ROLLBACK_VOCAB))
         scratch = _scratch(model, make_cache, tokens)
         if (why := cache_mismatch(cache, scratch)) is not None:
             return f"cycle {cycle} (T={block_len}, keep={num_keep}): {why}"
@@ -139,17 +136,17 @@ def run_cycles(
 
 
 MODELS = {
-    "llama": (tiny_models.tiny_llama, None),
-    "llama_quantized_kv": (tiny_models.tiny_llama, tiny_models.quantized_kv_cache),
-    "qwen3_5_hybrid": (tiny_models.tiny_qwen3_5, None),
-    "qwen3_next_hybrid": (tiny_models.tiny_qwen3_next, None),
-    "gemma3_rotating": (tiny_models.tiny_gemma3, None),
+    "llama": ("llama", None),
+    "llama_quantized_kv": ("llama", models.quantized_kv_cache),
+    "qwen3_5_hybrid": ("qwen3_5", None),
+    "qwen3_next_hybrid": ("qwen3_next", None),
+    "gemma3_rotating": ("gemma3", None),
 }
 
 
 def _model_and_cache(name: str):
-    build, cache_fn = MODELS[name]
-    model = build()
+    family, cache_fn = MODELS[name]
+    model = models.rollback_model(family)
     make_cache = (lambda: cache_fn(model)) if cache_fn else model.make_cache
     return model, make_cache
 

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import mtplx  # noqa: F401  (BLAS before mlx)
 
-import fake_hub
 import pytest
-import tiny_checkpoints as tc
+from support import checkpoints
+from support.hub import COMMIT, cache_layout, serve
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -390,8 +390,8 @@ def test_conversion_reports_progress_per_tensor(tmp_path):
 
 @pytest.fixture
 def hub_cache(tmp_path):
-    tiny = tc.mimo(tmp_path / "src")
-    tc.hub_cache_layout(tiny.path, tmp_path / "hub", "tiny-org/MiMo-tiny")
+    tiny = checkpoints.mimo(tmp_path / "src")
+    cache_layout(tiny.path, tmp_path / "hub", "tiny-org/MiMo-tiny")
     return tmp_path / "hub"
 
 
@@ -423,8 +423,8 @@ def test_uncached_repo_id_with_the_hub_unreachable_is_refused_in_one_line(hub_ca
 
 @pytest.fixture
 def local_hub(tmp_path):
-    tiny = tc.mimo(tmp_path / "src")
-    server = fake_hub.serve("tiny-org/MiMo-tiny", {f.name: f.read_bytes() for f in tiny.path.iterdir()})
+    tiny = checkpoints.mimo(tmp_path / "src")
+    server = serve("tiny-org/MiMo-tiny", {f.name: f.read_bytes() for f in tiny.path.iterdir()})
     yield f"http://127.0.0.1:{server.server_port}"
     server.shutdown()
 
@@ -437,7 +437,7 @@ def test_uncached_repo_id_is_downloaded_from_the_hub_with_progress(local_hub, tm
     assert out.returncode == 0, out.stderr
     assert "verdict       MTP-ready: the checkpoint ships 1 MTP layer(s) (mimo layout)" in out.stdout
     assert "Fetching 2 files" in out.stderr  # huggingface_hub's progress bar
-    assert (hub / "models--tiny-org--MiMo-tiny" / "snapshots" / fake_hub.COMMIT / "config.json").is_file()
+    assert (hub / "models--tiny-org--MiMo-tiny" / "snapshots" / COMMIT / "config.json").is_file()
     # Now cached: offline mode serves it without the Hub.
     offline = _cli("inspect", "tiny-org/MiMo-tiny", HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(hub))
     assert offline.returncode == 0 and "MTP-ready" in offline.stdout, offline.stderr

@@ -22,14 +22,16 @@ from mtplx.trunk.model import Trunk
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-import tiny_checkpoints as tc
 from mlx_lm.utils import load as mlx_lm_load
 from mlx_lm.utils import load_model as mlx_load_model
+from support import checkpoints
+from support.hub import cache_layout
+from support.tokenizer import word_level
 
 GROUP, BITS = 32, 4  # the tiny models' hidden size is 32: group 64 would leave everything float
 TOKENS = [[3, 17, 42, 5, 60, 9]]
 NEXT = [[17, 42, 5, 60, 9, 11]]
-FAMILIES = {"qwen3_5": tc.qwen3_5, "deepseek_v3": tc.deepseek_v3, "mimo": tc.mimo}
+FAMILIES = {"qwen3_5": checkpoints.qwen3_5, "deepseek_v3": checkpoints.deepseek_v3, "mimo": checkpoints.mimo}
 
 
 def fake_quantize(module: nn.Module) -> None:
@@ -74,7 +76,7 @@ def converted(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     for family, build in FAMILIES.items():
         src = root / family
         build(src)
-        tc.add_tokenizer(src)
+        word_level(src)
         out[family] = (src, convert_hf(src, root / f"{family}-4bit", q_bits=BITS, q_group_size=GROUP))
     return out
 
@@ -152,7 +154,7 @@ def test_head_bits_of_its_own_are_a_per_layer_override(converted, tmp_path):
 
 def test_cli_converts_a_repo_id_from_the_hub_cache_and_generates(converted, tmp_path, capsys):
     src, _ = converted["mimo"]
-    tc.hub_cache_layout(src, tmp_path / "hub", "tiny-org/MiMo-tiny")
+    cache_layout(src, tmp_path / "hub", "tiny-org/MiMo-tiny")
     out = convert_hf(
         "tiny-org/MiMo-tiny", tmp_path / "from-repo", q_group_size=GROUP, hub_cache=tmp_path / "hub"
     )

@@ -14,22 +14,12 @@ from mtplx.trunk import rollback as cache_ops
 import mlx.core as mx
 import numpy as np
 import pytest
-from loop_models import make_loop_pair
-from mlx_lm.models.cache import ArraysCache
 from scipy import stats as scipy_stats
+from support.decoding import cache_arrays, sample_until_rollbacks, take_steps, take_tokens
+from support.models import make_loop_pair
 
 PROMPT = [1, 2, 0, 2, 1, 0, 2]  # valid for every vocabulary size used here (>= 3)
 FALSE_FAILURE_RATE = 1e-6
-
-
-def take_tokens(steps, n: int) -> list[int]:
-    tokens: list[int] = []
-    for step in steps:
-        tokens.extend(step.tokens)
-        if len(tokens) >= n:
-            break
-    steps.close()
-    return tokens[:n]
 
 
 def run_mtp_steps(trunk, head, cfg: SamplerConfig, depth: int, n: int, **settings) -> tuple[list[int], list]:
@@ -37,14 +27,7 @@ def run_mtp_steps(trunk, head, cfg: SamplerConfig, depth: int, n: int, **setting
     steps = decode.mtp_decode(
         trunk, head, PROMPT, decode.DecodeSettings(sampler=cfg, depth=depth, **settings), mx.random.key(0)
     )
-    tokens, produced = [], []
-    for step in steps:
-        tokens.extend(step.tokens)
-        produced.append(step)
-        if len(tokens) >= n:
-            break
-    steps.close()
-    return tokens[:n], produced
+    return take_steps(steps, n)
 
 
 def run_loop(trunk, head, cfg: SamplerConfig, depth: int | None, n: int, seed: int, **settings) -> list[int]:
@@ -85,20 +68,9 @@ def test_greedy_mtp_output_is_token_identical_to_ar(model, depth, greedy_draft):
 # ------------------------------------------------------------------------ cache state
 
 
-def _cache_arrays(cache_list) -> list[mx.array]:
-    """Every array a cache holds for the committed positions (KV up to the offset; recurrent states whole)."""
-    out = []
-    for c in cache_list:
-        if isinstance(c, ArraysCache):  # conv and recurrent state of a gated-delta layer
-            out += list(c.cache)
-        else:
-            out += [c.keys[..., : c.offset, :], c.values[..., : c.offset, :]]
-    return out
-
-
 def assert_same_caches(actual, expected, rtol: float = 1e-7, atol: float = 5e-5) -> None:
     assert len(actual) == len(expected)
-    for a, e in zip(_cache_arrays(actual), _cache_arrays(expected)):
+    for a, e in zip(cache_arrays(actual), cache_arrays(expected)):
         np.testing.assert_allclose(np.array(a), np.array(e), rtol=rtol, atol=atol)
 
 
@@ -115,15 +87,7 @@ def assert_caches_match_a_from_scratch_run(depth: int, family: str = "llama") ->
         trunk_cache=trunk_cache,
         head_cache=head_cache,
     )
-    generated: list[int] = []
-    patterns = set()
-    for step in steps:
-        generated.extend(step.tokens)
-        if step.num_drafted:
-            patterns.add(step.num_accepted)
-        if len(patterns) >= 2 and len(generated) > 20:
-            break
-    steps.close()
+    generated, _ = sample_until_rollbacks(steps, 20)
     # Forwarded so far: the prompt and every generated token but the pending (last) one.
     committed = PROMPT + generated[:-1]
     attention = [c for c in trunk_cache if getattr(c, "keys", None) is not None]
@@ -297,10 +261,10 @@ def test_greedy_identity_with_each_familys_checkpoint_head(family, depth, tmp_pa
     from mtplx.heads import load_head
     from mtplx.trunk.model import Trunk
 
-    import tiny_checkpoints
     from mlx_lm.utils import load_model as mlx_load_model
+    from support import checkpoints
 
-    tiny = getattr(tiny_checkpoints, family)(tmp_path / family)
+    tiny = getattr(checkpoints, family)(tmp_path / family)
     model, config = mlx_load_model(tiny.path)
     trunk = Trunk(model)
     head = load_head(tiny.path, trunk, config)

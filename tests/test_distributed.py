@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import json
 import os
-import string
 import subprocess
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 import mtplx  # noqa: F401  (BLAS before mlx)
@@ -28,10 +26,9 @@ from mtplx.engine import distributed
 from mtplx.engine.engine import Engine
 from mtplx.heads.forged import build_forged_head, save_forged_head
 
-import mlx.core as mx
 import pytest
-from loop_models import make_loop_pair
-from mlx.utils import tree_flatten
+from support import checkpoints, models
+from support.tokenizer import printable_chars
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "distributed_worker.py"
@@ -48,32 +45,14 @@ FAMILIES = {
 pytestmark = pytest.mark.skipif(not LAUNCH.exists(), reason="mlx.launch not installed")
 
 
-def _char_tokenizer():
-    from tokenizers import Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast
-
-    chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
-    vocab = {"<eos>": 0, **{c: i + 1 for i, c in enumerate(chars)}}
-    raw = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    raw.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<eos>"), len(vocab)
-
-
 def _save_tiny(root: Path, name: str, params: dict) -> dict[str, str]:
     """A tiny trunk as an mlx-lm directory, its head as a forged head, and a second, different head."""
-    tokenizer, vocab = _char_tokenizer()
-    trunk, head = make_loop_pair(vocab_size=vocab, **params)
+    chars, vocab = printable_chars()
+    trunk, head = models.make_loop_pair(vocab_size=vocab, **params)
     model = trunk.model
     model_dir, head_dir, other_dir = root / name, root / f"{name}-head", root / f"{name}-other-head"
-    model_dir.mkdir(parents=True)
-    if params["family"] == "llama":
-        config = {k: v for k, v in asdict(model.args).items() if v is not None}
-    else:
-        config = {"model_type": "qwen3_5", "text_config": model.args.text_config}
-    config["max_position_embeddings"] = 4096
-    (model_dir / "config.json").write_text(json.dumps(config))
-    mx.save_safetensors(str(model_dir / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    tokenizer.save_pretrained(str(model_dir))
+    checkpoints.save_model(model_dir, model, max_position_embeddings=4096)
+    chars.save_pretrained(str(model_dir))
     manifest = {"trunk_fingerprint": model_fingerprint(model)}
     for out, noise in ((head_dir, 0.0), (other_dir, 0.1)):
         forged = build_forged_head(trunk, head.hidden_source)
@@ -260,28 +239,14 @@ def test_default_model_lazy_fingerprint_matches(default_model_dir):
 def test_a_model_without_any_sharding_mode_is_named():
     from mtplx.trunk.model import Trunk
 
-    from tiny_models import tiny_gemma3
-
-    trunk = Trunk(tiny_gemma3())
+    trunk = Trunk(models.tiny_gemma3())
     with pytest.raises(MtplxError, match="'gemma3_text' supports neither pipeline nor tensor"):
         distributed.choose_mode(trunk.model, trunk.inner, "auto", {"model_type": "gemma3_text"})
 
 
 def test_tensor_parallel_refuses_head_counts_that_do_not_split():
     """The default model's shape: 9 query / 3 KV heads do not split over 2 ranks (pipeline does)."""
-    from mlx_lm.models import llama
-
-    args = llama.ModelArgs(
-        model_type="llama",
-        hidden_size=72,
-        num_hidden_layers=2,
-        intermediate_size=96,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        rms_norm_eps=1e-5,
-        vocab_size=16,
-    )
-    model = llama.Model(args)
+    model = models.tiny_llama(16, hidden_size=72, num_heads=9, num_kv_heads=3)
     with pytest.raises(MtplxError, match=r"num_attention_heads \(9\) divisible by 2 ranks"):
         distributed.check_tensor_split(model, 2, {"model_type": "llama"})
     distributed.check_tensor_split(model, 3, {"model_type": "llama"})  # 9 and 3 split over 3

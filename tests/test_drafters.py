@@ -22,9 +22,10 @@ from mtplx.spec_decode.lookup_proposer import LookupConfig, LookupProposer, Ngra
 import mlx.core as mx
 import numpy as np
 import pytest
-from loop_models import make_loop_pair
 from mlx_lm.models.cache import make_prompt_cache
-from seeds import SEEDS, resolve
+from support.decoding import take_steps
+from support.models import make_loop_pair, rollback_model
+from support.seeds import SEEDS, resolve
 from test_decode import (
     FALSE_FAILURE_RATE,
     NUM_OUTPUT_TOKENS,
@@ -152,14 +153,7 @@ def run_steps(trunk, proposer, cfg, n: int, seed: int = 0, trunk_cache=None):
     steps = decode.speculative_decode(
         trunk, proposer, PROMPT, decode.DecodeSettings(sampler=cfg), mx.random.key(seed), trunk_cache
     )
-    tokens, produced = [], []
-    for step in steps:
-        tokens.extend(step.tokens)
-        produced.append(step)
-        if len(tokens) >= n:
-            break
-    steps.close()
-    return tokens[:n], produced
+    return take_steps(steps, n)
 
 
 GREEDY_CASES = {
@@ -483,7 +477,7 @@ def test_draft_models_with_another_tokenizer_or_vocabulary_are_refused(
 def test_one_host_sync_per_cycle_with_every_drafter(kind, temperature):
     """The default path (auto) and the others: one sync per cycle, lookup and AR-step cycles
     included (PROMPT repeats, so lookup fires; min_ngram 2 leaves cycles without a match)."""
-    from sync_counter import counting_syncs
+    from support.sync_counter import syncs_after_prefill
 
     trunk, head = make_loop_pair(**GREEDY_CASES["llama"])
     cfg = SamplerConfig(temperature=temperature)
@@ -494,12 +488,7 @@ def test_one_host_sync_per_cycle_with_every_drafter(kind, temperature):
     steps = decode.speculative_decode(
         trunk, proposer, PROMPT, decode.DecodeSettings(sampler=cfg), mx.random.key(0)
     )
-    next(steps)  # prefill and the first token
-    with counting_syncs() as counter:
-        for _ in range(6):
-            next(steps)
-    steps.close()
-    assert counter.syncs == 6
+    assert syncs_after_prefill(steps, 6) == 6
 
 
 # ------------------------------------------------------------------ cache.checkpoint
@@ -511,14 +500,9 @@ def test_checkpoint_restores_every_cache_kind_after_several_forwards(family):
     wraps here), abort_block leaves the cache equal to one that never saw them."""
     from mtplx.trunk import rollback as cache_ops
 
-    import tiny_models
-
-    build = {
-        "llama": tiny_models.tiny_llama,
-        "gemma3-rotating": tiny_models.tiny_gemma3,
-        "qwen3_5-hybrid": tiny_models.tiny_qwen3_5,
-    }[family]
-    model = build(seed=2)
+    model = rollback_model(
+        {"llama": "llama", "gemma3-rotating": "gemma3", "qwen3_5-hybrid": "qwen3_5"}[family], seed=2
+    )
     prompt = mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])
     cache, fresh = make_prompt_cache(model), make_prompt_cache(model)
     model(prompt, cache=cache)
@@ -537,9 +521,7 @@ def test_checkpoint_restores_every_cache_kind_after_several_forwards(family):
 
 def test_checkpoint_comparison_catches_a_cache_that_was_not_restored():
     """Negative control: without the restore the next forward differs."""
-    import tiny_models
-
-    model = tiny_models.tiny_llama(seed=2)
+    model = rollback_model("llama", seed=2)
     prompt = mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])
     cache, fresh = make_prompt_cache(model), make_prompt_cache(model)
     model(prompt, cache=cache)

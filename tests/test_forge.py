@@ -45,34 +45,29 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
-from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache
+from support import checkpoints, models
+from support.tokenizer import CharTokenizer, chatml_chars
 
 VOCAB, SEQ, HIDDEN = 48, 24, 32
 EOS = VOCAB - 1
 
 
 def _tiny_trunk(seed: int = 0) -> Trunk:
-    mx.random.seed(seed)
-    args = llama.ModelArgs(
-        model_type="llama",
-        hidden_size=HIDDEN,
-        num_hidden_layers=2,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rms_norm_eps=1e-5,
-        vocab_size=VOCAB,
-        tie_word_embeddings=False,
-        rope_theta=10000.0,
-    )
-    model = llama.Model(args)
+    model = models.tiny_llama(VOCAB, seed=seed, hidden_size=HIDDEN, tie_word_embeddings=False)
     # Sharper-than-random logits (entropy ~1.8 nats) so the trunk's distributions carry learnable
     # structure; untied, so its greedy text is not "repeat the last token" as a tied tiny model's is.
     model.model.embed_tokens.weight = mx.random.normal((VOCAB, HIDDEN)) * 0.6
     model.lm_head.weight = mx.random.normal((VOCAB, HIDDEN)) * 0.5
     mx.eval(model.parameters())
     return Trunk(model)
+
+
+def _model_dir(path: Path, trunk: Trunk) -> Path:
+    """``trunk`` saved as a llama checkpoint with a character-level ChatML tokenizer: a model
+    directory as a user would have one."""
+    eos = chatml_chars(path)
+    return checkpoints.save_model(path, trunk.model, eos_token_id=eos).path
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
@@ -152,8 +147,6 @@ def test_batched_generation_records_what_an_unbatched_trunk_computes(
 
 
 def test_shards_resume_to_the_same_data_as_a_straight_run(trunk: Trunk, tmp_path: Path) -> None:
-    from forge_helpers import CharTokenizer
-
     prompts = tuple(Prompt("prose_continuation", f"p{i}", text="abcdefg"[: 2 + i % 5]) for i in range(12))
     plan = ShardPlan(prompts, (Setting(0.0), Setting(0.7, 0.95)), 4, SEQ, 6, 0, "fp")
     tok = CharTokenizer(EOS)
@@ -528,9 +521,7 @@ def test_forge_end_to_end_on_a_user_model_and_prompts(tmp_path: Path, capsys: py
     from mtplx.cli.main import main
     from mtplx.engine.engine import Engine
 
-    from forge_helpers import tiny_model_dir
-
-    model_dir = tiny_model_dir(tmp_path / "model", _tiny_trunk(seed=3))
+    model_dir = _model_dir(tmp_path / "model", _tiny_trunk(seed=3))
     data = tmp_path / "data"
     data.mkdir()
     for w in "abcdefgh":  # short files: every prompt fits max_prompt, whichever way the hash splits them
@@ -601,8 +592,6 @@ def test_forge_end_to_end_on_a_user_model_and_prompts(tmp_path: Path, capsys: py
 
 
 def test_bad_input_is_refused_before_any_work(tmp_path: Path) -> None:
-    from forge_helpers import tiny_model_dir
-
     # A work_dir under tmp_path in every call: a refusal that came too late must not write
     # shards into the user's real cache (~/.cache/mtplx/forge).
     work = str(tmp_path / "work")
@@ -636,7 +625,7 @@ def test_bad_input_is_refused_before_any_work(tmp_path: Path) -> None:
         forge(
             out_dir=str(tmp_path / "o"),
             work_dir=work,
-            model=str(tiny_model_dir(tmp_path / "m", _tiny_trunk(1))),
+            model=str(_model_dir(tmp_path / "m", _tiny_trunk(1))),
             data=(str(chats),),
             held_out=str(held),
         )

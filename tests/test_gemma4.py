@@ -25,9 +25,13 @@ from mtplx.trunk.model import Trunk
 import mlx.core as mx
 import numpy as np
 import pytest
-import tiny_gemma4 as tg
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 from mlx_lm.utils import load_model as mlx_load_model
+from support import checkpoints, gemma4_ref
+from support.decoding import sample_until_rollbacks
+from support.hub import cache_layout
+from support.models import GEMMA4_WINDOW, HIDDEN, gemma4_config
+from support.tokenizer import word_level
 from test_decode import (
     FALSE_FAILURE_RATE,
     PROMPT,
@@ -41,10 +45,10 @@ from test_decode import (
 
 def build_pair(tmp_path: Path, *, vocab_size=64, ordered=False, num_centroids=8, top_k=2, fill="floor", **kw):
     target_kw = {k: kw.pop(k) for k in ("context_strength",) if k in kw}
-    target = tg.gemma4_target(
+    target = checkpoints.gemma4_target(
         tmp_path / "gemma-4-tiny", vocab_size, seed=kw.pop("target_seed", 0), **target_kw
     )
-    assistant = tg.gemma4_assistant(
+    assistant = checkpoints.gemma4_assistant(
         tmp_path / "gemma-4-tiny-assistant",
         vocab_size,
         ordered=ordered,
@@ -114,17 +118,17 @@ def test_assistant_forward_matches_the_numpy_reference(tmp_path, ordered, how, s
     tokens = [int(x) for x in rng.integers(0, 64, 21)]
     cache, committed, hidden = _advance(trunk, tokens, how, rng)
     position = len(committed) - 1
-    assert position + 1 > tg.WINDOW  # the sliding window has wrapped
+    assert position + 1 > GEMMA4_WINDOW  # the sliding window has wrapped
     token = int(rng.integers(0, 64))
     out = head(hidden, mx.array([[token]]), head.make_cache(), trunk_cache=cache)
     logits = head.logits(out)
     projected = head.chain_input(out)
 
     full = _full_kv(trunk, committed)
-    embedding = np.array(trunk.embed(mx.array([token]))[0], dtype=np.float64) * tg.H**0.5
+    embedding = np.array(trunk.embed(mx.array([token]))[0], dtype=np.float64) * HIDDEN**0.5
     args = (assistant.tensors, assistant.config, embedding, np.array(hidden[0, 0], dtype=np.float64))
-    ref_h, ref_proj, ref_logits = tg.reference_forward(
-        *args, _reference_kv(full, head, position, tg.WINDOW), position
+    ref_h, ref_proj, ref_logits = gemma4_ref.reference_forward(
+        *args, _reference_kv(full, head, position, GEMMA4_WINDOW), position
     )
     np.testing.assert_allclose(np.array(out[0, 0]), ref_h, atol=2e-4, err_msg=f"seed={seed}")
     np.testing.assert_allclose(np.array(projected[0, 0]), ref_proj, atol=2e-4, err_msg=f"seed={seed}")
@@ -132,8 +136,12 @@ def test_assistant_forward_matches_the_numpy_reference(tmp_path, ordered, how, s
 
     # Negative controls: one key too few in the window (mlx-vlm's wrapped-window reading) or the
     # query one position late is visibly different.
-    short = tg.reference_forward(*args, _reference_kv(full, head, position, tg.WINDOW - 1), position)[0]
-    late = tg.reference_forward(*args, _reference_kv(full, head, position, tg.WINDOW), position + 1)[0]
+    short = gemma4_ref.reference_forward(
+        *args, _reference_kv(full, head, position, GEMMA4_WINDOW - 1), position
+    )[0]
+    late = gemma4_ref.reference_forward(
+        *args, _reference_kv(full, head, position, GEMMA4_WINDOW), position + 1
+    )[0]
     assert np.abs(short - ref_h).max() > 1e-2 and np.abs(late - ref_h).max() > 1e-2
 
 
@@ -181,7 +189,11 @@ def test_assistant_forward_matches_mlx_vlm(tmp_path, ordered):
     # (prompt length, sliding keys handed to mlx-vlm, window its result reproduces): the whole
     # history (as after a prefill) or only the newest W keys (as its loop holds them after a
     # verify block that kept one token).
-    for length, cut, window in ((6, None, tg.WINDOW), (19, None, tg.WINDOW), (19, tg.WINDOW, tg.WINDOW - 1)):
+    for length, cut, window in (
+        (6, None, GEMMA4_WINDOW),
+        (19, None, GEMMA4_WINDOW),
+        (19, GEMMA4_WINDOW, GEMMA4_WINDOW - 1),
+    ):
         tokens = [int(x) for x in rng.integers(0, 64, length)]
         cache = trunk.make_cache()
         out = trunk(mx.array(tokens)[None], cache)
@@ -196,16 +208,16 @@ def test_assistant_forward_matches_mlx_vlm(tmp_path, ordered):
                 keys, values = keys[..., -cut:, :], values[..., -cut:, :]
             shared[kind] = (keys, values)
         drafter.set_shared_kv(shared, length, position=length - 1, kv_valid_len=length)
-        embeds = mx.concatenate([trunk.embed(mx.array([[token]])) * tg.H**0.5, hidden], axis=-1)
+        embeds = mx.concatenate([trunk.embed(mx.array([[token]])) * HIDDEN**0.5, hidden], axis=-1)
         vlm_proj, vlm_logits = drafter(embeds, shared, mx.array([[length - 1]]))
         ours = head(hidden, mx.array([[token]]), [], trunk_cache=cache)
         same = np.allclose(np.array(head.logits(ours)), np.array(vlm_logits), atol=1e-4) and np.allclose(
             np.array(head.chain_input(ours)), np.array(vlm_proj), atol=1e-4
         )
-        assert same == (window == tg.WINDOW), (length, cut)
+        assert same == (window == GEMMA4_WINDOW), (length, cut)
         full = _full_kv(trunk, tokens)
-        embedding = np.array(trunk.embed(mx.array([token]))[0], dtype=np.float64) * tg.H**0.5
-        _, ref_proj, ref_logits = tg.reference_forward(
+        embedding = np.array(trunk.embed(mx.array([token]))[0], dtype=np.float64) * HIDDEN**0.5
+        _, ref_proj, ref_logits = gemma4_ref.reference_forward(
             assistant.tensors,
             assistant.config,
             embedding,
@@ -271,20 +283,13 @@ def assert_caches_match_a_from_scratch_run(tmp_path, depth: int) -> None:
         mx.random.key(int.from_bytes(os.urandom(4), "little")),
         trunk_cache=trunk_cache,
     )
-    generated, patterns = [], set()
-    for step in steps:
-        generated.extend(step.tokens)
-        if step.num_drafted:
-            patterns.add(step.num_accepted)
-        if len(patterns) >= 2 and len(generated) > 3 * tg.WINDOW:
-            break
-    steps.close()
+    generated, _ = sample_until_rollbacks(steps, 3 * GEMMA4_WINDOW)
     committed = PROMPT + generated[:-1]
     assert all(c.offset == len(committed) for c in trunk_cache)
     fresh = trunk.make_cache()
     reference = trunk(mx.array(committed)[None], fresh)
     for c, f in zip(trunk_cache, fresh):
-        n = min(len(committed), tg.WINDOW) if isinstance(c, RotatingKVCache) else len(committed)
+        n = min(len(committed), GEMMA4_WINDOW) if isinstance(c, RotatingKVCache) else len(committed)
         for a, e in zip(_window_of(c, n), _window_of(f, n)):
             np.testing.assert_allclose(a, e, atol=5e-5)
     # The drafter reads the same keys from the rolled-back caches as from the fresh ones.
@@ -420,8 +425,8 @@ def _write_config(path: Path, **changes) -> None:
     ],
 )
 def test_an_assistant_that_does_not_fit_is_a_one_line_error(tmp_path, changes, needle):
-    target = tg.gemma4_target(tmp_path / "t")
-    assistant = tg.gemma4_assistant(tmp_path / "a")
+    target = checkpoints.gemma4_target(tmp_path / "t")
+    assistant = checkpoints.gemma4_assistant(tmp_path / "a")
     _write_config(assistant.path, **changes)
     model, config = mlx_load_model(target.path)
     with pytest.raises(MtplxError) as err:
@@ -432,10 +437,10 @@ def test_an_assistant_that_does_not_fit_is_a_one_line_error(tmp_path, changes, n
 def test_an_assistant_reading_a_layer_type_the_target_lacks_is_refused(tmp_path):
     from mlx_lm.models import gemma4
 
-    config = tg.target_config(64)
+    config = gemma4_config(64)
     config["text_config"]["layer_types"] = ["sliding_attention"] * 5
     model = gemma4.Model(gemma4.ModelArgs.from_dict(config))
-    assistant = tg.gemma4_assistant(tmp_path / "a")
+    assistant = checkpoints.gemma4_assistant(tmp_path / "a")
     with pytest.raises(
         MtplxError, match="reads the target's full_attention KV but the target has no such layer"
     ):
@@ -443,27 +448,23 @@ def test_an_assistant_reading_a_layer_type_the_target_lacks_is_refused(tmp_path)
 
 
 def test_a_gemma_assistant_on_a_non_gemma_target_is_refused(tmp_path):
-    import tiny_checkpoints
-
-    other = tiny_checkpoints.mimo(tmp_path / "mimo")
-    assistant = tg.gemma4_assistant(tmp_path / "a", backbone_hidden_size=32)
+    other = checkpoints.mimo(tmp_path / "mimo")
+    assistant = checkpoints.gemma4_assistant(tmp_path / "a", backbone_hidden_size=32)
     model, config = mlx_load_model(other.path)
     with pytest.raises(MtplxError, match="drafts for Gemma 4 targets only, the target is mimo"):
         ga.load_gemma4_assistant(assistant.path, Trunk(model), config)
 
 
 def test_the_assistant_is_found_beside_the_target_and_in_the_hub_cache(tmp_path):
-    import tiny_checkpoints
-
-    target = tg.gemma4_target(tmp_path / "models" / "gemma-4-tiny")
+    target = checkpoints.gemma4_target(tmp_path / "models" / "gemma-4-tiny")
     assert ga.find_assistant(target.path, str(target.path)) is None
-    assistant = tg.gemma4_assistant(tmp_path / "models" / "gemma-4-tiny-assistant")
+    assistant = checkpoints.gemma4_assistant(tmp_path / "models" / "gemma-4-tiny-assistant")
     assert ga.find_assistant(target.path, str(target.path)) == assistant.path
 
     hub = tmp_path / "hub"
-    snap = tiny_checkpoints.hub_cache_layout(target.path, hub, "google/gemma-4-tiny")
+    snap = cache_layout(target.path, hub, "google/gemma-4-tiny")
     assert ga.find_assistant(snap, "google/gemma-4-tiny", hub_cache=hub) is None
-    tiny_checkpoints.hub_cache_layout(assistant.path, hub, "google/gemma-4-tiny-assistant")
+    cache_layout(assistant.path, hub, "google/gemma-4-tiny-assistant")
     found = ga.find_assistant(snap, "google/gemma-4-tiny", hub_cache=hub)
     assert found is not None and ga.read_assistant_config(found)["model_type"] == "gemma4_assistant"
     shutil.rmtree(hub)
@@ -472,15 +473,15 @@ def test_the_assistant_is_found_beside_the_target_and_in_the_hub_cache(tmp_path)
 def test_engine_loads_the_assistant_beside_a_gemma_target_and_refuses_forced_mtp_without_one(tmp_path):
     from mtplx.engine.engine import Engine
 
-    target = tg.gemma4_target(tmp_path / "gemma-4-tiny", 8, context_strength=3.0)
-    tg.write_word_tokenizer(target.path, 8)
+    target = checkpoints.gemma4_target(tmp_path / "gemma-4-tiny", 8, context_strength=3.0)
+    word_level(target.path, 8)
     bare = Engine.load(str(target.path))
     assert bare.head is None
     with pytest.raises(MtplxError, match="no assistant drafter: pass --head DIR"):
         bare.generate("w2 w3", mtp=True, max_tokens=4)
     ar = bare.generate("w2 w3 w4", mtp=False, max_tokens=12).token_ids
 
-    assistant = tg.gemma4_assistant(
+    assistant = checkpoints.gemma4_assistant(
         tmp_path / "gemma-4-tiny-assistant", 8, ordered=True, num_centroids=4, scale=0.3
     )
     found = Engine.load(str(target.path))
@@ -497,10 +498,10 @@ def test_engine_loads_the_assistant_beside_a_gemma_target_and_refuses_forced_mtp
 def test_inspect_names_the_assistant_that_pairs_with_a_gemma_target(tmp_path):
     from mtplx.checkpoints.inspect import format_inspection, inspect_model
 
-    target = tg.gemma4_target(tmp_path / "gemma-4-tiny")
+    target = checkpoints.gemma4_target(tmp_path / "gemma-4-tiny")
     info = inspect_model(str(target.path))
     assert info["verdict"] == "AR-only" and info["assistant"]["problem"] == "not found locally"
-    assistant = tg.gemma4_assistant(tmp_path / "gemma-4-tiny-assistant")
+    assistant = checkpoints.gemma4_assistant(tmp_path / "gemma-4-tiny-assistant")
     info = inspect_model(str(target.path))
     assert info["verdict"] == "MTP-ready" and info["assistant"]["path"] == str(assistant.path)
     assert f"assistant     {assistant.path} (pairs)" in format_inspection(info)
@@ -512,8 +513,8 @@ def test_inspect_names_the_assistant_that_pairs_with_a_gemma_target(tmp_path):
 
 @pytest.mark.parametrize("bits", [None, 8])
 def test_convert_assistant_writes_a_bf16_or_quantized_drafter_beside_the_target(tmp_path, bits):
-    target = tg.gemma4_target(tmp_path / "gemma-4-tiny", 64)
-    assistant = tg.gemma4_assistant(tmp_path / "src-assistant", 64, ordered=True)
+    target = checkpoints.gemma4_target(tmp_path / "gemma-4-tiny", 64)
+    assistant = checkpoints.gemma4_assistant(tmp_path / "src-assistant", 64, ordered=True)
     out = ga.convert_assistant(assistant.path, target.path, bits=bits, group_size=32)
     assert (
         out == tmp_path / "gemma-4-tiny-assistant" and ga.find_assistant(target.path, str(target.path)) == out
@@ -539,9 +540,9 @@ def _cli(*args):
 
 
 def test_cli_misfit_assistant_is_a_one_line_error_and_no_mtp_still_works(tmp_path):
-    target = tg.gemma4_target(tmp_path / "gemma-4-tiny", 8)
-    tg.write_word_tokenizer(target.path, 8)
-    other = tg.gemma4_assistant(tmp_path / "other", 8, num_centroids=4, backbone_hidden_size=48)
+    target = checkpoints.gemma4_target(tmp_path / "gemma-4-tiny", 8)
+    word_level(target.path, 8)
+    other = checkpoints.gemma4_assistant(tmp_path / "other", 8, num_centroids=4, backbone_hidden_size=48)
     base = ["generate", "w2 w3", "--model", str(target.path), "--raw", "--max-tokens", "4"]
     out = _cli(*base, "--head", str(other.path))
     lines = [line for line in out.stderr.splitlines() if line.strip()]

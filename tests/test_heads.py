@@ -30,10 +30,13 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-import tiny_checkpoints as tc
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model as mlx_load_model
 from safetensors.numpy import load_file
+from support import checkpoints, models
+from support.decoding import take_tokens
+from support.hub import cache_layout
+from support.tokenizer import word_level
 
 TOKENS = [[3, 17, 42, 5, 60, 9]]
 NEXT = [[17, 42, 5, 60, 9, 11]]
@@ -155,7 +158,7 @@ def qwen35_reference(t, hidden, next_tokens, cfg, offset=True, layer=0):
 @pytest.fixture(scope="module")
 def qwen35(tmp_path_factory):
     path = tmp_path_factory.mktemp("q35") / "Qwen3.5-tiny"
-    tiny = tc.qwen3_5(path)
+    tiny = checkpoints.qwen3_5(path)
     return tiny, load(path)
 
 
@@ -181,7 +184,7 @@ def test_qwen35_trunk_round_trips_through_mlx_lm(qwen35):
 
     tiny, (trunk, _, _) = qwen35
     fresh = q.Model(q.ModelArgs.from_dict(tiny.config))
-    tc.randomize(fresh, 0)  # the writer's seed: same weights as were written
+    models.randomize(fresh, 0)  # the writer's seed: same weights as were written
     ours = dict(tree_flatten(trunk.model.parameters()))
     for name, v in tree_flatten(fresh.parameters()):
         assert mx.allclose(ours[name], v, atol=1e-6).item(), name
@@ -210,9 +213,9 @@ def test_sharded_and_hub_cache_layouts_load_the_same_head(qwen35, tmp_path):
     tiny, (trunk, _, head) = qwen35
     hidden, nxt = head_inputs(trunk, head)
     expected = head(hidden, nxt)
-    sharded = tc.qwen3_5(tmp_path / "sharded", shards=3)
+    sharded = checkpoints.qwen3_5(tmp_path / "sharded", shards=3)
     assert (sharded.path / "model.safetensors.index.json").exists()
-    snap = tc.hub_cache_layout(sharded.path, tmp_path / "hub", "tiny-org/Qwen3.5-tiny")
+    snap = cache_layout(sharded.path, tmp_path / "hub", "tiny-org/Qwen3.5-tiny")
     resolved = resolve_model("tiny-org/Qwen3.5-tiny", hub_cache=tmp_path / "hub")
     assert resolved == snap and (resolved / "model.safetensors.index.json").is_symlink()
     for path in (sharded.path, resolved):
@@ -224,18 +227,8 @@ def test_forged_style_head_on_a_llama_trunk():
     """The layout takes any trunk's own decoder layer (what `mtplx forge` builds)."""
     from mlx_lm.models import llama
 
-    args = llama.ModelArgs(
-        model_type="llama",
-        hidden_size=32,
-        num_hidden_layers=2,
-        intermediate_size=64,
-        num_attention_heads=4,
-        rms_norm_eps=1e-5,
-        vocab_size=64,
-        num_key_value_heads=2,
-    )
-    trunk = Trunk(llama.Model(args))
-    head = Qwen3NextMTPHead([llama.TransformerBlock(args)], 32, eps=1e-5, trunk=trunk)
+    trunk = Trunk(models.tiny_llama(vocab_size=64))
+    head = Qwen3NextMTPHead([llama.TransformerBlock(trunk.model.args)], 32, eps=1e-5, trunk=trunk)
     out = trunk(mx.array(TOKENS))
     y = head(out.hidden_post_norm, mx.array(NEXT), head.make_cache())
     assert y.shape == (1, 6, 32) and head.logits(y).shape == (1, 6, 64)
@@ -295,7 +288,7 @@ def deepseek_reference(t, hidden, next_tokens, cfg, module=0, zero_first=True):
 @pytest.fixture(scope="module")
 def deepseek(tmp_path_factory):
     path = tmp_path_factory.mktemp("ds") / "DeepSeek-V3-tiny"
-    tiny = tc.deepseek_v3(path)
+    tiny = checkpoints.deepseek_v3(path)
     return tiny, load(path)
 
 
@@ -318,7 +311,7 @@ def test_deepseek_head_matches_numpy_reference(deepseek):
 
 
 def test_deepseek_moe_experts_are_stacked(tmp_path):
-    tiny = tc.deepseek_v3(tmp_path / "moe", moe=True)
+    tiny = checkpoints.deepseek_v3(tmp_path / "moe", moe=True)
     trunk, _, head = load(tiny.path)
     mlp_ = head.modules_[0].block.mlp
     assert hasattr(mlp_, "switch_mlp")
@@ -377,7 +370,7 @@ def mimo_reference(t, hidden, next_tokens, cfg, hidden_first=True, module=0, zer
 
 
 def test_mimo_head_matches_numpy_reference(tmp_path):
-    tiny = tc.mimo(tmp_path / "MiMo-tiny")
+    tiny = checkpoints.mimo(tmp_path / "MiMo-tiny")
     trunk, _, head = load(tiny.path)
     assert head.layout == "mimo" and head.hidden_source == "pre_norm" and head.max_depth is None
     hidden, nxt = head_inputs(trunk, head)
@@ -390,7 +383,9 @@ def test_mimo_head_matches_numpy_reference(tmp_path):
 
 
 def test_quantized_checkpoint_head_is_quantized_like_the_checkpoint(tmp_path):
-    tiny = tc.mimo(tmp_path / "MiMo-tiny-4bit", quantize={"group_size": 32, "bits": 4}, head_override_bits=8)
+    tiny = checkpoints.mimo(
+        tmp_path / "MiMo-tiny-4bit", quantize={"group_size": 32, "bits": 4}, head_override_bits=8
+    )
     trunk, _, head = load(tiny.path)
     m = head.modules_[0]
     assert isinstance(m.input_proj, nn.QuantizedLinear) and m.input_proj.bits == 8  # per-layer override
@@ -419,9 +414,9 @@ def _drop_head_tensors(path: Path, keep) -> None:
 @pytest.mark.parametrize(
     "family,build,keep",
     [
-        ("qwen3_5", tc.qwen3_5, lambda k: not k.startswith("mtp.")),
-        ("deepseek_v3", tc.deepseek_v3, lambda k: not k.startswith("model.layers.61.")),
-        ("mimo", tc.mimo, lambda k: not k.startswith("model.mtp_layers.")),
+        ("qwen3_5", checkpoints.qwen3_5, lambda k: not k.startswith("mtp.")),
+        ("deepseek_v3", checkpoints.deepseek_v3, lambda k: not k.startswith("model.layers.61.")),
+        ("mimo", checkpoints.mimo, lambda k: not k.startswith("model.mtp_layers.")),
     ],
 )
 def test_declared_but_missing_head_is_a_one_line_error(tmp_path, family, build, keep):
@@ -435,10 +430,10 @@ def test_declared_but_missing_head_is_a_one_line_error(tmp_path, family, build, 
 
 
 def test_head_shape_mismatch_is_a_one_line_error(tmp_path):
-    tiny = tc.qwen3_5(tmp_path / "bad")
+    tiny = checkpoints.qwen3_5(tmp_path / "bad")
     model, config = mlx_load_model(tiny.path)
     arrays = dict(mx.load(str(tiny.path / "model.safetensors")))
-    arrays["mtp.fc.weight"] = arrays["mtp.fc.weight"][:, : tc.H]  # [H, H] instead of [H, 2H]
+    arrays["mtp.fc.weight"] = arrays["mtp.fc.weight"][:, : models.HIDDEN]  # [H, H] instead of [H, 2H]
     mx.save_safetensors(str(tiny.path / "model.safetensors"), arrays, {"format": "pt"})
     with pytest.raises(MtplxError, match=r"mtp.fc.weight|fc\.weight") as err:
         load_head(tiny.path, Trunk(model), config)
@@ -446,7 +441,7 @@ def test_head_shape_mismatch_is_a_one_line_error(tmp_path):
 
 
 def test_no_declared_head_is_none(tmp_path):
-    tiny = tc.qwen3_5(tmp_path / "nomtp", mtp_layers=0)
+    tiny = checkpoints.qwen3_5(tmp_path / "nomtp", mtp_layers=0)
     model, config = mlx_load_model(tiny.path)
     assert load_head(tiny.path, Trunk(model), config) is None
 
@@ -529,9 +524,9 @@ def two_module_heads(tmp_path_factory):
     """family -> (tiny, trunk, head, module_out(j, hidden, tokens, zero_first)) with 2 MTP modules."""
     root = tmp_path_factory.mktemp("two")
     out = {}
-    ds = tc.deepseek_v3(root / "ds2", mtp_layers=2, sidecar=True, trunk_layers=2)
-    mi = tc.mimo(root / "mimo2", mtp_layers=2)
-    q = tc.qwen3_5(root / "q2", mtp_layers=2)
+    ds = checkpoints.deepseek_v3(root / "ds2", mtp_layers=2, sidecar=True, trunk_layers=2)
+    mi = checkpoints.mimo(root / "mimo2", mtp_layers=2)
+    q = checkpoints.qwen3_5(root / "q2", mtp_layers=2)
     for name, tiny, ref in (
         ("deepseek", ds, lambda t, c: lambda j, h, x, z=True: deepseek_reference(t, h, x, c, j, z)),
         ("mimo", mi, lambda t, c: lambda j, h, x, z=True: mimo_reference(t, h, x, c, module=j, zero_first=z)),
@@ -574,7 +569,7 @@ def test_one_module_chain_feeds_back_post_norm_and_masks_position_zero(deepseek,
         t = read_tensors(tiny.path)
         module_out = lambda j, h, x, z=True: deepseek_reference(t, h, x, tiny.config, j, z)  # noqa: E731
     else:
-        tiny = tc.mimo(tmp_path / "mimo1")
+        tiny = checkpoints.mimo(tmp_path / "mimo1")
         trunk, _, head = load(tiny.path)
         t = read_tensors(tiny.path)
         module_out = lambda j, h, x, z=True: mimo_reference(t, h, x, tiny.config, module=j, zero_first=z)  # noqa: E731
@@ -604,20 +599,14 @@ def test_two_module_heads_decode_at_depths_1_to_4(two_module_heads, family):
     prompt = [3, 17, 42, 5, 60, 9, 11, 2]
     greedy = SamplerConfig(temperature=0.0)
 
-    def take(steps, n):
-        out = []
-        for step in steps:
-            out.extend(step.tokens)
-            if len(out) >= n:
-                steps.close()
-                return out[:n]
-
-    ar = take(decode.ar_decode(trunk, prompt, decode.DecodeSettings(sampler=greedy), mx.random.key(0)), 8)
+    ar = take_tokens(
+        decode.ar_decode(trunk, prompt, decode.DecodeSettings(sampler=greedy), mx.random.key(0)), 8
+    )
     for depth in (1, 2, 3, 4):
         head_cache = head.make_cache()
         settings = decode.DecodeSettings(sampler=greedy, depth=depth)
         steps = decode.mtp_decode(trunk, head, prompt, settings, mx.random.key(0), head_cache=head_cache)
-        assert take(steps, 8) == ar, depth
+        assert take_tokens(steps, 8) == ar, depth
         # From scratch: the true (trunk hidden, next token) pairs of the committed sequence.
         held = head_cache[0].offset
         assert all(c.offset == held for c in head_cache)
@@ -636,7 +625,7 @@ def test_qwen_norm_offset_is_decided_per_tensor(tmp_path):
     (mlx-lm shifts the trunk's; re-exports differ on the head's) still loads the right head:
     each MTP norm is judged on its own. Negative control: any one rule for all of them (what
     inferring the convention from the trunk gives) is far from the reference."""
-    tiny = tc.qwen3_5(tmp_path / "mixed")
+    tiny = checkpoints.qwen3_5(tmp_path / "mixed")
     t = read_tensors(tiny.path)  # as written: every norm an offset from 1
     arrays = dict(mx.load(str(tiny.path / "model.safetensors")))
     shifted = ["mtp.pre_fc_norm_hidden.weight", "mtp.layers.0.input_layernorm.weight", "mtp.norm.weight"]
@@ -656,9 +645,9 @@ def test_qwen_norm_offset_is_decided_per_tensor(tmp_path):
 # --------------------------------------------------------------------------- Engine.load and head discovery
 
 
-def _mimo_with_tokenizer(path: Path, **kw) -> tc.Tiny:
-    tiny = tc.mimo(path, **kw)
-    tc.add_tokenizer(path)
+def _mimo_with_tokenizer(path: Path, **kw) -> checkpoints.Tiny:
+    tiny = checkpoints.mimo(path, **kw)
+    word_level(path)
     return tiny
 
 
@@ -686,7 +675,7 @@ def test_engine_load_mtp_false_never_reads_the_head(tmp_path):
     tiny = _mimo_with_tokenizer(tmp_path / "broken")
     arrays = dict(mx.load(str(tiny.path / "model.safetensors")))
     key = "model.mtp_layers.0.input_proj.weight"
-    arrays[key] = arrays[key][:, : tc.H]  # mis-shaped: loading the head would fail
+    arrays[key] = arrays[key][:, : models.HIDDEN]  # mis-shaped: loading the head would fail
     mx.save_safetensors(str(tiny.path / "model.safetensors"), arrays, {"format": "pt"})
     with pytest.raises(MtplxError, match="shape"):
         Engine.load(str(tiny.path))
@@ -695,7 +684,7 @@ def test_engine_load_mtp_false_never_reads_the_head(tmp_path):
 
 def test_sidecar_head_file_outside_the_shard_index_is_found(tmp_path):
     """Head tensors in ``mtp.safetensors`` beside index-listed shards (not in the index)."""
-    tiny = tc.mimo(tmp_path / "sharded", shards=2)
+    tiny = checkpoints.mimo(tmp_path / "sharded", shards=2)
     trunk, _, expected = load(tiny.path)
     hidden, nxt = head_inputs(trunk, expected)
     index_file = tiny.path / "model.safetensors.index.json"

@@ -12,7 +12,8 @@ from mtplx.sample.params import SamplerConfig
 from mtplx.spec_decode import loop as decode
 
 import pytest
-from loop_models import make_loop_pair
+from support.decoding import take_tokens
+from support.models import make_loop_pair
 
 PROMPT = [1, 2, 0, 2, 1, 0, 2]
 
@@ -24,13 +25,7 @@ def _first_tokens(trunk, head, settings: decode.DecodeSettings, n: int, depth: i
         steps = decode.ar_decode(trunk, PROMPT, settings, mx.random.key(0))
     else:
         steps = decode.mtp_decode(trunk, head, PROMPT, settings, mx.random.key(0))
-    tokens: list[int] = []
-    for step in steps:
-        tokens.extend(step.tokens)
-        if len(tokens) >= n:
-            break
-    steps.close()
-    return tokens[:n]
+    return take_tokens(steps, n)
 
 
 @pytest.mark.parametrize("greedy_draft", [False, True])
@@ -126,24 +121,19 @@ def test_one_host_sync_per_mtp_cycle(monkeypatch, case: str, greedy_draft: bool)
     """Every default sampler path: one sync per cycle (the top-p fallbacks queued, as on a GPU;
     a vocabulary above the first top-p pool so the fallback logic runs)."""
     import mlx.core as mx
-    from sync_counter import counting_syncs
+    from support.sync_counter import syncs_after_prefill
 
     monkeypatch.setattr(sample_ops, "_queue_top_p_fallbacks", lambda: True)
     trunk, head = make_loop_pair(vocab_size=300, seed=3, logit_scale=8.0)
     settings = decode.DecodeSettings(sampler=SYNC_CASES[case], depth=3, greedy_draft=greedy_draft)
     steps = decode.mtp_decode(trunk, head, PROMPT, settings, mx.random.key(0))
-    next(steps)  # prefill and the first token
-    with counting_syncs() as counter:
-        for _ in range(4):
-            next(steps)
-    steps.close()
-    assert counter.syncs == 4
+    assert syncs_after_prefill(steps, 4) == 4
 
 
 def test_sync_counter_sees_a_sync() -> None:
     """Negative control: an unevaluated read is counted, a read after eval is not."""
     import mlx.core as mx
-    from sync_counter import counting_syncs
+    from support.sync_counter import counting_syncs
 
     with counting_syncs() as counter:
         lazy = mx.arange(3) * 2
@@ -158,7 +148,7 @@ def test_logprobs_cost_one_extra_sync_per_cycle(monkeypatch) -> None:
     """Requested logprobs depend on the accept count, so they are read after the cycle's sync:
     one more, not one per array."""
     import mlx.core as mx
-    from sync_counter import counting_syncs
+    from support.sync_counter import counting_syncs
 
     monkeypatch.setattr(sample_ops, "_queue_top_p_fallbacks", lambda: True)
     trunk, head = make_loop_pair(vocab_size=300, seed=3, logit_scale=8.0)

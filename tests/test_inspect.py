@@ -11,8 +11,8 @@ from mtplx.errors import MtplxError
 
 import mlx.core as mx
 import pytest
-import tiny_checkpoints as tc
-from mlx.utils import tree_flatten
+from support import checkpoints, models
+from support.hub import cache_layout
 
 
 def _numel(tensors) -> int:
@@ -20,7 +20,7 @@ def _numel(tensors) -> int:
 
 
 def test_qwen35_with_head_is_mtp_ready(tmp_path):
-    tiny = tc.qwen3_5(tmp_path / "q35", shards=2)
+    tiny = checkpoints.qwen3_5(tmp_path / "q35", shards=2)
     info = inspect_model(tiny.path)
     assert info["verdict"] == "MTP-ready"
     assert info["mtp"] == {
@@ -41,15 +41,15 @@ def test_qwen35_with_head_is_mtp_ready(tmp_path):
 
 
 def test_deepseek_and_mimo_layouts(tmp_path):
-    ds = inspect_model(tc.deepseek_v3(tmp_path / "ds").path)
+    ds = inspect_model(checkpoints.deepseek_v3(tmp_path / "ds").path)
     assert ds["mtp"]["layout"] == "deepseek" and ds["verdict"] == "MTP-ready"
-    mi = inspect_model(tc.mimo(tmp_path / "mimo").path)
+    mi = inspect_model(checkpoints.mimo(tmp_path / "mimo").path)
     assert mi["mtp"]["layout"] == "mimo" and mi["verdict"] == "MTP-ready"
 
 
 def test_quantized_counts_real_parameters(tmp_path):
-    float_tiny = tc.mimo(tmp_path / "f")
-    q_tiny = tc.mimo(tmp_path / "q", quantize={"group_size": 32, "bits": 4}, head_override_bits=8)
+    float_tiny = checkpoints.mimo(tmp_path / "f")
+    q_tiny = checkpoints.mimo(tmp_path / "q", quantize={"group_size": 32, "bits": 4}, head_override_bits=8)
     info = inspect_model(q_tiny.path)
     assert info["quantization"] == {"group_size": 32, "bits": 4, "mode": "affine", "per_layer_overrides": 1}
     assert info["parameters"] == _numel(float_tiny.tensors)  # packed uint32 weights unpacked to real counts
@@ -62,36 +62,7 @@ def test_quantized_counts_real_parameters(tmp_path):
 
 
 def test_model_without_head_is_ar_only_and_suggests_forge(tmp_path):
-    from mlx_lm.models import llama
-
-    args = llama.ModelArgs(
-        model_type="llama",
-        hidden_size=32,
-        num_hidden_layers=2,
-        intermediate_size=64,
-        num_attention_heads=4,
-        rms_norm_eps=1e-5,
-        vocab_size=64,
-        num_key_value_heads=2,
-    )
-    model = llama.Model(args)
-    cfg = {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
-        **{
-            k: getattr(args, k)
-            for k in (
-                "hidden_size",
-                "num_hidden_layers",
-                "intermediate_size",
-                "num_attention_heads",
-                "rms_norm_eps",
-                "vocab_size",
-                "num_key_value_heads",
-            )
-        },
-    }
-    tiny = tc.write_checkpoint(tmp_path / "llama", dict(tree_flatten(model.parameters())), cfg)
+    tiny = checkpoints.save_model(tmp_path / "llama", models.tiny_llama(), architectures=["LlamaForCausalLM"])
     info = inspect_model(tiny.path)
     assert info["verdict"] == "AR-only" and "mtplx forge" in info["reason"] and info["mtp"]["layout"] is None
     # A forged head beside it makes it MTP-ready.
@@ -106,7 +77,7 @@ def test_model_without_head_is_ar_only_and_suggests_forge(tmp_path):
 @pytest.mark.parametrize("content", ["{not json", "[1, 2]"])
 def test_damaged_forged_head_manifest_is_a_one_line_error(tmp_path, content):
     """The sidecar lookup is self-contained (it once called a finder that does not exist)."""
-    tiny = tc.mimo(tmp_path / "m")
+    tiny = checkpoints.mimo(tmp_path / "m")
     (tiny.path / "mtplx_head").mkdir()
     manifest = tiny.path / "mtplx_head" / "manifest.json"
     manifest.write_text(content)
@@ -118,14 +89,14 @@ def test_damaged_forged_head_manifest_is_a_one_line_error(tmp_path, content):
 
 
 def test_declared_but_missing_head_is_ar_only(tmp_path):
-    tiny = tc.qwen3_5(tmp_path / "q35", ship_mtp=False)
+    tiny = checkpoints.qwen3_5(tmp_path / "q35", ship_mtp=False)
     info = inspect_model(tiny.path)
     assert info["verdict"] == "AR-only" and "ships no head tensors" in info["reason"]
     assert "declared (1 layer(s)) but no tensors" in format_inspection(info)
 
 
 def test_unsupported_architecture(tmp_path):
-    tiny = tc.mimo(tmp_path / "odd")
+    tiny = checkpoints.mimo(tmp_path / "odd")
     cfg = json.loads((tiny.path / "config.json").read_text())
     cfg["model_type"] = "definitely_not_a_model"
     (tiny.path / "config.json").write_text(json.dumps(cfg))
@@ -134,8 +105,8 @@ def test_unsupported_architecture(tmp_path):
 
 
 def test_hub_cache_repo_id(tmp_path):
-    tiny = tc.mimo(tmp_path / "src")
-    tc.hub_cache_layout(tiny.path, tmp_path / "hub", "tiny-org/MiMo-tiny")
+    tiny = checkpoints.mimo(tmp_path / "src")
+    cache_layout(tiny.path, tmp_path / "hub", "tiny-org/MiMo-tiny")
     from mtplx.checkpoints.load import resolve_model
 
     path = resolve_model("tiny-org/MiMo-tiny", hub_cache=tmp_path / "hub")
@@ -144,7 +115,7 @@ def test_hub_cache_repo_id(tmp_path):
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage_header", "no_config", "missing_shard"])
 def test_bad_input_is_one_line_error_naming_the_file(tmp_path, damage):
-    tiny = tc.qwen3_5(tmp_path / "q", shards=2)
+    tiny = checkpoints.qwen3_5(tmp_path / "q", shards=2)
     shard = sorted(tiny.path.glob("model-*.safetensors"))[0]
     if damage == "truncate":
         shard.write_bytes(shard.read_bytes()[:-100])
@@ -165,7 +136,7 @@ def test_bad_input_is_one_line_error_naming_the_file(tmp_path, damage):
 
 def test_reads_headers_only(tmp_path):
     """Tensor data is never read: zeroing every byte after the header changes nothing."""
-    tiny = tc.mimo(tmp_path / "m")
+    tiny = checkpoints.mimo(tmp_path / "m")
     before = inspect_model(tiny.path)
     f = tiny.path / "model.safetensors"
     raw = f.read_bytes()

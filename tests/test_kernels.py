@@ -1,7 +1,7 @@
 """Fused kernels on a machine without Metal or CUDA: the shared kernel bodies run
 under the CPU emulation (real threads, real barriers, exact SIMD shuffles) and
 must match the NumPy mirror token for token; rows whose outcome sits within
-rounding of a boundary are detected (tests/_kernel_ref.py) and skipped
+rounding of a boundary are detected (tests/support/kernel_ref.py) and skipped
 explicitly, and the skip rate is bounded so the comparison cannot go vacuous."""
 
 import secrets
@@ -9,9 +9,9 @@ import secrets
 import mtplx  # noqa: F401  (before mlx: BLAS loader)
 from mtplx.sample import emulation as E
 
-import _kernel_ref as ref
 import numpy as np
 import pytest
+from support import kernel_ref as ref
 
 pytest.importorskip("mtplx.sampling")
 

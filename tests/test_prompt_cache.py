@@ -1,6 +1,6 @@
 """Prompt cache across requests (mtplx/trunk/prompt_cache.py) and the decode loop's target logprobs.
 
-Tiny random trunks and heads (tests/loop_models.py) with the default model's
+Tiny random trunks and heads (tests/support/models.py) with the default model's
 real tokenizer (vocabulary 49152), driven through `Engine` with token-id
 prompts so turn boundaries are exact. The reference is always the same engine
 without a prompt cache, or a teacher-forced forward in NumPy float64.
@@ -17,8 +17,7 @@ from mtplx.trunk.prompt_cache import PromptCache, cache_nbytes
 import mlx.core as mx
 import numpy as np
 import pytest
-
-from tests.loop_models import make_loop_pair
+from support.models import make_loop_pair
 
 VOCAB = 49152  # the default tokenizer's
 FAMILIES = ["llama", "qwen3_5"]  # plain KV (trimmable) and hybrid (recurrent snapshots)

@@ -22,7 +22,7 @@ from mtplx.sampling import (
 
 import numpy as np
 import pytest
-from seeds import SEEDS, resolve
+from support.seeds import SEEDS, resolve
 
 
 def random_config(rng: np.random.Generator, vocab_size: int) -> SamplerConfig:

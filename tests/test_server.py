@@ -24,8 +24,7 @@ import mtplx  # noqa: F401  (BLAS before mlx)
 import httpx
 import openai
 import pytest
-
-from tests import tiny_checkpoints
+from support import checkpoints
 
 KEY = "test-key-0123"
 MAX_QUEUE = 8
@@ -44,9 +43,7 @@ def _wait_for(condition, timeout: float = 30.0) -> None:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, default_model_dir) -> Path:
     path = tmp_path_factory.mktemp("served") / "tiny-mimo"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(tiny_checkpoints, "V", 49152)  # the default tokenizer's vocabulary
-        tiny_checkpoints.mimo(path, seed=0)
+    checkpoints.mimo(path, vocab_size=49152, seed=0)  # the default tokenizer's vocabulary
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(default_model_dir / name, path / name)
     return path

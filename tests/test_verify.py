@@ -25,7 +25,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from scipy import stats
-from seeds import FRESH, SEEDS, resolve
+from support.seeds import FRESH, SEEDS, resolve
 
 CONFIGS = {
     "temperature": SamplerConfig(temperature=1.0),

@@ -1,20 +1,40 @@
-"""A local stand-in for the Hugging Face Hub's file API: just what `snapshot_download` calls.
+"""The Hugging Face Hub, locally: its cache layout, and a stand-in for its file API.
 
-`GET /api/models/{repo}/revision/main` (the commit), `GET /api/models/{repo}/tree/{commit}`
-(the file list) and `HEAD`/`GET /{repo}/resolve/{commit}/{file}` (metadata headers, bytes);
-anything else is a 404 with the Hub's "repository not found" error code. Lets tests exercise
-the download path (and huggingface_hub's progress bar) with no network.
+``cache_layout`` copies a checkpoint into huggingface_hub's cache. ``serve`` answers just what
+`snapshot_download` calls: `GET /api/models/{repo}/revision/main` (the commit),
+`GET /api/models/{repo}/tree/{commit}` (the file list) and `HEAD`/`GET /{repo}/resolve/{commit}/{file}`
+(metadata headers, bytes); anything else is a 404 with the Hub's "repository not found" error
+code. Lets tests exercise the download path (and huggingface_hub's progress bar) with no network.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from urllib.parse import urlparse
 
 COMMIT = "1234567890abcdef1234567890abcdef12345678"
+
+
+def cache_layout(src: Path, cache_dir: Path, repo_id: str, revision: str = "0" * 40) -> Path:
+    """Copy a checkpoint into huggingface_hub's cache layout (blobs + snapshot symlinks +
+    refs/main); returns the snapshot directory."""
+    repo = cache_dir / f"models--{repo_id.replace('/', '--')}"
+    snap = repo / "snapshots" / revision
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    snap.mkdir(parents=True, exist_ok=True)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(revision)
+    for f in sorted(src.iterdir()):
+        data = f.read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        os.symlink(os.path.relpath(blob, snap), snap / f.name)
+    return snap
 
 
 def serve(repo_id: str, files: dict[str, bytes]) -> ThreadingHTTPServer:

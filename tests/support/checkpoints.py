@@ -1,20 +1,20 @@
-"""Tiny random-weight checkpoints of the MTP-shipping families, written as the Hugging Face
-checkpoints are: real HF tensor names and config fields (the reverse of each mlx-lm
-``sanitize``), plus head tensors under the family's own key prefix.
+"""Tiny checkpoint directories, written as the Hugging Face checkpoints are: real HF tensor names
+and config fields (the reverse of each mlx-lm ``sanitize``), head tensors under the family's own
+key prefix. The models and configs come from ``support.models``.
 
 Families: ``qwen3_5`` (hybrid gated-delta + gated attention, norms stored as offsets from 1,
 ``model.language_model.`` prefix, torch conv layout), ``deepseek_v3`` (MLA attention with the
 fused ``kv_b_proj``, optional MoE with per-expert tensors, MTP layer at ``num_hidden_layers``),
-``mimo`` (Qwen2-style, ``model.mtp_layers.0.*``). Everything is float32 so the NumPy float64
-reference comparisons are tight.
+``mimo`` (Qwen2-style, ``model.mtp_layers.0.*``), ``gemma4_target`` and ``gemma4_assistant``
+(``model.language_model.*``; ``model.*``, ``pre_projection``, ``post_projection``,
+``masked_embedding.*``); ``save_model`` writes any in-memory mlx-lm model as mlx-lm saves it.
+Everything is float32 so the NumPy float64 reference comparisons are tight.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import mtplx  # noqa: F401  (BLAS before mlx)
@@ -22,9 +22,22 @@ import mtplx  # noqa: F401  (BLAS before mlx)
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_flatten
 
-H, V = 32, 64  # hidden size and vocabulary of every tiny model
+from support.models import (
+    GEMMA4_DRAFT_HIDDEN,
+    GEMMA4_DRAFT_LAYERS,
+    HIDDEN,
+    VOCAB,
+    deepseek_v3_config,
+    gemma4_assistant_config,
+    gemma4_config,
+    mimo_config,
+    qwen3_5_config,
+    qwen3_5_mtp_layer,
+    randomize,
+    tiny_gemma4,
+)
 
 
 @dataclass
@@ -35,27 +48,9 @@ class Tiny:
     head_module: nn.Module | None = None  # the head as built in mlx (quantized variants)
 
 
-def randomize(module: nn.Module, seed: int) -> None:
-    """Deterministic random weights; norm weights around 1 so wrong conventions show."""
-    rng = np.random.default_rng(seed)
-    new = []
-    for name, p in tree_flatten(module.parameters()):
-        if p.dtype not in (mx.float32, mx.float16, mx.bfloat16):
-            new.append((name, p))
-            continue
-        shape = p.shape
-        if "norm" in name.split(".")[-2] and len(shape) == 1:
-            v = 1.0 + 0.3 * rng.standard_normal(shape)
-        elif name.endswith("A_log"):
-            v = np.log(rng.uniform(1, 8, shape))
-        else:
-            v = rng.standard_normal(shape) / np.sqrt(shape[-1])
-        new.append((name, mx.array(v.astype(np.float32))))
-    module.update(tree_unflatten(new))
-    mx.eval(module.parameters())
-
-
 def write_checkpoint(path: Path, tensors: dict[str, mx.array], config: dict, shards: int = 1) -> Tiny:
+    """``config.json`` and the tensors in ``shards`` safetensors files (with the index HF writes
+    when there is more than one); the ``Tiny`` returned holds what was written."""
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config, indent=1))
     names = sorted(tensors)
@@ -75,57 +70,27 @@ def write_checkpoint(path: Path, tensors: dict[str, mx.array], config: dict, sha
     return Tiny(path, config, {k: np.array(v) for k, v in tensors.items()})
 
 
-def hub_cache_layout(src: Path, cache_dir: Path, repo_id: str, revision: str = "0" * 40) -> Path:
-    """Copy a checkpoint into huggingface_hub's cache layout (blobs + snapshot symlinks + refs/main)."""
-    repo = cache_dir / f"models--{repo_id.replace('/', '--')}"
-    snap = repo / "snapshots" / revision
-    (repo / "blobs").mkdir(parents=True, exist_ok=True)
-    snap.mkdir(parents=True, exist_ok=True)
-    (repo / "refs").mkdir(exist_ok=True)
-    (repo / "refs" / "main").write_text(revision)
-    for f in sorted(src.iterdir()):
-        data = f.read_bytes()
-        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
-        blob.write_bytes(data)
-        os.symlink(os.path.relpath(blob, snap), snap / f.name)
-    return snap
+def save_model(path: Path, model: nn.Module, **config) -> Tiny:
+    """``model`` (an in-memory mlx-lm model) as mlx-lm saves one: its own parameter names (for a
+    llama also the HF names) and its ``ModelArgs`` as config.json, ``config`` added on top."""
+    fields = {k: v for k, v in asdict(model.args).items() if v is not None}
+    return write_checkpoint(path, dict(tree_flatten(model.parameters())), {**fields, **config})
 
 
 def _prefixed(module: nn.Module, prefix: str) -> dict[str, mx.array]:
     return {prefix + k: v for k, v in tree_flatten(module.parameters())}
 
 
+def _write_with_head(path: Path, trunk: dict, head: dict, config: dict, shards: int, sidecar: bool) -> Tiny:
+    if not sidecar:
+        return write_checkpoint(path, {**trunk, **head}, config, shards)
+    tiny = write_checkpoint(path, trunk, config, shards)
+    mx.save_safetensors(str(path / "mtp.safetensors"), head, {"format": "pt"})
+    tiny.tensors.update({k: np.array(v) for k, v in head.items()})
+    return tiny
+
+
 # --------------------------------------------------------------------------- qwen3_5
-
-
-def qwen3_5_config(mtp_layers: int = 1) -> dict:
-    text = {
-        "model_type": "qwen3_5_text",
-        "hidden_size": H,
-        "intermediate_size": 64,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 8,
-        "rms_norm_eps": 1e-6,
-        "vocab_size": V,
-        "linear_num_value_heads": 4,
-        "linear_num_key_heads": 2,
-        "linear_key_head_dim": 8,
-        "linear_value_head_dim": 8,
-        "linear_conv_kernel_dim": 4,
-        "full_attention_interval": 2,
-        "tie_word_embeddings": False,
-        "max_position_embeddings": 256,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-    }
-    if mtp_layers:
-        text["mtp_num_hidden_layers"] = mtp_layers
-    return {
-        "model_type": "qwen3_5",
-        "architectures": ["Qwen3_5ForConditionalGeneration"],
-        "text_config": text,
-    }
 
 
 def _qwen35_offset(name: str, v: mx.array) -> mx.array:
@@ -135,12 +100,24 @@ def _qwen35_offset(name: str, v: mx.array) -> mx.array:
     return v - 1.0 if is_norm else v
 
 
+def _qwen_next_head_module(layers: list) -> nn.Module:
+    m = nn.Module()
+    m.fc = nn.Linear(2 * HIDDEN, HIDDEN, bias=False)
+    m.pre_fc_norm_embedding = nn.RMSNorm(HIDDEN)
+    m.pre_fc_norm_hidden = nn.RMSNorm(HIDDEN)
+    m.layers = layers
+    m.norm = nn.RMSNorm(HIDDEN)
+    return m
+
+
 def qwen3_5(
     path: Path, *, mtp_layers: int = 1, ship_mtp: bool = True, shards: int = 1, seed: int = 0
 ) -> Tiny:
+    """A Qwen3.5 checkpoint declaring ``mtp_layers`` MTP layers, their tensors under ``mtp.``
+    unless ``ship_mtp`` is off (as a converter that dropped them leaves it)."""
     from mlx_lm.models import qwen3_5 as q
 
-    config = qwen3_5_config(mtp_layers)
+    config = qwen3_5_config(mtp_layers=mtp_layers)
     model = q.Model(q.ModelArgs.from_dict(config))
     randomize(model, seed)
     tensors: dict[str, mx.array] = {}
@@ -153,67 +130,14 @@ def qwen3_5(
             v = v.moveaxis(2, 1)  # mlx [C, K, 1] -> torch [C, 1, K]
         tensors[hf] = _qwen35_offset(hf, v)
     if mtp_layers and ship_mtp:
-        args = model.language_model.args
-        layers = [q.DecoderLayer(args, layer_idx=args.full_attention_interval - 1) for _ in range(mtp_layers)]
-        head = _qwen_next_head_module(layers)
+        head = _qwen_next_head_module([qwen3_5_mtp_layer(model) for _ in range(mtp_layers)])
         randomize(head, seed + 1)
         for name, v in _prefixed(head, "mtp.").items():
             tensors[name] = _qwen35_offset(name, v)
     return write_checkpoint(path, tensors, config, shards)
 
 
-def _qwen_next_head_module(layers: list) -> nn.Module:
-    m = nn.Module()
-    m.fc = nn.Linear(2 * H, H, bias=False)
-    m.pre_fc_norm_embedding = nn.RMSNorm(H)
-    m.pre_fc_norm_hidden = nn.RMSNorm(H)
-    m.layers = layers
-    m.norm = nn.RMSNorm(H)
-    return m
-
-
 # --------------------------------------------------------------------------- deepseek_v3
-
-
-def deepseek_v3_config(moe: bool = False, mtp_layers: int = 1, trunk_layers: int = 61) -> dict:
-    cfg = {
-        "model_type": "deepseek_v3",
-        "architectures": ["DeepseekV3ForCausalLM"],
-        "vocab_size": V,
-        "hidden_size": H,
-        "intermediate_size": 64,
-        "moe_intermediate_size": 16,
-        # 61 as in DeepSeek-V3: mlx-lm's deepseek_v3 sanitize drops exactly model.layers.61.*
-        "num_hidden_layers": trunk_layers,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 4,
-        "kv_lora_rank": 16,
-        "q_lora_rank": 16,
-        "qk_rope_head_dim": 4,
-        "v_head_dim": 8,
-        "qk_nope_head_dim": 8,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "rope_scaling": None,
-        "max_position_embeddings": 256,
-        "num_nextn_predict_layers": mtp_layers,
-        "first_k_dense_replace": 60,  # MoE only in the last trunk layer and the MTP layer
-        "moe_layer_freq": 1,
-        "tie_word_embeddings": False,
-    }
-    if moe:
-        cfg.update(
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            n_shared_experts=1,
-            n_group=1,
-            topk_group=1,
-            routed_scaling_factor=1.5,
-            norm_topk_prob=True,
-            topk_method="noaux_tc",
-            scoring_func="sigmoid",
-        )
-    return cfg
 
 
 def _deepseek_hf_layer(prefix: str, layer: nn.Module, args) -> dict[str, mx.array]:
@@ -272,10 +196,10 @@ def deepseek_v3(
         p = f"model.layers.{L}."
         head.update(_deepseek_hf_layer(p, block, args))
         extra = nn.Module()
-        extra.enorm, extra.hnorm = nn.RMSNorm(H), nn.RMSNorm(H)
-        extra.eh_proj = nn.Linear(2 * H, H, bias=False)
+        extra.enorm, extra.hnorm = nn.RMSNorm(HIDDEN), nn.RMSNorm(HIDDEN)
+        extra.eh_proj = nn.Linear(2 * HIDDEN, HIDDEN, bias=False)
         extra.shared_head = nn.Module()
-        extra.shared_head.norm = nn.RMSNorm(H)
+        extra.shared_head.norm = nn.RMSNorm(HIDDEN)
         randomize(extra, seed + 2 + 3 * m)
         head.update(_prefixed(extra, p))
         # DeepSeek ships copies of the embedding and the LM head inside the MTP layer.
@@ -284,44 +208,15 @@ def deepseek_v3(
     return _write_with_head(path, tensors, head, config, shards, sidecar)
 
 
-def _write_with_head(
-    path: Path, trunk: dict, head: dict, config: dict, shards: int, sidecar: bool, sidecar_name: str = "mtp"
-) -> Tiny:
-    if not sidecar:
-        return write_checkpoint(path, {**trunk, **head}, config, shards)
-    tiny = write_checkpoint(path, trunk, config, shards)
-    mx.save_safetensors(str(path / f"{sidecar_name}.safetensors"), head, {"format": "pt"})
-    tiny.tensors.update({k: np.array(v) for k, v in head.items()})
-    return tiny
-
-
 # --------------------------------------------------------------------------- mimo
 
 
-def mimo_config(mtp_layers: int = 1) -> dict:
-    return {
-        "model_type": "mimo",
-        "architectures": ["MiMoForCausalLM"],
-        "hidden_size": H,
-        "num_hidden_layers": 2,
-        "intermediate_size": 64,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-6,
-        "vocab_size": V,
-        "max_position_embeddings": 256,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": False,
-        "num_nextn_predict_layers": mtp_layers,
-    }
-
-
-def mimo_head_module(block: nn.Module) -> nn.Module:
+def _mimo_head_module(block: nn.Module) -> nn.Module:
     m = nn.Module()
-    m.token_layernorm, m.hidden_layernorm = nn.RMSNorm(H), nn.RMSNorm(H)
-    m.input_proj = nn.Linear(2 * H, H, bias=False)
+    m.token_layernorm, m.hidden_layernorm = nn.RMSNorm(HIDDEN), nn.RMSNorm(HIDDEN)
+    m.input_proj = nn.Linear(2 * HIDDEN, HIDDEN, bias=False)
     m.block = block
-    m.final_layernorm = nn.RMSNorm(H)
+    m.final_layernorm = nn.RMSNorm(HIDDEN)
     return m
 
 
@@ -336,6 +231,7 @@ def _mimo_hf(module: nn.Module, prefix: str) -> dict[str, mx.array]:
 def mimo(
     path: Path,
     *,
+    vocab_size: int = VOCAB,
     ship_mtp: bool = True,
     shards: int = 1,
     seed: int = 0,
@@ -348,11 +244,11 @@ def mimo(
     override for the head's ``input_proj``."""
     from mlx_lm.models import mimo as m
 
-    config = mimo_config(mtp_layers)
+    config = mimo_config(vocab_size, mtp_layers)
     args = m.ModelArgs.from_dict(config)
     model = m.Model(args)
     randomize(model, seed)
-    heads = [mimo_head_module(m.TransformerBlock(args)) for _ in range(mtp_layers)]
+    heads = [_mimo_head_module(m.TransformerBlock(args)) for _ in range(mtp_layers)]
     for i, head in enumerate(heads):
         randomize(head, seed + 1 + i)
     if quantize:
@@ -384,17 +280,77 @@ def mimo(
     return tiny
 
 
-# --------------------------------------------------------------------------- tokenizer
+# --------------------------------------------------------------------------- gemma4
 
 
-def add_tokenizer(path: Path) -> None:
-    """A word-level tokenizer over the tiny vocabulary (``w0``..``w{V-1}``, ``w1`` = EOS), so
-    ``Engine.load`` and ``mlx_lm.load`` open the checkpoint like a real one."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+def gemma4_target(path: Path, vocab_size: int = VOCAB, seed: int = 0, context_strength: float = 1.0) -> Tiny:
+    """``models.tiny_gemma4`` with its HF tensor names (``model.language_model.*``)."""
+    model = tiny_gemma4(vocab_size, seed=seed, context_strength=context_strength)
+    tensors = {
+        "model.language_model." + name[len("language_model.model.") :]: v
+        for name, v in tree_flatten(model.parameters())
+    }
+    return write_checkpoint(path, tensors, gemma4_config(vocab_size))
 
-    vocab = {f"w{i}": i for i in range(V)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(str(path / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "w1", "unk_token": "w0"}
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
+
+def _head_dim(kind: str) -> int:
+    return 16 if kind == "full_attention" else 8
+
+
+def gemma4_assistant(
+    path: Path,
+    vocab_size: int = VOCAB,
+    *,
+    ordered: bool = False,
+    num_centroids: int = 8,
+    top_k: int = 2,
+    seed: int = 1,
+    scale: float = 1.0,
+    backbone_hidden_size: int | None = None,
+) -> Tiny:
+    """The assistant checkpoint with HF tensor names (including the unused k_proj/k_norm of its
+    KV-shared layers and an int64 ``token_ordering``), NumPy-seeded; ``scale`` scales its
+    projections."""
+    rng = np.random.default_rng(seed)
+    config = gemma4_assistant_config(vocab_size, ordered=ordered, num_centroids=num_centroids, top_k=top_k)
+    if backbone_hidden_size is not None:
+        config["backbone_hidden_size"] = backbone_hidden_size
+    backbone = config["backbone_hidden_size"]
+    hidden = GEMMA4_DRAFT_HIDDEN
+
+    def w(rows, cols):
+        return scale * rng.standard_normal((rows, cols)) / np.sqrt(cols)
+
+    def norm(n):
+        return 1.0 + 0.3 * rng.standard_normal(n)
+
+    t: dict[str, np.ndarray] = {
+        "model.embed_tokens.weight": rng.standard_normal((vocab_size, hidden)) / np.sqrt(hidden),
+        "model.norm.weight": norm(hidden),
+        "pre_projection.weight": w(hidden, 2 * backbone),
+        "post_projection.weight": w(backbone, hidden),
+    }
+    for i, kind in enumerate(GEMMA4_DRAFT_LAYERS):
+        p, hd = f"model.layers.{i}.", _head_dim(kind)
+        t[p + "self_attn.q_proj.weight"] = w(4 * hd, hidden)
+        t[p + "self_attn.q_norm.weight"] = norm(hd)
+        t[p + "self_attn.o_proj.weight"] = w(hidden, 4 * hd)
+        t[p + "self_attn.k_proj.weight"] = w(2 * hd, hidden)  # unused by a KV-shared layer
+        t[p + "self_attn.k_norm.weight"] = norm(hd)
+        for n in (
+            "input_layernorm",
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+        ):
+            t[p + n + ".weight"] = norm(hidden)
+        t[p + "mlp.gate_proj.weight"] = w(32, hidden)
+        t[p + "mlp.up_proj.weight"] = w(32, hidden)
+        t[p + "mlp.down_proj.weight"] = w(hidden, 32)
+        t[p + "layer_scalar"] = rng.uniform(0.5, 1.5, (1,))
+    if ordered:
+        t["masked_embedding.centroids.weight"] = w(num_centroids, hidden)
+    tensors = {k: mx.array(v.astype(np.float32)) for k, v in t.items()}
+    if ordered:
+        tensors["masked_embedding.token_ordering"] = mx.array(rng.permutation(vocab_size).astype(np.int64))
+    return write_checkpoint(path, tensors, config)

@@ -3,13 +3,13 @@
 A pass-through wrapper (not a mock: every call still runs) around ``mx.eval``,
 ``array.item``, ``array.tolist`` and the scalar conversions. Reading an array
 that an earlier ``mx.eval`` already computed is not a sync and is not counted.
-Used by tests/test_hot_path.py and benchmarks/count_syncs.py.
+Used by tests/test_hot_path.py, tests/test_drafters.py and benchmarks/count_syncs.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 
 import mlx.core as mx
 
@@ -69,3 +69,14 @@ def counting_syncs() -> Iterator[SyncCounter]:
         mx.eval = real_eval
         for name, real in real_reads.items():
             setattr(mx.array, name, real)
+
+
+def syncs_after_prefill(steps: Generator, cycles: int) -> int:
+    """Host syncs of a decode generator's next ``cycles`` steps after its first (the prefill and
+    the first token); closes ``steps``."""
+    next(steps)
+    with counting_syncs() as counter:
+        for _ in range(cycles):
+            next(steps)
+    steps.close()
+    return counter.syncs

@@ -1,0 +1,59 @@
+"""Driving the decode loop's step generators in tests: the first tokens (and the steps that
+made them), a sampled run long enough to have rolled back, and the arrays a cache holds."""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+
+import mtplx  # noqa: F401  (BLAS before mlx)
+from mtplx.spec_decode.loop import Step
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache
+
+
+def take_steps(steps: Generator[Step, None, None], n: int) -> tuple[list[int], list[Step]]:
+    """The first ``n`` tokens of ``steps`` and every step that produced them; closes ``steps``."""
+    tokens: list[int] = []
+    produced: list[Step] = []
+    for step in steps:
+        tokens.extend(step.tokens)
+        produced.append(step)
+        if len(tokens) >= n:
+            break
+    steps.close()
+    return tokens[:n], produced
+
+
+def take_tokens(steps: Generator[Step, None, None], n: int) -> list[int]:
+    """The first ``n`` tokens of ``steps``; closes ``steps``."""
+    return take_steps(steps, n)[0]
+
+
+def sample_until_rollbacks(steps: Generator[Step, None, None], min_tokens: int) -> tuple[list[int], set[int]]:
+    """(tokens, accept counts) of a sampled speculative run, up to the step where its drafting
+    cycles have accepted two different numbers of drafts (so at least one rolled back) and it
+    has made more than ``min_tokens`` tokens; closes ``steps``. The last token is pending: not
+    yet forwarded. Fewer than two accept counts: the run ended first."""
+    generated: list[int] = []
+    accept_counts: set[int] = set()
+    for step in steps:
+        generated.extend(step.tokens)
+        if step.num_drafted:
+            accept_counts.add(step.num_accepted)
+        if len(accept_counts) >= 2 and len(generated) > min_tokens:
+            break
+    steps.close()
+    return generated, accept_counts
+
+
+def cache_arrays(caches: list) -> list[mx.array]:
+    """Every array the caches hold for the committed positions (KV up to the offset; the conv
+    and recurrent states of a gated-delta layer whole)."""
+    out = []
+    for c in caches:
+        if isinstance(c, ArraysCache):
+            out += list(c.cache)
+        else:
+            out += [c.keys[..., : c.offset, :], c.values[..., : c.offset, :]]
+    return out
