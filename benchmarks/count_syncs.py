@@ -15,8 +15,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 import mtplx  # noqa: F401, I001  (BLAS before mlx)
 import mlx.core as mx
-from loop_models import make_loop_pair
-from sync_counter import counting_syncs
+from support.models import make_loop_pair
+from support.sync_counter import counting_syncs
 
 from mtplx.spec_decode import loop as decode
 from mtplx.sample import ops as sample_ops

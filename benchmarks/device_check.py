@@ -14,10 +14,10 @@ from mtplx.sample import ops as sample_ops
 from mtplx.sample import rejection
 from mtplx.sample.params import SamplerConfig
 
-import _kernel_ref as ref
 import mlx.core as mx
 import numpy as np
 import test_kernels as T
+from support import kernel_ref as ref
 
 
 def cfg_of(row):

@@ -330,7 +330,7 @@ def test_deepseek_moe_experts_are_stacked(tmp_path):
 def test_deepseek_own_lm_head_copy_that_differs_is_kept_and_drafts(tmp_path):
     """A ``shared_head.head`` that is not the trunk's LM head becomes the module's own (loaded
     with the rest of the head) and gives the head's logits; the checkpoint name round-trips."""
-    tiny = tc.deepseek_v3(tmp_path / "own-head")
+    tiny = checkpoints.deepseek_v3(tmp_path / "own-head")
     arrays = dict(mx.load(str(tiny.path / "model.safetensors")))
     key = "model.layers.61.shared_head.head.weight"
     arrays[key] = arrays[key] * 0.5 + 0.01
@@ -457,9 +457,9 @@ def test_each_registry_row_recognises_its_own_checkpoint_and_no_other(tmp_path):
     from mtplx.heads.weights import weight_index
 
     built = {
-        "qwen3_next": tc.qwen3_5(tmp_path / "q", mtp_layers=2),
-        "deepseek": tc.deepseek_v3(tmp_path / "d", mtp_layers=2, sidecar=True, trunk_layers=2),
-        "mimo": tc.mimo(tmp_path / "m", mtp_layers=2),
+        "qwen3_next": checkpoints.qwen3_5(tmp_path / "q", mtp_layers=2),
+        "deepseek": checkpoints.deepseek_v3(tmp_path / "d", mtp_layers=2, sidecar=True, trunk_layers=2),
+        "mimo": checkpoints.mimo(tmp_path / "m", mtp_layers=2),
     }
     assert set(built) == set(FAMILIES)
     for name, tiny in built.items():
@@ -718,16 +718,16 @@ def test_find_head_gives_the_shipped_head_for_the_default_model(default_model_di
 def test_find_head_gives_the_checkpoints_own_head_or_none(tmp_path, capsys):
     from mtplx.checkpoints.load import LoadedModel
 
-    def loaded_model(tiny: tc.Tiny) -> LoadedModel:
+    def loaded_model(tiny: checkpoints.Tiny) -> LoadedModel:
         model, config = mlx_load_model(tiny.path)
         return LoadedModel(model, None, config, tiny.path, "fingerprint")
 
-    own = loaded_model(tc.mimo(tmp_path / "mimo"))
+    own = loaded_model(checkpoints.mimo(tmp_path / "mimo"))
     head = find_head(own, Trunk(own.model), model=str(own.path))
     assert head is not None and head.layout == "mimo"
-    bare = loaded_model(tc.qwen3_5(tmp_path / "nomtp", mtp_layers=0))
+    bare = loaded_model(checkpoints.qwen3_5(tmp_path / "nomtp", mtp_layers=0))
     assert find_head(bare, Trunk(bare.model), model=str(bare.path)) is None
-    stripped = loaded_model(tc.mimo(tmp_path / "stripped"))
+    stripped = loaded_model(checkpoints.mimo(tmp_path / "stripped"))
     _drop_head_tensors(stripped.path, lambda k: not k.startswith("model.mtp_layers."))
     assert find_head(stripped, Trunk(stripped.model), model=str(stripped.path)) is None
     assert "ships no model.mtp_layers" in capsys.readouterr().err

@@ -18,9 +18,22 @@ PACKAGE = REPO / "mtplx"
 
 # Test and tool code the runtime path must never import.
 TEST_ONLY_MODULES = ("mtplx.sampling", "mtplx.sample.reference", "mtplx.sample.emulation")
-# Commands, not the engine's business: loading a model must not pull them in. (mtplx.checkpoints.convert_gguf
-# is not one: the default model is converted from its GGUF on first load.)
-COMMAND_MODULES = ("mtplx.bench.run", "mtplx.bench.tune", "mtplx.forge.run")
+# Commands, not the engine's business: loading a model must not pull them in. (The default model's
+# GGUF conversion in mtplx.checkpoints is not one: it runs on first load.)
+COMMAND_PACKAGES = ("mtplx.bench", "mtplx.forge", "mtplx.cli")
+# Head modules that are not a family's: the protocol, the shared loader, the registry, discovery.
+HEAD_INFRASTRUCTURE = (
+    "mtplx.heads",
+    "mtplx.heads.base",
+    "mtplx.heads.registry",
+    "mtplx.heads.weights",
+    "mtplx.heads.discovery",
+)
+MAX_MODULE_LINES = 600
+
+
+def is_command_module(name: str) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in COMMAND_PACKAGES)
 
 
 def import_graph(package_dir: Path) -> dict[str, set[str]]:
@@ -135,7 +148,7 @@ def test_mtp_generate_in_a_fresh_process_loads_no_test_or_command_code(default_m
         and "mtplx.sample.rejection" in loaded
         and "mtplx.sample.ops" in loaded
     )  # the listing is the real one
-    assert [name for name in loaded if name in TEST_ONLY_MODULES + COMMAND_MODULES] == []
+    assert [name for name in loaded if name in TEST_ONLY_MODULES or is_command_module(name)] == []
 
 
 def test_fresh_process_check_sees_an_oracle_import() -> None:
@@ -188,3 +201,99 @@ def test_seed_api_works_verbatim() -> None:
     np.testing.assert_allclose(residual_distribution(p, q), [1.0, 0.0, 0.0])
     np.testing.assert_allclose(speculative_output_marginal(p, q), p)
     assert mtplx.SamplerConfig is SamplerConfig
+
+
+# ------------------------------------------------------------------ layering rules
+
+
+def imports_into(graph: dict[str, set[str]], source_prefix: str, forbidden: set[str]) -> dict[str, list[str]]:
+    """Modules under ``source_prefix`` -> the ``forbidden`` modules they import."""
+    return {
+        name: sorted(graph[name] & forbidden)
+        for name in graph
+        if (name == source_prefix or name.startswith(source_prefix + ".")) and graph[name] & forbidden
+    }
+
+
+def head_family_modules(graph: dict[str, set[str]]) -> set[str]:
+    return {n for n in graph if n.startswith("mtplx.heads.") and n not in HEAD_INFRASTRUCTURE}
+
+
+def test_the_engine_imports_no_head_family_module() -> None:
+    """The engine reaches heads through discovery and the head protocol, never a family file."""
+    graph = import_graph(PACKAGE)
+    families = head_family_modules(graph)
+    assert {"mtplx.heads.qwen3_next", "mtplx.heads.gemma4_assistant"} <= families  # the walk saw them
+    assert imports_into(graph, "mtplx.engine", families) == {}
+
+
+def test_family_import_check_catches_an_engine_importing_a_family(tmp_path: Path) -> None:
+    """Negative control: an engine module importing a family module inside a function is reported."""
+    package = tmp_path / "mtplx"
+    (package / "engine").mkdir(parents=True)
+    (package / "heads").mkdir()
+    for init in ("__init__.py", "engine/__init__.py", "heads/__init__.py", "heads/base.py", "heads/mimo.py"):
+        (package / init).write_text("")
+    (package / "engine" / "engine.py").write_text("def f():\n    from mtplx.heads import mimo\n")
+    graph = import_graph(package)
+    assert imports_into(graph, "mtplx.engine", head_family_modules(graph)) == {
+        "mtplx.engine.engine": ["mtplx.heads.mimo"]
+    }
+
+
+_PARSER_CALLS = (
+    "add_argument",
+    "add_parser",
+    "add_subparsers",
+    "add_mutually_exclusive_group",
+    "add_argument_group",
+)
+
+
+def argparse_users(package_dir: Path) -> list[str]:
+    """Modules outside the CLI package that import argparse or declare flags (anywhere in the file)."""
+    found = []
+    for path in sorted(package_dir.rglob("*.py")):
+        if path.relative_to(package_dir).parts[0] == "cli":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                names = ["argparse"] if node.func.attr in _PARSER_CALLS else []
+            if any(n == "argparse" or n.startswith("argparse.") for n in names):
+                found.append(str(path.relative_to(package_dir)))
+                break
+    return found
+
+
+def test_library_modules_outside_the_cli_use_no_argparse() -> None:
+    assert (PACKAGE / "cli" / "args.py").is_file()
+    assert argparse_users(PACKAGE) == []
+
+
+def test_argparse_check_catches_a_library_module(tmp_path: Path) -> None:
+    """Negative control: argparse in a library module is reported, in the CLI package it is not."""
+    (tmp_path / "cli").mkdir()
+    (tmp_path / "cli" / "main.py").write_text("import argparse\n")
+    (tmp_path / "bench.py").write_text("def f():\n    from argparse import Namespace\n")
+    assert argparse_users(tmp_path) == ["bench.py"]
+
+
+def long_modules(package_dir: Path, limit: int = MAX_MODULE_LINES) -> dict[str, int]:
+    """Modules over ``limit`` lines (docstrings, comments and blank lines count)."""
+    counts = {
+        str(p.relative_to(package_dir)): len(p.read_text().splitlines()) for p in package_dir.rglob("*.py")
+    }
+    return {name: n for name, n in counts.items() if n > limit}
+
+
+def test_no_module_over_600_lines() -> None:
+    assert long_modules(PACKAGE) == {}
+
+
+def test_line_limit_check_catches_a_long_module(tmp_path: Path) -> None:
+    (tmp_path / "short.py").write_text("x = 1\n" * MAX_MODULE_LINES)
+    (tmp_path / "long.py").write_text("# why\n" * (MAX_MODULE_LINES + 1))
+    assert long_modules(tmp_path) == {"long.py": MAX_MODULE_LINES + 1}
