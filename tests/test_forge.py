@@ -478,29 +478,31 @@ def test_default_prompts_are_half_raw_continuations(tmp_path: Path) -> None:
 
 
 def test_cli_and_library_defaults_are_the_same_object() -> None:
-    from mtplx.cli.main import _build_parser, forge_config
+    from mtplx.cli.forge import config_from_args
+    from mtplx.cli.main import _build_parser
 
     args = _build_parser().parse_args(["forge"])
     assert args.forge_defaults is DEFAULT_FORGE_CONFIG
-    assert forge_config(args) is DEFAULT_FORGE_CONFIG  # no flags given: nothing of the CLI's own
+    assert config_from_args(args) is DEFAULT_FORGE_CONFIG  # no flags given: nothing of the CLI's own
     import inspect
 
     assert inspect.signature(forge).parameters["config"].default is DEFAULT_FORGE_CONFIG
-    given = forge_config(
+    given = config_from_args(
         _build_parser().parse_args(["forge", "--budget", "45m", "--depth", "2", "--head-layers", "2"])
     )
     assert given == ForgeConfig(budget="45m", depth=2, head_layers=2)
 
 
 def test_the_default_peak_lr_is_lower_for_a_fine_tune_and_an_explicit_one_wins() -> None:
-    from mtplx.cli.main import _build_parser, forge_config
+    from mtplx.cli.forge import config_from_args
+    from mtplx.cli.main import _build_parser
     from mtplx.forge.config import FINE_TUNE_LR, SCRATCH_LR
 
     assert FINE_TUNE_LR < SCRATCH_LR
     assert DEFAULT_FORGE_CONFIG.peak_lr == SCRATCH_LR
-    tuned = forge_config(_build_parser().parse_args(["forge", "--init-head", "h"]))
+    tuned = config_from_args(_build_parser().parse_args(["forge", "--init-head", "h"]))
     assert tuned.peak_lr == FINE_TUNE_LR
-    explicit = forge_config(_build_parser().parse_args(["forge", "--init-head", "h", "--lr", "3e-4"]))
+    explicit = config_from_args(_build_parser().parse_args(["forge", "--init-head", "h", "--lr", "3e-4"]))
     assert explicit.peak_lr == 3e-4
     # The schedule peaks at the resolved rate (warm-up, then cosine decay to a tenth).
     steps = 200

@@ -20,7 +20,16 @@ PACKAGE = REPO / "mtplx"
 TEST_ONLY_MODULES = ("mtplx.sampling", "mtplx.sample.reference", "mtplx.sample.emulation")
 # Commands, not the engine's business: loading a model must not pull them in. (mtplx.checkpoints.convert_gguf
 # is not one: the default model is converted from its GGUF on first load.)
-COMMAND_MODULES = ("mtplx.bench.run", "mtplx.bench.tune", "mtplx.forge.run")
+COMMAND_MODULES = (
+    "mtplx.bench.report",
+    "mtplx.bench.run",
+    "mtplx.bench.runners",
+    "mtplx.bench.stats",
+    "mtplx.bench.suite",
+    "mtplx.bench.sweep",
+    "mtplx.bench.tune",
+    "mtplx.forge.run",
+)
 
 
 def import_graph(package_dir: Path) -> dict[str, set[str]]:
