@@ -34,8 +34,8 @@ from pathlib import Path
 
 import mtplx  # noqa: F401  (optimized BLAS before mlx)
 from mtplx.engine.engine import Engine
+from mtplx.forge.evaluate import evaluate_acceptance
 from mtplx.forge.prompts import read_held_out
-from mtplx.forge.run import evaluate_acceptance
 
 import numpy as np
 

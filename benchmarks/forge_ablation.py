@@ -37,17 +37,12 @@ from pathlib import Path
 
 import mtplx  # noqa: F401  (optimized BLAS before mlx)
 from mtplx.engine.engine import Engine
+from mtplx.forge.config import DEFAULT_FORGE_CONFIG
+from mtplx.forge.evaluate import evaluate_acceptance
+from mtplx.forge.loss import batch_rows, frequent_ids
 from mtplx.forge.prompts import read_held_out
 from mtplx.forge.record import ForgeData, load_shards
-from mtplx.forge.run import (
-    DEFAULT_FORGE_CONFIG,
-    batch_rows,
-    build_head,
-    evaluate_acceptance,
-    frequent_ids,
-    init_from_head,
-    train_head,
-)
+from mtplx.forge.train import build_head, init_from_head, train_head
 from mtplx.heads.base import build_layer_like, model_args_of
 from mtplx.heads.forged import ForgedMTPHead, load_forged_head
 from mtplx.io import atomic_write

@@ -20,8 +20,10 @@ from pathlib import Path
 
 import mtplx  # noqa: F401  (optimized BLAS before mlx)
 from mtplx.checkpoints.load import load_model
+from mtplx.forge.config import DEFAULT_FORGE_CONFIG
+from mtplx.forge.evaluate import evaluate_acceptance
 from mtplx.forge.record import load_shards
-from mtplx.forge.run import DEFAULT_FORGE_CONFIG, build_head, evaluate_acceptance, init_from_head
+from mtplx.forge.train import build_head, init_from_head
 from mtplx.io import atomic_write
 from mtplx.trunk.model import Trunk
 

@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
 
     engine = Engine.load(args.model, head=args.head, depth=args.depth)
     if args.untrained_head:
-        from mtplx.forge.run import build_head
+        from mtplx.forge.train import build_head
 
         engine.head = build_head(engine.trunk, "post_norm")
     if engine.head is None:

@@ -41,7 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mtplx  # noqa: F401  (optimized BLAS before mlx)
-from mtplx.forge.run import DEFAULT_FORGE_CONFIG, forge
+from mtplx.forge.config import DEFAULT_FORGE_CONFIG
+from mtplx.forge.run import forge
 
 HEAD_DIR = Path(__file__).resolve().parent.parent / "models" / "smollm2-135m-instruct"
 

@@ -28,7 +28,14 @@ COMMAND_MODULES = (
     "mtplx.bench.suite",
     "mtplx.bench.sweep",
     "mtplx.bench.tune",
+    "mtplx.forge.config",
+    "mtplx.forge.corpus",
+    "mtplx.forge.evaluate",
+    "mtplx.forge.loss",
+    "mtplx.forge.prompts",
+    "mtplx.forge.record",
     "mtplx.forge.run",
+    "mtplx.forge.train",
 )
 
 
