@@ -151,11 +151,7 @@ def bench_main(
     threshold_list = check_thresholds(thresholds, depth_list)
     settings = make_settings(temps, top_p)
     prompt_list = load_prompts(prompts_file, kinds=kinds, per_kind=per_kind)
-    if engine is None:
-        from mtplx.engine.engine import Engine
-
-        # An explicit depth, so loading never consults the tune config (the sweep sets depths itself).
-        engine = Engine.load(model, head=head, depth=depth_list[0] if depth_list else 1)
+    engine = engine if engine is not None else _load_engine(model, head, depth_list)
     head_sha = head_weights_sha(head, model)
     summaries, records, plan = run_benchmark(
         engine,
@@ -177,6 +173,13 @@ def bench_main(
     document = result_document(summaries, records, plan, context)
     _write_outputs(document, summaries, records, json_path, plot_path, out or sys.stdout)
     return 0
+
+
+def _load_engine(model: str | None, head: str | None, depths: Sequence[int]):
+    from mtplx.engine.engine import Engine
+
+    # An explicit depth, so loading never consults the tune config (the sweep sets depths itself).
+    return Engine.load(model, head=head, depth=depths[0] if depths else 1)
 
 
 def _context(
