@@ -76,7 +76,11 @@ def timings():
             print(f"| {B} | {k} | {ops:.3f} | {fu:.3f} | {ops / fu:.2f}x |", flush=True)
 
 
-if __name__ == "__main__":
+def main() -> None:
     print(f"mlx {mx.__version__}, device {mx.default_device()}")
     correctness()
     timings()
+
+
+if __name__ == "__main__":
+    main()

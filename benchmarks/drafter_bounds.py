@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import mtplx  # noqa: F401  (optimized BLAS before mlx)
-from mtplx.bench import run as bench
+from mtplx.bench.runners import ban_bias
+from mtplx.bench.suite import load_prompts
 from mtplx.engine.engine import Engine
 from mtplx.io import atomic_write
 from mtplx.spec_decode.lookup_proposer import LookupConfig, LookupProposer, point_mass_draft
@@ -59,9 +60,9 @@ class Trajectory:
 
 def record(engine: Engine, tokens: int, samples: int) -> list[Trajectory]:
     """Plain AR text for every suite prompt: greedy (seed 0), sampled with seeds 1..``samples`` (EOS banned)."""
-    bias = bench.ban_bias(engine.tokenizer)
+    bias = ban_bias(engine.tokenizer)
     out = []
-    for prompt in bench.load_prompts():
+    for prompt in load_prompts():
         prompt_ids = engine.encode_prompt(prompt.engine_input, chat=prompt.is_chat)
         for setting, (temperature, top_p) in SETTINGS.items():
             for seed in [0] if temperature == 0.0 else range(1, samples + 1):

@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 
 import mtplx  # noqa: F401  (BLAS before mlx)
-from mtplx.bench import run as bench
+from mtplx.bench.runners import ban_bias
+from mtplx.bench.suite import load_prompts
 from mtplx.engine.engine import Engine
 from mtplx.io import atomic_write
 
@@ -20,9 +21,9 @@ DRAFTS = ("head", "lookup", "auto")
 
 def main() -> None:
     engine = Engine.load(depth=1)
-    bias = bench.ban_bias(engine.tokenizer)
+    bias = ban_bias(engine.tokenizer)
     rows = []
-    for prompt in bench.load_prompts(kinds=["grounded"], per_kind=2):
+    for prompt in load_prompts(kinds=["grounded"], per_kind=2):
         for draft in DRAFTS:
             stats = engine.generate(
                 prompt.engine_input, chat=prompt.is_chat, max_tokens=48, seed=1, draft=draft, logit_bias=bias

@@ -28,7 +28,8 @@ from collections import defaultdict
 from contextlib import contextmanager
 
 import mtplx  # noqa: F401  (optimized BLAS before mlx)
-from mtplx.bench import run as bench
+from mtplx.bench.runners import ban_bias
+from mtplx.bench.suite import load_prompts
 from mtplx.sample import ops as sample_ops
 from mtplx.sample import rejection
 from mtplx.trunk import rollback as cache_ops
@@ -236,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    prompt = next(p for p in bench.load_prompts() if p.id == args.prompt_id)
+    prompt = next(p for p in load_prompts() if p.id == args.prompt_id)
     top_p = args.top_p if args.temp > 0 else 1.0
     kwargs = dict(
         chat=prompt.is_chat,
@@ -244,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         temperature=args.temp,
         top_p=top_p,
         seed=1,
-        logit_bias=None if args.no_ban_eos else bench.ban_bias(engine.tokenizer),
+        logit_bias=None if args.no_ban_eos else ban_bias(engine.tokenizer),
     )
 
     def generate(mtp: bool = True, phases: Phases | None = None):

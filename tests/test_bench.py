@@ -1,4 +1,4 @@
-"""mtplx.bench.run and mtplx.bench.tune: reports, formulas, bad input, interruption, the tune config.
+"""mtplx.bench and its commands (bench, tune): reports, formulas, bad input, interruption, the tune config.
 
 Fast: a fake engine (scripted chunks and stats) for the bookkeeping, and one real
 sweep on a tiny random llama + head with a character-level tokenizer. Nothing here
@@ -13,8 +13,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import mtplx  # noqa: F401  (BLAS before mlx)
-from mtplx.bench import run as bench
 from mtplx.bench import tune
+from mtplx.bench.report import markdown_table, result_document, write_json, write_plot
+from mtplx.bench.run import bench_main, report_main, run_benchmark
+from mtplx.bench.runners import BAN_BIAS, accepted_counts, ban_bias
+from mtplx.bench.stats import Summary, conditional_acceptance, summarize, summarize_by_kind, theoretical_tau
+from mtplx.bench.suite import Prompt, load_prompts
+from mtplx.bench.sweep import (
+    RunRecord,
+    SweepPlan,
+    make_settings,
+    make_variants,
+    parse_depths,
+    parse_drafts,
+    run_sweep,
+)
+from mtplx.cli import bench as bench_cli
+from mtplx.cli import tune as tune_cli
 from mtplx.engine import tuned
 from mtplx.errors import MtplxError
 from mtplx.io import atomic_write
@@ -62,15 +77,24 @@ class FakeEngine:
         self.calls: list[dict] = []
         self.interrupt_after = interrupt_after
 
-    def _context_length(self) -> int:
-        return 10_000
+    context_length = 10_000
 
     def encode_prompt(self, prompt, chat=None) -> list[int]:
         if not prompt:
             raise MtplxError("prompt: is empty")
         return [5] * 7
 
-    def stream(self, prompt, *, max_tokens, draft="auto", depth=None, **kwargs):
+    def stream(self, prompt, request):
+        """Records the request's fields under the API's names, then scripts a generation."""
+        max_tokens, draft, depth = request.max_tokens, request.drafting.kind, request.drafting.depth
+        kwargs = dict(
+            temperature=request.sampler.temperature,
+            top_p=request.sampler.top_p,
+            logit_bias=dict(request.sampler.logit_bias or {}),
+            seed=request.seed,
+            chat=request.chat,
+            adaptive_threshold=request.drafting.adaptive_threshold,
+        )
         mtp = draft != "none"
         self.calls.append(dict(kwargs, max_tokens=max_tokens, mtp=mtp, depth=depth, draft=draft))
         if self.interrupt_after is not None and len(self.calls) > self.interrupt_after:
@@ -105,28 +129,26 @@ def _one_line(err: pytest.ExceptionInfo) -> str:
 
 def test_theoretical_tau_matches_hand_computed_example():
     # a = (0.8, 0.5, 0.25): 1 + 0.8 + 0.8*0.5 + 0.8*0.5*0.25 = 1 + 0.8 + 0.4 + 0.1 = 2.3
-    assert bench.theoretical_tau([0.8, 0.5, 0.25]) == pytest.approx(2.3)
-    assert bench.theoretical_tau([]) == 1.0
-    assert bench.theoretical_tau([1.0, 1.0]) == 3.0
+    assert theoretical_tau([0.8, 0.5, 0.25]) == pytest.approx(2.3)
+    assert theoretical_tau([]) == 1.0
+    assert theoretical_tau([1.0, 1.0]) == 3.0
 
 
 def test_conditional_acceptance_from_cumulative_engine_rates():
     # engine: P(drafts 1..i all kept) = 0.8, 0.4, 0.1 -> conditional 0.8, 0.5, 0.25
-    assert bench.conditional_acceptance([0.8, 0.4, 0.1]) == pytest.approx([0.8, 0.5, 0.25])
-    assert bench.conditional_acceptance([0.0, 0.0]) == [0.0, 0.0]
+    assert conditional_acceptance([0.8, 0.4, 0.1]) == pytest.approx([0.8, 0.5, 0.25])
+    assert conditional_acceptance([0.0, 0.0]) == [0.0, 0.0]
     cumulative = [0.9, 0.6, 0.3]
     # theory from conditionals equals 1 + sum of the cumulative rates
-    assert bench.theoretical_tau(bench.conditional_acceptance(cumulative)) == pytest.approx(
-        1 + sum(cumulative)
-    )
+    assert theoretical_tau(conditional_acceptance(cumulative)) == pytest.approx(1 + sum(cumulative))
 
 
 def test_accepted_counts_pads_to_depth():
-    assert bench.accepted_counts([0.5, 0.25], 8, 3) == [4, 2, 0]
+    assert accepted_counts([0.5, 0.25], 8, 3) == [4, 2, 0]
 
 
 def _record(variant, mode, depth, setting, repeat, seconds, *, tokens=11, cycles=0, accepted=(), in_cycles=0):
-    return bench.RunRecord(
+    return RunRecord(
         variant=variant,
         mode=mode,
         depth=depth,
@@ -156,7 +178,7 @@ def test_summary_medians_ratios_and_efficiency():
             )
         )
     records.append(_record("mtplx MTP d=2", "mtp", 2, "greedy", -1, 99.0))  # warm-up: ignored
-    stock, mtp = bench.summarize(records)
+    stock, mtp = summarize(records)
     assert stock.decode_tps == pytest.approx(8.0)  # rates 10, 5, 8 -> median 8
     assert (stock.decode_tps_min, stock.decode_tps_max) == pytest.approx((5.0, 10.0))
     assert mtp.decode_tps == pytest.approx(20.0)  # rates 20, 25, 10
@@ -166,7 +188,7 @@ def test_summary_medians_ratios_and_efficiency():
     assert mtp.tau_theory == pytest.approx(2.2)
     assert mtp.efficiency == pytest.approx(2.0 / 2.2)
     assert mtp.spread == pytest.approx((25 - 10) / 20)
-    table = bench.markdown_table([stock, mtp])
+    table = markdown_table([stock, mtp])
     assert "| greedy | mtplx MTP d=2 | 20.00 [10.00-25.00]" in table and "[0.80, 0.50]" in table
 
 
@@ -177,20 +199,20 @@ def test_summary_medians_ratios_and_efficiency():
     "spec, expected", [("1-3", [1, 2, 3]), ("3,1,3", [1, 3]), ("0", []), ("", []), ([2, 1], [1, 2])]
 )
 def test_parse_depths(spec, expected):
-    assert bench.parse_depths(spec) == expected
+    assert parse_depths(spec) == expected
 
 
 @pytest.mark.parametrize("spec", ["-1", "a", "1-x", "17", [0, -2]])
 def test_bad_depths_are_one_line_errors(spec):
     with pytest.raises(MtplxError) as err:
-        bench.parse_depths(spec)
+        parse_depths(spec)
     assert "depths" in _one_line(err)
 
 
 @pytest.mark.parametrize("tokens, repeats", [(0, 3), (-5, 3), (16, 0), (16, -1)])
 def test_zero_or_negative_counts_fail_before_loading(tokens, repeats):
     with pytest.raises(MtplxError) as err:  # model=None would take seconds to load: it must not get there
-        bench.bench_main(tokens=tokens, repeats=repeats, engine=None, model="/definitely/not/loaded")
+        bench_main(tokens=tokens, repeats=repeats, engine=None, model="/definitely/not/loaded")
     assert ("tokens" if tokens <= 0 else "repeats") in _one_line(err)
 
 
@@ -207,27 +229,27 @@ def test_zero_or_negative_counts_fail_before_loading(tokens, repeats):
 def test_bad_prompt_files(tmp_path, content, fragment):
     path = _write(tmp_path, "p.jsonl", content)
     with pytest.raises(MtplxError) as err:
-        bench.load_prompts(path)
+        load_prompts(path)
     assert fragment in _one_line(err) and str(path) in str(err.value)
 
 
 def test_missing_prompt_file_and_unknown_kind(tmp_path):
     with pytest.raises(MtplxError) as err:
-        bench.load_prompts(tmp_path / "nope.jsonl")
+        load_prompts(tmp_path / "nope.jsonl")
     assert "not found" in _one_line(err)
     with pytest.raises(MtplxError) as err:
-        bench.load_prompts(kinds=["poetry"])
+        load_prompts(kinds=["poetry"])
     assert "no prompts of kind poetry" in _one_line(err)
 
 
 def test_text_prompt_file_one_prompt_per_line(tmp_path):
-    prompts = bench.load_prompts(_write(tmp_path, "p.txt", "first\n\nsecond\\nline\n"))
+    prompts = load_prompts(_write(tmp_path, "p.txt", "first\n\nsecond\\nline\n"))
     assert [p.text for p in prompts] == ["first", "second\nline"]
 
 
 def test_unknown_model_is_a_one_line_error(tmp_path):
     with pytest.raises(MtplxError) as err:
-        bench.bench_main(
+        bench_main(
             model=str(tmp_path / "no-such-model"),
             tokens=4,
             repeats=1,
@@ -240,10 +262,10 @@ def test_unknown_model_is_a_one_line_error(tmp_path):
 
 def test_depth_the_head_cannot_serve():
     with pytest.raises(MtplxError) as err:
-        bench.run_benchmark(FakeEngine(head=None), depths=[1], tokens=4, repeats=1, progress=False)
+        run_benchmark(FakeEngine(head=None), depths=[1], tokens=4, repeats=1, progress=False)
     assert "no MTP head" in _one_line(err)
     with pytest.raises(MtplxError) as err:
-        bench.run_benchmark(
+        run_benchmark(
             FakeEngine(head=FakeHead(max_depth=2)), depths=[1, 3], tokens=4, repeats=1, progress=False
         )
     assert "serves depths 1..2" in _one_line(err)
@@ -251,9 +273,9 @@ def test_depth_the_head_cannot_serve():
 
 def test_prompt_too_long_for_context_fails_before_running():
     engine = FakeEngine()
-    engine._context_length = lambda: 20
+    engine.context_length = 20
     with pytest.raises(MtplxError) as err:
-        bench.run_benchmark(engine, depths=[1], tokens=16, repeats=1, progress=False)
+        run_benchmark(engine, depths=[1], tokens=16, repeats=1, progress=False)
     assert "exceed the context" in _one_line(err)
     assert engine.calls == []
 
@@ -262,14 +284,14 @@ def test_prompt_too_long_for_context_fails_before_running():
 
 
 def test_shipped_suite_has_four_kinds_of_real_prompts():
-    prompts = bench.load_prompts()
+    prompts = load_prompts()
     kinds = [p.kind for p in prompts]
     assert {k: kinds.count(k) for k in set(kinds)} == {"code": 4, "prose": 4, "grounded": 4, "chat": 4}
     assert all(p.source for p in prompts)
     assert all(len(p.text) > 200 for p in prompts if p.kind in ("code", "prose"))
     # Input-grounded: a long given text (code or passage) that the answer is asked to copy from.
     assert all(p.is_chat and len(p.messages[0]["content"]) > 400 for p in prompts if p.kind == "grounded")
-    assert [p.kind for p in bench.load_prompts(per_kind=1)] == ["code", "prose", "grounded", "chat"]
+    assert [p.kind for p in load_prompts(per_kind=1)] == ["code", "prose", "grounded", "chat"]
 
 
 def test_sweep_is_interleaved_with_one_warmup_each_and_shared_seeds():
@@ -280,13 +302,11 @@ def test_sweep_is_interleaved_with_one_warmup_each_and_shared_seeds():
         return _record(variant.name, variant.mode, variant.depth, setting.name, repeat, 1.0)
 
     prompts = [
-        bench.Prompt("a", "code", text="x"),
-        bench.Prompt("b", "chat", messages=({"role": "user", "content": "y"},)),
+        Prompt("a", "code", text="x"),
+        Prompt("b", "chat", messages=({"role": "user", "content": "y"},)),
     ]
-    plan = bench.SweepPlan(
-        bench.make_variants([1, 2]), bench.make_settings([0.0, 0.7]), prompts, 16, 2, warmup_tokens=4
-    )
-    records = bench.run_sweep(runner, plan)
+    plan = SweepPlan(make_variants([1, 2]), make_settings([0.0, 0.7]), prompts, 16, 2, warmup_tokens=4)
+    records = run_sweep(runner, plan)
     assert len(calls) == plan.total_runs == 2 * 4 + 2 * 2 * 2 * 4
     warmups, timed = calls[:8], calls[8:]
     assert all(c[5] == -1 and c[3] == 4 for c in warmups)
@@ -300,8 +320,8 @@ def test_sweep_is_interleaved_with_one_warmup_each_and_shared_seeds():
 
 def test_fake_engine_sweep_passes_eos_ban_and_counts_cycles():
     engine = FakeEngine()
-    prompts = bench.load_prompts(per_kind=1)
-    summaries, records, _ = bench.run_benchmark(
+    prompts = load_prompts(per_kind=1)
+    summaries, records, _ = run_benchmark(
         engine,
         depths=[2],
         tokens=13,
@@ -312,7 +332,7 @@ def test_fake_engine_sweep_passes_eos_ban_and_counts_cycles():
         warmup_tokens=0,
         progress=False,
     )
-    assert all(c["logit_bias"] == {0: bench.BAN_BIAS} for c in engine.calls)
+    assert all(c["logit_bias"] == {0: BAN_BIAS} for c in engine.calls)
     assert all(c["temperature"] == 0.7 and c["top_p"] == 0.95 for c in engine.calls)
     assert all(r.generated_tokens == 13 for r in records)
     mtp = [s for s in summaries if s.mode == "mtp"][0]
@@ -322,8 +342,8 @@ def test_fake_engine_sweep_passes_eos_ban_and_counts_cycles():
 
 def test_sweep_compares_drafters_and_reports_per_kind():
     engine = FakeEngine()
-    prompts = bench.load_prompts(per_kind=1)
-    summaries, records, plan = bench.run_benchmark(
+    prompts = load_prompts(per_kind=1)
+    summaries, records, plan = run_benchmark(
         engine,
         depths=[2],
         tokens=9,
@@ -344,18 +364,18 @@ def test_sweep_compares_drafters_and_reports_per_kind():
     }
     # Acceptance per position only for the fixed-length head blocks.
     assert [bool(s.acceptance) for s in summaries] == [False, True, False, False]
-    per_kind = bench.summarize_by_kind(records)
+    per_kind = summarize_by_kind(records)
     assert [s.kind for s in per_kind] == [k for k in ("code", "prose", "grounded", "chat") for _ in range(4)]
-    table = bench.markdown_table(per_kind)
+    table = markdown_table(per_kind)
     assert table.splitlines()[0].startswith("| kind |") and "drafters" in table.splitlines()[0]
     with pytest.raises(MtplxError, match="drafts"):
-        bench.parse_drafts("head,ngram")
+        parse_drafts("head,ngram")
 
 
 def test_interrupted_sweep_writes_nothing(tmp_path):
     out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
     with pytest.raises(KeyboardInterrupt):
-        bench.bench_main(
+        bench_main(
             engine=FakeEngine(interrupt_after=5),
             depths="1",
             tokens=8,
@@ -383,7 +403,7 @@ def test_atomic_write_keeps_old_file_when_interrupted_mid_write(tmp_path, mode):
 def test_fake_engine_bench_main_writes_table_json_and_png(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     out_json, out_png = tmp_path / "sub" / "r.json", tmp_path / "r.png"
-    code = bench.bench_main(
+    code = bench_main(
         engine=FakeEngine(),
         depths="1-2",
         tokens=9,
@@ -431,10 +451,10 @@ def tiny_engine():
 def test_real_tiny_sweep_stock_ar_and_mtp(tiny_engine, tmp_path, capsys):
     pytest.importorskip("matplotlib")
     prompts = [
-        bench.Prompt("c", "code", text="def f(x):\n    return"),
-        bench.Prompt("q", "chat", messages=({"role": "user", "content": "Hi there"},)),
+        Prompt("c", "code", text="def f(x):\n    return"),
+        Prompt("q", "chat", messages=({"role": "user", "content": "Hi there"},)),
     ]
-    summaries, records, plan = bench.run_benchmark(
+    summaries, records, plan = run_benchmark(
         tiny_engine,
         depths=[1, 2],
         tokens=12,
@@ -456,8 +476,8 @@ def test_real_tiny_sweep_stock_ar_and_mtp(tiny_engine, tmp_path, capsys):
     for s in (s for s in summaries if s.mode == "mtp"):
         assert len(s.acceptance) == s.depth and all(0.0 <= a <= 1.0 for a in s.acceptance)
         assert 1.0 <= s.tau <= s.depth + 1 and s.efficiency is not None
-    bench.write_json(tmp_path / "r.json", bench.result_document(summaries, records, plan, {"model": "tiny"}))
-    bench.write_plot(tmp_path / "r.png", summaries, "tiny")
+    write_json(tmp_path / "r.json", result_document(summaries, records, plan, {"model": "tiny"}))
+    write_plot(tmp_path / "r.png", summaries, "tiny")
     assert json.loads((tmp_path / "r.json").read_text())["summary"][0]["variant"] == "mlx-lm stock"
     assert (tmp_path / "r.png").stat().st_size > 1000
 
@@ -467,7 +487,7 @@ def test_real_tiny_greedy_stock_and_mtplx_generate_the_same_tokens(tiny_engine):
     from mlx_lm import stream_generate
 
     ids = tiny_engine.encode_prompt("abc")
-    bias = bench.ban_bias(tiny_engine.tokenizer)
+    bias = ban_bias(tiny_engine.tokenizer)
     from mlx_lm.sample_utils import make_logits_processors
 
     stock = [
@@ -490,7 +510,7 @@ def test_real_tiny_greedy_stock_and_mtplx_generate_the_same_tokens(tiny_engine):
 
 def _summary(mode, depth, setting, tps, spread=0.02):
     name = {"ar": "mtplx AR", "mtp": f"mtplx MTP d={depth}"}[mode]
-    return bench.Summary(
+    return Summary(
         variant=name,
         mode=mode,
         depth=depth,
@@ -591,7 +611,7 @@ def test_tune_main_saves_then_keeps_then_retunes(tmp_path, capsys):
 
 def test_report_re_renders_a_saved_result(tmp_path, capsys):
     out_json = tmp_path / "r.json"
-    bench.bench_main(
+    bench_main(
         engine=FakeEngine(),
         depths="1",
         tokens=5,
@@ -603,24 +623,24 @@ def test_report_re_renders_a_saved_result(tmp_path, capsys):
         progress=False,
     )
     table = capsys.readouterr().out.split("\n\nwrote")[0].strip()
-    assert bench.report_main(out_json) == 0
+    assert report_main(out_json) == 0
     assert capsys.readouterr().out.strip() == table
     out_json.write_text('{"runs": [{"variant": 1}]}')
     with pytest.raises(MtplxError) as err:
-        bench.report_main(out_json)
+        report_main(out_json)
     assert "not an mtplx bench result" in _one_line(err)
 
 
 def test_cli_glue_parses_flags():
     parser = argparse.ArgumentParser()
-    bench.add_bench_args(parser)
+    bench_cli.add_args(parser)
     args = parser.parse_args(["--tokens", "0", "--depths", "1,3", "--temps", "0,0.7,1.0", "--no-plot"])
     with pytest.raises(MtplxError):
-        bench.bench_from_args(args)
+        bench_cli.run(args)
     tparser = argparse.ArgumentParser()
-    tune.add_tune_args(tparser)
+    tune_cli.add_args(tparser)
     targs = tparser.parse_args(["--show", "--config", "/nonexistent/x.json"])
-    assert tune.tune_from_args(targs) == 0
+    assert tune_cli.run(targs) == 0
 
 
 @pytest.mark.parametrize(
@@ -629,17 +649,17 @@ def test_cli_glue_parses_flags():
 )
 def test_bad_adaptive_thresholds_fail_before_loading(thresholds, depths, fragment):
     with pytest.raises(MtplxError) as err:  # model would take seconds to load: it must not get there
-        bench.bench_main(depths=depths, thresholds=thresholds, model="/definitely/not/loaded")
+        bench_main(depths=depths, thresholds=thresholds, model="/definitely/not/loaded")
     line = _one_line(err)
     assert line.startswith("thresholds:") and fragment in line
 
 
 def test_thresholds_flag_adds_one_adaptive_variant_per_threshold_at_the_largest_depth(capsys):
     parser = argparse.ArgumentParser()
-    bench.add_bench_args(parser)
+    bench_cli.add_args(parser)
     with pytest.raises(MtplxError, match="thresholds: cannot read"):
-        bench.bench_from_args(parser.parse_args(["--thresholds", "0.2,high", "--no-plot"]))
-    code = bench.bench_main(
+        bench_cli.run(parser.parse_args(["--thresholds", "0.2,high", "--no-plot"]))
+    code = bench_main(
         engine=FakeEngine(),
         depths="1-2",
         thresholds=(0.3, 0.5, 0.3),

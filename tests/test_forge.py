@@ -8,6 +8,17 @@ from pathlib import Path
 
 import mtplx  # noqa: F401  (optimized BLAS before mlx)
 from mtplx.errors import MtplxError
+from mtplx.forge.config import DEFAULT_FORGE_CONFIG, Budget, ForgeConfig, parse_budget
+from mtplx.forge.evaluate import acceptance, choose_draft_vocab, evaluate_acceptance
+from mtplx.forge.loss import (
+    Objective,
+    UnrollCache,
+    frequent_ids,
+    make_batch,
+    position_ce,
+    unrolled_step_losses,
+    weighted_loss,
+)
 from mtplx.forge.prompts import KINDS, Prompt, check_held_out, default_prompts, drop_held_out
 from mtplx.forge.record import (
     ForgeData,
@@ -18,25 +29,8 @@ from mtplx.forge.record import (
     generate_shards,
     load_shards,
 )
-from mtplx.forge.run import (
-    DEFAULT_FORGE_CONFIG,
-    Budget,
-    ForgeConfig,
-    Objective,
-    acceptance,
-    build_head,
-    choose_draft_vocab,
-    evaluate_acceptance,
-    forge,
-    frequent_ids,
-    lr_schedule,
-    make_batch,
-    parse_budget,
-    position_ce,
-    train_head,
-    unrolled_step_losses,
-    weighted_loss,
-)
+from mtplx.forge.run import forge
+from mtplx.forge.train import build_head, lr_schedule, train_head
 from mtplx.heads.forged import MANIFEST, lm_head_matrix, load_forged_head, save_forged_head
 from mtplx.trunk.model import Trunk
 
@@ -236,17 +230,15 @@ def test_unrolled_step_matches_a_step_by_step_reference(
             np.asarray(flat_u[k]), np.asarray(flat_r[k]), rtol=2e-3, atol=2e-5, err_msg=k
         )
     # Negative control: an unrolled chain that forgets its own chain entries (plain causal mask) differs.
-    from mtplx.forge import run as forge_mod
-
-    original = forge_mod.UnrollCache.make_mask
-    forge_mod.UnrollCache.make_mask = lambda self, n, **_: mx.concatenate(
+    original = UnrollCache.make_mask
+    UnrollCache.make_mask = lambda self, n, **_: mx.concatenate(
         [mx.arange(n)[:, None] >= mx.arange(n)[None]] + [mx.zeros((n, n), dtype=mx.bool_)] * len(self.keys),
         axis=1,
     )
     try:
         wrong = unrolled_step_losses(head, obj.rows_matrix, obj.shared_proj, short, depth)
     finally:
-        forge_mod.UnrollCache.make_mask = original
+        UnrollCache.make_mask = original
     assert abs(float(wrong[1]) - float(per_r[1])) > 1e-4
 
 
@@ -353,7 +345,7 @@ def test_sidecar_round_trip_max_depth_and_fingerprint_refusal(
 def test_a_deeper_head_starts_as_the_one_layer_head_and_learns_its_extra_layer(
     trunk: Trunk, data: ForgeData, tmp_path: Path
 ) -> None:
-    from mtplx.forge.run import init_from_head
+    from mtplx.forge.train import init_from_head
 
     one = build_head(trunk, "pre_norm")
     train_head(_cfg(tmp_path, steps=5), trunk, one, data, None, tmp_path / "ckpt1")
@@ -471,29 +463,31 @@ def test_default_prompts_are_half_raw_continuations(tmp_path: Path) -> None:
 
 
 def test_cli_and_library_defaults_are_the_same_object() -> None:
-    from mtplx.cli.main import _build_parser, forge_config
+    from mtplx.cli.forge import config_from_args
+    from mtplx.cli.main import _build_parser
 
     args = _build_parser().parse_args(["forge"])
     assert args.forge_defaults is DEFAULT_FORGE_CONFIG
-    assert forge_config(args) is DEFAULT_FORGE_CONFIG  # no flags given: nothing of the CLI's own
+    assert config_from_args(args) is DEFAULT_FORGE_CONFIG  # no flags given: nothing of the CLI's own
     import inspect
 
     assert inspect.signature(forge).parameters["config"].default is DEFAULT_FORGE_CONFIG
-    given = forge_config(
+    given = config_from_args(
         _build_parser().parse_args(["forge", "--budget", "45m", "--depth", "2", "--head-layers", "2"])
     )
     assert given == ForgeConfig(budget="45m", depth=2, head_layers=2)
 
 
 def test_the_default_peak_lr_is_lower_for_a_fine_tune_and_an_explicit_one_wins() -> None:
-    from mtplx.cli.main import _build_parser, forge_config
+    from mtplx.cli.forge import config_from_args
+    from mtplx.cli.main import _build_parser
     from mtplx.forge.config import FINE_TUNE_LR, SCRATCH_LR
 
     assert FINE_TUNE_LR < SCRATCH_LR
     assert DEFAULT_FORGE_CONFIG.peak_lr == SCRATCH_LR
-    tuned = forge_config(_build_parser().parse_args(["forge", "--init-head", "h"]))
+    tuned = config_from_args(_build_parser().parse_args(["forge", "--init-head", "h"]))
     assert tuned.peak_lr == FINE_TUNE_LR
-    explicit = forge_config(_build_parser().parse_args(["forge", "--init-head", "h", "--lr", "3e-4"]))
+    explicit = config_from_args(_build_parser().parse_args(["forge", "--init-head", "h", "--lr", "3e-4"]))
     assert explicit.peak_lr == 3e-4
     # The schedule peaks at the resolved rate (warm-up, then cosine decay to a tenth).
     steps = 200
@@ -663,7 +657,8 @@ def test_nucleus_sampling_draws_only_inside_the_top_p_set() -> None:
 def test_a_time_budget_fixes_the_step_count_once(trunk: Trunk, data: ForgeData, tmp_path: Path) -> None:
     import time
 
-    from mtplx.forge.run import _planned_steps, seconds_per_step
+    from mtplx.forge.run import _planned_steps
+    from mtplx.forge.train import seconds_per_step
 
     cfg = _cfg(tmp_path, budget="10m", depth=2)
     per_step = seconds_per_step(cfg, trunk, build_head(trunk, "pre_norm"), data, Objective.build(trunk, None))

@@ -278,7 +278,8 @@ def test_argparse_check_catches_a_library_module(tmp_path: Path) -> None:
     (tmp_path / "cli").mkdir()
     (tmp_path / "cli" / "main.py").write_text("import argparse\n")
     (tmp_path / "bench.py").write_text("def f():\n    from argparse import Namespace\n")
-    assert argparse_users(tmp_path) == ["bench.py"]
+    (tmp_path / "tune.py").write_text("def add_args(parser):\n    parser.add_argument('--depths')\n")
+    assert argparse_users(tmp_path) == ["bench.py", "tune.py"]
 
 
 def long_modules(package_dir: Path, limit: int = MAX_MODULE_LINES) -> dict[str, int]:

@@ -21,7 +21,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from mtplx.bench import run as bench
+from mtplx.bench.report import markdown_table, versions
+from mtplx.bench.run import run_benchmark
+from mtplx.bench.stats import Summary
+from mtplx.bench.suite import load_prompts
+from mtplx.bench.sweep import DEFAULT_TEMPS, DEFAULT_TOP_P, SweepPlan, check_counts, parse_depths
 from mtplx.engine.tuned import config_file, machine_info, machine_key, read_config, save_entry, saved_entry
 from mtplx.errors import MtplxError
 
@@ -33,12 +37,12 @@ TUNE_PER_KIND = 1
 ADAPTIVE_THRESHOLDS = (0.2, 0.4)
 
 
-def _ratio_to_ar(row: bench.Summary, ar: bench.Summary) -> float:
+def _ratio_to_ar(row: Summary, ar: Summary) -> float:
     """The paired ratio where the sweep measured one, else the ratio of medians."""
     return row.ratio_to_ar if row.ratio_to_ar is not None else row.decode_tps / ar.decode_tps
 
 
-def choose_depth(summaries: Sequence[bench.Summary]) -> tuple[int, float, float]:
+def choose_depth(summaries: Sequence[Summary]) -> tuple[int, float, float]:
     """(depth, margin, noise): the MTP depth with the best geometric-mean speed-up over AR
     across settings, or 0 when its margin over AR does not exceed the run-to-run spread."""
     settings = list(dict.fromkeys(s.setting for s in summaries))
@@ -63,7 +67,7 @@ def choose_depth(summaries: Sequence[bench.Summary]) -> tuple[int, float, float]
     return (best_depth if margin > noise else 0), margin, noise
 
 
-def _geometric_mean_ratio(rows: Sequence[bench.Summary], ar: dict[str, bench.Summary]) -> float | None:
+def _geometric_mean_ratio(rows: Sequence[Summary], ar: dict[str, Summary]) -> float | None:
     ratios = [
         _ratio_to_ar(r, ar[r.setting]) for r in rows if r.setting in ar and ar[r.setting].decode_tps > 0
     ]
@@ -72,7 +76,7 @@ def _geometric_mean_ratio(rows: Sequence[bench.Summary], ar: dict[str, bench.Sum
     return math.exp(sum(math.log(r) for r in ratios) / len(ratios))
 
 
-def choose_threshold(summaries: Sequence[bench.Summary]) -> tuple[float | None, float]:
+def choose_threshold(summaries: Sequence[Summary]) -> tuple[float | None, float]:
     """(threshold, ratio to the best fixed depth): the adaptive-length threshold with the best
     geometric-mean speed-up over AR, and how it compares with the fastest fixed depth
     (> 1 = adaptive faster). (None, 0.0) when the sweep measured no adaptive variant."""
@@ -99,12 +103,10 @@ def choose_threshold(summaries: Sequence[bench.Summary]) -> tuple[float | None, 
     return threshold, score / best_fixed
 
 
-def make_entry(
-    engine, summaries: Sequence[bench.Summary], plan: bench.SweepPlan, model: str | None
-) -> dict[str, Any]:
+def make_entry(engine, summaries: Sequence[Summary], plan: SweepPlan, model: str | None) -> dict[str, Any]:
     depth, margin, noise = choose_depth(summaries)
     threshold, adaptive_vs_fixed = choose_threshold(summaries)
-    versions = bench._versions()
+    installed = versions()
     return {
         "depth": depth,
         # Used only when adaptive drafting is asked for (`--adaptive`); measured at the largest depth.
@@ -116,8 +118,8 @@ def make_entry(
         "model": str(model) if model is not None else "default",
         "model_path": str(getattr(engine, "model_path", "") or ""),
         "machine": machine_info(),
-        "mlx": versions["mlx"],
-        "mtplx": versions["mtplx"],
+        "mlx": installed["mlx"],
+        "mtplx": installed["mtplx"],
         "tokens": plan.max_tokens,
         "repeats": plan.repeats,
         "settings": [s.name for s in plan.settings],
@@ -156,6 +158,12 @@ def show_text(config_path: str | Path | None = None) -> str:
     return "\n".join(lines)
 
 
+def _servable(engine, depths: list[int]) -> list[int]:
+    """The default range, cut to what the engine's head serves."""
+    limit = getattr(engine.head, "max_depth", None) if getattr(engine, "head", None) is not None else None
+    return depths if limit is None else [d for d in depths if d <= int(limit)]
+
+
 def tune_main(
     *,
     model: str | None = None,
@@ -168,8 +176,8 @@ def tune_main(
     repeats: int = TUNE_REPEATS,
     prompts_file: str | None = None,
     per_kind: int | None = TUNE_PER_KIND,
-    temps: Sequence[float] = bench.DEFAULT_TEMPS,
-    top_p: float = bench.DEFAULT_TOP_P,
+    temps: Sequence[float] = DEFAULT_TEMPS,
+    top_p: float = DEFAULT_TOP_P,
     progress: bool = True,
     engine=None,
     out=None,
@@ -179,11 +187,11 @@ def tune_main(
     if show:
         print(show_text(config_path), file=out)
         return 0
-    bench.check_counts(tokens, repeats)
-    depth_list = bench.parse_depths(depths)
+    check_counts(tokens, repeats)
+    depth_list = parse_depths(depths)
     if not depth_list:
         raise MtplxError("depths: tune needs at least one MTP depth to compare with AR")
-    prompts = bench.load_prompts(prompts_file, per_kind=per_kind)
+    prompts = load_prompts(prompts_file, per_kind=per_kind)
     if engine is None:
         from mtplx.engine.engine import Engine
 
@@ -194,12 +202,9 @@ def tune_main(
     if existing is not None:
         print(f"already tuned: {describe(existing)} (pass --retune to measure again)", file=out)
         return 0
-    limit = getattr(engine.head, "max_depth", None) if getattr(engine, "head", None) is not None else None
-    if limit is not None and depths is None:
-        depth_list = [
-            d for d in depth_list if d <= int(limit)
-        ]  # the default range, cut to what the head serves
-    summaries, _, plan = bench.run_benchmark(
+    if depths is None:
+        depth_list = _servable(engine, depth_list)
+    summaries, _, plan = run_benchmark(
         engine,
         depths=depth_list,
         tokens=tokens,
@@ -214,42 +219,6 @@ def tune_main(
     )
     entry = make_entry(engine, summaries, plan, model)
     path = save_entry(fingerprint, entry, config_path)
-    print(bench.markdown_table(summaries), file=out)
+    print(markdown_table(summaries), file=out)
     print(f"\nsaved to {path}: {describe(entry)}", file=out)
     return 0
-
-
-def add_tune_args(parser) -> None:
-    parser.add_argument(
-        "--model", default=None, help="local path or Hugging Face repo id (default: the embedded model)"
-    )
-    parser.add_argument(
-        "--head", default=None, help="a forged MTP head directory (default: the model's own head)"
-    )
-    parser.add_argument(
-        "--retune", action="store_true", help="measure again even if this model is tuned here"
-    )
-    parser.add_argument("--show", action="store_true", help="print the saved choices and exit")
-    parser.add_argument("--config", default=None, help="tune config file (default ~/.config/mtplx/tune.json)")
-    parser.add_argument("--depths", default=None, help="depths to try (default 1-4)")
-    parser.add_argument(
-        "--tokens", type=int, default=TUNE_TOKENS, help=f"tokens per run (default {TUNE_TOKENS})"
-    )
-    parser.add_argument(
-        "--repeats", type=int, default=TUNE_REPEATS, help=f"timed repeats (default {TUNE_REPEATS})"
-    )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
-def tune_from_args(args) -> int:
-    return tune_main(
-        model=args.model,
-        head=args.head,
-        retune=args.retune,
-        show=args.show,
-        config_path=args.config,
-        depths=args.depths,
-        tokens=args.tokens,
-        repeats=args.repeats,
-        progress=not args.no_progress,
-    )

@@ -24,6 +24,7 @@ from mtplx.spec_decode.settings import DRAFT_KINDS, Drafting, LookupConfig
 
 __all__ = [
     "add_drafting_args",
+    "add_generation_args",
     "add_model_args",
     "add_reply_args",
     "add_sampling_args",
@@ -121,7 +122,9 @@ def user_message(err: MtplxError, args: argparse.Namespace) -> str:
 # ------------------------------------------------------------------- flag groups
 
 
-def add_model_args(parser: argparse.ArgumentParser) -> None:
+def add_model_args(parser: argparse.ArgumentParser, *, builds: bool = True) -> None:
+    """``--model`` and ``--head``; with ``builds`` also the default model's ``--dtype`` and
+    ``--adapter-path`` (the commands that measure a model, bench and tune, take neither)."""
     parser.add_argument(
         "--model",
         default=None,
@@ -133,6 +136,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         help="a forged MTP head directory or a Gemma 4 assistant (directory or cached repo id) "
         "(default: the model's own head; for Gemma 4, <model>-assistant if present)",
     )
+    if not builds:
+        return
     parser.add_argument(
         "--dtype",
         choices=("float32", "q4"),
@@ -222,6 +227,15 @@ def add_reply_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
         metavar="BOOL",
         help="mlx-lm's flag: True prints the stats, False only the reply (default: --stats decides)",
     )
+
+
+def add_generation_args(parser: argparse.ArgumentParser, *, max_tokens: int) -> None:
+    """What `generate` and `chat` both take: the model, sampling (greedy by default), drafting
+    and reply flags."""
+    add_model_args(parser)
+    add_sampling_args(parser, GenerationRequest().sampler)
+    add_drafting_args(parser)
+    add_reply_args(parser, max_tokens=max_tokens)
 
 
 # ---------------------------------------------------------- what the flags build

@@ -17,10 +17,7 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 from mtplx.cli.args import (
-    add_drafting_args,
-    add_model_args,
-    add_reply_args,
-    add_sampling_args,
+    add_generation_args,
     load_engine,
     request_from_args,
     show_stats,
@@ -145,10 +142,7 @@ def run_chat(
 
 
 def add_args(chat: argparse.ArgumentParser) -> None:
-    add_model_args(chat)
-    add_sampling_args(chat, GenerationRequest().sampler)
-    add_drafting_args(chat)
-    add_reply_args(chat, max_tokens=512)
+    add_generation_args(chat, max_tokens=512)
     typed(
         chat,
         "--prompt-cache-bytes",

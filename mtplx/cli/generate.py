@@ -12,16 +12,13 @@ import sys
 from dataclasses import replace
 
 from mtplx.cli.args import (
-    add_drafting_args,
-    add_model_args,
-    add_reply_args,
-    add_sampling_args,
+    add_generation_args,
     load_engine,
     request_from_args,
     show_stats,
 )
 from mtplx.cli.report import format_stats
-from mtplx.engine.request import DEFAULT_MAX_TOKENS, GenerationRequest
+from mtplx.engine.request import DEFAULT_MAX_TOKENS
 from mtplx.errors import MtplxError
 
 HELP = "generate text (streams to stdout)"
@@ -36,10 +33,7 @@ def add_args(gen: argparse.ArgumentParser) -> None:
         help="the prompt ('-' or none: standard input)",
     )
     gen.add_argument("--prompt", "-p", default=None, help="the prompt, mlx-lm style ('-': standard input)")
-    add_model_args(gen)
-    add_sampling_args(gen, GenerationRequest().sampler)
-    add_drafting_args(gen)
-    add_reply_args(gen, max_tokens=DEFAULT_MAX_TOKENS)
+    add_generation_args(gen, max_tokens=DEFAULT_MAX_TOKENS)
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     mode = gen.add_mutually_exclusive_group()
     mode.add_argument(

@@ -1,8 +1,8 @@
 """`mtplx forge`'s configuration: the one source of its defaults, light enough for the CLI.
 
-`mtplx forge --help` shows these defaults; importing them must not import MLX, mlx-lm or
-transformers (`mtplx.forge.run` does, ~2 s), so they live here and `mtplx.forge.run` re-exports them.
-Imports the standard library and `mtplx.sample.params` only.
+`mtplx forge --help` shows these defaults (`mtplx.cli.forge` builds its flags from them);
+importing them must not import MLX, mlx-lm or transformers (`mtplx.forge.run` does, ~2 s), so
+they live here. Imports the standard library, `mtplx.resources` and `mtplx.sample.params` only.
 """
 
 from __future__ import annotations
