@@ -1,4 +1,4 @@
-"""Host syncs per MTP cycle for each sampler setting (tests/sync_counter.py), on a tiny real llama
+"""Host syncs per MTP cycle for each sampler setting (tests/support/sync_counter.py), on a tiny real llama
 with a 49,152-token vocabulary (the default model's), depth 3:
 
     PYTHONPATH=. .venv/bin/python benchmarks/count_syncs.py

@@ -5,7 +5,10 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(
+    0, os.path.join(os.path.dirname(__file__), "..", "tests", "sample")
+)  # the kernel tests it reuses
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))  # support/
 
 import mtplx  # noqa: F401  (before mlx)
 from mtplx.sample import emulation as E

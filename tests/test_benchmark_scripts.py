@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(
     [*REPO.glob("benchmarks/*.py"), *REPO.glob("benchmarks/prompts/*.py"), *REPO.glob("scripts/*.py")]
 )

@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.paths import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 MARKER = "<!-- runnable -->"
 
 

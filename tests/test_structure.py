@@ -12,8 +12,8 @@ from pathlib import Path
 import mtplx  # noqa: F401  (BLAS before mlx)
 
 import numpy as np
+from support.paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "mtplx"
 
 # Test and tool code the runtime path must never import.

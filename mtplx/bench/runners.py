@@ -21,9 +21,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from mtplx.bench.suite import Prompt, encode
-from mtplx.bench.sweep import RunRecord, Setting, Variant
+from mtplx.bench.sweep import RunRecord, Variant
 from mtplx.engine.request import GenerationRequest
-from mtplx.sample.params import SamplerConfig
+from mtplx.sample.params import SamplerConfig, Setting
 from mtplx.spec_decode.settings import Drafting
 
 # Large but finite: -inf can turn into NaN in the filter pipeline (inf - inf).

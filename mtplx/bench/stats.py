@@ -81,16 +81,17 @@ def _per_repeat_rates(records: Sequence[RunRecord]) -> tuple[list[float], list[f
     return decode, prefill
 
 
+# What every record of one group shares (one variant at one setting), copied onto its Summary.
+_GROUP_KEYS = ("variant", "mode", "depth", "setting", "draft", "threshold")
+
+
 def summarize_group(records: Sequence[RunRecord]) -> Summary:
     """The `Summary` of one (setting, variant)'s timed runs, without the paired ratios."""
     first = records[0]
     decode, prefill = _per_repeat_rates(records)
     median = statistics.median(decode)
     summary = Summary(
-        variant=first.variant,
-        mode=first.mode,
-        depth=first.depth,
-        setting=first.setting,
+        **{name: getattr(first, name) for name in _GROUP_KEYS},
         decode_tps=median,
         decode_tps_min=min(decode),
         decode_tps_max=max(decode),
@@ -98,8 +99,6 @@ def summarize_group(records: Sequence[RunRecord]) -> Summary:
         prefill_tps=statistics.median(prefill),
         generated_tokens=sum(r.generated_tokens for r in records),
         peak_memory_gb=max(r.peak_memory_gb for r in records),
-        draft=first.draft,
-        threshold=first.threshold,
     )
     for r in records:
         for name, counts in r.drafters.items():

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from mtplx.bench.suite import Prompt
 from mtplx.errors import MtplxError
+from mtplx.sample.params import Setting
 from mtplx.spec_decode.settings import MAX_DEPTH
 
 DRAFTS = ("head", "lookup", "auto")  # the drafters a sweep can compare (`mtplx.spec_decode`)
@@ -28,20 +29,6 @@ DEFAULT_TOP_P = 0.95
 DEFAULT_TOKENS = 256
 DEFAULT_REPEATS = 3
 DEFAULT_WARMUP_TOKENS = 32
-
-
-@dataclass(frozen=True)
-class Setting:
-    """One sampling setting; top_p is irrelevant (and recorded as 1.0) at temperature 0."""
-
-    temperature: float
-    top_p: float = 1.0
-
-    @property
-    def name(self) -> str:
-        if self.temperature == 0:
-            return "greedy"
-        return f"t{self.temperature:g}" + (f"-p{self.top_p:g}" if self.top_p < 1.0 else "")
 
 
 @dataclass(frozen=True)

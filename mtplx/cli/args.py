@@ -28,6 +28,7 @@ __all__ = [
     "add_model_args",
     "add_reply_args",
     "add_sampling_args",
+    "add_switch",
     "load_engine",
     "request_from_args",
     "sampler_from_args",
@@ -122,6 +123,16 @@ def user_message(err: MtplxError, args: argparse.Namespace) -> str:
 # ------------------------------------------------------------------- flag groups
 
 
+def add_switch(
+    parser: argparse.ArgumentParser, dest: str, *, on: tuple[list[str], str], off: tuple[list[str], str]
+) -> None:
+    """A three-way switch: ``on`` flags store True, ``off`` flags False, neither leaves None (the
+    command decides); the two sides exclude each other. ``on`` / ``off``: (spellings, help)."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument(*on[0], dest=dest, action="store_true", default=None, help=on[1])
+    group.add_argument(*off[0], dest=dest, action="store_false", help=off[1])
+
+
 def add_model_args(parser: argparse.ArgumentParser, *, builds: bool = True) -> None:
     """``--model`` and ``--head``; with ``builds`` also the default model's ``--dtype`` and
     ``--adapter-path`` (the commands that measure a model, bench and tune, take neither)."""
@@ -173,16 +184,11 @@ def add_drafting_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="draft tokens per verify cycle (default: tuned, else the head's); --num-draft-tokens is mlx-lm's name",
     )
-    speculative = parser.add_mutually_exclusive_group()
-    speculative.add_argument(
-        "--mtp",
-        dest="mtp",
-        action="store_true",
-        default=None,
-        help="require MTP speculative decoding (default: on when the model has a head)",
-    )
-    speculative.add_argument(
-        "--no-mtp", dest="mtp", action="store_false", help="plain autoregressive decoding"
+    add_switch(
+        parser,
+        "mtp",
+        on=(["--mtp"], "require MTP speculative decoding (default: on when the model has a head)"),
+        off=(["--no-mtp"], "plain autoregressive decoding"),
     )
     parser.add_argument("--greedy-draft", action="store_true", help="draft the head's argmax (still exact)")
     parser.add_argument(

@@ -13,6 +13,7 @@ from dataclasses import replace
 
 from mtplx.cli.args import (
     add_generation_args,
+    add_switch,
     load_engine,
     request_from_args,
     show_stats,
@@ -35,20 +36,14 @@ def add_args(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--prompt", "-p", default=None, help="the prompt, mlx-lm style ('-': standard input)")
     add_generation_args(gen, max_tokens=DEFAULT_MAX_TOKENS)
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    mode = gen.add_mutually_exclusive_group()
-    mode.add_argument(
-        "--chat",
-        dest="chat",
-        action="store_true",
-        default=None,
-        help="wrap the prompt in the chat template (default when the model has one)",
-    )
-    mode.add_argument(
-        "--raw",
-        "--ignore-chat-template",
-        dest="chat",
-        action="store_false",
-        help="feed the prompt as raw text (--ignore-chat-template is mlx-lm's name)",
+    add_switch(
+        gen,
+        "chat",
+        on=(["--chat"], "wrap the prompt in the chat template (default when the model has one)"),
+        off=(
+            ["--raw", "--ignore-chat-template"],
+            "feed the prompt as raw text (--ignore-chat-template is mlx-lm's name)",
+        ),
     )
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     gen.add_argument(

@@ -35,6 +35,7 @@ from pathlib import Path
 from mtplx.errors import MtplxError
 from mtplx.forge.prompts import Prompt, prompt_ids
 from mtplx.io import atomic_path
+from mtplx.sample.params import Setting
 from mtplx.trunk.compat import BatchKVCache
 from mtplx.trunk.model import Trunk
 
@@ -42,18 +43,6 @@ import mlx.core as mx
 import numpy as np
 
 SHARD_FILES = ("tokens", "hidden", "top_ids", "top_logp", "valid")
-
-
-@dataclass(frozen=True)
-class Setting:
-    """A sampling setting the trunk writes with (temperature 0 = greedy)."""
-
-    temperature: float
-    top_p: float = 1.0
-
-    @property
-    def label(self) -> str:
-        return "greedy" if self.temperature == 0.0 else f"t{self.temperature:g}-p{self.top_p:g}"
 
 
 @dataclass
@@ -328,7 +317,7 @@ def generate_shards(
                 trunk, [ids for _, ids in encoded], setting, key, plan.seq_len, plan.top_k, eos, deadline
             )
             meta = {
-                "setting": setting.label,
+                "setting": setting.label(explicit_top_p=True),
                 "kinds": [p.kind for p, _ in encoded],
                 "sources": [p.source for p, _ in encoded],
             }

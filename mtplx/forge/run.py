@@ -52,10 +52,11 @@ from mtplx.forge.prompts import (
     read_held_out,
     split_prompts,
 )
-from mtplx.forge.record import ForgeData, Setting, ShardPlan, generate_shards, kind_counts, load_shards
+from mtplx.forge.record import ForgeData, ShardPlan, generate_shards, kind_counts, load_shards
 from mtplx.forge.train import TrainResult, build_head, init_from_head, seconds_per_step, train_head
 from mtplx.heads.forged import ForgedMTPHead, lm_head_matrix, save_forged_head
 from mtplx.io import atomic_write
+from mtplx.sample.params import Setting
 from mtplx.trunk.model import Trunk
 
 import numpy as np

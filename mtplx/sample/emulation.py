@@ -3,7 +3,7 @@
 The shared kernel bodies (``kernels/*.body`` + ``common.h``) run here on the
 CPU prelude, compiled with g++ into a ctypes library (real threads, one per
 GPU thread of a group) or into a standalone ThreadSanitizer program. Tests
-(``tests/test_kernels.py``, ``tests/test_kernel_sources.py``) and
+(``tests/sample/test_kernels.py``, ``tests/sample/test_kernel_sources.py``) and
 ``benchmarks/device_check.py`` import this module; the runtime path
 (``mtplx.sample.rejection`` -> ``mtplx.sample.kernels``) never does.
 """

@@ -18,7 +18,7 @@ from types import MappingProxyType
 
 from mtplx.errors import MtplxError
 
-__all__ = ["SamplerConfig", "integer_value", "real_value"]
+__all__ = ["SamplerConfig", "Setting", "integer_value", "real_value"]
 
 
 def real_value(name: str, value: object) -> float:
@@ -137,3 +137,23 @@ class SamplerConfig:
     @property
     def has_filters(self) -> bool:
         return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A (temperature, top-p) point a benchmark sweep runs at or forge records at (0 = greedy)."""
+
+    temperature: float
+    top_p: float = 1.0
+
+    def label(self, *, explicit_top_p: bool = False) -> str:
+        """``greedy`` at temperature 0, else ``t0.7`` and ``-p0.95`` when top-p filters (always
+        with ``explicit_top_p``: forge's shard labels spell ``-p1`` too)."""
+        if self.temperature == 0:
+            return "greedy"
+        shown = explicit_top_p or self.top_p < 1.0
+        return f"t{self.temperature:g}" + (f"-p{self.top_p:g}" if shown else "")
+
+    @property
+    def name(self) -> str:
+        return self.label()

@@ -19,9 +19,9 @@ from typing import Any
 
 from mtplx.errors import MtplxError
 from mtplx.sample import ops as sample_ops
-from mtplx.sample.params import SamplerConfig
 from mtplx.spec_decode.lookup_proposer import point_mass_draft
 from mtplx.spec_decode.proposer import CycleOutcome, Draft, draw_draft_token, join_drafts, stacked_draft
+from mtplx.spec_decode.settings import DecodeSettings
 from mtplx.trunk import compat
 from mtplx.trunk import rollback as cache_ops
 from mtplx.trunk.model import TrunkOutput
@@ -75,24 +75,20 @@ class DraftModelProposer:
     def __init__(
         self,
         model: nn.Module,
+        settings: DecodeSettings,
         *,
-        sampler: SamplerConfig,
-        depth: int,
         target_vocab_size: int,
         real_vocab_size: int,
-        greedy_draft: bool = False,
-        prefill_step_size: int = 512,
-        verify_backend: str = "auto",
+        depth: int | None = None,
         cache: list | None = None,
     ):
+        """Drafting with ``model`` as ``settings`` say; ``depth`` overrides theirs (a draft model's
+        best depth is not the head's). Ids from ``real_vocab_size`` to ``target_vocab_size`` get q = 0."""
         self.model = model
-        self.sampler = sampler
-        self.depth = depth
+        self.settings = settings
+        self.depth = depth if depth is not None else settings.depth
         self.target_vocab_size = target_vocab_size
         self.real_vocab_size = real_vocab_size
-        self.greedy_draft = greedy_draft
-        self.prefill_step_size = prefill_step_size
-        self.verify_backend = verify_backend
         self.cache = cache if cache is not None else compat.make_prompt_cache(model)
         self._fed = 0  # history tokens forwarded through the draft model
         self._checkpoint: cache_ops.BlockCapture | None = None
@@ -108,7 +104,7 @@ class DraftModelProposer:
     def _catch_up(self, history: list[int]) -> mx.array:
         """Forward the committed tokens the draft cache lacks (chunked); logits after the last."""
         new = history[self._fed :]
-        step = self.prefill_step_size
+        step = self.settings.prefill_step_size
         for start in range(0, len(new) - step, step):
             self._forward(new[start : start + step])
             mx.eval([c.state for c in self.cache])
@@ -142,7 +138,7 @@ class DraftModelProposer:
         count = self.depth - len(forced)
         if count <= 0:
             return join_drafts(prefix) if prefix else None
-        cfg = self.sampler
+        cfg = self.settings.sampler
         uniforms = sample_ops.draw_uniforms((count,), key)
         context = mx.array(list(history) + list(forced), dtype=mx.int32)[None] if cfg.has_penalties else None
         tokens: list[mx.array] = []
@@ -154,12 +150,7 @@ class DraftModelProposer:
                 if context is not None:
                     context = mx.concatenate([context, tokens[-1][None]], axis=1)
             token, q, invalid = draw_draft_token(
-                self._aligned(logits),
-                context,
-                cfg,
-                uniforms[i : i + 1],
-                greedy_draft=self.greedy_draft,
-                backend=self.verify_backend,
+                self._aligned(logits), context, self.settings, uniforms[i : i + 1]
             )
             tokens.append(token)
             probs.append(q)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from mtplx.heads.base import DraftHead
 from mtplx.sample import ops as sample_ops
-from mtplx.sample.params import SamplerConfig
 from mtplx.spec_decode.proposer import CycleOutcome, Draft, draw_draft_token, stacked_draft
 from mtplx.spec_decode.settings import DecodeSettings
 from mtplx.trunk import rollback as cache_ops
@@ -33,43 +32,17 @@ def trunk_hidden(output: TrunkOutput, head: DraftHead) -> mx.array:
 class HeadProposer:
     name = "head"
 
-    def __init__(
-        self,
-        head: DraftHead,
-        *,
-        sampler: SamplerConfig,
-        depth: int,
-        greedy_draft: bool = False,
-        adaptive_threshold: float = 0.0,
-        verify_backend: str = "auto",
-        cache: list | None = None,
-    ):
+    def __init__(self, head: DraftHead, settings: DecodeSettings, cache: list | None = None):
+        """The head drafting as ``settings`` say: sampler, depth, greedy drafts, adaptive threshold,
+        verify backend. ``cache``: the request's head cache (from the prompt cache), else a fresh one."""
         self.head = head
-        self.sampler = sampler
-        self.depth = depth
-        self.greedy_draft = greedy_draft
-        self.adaptive_threshold = adaptive_threshold
-        self.verify_backend = verify_backend
+        self.settings = settings
+        self.depth = settings.depth
         self.cache = cache if cache is not None else head.make_cache()
         # True (hidden, next token) pairs the head has not consumed; the last one drafts d_1.
         self._pending_hidden: list[mx.array] = []
         self._pending_tokens: list[int] = []
         self._chained = 0  # head entries made from drafted states this cycle (dropped at commit)
-
-    @classmethod
-    def from_settings(
-        cls, head: DraftHead, settings: DecodeSettings, cache: list | None = None
-    ) -> HeadProposer:
-        """The head drafting as a request's decode settings say (depth, sampler, adaptive length)."""
-        return cls(
-            head,
-            sampler=settings.sampler,
-            depth=settings.depth,
-            greedy_draft=settings.greedy_draft,
-            adaptive_threshold=settings.adaptive_threshold,
-            verify_backend=settings.verify_backend,
-            cache=cache,
-        )
 
     def observe_prefill(self, output: TrunkOutput, start: int, end: int, prompt_tokens: list[int]) -> None:
         # Head position i pairs trunk hidden i with token i+1; the last prompt
@@ -82,7 +55,7 @@ class HeadProposer:
             mx.eval([c.state for c in self.cache])
 
     def propose(self, history: list[int], key: mx.array, trunk_cache: list) -> Draft:
-        cfg = self.sampler
+        cfg = self.settings.sampler
         uniforms = sample_ops.draw_uniforms((self.depth,), key)
         hidden_in = mx.concatenate(self._pending_hidden, axis=1)
         tokens_in = mx.array(self._pending_tokens)[None]
@@ -104,18 +77,11 @@ class HeadProposer:
             logits = self.head.logits(head_out, step=i)[:, -1, :]
             if context is not None and tokens:
                 context = mx.concatenate([context, tokens[-1][None]], axis=1)
-            token, q, invalid = draw_draft_token(
-                logits,
-                context,
-                cfg,
-                uniforms[i : i + 1],
-                greedy_draft=self.greedy_draft,
-                backend=self.verify_backend,
-            )
+            token, q, invalid = draw_draft_token(logits, context, self.settings, uniforms[i : i + 1])
             tokens.append(token)
             probs.append(q)
             flags.append(invalid)
-            if self.adaptive_threshold > 0 and i + 1 < self.depth and self._unsure(logits, token, q):
+            if self.settings.adaptive_threshold > 0 and i + 1 < self.depth and self._unsure(logits, token, q):
                 break
         self._chained = len(tokens) - 1
         return stacked_draft(tokens, probs, flags, self.name)
@@ -125,9 +91,9 @@ class HeadProposer:
 
         q is the sampled-from distribution; for argmax drafts (or greedy requests, where
         q is one-hot) the head's plain softmax says how sure it was."""
-        if q is None or self.sampler.is_greedy:
+        if q is None or self.settings.sampler.is_greedy:
             q = mx.softmax(logits.astype(mx.float32), axis=-1)
-        return float(q[0, token[0]].item()) < self.adaptive_threshold
+        return float(q[0, token[0]].item()) < self.settings.adaptive_threshold
 
     def commit(self, outcome: CycleOutcome) -> None:
         if self._chained:

@@ -138,6 +138,15 @@ def _penalize(
     return sample_ops.penalize_logits(logits, mx.array(context, dtype=mx.int32)[None], cfg, block_tokens)
 
 
+def _sample_last_row(
+    logits: mx.array, history: list[int], settings: DecodeSettings, key: mx.array
+) -> sample_ops.SampleResult:
+    """The next token from the last row of logits[1, T, V], penalized by ``history``. Lazy."""
+    cfg = settings.sampler
+    last = _penalize(logits[:, -1:, :], history, cfg)[:, 0, :]
+    return sample_ops.sample(last, cfg, sample_ops.draw_uniforms((1,), key), backend=settings.verify_backend)
+
+
 def ar_decode(
     trunk: Trunk,
     prompt_tokens: list[int],
@@ -151,19 +160,13 @@ def ar_decode(
     The next token's graph is built and queued (async_eval) before the current
     token is handed out, so Python work overlaps the model's compute.
     """
-    cfg = settings.sampler
     trunk_cache = trunk_cache if trunk_cache is not None else trunk.make_cache()
     history = list(prompt_tokens)
-
-    def next_token(logits: mx.array, step_key: mx.array) -> sample_ops.SampleResult:
-        logits = _penalize(logits[:, -1:, :], history, cfg)[:, 0, :]
-        uniforms = sample_ops.draw_uniforms((1,), step_key)
-        return sample_ops.sample(logits, cfg, uniforms, backend=settings.verify_backend)
 
     key, step_key = _split_key(key)
     output = prefill(trunk, prompt_tokens, trunk_cache, settings.prefill_step_size, prefix=prefix)
     logits = output.logits
-    drawn = next_token(logits, step_key)
+    drawn = _sample_last_row(logits, history, settings, step_key)
     mx.async_eval(drawn.tokens, drawn.invalid)
     while True:
         key, step_key = _split_key(key)
@@ -176,7 +179,7 @@ def ar_decode(
             else _token_logprobs(logits[0, -1:], [token_id], settings.logprobs)
         )
         logits = trunk.model(drawn.tokens.reshape(1, 1), cache=trunk_cache)
-        upcoming = next_token(logits, step_key)
+        upcoming = _sample_last_row(logits, history, settings, step_key)
         mx.async_eval(upcoming.tokens, upcoming.invalid)
         yield Step([token_id], logprobs=logprobs)
         drawn = upcoming
@@ -206,10 +209,7 @@ def speculative_decode(
 
     key, step_key = _split_key(key)
     output = prefill(trunk, prompt_tokens, trunk_cache, settings.prefill_step_size, observe, prefix)
-    first_logits = _penalize(output.logits[:, -1:, :], history, cfg)[:, 0, :]
-    first = sample_ops.sample(
-        first_logits, cfg, sample_ops.draw_uniforms((1,), step_key), backend=settings.verify_backend
-    )
+    first = _sample_last_row(output.logits, history, settings, step_key)
     mx.eval(first.tokens, first.invalid)
     pending = int(first.checked().tokens.item())
     history.append(pending)
@@ -303,5 +303,5 @@ def mtp_decode(
     """Exact speculative decoding with the model's MTP head as the drafter."""
     if settings.depth < 1:
         raise MtplxError(f"depth must be >= 1 (got {settings.depth})")
-    proposer = HeadProposer.from_settings(head, settings, head_cache)
+    proposer = HeadProposer(head, settings, head_cache)
     return speculative_decode(trunk, proposer, prompt_tokens, settings, key, trunk_cache, prefix)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from mtplx.sample import ops as sample_ops
-from mtplx.sample.params import SamplerConfig
+from mtplx.spec_decode.settings import DecodeSettings
 from mtplx.trunk.model import TrunkOutput
 
 import mlx.core as mx
@@ -94,25 +94,20 @@ def join_drafts(parts: Sequence[Draft]) -> Draft:
 
 
 def draw_draft_token(
-    logits: mx.array,
-    context: mx.array | None,
-    cfg: SamplerConfig,
-    uniform: mx.array,
-    *,
-    greedy_draft: bool,
-    backend: str,
+    logits: mx.array, context: mx.array | None, settings: DecodeSettings, uniform: mx.array
 ) -> tuple[mx.array, mx.array | None, mx.array | None]:
     """One model draft from logits[1, V]: (token [1] int32, q [1, V] or None for an argmax draft,
-    the sampler's lazy validity flag or None).
+    the sampler's lazy validity flag or None), drawn as ``settings`` say (sampler, greedy, backend).
 
     ``context`` [1, C] holds the committed tokens and the drafts before this one, so the
     request's penalties see what the target will see at this position. No host sync.
     """
+    cfg = settings.sampler
     if cfg.has_penalties:
         logits = sample_ops.penalize_logits(logits[:, None, :], context, cfg)[:, 0, :]
-    if greedy_draft:
+    if settings.greedy_draft:
         return mx.argmax(logits, axis=-1).astype(mx.int32), None, None
-    drawn = sample_ops.sample(logits, cfg, uniform, backend=backend)
+    drawn = sample_ops.sample(logits, cfg, uniform, backend=settings.verify_backend)
     return drawn.tokens.astype(mx.int32), drawn.probs, drawn.invalid
 
 

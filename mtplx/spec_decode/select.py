@@ -85,16 +85,13 @@ def build_proposer(
     if choice.model_drafter == "model":
         drafter = DraftModelProposer(
             draft_model,
-            sampler=settings.sampler,
-            depth=choice.model_depth,
+            settings,
             target_vocab_size=target_vocab_size,
             real_vocab_size=draft_vocab_size,
-            greedy_draft=settings.greedy_draft,
-            prefill_step_size=settings.prefill_step_size,
-            verify_backend=settings.verify_backend,
+            depth=choice.model_depth,
         )
     elif choice.model_drafter == "head":
-        drafter = HeadProposer.from_settings(head, settings, head_cache)
+        drafter = HeadProposer(head, settings, head_cache)
     if choice.kind == "auto":
         return AutoProposer(LookupProposer(drafting.lookup), drafter)
     return drafter

@@ -23,7 +23,7 @@ head cache is reused, and at least one prompt token is always forwarded (its
 logits start the generation).
 
 Reusing never changes outputs: a cache prefilled in two parts holds the same
-positions as one prefilled at once (see tests/test_prompt_cache.py). mlx-lm's
+positions as one prefilled at once (see tests/trunk/test_prompt_cache.py). mlx-lm's
 ``LRUPromptCache`` (mlx_lm/server.py) was read for the idea of trimming the
 longest-prefix entry; the data structure here is our own.
 """

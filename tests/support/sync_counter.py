@@ -3,7 +3,7 @@
 A pass-through wrapper (not a mock: every call still runs) around ``mx.eval``,
 ``array.item``, ``array.tolist`` and the scalar conversions. Reading an array
 that an earlier ``mx.eval`` already computed is not a sync and is not counted.
-Used by tests/test_hot_path.py, tests/test_drafters.py and benchmarks/count_syncs.py.
+Used by tests/spec_decode/test_hot_path.py, tests/spec_decode/test_drafters.py and benchmarks/count_syncs.py.
 """
 
 from __future__ import annotations

@@ -15,15 +15,13 @@ import re
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import mtplx  # noqa: F401  (BLAS before mlx)
 
 import pytest
 from support import checkpoints
 from support.hub import COMMIT, cache_layout, serve
-
-REPO = Path(__file__).resolve().parent.parent
+from support.paths import REPO
 
 
 def _env(**extra: str) -> dict[str, str]:

@@ -28,9 +28,10 @@ from mtplx.heads.forged import build_forged_head, save_forged_head
 
 import pytest
 from support import checkpoints, models
+from support.paths import REPO
 from support.tokenizer import printable_chars
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 WORKER = Path(__file__).resolve().parent / "distributed_worker.py"
 LAUNCH = Path(sys.executable).parent / "mlx.launch"
 MAX_TOKENS = 40

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.errors import MtplxError
@@ -11,8 +10,7 @@ from mtplx.trunk import compat
 
 import mlx.core as mx
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
+from support.paths import REPO
 
 
 def _failure(**changed) -> str:

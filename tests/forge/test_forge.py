@@ -22,7 +22,6 @@ from mtplx.forge.loss import (
 from mtplx.forge.prompts import KINDS, Prompt, check_held_out, default_prompts, drop_held_out
 from mtplx.forge.record import (
     ForgeData,
-    Setting,
     ShardPlan,
     drop_empty_rows,
     generate_batch,
@@ -32,6 +31,7 @@ from mtplx.forge.record import (
 from mtplx.forge.run import forge
 from mtplx.forge.train import build_head, lr_schedule, train_head
 from mtplx.heads.forged import MANIFEST, lm_head_matrix, load_forged_head, save_forged_head
+from mtplx.sample.params import Setting
 from mtplx.trunk.model import Trunk
 
 import mlx.core as mx

@@ -29,10 +29,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from mlx_lm.utils import load_model as mlx_load_model
 from support import checkpoints, gemma4_ref
 from support.decoding import sample_until_rollbacks
-from support.hub import cache_layout
-from support.models import GEMMA4_WINDOW, HIDDEN, gemma4_config
-from support.tokenizer import word_level
-from test_decode import (
+from support.exactness import (
     FALSE_FAILURE_RATE,
     PROMPT,
     exact_ar_joint,
@@ -41,6 +38,10 @@ from test_decode import (
     run_mtp_steps,
     sample_counts,
 )
+from support.hub import cache_layout
+from support.models import GEMMA4_WINDOW, HIDDEN, gemma4_config
+from support.paths import REPO
+from support.tokenizer import word_level
 
 
 def build_pair(tmp_path: Path, *, vocab_size=64, ordered=False, num_centroids=8, top_k=2, fill="floor", **kw):
@@ -533,7 +534,7 @@ def test_convert_assistant_writes_a_bf16_or_quantized_drafter_beside_the_target(
 def _cli(*args):
     import subprocess
 
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run(
         [sys.executable, "-m", "mtplx", *args], capture_output=True, text=True, timeout=300, env=env
     )

@@ -18,8 +18,7 @@ from mtplx.resources import cache_root
 import pytest
 from mlx_lm import generate
 from mlx_lm.tokenizer_utils import TokenizerWrapper
-
-REPO = Path(__file__).resolve().parents[1]
+from support.paths import REPO
 
 
 @pytest.fixture(scope="module")

@@ -18,15 +18,14 @@ from mtplx.spec_decode.auto_proposer import AutoProposer
 from mtplx.spec_decode.draft_model_proposer import DraftModelProposer
 from mtplx.spec_decode.head_proposer import HeadProposer
 from mtplx.spec_decode.lookup_proposer import LookupConfig, LookupProposer, NgramIndex
+from mtplx.spec_decode.settings import DecodeSettings
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from support.decoding import take_steps
-from support.models import make_loop_pair, rollback_model
-from support.seeds import SEEDS, resolve
-from test_decode import (
+from support.exactness import (
     FALSE_FAILURE_RATE,
     NUM_OUTPUT_TOKENS,
     PROMPT,
@@ -35,6 +34,8 @@ from test_decode import (
     loop_p_value,
     run_loop,
 )
+from support.models import make_loop_pair, rollback_model
+from support.seeds import SEEDS, resolve
 
 # ------------------------------------------------------------------ lookup matcher
 
@@ -130,8 +131,7 @@ def make_proposer(kind, trunk, head, cfg, *, draft=None, real_vocab=None, lookup
     def model_drafter():
         return DraftModelProposer(
             draft,
-            sampler=cfg,
-            depth=depth,
+            DecodeSettings(sampler=cfg, depth=depth),
             target_vocab_size=target_vocab,
             real_vocab_size=real_vocab or target_vocab,
         )
@@ -139,11 +139,13 @@ def make_proposer(kind, trunk, head, cfg, *, draft=None, real_vocab=None, lookup
     if kind == "lookup":
         return LookupProposer(lookup_cfg)
     if kind == "head":
-        return HeadProposer(head, sampler=cfg, depth=depth)
+        return HeadProposer(head, DecodeSettings(sampler=cfg, depth=depth))
     if kind == "model":
         return model_drafter()
     if kind == "auto-head":
-        return AutoProposer(LookupProposer(lookup_cfg), HeadProposer(head, sampler=cfg, depth=depth))
+        return AutoProposer(
+            LookupProposer(lookup_cfg), HeadProposer(head, DecodeSettings(sampler=cfg, depth=depth))
+        )
     if kind == "auto-model":
         return AutoProposer(LookupProposer(lookup_cfg), model_drafter())
     raise ValueError(kind)
@@ -231,7 +233,7 @@ def test_schedule_check_sees_fixed_length_blocks():
 def test_adaptive_head_drafting_stops_early_and_stays_exact_at_greedy(temperature, threshold):
     trunk, head = make_loop_pair(**GREEDY_CASES["llama"])
     cfg = SamplerConfig(temperature=temperature)
-    proposer = HeadProposer(head, sampler=cfg, depth=4, adaptive_threshold=threshold)
+    proposer = HeadProposer(head, DecodeSettings(sampler=cfg, depth=4, adaptive_threshold=threshold))
     tokens, steps = run_steps(trunk, proposer, cfg, 60)
     lengths = {s.num_drafted for s in steps[1:]}
     assert len(lengths) >= 2 and lengths <= {1, 2, 3, 4}, lengths  # early stops and full blocks

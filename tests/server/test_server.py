@@ -25,11 +25,12 @@ import httpx
 import openai
 import pytest
 from support import checkpoints
+from support.paths import REPO
 
 KEY = "test-key-0123"
 MAX_QUEUE = 8
 MAX_BODY = 100_000
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 
 
 def _wait_for(condition, timeout: float = 30.0) -> None:
