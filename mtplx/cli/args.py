@@ -133,14 +133,17 @@ def add_switch(
     group.add_argument(*off[0], dest=dest, action="store_false", help=off[1])
 
 
-def add_model_args(parser: argparse.ArgumentParser, *, builds: bool = True) -> None:
-    """``--model`` and ``--head``; with ``builds`` also the default model's ``--dtype`` and
-    ``--adapter-path`` (the commands that measure a model, bench and tune, take neither)."""
-    parser.add_argument(
-        "--model",
-        default=None,
-        help="local path or Hugging Face repo id (default: the embedded SmolLM2-135M-Instruct)",
-    )
+def add_model_args(
+    parser: argparse.ArgumentParser, *, builds: bool = True, adapters: bool = True, positional: bool = False
+) -> None:
+    """``--model`` (``MODEL`` with ``positional``) and ``--head``; with ``builds`` also the default
+    model's ``--dtype``, and with ``adapters`` ``--adapter-path`` (bench and tune take neither,
+    inspect no adapters)."""
+    model_help = "local path or Hugging Face repo id (default: the embedded SmolLM2-135M-Instruct)"
+    if positional:
+        parser.add_argument("model", nargs="?", default=None, help=model_help)
+    else:
+        parser.add_argument("--model", default=None, help=model_help)
     parser.add_argument(
         "--head",
         default=None,
@@ -155,7 +158,10 @@ def add_model_args(parser: argparse.ArgumentParser, *, builds: bool = True) -> N
         default=None,
         help="build of the embedded default model (default float32, the faster one on CPU)",
     )
-    typed(parser, "--adapter-path", default=None, help="fine-tuned adapters from mlx_lm.lora (a directory)")
+    if adapters:
+        typed(
+            parser, "--adapter-path", default=None, help="fine-tuned adapters from mlx_lm.lora (a directory)"
+        )
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, defaults: SamplerConfig) -> None:

@@ -5,20 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 
+from mtplx.cli.args import add_model_args
+
 HELP = "describe a model without running it (MTP-ready / AR-only / unsupported)"
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "model",
-        nargs="?",
-        default=None,
-        help="local path or Hugging Face repo id (default: the embedded model)",
-    )
-    parser.add_argument("--head", default=None, help="a forged MTP head directory to check against the model")
-    parser.add_argument(
-        "--dtype", choices=("float32", "q4"), default=None, help="build of the embedded default model"
-    )
+    add_model_args(parser, adapters=False, positional=True)
     parser.add_argument("--json", action="store_true", help="print JSON")
 
 

@@ -38,7 +38,7 @@ References followed (read for facts, nothing copied):
   block, once the window has wrapped), ``_local_window_offset`` places the query one slot
   past the newest key and the mask drops the oldest key of the window; here the query
   always sees the full window of W keys, as in transformers and as the target's own
-  attention at p does (``tests/test_gemma4.py`` shows both against the float64 reference).
+  attention at p does (``tests/heads/test_gemma4.py`` shows both against the float64 reference).
   Measured on the tiny random models (t=1.0, depth 2, 64-token vocabulary, 16 candidates):
   acceptance 0.15 with the floor fill vs 0.10 with zero mass; real checkpoints will differ.
 - mlx-lm 0.32.2 ``models/gemma4_text.py``: the decoder layer used here (built with
