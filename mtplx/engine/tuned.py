@@ -126,7 +126,7 @@ def save_entry(
 
 def machine_info() -> dict[str, Any]:
     """What the numbers depend on: OS, CPU, cores, MLX device and BLAS."""
-    import mtplx
+    from mtplx.blas import load_optimized_blas
 
     import mlx.core as mx
 
@@ -144,7 +144,7 @@ def machine_info() -> dict[str, Any]:
                 ).stdout.strip()
                 or cpu
             )
-    blas = getattr(mtplx, "BLAS", None)
+    blas = load_optimized_blas()  # idempotent: the status `import mtplx` recorded
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:

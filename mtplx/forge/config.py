@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from mtplx.errors import MtplxError
 from mtplx.resources import prompt_suite
-from mtplx.spec_decode.settings import HIDDEN_SOURCES
+from mtplx.trunk.hidden import HIDDEN_SOURCES
 
 # The benchmark suite of this repository: held out from every forge run that can see it.
 BENCHMARK_SUITE = prompt_suite()

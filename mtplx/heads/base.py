@@ -13,17 +13,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from types import SimpleNamespace
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from mtplx.heads.weights import HeadSource, strip_prefix
-from mtplx.spec_decode.settings import HIDDEN_SOURCES
 from mtplx.trunk.compat import KVCache
+from mtplx.trunk.hidden import HIDDEN_SOURCES, HiddenSource
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-HiddenSource = Literal["pre_norm", "post_norm"]
 Embed = Callable[[mx.array], mx.array]
 LMHead = Callable[[mx.array], mx.array]
 

@@ -24,7 +24,7 @@ from mtplx.heads.base import build_layer_like, model_args_of
 from mtplx.heads.qwen3_next import Qwen3NextMTPHead
 from mtplx.heads.weights import check_and_load
 from mtplx.io import atomic_path, atomic_write
-from mtplx.spec_decode.settings import HIDDEN_SOURCES
+from mtplx.trunk.hidden import HIDDEN_SOURCES
 
 import mlx.core as mx
 import mlx.nn as nn

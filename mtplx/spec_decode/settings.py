@@ -14,7 +14,6 @@ from mtplx.sample.params import SamplerConfig, integer_value
 
 __all__ = [
     "DRAFT_KINDS",
-    "HIDDEN_SOURCES",
     "MAX_DEPTH",
     "DecodeSettings",
     "Drafting",
@@ -23,8 +22,6 @@ __all__ = [
 
 # The drafters a request can ask for (`mtplx.spec_decode.select` builds them); "none" is plain AR.
 DRAFT_KINDS = ("auto", "head", "lookup", "model", "none")
-# Which trunk hidden state a head reads (and chains): before or after the final norm.
-HIDDEN_SOURCES = ("pre_norm", "post_norm")
 MAX_DEPTH = 16  # drafts per cycle mtplx serves: no head layout chains usefully beyond this; a typo guard
 MAX_NGRAM_LIMIT = 64
 MAX_TOKENS_LIMIT = 64
