@@ -144,6 +144,7 @@ def convert_hf(
     from mtplx import heads
     from mtplx.checkpoints import load as loading
     from mtplx.checkpoints.headers import quantization_config
+    from mtplx.heads.weights import weight_index
     from mtplx.trunk.model import Trunk
 
     from mlx_lm.utils import quantize_model, save_config, save_model
@@ -179,6 +180,8 @@ def convert_hf(
         quantize_head(
             head, head_bits or q_bits, q_group_size, trunk_predicate, qconfig["quantization"], q_bits
         )
+    if head is not None:
+        _declare_head_layers(qconfig, config, weight_index(src), head.layout)
     qconfig["mtplx"] = {
         "converted_from": str(source),
         "head_file": HEAD_FILE if head is not None else None,
@@ -193,3 +196,15 @@ def convert_hf(
         _copy_aux_files(src, tmp)
 
     return write_dir_atomically(out_dir, write)
+
+
+def _declare_head_layers(out_config: dict, config: dict, index: dict[str, str], layout: str) -> None:
+    """Write the MTP layer count into the converted config when the source declared none (Qwen3-Next
+    as published counts them only by tensor name), so every later reader finds it declared."""
+    from mtplx.heads.registry import FAMILIES
+
+    family = FAMILIES[layout]
+    if family.declared_layers(config):
+        return
+    section = out_config.get("text_config") if isinstance(out_config.get("text_config"), dict) else out_config
+    section[family.count_keys[0]] = family.shipped_layers(index)

@@ -193,6 +193,7 @@ def inspect_model(
     """
     from mtplx.heads import declared_mtp_layers, detect_layout
     from mtplx.heads.gemma4_assistant import is_assistant_config, read_assistant_config
+    from mtplx.heads.registry import FAMILIES
     from mtplx.resources import shipped_head_dir
 
     if dtype not in (None, *VARIANTS):
@@ -226,7 +227,10 @@ def inspect_model(
         bytes_by_dtype[dtype] = bytes_by_dtype.get(dtype, 0) + nbytes
         head_bytes += nbytes if part == "mtp_head" else 0
 
-    declared = declared_mtp_layers(config, layout) if layout else declared_mtp_layers(config)
+    if layout:  # a config may declare no count (Qwen3-Next as published): then the tensor names say
+        declared, count_source = FAMILIES[layout].layer_count(header, config)
+    else:
+        declared, count_source = declared_mtp_layers(config), "config"
     head_tensors = sum(1 for k in header if is_head(k))
     forged = _find_forged(path)
     shipped = shipped_head_dir(DEFAULT_MODEL_NAME) if default_variant else None
@@ -267,7 +271,11 @@ def inspect_model(
     elif sidecar is not None:
         verdict, reason = "MTP-ready", f"drafts with the head {sidecar['source']} ({sidecar['dir']})"
     elif head_tensors and declared:
-        verdict, reason = "MTP-ready", f"the checkpoint ships {declared} MTP layer(s) ({layout} layout)"
+        counted = "" if count_source == "config" else ", counted from tensor names: the config declares none"
+        verdict, reason = (
+            "MTP-ready",
+            f"the checkpoint ships {declared} MTP layer(s) ({layout} layout{counted})",
+        )
         sidecar = {
             "source": "in the checkpoint",
             "layout": layout,
@@ -309,6 +317,7 @@ def inspect_model(
         "mtp": {
             "layout": layout if (head_tensors or declared) else None,
             "declared_layers": declared,
+            "layer_count_source": count_source,  # "config", or "tensor names" when it declares none
             "tensors": head_tensors,
         },
         "forged_head": forged,

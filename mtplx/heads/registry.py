@@ -29,14 +29,17 @@ class HeadFamily:
 
     ``marker``: a regex some tensor name of the layout fully matches (and no other layout's);
     ``count_keys``: the config keys that declare the layer count, first found wins (text_config
-    before the top level: Qwen3.5 nests it there); ``build``: an unloaded head of the declared
-    layer count, checked against the checkpoint (``MissingHeadError`` when it ships none).
+    before the top level: Qwen3.5 nests it there); ``layer_names``: a regex whose one group is
+    an MTP layer's index in a tensor name, for configs that declare no count (Qwen3-Next as
+    published); ``build``: an unloaded head of that layer count, checked against the checkpoint
+    (``MissingHeadError`` when it ships none).
     """
 
     name: str
     model_types: tuple[str, ...]
     marker: str
     count_keys: tuple[str, ...]
+    layer_names: str
     default_hidden_source: HiddenSource
     build: BuildHead
 
@@ -52,6 +55,19 @@ class HeadFamily:
                     return int(cfg[key])
         return 0
 
+    def shipped_layers(self, index: dict[str, str]) -> int:
+        """How many MTP layers the tensor names hold (distinct layer indices; 0 = none)."""
+        rx = re.compile(self.layer_names)
+        return len({m.group(1) for m in map(rx.fullmatch, index) if m})
+
+    def layer_count(self, index: dict[str, str], config: dict) -> tuple[int, str]:
+        """The head's layer count and where it came from: the config's declaration, else the
+        tensor names ("config" / "tensor names"; (0, "config") when neither has any)."""
+        declared = self.declared_layers(config)
+        if declared or not self.has_layout(index):
+            return declared, "config"
+        return self.shipped_layers(index), "tensor names"
+
 
 FAMILIES: dict[str, HeadFamily] = {
     f.name: f
@@ -61,6 +77,7 @@ FAMILIES: dict[str, HeadFamily] = {
             model_types=("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text"),
             marker=r".*mtp\.fc\.weight",
             count_keys=("mtp_num_hidden_layers", "num_nextn_predict_layers"),
+            layer_names=r".*mtp\.layers\.(\d+)\..+",
             default_hidden_source=qwen3_next.DEFAULT_HIDDEN_SOURCE,
             build=qwen3_next.build_head,
         ),
@@ -69,6 +86,7 @@ FAMILIES: dict[str, HeadFamily] = {
             model_types=("deepseek_v3", "deepseek_v32", "kimi_k2", "glm4_moe"),
             marker=r"model\.layers\..*\.eh_proj\.weight",
             count_keys=("num_nextn_predict_layers",),
+            layer_names=r"model\.layers\.(\d+)\.eh_proj\.weight",
             default_hidden_source=deepseek.DEFAULT_HIDDEN_SOURCE,
             build=deepseek.build_head,
         ),
@@ -77,6 +95,7 @@ FAMILIES: dict[str, HeadFamily] = {
             model_types=("mimo",),
             marker=r"model\.mtp_layers\..*",
             count_keys=("num_nextn_predict_layers",),
+            layer_names=r"model\.mtp_layers\.(\d+)\..+",
             default_hidden_source=mimo.DEFAULT_HIDDEN_SOURCE,
             build=mimo.build_head,
         ),
@@ -126,7 +145,7 @@ def load_head(model_dir: Path, trunk: Any, config: dict, hidden_source: str | No
             )
         return None
     family = FAMILIES[layout]
-    num_layers = family.declared_layers(config)
+    num_layers, _ = family.layer_count(index, config)
     if num_layers == 0:
         return None
     src = HeadSource(model_dir, config, index, trunk)

@@ -26,6 +26,7 @@ def test_qwen35_with_head_is_mtp_ready(tmp_path):
     assert info["mtp"] == {
         "layout": "qwen3_next",
         "declared_layers": 1,
+        "layer_count_source": "config",
         "tensors": sum(k.startswith("mtp.") for k in tiny.tensors),
     }
     assert info["parameters"] == _numel(tiny.tensors)

@@ -733,3 +733,52 @@ def test_find_head_gives_the_checkpoints_own_head_or_none(tmp_path, capsys):
     assert "ships no model.mtp_layers" in capsys.readouterr().err
     with pytest.raises(MtplxError, match="ships no"):
         find_head(stripped, Trunk(stripped.model), model=str(stripped.path), required=True)
+
+
+# ------------------------------------------------------------- a count only the tensor names give
+
+
+def _without_mtp_count(path: Path) -> Path:
+    """The config as Qwen3-Next publishes it: MTP tensors shipped, no MTP layer count declared."""
+    config = json.loads((path / "config.json").read_text())
+    del config["text_config"]["mtp_num_hidden_layers"]
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_a_head_whose_config_declares_no_count_loads_inspects_and_converts_from_its_tensor_names(tmp_path):
+    from mtplx.checkpoints.convert_hf import convert_hf
+    from mtplx.checkpoints.inspect import inspect_model
+
+    _, _, declared = load(checkpoints.qwen3_5(tmp_path / "declared", mtp_layers=2).path)
+    published = _without_mtp_count(checkpoints.qwen3_5(tmp_path / "published", mtp_layers=2).path)
+    _, config, head = load(published)
+    assert declared_mtp_layers(config) == 0  # the config really says nothing
+    assert head is not None and head.num_layers == 2
+    assert [k for k, _ in tree_flatten(head.parameters())] == [
+        k for k, _ in tree_flatten(declared.parameters())
+    ]
+    for (name, ours), (_, theirs) in zip(
+        tree_flatten(head.parameters()), tree_flatten(declared.parameters())
+    ):
+        assert mx.array_equal(ours, theirs), name  # the same head as the declared checkpoint's
+    info = inspect_model(published)
+    assert info["verdict"] == "MTP-ready" and "counted from tensor names" in info["reason"]
+    assert info["mtp"]["declared_layers"] == 2 and info["mtp"]["layer_count_source"] == "tensor names"
+    out = convert_hf(published, tmp_path / "converted", q_bits=4, q_group_size=32)
+    kept = json.loads((out / "config.json").read_text())
+    assert kept["text_config"]["mtp_num_hidden_layers"] == 2  # conversion records the count
+    _, _, converted_head = load(out)
+    assert converted_head is not None and converted_head.num_layers == 2
+
+
+def test_no_count_and_no_tensors_is_still_no_head(tmp_path):
+    """Negative control: the tensor-name count does not invent a head the checkpoint lacks."""
+    stripped = _without_mtp_count(
+        checkpoints.qwen3_5(tmp_path / "stripped", mtp_layers=2, ship_mtp=False).path
+    )
+    _, _, head = load(stripped)
+    assert head is None
+    from mtplx.checkpoints.inspect import inspect_model
+
+    assert inspect_model(stripped)["verdict"] == "AR-only"
