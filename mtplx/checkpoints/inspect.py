@@ -93,7 +93,8 @@ def _head_predicate(layout: str | None, config: dict):
         )
     if layout == "mimo":
         return lambda k: k.startswith("model.mtp_layers.")
-    return lambda k: False
+    # An unknown layout: count what is named like an MTP head, so inspect can say what it found.
+    return lambda k: re.search(r"(^|[._])(mtp|nextn)", k) is not None
 
 
 def _find_forged(path: Path) -> dict | None:
@@ -270,6 +271,12 @@ def inspect_model(
         )
     elif sidecar is not None:
         verdict, reason = "MTP-ready", f"drafts with the head {sidecar['source']} ({sidecar['dir']})"
+    elif declared and layout is None:
+        verdict, reason = (
+            "AR-only",
+            f"config declares {declared} MTP layer(s) in a layout mtplx does not know (model_type "
+            f"{model_type}; {head_tensors} tensor(s) named like a head); decodes without MTP",
+        )
     elif head_tensors and declared:
         counted = "" if count_source == "config" else ", counted from tensor names: the config declares none"
         verdict, reason = (

@@ -15,10 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mtplx.errors import MtplxError
 from mtplx.heads import deepseek, mimo, qwen3_next
 from mtplx.heads.base import HiddenSource, MTPHead
-from mtplx.heads.weights import HeadSource, load_head_weights, weight_index
+from mtplx.heads.weights import HeadSource, MissingHeadError, load_head_weights, weight_index
 
 BuildHead = Callable[[HeadSource, int, HiddenSource], MTPHead]
 
@@ -130,8 +129,9 @@ def declared_mtp_layers(config: dict, layout: str | None = None) -> int:
 def load_head(model_dir: Path, trunk: Any, config: dict, hidden_source: str | None = None) -> MTPHead | None:
     """The MTP head a checkpoint ships, built beside the mlx-lm ``trunk`` (a ``mtplx.trunk.model.Trunk``).
 
-    None when the config declares no MTP layers; MtplxError (one line, naming the file)
-    when it declares some but the tensors are missing or mis-shaped, or the layout is unknown.
+    None when the config declares no MTP layers; `MissingHeadError` (one line, naming the file)
+    when it declares some but ships no tensors or ships them in an unknown layout (the caller may
+    decode AR); MtplxError when the tensors are mis-shaped.
     ``hidden_source`` overrides the layout's default trunk hidden ("pre_norm" / "post_norm").
     """
     model_dir = Path(model_dir)
@@ -140,8 +140,9 @@ def load_head(model_dir: Path, trunk: Any, config: dict, hidden_source: str | No
     if layout is None:
         if declared_mtp_layers(config):
             kind = ", ".join(t for t in _model_types(config) if t) or "unknown"
-            raise MtplxError(
-                f"{model_dir / 'config.json'}: declares MTP layers for an unsupported layout ({kind})"
+            raise MissingHeadError(
+                f"{model_dir / 'config.json'}: declares {declared_mtp_layers(config)} MTP layer(s) in a layout "
+                f"mtplx does not know (model_type {kind})"
             )
         return None
     family = FAMILIES[layout]

@@ -29,8 +29,9 @@ from mlx.utils import tree_flatten
 
 
 class MissingHeadError(MtplxError):
-    """The config declares MTP layers but the checkpoint ships none of their tensors
-    (mlx-lm's converter drops them): the model still decodes, autoregressively."""
+    """The config declares MTP layers but no head can be read: the checkpoint ships none of their
+    tensors (mlx-lm's converter drops them), or ships them in a layout mtplx does not know. The
+    model still decodes, autoregressively (`Engine.load` says so in one line)."""
 
 
 @dataclass(frozen=True)

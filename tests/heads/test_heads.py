@@ -782,3 +782,27 @@ def test_no_count_and_no_tensors_is_still_no_head(tmp_path):
     from mtplx.checkpoints.inspect import inspect_model
 
     assert inspect_model(stripped)["verdict"] == "AR-only"
+
+
+def test_an_unknown_layout_loads_ar_only_with_a_note_and_inspect_names_what_it_found(tmp_path, capsys):
+    """A config declaring MTP layers whose tensors no family reads: a one-line note and AR, an error
+    only when MTP is required; inspect counts the head-like tensors it saw."""
+    from mtplx.checkpoints.inspect import inspect_model
+    from mtplx.checkpoints.load import LoadedModel
+
+    model = models.tiny_llama(seed=3)
+    tiny = checkpoints.save_model(tmp_path / "odd", model, num_nextn_predict_layers=1)
+    extra = {"model.mtp_block.0.proj.weight": np.zeros((4, 4), dtype=np.float32)}
+    from safetensors.numpy import save_file
+
+    save_file(extra, str(tiny.path / "mtp-extra.safetensors"))
+    loaded_model, config = mlx_load_model(tiny.path)
+    loaded = LoadedModel(loaded_model, None, config, tiny.path, "fingerprint")
+    assert find_head(loaded, Trunk(loaded_model), model=str(tiny.path)) is None
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "a layout mtplx does not know" in err[0] and "decoding without MTP" in err[0]
+    with pytest.raises(MtplxError, match="does not know"):
+        find_head(loaded, Trunk(loaded_model), model=str(tiny.path), required=True)
+    info = inspect_model(tiny.path)
+    assert info["verdict"] == "AR-only" and "does not know" in info["reason"]
+    assert "1 tensor(s) named like a head" in info["reason"]
