@@ -205,3 +205,17 @@ def test_already_quantized_source_is_refused(converted, tmp_path):
 def test_missing_source_is_a_one_line_error(tmp_path):
     with pytest.raises(MtplxError, match="not found"):
         convert_hf(tmp_path / "nope", tmp_path / "out")
+
+
+def test_the_head_is_cast_by_the_trunks_rule_so_the_router_bias_stays_float32(tmp_path):
+    """DeepSeek's ``e_score_correction_bias`` stays float32 when the checkpoint is cast to its
+    bfloat16 (mlx-lm's ``cast_predicate`` for the trunk); the rest of the head is cast."""
+    src = checkpoints.deepseek_v3(tmp_path / "ds-moe", moe=True).path
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}))
+    out = convert_hf(src, tmp_path / "out", q_bits=BITS, q_group_size=GROUP, head_bits="float")
+    head = mx.load(str(out / "mtp.safetensors"))
+    bias = [k for k in head if k.endswith("e_score_correction_bias")]
+    assert bias and all(head[k].dtype == mx.float32 for k in bias)
+    gates = [k for k in head if k.endswith("mlp.gate.weight")]
+    assert gates and all(head[k].dtype == mx.bfloat16 for k in gates)  # control: the cast did run
