@@ -167,16 +167,19 @@ def stack_experts(weights: dict[str, mx.array], mlp_prefix: str, num_experts: in
 
 
 def dequantize_fp8_blocks(weights: dict[str, mx.array], block: int = 128) -> dict[str, mx.array]:
-    """DeepSeek-style FP8 checkpoints: ``w`` (e4m3) with per-128x128-block ``w_scale_inv`` -> bfloat16."""
+    """DeepSeek-style FP8 checkpoints: ``w`` (e4m3) with per-``block`` x ``block`` ``w_scale_inv`` ->
+    bfloat16. Any leading dimensions (stacked experts: w [E, m, n], scale [E, m/128, n/128]) are
+    kept; the two trailing ones are blocked, edge blocks padded."""
     for key in [k for k in weights if k.endswith(".weight_scale_inv")]:
         scale = weights.pop(key)
         wkey = key[: -len("_scale_inv")]
         w = mx.from_fp8(weights[wkey], dtype=mx.bfloat16)
-        m, n = w.shape
+        *lead, m, n = w.shape
         pm, pn = (-m) % block, (-n) % block
-        w = mx.pad(w, ((0, pm), (0, pn))).reshape((m + pm) // block, block, (n + pn) // block, block)
-        w = (w * scale[:, None, :, None]).reshape(m + pm, n + pn)
-        weights[wkey] = w[:m, :n].astype(mx.bfloat16)
+        w = mx.pad(w, [(0, 0)] * len(lead) + [(0, pm), (0, pn)])
+        w = w.reshape(*lead, (m + pm) // block, block, (n + pn) // block, block)
+        w = (w * scale[..., :, None, :, None]).reshape(*lead, m + pm, n + pn)
+        weights[wkey] = w[..., :m, :n].astype(mx.bfloat16)
     return weights
 
 

@@ -36,6 +36,7 @@ from safetensors.numpy import load_file
 from support import checkpoints, models
 from support.decoding import take_tokens
 from support.hub import cache_layout
+from support.seeds import SEEDS, resolve
 from support.tokenizer import word_level
 
 TOKENS = [[3, 17, 42, 5, 60, 9]]
@@ -806,3 +807,24 @@ def test_an_unknown_layout_loads_ar_only_with_a_note_and_inspect_names_what_it_f
     info = inspect_model(tiny.path)
     assert info["verdict"] == "AR-only" and "does not know" in info["reason"]
     assert "1 tensor(s) named like a head" in info["reason"]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("shape", [(130, 260), (3, 130, 260)], ids=["2-D", "stacked experts"])
+def test_fp8_block_dequantization_matches_a_float64_reference_for_any_leading_dims(shape, seed):
+    """Each 128x128 block (edge blocks short) times its own inverse scale, as DeepSeek's FP8 layout
+    defines it; stacked expert tensors keep their leading dimension."""
+    from mtplx.heads.weights import dequantize_fp8_blocks
+
+    rng = np.random.default_rng(resolve(seed))
+    w8 = mx.to_fp8(mx.array(rng.normal(size=shape).astype(np.float32)))
+    blocks = (*shape[:-2], -(-shape[-2] // 128), -(-shape[-1] // 128))
+    scale = rng.uniform(0.5, 2.0, size=blocks).astype(np.float32)
+    out = dequantize_fp8_blocks({"x.weight": w8, "x.weight_scale_inv": mx.array(scale)})
+    assert set(out) == {"x.weight"} and out["x.weight"].shape == shape
+    values = np.array(mx.from_fp8(w8, dtype=mx.float32), dtype=np.float64)
+    rows = np.arange(shape[-2]) // 128
+    cols = np.arange(shape[-1]) // 128
+    expected = values * scale.astype(np.float64)[..., rows[:, None], cols[None, :]]
+    got = np.array(out["x.weight"].astype(mx.float32), dtype=np.float64)
+    np.testing.assert_allclose(got, expected, rtol=2**-7, atol=0)  # bfloat16 rounding of both factors
