@@ -171,7 +171,8 @@ def convert_hf(
         head = None
     if head is None:
         print(f"note: {src}: no MTP head to keep", file=sys.stderr)
-    elif dtype is not None:  # the trunk's own rule, so e.g. e_score_correction_bias stays float32 as in mlx-lm
+    elif dtype is not None:
+        # The trunk's own rule, so e.g. e_score_correction_bias stays float32 as in mlx-lm.
         _cast(head, dtype, getattr(model, "cast_predicate", None))
 
     trunk_predicate = getattr(model, "quant_predicate", None)
