@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 import mtplx  # noqa: F401, I001  (BLAS before mlx)
 import mlx.core as mx
+from support.decoding import mtp_decode
 from support.models import make_loop_pair
 from support.sync_counter import counting_syncs
 
@@ -43,9 +44,7 @@ def main() -> None:
     print("| sampler setting | host syncs per cycle (depth 3) |\n|---|---|")
     for name, cfg in CASES.items():
         sample_ops._queue_top_p_fallbacks = (lambda: True) if "GPU policy" in name else cpu_policy
-        steps = decode.mtp_decode(
-            trunk, head, PROMPT, decode.DecodeSettings(sampler=cfg, depth=3), mx.random.key(0)
-        )
+        steps = mtp_decode(trunk, head, PROMPT, decode.DecodeSettings(sampler=cfg, depth=3), mx.random.key(0))
         next(steps)  # prefill and the first token are not a cycle
         with counting_syncs() as counter:
             for _ in range(CYCLES):

@@ -24,11 +24,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from mtplx.errors import MtplxError
-from mtplx.heads.base import DraftHead
 from mtplx.sample import ops as sample_ops
 from mtplx.sample import rejection
 from mtplx.sample.params import SamplerConfig
-from mtplx.spec_decode.head_proposer import HeadProposer
 from mtplx.spec_decode.proposer import CycleOutcome, Proposer
 from mtplx.spec_decode.settings import DecodeSettings
 from mtplx.trunk import rollback as cache_ops
@@ -288,20 +286,3 @@ def speculative_decode(
             logprobs,
             draft.sources if draft is not None else (),
         )
-
-
-def mtp_decode(
-    trunk: Trunk,
-    head: DraftHead,
-    prompt_tokens: list[int],
-    settings: DecodeSettings,
-    key: mx.array,
-    trunk_cache: list | None = None,
-    head_cache: list | None = None,
-    prefix: PromptPrefix | None = None,
-) -> Iterator[Step]:
-    """Exact speculative decoding with the model's MTP head as the drafter."""
-    if settings.depth < 1:
-        raise MtplxError(f"depth must be >= 1 (got {settings.depth})")
-    proposer = HeadProposer(head, settings, head_cache)
-    return speculative_decode(trunk, proposer, prompt_tokens, settings, key, trunk_cache, prefix)

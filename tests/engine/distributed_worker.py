@@ -28,7 +28,7 @@ from mtplx.spec_decode import loop as decode
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
-from support.decoding import cache_arrays, sample_until_rollbacks
+from support.decoding import cache_arrays, mtp_decode, sample_until_rollbacks
 
 PROMPT_TEXT = "def add(a, b):\n    return a + b\n"
 
@@ -48,7 +48,7 @@ def cache_check(engine: Engine, depth: int) -> dict:
     prompt = engine.encode_prompt(PROMPT_TEXT)
     trunk_cache, head_cache = trunk.make_cache(), head.make_cache()
     settings = decode.DecodeSettings(sampler=SamplerConfig(temperature=1.0), depth=depth)
-    steps = decode.mtp_decode(
+    steps = mtp_decode(
         trunk, head, prompt, settings, mx.random.key(3), trunk_cache=trunk_cache, head_cache=head_cache
     )
     generated, patterns = sample_until_rollbacks(steps, 20)

@@ -28,7 +28,7 @@ import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 from mlx_lm.utils import load_model as mlx_load_model
 from support import checkpoints, gemma4_ref
-from support.decoding import sample_until_rollbacks
+from support.decoding import mtp_decode, sample_until_rollbacks
 from support.exactness import (
     FALSE_FAILURE_RATE,
     PROMPT,
@@ -276,7 +276,7 @@ def _window_of(c, n: int) -> tuple[np.ndarray, np.ndarray]:
 def assert_caches_match_a_from_scratch_run(tmp_path, depth: int) -> None:
     trunk, head, *_ = build_pair(tmp_path, ordered=True, **LOOP)
     trunk_cache = trunk.make_cache()
-    steps = decode.mtp_decode(
+    steps = mtp_decode(
         trunk,
         head,
         PROMPT,

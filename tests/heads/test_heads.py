@@ -34,7 +34,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model as mlx_load_model
 from safetensors.numpy import load_file
 from support import checkpoints, models
-from support.decoding import take_tokens
+from support.decoding import mtp_decode, take_tokens
 from support.hub import cache_layout
 from support.seeds import SEEDS, resolve
 from support.tokenizer import word_level
@@ -606,7 +606,7 @@ def test_two_module_heads_decode_at_depths_1_to_4(two_module_heads, family):
     for depth in (1, 2, 3, 4):
         head_cache = head.make_cache()
         settings = decode.DecodeSettings(sampler=greedy, depth=depth)
-        steps = decode.mtp_decode(trunk, head, prompt, settings, mx.random.key(0), head_cache=head_cache)
+        steps = mtp_decode(trunk, head, prompt, settings, mx.random.key(0), head_cache=head_cache)
         assert take_tokens(steps, 8) == ar, depth
         # From scratch: the true (trunk hidden, next token) pairs of the committed sequence.
         held = head_cache[0].offset

@@ -13,7 +13,7 @@ from mtplx.trunk import rollback as cache_ops
 
 import mlx.core as mx
 import pytest
-from support.decoding import sample_until_rollbacks
+from support.decoding import mtp_decode, sample_until_rollbacks
 from support.exactness import (
     FALSE_FAILURE_RATE,
     PROMPT,
@@ -57,7 +57,7 @@ def assert_caches_match_a_from_scratch_run(depth: int, family: str = "llama") ->
     trunk, head = make_loop_pair(vocab_size=16, seed=7, family=family)
     cfg = SamplerConfig(temperature=1.0)
     trunk_cache, head_cache = trunk.make_cache(), head.make_cache()
-    steps = decode.mtp_decode(
+    steps = mtp_decode(
         trunk,
         head,
         PROMPT,

@@ -12,7 +12,7 @@ from mtplx.sample.params import SamplerConfig
 from mtplx.spec_decode import loop as decode
 
 import pytest
-from support.decoding import take_tokens
+from support.decoding import mtp_decode, take_tokens
 from support.models import make_loop_pair
 
 PROMPT = [1, 2, 0, 2, 1, 0, 2]
@@ -24,7 +24,7 @@ def _first_tokens(trunk, head, settings: decode.DecodeSettings, n: int, depth: i
     if depth is None:
         steps = decode.ar_decode(trunk, PROMPT, settings, mx.random.key(0))
     else:
-        steps = decode.mtp_decode(trunk, head, PROMPT, settings, mx.random.key(0))
+        steps = mtp_decode(trunk, head, PROMPT, settings, mx.random.key(0))
     return take_tokens(steps, n)
 
 
@@ -126,7 +126,7 @@ def test_one_host_sync_per_mtp_cycle(monkeypatch, case: str, greedy_draft: bool)
     monkeypatch.setattr(sample_ops, "_queue_top_p_fallbacks", lambda: True)
     trunk, head = make_loop_pair(vocab_size=300, seed=3, logit_scale=8.0)
     settings = decode.DecodeSettings(sampler=SYNC_CASES[case], depth=3, greedy_draft=greedy_draft)
-    steps = decode.mtp_decode(trunk, head, PROMPT, settings, mx.random.key(0))
+    steps = mtp_decode(trunk, head, PROMPT, settings, mx.random.key(0))
     assert syncs_after_prefill(steps, 4) == 4
 
 
@@ -153,7 +153,7 @@ def test_logprobs_cost_one_extra_sync_per_cycle(monkeypatch) -> None:
     monkeypatch.setattr(sample_ops, "_queue_top_p_fallbacks", lambda: True)
     trunk, head = make_loop_pair(vocab_size=300, seed=3, logit_scale=8.0)
     settings = decode.DecodeSettings(sampler=SamplerConfig(temperature=0.7), depth=3, logprobs=5)
-    steps = decode.mtp_decode(trunk, head, PROMPT, settings, mx.random.key(0))
+    steps = mtp_decode(trunk, head, PROMPT, settings, mx.random.key(0))
     next(steps)
     with counting_syncs() as counter:
         produced = [next(steps) for _ in range(4)]

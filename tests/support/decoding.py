@@ -6,7 +6,9 @@ from __future__ import annotations
 from collections.abc import Generator
 
 import mtplx  # noqa: F401  (BLAS before mlx)
-from mtplx.spec_decode.loop import Step
+from mtplx.spec_decode.head_proposer import HeadProposer
+from mtplx.spec_decode.loop import Step, speculative_decode
+from mtplx.spec_decode.settings import DecodeSettings
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
@@ -57,3 +59,19 @@ def cache_arrays(caches: list) -> list[mx.array]:
         else:
             out += [c.keys[..., : c.offset, :], c.values[..., : c.offset, :]]
     return out
+
+
+def mtp_decode(
+    trunk,
+    head,
+    prompt_tokens: list[int],
+    settings: DecodeSettings,
+    key: mx.array,
+    trunk_cache: list | None = None,
+    head_cache: list | None = None,
+    prefix=None,
+) -> Generator[Step, None, None]:
+    """The loop with the MTP head as its drafter, without an engine: what `spec_decode.select`
+    builds for ``draft="head"``."""
+    proposer = HeadProposer(head, settings, head_cache)
+    return speculative_decode(trunk, proposer, prompt_tokens, settings, key, trunk_cache, prefix)

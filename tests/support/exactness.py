@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 from scipy import stats as scipy_stats
 
-from support.decoding import cache_arrays, take_steps, take_tokens
+from support.decoding import cache_arrays, mtp_decode, take_steps, take_tokens
 
 PROMPT = [1, 2, 0, 2, 1, 0, 2]  # valid for every vocabulary size used here (>= 3)
 FALSE_FAILURE_RATE = 1e-6
@@ -20,7 +20,7 @@ FALSE_FAILURE_RATE = 1e-6
 
 def run_mtp_steps(trunk, head, cfg: SamplerConfig, depth: int, n: int, **settings) -> tuple[list[int], list]:
     """The first n MTP tokens (greedy key 0) and every Step that produced them."""
-    steps = decode.mtp_decode(
+    steps = mtp_decode(
         trunk, head, PROMPT, decode.DecodeSettings(sampler=cfg, depth=depth, **settings), mx.random.key(0)
     )
     return take_steps(steps, n)
@@ -31,7 +31,7 @@ def run_loop(trunk, head, cfg: SamplerConfig, depth: int | None, n: int, seed: i
     if depth is None:
         steps = decode.ar_decode(trunk, PROMPT, decode.DecodeSettings(sampler=cfg, **settings), key)
     else:
-        steps = decode.mtp_decode(
+        steps = mtp_decode(
             trunk, head, PROMPT, decode.DecodeSettings(sampler=cfg, depth=depth, **settings), key
         )
     return take_tokens(steps, n)

@@ -17,6 +17,7 @@ from mtplx.trunk.prompt_cache import PromptCache, cache_nbytes
 import mlx.core as mx
 import numpy as np
 import pytest
+from support.decoding import mtp_decode
 from support.models import make_loop_pair
 
 VOCAB = 49152  # the default tokenizer's
@@ -159,7 +160,7 @@ def test_logprobs_are_the_targets_own_whether_drafted_or_not(family, mtp):
     settings = decode.DecodeSettings(sampler=sampler, depth=3, logprobs=4)
     key = mx.random.key(5)
     steps = (
-        decode.mtp_decode(trunk, head, prompt, settings, key)
+        mtp_decode(trunk, head, prompt, settings, key)
         if mtp
         else decode.ar_decode(trunk, prompt, settings, key)
     )
