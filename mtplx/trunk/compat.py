@@ -266,6 +266,58 @@ def install_gated_delta_hook(wrapper: Callable) -> None:
             module.gated_delta_update = wrapper
 
 
+class ConvInputTap:
+    """Records the input of a gated-delta layer's ``conv1d`` during one armed forward.
+
+    That input is [B, kernel - 1 + T, C]: the conv state before the block followed by the
+    block's projections, so the conv state after any prefix n of the block is its rows
+    [n, n + kernel - 1), for every row of a batch (`mtplx.trunk.batch_cache`). Only this
+    module instance's class changes (a recording subclass of its own class); unarmed it
+    passes straight through and holds nothing.
+    """
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.recorded: mx.array | None = None
+
+    @classmethod
+    def on(cls, layer: nn.Module) -> ConvInputTap:
+        """The tap of the gated-delta ``conv1d`` inside ``layer`` (installed once per instance)."""
+        conv = next(
+            (
+                m.conv1d
+                for _, m in layer.named_modules()
+                if type(m).__module__ in SUPPORTED_RECURRENT_MODULES and hasattr(m, "conv1d")
+            ),
+            None,
+        )
+        if conv is None:
+            raise ValueError("layer has no supported gated-delta conv1d")
+        existing = getattr(type(conv), "_mtplx_conv_tap", None)
+        if existing is not None:
+            return existing
+        base = type(conv)
+        tap = cls()
+
+        def __call__(self, x, *args, **kwargs):
+            if tap.armed:
+                tap.recorded = x
+            return base.__call__(self, x, *args, **kwargs)
+
+        conv.__class__ = type(
+            f"Tapped{base.__name__}", (base,), {"__call__": __call__, "_mtplx_conv_tap": tap}
+        )
+        return tap
+
+    def arm(self) -> None:
+        self.armed, self.recorded = True, None
+
+    def take(self) -> mx.array | None:
+        """The recorded input (None if the layer did not run), disarming the tap."""
+        recorded, self.recorded, self.armed = self.recorded, None, False
+        return recorded
+
+
 def is_supported_gated_delta_layer(layer: nn.Module) -> bool:
     return any(
         type(m).__module__ in SUPPORTED_RECURRENT_MODULES and hasattr(m, "conv1d")

@@ -23,7 +23,7 @@ Hybrid capture (no second forward, nothing extra for attention-only models):
 * Recurrent state: mlx-lm's gated-delta layers call the module-level function
   ``gated_delta_update(q, k, v, a, b, A_log, dt_bias, state, mask, ...)``.
   ``compat.install_gated_delta_hook`` rebinds that name in the supported model
-  modules to ``_capturing_gated_delta_update``, which passes straight through
+  modules to ``capturing_gated_delta_update``, which passes straight through
   unless ``state`` is the very array object a capturing cache handed out; then
   it runs the same function one position at a time, keeping each state. The
   per-position calls take the path mlx-lm would take (Metal kernel when
@@ -198,17 +198,28 @@ class _RecurrentRecord:
         set_arrays_slots(self.cache, self.slots_before)
 
     def _release(self) -> None:
-        _RECORDERS.pop(id(self.slots_before[STATE_SLOT]), None)
+        release_recorder(self.slots_before[STATE_SLOT])
         self.cache.__class__ = ArraysCache
         self.cache.finalize()  # lengths back to None (left_padding was None: begin_block checks)
 
 
-# id(state array handed to the layer) -> its record. The record holds the array,
-# so the id cannot be reused while the entry exists.
-_RECORDERS: dict[int, _RecurrentRecord] = {}
+# id(state array handed to the layer) -> its record (anything with ``slots_before`` and a
+# ``states`` list: this module's _RecurrentRecord, or a batch block's). The record holds the
+# array, so the id cannot be reused while the entry exists.
+_RECORDERS: dict[int, Any] = {}
 
 
-def _capturing_gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, **kwargs):
+def register_recorder(record: Any) -> None:
+    """Record every per-position state of the next gated-delta update on ``record.slots_before``'s
+    state into ``record.states`` (`mtplx.trunk.batch_cache` uses this for batches)."""
+    _RECORDERS[id(record.slots_before[STATE_SLOT])] = record
+
+
+def release_recorder(state: mx.array) -> None:
+    _RECORDERS.pop(id(state), None)
+
+
+def capturing_gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, **kwargs):
     record = _RECORDERS.get(id(state)) if state is not None else None
     if record is None or record.slots_before[STATE_SLOT] is not state:
         return ORIGINAL_GATED_DELTA_UPDATE(q, k, v, a, b, A_log, dt_bias, state, mask, **kwargs)
@@ -237,7 +248,7 @@ def _begin_recurrent(c: ArraysCache, rows: int) -> _RecurrentRecord:
         state = mx.array(state)
         c[STATE_SLOT] = state
     record = _RecurrentRecord(c, list(arrays_slots(c)), rows)
-    _RECORDERS[id(state)] = record
+    register_recorder(record)
     c.__class__ = _CapturingArraysCache
     c.prepare(lengths=list(range(rows)))
     return record
@@ -350,7 +361,7 @@ def begin_block(cache: list, block_len: int | None = None) -> BlockCapture:
     records: list = []
     for _, c in _leaves(cache):
         if type(c) is ArraysCache:
-            install_gated_delta_hook(_capturing_gated_delta_update)
+            install_gated_delta_hook(capturing_gated_delta_update)
             records.append(_begin_recurrent(c, (block_len or DEFAULT_MAX_BLOCK) + 1))
         elif type(c) is RotatingKVCache:
             records.append(_begin_rotating(c, block_len))

@@ -1,0 +1,424 @@
+"""Caches for a batch of sequences of different lengths, with per-row rollback.
+
+mlx-lm's batch caches keep every row aligned at one write position (left padding), so
+`BatchKVCache.trim` moves all rows by the same amount. A speculative batch keeps a different
+number of positions per row each cycle, so here every row has its own length:
+
+* `RaggedKVCache` (one per attention layer): buffers [B, H, S, D]; row r holds positions
+  0..lengths[r]-1. A forward of T positions writes row r's block at lengths[r].. (one scatter),
+  RoPE reads the per-row ``offset`` array, and `make_mask` gives each row its own causal mask
+  (key j is visible to query t of row r iff j <= lengths[r] + t), so entries past a row's
+  length (a shorter row's stale tail, or the right padding of a block) are never read.
+  Keeping n of the T positions is setting lengths[r] = before[r] + n: no copy of the context.
+* Gated-delta layers (Qwen3.5 / Qwen3-Next): an mlx-lm ``ArraysCache`` holding B rows. A verify
+  block records the recurrent state after every position (the same hook as single-row
+  rollback, `mtplx.trunk.rollback`) and the conv layer's input (`compat.ConvInputTap`), so a
+  row keeping n positions takes the state recorded after its position n and the conv rows
+  [n, n + kernel - 1) of that input.
+
+Rows join from single-row caches (`add_rows`, after their own prefill or from the prompt
+cache) and leave (`remove_rows`); both copy the buffers once, never per cycle. Sliding-window
+(rotating) and quantized caches are not batched: `check_batchable` says so.
+
+Invariant between cycles: every layer's row r holds exactly the committed positions of
+sequence r, as the same sequence's single-row cache would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from mtplx.trunk import rollback
+from mtplx.trunk.compat import (
+    CONV_SLOT,
+    STATE_SLOT,
+    ArraysCache,
+    ConvInputTap,
+    KVCache,
+    arrays_slots,
+    install_gated_delta_hook,
+    is_supported_gated_delta_layer,
+    kv_state,
+)
+
+import mlx.core as mx
+import mlx.nn as nn
+
+__all__ = ["BatchCache", "RaggedKVCache", "check_batchable"]
+
+_STEP = 256  # buffer growth, in positions (mlx-lm's KVCache grows by the same step)
+
+
+class RaggedKVCache:
+    """K/V of B rows with per-row lengths (the module docstring). Quacks like mlx-lm's KVCache
+    where models touch it: ``offset`` (per-row array), ``update_and_fetch``, ``make_mask``, ``state``."""
+
+    def __init__(self, keys: mx.array | None = None, values: mx.array | None = None, lengths=()):
+        self.keys = keys  # [B, H, capacity, D] or None while empty
+        self.values = values
+        self.lengths: list[int] = list(lengths)
+        self.offset = mx.array(self.lengths, dtype=mx.int32)  # [B]: where the next block is written
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def state(self) -> tuple:
+        return (self.keys, self.values) if self.keys is not None else ()
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+    def set_lengths(self, lengths: Sequence[int]) -> None:
+        self.lengths = [int(n) for n in lengths]
+        self.offset = mx.array(self.lengths, dtype=mx.int32)
+
+    def _reserve(self, end: int, like_keys: mx.array, like_values: mx.array) -> None:
+        capacity = 0 if self.keys is None else self.keys.shape[2]
+        if end <= capacity:
+            return
+        new_capacity = ((end + _STEP - 1) // _STEP) * _STEP
+        batch, heads, _, key_dim = like_keys.shape
+        keys = mx.zeros((batch, heads, new_capacity, key_dim), like_keys.dtype)
+        values = mx.zeros(
+            (batch, like_values.shape[1], new_capacity, like_values.shape[3]), like_values.dtype
+        )
+        if self.keys is not None:
+            keys[..., :capacity, :] = self.keys
+            values[..., :capacity, :] = self.values
+        self.keys, self.values = keys, values
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Write keys/values [B, H, T, D] at each row's length; return the buffers up to the longest end."""
+        block_len = keys.shape[2]
+        end = max(self.lengths) + block_len
+        self._reserve(end, keys, values)
+        positions = self.offset[:, None] + mx.arange(block_len)[None]  # [B, T]
+        rows = mx.arange(self.batch_size)[:, None]
+        self.keys[rows, :, positions] = keys.transpose(0, 2, 1, 3)
+        self.values[rows, :, positions] = values.transpose(0, 2, 1, 3)
+        self.set_lengths([n + block_len for n in self.lengths])
+        return self.keys[..., :end, :], self.values[..., :end, :]
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
+        """bool [B, 1, N, max(lengths) + N]: query t of row r sees keys 0..lengths[r] + t."""
+        if window_size is not None:
+            raise ValueError("RaggedKVCache has no sliding window (check_batchable refuses such models)")
+        end = max(self.lengths) + N
+        query_positions = self.offset[:, None, None, None] + mx.arange(N)[None, None, :, None]
+        return mx.arange(end)[None, None, None, :] <= query_positions
+
+    # ------------------------------------------------------------------ rows join and leave
+    @classmethod
+    def from_rows(cls, caches: Sequence[KVCache]) -> RaggedKVCache:
+        out = cls()
+        out.add_rows(caches)
+        return out
+
+    def add_rows(self, caches: Sequence[KVCache]) -> None:
+        """Append single-row KVCaches (copied; the originals stay usable)."""
+        if not caches:
+            return
+        lengths = [int(c.offset) for c in caches]
+        filled = [c for c in caches if c.offset > 0]
+        if not filled and self.keys is None:
+            self.set_lengths(self.lengths + lengths)
+            return
+        like_keys = self.keys if self.keys is not None else kv_state(filled[0]).keys
+        like_values = self.values if self.values is not None else kv_state(filled[0]).values
+        capacity = max(max(self.lengths, default=0), max(lengths)) + 1
+        capacity = ((capacity + _STEP - 1) // _STEP) * _STEP
+        if self.keys is not None and self.keys.shape[2] > capacity:
+            capacity = self.keys.shape[2]
+        parts_k, parts_v = [], []
+        if self.keys is not None:
+            parts_k.append(_pad_to(self.keys, capacity))
+            parts_v.append(_pad_to(self.values, capacity))
+        elif self.lengths:  # existing rows all empty: zeros for them
+            parts_k.append(
+                mx.zeros(
+                    (len(self.lengths), *like_keys.shape[1:2], capacity, like_keys.shape[3]), like_keys.dtype
+                )
+            )
+            parts_v.append(
+                mx.zeros(
+                    (len(self.lengths), *like_values.shape[1:2], capacity, like_values.shape[3]),
+                    like_values.dtype,
+                )
+            )
+        for c, n in zip(caches, lengths):
+            if n == 0:
+                parts_k.append(
+                    mx.zeros((1, like_keys.shape[1], capacity, like_keys.shape[3]), like_keys.dtype)
+                )
+                parts_v.append(
+                    mx.zeros((1, like_values.shape[1], capacity, like_values.shape[3]), like_values.dtype)
+                )
+                continue
+            state = kv_state(c)
+            parts_k.append(_pad_to(state.keys[..., :n, :], capacity))
+            parts_v.append(_pad_to(state.values[..., :n, :], capacity))
+        self.keys = mx.concatenate(parts_k, axis=0)
+        self.values = mx.concatenate(parts_v, axis=0)
+        self.set_lengths(self.lengths + lengths)
+
+    def remove_rows(self, keep: Sequence[int]) -> None:
+        """Keep only the rows ``keep`` (indices, in order); the others' memory is freed."""
+        self.set_lengths([self.lengths[i] for i in keep])
+        if self.keys is None:
+            return
+        if not keep:
+            self.keys = self.values = None
+            return
+        index = mx.array(list(keep), dtype=mx.int32)
+        longest = max(self.lengths) if self.lengths else 0
+        capacity = max(_STEP, ((longest + _STEP - 1) // _STEP) * _STEP)
+        self.keys = mx.contiguous(
+            mx.take(self.keys, index, axis=0)[..., : min(capacity, self.keys.shape[2]), :]
+        )
+        self.values = mx.contiguous(
+            mx.take(self.values, index, axis=0)[..., : min(capacity, self.values.shape[2]), :]
+        )
+
+    def extract(self, row: int) -> KVCache:
+        """Row ``row`` as a fresh single-row mlx-lm KVCache (its own copy)."""
+        out = KVCache()
+        n = self.lengths[row]
+        if n and self.keys is not None:
+            out.update_and_fetch(
+                mx.contiguous(self.keys[row : row + 1, :, :n, :]),
+                mx.contiguous(self.values[row : row + 1, :, :n, :]),
+            )
+        return out
+
+
+def _pad_to(buffer: mx.array, capacity: int) -> mx.array:
+    have = buffer.shape[2]
+    if have == capacity:
+        return buffer
+    if have > capacity:
+        return buffer[..., :capacity, :]
+    pad = mx.zeros((*buffer.shape[:2], capacity - have, buffer.shape[3]), buffer.dtype)
+    return mx.concatenate([buffer, pad], axis=2)
+
+
+# --------------------------------------------------------------------------- which models batch
+
+
+def check_batchable(single_row_cache: list, model: nn.Module | None = None) -> str | None:
+    """None if a model whose single-row cache looks like this can decode in a batch, else why not."""
+    layers = list(model.layers) if model is not None else None
+    for i, c in enumerate(single_row_cache):
+        if type(c) is KVCache:
+            continue
+        if type(c) is ArraysCache and len(arrays_slots(c)) == 2:
+            if layers is not None and not is_supported_gated_delta_layer(layers[i]):
+                return f"cache of layer {i}: ArraysCache of a layer that is not a supported gated-delta layer"
+            continue
+        kind = type(c).__name__
+        if kind == "RotatingKVCache":
+            return f"cache of layer {i}: sliding-window attention (RotatingKVCache) is decoded one request at a time"
+        return f"cache of layer {i}: {kind} is not batched"
+    return None
+
+
+# --------------------------------------------------------------------------- the batch's caches
+
+
+def _stack_rows(arrays: list[mx.array | None]) -> mx.array | None:
+    present = [a for a in arrays if a is not None]
+    if not present:
+        return None
+    if len(present) != len(arrays):
+        raise ValueError("a gated-delta cache row without state joined the batch (prefill it first)")
+    return mx.concatenate(arrays, axis=0)
+
+
+@dataclass
+class _RecurrentBlock:
+    cache: ArraysCache
+    tap: ConvInputTap
+    slots_before: list
+    states: list = field(default_factory=list)  # recurrent state [B, ...] after each position
+
+    def commit(self, num_keep: Sequence[int], kernel_rows: int) -> None:
+        conv_input = self.tap.take()
+        if conv_input is None or not self.states:
+            raise RuntimeError("gated-delta layer did not record its verify block (was the forward run?)")
+        stacked = mx.stack([self.slots_before[STATE_SLOT], *self.states], axis=0)  # [T+1, B, ...]
+        rows = mx.arange(len(num_keep))
+        keep = mx.array(list(num_keep), dtype=mx.int32)
+        self.cache[STATE_SLOT] = stacked[keep, rows]
+        # conv_input is [B, kernel - 1 + T, C]: the conv state after n positions is its rows [n, n + kernel - 1).
+        positions = keep[:, None] + mx.arange(kernel_rows)[None]
+        self.cache[CONV_SLOT] = mx.take_along_axis(conv_input, positions[..., None], axis=1)
+        rollback.release_recorder(self.slots_before[STATE_SLOT])
+
+    def abort(self) -> None:
+        self.tap.take()
+        rollback.release_recorder(self.slots_before[STATE_SLOT])
+        self.cache.cache = list(self.slots_before)
+
+
+@dataclass
+class BatchBlock:
+    """What `BatchCache.begin_block` recorded; consumed by one commit or abort."""
+
+    lengths_before: list[int]
+    block_len: int
+    recurrent: list[_RecurrentBlock]
+    open: bool = True
+
+
+class BatchCache:
+    """One cache per layer for the rows of a batch (attention: RaggedKVCache; gated delta: ArraysCache).
+
+    ``layers`` is what the model's forward takes as its cache list. Rows are indexed 0..B-1 in
+    join order; `remove_rows` renumbers them.
+    """
+
+    def __init__(self, template: list, model: nn.Module | None = None):
+        """``template``: a fresh single-row cache of the model (its layer kinds)."""
+        reason = check_batchable(template, model)
+        if reason is not None:
+            raise ValueError(reason)
+        self.layers: list[Any] = [
+            RaggedKVCache() if type(c) is KVCache else ArraysCache(len(arrays_slots(c))) for c in template
+        ]
+        self._conv_taps: dict[int, ConvInputTap] = {}
+        if model is not None:
+            for i, c in enumerate(self.layers):
+                if type(c) is ArraysCache:
+                    self._conv_taps[i] = ConvInputTap.on(model.layers[i])
+        self.lengths: list[int] = []
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def state(self) -> list:
+        return [c.state for c in self.layers]
+
+    @property
+    def nbytes(self) -> int:
+        total = 0
+        for c in self.layers:
+            if type(c) is RaggedKVCache:
+                total += c.nbytes
+            else:
+                total += sum(a.nbytes for a in arrays_slots(c) if a is not None)
+        return total
+
+    def add_rows(self, rows: Sequence[list]) -> None:
+        """Append sequences given as single-row caches (same layer kinds as the template)."""
+        for i, layer in enumerate(self.layers):
+            members = [row[i] for row in rows]
+            if type(layer) is RaggedKVCache:
+                layer.add_rows(members)
+            else:
+                joined = [arrays_slots(m) for m in members]
+                for slot in range(len(layer.cache)):
+                    new = _stack_rows([j[slot] for j in joined])
+                    old = layer.cache[slot]
+                    layer.cache[slot] = new if old is None else mx.concatenate([old, new], axis=0)
+        self.lengths += [_row_length(row) for row in rows]
+
+    def remove_rows(self, keep: Sequence[int]) -> None:
+        index = mx.array(list(keep), dtype=mx.int32)
+        for layer in self.layers:
+            if type(layer) is RaggedKVCache:
+                layer.remove_rows(keep)
+            else:
+                layer.cache = [
+                    None if a is None or not keep else mx.contiguous(mx.take(a, index, axis=0))
+                    for a in layer.cache
+                ]
+        self.lengths = [self.lengths[i] for i in keep]
+
+    def extract(self, row: int) -> list:
+        """Row ``row`` as a single-row mlx-lm cache list (for the prompt cache)."""
+        out: list = []
+        for layer in self.layers:
+            if type(layer) is RaggedKVCache:
+                out.append(layer.extract(row))
+            else:
+                single = ArraysCache(len(layer.cache))
+                single.cache = [None if a is None else mx.contiguous(a[row : row + 1]) for a in layer.cache]
+                out.append(single)
+        return out
+
+    def set_lengths(self, lengths: Sequence[int]) -> None:
+        """Attention-only: move every row to its length (a head's catch-up keeps only true pairs)."""
+        for layer in self.layers:
+            if type(layer) is not RaggedKVCache:
+                raise ValueError("set_lengths: a recurrent cache cannot be moved back")
+            layer.set_lengths(lengths)
+        self.lengths = list(lengths)
+
+    # ------------------------------------------------------------------ verify blocks
+    def begin_block(self, block_len: int) -> BatchBlock:
+        """Call right before a forward of ``block_len`` positions for every row."""
+        recurrent: list[_RecurrentBlock] = []
+        for i, layer in enumerate(self.layers):
+            if type(layer) is ArraysCache:
+                install_gated_delta_hook(rollback.capturing_gated_delta_update)
+                tap = self._conv_taps.get(i)
+                if tap is None:
+                    raise ValueError("BatchCache of a hybrid model needs the model (pass model=)")
+                record = _RecurrentBlock(layer, tap, list(layer.cache))
+                rollback.register_recorder(record)
+                tap.arm()
+                recurrent.append(record)
+        return BatchBlock(list(self.lengths), block_len, recurrent)
+
+    def commit_block(self, block: BatchBlock, num_keep: Sequence[int]) -> None:
+        """Row r keeps the first num_keep[r] positions of the block (0 <= num_keep[r] <= block_len)."""
+        if not block.open:
+            raise ValueError("this block was already committed or aborted")
+        block.open = False
+        if len(num_keep) != len(block.lengths_before) or not all(0 <= n <= block.block_len for n in num_keep):
+            self._restore(block)
+            raise ValueError(
+                f"num_keep must hold {len(block.lengths_before)} values in [0, {block.block_len}]"
+            )
+        try:
+            for record in block.recurrent:
+                record.commit(num_keep, _kernel_rows(record))
+        except BaseException:
+            self._restore(block)
+            raise
+        lengths = [before + n for before, n in zip(block.lengths_before, num_keep)]
+        for layer in self.layers:
+            if type(layer) is RaggedKVCache:
+                layer.set_lengths(lengths)
+        self.lengths = lengths
+
+    def abort_block(self, block: BatchBlock) -> None:
+        """Back to the state at `begin_block` (a failed or interrupted forward). A no-op once closed."""
+        if block.open:
+            block.open = False
+            self._restore(block)
+
+    def _restore(self, block: BatchBlock) -> None:
+        for record in block.recurrent:
+            record.abort()
+        for layer in self.layers:
+            if type(layer) is RaggedKVCache:
+                layer.set_lengths(block.lengths_before)
+        self.lengths = list(block.lengths_before)
+
+
+def _kernel_rows(record: _RecurrentBlock) -> int:
+    return int(record.slots_before[CONV_SLOT].shape[1])
+
+
+def _row_length(row: list) -> int:
+    for c in row:
+        if type(c) is KVCache:
+            return int(c.offset)
+    raise ValueError("a batch row needs at least one attention layer to know its length")
