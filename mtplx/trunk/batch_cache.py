@@ -294,7 +294,14 @@ class BatchCache:
             for i, c in enumerate(self.layers):
                 if type(c) is ArraysCache:
                     self._conv_taps[i] = ConvInputTap.on(model.layers[i])
-        self.lengths: list[int] = []
+        self._attention = next((c for c in self.layers if type(c) is RaggedKVCache), None)
+        if self._attention is None:
+            raise ValueError("a batch needs at least one attention layer (its rows' lengths)")
+
+    @property
+    def lengths(self) -> list[int]:
+        """Positions each row holds (every attention layer agrees between forwards)."""
+        return list(self._attention.lengths)
 
     @property
     def batch_size(self) -> int:
@@ -326,7 +333,6 @@ class BatchCache:
                     new = _stack_rows([j[slot] for j in joined])
                     old = layer.cache[slot]
                     layer.cache[slot] = new if old is None else mx.concatenate([old, new], axis=0)
-        self.lengths += [_row_length(row) for row in rows]
 
     def remove_rows(self, keep: Sequence[int]) -> None:
         index = mx.array(list(keep), dtype=mx.int32)
@@ -338,7 +344,6 @@ class BatchCache:
                     None if a is None or not keep else mx.contiguous(mx.take(a, index, axis=0))
                     for a in layer.cache
                 ]
-        self.lengths = [self.lengths[i] for i in keep]
 
     def extract(self, row: int) -> list:
         """Row ``row`` as a single-row mlx-lm cache list (for the prompt cache)."""
@@ -358,7 +363,6 @@ class BatchCache:
             if type(layer) is not RaggedKVCache:
                 raise ValueError("set_lengths: a recurrent cache cannot be moved back")
             layer.set_lengths(lengths)
-        self.lengths = list(lengths)
 
     # ------------------------------------------------------------------ verify blocks
     def begin_block(self, block_len: int) -> BatchBlock:
@@ -396,7 +400,6 @@ class BatchCache:
         for layer in self.layers:
             if type(layer) is RaggedKVCache:
                 layer.set_lengths(lengths)
-        self.lengths = lengths
 
     def abort_block(self, block: BatchBlock) -> None:
         """Back to the state at `begin_block` (a failed or interrupted forward). A no-op once closed."""
@@ -410,15 +413,7 @@ class BatchCache:
         for layer in self.layers:
             if type(layer) is RaggedKVCache:
                 layer.set_lengths(block.lengths_before)
-        self.lengths = list(block.lengths_before)
 
 
 def _kernel_rows(record: _RecurrentBlock) -> int:
     return int(record.slots_before[CONV_SLOT].shape[1])
-
-
-def _row_length(row: list) -> int:
-    for c in row:
-        if type(c) is KVCache:
-            return int(c.offset)
-    raise ValueError("a batch row needs at least one attention layer to know its length")

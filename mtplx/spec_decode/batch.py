@@ -1,0 +1,503 @@
+"""The batched decode loop: many sequences, each with its own sampler, seed, drafter and draft
+length, verified together in one trunk forward per cycle.
+
+Glossary: a *row* is one sequence in the batch (`BatchRow`); rows *join* after their own prefill
+(`BatchDecoder.join`) and *leave* between cycles (`leave`). ``k_r`` is row r's draft length this
+cycle (0 = a plain AR step in the same forward); K = max k_r.
+
+One cycle (`BatchDecoder.step`), for all rows at once:
+  1. each row's drafts: prompt lookup on the host (its own history), or the MTP head chain,
+     batched: one head forward per depth for every row (`_HeadChain`);
+  2. one trunk forward over the block [B, K+1] = [pending_r, d_r1..d_rk_r, padding];
+     padding sits after a row's last real position, so causality keeps it out of every row's
+     logits, and the commit drops it;
+  3. verify per group of rows sharing (sampler, k_r, q-or-point-mass): `verify` and `sample`
+     take one `SamplerConfig` per call, so grouping keeps the oracle, the kernel emulation and
+     the fused kernels unchanged and exact; a server's rows mostly share a few settings, so the
+     groups are few. (Vectorised per-row parameters would need every filter's threshold search
+     and the kernels' static top-k per row: more code in the hot path for the rare mixed batch);
+  4. one host sync for every group's verdict and validity flag; then per row: caches keep
+     n_r + 1 positions (`BatchCache.commit_block`), the head its true pairs, lookup adapts.
+
+Per-row randomness follows the single-row loops (`mtplx.spec_decode.loop`) key for key: a
+speculative row splits its key into (key, draft, accept, sample) every cycle and draws uniforms
+of the same shapes, an AR row splits (key, step). A seeded row with its draft length pinned
+therefore draws the same tokens in a batch as alone, up to float rounding of batched matmuls.
+
+Not batched (refused by `check_batch_support` / the engine): sliding-window and quantized KV
+caches, heads that read the trunk's KV (Gemma 4 assistants), a separate draft model, and the
+adaptive gate (its per-draft host read would stall every row).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from mtplx.errors import MtplxError
+from mtplx.sample import ops as sample_ops
+from mtplx.sample import rejection
+from mtplx.sample.params import SamplerConfig
+from mtplx.spec_decode.head_proposer import trunk_hidden
+from mtplx.spec_decode.lookup_proposer import LookupProposer
+from mtplx.spec_decode.loop import PromptPrefix, Step, _sample_last_row, _split_key, _token_logprobs, prefill
+from mtplx.spec_decode.proposer import CycleOutcome
+from mtplx.spec_decode.settings import DecodeSettings, LookupConfig
+from mtplx.trunk.batch_cache import BatchCache
+from mtplx.trunk.model import Trunk
+
+import mlx.core as mx
+
+__all__ = ["BATCH_DRAFTERS", "BatchDecoder", "BatchRow", "RowSpec"]
+
+BATCH_DRAFTERS = ("none", "lookup", "head", "auto")  # "auto": lookup where the text recurs, else the head
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    """How one row decodes: its settings (sampler, depth = most drafts per cycle, greedy drafts,
+    logprobs, verify backend), its drafter and its lookup matcher."""
+
+    settings: DecodeSettings
+    drafter: str = "auto"
+    lookup: LookupConfig = field(default_factory=LookupConfig)
+
+
+@dataclass
+class BatchRow:
+    """Everything one sequence owns in the batch; the batch index is its position in ``rows``."""
+
+    row_id: int
+    spec: RowSpec
+    key: mx.array
+    history: list[int]  # prompt + committed tokens; the last (pending) one is not yet forwarded
+    lookup: LookupProposer | None
+    pending_hidden: list[mx.array] = field(default_factory=list)  # true (hidden [1, n, H], next token) pairs
+    pending_tokens: list[int] = field(default_factory=list)  # the head has not consumed yet
+    draft_length: int | None = None  # pinned draft length for the head (None: the spec's depth)
+
+    @property
+    def pending(self) -> int:
+        return self.history[-1]
+
+    @property
+    def uses_head(self) -> bool:
+        return self.spec.drafter in ("head", "auto")
+
+
+def check_batch_support(trunk: Trunk, head=None) -> str | None:
+    """None if this trunk (and head) decode in a batch, else why not (one line)."""
+    from mtplx.trunk.batch_cache import check_batchable
+
+    reason = check_batchable(trunk.make_cache(), trunk.model)
+    if reason is None and head is not None and head.reads_trunk_cache:
+        reason = f"a {head.layout} head reads the target's KV cache and is not batched"
+    if reason is None and head is not None:
+        reason = check_batchable(head.make_cache())
+        reason = None if reason is None else f"head {reason}"
+    return reason
+
+
+def _left_padded(rows: Sequence[list[int]]) -> mx.array:
+    width = max(len(r) for r in rows)
+    return mx.array([[-1] * (width - len(r)) + r for r in rows], dtype=mx.int32)
+
+
+def _gather_positions(x: mx.array, index: Sequence[int]) -> mx.array:
+    """x[r, index[r]] for each row: [B, T, ...] -> [B, 1, ...]."""
+    idx = mx.array(list(index), dtype=mx.int32).reshape(-1, 1, *([1] * (x.ndim - 2)))
+    return mx.take_along_axis(x, idx, axis=1)
+
+
+class _HeadChain:
+    """The MTP head drafting for every row at once (the batched `HeadProposer`).
+
+    The head's cache rows mirror the batch rows. Each cycle it first consumes every row's true
+    (trunk hidden, next token) pairs (n_r >= 1 of them, right-padded to the longest), moves each
+    row back to its true length (so the chain never attends to padding), then chains K - 1 steps,
+    one position per row each; the commit moves every row back to its true length again.
+    """
+
+    def __init__(self, head, template: list):
+        self.head = head
+        self.cache = BatchCache(template)
+
+    def draft(
+        self, rows: Sequence[BatchRow], depth: int, draft_uniforms: Sequence[mx.array]
+    ) -> tuple[mx.array, mx.array | None, mx.array | None]:
+        """Drafts [B, depth] int32, q [B, depth, V] (None when every row drafts its argmax) and the
+        lazy validity flag; draft_uniforms[r] holds row r's uniforms (its spec's depth of them)."""
+        head = self.head
+        counts = [len(r.pending_tokens) for r in rows]
+        width = max(counts)
+        hidden = mx.concatenate(
+            [_pad_time(mx.concatenate(r.pending_hidden, axis=1), width) for r in rows], axis=0
+        )
+        tokens = mx.array([r.pending_tokens + [0] * (width - len(r.pending_tokens)) for r in rows])
+        for r in rows:
+            r.pending_hidden, r.pending_tokens = [], []
+        true_lengths = [n + c for n, c in zip(self.cache.lengths, counts)]
+        head_out = head(hidden, tokens, self.cache.layers)
+        self.cache.set_lengths(true_lengths)
+        last = [c - 1 for c in counts]
+        chain_in = _gather_positions(
+            head.last_pre_norm if head.chain_source == "pre_norm" else head_out, last
+        )
+        head_out = _gather_positions(head_out, last)
+        draft_tokens: list[mx.array] = []
+        draft_probs: list[mx.array] = []
+        flags: list[mx.array] = []
+        any_q = any(not r.spec.settings.greedy_draft for r in rows)
+        for step in range(depth):
+            if step > 0:
+                head_out = head(chain_in, draft_tokens[-1][:, None], self.cache.layers, step=step)
+                chain_in = head.chain_input(head_out)
+            logits = head.logits(head_out, step=step)[:, -1, :]
+            token, q, invalid = self._draw(
+                rows, logits, draft_tokens, [u[step : step + 1] for u in draft_uniforms]
+            )
+            draft_tokens.append(token)
+            if any_q:
+                draft_probs.append(q)
+            flags.append(invalid)
+        self.cache.set_lengths(true_lengths)
+        invalid = flags[0]
+        for flag in flags[1:]:
+            invalid = invalid | flag
+        probs = mx.stack(draft_probs, axis=1) if any_q else None
+        return mx.stack(draft_tokens, axis=1), probs, invalid
+
+    def _draw(
+        self, rows: Sequence[BatchRow], logits: mx.array, earlier: list[mx.array], uniforms: list[mx.array]
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        """One draft per row from logits [B, V], grouped by the rows' draft sampler."""
+        vocab_size = logits.shape[-1]
+        tokens: list[mx.array | None] = [None] * len(rows)
+        probs: list[mx.array | None] = [None] * len(rows)
+        invalid = mx.array(0, dtype=mx.int32)
+        for (cfg, greedy, backend), index in _groups(rows, lambda r: _draft_key(r.spec.settings)).items():
+            sel = mx.array(index, dtype=mx.int32)
+            group_logits = logits[sel]
+            if cfg.has_penalties:
+                context = self._context(rows, index, earlier)
+                group_logits = sample_ops.penalize_logits(group_logits[:, None, :], context, cfg)[:, 0, :]
+            if greedy:
+                group_tokens = mx.argmax(group_logits, axis=-1).astype(mx.int32)
+                group_probs = (mx.arange(vocab_size)[None] == group_tokens[:, None]).astype(mx.float32)
+            else:
+                u = mx.concatenate([uniforms[i] for i in index])
+                drawn = sample_ops.sample(group_logits, cfg, u, backend=backend)
+                group_tokens, group_probs = drawn.tokens.astype(mx.int32), drawn.probs
+                invalid = invalid | drawn.invalid
+            for j, i in enumerate(index):
+                tokens[i] = group_tokens[j : j + 1]
+                probs[i] = group_probs[j : j + 1]
+        return mx.concatenate(tokens), mx.concatenate(probs), invalid
+
+    @staticmethod
+    def _context(rows: Sequence[BatchRow], index: Sequence[int], earlier: list[mx.array]) -> mx.array:
+        context = _left_padded([rows[i].history for i in index])
+        if earlier:
+            sel = mx.array(list(index), dtype=mx.int32)
+            context = mx.concatenate([context, mx.stack(earlier, axis=1)[sel]], axis=1)
+        return context
+
+
+def _pad_time(x: mx.array, width: int) -> mx.array:
+    if x.shape[1] == width:
+        return x
+    return mx.concatenate([x, mx.zeros((x.shape[0], width - x.shape[1], *x.shape[2:]), x.dtype)], axis=1)
+
+
+def _draft_key(settings: DecodeSettings) -> tuple[SamplerConfig, bool, str]:
+    # A greedy request's head draft is its argmax either way (q one-hot).
+    return settings.sampler, settings.greedy_draft or settings.sampler.is_greedy, settings.verify_backend
+
+
+def _groups(items: Sequence, key) -> dict:
+    out: dict = {}
+    for i, item in enumerate(items):
+        out.setdefault(key(item), []).append(i)
+    return out
+
+
+class RowsFailed(MtplxError):
+    """A cycle found invalid values (NaN logits, drafts outside the vocabulary) in some rows.
+
+    The cycle was undone for every row; the caller removes ``row_ids`` and steps again."""
+
+    def __init__(self, row_ids: list[int], message: str):
+        super().__init__(message)
+        self.row_ids = row_ids
+
+
+@dataclass
+class _Group:
+    index: list[int]  # batch indices of the rows
+    num_accepted: mx.array  # [G] int32
+    next_token: mx.array  # [G] int32
+    accept_probs: mx.array  # [G, k] float32
+    invalid: mx.array  # [] int32
+
+
+class BatchDecoder:
+    """Rows decoding together; ``step`` runs one cycle for all of them (the module docstring)."""
+
+    def __init__(self, trunk: Trunk, head=None):
+        reason = check_batch_support(trunk, head)
+        if reason is not None:
+            raise MtplxError(f"batched decoding: {reason}")
+        self.trunk = trunk
+        self.head = head
+        self.cache = BatchCache(trunk.make_cache(), trunk.model)
+        self.chain = _HeadChain(head, head.make_cache()) if head is not None else None
+        self.rows: list[BatchRow] = []
+        self._next_id = 0
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    # ------------------------------------------------------------------ rows join and leave
+    def join(
+        self,
+        prompt_tokens: list[int],
+        spec: RowSpec,
+        key: mx.array,
+        *,
+        trunk_cache: list | None = None,
+        head_cache: list | None = None,
+        prefix: PromptPrefix | None = None,
+        draft_length: int | None = None,
+    ) -> tuple[int, Step]:
+        """Prefill one sequence on its own, draw its first token (one sync) and add it to the batch.
+
+        ``trunk_cache`` / ``head_cache`` (single-row, e.g. from the prompt cache) may already hold
+        ``prefix.start`` prompt positions. ``draft_length`` pins the head's drafts per cycle.
+        Returns the row's id and the Step of its first token.
+        """
+        if spec.drafter not in BATCH_DRAFTERS:
+            raise MtplxError(
+                f"batched decoding: drafter must be one of {', '.join(BATCH_DRAFTERS)} (got {spec.drafter!r})"
+            )
+        if spec.drafter == "head" and self.head is None:
+            raise MtplxError("batched decoding: drafter 'head' needs an MTP head")
+        settings = spec.settings
+        trunk_cache = trunk_cache if trunk_cache is not None else self.trunk.make_cache()
+        head = self.head
+        if head is not None and head_cache is None:
+            head_cache = head.make_cache()
+
+        def observe(output, start: int, end: int) -> None:
+            # Head position i pairs trunk hidden i with token i+1 (as HeadProposer.observe_prefill).
+            stop = min(end, len(prompt_tokens) - 1)
+            if stop > start:
+                hidden = trunk_hidden(output, head)[:, : stop - start]
+                head(hidden, mx.array(prompt_tokens[start + 1 : stop + 1])[None], head_cache)
+                mx.eval([c.state for c in head_cache])
+
+        output = prefill(
+            self.trunk,
+            prompt_tokens,
+            trunk_cache,
+            settings.prefill_step_size,
+            observe if head is not None else None,
+            prefix,
+        )
+        key, step_key = _split_key(key)
+        first = _sample_last_row(output.logits, list(prompt_tokens), settings, step_key)
+        mx.eval(first.tokens, first.invalid, [c.state for c in trunk_cache])
+        token = int(first.checked().tokens.item())
+        lookup = LookupProposer(spec.lookup) if spec.drafter in ("lookup", "auto") else None
+        row = BatchRow(self._next_id, spec, key, [*prompt_tokens, token], lookup, draft_length=draft_length)
+        if head is not None:
+            row.pending_hidden = [trunk_hidden(output, head)[:, :1]]
+            row.pending_tokens = [token]
+            self.chain.cache.add_rows([head_cache])
+        self.cache.add_rows([trunk_cache])
+        self.rows.append(row)
+        self._next_id += 1
+        logprobs = None
+        if settings.logprobs is not None:
+            logprobs = _token_logprobs(output.logits[0, -1:], [token], settings.logprobs)
+        return row.row_id, Step([token], logprobs=logprobs)
+
+    def index_of(self, row_id: int) -> int:
+        for i, row in enumerate(self.rows):
+            if row.row_id == row_id:
+                return i
+        raise KeyError(f"no row {row_id} in the batch")
+
+    def leave(self, row_ids: Sequence[int]) -> None:
+        """Remove rows (finished, stopped, cancelled); their cache memory is freed."""
+        gone = set(row_ids)
+        keep = [i for i, row in enumerate(self.rows) if row.row_id not in gone]
+        if len(keep) == len(self.rows):
+            return
+        self.rows = [self.rows[i] for i in keep]
+        self.cache.remove_rows(keep)
+        if self.chain is not None:
+            self.chain.cache.remove_rows(keep)
+
+    def extract(self, row_id: int) -> tuple[list, list | None]:
+        """A row's trunk and head caches as single-row mlx-lm caches (copies, for the prompt cache)."""
+        i = self.index_of(row_id)
+        return self.cache.extract(i), (self.chain.cache.extract(i) if self.chain is not None else None)
+
+    # ------------------------------------------------------------------ one cycle
+    def _head_length(self, row: BatchRow) -> int:
+        return row.draft_length if row.draft_length is not None else row.spec.settings.depth
+
+    def step(self) -> dict[int, Step]:
+        """One cycle for every row: {row id: the Step it committed}. Raises RowsFailed (cycle undone)."""
+        rows = self.rows
+        if not rows:
+            return {}
+        draft_keys: list[mx.array | None] = []
+        accept_keys: list[mx.array | None] = []
+        sample_keys: list[mx.array] = []
+        for row in rows:
+            if row.spec.drafter == "none":
+                row.key, sample_key = _split_key(row.key)
+                draft_keys.append(None)
+                accept_keys.append(None)
+            else:
+                row.key, draft_key, accept_key, sample_key = mx.random.split(row.key, 4)
+                draft_keys.append(draft_key)
+                accept_keys.append(accept_key)
+            sample_keys.append(sample_key)
+
+        # 1. Drafts: lookup on the host, then the head chain for the rows without a match.
+        found = [row.lookup.find(row.history) if row.lookup is not None else [] for row in rows]
+        use_head = [self.chain is not None and row.uses_head and not f for row, f in zip(rows, found)]
+        lengths = [
+            len(f) if f else (self._head_length(row) if h else 0) for row, f, h in zip(rows, found, use_head)
+        ]
+        width = max(lengths)
+        host_drafts = [f + [0] * (width - len(f)) for f in found]
+        draft_tokens = mx.array(host_drafts, dtype=mx.int32).reshape(len(rows), width)
+        head_probs = None
+        flags: list[mx.array] = []
+        if any(use_head):
+            depth = max(n for n, h in zip(lengths, use_head) if h)
+            uniforms = [
+                _padded_uniforms(row.spec.settings.depth, depth, key) for row, key in zip(rows, draft_keys)
+            ]
+            head_tokens, head_probs, head_invalid = self.chain.draft(rows, depth, uniforms)
+            flags.append(head_invalid)
+            head_tokens = _pad_time(head_tokens, width)
+            head_mask = mx.array(use_head)[:, None]
+            draft_tokens = mx.where(head_mask, head_tokens, draft_tokens)
+        pending = mx.array([[row.pending] for row in rows], dtype=mx.int32)
+        block = mx.concatenate([pending, draft_tokens], axis=1)
+
+        # 2. One trunk forward; 3. verify per group; 4. one sync.
+        capture = self.cache.begin_block(width + 1)
+        try:
+            output = self.trunk(block, self.cache.layers)
+            groups = self._verify(
+                rows, output.logits, draft_tokens, head_probs, lengths, use_head, accept_keys, sample_keys
+            )
+            mx.eval(block, [(g.num_accepted, g.next_token, g.accept_probs, g.invalid) for g in groups], flags)
+            self._raise_if_invalid(rows, groups, flags)
+        except BaseException:
+            self.cache.abort_block(capture)
+            raise
+        num_accepted = [0] * len(rows)
+        next_token = [0] * len(rows)
+        accept_probs: list[list[float]] = [[] for _ in rows]
+        for g in groups:
+            for j, (n, t, probs) in enumerate(
+                zip(g.num_accepted.tolist(), g.next_token.tolist(), g.accept_probs.tolist())
+            ):
+                i = g.index[j]
+                num_accepted[i], next_token[i], accept_probs[i] = n, t, probs
+        self.cache.commit_block(capture, [n + 1 for n in num_accepted])
+
+        block_rows = block.tolist()
+        hidden = trunk_hidden(output, self.head) if self.head is not None else None
+        steps: dict[int, Step] = {}
+        for i, row in enumerate(rows):
+            n, k = num_accepted[i], lengths[i]
+            committed = block_rows[i][1 : n + 1] + [next_token[i]]
+            source = () if k == 0 else ((("head" if use_head[i] else "lookup"), k),)
+            if hidden is not None:
+                row.pending_hidden.append(hidden[i : i + 1, : n + 1])
+                row.pending_tokens.extend(committed)
+            if row.lookup is not None and k:
+                row.lookup.commit(CycleOutcome(output, n, committed, _SourceOnly(source)))
+            row.history.extend(committed)
+            logprobs = None
+            if row.spec.settings.logprobs is not None:
+                logprobs = _token_logprobs(output.logits[i, : n + 1], committed, row.spec.settings.logprobs)
+            steps[row.row_id] = Step(committed, k, n, accept_probs[i], logprobs, source)
+        return steps
+
+    def _verify(
+        self,
+        rows: Sequence[BatchRow],
+        target_logits: mx.array,  # [B, K+1, V]
+        draft_tokens: mx.array,  # [B, K]
+        head_probs: mx.array | None,  # [B, D, V], D <= K
+        lengths: list[int],
+        use_head: list[bool],
+        accept_keys: list[mx.array | None],
+        sample_keys: list[mx.array],
+    ) -> list[_Group]:
+        groups: list[_Group] = []
+
+        def group_key(i: int):
+            settings = rows[i].spec.settings
+            return settings.sampler, lengths[i], use_head[i], settings.verify_backend
+
+        for (cfg, k, with_q, backend), index in _groups(range(len(rows)), group_key).items():
+            sel = mx.array(index, dtype=mx.int32)
+            logits = target_logits[sel, : k + 1]
+            drafts = draft_tokens[sel, :k]
+            if cfg.has_penalties:
+                context = _left_padded([rows[i].history for i in index])
+                logits = sample_ops.penalize_logits(logits, context, cfg, drafts)
+            sample_u = mx.concatenate([sample_ops.draw_uniforms((1,), sample_keys[i]) for i in index])
+            if k == 0:
+                drawn = sample_ops.sample(logits[:, 0, :], cfg, sample_u, backend=backend)
+                zeros = mx.zeros((len(index),), dtype=mx.int32)
+                groups.append(_Group(index, zeros, drawn.tokens, mx.zeros((len(index), 0)), drawn.invalid))
+                continue
+            probs = head_probs[sel, :k] if with_q and head_probs is not None else None
+            accept_u = mx.concatenate([sample_ops.draw_uniforms((1, k), accept_keys[i]) for i in index])
+            result = rejection.verify(logits, drafts, probs, cfg, accept_u, sample_u, backend=backend)
+            groups.append(
+                _Group(index, result.num_accepted, result.next_token, result.accept_probs, result.invalid)
+            )
+        return groups
+
+    @staticmethod
+    def _raise_if_invalid(rows: Sequence[BatchRow], groups: list[_Group], flags: list[mx.array]) -> None:
+        if any(int(f.item()) for f in flags):  # the head's draws: not attributable to one group
+            try:
+                for f in flags:
+                    sample_ops.raise_if_invalid(f)
+            except ValueError as err:
+                raise RowsFailed([r.row_id for r in rows if r.uses_head], str(err)) from None
+        for g in groups:
+            try:
+                sample_ops.raise_if_invalid(g.invalid)
+            except ValueError as err:
+                raise RowsFailed([rows[i].row_id for i in g.index], str(err)) from None
+
+
+@dataclass
+class _SourceOnly:
+    """The part of a Draft that LookupProposer.commit reads (its source segments)."""
+
+    sources: tuple[tuple[str, int], ...]
+
+
+def _padded_uniforms(count: int, width: int, key: mx.array | None) -> mx.array:
+    """A row's draft uniforms, drawn as the single-row head proposer draws them (``count`` from
+    its key), padded with ones to the chain's ``width``; rows without a key get ones."""
+    if key is None or count == 0:
+        return mx.ones((width,), dtype=mx.float32)
+    uniforms = sample_ops.draw_uniforms((count,), key)
+    if count >= width:
+        return uniforms[:width]
+    return mx.concatenate([uniforms, mx.ones((width - count,), dtype=mx.float32)])
