@@ -43,7 +43,7 @@ from mtplx.spec_decode.lookup_proposer import LookupProposer
 from mtplx.spec_decode.loop import PromptPrefix, Step, _sample_last_row, _split_key, _token_logprobs, prefill
 from mtplx.spec_decode.proposer import CycleOutcome
 from mtplx.spec_decode.settings import DecodeSettings, LookupConfig
-from mtplx.trunk.batch_cache import BatchCache
+from mtplx.trunk.batch_cache import BatchCache, check_batchable
 from mtplx.trunk.model import Trunk
 
 import mlx.core as mx
@@ -87,8 +87,6 @@ class BatchRow:
 
 def check_batch_support(trunk: Trunk, head=None) -> str | None:
     """None if this trunk (and head) decode in a batch, else why not (one line)."""
-    from mtplx.trunk.batch_cache import check_batchable
-
     reason = check_batchable(trunk.make_cache(), trunk.model)
     if reason is None and head is not None and head.reads_trunk_cache:
         reason = f"a {head.layout} head reads the target's KV cache and is not batched"

@@ -69,10 +69,6 @@ class RaggedKVCache:
     def state(self) -> tuple:
         return (self.keys, self.values) if self.keys is not None else ()
 
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
-
     def set_lengths(self, lengths: Sequence[int]) -> None:
         self.lengths = [int(n) for n in lengths]
         self.offset = mx.array(self.lengths, dtype=mx.int32)
@@ -113,12 +109,6 @@ class RaggedKVCache:
         return mx.arange(end)[None, None, None, :] <= query_positions
 
     # ------------------------------------------------------------------ rows join and leave
-    @classmethod
-    def from_rows(cls, caches: Sequence[KVCache]) -> RaggedKVCache:
-        out = cls()
-        out.add_rows(caches)
-        return out
-
     def add_rows(self, caches: Sequence[KVCache]) -> None:
         """Append single-row KVCaches (copied; the originals stay usable)."""
         if not caches:
@@ -302,24 +292,6 @@ class BatchCache:
     def lengths(self) -> list[int]:
         """Positions each row holds (every attention layer agrees between forwards)."""
         return list(self._attention.lengths)
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.lengths)
-
-    @property
-    def state(self) -> list:
-        return [c.state for c in self.layers]
-
-    @property
-    def nbytes(self) -> int:
-        total = 0
-        for c in self.layers:
-            if type(c) is RaggedKVCache:
-                total += c.nbytes
-            else:
-                total += sum(a.nbytes for a in arrays_slots(c) if a is not None)
-        return total
 
     def add_rows(self, rows: Sequence[list]) -> None:
         """Append sequences given as single-row caches (same layer kinds as the template)."""
