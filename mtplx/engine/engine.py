@@ -16,10 +16,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from mtplx.engine.batch import BatchScheduler, run_to_completion
+from mtplx.engine.output import GenerationChunk, GenerationResult, RequestOutput
 from mtplx.engine.request import GenerationRequest
 from mtplx.engine.session import CacheSession, open_session
-from mtplx.engine.stats import GenerationStats, StatsTracker
-from mtplx.engine.text import TextAssembler, encode_prompt
+from mtplx.engine.stats import GenerationStats
+from mtplx.engine.text import encode_prompt
 from mtplx.errors import MtplxError
 from mtplx.heads.discovery import find_head, missing_head_message
 from mtplx.spec_decode import loop as decode
@@ -36,21 +38,21 @@ __all__ = ["Engine", "GenerationChunk", "GenerationRequest", "GenerationResult",
 DEFAULT_ADAPTIVE_THRESHOLD = 0.3
 
 
-@dataclass
-class GenerationChunk:
-    text: str  # new text since the previous chunk
-    token_ids: list[int]  # new tokens since the previous chunk
-    finish_reason: str | None  # None while running; "stop" | "length" at the end
-    stats: GenerationStats
-    logprobs: list[decode.TokenLogprobs] | None = None  # one per token id, when asked for
+@dataclass(frozen=True)
+class DecodePlan:
+    """One request as this engine decodes it (`Engine.plan`)."""
 
+    prompt_tokens: list[int]
+    choice: DrafterChoice
+    settings: DecodeSettings
 
-@dataclass
-class GenerationResult:
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    stats: GenerationStats
+    @property
+    def row_drafter(self) -> str:
+        """The batched loop's drafter for this plan (`mtplx.spec_decode.batch.BATCH_DRAFTERS`)."""
+        kind = self.choice.kind
+        if kind == "auto":
+            return "auto" if self.choice.model_drafter == "head" else "lookup"
+        return kind
 
 
 class Engine:
@@ -87,6 +89,7 @@ class Engine:
         self.adaptive_threshold = adaptive_threshold  # used when adaptive drafting is asked for
         self.distributed = None  # a mtplx.engine.distributed.Distributed once sharded
         self._warned_depth = False  # the deeper-than-trained warning is printed once per engine
+        self._batch_support: str | None = None  # why this model cannot batch ("" = it can), once known
 
     # ----------------------------------------------------------------- loading
     @classmethod
@@ -245,19 +248,9 @@ class Engine:
             request = GenerationRequest.from_kwargs(**kwargs)
         elif kwargs:
             raise MtplxError(f"stream: pass a request or keyword arguments, not both (got {sorted(kwargs)})")
-        choice = self._choose_drafter(request)
-        prompt_tokens = self.encode_prompt(prompt, request.chat)
-        self._check_fits(prompt_tokens, request.max_tokens)
+        plan = self.plan(prompt, request)
+        choice, prompt_tokens, settings = plan.choice, plan.prompt_tokens, plan.settings
         drafting = request.drafting
-        threshold = drafting.adaptive_threshold or (self.adaptive_threshold if drafting.adaptive else 0.0)
-        settings = DecodeSettings(
-            sampler=request.sampler,
-            depth=choice.depth,
-            greedy_draft=drafting.greedy_draft,
-            verify_backend=self.verify_backend,
-            adaptive_threshold=threshold,
-            logprobs=request.logprobs,
-        )
         seed = request.seed
         if self.distributed is not None:  # every rank must run this request with rank 0's seed
             seed = self.distributed.agree_on_request(
@@ -269,7 +262,7 @@ class Engine:
                     "max_tokens": request.max_tokens,
                 },
             )
-        key = mx.random.key(seed if seed is not None else int(time.time_ns() % (2**63)))
+        key = self.request_key(seed)
         session = open_session(
             self.prompt_cache, self.trunk, self.head, prompt_tokens, choice.model_drafter == "head"
         )
@@ -324,6 +317,95 @@ class Engine:
                 f"the model's context of {limit} tokens"
             )
 
+    def plan(self, prompt: str | Sequence[dict] | Sequence[int], request: GenerationRequest) -> DecodePlan:
+        """What decoding ``request`` takes here: prompt ids, drafter, loop settings (checked)."""
+        choice = self._choose_drafter(request)
+        prompt_tokens = self.encode_prompt(prompt, request.chat)
+        self._check_fits(prompt_tokens, request.max_tokens)
+        drafting = request.drafting
+        threshold = drafting.adaptive_threshold or (self.adaptive_threshold if drafting.adaptive else 0.0)
+        settings = DecodeSettings(
+            sampler=request.sampler,
+            depth=choice.depth,
+            greedy_draft=drafting.greedy_draft,
+            verify_backend=self.verify_backend,
+            adaptive_threshold=threshold,
+            logprobs=request.logprobs,
+        )
+        return DecodePlan(prompt_tokens, choice, settings)
+
+    @staticmethod
+    def request_key(seed: int | None) -> mx.array:
+        """The random key a request decodes from: its seed's, else a fresh one."""
+        return mx.random.key(seed if seed is not None else int(time.time_ns() % (2**63)))
+
+    def batch_refusal(self, request: GenerationRequest) -> str | None:
+        """Why ``request`` cannot decode in a batch on this engine (one line), None if it can."""
+        if self.distributed is not None:
+            return "a sharded engine decodes one request at a time"
+        if self._batch_support is None:
+            from mtplx.spec_decode.batch import check_batch_support
+
+            self._batch_support = check_batch_support(self.trunk, self.head) or ""
+        if self._batch_support:
+            return self._batch_support
+        drafting = request.drafting
+        if drafting.adaptive or drafting.adaptive_threshold is not None:
+            return "adaptive drafting reads the head's confidence mid-cycle and is served alone"
+        if drafting.kind == "model" or (drafting.kind == "auto" and self.draft_model is not None):
+            return "a draft model is served alone"
+        return None
+
+    def batch(self, max_rows: int = 8, prompt_concurrency: int = 1) -> BatchScheduler:
+        """A scheduler that decodes many requests together on this engine (`mtplx.engine.batch`)."""
+        return BatchScheduler(self, max_rows, prompt_concurrency)
+
+    def generate_batch(
+        self,
+        prompts: Sequence[str | Sequence[dict] | Sequence[int]],
+        request: GenerationRequest | Sequence[GenerationRequest] | None = None,
+        *,
+        max_rows: int = 8,
+        progress: bool = False,
+        **kwargs,
+    ) -> list[GenerationResult]:
+        """Generate every prompt to completion, ``max_rows`` at a time in one batch; results in
+        prompt order. ``request`` is one `GenerationRequest` for all prompts or one per prompt,
+        or pass its fields as keyword arguments (as `stream`). A request with a ``seed`` gives
+        the tokens it gives alone, up to float rounding of batched matmuls (a tie at most).
+        ``progress`` shows a bar of finished prompts on stderr."""
+        if request is None:
+            requests = [GenerationRequest.from_kwargs(**kwargs)] * len(prompts)
+        elif kwargs:
+            raise MtplxError(
+                f"generate_batch: pass a request or keyword arguments, not both (got {sorted(kwargs)})"
+            )
+        elif isinstance(request, GenerationRequest):
+            requests = [request] * len(prompts)
+        else:
+            requests = list(request)
+            if len(requests) != len(prompts):
+                raise MtplxError(
+                    f"generate_batch: {len(requests)} requests for {len(prompts)} prompts (give one, or one each)"
+                )
+        from tqdm import tqdm
+
+        with tqdm(total=len(prompts), unit="prompt", disable=not progress, file=sys.stderr) as bar:
+            chunks = run_to_completion(
+                self.batch(max_rows), prompts, requests, on_done=lambda _: bar.update(1)
+            )
+        results = []
+        for parts in chunks:
+            results.append(
+                GenerationResult(
+                    "".join(c.text for c in parts),
+                    [t for c in parts for t in c.token_ids],
+                    parts[-1].finish_reason or "stop",
+                    parts[-1].stats,
+                )
+            )
+        return results
+
     def _assemble(
         self,
         steps: Iterator[decode.Step],
@@ -332,49 +414,20 @@ class Engine:
         mode: str,
         depth: int,
     ) -> Iterator[GenerationChunk]:
-        eos = set(self.tokenizer.eos_token_ids)
-        max_tokens = request.max_tokens
-        tracker = StatsTracker(len(session.prompt_tokens), mode, depth, session.prefix.start)
+        output = RequestOutput(
+            self.tokenizer, request, len(session.prompt_tokens), session.prefix.start, mode, depth, self.head
+        )
         if self.distributed is not None:
-            tracker.stats.distributed = self.distributed.stats(depth + 1 if mode == "mtp" else 1)
-        text = TextAssembler(self.tokenizer, request.stop)
-        produced = 0
-        counters_before = self.head.counters() if mode == "mtp" and self.head is not None else {}
+            output.stats.distributed = self.distributed.stats(depth + 1 if mode == "mtp" else 1)
         clean_end = False
         try:
             for step in steps:
                 session.record(step.tokens)
-                kept: list[int] = []
-                delta = ""
-                finish = None
-                for token in step.tokens:
-                    if token in eos:
-                        finish = "stop"
-                        break
-                    kept.append(token)
-                    produced += 1
-                    delta += text.add(token)
-                    if text.stopped:
-                        finish = "stop"
-                        break
-                    if produced >= max_tokens:
-                        finish = "length"
-                        break
-                tracker.record(step, len(kept))
-                logprobs = step.logprobs[: len(kept)] if step.logprobs is not None else None
-                if finish is not None:
-                    if (
-                        counters_before
-                    ):  # the head's own counters (e.g. a narrowed vocabulary's misses), this call's share
-                        now = self.head.counters()
-                        head_stats = tracker.stats.drafters.setdefault("head", {"drafted": 0, "accepted": 0})
-                        head_stats.update({k: now[k] - counters_before[k] for k in now})
-                    delta += text.finish()
-                    clean_end = True
-                    yield GenerationChunk(delta, kept, finish, tracker.stats, logprobs)
-                    return
+                chunk = output.feed(step)
                 clean_end = True  # the consumer may close the stream at this yield
-                yield GenerationChunk(delta, kept, None, tracker.stats, logprobs)
+                yield chunk
+                if output.finished:
+                    return
                 clean_end = False
         finally:
             steps.close()

@@ -40,7 +40,15 @@ from mtplx.sample import rejection
 from mtplx.sample.params import SamplerConfig
 from mtplx.spec_decode.head_proposer import trunk_hidden
 from mtplx.spec_decode.lookup_proposer import LookupProposer
-from mtplx.spec_decode.loop import PromptPrefix, Step, _sample_last_row, _split_key, _token_logprobs, prefill
+from mtplx.spec_decode.loop import (
+    PromptPrefix,
+    Step,
+    _sample_last_row,
+    _split_key,
+    _token_logprobs,
+    prefill_chunk,
+    prefill_last,
+)
 from mtplx.spec_decode.proposer import CycleOutcome
 from mtplx.spec_decode.settings import DecodeSettings, LookupConfig
 from mtplx.trunk.batch_cache import BatchCache, check_batchable
@@ -48,7 +56,7 @@ from mtplx.trunk.model import Trunk
 
 import mlx.core as mx
 
-__all__ = ["BATCH_DRAFTERS", "BatchDecoder", "BatchRow", "RowSpec"]
+__all__ = ["BATCH_DRAFTERS", "BatchDecoder", "BatchRow", "PendingRow", "RowSpec", "RowsFailed"]
 
 BATCH_DRAFTERS = ("none", "lookup", "head", "auto")  # "auto": lookup where the text recurs, else the head
 
@@ -61,6 +69,29 @@ class RowSpec:
     settings: DecodeSettings
     drafter: str = "auto"
     lookup: LookupConfig = field(default_factory=LookupConfig)
+
+
+@dataclass
+class PendingRow:
+    """A sequence prefilling on its own before it joins the batch (`BatchDecoder.start`)."""
+
+    prompt_tokens: list[int]
+    spec: RowSpec
+    key: mx.array
+    trunk_cache: list  # single-row mlx-lm caches, holding prompt_tokens[:position]
+    head_cache: list | None
+    prefix: PromptPrefix
+    draft_length: int | None = None
+    position: int = -1  # prompt tokens forwarded so far (set from prefix.start)
+
+    def __post_init__(self) -> None:
+        if self.position < 0:
+            self.position = self.prefix.start
+
+    @property
+    def remaining(self) -> int:
+        """Prompt tokens still to forward, the last included."""
+        return len(self.prompt_tokens) - self.position
 
 
 @dataclass
@@ -256,7 +287,7 @@ class BatchDecoder:
         return len(self.rows)
 
     # ------------------------------------------------------------------ rows join and leave
-    def join(
+    def start(
         self,
         prompt_tokens: list[int],
         spec: RowSpec,
@@ -266,12 +297,11 @@ class BatchDecoder:
         head_cache: list | None = None,
         prefix: PromptPrefix | None = None,
         draft_length: int | None = None,
-    ) -> tuple[int, Step]:
-        """Prefill one sequence on its own, draw its first token (one sync) and add it to the batch.
+    ) -> PendingRow:
+        """A sequence to prefill on its own (`prefill`, chunk by chunk) before it joins (`admit`).
 
         ``trunk_cache`` / ``head_cache`` (single-row, e.g. from the prompt cache) may already hold
         ``prefix.start`` prompt positions. ``draft_length`` pins the head's drafts per cycle.
-        Returns the row's id and the Step of its first token.
         """
         if spec.drafter not in BATCH_DRAFTERS:
             raise MtplxError(
@@ -279,34 +309,52 @@ class BatchDecoder:
             )
         if spec.drafter == "head" and self.head is None:
             raise MtplxError("batched decoding: drafter 'head' needs an MTP head")
-        settings = spec.settings
+        prefix = prefix if prefix is not None else PromptPrefix()
+        if not 0 <= prefix.start < len(prompt_tokens):
+            raise MtplxError(
+                f"batched decoding: cached prefix of {prefix.start} tokens leaves nothing of "
+                f"{len(prompt_tokens)} to forward"
+            )
         trunk_cache = trunk_cache if trunk_cache is not None else self.trunk.make_cache()
-        head = self.head
-        if head is not None and head_cache is None:
-            head_cache = head.make_cache()
+        if self.head is not None and head_cache is None:
+            head_cache = self.head.make_cache()
+        return PendingRow(list(prompt_tokens), spec, key, trunk_cache, head_cache, prefix, draft_length)
 
-        def observe(output, start: int, end: int) -> None:
-            # Head position i pairs trunk hidden i with token i+1 (as HeadProposer.observe_prefill).
-            stop = min(end, len(prompt_tokens) - 1)
-            if stop > start:
-                hidden = trunk_hidden(output, head)[:, : stop - start]
-                head(hidden, mx.array(prompt_tokens[start + 1 : stop + 1])[None], head_cache)
-                mx.eval([c.state for c in head_cache])
+    def prefill(self, pending: PendingRow, max_tokens: int | None = None) -> bool:
+        """Forward up to ``max_tokens`` more prompt tokens (default: the row's prefill step size),
+        never the last one; True when only the last is left (the row can `admit`)."""
+        step = max_tokens or pending.spec.settings.prefill_step_size
+        last = len(pending.prompt_tokens) - 1
+        if pending.position < last:
+            end = min(pending.position + step, last)
+            prefill_chunk(
+                self.trunk,
+                pending.prompt_tokens,
+                pending.trunk_cache,
+                pending.position,
+                end,
+                self._observer(pending),
+            )
+            pending.position = end
+        return pending.position >= last
 
-        output = prefill(
-            self.trunk,
-            prompt_tokens,
-            trunk_cache,
-            settings.prefill_step_size,
-            observe if head is not None else None,
-            prefix,
-        )
-        key, step_key = _split_key(key)
-        first = _sample_last_row(output.logits, list(prompt_tokens), settings, step_key)
+    def admit(self, pending: PendingRow) -> tuple[int, Step]:
+        """Forward a prefilled row's last prompt token, draw its first token (one sync) and add it
+        to the batch. Returns the row's id and the Step of its first token."""
+        while not self.prefill(pending):
+            pass
+        prompt_tokens, settings, head = pending.prompt_tokens, pending.spec.settings, self.head
+        trunk_cache, head_cache = pending.trunk_cache, pending.head_cache
+        output = prefill_last(self.trunk, prompt_tokens, trunk_cache, self._observer(pending), pending.prefix)
+        key, step_key = _split_key(pending.key)
+        first = _sample_last_row(output.logits, prompt_tokens, settings, step_key)
         mx.eval(first.tokens, first.invalid, [c.state for c in trunk_cache])
         token = int(first.checked().tokens.item())
+        spec = pending.spec
         lookup = LookupProposer(spec.lookup) if spec.drafter in ("lookup", "auto") else None
-        row = BatchRow(self._next_id, spec, key, [*prompt_tokens, token], lookup, draft_length=draft_length)
+        row = BatchRow(
+            self._next_id, spec, key, [*prompt_tokens, token], lookup, draft_length=pending.draft_length
+        )
         if head is not None:
             row.pending_hidden = [trunk_hidden(output, head)[:, :1]]
             row.pending_tokens = [token]
@@ -318,6 +366,26 @@ class BatchDecoder:
         if settings.logprobs is not None:
             logprobs = _token_logprobs(output.logits[0, -1:], [token], settings.logprobs)
         return row.row_id, Step([token], logprobs=logprobs)
+
+    def join(self, prompt_tokens: list[int], spec: RowSpec, key: mx.array, **options) -> tuple[int, Step]:
+        """`start`, `prefill` and `admit` in one call (the options are `start`'s)."""
+        return self.admit(self.start(prompt_tokens, spec, key, **options))
+
+    def _observer(self, pending: PendingRow):
+        """The head's own prefill: head position i pairs trunk hidden i with token i+1 (as
+        HeadProposer.observe_prefill); None without a head."""
+        head, head_cache, prompt_tokens = self.head, pending.head_cache, pending.prompt_tokens
+        if head is None:
+            return None
+
+        def observe(output, start: int, end: int) -> None:
+            stop = min(end, len(prompt_tokens) - 1)
+            if stop > start:
+                hidden = trunk_hidden(output, head)[:, : stop - start]
+                head(hidden, mx.array(prompt_tokens[start + 1 : stop + 1])[None], head_cache)
+                mx.eval([c.state for c in head_cache])
+
+        return observe
 
     def index_of(self, row_id: int) -> int:
         for i, row in enumerate(self.rows):

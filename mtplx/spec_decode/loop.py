@@ -111,12 +111,35 @@ def prefill(
     if not 0 <= first <= last:
         raise ValueError(f"prefill: cached prefix of {first} tokens leaves nothing of {last + 1} to forward")
     for start in range(first, last, step_size):
-        end = min(start + step_size, last)
-        output = trunk(mx.array(prompt_tokens[start:end])[None], trunk_cache)
-        if on_chunk is not None:
-            on_chunk(output, start, end)
-        mx.eval([c.state for c in trunk_cache])
-    if prefix is not None and prefix.on_prompt_prefix is not None and last > first:
+        prefill_chunk(trunk, prompt_tokens, trunk_cache, start, min(start + step_size, last), on_chunk)
+    return prefill_last(trunk, prompt_tokens, trunk_cache, on_chunk, prefix)
+
+
+def prefill_chunk(
+    trunk: Trunk,
+    prompt_tokens: list[int],
+    trunk_cache: list,
+    start: int,
+    end: int,
+    on_chunk: Callable[[TrunkOutput, int, int], None] | None = None,
+) -> None:
+    """Forward prompt_tokens[start:end] (all before the last prompt token) and force the caches."""
+    output = trunk(mx.array(prompt_tokens[start:end])[None], trunk_cache)
+    if on_chunk is not None:
+        on_chunk(output, start, end)
+    mx.eval([c.state for c in trunk_cache])
+
+
+def prefill_last(
+    trunk: Trunk,
+    prompt_tokens: list[int],
+    trunk_cache: list,
+    on_chunk: Callable[[TrunkOutput, int, int], None] | None = None,
+    prefix: PromptPrefix | None = None,
+) -> TrunkOutput:
+    """Forward the last prompt token, once the caches hold every position before it (lazy)."""
+    last = len(prompt_tokens) - 1
+    if prefix is not None and prefix.on_prompt_prefix is not None and last > prefix.start:
         prefix.on_prompt_prefix(last)
     output = trunk(mx.array(prompt_tokens[last:])[None], trunk_cache)
     if on_chunk is not None:

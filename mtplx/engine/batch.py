@@ -1,0 +1,214 @@
+"""`BatchScheduler`: many requests decoding together on one engine (continuous batching).
+
+Requests are submitted at any time (`submit`). Each `step`:
+  1. prefills waiting requests one chunk each (``prefill_step_size`` tokens), at most
+     ``prompt_concurrency`` of them at once, first come first served, so a long prompt stalls
+     the running rows by one chunk per cycle, never by its whole length;
+  2. admits prefilled requests while fewer than ``max_rows`` decode (the admission draws the
+     request's first token);
+  3. runs one cycle of the batched loop (`mtplx.spec_decode.batch.BatchDecoder`) for every
+     decoding row;
+and returns each request's new `GenerationChunk` (from `RequestOutput`, the same stop rules as a
+single stream). Requests that end (EOS, stop string, max_tokens) or are cancelled leave before
+the next cycle, their caches going to the prompt cache as a single stream's do.
+
+A request runs here when `Engine.batch_refusal` has nothing against it: a draft model, the
+adaptive gate or a sharded engine need the single-stream loop (`Engine.stream`), and so do
+models whose caches cannot be batched (sliding-window, quantized KV; heads that read the trunk's
+cache).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from mtplx.engine.output import GenerationChunk, RequestOutput
+from mtplx.engine.request import GenerationRequest
+from mtplx.engine.session import CacheSession, open_session
+from mtplx.errors import MtplxError
+from mtplx.spec_decode.batch import BatchDecoder, PendingRow, RowsFailed, RowSpec
+
+__all__ = ["BatchScheduler"]
+
+
+@dataclass
+class _Job:
+    handle: int
+    session: CacheSession
+    output: RequestOutput
+    pending: PendingRow | None  # while prefilling
+    row_id: int | None = None  # once decoding
+    cancelled: bool = False
+
+
+@dataclass
+class StepResult:
+    """What one request got from a step: a chunk, or the error that ended it."""
+
+    handle: int
+    chunk: GenerationChunk | None = None
+    error: MtplxError | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.error is not None or (self.chunk is not None and self.chunk.finish_reason is not None)
+
+
+@dataclass
+class BatchScheduler:
+    """Continuous batching over one engine (the module docstring). Not thread-safe: one thread
+    owns it, as one thread owns the engine."""
+
+    engine: object  # mtplx.engine.Engine (not imported: the engine imports this module)
+    max_rows: int = 8  # rows decoding at once (--decode-concurrency)
+    prompt_concurrency: int = 1  # requests prefilling at once (--prompt-concurrency)
+    _decoder: BatchDecoder | None = None
+    _jobs: dict[int, _Job] = field(default_factory=dict)  # in submission order
+    _next_handle: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_rows < 1:
+            raise MtplxError(f"decode concurrency: must be >= 1 (got {self.max_rows})")
+        if self.prompt_concurrency < 1:
+            raise MtplxError(f"prompt concurrency: must be >= 1 (got {self.prompt_concurrency})")
+
+    # ------------------------------------------------------------------ requests in and out
+    def submit(self, prompt, request: GenerationRequest) -> int:
+        """Queue one request (prompt text, messages or token ids); its handle. Raises MtplxError
+        for a request this engine or the batch cannot serve, before anything runs."""
+        engine = self.engine
+        refusal = engine.batch_refusal(request)
+        if refusal is not None:
+            raise MtplxError(f"batched decoding: {refusal}")
+        plan = engine.plan(prompt, request)
+        decoder = self._decoder_for_engine()
+        with_head = plan.row_drafter in ("head", "auto")
+        session = open_session(engine.prompt_cache, engine.trunk, engine.head, plan.prompt_tokens, with_head)
+        pending = decoder.start(
+            plan.prompt_tokens,
+            RowSpec(plan.settings, plan.row_drafter, request.drafting.lookup),
+            engine.request_key(request.seed),
+            trunk_cache=session.trunk_cache,
+            head_cache=session.head_cache,
+            prefix=session.prefix,
+        )
+        mode, depth = ("mtp", plan.choice.depth) if plan.row_drafter != "none" else ("ar", 0)
+        output = RequestOutput(
+            engine.tokenizer, request, len(plan.prompt_tokens), session.prefix.start, mode, depth
+        )
+        handle = self._next_handle
+        self._next_handle += 1
+        self._jobs[handle] = _Job(handle, session, output, pending)
+        return handle
+
+    def cancel(self, handle: int) -> None:
+        """The request leaves at the next step (it gets no more chunks)."""
+        job = self._jobs.get(handle)
+        if job is not None:
+            job.cancelled = True
+
+    @property
+    def idle(self) -> bool:
+        return not self._jobs
+
+    @property
+    def num_decoding(self) -> int:
+        return sum(job.row_id is not None for job in self._jobs.values())
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(job.row_id is None for job in self._jobs.values())
+
+    def _decoder_for_engine(self) -> BatchDecoder:
+        if self._decoder is None:
+            self._decoder = BatchDecoder(self.engine.trunk, self.engine.head)
+        return self._decoder
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> list[StepResult]:
+        """Prefill a chunk, admit, decode one cycle (the module docstring); every request's news."""
+        results: list[StepResult] = []
+        self._drop_cancelled()
+        decoder = self._decoder_for_engine() if self._jobs else None
+        if decoder is None:
+            return results
+        waiting = [job for job in self._jobs.values() if job.row_id is None]
+        for job in waiting[: self.prompt_concurrency]:
+            try:
+                ready = decoder.prefill(job.pending)
+                if ready and self.num_decoding < self.max_rows:
+                    job.row_id, first = decoder.admit(job.pending)
+                    job.pending = None
+                    results.append(self._feed(job, first))
+            except MtplxError as err:
+                results.append(self._fail(job, err))
+            except ValueError as err:  # invalid values in the first draw (NaN logits)
+                results.append(self._fail(job, MtplxError(f"generation failed: {err}")))
+        rows = {job.row_id: job for job in self._jobs.values() if job.row_id is not None}
+        if rows:
+            try:
+                steps = decoder.step()
+            except RowsFailed as err:
+                for row_id in err.row_ids:
+                    results.append(self._fail(rows[row_id], MtplxError(f"generation failed: {err}")))
+                return results  # the cycle was undone for every row; the others step next time
+            for row_id, step in steps.items():
+                results.append(self._feed(rows[row_id], step))
+        return results
+
+    def _feed(self, job: _Job, step) -> StepResult:
+        job.session.record(step.tokens)
+        chunk = job.output.feed(step)
+        if job.output.finished:
+            self._finish(job)
+        return StepResult(job.handle, chunk=chunk)
+
+    def _fail(self, job: _Job, err: MtplxError) -> StepResult:
+        self._remove(job)
+        return StepResult(job.handle, error=err)
+
+    def _finish(self, job: _Job) -> None:
+        """A request that ended between cycles: its caches go to the prompt cache, its row leaves."""
+        session = job.session
+        if session.store.max_bytes and session.trimmable and job.row_id is not None:
+            trunk_cache, head_cache = self._decoder.extract(job.row_id)
+            session.trunk_cache = trunk_cache
+            session.head_cache = head_cache if session.head_cache is not None else None
+            session.finish()
+        self._remove(job)
+
+    def _drop_cancelled(self) -> None:
+        for job in [j for j in self._jobs.values() if j.cancelled]:
+            self._remove(job)
+
+    def _remove(self, job: _Job) -> None:
+        if job.row_id is not None:
+            self._decoder.leave([job.row_id])
+        self._jobs.pop(job.handle, None)
+
+    def close(self) -> None:
+        """Drop every request (their memory is freed)."""
+        for job in list(self._jobs.values()):
+            self._remove(job)
+
+
+def run_to_completion(
+    scheduler: BatchScheduler, prompts: Sequence, requests: Sequence[GenerationRequest], on_done=None
+) -> list[list[GenerationChunk]]:
+    """Submit every prompt, step until all ended; each request's chunks in prompt order.
+    ``on_done(index)`` is called as each request ends (a progress bar). Errors raise."""
+    handles = [scheduler.submit(p, r) for p, r in zip(prompts, requests)]
+    index = {h: i for i, h in enumerate(handles)}
+    chunks: list[list[GenerationChunk]] = [[] for _ in handles]
+    try:
+        while not scheduler.idle:
+            for result in scheduler.step():
+                if result.error is not None:
+                    raise result.error
+                chunks[index[result.handle]].append(result.chunk)
+                if result.done and on_done is not None:
+                    on_done(index[result.handle])
+    finally:
+        scheduler.close()
+    return chunks
