@@ -58,7 +58,9 @@ def serve(
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="mtplx: %(message)s")
     if not _is_loopback(host) and settings.api_key is None:
         log.warning("WARNING: listening on %s without an API key: anyone who can reach it can use it", host)
-    worker = GenerationWorker(engine, settings.max_queue)
+    worker = GenerationWorker(
+        engine, settings.max_queue, settings.decode_concurrency, settings.prompt_concurrency
+    )
     app = create_app(worker, settings)
     worker.start()
     log.info("serving %s on http://%s:%d/v1", settings.model_id, host, port)
@@ -86,6 +88,18 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-queue", type=int, default=64, help="requests waiting before 429 (default 64)")
     parser.add_argument(
+        "--decode-concurrency",
+        type=int,
+        default=32,
+        help="requests decoded together in one batch (default 32; 1 serves one at a time)",
+    )
+    parser.add_argument(
+        "--prompt-concurrency",
+        type=int,
+        default=8,
+        help="requests prefilled meanwhile, a chunk per cycle (default 8)",
+    )
+    parser.add_argument(
         "--request-timeout", type=float, default=600.0, help="seconds per request (default 600)"
     )
     parser.add_argument("--max-tokens-cap", type=int, default=8192, help="largest max_tokens accepted")
@@ -96,7 +110,14 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _check_server_flags(args: argparse.Namespace) -> None:
-    for name in ("port", "max_queue", "max_tokens_cap", "max_body_bytes"):
+    for name in (
+        "port",
+        "max_queue",
+        "max_tokens_cap",
+        "max_body_bytes",
+        "decode_concurrency",
+        "prompt_concurrency",
+    ):
         if getattr(args, name) <= 0:
             raise MtplxError(f"--{name.replace('_', '-')}: must be > 0, got {getattr(args, name)}")
     if args.port > 65535:
@@ -122,6 +143,8 @@ def run(args: argparse.Namespace) -> int:
         defaults=defaults,
         api_key=api_key,
         max_queue=args.max_queue,
+        decode_concurrency=args.decode_concurrency,
+        prompt_concurrency=args.prompt_concurrency,
         request_timeout=args.request_timeout,
         max_tokens_cap=args.max_tokens_cap,
         max_body_bytes=args.max_body_bytes,

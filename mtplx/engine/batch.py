@@ -1,9 +1,9 @@
 """`BatchScheduler`: many requests decoding together on one engine (continuous batching).
 
 Requests are submitted at any time (`submit`). Each `step`:
-  1. prefills waiting requests one chunk each (``prefill_step_size`` tokens), at most
-     ``prompt_concurrency`` of them at once, first come first served, so a long prompt stalls
-     the running rows by one chunk per cycle, never by its whole length;
+  1. prefills waiting requests, first come first served, at most ``prompt_concurrency`` of them
+     and ``prefill_budget`` prompt tokens in all per step, so long prompts stall the running
+     rows by one chunk per cycle, never by their whole length, while short ones join at once;
   2. admits prefilled requests while fewer than ``max_rows`` decode (the admission draws the
      request's first token);
   3. runs one cycle of the batched loop (`mtplx.spec_decode.batch.BatchDecoder`) for every
@@ -44,11 +44,13 @@ class _Job:
 
 @dataclass
 class StepResult:
-    """What one request got from a step: a chunk, or the error that ended it."""
+    """What one request got from a step: a chunk, or the error that ended it (an `MtplxError`
+    for the request's own mistakes; `RowsFailed` or ValueError for invalid values the model
+    produced, NaN logits: a fault of the model, not of the request)."""
 
     handle: int
     chunk: GenerationChunk | None = None
-    error: MtplxError | None = None
+    error: Exception | None = None
 
     @property
     def done(self) -> bool:
@@ -61,8 +63,11 @@ class BatchScheduler:
     owns it, as one thread owns the engine."""
 
     engine: object  # mtplx.engine.Engine (not imported: the engine imports this module)
-    max_rows: int = 8  # rows decoding at once (--decode-concurrency)
-    prompt_concurrency: int = 1  # requests prefilling at once (--prompt-concurrency)
+    max_rows: int = 32  # rows decoding at once (--decode-concurrency)
+    prompt_concurrency: int = 8  # requests prefilling at once (--prompt-concurrency)
+    # Prompt tokens forwarded per step, over all prefilling requests: what bounds the stall of
+    # the running rows (one chunk's worth per cycle), as vLLM's chunked-prefill token budget.
+    prefill_budget: int = 512
     _decoder: BatchDecoder | None = None
     _jobs: dict[int, _Job] = field(default_factory=dict)  # in submission order
     _next_handle: int = 0
@@ -72,16 +77,18 @@ class BatchScheduler:
             raise MtplxError(f"decode concurrency: must be >= 1 (got {self.max_rows})")
         if self.prompt_concurrency < 1:
             raise MtplxError(f"prompt concurrency: must be >= 1 (got {self.prompt_concurrency})")
+        if self.prefill_budget < 1:
+            raise MtplxError(f"prefill budget: must be >= 1 (got {self.prefill_budget})")
 
     # ------------------------------------------------------------------ requests in and out
     def submit(self, prompt, request: GenerationRequest) -> int:
         """Queue one request (prompt text, messages or token ids); its handle. Raises MtplxError
         for a request this engine or the batch cannot serve, before anything runs."""
         engine = self.engine
+        plan = engine.plan(prompt, request)  # first: a request nobody can serve gets that error
         refusal = engine.batch_refusal(request)
         if refusal is not None:
             raise MtplxError(f"batched decoding: {refusal}")
-        plan = engine.plan(prompt, request)
         decoder = self._decoder_for_engine()
         with_head = plan.row_drafter in ("head", "auto")
         session = open_session(engine.prompt_cache, engine.trunk, engine.head, plan.prompt_tokens, with_head)
@@ -127,31 +134,36 @@ class BatchScheduler:
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[StepResult]:
-        """Prefill a chunk, admit, decode one cycle (the module docstring); every request's news."""
+        """Prefill a chunk, admit, decode one cycle (the module docstring); every request's news,
+        in order (a request admitted in this step gets two: its first token, then its cycle's)."""
         results: list[StepResult] = []
         self._drop_cancelled()
         decoder = self._decoder_for_engine() if self._jobs else None
         if decoder is None:
             return results
         waiting = [job for job in self._jobs.values() if job.row_id is None]
+        budget = self.prefill_budget
         for job in waiting[: self.prompt_concurrency]:
+            if budget <= 0:
+                break
             try:
-                ready = decoder.prefill(job.pending)
+                before = job.pending.remaining
+                ready = decoder.prefill(job.pending, min(budget, job.pending.spec.settings.prefill_step_size))
+                budget -= before - job.pending.remaining
                 if ready and self.num_decoding < self.max_rows:
                     job.row_id, first = decoder.admit(job.pending)
                     job.pending = None
+                    budget -= 1
                     results.append(self._feed(job, first))
-            except MtplxError as err:
+            except (MtplxError, ValueError) as err:  # ValueError: invalid values in the first draw
                 results.append(self._fail(job, err))
-            except ValueError as err:  # invalid values in the first draw (NaN logits)
-                results.append(self._fail(job, MtplxError(f"generation failed: {err}")))
         rows = {job.row_id: job for job in self._jobs.values() if job.row_id is not None}
         if rows:
             try:
                 steps = decoder.step()
             except RowsFailed as err:
                 for row_id in err.row_ids:
-                    results.append(self._fail(rows[row_id], MtplxError(f"generation failed: {err}")))
+                    results.append(self._fail(rows[row_id], err))
                 return results  # the cycle was undone for every row; the others step next time
             for row_id, step in steps.items():
                 results.append(self._feed(rows[row_id], step))
@@ -164,7 +176,7 @@ class BatchScheduler:
             self._finish(job)
         return StepResult(job.handle, chunk=chunk)
 
-    def _fail(self, job: _Job, err: MtplxError) -> StepResult:
+    def _fail(self, job: _Job, err: Exception) -> StepResult:
         self._remove(job)
         return StepResult(job.handle, error=err)
 

@@ -356,8 +356,9 @@ class Engine:
             return "a draft model is served alone"
         return None
 
-    def batch(self, max_rows: int = 8, prompt_concurrency: int = 1) -> BatchScheduler:
-        """A scheduler that decodes many requests together on this engine (`mtplx.engine.batch`)."""
+    def batch(self, max_rows: int = 32, prompt_concurrency: int = 8) -> BatchScheduler:
+        """A scheduler that decodes up to ``max_rows`` requests together on this engine, with up to
+        ``prompt_concurrency`` prefilling meanwhile (`mtplx.engine.batch`)."""
         return BatchScheduler(self, max_rows, prompt_concurrency)
 
     def generate_batch(
@@ -365,7 +366,7 @@ class Engine:
         prompts: Sequence[str | Sequence[dict] | Sequence[int]],
         request: GenerationRequest | Sequence[GenerationRequest] | None = None,
         *,
-        max_rows: int = 8,
+        max_rows: int = 32,
         progress: bool = False,
         **kwargs,
     ) -> list[GenerationResult]:
@@ -394,17 +395,7 @@ class Engine:
             chunks = run_to_completion(
                 self.batch(max_rows), prompts, requests, on_done=lambda _: bar.update(1)
             )
-        results = []
-        for parts in chunks:
-            results.append(
-                GenerationResult(
-                    "".join(c.text for c in parts),
-                    [t for c in parts for t in c.token_ids],
-                    parts[-1].finish_reason or "stop",
-                    parts[-1].stats,
-                )
-            )
-        return results
+        return [GenerationResult.from_chunks(parts) for parts in chunks]
 
     def _assemble(
         self,
@@ -438,10 +429,4 @@ class Engine:
         self, prompt: str | Sequence[dict] | Sequence[int], request: GenerationRequest | None = None, **kwargs
     ) -> GenerationResult:
         """Generate to completion; the same arguments as `stream`."""
-        text, tokens = [], []
-        chunk = None
-        for chunk in self.stream(prompt, request, **kwargs):
-            text.append(chunk.text)
-            tokens.extend(chunk.token_ids)
-        assert chunk is not None  # stream always yields a final chunk
-        return GenerationResult("".join(text), tokens, chunk.finish_reason or "stop", chunk.stats)
+        return GenerationResult.from_chunks(list(self.stream(prompt, request, **kwargs)))

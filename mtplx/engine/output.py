@@ -8,6 +8,7 @@ tokens kept. Tokens after the end (the rest of a verify block) are dropped.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mtplx.engine.request import GenerationRequest
@@ -33,6 +34,21 @@ class GenerationResult:
     token_ids: list[int]
     finish_reason: str
     stats: GenerationStats
+    logprobs: list[TokenLogprobs] | None = None  # one per token id, when asked for
+
+    @classmethod
+    def from_chunks(cls, chunks: Sequence[GenerationChunk]) -> GenerationResult:
+        """The whole generation from its chunks (the last one ended it)."""
+        logprobs = None
+        if chunks and chunks[-1].logprobs is not None:
+            logprobs = [lp for c in chunks for lp in c.logprobs or ()]
+        return cls(
+            "".join(c.text for c in chunks),
+            [t for c in chunks for t in c.token_ids],
+            chunks[-1].finish_reason or "stop",
+            chunks[-1].stats,
+            logprobs,
+        )
 
 
 class RequestOutput:

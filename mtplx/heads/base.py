@@ -213,13 +213,17 @@ def run_every_module(forward: Callable[[int], mx.array], caches: Sequence[Any], 
     return out
 
 
-def zero_first_position(embedded: mx.array, offset: int) -> mx.array:
-    """Zero the token embedding of sequence position 0 (rows are positions ``offset, offset+1, ...``).
+def zero_first_position(embedded: mx.array, offset: int | mx.array) -> mx.array:
+    """Zero the token embedding of sequence position 0 (rows are positions ``offset, offset+1, ...``;
+    ``offset`` is one int, or an array [B] of each batch row's own, as a ragged batch cache has).
 
     DeepSeek-V3 / GLM / MiMo serving code masks it (vLLM ``deepseek_mtp.py``, ``glm4_moe_mtp.py``,
     ``mimo_mtp.py``: ``inputs_embeds[positions == 0] = 0``; SGLang ``mimo_nextn.py`` the same):
     position 0 pairs the first hidden state with the second token and training never used it.
     """
+    if isinstance(offset, mx.array):
+        positions = offset.reshape(-1, 1) + mx.arange(embedded.shape[1])[None]  # [B, T]
+        return mx.where((positions == 0)[..., None], mx.zeros_like(embedded), embedded)
     if offset > 0:
         return embedded
     return mx.concatenate([mx.zeros_like(embedded[:, :1]), embedded[:, 1:]], axis=1)

@@ -16,6 +16,8 @@ class ServerSettings:
     defaults: GenerationRequest = field(default_factory=lambda: GenerationRequest(sampler=SamplerConfig()))
     api_key: str | None = None
     max_queue: int = 64
+    decode_concurrency: int = 32  # requests decoded together (mtplx.server.worker)
+    prompt_concurrency: int = 8  # requests prefilled meanwhile
     request_timeout: float = 600.0
     default_max_tokens: int = 512
     max_tokens_cap: int = 8192

@@ -1,12 +1,19 @@
-"""The generation worker: one thread owns the engine and serves jobs first-in first-out.
+"""The generation worker: one thread owns the engine and decodes the admitted jobs together.
 
-MLX work happens on this thread only; request handlers (asyncio) submit a `Job`
-and read its chunks from an asyncio queue the worker feeds thread-safely. A
-job is cancelled (client gone, timeout) by setting its event; the worker sees
-it after the current decode cycle and closes the stream, which leaves the
-engine's caches consistent (see Engine.stream). Batched decoding later
-replaces `_serve` with a loop that steps several jobs per forward; the
-submit / chunk-queue / cancel contract stays.
+MLX work happens on this thread only; request handlers (asyncio) submit a `Job` to a bounded
+queue (full: 429) and read its chunks from an asyncio queue the worker feeds thread-safely.
+
+Continuous batching (`mtplx.engine.batch.BatchScheduler`): between two cycles the worker takes
+queued jobs while fewer than ``decode_concurrency + prompt_concurrency`` are in flight (so the
+next prompts prefill while the rows decode), and every cycle steps them all: a chunk of prefill
+for up to ``prompt_concurrency`` waiting jobs, then one batched decode cycle for up to
+``decode_concurrency`` rows. A job is cancelled (client gone, timeout) by setting its event;
+the worker drops its row before the next cycle, which frees its memory.
+
+A job the batch cannot serve (`Engine.batch_refusal`: a draft model, the adaptive gate, a
+sharded engine, a model whose caches do not batch) is served alone through `Engine.stream`
+when it comes up, the batched rows pausing meanwhile, exactly as the first-in first-out
+worker served every job before batching.
 """
 
 from __future__ import annotations
@@ -61,12 +68,15 @@ class Job:
 
 
 class GenerationWorker:
-    """A FIFO queue of jobs (bounded) in front of one generation thread."""
+    """A bounded queue of jobs in front of one generation thread that batches them."""
 
-    def __init__(self, engine, max_queue: int):
+    def __init__(self, engine, max_queue: int, decode_concurrency: int = 8, prompt_concurrency: int = 1):
         self.engine = engine
+        self.decode_concurrency = decode_concurrency
+        self.prompt_concurrency = prompt_concurrency
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._thread = threading.Thread(target=self._run, name="mtplx-generation", daemon=True)
+        self._active: dict[int, Job] = {}  # scheduler handle -> job, in flight
         self.busy = False
 
     def start(self) -> None:
@@ -95,24 +105,94 @@ class GenerationWorker:
         except queue.Full:
             raise QueueFull from None
 
+    # ------------------------------------------------------------------ the generation thread
     def _run(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            self.busy = True
-            try:
-                self._serve(job)
-            finally:
-                self.busy = False
+        scheduler = self.engine.batch(self.decode_concurrency, self.prompt_concurrency)
+        try:
+            while True:
+                if not self._take_jobs(scheduler):
+                    return
+                self.busy = bool(self._active)
+                if self._active:
+                    self._step(scheduler)
+        finally:
+            for job in self._active.values():
+                job.cancel()
                 job.emit(Finished())
+            scheduler.close()
 
-    def _serve(self, job: Job) -> None:
-        if job.cancelled.is_set():
+    def _take_jobs(self, scheduler) -> bool:
+        """Move queued jobs into the batch (waiting for one when nothing runs); False at stop."""
+        capacity = self.decode_concurrency + self.prompt_concurrency
+        while len(self._active) < capacity:
+            try:
+                job = self._queue.get(block=not self._active)
+            except queue.Empty:
+                return True
+            if job is None:
+                return False
+            if job.cancelled.is_set():
+                job.emit(Finished())
+                continue
+            if time.monotonic() > job.deadline:
+                job.emit(JobTimeout())
+                job.emit(Finished())
+                continue
+            if self.engine.batch_refusal(job.request) is not None:
+                self.busy = True
+                try:
+                    self._serve_alone(job)
+                finally:
+                    job.emit(Finished())
+                continue
+            try:
+                handle = scheduler.submit(job.prompt_tokens, job.request)
+            except MtplxError as err:
+                job.emit(err)
+                job.emit(Finished())
+                continue
+            self._active[handle] = job
+        return True
+
+    def _step(self, scheduler) -> None:
+        """Drop cancelled and late jobs, then one scheduler step; each job gets its news."""
+        now = time.monotonic()
+        for handle, job in list(self._active.items()):
+            late = now > job.deadline
+            if job.cancelled.is_set() or late:
+                if late and not job.cancelled.is_set():
+                    job.emit(JobTimeout())
+                scheduler.cancel(handle)
+                self._end(handle)
+        try:
+            results = scheduler.step()
+        except Exception:
+            # A bug, not a user error: every job in flight fails; the worker goes on with fresh rows.
+            log.exception("generation failed")
+            for handle, job in list(self._active.items()):
+                job.emit(JobFailed())
+                scheduler.cancel(handle)
+                self._end(handle)
+            scheduler.close()
             return
-        if time.monotonic() > job.deadline:
-            job.emit(JobTimeout())
-            return
+        for result in results:
+            job = self._active.get(result.handle)
+            if job is None:
+                continue
+            error = result.error
+            if error is not None and not isinstance(error, MtplxError):  # the model's fault: a 500
+                log.error("generation failed", exc_info=error)
+                error = JobFailed()
+            job.emit(error if error is not None else result.chunk)
+            if result.done:
+                self._end(result.handle)
+
+    def _end(self, handle: int) -> None:
+        job = self._active.pop(handle, None)
+        if job is not None:
+            job.emit(Finished())
+
+    def _serve_alone(self, job: Job) -> None:
         try:
             stream = self.engine.stream(job.prompt_tokens, job.request)
             try:

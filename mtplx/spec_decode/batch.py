@@ -250,8 +250,9 @@ def _groups(items: Sequence, key) -> dict:
     return out
 
 
-class RowsFailed(MtplxError):
-    """A cycle found invalid values (NaN logits, drafts outside the vocabulary) in some rows.
+class RowsFailed(Exception):
+    """A cycle found invalid values (NaN logits, drafts outside the vocabulary) in some rows: a
+    fault of the model or its weights, not of the request (so not an `MtplxError`).
 
     The cycle was undone for every row; the caller removes ``row_ids`` and steps again."""
 

@@ -354,3 +354,12 @@ def gemma4_assistant(
     if ordered:
         tensors["masked_embedding.token_ordering"] = mx.array(rng.permutation(vocab_size).astype(np.int64))
     return write_checkpoint(path, tensors, config)
+
+
+def copy_tokenizer(source: Path, path: Path) -> None:
+    """Give the checkpoint at ``path`` the tokenizer of ``source`` (the default model's), so an
+    engine can load it; prompts stay token ids below the tiny vocabulary."""
+    import shutil
+
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(source / name, path / name)

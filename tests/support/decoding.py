@@ -3,6 +3,7 @@ made them), a sampled run long enough to have rolled back, and the arrays a cach
 
 from __future__ import annotations
 
+import math
 from collections.abc import Generator
 
 import mtplx  # noqa: F401  (BLAS before mlx)
@@ -75,3 +76,39 @@ def mtp_decode(
     builds for ``draft="head"``."""
     proposer = HeadProposer(head, settings, head_cache)
     return speculative_decode(trunk, proposer, prompt_tokens, settings, key, trunk_cache, prefix)
+
+
+# A rounding tie: with OpenBLAS a row's float32 matmul can change in its last bits when more
+# rows share the call (measured: about 3e-6 from 2-3 rows on), which can flip a greedy choice
+# only where the alone run's two best candidates are this close: probabilities within 1e-4 of
+# each other relative to the larger, i.e. log-probabilities (and logits) within about 1e-4.
+TIE_RELATIVE_GAP = 1e-4
+
+
+def first_divergence(alone: list[int], got: list[int]) -> int | None:
+    """Where ``got`` (a batched run) first differs from ``alone`` (the same request alone), None
+    if nowhere; a run that ends first differs where it ended."""
+    for i, (a, g) in enumerate(zip(alone, got)):
+        if a != g:
+            return i
+    return None if len(alone) == len(got) else min(len(alone), len(got))
+
+
+def is_rounding_tie(top2: tuple[float, float]) -> bool:
+    """The two best candidates' probabilities are within TIE_RELATIVE_GAP of each other, relative
+    to the larger (their log-probabilities differ by the logits' difference)."""
+    first, second = top2
+    return 1.0 - math.exp(-abs(first - second)) <= TIE_RELATIVE_GAP
+
+
+def same_or_tie(alone: list[int], alone_top2: list[tuple[float, float]], got: list[int]) -> tuple[bool, bool]:
+    """(acceptable, tied): ``got`` equals ``alone``, or first differs at a rounding tie of the
+    alone run (after which the two runs are different sequences and are not compared).
+    ``alone_top2[i]``: the alone run's two largest log-probabilities at token i."""
+    at = first_divergence(alone, got)
+    if at is None:
+        return True, False
+    if at >= len(alone_top2):
+        return False, False  # the alone run ended (EOS) there: no recorded choice to blame
+    tied = is_rounding_tie(alone_top2[at])
+    return tied, tied

@@ -1,0 +1,150 @@
+"""`Engine.generate_batch` and `BatchScheduler` (continuous batching) against the same requests
+decoded alone with `Engine.generate`.
+
+Tiny random checkpoints in real layouts (MiMo: a module-stack head with its own KV cache;
+Qwen3.5: hybrid gated-delta trunk, Qwen3-Next-style head) with the default tokenizer decode
+token-id prompts; the default model itself checks identity up to rounding ties (the rule in
+`support.decoding`), with a negative control that swaps rows.
+"""
+
+from __future__ import annotations
+
+import random
+
+import mtplx  # noqa: F401  (BLAS before mlx)
+from mtplx.engine import Engine
+from mtplx.engine.request import GenerationRequest
+from mtplx.errors import MtplxError
+
+import pytest
+from support import checkpoints
+from support.decoding import same_or_tie
+
+_req = GenerationRequest.from_kwargs
+PROMPTS = [[5, 9, 2, 11, 7], [3, 3, 8], [12, 1, 4, 4, 9, 10, 2], [6], [7, 2, 7, 2, 7, 2]]
+
+
+@pytest.fixture(scope="module", params=["mimo", "qwen3_5"])
+def tiny_engine(request, tmp_path_factory, default_model_dir) -> Engine:
+    path = tmp_path_factory.mktemp("batch") / request.param
+    getattr(checkpoints, request.param)(path, seed=1)
+    checkpoints.copy_tokenizer(default_model_dir, path)
+    engine = Engine.load(str(path), mtp=True, depth=2)
+    assert engine.batch_refusal(_req()) is None
+    return engine
+
+
+def _mixed_requests(seed: int) -> list[GenerationRequest]:
+    """Greedy and sampled rows, head / lookup / auto / plain AR, penalties and filters."""
+    return [
+        _req(max_tokens=14, temperature=0.0, draft="head"),
+        _req(max_tokens=11, temperature=1.0, seed=seed, draft="head", depth=3),
+        _req(max_tokens=9, temperature=0.7, top_k=5, seed=seed + 1, draft="auto"),
+        _req(max_tokens=12, temperature=0.9, repetition_penalty=1.3, seed=seed + 2, draft="none"),
+        _req(max_tokens=10, temperature=1.0, top_p=0.8, seed=seed + 3, draft="lookup"),
+    ]
+
+
+def test_generate_batch_gives_each_request_the_tokens_it_gives_alone(tiny_engine):
+    requests = _mixed_requests(random.randrange(10_000))
+    alone = [tiny_engine.generate(p, r) for p, r in zip(PROMPTS, requests)]
+    batched = tiny_engine.generate_batch(PROMPTS, requests, max_rows=3)  # rows join as others end
+    for a, b, r in zip(alone, batched, requests):
+        assert b.token_ids == a.token_ids, r
+        assert b.finish_reason == a.finish_reason
+        assert b.stats.generated_tokens == len(b.token_ids)
+
+
+def test_long_prompts_prefill_in_chunks_while_rows_decode(tiny_engine):
+    request = _req(max_tokens=30, temperature=0.0, draft="head")
+    long_prompt = [(7 * i) % 13 + 1 for i in range(150)]
+    scheduler = tiny_engine.batch(max_rows=4, prompt_concurrency=2)
+    scheduler.prefill_budget = 40
+    running = scheduler.submit(PROMPTS[0], request)
+    tokens: dict[int, list[int]] = {running: []}
+    for result in scheduler.step():  # the short prompt joins at once
+        tokens[result.handle].extend(result.chunk.token_ids)
+    late = scheduler.submit(long_prompt, request)
+    tokens[late] = []
+    waited = 0
+    while scheduler.num_waiting:
+        results = scheduler.step()  # a request admitted now gets two: its first token, its first cycle
+        assert any(r.handle == running and r.chunk.token_ids for r in results), "a running row stalled"
+        waited += all(r.handle != late for r in results)
+        for r in results:
+            tokens[r.handle].extend(r.chunk.token_ids)
+    assert waited == 149 // 40  # 149 tokens before the last, 40 per step: 3 steps, then it joins
+    while not scheduler.idle:
+        for r in scheduler.step():
+            tokens[r.handle].extend(r.chunk.token_ids)
+    assert tokens[running] == tiny_engine.generate(PROMPTS[0], request).token_ids
+    assert tokens[late] == tiny_engine.generate(long_prompt, request).token_ids
+
+
+def test_a_cancelled_request_leaves_and_the_others_are_undisturbed(tiny_engine):
+    requests = _mixed_requests(random.randrange(10_000))[:3]
+    scheduler = tiny_engine.batch()
+    handles = [scheduler.submit(p, r) for p, r in zip(PROMPTS, requests)]
+    tokens = {h: [] for h in handles}
+    for _ in range(2):
+        for r in scheduler.step():
+            tokens[r.handle].extend(r.chunk.token_ids)
+    scheduler.cancel(handles[1])
+    while not scheduler.idle:
+        for r in scheduler.step():
+            assert r.handle != handles[1]
+            tokens[r.handle].extend(r.chunk.token_ids)
+    for i in (0, 2):
+        assert tokens[handles[i]] == tiny_engine.generate(PROMPTS[i], requests[i]).token_ids
+    assert scheduler.num_decoding == 0 and not scheduler._decoder.rows
+
+
+def test_finished_rows_fill_the_prompt_cache(tiny_engine):
+    tiny_engine.prompt_cache.max_bytes = 1 << 26
+    try:
+        request = _req(max_tokens=6, temperature=0.0)
+        prompt = [4, 8, 15, 16, 23, 42, 5, 1]
+        first = tiny_engine.generate_batch([prompt], request)[0]
+        again = tiny_engine.generate(prompt, request)
+        assert again.token_ids == first.token_ids
+        assert again.stats.cached_tokens >= len(prompt) - 1
+    finally:
+        tiny_engine.prompt_cache.max_bytes = 0
+        tiny_engine.prompt_cache.clear()
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"adaptive": True}, "adaptive drafting"),
+        ({"draft": "model"}, "needs a draft model"),
+    ],
+)
+def test_requests_the_batch_cannot_serve_are_refused_in_one_line(tiny_engine, fields, message):
+    with pytest.raises(MtplxError, match=message) as err:
+        tiny_engine.generate_batch(PROMPTS[:2], _req(max_tokens=4, **fields))
+    assert "\n" not in str(err.value)
+
+
+def test_generate_batch_on_the_default_model_equals_alone_up_to_rounding_ties():
+    """Greedy rows of the default model with its shipped head, in one batch, against each alone;
+    the first mismatch must be a rounding tie of the alone run (support.decoding); a row compared
+    with its neighbour's alone run must fail the rule (negative control)."""
+    engine = Engine.load()
+    prompts = [
+        "Write a haiku about the sea.",
+        "List three prime numbers.",
+        "What is Python?",
+        "Explain gravity briefly.",
+        "def fib(n):",
+        "Name the planets of the solar system.",
+    ]
+    request = _req(max_tokens=24, temperature=0.0, logprobs=2)
+    alone = [engine.generate(p, request) for p in prompts]
+    top2 = [[(t.top[0][1], t.top[1][1]) for t in a.logprobs] for a in alone]
+    batched = engine.generate_batch(prompts, request)
+    verdicts = [same_or_tie(a.token_ids, t, b.token_ids) for a, t, b in zip(alone, top2, batched)]
+    assert all(ok for ok, _ in verdicts), verdicts
+    assert sum(tied for _, tied in verdicts) <= 1  # ties are rare
+    swapped = [same_or_tie(alone[i - 1].token_ids, top2[i - 1], batched[i].token_ids) for i in range(6)]
+    assert not any(ok for ok, _ in swapped)
