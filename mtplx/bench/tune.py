@@ -107,12 +107,14 @@ def make_entry(engine, summaries: Sequence[Summary], plan: SweepPlan, model: str
     depth, margin, noise = choose_depth(summaries)
     threshold, adaptive_vs_fixed = choose_threshold(summaries)
     installed = versions()
+    batch_cost = engine.batch_cost_profile(remeasure=True)  # what the batched loop's draft policy reads
     return {
         "depth": depth,
         # Used only when adaptive drafting is asked for (`--adaptive`); measured at the largest depth.
         "adaptive_threshold": threshold,
         "adaptive_vs_best_fixed": round(adaptive_vs_fixed, 4),
         "margin_over_ar": round(margin, 4),
+        "batch_cost": batch_cost.as_dict(),
         "spread": round(noise, 4),
         "tokens_per_sec": {f"{s.variant} | {s.setting}": round(s.decode_tps, 3) for s in summaries},
         "model": str(model) if model is not None else "default",

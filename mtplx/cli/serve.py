@@ -59,7 +59,11 @@ def serve(
     if not _is_loopback(host) and settings.api_key is None:
         log.warning("WARNING: listening on %s without an API key: anyone who can reach it can use it", host)
     worker = GenerationWorker(
-        engine, settings.max_queue, settings.decode_concurrency, settings.prompt_concurrency
+        engine,
+        settings.max_queue,
+        settings.decode_concurrency,
+        settings.prompt_concurrency,
+        settings.draft_policy,
     )
     app = create_app(worker, settings)
     worker.start()
@@ -98,6 +102,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=8,
         help="requests prefilled meanwhile, a chunk per cycle (default 8)",
+    )
+    parser.add_argument(
+        "--draft-policy",
+        choices=("auto", "fixed"),
+        default="auto",
+        help="batched draft lengths: 'auto' drafts where the measured cost says it pays (plain "
+        "batched AR is the floor), 'fixed' drafts every request's depth every cycle (default auto)",
     )
     parser.add_argument(
         "--request-timeout", type=float, default=600.0, help="seconds per request (default 600)"
@@ -145,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         decode_concurrency=args.decode_concurrency,
         prompt_concurrency=args.prompt_concurrency,
+        draft_policy=args.draft_policy,
         request_timeout=args.request_timeout,
         max_tokens_cap=args.max_tokens_cap,
         max_body_bytes=args.max_body_bytes,

@@ -28,6 +28,7 @@ from mtplx.engine.request import GenerationRequest
 from mtplx.engine.session import CacheSession, open_session
 from mtplx.errors import MtplxError
 from mtplx.spec_decode.batch import BatchDecoder, PendingRow, RowsFailed, RowSpec
+from mtplx.spec_decode.draft_policy import DraftPolicy
 
 __all__ = ["BatchScheduler"]
 
@@ -68,6 +69,7 @@ class BatchScheduler:
     # Prompt tokens forwarded per step, over all prefilling requests: what bounds the stall of
     # the running rows (one chunk's worth per cycle), as vLLM's chunked-prefill token budget.
     prefill_budget: int = 512
+    policy: DraftPolicy | None = None  # each cycle's draft length; None: every row its depth
     _decoder: BatchDecoder | None = None
     _jobs: dict[int, _Job] = field(default_factory=dict)  # in submission order
     _next_handle: int = 0
@@ -99,6 +101,9 @@ class BatchScheduler:
             trunk_cache=session.trunk_cache,
             head_cache=session.head_cache,
             prefix=session.prefix,
+            # A seeded request drafts its own depth every cycle, as alone, so it reproduces its
+            # tokens whatever else is in the batch; the draft policy chooses for the others.
+            draft_length=plan.settings.depth if request.seed is not None else None,
         )
         mode, depth = ("mtp", plan.choice.depth) if plan.row_drafter != "none" else ("ar", 0)
         output = RequestOutput(
@@ -129,7 +134,7 @@ class BatchScheduler:
 
     def _decoder_for_engine(self) -> BatchDecoder:
         if self._decoder is None:
-            self._decoder = BatchDecoder(self.engine.trunk, self.engine.head)
+            self._decoder = BatchDecoder(self.engine.trunk, self.engine.head, self.policy)
         return self._decoder
 
     # ------------------------------------------------------------------ one step

@@ -25,6 +25,7 @@ from mtplx.engine.text import encode_prompt
 from mtplx.errors import MtplxError
 from mtplx.heads.discovery import find_head, missing_head_message
 from mtplx.spec_decode import loop as decode
+from mtplx.spec_decode.draft_policy import DRAFT_POLICIES, CostProfile, DraftPolicy
 from mtplx.spec_decode.select import DEFAULT_DEPTH, DrafterChoice, build_proposer, choose_drafter
 from mtplx.spec_decode.settings import DecodeSettings
 from mtplx.trunk.model import Trunk
@@ -90,6 +91,7 @@ class Engine:
         self.distributed = None  # a mtplx.engine.distributed.Distributed once sharded
         self._warned_depth = False  # the deeper-than-trained warning is printed once per engine
         self._batch_support: str | None = None  # why this model cannot batch ("" = it can), once known
+        self._cost_profile: CostProfile | None = None  # a batched cycle's cost here, once known
 
     # ----------------------------------------------------------------- loading
     @classmethod
@@ -356,10 +358,30 @@ class Engine:
             return "a draft model is served alone"
         return None
 
-    def batch(self, max_rows: int = 32, prompt_concurrency: int = 8) -> BatchScheduler:
+    def batch(
+        self, max_rows: int = 32, prompt_concurrency: int = 8, draft_policy: str = "auto"
+    ) -> BatchScheduler:
         """A scheduler that decodes up to ``max_rows`` requests together on this engine, with up to
-        ``prompt_concurrency`` prefilling meanwhile (`mtplx.engine.batch`)."""
-        return BatchScheduler(self, max_rows, prompt_concurrency)
+        ``prompt_concurrency`` prefilling meanwhile (`mtplx.engine.batch`). ``draft_policy``:
+        "auto" chooses each cycle's draft length from the cost profile and the rows' acceptance
+        (`mtplx.spec_decode.draft_policy`); "fixed" drafts every row's depth every cycle."""
+        if draft_policy not in DRAFT_POLICIES:
+            raise MtplxError(
+                f"draft policy: must be one of {', '.join(DRAFT_POLICIES)} (got {draft_policy!r})"
+            )
+        policy = DraftPolicy(self.batch_cost_profile()) if draft_policy == "auto" else None
+        return BatchScheduler(self, max_rows, prompt_concurrency, policy=policy)
+
+    def batch_cost_profile(self, remeasure: bool = False) -> CostProfile:
+        """What a batched cycle costs here: `mtplx tune`'s saved profile, else measured once per
+        engine (a few seconds; `mtplx tune` stores it); ``remeasure`` measures it now."""
+        if self._cost_profile is None or remeasure:
+            from mtplx.engine import tuned
+            from mtplx.spec_decode.draft_policy import measure_cost_profile
+
+            saved = None if remeasure else tuned.saved_batch_cost(self.fingerprint)
+            self._cost_profile = saved or measure_cost_profile(self.trunk, self.head)
+        return self._cost_profile
 
     def generate_batch(
         self,
@@ -367,13 +389,15 @@ class Engine:
         request: GenerationRequest | Sequence[GenerationRequest] | None = None,
         *,
         max_rows: int = 32,
+        draft_policy: str = "auto",
         progress: bool = False,
         **kwargs,
     ) -> list[GenerationResult]:
         """Generate every prompt to completion, ``max_rows`` at a time in one batch; results in
         prompt order. ``request`` is one `GenerationRequest` for all prompts or one per prompt,
-        or pass its fields as keyword arguments (as `stream`). A request with a ``seed`` gives
-        the tokens it gives alone, up to float rounding of batched matmuls (a tie at most).
+        or pass its fields as keyword arguments (as `stream`). Greedy and seeded requests give the
+        tokens they give alone, up to float rounding of batched matmuls (a tie at most): a seeded
+        request drafts its own depth every cycle, as alone, whatever ``draft_policy`` says.
         ``progress`` shows a bar of finished prompts on stderr."""
         if request is None:
             requests = [GenerationRequest.from_kwargs(**kwargs)] * len(prompts)
@@ -393,7 +417,10 @@ class Engine:
 
         with tqdm(total=len(prompts), unit="prompt", disable=not progress, file=sys.stderr) as bar:
             chunks = run_to_completion(
-                self.batch(max_rows), prompts, requests, on_done=lambda _: bar.update(1)
+                self.batch(max_rows, draft_policy=draft_policy),
+                prompts,
+                requests,
+                on_done=lambda _: bar.update(1),
             )
         return [GenerationResult.from_chunks(parts) for parts in chunks]
 

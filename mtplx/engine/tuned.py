@@ -1,4 +1,5 @@
-"""Saved `mtplx tune` results: the fastest depth per model fingerprint and machine.
+"""Saved `mtplx tune` results: the fastest depth per model fingerprint and machine, and the cost
+profile of a batched cycle that the batched loop's draft policy reads.
 
 `Engine.load` reads this store (`saved_depth`) on every load without a depth;
 `mtplx tune` (`mtplx.bench.tune`, which runs the benchmark) writes it. Kept apart from
@@ -19,6 +20,7 @@ from typing import Any
 
 from mtplx.errors import MtplxError
 from mtplx.io import atomic_write
+from mtplx.spec_decode.draft_policy import CostProfile
 from mtplx.spec_decode.settings import MAX_DEPTH
 
 __all__ = [
@@ -30,6 +32,7 @@ __all__ = [
     "saved_entry",
     "saved_depth",
     "saved_threshold",
+    "saved_batch_cost",
     "save_entry",
 ]
 
@@ -106,6 +109,16 @@ def saved_threshold(fingerprint: str, config_path: str | Path | None = None) -> 
         return None  # saved_depth already warned about a damaged config
     value = entry.get("adaptive_threshold") if entry is not None else None
     return float(value) if isinstance(value, (int, float)) and 0.0 < value < 1.0 else None
+
+
+def saved_batch_cost(fingerprint: str, config_path: str | Path | None = None) -> CostProfile | None:
+    """The batched cycle's cost profile `mtplx tune` measured here (None = not measured)."""
+    try:
+        entry = saved_entry(fingerprint, config_path)
+    except MtplxError:
+        return None  # saved_depth already warned about a damaged config
+    value = entry.get("batch_cost") if entry is not None else None
+    return CostProfile.from_dict(value) if isinstance(value, dict) else None
 
 
 def save_entry(

@@ -18,6 +18,7 @@ class ServerSettings:
     max_queue: int = 64
     decode_concurrency: int = 32  # requests decoded together (mtplx.server.worker)
     prompt_concurrency: int = 8  # requests prefilled meanwhile
+    draft_policy: str = "auto"  # each batched cycle's draft length (mtplx.spec_decode.draft_policy)
     request_timeout: float = 600.0
     default_max_tokens: int = 512
     max_tokens_cap: int = 8192

@@ -70,10 +70,18 @@ class Job:
 class GenerationWorker:
     """A bounded queue of jobs in front of one generation thread that batches them."""
 
-    def __init__(self, engine, max_queue: int, decode_concurrency: int = 8, prompt_concurrency: int = 1):
+    def __init__(
+        self,
+        engine,
+        max_queue: int,
+        decode_concurrency: int = 32,
+        prompt_concurrency: int = 8,
+        draft_policy: str = "auto",
+    ):
         self.engine = engine
         self.decode_concurrency = decode_concurrency
         self.prompt_concurrency = prompt_concurrency
+        self.draft_policy = draft_policy
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._thread = threading.Thread(target=self._run, name="mtplx-generation", daemon=True)
         self._active: dict[int, Job] = {}  # scheduler handle -> job, in flight
@@ -107,7 +115,7 @@ class GenerationWorker:
 
     # ------------------------------------------------------------------ the generation thread
     def _run(self) -> None:
-        scheduler = self.engine.batch(self.decode_concurrency, self.prompt_concurrency)
+        scheduler = self.engine.batch(self.decode_concurrency, self.prompt_concurrency, self.draft_policy)
         try:
             while True:
                 if not self._take_jobs(scheduler):

@@ -38,6 +38,7 @@ from mtplx.errors import MtplxError
 from mtplx.sample import ops as sample_ops
 from mtplx.sample import rejection
 from mtplx.sample.params import SamplerConfig
+from mtplx.spec_decode.draft_policy import DraftPolicy, RowAcceptance
 from mtplx.spec_decode.head_proposer import trunk_hidden
 from mtplx.spec_decode.lookup_proposer import LookupProposer
 from mtplx.spec_decode.loop import (
@@ -50,7 +51,7 @@ from mtplx.spec_decode.loop import (
     prefill_last,
 )
 from mtplx.spec_decode.proposer import CycleOutcome
-from mtplx.spec_decode.settings import DecodeSettings, LookupConfig
+from mtplx.spec_decode.settings import MAX_DEPTH, DecodeSettings, LookupConfig
 from mtplx.trunk.batch_cache import BatchCache, check_batchable
 from mtplx.trunk.model import Trunk
 
@@ -106,6 +107,7 @@ class BatchRow:
     pending_hidden: list[mx.array] = field(default_factory=list)  # true (hidden [1, n, H], next token) pairs
     pending_tokens: list[int] = field(default_factory=list)  # the head has not consumed yet
     draft_length: int | None = None  # pinned draft length for the head (None: the spec's depth)
+    acceptance: RowAcceptance = field(default_factory=RowAcceptance)  # what the draft policy reads
 
     @property
     def pending(self) -> int:
@@ -273,7 +275,9 @@ class _Group:
 class BatchDecoder:
     """Rows decoding together; ``step`` runs one cycle for all of them (the module docstring)."""
 
-    def __init__(self, trunk: Trunk, head=None):
+    def __init__(self, trunk: Trunk, head=None, policy: DraftPolicy | None = None):
+        """``policy`` chooses each cycle's draft length for rows without a pinned one; None:
+        every row drafts its spec's depth (or its lookup match) every cycle."""
         reason = check_batch_support(trunk, head)
         if reason is not None:
             raise MtplxError(f"batched decoding: {reason}")
@@ -283,6 +287,7 @@ class BatchDecoder:
         self.chain = _HeadChain(head, head.make_cache()) if head is not None else None
         self.rows: list[BatchRow] = []
         self._next_id = 0
+        self.policy = policy
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -414,6 +419,28 @@ class BatchDecoder:
     def _head_length(self, row: BatchRow) -> int:
         return row.draft_length if row.draft_length is not None else row.spec.settings.depth
 
+    def _draft_caps(self, rows: Sequence[BatchRow], found: Sequence[list[int]]) -> list[int]:
+        """Each row's most drafts this cycle: the policy's K for rows without a pinned length
+        (`DraftPolicy`), no cap for pinned rows or without a policy."""
+        unlimited = [MAX_DEPTH + 64] * len(rows)
+        if self.policy is None:
+            return unlimited
+        free = [r.draft_length is None for r in rows]
+        drafting = [
+            row.acceptance if is_free and (f or (self.chain is not None and row.uses_head)) else None
+            for row, f, is_free in zip(rows, found, free)
+        ]
+        max_depth = max(
+            (
+                max(len(f), row.spec.settings.depth)
+                for row, f, a in zip(rows, found, drafting)
+                if a is not None
+            ),
+            default=0,
+        )
+        k = self.policy.choose(drafting, max_depth) if max_depth else 0
+        return [k if is_free else cap for is_free, cap in zip(free, unlimited)]
+
     def step(self) -> dict[int, Step]:
         """One cycle for every row: {row id: the Step it committed}. Raises RowsFailed (cycle undone)."""
         rows = self.rows
@@ -435,9 +462,15 @@ class BatchDecoder:
 
         # 1. Drafts: lookup on the host, then the head chain for the rows without a match.
         found = [row.lookup.find(row.history) if row.lookup is not None else [] for row in rows]
-        use_head = [self.chain is not None and row.uses_head and not f for row, f in zip(rows, found)]
+        caps = self._draft_caps(rows, found)
+        found = [f[:cap] for f, cap in zip(found, caps)]
+        use_head = [
+            self.chain is not None and row.uses_head and not f and cap > 0
+            for row, f, cap in zip(rows, found, caps)
+        ]
         lengths = [
-            len(f) if f else (self._head_length(row) if h else 0) for row, f, h in zip(rows, found, use_head)
+            len(f) if f else (min(self._head_length(row), cap) if h else 0)
+            for row, f, h, cap in zip(rows, found, use_head, caps)
         ]
         width = max(lengths)
         host_drafts = [f + [0] * (width - len(f)) for f in found]
@@ -496,6 +529,8 @@ class BatchDecoder:
             logprobs = None
             if row.spec.settings.logprobs is not None:
                 logprobs = _token_logprobs(output.logits[i, : n + 1], committed, row.spec.settings.logprobs)
+            if k:
+                row.acceptance.observe(k, n)
             steps[row.row_id] = Step(committed, k, n, accept_probs[i], logprobs, source)
         return steps
 

@@ -33,6 +33,7 @@ from mtplx.cli import tune as tune_cli
 from mtplx.engine import tuned
 from mtplx.errors import MtplxError
 from mtplx.io import atomic_write
+from mtplx.spec_decode.draft_policy import CostProfile
 
 import pytest
 
@@ -78,6 +79,9 @@ class FakeEngine:
         self.interrupt_after = interrupt_after
 
     context_length = 10_000
+
+    def batch_cost_profile(self, remeasure: bool = False) -> CostProfile:
+        return CostProfile((1, 8), (0.01, 0.02))
 
     def encode_prompt(self, prompt, chat=None) -> list[int]:
         if not prompt:
@@ -598,6 +602,7 @@ def test_tune_main_saves_then_keeps_then_retunes(tmp_path, capsys):
     assert first_calls > 0 and all(c["depth"] in (None, 1, 2) for c in engine.calls)
     depth = tuned.saved_depth(engine.fingerprint, config)
     assert depth in (0, 1, 2)
+    assert tuned.saved_batch_cost(engine.fingerprint, config) == engine.batch_cost_profile()
     assert "saved to" in capsys.readouterr().out
     tune.tune_main(engine=engine, config_path=config, progress=False)
     assert "already tuned" in capsys.readouterr().out and len(engine.calls) == first_calls

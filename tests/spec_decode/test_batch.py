@@ -15,6 +15,7 @@ from mtplx.errors import MtplxError
 from mtplx.sample.params import SamplerConfig
 from mtplx.spec_decode import loop as decode
 from mtplx.spec_decode.batch import BatchDecoder, RowSpec
+from mtplx.spec_decode.draft_policy import CostProfile, DraftPolicy
 from mtplx.spec_decode.settings import DecodeSettings
 from mtplx.trunk import compat
 from mtplx.trunk.batch_cache import BatchCache
@@ -152,10 +153,26 @@ EXACTNESS_CASES = [
 SAMPLES_PER_CASE = 300
 
 
-def _sample_batch(trunk, head, seed0: int, bug=None) -> list[np.ndarray]:
+class CyclingPolicy(DraftPolicy):
+    """A draft policy whose length changes every cycle (1, 0, 2, 3, 1, 0, ...): the loop must stay
+    exact when each cycle's K differs and caps rows below their depth (any K chosen from the
+    past is exact; `DraftPolicy`'s own choice is tested in test_draft_policy.py)."""
+
+    ORDER = (1, 0, 2, 3)
+
+    def __init__(self):
+        super().__init__(CostProfile((1,), (1.0,)))
+        self.chosen: list[int] = []
+
+    def choose(self, acceptances, max_depth):
+        self.chosen.append(min(self.ORDER[len(self.chosen) % len(self.ORDER)], max_depth))
+        return self.chosen[-1]
+
+
+def _sample_batch(trunk, head, seed0: int, bug=None, policy=None) -> list[np.ndarray]:
     """Counts of the first NUM_OUTPUT_TOKENS tokens per case, all cases in one batch. Halfway
     in, rows that are not counted join and leave (they must not disturb the others)."""
-    decoder = BatchDecoder(trunk, head)
+    decoder = BatchDecoder(trunk, head, policy)
     if bug is not None:
         bug(decoder)
     counts_by_case = [np.zeros([VOCAB] * NUM_OUTPUT_TOKENS, dtype=np.int64) for _ in EXACTNESS_CASES]
@@ -198,9 +215,21 @@ def expected(pair):
     return [exact_ar_joint(trunk, cfg, VOCAB) for cfg, _, _ in EXACTNESS_CASES]
 
 
-@pytest.mark.parametrize("seed0", [1_000, random.randrange(10**6, 10**7)], ids=["fixed", "fresh"])
-def test_mixed_batch_matches_the_exact_ar_distribution(pair, expected, seed0):
-    counts = _sample_batch(*pair, seed0)
+@pytest.mark.parametrize(
+    ("seed0", "policy"),
+    [
+        (1_000, None),
+        (random.randrange(10**6, 10**7), None),
+        (random.randrange(10**6, 10**7), CyclingPolicy()),
+    ],
+    ids=["fixed", "fresh", "fresh-draft-policy"],
+)
+def test_mixed_batch_matches_the_exact_ar_distribution(pair, expected, seed0, policy):
+    """Exact marginals with every row drafting its depth, and with a draft length that changes
+    every cycle (`CyclingPolicy`)."""
+    counts = _sample_batch(*pair, seed0, policy=policy)
+    if policy is not None:
+        assert len(set(policy.chosen)) >= 2, policy.chosen  # the lengths did change mid-run
     for c, (case_counts, case_expected) in enumerate(zip(counts, expected)):
         assert case_counts.sum() == SAMPLES_PER_CASE
         p_value = loop_p_value(case_counts, case_expected)

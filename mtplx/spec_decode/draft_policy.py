@@ -1,0 +1,209 @@
+"""How far a batched cycle drafts: the draft length that gives the most committed tokens per
+second, from the measured cost of a cycle and each row's running acceptance.
+
+Glossary: ``K`` is the cycle's draft length (every drafting row drafts at most K; K = 0 is a
+plain batched AR step); a cycle over ``R`` rows forwards the block [R, K+1] whatever each row
+drafted (shorter rows are padded, and padding costs what real positions cost), so one K per
+cycle is the decision, not one per row.
+
+Cost: `CostProfile` holds the measured seconds of one trunk forward over ``n`` tokens and of
+one head forward over ``n`` rows, at a few ``n``; a cycle of R rows at depth K costs
+trunk(R (K+1)) + K head(R). On a memory-bound device (one row, a Mac's GPU) extra tokens are
+nearly free and drafting pays; as R grows the forward turns compute-bound and each drafted
+token costs about what an AR token costs, so drafting pays only where it is accepted often.
+
+Gain: a row that drafts K tokens commits 1 + sum_{j<=K} prod_{i<=j} c_i tokens on average,
+c_i its running acceptance at position i given position i-1 was accepted (`RowAcceptance`, with
+a prior so that a new row starts from the head's typical figure). Rows that do not draft
+(drafter "none", lookup rows without a match) commit 1.
+
+The choice maximizes expected committed tokens / expected cycle seconds over K in 0..max_depth,
+so batched AR (K = 0) is the floor: speculation is added only where the model says it pays.
+Exactness never depends on it (any K is exact); speed does.
+"""
+
+from __future__ import annotations
+
+import time
+from bisect import bisect_left
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+__all__ = ["DRAFT_POLICIES", "CostProfile", "DraftPolicy", "RowAcceptance", "measure_cost_profile"]
+
+# "auto": `DraftPolicy` chooses each cycle's draft length; "fixed": every row drafts its depth.
+DRAFT_POLICIES = ("auto", "fixed")
+
+# A new row's acceptance per position before it has drafted: the default head's measured first
+# position (benchmarks/RESULTS.md), decaying, as deeper drafts are kept less often. Weighted as
+# PRIOR_WEIGHT drafted positions, so a row's own record takes over after a few cycles.
+PRIOR_ACCEPTANCE = (0.4, 0.35, 0.3)
+PRIOR_WEIGHT = 4.0
+
+
+@dataclass(frozen=True)
+class CostProfile:
+    """Measured seconds of one forward at a few sizes (interpolated linearly between them,
+    extrapolated from the last two beyond)."""
+
+    tokens: tuple[int, ...]  # trunk block sizes measured, ascending
+    trunk_seconds: tuple[float, ...]
+    head_rows: tuple[int, ...] = ()  # head batch sizes measured, ascending (empty: no head)
+    head_seconds: tuple[float, ...] = ()
+
+    def trunk(self, num_tokens: int) -> float:
+        return _interpolate(self.tokens, self.trunk_seconds, num_tokens)
+
+    def head(self, num_rows: int) -> float:
+        return _interpolate(self.head_rows, self.head_seconds, num_rows) if self.head_rows else 0.0
+
+    def cycle(self, num_rows: int, draft_length: int) -> float:
+        """Seconds of a cycle over ``num_rows`` rows drafting ``draft_length`` each."""
+        return self.trunk(num_rows * (draft_length + 1)) + draft_length * self.head(num_rows)
+
+    def as_dict(self) -> dict:
+        return {
+            "tokens": list(self.tokens),
+            "trunk_seconds": list(self.trunk_seconds),
+            "head_rows": list(self.head_rows),
+            "head_seconds": list(self.head_seconds),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> CostProfile | None:
+        """The profile saved by `as_dict`, None when ``data`` is not one (a damaged entry)."""
+        try:
+            profile = cls(
+                tuple(int(n) for n in data["tokens"]),
+                tuple(float(s) for s in data["trunk_seconds"]),
+                tuple(int(n) for n in data.get("head_rows", ())),
+                tuple(float(s) for s in data.get("head_seconds", ())),
+            )
+        except (KeyError, TypeError, ValueError):
+            return None
+        ok = (
+            len(profile.tokens) == len(profile.trunk_seconds) >= 1
+            and len(profile.head_rows) == len(profile.head_seconds)
+            and list(profile.tokens) == sorted(set(profile.tokens))
+            and list(profile.head_rows) == sorted(set(profile.head_rows))
+            and all(s > 0 for s in (*profile.trunk_seconds, *profile.head_seconds))
+        )
+        return profile if ok else None
+
+
+def _interpolate(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
+    if len(xs) == 1:
+        return ys[0] * x / xs[0]  # one point: proportional
+    i = min(max(bisect_left(xs, x), 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    value = y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return max(value, min(ys) * 0.5) if x < xs[0] else value
+
+
+@dataclass
+class RowAcceptance:
+    """One row's drafting record: per position, the cycles that reached it and the accepts."""
+
+    reached: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+
+    def observe(self, num_drafted: int, num_accepted: int) -> None:
+        """A cycle that drafted ``num_drafted`` tokens and kept ``num_accepted`` of them."""
+        while len(self.reached) < num_drafted:
+            self.reached.append(0)
+            self.accepted.append(0)
+        for position in range(min(num_accepted + 1, num_drafted)):
+            self.reached[position] += 1
+            self.accepted[position] += int(position < num_accepted)
+
+    def conditional(self, position: int) -> float:
+        """P(accept draft ``position`` | the earlier ones were accepted), smoothed by the prior."""
+        prior = PRIOR_ACCEPTANCE[min(position, len(PRIOR_ACCEPTANCE) - 1)]
+        reached = self.reached[position] if position < len(self.reached) else 0
+        accepted = self.accepted[position] if position < len(self.accepted) else 0
+        return (accepted + prior * PRIOR_WEIGHT) / (reached + PRIOR_WEIGHT)
+
+    def expected_tokens(self, draft_length: int) -> float:
+        """Tokens a cycle drafting ``draft_length`` commits on average (the bonus token included)."""
+        total, keep = 1.0, 1.0
+        for position in range(draft_length):
+            keep *= self.conditional(position)
+            total += keep
+        return total
+
+
+@dataclass
+class DraftPolicy:
+    """Chooses each cycle's draft length (the module docstring)."""
+
+    profile: CostProfile
+
+    def choose(self, acceptances: Sequence[RowAcceptance | None], max_depth: int) -> int:
+        """K in 0..max_depth for a cycle over these rows (None: a row that does not draft)."""
+        num_rows = len(acceptances)
+        best_k, best_rate = 0, num_rows / self.profile.cycle(num_rows, 0)
+        for k in range(1, max_depth + 1):
+            tokens = sum(a.expected_tokens(k) if a is not None else 1.0 for a in acceptances)
+            rate = tokens / self.profile.cycle(num_rows, k)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return best_k
+
+
+def measure_cost_profile(
+    trunk, head=None, *, max_tokens: int = 128, max_rows: int = 32, context: int = 64, repeats: int = 2
+) -> CostProfile:
+    """Time one trunk forward over 1, 2, 4, ... ``max_tokens`` tokens and one head forward over
+    1, 2, 4, ... ``max_rows`` rows (the best of ``repeats``), after ``context`` tokens of prompt.
+
+    The trunk block is one row of n tokens: the matmuls cost what R rows of n/R tokens cost,
+    and the attention over a short context is a small part of a forward.
+    """
+    from mtplx.trunk import rollback
+
+    import mlx.core as mx
+
+    def best_of(run) -> float:
+        run()  # warm-up: first-call graph and kernel set-up
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    sizes = _powers_of_two(max_tokens)
+    trunk_seconds = []
+    for n in sizes:
+        cache = trunk.make_cache()
+        mx.eval(trunk(mx.zeros((1, context), dtype=mx.int32), cache).logits[:, -1])
+        block = mx.zeros((1, n), dtype=mx.int32)
+
+        def forward(cache=cache, block=block) -> None:
+            capture = rollback.begin_block(cache, block_len=block.shape[1])
+            mx.eval(trunk(block, cache).logits)
+            rollback.abort_block(cache, capture)
+
+        trunk_seconds.append(best_of(forward))
+    if head is None:
+        return CostProfile(tuple(sizes), tuple(trunk_seconds))
+    rows = _powers_of_two(max_rows)
+    head_seconds = []
+    embedding = trunk.inner.embed_tokens.weight
+    for r in rows:
+        hidden = mx.zeros((r, 1, embedding.shape[-1]), dtype=embedding.dtype)
+        tokens = mx.zeros((r, 1), dtype=mx.int32)
+
+        def head_forward(hidden=hidden, tokens=tokens) -> None:
+            mx.eval(head.logits(head(hidden, tokens, None)))
+
+        head_seconds.append(best_of(head_forward))
+    return CostProfile(tuple(sizes), tuple(trunk_seconds), tuple(rows), tuple(head_seconds))
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    sizes, n = [], 1
+    while n < limit:
+        sizes.append(n)
+        n *= 2
+    return [*sizes, limit]

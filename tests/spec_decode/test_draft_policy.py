@@ -1,0 +1,67 @@
+"""The batched loop's draft policy: cost interpolation, acceptance records, and the choice of a
+cycle's draft length against figures worked out by hand."""
+
+from __future__ import annotations
+
+from mtplx.spec_decode.draft_policy import CostProfile, DraftPolicy, RowAcceptance
+
+import pytest
+
+
+def test_cost_profile_interpolates_and_extrapolates_linearly():
+    profile = CostProfile((1, 4, 8), (0.1, 0.4, 1.2), (1, 2), (0.01, 0.03))
+    assert profile.trunk(4) == pytest.approx(0.4)
+    assert profile.trunk(6) == pytest.approx(0.8)  # halfway between 0.4 and 1.2
+    assert profile.trunk(16) == pytest.approx(2.8)  # the last segment's slope, 0.2 per token
+    assert profile.head(4) == pytest.approx(0.07)
+    # 3 rows drafting 2: trunk over 9 tokens (1.4) plus two head forwards over 3 rows (0.05 each).
+    assert profile.cycle(3, 2) == pytest.approx(1.4 + 2 * 0.05)
+
+
+def test_cost_profile_round_trips_and_rejects_damaged_entries():
+    profile = CostProfile((1, 2), (0.1, 0.15), (1,), (0.02,))
+    assert CostProfile.from_dict(profile.as_dict()) == profile
+    damaged = [
+        {},
+        {"tokens": [1, 2], "trunk_seconds": [0.1]},
+        {"tokens": [2, 1], "trunk_seconds": [0.1, 0.2]},
+        {"tokens": [1], "trunk_seconds": [-1.0]},
+        {"tokens": ["x"], "trunk_seconds": [0.1]},
+    ]
+    assert all(CostProfile.from_dict(d) is None for d in damaged)
+
+
+def test_row_acceptance_counts_each_position_reached():
+    record = RowAcceptance()
+    record.observe(3, 1)  # d1 kept, d2 rejected, d3 never reached
+    record.observe(2, 2)
+    assert record.reached == [2, 2, 0]
+    assert record.accepted == [2, 1, 0]
+
+
+def test_expected_tokens_follow_the_smoothed_record():
+    record = RowAcceptance()
+    for _ in range(96):
+        record.observe(1, 1)  # always kept: (96 + 0.4 * 4) / (96 + 4) = 0.976
+    assert record.expected_tokens(0) == 1.0
+    assert record.expected_tokens(1) == pytest.approx(1.976)
+
+
+def test_compute_bound_cost_keeps_plain_ar_and_memory_bound_cost_drafts():
+    fresh = [RowAcceptance() for _ in range(8)]  # the prior: 0.4 at the first position
+    # Cost proportional to tokens: drafting 1 doubles the cost for 1.4 tokens a row.
+    compute_bound = DraftPolicy(CostProfile((1, 64), (0.01, 0.64)))
+    assert compute_bound.choose(fresh, 3) == 0
+    # Flat cost: every extra draft is free, so the deepest wins.
+    memory_bound = DraftPolicy(CostProfile((1, 64), (0.1, 0.1)))
+    assert memory_bound.choose(fresh, 3) == 3
+
+
+def test_rows_that_do_not_draft_count_one_token_at_any_length():
+    # 8 tokens cost 0.08 s, 16 cost 0.10 s. Four drafting rows at the prior (1.4 each at K=1):
+    # K=0: 4 / 0.06 = 66.7 tok/s; K=1: 5.6 / 0.08 = 70 tok/s, so K=1 ...
+    profile = CostProfile((4, 8, 16), (0.06, 0.08, 0.10))
+    assert DraftPolicy(profile).choose([RowAcceptance() for _ in range(4)], 1) == 1
+    # ... but with four more rows that never draft: K=0: 8 / 0.08 = 100; K=1: 9.6 / 0.10 = 96.
+    rows = [RowAcceptance() for _ in range(4)] + [None] * 4
+    assert DraftPolicy(profile).choose(rows, 1) == 0
