@@ -145,4 +145,5 @@ def build_head(src: HeadSource, num_layers: int, hidden_source: HiddenSource) ->
         hidden_source=hidden_source,
         key_prefix=prefix,
         layer_per_step=True,
+        cache_like=[idx] * num_layers,
     )

@@ -82,7 +82,7 @@ FAMILIES: dict[str, HeadFamily] = {
         ),
         HeadFamily(
             name=deepseek.LAYOUT,
-            model_types=("deepseek_v3", "deepseek_v32", "kimi_k2", "glm4_moe"),
+            model_types=("deepseek_v3", "deepseek_v32", "kimi_k2", "glm4_moe", "glm_moe_dsa"),
             marker=r"model\.layers\..*\.eh_proj\.weight",
             count_keys=("num_nextn_predict_layers",),
             layer_names=r"model\.layers\.(\d+)\.eh_proj\.weight",

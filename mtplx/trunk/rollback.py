@@ -52,13 +52,12 @@ from mtplx.trunk.compat import (
     ORIGINAL_GATED_DELTA_UPDATE,
     STATE_SLOT,
     ArraysCache,
-    CacheList,
     KVCache,
     QuantizedKVCache,
     RotatingKVCache,
     RotatingState,
     arrays_slots,
-    cache_members,
+    cache_leaves,
     install_gated_delta_hook,
     is_supported_gated_delta_layer,
     rotating_state,
@@ -87,13 +86,11 @@ __all__ = [
 
 
 def _leaves(cache: list) -> list[tuple[int, Any]]:
-    """(layer index, leaf cache) pairs; a CacheList contributes all its members."""
+    """(layer index, leaf cache) pairs; a CacheList contributes all its members, and a CacheList
+    among them its own (DeepSeek-V3.2 / GLM-5 pair the latent KV with the indexer's keys)."""
     out: list[tuple[int, Any]] = []
     for i, c in enumerate(cache):
-        if type(c) is CacheList:
-            out.extend((i, sub) for sub in cache_members(c))
-        else:
-            out.append((i, c))
+        out.extend((i, leaf) for leaf in cache_leaves([c]))
     return out
 
 
@@ -124,7 +121,7 @@ def check_rollback_support(cache: list, model: nn.Module | None = None) -> str |
     """None if ``begin_block``/``commit_block`` can roll every cache back exactly, else why not.
 
     Supported: KVCache, QuantizedKVCache, RotatingKVCache (any window, wrapped
-    or not), CacheLists of those, and the ArraysCache of a gated-delta layer of
+    or not), CacheLists of those (nested too), and the ArraysCache of a gated-delta layer of
     a module in ``SUPPORTED_RECURRENT_MODULES``; batch size 1 only. Pass the
     model to check that every ArraysCache belongs to such a layer; without it
     an ArraysCache is assumed to, and a layer that is not one makes
