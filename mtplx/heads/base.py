@@ -135,6 +135,12 @@ class MTPHead(nn.Module):
         the target's ``trunk_cache`` for heads that read the trunk's (``reads_trunk_cache``)."""
         if self.reads_trunk_cache and trunk_cache is None:
             raise ValueError(f"a {self.layout} head reads the target's KV cache: pass trunk_cache")
+        if step == 1 and cache and not self.reads_trunk_cache:
+            # The chain's draft-made entries start here (the decode loop drops them with trim_kv);
+            # a sliding-window cache overwrites its oldest entries in place, so record it first.
+            from mtplx.trunk.rollback import mark_drafts
+
+            mark_drafts(cache)
         x = self._forward(hidden, next_tokens, trunk_cache if self.reads_trunk_cache else cache, step)
         self._scratch.pre_norm = x
         return self._final_norm(step)(x)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mtplx.heads import deepseek, mimo, qwen3_next
+from mtplx.heads import deepseek, mimo, mimo_v2_flash, qwen3_next
 from mtplx.heads.base import HiddenSource, MTPHead
 from mtplx.heads.weights import HeadSource, MissingHeadError, load_head_weights, weight_index
 
@@ -97,6 +97,15 @@ FAMILIES: dict[str, HeadFamily] = {
             layer_names=r"model\.mtp_layers\.(\d+)\..+",
             default_hidden_source=mimo.DEFAULT_HIDDEN_SOURCE,
             build=mimo.build_head,
+        ),
+        HeadFamily(
+            name=mimo_v2_flash.LAYOUT,
+            model_types=("mimo_v2_flash",),
+            marker=r"model\.mtp\.layers\.\d+\.eh_proj\.weight",
+            count_keys=("num_nextn_predict_layers",),
+            layer_names=r"model\.mtp\.layers\.(\d+)\..+",
+            default_hidden_source=mimo_v2_flash.DEFAULT_HIDDEN_SOURCE,
+            build=mimo_v2_flash.build_head,
         ),
     )
 }

@@ -44,6 +44,7 @@ Every layout this relies on is read through ``mtplx.trunk.compat`` (and checked 
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,6 +79,7 @@ __all__ = [
     "check_rollback_support",
     "checkpoint",
     "commit_block",
+    "mark_drafts",
     "trim_kv",
 ]
 
@@ -463,12 +465,37 @@ def abort_block(cache: list, capture: BlockCapture) -> None:
         r.abort()
 
 
+# RotatingKVCache -> its state before entries that ``trim_kv`` will drop were written one at a
+# time (``mark_drafts``). Weak keys: a cache that is let go takes its mark with it.
+_DRAFT_MARKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def mark_drafts(cache: list) -> None:
+    """Record every RotatingKVCache in ``cache`` before draft entries are added one token at a
+    time (an MTP head's chained steps), so that ``trim_kv`` dropping exactly those entries is
+    exact even where the single-token updates wrote in place over the window's oldest entries.
+    KV caches need no record (their offset is enough); the latest mark of a cache replaces any
+    earlier one."""
+    for _, c in _leaves(cache):
+        if type(c) is RotatingKVCache:
+            _DRAFT_MARKS[c] = _begin_rotating(c, None).state_before
+
+
+def _trim_rotating(c: RotatingKVCache, n: int) -> None:
+    mark = _DRAFT_MARKS.pop(c, None)
+    if mark is not None and mark.offset == c.offset - n:
+        set_rotating_state(c, mark)  # exactly the entries added since the mark
+        return
+    _rotating_slice(c, n)
+
+
 def trim_kv(cache: list, n: int) -> None:
     """Drop the newest ``n`` entries of every KV cache in ``cache`` (e.g. an MTP head's).
 
     Raises ValueError for recurrent caches (use begin_block/commit_block), for
     n larger than a cache holds, and for a RotatingKVCache whose last update
-    was a single in-place token (the evicted entry is gone).
+    was a single in-place token (the evicted entry is gone) unless ``mark_drafts``
+    recorded it right before the ``n`` entries were added.
     """
     if n < 0:
         raise ValueError(f"trim_kv: n must be >= 0, got {n}")
@@ -480,6 +507,6 @@ def trim_kv(cache: list, n: int) -> None:
         elif type(c) is RotatingKVCache:
             if n > c.offset:
                 raise ValueError(f"trim_kv: layer {i} holds {c.offset} entries, cannot drop {n}")
-            _rotating_slice(c, n)
+            _trim_rotating(c, n)
         else:
             raise ValueError(f"trim_kv: layer {i}: {type(c).__name__} is not a KV cache")

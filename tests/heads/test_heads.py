@@ -448,7 +448,12 @@ def test_no_declared_head_is_none(tmp_path):
 
 
 def test_default_hidden_sources_are_explicit():
-    assert DEFAULT_HIDDEN_SOURCE == {"qwen3_next": "post_norm", "deepseek": "post_norm", "mimo": "pre_norm"}
+    assert DEFAULT_HIDDEN_SOURCE == {
+        "qwen3_next": "post_norm",
+        "deepseek": "post_norm",
+        "mimo": "pre_norm",
+        "mimo_v2_flash": "post_norm",
+    }
 
 
 def test_each_registry_row_recognises_its_own_checkpoint_and_no_other(tmp_path):
@@ -461,6 +466,7 @@ def test_each_registry_row_recognises_its_own_checkpoint_and_no_other(tmp_path):
         "qwen3_next": checkpoints.qwen3_5(tmp_path / "q", mtp_layers=2),
         "deepseek": checkpoints.deepseek_v3(tmp_path / "d", mtp_layers=2, sidecar=True, trunk_layers=2),
         "mimo": checkpoints.mimo(tmp_path / "m", mtp_layers=2),
+        "mimo_v2_flash": checkpoints.mimo_v2_flash(tmp_path / "mv2", mtp_layers=2),
     }
     assert set(built) == set(FAMILIES)
     for name, tiny in built.items():

@@ -12,6 +12,10 @@ drafts accepted (so the rollback really keeps and drops entries).
   MTP layer ``model.layers.{num_hidden_layers}.*`` (enorm, hnorm, eh_proj, shared_head, its
   decoder block; vLLM ``deepseek_mtp.py``) is a decoder layer of the same class and needs the
   same pair. ``index_topk`` is below the context, so the indexer really selects.
+- MiMo-V2-Flash (``mimo_v2_flash``): three MTP modules ``model.mtp.layers.{i}.*`` with
+  sliding-window attention (vLLM ``mimo_v2_flash_mtp.py``, SGLang ``mimo_v2_flash_nextn.py``);
+  the trunk builds a RotatingKVCache of the window for a sliding layer, and so does the head.
+  The window (4) is shorter than the context, so it wraps while the head chains drafts.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from mtplx.trunk.model import Trunk
 
 import mlx.core as mx
 import pytest
+from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model as mlx_load_model
 from support import checkpoints, models
 from support.decoding import mtp_decode, take_steps, take_tokens
@@ -158,3 +163,85 @@ def test_rollback_walks_nested_cache_lists():
     _fill(cache_leaves(cache), 7, 2)
     rollback.trim_kv(cache, 2)
     assert [c.offset for c in cache_leaves(cache)] == [7, 7, 7]
+
+
+@pytest.fixture(scope="module")
+def mimo_v2(tmp_path_factory):
+    tiny = checkpoints.mimo_v2_flash(
+        tmp_path_factory.mktemp("mimo_v2") / "tiny", context_strength=CONTEXT_STRENGTH
+    )
+    return tiny, load(tiny.path)
+
+
+def test_mimo_v2_flash_loads_its_three_sliding_window_modules(mimo_v2):
+    from mtplx.trunk.compat import RotatingKVCache
+
+    tiny, (trunk, config, head) = mimo_v2
+    assert not any(k.startswith("model.mtp") for k, _ in tree_flatten(trunk.model.parameters()))
+    assert head is not None and head.layout == "mimo_v2_flash" and head.num_layers == 3
+    assert head.hidden_source == "post_norm" and head.chain_source == "post_norm"
+    caches = head.make_cache()
+    assert [cache_kinds(c) for c in caches] == ["RotatingKVCache"] * 3
+    assert all(c.max_size == config["sliding_window_size"] for c in caches if isinstance(c, RotatingKVCache))
+    assert [cache_kinds(c) for c in trunk.make_cache()] == ["KVCache", "RotatingKVCache"]
+    block = head.modules_[0].block
+    assert block.is_sliding_window and block.self_attn.attention_sink_bias is not None
+    # pre_mlp_layernorm (the checkpoint's name) is the block's post_attention_layernorm.
+    w = tiny.tensors["model.mtp.layers.1.pre_mlp_layernorm.weight"]
+    assert mx.array_equal(head.modules_[1].block.post_attention_layernorm.weight, mx.array(w)).item()
+
+
+def test_mimo_v2_flash_greedy_mtp_equals_greedy_ar_at_depths_1_to_4(mimo_v2):
+    _, (trunk, _, head) = mimo_v2
+    assert_greedy_mtp_equals_ar(trunk, head, PROMPT, 16, depths=(1, 2, 3, 4))
+
+
+def test_mimo_v2_flash_head_caches_after_chained_drafts_equal_ones_built_from_scratch(mimo_v2):
+    """The chain writes draft entries one token at a time into windows that have wrapped; after
+    each commit every module's window holds exactly the newest committed positions."""
+    _, (trunk, _, head) = mimo_v2
+    settings = decode.DecodeSettings(sampler=GREEDY, depth=3)
+    ar = take_tokens(
+        decode.ar_decode(trunk, PROMPT, decode.DecodeSettings(sampler=GREEDY), mx.random.key(0)), 12
+    )
+    head_cache = head.make_cache()
+    take_tokens(mtp_decode(trunk, head, PROMPT, settings, mx.random.key(0), head_cache=head_cache), 12)
+    held = head_cache[0].offset
+    assert held > head_cache[0].max_size  # the window wrapped
+    seq = PROMPT + ar
+    hidden = trunk(mx.array([seq[: held + 1]])).hidden_post_norm
+    fresh = head.make_cache()
+    head(hidden[:, :held], mx.array([seq[1 : held + 1]]), fresh)
+    for c, f in zip(head_cache, fresh):
+        assert c.offset == f.offset == held
+        got, want = _window(c), _window(f)
+        assert got.shape == want.shape and mx.allclose(got, want, atol=1e-4).item()
+
+
+def _window(c) -> mx.array:
+    """The newest ``max_size`` keys of a RotatingKVCache in temporal order."""
+    from mtplx.trunk.compat import rotating_state
+
+    st = rotating_state(c)
+    keys = st.keys
+    if st.idx < keys.shape[2] and st.offset > st.max_size:  # wrapped in place: oldest entry at idx
+        keys = mx.concatenate([keys[..., st.idx :, :], keys[..., : st.idx, :]], axis=2)
+    return keys[..., -st.max_size :, :]
+
+
+def test_mimo_v2_flash_inspects_and_converts_with_its_head(mimo_v2, tmp_path):
+    from mtplx.checkpoints.convert_hf import convert_hf
+    from mtplx.checkpoints.inspect import inspect_model
+
+    tiny, _ = mimo_v2
+    info = inspect_model(tiny.path)
+    assert info["verdict"] == "MTP-ready" and info["mtp"]["layout"] == "mimo_v2_flash"
+    assert info["mtp"]["declared_layers"] == 3
+    out = convert_hf(tiny.path, tmp_path / "converted", q_bits=4, q_group_size=32)
+    trunk, _, head = load(out)
+    assert head is not None and head.layout == "mimo_v2_flash" and head.num_layers == 3
+    ar = take_tokens(
+        decode.ar_decode(trunk, PROMPT, decode.DecodeSettings(sampler=GREEDY), mx.random.key(0)), 8
+    )
+    settings = decode.DecodeSettings(sampler=GREEDY, depth=2)
+    assert take_tokens(mtp_decode(trunk, head, PROMPT, settings, mx.random.key(0)), 8) == ar

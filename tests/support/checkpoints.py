@@ -33,6 +33,7 @@ from support.models import (
     gemma4_assistant_config,
     gemma4_config,
     mimo_config,
+    mimo_v2_flash_config,
     qwen3_5_config,
     qwen3_5_mtp_layer,
     randomize,
@@ -309,6 +310,59 @@ def mimo(
     tiny = write_checkpoint(path, tensors, config, shards)
     tiny.head_module = heads[0]
     return tiny
+
+
+# --------------------------------------------------------------------------- mimo_v2_flash
+
+
+def mimo_v2_flash(
+    path: Path,
+    *,
+    mtp_layers: int = 3,
+    window: int = 4,
+    ship_mtp: bool = True,
+    seed: int = 0,
+    context_strength: float | None = None,
+) -> Tiny:
+    """MiMo-V2-Flash as published: trunk experts per expert (``mlp.experts.{e}.*``), the MTP
+    modules under ``model.mtp.layers.{i}.`` (enorm, hnorm, eh_proj, final_layernorm, and the
+    block's self_attn / mlp / input_layernorm / pre_mlp_layernorm at the same prefix).
+    ``context_strength`` as ``deepseek_v3``'s (the head agrees with the trunk's bigram part)."""
+    from mlx_lm.models import mimo_v2_flash as m
+
+    config = mimo_v2_flash_config(VOCAB, mtp_layers, window)
+    args = m.ModelArgs.from_dict(config)
+    model = m.Model(args)
+    randomize(model, seed)
+    if context_strength is not None:
+        scale_outputs(model, context_strength)
+        model.model.embed_tokens.weight = model.model.embed_tokens.weight * HIDDEN**0.5
+    tensors: dict[str, mx.array] = {}
+    for name, v in tree_flatten(model.parameters()):
+        if ".switch_mlp." in name:
+            layer, proj = name.split(".mlp.switch_mlp.")
+            for e in range(v.shape[0]):
+                tensors[f"{layer}.mlp.experts.{e}.{proj}"] = v[e]
+        else:
+            tensors[name] = v
+    for i in range(mtp_layers if ship_mtp else 0):
+        mod = nn.Module()
+        mod.enorm, mod.hnorm = nn.RMSNorm(HIDDEN), nn.RMSNorm(HIDDEN)
+        mod.eh_proj = nn.Linear(2 * HIDDEN, HIDDEN, bias=False)
+        mod.final_layernorm = nn.RMSNorm(HIDDEN)
+        block = m.DecoderLayer(args, is_moe=False, is_sliding_window=True)
+        randomize(mod, seed + 1 + 2 * i)
+        randomize(block, seed + 2 + 2 * i)
+        if context_strength is not None:
+            scale_outputs(block, context_strength)
+            mod.eh_proj.weight = mx.concatenate([mx.eye(HIDDEN), mx.zeros((HIDDEN, HIDDEN))], axis=1)
+            mod.enorm.weight = mx.ones((HIDDEN,))
+            mod.final_layernorm.weight = model.model.norm.weight
+        p = f"model.mtp.layers.{i}."
+        tensors.update(_prefixed(mod, p))
+        for name, v in _prefixed(block, p).items():
+            tensors[name.replace(".post_attention_layernorm.", ".pre_mlp_layernorm.")] = v
+    return write_checkpoint(path, tensors, config)
 
 
 # --------------------------------------------------------------------------- gemma4

@@ -403,6 +403,53 @@ def mimo_config(vocab_size: int = VOCAB, mtp_layers: int = 1) -> dict:
     }
 
 
+def mimo_v2_flash_config(vocab_size: int = VOCAB, mtp_layers: int = 3, window: int = 4) -> dict:
+    """The Hugging Face config of a 2-layer MiMo-V2-Flash: one full-attention dense layer, one
+    sliding-window (``window``) MoE layer with attention sinks, asymmetric value heads, partial
+    rope, ``num_nextn_predict_layers`` = 3 as released."""
+    return {
+        "model_type": "mimo_v2_flash",
+        "architectures": ["MiMoV2FlashForCausalLM"],
+        "vocab_size": vocab_size,
+        "hidden_size": HIDDEN,
+        "intermediate_size": 64,
+        "moe_intermediate_size": 16,
+        "num_hidden_layers": 2,
+        "hybrid_layer_pattern": [0, 1],
+        "moe_layer_freq": [0, 1],
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "v_head_dim": 4,
+        "swa_num_attention_heads": 4,
+        "swa_num_key_value_heads": 2,
+        "swa_head_dim": 8,
+        "swa_v_head_dim": 4,
+        "sliding_window_size": window,
+        "add_swa_attention_sink_bias": True,
+        "add_full_attention_sink_bias": False,
+        "attention_value_scale": 0.7,
+        "partial_rotary_factor": 0.5,
+        "rope_theta": 10000.0,
+        "swa_rope_theta": 1000.0,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": None,
+        "routed_scaling_factor": None,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": True,
+        "n_group": 1,
+        "topk_group": 1,
+        "layernorm_epsilon": 1e-5,
+        "max_position_embeddings": 256,
+        "attention_bias": False,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "num_nextn_predict_layers": mtp_layers,
+    }
+
+
 # --------------------------------------------------------------------------- decode-loop pairs
 
 
