@@ -31,7 +31,8 @@ class HeadFamily:
     before the top level: Qwen3.5 nests it there); ``layer_names``: a regex whose one group is
     an MTP layer's index in a tensor name, for configs that declare no count (Qwen3-Next as
     published); ``build``: an unloaded head of that layer count, checked against the checkpoint
-    (``MissingHeadError`` when it ships none).
+    (``MissingHeadError`` when it ships none); ``offset_norm_types``: the model types whose raw
+    checkpoints store the head's norms as offsets from 1 (``weights.norm_rule``).
     """
 
     name: str
@@ -41,6 +42,7 @@ class HeadFamily:
     layer_names: str
     default_hidden_source: HiddenSource
     build: BuildHead
+    offset_norm_types: tuple[str, ...] = ()  # model types whose raw checkpoints store norms as offsets from 1
 
     def has_layout(self, index: dict[str, str]) -> bool:
         rx = re.compile(self.marker)
@@ -79,6 +81,7 @@ FAMILIES: dict[str, HeadFamily] = {
             layer_names=r".*mtp\.layers\.(\d+)\..+",
             default_hidden_source=qwen3_next.DEFAULT_HIDDEN_SOURCE,
             build=qwen3_next.build_head,
+            offset_norm_types=qwen3_next.OFFSET_NORM_MODEL_TYPES,
         ),
         HeadFamily(
             name=deepseek.LAYOUT,
