@@ -144,7 +144,7 @@ def convert_hf(
     from mtplx import heads
     from mtplx.checkpoints import load as loading
     from mtplx.checkpoints.headers import quantization_config
-    from mtplx.heads.weights import weight_index
+    from mtplx.heads.weights import PLAIN_NORMS_MARK, weight_index
     from mtplx.trunk.model import Trunk
 
     from mlx_lm.utils import quantize_model, save_config, save_model
@@ -191,7 +191,11 @@ def convert_hf(
 
     def write(tmp: Path) -> None:
         if head is not None:
-            mx.save_safetensors(str(tmp / HEAD_FILE), head_tensors(head), metadata={"format": "mlx"})
+            # The head's norms were made plain scales when it loaded: say so (weights.norm_rule reads it).
+            key, value = PLAIN_NORMS_MARK
+            mx.save_safetensors(
+                str(tmp / HEAD_FILE), head_tensors(head), metadata={"format": "mlx", key: value}
+            )
         save_model(tmp, model, donate_model=True)
         save_config(qconfig, tmp / "config.json")
         _copy_aux_files(src, tmp)

@@ -13,17 +13,12 @@ from typing import Any
 
 from mtplx.errors import MtplxError
 
-__all__ = ["quantization_config", "read_safetensors_header"]
+__all__ = ["quantization_config", "read_safetensors_header", "read_safetensors_metadata"]
 
 _MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
 
 
-def read_safetensors_header(path: Path) -> dict[str, dict]:
-    """The JSON header of a safetensors file (tensor name -> dtype/shape/data_offsets), no data read.
-
-    One-line MtplxError naming the file when it is truncated (header or tensor data)
-    or its header is not a JSON object of tensor entries.
-    """
+def _read_header(path: Path) -> tuple[dict[str, dict], dict[str, str]]:
     path = Path(path)
     try:
         size = path.stat().st_size
@@ -45,7 +40,7 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:
         raise MtplxError(f"{path}: corrupt safetensors (header is not valid JSON)") from None
     if not isinstance(header, dict):
         raise MtplxError(f"{path}: corrupt safetensors (header is not a JSON object)")
-    header.pop("__metadata__", None)
+    metadata = header.pop("__metadata__", None)
     try:
         ends = [int(entry["data_offsets"][1]) for entry in header.values()]
     except (TypeError, KeyError, IndexError, ValueError):
@@ -53,7 +48,22 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:
     needed = 8 + header_len + max(ends, default=0)
     if needed > size:
         raise MtplxError(f"{path}: truncated safetensors (tensor data needs {needed} bytes, file has {size})")
-    return header
+    return header, (metadata if isinstance(metadata, dict) else {})
+
+
+def read_safetensors_header(path: Path) -> dict[str, dict]:
+    """The JSON header of a safetensors file (tensor name -> dtype/shape/data_offsets), no data read.
+
+    One-line MtplxError naming the file when it is truncated (header or tensor data)
+    or its header is not a JSON object of tensor entries.
+    """
+    return _read_header(path)[0]
+
+
+def read_safetensors_metadata(path: Path) -> dict[str, str]:
+    """The ``__metadata__`` block of a safetensors file's header ({} when it has none): who wrote
+    it (``{"format": "pt"}`` from torch / Hugging Face, ``"mlx"`` from MLX) and any marks."""
+    return _read_header(path)[1]
 
 
 def quantization_config(config: dict[str, Any]) -> dict | None:

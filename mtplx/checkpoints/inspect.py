@@ -93,6 +93,8 @@ def _head_predicate(layout: str | None, config: dict):
         )
     if layout == "mimo":
         return lambda k: k.startswith("model.mtp_layers.")
+    if layout == "mimo_v2_flash":
+        return lambda k: k.startswith("model.mtp.")
     # An unknown layout: count what is named like an MTP head, so inspect can say what it found.
     return lambda k: re.search(r"(^|[._])(mtp|nextn)", k) is not None
 
@@ -307,6 +309,12 @@ def inspect_model(
     else:
         verdict, reason = "AR-only", "no MTP head in the checkpoint; run `mtplx forge` to train one"
 
+    norms = None
+    if layout and head_tensors and FAMILIES[layout].offset_norm_types:
+        from mtplx.heads.weights import norm_rule
+
+        names = [k for k in header if is_head(k)]
+        norms = norm_rule(config, path, index, names, FAMILIES[layout].offset_norm_types).rule
     return {
         "path": str(path),
         "model_type": model_type,
@@ -326,6 +334,7 @@ def inspect_model(
             "declared_layers": declared,
             "layer_count_source": count_source,  # "config", or "tensor names" when it declares none
             "tensors": head_tensors,
+            "norm_rule": norms,  # which rule decides the head's norm convention (None: not a question)
         },
         "forged_head": forged,
         "default_model_build": default_variant,
@@ -364,6 +373,8 @@ def _head_lines(info: dict[str, Any]) -> list[str]:
         f"MTP head      {head['source']}: {head['layout']} layout, {head['layers']} layer(s), "
         f"{_human(head['parameters'], '')} parameters, {_human(head['bytes'])}"
     ]
+    if mtp.get("norm_rule") and head.get("source") == "in the checkpoint":
+        lines.append(f"head norms    {mtp['norm_rule']}")
     if "dir" in head:
         lines.append(f"head files    {head['dir']} (draft vocabulary {head['draft_vocab']})")
     if head.get("depth_trained") or head.get("default_depth"):

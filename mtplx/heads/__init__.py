@@ -2,7 +2,7 @@
 
 - ``base``: the head protocol (``DraftHead``) and the module classes the families share
 - ``weights``: reading a head out of a checkpoint (the one loader template)
-- ``qwen3_next`` / ``deepseek`` / ``mimo``: one file per checkpoint layout, its math and key renaming
+- ``qwen3_next`` / ``deepseek`` / ``mimo`` / ``mimo_v2_flash``: one file per checkpoint layout, its math and key renaming
 - ``registry``: one row per layout; ``load_head`` detects which one a checkpoint ships
 - ``gemma4_assistant``: Google's separate drafter checkpoints; ``forged``: heads ``mtplx forge`` trains
 - ``discovery``: which head a loaded target drafts with (``find_head``)
@@ -14,6 +14,7 @@ from mtplx.heads.base import DraftHead, MTPHead
 from mtplx.heads.deepseek import DeepSeekMTPHead
 from mtplx.heads.discovery import find_head, load_checkpoint_head
 from mtplx.heads.mimo import MiMoMTPHead
+from mtplx.heads.mimo_v2_flash import MiMoV2FlashMTPHead
 from mtplx.heads.qwen3_next import Qwen3NextMTPHead
 from mtplx.heads.registry import DEFAULT_HIDDEN_SOURCE, declared_mtp_layers, detect_layout, load_head
 from mtplx.heads.weights import MissingHeadError
@@ -24,6 +25,7 @@ __all__ = [
     "Qwen3NextMTPHead",
     "DeepSeekMTPHead",
     "MiMoMTPHead",
+    "MiMoV2FlashMTPHead",
     "load_head",
     "load_checkpoint_head",
     "find_head",

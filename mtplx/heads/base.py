@@ -16,7 +16,7 @@ from types import SimpleNamespace
 from typing import Any, Protocol, runtime_checkable
 
 from mtplx.heads.weights import HeadSource, strip_prefix
-from mtplx.trunk.compat import KVCache
+from mtplx.trunk.compat import KVCache, leading_cache
 from mtplx.trunk.hidden import HIDDEN_SOURCES, HiddenSource
 
 import mlx.core as mx
@@ -87,10 +87,13 @@ class MTPHead(nn.Module):
         embed: Embed | None = None,
         lm_head: LMHead | None = None,
         hidden_source: HiddenSource | None = None,
+        cache_like: Sequence[int] | None = None,
     ):
         """The keywords every head takes (``**shared`` in the families' constructors): ``trunk`` (a
         ``Trunk``) or the ``embed``/``lm_head`` callables, which override it, supply the shared
-        weights; ``hidden_source`` None is the family's default (the class attribute)."""
+        weights; ``hidden_source`` None is the family's default (the class attribute);
+        ``cache_like``: per head decoder layer, the index of the trunk layer it is built like,
+        whose cache the trunk's own ``make_cache`` builds for it (None: a plain KVCache each)."""
         super().__init__()
         embed = embed or getattr(trunk, "embed", None)
         lm_head = lm_head or getattr(trunk, "lm_head", None)
@@ -107,6 +110,10 @@ class MTPHead(nn.Module):
         self.hidden_source = hidden_source
         # A namespace, not an array attribute: arrays set on a Module become parameters.
         self._scratch = SimpleNamespace(pre_norm=None)
+        make_trunk_cache = getattr(trunk, "make_cache", None)
+        self._cache_like = (
+            (make_trunk_cache, tuple(cache_like)) if cache_like is not None and make_trunk_cache else None
+        )
 
     @property
     def last_pre_norm(self) -> mx.array | None:
@@ -128,6 +135,12 @@ class MTPHead(nn.Module):
         the target's ``trunk_cache`` for heads that read the trunk's (``reads_trunk_cache``)."""
         if self.reads_trunk_cache and trunk_cache is None:
             raise ValueError(f"a {self.layout} head reads the target's KV cache: pass trunk_cache")
+        if step == 1 and cache and not self.reads_trunk_cache:
+            # The chain's draft-made entries start here (the decode loop drops them with trim_kv);
+            # a sliding-window cache overwrites its oldest entries in place, so record it first.
+            from mtplx.trunk.rollback import mark_drafts
+
+            mark_drafts(cache)
         x = self._forward(hidden, next_tokens, trunk_cache if self.reads_trunk_cache else cache, step)
         self._scratch.pre_norm = x
         return self._final_norm(step)(x)
@@ -140,8 +153,18 @@ class MTPHead(nn.Module):
         raise NotImplementedError
 
     def make_cache(self) -> list:
-        """One mlx-lm ``KVCache`` per head decoder layer (every head layer is full attention)."""
-        return [KVCache() for _ in self.decoder_layers()]
+        """One cache per head decoder layer, built as the trunk builds one for the trunk layer the
+        head layer is built like (``cache_like``): the same kind, the same cache-list composition
+        (DeepSeek-V3.2 / GLM-5: latent KV + indexer keys) and the same window (a sliding layer's
+        RotatingKVCache). Without a trunk to ask, a plain KVCache each (full attention)."""
+        layers = self.decoder_layers()
+        if self._cache_like is None:
+            return [KVCache() for _ in layers]
+        make_trunk_cache, like = self._cache_like
+        if len(like) != len(layers):
+            raise ValueError(f"cache_like names {len(like)} trunk layers for {len(layers)} head layers")
+        # A fresh trunk cache list per head layer: two head layers like one trunk layer never share a cache.
+        return [make_trunk_cache()[i] for i in like]
 
     def logits(self, head_hidden: mx.array, step: int = 0) -> mx.array:
         """Logits for a head output; the trunk's LM head unless the checkpoint ships its own."""
@@ -173,7 +196,7 @@ class MTPHead(nn.Module):
         cache = cache if cache is not None else [None] * len(layers)
         if len(cache) != len(layers):
             raise ValueError(f"head cache has {len(cache)} entries for {len(layers)} layers")
-        mask = create_attention_mask(h, cache[0], return_array=self.mask_as_array)
+        mask = create_attention_mask(h, leading_cache(cache[0]), return_array=self.mask_as_array)
         for layer, c in zip(layers, cache):
             h = layer(h, mask, c)
         return h
@@ -261,9 +284,6 @@ class ModuleStackHead(MTPHead):
     def decoder_layers(self) -> list[nn.Module]:
         return [m.block for m in self.modules_]
 
-    def make_cache(self) -> list:
-        return [KVCache() for _ in self.modules_]
-
     def _module_forward(self, m: nn.Module, hidden: mx.array, embedded: mx.array, cache: Any) -> mx.array:
         """One module: the pre-final-norm output for (hidden, embedded next token) pairs."""
         raise NotImplementedError
@@ -277,7 +297,7 @@ class ModuleStackHead(MTPHead):
         if len(caches) != n:
             raise ValueError(f"head cache has {len(caches)} entries for {n} modules")
         embedded = self._embed(next_tokens)
-        offset = caches[0].offset if caches[0] is not None else 0
+        offset = leading_cache(caches[0]).offset if caches[0] is not None else 0
         if self.zero_position_zero:
             embedded = zero_first_position(embedded, offset)
         return run_every_module(

@@ -145,6 +145,7 @@ def build_head(src: HeadSource, num_layers: int, hidden_source: HiddenSource) ->
         first_layer=first,
         trunk=src.trunk,
         hidden_source=hidden_source,
+        cache_like=[len(src.trunk.layers) - 1] * num_layers,
     )
     for i in range(num_layers):
         prefix = head.module_prefix(i) + OWN_HEAD

@@ -92,5 +92,6 @@ def build_head(src: HeadSource, num_layers: int, hidden_source: HiddenSource) ->
         eps=args.rms_norm_eps,
         trunk=src.trunk,
         hidden_source=hidden_source,
+        cache_like=[len(src.trunk.layers) - 1] * num_layers,
         nested_block=any(k.startswith(f"{PREFIX}0.mtp_block.") for k in src.index),
     )

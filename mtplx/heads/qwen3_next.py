@@ -14,7 +14,9 @@ checkpoint head uses layer ``s % N`` at draft step ``s`` after the shared ``fc``
 ``qwen3_next_mtp.py``: ``layers[spec_step_idx % num_mtp_layers]``), every layer filling its
 own cache at every position as ``ModuleStackHead`` does. A forged head (``layer_per_step=False``)
 is one module whose layers run in sequence. Norm weights: HF Qwen3-Next/3.5 store RMSNorm
-weights as offsets from 1; each head norm tensor is judged on its own (``stored_as_offset``).
+weights as offsets from 1; which convention a head's tensors follow is decided by provenance
+(``weights.norm_rule``: mtplx's conversion mark, the model type, who wrote the file), per
+tensor by its mean only when that is unknown.
 
 hidden_source default "post_norm": the serving implementations that published
 Qwen3-Next MTP acceptance (vLLM's and SGLang's qwen3_next MTP) hand the drafter the
@@ -35,6 +37,7 @@ from mtplx.heads.weights import (
     HeadSource,
     MissingHeadError,
     find_prefix,
+    norm_rule,
     plain_norms,
     stack_experts,
     strip_prefix,
@@ -44,6 +47,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 LAYOUT = "qwen3_next"
+# Model types whose raw (Hugging Face) checkpoints store RMSNorm weights as offsets from 1.
+OFFSET_NORM_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text")
 DEFAULT_HIDDEN_SOURCE: HiddenSource = "post_norm"
 KEY_PREFIX = "mtp."
 
@@ -108,7 +113,8 @@ class Qwen3NextMTPHead(MTPHead):
         num_experts = int(getattr(model_args_of(src.trunk.model), "num_experts", 0) or 0)
         for i in range(len(self.layers)):
             weights = stack_experts(weights, f"layers.{i}.mlp", num_experts)
-        return plain_norms(weights)
+        rule = norm_rule(src.config, src.model_dir, src.index, tensors, OFFSET_NORM_MODEL_TYPES)
+        return plain_norms(weights, rule, str(src.source))
 
 
 def _attention_template(trunk: Any) -> tuple[nn.Module, int]:
@@ -145,4 +151,5 @@ def build_head(src: HeadSource, num_layers: int, hidden_source: HiddenSource) ->
         hidden_source=hidden_source,
         key_prefix=prefix,
         layer_per_step=True,
+        cache_like=[idx] * num_layers,
     )

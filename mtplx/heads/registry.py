@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mtplx.heads import deepseek, mimo, qwen3_next
+from mtplx.heads import deepseek, mimo, mimo_v2_flash, qwen3_next
 from mtplx.heads.base import HiddenSource, MTPHead
 from mtplx.heads.weights import HeadSource, MissingHeadError, load_head_weights, weight_index
 
@@ -31,7 +31,8 @@ class HeadFamily:
     before the top level: Qwen3.5 nests it there); ``layer_names``: a regex whose one group is
     an MTP layer's index in a tensor name, for configs that declare no count (Qwen3-Next as
     published); ``build``: an unloaded head of that layer count, checked against the checkpoint
-    (``MissingHeadError`` when it ships none).
+    (``MissingHeadError`` when it ships none); ``offset_norm_types``: the model types whose raw
+    checkpoints store the head's norms as offsets from 1 (``weights.norm_rule``).
     """
 
     name: str
@@ -41,6 +42,7 @@ class HeadFamily:
     layer_names: str
     default_hidden_source: HiddenSource
     build: BuildHead
+    offset_norm_types: tuple[str, ...] = ()  # model types whose raw checkpoints store norms as offsets from 1
 
     def has_layout(self, index: dict[str, str]) -> bool:
         rx = re.compile(self.marker)
@@ -79,10 +81,11 @@ FAMILIES: dict[str, HeadFamily] = {
             layer_names=r".*mtp\.layers\.(\d+)\..+",
             default_hidden_source=qwen3_next.DEFAULT_HIDDEN_SOURCE,
             build=qwen3_next.build_head,
+            offset_norm_types=qwen3_next.OFFSET_NORM_MODEL_TYPES,
         ),
         HeadFamily(
             name=deepseek.LAYOUT,
-            model_types=("deepseek_v3", "deepseek_v32", "kimi_k2", "glm4_moe"),
+            model_types=("deepseek_v3", "deepseek_v32", "kimi_k2", "glm4_moe", "glm_moe_dsa"),
             marker=r"model\.layers\..*\.eh_proj\.weight",
             count_keys=("num_nextn_predict_layers",),
             layer_names=r"model\.layers\.(\d+)\.eh_proj\.weight",
@@ -97,6 +100,15 @@ FAMILIES: dict[str, HeadFamily] = {
             layer_names=r"model\.mtp_layers\.(\d+)\..+",
             default_hidden_source=mimo.DEFAULT_HIDDEN_SOURCE,
             build=mimo.build_head,
+        ),
+        HeadFamily(
+            name=mimo_v2_flash.LAYOUT,
+            model_types=("mimo_v2_flash",),
+            marker=r"model\.mtp\.layers\.\d+\.eh_proj\.weight",
+            count_keys=("num_nextn_predict_layers",),
+            layer_names=r"model\.mtp\.layers\.(\d+)\..+",
+            default_hidden_source=mimo_v2_flash.DEFAULT_HIDDEN_SOURCE,
+            build=mimo_v2_flash.build_head,
         ),
     )
 }

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from mtplx.checkpoints.headers import quantization_config, read_safetensors_header
+from mtplx.checkpoints.headers import quantization_config, read_safetensors_header, read_safetensors_metadata
 from mtplx.errors import MtplxError
 
 import mlx.core as mx
@@ -192,17 +193,72 @@ def is_norm_weight(name: str, value: mx.array) -> bool:
     return value.ndim == 1 and _NORM_WEIGHT.search(name) is not None
 
 
+# The mark ``mtplx convert`` writes into the head file's safetensors metadata: its norms are plain scales.
+PLAIN_NORMS_MARK = ("mtplx_head_norms", "plain")
+
+
+@dataclass(frozen=True)
+class NormRule:
+    """How a head's RMSNorm weights are stored, and which rule decided it (``inspect`` shows it).
+
+    ``offset`` True: every norm weight is an offset from 1 (HF Qwen3-Next / Qwen3.5 compute
+    ``x * (1 + w)``); False: plain scales; None: provenance unknown, each tensor judged by its mean."""
+
+    offset: bool | None
+    rule: str
+
+
+def norm_rule(
+    config: dict, model_dir: Path, index: dict[str, str], names: Iterable[str], offset_types
+) -> NormRule:
+    """The norm convention of the head tensors ``names``, by provenance, first rule that applies:
+
+    1. the head file carries mtplx's conversion mark (``PLAIN_NORMS_MARK``): plain scales;
+    2. the checkpoint's model_type is not one whose raw checkpoints store offsets (``offset_types``,
+       the family's): plain scales;
+    3. the head file was written by torch (safetensors metadata ``format: pt``, as every Hugging
+       Face upload): a raw checkpoint of an offset model type, offsets;
+    4. otherwise (MLX-written without the mark: some converter kept the head, mlx-lm's own drops it
+       and shifts only some norms of what it keeps): unknown, judged per tensor (with a warning).
+    """
+    files = sorted({index[n] for n in names})
+    metadata = [read_safetensors_metadata(Path(model_dir) / f) for f in files]
+    key, value = PLAIN_NORMS_MARK
+    if metadata and all(m.get(key) == value for m in metadata):
+        return NormRule(False, f"plain scales: mtplx conversion mark in {', '.join(files)}")
+    types = [str(c.get("model_type", "")) for c in (config, config.get("text_config") or {})]
+    kind = next((t for t in types if t in offset_types), None)
+    if kind is None:
+        shown = ", ".join(t for t in types if t) or "unknown"
+        return NormRule(False, f"plain scales: model_type {shown} does not store norms as offsets")
+    if metadata and all(m.get("format") == "pt" for m in metadata):
+        return NormRule(True, f"offsets from 1: raw Hugging Face {kind} checkpoint (format pt)")
+    return NormRule(
+        None, f"provenance unknown ({kind}, format {_formats(metadata)}): each norm judged by its mean"
+    )
+
+
+def _formats(metadata: list[dict[str, str]]) -> str:
+    return "/".join(sorted({m.get("format", "none") for m in metadata})) or "none"
+
+
 def stored_as_offset(value: mx.array) -> bool:
-    """Whether one RMSNorm weight is stored as an offset from 1 (HF Qwen3-Next / Qwen3.5 compute
-    ``x * (1 + w)``) rather than as the plain scale: decided from the tensor itself, its mean
-    nearer 0 than 1. Converters shift some norms and not others (mlx-lm shifts the trunk's and
-    drops the head), so no other tensor can answer this for it."""
+    """The fallback guess for one RMSNorm weight of unknown provenance: an offset from 1 when its
+    mean is nearer 0 than 1. A fine-tune can fool it (a raw weight of mean above 0.5), so it is
+    used only when ``norm_rule`` cannot decide."""
     return abs(mx.mean(value.astype(mx.float32)).item()) < 0.5
 
 
-def plain_norms(weights: dict[str, mx.array]) -> dict[str, mx.array]:
-    """Every 1-D ``*norm*.weight`` as a plain RMSNorm scale: +1 for those stored as offsets."""
-    return {k: (v + 1.0 if is_norm_weight(k, v) and stored_as_offset(v) else v) for k, v in weights.items()}
+def plain_norms(weights: dict[str, mx.array], rule: NormRule, source: str = "") -> dict[str, mx.array]:
+    """Every 1-D ``*norm*.weight`` as a plain RMSNorm scale: +1 for those stored as offsets, as
+    ``rule`` says (per tensor by ``stored_as_offset`` when it cannot say, with a one-line warning)."""
+    if rule.offset is None and any(is_norm_weight(k, v) for k, v in weights.items()):
+        print(f"warning: {source}: head norm convention {rule.rule}", file=sys.stderr)
+
+    def offset(k: str, v: mx.array) -> bool:
+        return is_norm_weight(k, v) and (stored_as_offset(v) if rule.offset is None else rule.offset)
+
+    return {k: (v + 1.0 if offset(k, v) else v) for k, v in weights.items()}
 
 
 # --- quantization and loading -------------------------------------------------------

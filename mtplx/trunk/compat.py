@@ -82,6 +82,7 @@ __all__ = [
     "install_gated_delta_hook",
     "is_supported_gated_delta_layer",
     "kv_state",
+    "leading_cache",
     "make_prompt_cache",
     "rotating_state",
     "set_arrays_slots",
@@ -219,6 +220,14 @@ def set_arrays_slots(cache: ArraysCache, slots: list) -> None:
 def cache_members(cache: CacheList) -> list:
     """The caches inside a ``CacheList`` (one layer with several kinds of state)."""
     return list(cache.caches)
+
+
+def leading_cache(cache: Any) -> Any:
+    """The first leaf of one layer's cache (a ``CacheList``'s first member, recursively): the one
+    whose offset and mask the layer's attention follows (mlx-lm's deepseek_v32 reads ``cache[0][0]``)."""
+    while type(cache) is CacheList:
+        cache = cache_members(cache)[0]
+    return cache
 
 
 def cache_leaves(cache: Sequence) -> list:

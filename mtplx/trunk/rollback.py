@@ -44,6 +44,7 @@ Every layout this relies on is read through ``mtplx.trunk.compat`` (and checked 
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,13 +53,12 @@ from mtplx.trunk.compat import (
     ORIGINAL_GATED_DELTA_UPDATE,
     STATE_SLOT,
     ArraysCache,
-    CacheList,
     KVCache,
     QuantizedKVCache,
     RotatingKVCache,
     RotatingState,
     arrays_slots,
-    cache_members,
+    cache_leaves,
     install_gated_delta_hook,
     is_supported_gated_delta_layer,
     rotating_state,
@@ -79,6 +79,7 @@ __all__ = [
     "check_rollback_support",
     "checkpoint",
     "commit_block",
+    "mark_drafts",
     "trim_kv",
 ]
 
@@ -87,13 +88,11 @@ __all__ = [
 
 
 def _leaves(cache: list) -> list[tuple[int, Any]]:
-    """(layer index, leaf cache) pairs; a CacheList contributes all its members."""
+    """(layer index, leaf cache) pairs; a CacheList contributes all its members, and a CacheList
+    among them its own (DeepSeek-V3.2 / GLM-5 pair the latent KV with the indexer's keys)."""
     out: list[tuple[int, Any]] = []
     for i, c in enumerate(cache):
-        if type(c) is CacheList:
-            out.extend((i, sub) for sub in cache_members(c))
-        else:
-            out.append((i, c))
+        out.extend((i, leaf) for leaf in cache_leaves([c]))
     return out
 
 
@@ -124,7 +123,7 @@ def check_rollback_support(cache: list, model: nn.Module | None = None) -> str |
     """None if ``begin_block``/``commit_block`` can roll every cache back exactly, else why not.
 
     Supported: KVCache, QuantizedKVCache, RotatingKVCache (any window, wrapped
-    or not), CacheLists of those, and the ArraysCache of a gated-delta layer of
+    or not), CacheLists of those (nested too), and the ArraysCache of a gated-delta layer of
     a module in ``SUPPORTED_RECURRENT_MODULES``; batch size 1 only. Pass the
     model to check that every ArraysCache belongs to such a layer; without it
     an ArraysCache is assumed to, and a layer that is not one makes
@@ -466,12 +465,37 @@ def abort_block(cache: list, capture: BlockCapture) -> None:
         r.abort()
 
 
+# RotatingKVCache -> its state before entries that ``trim_kv`` will drop were written one at a
+# time (``mark_drafts``). Weak keys: a cache that is let go takes its mark with it.
+_DRAFT_MARKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def mark_drafts(cache: list) -> None:
+    """Record every RotatingKVCache in ``cache`` before draft entries are added one token at a
+    time (an MTP head's chained steps), so that ``trim_kv`` dropping exactly those entries is
+    exact even where the single-token updates wrote in place over the window's oldest entries.
+    KV caches need no record (their offset is enough); the latest mark of a cache replaces any
+    earlier one."""
+    for _, c in _leaves(cache):
+        if type(c) is RotatingKVCache:
+            _DRAFT_MARKS[c] = _begin_rotating(c, None).state_before
+
+
+def _trim_rotating(c: RotatingKVCache, n: int) -> None:
+    mark = _DRAFT_MARKS.pop(c, None)
+    if mark is not None and mark.offset == c.offset - n:
+        set_rotating_state(c, mark)  # exactly the entries added since the mark
+        return
+    _rotating_slice(c, n)
+
+
 def trim_kv(cache: list, n: int) -> None:
     """Drop the newest ``n`` entries of every KV cache in ``cache`` (e.g. an MTP head's).
 
     Raises ValueError for recurrent caches (use begin_block/commit_block), for
     n larger than a cache holds, and for a RotatingKVCache whose last update
-    was a single in-place token (the evicted entry is gone).
+    was a single in-place token (the evicted entry is gone) unless ``mark_drafts``
+    recorded it right before the ``n`` entries were added.
     """
     if n < 0:
         raise ValueError(f"trim_kv: n must be >= 0, got {n}")
@@ -483,6 +507,6 @@ def trim_kv(cache: list, n: int) -> None:
         elif type(c) is RotatingKVCache:
             if n > c.offset:
                 raise ValueError(f"trim_kv: layer {i} holds {c.offset} entries, cannot drop {n}")
-            _rotating_slice(c, n)
+            _trim_rotating(c, n)
         else:
             raise ValueError(f"trim_kv: layer {i}: {type(c).__name__} is not a KV cache")

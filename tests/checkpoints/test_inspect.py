@@ -28,6 +28,7 @@ def test_qwen35_with_head_is_mtp_ready(tmp_path):
         "declared_layers": 1,
         "layer_count_source": "config",
         "tensors": sum(k.startswith("mtp.") for k in tiny.tensors),
+        "norm_rule": "offsets from 1: raw Hugging Face qwen3_5 checkpoint (format pt)",
     }
     assert info["parameters"] == _numel(tiny.tensors)
     assert info["parameters_by_part"]["mtp_head"] == _numel(

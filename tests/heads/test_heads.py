@@ -448,7 +448,12 @@ def test_no_declared_head_is_none(tmp_path):
 
 
 def test_default_hidden_sources_are_explicit():
-    assert DEFAULT_HIDDEN_SOURCE == {"qwen3_next": "post_norm", "deepseek": "post_norm", "mimo": "pre_norm"}
+    assert DEFAULT_HIDDEN_SOURCE == {
+        "qwen3_next": "post_norm",
+        "deepseek": "post_norm",
+        "mimo": "pre_norm",
+        "mimo_v2_flash": "post_norm",
+    }
 
 
 def test_each_registry_row_recognises_its_own_checkpoint_and_no_other(tmp_path):
@@ -461,6 +466,7 @@ def test_each_registry_row_recognises_its_own_checkpoint_and_no_other(tmp_path):
         "qwen3_next": checkpoints.qwen3_5(tmp_path / "q", mtp_layers=2),
         "deepseek": checkpoints.deepseek_v3(tmp_path / "d", mtp_layers=2, sidecar=True, trunk_layers=2),
         "mimo": checkpoints.mimo(tmp_path / "m", mtp_layers=2),
+        "mimo_v2_flash": checkpoints.mimo_v2_flash(tmp_path / "mv2", mtp_layers=2),
     }
     assert set(built) == set(FAMILIES)
     for name, tiny in built.items():
@@ -621,19 +627,22 @@ def test_two_module_heads_decode_at_depths_1_to_4(two_module_heads, family):
             assert mx.allclose(k, fk, atol=1e-4).item(), depth
 
 
-def test_qwen_norm_offset_is_decided_per_tensor(tmp_path):
-    """A converter that shifted some norms to plain scales and left others as offsets from 1
-    (mlx-lm shifts the trunk's; re-exports differ on the head's) still loads the right head:
-    each MTP norm is judged on its own. Negative control: any one rule for all of them (what
-    inferring the convention from the trunk gives) is far from the reference."""
+def test_qwen_norms_of_unknown_provenance_are_judged_per_tensor_with_a_warning(tmp_path, capsys):
+    """A re-export of unknown provenance (MLX-written, no mtplx mark) that shifted some norms to
+    plain scales and left others as offsets from 1 (mlx-lm shifts only some suffixes) still loads
+    the right head: each MTP norm is judged on its own, with one warning line. Negative control:
+    any one rule for all of them is far from the reference."""
     tiny = checkpoints.qwen3_5(tmp_path / "mixed")
     t = read_tensors(tiny.path)  # as written: every norm an offset from 1
     arrays = dict(mx.load(str(tiny.path / "model.safetensors")))
     shifted = ["mtp.pre_fc_norm_hidden.weight", "mtp.layers.0.input_layernorm.weight", "mtp.norm.weight"]
     for k in shifted:
         arrays[k] = arrays[k] + 1.0
-    mx.save_safetensors(str(tiny.path / "model.safetensors"), arrays, {"format": "pt"})
+    mx.save_safetensors(str(tiny.path / "model.safetensors"), arrays, {"format": "mlx"})
+    capsys.readouterr()
     trunk, _, head = load(tiny.path)
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "provenance unknown" in err[0] and "judged by its mean" in err[0]
     hidden, nxt = head_inputs(trunk, head)
     out = head(hidden, nxt, head.make_cache())
     h64, x = np.array(hidden[0], np.float64), np.array(nxt[0])

@@ -33,9 +33,11 @@ from support.models import (
     gemma4_assistant_config,
     gemma4_config,
     mimo_config,
+    mimo_v2_flash_config,
     qwen3_5_config,
     qwen3_5_mtp_layer,
     randomize,
+    scale_outputs,
     tiny_gemma4,
 )
 
@@ -161,6 +163,16 @@ def _deepseek_hf_layer(prefix: str, layer: nn.Module, args) -> dict[str, mx.arra
     return out
 
 
+def _deepseek_layer_class(model_type: str) -> type:
+    if model_type == "deepseek_v3":
+        from mlx_lm.models.deepseek_v3 import DeepseekV3DecoderLayer
+
+        return DeepseekV3DecoderLayer
+    from mlx_lm.models.deepseek_v32 import DeepseekV32DecoderLayer  # glm_moe_dsa builds these too
+
+    return DeepseekV32DecoderLayer
+
+
 def deepseek_v3(
     path: Path,
     *,
@@ -171,16 +183,30 @@ def deepseek_v3(
     mtp_layers: int = 1,
     sidecar: bool = False,
     trunk_layers: int = 61,
+    model_type: str = "deepseek_v3",
+    context_strength: float | None = None,
 ) -> Tiny:
-    """``sidecar=True`` writes the MTP layers to ``mtp.safetensors`` beside the trunk's files,
-    where mlx-lm never reads them (needed for ``mtp_layers > 1`` or ``trunk_layers != 61``:
-    mlx-lm's sanitize drops only ``model.layers.61.*``)."""
-    from mlx_lm.models import deepseek_v3 as d
+    """``context_strength``: scale the trunk's and the MTP blocks' output projections by it and
+    start each MTP module from reading the next token's embedding alone (``eh_proj`` = [I, 0],
+    ``enorm`` = 1, ``shared_head.norm`` = the trunk's final norm), so the head predicts the
+    trunk's bigram part and some drafts are accepted. ``sidecar=True`` writes the MTP layers to ``mtp.safetensors`` beside the trunk's files,
+    where mlx-lm never reads them (needed for ``mtp_layers > 1`` or ``trunk_layers != 61`` with
+    ``deepseek_v3``: its sanitize drops only ``model.layers.61.*``). ``model_type``
+    "deepseek_v32" (DeepSeek-V3.2) or "glm_moe_dsa" (GLM-5): MLA with the DSA indexer
+    (``self_attn.indexer.*``, as those checkpoints name it; their sanitize drops every layer
+    from ``num_hidden_layers`` on)."""
+    import importlib
 
-    config = deepseek_v3_config(moe, mtp_layers, trunk_layers)
+    d = importlib.import_module(f"mlx_lm.models.{model_type}")
+    layer_class = _deepseek_layer_class(model_type)
+    config = deepseek_v3_config(moe, mtp_layers, trunk_layers, model_type)
     args = d.ModelArgs.from_dict(config)
     model = d.Model(args)
     randomize(model, seed)
+    if context_strength is not None:
+        scale_outputs(model, context_strength)
+        # Embeddings of the residual stream's scale (RMS 1, as the MTP module's normed input is).
+        model.model.embed_tokens.weight = model.model.embed_tokens.weight * HIDDEN**0.5
     tensors = {
         "model.embed_tokens.weight": model.model.embed_tokens.weight,
         "model.norm.weight": model.model.norm.weight,
@@ -191,8 +217,10 @@ def deepseek_v3(
     head: dict[str, mx.array] = {}
     for m in range(mtp_layers if ship_mtp else 0):
         L = args.num_hidden_layers + m
-        block = d.DeepseekV3DecoderLayer(args, L)
+        block = layer_class(args, L)
         randomize(block, seed + 1 + 3 * m)
+        if context_strength is not None:
+            scale_outputs(block, context_strength)
         p = f"model.layers.{L}."
         head.update(_deepseek_hf_layer(p, block, args))
         extra = nn.Module()
@@ -201,6 +229,10 @@ def deepseek_v3(
         extra.shared_head = nn.Module()
         extra.shared_head.norm = nn.RMSNorm(HIDDEN)
         randomize(extra, seed + 2 + 3 * m)
+        if context_strength is not None:
+            extra.eh_proj.weight = mx.concatenate([mx.eye(HIDDEN), mx.zeros((HIDDEN, HIDDEN))], axis=1)
+            extra.enorm.weight = mx.ones((HIDDEN,))
+            extra.shared_head.norm.weight = model.model.norm.weight
         head.update(_prefixed(extra, p))
         # DeepSeek ships copies of the embedding and the LM head inside the MTP layer.
         head[p + "embed_tokens.weight"] = model.model.embed_tokens.weight
@@ -278,6 +310,59 @@ def mimo(
     tiny = write_checkpoint(path, tensors, config, shards)
     tiny.head_module = heads[0]
     return tiny
+
+
+# --------------------------------------------------------------------------- mimo_v2_flash
+
+
+def mimo_v2_flash(
+    path: Path,
+    *,
+    mtp_layers: int = 3,
+    window: int = 4,
+    ship_mtp: bool = True,
+    seed: int = 0,
+    context_strength: float | None = None,
+) -> Tiny:
+    """MiMo-V2-Flash as published: trunk experts per expert (``mlp.experts.{e}.*``), the MTP
+    modules under ``model.mtp.layers.{i}.`` (enorm, hnorm, eh_proj, final_layernorm, and the
+    block's self_attn / mlp / input_layernorm / pre_mlp_layernorm at the same prefix).
+    ``context_strength`` as ``deepseek_v3``'s (the head agrees with the trunk's bigram part)."""
+    from mlx_lm.models import mimo_v2_flash as m
+
+    config = mimo_v2_flash_config(VOCAB, mtp_layers, window)
+    args = m.ModelArgs.from_dict(config)
+    model = m.Model(args)
+    randomize(model, seed)
+    if context_strength is not None:
+        scale_outputs(model, context_strength)
+        model.model.embed_tokens.weight = model.model.embed_tokens.weight * HIDDEN**0.5
+    tensors: dict[str, mx.array] = {}
+    for name, v in tree_flatten(model.parameters()):
+        if ".switch_mlp." in name:
+            layer, proj = name.split(".mlp.switch_mlp.")
+            for e in range(v.shape[0]):
+                tensors[f"{layer}.mlp.experts.{e}.{proj}"] = v[e]
+        else:
+            tensors[name] = v
+    for i in range(mtp_layers if ship_mtp else 0):
+        mod = nn.Module()
+        mod.enorm, mod.hnorm = nn.RMSNorm(HIDDEN), nn.RMSNorm(HIDDEN)
+        mod.eh_proj = nn.Linear(2 * HIDDEN, HIDDEN, bias=False)
+        mod.final_layernorm = nn.RMSNorm(HIDDEN)
+        block = m.DecoderLayer(args, is_moe=False, is_sliding_window=True)
+        randomize(mod, seed + 1 + 2 * i)
+        randomize(block, seed + 2 + 2 * i)
+        if context_strength is not None:
+            scale_outputs(block, context_strength)
+            mod.eh_proj.weight = mx.concatenate([mx.eye(HIDDEN), mx.zeros((HIDDEN, HIDDEN))], axis=1)
+            mod.enorm.weight = mx.ones((HIDDEN,))
+            mod.final_layernorm.weight = model.model.norm.weight
+        p = f"model.mtp.layers.{i}."
+        tensors.update(_prefixed(mod, p))
+        for name, v in _prefixed(block, p).items():
+            tensors[name.replace(".post_attention_layernorm.", ".pre_mlp_layernorm.")] = v
+    return write_checkpoint(path, tensors, config)
 
 
 # --------------------------------------------------------------------------- gemma4

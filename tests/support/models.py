@@ -321,12 +321,25 @@ def gemma4_assistant_config(
 # --------------------------------------------------------------------------- DeepSeek-V3, MiMo
 
 
-def deepseek_v3_config(moe: bool = False, mtp_layers: int = 1, trunk_layers: int = 61) -> dict:
+# DeepSeek-V3's config, and what DeepSeek-V3.2 (``deepseek_v32``) and GLM-5 (``glm_moe_dsa``) add to
+# it: the DSA indexer's fields (``index_*``); GLM-5 also gives its rope as ``rope_parameters``.
+DEEPSEEK_ARCHITECTURES = {
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "deepseek_v32": "DeepseekV32ForCausalLM",
+    "glm_moe_dsa": "GlmMoeDsaForCausalLM",
+}
+INDEX_TOPK = 4  # the DSA replicas' indexer keeps 4 keys: below any test context, so it really selects
+
+
+def deepseek_v3_config(
+    moe: bool = False, mtp_layers: int = 1, trunk_layers: int = 61, model_type: str = "deepseek_v3"
+) -> dict:
     """The Hugging Face config of a DeepSeek-V3 (MLA attention, ``num_nextn_predict_layers`` MTP
-    layers after the trunk's); ``moe`` makes the last trunk layer and the MTP layers 4-expert MoE."""
+    layers after the trunk's); ``moe`` makes the last trunk layer and the MTP layers 4-expert MoE.
+    ``model_type`` "deepseek_v32" / "glm_moe_dsa": the same with the DSA indexer (``INDEX_TOPK``)."""
     cfg = {
-        "model_type": "deepseek_v3",
-        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": model_type,
+        "architectures": [DEEPSEEK_ARCHITECTURES[model_type]],
         "vocab_size": VOCAB,
         "hidden_size": HIDDEN,
         "intermediate_size": 64,
@@ -345,10 +358,16 @@ def deepseek_v3_config(moe: bool = False, mtp_layers: int = 1, trunk_layers: int
         "rope_scaling": None,
         "max_position_embeddings": 256,
         "num_nextn_predict_layers": mtp_layers,
-        "first_k_dense_replace": 60,  # MoE only in the last trunk layer and the MTP layer
+        "first_k_dense_replace": trunk_layers - 1,  # MoE only in the last trunk layer and the MTP layer
         "moe_layer_freq": 1,
         "tie_word_embeddings": False,
     }
+    if model_type != "deepseek_v3":
+        cfg.update(index_head_dim=8, index_n_heads=2, index_topk=INDEX_TOPK)
+    if model_type == "glm_moe_dsa":
+        cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta")}
+        del cfg["rope_scaling"]
+        cfg.update(indexer_rope_interleave=True, attention_bias=False)
     if moe:
         cfg.update(
             n_routed_experts=4,
@@ -379,6 +398,53 @@ def mimo_config(vocab_size: int = VOCAB, mtp_layers: int = 1) -> dict:
         "vocab_size": vocab_size,
         "max_position_embeddings": 256,
         "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "num_nextn_predict_layers": mtp_layers,
+    }
+
+
+def mimo_v2_flash_config(vocab_size: int = VOCAB, mtp_layers: int = 3, window: int = 4) -> dict:
+    """The Hugging Face config of a 2-layer MiMo-V2-Flash: one full-attention dense layer, one
+    sliding-window (``window``) MoE layer with attention sinks, asymmetric value heads, partial
+    rope, ``num_nextn_predict_layers`` = 3 as released."""
+    return {
+        "model_type": "mimo_v2_flash",
+        "architectures": ["MiMoV2FlashForCausalLM"],
+        "vocab_size": vocab_size,
+        "hidden_size": HIDDEN,
+        "intermediate_size": 64,
+        "moe_intermediate_size": 16,
+        "num_hidden_layers": 2,
+        "hybrid_layer_pattern": [0, 1],
+        "moe_layer_freq": [0, 1],
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "v_head_dim": 4,
+        "swa_num_attention_heads": 4,
+        "swa_num_key_value_heads": 2,
+        "swa_head_dim": 8,
+        "swa_v_head_dim": 4,
+        "sliding_window_size": window,
+        "add_swa_attention_sink_bias": True,
+        "add_full_attention_sink_bias": False,
+        "attention_value_scale": 0.7,
+        "partial_rotary_factor": 0.5,
+        "rope_theta": 10000.0,
+        "swa_rope_theta": 1000.0,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": None,
+        "routed_scaling_factor": None,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": True,
+        "n_group": 1,
+        "topk_group": 1,
+        "layernorm_epsilon": 1e-5,
+        "max_position_embeddings": 256,
+        "attention_bias": False,
+        "hidden_act": "silu",
         "tie_word_embeddings": False,
         "num_nextn_predict_layers": mtp_layers,
     }
