@@ -19,6 +19,10 @@ One cycle (`BatchDecoder.step`), for all rows at once:
   4. one host sync for every group's verdict and validity flag; then per row: caches keep
      n_r + 1 positions (`BatchCache.commit_block`), the head its true pairs, lookup adapts.
 
+A row may carry a *trunk tap* (`start`'s ``trunk_tap``): it sees the trunk's output at every
+position the row commits, prompt included, and nothing else (forge records its training data
+through it). Unset, it costs nothing.
+
 Per-row randomness follows the single-row loops (`mtplx.spec_decode.loop`) key for key: a
 speculative row splits its key into (key, draft, accept, sample) every cycle and draws uniforms
 of the same shapes, an AR row splits (key, step). A seeded row with its draft length pinned
@@ -31,7 +35,7 @@ adaptive gate (its per-draft host read would stall every row).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from mtplx.errors import MtplxError
@@ -53,11 +57,14 @@ from mtplx.spec_decode.loop import (
 from mtplx.spec_decode.proposer import CycleOutcome
 from mtplx.spec_decode.settings import MAX_DEPTH, DecodeSettings, LookupConfig
 from mtplx.trunk.batch_cache import BatchCache, check_batchable
-from mtplx.trunk.model import Trunk
+from mtplx.trunk.model import Trunk, TrunkOutput
 
 import mlx.core as mx
 
-__all__ = ["BATCH_DRAFTERS", "BatchDecoder", "BatchRow", "PendingRow", "RowSpec", "RowsFailed"]
+__all__ = ["BATCH_DRAFTERS", "BatchDecoder", "BatchRow", "PendingRow", "RowSpec", "RowsFailed", "TrunkTap"]
+
+# Sees a row's trunk output [1, n, ...] (lazy) at n positions it commits (`BatchDecoder.start`).
+TrunkTap = Callable[[TrunkOutput], None]
 
 BATCH_DRAFTERS = ("none", "lookup", "head", "auto")  # "auto": lookup where the text recurs, else the head
 
@@ -84,6 +91,7 @@ class PendingRow:
     prefix: PromptPrefix
     draft_length: int | None = None
     position: int = -1  # prompt tokens forwarded so far (set from prefix.start)
+    trunk_tap: TrunkTap | None = None
 
     def __post_init__(self) -> None:
         if self.position < 0:
@@ -108,6 +116,7 @@ class BatchRow:
     pending_tokens: list[int] = field(default_factory=list)  # the head has not consumed yet
     draft_length: int | None = None  # pinned draft length for the head (None: the spec's depth)
     acceptance: RowAcceptance = field(default_factory=RowAcceptance)  # what the draft policy reads
+    trunk_tap: TrunkTap | None = None
 
     @property
     def pending(self) -> int:
@@ -303,11 +312,20 @@ class BatchDecoder:
         head_cache: list | None = None,
         prefix: PromptPrefix | None = None,
         draft_length: int | None = None,
+        trunk_tap: TrunkTap | None = None,
     ) -> PendingRow:
         """A sequence to prefill on its own (`prefill`, chunk by chunk) before it joins (`admit`).
 
         ``trunk_cache`` / ``head_cache`` (single-row, e.g. from the prompt cache) may already hold
         ``prefix.start`` prompt positions. ``draft_length`` pins the head's drafts per cycle.
+
+        ``trunk_tap(output)`` is called with the trunk's output ([1, n, ...], lazy) over each run of
+        positions this row commits, in order: every prefill chunk, the last prompt token, then per
+        cycle the pending token and the accepted drafts (block positions 0..num_accepted; never a
+        rejected draft or padding). So it sees every forwarded position from ``prefix.start`` on
+        exactly once: hidden j is the state after reading token j, logits j the distribution token
+        j+1 was drawn from. To add no host sync, the tap leaves what it derives lazy or queues it
+        (``mx.async_eval``) and reads it back after a later sync; it must not evaluate it at once.
         """
         if spec.drafter not in BATCH_DRAFTERS:
             raise MtplxError(
@@ -324,7 +342,9 @@ class BatchDecoder:
         trunk_cache = trunk_cache if trunk_cache is not None else self.trunk.make_cache()
         if self.head is not None and head_cache is None:
             head_cache = self.head.make_cache()
-        return PendingRow(list(prompt_tokens), spec, key, trunk_cache, head_cache, prefix, draft_length)
+        return PendingRow(
+            list(prompt_tokens), spec, key, trunk_cache, head_cache, prefix, draft_length, trunk_tap=trunk_tap
+        )
 
     def prefill(self, pending: PendingRow, max_tokens: int | None = None) -> bool:
         """Forward up to ``max_tokens`` more prompt tokens (default: the row's prefill step size),
@@ -359,7 +379,13 @@ class BatchDecoder:
         spec = pending.spec
         lookup = LookupProposer(spec.lookup) if spec.drafter in ("lookup", "auto") else None
         row = BatchRow(
-            self._next_id, spec, key, [*prompt_tokens, token], lookup, draft_length=pending.draft_length
+            self._next_id,
+            spec,
+            key,
+            [*prompt_tokens, token],
+            lookup,
+            draft_length=pending.draft_length,
+            trunk_tap=pending.trunk_tap,
         )
         if head is not None:
             row.pending_hidden = [trunk_hidden(output, head)[:, :1]]
@@ -378,6 +404,19 @@ class BatchDecoder:
         return self.admit(self.start(prompt_tokens, spec, key, **options))
 
     def _observer(self, pending: PendingRow):
+        """What sees each prefill forward: the row's trunk tap, and the head's own prefill."""
+        head_observer, tap = self._head_observer(pending), pending.trunk_tap
+        if tap is None:
+            return head_observer
+
+        def observe(output, start: int, end: int) -> None:
+            if head_observer is not None:
+                head_observer(output, start, end)
+            tap(output)
+
+        return observe
+
+    def _head_observer(self, pending: PendingRow):
         """The head's own prefill: head position i pairs trunk hidden i with token i+1 (as
         HeadProposer.observe_prefill); None without a head."""
         head, head_cache, prompt_tokens = self.head, pending.head_cache, pending.prompt_tokens
@@ -526,6 +565,8 @@ class BatchDecoder:
             if row.lookup is not None and k:
                 row.lookup.commit(CycleOutcome(output, n, committed, _SourceOnly(source)))
             row.history.extend(committed)
+            if row.trunk_tap is not None:
+                row.trunk_tap(_positions(output, i, n + 1))
             logprobs = None
             if row.spec.settings.logprobs is not None:
                 logprobs = _token_logprobs(output.logits[i, : n + 1], committed, row.spec.settings.logprobs)
@@ -585,6 +626,15 @@ class BatchDecoder:
                 sample_ops.raise_if_invalid(g.invalid)
             except ValueError as err:
                 raise RowsFailed([rows[i].row_id for i in g.index], str(err)) from None
+
+
+def _positions(output: TrunkOutput, row: int, count: int) -> TrunkOutput:
+    """Row ``row``'s first ``count`` block positions of a cycle's output, as [1, count, ...]."""
+    return TrunkOutput(
+        output.logits[row : row + 1, :count],
+        output.hidden_pre_norm[row : row + 1, :count],
+        output.hidden_post_norm[row : row + 1, :count],
+    )
 
 
 @dataclass
