@@ -1,8 +1,9 @@
 """`mtplx forge`'s training data: the trunk's own writing, recorded while it writes.
 
-Many prompts are generated in one batch (left-padded, an mlx-lm ``BatchKVCache`` per
-trunk layer, so every row sees only its own tokens and positions). Each step records
-what training needs, so there is no second teacher pass:
+Many prompts are generated together on the batched decoder (`mtplx.spec_decode.batch`:
+every row sees only its own tokens and positions, rows leave at EOS and the next prompts join
+after their own prefill). Through each row's trunk tap it records what training needs, so there
+is no second teacher pass:
 
 * the trunk's hidden state (before its final norm: forged heads read ``pre_norm``),
   float16, for every prompt and response position;
@@ -17,10 +18,8 @@ is a response position a head drafts at (s >= prompt length: the first response
 token is sampled by the trunk itself, never drafted). Shards are written whole
 (temp name, rename), so a killed run loses at most the shard in progress and a
 rerun continues after the last complete one; shard i's prompts, setting and
-random key follow from (seed, i) alone, so a fresh machine regenerates the same data.
-
-Batched cache and left padding follow mlx-lm's ``BatchKVCache`` docstring
-(mlx_lm/models/cache.py) and its ``create_causal_mask``.
+random key follow from (seed, i) alone, and each row's key from the shard's, so a fresh
+machine regenerates the same data.
 """
 
 from __future__ import annotations
@@ -28,16 +27,18 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from mtplx.errors import MtplxError
 from mtplx.forge.prompts import Prompt, prompt_ids
 from mtplx.io import atomic_path
-from mtplx.sample.params import Setting
-from mtplx.trunk.compat import BatchKVCache
-from mtplx.trunk.model import Trunk
+from mtplx.sample.params import SamplerConfig, Setting
+from mtplx.spec_decode.batch import BatchDecoder, RowSpec
+from mtplx.spec_decode.settings import DecodeSettings
+from mtplx.trunk.model import Trunk, TrunkOutput
 
 import mlx.core as mx
 import numpy as np
@@ -68,42 +69,87 @@ class ForgeData:
         return cls(*(np.concatenate([getattr(p, n) for p in parts]) for n in SHARD_FILES))
 
 
-NUCLEUS_CANDIDATES = (
-    256  # top-p draws among the most likely ids only: a full sort per step costs more than the model
-)
-
-
-def _sample(logp: mx.array, setting: Setting, key: mx.array) -> mx.array:
-    """Greedy, or temperature + nucleus (top-p) sampling of each row.
-
-    Top-p is applied within the ``NUCLEUS_CANDIDATES`` most likely ids (training data, not
-    decoding: the tail beyond them holds far less than 1 - top_p of the mass in practice).
-    """
-    if setting.temperature == 0.0:
-        return mx.argmax(logp, axis=-1)
-    logits = logp / setting.temperature
-    if setting.top_p >= 1.0:
-        return mx.random.categorical(logits, key=key)
-    k = min(NUCLEUS_CANDIDATES, logits.shape[-1])
-    cand = mx.argpartition(-logits, k - 1, axis=-1)[:, :k]
-    cand_logits = mx.take_along_axis(logits, cand, axis=-1)
-    order = mx.argsort(-cand_logits, axis=-1)
-    cand, cand_logits = (
-        mx.take_along_axis(cand, order, axis=-1),
-        mx.take_along_axis(cand_logits, order, axis=-1),
-    )
-    probs = mx.exp(cand_logits - mx.logsumexp(logits, axis=-1, keepdims=True))
-    before = mx.cumsum(probs, axis=-1) - probs  # mass strictly above each candidate
-    cand_logits = mx.where(before < setting.top_p, cand_logits, -mx.inf)
-    drawn = mx.random.categorical(cand_logits, key=key)
-    return mx.take_along_axis(cand, drawn[:, None], axis=-1)[:, 0]
-
-
 def _top_k(logp: mx.array, k: int) -> tuple[mx.array, mx.array]:
     ids = mx.argpartition(-logp, k - 1, axis=-1)[:, :k]
     vals = mx.take_along_axis(logp, ids, axis=-1)
     order = mx.argsort(-vals, axis=-1)
     return mx.take_along_axis(ids, order, axis=-1).astype(mx.int32), mx.take_along_axis(vals, order, axis=-1)
+
+
+@dataclass
+class _Run:
+    """A run of positions one row committed (a trunk tap's call), queued until it is written."""
+
+    row: int
+    start: int  # its first position in the row's sequence
+    hidden: mx.array  # [n, H] float16
+    first_distribution: int  # positions before this one are prompt positions: no distribution kept
+    logits: mx.array | None  # [n - first_distribution, V], None when the run is all prompt
+
+
+class _Recorder:
+    """Writes what the rows' trunk taps see into ``out``, one batched top-K per decoder call.
+
+    The taps only queue lazy slices. ``flush`` (after each decoder call) turns the queue into one
+    batched computation and starts it (``mx.async_eval``, no host sync), and writes the batch
+    started by the call before: the decoder's own sync since then ran it, so reading it back never
+    waits. Thus recording adds no host sync to a cycle."""
+
+    def __init__(self, out: ForgeData, prompt_lengths: Sequence[int], top_k: int):
+        self.out, self.prompt_lengths, self.top_k = out, prompt_lengths, top_k
+        self.forwarded = [0] * len(prompt_lengths)  # positions each row's tap has seen
+        self.queued: list[_Run] = []
+        self.started: tuple[list[_Run], mx.array, mx.array | None, mx.array | None] | None = None
+
+    def tap(self, row: int):
+        def record(output: TrunkOutput) -> None:
+            start, n = self.forwarded[row], output.hidden_pre_norm.shape[1]
+            self.forwarded[row] += n
+            first = min(max(self.prompt_lengths[row] - 1 - start, 0), n)
+            logits = output.logits[0, first:] if first < n else None
+            self.queued.append(_Run(row, start, output.hidden_pre_norm[0].astype(mx.float16), first, logits))
+
+        return record
+
+    def flush(self) -> None:
+        self._write_started()
+        if not self.queued:
+            return
+        runs, self.queued = self.queued, []
+        hidden = mx.concatenate([run.hidden for run in runs])
+        logits = [run.logits for run in runs if run.logits is not None]
+        ids = vals = None
+        if logits:
+            stacked = mx.concatenate(logits).astype(mx.float32)
+            logp = stacked - mx.logsumexp(stacked, axis=-1, keepdims=True)  # raw: temperature 1, no filter
+            ids, vals = _top_k(logp, min(self.top_k, stacked.shape[-1]))
+        mx.async_eval(hidden, *([ids, vals] if logits else []))
+        self.started = (runs, hidden, ids, vals)
+
+    def finish(self) -> None:
+        self.flush()
+        self._write_started()
+
+    def _write_started(self) -> None:
+        if self.started is None:
+            return
+        (runs, hidden, ids, vals), self.started = self.started, None
+        out, seq_len = self.out, self.out.tokens.shape[1]
+        hidden_np = np.asarray(hidden)
+        ids_np, vals_np = (np.asarray(ids), np.asarray(vals)) if ids is not None else (None, None)
+        h = d = 0  # offsets of the next run in the batched hidden / distributions
+        for run in runs:
+            n = run.hidden.shape[0]
+            end = min(run.start + n, seq_len)  # a speculative block may reach past the last slot
+            out.hidden[run.row, run.start : end] = hidden_np[h : h + end - run.start]
+            h += n
+            if run.logits is not None:
+                m = n - run.first_distribution
+                first = run.start + run.first_distribution
+                stop = min(first + m, seq_len)
+                out.top_ids[run.row, first:stop] = ids_np[d : d + stop - first]
+                out.top_logp[run.row, first:stop] = vals_np[d : d + stop - first]
+                d += m
 
 
 def generate_batch(
@@ -115,92 +161,86 @@ def generate_batch(
     top_k: int,
     eos_ids: set[int],
     deadline: float | None = None,
+    *,
+    head=None,
+    depth: int = 1,
+    max_rows: int | None = None,
 ) -> ForgeData:
-    """Generate a response for every prompt (until EOS or ``seq_len`` slots) and record the training data.
+    """Generate a response for every prompt (until EOS, at most ``seq_len`` less the longest prompt
+    tokens) and record the training data, on the batched decoder (`mtplx.spec_decode.batch`).
 
-    Rows that reach EOS leave the batch (``BatchKVCache.filter``): responses differ a lot in
-    length, and decoding finished rows to the longest one's end wasted most of the compute.
-    ``deadline`` (time.time()) cuts every response short when it passes, so a time budget
+    At most ``max_rows`` rows (default: every prompt) decode at once; a row leaves at EOS and the
+    next prompt joins after its own prefill (responses differ a lot in length). Row r samples with
+    its own key, split from ``key``, so the data follow from (key, prompts) alone. With ``head``,
+    rows draft ``depth`` tokens per cycle and the trunk verifies them exactly: the tokens have the
+    same distribution, and the recorded distributions are the verify forward's own at each committed
+    position. ``deadline`` (time.time()) cuts every response short when it passes, so a time budget
     is kept even when one batch takes minutes (the cut responses are still valid data)."""
     lengths = [len(p) for p in prompts]
-    width = max(lengths)
-    if width >= seq_len - 1:
-        raise ValueError(f"prompts must be shorter than seq_len - 1 ({seq_len - 1}), got {width}")
-    pads = [width - n for n in lengths]
-    batch = mx.array([[0] * pad + list(p) for pad, p in zip(pads, prompts)], dtype=mx.int32)
-    cache = [BatchKVCache(pads) for _ in trunk.layers]
-    pre, post = trunk.forward_hidden(batch, cache)
-    prompt_hidden = np.asarray(pre.astype(mx.float16))
+    if max(lengths) >= seq_len - 1:
+        raise ValueError(f"prompts must be shorter than seq_len - 1 ({seq_len - 1}), got {max(lengths)}")
     rows, k = len(prompts), min(top_k, trunk.vocab_size)
-    response = [_Response() for _ in range(rows)]
-    active = np.arange(rows)  # original row of each batch row
-    eos = np.array(sorted(eos_ids))
-    steps = seq_len - width  # every row's response fits its slots
-    for j in range(steps):
-        logits = trunk.lm_head(post[:, -1, :]).astype(mx.float32)
-        logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # raw: temperature 1, no filter
-        key, step_key = mx.random.split(key)
-        token = _sample(logp, setting, step_key).astype(mx.int32)
-        ids, vals = _top_k(logp, k)
-        mx.eval(token, ids, vals)
-        token_np, ids_np, vals_np = np.asarray(token), np.asarray(ids), np.asarray(vals)
-        for b, r in enumerate(active):
-            response[r].add(token_np[b], ids_np[b], vals_np[b])
-        going = ~np.isin(token_np, eos)
-        if not going.any() or j == steps - 1 or (deadline is not None and time.time() >= deadline):
-            break
-        if not going.all():
-            keep = mx.array(np.flatnonzero(going))
-            for c in cache:
-                c.filter(keep)
-            token, active = token[keep], active[going]
-        pre, post = trunk.forward_hidden(token[:, None], cache)
-        hidden_np = np.asarray(pre[:, -1].astype(mx.float16))
-        for b, r in enumerate(active):
-            response[r].hidden.append(hidden_np[b])
-    return _pack(prompts, prompt_hidden, pads, response, seq_len)
-
-
-@dataclass
-class _Response:
-    """One row's generated tokens, the distributions they came from, and the states after reading them."""
-
-    tokens: list[int] = field(default_factory=list)
-    top_ids: list[np.ndarray] = field(default_factory=list)
-    top_logp: list[np.ndarray] = field(default_factory=list)
-    hidden: list[np.ndarray] = field(default_factory=list)
-
-    def add(self, token: np.integer, ids: np.ndarray, logp: np.ndarray) -> None:
-        self.tokens.append(int(token))
-        self.top_ids.append(ids)
-        self.top_logp.append(logp)
-
-
-def _pack(
-    prompts: Sequence[list[int]],
-    prompt_hidden: np.ndarray,
-    pads: list[int],
-    response: Sequence[_Response],
-    seq_len: int,
-) -> ForgeData:
-    rows, hidden_size, k = len(prompts), prompt_hidden.shape[-1], response[0].top_ids[0].shape[-1]
+    # The fixed-batch loop this replaced gave every row the slots the longest prompt leaves; kept,
+    # so shards written before and after it (one resumed run can hold both) answer alike.
+    most_tokens = seq_len - max(lengths)
     out = ForgeData(
         np.zeros((rows, seq_len), np.int32),
-        np.zeros((rows, seq_len, hidden_size), np.float16),
+        np.zeros((rows, seq_len, trunk.embed(mx.array([0])).shape[-1]), np.float16),
         np.zeros((rows, seq_len, k), np.int32),
         np.zeros((rows, seq_len, k), np.float32),
         np.zeros((rows, seq_len), bool),
     )
+    recorder = _Recorder(out, lengths, k)
+    decoder = BatchDecoder(trunk, head)
+    sampler = SamplerConfig(temperature=setting.temperature, top_p=setting.top_p)
+    spec = RowSpec(DecodeSettings(sampler=sampler, depth=depth), drafter="none" if head is None else "head")
+    row_keys = mx.random.split(key, rows)
+    response: list[list[int]] = [[] for _ in prompts]
+    waiting, live = deque(range(rows)), {}  # live: row id in the decoder -> prompt index
+
+    def commit(r: int, tokens: list[int]) -> bool:
+        """Append a step's tokens to row r's response; True when the response is complete."""
+        for token in tokens[: most_tokens - len(response[r])]:
+            response[r].append(token)
+            if token in eos_ids:
+                return True
+        return len(response[r]) >= most_tokens
+
+    def past_deadline() -> bool:
+        return deadline is not None and time.time() >= deadline
+
+    # The first rows always prefill and draw their first token, as the fixed batch did; the
+    # deadline stops later joins and cycles.
+    stepped = False
+    while waiting or live:
+        while waiting and len(live) < (max_rows or rows) and not (stepped and past_deadline()):
+            r = waiting.popleft()
+            pending = decoder.start(prompts[r], spec, row_keys[r], trunk_tap=recorder.tap(r))
+            row_id, first = decoder.admit(pending)
+            recorder.flush()
+            live[row_id] = r
+            if commit(r, first.tokens):
+                decoder.leave([row_id])
+                del live[row_id]
+        if past_deadline():
+            break
+        finished = [row_id for row_id, step in decoder.step().items() if commit(live[row_id], step.tokens)]
+        stepped = True
+        recorder.flush()
+        decoder.leave(finished)
+        for row_id in finished:
+            del live[row_id]
+    recorder.finish()
     for r, (prompt, resp) in enumerate(zip(prompts, response)):
-        p, n = len(prompt), len(resp.tokens)  # response length, EOS included
+        p, end = len(prompt), len(prompt) + len(resp)  # end: the sequence's length, EOS included
         out.tokens[r, :p] = prompt
-        out.tokens[r, p : p + n] = resp.tokens
-        out.hidden[r, :p] = prompt_hidden[r, pads[r] :]
-        if n > 1:
-            out.hidden[r, p : p + n - 1] = np.stack(resp.hidden[: n - 1])  # state after reading token j
-        out.top_ids[r, p - 1 : p - 1 + n] = np.stack(resp.top_ids)  # distribution token j was drawn from
-        out.top_logp[r, p - 1 : p - 1 + n] = np.stack(resp.top_logp)
-        out.valid[r, p : p - 1 + n] = True
+        out.tokens[r, p:end] = resp
+        # The state after reading the last token, and the distribution after it, belong to no pair
+        # a head trains on; under speculation they may hold positions drafted past EOS.
+        out.hidden[r, max(end - 1, 0) :] = 0
+        out.top_ids[r, max(end - 1, 0) :] = 0
+        out.top_logp[r, max(end - 1, 0) :] = 0
+        out.valid[r, p : end - 1] = True
     return out
 
 

@@ -52,14 +52,6 @@ class Trunk:
         self._tap.pre = self._tap.post = None
         return out
 
-    def forward_hidden(self, tokens: mx.array, cache: list | None = None) -> tuple[mx.array, mx.array]:
-        """(pre-norm, post-norm) hidden states without the LM head (forge records them for every position
-        but needs logits only at the last one)."""
-        post = self.inner(tokens, cache=cache)
-        pre = self._tap.pre
-        self._tap.pre = self._tap.post = None
-        return pre, post
-
     def embed(self, tokens: mx.array) -> mx.array:
         return self.inner.embed_tokens(tokens)
 

@@ -140,6 +140,65 @@ def test_batched_generation_records_what_an_unbatched_trunk_computes(
         assert out.valid[r].tolist() == [p <= s <= length - 2 for s in range(SEQ)]
 
 
+def _record_deviation(trunk: Trunk, out: ForgeData, r: int, p: int, shift: int = 0) -> float:
+    """Largest deviation of row r's record from a teacher-forced single-sequence forward over its
+    tokens (hidden states, top-K log-probs, and top ids as a set); ``shift`` compares the record with
+    the reference that many positions later (a negative control)."""
+    end = p + 1 + int(out.valid[r].sum())  # the sequence's length: valid covers p .. end - 2
+    seq = out.tokens[r, :end]
+    ref = trunk(mx.array(seq)[None])  # one row, no padding, no cache
+    logits = np.asarray(ref.logits[0].astype(mx.float32), dtype=np.float64)
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    hidden = np.asarray(ref.hidden_pre_norm[0].astype(mx.float32))
+    worst = 0.0
+    for s in range(end - 1 - shift):  # every position but the last: its state and distribution
+        worst = max(worst, float(np.abs(out.hidden[r, s] - hidden[s + shift]).max()))
+        if s >= p - 1:  # the distributions the response tokens were drawn from
+            ids = out.top_ids[r, s]
+            want = np.argsort(-logp[s + shift])[: ids.size]
+            worst = max(worst, float(np.abs(out.top_logp[r, s] - logp[s + shift, ids]).max()))
+            worst = max(worst, 0.0 if set(ids.tolist()) == set(want.tolist()) else np.inf)
+    return worst
+
+
+@pytest.mark.parametrize("drafter", ["none", "head"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_continuous_and_speculative_generation_record_a_teacher_forced_forward(
+    drafter: str, temperature: float
+) -> None:
+    """Two rows at a time of five (rows join as others finish), on a hybrid gated-delta trunk, with
+    the head drafting two tokens a cycle or plain AR: every row's record equals the trunk's own
+    forward over the row's tokens, and one position off is caught."""
+    trunk, head = models.make_loop_pair(16, family="qwen3_5")
+    eos = 15
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 1], [2, 4, 6, 8], [3, 3, 3, 3, 3, 3]]
+    out = generate_batch(
+        trunk,
+        prompts,
+        Setting(temperature),
+        mx.random.key(2),
+        20,
+        5,
+        {eos},
+        head=head if drafter == "head" else None,
+        depth=2,
+        max_rows=2,
+    )
+    for r, prompt in enumerate(prompts):
+        p = len(prompt)
+        assert out.tokens[r, :p].tolist() == prompt and out.valid[r, p]
+        end = p + 1 + int(out.valid[r].sum())
+        assert out.tokens[r, end - 1] == eos or end == 20 - max(map(len, prompts)) + p
+        assert _record_deviation(trunk, out, r, p) < 2e-3, r
+        if temperature == 0.0:  # greedy: each token is the argmax of the distribution recorded before it
+            assert out.tokens[r, p:end].tolist() == out.top_ids[r, p - 1 : end - 1, 0].tolist()
+        assert _record_deviation(trunk, out, r, p, shift=1) > 1e-2, r
+        # Nothing recorded beyond the sequence, nor a distribution before the last prompt token.
+        assert not out.hidden[r, end - 1 :].any() and not out.top_logp[r, end - 1 :].any()
+        assert not out.top_logp[r, : p - 1].any()
+
+
 def test_shards_resume_to_the_same_data_as_a_straight_run(trunk: Trunk, tmp_path: Path) -> None:
     prompts = tuple(Prompt("prose_continuation", f"p{i}", text="abcdefg"[: 2 + i % 5]) for i in range(12))
     plan = ShardPlan(prompts, (Setting(0.0), Setting(0.7, 0.95)), 4, SEQ, 6, 0, "fp")
@@ -626,32 +685,22 @@ def test_bad_input_is_refused_before_any_work(tmp_path: Path) -> None:
     assert not (tmp_path / "o").exists() and not (tmp_path / "work").exists()  # nothing written on refusal
 
 
-def test_nucleus_sampling_draws_only_inside_the_top_p_set() -> None:
-    from mtplx.forge.record import _sample
-
-    rng = np.random.default_rng()
-    logits = rng.normal(size=(4, VOCAB)) * 2.0
-    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-    for t, top_p in ((0.7, 0.9), (1.0, 0.5)):
-        z = logp / t
-        probs = np.exp(z - z.max(-1, keepdims=True))
-        probs /= probs.sum(-1, keepdims=True)
-        allowed = []
-        for row in probs:  # NumPy reference: smallest prefix of the sorted ids whose mass reaches top_p
-            order = np.argsort(-row)
-            before = np.cumsum(row[order]) - row[order]
-            allowed.append(set(order[before < top_p].tolist()))
-        seen = [set() for _ in range(4)]
-        for i in range(200):
-            drawn = np.asarray(_sample(mx.array(logp, dtype=mx.float32), Setting(t, top_p), mx.random.key(i)))
-            for r, tok in enumerate(drawn.tolist()):
-                seen[r].add(tok)
-        for r in range(4):
-            assert seen[r] <= allowed[r] and (len(seen[r]) > 1 or len(allowed[r]) == 1), (seen[r], allowed[r])
-    # Greedy is the argmax.
-    assert np.asarray(
-        _sample(mx.array(logp, dtype=mx.float32), Setting(0.0), mx.random.key(0))
-    ).tolist() == list(np.argmax(logp, -1))
+def test_nucleus_sampling_draws_only_inside_the_top_p_set(trunk: Trunk) -> None:
+    prompts = _prompts(6, seed=21)
+    top_p = 0.5
+    out = generate_batch(trunk, prompts, Setting(1.0, top_p), mx.random.key(5), SEQ, 6, {EOS})
+    wider = 0  # response tokens whose nucleus held more than one id: the draw was a choice
+    for r, prompt in enumerate(prompts):
+        p, end = len(prompt), len(prompt) + 1 + int(out.valid[r].sum())
+        seq = out.tokens[r, :end]
+        probs = np.asarray(mx.softmax(trunk(mx.array(seq)[None]).logits[0].astype(mx.float32), axis=-1))
+        for s in range(p - 1, end - 1):  # NumPy reference: smallest prefix of the sorted ids reaching top_p
+            order = np.argsort(-probs[s])
+            before = np.cumsum(probs[s][order]) - probs[s][order]
+            allowed = order[before < top_p]
+            assert seq[s + 1] in allowed, (r, s)
+            wider += len(allowed) > 1
+    assert wider > 10
 
 
 def test_a_time_budget_fixes_the_step_count_once(trunk: Trunk, data: ForgeData, tmp_path: Path) -> None:
