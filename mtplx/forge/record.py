@@ -83,7 +83,7 @@ class _Run:
     row: int
     start: int  # its first position in the row's sequence
     hidden: mx.array  # [n, H] float16
-    first_distribution: int  # positions before this one are prompt positions: no distribution kept
+    first_distribution: int  # offset of its first position whose distribution is kept (before: prompt)
     logits: mx.array | None  # [n - first_distribution, V], None when the run is all prompt
 
 
@@ -122,7 +122,7 @@ class _Recorder:
         if logits:
             stacked = mx.concatenate(logits).astype(mx.float32)
             logp = stacked - mx.logsumexp(stacked, axis=-1, keepdims=True)  # raw: temperature 1, no filter
-            ids, vals = _top_k(logp, min(self.top_k, stacked.shape[-1]))
+            ids, vals = _top_k(logp, self.top_k)
         mx.async_eval(hidden, *([ids, vals] if logits else []))
         self.started = (runs, hidden, ids, vals)
 
@@ -174,7 +174,10 @@ def generate_batch(
     its own key, split from ``key``, so the data follow from (key, prompts) alone. With ``head``,
     rows draft ``depth`` tokens per cycle and the trunk verifies them exactly: the tokens have the
     same distribution, and the recorded distributions are the verify forward's own at each committed
-    position. ``deadline`` (time.time()) cuts every response short when it passes, so a time budget
+    position; `generate_shards` does not draft: with 32 rows on a 2-core CPU the trunk is compute
+    bound and verifying two positions a row halved tokens/s (benchmarks/forge_generation.py, the
+    default model's card). A shard's rows all start together (``max_rows`` unset): joins across
+    shards would make a shard's floats depend on where a run resumed. ``deadline`` (time.time()) cuts every response short when it passes, so a time budget
     is kept even when one batch takes minutes (the cut responses are still valid data)."""
     lengths = [len(p) for p in prompts]
     if max(lengths) >= seq_len - 1:
@@ -321,7 +324,7 @@ def generate_shards(
 
     Resumes after the last complete shard. Prompts longer than ``max_prompt`` tokens are
     skipped (chat templates cannot be cut). ``max_shards`` also stops at that shard index.
-    Returns a summary for the manifest.
+    Returns a summary for the manifest, with this run's response tokens per second of generation.
     """
     from tqdm import tqdm
 
@@ -336,7 +339,7 @@ def generate_shards(
     bar = tqdm(
         total=target_tokens, initial=min(tokens, target_tokens), unit="tok", desc=desc, disable=not progress
     )
-    start, made, empty_run = time.time(), 0, 0
+    start, made, empty_run, generating = time.time(), 0, 0, 0.0
     per_pass = max(len(plan.prompts) // plan.batch, 1)
     while (
         tokens < target_tokens
@@ -353,13 +356,25 @@ def generate_shards(
         if empty_run >= per_pass:
             raise MtplxError(f"forge: no prompt of {plan.prompts[0].source} ... fits in {max_prompt} tokens")
         if encoded:
+            began = time.perf_counter()
             data = generate_batch(
-                trunk, [ids for _, ids in encoded], setting, key, plan.seq_len, plan.top_k, eos, deadline
+                trunk,
+                [ids for _, ids in encoded],
+                setting,
+                key,
+                plan.seq_len,
+                plan.top_k,
+                eos,
+                deadline,
             )
+            seconds = time.perf_counter() - began
+            generating += seconds
             meta = {
                 "setting": setting.label(explicit_top_p=True),
                 "kinds": [p.kind for p, _ in encoded],
                 "sources": [p.source for p, _ in encoded],
+                "seconds": round(seconds, 2),
+                "response_tokens_per_s": round(data.num_response_tokens / max(seconds, 1e-9), 1),
             }
             data, meta = drop_empty_rows(data, meta)
         if encoded and data.num_sequences:
@@ -374,10 +389,14 @@ def generate_shards(
             bar.total = max(bar.n, min(target_tokens, tokens + int(rate * max(deadline - time.time(), 0))))
             bar.refresh()
     bar.close()
+    rate = round(made / generating, 1) if generating else None
+    if progress and made:
+        print(f"{desc}: {made} response tokens in {generating:.0f}s of generation ({rate} tokens/s)")
     return {
         "shards": count_shards(directory),
         "response_tokens": tokens,
         "seconds_this_run": round(time.time() - start, 1),
+        "response_tokens_per_s_this_run": rate,
     }
 
 
