@@ -7,7 +7,7 @@ cycle (0 = a plain AR step in the same forward); K = max k_r.
 
 One cycle (`BatchDecoder.step`), for all rows at once:
   1. each row's drafts: prompt lookup on the host (its own history), or the MTP head chain,
-     batched: one head forward per depth for every row (`_HeadChain`);
+     batched: one head forward per depth for every row (`batch_head.HeadChain`);
   2. one trunk forward over the block [B, K+1] = [pending_r, d_r1..d_rk_r, padding];
      padding sits after a row's last real position, so causality keeps it out of every row's
      logits, and the commit drops it;
@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from mtplx.errors import MtplxError
 from mtplx.sample import ops as sample_ops
 from mtplx.sample import rejection
-from mtplx.sample.params import SamplerConfig
+from mtplx.spec_decode.batch_head import HeadChain, groups_by, left_padded, pad_time, padded_uniforms
 from mtplx.spec_decode.draft_policy import DraftPolicy, RowAcceptance
 from mtplx.spec_decode.head_proposer import trunk_hidden
 from mtplx.spec_decode.lookup_proposer import LookupProposer
@@ -138,129 +138,6 @@ def check_batch_support(trunk: Trunk, head=None) -> str | None:
     return reason
 
 
-def _left_padded(rows: Sequence[list[int]]) -> mx.array:
-    width = max(len(r) for r in rows)
-    return mx.array([[-1] * (width - len(r)) + r for r in rows], dtype=mx.int32)
-
-
-def _gather_positions(x: mx.array, index: Sequence[int]) -> mx.array:
-    """x[r, index[r]] for each row: [B, T, ...] -> [B, 1, ...]."""
-    idx = mx.array(list(index), dtype=mx.int32).reshape(-1, 1, *([1] * (x.ndim - 2)))
-    return mx.take_along_axis(x, idx, axis=1)
-
-
-class _HeadChain:
-    """The MTP head drafting for every row at once (the batched `HeadProposer`).
-
-    The head's cache rows mirror the batch rows. Each cycle it first consumes every row's true
-    (trunk hidden, next token) pairs (n_r >= 1 of them, right-padded to the longest), moves each
-    row back to its true length (so the chain never attends to padding), then chains K - 1 steps,
-    one position per row each; the commit moves every row back to its true length again.
-    """
-
-    def __init__(self, head, template: list):
-        self.head = head
-        self.cache = BatchCache(template)
-
-    def draft(
-        self, rows: Sequence[BatchRow], depth: int, draft_uniforms: Sequence[mx.array]
-    ) -> tuple[mx.array, mx.array | None, mx.array | None]:
-        """Drafts [B, depth] int32, q [B, depth, V] (None when every row drafts its argmax) and the
-        lazy validity flag; draft_uniforms[r] holds row r's uniforms (its spec's depth of them)."""
-        head = self.head
-        counts = [len(r.pending_tokens) for r in rows]
-        width = max(counts)
-        hidden = mx.concatenate(
-            [_pad_time(mx.concatenate(r.pending_hidden, axis=1), width) for r in rows], axis=0
-        )
-        tokens = mx.array([r.pending_tokens + [0] * (width - len(r.pending_tokens)) for r in rows])
-        for r in rows:
-            r.pending_hidden, r.pending_tokens = [], []
-        true_lengths = [n + c for n, c in zip(self.cache.lengths, counts)]
-        head_out = head(hidden, tokens, self.cache.layers)
-        self.cache.set_lengths(true_lengths)
-        last = [c - 1 for c in counts]
-        chain_in = _gather_positions(
-            head.last_pre_norm if head.chain_source == "pre_norm" else head_out, last
-        )
-        head_out = _gather_positions(head_out, last)
-        draft_tokens: list[mx.array] = []
-        draft_probs: list[mx.array] = []
-        flags: list[mx.array] = []
-        any_q = any(not r.spec.settings.greedy_draft for r in rows)
-        for step in range(depth):
-            if step > 0:
-                head_out = head(chain_in, draft_tokens[-1][:, None], self.cache.layers, step=step)
-                chain_in = head.chain_input(head_out)
-            logits = head.logits(head_out, step=step)[:, -1, :]
-            token, q, invalid = self._draw(
-                rows, logits, draft_tokens, [u[step : step + 1] for u in draft_uniforms]
-            )
-            draft_tokens.append(token)
-            if any_q:
-                draft_probs.append(q)
-            flags.append(invalid)
-        self.cache.set_lengths(true_lengths)
-        invalid = flags[0]
-        for flag in flags[1:]:
-            invalid = invalid | flag
-        probs = mx.stack(draft_probs, axis=1) if any_q else None
-        return mx.stack(draft_tokens, axis=1), probs, invalid
-
-    def _draw(
-        self, rows: Sequence[BatchRow], logits: mx.array, earlier: list[mx.array], uniforms: list[mx.array]
-    ) -> tuple[mx.array, mx.array, mx.array]:
-        """One draft per row from logits [B, V], grouped by the rows' draft sampler."""
-        vocab_size = logits.shape[-1]
-        tokens: list[mx.array | None] = [None] * len(rows)
-        probs: list[mx.array | None] = [None] * len(rows)
-        invalid = mx.array(0, dtype=mx.int32)
-        for (cfg, greedy, backend), index in _groups(rows, lambda r: _draft_key(r.spec.settings)).items():
-            sel = mx.array(index, dtype=mx.int32)
-            group_logits = logits[sel]
-            if cfg.has_penalties:
-                context = self._context(rows, index, earlier)
-                group_logits = sample_ops.penalize_logits(group_logits[:, None, :], context, cfg)[:, 0, :]
-            if greedy:
-                group_tokens = mx.argmax(group_logits, axis=-1).astype(mx.int32)
-                group_probs = (mx.arange(vocab_size)[None] == group_tokens[:, None]).astype(mx.float32)
-            else:
-                u = mx.concatenate([uniforms[i] for i in index])
-                drawn = sample_ops.sample(group_logits, cfg, u, backend=backend)
-                group_tokens, group_probs = drawn.tokens.astype(mx.int32), drawn.probs
-                invalid = invalid | drawn.invalid
-            for j, i in enumerate(index):
-                tokens[i] = group_tokens[j : j + 1]
-                probs[i] = group_probs[j : j + 1]
-        return mx.concatenate(tokens), mx.concatenate(probs), invalid
-
-    @staticmethod
-    def _context(rows: Sequence[BatchRow], index: Sequence[int], earlier: list[mx.array]) -> mx.array:
-        context = _left_padded([rows[i].history for i in index])
-        if earlier:
-            sel = mx.array(list(index), dtype=mx.int32)
-            context = mx.concatenate([context, mx.stack(earlier, axis=1)[sel]], axis=1)
-        return context
-
-
-def _pad_time(x: mx.array, width: int) -> mx.array:
-    if x.shape[1] == width:
-        return x
-    return mx.concatenate([x, mx.zeros((x.shape[0], width - x.shape[1], *x.shape[2:]), x.dtype)], axis=1)
-
-
-def _draft_key(settings: DecodeSettings) -> tuple[SamplerConfig, bool, str]:
-    # A greedy request's head draft is its argmax either way (q one-hot).
-    return settings.sampler, settings.greedy_draft or settings.sampler.is_greedy, settings.verify_backend
-
-
-def _groups(items: Sequence, key) -> dict:
-    out: dict = {}
-    for i, item in enumerate(items):
-        out.setdefault(key(item), []).append(i)
-    return out
-
-
 class RowsFailed(Exception):
     """A cycle found invalid values (NaN logits, drafts outside the vocabulary) in some rows: a
     fault of the model or its weights, not of the request (so not an `MtplxError`).
@@ -293,7 +170,7 @@ class BatchDecoder:
         self.trunk = trunk
         self.head = head
         self.cache = BatchCache(trunk.make_cache(), trunk.model)
-        self.chain = _HeadChain(head, head.make_cache()) if head is not None else None
+        self.chain = HeadChain(head, head.make_cache()) if head is not None else None
         self.rows: list[BatchRow] = []
         self._next_id = 0
         self.policy = policy
@@ -519,11 +396,11 @@ class BatchDecoder:
         if any(use_head):
             depth = max(n for n, h in zip(lengths, use_head) if h)
             uniforms = [
-                _padded_uniforms(row.spec.settings.depth, depth, key) for row, key in zip(rows, draft_keys)
+                padded_uniforms(row.spec.settings.depth, depth, key) for row, key in zip(rows, draft_keys)
             ]
             head_tokens, head_probs, head_invalid = self.chain.draft(rows, depth, uniforms)
             flags.append(head_invalid)
-            head_tokens = _pad_time(head_tokens, width)
+            head_tokens = pad_time(head_tokens, width)
             head_mask = mx.array(use_head)[:, None]
             draft_tokens = mx.where(head_mask, head_tokens, draft_tokens)
         pending = mx.array([[row.pending] for row in rows], dtype=mx.int32)
@@ -592,12 +469,12 @@ class BatchDecoder:
             settings = rows[i].spec.settings
             return settings.sampler, lengths[i], use_head[i], settings.verify_backend
 
-        for (cfg, k, with_q, backend), index in _groups(range(len(rows)), group_key).items():
+        for (cfg, k, with_q, backend), index in groups_by(range(len(rows)), group_key).items():
             sel = mx.array(index, dtype=mx.int32)
             logits = target_logits[sel, : k + 1]
             drafts = draft_tokens[sel, :k]
             if cfg.has_penalties:
-                context = _left_padded([rows[i].history for i in index])
+                context = left_padded([rows[i].history for i in index])
                 logits = sample_ops.penalize_logits(logits, context, cfg, drafts)
             sample_u = mx.concatenate([sample_ops.draw_uniforms((1,), sample_keys[i]) for i in index])
             if k == 0:
@@ -642,14 +519,3 @@ class _SourceOnly:
     """The part of a Draft that LookupProposer.commit reads (its source segments)."""
 
     sources: tuple[tuple[str, int], ...]
-
-
-def _padded_uniforms(count: int, width: int, key: mx.array | None) -> mx.array:
-    """A row's draft uniforms, drawn as the single-row head proposer draws them (``count`` from
-    its key), padded with ones to the chain's ``width``; rows without a key get ones."""
-    if key is None or count == 0:
-        return mx.ones((width,), dtype=mx.float32)
-    uniforms = sample_ops.draw_uniforms((count,), key)
-    if count >= width:
-        return uniforms[:width]
-    return mx.concatenate([uniforms, mx.ones((width - count,), dtype=mx.float32)])
