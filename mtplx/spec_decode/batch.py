@@ -35,6 +35,7 @@ adaptive gate (its per-draft host read would stall every row).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -362,6 +363,7 @@ class BatchDecoder:
         rows = self.rows
         if not rows:
             return {}
+        started = time.perf_counter()
         draft_keys: list[mx.array | None] = []
         accept_keys: list[mx.array | None] = []
         sample_keys: list[mx.array] = []
@@ -428,6 +430,8 @@ class BatchDecoder:
                 i = g.index[j]
                 num_accepted[i], next_token[i], accept_probs[i] = n, t, probs
         self.cache.commit_block(capture, [n + 1 for n in num_accepted])
+        if self.policy is not None:  # the cycle's cost, up to its one sync and commit
+            self.policy.observe_cycle(len(rows), width, time.perf_counter() - started)
 
         block_rows = block.tolist()
         hidden = trunk_hidden(output, self.head) if self.head is not None else None

@@ -39,6 +39,10 @@ DRAFT_POLICIES = ("auto", "fixed")
 # PRIOR_WEIGHT drafted positions, so a row's own record takes over after a few cycles.
 PRIOR_ACCEPTANCE = (0.4, 0.35, 0.3)
 PRIOR_WEIGHT = 4.0
+# Each measured cycle moves its length's calibration this far towards it (about the last 10
+# cycles count), within [1/CALIBRATION_LIMIT, CALIBRATION_LIMIT].
+CALIBRATION_RATE = 0.1
+CALIBRATION_LIMIT = 4.0
 
 
 @dataclass(frozen=True)
@@ -134,20 +138,40 @@ class RowAcceptance:
 
 @dataclass
 class DraftPolicy:
-    """Chooses each cycle's draft length (the module docstring)."""
+    """Chooses each cycle's draft length (the module docstring).
+
+    The profile times bare forwards; a real cycle adds drafting, verification, the ragged
+    attention of many rows and Python. So each cycle's measured seconds calibrate the profile
+    per draft length (``calibration[K]``: a running mean of measured / predicted, starting at 1),
+    and the choice compares calibrated costs.
+    """
 
     profile: CostProfile
+    calibration: dict[int, float] = field(default_factory=dict)
+
+    def cycle_seconds(self, num_rows: int, draft_length: int) -> float:
+        """The predicted seconds of a cycle, calibrated by the cycles measured at that length."""
+        return self.profile.cycle(num_rows, draft_length) * self.calibration.get(draft_length, 1.0)
 
     def choose(self, acceptances: Sequence[RowAcceptance | None], max_depth: int) -> int:
         """K in 0..max_depth for a cycle over these rows (None: a row that does not draft)."""
         num_rows = len(acceptances)
-        best_k, best_rate = 0, num_rows / self.profile.cycle(num_rows, 0)
+        best_k, best_rate = 0, num_rows / self.cycle_seconds(num_rows, 0)
         for k in range(1, max_depth + 1):
             tokens = sum(a.expected_tokens(k) if a is not None else 1.0 for a in acceptances)
-            rate = tokens / self.profile.cycle(num_rows, k)
+            rate = tokens / self.cycle_seconds(num_rows, k)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k
+
+    def observe_cycle(self, num_rows: int, draft_length: int, seconds: float) -> None:
+        """A cycle of ``num_rows`` rows whose block drafted ``draft_length`` took ``seconds``."""
+        ratio = seconds / self.profile.cycle(num_rows, draft_length)
+        ratio = min(max(ratio, 1 / CALIBRATION_LIMIT), CALIBRATION_LIMIT)  # one stall must not rule
+        before = self.calibration.get(draft_length)
+        self.calibration[draft_length] = (
+            ratio if before is None else before + CALIBRATION_RATE * (ratio - before)
+        )
 
 
 def measure_cost_profile(

@@ -65,3 +65,19 @@ def test_rows_that_do_not_draft_count_one_token_at_any_length():
     # ... but with four more rows that never draft: K=0: 8 / 0.08 = 100; K=1: 9.6 / 0.10 = 96.
     rows = [RowAcceptance() for _ in range(4)] + [None] * 4
     assert DraftPolicy(profile).choose(rows, 1) == 0
+
+
+def test_measured_cycles_calibrate_the_choice():
+    # The profile says drafting pays (flat cost) ...
+    policy = DraftPolicy(CostProfile((1, 64), (0.1, 0.1)))
+    rows = [RowAcceptance() for _ in range(8)]
+    assert policy.choose(rows, 1) == 1
+    # ... but cycles that draft measure 3x slower than predicted (0.3 s), AR ones as predicted:
+    # K=1 now gives 8 * 1.4 / 0.3 = 37 tok/s against K=0's 8 / 0.1 = 80.
+    for _ in range(30):
+        policy.observe_cycle(8, 1, 0.3)
+        policy.observe_cycle(8, 0, 0.1)
+    assert policy.calibration[1] == pytest.approx(3.0)
+    assert policy.choose(rows, 1) == 0
+    policy.observe_cycle(8, 0, 1e6)  # one stall moves the mean by at most the limit
+    assert policy.calibration[0] <= 1.0 + 0.1 * (4.0 - 1.0) + 1e-9
