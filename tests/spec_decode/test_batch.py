@@ -204,36 +204,52 @@ def _sample_batch(trunk, head, seed0: int, bug=None, policy=None) -> list[np.nda
     return counts_by_case
 
 
+_PAIRS: dict[str, tuple] = {}
+_EXPECTED: dict[str, list[np.ndarray]] = {}
+
+
+def _pair(family: str):
+    """The trunk + head of a family (built once per module) and each case's exact AR joint."""
+    if family not in _PAIRS:
+        _PAIRS[family] = make_loop_pair(VOCAB, head_noise=1.0, family=family)
+        trunk = _PAIRS[family][0]
+        _EXPECTED[family] = [exact_ar_joint(trunk, cfg, VOCAB) for cfg, _, _ in EXACTNESS_CASES]
+    return _PAIRS[family], _EXPECTED[family]
+
+
 @pytest.fixture(scope="module")
 def pair():
-    return make_loop_pair(VOCAB, head_noise=1.0)
+    return _pair("llama")[0]
 
 
 @pytest.fixture(scope="module")
-def expected(pair):
-    trunk, _ = pair
-    return [exact_ar_joint(trunk, cfg, VOCAB) for cfg, _, _ in EXACTNESS_CASES]
+def expected():
+    return _pair("llama")[1]
 
 
 @pytest.mark.parametrize(
-    ("seed0", "policy"),
+    ("family", "seed0", "policy"),
     [
-        (1_000, None),
-        (random.randrange(10**6, 10**7), None),
-        (random.randrange(10**6, 10**7), CyclingPolicy()),
+        ("llama", 1_000, None),
+        ("llama", random.randrange(10**6, 10**7), None),
+        ("llama", random.randrange(10**6, 10**7), CyclingPolicy()),
+        ("qwen3_5", random.randrange(10**6, 10**7), CyclingPolicy()),
     ],
-    ids=["fixed", "fresh", "fresh-draft-policy"],
+    ids=["fixed", "fresh", "fresh-draft-policy", "hybrid-fresh-draft-policy"],
 )
-def test_mixed_batch_matches_the_exact_ar_distribution(pair, expected, seed0, policy):
+def test_mixed_batch_matches_the_exact_ar_distribution(family, seed0, policy):
     """Exact marginals with every row drafting its depth, and with a draft length that changes
-    every cycle (`CyclingPolicy`)."""
-    counts = _sample_batch(*pair, seed0, policy=policy)
+    every cycle (`CyclingPolicy`), on a plain and a hybrid (gated-delta) trunk."""
+    (trunk, head), expected = _pair(family)
+    counts = _sample_batch(trunk, head, seed0, policy=policy)
     if policy is not None:
         assert len(set(policy.chosen)) >= 2, policy.chosen  # the lengths did change mid-run
     for c, (case_counts, case_expected) in enumerate(zip(counts, expected)):
         assert case_counts.sum() == SAMPLES_PER_CASE
         p_value = loop_p_value(case_counts, case_expected)
-        assert p_value > FALSE_FAILURE_RATE, f"case {EXACTNESS_CASES[c]}: p={p_value:.3g} (seed0={seed0})"
+        assert p_value > FALSE_FAILURE_RATE, (
+            f"{family} case {EXACTNESS_CASES[c]}: p={p_value:.3g} (seed0={seed0})"
+        )
 
 
 def test_chi_square_catches_a_batch_that_commits_rejected_drafts(pair, expected):
