@@ -343,20 +343,25 @@ class Engine:
 
     def batch_refusal(self, request: GenerationRequest) -> str | None:
         """Why ``request`` cannot decode in a batch on this engine (one line), None if it can."""
-        if self.distributed is not None:
-            return "a sharded engine decodes one request at a time"
-        if self._batch_support is None:
-            from mtplx.spec_decode.batch import check_batch_support
-
-            self._batch_support = check_batch_support(self.trunk, self.head) or ""
-        if self._batch_support:
-            return self._batch_support
+        model_refusal = self._model_batch_refusal()
+        if model_refusal is not None:
+            return model_refusal
         drafting = request.drafting
         if drafting.adaptive or drafting.adaptive_threshold is not None:
             return "adaptive drafting reads the head's confidence mid-cycle and is served alone"
         if drafting.kind == "model" or (drafting.kind == "auto" and self.draft_model is not None):
             return "a draft model is served alone"
         return None
+
+    def _model_batch_refusal(self) -> str | None:
+        """Why no request can decode in a batch on this engine (one line), None if they can."""
+        if self.distributed is not None:
+            return "a sharded engine decodes one request at a time"
+        if self._batch_support is None:
+            from mtplx.spec_decode.batch import check_batch_support
+
+            self._batch_support = check_batch_support(self.trunk, self.head) or ""
+        return self._batch_support or None
 
     def batch(
         self, max_rows: int = 32, prompt_concurrency: int = 8, draft_policy: str = "auto"
@@ -369,7 +374,9 @@ class Engine:
             raise MtplxError(
                 f"draft policy: must be one of {', '.join(DRAFT_POLICIES)} (got {draft_policy!r})"
             )
-        policy = DraftPolicy(self.batch_cost_profile()) if draft_policy == "auto" else None
+        # No profile to measure where nothing batches (every request is then served alone).
+        batches = self._model_batch_refusal() is None
+        policy = DraftPolicy(self.batch_cost_profile()) if draft_policy == "auto" and batches else None
         return BatchScheduler(self, max_rows, prompt_concurrency, policy=policy)
 
     def batch_cost_profile(self, remeasure: bool = False) -> CostProfile:

@@ -101,23 +101,25 @@ def saved_depth(fingerprint: str, config_path: str | Path | None = None) -> int 
     return depth if isinstance(depth, int) and 0 <= depth <= MAX_DEPTH else None
 
 
-def saved_threshold(fingerprint: str, config_path: str | Path | None = None) -> float | None:
-    """The adaptive-length threshold tuned with the depth (None = not measured here)."""
+def _saved_field(fingerprint: str, name: str, config_path: str | Path | None) -> Any:
+    """One field of this model's entry here; None when untuned or the config is damaged
+    (saved_depth, read on every load, already warned about that)."""
     try:
         entry = saved_entry(fingerprint, config_path)
     except MtplxError:
-        return None  # saved_depth already warned about a damaged config
-    value = entry.get("adaptive_threshold") if entry is not None else None
+        return None
+    return entry.get(name) if entry is not None else None
+
+
+def saved_threshold(fingerprint: str, config_path: str | Path | None = None) -> float | None:
+    """The adaptive-length threshold tuned with the depth (None = not measured here)."""
+    value = _saved_field(fingerprint, "adaptive_threshold", config_path)
     return float(value) if isinstance(value, (int, float)) and 0.0 < value < 1.0 else None
 
 
 def saved_batch_cost(fingerprint: str, config_path: str | Path | None = None) -> CostProfile | None:
     """The batched cycle's cost profile `mtplx tune` measured here (None = not measured)."""
-    try:
-        entry = saved_entry(fingerprint, config_path)
-    except MtplxError:
-        return None  # saved_depth already warned about a damaged config
-    value = entry.get("batch_cost") if entry is not None else None
+    value = _saved_field(fingerprint, "batch_cost", config_path)
     return CostProfile.from_dict(value) if isinstance(value, dict) else None
 
 

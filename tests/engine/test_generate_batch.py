@@ -19,6 +19,7 @@ from mtplx.errors import MtplxError
 import pytest
 from support import checkpoints
 from support.decoding import same_or_tie
+from support.models import tiny_gemma3
 
 _req = GenerationRequest.from_kwargs
 PROMPTS = [[5, 9, 2, 11, 7], [3, 3, 8], [12, 1, 4, 4, 9, 10, 2], [6], [7, 2, 7, 2, 7, 2]]
@@ -150,3 +151,11 @@ def test_generate_batch_on_the_default_model_equals_alone_up_to_rounding_ties():
     assert sum(tied for _, tied in verdicts) <= 1  # ties are rare
     swapped = [same_or_tie(alone[i - 1].token_ids, top2[i - 1], batched[i].token_ids) for i in range(6)]
     assert not any(ok for ok, _ in swapped)
+
+
+def test_a_model_that_cannot_batch_still_gets_a_scheduler_and_a_reason():
+    """A sliding-window model (Gemma 3): the server's worker starts (no cost profile is measured,
+    nothing would use it) and each request is told why it is served alone."""
+    engine = Engine(tiny_gemma3(), None, {})
+    assert engine.batch().policy is None
+    assert "sliding-window" in engine.batch_refusal(_req())
