@@ -3,7 +3,7 @@ cycle's draft length against figures worked out by hand."""
 
 from __future__ import annotations
 
-from mtplx.spec_decode.draft_policy import CostProfile, DraftPolicy, RowAcceptance
+from mtplx.spec_decode.draft_policy import CostProfile, DraftPolicy, RowAcceptance, row_bucket
 
 import pytest
 
@@ -77,7 +77,27 @@ def test_measured_cycles_calibrate_the_choice():
     for _ in range(30):
         policy.observe_cycle(8, 1, 0.3)
         policy.observe_cycle(8, 0, 0.1)
-    assert policy.calibration[1] == pytest.approx(3.0)
+    assert policy.calibration[(8, 1)] == pytest.approx(3.0)
     assert policy.choose(rows, 1) == 0
     policy.observe_cycle(8, 0, 1e6)  # one stall moves the mean by at most the limit
-    assert policy.calibration[0] <= 1.0 + 0.1 * (4.0 - 1.0) + 1e-9
+    assert policy.calibration[(8, 0)] <= 1.0 + 0.1 * (4.0 - 1.0) + 1e-9
+
+
+def test_calibration_is_kept_per_row_bucket():
+    # Cost proportional to tokens (0.01 s each). Plain AR cycles ran with 16 rows in, where the
+    # ragged attention makes every cycle 2x the one-row profile; drafting cycles ran when 2 rows
+    # were in, as predicted.
+    policy = DraftPolicy(CostProfile((1, 64), (0.01, 0.64)))
+    for _ in range(30):
+        policy.observe_cycle(16, 0, 0.32)
+        policy.observe_cycle(2, 1, 0.04)
+    assert policy.calibration == pytest.approx({(16, 0): 2.0, (2, 1): 1.0})
+    rows = [RowAcceptance() for _ in range(16)]  # the prior: 1.4 tokens a row at K = 1
+    # At 16 rows K = 1 was never measured, so it takes the bucket's 2.0 like K = 0:
+    # K = 0 gives 16 / 0.32 = 50 tok/s, K = 1 gives 22.4 / 0.64 = 35. Keyed by K alone (K = 1 at
+    # its 2-row ratio 1.0) it would have been 22.4 / 0.32 = 70 and drafting would have won.
+    assert policy.cycle_seconds(16, 1) == pytest.approx(0.64)
+    assert policy.choose(rows, 1) == 0
+    # A bucket with nothing measured uses the profile as it is.
+    assert policy.cycle_seconds(32, 1) == pytest.approx(0.64)
+    assert [row_bucket(n) for n in (1, 2, 3, 16, 17)] == [1, 2, 4, 16, 32]
