@@ -108,7 +108,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         choices=("auto", "fixed"),
         default="auto",
         help="batched draft lengths: 'auto' drafts where the measured cost says it pays (plain "
-        "batched AR is the floor), 'fixed' drafts every request's depth every cycle (default auto)",
+        "batched AR is the floor), 'fixed' drafts every request's depth every cycle, and a prompt-lookup row its whole match, "
+        "for tests and benchmarks (default auto)",
     )
     parser.add_argument(
         "--request-timeout", type=float, default=600.0, help="seconds per request (default 600)"
