@@ -334,3 +334,23 @@ def test_masks_allow_eos_only_where_the_grammar_accepts_and_never_ids_past_the_t
     assert constraint.stopped
     with pytest.raises(MtplxError, match="grammar"):
         constraint.commit(encode("a"))
+
+
+def test_a_drafter_that_gives_every_allowed_token_zero_drafts_uniformly_among_them():
+    """A head with a narrowed vocabulary can put -inf on every token the grammar allows: its draft
+    is then uniform over the allowed tokens (legal, with the q it was drawn from), not token 0."""
+    from mtplx.spec_decode.proposer import draw_draft_token
+
+    logits = mx.array([[0.0, 5.0, -mx.inf, -mx.inf, 1.0, -mx.inf]])
+    allowed = mx.array([False, False, True, True, False, True])
+    settings = DecodeSettings(sampler=SamplerConfig(temperature=0.7, top_p=0.9))
+    for u in (0.1, 0.5, 0.9):
+        token, q, invalid = draw_draft_token(logits, None, settings, mx.array([u]), allowed)
+        assert int(token[0]) in (2, 3, 5) and int(invalid) == 0
+        np.testing.assert_allclose(np.array(q[0]), [0, 0, 1 / 3, 1 / 3, 0, 1 / 3], rtol=1e-6)
+    partly = mx.array([False, True, True, False, True, False])  # the drafter's own masked distribution
+    _, q, _ = draw_draft_token(logits, None, DecodeSettings(sampler=SamplerConfig()), mx.array([0.5]), partly)
+    expected = np.exp([5.0, 1.0]) / np.exp([5.0, 1.0]).sum()
+    np.testing.assert_allclose(np.array(q[0])[[1, 4]], expected, rtol=1e-6)
+    greedy = DecodeSettings(sampler=SamplerConfig(temperature=0.0), greedy_draft=True)
+    assert int(draw_draft_token(logits, None, greedy, mx.array([0.5]), allowed)[0][0]) == 2
