@@ -7,6 +7,7 @@ The engine reads only this object, never loose keyword arguments.
 Glossary:
 - sampler: how the target's logits become the distribution tokens are drawn from (docs/sampling.md).
 - drafting: which drafter proposes tokens for the target to verify, and how far ahead.
+- grammar: a constraint the output must match (`mtplx.engine.grammar_spec.Grammar`).
 - depth: the most tokens a model drafter (MTP head, draft model) drafts per verify cycle.
 
 Invariants: a request is immutable and valid (construction raises `MtplxError` whose message
@@ -21,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from mtplx.engine.grammar_spec import Grammar
 from mtplx.errors import MtplxError
 from mtplx.sample.params import SamplerConfig, integer_value
 from mtplx.spec_decode.settings import Drafting, LookupConfig
@@ -47,6 +49,7 @@ class GenerationRequest:
     logprobs: int | None = None  # report each token's target log-probability plus its top n
     chat: bool | None = None  # raw text through the chat template (None: no; message lists always)
     drafting: Drafting = field(default_factory=Drafting)
+    grammar: Grammar | None = None  # the output must match it (response_format, tool calls)
 
     def __post_init__(self) -> None:
         if integer_value("max_tokens", self.max_tokens) <= 0:
@@ -56,6 +59,8 @@ class GenerationRequest:
         if self.logprobs is not None and integer_value("logprobs", self.logprobs) < 0:
             raise MtplxError(f"logprobs must be >= 0 (got {self.logprobs})")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if self.grammar is not None and not isinstance(self.grammar, Grammar):
+            raise MtplxError(f"grammar must be a Grammar (got {type(self.grammar).__name__})")
         if not all(isinstance(s, str) for s in stop):
             raise MtplxError(f"stop must be strings (got {self.stop!r})")
         object.__setattr__(self, "stop", stop)
@@ -84,6 +89,7 @@ class GenerationRequest:
         lookup: LookupConfig | None = None,
         adaptive: bool = False,
         adaptive_threshold: float | None = None,
+        grammar: Grammar | None = None,
     ) -> GenerationRequest:
         """A request from `Engine.stream`'s flat keyword arguments (the names the API documents)."""
         sampler = SamplerConfig(
@@ -112,4 +118,5 @@ class GenerationRequest:
             logprobs=logprobs,
             chat=chat,
             drafting=drafting,
+            grammar=grammar,
         )
