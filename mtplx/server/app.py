@@ -15,13 +15,17 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from mtplx.engine.engine import GenerationChunk, GenerationStats
+from mtplx.engine.grammar_spec import Grammar
 from mtplx.engine.request import GenerationRequest
 from mtplx.errors import MtplxError
+from mtplx.server.chat import ChatPlan, plan_chat
+from mtplx.server.constraints import response_format_grammar
 from mtplx.server.openai import APIError, ChatFormat, TextFormat, error_body
 from mtplx.server.schemas import ChatCompletionRequest, CompletionRequest
 from mtplx.server.settings import ServerSettings
@@ -118,7 +122,7 @@ def create_app(worker: GenerationWorker, settings: ServerSettings) -> FastAPI:
 
     @app.exception_handler(MtplxError)
     async def _mtplx_error(request: Request, err: MtplxError):
-        return APIError(400, str(err)).response()
+        return APIError(400, str(err), param=_field_of(str(err))).response()
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, err: RequestValidationError):
@@ -128,7 +132,8 @@ def create_app(worker: GenerationWorker, settings: ServerSettings) -> FastAPI:
         if first.get("type") == "json_invalid":
             message = "request body: not valid JSON"
         else:
-            message = f"{param or 'request body'}: {first.get('msg', 'invalid value')}"
+            detail = first.get("msg", "invalid value").removeprefix("Value error, ")
+            message = f"{param or 'request body'}: {detail}"
         return APIError(400, message, param=param).response()
 
     @app.exception_handler(StarletteHTTPException)
@@ -176,12 +181,13 @@ def create_app(worker: GenerationWorker, settings: ServerSettings) -> FastAPI:
         _check_common(body, settings)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt_tokens = await _encode(engine, messages, "messages")
+        plan = plan_chat(engine.tokenizer, body)
+        prompt_tokens = await _encode_chat(engine, plan)
         max_tokens = body.max_completion_tokens or body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        job = _make_job(engine, body, prompt_tokens, max_tokens, logprobs, settings)
-        return await _respond(request, worker, job, settings, ChatFormat(engine, settings.model_id), body)
+        job = _make_job(engine, body, prompt_tokens, max_tokens, logprobs, settings, plan.grammar)
+        fmt = ChatFormat(engine, settings.model_id, plan.extractor())
+        return await _respond(request, worker, job, settings, fmt, body)
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -193,8 +199,9 @@ def create_app(worker: GenerationWorker, settings: ServerSettings) -> FastAPI:
             prompt = prompt[0]
         if isinstance(prompt, str) and not prompt:
             raise APIError(400, "prompt: is empty", param="prompt")
+        grammar = response_format_grammar(body.response_format)
         prompt_tokens = await _encode(engine, prompt, "prompt")
-        job = _make_job(engine, body, prompt_tokens, body.max_tokens, body.logprobs, settings)
+        job = _make_job(engine, body, prompt_tokens, body.max_tokens, body.logprobs, settings, grammar)
         return await _respond(request, worker, job, settings, TextFormat(engine, settings.model_id), body)
 
     app.include_router(v1)
@@ -209,6 +216,15 @@ def create_app(worker: GenerationWorker, settings: ServerSettings) -> FastAPI:
             allow_headers=["Authorization", "Content-Type"],
         )
     return app
+
+
+_FIELD = re.compile(r"^([a-z_][\w.\[\]]*): ")
+
+
+def _field_of(message: str) -> str | None:
+    """The API field an error message starts with (``response_format: ...``), if any."""
+    found = _FIELD.match(message)
+    return found.group(1) if found else None
 
 
 def _model_card(model_id: str, created: int) -> dict:
@@ -227,7 +243,8 @@ def _check_model(name: str, settings: ServerSettings) -> None:
 
 
 def _check_common(body, settings: ServerSettings) -> None:
-    _check_model(body.model, settings)
+    if body.model is not None:  # omitted: the served model answers (as mlx_lm.server, llama-server)
+        _check_model(body.model, settings)
     if body.n not in (None, 1):
         raise APIError(400, f"n: only 1 completion per request is supported, got {body.n}", param="n")
     requested = getattr(body, "max_completion_tokens", None) or body.max_tokens
@@ -246,8 +263,31 @@ async def _encode(engine, prompt, param: str) -> list[int]:
         raise APIError(400, str(err), param=param) from None
 
 
+async def _encode_chat(engine, plan: ChatPlan) -> list[int]:
+    """The chat's prompt ids; tools go through the template's own ``tools=`` when it has one."""
+    if plan.template_tools is None:
+        return await _encode(engine, plan.messages, "messages")
+
+    def render() -> list[int]:
+        ids = engine.tokenizer.apply_chat_template(
+            plan.messages, tools=plan.template_tools, add_generation_prompt=True, tokenize=True
+        )
+        return engine.encode_prompt(list(ids["input_ids"] if isinstance(ids, dict) else ids))
+
+    try:
+        return await run_in_threadpool(render)
+    except MtplxError as err:
+        raise APIError(400, str(err), param="messages") from None
+
+
 def _make_job(
-    engine, body, prompt_tokens: list[int], max_tokens: int | None, logprobs: int | None, settings
+    engine,
+    body,
+    prompt_tokens: list[int],
+    max_tokens: int | None,
+    logprobs: int | None,
+    settings,
+    grammar: Grammar | None = None,
 ) -> Job:
     context = engine.context_length
     if max_tokens is None:
@@ -273,7 +313,7 @@ def _make_job(
                 f"logit_bias: token id {outside[0]} is outside the vocabulary of {vocab}",
                 param="logit_bias",
             )
-    request = _request(body, settings.defaults, max_tokens, logprobs, bias)
+    request = replace(_request(body, settings.defaults, max_tokens, logprobs, bias), grammar=grammar)
     deadline = time.monotonic() + settings.request_timeout
     return Job(prompt_tokens, request, deadline, asyncio.get_running_loop())
 

@@ -9,6 +9,7 @@ import time
 import uuid
 
 from mtplx.engine.engine import GenerationChunk, GenerationStats
+from mtplx.server.tools import CallExtractor, merge_calls
 
 from fastapi.responses import JSONResponse
 
@@ -107,9 +108,34 @@ class _Format:
 
 
 class ChatFormat(_Format):
+    """Chat replies; with an ``extractor`` (tools offered) the text is split into content and
+    ``tool_calls``, and a reply that called a tool and stopped says ``finish_reason: "tool_calls"``."""
+
     prefix = "chatcmpl"
     object_name = "chat.completion"
     chunk_object = "chat.completion.chunk"
+
+    def __init__(self, engine, model_id: str, extractor: CallExtractor | None = None):
+        super().__init__(engine, model_id)
+        self.extractor = extractor
+
+    def _finish(self, finish: str | None) -> str | None:
+        called = self.extractor is not None and self.extractor.calls > 0
+        return "tool_calls" if finish == "stop" and called else finish
+
+    def response(self, chunks: list[GenerationChunk]) -> dict:
+        body = super().response(chunks)
+        if self.extractor is not None:
+            text = "".join(c.text for c in chunks)
+            content, deltas = self.extractor.feed(text)
+            tail, more = self.extractor.finish()
+            calls = merge_calls(deltas + more)
+            message = body["choices"][0]["message"]
+            message["content"] = (content + tail) or (None if calls else "")
+            if calls:
+                message["tool_calls"] = calls
+            body["choices"][0]["finish_reason"] = self._finish(chunks[-1].finish_reason)
+        return body
 
     def _entry(self, token: int, logprob: float) -> dict:
         text = self._token_text(token)
@@ -138,9 +164,18 @@ class ChatFormat(_Format):
         return self._envelope(self.chunk_object, [choice])
 
     def chunk(self, chunk: GenerationChunk) -> dict:
-        delta = {"content": chunk.text} if chunk.text else {}
+        content, deltas = chunk.text, []
+        if self.extractor is not None:
+            content, deltas = self.extractor.feed(chunk.text)
+            if chunk.finish_reason is not None:
+                tail, more = self.extractor.finish()
+                content, deltas = content + tail, deltas + more
+        delta: dict = {"content": content} if content else {}
+        if deltas:
+            delta["tool_calls"] = [d.wire() for d in deltas]
         logprobs = self._logprobs([chunk]) if chunk.logprobs is not None else None
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": chunk.finish_reason}
+        finish = self._finish(chunk.finish_reason)
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return self._envelope(self.chunk_object, [choice])
 
 
