@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mtplx.engine.batch import BatchScheduler, run_to_completion
+from mtplx.engine.grammar import GrammarCompiler
 from mtplx.engine.output import GenerationChunk, GenerationResult, RequestOutput
 from mtplx.engine.request import GenerationRequest
 from mtplx.engine.session import CacheSession, open_session
@@ -25,6 +26,7 @@ from mtplx.engine.text import encode_prompt
 from mtplx.errors import MtplxError
 from mtplx.heads.discovery import find_head, missing_head_message
 from mtplx.spec_decode import loop as decode
+from mtplx.spec_decode.constraint import GrammarConstraint
 from mtplx.spec_decode.draft_policy import DRAFT_POLICIES, CostProfile, DraftPolicy
 from mtplx.spec_decode.select import DEFAULT_DEPTH, DrafterChoice, build_proposer, choose_drafter
 from mtplx.spec_decode.settings import DecodeSettings
@@ -92,6 +94,7 @@ class Engine:
         self._warned_depth = False  # the deeper-than-trained warning is printed once per engine
         self._batch_support: str | None = None  # why this model cannot batch ("" = it can), once known
         self._cost_profile: CostProfile | None = None  # a batched cycle's cost here, once known
+        self._grammars: GrammarCompiler | None = None  # the llguidance tokenizer, built at first use
 
     # ----------------------------------------------------------------- loading
     @classmethod
@@ -278,13 +281,21 @@ class Engine:
             target_vocab_size=int(self.trunk.vocab_size),
             draft_vocab_size=self.draft_vocab_size,
         )
+        constraint = self.compile_grammar(request.grammar) if request.grammar is not None else None
         if proposer is not None:
             steps = decode.speculative_decode(
-                self.trunk, proposer, prompt_tokens, settings, key, session.trunk_cache, session.prefix
+                self.trunk,
+                proposer,
+                prompt_tokens,
+                settings,
+                key,
+                session.trunk_cache,
+                session.prefix,
+                constraint,
             )
         else:
             steps = decode.ar_decode(
-                self.trunk, prompt_tokens, settings, key, session.trunk_cache, session.prefix
+                self.trunk, prompt_tokens, settings, key, session.trunk_cache, session.prefix, constraint
             )
         if self.distributed is not None:
             steps = self.distributed.guard_steps(steps)
@@ -336,6 +347,13 @@ class Engine:
         )
         return DecodePlan(prompt_tokens, choice, settings)
 
+    def compile_grammar(self, grammar) -> GrammarConstraint:
+        """A fresh matcher for ``grammar`` (`mtplx.engine.grammar_spec.Grammar`) on this model's
+        tokenizer and vocabulary (`mtplx.engine.grammar`)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, int(self.trunk.vocab_size))
+        return self._grammars.compile(grammar)
+
     @staticmethod
     def request_key(seed: int | None) -> mx.array:
         """The random key a request decodes from: its seed's, else a fresh one."""
@@ -346,6 +364,8 @@ class Engine:
         model_refusal = self._model_batch_refusal()
         if model_refusal is not None:
             return model_refusal
+        if request.grammar is not None:
+            return "a grammar-constrained request (response_format, tool calls) is served alone"
         drafting = request.drafting
         if drafting.adaptive or drafting.adaptive_threshold is not None:
             return "adaptive drafting reads the head's confidence mid-cycle and is served alone"

@@ -1,7 +1,8 @@
 """`RequestOutput`: one request's decode `Step`s turned into `GenerationChunk`s.
 
 The one place a request's end is decided, for a single stream (`Engine.stream`) and for a row of
-the batched loop (`mtplx.engine.batch`) alike: EOS, stop strings, ``max_tokens``; plus the
+the batched loop (`mtplx.engine.batch`) alike: EOS, stop strings, ``max_tokens``, a complete
+grammar (`Step.grammar_done`: "stop", the text ends with the grammar's last token, no EOS); plus the
 incremental text (`TextAssembler`), the running stats (`StatsTracker`) and the logprobs of the
 tokens kept. Tokens after the end (the rest of a verify block) are dropped.
 """
@@ -97,6 +98,8 @@ class RequestOutput:
             if self.produced >= self.max_tokens:
                 finish = "length"
                 break
+        if finish is None and step.grammar_done:
+            finish = "stop"  # the grammar is complete: only EOS could follow, and it is not emitted
         self.tracker.record(step, len(kept))
         logprobs = step.logprobs[: len(kept)] if step.logprobs is not None else None
         if finish is not None:

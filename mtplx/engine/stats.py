@@ -46,6 +46,10 @@ class GenerationStats:
     # Draft tokens proposed / accepted by each drafter, e.g.
     # {"head": {"drafted": 40, "accepted": 22}, "lookup": {...}, "model": {...}}.
     drafters: dict[str, dict[str, int]] = field(default_factory=dict)
+    # Grammar-constrained requests: host reads of drafts the masks needed, and the host seconds
+    # spent computing masks (llguidance), over the whole generation (see docs/ARCHITECTURE.md).
+    grammar_reads: int = 0
+    grammar_mask_seconds: float = 0.0
     # Sharded runs: mode, ranks, collectives and payload bytes per cycle (see mtplx/engine/distributed.py).
     distributed: dict = field(default_factory=dict)
 
@@ -100,6 +104,8 @@ class StatsTracker:
                 counts["drafted"] += count
                 counts["accepted"] += min(max(step.num_accepted - start, 0), count)
                 start += count
+        stats.grammar_reads += step.grammar_reads
+        stats.grammar_mask_seconds += step.mask_seconds
         stats.generated_tokens += num_tokens_kept
         stats.decode_seconds = now - self._first_token_time
         stats.total_seconds = now - self._start

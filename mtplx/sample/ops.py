@@ -34,6 +34,7 @@ __all__ = [
     "SampleResult",
     "draw_uniforms",
     "filtered_probs",
+    "mask_logits",
     "penalize_logits",
     "raise_if_invalid",
     "sample",
@@ -388,6 +389,23 @@ def _token_counts(
     tokens = mx.broadcast_to(stream[:, None, :], (batch, positions, stream_len))
     valid = seen & (tokens >= 0)
     return _scatter_membership(tokens, valid, (batch, positions, vocab_size), batch_index, position_index)
+
+
+# ----------------------------------------------------------------------------
+# Grammar mask (step 2b)
+# ----------------------------------------------------------------------------
+
+
+def mask_logits(logits: mx.array, allowed: mx.array | None) -> mx.array:
+    """Step 2b: logits[..., V] with -inf where ``allowed`` [..., V] (bool, broadcast) is False.
+
+    Applied after the penalties and before temperature and the filters, so every filter and both
+    samplers see a disallowed token as weight 0 (docs/sampling.md, "Grammar mask"). None: no grammar,
+    the input itself is returned.
+    """
+    if allowed is None:
+        return logits
+    return mx.where(allowed, logits, mx.array(-mx.inf, dtype=logits.dtype))
 
 
 # ----------------------------------------------------------------------------

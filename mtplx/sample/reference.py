@@ -23,6 +23,7 @@ __all__ = [
     "SamplerConfig",
     "SparseDistribution",
     "apply_penalties",
+    "apply_grammar_mask",
     "filtered_weights",
     "distribution_from_logits",
     "acceptance_probability",
@@ -87,6 +88,23 @@ def apply_penalties(
     return z
 
 
+def apply_grammar_mask(logits: np.ndarray, allowed: np.ndarray | None) -> np.ndarray:
+    """Stage 2b (docs/sampling.md, "Grammar mask"): -inf wherever ``allowed`` is False.
+
+    logits[..., V] (penalized), allowed[..., V] bool (broadcast) or None (no grammar). After the
+    penalties, before temperature and the filters: a disallowed token has weight exp(-inf) = 0 in
+    every later stage, top-k / top-p / min-p act on the allowed tokens alone, greedy picks the
+    allowed argmax. A row with nothing allowed has no finite entry and is refused downstream.
+    """
+    z = np.array(logits, dtype=np.float64)
+    if allowed is None:
+        return z
+    mask = np.asarray(allowed)
+    if mask.dtype != np.bool_:
+        raise ValueError(f"allowed must be a boolean mask, got dtype {mask.dtype}")
+    return np.where(mask, z, -np.inf)
+
+
 def _top_p_threshold(weights: np.ndarray, top_p: float) -> float:
     """Largest t with mass(weights >= t) >= top_p * total; the oracle may sort, the MLX path may not."""
     total = weights.sum()
@@ -128,19 +146,26 @@ def filtered_weights(penalized_logits: np.ndarray, cfg: SamplerConfig) -> np.nda
 
 
 def distribution_from_logits(
-    logits: np.ndarray, cfg: SamplerConfig, context_tokens: Sequence[int] | np.ndarray | None = None
+    logits: np.ndarray,
+    cfg: SamplerConfig,
+    context_tokens: Sequence[int] | np.ndarray | None = None,
+    allowed: np.ndarray | None = None,
 ) -> np.ndarray:
     """float64 probabilities of the full pipeline, over the last axis of ``logits``.
 
     ``context_tokens=None`` means the logits are already penalized (stage 2 is
     skipped, bias included); pass a (possibly empty) context to apply stage 2.
+    ``allowed`` (bool, broadcast to ``logits``; None: no grammar) is the grammar mask of stage 2b.
     """
     z = _as_float32_logits(logits)
     rows = z.reshape(-1, z.shape[-1])
+    masks = None if allowed is None else np.broadcast_to(np.asarray(allowed), z.shape).reshape(rows.shape)
     probs = np.empty_like(rows)
     for row_index, row in enumerate(rows):
         if context_tokens is not None:
             row = apply_penalties(row, context_tokens, cfg)
+        if masks is not None:
+            row = apply_grammar_mask(row, masks[row_index])
         weights = filtered_weights(row, cfg)
         probs[row_index] = weights / weights.sum()
     return probs.reshape(z.shape)

@@ -28,10 +28,12 @@ class AutoProposer:
         if self.model is not None:
             self.model.observe_prefill(output, start, end, prompt_tokens)
 
-    def propose(self, history: list[int], key: mx.array, trunk_cache: list) -> Draft | None:
+    def propose(self, history: list[int], key: mx.array, trunk_cache: list, constraint=None) -> Draft | None:
         found = self.lookup.find(history)
         if not found:
-            return self.model.propose(history, key, trunk_cache) if self.model is not None else None
+            if self.model is None:
+                return None
+            return self.model.propose(history, key, trunk_cache, constraint=constraint)
         if isinstance(self.model, DraftModelProposer) and len(found) < self.model.depth:
             return self.model.propose(history, key, trunk_cache, forced=found)
         return point_mass_draft(found, self.lookup.name)

@@ -126,10 +126,17 @@ class DraftModelProposer:
         return logits
 
     def propose(
-        self, history: list[int], key: mx.array, trunk_cache: list, forced: Sequence[int] = ()
+        self,
+        history: list[int],
+        key: mx.array,
+        trunk_cache: list,
+        forced: Sequence[int] = (),
+        constraint=None,
     ) -> Draft | None:
         """Draft up to ``depth`` tokens; after ``forced`` point-mass tokens (a lookup block) when
-        given, conditioned on them, filling the block up to ``depth``."""
+        given, conditioned on them, filling the block up to ``depth``. Drafts are not masked by a
+        grammar (``constraint``): the loop cuts argmax drafts to their legal prefix and verify
+        rejects an illegal sampled one (p = 0), so the output stays exact."""
         logits = self._catch_up(history)
         self._checkpoint = cache_ops.checkpoint(self.cache)
         prefix = [point_mass_draft(list(forced), "lookup")] if forced else []

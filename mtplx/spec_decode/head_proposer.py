@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from mtplx.heads.base import DraftHead
 from mtplx.sample import ops as sample_ops
+from mtplx.spec_decode.constraint import GrammarConstraint
 from mtplx.spec_decode.proposer import CycleOutcome, Draft, draw_draft_token, stacked_draft
 from mtplx.spec_decode.settings import DecodeSettings
 from mtplx.trunk import rollback as cache_ops
@@ -54,7 +55,16 @@ class HeadProposer:
             self.head(hidden, mx.array(prompt_tokens[start + 1 : stop + 1])[None], self.cache)
             mx.eval([c.state for c in self.cache])
 
-    def propose(self, history: list[int], key: mx.array, trunk_cache: list) -> Draft:
+    def propose(
+        self,
+        history: list[int],
+        key: mx.array,
+        trunk_cache: list,
+        constraint: GrammarConstraint | None = None,
+    ) -> Draft:
+        """Up to ``depth`` drafts. Under a grammar each is drawn from the head's masked distribution
+        (the mask after the drafts before it: one host read per draft step beyond the first), and
+        drafting stops after an EOS draft (nothing after it is emitted)."""
         cfg = self.settings.sampler
         uniforms = sample_ops.draw_uniforms((self.depth,), key)
         hidden_in = mx.concatenate(self._pending_hidden, axis=1)
@@ -65,7 +75,12 @@ class HeadProposer:
         tokens: list[mx.array] = []
         probs: list[mx.array | None] = []
         flags: list[mx.array | None] = []
+        drafted: list[int] = []  # the drafts on the host, under a grammar
         for i in range(self.depth):
+            if i > 0 and constraint is not None:
+                drafted.append(int(tokens[-1].item()))  # the next mask depends on this draft
+                if drafted[-1] in constraint.eos:
+                    break
             if i > 0:
                 head_out = self.head(
                     self.head.chain_input(head_out),
@@ -77,14 +92,17 @@ class HeadProposer:
             logits = self.head.logits(head_out, step=i)[:, -1, :]
             if context is not None and tokens:
                 context = mx.concatenate([context, tokens[-1][None]], axis=1)
-            token, q, invalid = draw_draft_token(logits, context, self.settings, uniforms[i : i + 1])
+            allowed = constraint.mask_after(drafted) if constraint is not None else None
+            token, q, invalid = draw_draft_token(logits, context, self.settings, uniforms[i : i + 1], allowed)
             tokens.append(token)
             probs.append(q)
             flags.append(invalid)
             if self.settings.adaptive_threshold > 0 and i + 1 < self.depth and self._unsure(logits, token, q):
                 break
         self._chained = len(tokens) - 1
-        return stacked_draft(tokens, probs, flags, self.name)
+        draft = stacked_draft(tokens, probs, flags, self.name)
+        draft.host_reads = len(drafted)
+        return draft
 
     def _unsure(self, logits: mx.array, token: mx.array, q: mx.array | None) -> bool:
         """Whether the head gave its draft less than the threshold (a host read).

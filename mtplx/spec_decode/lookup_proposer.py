@@ -89,7 +89,7 @@ class LookupProposer:
         self.index.extend(history[len(self.index.tokens) :])
         return self.index.match(self.block_tokens)
 
-    def propose(self, history: list[int], key: mx.array, trunk_cache: list) -> Draft | None:
+    def propose(self, history: list[int], key: mx.array, trunk_cache: list, constraint=None) -> Draft | None:
         found = self.find(history)
         return point_mass_draft(found, self.name) if found else None
 

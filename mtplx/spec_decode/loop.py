@@ -16,6 +16,17 @@ forwarded through the trunk and a pending token c_m not yet forwarded,
      forwarded as the first position of the next block.
 One host sync per cycle: the drafts, the verify forward, the verdict and every
 lazy validity flag are evaluated together.
+
+Under a grammar (`constraint`, docs/sampling.md "Grammar mask") every row the target samples or
+verifies is masked with the grammar's mask at that position, and the head samples its drafts from
+its own masked distribution (q is that masked distribution, so head drafts are always legal).
+The masks need the drafts on the host: one extra read of the drafts per cycle, plus one per head
+draft step beyond the first (`Step.grammar_reads`). Point-mass drafts (prompt lookup, argmax
+drafts) are cut to their legal prefix, which is exact: an illegal point-mass draft has p = 0 and
+verify would reject it with probability 1 and sample p itself. Sampled drafts a drafter did not
+mask (a draft model) are verified as they are: p = 0 rejects an illegal one, exactly. When the
+grammar is complete (`GrammarConstraint.stopped`) the step says so (`Step.grammar_done`) and the
+generator ends before another forward.
 """
 
 from __future__ import annotations
@@ -27,7 +38,8 @@ from mtplx.errors import MtplxError
 from mtplx.sample import ops as sample_ops
 from mtplx.sample import rejection
 from mtplx.sample.params import SamplerConfig
-from mtplx.spec_decode.proposer import CycleOutcome, Proposer
+from mtplx.spec_decode.constraint import GrammarConstraint
+from mtplx.spec_decode.proposer import CycleOutcome, Draft, Proposer
 from mtplx.spec_decode.settings import DecodeSettings
 from mtplx.trunk import rollback as cache_ops
 from mtplx.trunk.model import Trunk, TrunkOutput
@@ -49,6 +61,9 @@ class Step:
     accept_probs: list[float] = field(default_factory=list)  # min(1, p/q) per draft position
     logprobs: list[TokenLogprobs] | None = None  # one per token, when DecodeSettings.logprobs is set
     sources: tuple[tuple[str, int], ...] = ()  # (drafter, drafts) segments of the block, in order
+    grammar_done: bool = False  # the grammar is complete after these tokens: the generation ends
+    grammar_reads: int = 0  # host reads of draft tokens the grammar's masks needed this iteration
+    mask_seconds: float = 0.0  # host time computing grammar masks this iteration
 
 
 @dataclass
@@ -160,12 +175,25 @@ def _penalize(
 
 
 def _sample_last_row(
-    logits: mx.array, history: list[int], settings: DecodeSettings, key: mx.array
+    logits: mx.array,
+    history: list[int],
+    settings: DecodeSettings,
+    key: mx.array,
+    allowed: mx.array | None = None,
 ) -> sample_ops.SampleResult:
-    """The next token from the last row of logits[1, T, V], penalized by ``history``. Lazy."""
+    """The next token from the last row of logits[1, T, V], penalized by ``history`` and masked by
+    ``allowed`` [V] (the grammar's mask; None: none). Lazy."""
     cfg = settings.sampler
-    last = _penalize(logits[:, -1:, :], history, cfg)[:, 0, :]
+    last = sample_ops.mask_logits(_penalize(logits[:, -1:, :], history, cfg)[:, 0, :], allowed)
     return sample_ops.sample(last, cfg, sample_ops.draw_uniforms((1,), key), backend=settings.verify_backend)
+
+
+def _grammar_step(constraint: GrammarConstraint | None, tokens: list[int], mask_seconds: float) -> dict:
+    """Advance the grammar by committed ``tokens``; the Step fields that report it."""
+    if constraint is None:
+        return {}
+    constraint.commit(tokens)
+    return {"grammar_done": constraint.stopped, "mask_seconds": constraint.mask_seconds - mask_seconds}
 
 
 def ar_decode(
@@ -175,11 +203,14 @@ def ar_decode(
     key: mx.array,
     trunk_cache: list | None = None,
     prefix: PromptPrefix | None = None,
+    constraint: GrammarConstraint | None = None,
 ) -> Iterator[Step]:
     """Plain autoregressive sampling, one token per step.
 
     The next token's graph is built and queued (async_eval) before the current
-    token is handed out, so Python work overlaps the model's compute.
+    token is handed out, so Python work overlaps the model's compute. Under a grammar
+    (``constraint``) each row is masked; the mask needs the token before it, which the
+    step reads anyway.
     """
     trunk_cache = trunk_cache if trunk_cache is not None else trunk.make_cache()
     history = list(prompt_tokens)
@@ -187,7 +218,8 @@ def ar_decode(
     key, step_key = _split_key(key)
     output = prefill(trunk, prompt_tokens, trunk_cache, settings.prefill_step_size, prefix=prefix)
     logits = output.logits
-    drawn = _sample_last_row(logits, history, settings, step_key)
+    allowed = constraint.mask_after() if constraint is not None else None
+    drawn = _sample_last_row(logits, history, settings, step_key, allowed)
     mx.async_eval(drawn.tokens, drawn.invalid)
     while True:
         key, step_key = _split_key(key)
@@ -199,11 +231,44 @@ def ar_decode(
             if settings.logprobs is None
             else _token_logprobs(logits[0, -1:], [token_id], settings.logprobs)
         )
+        grammar = _grammar_step(constraint, [token_id], constraint.mask_seconds if constraint else 0.0)
+        if grammar.get("grammar_done"):
+            yield Step([token_id], logprobs=logprobs, **grammar)
+            return
+        allowed = constraint.mask_after() if constraint is not None else None
         logits = trunk.model(drawn.tokens.reshape(1, 1), cache=trunk_cache)
-        upcoming = _sample_last_row(logits, history, settings, step_key)
+        upcoming = _sample_last_row(logits, history, settings, step_key, allowed)
         mx.async_eval(upcoming.tokens, upcoming.invalid)
-        yield Step([token_id], logprobs=logprobs)
+        yield Step([token_id], logprobs=logprobs, **grammar)
         drawn = upcoming
+
+
+def cut_draft(draft: Draft, keep: int) -> Draft | None:
+    """The first ``keep`` tokens of a point-mass ``draft`` (None when nothing is kept)."""
+    if keep >= draft.num_tokens:
+        return draft
+    if keep <= 0:
+        return None
+    sources, left = [], keep
+    for name, count in draft.sources:
+        if left > 0:
+            sources.append((name, min(count, left)))
+        left -= count
+    return Draft(draft.tokens[:, :keep], None, tuple(sources), draft.invalid)
+
+
+def _constrain_draft(
+    draft: Draft | None, constraint: GrammarConstraint
+) -> tuple[Draft | None, mx.array, int]:
+    """The block's drafts under the grammar, its masks [k+1, V], and the host reads it took."""
+    if draft is None:
+        return None, constraint.mask_after()[None], 0
+    drafts = draft.tokens.tolist()[0]  # the read the masks need (head drafts: evaluates the chain)
+    if draft.probs is None:  # point masses: cut to the legal prefix (exact, see the module docstring)
+        legal = constraint.legal_prefix(drafts)
+        draft, drafts = cut_draft(draft, legal), drafts[:legal]
+    reads = (draft.host_reads + 1) if draft is not None else 1
+    return draft, constraint.block_masks(drafts), reads
 
 
 def speculative_decode(
@@ -214,8 +279,11 @@ def speculative_decode(
     key: mx.array,
     trunk_cache: list | None = None,
     prefix: PromptPrefix | None = None,
+    constraint: GrammarConstraint | None = None,
 ) -> Iterator[Step]:
-    """Exact speculative decoding with any drafter (`mtplx.spec_decode`): one verifier for all."""
+    """Exact speculative decoding with any drafter (`mtplx.spec_decode`): one verifier for all.
+
+    ``constraint``: the request's grammar (module docstring), None for free text."""
     cfg = settings.sampler
     trunk_cache = trunk_cache if trunk_cache is not None else trunk.make_cache()
     reason = cache_ops.check_rollback_support(trunk_cache, trunk.model)
@@ -230,22 +298,31 @@ def speculative_decode(
 
     key, step_key = _split_key(key)
     output = prefill(trunk, prompt_tokens, trunk_cache, settings.prefill_step_size, observe, prefix)
-    first = _sample_last_row(output.logits, history, settings, step_key)
+    mask_seconds = constraint.mask_seconds if constraint is not None else 0.0
+    allowed = constraint.mask_after() if constraint is not None else None
+    first = _sample_last_row(output.logits, history, settings, step_key, allowed)
     mx.eval(first.tokens, first.invalid)
     pending = int(first.checked().tokens.item())
     history.append(pending)
     proposer.commit(CycleOutcome(output, 0, [pending], None))
+    grammar = _grammar_step(constraint, [pending], mask_seconds)
     yield Step(
         [pending],
         logprobs=None
         if settings.logprobs is None
         else _token_logprobs(output.logits[0, -1:], [pending], settings.logprobs),
+        **grammar,
     )
 
-    while True:
+    while not grammar.get("grammar_done"):
         key, draft_key, accept_key, sample_key = mx.random.split(key, 4)
-        # 1. Draft (lazy for model drafters: evaluated together with the verify forward).
-        draft = proposer.propose(history, draft_key, trunk_cache)
+        mask_seconds = constraint.mask_seconds if constraint is not None else 0.0
+        # 1. Draft (lazy for model drafters: evaluated together with the verify forward, unless a
+        #    grammar needs the drafts first).
+        draft = proposer.propose(history, draft_key, trunk_cache, constraint=constraint)
+        masks, reads = None, 0
+        if constraint is not None:
+            draft, masks, reads = _constrain_draft(draft, constraint)
         num_drafted = draft.num_tokens if draft is not None else 0
         block = mx.array([[pending]], dtype=mx.int32)
         if draft is not None:
@@ -256,7 +333,7 @@ def speculative_decode(
             output = trunk(block, trunk_cache)
             if draft is None:
                 drawn = sample_ops.sample(
-                    _penalize(output.logits, history, cfg)[:, 0, :],
+                    sample_ops.mask_logits(_penalize(output.logits, history, cfg)[:, 0, :], masks),
                     cfg,
                     sample_ops.draw_uniforms((1,), sample_key),
                     backend=settings.verify_backend,
@@ -270,7 +347,10 @@ def speculative_decode(
                 invalid = result.invalid
             else:
                 result = rejection.verify(
-                    _penalize(output.logits, history, cfg, draft.tokens),
+                    sample_ops.mask_logits(
+                        _penalize(output.logits, history, cfg, draft.tokens),
+                        None if masks is None else masks[None],
+                    ),
                     draft.tokens,
                     draft.probs,
                     cfg,
@@ -296,6 +376,7 @@ def speculative_decode(
         proposer.commit(CycleOutcome(output, num_accepted, committed, draft))
         history.extend(committed)
         pending = next_token
+        grammar = _grammar_step(constraint, committed, mask_seconds)
         logprobs = (
             None
             if settings.logprobs is None
@@ -308,4 +389,6 @@ def speculative_decode(
             result.accept_probs.tolist()[0],
             logprobs,
             draft.sources if draft is not None else (),
+            grammar_reads=reads,
+            **grammar,
         )

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from mtplx.sample import ops as sample_ops
+from mtplx.spec_decode.constraint import GrammarConstraint
 from mtplx.spec_decode.settings import DecodeSettings
 from mtplx.trunk.model import TrunkOutput
 
@@ -35,6 +36,7 @@ class Draft:
     probs: mx.array | None  # [1, k, V] float32 q rows; None = every draft is a point mass
     sources: tuple[tuple[str, int], ...]  # (drafter name, how many drafts), in block order
     invalid: mx.array | None = None  # [] int32, lazy: verify's INVALID_* bits of the draft sampling
+    host_reads: int = 0  # drafts read to the host while drafting (a grammar's masks need them)
 
     @property
     def num_tokens(self) -> int:
@@ -62,8 +64,16 @@ class Proposer(Protocol):
         """Sees the trunk's output for prompt positions [start, end) during prefill."""
         ...
 
-    def propose(self, history: list[int], key: mx.array, trunk_cache: list) -> Draft | None:
-        """Drafts after ``history`` (prompt + committed tokens; the last one is not yet forwarded)."""
+    def propose(
+        self,
+        history: list[int],
+        key: mx.array,
+        trunk_cache: list,
+        constraint: GrammarConstraint | None = None,
+    ) -> Draft | None:
+        """Drafts after ``history`` (prompt + committed tokens; the last one is not yet forwarded).
+        ``constraint``: the request's grammar; a drafter that samples may draw from its masked
+        distribution (the head does), else the loop cuts or verifies what it proposes."""
         ...
 
     def commit(self, outcome: CycleOutcome) -> None: ...
@@ -94,17 +104,24 @@ def join_drafts(parts: Sequence[Draft]) -> Draft:
 
 
 def draw_draft_token(
-    logits: mx.array, context: mx.array | None, settings: DecodeSettings, uniform: mx.array
+    logits: mx.array,
+    context: mx.array | None,
+    settings: DecodeSettings,
+    uniform: mx.array,
+    allowed: mx.array | None = None,
 ) -> tuple[mx.array, mx.array | None, mx.array | None]:
     """One model draft from logits[1, V]: (token [1] int32, q [1, V] or None for an argmax draft,
     the sampler's lazy validity flag or None), drawn as ``settings`` say (sampler, greedy, backend).
 
     ``context`` [1, C] holds the committed tokens and the drafts before this one, so the
-    request's penalties see what the target will see at this position. No host sync.
+    request's penalties see what the target will see at this position. ``allowed`` [V]: the
+    grammar's mask at this position (the target's order: penalties, mask, filters); q is then the
+    masked distribution. No host sync.
     """
     cfg = settings.sampler
     if cfg.has_penalties:
         logits = sample_ops.penalize_logits(logits[:, None, :], context, cfg)[:, 0, :]
+    logits = sample_ops.mask_logits(logits, allowed)
     if settings.greedy_draft:
         return mx.argmax(logits, axis=-1).astype(mx.int32), None, None
     drawn = sample_ops.sample(logits, cfg, uniform, backend=settings.verify_backend)
