@@ -5,6 +5,7 @@ the raw target log-probabilities, as vLLM reports them). Routes live in `mtplx.s
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 
@@ -13,7 +14,7 @@ from mtplx.server.tools import CallExtractor, merge_calls
 
 from fastapi.responses import JSONResponse
 
-__all__ = ["APIError", "ChatFormat", "TextFormat", "decode_stats", "error_body", "usage"]
+__all__ = ["APIError", "ChatFormat", "TextFormat", "decode_stats", "error_body", "sse_data", "usage"]
 
 
 class APIError(Exception):
@@ -105,6 +106,26 @@ class _Format:
         body["usage"] = usage(stats)
         body["mtplx"] = decode_stats(stats)
         return body
+
+    # The server-sent events of a stream (vLLM's convention for an error after streaming began:
+    # a final ``data: {"error": ...}`` event, then nothing).
+    def sse_open(self) -> list[str]:
+        opening = self.opening_chunk()
+        return [] if opening is None else [sse_data(opening)]
+
+    def sse_chunk(self, chunk: GenerationChunk) -> list[str]:
+        return [sse_data(self.chunk(chunk))]
+
+    def sse_error(self, err: APIError) -> str:
+        return sse_data(error_body(err.message, err.type, err.param, err.code))
+
+    def sse_close(self, last: GenerationChunk | None, include_usage: bool, failed: bool) -> list[str]:
+        usage_event = [sse_data(self.usage_chunk(last.stats))] if last is not None and include_usage else []
+        return [*usage_event, "data: [DONE]\n\n"]
+
+
+def sse_data(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
 
 
 class ChatFormat(_Format):

@@ -200,6 +200,7 @@ class CallExtractor:
     calls: int = 0  # calls opened so far
     _pending: str = ""  # content held back: it may be the start of the start marker
     _open: _OpenCall | None = None
+    _after_call: bool = False  # newlines right after a call separate calls: not content
 
     def feed(self, text: str) -> tuple[str, list[CallDelta]]:
         """(content, call fragments) that ``text`` adds to the reply."""
@@ -207,6 +208,11 @@ class CallExtractor:
         self._pending += text
         while self._pending:
             if self._open is None:
+                if self._after_call:
+                    self._pending = self._pending.lstrip("\n")
+                    self._after_call = not self._pending
+                    if not self._pending:
+                        break
                 at = self._pending.find(self.syntax.start)
                 if at < 0:
                     keep = _held_suffix(self._pending, self.syntax.start)
@@ -226,7 +232,8 @@ class CallExtractor:
                     deltas += self._stream(final=False)
                     break
                 self._open.body += self._pending[:at]
-                self._pending = self._pending[at + len(self.syntax.end) :].lstrip("\n")
+                self._pending = self._pending[at + len(self.syntax.end) :]
+                self._after_call = True
                 deltas += self._close()
         return content, deltas
 
