@@ -13,7 +13,8 @@ the prompt rendering, the tool grammars and the call reading (`mtplx.server.chat
   -> auto / required / the named function / none; ``disable_parallel_tool_use`` -> one call.
 - ``stop_sequences`` -> ``stop``; ``max_tokens`` is required, as in Anthropic's API.
 
-Replies: ``stop_reason`` is ``tool_use`` after a call, ``max_tokens`` when cut, else ``end_turn``
+Replies: a thinking model's reasoning is a ``thinking`` block (empty signature: nothing is
+signed here) before the text; ``stop_reason`` is ``tool_use`` after a call, ``max_tokens`` when cut, else ``end_turn``
 (a stop sequence also ends as ``end_turn`` with ``stop_sequence: null``: the engine does not
 report which stop string matched). Errors are ``{"type": "error", "error": {"type", "message"}}``.
 """
@@ -25,9 +26,10 @@ import uuid
 from typing import Annotated, Any, Literal
 
 from mtplx.engine.engine import GenerationChunk
+from mtplx.server.chat import ReplyReader
 from mtplx.server.openai import APIError
 from mtplx.server.schemas import FUNCTION_NAME
-from mtplx.server.tools import CallDelta, CallExtractor, merge_calls
+from mtplx.server.tools import merge_calls
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
@@ -215,9 +217,9 @@ def _input(arguments: str) -> dict:
 class MessagesFormat:
     """A reply as an Anthropic message, whole or as a stream of events (content blocks in order)."""
 
-    def __init__(self, model_id: str, extractor: CallExtractor | None):
+    def __init__(self, model_id: str, reader: ReplyReader):
         self.model_id = model_id
-        self.extractor = extractor
+        self.reader = reader
         self.id = f"msg_{uuid.uuid4().hex}"
         self._block = -1  # index of the open content block, -1 before the first
         self._open: str | None = None  # "text" / "tool_use" / None
@@ -226,17 +228,7 @@ class MessagesFormat:
     def _stop_reason(self, finish: str | None) -> str:
         if finish == "length":
             return "max_tokens"
-        called = self.extractor is not None and self.extractor.calls > 0
-        return "tool_use" if called else "end_turn"
-
-    def _split(self, text: str, final: bool) -> tuple[str, list[CallDelta]]:
-        if self.extractor is None:
-            return text, []
-        content, deltas = self.extractor.feed(text)
-        if final:
-            tail, more = self.extractor.finish()
-            content, deltas = content + tail, deltas + more
-        return content, deltas
+        return "tool_use" if self.reader.calls > 0 else "end_turn"
 
     def _message(self, content: list, stop_reason: str | None, usage: dict) -> dict:
         return {
@@ -251,8 +243,11 @@ class MessagesFormat:
         }
 
     def response(self, chunks: list[GenerationChunk]) -> dict:
-        content, deltas = self._split("".join(c.text for c in chunks), final=True)
-        blocks: list[dict] = [{"type": "text", "text": content}] if content else []
+        reasoning, content, deltas = self.reader.feed("".join(c.text for c in chunks), final=True)
+        blocks: list[dict] = (
+            [{"type": "thinking", "thinking": reasoning, "signature": ""}] if reasoning else []
+        )
+        blocks += [{"type": "text", "text": content}] if content else []
         for call in merge_calls(deltas):
             fn = call["function"]
             blocks.append(
@@ -289,7 +284,12 @@ class MessagesFormat:
             self._started = True
             usage = {"input_tokens": chunk.stats.prompt_tokens, "output_tokens": 0}
             out += [_event("message_start", {"message": self._message([], None, usage)}), _event("ping", {})]
-        content, deltas = self._split(chunk.text, final=chunk.finish_reason is not None)
+        reasoning, content, deltas = self.reader.feed(chunk.text, final=chunk.finish_reason is not None)
+        if reasoning:
+            if self._open != "thinking":
+                out += self._switch("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+            delta = {"type": "thinking_delta", "thinking": reasoning}
+            out.append(_event("content_block_delta", {"index": self._block, "delta": delta}))
         if content:
             if self._open != "text":
                 out += self._switch("text", {"type": "text", "text": ""})

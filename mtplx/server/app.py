@@ -188,7 +188,7 @@ def create_app(worker: GenerationWorker, settings: ServerSettings) -> FastAPI:
         max_tokens = body.max_completion_tokens or body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         job = _make_job(engine, body, prompt_tokens, max_tokens, logprobs, settings, plan.grammar)
-        fmt = ChatFormat(engine, settings.model_id, plan.extractor())
+        fmt = ChatFormat(engine, settings.model_id, plan.reader())
         return await _respond(request, worker, job, settings, fmt, body)
 
     @v1.post("/completions")
@@ -213,7 +213,7 @@ def create_app(worker: GenerationWorker, settings: ServerSettings) -> FastAPI:
         plan = plan_chat(engine.tokenizer, chat)
         prompt_tokens = await _encode_chat(engine, plan)
         job = _make_job(engine, chat, prompt_tokens, chat.max_tokens, None, settings, plan.grammar)
-        fmt = MessagesFormat(settings.model_id, plan.extractor())
+        fmt = MessagesFormat(settings.model_id, plan.reader())
         return await _respond(request, worker, job, settings, fmt, chat)
 
     @v1.post("/messages/count_tokens")

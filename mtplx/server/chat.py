@@ -11,6 +11,8 @@ an unknown named tool or a tool choice the model's syntax cannot constrain is a 
   under ``auto`` and refused for ``required`` / named choices: the grammar writes JSON calls.
 - ``tool_choice`` "none": the tools are not shown and no call is read (earlier calls and tool
   results in the messages are still rendered).
+- a thinking model (`mtplx.server.reasoning`): the grammar starts with the free reasoning span,
+  and the reply's reader splits the reasoning off before it reads content and calls.
 """
 
 from __future__ import annotations
@@ -19,12 +21,40 @@ from dataclasses import dataclass
 from typing import Any
 
 from mtplx.engine.grammar_spec import Grammar
-from mtplx.errors import MtplxError
+from mtplx.errors import MtplxError, first_line
 from mtplx.server.constraints import response_format_grammar, response_format_schema, tool_grammar
+from mtplx.server.reasoning import Reasoning, ReasoningSplitter, opened_in_prompt
 from mtplx.server.schemas import ChatCompletionRequest
-from mtplx.server.tools import CallExtractor, CallSyntax, render_chat, syntax_for
+from mtplx.server.tools import CallDelta, CallExtractor, CallSyntax, render_chat, syntax_for
+from mtplx.trunk.compat import thinking_markers
 
-__all__ = ["ChatPlan", "plan_chat"]
+__all__ = ["ChatPlan", "ReplyReader", "plan_chat"]
+
+
+@dataclass
+class ReplyReader:
+    """A reply's text -> reasoning, content and tool-call fragments, fed in pieces of any size."""
+
+    splitter: ReasoningSplitter | None
+    extractor: CallExtractor | None
+
+    @property
+    def calls(self) -> int:
+        return 0 if self.extractor is None else self.extractor.calls
+
+    def feed(self, text: str, final: bool) -> tuple[str, str, list[CallDelta]]:
+        """(reasoning, content, call fragments) that ``text`` adds; ``final``: the reply ends here."""
+        reasoning, answer = ("", text) if self.splitter is None else self.splitter.feed(text)
+        if final and self.splitter is not None:
+            more_reasoning, more_answer = self.splitter.finish()
+            reasoning, answer = reasoning + more_reasoning, answer + more_answer
+        if self.extractor is None:
+            return reasoning, answer, []
+        content, deltas = self.extractor.feed(answer)
+        if final:
+            tail, more = self.extractor.finish()
+            content, deltas = content + tail, deltas + more
+        return reasoning, content, deltas
 
 
 @dataclass(frozen=True)
@@ -34,9 +64,26 @@ class ChatPlan:
     grammar: Grammar | None
     syntax: CallSyntax | None  # None: no calls are read from the reply
     tools: list[dict]  # the tool definitions, for mlx-lm's parsers
+    reasoning: Reasoning | None  # a thinking model's markers and whether the prompt opened the span
 
-    def extractor(self) -> CallExtractor | None:
-        return None if self.syntax is None else CallExtractor(self.syntax, self.tools)
+    def reader(self) -> ReplyReader:
+        splitter = None if self.reasoning is None else ReasoningSplitter(*self.reasoning[:3])
+        extractor = None if self.syntax is None else CallExtractor(self.syntax, self.tools)
+        return ReplyReader(splitter, extractor)
+
+
+def _reasoning(tokenizer: Any, messages: list[dict], template_tools: list[dict] | None) -> Reasoning | None:
+    markers = thinking_markers(tokenizer)
+    if markers is None:
+        return None
+    try:
+        prompt = tokenizer.apply_chat_template(
+            messages, tools=template_tools, add_generation_prompt=True, tokenize=False
+        )
+    except Exception as err:  # the template's own error (jinja): the encoding step reports it
+        raise MtplxError(f"messages: the chat template failed ({first_line(err)})") from None
+    opened = opened_in_prompt(prompt[-200:], markers.start, markers.end)
+    return (markers.start, markers.end, opened, markers.start_ids, markers.end_ids)
 
 
 def plan_chat(tokenizer: Any, body: ChatCompletionRequest) -> ChatPlan:
@@ -48,8 +95,10 @@ def plan_chat(tokenizer: Any, body: ChatCompletionRequest) -> ChatPlan:
     syntax = syntax_for(tokenizer)
     shown = tools if choice != "none" else []
     messages, template_tools = render_chat(tokenizer, body.messages, shown, syntax)
+    reasoning = _reasoning(tokenizer, messages, template_tools)
+    text_grammar = response_format_grammar(body.response_format, reasoning)
     if choice == "none":
-        return ChatPlan(messages, template_tools, response_format_grammar(body.response_format), None, [])
+        return ChatPlan(messages, template_tools, text_grammar, None, [], reasoning)
     parallel = body.parallel_tool_calls is not False
     tool_dicts = [t.model_dump(exclude_none=True) for t in tools]
     if not syntax.json:
@@ -58,10 +107,7 @@ def plan_chat(tokenizer: Any, body: ChatCompletionRequest) -> ChatPlan:
                 f"tool_choice: {choice if isinstance(choice, str) else 'a named function'} needs JSON "
                 f"tool calls; this model's template writes {syntax.family} calls (use 'auto')"
             )
-        return ChatPlan(
-            messages, template_tools, response_format_grammar(body.response_format), syntax, tool_dicts
-        )
-    response_format_grammar(body.response_format)  # a bad schema is named response_format, not tools
+        return ChatPlan(messages, template_tools, text_grammar, syntax, tool_dicts, reasoning)
     text_schema = response_format_schema(body.response_format)
-    grammar = tool_grammar(tools, choice, parallel, syntax.start, syntax.end, text_schema)
-    return ChatPlan(messages, template_tools, grammar, syntax, tool_dicts)
+    grammar = tool_grammar(tools, choice, parallel, syntax.start, syntax.end, text_schema, reasoning)
+    return ChatPlan(messages, template_tools, grammar, syntax, tool_dicts, reasoning)

@@ -29,6 +29,7 @@ from typing import Any
 
 from mtplx.engine.grammar_spec import COMPACT_JSON, Grammar
 from mtplx.errors import MtplxError
+from mtplx.server.reasoning import Reasoning, lark_string, regex_literal, wrap_grammar
 from mtplx.server.schemas import NamedToolChoice, ResponseFormat, Tool
 
 __all__ = ["call_schema", "response_format_grammar", "response_format_schema", "tool_grammar"]
@@ -46,10 +47,18 @@ def response_format_schema(fmt: ResponseFormat | None) -> dict[str, Any] | None:
     return fmt.json_schema.json_schema
 
 
-def response_format_grammar(fmt: ResponseFormat | None) -> Grammar | None:
-    """``response_format`` as a grammar (None for text); a bad schema raises ``response_format: ...``."""
+def response_format_grammar(fmt: ResponseFormat | None, reasoning: Reasoning | None = None) -> Grammar | None:
+    """``response_format`` as a grammar (None for text), after the reasoning span of a thinking
+    model; a bad schema raises ``response_format: <llguidance's message>``."""
     schema = response_format_schema(fmt)
-    return None if schema is None else Grammar.json_schema(schema, field="response_format")
+    if schema is None:
+        return None
+    grammar = Grammar.json_schema(schema, field="response_format")  # checks the schema alone
+    return (
+        grammar
+        if reasoning is None
+        else _with_reasoning([f"answer: {_lark_json(schema)}"], reasoning, "response_format")
+    )
 
 
 def call_schema(tool: Tool) -> dict[str, Any]:
@@ -74,10 +83,6 @@ def _lark_json(schema: dict[str, Any]) -> str:
     return "%json" + json.dumps({**schema, "x-guidance": COMPACT_JSON})
 
 
-def _lark_string(text: str) -> str:
-    return json.dumps(text)  # a Lark string literal has JSON's escapes
-
-
 def tool_grammar(
     tools: Sequence[Tool],
     choice: str | NamedToolChoice,
@@ -85,9 +90,11 @@ def tool_grammar(
     start: str,
     end: str,
     text_schema: dict[str, Any] | None,
+    reasoning: Reasoning | None = None,
 ) -> Grammar:
     """The grammar of a reply under ``tools`` and ``choice`` (not "none"), calls written as
-    ``start``-JSON-``end``; ``text_schema`` (from ``response_format``) replaces free text."""
+    ``start``-JSON-``end``; ``text_schema`` (from ``response_format``) replaces free text; a
+    thinking model's reasoning span comes first, unconstrained (`mtplx.server.reasoning`)."""
     _check_parameters(tools)
     if isinstance(choice, NamedToolChoice):
         chosen = [t for t in tools if t.function.name == choice.function.name]
@@ -99,27 +106,26 @@ def tool_grammar(
     call_json = _lark_json(schemas[0] if len(schemas) == 1 else {"anyOf": schemas})
     more = "(SEP call)*" if parallel else ""
     rules = [
-        f"call: {_lark_string(start)} body",
-        f"body: NL {call_json} NL {_lark_string(end)}",
+        f"call: {lark_string(start)} body",
+        f"body: NL {call_json} NL {lark_string(end)}",
         r"NL: /\n?/",
         r"SEP: /\n{0,2}/",
     ]
     if choice != "auto":
-        rules.append(f"start: call {more}")
+        rules.append(f"answer: call {more}")
     elif text_schema is not None:
-        rules.append(f"start: {_lark_json(text_schema)} | call {more}")
+        rules.append(f"answer: {_lark_json(text_schema)} | call {more}")
     else:
         # Either text that never writes the start marker, or text up to the first marker (a lazy
         # lexeme: it ends at the marker) and then the calls. Both lexemes run side by side, so the
         # choice is made by the text itself, and a call, once begun, always parses.
-        marker = _regex_literal(start)
-        rules.append(f"start: TEXT | lead body {more}")
+        marker = regex_literal(start)
+        rules.append(f"answer: TEXT | lead body {more}")
         rules.append(f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*{marker}(.|\\n)*/")
         rules.append(f"lead[lazy]: /(.|\\n)*{marker}/")
-    return Grammar.lark("\n".join(rules), field="tools")
+    return _with_reasoning(rules, reasoning, "tools")
 
 
-def _regex_literal(text: str) -> str:
-    """``text`` as a regex matching itself literally (inside a Lark ``/.../``)."""
-    special = set("\\.^$|?*+()[]{}/")
-    return "".join("\\" + c if c in special else c for c in text)
+def _with_reasoning(answer_rules: list[str], reasoning: Reasoning | None, field: str) -> Grammar:
+    rules = wrap_grammar(answer_rules, reasoning) if reasoning else ["start: answer", *answer_rules]
+    return Grammar.lark("\n".join(rules), field=field)

@@ -8,11 +8,15 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from typing import TYPE_CHECKING
 
 from mtplx.engine.engine import GenerationChunk, GenerationStats
-from mtplx.server.tools import CallExtractor, merge_calls
+from mtplx.server.tools import merge_calls
 
 from fastapi.responses import JSONResponse
+
+if TYPE_CHECKING:
+    from mtplx.server.chat import ReplyReader
 
 __all__ = ["APIError", "ChatFormat", "TextFormat", "decode_stats", "error_body", "sse_data", "usage"]
 
@@ -129,30 +133,31 @@ def sse_data(payload: dict) -> str:
 
 
 class ChatFormat(_Format):
-    """Chat replies; with an ``extractor`` (tools offered) the text is split into content and
-    ``tool_calls``, and a reply that called a tool and stopped says ``finish_reason: "tool_calls"``."""
+    """Chat replies. With a ``reader`` (tools offered, or a thinking model) the text is split
+    into ``reasoning_content`` (also as ``reasoning``, mlx-lm's name), content and ``tool_calls``;
+    a reply that called a tool and stopped says ``finish_reason: "tool_calls"``."""
 
     prefix = "chatcmpl"
     object_name = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, engine, model_id: str, extractor: CallExtractor | None = None):
+    def __init__(self, engine, model_id: str, reader: ReplyReader | None = None):
         super().__init__(engine, model_id)
-        self.extractor = extractor
+        self.reader = reader
 
     def _finish(self, finish: str | None) -> str | None:
-        called = self.extractor is not None and self.extractor.calls > 0
+        called = self.reader is not None and self.reader.calls > 0
         return "tool_calls" if finish == "stop" and called else finish
 
     def response(self, chunks: list[GenerationChunk]) -> dict:
         body = super().response(chunks)
-        if self.extractor is not None:
-            text = "".join(c.text for c in chunks)
-            content, deltas = self.extractor.feed(text)
-            tail, more = self.extractor.finish()
-            calls = merge_calls(deltas + more)
+        if self.reader is not None:
+            reasoning, content, deltas = self.reader.feed("".join(c.text for c in chunks), final=True)
+            calls = merge_calls(deltas)
             message = body["choices"][0]["message"]
-            message["content"] = (content + tail) or (None if calls else "")
+            message["content"] = content or (None if calls else "")
+            if reasoning:
+                message["reasoning_content"] = message["reasoning"] = reasoning
             if calls:
                 message["tool_calls"] = calls
             body["choices"][0]["finish_reason"] = self._finish(chunks[-1].finish_reason)
@@ -185,13 +190,12 @@ class ChatFormat(_Format):
         return self._envelope(self.chunk_object, [choice])
 
     def chunk(self, chunk: GenerationChunk) -> dict:
-        content, deltas = chunk.text, []
-        if self.extractor is not None:
-            content, deltas = self.extractor.feed(chunk.text)
-            if chunk.finish_reason is not None:
-                tail, more = self.extractor.finish()
-                content, deltas = content + tail, deltas + more
+        reasoning, content, deltas = "", chunk.text, []
+        if self.reader is not None:
+            reasoning, content, deltas = self.reader.feed(chunk.text, final=chunk.finish_reason is not None)
         delta: dict = {"content": content} if content else {}
+        if reasoning:
+            delta["reasoning_content"] = delta["reasoning"] = reasoning
         if deltas:
             delta["tool_calls"] = [d.wire() for d in deltas]
         logprobs = self._logprobs([chunk]) if chunk.logprobs is not None else None

@@ -171,7 +171,7 @@ class CallDelta:
 _JSON_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
 
 
-def _held_suffix(text: str, marker: str) -> int:
+def held_suffix(text: str, marker: str) -> int:
     """How many trailing characters of ``text`` could be the start of ``marker``."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-n:]):
@@ -215,7 +215,7 @@ class CallExtractor:
                         break
                 at = self._pending.find(self.syntax.start)
                 if at < 0:
-                    keep = _held_suffix(self._pending, self.syntax.start)
+                    keep = held_suffix(self._pending, self.syntax.start)
                     content += self._pending[: len(self._pending) - keep]
                     self._pending = self._pending[len(self._pending) - keep :]
                     break
@@ -226,7 +226,7 @@ class CallExtractor:
             else:
                 at = self._pending.find(self.syntax.end)
                 if at < 0:
-                    keep = _held_suffix(self._pending, self.syntax.end)
+                    keep = held_suffix(self._pending, self.syntax.end)
                     self._open.body += self._pending[: len(self._pending) - keep]
                     self._pending = self._pending[len(self._pending) - keep :]
                     deltas += self._stream(final=False)

@@ -129,12 +129,26 @@ def tool_call_syntax(tokenizer: Any) -> ToolCallSyntax | None:
     return ToolCallSyntax(tokenizer.tool_call_start, tokenizer.tool_call_end, parse, family)
 
 
-def thinking_markers(tokenizer: Any) -> tuple[str, str] | None:
-    """(start, end) of the reasoning span the model writes (``<think>``, ``</think>`` and the
-    other families mlx-lm recognises), or None when the model does not think."""
+class ThinkingMarkers(NamedTuple):
+    """The markers around a thinking model's reasoning span, as text and as token ids."""
+
+    start: str
+    end: str
+    start_ids: tuple[int, ...]
+    end_ids: tuple[int, ...]
+
+
+def thinking_markers(tokenizer: Any) -> ThinkingMarkers | None:
+    """The reasoning span's markers (``<think>`` / ``</think>`` and the other families mlx-lm
+    recognises), or None when the model does not think."""
     if not getattr(tokenizer, "has_thinking", False):
         return None
-    return tokenizer.think_start, tokenizer.think_end
+    return ThinkingMarkers(
+        tokenizer.think_start,
+        tokenizer.think_end,
+        tuple(tokenizer.think_start_tokens),
+        tuple(tokenizer.think_end_tokens),
+    )
 
 
 # --------------------------------------------------------------------------- model structure
