@@ -16,9 +16,13 @@ What each choice allows:
   model cannot pad with whitespace until ``max_tokens``).
 - tool_choice ``required``: one call, or several when ``parallel_tool_calls`` (the default).
 - a named function: exactly one call of it.
-- ``auto``: free text (without the start marker), optionally followed by calls; the text part is
-  the ``response_format`` JSON instead when one is given. A call, once started, always parses.
+- ``auto``: text that never writes the start marker, or text up to the first marker and then
+  calls (the text part is the ``response_format`` JSON instead when one is given). A call, once
+  started, always parses.
 - ``none``: no tools in the grammar; ``response_format`` alone.
+
+A thinking model's reasoning span goes first, unconstrained (`mtplx.server.reasoning.wrap_grammar`);
+the rules above then start from ``answer`` rather than ``start``.
 """
 
 from __future__ import annotations

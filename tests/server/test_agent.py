@@ -265,10 +265,9 @@ def test_a_two_turn_agent_loop(client, model_id):
     )
     assert first.choices[0].finish_reason == "tool_calls"
     (call,) = first.choices[0].message.tool_calls
-    messages.append(first.choices[0].message.model_dump(exclude_none=True))  # content None: left out
+    assert first.choices[0].message.content is None
+    messages.append(first.choices[0].message)  # the client's own object, as the README's loop does
     messages.append({"role": "tool", "tool_call_id": call.id, "content": '{"sky":"clear","c":21}'})
-    assert "content" not in messages[-2]
-    messages[-2]["content"] = None  # what many agent frameworks send back
     second = client.chat.completions.create(
         model=model_id, messages=messages, tools=TOOLS, max_tokens=20, temperature=0
     )
