@@ -234,7 +234,8 @@ class CallExtractor:
                 self._open.body += self._pending[:at]
                 self._pending = self._pending[at + len(self.syntax.end) :]
                 self._after_call = True
-                deltas += self._close()
+                text, closed = self._close()
+                content, deltas = content + text, deltas + closed
         return content, deltas
 
     def finish(self) -> tuple[str, list[CallDelta]]:
@@ -273,27 +274,32 @@ class CallExtractor:
             call.sent = len(body)
         return out
 
-    def _close(self) -> list[CallDelta]:
-        """The open call ended at its end marker: send what is left of it."""
+    def _close(self) -> tuple[str, list[CallDelta]]:
+        """The open call ended at its end marker: (content, what is left of it). A call that does
+        not parse (possible only without a grammar) stays in the content as written."""
         call, self._open = self._open, None
         assert call is not None
         if self.syntax.json and call.head_end is not None:
             body = call.body.rstrip()
             body = body[:-1] if body.endswith("}") else body  # the call object's closing brace
             rest = body[call.sent :].rstrip()
-            return [CallDelta(call.index, rest)] if rest else []
+            return "", [CallDelta(call.index, rest)] if rest else []
         try:
             parsed = self.syntax.parse(call.body, self.tools or None)
+            parsed = parsed if isinstance(parsed, list) else [parsed]
+            named = all(isinstance(one, dict) and one.get("name") for one in parsed)
         except (ValueError, json.JSONDecodeError):
-            return [CallDelta(call.index, call.body, _call_id(), "")]
-        parsed = parsed if isinstance(parsed, list) else [parsed]
+            named = False
+        if not named:
+            self.calls -= 1  # its index is free again
+            return self.syntax.start + call.body + self.syntax.end, []
         out = []
         for i, one in enumerate(parsed):
             arguments = one.get("arguments", {})
             text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
             index = call.index if i == 0 else self._next_index()
-            out.append(CallDelta(index, text, _call_id(), one.get("name", "")))
-        return out
+            out.append(CallDelta(index, text, _call_id(), one["name"]))
+        return "", out
 
     def _next_index(self) -> int:
         self.calls += 1

@@ -1,10 +1,12 @@
-"""A thinking model through the real server: its reasoning span is split from the answer, whole
-and streamed, and a grammar constrains only the answer.
+"""A Qwen3-like model through the real server: its reasoning span is split from the answer, whole
+and streamed; a grammar constrains only the answer; its own template renders the tools, and its
+calls are read with mlx-lm's parser for the template's family.
 
 The model is the tiny random MiMo of the server tests with the default tokenizer plus ``<think>``
-and ``</think>`` (so mlx-lm finds the thinking markers) and a template that opens the span in the
-generation prompt, as Qwen3's does. A bias on ``</think>`` makes the random model close the span
-within a few tokens; the expected split is the engine's own text cut at the first end marker.
+and ``</think>`` (so mlx-lm finds the thinking markers) and a Hermes-style template that renders
+``tools`` and calls (mlx-lm infers its ``json_tools`` parser) and opens the span in the generation
+prompt, as Qwen3's does. A bias on ``</think>`` makes the random model close the span within a
+few tokens; the expected split is the engine's own text cut at the first end marker.
 """
 
 from __future__ import annotations
@@ -22,9 +24,26 @@ from support import checkpoints
 from support.server import KEY, running_server
 
 TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
+    "{%- if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+    '</tools>\nCall one with <tool_call>{"name": ..., "arguments": {...}}</tool_call><|im_end|>\n{% endif %}'
+    "{%- for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{%- for tc in m.tool_calls or [] %}{%- set tool_call = tc.function %}<tool_call>\n"
+    '{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}\n</tool_call>'
+    "{%- endfor %}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
 )
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
 SCHEMA = {
     "type": "object",
     "properties": {"answer": {"type": "string", "maxLength": 12}, "sure": {"type": "boolean"}},
@@ -119,6 +138,59 @@ def test_a_grammar_constrains_only_the_answer(client, thinking_dir, end_id):
         reasonings.append(choice.message.model_extra.get("reasoning_content", ""))
     # The reasoning was free text (the random model's words, not JSON), and some replies had one.
     assert any(reasonings) and not any("{" in r for r in reasonings), reasonings
+
+
+def test_the_templates_own_tool_calls_with_reasoning_whole_streamed_and_as_a_turn(
+    client, thinking_dir, end_id
+):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(thinking_dir)
+    kwargs = {**_request(end_id, 5), "max_tokens": 80, "tools": [WEATHER], "tool_choice": "required"}
+    kwargs["parallel_tool_calls"] = False
+    reply = client.chat.completions.create(model=str(thinking_dir), **kwargs)
+    # The model's own template rendered the tools (the generic format would give another prompt).
+    rendered = tokenizer.apply_chat_template(
+        kwargs["messages"], tools=[WEATHER], add_generation_prompt=True, return_dict=False
+    )
+    assert reply.usage.prompt_tokens == len(rendered)
+    whole = reply.choices[0]
+    assert whole.finish_reason == "tool_calls"
+    (call,) = whole.message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    assert "<tool_call>" not in (whole.message.content or "")
+
+    arguments, names = "", []
+    for chunk in client.chat.completions.create(model=str(thinking_dir), stream=True, **kwargs):
+        for fragment in chunk.choices[0].delta.tool_calls or ():
+            names += [fragment.function.name] if fragment.id else []
+            arguments += fragment.function.arguments or ""
+    assert names == ["get_weather"] and json.loads(arguments) == json.loads(call.function.arguments)
+
+    # The call and its result go back through the template, arguments as a mapping (HF templates' form).
+    messages = [
+        *kwargs["messages"],
+        whole.message,
+        {"role": "tool", "tool_call_id": call.id, "content": "rain"},
+    ]
+    second = client.chat.completions.create(
+        model=str(thinking_dir), messages=messages, tools=[WEATHER], max_tokens=4, temperature=0
+    )
+    turn = {
+        "role": "assistant",
+        "content": whole.message.content or "",
+        "tool_calls": [
+            {"function": {"name": "get_weather", "arguments": json.loads(call.function.arguments)}}
+        ],
+    }
+    expected = tokenizer.apply_chat_template(
+        [*kwargs["messages"], turn, {"role": "tool", "content": "rain"}],
+        tools=[WEATHER],
+        add_generation_prompt=True,
+        return_dict=False,
+    )
+    assert second.usage.prompt_tokens == len(expected)
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 5, 8, 100])

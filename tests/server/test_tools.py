@@ -155,6 +155,13 @@ def test_a_call_cut_before_its_name_stays_content():
     assert content == 'Hi <tool_call>{"na' and deltas == []
 
 
+def test_a_block_that_does_not_parse_stays_content():
+    text = "a<tool_call>not json</tool_call>b" + CALL_C
+    content, deltas = _feed_in_pieces(text, 4)
+    assert content == "a<tool_call>not json</tool_call>b"
+    assert [(d.index, d.name) for d in deltas if d.id] == [(0, "clock")]
+
+
 def test_native_non_json_syntax_is_parsed_whole_by_mlx_lms_parser():
     from mlx_lm.tool_parsers import qwen3_coder
 
