@@ -36,23 +36,25 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 __all__ = ["MessagesFormat", "MessagesRequest", "error_body", "error_type", "to_chat"]
 
 
-class _Block(BaseModel):
+class _Body(BaseModel):
+    """Unknown fields are ignored (clients send many optional ones), as on the OpenAI routes."""
+
     model_config = ConfigDict(extra="ignore")
 
 
-class TextBlock(_Block):
+class TextBlock(_Body):
     type: Literal["text"]
     text: str
 
 
-class ToolUseBlock(_Block):
+class ToolUseBlock(_Body):
     type: Literal["tool_use"]
     id: str
     name: Annotated[str, Field(pattern=FUNCTION_NAME)]
     input: dict[str, Any]
 
 
-class ToolResultBlock(_Block):
+class ToolResultBlock(_Body):
     type: Literal["tool_result"]
     tool_use_id: str
     content: str | list[TextBlock] = ""
@@ -62,31 +64,31 @@ class ToolResultBlock(_Block):
         return self.content if isinstance(self.content, str) else "".join(b.text for b in self.content)
 
 
-class ThinkingBlock(_Block):
+class ThinkingBlock(_Body):
     type: Literal["thinking", "redacted_thinking"]
 
 
 Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")]
 
 
-class InputMessage(_Block):
+class InputMessage(_Body):
     role: Literal["user", "assistant"]
     content: str | list[Block]
 
 
-class ToolDefinition(_Block):
+class ToolDefinition(_Body):
     name: Annotated[str, Field(pattern=FUNCTION_NAME)]
     description: str | None = None
     input_schema: dict[str, Any]
 
 
-class ToolChoice(_Block):
+class ToolChoice(_Body):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: StrictBool = False
 
 
-class MessagesRequest(_Block):
+class MessagesRequest(_Body):
     model: str | None = None  # None: the served model
     max_tokens: Annotated[StrictInt, Field(ge=1)]
     messages: Annotated[list[InputMessage], Field(min_length=1)]
@@ -100,7 +102,7 @@ class MessagesRequest(_Block):
     stream: StrictBool = False
 
 
-class CountTokensRequest(_Block):
+class CountTokensRequest(_Body):
     model: str | None = None
     messages: Annotated[list[InputMessage], Field(min_length=1)]
     system: str | list[TextBlock] | None = None

@@ -91,9 +91,10 @@ class LimitsAndLogMiddleware:
         except _BodyTooLarge:
             if not status["started"]:
                 message = f"request body: larger than the limit of {limit} bytes"
-                await JSONResponse(error_body(message, "invalid_request_error", None, "body_too_large"), 413)(
-                    scope, receive, recording_send
-                )
+                body = error_body(message, "invalid_request_error", None, "body_too_large")
+                if str(scope.get("path", "")).startswith("/v1/messages"):
+                    body = anthropic_error(413, message)
+                await JSONResponse(body, 413)(scope, receive, recording_send)
         finally:
             _log_request(scope, status["code"], time.perf_counter() - start)
 
