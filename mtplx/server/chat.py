@@ -109,5 +109,5 @@ def plan_chat(tokenizer: Any, body: ChatCompletionRequest) -> ChatPlan:
             )
         return ChatPlan(messages, template_tools, text_grammar, syntax, tool_dicts, reasoning)
     text_schema = response_format_schema(body.response_format)
-    grammar = tool_grammar(tools, choice, parallel, syntax.start, syntax.end, text_schema, reasoning)
+    grammar = tool_grammar(tools, choice, parallel, syntax, text_schema, reasoning)
     return ChatPlan(messages, template_tools, grammar, syntax, tool_dicts, reasoning)

@@ -33,8 +33,9 @@ from typing import Any
 
 from mtplx.engine.grammar_spec import COMPACT_JSON, Grammar
 from mtplx.errors import MtplxError
-from mtplx.server.reasoning import Reasoning, lark_string, regex_literal, wrap_grammar
+from mtplx.server.reasoning import Reasoning, lark_marker, regex_literal, wrap_grammar
 from mtplx.server.schemas import NamedToolChoice, ResponseFormat, Tool
+from mtplx.server.tools import CallSyntax
 
 __all__ = ["call_schema", "response_format_grammar", "response_format_schema", "tool_grammar"]
 
@@ -91,13 +92,12 @@ def tool_grammar(
     tools: Sequence[Tool],
     choice: str | NamedToolChoice,
     parallel: bool,
-    start: str,
-    end: str,
+    syntax: CallSyntax,
     text_schema: dict[str, Any] | None,
     reasoning: Reasoning | None = None,
 ) -> Grammar:
-    """The grammar of a reply under ``tools`` and ``choice`` (not "none"), calls written as
-    ``start``-JSON-``end``; ``text_schema`` (from ``response_format``) replaces free text; a
+    """The grammar of a reply under ``tools`` and ``choice`` (not "none"), calls written in
+    ``syntax`` (its markers as tokens where each is one token, else as text); ``text_schema`` (from ``response_format``) replaces free text; a
     thinking model's reasoning span comes first, unconstrained (`mtplx.server.reasoning`)."""
     _check_parameters(tools)
     if isinstance(choice, NamedToolChoice):
@@ -109,24 +109,24 @@ def tool_grammar(
     schemas = [call_schema(t) for t in tools]
     call_json = _lark_json(schemas[0] if len(schemas) == 1 else {"anyOf": schemas})
     more = "(SEP call)*" if parallel else ""
-    rules = [
-        f"call: {lark_string(start)} body",
-        f"body: NL {call_json} NL {lark_string(end)}",
-        r"NL: /\n?/",
-        r"SEP: /\n{0,2}/",
-    ]
+    start, end = lark_marker(syntax.start, syntax.start_ids), lark_marker(syntax.end, syntax.end_ids)
+    rules = [f"call: {start} body", f"body: NL {call_json} NL {end}", r"NL: /\n?/", r"SEP: /\n{0,2}/"]
     if choice != "auto":
         rules.append(f"answer: call {more}")
     elif text_schema is not None:
         rules.append(f"answer: {_lark_json(text_schema)} | call {more}")
     else:
-        # Either text that never writes the start marker, or text up to the first marker (a lazy
-        # lexeme: it ends at the marker) and then the calls. Both lexemes run side by side, so the
-        # choice is made by the text itself, and a call, once begun, always parses.
-        marker = regex_literal(start)
-        rules.append(f"answer: TEXT | lead body {more}")
+        # Text that never writes the start marker, or such text and then the calls. A one-token
+        # marker is not text, so the text lexeme ends where the token comes; a marker spelled in
+        # text needs a lazy lexeme, which ends at the first marker. Either way the text itself
+        # makes the choice, and a call, once begun, always parses.
+        marker = regex_literal(syntax.start)
         rules.append(f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*{marker}(.|\\n)*/")
-        rules.append(f"lead[lazy]: /(.|\\n)*{marker}/")
+        if len(syntax.start_ids) == 1:
+            rules.append(f"answer: TEXT | TEXT call {more}")
+        else:
+            rules.append(f"answer: TEXT | lead body {more}")
+            rules.append(f"lead[lazy]: /(.|\\n)*{marker}/")
     return _with_reasoning(rules, reasoning, "tools")
 
 

@@ -49,7 +49,7 @@ def regex_literal(text: str) -> str:
     return "".join("\\" + c if c in special else c for c in text)
 
 
-def _marker(text: str, ids: tuple[int, ...]) -> str:
+def lark_marker(text: str, ids: tuple[int, ...]) -> str:
     """A marker in a Lark rule: its token (``<[id]>``) when it is one token, which llguidance
     matches whether or not it counts the token as special; else its text."""
     return f"<[{ids[0]}]>" if len(ids) == 1 else lark_string(text)
@@ -61,13 +61,13 @@ def wrap_grammar(answer_rules: list[str], reasoning: Reasoning) -> list[str]:
     text cannot contain the end marker's text, so the span ends exactly at the marker."""
     start, end, opened, start_ids, end_ids = reasoning
     rules = [
-        f"think: THINK_TEXT {_marker(end, end_ids)}",
+        f"think: THINK_TEXT {lark_marker(end, end_ids)}",
         f"THINK_TEXT: /(.|\\n)*/ & ~/(.|\\n)*{regex_literal(end)}(.|\\n)*/",
         *answer_rules,
     ]
     if opened:
         return ["start: think answer", *rules]
-    return [f"start: ({_marker(start, start_ids)} think)? answer", *rules]
+    return [f"start: ({lark_marker(start, start_ids)} think)? answer", *rules]
 
 
 def lark_string(text: str) -> str:

@@ -30,7 +30,7 @@ import json
 import re
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mtplx.server.schemas import Message, Tool
@@ -55,6 +55,8 @@ class CallSyntax:
     parse: Callable[[str, Any], Any]  # text between the markers -> {"name", "arguments"} (or a list)
     native: bool  # the model's template renders tools and calls itself
     family: str
+    start_ids: tuple[int, ...] = ()  # the markers' token ids (one id: the grammar names the token)
+    end_ids: tuple[int, ...] = ()
 
 
 def _parse_json_call(text: str, tools: Any = None) -> Any:
@@ -67,9 +69,16 @@ GENERIC_SYNTAX = CallSyntax("<tool_call>", "</tool_call>", True, _parse_json_cal
 def syntax_for(tokenizer: Any) -> CallSyntax:
     """The model's own tool-call syntax where its template has one, else the generic one."""
     found = tool_call_syntax(tokenizer)
-    if found is None:
-        return GENERIC_SYNTAX
-    return CallSyntax(found.start, found.end, found.family == "json_tools", found.parse, True, found.family)
+    syntax = GENERIC_SYNTAX
+    if found is not None:
+        syntax = CallSyntax(
+            found.start, found.end, found.family == "json_tools", found.parse, True, found.family
+        )
+
+    def ids(marker: str) -> tuple[int, ...]:
+        return tuple(tokenizer.encode(marker, add_special_tokens=False))
+
+    return replace(syntax, start_ids=ids(syntax.start), end_ids=ids(syntax.end))
 
 
 # ------------------------------------------------------------------ the prompt

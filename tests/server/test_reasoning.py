@@ -2,8 +2,8 @@
 and streamed; a grammar constrains only the answer; its own template renders the tools, and its
 calls are read with mlx-lm's parser for the template's family.
 
-The model is the tiny random MiMo of the server tests with the default tokenizer plus ``<think>``
-and ``</think>`` (so mlx-lm finds the thinking markers) and a Hermes-style template that renders
+The model is the tiny random MiMo of the server tests with the default tokenizer plus ``<think>``,
+``</think>``, ``<tool_call>`` and ``</tool_call>`` as tokens (so mlx-lm finds the thinking markers) and a Hermes-style template that renders
 ``tools`` and calls (mlx-lm infers its ``json_tools`` parser) and opens the span in the generation
 prompt, as Qwen3's does. A bias on ``</think>`` makes the random model close the span within a
 few tokens; the expected split is the engine's own text cut at the first end marker.
@@ -58,7 +58,8 @@ def thinking_dir(tmp_path_factory, default_model_dir) -> Path:
 
     path = tmp_path_factory.mktemp("thinking") / "tiny-thinker"
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
-    tokenizer.add_tokens(["<think>", "</think>"])  # ids 49152, 49153: plain text when decoded
+    # Plain text when decoded; one token each, as in Qwen3's tokenizer (the grammars name them by id).
+    tokenizer.add_tokens(["<think>", "</think>", "<tool_call>", "</tool_call>"])
     tokenizer.chat_template = TEMPLATE
     checkpoints.mimo(path, vocab_size=len(tokenizer), seed=3)
     tokenizer.save_pretrained(path)

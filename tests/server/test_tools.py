@@ -5,6 +5,7 @@ of every size (a verify cycle may accept several tokens at once, a marker may be
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.errors import MtplxError
@@ -35,15 +36,19 @@ CALL_W = '<tool_call>{"name":"get_weather","arguments":{"city":"Paris"}}</tool_c
 CALL_C = '<tool_call>{"name":"clock","arguments":{}}</tool_call>'
 
 
-@pytest.fixture(scope="module")
-def matcher_for(default_model_dir):
-    """grammar -> a function telling whether the grammar accepts a whole text (llguidance's matcher
-    on the default model's tokenizer, the way the engine compiles it)."""
+@pytest.fixture(scope="module", params=["spelled", "one-token"])
+def env(request, default_model_dir):
+    """(accepts, syntax): whether a grammar accepts a whole text (llguidance's matcher on the
+    default model's tokenizer, the way the engine compiles it), and the generic call syntax with
+    that tokenizer's marker ids. "one-token" adds ``<tool_call>`` / ``</tool_call>`` as tokens (as
+    Qwen's tokenizers have them), so the grammar must name the tokens rather than spell them."""
     import llguidance
     import llguidance.hf
     from transformers import AutoTokenizer
 
     hf = AutoTokenizer.from_pretrained(default_model_dir)
+    if request.param == "one-token":
+        hf.add_tokens(["<tool_call>", "</tool_call>"])
     tokenizer = llguidance.hf.from_tokenizer(hf)
 
     def accepts(grammar, text: str) -> bool:
@@ -54,7 +59,12 @@ def matcher_for(default_model_dir):
         matcher.consume_tokens(ids)
         return matcher.is_accepting()
 
-    return accepts
+    def ids(marker: str) -> tuple[int, ...]:
+        return tuple(hf.encode(marker, add_special_tokens=False))
+
+    syntax = replace(GENERIC_SYNTAX, start_ids=ids("<tool_call>"), end_ids=ids("</tool_call>"))
+    assert (len(syntax.start_ids) == 1) == (request.param == "one-token")
+    return accepts, syntax
 
 
 @pytest.mark.parametrize(
@@ -81,19 +91,21 @@ def matcher_for(default_model_dir):
         ("clock", True, [CALL_C], [CALL_W, CALL_C + CALL_C]),
     ],
 )
-def test_tool_grammars_accept_calls_and_only_calls(matcher_for, choice, parallel, accepted, refused):
+def test_tool_grammars_accept_calls_and_only_calls(env, choice, parallel, accepted, refused):
+    matcher_for, syntax = env
     if choice == "clock":
         choice = NamedToolChoice.model_validate({"type": "function", "function": {"name": "clock"}})
-    grammar = tool_grammar([WEATHER, CLOCK], choice, parallel, "<tool_call>", "</tool_call>", None)
+    grammar = tool_grammar([WEATHER, CLOCK], choice, parallel, syntax, None)
     for text in accepted:
         assert matcher_for(grammar, text), text
     for text in refused:
         assert not matcher_for(grammar, text), text
 
 
-def test_auto_with_a_response_format_replaces_free_text_by_the_schema(matcher_for):
+def test_auto_with_a_response_format_replaces_free_text_by_the_schema(env):
+    matcher_for, syntax = env
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-    grammar = tool_grammar([CLOCK], "auto", True, "<tool_call>", "</tool_call>", schema)
+    grammar = tool_grammar([CLOCK], "auto", True, syntax, schema)
     assert matcher_for(grammar, '{"a":1}') and matcher_for(grammar, CALL_C)
     assert not matcher_for(grammar, "Plain text.") and not matcher_for(grammar, '{"a": 1}')
 
@@ -103,10 +115,10 @@ def test_bad_tool_parameters_and_unknown_named_tools_are_one_line_errors():
         {"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}
     )
     with pytest.raises(MtplxError, match=r"^tools\[0\]\.function\.parameters: .*nonsense"):
-        tool_grammar([bad], "auto", True, "<tool_call>", "</tool_call>", None)
+        tool_grammar([bad], "auto", True, GENERIC_SYNTAX, None)
     nope = NamedToolChoice.model_validate({"type": "function", "function": {"name": "nope"}})
     with pytest.raises(MtplxError, match=r"^tool_choice: no tool named 'nope' \(tools: clock\)"):
-        tool_grammar([CLOCK], nope, True, "<tool_call>", "</tool_call>", None)
+        tool_grammar([CLOCK], nope, True, GENERIC_SYNTAX, None)
 
 
 REPLY = (
