@@ -61,7 +61,9 @@ class Step:
     accept_probs: list[float] = field(default_factory=list)  # min(1, p/q) per draft position
     logprobs: list[TokenLogprobs] | None = None  # one per token, when DecodeSettings.logprobs is set
     sources: tuple[tuple[str, int], ...] = ()  # (drafter, drafts) segments of the block, in order
-    grammar_done: bool = False  # the grammar is complete after these tokens: the generation ends
+    # Under a grammar: the generation ends with these tokens (the grammar is complete, or they end
+    # with an EOS); the generator stops after this step.
+    grammar_done: bool = False
     grammar_reads: int = 0  # host reads of draft tokens the grammar's masks needed this iteration
     mask_seconds: float = 0.0  # host time computing grammar masks this iteration
 
@@ -188,12 +190,22 @@ def _sample_last_row(
     return sample_ops.sample(last, cfg, sample_ops.draw_uniforms((1,), key), backend=settings.verify_backend)
 
 
-def _grammar_step(constraint: GrammarConstraint | None, tokens: list[int], mask_seconds: float) -> dict:
-    """Advance the grammar by committed ``tokens``; the Step fields that report it."""
+def _grammar_step(
+    constraint: GrammarConstraint | None, tokens: list[int], mask_seconds: float
+) -> tuple[list[int], dict]:
+    """Advance the grammar by committed ``tokens``: the tokens to report and the Step fields that
+    report the grammar's part. A complete grammar ends the tokens with its last one (the EOS the
+    next row forces is not reported, as AR never samples it); otherwise they end at an EOS."""
     if constraint is None:
-        return {}
+        return tokens, {}
     constraint.commit(tokens)
-    return {"grammar_done": constraint.stopped, "mask_seconds": constraint.mask_seconds - mask_seconds}
+    eos_at = next((i for i, t in enumerate(tokens) if t in constraint.eos), None)
+    if constraint.stopped:
+        tokens = tokens[:eos_at] if eos_at is not None else tokens
+    elif eos_at is not None:
+        tokens = tokens[: eos_at + 1]
+    done = constraint.stopped or eos_at is not None
+    return tokens, {"grammar_done": done, "mask_seconds": constraint.mask_seconds - mask_seconds}
 
 
 def ar_decode(
@@ -231,7 +243,7 @@ def ar_decode(
             if settings.logprobs is None
             else _token_logprobs(logits[0, -1:], [token_id], settings.logprobs)
         )
-        grammar = _grammar_step(constraint, [token_id], constraint.mask_seconds if constraint else 0.0)
+        _, grammar = _grammar_step(constraint, [token_id], constraint.mask_seconds if constraint else 0.0)
         if grammar.get("grammar_done"):
             yield Step([token_id], logprobs=logprobs, **grammar)
             return
@@ -305,7 +317,7 @@ def speculative_decode(
     pending = int(first.checked().tokens.item())
     history.append(pending)
     proposer.commit(CycleOutcome(output, 0, [pending], None))
-    grammar = _grammar_step(constraint, [pending], mask_seconds)
+    _, grammar = _grammar_step(constraint, [pending], mask_seconds)
     yield Step(
         [pending],
         logprobs=None
@@ -376,11 +388,11 @@ def speculative_decode(
         proposer.commit(CycleOutcome(output, num_accepted, committed, draft))
         history.extend(committed)
         pending = next_token
-        grammar = _grammar_step(constraint, committed, mask_seconds)
+        committed, grammar = _grammar_step(constraint, committed, mask_seconds)
         logprobs = (
             None
             if settings.logprobs is None
-            else _token_logprobs(output.logits[0, : num_accepted + 1], committed, settings.logprobs)
+            else _token_logprobs(output.logits[0, : len(committed)], committed, settings.logprobs)
         )
         yield Step(
             committed,

@@ -1,0 +1,336 @@
+"""Grammar-constrained decoding in the loop: exact under speculation.
+
+The expected distribution is the oracle's constrained chain (`reference.distribution_from_logits`
+with ``allowed``), enumerated over the grammar's legal prefixes with masks computed here straight
+from llguidance (not through `GrammarConstraint`, the code under test). Chi-square tests compare
+sampled runs with it (head drafts masked, lookup drafts cut, depths 1-3, temperature 0.7 and 1.0
+with top-p); two negative controls (the first position's mask reused at later positions; the
+head's q left unmasked in the acceptance ratio) must be caught by the same check.
+"""
+
+from __future__ import annotations
+
+import os
+
+import mtplx  # noqa: F401  (BLAS before mlx)
+from mtplx.engine.grammar import GrammarCompiler
+from mtplx.engine.grammar_spec import Grammar
+from mtplx.errors import MtplxError
+from mtplx.sampling import SamplerConfig, distribution_from_logits
+from mtplx.spec_decode import head_proposer as head_module
+from mtplx.spec_decode import loop as decode
+from mtplx.spec_decode.auto_proposer import AutoProposer
+from mtplx.spec_decode.constraint import GrammarConstraint
+from mtplx.spec_decode.head_proposer import HeadProposer
+from mtplx.spec_decode.lookup_proposer import LookupProposer
+from mtplx.spec_decode.proposer import Draft
+from mtplx.spec_decode.settings import DecodeSettings, LookupConfig
+
+import llguidance
+import llguidance.numpy as llg_numpy
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.tokenizer_utils import load as load_tokenizer
+from support.decoding import take_steps
+from support.exactness import FALSE_FAILURE_RATE, loop_p_value
+from support.models import make_loop_pair
+from support.tokenizer import CHATML_CHARS, chatml_chars
+
+# Positions 1, 2, 3.. allow {a,b}, {a..e}, {a..z} (EOS too from position 4; never space,
+# punctuation or ids past the tokenizer): the sets differ along a verify block, and every later set
+# contains every earlier one, so a mask reused at a later position yields legal tokens in the wrong
+# proportions (the chi-square sees it: p < 1e-70 at 400 samples, depths 1-3), not a matcher error.
+LOOP_GRAMMAR = "start: /[ab][a-e][a-z]+/"
+# Exactly 49 letters, then the end: greedy runs long enough to see accepts and rejections.
+GREEDY_GRAMMAR = "start: /[abc]([ab][abcd]){24}/"
+VOCAB = 40  # the tokenizer has 33 ids: 33..39 must never be allowed
+# Punctuation and spaces the grammar refuses, so prompt-lookup blocks get cut to a legal prefix.
+GRAMMAR_PROMPT = [CHATML_CHARS.index(c) for c in "ab,ab c."]
+NUM_OUTPUT_TOKENS = 3
+MODEL = dict(vocab_size=VOCAB, seed=11, context_strength=6.0, head_noise=1.5, logit_scale=1.5)
+GREEDY_MODEL = dict(vocab_size=VOCAB, seed=0, context_strength=6.0, head_noise=2.0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    path = tmp_path_factory.mktemp("chatml")
+    chatml_chars(path)
+    return load_tokenizer(path)
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer):
+    return GrammarCompiler(tokenizer, VOCAB)
+
+
+def encode(text: str) -> list[int]:
+    return [CHATML_CHARS.index(c) for c in text]
+
+
+def decode_text(tokens: list[int]) -> str:
+    return "".join(CHATML_CHARS[t] for t in tokens)
+
+
+# --------------------------------------------------------------------------- the oracle's joint
+
+
+def llguidance_mask(matcher, ll_vocab: int) -> np.ndarray:
+    """bool [VOCAB] straight from llguidance's bitmask (ids past its vocabulary disallowed)."""
+    bitmask = llg_numpy.allocate_token_bitmask(1, ll_vocab)
+    llg_numpy.fill_next_token_bitmask(matcher, bitmask)
+    allowed = np.zeros(VOCAB, dtype=bool)
+    bits = (bitmask[0][:, None] >> np.arange(32)) & 1
+    allowed[:ll_vocab] = bits.reshape(-1)[:ll_vocab].astype(bool)
+    return allowed
+
+
+def constrained_ar_joint(trunk, compiler: GrammarCompiler, grammar: str, cfg: SamplerConfig) -> np.ndarray:
+    """P(first NUM_OUTPUT_TOKENS tokens) of AR sampling from the oracle's constrained chain."""
+    ll_tokenizer = compiler.ll_tokenizer
+    source = Grammar.lark(grammar).source
+    joint = {(): 1.0}
+    for _ in range(NUM_OUTPUT_TOKENS):
+        prefixes = list(joint)
+        logits = trunk(mx.array([GRAMMAR_PROMPT + list(p) for p in prefixes]), None).logits[:, -1, :]
+        logits = np.array(logits.astype(mx.float32), dtype=np.float64)
+        new_joint = {}
+        for row, prefix in enumerate(prefixes):
+            matcher = llguidance.LLMatcher(ll_tokenizer, source, log_level=0)
+            assert matcher.consume_tokens(list(prefix))
+            p = distribution_from_logits(
+                logits[row], cfg, allowed=llguidance_mask(matcher, ll_tokenizer.vocab_size)
+            )
+            for token in np.flatnonzero(p):
+                new_joint[prefix + (int(token),)] = joint[prefix] * p[token]
+        joint = new_joint
+    table = np.zeros([VOCAB] * NUM_OUTPUT_TOKENS)
+    for seq, prob in joint.items():
+        table[seq] = prob
+    return table
+
+
+# ------------------------------------------------------------------------------- the loop runs
+
+
+def head_run(trunk, head, constraint, cfg, depth, seed, **settings):
+    s = DecodeSettings(sampler=cfg, depth=depth, **settings)
+    return decode.speculative_decode(
+        trunk, HeadProposer(head, s), GRAMMAR_PROMPT, s, mx.random.key(seed), constraint=constraint
+    )
+
+
+def lookup_run(trunk, head, constraint, cfg, depth, seed):
+    s = DecodeSettings(sampler=cfg, depth=depth)
+    lookup = LookupProposer(LookupConfig(min_ngram=1, max_ngram=2, max_tokens=4, adaptive_length=False))
+    proposer = lookup if head is None else AutoProposer(lookup, HeadProposer(head, s))
+    return decode.speculative_decode(
+        trunk, proposer, GRAMMAR_PROMPT, s, mx.random.key(seed), constraint=constraint
+    )
+
+
+def ar_run(trunk, head, constraint, cfg, depth, seed):
+    s = DecodeSettings(sampler=cfg)
+    return decode.ar_decode(trunk, GRAMMAR_PROMPT, s, mx.random.key(seed), constraint=constraint)
+
+
+RUNNERS = {
+    "head": head_run,
+    "lookup": lambda t, h, *a: lookup_run(t, None, *a),
+    "auto": lookup_run,
+    "ar": ar_run,
+}
+
+
+def sampled_counts(trunk, head, compiler, run, cfg, depth, num_samples, seed0) -> tuple[np.ndarray, set[int]]:
+    """Counts of the first tokens over ``num_samples`` runs, and every block length verified."""
+    counts = np.zeros([VOCAB] * NUM_OUTPUT_TOKENS, dtype=np.int64)
+    block_lengths: set[int] = set()
+    grammar = Grammar.lark(LOOP_GRAMMAR)
+    for i in range(num_samples):
+        constraint = compiler.compile(grammar)
+        tokens, steps = take_steps(run(trunk, head, constraint, cfg, depth, seed0 + i), NUM_OUTPUT_TOKENS)
+        counts[tuple(tokens)] += 1
+        block_lengths |= {s.num_drafted for s in steps[1:]}
+    return counts, block_lengths
+
+
+# A loop run costs 25-60 ms here (2 cores, shared): `make test` runs three cases at 400 samples,
+# `make test-slow` every case at 1000.
+CASES = {
+    "head-d1-t1.0": ("head", 1, SamplerConfig(temperature=1.0)),
+    "head-d2-t0.7-topp": ("head", 2, SamplerConfig(temperature=0.7, top_p=0.9)),
+    "head-d3-t1.0-topp": ("head", 3, SamplerConfig(temperature=1.0, top_p=0.8)),
+    "lookup-t0.7-topp": ("lookup", 3, SamplerConfig(temperature=0.7, top_p=0.9)),
+    "auto-d2-t1.0": ("auto", 2, SamplerConfig(temperature=1.0)),
+    "ar-t0.7-topp": ("ar", 0, SamplerConfig(temperature=0.7, top_p=0.9)),
+}
+QUICK_CASES = ["head-d1-t1.0", "head-d3-t1.0-topp", "lookup-t0.7-topp"]
+NUM_SAMPLES = 400
+NUM_SAMPLES_SLOW = 1000
+
+
+@pytest.mark.parametrize("case", QUICK_CASES)
+def test_constrained_speculative_distribution_matches_the_oracle(case, compiler):
+    check_against_the_oracle(case, compiler, NUM_SAMPLES)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_constrained_distribution_matches_the_oracle_at_more_samples(case, compiler):
+    check_against_the_oracle(case, compiler, NUM_SAMPLES_SLOW)
+
+
+def check_against_the_oracle(case: str, compiler: GrammarCompiler, num_samples: int) -> None:
+    drafter, depth, cfg = CASES[case]
+    trunk, head = make_loop_pair(**MODEL)
+    expected = constrained_ar_joint(trunk, compiler, LOOP_GRAMMAR, cfg)
+    seed0 = int.from_bytes(os.urandom(4), "little")
+    counts, block_lengths = sampled_counts(
+        trunk, head, compiler, RUNNERS[drafter], cfg, depth, num_samples, seed0
+    )
+    p_value = loop_p_value(counts, expected)
+    assert p_value > FALSE_FAILURE_RATE, f"p={p_value:.3g} (seed0={seed0})"
+    if drafter == "lookup":  # blocks of 4 were cut to their legal prefix, and some refused whole
+        assert 0 in block_lengths and block_lengths & {1, 2, 3}, block_lengths
+
+
+def test_the_joint_is_constrained_and_far_from_the_free_one(compiler):
+    """The check means something: the constrained joint puts all its mass on legal prefixes,
+    and differs from what the unconstrained model gives them."""
+    trunk, _ = make_loop_pair(**MODEL)
+    cfg = SamplerConfig(temperature=1.0)
+    joint = constrained_ar_joint(trunk, compiler, LOOP_GRAMMAR, cfg)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    legal = [tuple(encode(a + b + c)) for a in "ab" for b in "abcde" for c in letters]
+    assert sum(joint[seq] for seq in legal) == pytest.approx(1.0)
+    assert min(joint[seq] for seq in legal) > 0  # every legal prefix is reachable
+    free_first = distribution_from_logits(
+        np.array(trunk(mx.array([GRAMMAR_PROMPT]), None).logits[0, -1].astype(mx.float32)), cfg
+    )
+    assert free_first[encode("abc")].sum() < 0.5  # the mask moves real mass
+
+
+def _check_exactness(compiler, depth, num_samples=NUM_SAMPLES) -> float:
+    trunk, head = make_loop_pair(**MODEL)
+    cfg = SamplerConfig(temperature=1.0)
+    expected = constrained_ar_joint(trunk, compiler, LOOP_GRAMMAR, cfg)
+    counts, _ = sampled_counts(trunk, head, compiler, head_run, cfg, depth, num_samples, 4321)
+    return loop_p_value(counts, expected)
+
+
+def test_chi_square_catches_the_first_mask_reused_at_later_positions(compiler, monkeypatch):
+    """Negative control (a): every position of a cycle (head drafts and target rows) gets the
+    mask of the cycle's first position."""
+    honest = GrammarConstraint.mask_after
+    monkeypatch.setattr(GrammarConstraint, "mask_after", lambda self, drafts=(): honest(self, ()))
+    try:
+        p_value = _check_exactness(compiler, depth=2)
+    except MtplxError:
+        pytest.fail("the reused mask made a token the matcher refuses: the control needs legal tokens")
+    assert p_value < FALSE_FAILURE_RATE
+
+
+def test_chi_square_catches_an_unmasked_q_in_the_acceptance_ratio(compiler, monkeypatch):
+    """Negative control (b): drafts sampled from the head's masked distribution, but the q
+    verify divides by is the unmasked one."""
+    honest = head_module.draw_draft_token
+
+    def unmasked_q(logits, context, settings, uniform, allowed=None):
+        token, _, invalid = honest(logits, context, settings, uniform, allowed)
+        _, q_unmasked, _ = honest(logits, context, settings, uniform, None)
+        return token, q_unmasked, invalid
+
+    monkeypatch.setattr(head_module, "draw_draft_token", unmasked_q)
+    assert _check_exactness(compiler, depth=1) < FALSE_FAILURE_RATE
+
+
+# ---------------------------------------------------------------------------------- greedy
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+@pytest.mark.parametrize("greedy_draft", [False, True])
+def test_greedy_constrained_speculation_equals_constrained_ar(depth, greedy_draft, compiler):
+    trunk, head = make_loop_pair(**GREEDY_MODEL)
+    cfg = SamplerConfig(temperature=0.0)
+    grammar = Grammar.lark(GREEDY_GRAMMAR)
+    ar = [t for s in ar_run(trunk, head, compiler.compile(grammar), cfg, 0, 0) for t in s.tokens]
+    steps = list(head_run(trunk, head, compiler.compile(grammar), cfg, depth, 0, greedy_draft=greedy_draft))
+    spec = [t for s in steps for t in s.tokens]
+    assert spec == ar and len(ar) == 49 and steps[-1].grammar_done
+    assert steps[1].grammar_reads == depth  # the drafts read once per head step, and once for the block
+    accepted = [s.num_accepted for s in steps if s.num_drafted]
+    assert any(a > 0 for a in accepted) and any(a < depth for a in accepted), accepted
+    free, _ = take_steps(ar_run(trunk, head, None, cfg, 0, 0), 49)
+    assert free != ar  # the grammar changed the greedy output
+
+
+@pytest.mark.parametrize("drafter", ["lookup", "auto"])
+def test_greedy_constrained_lookup_equals_constrained_ar(drafter, compiler):
+    trunk, head = make_loop_pair(**GREEDY_MODEL)
+    cfg = SamplerConfig(temperature=0.0)
+    grammar = Grammar.lark(GREEDY_GRAMMAR)
+    ar = [t for s in ar_run(trunk, head, compiler.compile(grammar), cfg, 0, 0) for t in s.tokens]
+    steps = list(lookup_run(trunk, head if drafter == "auto" else None, compiler.compile(grammar), cfg, 3, 0))
+    assert [t for s in steps for t in s.tokens] == ar
+    assert any(s.num_drafted == 4 and s.num_accepted == 4 for s in steps)  # lookup blocks were kept
+
+
+def test_point_mass_drafts_are_cut_and_sampled_drafts_kept(compiler):
+    """Point masses are cut to their legal prefix; a sampled block keeps its refused draft (verify
+    rejects it: p = 0), and the rows after it are all-allowed, never used."""
+    constraint = compiler.compile(Grammar.lark(LOOP_GRAMMAR))
+    tokens = mx.array([encode("abd,")], dtype=mx.int32)
+    cut, masks, reads = decode._constrain_draft(Draft(tokens, None, (("lookup", 4),)), constraint)
+    assert cut.tokens.tolist() == [encode("abd")] and cut.sources == (("lookup", 3),) and reads == 1
+    assert masks.shape == (4, VOCAB)
+    assert decode._constrain_draft(Draft(tokens[:, 2:], None, (("lookup", 2),)), constraint)[0] is None
+    q = mx.full((1, 4, VOCAB), 1.0 / VOCAB)
+    kept, masks, _ = decode._constrain_draft(Draft(tokens, q, (("model", 4),)), constraint)
+    assert kept.num_tokens == 4
+    rows = np.array(masks)
+    assert not rows[3, encode(",")[0]] and rows[4].all()  # "," refused at position 4; after it: anything
+
+
+# --------------------------------------------------------------------------- the grammar's end
+
+END_GRAMMAR = "start: /[ab][abc][ac]d/"
+
+
+@pytest.mark.parametrize("depth", [None, 1, 3])
+def test_a_complete_grammar_ends_the_stream_without_eos(depth, compiler):
+    trunk, head = make_loop_pair(**MODEL)
+    cfg = SamplerConfig(temperature=1.0)
+    for seed in range(6):
+        constraint = compiler.compile(Grammar.lark(END_GRAMMAR))
+        steps = (
+            ar_run(trunk, head, constraint, cfg, 0, seed)
+            if depth is None
+            else head_run(trunk, head, constraint, cfg, depth, seed)
+        )
+        produced = list(steps)  # the generator ends by itself at the grammar's end
+        tokens = [t for s in produced for t in s.tokens]
+        assert produced[-1].grammar_done and not any(s.grammar_done for s in produced[:-1])
+        text = decode_text(tokens)  # no EOS: the stream ends with the grammar's last token
+        assert len(text) == 4 and text[0] in "ab" and text[1] in "abc" and text[2] in "ac" and text[3] == "d"
+
+
+def test_masks_allow_eos_only_where_the_grammar_accepts_and_never_ids_past_the_tokenizer(compiler):
+    constraint = compiler.compile(Grammar.lark(END_GRAMMAR))
+    eos = CHATML_CHARS.index("<|im_end|>")
+
+    def allowed(drafts):
+        return {CHATML_CHARS[i] for i in np.flatnonzero(np.array(constraint.mask_after(encode(drafts))))}
+
+    assert allowed("") == {"a", "b"}
+    assert allowed("ab") == {"a", "c"}
+    assert allowed("abcd") == {"<|im_end|>"}  # complete: EOS only
+    assert constraint.legal_prefix(encode("bbcd") + [eos]) == 5 and constraint.legal_prefix(encode("bd")) == 1
+    masks = np.array(constraint.block_masks(encode("bx")))  # x is refused: the row after it is never used
+    assert masks.shape == (3, VOCAB) and masks[2].all() and not masks[:2, 33:].any()
+    constraint.commit(encode("abc"))
+    assert allowed("") == {"d"} and not constraint.stopped
+    constraint.commit(encode("d"))
+    assert constraint.stopped
+    with pytest.raises(MtplxError, match="grammar"):
+        constraint.commit(encode("a"))
