@@ -103,7 +103,7 @@ def _request(end_id: int, seed: int) -> dict:
     )
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", [0, 1])
 def test_reasoning_is_split_from_the_answer_whole_and_streamed(client, engine, thinking_dir, end_id, seed):
     kwargs = _request(end_id, seed)
     raw = engine.generate(
