@@ -57,17 +57,21 @@ def lark_marker(text: str, ids: tuple[int, ...]) -> str:
 
 def wrap_grammar(answer_rules: list[str], reasoning: Reasoning) -> list[str]:
     """Lark rules: a reasoning span (free text, then the end marker; optional unless the prompt
-    opened it) and then the answer, whose rules use ``answer`` as their start symbol. The span's
-    text cannot contain the end marker's text, so the span ends exactly at the marker."""
+    opened it) and then the answer, whose rules use ``answer`` as their start symbol.
+
+    A one-token end marker is not text: the span's text (which cannot spell the marker either)
+    ends where the token comes. A marker spelled in text needs a lazy lexeme, which ends at the
+    marker's first occurrence (a greedy one would run past it)."""
     start, end, opened, start_ids, end_ids = reasoning
-    rules = [
-        f"think: THINK_TEXT {lark_marker(end, end_ids)}",
-        f"THINK_TEXT: /(.|\\n)*/ & ~/(.|\\n)*{regex_literal(end)}(.|\\n)*/",
-        *answer_rules,
-    ]
-    if opened:
-        return ["start: think answer", *rules]
-    return [f"start: ({lark_marker(start, start_ids)} think)? answer", *rules]
+    if len(end_ids) == 1:
+        think = [
+            f"think: THINK_TEXT {lark_marker(end, end_ids)}",
+            f"THINK_TEXT: /(.|\\n)*/ & ~/(.|\\n)*{regex_literal(end)}(.|\\n)*/",
+        ]
+    else:
+        think = [f"think[lazy]: /(.|\\n)*{regex_literal(end)}/"]
+    head = "start: think answer" if opened else f"start: ({lark_marker(start, start_ids)} think)? answer"
+    return [head, *think, *answer_rules]
 
 
 def lark_string(text: str) -> str:

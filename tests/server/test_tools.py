@@ -9,8 +9,8 @@ from dataclasses import replace
 
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.errors import MtplxError
-from mtplx.server.constraints import tool_grammar
-from mtplx.server.schemas import Message, NamedToolChoice, Tool
+from mtplx.server.constraints import response_format_grammar, tool_grammar
+from mtplx.server.schemas import Message, NamedToolChoice, ResponseFormat, Tool
 from mtplx.server.tools import GENERIC_SYNTAX, CallExtractor, CallSyntax, merge_calls, render_chat
 
 import pytest
@@ -48,7 +48,7 @@ def env(request, default_model_dir):
 
     hf = AutoTokenizer.from_pretrained(default_model_dir)
     if request.param == "one-token":
-        hf.add_tokens(["<tool_call>", "</tool_call>"])
+        hf.add_tokens(["<tool_call>", "</tool_call>", "<think>", "</think>"])
     tokenizer = llguidance.hf.from_tokenizer(hf)
 
     def accepts(grammar, text: str) -> bool:
@@ -64,7 +64,7 @@ def env(request, default_model_dir):
 
     syntax = replace(GENERIC_SYNTAX, start_ids=ids("<tool_call>"), end_ids=ids("</tool_call>"))
     assert (len(syntax.start_ids) == 1) == (request.param == "one-token")
-    return accepts, syntax
+    return accepts, syntax, ids
 
 
 @pytest.mark.parametrize(
@@ -92,7 +92,7 @@ def env(request, default_model_dir):
     ],
 )
 def test_tool_grammars_accept_calls_and_only_calls(env, choice, parallel, accepted, refused):
-    matcher_for, syntax = env
+    matcher_for, syntax, _ = env
     if choice == "clock":
         choice = NamedToolChoice.model_validate({"type": "function", "function": {"name": "clock"}})
     grammar = tool_grammar([WEATHER, CLOCK], choice, parallel, syntax, None)
@@ -103,11 +103,24 @@ def test_tool_grammars_accept_calls_and_only_calls(env, choice, parallel, accept
 
 
 def test_auto_with_a_response_format_replaces_free_text_by_the_schema(env):
-    matcher_for, syntax = env
+    matcher_for, syntax, _ = env
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     grammar = tool_grammar([CLOCK], "auto", True, syntax, schema)
     assert matcher_for(grammar, '{"a":1}') and matcher_for(grammar, CALL_C)
     assert not matcher_for(grammar, "Plain text.") and not matcher_for(grammar, '{"a": 1}')
+
+
+@pytest.mark.parametrize("opened", [False, True])
+def test_a_reasoning_span_is_free_and_only_the_answer_is_constrained(env, opened):
+    matcher_for, _, ids = env
+    reasoning = ("<think>", "</think>", opened, ids("<think>"), ids("</think>"))
+    fmt = ResponseFormat.model_validate({"type": "json_object"})
+    grammar = response_format_grammar(fmt, reasoning)
+    lead = "" if opened else "<think>"
+    assert matcher_for(grammar, lead + 'Free {text}\n</think>{"a":1}')
+    assert not matcher_for(grammar, lead + "Free text</think>not json")
+    assert not matcher_for(grammar, lead + 'Free</think>{"a":1}</think>{"b":2}')  # one span only
+    assert matcher_for(grammar, '{"a":1}') == (not opened)  # the span is optional unless opened
 
 
 def test_bad_tool_parameters_and_unknown_named_tools_are_one_line_errors():
