@@ -14,9 +14,9 @@ the prompt rendering, the tool grammars and the call reading (`mtplx.server.chat
 - ``stop_sequences`` -> ``stop``; ``max_tokens`` is required, as in Anthropic's API.
 
 Replies: a thinking model's reasoning is a ``thinking`` block (empty signature: nothing is
-signed here) before the text; ``stop_reason`` is ``tool_use`` after a call, ``max_tokens`` when cut, else ``end_turn``
-(a stop sequence also ends as ``end_turn`` with ``stop_sequence: null``: the engine does not
-report which stop string matched). Errors are ``{"type": "error", "error": {"type", "message"}}``.
+signed here) before the text; ``stop_reason`` is ``tool_use`` after a call, ``max_tokens`` when
+cut, ``stop_sequence`` (with ``stop_sequence`` set) when one of them ended the reply, else
+``end_turn``. Errors are ``{"type": "error", "error": {"type", "message"}}``.
 """
 
 from __future__ import annotations
@@ -219,33 +219,57 @@ def _input(arguments: str) -> dict:
 class MessagesFormat:
     """A reply as an Anthropic message, whole or as a stream of events (content blocks in order)."""
 
-    def __init__(self, model_id: str, reader: ReplyReader):
+    def __init__(self, model_id: str, reader: ReplyReader, tokenizer: Any, stop_sequences: list[str] | None):
         self.model_id = model_id
         self.reader = reader
+        self.tokenizer = tokenizer
+        self.stop_sequences = stop_sequences or []
+        self._text = ""  # the reply so far, and its tokens
+        self._ids: list[int] = []
         self.id = f"msg_{uuid.uuid4().hex}"
         self._block = -1  # index of the open content block, -1 before the first
         self._open: str | None = None  # "text" / "tool_use" / None
         self._started = False
 
-    def _stop_reason(self, finish: str | None) -> str:
+    def _ending(self, finish: str | None) -> dict:
+        """``stop_reason`` and ``stop_sequence`` of the reply that ended with ``finish``."""
         if finish == "length":
-            return "max_tokens"
-        return "tool_use" if self.reader.calls > 0 else "end_turn"
+            return {"stop_reason": "max_tokens", "stop_sequence": None}
+        if self.reader.calls > 0:
+            return {"stop_reason": "tool_use", "stop_sequence": None}
+        matched = self._matched_stop()
+        reason = "end_turn" if matched is None else "stop_sequence"
+        return {"stop_reason": reason, "stop_sequence": matched}
 
-    def _message(self, content: list, stop_reason: str | None, usage: dict) -> dict:
+    def _matched_stop(self) -> str | None:
+        """The stop sequence that ended the reply, if one did: the text leaves a stop string out
+        but the tokens keep it, so they decode to the text and then the stop string (a decode
+        of the whole may differ at its very start: the streaming detokenizer drops a leading space)."""
+        if not self.stop_sequences:
+            return None
+        full = self.tokenizer.decode(self._ids)
+        at = full.find(self._text)
+        if at < 0:
+            return None
+        rest = full[at + len(self._text) :]
+        rests = (rest, rest.lstrip()) if not self._text else (rest,)
+        return next((s for s in self.stop_sequences for r in rests if r.startswith(s)), None)
+
+    def _message(self, content: list, ending: dict, usage: dict) -> dict:
         return {
             "id": self.id,
             "type": "message",
             "role": "assistant",
             "model": self.model_id,
             "content": content,
-            "stop_reason": stop_reason,
-            "stop_sequence": None,
+            **ending,
             "usage": usage,
         }
 
     def response(self, chunks: list[GenerationChunk]) -> dict:
-        reasoning, content, deltas = self.reader.feed("".join(c.text for c in chunks), final=True)
+        self._text = "".join(c.text for c in chunks)
+        self._ids = [t for c in chunks for t in c.token_ids]
+        reasoning, content, deltas = self.reader.feed(self._text, final=True)
         blocks: list[dict] = (
             [{"type": "thinking", "thinking": reasoning, "signature": ""}] if reasoning else []
         )
@@ -262,7 +286,7 @@ class MessagesFormat:
             )
         stats = chunks[-1].stats
         usage = {"input_tokens": stats.prompt_tokens, "output_tokens": stats.generated_tokens}
-        return self._message(blocks, self._stop_reason(chunks[-1].finish_reason), usage)
+        return self._message(blocks, self._ending(chunks[-1].finish_reason), usage)
 
     # ---------------------------------------------------------------- streaming
     def sse_open(self) -> list[str]:
@@ -285,7 +309,10 @@ class MessagesFormat:
         if not self._started:
             self._started = True
             usage = {"input_tokens": chunk.stats.prompt_tokens, "output_tokens": 0}
-            out += [_event("message_start", {"message": self._message([], None, usage)}), _event("ping", {})]
+            message = self._message([], {"stop_reason": None, "stop_sequence": None}, usage)
+            out += [_event("message_start", {"message": message}), _event("ping", {})]
+        self._text += chunk.text
+        self._ids += chunk.token_ids
         reasoning, content, deltas = self.reader.feed(chunk.text, final=chunk.finish_reason is not None)
         if reasoning:
             if self._open != "thinking":
@@ -306,7 +333,7 @@ class MessagesFormat:
                 out.append(_event("content_block_delta", {"index": self._block, "delta": delta}))
         if chunk.finish_reason is not None:
             out += self._close_block()
-            delta = {"stop_reason": self._stop_reason(chunk.finish_reason), "stop_sequence": None}
+            delta = self._ending(chunk.finish_reason)
             usage = {"output_tokens": chunk.stats.generated_tokens}
             out += [_event("message_delta", {"delta": delta, "usage": usage}), _event("message_stop", {})]
         return out

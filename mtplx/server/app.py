@@ -214,7 +214,7 @@ def create_app(worker: GenerationWorker, settings: ServerSettings) -> FastAPI:
         plan = plan_chat(engine.tokenizer, chat)
         prompt_tokens = await _encode_chat(engine, plan)
         job = _make_job(engine, chat, prompt_tokens, chat.max_tokens, None, settings, plan.grammar)
-        fmt = MessagesFormat(settings.model_id, plan.reader())
+        fmt = MessagesFormat(settings.model_id, plan.reader(), engine.tokenizer, body.stop_sequences)
         return await _respond(request, worker, job, settings, fmt, chat)
 
     @v1.post("/messages/count_tokens")

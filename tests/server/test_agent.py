@@ -308,6 +308,24 @@ def test_messages_text_whole_and_streamed(claude, model_id):
     assert events[0].message.usage.input_tokens == whole.usage.input_tokens
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_messages_stop_sequences_say_which_one_ended_the_reply(claude, model_id, stream):
+    kwargs = dict(model=model_id, max_tokens=16, messages=_ask("Ramble on."), extra_body={"temperature": 0})
+    text = claude.messages.create(**kwargs).content[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]  # a piece of what the model will write again
+    expected = text[: text.index(stop)]
+    stops = ["never-written-zz", stop]
+    if stream:
+        with claude.messages.stream(stop_sequences=stops, **kwargs) as events:
+            reply = events.get_final_message()
+    else:
+        reply = claude.messages.create(stop_sequences=stops, **kwargs)
+    assert (reply.stop_reason, reply.stop_sequence) == ("stop_sequence", stop)
+    assert "".join(b.text for b in reply.content) == expected
+    unmatched = claude.messages.create(stop_sequences=["never-written-zz"], **kwargs)
+    assert (unmatched.stop_reason, unmatched.stop_sequence) == ("max_tokens", None)
+
+
 def test_messages_stream_events_on_the_wire(server, model_id):
     body = {"model": model_id, "max_tokens": 6, "stream": True, "messages": _ask("Hi."), "temperature": 0}
     with httpx.stream(
