@@ -13,7 +13,8 @@ single stream). Requests that end (EOS, stop string, max_tokens) or are cancelle
 the next cycle, their caches going to the prompt cache as a single stream's do.
 
 A request runs here when `Engine.batch_refusal` has nothing against it: a draft model, the
-adaptive gate or a sharded engine need the single-stream loop (`Engine.stream`), and so do
+adaptive gate, a grammar (the batched cycle has no per-row masks yet) or a sharded engine need
+the single-stream loop (`Engine.stream`), and so do
 models whose caches cannot be batched (sliding-window, quantized KV; heads that read the trunk's
 cache).
 """

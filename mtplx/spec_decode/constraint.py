@@ -80,8 +80,12 @@ class GrammarConstraint:
         self._check()
 
     def legal_prefix(self, tokens: Sequence[int]) -> int:
-        """How many of ``tokens`` (drafts after the committed text) the grammar allows in a row."""
-        return int(self.matcher.validate_tokens([int(t) for t in tokens]))
+        """How many of ``tokens`` (drafts after the committed text) the grammar allows in a row.
+        An id past the tokenizer's vocabulary is never allowed (and never shown to llguidance,
+        which would put the matcher in its error state for good)."""
+        ids = [int(t) for t in tokens]
+        inside = next((i for i, t in enumerate(ids) if not 0 <= t < self.tokenizer_vocab_size), len(ids))
+        return int(self.matcher.validate_tokens(ids[:inside])) if inside else 0
 
     # ------------------------------------------------------------------ masks
     def mask_after(self, drafts: Sequence[int] = ()) -> mx.array:

@@ -230,6 +230,7 @@ def ar_decode(
     key, step_key = _split_key(key)
     output = prefill(trunk, prompt_tokens, trunk_cache, settings.prefill_step_size, prefix=prefix)
     logits = output.logits
+    mask_mark = constraint.mask_seconds if constraint is not None else 0.0
     allowed = constraint.mask_after() if constraint is not None else None
     drawn = _sample_last_row(logits, history, settings, step_key, allowed)
     mx.async_eval(drawn.tokens, drawn.invalid)
@@ -243,7 +244,8 @@ def ar_decode(
             if settings.logprobs is None
             else _token_logprobs(logits[0, -1:], [token_id], settings.logprobs)
         )
-        _, grammar = _grammar_step(constraint, [token_id], constraint.mask_seconds if constraint else 0.0)
+        _, grammar = _grammar_step(constraint, [token_id], mask_mark)
+        mask_mark = constraint.mask_seconds if constraint is not None else 0.0
         if grammar.get("grammar_done"):
             yield Step([token_id], logprobs=logprobs, **grammar)
             return

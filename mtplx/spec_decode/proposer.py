@@ -116,12 +116,18 @@ def draw_draft_token(
     ``context`` [1, C] holds the committed tokens and the drafts before this one, so the
     request's penalties see what the target will see at this position. ``allowed`` [V]: the
     grammar's mask at this position (the target's order: penalties, mask, filters); q is then the
-    masked distribution. No host sync.
+    masked distribution (uniform over the allowed tokens where the drafter gives them all 0).
+    No host sync.
     """
     cfg = settings.sampler
     if cfg.has_penalties:
         logits = sample_ops.penalize_logits(logits[:, None, :], context, cfg)[:, 0, :]
-    logits = sample_ops.mask_logits(logits, allowed)
+    if allowed is not None:
+        masked = sample_ops.mask_logits(logits, allowed)
+        # A drafter may give every allowed token probability 0 (a head with a narrowed vocabulary):
+        # then it drafts uniformly among them. Any q keeps verify exact, and the draft stays legal.
+        nothing = mx.all(masked == -mx.inf, axis=-1, keepdims=True)
+        logits = mx.where(nothing, mx.where(allowed, 0.0, -mx.inf), masked)
     if settings.greedy_draft:
         return mx.argmax(logits, axis=-1).astype(mx.int32), None, None
     drawn = sample_ops.sample(logits, cfg, uniform, backend=settings.verify_backend)

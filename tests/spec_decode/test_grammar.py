@@ -21,6 +21,7 @@ from mtplx.spec_decode import head_proposer as head_module
 from mtplx.spec_decode import loop as decode
 from mtplx.spec_decode.auto_proposer import AutoProposer
 from mtplx.spec_decode.constraint import GrammarConstraint
+from mtplx.spec_decode.draft_model_proposer import DraftModelProposer
 from mtplx.spec_decode.head_proposer import HeadProposer
 from mtplx.spec_decode.lookup_proposer import LookupProposer
 from mtplx.spec_decode.proposer import Draft
@@ -129,15 +130,40 @@ def lookup_run(trunk, head, constraint, cfg, depth, seed):
     )
 
 
+def draft_model_for(spec: dict):
+    """The target's weights with its context-dependent part halved: a draft model that agrees
+    with the target often but not always, and does not know the grammar (its drafts unmasked)."""
+    return make_loop_pair(**dict(spec, context_strength=spec["context_strength"] * 0.5))[0].model
+
+
+def model_run(trunk, head, constraint, cfg, depth, seed, draft_model=None, **settings):
+    s = DecodeSettings(sampler=cfg, depth=depth, **settings)
+    model = draft_model if draft_model is not None else draft_model_for(MODEL)
+    proposer = DraftModelProposer(model, s, target_vocab_size=VOCAB, real_vocab_size=VOCAB)
+    return decode.speculative_decode(
+        trunk, proposer, GRAMMAR_PROMPT, s, mx.random.key(seed), constraint=constraint
+    )
+
+
 def ar_run(trunk, head, constraint, cfg, depth, seed):
     s = DecodeSettings(sampler=cfg)
     return decode.ar_decode(trunk, GRAMMAR_PROMPT, s, mx.random.key(seed), constraint=constraint)
+
+
+_DRAFT_MODEL: list = []
+
+
+def _model_runner(trunk, head, constraint, cfg, depth, seed):
+    if not _DRAFT_MODEL:
+        _DRAFT_MODEL.append(draft_model_for(MODEL))
+    return model_run(trunk, head, constraint, cfg, depth, seed, draft_model=_DRAFT_MODEL[0])
 
 
 RUNNERS = {
     "head": head_run,
     "lookup": lambda t, h, *a: lookup_run(t, None, *a),
     "auto": lookup_run,
+    "model": _model_runner,
     "ar": ar_run,
 }
 
@@ -164,8 +190,9 @@ CASES = {
     "lookup-t0.7-topp": ("lookup", 3, SamplerConfig(temperature=0.7, top_p=0.9)),
     "auto-d2-t1.0": ("auto", 2, SamplerConfig(temperature=1.0)),
     "ar-t0.7-topp": ("ar", 0, SamplerConfig(temperature=0.7, top_p=0.9)),
+    "model-d2-t1.0": ("model", 2, SamplerConfig(temperature=1.0)),
 }
-QUICK_CASES = ["head-d1-t1.0", "head-d3-t1.0-topp", "lookup-t0.7-topp"]
+QUICK_CASES = ["head-d1-t1.0", "head-d3-t1.0-topp", "lookup-t0.7-topp", "model-d2-t1.0"]
 NUM_SAMPLES = 400
 NUM_SAMPLES_SLOW = 1000
 
@@ -193,6 +220,8 @@ def check_against_the_oracle(case: str, compiler: GrammarCompiler, num_samples: 
     assert p_value > FALSE_FAILURE_RATE, f"p={p_value:.3g} (seed0={seed0})"
     if drafter == "lookup":  # blocks of 4 were cut to their legal prefix, and some refused whole
         assert 0 in block_lengths and block_lengths & {1, 2, 3}, block_lengths
+    if drafter == "model":  # unmasked sampled drafts are verified whole, illegal ones included
+        assert block_lengths == {depth}, block_lengths
 
 
 def test_the_joint_is_constrained_and_far_from_the_free_one(compiler):
@@ -334,3 +363,62 @@ def test_masks_allow_eos_only_where_the_grammar_accepts_and_never_ids_past_the_t
     assert constraint.stopped
     with pytest.raises(MtplxError, match="grammar"):
         constraint.commit(encode("a"))
+
+
+def test_a_drafter_that_gives_every_allowed_token_zero_drafts_uniformly_among_them():
+    """A head with a narrowed vocabulary can put -inf on every token the grammar allows: its draft
+    is then uniform over the allowed tokens (legal, with the q it was drawn from), not token 0."""
+    from mtplx.spec_decode.proposer import draw_draft_token
+
+    logits = mx.array([[0.0, 5.0, -mx.inf, -mx.inf, 1.0, -mx.inf]])
+    allowed = mx.array([False, False, True, True, False, True])
+    settings = DecodeSettings(sampler=SamplerConfig(temperature=0.7, top_p=0.9))
+    for u in (0.1, 0.5, 0.9):
+        token, q, invalid = draw_draft_token(logits, None, settings, mx.array([u]), allowed)
+        assert int(token[0]) in (2, 3, 5) and int(invalid) == 0
+        np.testing.assert_allclose(np.array(q[0]), [0, 0, 1 / 3, 1 / 3, 0, 1 / 3], rtol=1e-6)
+    partly = mx.array([False, True, True, False, True, False])  # the drafter's own masked distribution
+    _, q, _ = draw_draft_token(logits, None, DecodeSettings(sampler=SamplerConfig()), mx.array([0.5]), partly)
+    expected = np.exp([5.0, 1.0]) / np.exp([5.0, 1.0]).sum()
+    np.testing.assert_allclose(np.array(q[0])[[1, 4]], expected, rtol=1e-6)
+    greedy = DecodeSettings(sampler=SamplerConfig(temperature=0.0), greedy_draft=True)
+    assert int(draw_draft_token(logits, None, greedy, mx.array([0.5]), allowed)[0][0]) == 2
+
+
+@pytest.mark.parametrize("greedy_draft", [False, True])
+def test_greedy_constrained_draft_model_equals_constrained_ar(greedy_draft, compiler):
+    """A draft model does not know the grammar: its sampled drafts (one-hot q at temperature 0)
+    are verified whole and an illegal one rejected; its argmax drafts (point masses) are cut."""
+    trunk, _ = make_loop_pair(**GREEDY_MODEL)
+    cfg = SamplerConfig(temperature=0.0)
+    # Letters only: the draft model's unconstrained argmax is often legal here (with the loop
+    # grammar it never is, and every block would be refused).
+    grammar = Grammar.lark("start: /[a-z]{48}/")
+    ar = [t for s in ar_run(trunk, None, compiler.compile(grammar), cfg, 0, 0) for t in s.tokens]
+    draft_model = draft_model_for(GREEDY_MODEL)
+    steps = list(
+        model_run(
+            trunk,
+            None,
+            compiler.compile(grammar),
+            cfg,
+            3,
+            0,
+            draft_model=draft_model,
+            greedy_draft=greedy_draft,
+        )
+    )
+    assert [t for s in steps for t in s.tokens] == ar
+    accepted = [(s.num_drafted, s.num_accepted) for s in steps[1:]]
+    assert any(a == k > 0 for k, a in accepted) and any(a < k for k, a in accepted), accepted
+    assert len(ar) == 48 and steps[-1].grammar_done
+
+
+def test_draft_ids_past_the_tokenizer_are_illegal_and_leave_the_matcher_working(compiler):
+    """A draft model or head can propose an id the tokenizer does not have (the trunk's vocabulary
+    is wider): it is refused there, and the matcher stays usable (llguidance errors for good)."""
+    constraint = compiler.compile(Grammar.lark(LOOP_GRAMMAR))
+    assert constraint.legal_prefix(encode("ab") + [37, 0]) == 2 and constraint.legal_prefix([35]) == 0
+    assert np.array(constraint.block_masks(encode("a") + [37]))[2].all()  # after it: never used
+    constraint.commit(encode("ab"))
+    assert not constraint.stopped and np.array(constraint.mask_after())[: len("abcde")].all()
