@@ -247,7 +247,9 @@ class Engine:
         the MTP head unless tuning found plain AR faster here), "head", "lookup", "model" or
         "none" (plain AR; ``mtp=True`` / ``False`` are aliases of "head" / "none"), ``depth`` (the
         most drafts a model drafter makes per cycle), ``greedy_draft``, ``lookup``, ``adaptive``
-        (stop the head early when it is unsure; ``adaptive_threshold`` sets the threshold).
+        (stop the head early when it is unsure; ``adaptive_threshold`` sets the threshold), and
+        ``grammar`` (a `Grammar`: the output must match it, sampled exactly as constrained AR
+        would; the stream ends with the grammar's last token, docs/sampling.md).
         """
         if request is None:
             request = GenerationRequest.from_kwargs(**kwargs)
@@ -256,6 +258,8 @@ class Engine:
         plan = self.plan(prompt, request)
         choice, prompt_tokens, settings = plan.choice, plan.prompt_tokens, plan.settings
         drafting = request.drafting
+        # Compiled before any cache is taken: a grammar this tokenizer cannot serve fails here.
+        constraint = self.compile_grammar(request.grammar) if request.grammar is not None else None
         seed = request.seed
         if self.distributed is not None:  # every rank must run this request with rank 0's seed
             seed = self.distributed.agree_on_request(
@@ -281,7 +285,6 @@ class Engine:
             target_vocab_size=int(self.trunk.vocab_size),
             draft_vocab_size=self.draft_vocab_size,
         )
-        constraint = self.compile_grammar(request.grammar) if request.grammar is not None else None
         if proposer is not None:
             steps = decode.speculative_decode(
                 self.trunk,

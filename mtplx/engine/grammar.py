@@ -18,7 +18,7 @@ from typing import Any
 
 from mtplx.engine.grammar_spec import Grammar, llguidance_module
 from mtplx.errors import MtplxError
-from mtplx.spec_decode.constraint import GrammarConstraint
+from mtplx.spec_decode.constraint import GrammarConstraint, matcher_message
 
 __all__ = ["GrammarCompiler"]
 
@@ -88,5 +88,5 @@ class GrammarCompiler:
         ll_tokenizer = self.ll_tokenizer
         matcher = llguidance.LLMatcher(ll_tokenizer, grammar.source, log_level=0)
         if matcher.is_error():
-            raise MtplxError(f"{grammar.field}: {' '.join(matcher.get_error().split()[:40])}")
+            raise MtplxError(f"{grammar.field}: {matcher_message(matcher.get_error())}")
         return GrammarConstraint(matcher, self.vocab_size, ll_tokenizer.vocab_size, self.eos_token_ids)

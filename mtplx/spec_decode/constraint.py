@@ -37,7 +37,13 @@ from mtplx.errors import MtplxError
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["GrammarConstraint"]
+__all__ = ["GrammarConstraint", "matcher_message"]
+
+
+def matcher_message(error: str) -> str:
+    """llguidance's error as one line: its first line, without the parser state it appends."""
+    lines = error.split("<state>")[0].strip().splitlines()
+    return " ".join(lines[0].split()) if lines else "the matcher failed"
 
 
 class GrammarConstraint:
@@ -59,7 +65,7 @@ class GrammarConstraint:
     # ------------------------------------------------------------------ state
     def _check(self) -> None:
         if self.matcher.is_error():
-            raise MtplxError(f"grammar: {' '.join(self.matcher.get_error().split()[:40])}")
+            raise MtplxError(f"grammar: {matcher_message(self.matcher.get_error())}")
 
     @property
     def stopped(self) -> bool:
