@@ -13,15 +13,20 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from mtplx.engine.engine import GenerationChunk, GenerationStats
+from mtplx.engine.grammar_spec import Grammar
 from mtplx.engine.request import GenerationRequest
 from mtplx.errors import MtplxError
+from mtplx.server.anthropic import CountTokensRequest, MessagesFormat, MessagesRequest, to_chat
+from mtplx.server.anthropic import error_body as anthropic_error
+from mtplx.server.chat import ChatPlan, plan_chat
+from mtplx.server.constraints import response_format_grammar
 from mtplx.server.openai import APIError, ChatFormat, TextFormat, error_body
 from mtplx.server.schemas import ChatCompletionRequest, CompletionRequest
 from mtplx.server.settings import ServerSettings
@@ -30,6 +35,7 @@ from mtplx.server.worker import Finished, GenerationWorker, Job, JobFailed, JobT
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -85,9 +91,10 @@ class LimitsAndLogMiddleware:
         except _BodyTooLarge:
             if not status["started"]:
                 message = f"request body: larger than the limit of {limit} bytes"
-                await JSONResponse(error_body(message, "invalid_request_error", None, "body_too_large"), 413)(
-                    scope, receive, recording_send
-                )
+                body = error_body(message, "invalid_request_error", None, "body_too_large")
+                if str(scope.get("path", "")).startswith("/v1/messages"):
+                    body = anthropic_error(413, message)
+                await JSONResponse(body, 413)(scope, receive, recording_send)
         finally:
             _log_request(scope, status["code"], time.perf_counter() - start)
 
@@ -114,11 +121,11 @@ def create_app(worker: GenerationWorker, settings: ServerSettings) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, err: APIError):
-        return err.response()
+        return _error_response(request, err)
 
     @app.exception_handler(MtplxError)
     async def _mtplx_error(request: Request, err: MtplxError):
-        return APIError(400, str(err)).response()
+        return _error_response(request, APIError(400, str(err), param=_field_of(str(err))))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, err: RequestValidationError):
@@ -128,30 +135,31 @@ def create_app(worker: GenerationWorker, settings: ServerSettings) -> FastAPI:
         if first.get("type") == "json_invalid":
             message = "request body: not valid JSON"
         else:
-            message = f"{param or 'request body'}: {first.get('msg', 'invalid value')}"
-        return APIError(400, message, param=param).response()
+            detail = first.get("msg", "invalid value").removeprefix("Value error, ")
+            message = f"{param or 'request body'}: {detail}"
+        return _error_response(request, APIError(400, message, param=param))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, err: StarletteHTTPException):
         if err.status_code == 404:
-            return APIError(404, f"route: {request.url.path} does not exist", code="not_found").response()
-        return APIError(err.status_code, str(err.detail)).response()
+            message = f"route: {request.url.path} does not exist"
+            return _error_response(request, APIError(404, message, code="not_found"))
+        return _error_response(request, APIError(err.status_code, str(err.detail)))
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, err: Exception):
         log.error("internal error on %s", request.url.path, exc_info=err)
-        return APIError(
-            500, "internal server error (details in the server log)", type="server_error"
-        ).response()
+        message = "internal server error (details in the server log)"
+        return _error_response(request, APIError(500, message, type="server_error"))
 
     def check_key(request: Request) -> None:
+        """``Authorization: Bearer <key>`` (OpenAI clients) or ``x-api-key: <key>`` (Anthropic's)."""
         if settings.api_key is None:
             return
-        header = request.headers.get("authorization", "")
-        scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            given.strip().encode(), settings.api_key.encode()
-        ):
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer":
+            given = request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(given.strip().encode(), settings.api_key.encode()):
             raise APIError(
                 401, "api key: missing or invalid", type="authentication_error", code="invalid_api_key"
             )
@@ -176,12 +184,13 @@ def create_app(worker: GenerationWorker, settings: ServerSettings) -> FastAPI:
         _check_common(body, settings)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt_tokens = await _encode(engine, messages, "messages")
+        plan = plan_chat(engine.tokenizer, body)
+        prompt_tokens = await _encode_chat(engine, plan)
         max_tokens = body.max_completion_tokens or body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        job = _make_job(engine, body, prompt_tokens, max_tokens, logprobs, settings)
-        return await _respond(request, worker, job, settings, ChatFormat(engine, settings.model_id), body)
+        job = _make_job(engine, body, prompt_tokens, max_tokens, logprobs, settings, plan.grammar)
+        fmt = ChatFormat(engine, settings.model_id, plan.reader())
+        return await _respond(request, worker, job, settings, fmt, body)
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -193,9 +202,27 @@ def create_app(worker: GenerationWorker, settings: ServerSettings) -> FastAPI:
             prompt = prompt[0]
         if isinstance(prompt, str) and not prompt:
             raise APIError(400, "prompt: is empty", param="prompt")
+        grammar = response_format_grammar(body.response_format)
         prompt_tokens = await _encode(engine, prompt, "prompt")
-        job = _make_job(engine, body, prompt_tokens, body.max_tokens, body.logprobs, settings)
+        job = _make_job(engine, body, prompt_tokens, body.max_tokens, body.logprobs, settings, grammar)
         return await _respond(request, worker, job, settings, TextFormat(engine, settings.model_id), body)
+
+    @v1.post("/messages")
+    async def messages(body: MessagesRequest, request: Request):
+        chat = _chat_of(body)
+        _check_common(chat, settings)
+        plan = plan_chat(engine.tokenizer, chat)
+        prompt_tokens = await _encode_chat(engine, plan)
+        job = _make_job(engine, chat, prompt_tokens, chat.max_tokens, None, settings, plan.grammar)
+        fmt = MessagesFormat(settings.model_id, plan.reader(), engine.tokenizer, body.stop_sequences)
+        return await _respond(request, worker, job, settings, fmt, chat)
+
+    @v1.post("/messages/count_tokens")
+    async def count_tokens(body: CountTokensRequest):
+        chat = _chat_of(body)
+        if chat.model is not None:
+            _check_model(chat.model, settings)
+        return {"input_tokens": len(await _encode_chat(engine, plan_chat(engine.tokenizer, chat)))}
 
     app.include_router(v1)
     app.add_middleware(LimitsAndLogMiddleware, max_body_bytes=settings.max_body_bytes)
@@ -209,6 +236,32 @@ def create_app(worker: GenerationWorker, settings: ServerSettings) -> FastAPI:
             allow_headers=["Authorization", "Content-Type"],
         )
     return app
+
+
+def _error_response(request: Request, err: APIError) -> JSONResponse:
+    """``err`` in the shape of the API the route belongs to (Anthropic's under /v1/messages)."""
+    if request.url.path.startswith("/v1/messages"):
+        return JSONResponse(anthropic_error(err.status, err.message), err.status, headers=err.headers)
+    return err.response()
+
+
+def _chat_of(body: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:
+    """An Anthropic body as the chat completion it asks for (`mtplx.server.anthropic.to_chat`)."""
+    try:
+        return ChatCompletionRequest.model_validate(to_chat(body))
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        raise APIError(400, f"{where or 'request body'}: {first.get('msg', 'invalid value')}") from None
+
+
+_FIELD = re.compile(r"^([a-z_][\w.\[\]]*): ")
+
+
+def _field_of(message: str) -> str | None:
+    """The API field an error message starts with (``response_format: ...``), if any."""
+    found = _FIELD.match(message)
+    return found.group(1) if found else None
 
 
 def _model_card(model_id: str, created: int) -> dict:
@@ -227,7 +280,8 @@ def _check_model(name: str, settings: ServerSettings) -> None:
 
 
 def _check_common(body, settings: ServerSettings) -> None:
-    _check_model(body.model, settings)
+    if body.model is not None:  # omitted: the served model answers (as mlx_lm.server, llama-server)
+        _check_model(body.model, settings)
     if body.n not in (None, 1):
         raise APIError(400, f"n: only 1 completion per request is supported, got {body.n}", param="n")
     requested = getattr(body, "max_completion_tokens", None) or body.max_tokens
@@ -246,8 +300,31 @@ async def _encode(engine, prompt, param: str) -> list[int]:
         raise APIError(400, str(err), param=param) from None
 
 
+async def _encode_chat(engine, plan: ChatPlan) -> list[int]:
+    """The chat's prompt ids; tools go through the template's own ``tools=`` when it has one."""
+    if plan.template_tools is None:
+        return await _encode(engine, plan.messages, "messages")
+
+    def render() -> list[int]:
+        ids = engine.tokenizer.apply_chat_template(
+            plan.messages, tools=plan.template_tools, add_generation_prompt=True, tokenize=True
+        )
+        return engine.encode_prompt(list(ids["input_ids"] if isinstance(ids, dict) else ids))
+
+    try:
+        return await run_in_threadpool(render)
+    except MtplxError as err:
+        raise APIError(400, str(err), param="messages") from None
+
+
 def _make_job(
-    engine, body, prompt_tokens: list[int], max_tokens: int | None, logprobs: int | None, settings
+    engine,
+    body,
+    prompt_tokens: list[int],
+    max_tokens: int | None,
+    logprobs: int | None,
+    settings,
+    grammar: Grammar | None = None,
 ) -> Job:
     context = engine.context_length
     if max_tokens is None:
@@ -273,7 +350,7 @@ def _make_job(
                 f"logit_bias: token id {outside[0]} is outside the vocabulary of {vocab}",
                 param="logit_bias",
             )
-    request = _request(body, settings.defaults, max_tokens, logprobs, bias)
+    request = replace(_request(body, settings.defaults, max_tokens, logprobs, bias), grammar=grammar)
     deadline = time.monotonic() + settings.request_timeout
     return Job(prompt_tokens, request, deadline, asyncio.get_running_loop())
 
@@ -386,32 +463,31 @@ async def _respond(request: Request, worker: GenerationWorker, job: Job, setting
     return fmt.response(chunks)
 
 
-def _event(payload: dict) -> str:
-    return f"data: {json.dumps(payload)}\n\n"
-
-
 async def _sse(
     request: Request, job: Job, first, fmt, include_usage: bool, watcher: asyncio.Task
 ) -> AsyncIterator[str]:
+    """The stream's events; ``fmt`` spells them in its API (`sse_open`, `sse_chunk`, `sse_error`,
+    `sse_close`)."""
     item = first
     last: GenerationChunk | None = None
+    failed = False
     try:
-        opening = fmt.opening_chunk()
-        if opening is not None:
-            yield _event(opening)
+        for event in fmt.sse_open():
+            yield event
         while not isinstance(item, Finished):
             try:
                 _raise_for(item)
             except APIError as err:
-                yield _event(error_body(err.message, err.type, err.param, err.code))
+                yield fmt.sse_error(err)
+                failed = True
                 break
             last = item
             request.state.mtplx_stats = item.stats  # the log line counts what was generated, even if cut
-            yield _event(fmt.chunk(item))
+            for event in fmt.sse_chunk(item):
+                yield event
             item = await _next_item(job)
-        if last is not None and include_usage:
-            yield _event(fmt.usage_chunk(last.stats))
-        yield "data: [DONE]\n\n"
+        for event in fmt.sse_close(last, include_usage, failed):
+            yield event
     finally:
         job.cancel()
         watcher.cancel()

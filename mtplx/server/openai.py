@@ -5,14 +5,20 @@ the raw target log-probabilities, as vLLM reports them). Routes live in `mtplx.s
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
+from typing import TYPE_CHECKING
 
 from mtplx.engine.engine import GenerationChunk, GenerationStats
+from mtplx.server.tools import merge_calls
 
 from fastapi.responses import JSONResponse
 
-__all__ = ["APIError", "ChatFormat", "TextFormat", "decode_stats", "error_body", "usage"]
+if TYPE_CHECKING:
+    from mtplx.server.chat import ReplyReader
+
+__all__ = ["APIError", "ChatFormat", "TextFormat", "decode_stats", "error_body", "sse_data", "usage"]
 
 
 class APIError(Exception):
@@ -105,11 +111,57 @@ class _Format:
         body["mtplx"] = decode_stats(stats)
         return body
 
+    # The server-sent events of a stream (vLLM's convention for an error after streaming began:
+    # a final ``data: {"error": ...}`` event, then nothing).
+    def sse_open(self) -> list[str]:
+        opening = self.opening_chunk()
+        return [] if opening is None else [sse_data(opening)]
+
+    def sse_chunk(self, chunk: GenerationChunk) -> list[str]:
+        return [sse_data(self.chunk(chunk))]
+
+    def sse_error(self, err: APIError) -> str:
+        return sse_data(error_body(err.message, err.type, err.param, err.code))
+
+    def sse_close(self, last: GenerationChunk | None, include_usage: bool, failed: bool) -> list[str]:
+        usage_event = [sse_data(self.usage_chunk(last.stats))] if last is not None and include_usage else []
+        return [*usage_event, "data: [DONE]\n\n"]
+
+
+def sse_data(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
 
 class ChatFormat(_Format):
+    """Chat replies. With a ``reader`` (tools offered, or a thinking model) the text is split
+    into ``reasoning_content`` (also as ``reasoning``, mlx-lm's name), content and ``tool_calls``;
+    a reply that called a tool and stopped says ``finish_reason: "tool_calls"``."""
+
     prefix = "chatcmpl"
     object_name = "chat.completion"
     chunk_object = "chat.completion.chunk"
+
+    def __init__(self, engine, model_id: str, reader: ReplyReader | None = None):
+        super().__init__(engine, model_id)
+        self.reader = reader
+
+    def _finish(self, finish: str | None) -> str | None:
+        called = self.reader is not None and self.reader.calls > 0
+        return "tool_calls" if finish == "stop" and called else finish
+
+    def response(self, chunks: list[GenerationChunk]) -> dict:
+        body = super().response(chunks)
+        if self.reader is not None:
+            reasoning, content, deltas = self.reader.feed("".join(c.text for c in chunks), final=True)
+            calls = merge_calls(deltas)
+            message = body["choices"][0]["message"]
+            message["content"] = content or (None if calls else "")
+            if reasoning:
+                message["reasoning_content"] = message["reasoning"] = reasoning
+            if calls:
+                message["tool_calls"] = calls
+            body["choices"][0]["finish_reason"] = self._finish(chunks[-1].finish_reason)
+        return body
 
     def _entry(self, token: int, logprob: float) -> dict:
         text = self._token_text(token)
@@ -138,9 +190,17 @@ class ChatFormat(_Format):
         return self._envelope(self.chunk_object, [choice])
 
     def chunk(self, chunk: GenerationChunk) -> dict:
-        delta = {"content": chunk.text} if chunk.text else {}
+        reasoning, content, deltas = "", chunk.text, []
+        if self.reader is not None:
+            reasoning, content, deltas = self.reader.feed(chunk.text, final=chunk.finish_reason is not None)
+        delta: dict = {"content": content} if content else {}
+        if reasoning:
+            delta["reasoning_content"] = delta["reasoning"] = reasoning
+        if deltas:
+            delta["tool_calls"] = [d.wire() for d in deltas]
         logprobs = self._logprobs([chunk]) if chunk.logprobs is not None else None
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": chunk.finish_reason}
+        finish = self._finish(chunk.finish_reason)
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return self._envelope(self.chunk_object, [choice])
 
 

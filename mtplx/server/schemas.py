@@ -3,18 +3,25 @@
 Unknown fields are ignored (clients send many optional ones); fields we accept
 are type-checked and range-checked here so a bad value is a 400 naming it.
 Ranges follow the OpenAI API reference; sampler fields the API lacks (top_k,
-min_p, repetition_penalty) follow mlx-lm's server.
+min_p, repetition_penalty) follow mlx-lm's server. ``model`` may be omitted: the served model
+answers (as with ``mlx_lm.server`` and ``llama-server``).
+
+The agent fields (``response_format``, ``tools``, ``tool_choice``, assistant ``tool_calls`` and
+``tool`` messages) have the OpenAI chat completions shapes; what they mean for generation is
+`mtplx.server.tools` and `mtplx.server.constraints`.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
 # OpenAI allows at most 20 alternatives per position.
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+# OpenAI's function names: letters, digits, underscores and dashes, at most 64.
+FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
 
 
 class StreamOptions(BaseModel):
@@ -28,13 +35,90 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: Annotated[str, Field(pattern=FUNCTION_NAME)]
+    arguments: str  # a JSON object, as text (what the model wrote)
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(BaseModel):
+    """A chat turn. ``content`` may be null only on an assistant turn that calls tools; a
+    ``tool`` turn answers one call by its ``tool_call_id``."""
+
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _turn_shape(self) -> Message:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (null only on an assistant turn with tool_calls)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls are only allowed on assistant turns")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: Annotated[str, Field(pattern=FUNCTION_NAME)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: StrictBool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaSpec(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")  # None: any JSON object
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """``{"type": "text"}``, ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {...}}``."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('type "json_schema" needs a json_schema object')
+        return self
 
 
 class _SamplingRequest(BaseModel):
@@ -42,7 +126,7 @@ class _SamplingRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str
+    model: str | None = None  # None: the served model
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
@@ -57,6 +141,7 @@ class _SamplingRequest(BaseModel):
     n: Annotated[StrictInt, Field(ge=1)] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -72,6 +157,9 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
 
 
 class CompletionRequest(_SamplingRequest):

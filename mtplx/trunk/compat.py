@@ -107,6 +107,50 @@ ORIGINAL_GATED_DELTA_UPDATE = _gated_delta.gated_delta_update
 _GATED_DELTA_PARAMETERS = ("q", "k", "v", "a", "b", "A_log", "dt_bias", "state", "mask")
 
 
+# --------------------------------------------------------------------------- chat syntax
+
+
+class ToolCallSyntax(NamedTuple):
+    """How a model's chat template writes a tool call (mlx-lm's ``TokenizerWrapper`` infers it)."""
+
+    start: str  # the marker opening a call, e.g. "<tool_call>"
+    end: str  # the marker closing it
+    parse: Callable[[str, Any], Any]  # mlx_lm.tool_parsers.<family>.parse_tool_call(text, tools)
+    family: str  # the parser module's name: "json_tools", "qwen3_coder", "mistral", ...
+
+
+def tool_call_syntax(tokenizer: Any) -> ToolCallSyntax | None:
+    """The tool-call syntax of the template behind ``tokenizer`` (an mlx-lm ``TokenizerWrapper``),
+    or None when mlx-lm found none (the template renders no tools)."""
+    if not getattr(tokenizer, "has_tool_calling", False) or tokenizer.tool_parser is None:
+        return None
+    parse = tokenizer.tool_parser
+    family = getattr(parse, "__module__", "").rsplit(".", 1)[-1]
+    return ToolCallSyntax(tokenizer.tool_call_start, tokenizer.tool_call_end, parse, family)
+
+
+class ThinkingMarkers(NamedTuple):
+    """The markers around a thinking model's reasoning span, as text and as token ids."""
+
+    start: str
+    end: str
+    start_ids: tuple[int, ...]
+    end_ids: tuple[int, ...]
+
+
+def thinking_markers(tokenizer: Any) -> ThinkingMarkers | None:
+    """The reasoning span's markers (``<think>`` / ``</think>`` and the other families mlx-lm
+    recognises), or None when the model does not think."""
+    if not getattr(tokenizer, "has_thinking", False):
+        return None
+    return ThinkingMarkers(
+        tokenizer.think_start,
+        tokenizer.think_end,
+        tuple(tokenizer.think_start_tokens),
+        tuple(tokenizer.think_end_tokens),
+    )
+
+
 # --------------------------------------------------------------------------- model structure
 
 

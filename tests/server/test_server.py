@@ -8,15 +8,9 @@ same directory in this process.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import shutil
-import socket
-import subprocess
-import sys
 import threading
-import time
 from pathlib import Path
 
 import mtplx  # noqa: F401  (BLAS before mlx)
@@ -26,20 +20,10 @@ import openai
 import pytest
 from support import checkpoints
 from support.decoding import is_rounding_tie
-from support.paths import REPO
+from support.server import KEY, running_server, wait_for
 
-KEY = "test-key-0123"
 MAX_QUEUE = 8
 MAX_BODY = 100_000
-ROOT = REPO
-
-
-def _wait_for(condition, timeout: float = 30.0) -> None:
-    """Poll ``condition`` until true or ``timeout`` s (server log lines are written as requests
-    end, which may be just after the client saw the response); the caller asserts after."""
-    deadline = time.monotonic() + timeout
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
@@ -50,51 +34,11 @@ def model_dir(tmp_path_factory, default_model_dir) -> Path:
     return path
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def _running_server(model_dir: Path, log_path: Path, *flags: str, api_key: str | None = KEY):
-    """`mtplx serve` on ``model_dir`` and a free port; yields (base URL, log path) once /health answers."""
-    port = _free_port()
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop("MTPLX_API_KEY", None)
-    if api_key is not None:
-        env["MTPLX_API_KEY"] = api_key
-    args = [sys.executable, "-m", "mtplx", "serve", "--model", str(model_dir), "--port", str(port)]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([*args, *flags], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()}")
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server did not come up:\n{log_path.read_text()}")
-            time.sleep(0.3)
-        yield base, log_path
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("log") / "server.log"
     flags = ["--depth", "2", "--max-queue", str(MAX_QUEUE), "--max-body-bytes", str(MAX_BODY)]
-    with _running_server(model_dir, log_path, *flags) as running:
+    with running_server(model_dir, log_path, *flags) as running:
         yield running
 
 
@@ -303,7 +247,7 @@ def test_disconnect_mid_stream_cancels_and_the_next_request_is_fine(server, clie
             if "completion=" in line
         ]
 
-    _wait_for(lambda: any(n < 200 for n in completions()))
+    wait_for(lambda: any(n < 200 for n in completions()))
     assert any(n < 200 for n in completions()) and 200 not in completions()
 
 
@@ -580,7 +524,7 @@ def open_server(damaged_model_dir, tmp_path_factory):
     """No API key, bound to 127.0.0.1, CORS allowed for one origin, serving the damaged checkpoint."""
     log_path = tmp_path_factory.mktemp("log") / "open-server.log"
     flags = ["--depth", "2", "--allowed-origins", ALLOWED_ORIGIN]
-    with _running_server(damaged_model_dir, log_path, *flags, api_key=None) as running:
+    with running_server(damaged_model_dir, log_path, *flags, api_key=None) as running:
         yield running
 
 
@@ -616,7 +560,7 @@ def test_internal_failure_is_a_500_and_the_next_request_is_served(open_server, o
     def failed_lines() -> int:
         return len([line for line in log_path.read_text().splitlines() if "/v1/completions 500" in line])
 
-    _wait_for(lambda: failed_lines() >= 2)
+    wait_for(lambda: failed_lines() >= 2)
     log = log_path.read_text()
     assert "Traceback" in log and "logits contain NaN" in log
     assert failed_lines() == 2
@@ -686,7 +630,7 @@ def test_cors_answers_only_the_allowed_origin(open_server):
 def test_binding_a_non_local_address_without_a_key_warns(model_dir, tmp_path, with_key):
     log_path = tmp_path / "server.log"
     key = KEY if with_key else None
-    with _running_server(model_dir, log_path, "--host", "0.0.0.0", api_key=key) as (base, _):
+    with running_server(model_dir, log_path, "--host", "0.0.0.0", api_key=key) as (base, _):
         log = log_path.read_text()
         status = httpx.get(base + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code
     assert status == 200
@@ -722,7 +666,7 @@ def test_serve_sampling_and_drafting_flags_are_the_defaults_of_omitted_fields(
     request = dict(prompt=REPEATING, max_tokens=24)
     expected = engine.generate(REPEATING, max_tokens=24, temperature=0.0, draft="lookup", chat=False)
     flags = ["--draft", "lookup", "--temp", "0", "--depth", "2"]
-    with _running_server(model_dir, tmp_path / "lookup.log", *flags) as (base, _):
+    with running_server(model_dir, tmp_path / "lookup.log", *flags) as (base, _):
         body = httpx.post(
             base + "/v1/completions",
             json={"model": str(model_dir), **request},
