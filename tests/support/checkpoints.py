@@ -113,15 +113,27 @@ def _qwen_next_head_module(layers: list) -> nn.Module:
 
 
 def qwen3_5(
-    path: Path, *, mtp_layers: int = 1, ship_mtp: bool = True, shards: int = 1, seed: int = 0
+    path: Path,
+    *,
+    mtp_layers: int = 1,
+    ship_mtp: bool = True,
+    shards: int = 1,
+    seed: int = 0,
+    context_strength: float | None = None,
 ) -> Tiny:
     """A Qwen3.5 checkpoint declaring ``mtp_layers`` MTP layers, their tensors under ``mtp.``
-    unless ``ship_mtp`` is off (as a converter that dropped them leaves it)."""
+    unless ``ship_mtp`` is off (as a converter that dropped them leaves it).
+    ``context_strength`` as ``deepseek_v3``'s: the head starts from reading the next token's
+    embedding alone (``fc`` = [I, 0]), so it predicts the trunk's bigram part and drafts are kept."""
     from mlx_lm.models import qwen3_5 as q
 
     config = qwen3_5_config(mtp_layers=mtp_layers)
     model = q.Model(q.ModelArgs.from_dict(config))
     randomize(model, seed)
+    inner = model.language_model.model
+    if context_strength is not None:
+        scale_outputs(model, context_strength)
+        inner.embed_tokens.weight = inner.embed_tokens.weight * HIDDEN**0.5
     tensors: dict[str, mx.array] = {}
     for name, v in tree_flatten(model.parameters()):
         if name.startswith("language_model.model."):
@@ -134,6 +146,11 @@ def qwen3_5(
     if mtp_layers and ship_mtp:
         head = _qwen_next_head_module([qwen3_5_mtp_layer(model) for _ in range(mtp_layers)])
         randomize(head, seed + 1)
+        if context_strength is not None:
+            scale_outputs(head, context_strength)
+            head.fc.weight = mx.concatenate([mx.eye(HIDDEN), mx.zeros((HIDDEN, HIDDEN))], axis=1)
+            head.pre_fc_norm_embedding.weight = mx.ones((HIDDEN,))
+            head.norm.weight = inner.norm.weight
         for name, v in _prefixed(head, "mtp.").items():
             tensors[name] = _qwen35_offset(name, v)
     return write_checkpoint(path, tensors, config, shards)
