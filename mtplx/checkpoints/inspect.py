@@ -84,7 +84,7 @@ def _quant_bits(name: str, header: dict[str, dict], q: dict | None) -> int | Non
 
 def _head_precision(header: dict[str, dict], q: dict | None, is_head, config: dict) -> dict | None:
     """Per group (``mtplx.heads.precision``) the bits of the head's weight matrices as stored
-    (FP8 ``F8_*`` tensors count as 8), which groups every draft passes through are under 8 bits,
+    (FP8 tensors, ``F8_*`` or with a ``weight_scale_inv``, count as 8), which groups every draft passes through are under 8 bits,
     and the choice ``mtplx convert`` recorded (``"default"``, ``"float"``, a width; None: not
     converted by mtplx). In a quantized checkpoint with some head layer quantized, its float
     matrices are the ones no quantizer touches (router gates, widths off the group size) and are
@@ -96,7 +96,7 @@ def _head_precision(header: dict[str, dict], q: dict | None, is_head, config: di
         if not (is_head(name) and name.endswith(".weight")) or len(info["shape"]) < 2:
             continue
         bits = _quant_bits(name, header, q)
-        fp8 = str(info["dtype"]).startswith("F8")
+        fp8 = str(info["dtype"]).startswith("F8") or f"{name}_scale_inv" in header
         layers[name[: -len(".weight")]] = bits or (8 if fp8 else precision.FLOAT)
     if q is not None and any(b != precision.FLOAT for b in layers.values()):
         layers = {k: b for k, b in layers.items() if b != precision.FLOAT}

@@ -40,7 +40,7 @@ DEFAULT_GROUPS = {
 def build(family: str, path: Path):
     if family == "qwen3_5":
         return checkpoints.qwen3_5(path, context_strength=0.5)
-    return checkpoints.deepseek_v3(path, moe=True, trunk_layers=2, sidecar=True, context_strength=0.5)
+    return checkpoints.deepseek_v3(path, moe=True, trunk_layers=2, sidecar=True, context_strength=0.3)
 
 
 @pytest.fixture(scope="module", params=sorted(DEFAULT_GROUPS))

@@ -190,6 +190,41 @@ def _deepseek_layer_class(model_type: str) -> type:
     return DeepseekV32DecoderLayer
 
 
+FP8_BLOCK = 128
+FP8_MAX = 448.0  # largest finite e4m3
+
+
+def fp8_blocks(w: mx.array, ue8m0: bool) -> tuple[mx.array, mx.array]:
+    """``w`` [..., m, n] as DeepSeek's FP8 layout: e4m3 bytes and one inverse scale per 128 x 128
+    block (edge blocks short): the block's max |w| / 448, rounded up to a power of two for V3.1's
+    ``ue8m0`` scales. Returns (uint8 [..., m, n], float32 [..., ceil(m/128), ceil(n/128)])."""
+    a = np.array(w.astype(mx.float32), dtype=np.float64)
+    *lead, m, n = a.shape
+    mb, nb = -(-m // FP8_BLOCK), -(-n // FP8_BLOCK)
+    scale = np.empty((*lead, mb, nb))
+    for i in range(mb):
+        for j in range(nb):
+            block = a[..., i * FP8_BLOCK : (i + 1) * FP8_BLOCK, j * FP8_BLOCK : (j + 1) * FP8_BLOCK]
+            amax = np.maximum(np.abs(block).max(axis=(-2, -1)), 1e-12) / FP8_MAX
+            scale[..., i, j] = 2.0 ** np.ceil(np.log2(amax)) if ue8m0 else amax
+    full = scale.repeat(FP8_BLOCK, axis=-2)[..., :m, :].repeat(FP8_BLOCK, axis=-1)[..., :n]
+    return mx.to_fp8(mx.array((a / full).astype(np.float32))), mx.array(scale.astype(np.float32))
+
+
+def _fp8_head(head: dict[str, mx.array], ue8m0: bool) -> dict[str, mx.array]:
+    """The MTP layer's linear weights (attention, MLPs, experts, ``eh_proj``) in FP8 blocks, as
+    DeepSeek's FP8 checkpoints store them; norms, the router gate and the embedding / LM-head
+    copies stay float."""
+    out = {}
+    for name, v in head.items():
+        keep = v.ndim < 2 or "norm" in name or name.endswith(("mlp.gate.weight", "embed_tokens.weight"))
+        if keep or "shared_head.head" in name:
+            out[name] = v
+            continue
+        out[name], out[name + "_scale_inv"] = fp8_blocks(v, ue8m0)
+    return out
+
+
 def deepseek_v3(
     path: Path,
     *,
@@ -202,6 +237,7 @@ def deepseek_v3(
     trunk_layers: int = 61,
     model_type: str = "deepseek_v3",
     context_strength: float | None = None,
+    fp8: str | None = None,
 ) -> Tiny:
     """``context_strength``: scale the trunk's and the MTP blocks' output projections by it and
     start each MTP module from reading the next token's embedding alone (``eh_proj`` = [I, 0],
@@ -211,7 +247,9 @@ def deepseek_v3(
     ``deepseek_v3``: its sanitize drops only ``model.layers.61.*``). ``model_type``
     "deepseek_v32" (DeepSeek-V3.2) or "glm_moe_dsa" (GLM-5): MLA with the DSA indexer
     (``self_attn.indexer.*``, as those checkpoints name it; their sanitize drops every layer
-    from ``num_hidden_layers`` on)."""
+    from ``num_hidden_layers`` on). ``fp8`` "ue8m0" (V3.1: power-of-two block scales) or "float"
+    (V3 / R1): the MTP layer's linear weights in FP8 128 x 128 blocks, with the config's
+    ``quantization_config`` as published."""
     import importlib
 
     d = importlib.import_module(f"mlx_lm.models.{model_type}")
@@ -254,6 +292,15 @@ def deepseek_v3(
         # DeepSeek ships copies of the embedding and the LM head inside the MTP layer.
         head[p + "embed_tokens.weight"] = model.model.embed_tokens.weight
         head[p + "shared_head.head.weight"] = model.lm_head.weight
+    if fp8 is not None:
+        head = _fp8_head(head, ue8m0=fp8 == "ue8m0")
+        config["quantization_config"] = {
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "quant_method": "fp8",
+            "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+            **({"scale_fmt": "ue8m0"} if fp8 == "ue8m0" else {}),
+        }
     return _write_with_head(path, tensors, head, config, shards, sidecar)
 
 
