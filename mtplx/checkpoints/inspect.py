@@ -120,6 +120,8 @@ def _head_predicate(layout: str | None, config: dict):
         return lambda k: k.startswith("model.mtp_layers.")
     if layout == "mimo_v2_flash":
         return lambda k: k.startswith("model.mtp.")
+    if layout == "ernie":
+        return lambda k: k.startswith("model.mtp_")
     # An unknown layout: count what is named like an MTP head, so inspect can say what it found.
     return lambda k: re.search(r"(^|[._])(mtp|nextn)", k) is not None
 

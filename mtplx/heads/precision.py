@@ -3,7 +3,8 @@
 Glossary (``tensor_group``, by checkpoint tensor name, any family):
 
 - ``projection``: the layer joining the token embedding and the trunk hidden state
-  (``eh_proj`` DeepSeek / GLM / MiMo-V2-Flash, ``fc`` Qwen3-Next / forged, ``input_proj`` MiMo);
+  (``eh_proj`` DeepSeek / GLM / MiMo-V2-Flash, ``fc`` Qwen3-Next / forged, ``input_proj`` MiMo,
+  ``mtp_linear_proj`` ERNIE-4.5);
 - ``attention``: the head block's attention (``self_attn.*``, MLA projections, DSA indexer);
 - ``dense``: the dense MLP, the shared experts and the MoE router gates;
 - ``routed_experts``: the routed experts (``switch_mlp.*``, ``experts.{e}.*``);
@@ -30,7 +31,7 @@ CRITICAL_GROUPS = ("projection", "attention")
 MIN_CRITICAL_BITS = 8
 FLOAT = "float"  # a group kept unquantized
 
-_PROJECTION = re.compile(r"(^|\.)(eh_proj|fc|input_proj)(\.|$)")
+_PROJECTION = re.compile(r"(^|\.)(eh_proj|fc|input_proj|mtp_linear_proj)(\.|$)")
 _ROUTED = re.compile(r"(^|\.)(switch_mlp|experts\.\d+)(\.|$)|(^|\.)experts\.(gate_up_proj|down_proj)")
 _ATTENTION = re.compile(r"(^|\.)(self_attn|attn|attention)(\.|$)")
 _LM_HEAD = re.compile(r"(^|\.)(shared_head\.head|lm_head|embed_tokens)(\.|$)")

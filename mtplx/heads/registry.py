@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mtplx.heads import deepseek, mimo, mimo_v2_flash, qwen3_next
+from mtplx.heads import deepseek, ernie, mimo, mimo_v2_flash, qwen3_next
 from mtplx.heads.base import HiddenSource, MTPHead
 from mtplx.heads.weights import HeadSource, MissingHeadError, load_head_weights, weight_index
 
@@ -109,6 +109,15 @@ FAMILIES: dict[str, HeadFamily] = {
             layer_names=r"model\.mtp\.layers\.(\d+)\..+",
             default_hidden_source=mimo_v2_flash.DEFAULT_HIDDEN_SOURCE,
             build=mimo_v2_flash.build_head,
+        ),
+        HeadFamily(
+            name=ernie.LAYOUT,
+            model_types=("ernie4_5_moe", "ernie4_5"),
+            marker=r"model\.mtp_linear_proj\.\d+\.weight",
+            count_keys=("num_nextn_predict_layers",),
+            layer_names=r"model\.mtp_linear_proj\.(\d+)\.weight",
+            default_hidden_source=ernie.DEFAULT_HIDDEN_SOURCE,
+            build=ernie.build_head,
         ),
     )
 }

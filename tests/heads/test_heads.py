@@ -453,6 +453,7 @@ def test_default_hidden_sources_are_explicit():
         "deepseek": "post_norm",
         "mimo": "pre_norm",
         "mimo_v2_flash": "post_norm",
+        "ernie": "post_norm",
     }
 
 
@@ -467,6 +468,7 @@ def test_each_registry_row_recognises_its_own_checkpoint_and_no_other(tmp_path):
         "deepseek": checkpoints.deepseek_v3(tmp_path / "d", mtp_layers=2, sidecar=True, trunk_layers=2),
         "mimo": checkpoints.mimo(tmp_path / "m", mtp_layers=2),
         "mimo_v2_flash": checkpoints.mimo_v2_flash(tmp_path / "mv2", mtp_layers=2),
+        "ernie": checkpoints.ernie4_5_moe(tmp_path / "e", mtp_layers=2),
     }
     assert set(built) == set(FAMILIES)
     for name, tiny in built.items():

@@ -30,6 +30,7 @@ from support.models import (
     HIDDEN,
     VOCAB,
     deepseek_v3_config,
+    ernie4_5_moe_config,
     gemma4_assistant_config,
     gemma4_config,
     mimo_config,
@@ -426,6 +427,58 @@ def mimo_v2_flash(
         tensors.update(_prefixed(mod, p))
         for name, v in _prefixed(block, p).items():
             tensors[name.replace(".post_attention_layernorm.", ".pre_mlp_layernorm.")] = v
+    return write_checkpoint(path, tensors, config)
+
+
+# --------------------------------------------------------------------------- ernie4_5_moe
+
+
+def ernie4_5_moe(
+    path: Path,
+    *,
+    mtp_layers: int = 1,
+    ship_mtp: bool = True,
+    seed: int = 0,
+    context_strength: float | None = None,
+) -> Tiny:
+    """ERNIE-4.5 MoE as published: experts per expert (``mlp.experts.{e}.*``), the router's
+    ``moe_statics.e_score_correction_bias``, and the MTP layers as four lists indexed by layer:
+    ``model.mtp_emb_norm.{i}``, ``model.mtp_hidden_norm.{i}``, ``model.mtp_linear_proj.{i}``,
+    ``model.mtp_block.{i}.*`` (a dense decoder layer). ``context_strength`` as ``deepseek_v3``'s,
+    with ``mtp_emb_norm`` = the trunk's final norm (the layer has no final norm of its own)."""
+    from mlx_lm.models import ernie4_5_moe as e
+
+    config = ernie4_5_moe_config(mtp_layers=mtp_layers)
+    args = e.ModelArgs.from_dict(config)
+    model = e.Model(args)
+    randomize(model, seed)
+    if context_strength is not None:
+        scale_outputs(model, context_strength)
+        model.model.embed_tokens.weight = model.model.embed_tokens.weight * HIDDEN**0.5
+    tensors: dict[str, mx.array] = {}
+    for name, v in tree_flatten(model.parameters()):
+        if ".switch_mlp." in name:
+            layer, proj = name.split(".mlp.switch_mlp.")
+            for x in range(v.shape[0]):
+                tensors[f"{layer}.mlp.experts.{x}.{proj}"] = v[x]
+        else:
+            tensors[name] = v
+    tensors["model.layers.1.mlp.moe_statics.e_score_correction_bias"] = mx.zeros((1, args.moe_num_experts))
+    for i in range(mtp_layers if ship_mtp else 0):
+        mod = nn.Module()
+        mod.mtp_emb_norm, mod.mtp_hidden_norm = nn.RMSNorm(HIDDEN), nn.RMSNorm(HIDDEN)
+        mod.mtp_linear_proj = nn.Linear(2 * HIDDEN, HIDDEN, bias=False)
+        block = e.Ernie4_5_DecoderLayer(args, args.num_hidden_layers + i)  # dense, as the references build it
+        randomize(mod, seed + 1 + 2 * i)
+        randomize(block, seed + 2 + 2 * i)
+        if context_strength is not None:
+            scale_outputs(block, context_strength)
+            mod.mtp_linear_proj.weight = mx.concatenate([mx.eye(HIDDEN), mx.zeros((HIDDEN, HIDDEN))], axis=1)
+            mod.mtp_emb_norm.weight = model.model.norm.weight
+        for name, v in tree_flatten(mod.parameters()):
+            own, rest = name.split(".", 1)
+            tensors[f"model.{own}.{i}.{rest}"] = v
+        tensors.update(_prefixed(block, f"model.mtp_block.{i}."))
     return write_checkpoint(path, tensors, config)
 
 

@@ -403,6 +403,37 @@ def mimo_config(vocab_size: int = VOCAB, mtp_layers: int = 1) -> dict:
     }
 
 
+def ernie4_5_moe_config(vocab_size: int = 32, mtp_layers: int = 1) -> dict:
+    """The Hugging Face config of a 2-layer ERNIE-4.5 MoE (``baidu/ERNIE-4.5-21B-A3B-PT``'s keys):
+    layer 0 dense, layer 1 a 4-expert MoE with a shared expert (``moe_layer_start_index`` 1),
+    tied embeddings, ``num_nextn_predict_layers`` MTP layers (1 as released)."""
+    return {
+        "model_type": "ernie4_5_moe",
+        "architectures": ["Ernie4_5_MoeForCausalLM"],
+        "vocab_size": vocab_size,
+        "hidden_size": HIDDEN,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "use_bias": False,
+        "tie_word_embeddings": True,
+        "moe_num_experts": 4,
+        "moe_k": 2,
+        "moe_intermediate_size": 16,
+        "moe_num_shared_experts": 1,
+        "moe_layer_start_index": 1,
+        "moe_layer_interval": 1,
+        "moe_use_aux_free": True,
+        "num_nextn_predict_layers": mtp_layers,
+        "torch_dtype": "float32",
+    }
+
+
 def mimo_v2_flash_config(vocab_size: int = VOCAB, mtp_layers: int = 3, window: int = 4) -> dict:
     """The Hugging Face config of a 2-layer MiMo-V2-Flash: one full-attention dense layer, one
     sliding-window (``window``) MoE layer with attention sinks, asymmetric value heads, partial
