@@ -111,7 +111,7 @@ def _head_predicate(layout: str | None, config: dict):
     text = config.get("text_config") or config
     if layout == "qwen3_next":
         return lambda k: re.search(r"(^|\.)mtp\.", k) is not None
-    if layout == "deepseek":
+    if layout in ("deepseek", "step3p5"):
         first = int(text.get("num_hidden_layers", config.get("num_hidden_layers", 0)))
         return lambda k: (
             (m := re.match(r"model\.layers\.(\d+)\.", k)) is not None and int(m.group(1)) >= first

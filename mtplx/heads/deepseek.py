@@ -30,11 +30,17 @@ from typing import Any
 from mtplx.checkpoints.headers import quantization_config
 from mtplx.errors import MtplxError
 from mtplx.heads.base import HiddenSource, ModuleStackHead, build_layer_like, model_args_of
-from mtplx.heads.weights import HeadSource, MissingHeadError, keys_with_prefix, load_tensors, stack_experts
+from mtplx.heads.weights import (
+    HeadSource,
+    MissingHeadError,
+    keys_with_prefix,
+    load_tensors,
+    same_as_trunk_lm_head,
+    stack_experts,
+)
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 
 LAYOUT = "deepseek"
 DEFAULT_HIDDEN_SOURCE: HiddenSource = "post_norm"
@@ -153,23 +159,9 @@ def build_head(src: HeadSource, num_layers: int, hidden_source: HiddenSource) ->
         prefix = head.module_prefix(i) + OWN_HEAD
         own = load_tensors(src.model_dir, src.index, keys_with_prefix(src.index, prefix))
         own = {k[len(prefix) :]: v for k, v in own.items()}
-        if own and not _same_as_trunk_lm_head(own, src.trunk):
+        if own and not same_as_trunk_lm_head(own, src.trunk):
             # Filled when the weights load, and quantized as the checkpoint stores it.
             head.modules_[i].shared_head.head = nn.Linear(
                 args.hidden_size, own["weight"].shape[0], bias=False
             )
     return head
-
-
-def _same_as_trunk_lm_head(own: dict[str, mx.array], trunk: Any) -> bool:
-    """True when the checkpoint's ``shared_head.head`` copy (``{weight, scales?, biases?}``)
-    equals the trunk's LM head (keep one)."""
-    lm = getattr(trunk, "_lm_head", None)
-    if lm is None:
-        lm = getattr(getattr(trunk, "inner", None), "embed_tokens", None)
-    if lm is None:
-        return False
-    params = dict(tree_flatten(lm.parameters()))
-    if set(own) != set(params):
-        return False
-    return all(params[k].shape == v.shape and mx.array_equal(params[k], v).item() for k, v in own.items())

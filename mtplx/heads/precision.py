@@ -8,8 +8,8 @@ Glossary (``tensor_group``, by checkpoint tensor name, any family):
 - ``attention``: the head block's attention (``self_attn.*``, MLA projections, DSA indexer);
 - ``dense``: the dense MLP, the shared experts and the MoE router gates;
 - ``routed_experts``: the routed experts (``switch_mlp.*``, ``experts.{e}.*``);
-- ``lm_head``: the head's own LM-head / embedding copy (DeepSeek ``shared_head.head`` where it
-  differs from the trunk's);
+- ``lm_head``: the head's own LM-head / embedding copy (DeepSeek ``shared_head.head``, Step-3.5
+  ``shared_head.output``, where it differs from the trunk's);
 - norms and biases are never quantized (mlx-lm quantizes only ``to_quantized`` layers).
 
 Default (``default_bits``): every group at max(trunk bits, 8) but the routed experts, at the
@@ -34,7 +34,7 @@ FLOAT = "float"  # a group kept unquantized
 _PROJECTION = re.compile(r"(^|\.)(eh_proj|fc|input_proj|mtp_linear_proj)(\.|$)")
 _ROUTED = re.compile(r"(^|\.)(switch_mlp|experts\.\d+)(\.|$)|(^|\.)experts\.(gate_up_proj|down_proj)")
 _ATTENTION = re.compile(r"(^|\.)(self_attn|attn|attention)(\.|$)")
-_LM_HEAD = re.compile(r"(^|\.)(shared_head\.head|lm_head|embed_tokens)(\.|$)")
+_LM_HEAD = re.compile(r"(^|\.)(shared_head\.head|shared_head\.output|lm_head|embed_tokens)(\.|$)")
 
 
 def tensor_group(name: str) -> str:

@@ -377,6 +377,20 @@ def quantize_as_packed(module: nn.Module, weights: dict[str, mx.array]) -> None:
         nn.quantize(module, class_predicate=lambda path, _: settings.get(path, False))
 
 
+def same_as_trunk_lm_head(own: dict[str, mx.array], trunk: Any) -> bool:
+    """True when a checkpoint's own LM-head copy in an MTP layer (``{weight, scales?, biases?}``)
+    equals the trunk's LM head (DeepSeek ships an identical copy: keep one in memory)."""
+    lm = getattr(trunk, "_lm_head", None)
+    if lm is None:
+        lm = getattr(getattr(trunk, "inner", None), "embed_tokens", None)
+    if lm is None:
+        return False
+    params = dict(tree_flatten(lm.parameters()))
+    if set(own) != set(params):
+        return False
+    return all(params[k].shape == v.shape and mx.array_equal(params[k], v).item() for k, v in own.items())
+
+
 def _listed(names: list[str]) -> str:
     return ", ".join(names[:3]) + (" ..." if len(names) > 3 else "")
 

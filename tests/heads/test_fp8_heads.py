@@ -69,6 +69,16 @@ def dequantized(weights: dict[str, mx.array], mode: str) -> np.ndarray:
     return np.array(out.astype(mx.float32), dtype=np.float64)
 
 
+def affine_bound(x: np.ndarray, group: int = 64) -> np.ndarray:
+    """Per element, what MLX's 8-bit affine quantization (bfloat16 scale and bias) may be off by:
+    1/64 of its group's range. MLX keeps zero exactly representable, which widens the step of a
+    group whose range does not straddle zero evenly; measured worst 0.0105 of the range over 200
+    seeds of these shapes (half a plain step would be 1/510)."""
+    g = x.reshape(*x.shape[:-1], -1, group if x.shape[-1] % group == 0 else 32)
+    bound = (g.max(-1, keepdims=True) - g.min(-1, keepdims=True)) / 64
+    return np.broadcast_to(bound, g.shape).reshape(x.shape)
+
+
 SHAPES = [(160, 96), (3, 130, 256)]  # edge blocks short; stacked experts keep their leading dim
 
 
@@ -92,8 +102,8 @@ def test_other_block_scales_become_8bit_affine(shape, seed):
     out = fp8_blocks_quantized({"x.weight": w8, "x.weight_scale_inv": scale})
     assert set(out) == {"x.weight", "x.scales", "x.biases"}, seed
     expected = reference(np.array(w8), np.array(scale))
-    err = np.abs(dequantized(out, "affine") - expected).max() / np.abs(expected).max()
-    assert err < 1e-2, (seed, err)
+    err = np.abs(dequantized(out, "affine") - expected)
+    assert (err <= affine_bound(expected)).all(), (seed, err.max())
     # Negative control: read as mxfp8 (the block scales taken as powers of two) it is far off.
     wrong = dict(zip(("x.weight", "x.scales"), fp8_as_mxfp8(w8, scale)))
     assert np.abs(dequantized(wrong, "mxfp8") - expected).max() / np.abs(expected).max() > 0.05, seed

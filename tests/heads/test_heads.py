@@ -454,6 +454,7 @@ def test_default_hidden_sources_are_explicit():
         "mimo": "pre_norm",
         "mimo_v2_flash": "post_norm",
         "ernie": "post_norm",
+        "step3p5": "post_norm",
     }
 
 
@@ -469,6 +470,7 @@ def test_each_registry_row_recognises_its_own_checkpoint_and_no_other(tmp_path):
         "mimo": checkpoints.mimo(tmp_path / "m", mtp_layers=2),
         "mimo_v2_flash": checkpoints.mimo_v2_flash(tmp_path / "mv2", mtp_layers=2),
         "ernie": checkpoints.ernie4_5_moe(tmp_path / "e", mtp_layers=2),
+        "step3p5": checkpoints.step3p5(tmp_path / "s", mtp_layers=2),
     }
     assert set(built) == set(FAMILIES)
     for name, tiny in built.items():

@@ -39,6 +39,7 @@ from support.models import (
     qwen3_5_mtp_layer,
     randomize,
     scale_outputs,
+    step3p5_config,
     tiny_gemma4,
 )
 
@@ -479,6 +480,68 @@ def ernie4_5_moe(
             own, rest = name.split(".", 1)
             tensors[f"model.{own}.{i}.{rest}"] = v
         tensors.update(_prefixed(block, f"model.mtp_block.{i}."))
+    return write_checkpoint(path, tensors, config)
+
+
+# --------------------------------------------------------------------------- step3p5
+
+_STEP3P5_HF = (  # mlx-lm's spelling -> the published one (step3p5.sanitize's remappings, reversed)
+    (".mlp.switch_mlp.", ".moe."),
+    (".mlp.gate.gate.", ".moe.gate."),
+    (".mlp.gate.router_bias", ".moe.router_bias"),
+    (".mlp.share_expert.", ".share_expert."),
+)
+
+
+def _step3p5_hf(name: str, v: mx.array) -> tuple[str, mx.array]:
+    for ours, theirs in _STEP3P5_HF:
+        name = name.replace(ours, theirs)
+    # Every RMSNorm weight is stored as an offset from 1 (zero-centred; vLLM's GemmaRMSNorm).
+    return name, (v - 1.0 if name.endswith(".weight") and "norm" in name else v)
+
+
+def step3p5(
+    path: Path,
+    *,
+    mtp_layers: int = 3,
+    ship_mtp: bool = True,
+    seed: int = 0,
+    context_strength: float | None = None,
+) -> Tiny:
+    """Step-3.5-Flash as published: stacked experts under ``.moe.``, norms as offsets from 1, and
+    the MTP layers at ``model.layers.{2 + i}``: ``enorm``, ``hnorm``, ``eh_proj``, the block's
+    tensors at the prefix itself, ``transformer.shared_head.norm`` and its own LM head
+    ``transformer.shared_head.output`` (1.5x the trunk's, so it is kept and its argmax agrees).
+    ``context_strength`` as ``deepseek_v3``'s."""
+    from mlx_lm.models import step3p5 as st
+
+    config = step3p5_config(mtp_layers=mtp_layers)
+    args = st.ModelArgs.from_dict(config)
+    model = st.Model(args)
+    h = args.hidden_size
+    randomize(model, seed)
+    if context_strength is not None:
+        scale_outputs(model, context_strength)
+        model.model.embed_tokens.weight = model.model.embed_tokens.weight * h**0.5
+    tensors = dict(_step3p5_hf(k, v) for k, v in tree_flatten(model.parameters()))
+    for i in range(mtp_layers if ship_mtp else 0):
+        layer = args.num_hidden_layers + i
+        mod = nn.Module()
+        mod.enorm, mod.hnorm = nn.RMSNorm(h), nn.RMSNorm(h)
+        mod.eh_proj = nn.Linear(2 * h, h, bias=False)
+        block = st.Step3p5DecoderLayer(args, layer)
+        randomize(mod, seed + 1 + 2 * i)
+        randomize(block, seed + 2 + 2 * i)
+        head_norm = model.model.norm.weight
+        if context_strength is not None:
+            scale_outputs(block, context_strength)
+            mod.eh_proj.weight = mx.concatenate([mx.eye(h), mx.zeros((h, h))], axis=1)
+            mod.enorm.weight = mx.ones((h,))
+        p = f"model.layers.{layer}."
+        tensors.update(_step3p5_hf(k, v) for k, v in _prefixed(mod, p).items())
+        tensors.update(_step3p5_hf(k, v) for k, v in _prefixed(block, p).items())
+        tensors[p + "transformer.shared_head.norm.weight"] = head_norm - 1.0
+        tensors[p + "transformer.shared_head.output.weight"] = model.lm_head.weight * 1.5
     return write_checkpoint(path, tensors, config)
 
 
