@@ -105,6 +105,7 @@ def quantize_head(
     if head_bits == "float":
         return
     names = head.checkpoint_keys()
+    requantize_packed(head, names, head_bits, trunk_bits, group_size)
 
     def predicate(path: str, module: nn.Module) -> bool | dict:
         if not hasattr(module, "to_quantized") or module.weight.shape[-1] % group_size:
@@ -119,6 +120,33 @@ def quantize_head(
         return {"group_size": group_size, "bits": bits, "mode": "affine"}
 
     nn.quantize(head, class_predicate=predicate)
+
+
+def requantize_packed(
+    head: nn.Module, names: dict[str, str], head_bits: HeadBits, trunk_bits: int, group_size: int
+) -> None:
+    """Head layers the loader holds packed at 8 bits (an FP8 head read as mxfp8 / 8-bit affine)
+    whose width here is lower (routed experts beside a 4-bit trunk, or ``--head-bits 4``) are
+    re-packed at it, affine, one layer at a time: its float copy lives only while that layer is
+    converted. Layers whose width here is 8 or more stay as loaded (nothing to gain over FP8)."""
+    for path, module in head.named_modules():
+        if not hasattr(module, "scales") or module.weight.shape[-1] * 32 // module.bits % group_size:
+            continue
+        group = precision.tensor_group(names.get(f"{path}.weight", path))
+        bits = head_bits if isinstance(head_bits, int) else precision.default_bits(group, trunk_bits)
+        if bits >= module.bits:
+            continue
+        w = mx.dequantize(
+            module.weight,
+            module.scales,
+            module.get("biases"),
+            module.group_size,
+            module.bits,
+            mode=module.mode,
+        )
+        module.weight, module.scales, module.biases = mx.quantize(w, group_size=group_size, bits=bits)
+        module.group_size, module.bits, module.mode = group_size, bits, "affine"
+        mx.eval(module.weight, module.scales, module.biases)
 
 
 def head_layer_precision(head: nn.Module, group_size: int) -> dict[str, dict | str]:

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 import mtplx  # noqa: F401  (BLAS before mlx)
+from mtplx import cli
 from mtplx.checkpoints.convert_hf import convert_hf
 from mtplx.checkpoints.inspect import format_inspection, inspect_model
 from mtplx.heads import load_head, precision
@@ -49,7 +50,9 @@ def converted(request, tmp_path_factory):
     src = root / "src"
     build(request.param, src)
     word_level(src)
-    return request.param, src, convert_hf(src, root / "q4", q_bits=4, q_group_size=GROUP)
+    out = root / "q4"  # the command the issue names: mtplx convert --q-bits 4
+    assert cli.main(["convert", str(src), str(out), "--q-bits", "4", "--q-group-size", str(GROUP)]) == 0
+    return request.param, src, out
 
 
 def expected_bits(path: str) -> int:
@@ -121,7 +124,7 @@ def test_converted_model_greedy_mtp_equals_its_own_ar(converted):
         assert sum(s.num_accepted for s in steps if s.num_drafted) > 0, depth  # drafts were kept
 
 
-def test_inspect_shows_the_head_precision(converted):
+def test_inspect_shows_the_head_precision(converted, capsys):
     family, _, out = converted
     info = inspect_model(out)
     assert info["mtp"]["precision"]["groups"] == DEFAULT_GROUPS[family]
@@ -129,6 +132,9 @@ def test_inspect_shows_the_head_precision(converted):
     text = format_inspection(info)
     assert "head bits     projection 8-bit, attention 8-bit" in text and "(mtplx convert's default)" in text
     assert "warning" not in text
+    capsys.readouterr()
+    assert cli.main(["inspect", str(out)]) == 0
+    assert "head bits     projection 8-bit" in capsys.readouterr().out
 
 
 def test_inspect_warns_when_attention_or_projection_is_below_8_bits(converted, tmp_path):

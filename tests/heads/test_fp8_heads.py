@@ -20,7 +20,6 @@ from mtplx.spec_decode import loop as decode
 from mtplx.trunk.model import Trunk
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.utils import load_model as mlx_load_model
@@ -193,22 +192,32 @@ def test_fp8_head_greedy_mtp_equals_ar(fp8_checkpoint):
     assert_greedy_mtp_equals_ar(trunk, head)
 
 
-def test_convert_keeps_the_fp8_head_at_8_bits(fp8_checkpoint, tmp_path):
+def test_convert_keeps_the_fp8_head_at_8_bits_but_its_routed_experts_at_the_trunks(fp8_checkpoint, tmp_path):
+    """``convert --q-bits 4``: the 8-bit layers are written as loaded, bit for bit; the routed
+    experts are re-packed at 4 bits (the default), against the float64 dequantization."""
     kind, tiny, _, head = fp8_checkpoint
     out = convert_hf(tiny.path, tmp_path / "q4", q_bits=4, q_group_size=32)
     config = json.loads((out / "config.json").read_text())
     mode = "mxfp8" if kind == "ue8m0" else "affine"
     assert config["quantization"]["model.layers.2.self_attn.q_a_proj"]["mode"] == mode
     assert config["mtplx"]["head_precision"]["attention"] == 8
+    assert config["mtplx"]["head_precision"]["routed_experts"] == 4
     model, config = mlx_load_model(out)
     trunk = Trunk(model)
     converted = load_head(out, trunk, config)
-    before = {p: m for p, m in head.named_modules() if isinstance(m, nn.QuantizedLinear)}
+    before = {p: m for p, m in head.named_modules() if hasattr(m, "scales")}
     after = dict(converted.named_modules())
-    assert before
-    for path, m in before.items():  # the 8-bit layers written as loaded, bit for bit
-        assert after[path].mode == m.mode and mx.array_equal(after[path].weight, m.weight).item(), path
-        assert mx.array_equal(after[path].scales, m.scales).item(), path
+    assert any(".switch_mlp." in p for p in before) and any(".switch_mlp." not in p for p in before)
+    for path, m in before.items():
+        got = after[path]
+        if ".switch_mlp." in path:  # routed experts: 4-bit affine now
+            assert got.bits == 4 and got.mode == "affine", path
+            deq = mx.dequantize(got.weight, got.scales, got.biases, group_size=got.group_size, bits=4)
+            ref = layer_reference(tiny, head.checkpoint_name(path))
+            assert np.abs(np.array(deq.astype(mx.float32)) - ref).max() <= 0.1 * np.abs(ref).max(), path
+            continue
+        assert got.mode == m.mode and mx.array_equal(got.weight, m.weight).item(), path
+        assert mx.array_equal(got.scales, m.scales).item(), path
     assert_greedy_mtp_equals_ar(trunk, converted)
 
 
