@@ -392,6 +392,11 @@ def _acceptance_text(acceptance: dict[str, dict[str, float]]) -> str:
     return "; ".join(by_depth)
 
 
+def _widths(bits: int | str) -> str:
+    """``8`` -> ``8-bit``; ``"4/8"`` -> ``4-bit/8-bit``; ``"float"`` stays."""
+    return "/".join(w if w == "float" else f"{w}-bit" for w in str(bits).split("/"))
+
+
 def _head_lines(info: dict[str, Any]) -> list[str]:
     head, mtp = info["head"], info["mtp"]
     if head is None:
@@ -406,7 +411,7 @@ def _head_lines(info: dict[str, Any]) -> list[str]:
         lines.append(f"head norms    {mtp['norm_rule']}")
     prec = mtp.get("precision")
     if prec and head.get("source") == "in the checkpoint":
-        groups = ", ".join(f"{g} {b}" + ("" if b == "float" else "-bit") for g, b in prec["groups"].items())
+        groups = ", ".join(f"{g} {_widths(b)}" for g, b in prec["groups"].items())
         chosen = {None: "", "default": " (mtplx convert's default)", "float": " (--head-bits float)"}
         how = chosen.get(prec["converted_as"], f" (--head-bits {prec['converted_as']})")
         lines.append(f"head bits     {groups}{how}")
