@@ -118,7 +118,7 @@ def _head_predicate(layout: str | None, config: dict):
         )
     if layout == "mimo":
         return lambda k: k.startswith("model.mtp_layers.")
-    if layout == "mimo_v2_flash":
+    if layout in ("mimo_v2_flash", "longcat"):
         return lambda k: k.startswith("model.mtp.")
     if layout == "ernie":
         return lambda k: k.startswith("model.mtp_")

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from mtplx.checkpoints.headers import quantization_config
 from mtplx.errors import MtplxError
 from mtplx.heads.base import HiddenSource, ModuleStackHead, build_layer_like, model_args_of
 from mtplx.heads.weights import (
@@ -36,6 +35,7 @@ from mtplx.heads.weights import (
     keys_with_prefix,
     load_tensors,
     same_as_trunk_lm_head,
+    split_mla_kv_b_proj,
     stack_experts,
 )
 
@@ -70,7 +70,7 @@ class DeepSeekMTPHead(ModuleStackHead):
     mask_as_array = True  # mlx-lm's MLA attention applies the mask with mx.where
     module_class = DeepSeekMTPModule
     own_keys = ("enorm", "hnorm", "eh_proj", "shared_head")  # everything else at the prefix is the block
-    # Split per attention head by _split_kv_b_proj (16.8 M parameters in V3: 34 MB as bfloat16).
+    # Split per attention head by split_mla_kv_b_proj (16.8 M parameters in V3: 34 MB as bfloat16).
     fp8_dequantized = ("kv_b_proj",)
 
     def __init__(self, *args: Any, first_layer: int, **kwargs: Any):
@@ -106,32 +106,8 @@ class DeepSeekMTPHead(ModuleStackHead):
         }
         args = model_args_of(src.trunk.model)
         stack_experts(tensors, "mlp", int(getattr(args, "n_routed_experts", 0) or 0))
-        _split_kv_b_proj(tensors, "self_attn", args, src.config)
+        split_mla_kv_b_proj(tensors, "self_attn", args, src.config)
         return tensors
-
-
-def _split_kv_b_proj(weights: dict[str, mx.array], prefix: str, args: Any, config: dict) -> None:
-    """HF MLA ``kv_b_proj`` [heads*(nope+v), kv_lora] -> mlx-lm's per-head ``embed_q`` / ``unembed_out``."""
-    key = f"{prefix}.kv_b_proj.weight"
-    if key not in weights:
-        return
-    w = weights.pop(key)
-    q = quantization_config(config)
-    scales = weights.pop(f"{prefix}.kv_b_proj.scales", None)
-    biases = weights.pop(f"{prefix}.kv_b_proj.biases", None)
-    if scales is not None:
-        w = mx.dequantize(w, scales, biases, group_size=q["group_size"], bits=q["bits"])
-    nope, vdim = args.qk_nope_head_dim, args.v_head_dim
-    w = w.reshape(args.num_attention_heads, nope + vdim, -1)
-    parts = {
-        "embed_q": mx.contiguous(w[:, :nope, :].swapaxes(-1, -2)),
-        "unembed_out": mx.contiguous(w[:, nope:, :]),
-    }
-    for name, t in parts.items():
-        if scales is not None:
-            t, s, b = mx.quantize(t, group_size=q["group_size"], bits=q["bits"])
-            weights[f"{prefix}.{name}.scales"], weights[f"{prefix}.{name}.biases"] = s, b
-        weights[f"{prefix}.{name}.weight"] = t
 
 
 def build_head(src: HeadSource, num_layers: int, hidden_source: HiddenSource) -> DeepSeekMTPHead:

@@ -247,6 +247,31 @@ def fp8_blocks_quantized(
     return weights
 
 
+def split_mla_kv_b_proj(weights: dict[str, mx.array], prefix: str, args: Any, config: dict) -> None:
+    """HF MLA ``kv_b_proj`` [heads*(nope+v), kv_lora] -> mlx-lm's per-head ``embed_q`` / ``unembed_out``
+    (DeepSeek-V3 / GLM-5 and LongCat-Flash heads; as those models' mlx-lm ``sanitize``)."""
+    key = f"{prefix}.kv_b_proj.weight"
+    if key not in weights:
+        return
+    w = weights.pop(key)
+    q = quantization_config(config)
+    scales = weights.pop(f"{prefix}.kv_b_proj.scales", None)
+    biases = weights.pop(f"{prefix}.kv_b_proj.biases", None)
+    if scales is not None:
+        w = mx.dequantize(w, scales, biases, group_size=q["group_size"], bits=q["bits"])
+    nope, vdim = args.qk_nope_head_dim, args.v_head_dim
+    w = w.reshape(args.num_attention_heads, nope + vdim, -1)
+    parts = {
+        "embed_q": mx.contiguous(w[:, :nope, :].swapaxes(-1, -2)),
+        "unembed_out": mx.contiguous(w[:, nope:, :]),
+    }
+    for name, t in parts.items():
+        if scales is not None:
+            t, s, b = mx.quantize(t, group_size=q["group_size"], bits=q["bits"])
+            weights[f"{prefix}.{name}.scales"], weights[f"{prefix}.{name}.biases"] = s, b
+        weights[f"{prefix}.{name}.weight"] = t
+
+
 # --- norm convention ---------------------------------------------------------------
 
 _NORM_WEIGHT = re.compile(r"(^|\.)[^.]*norm[^.]*\.weight$")

@@ -33,6 +33,7 @@ from support.models import (
     ernie4_5_moe_config,
     gemma4_assistant_config,
     gemma4_config,
+    longcat_flash_config,
     mimo_config,
     mimo_v2_flash_config,
     qwen3_5_config,
@@ -480,6 +481,81 @@ def ernie4_5_moe(
             own, rest = name.split(".", 1)
             tensors[f"model.{own}.{i}.{rest}"] = v
         tensors.update(_prefixed(block, f"model.mtp_block.{i}."))
+    return write_checkpoint(path, tensors, config)
+
+
+# --------------------------------------------------------------------------- longcat_flash
+
+
+def _mla_hf(prefix: str, attn: nn.Module, args) -> dict[str, mx.array]:
+    """An mlx-lm MLA attention's parameters under HF names: ``embed_q`` / ``unembed_out`` fused back
+    into ``kv_b_proj`` [heads*(nope+v), kv_lora]."""
+    out = {
+        prefix + k: v
+        for k, v in tree_flatten(attn.parameters())
+        if not k.startswith(("embed_q", "unembed_out"))
+    }
+    wk = attn.embed_q.weight.swapaxes(-1, -2)  # [heads, nope, kv_lora]
+    out[prefix + "kv_b_proj.weight"] = mx.concatenate([wk, attn.unembed_out.weight], axis=1).reshape(
+        -1, args.kv_lora_rank
+    )
+    return out
+
+
+def longcat_flash(
+    path: Path, *, ship_mtp: bool = True, seed: int = 0, context_strength: float | None = None
+) -> Tiny:
+    """LongCat-Flash as published (vLLM ``longcat_flash_mtp.py``'s name map): per-expert trunk
+    MoE, fused ``kv_b_proj``, and the MTP layer under ``model.mtp.``: ``layers.0.{enorm,hnorm}.m``,
+    ``layers.0.eh_proj``, the MLA attention and both norms at ``layers.0.``, the dense MLP at
+    ``layers.0.transformer_layer.mlp``, the final norm ``model.mtp.norm``, an embedding copy
+    ``model.mtp.embed_tokens``. ``context_strength`` as ``deepseek_v3``'s."""
+    from mlx_lm.models import longcat_flash as lc
+
+    config = longcat_flash_config()
+    args = lc.ModelArgs.from_dict(config)
+    model = lc.Model(args)
+    h = args.hidden_size
+    randomize(model, seed)
+    if context_strength is not None:
+        scale_outputs(model, context_strength)
+        model.model.embed_tokens.weight = model.model.embed_tokens.weight * h**0.5
+    tensors: dict[str, mx.array] = {}
+    for name, v in tree_flatten(model.parameters()):
+        if ".switch_mlp." in name:
+            layer, proj = name.split(".mlp.switch_mlp.")
+            for x in range(v.shape[0]):
+                tensors[f"{layer}.mlp.experts.{x}.{proj}"] = v[x]
+        elif ".self_attn." not in name:
+            tensors[name] = v
+    for i, layer in enumerate(model.model.layers):
+        for a, attn in enumerate(layer.self_attn):
+            tensors.update(_mla_hf(f"model.layers.{i}.self_attn.{a}.", attn, args))
+    if ship_mtp:
+        mod = nn.Module()
+        mod.enorm, mod.hnorm = nn.RMSNorm(h), nn.RMSNorm(h)
+        mod.eh_proj = nn.Linear(2 * h, h, bias=False)
+        mod.input_layernorm, mod.post_attention_layernorm = nn.RMSNorm(h), nn.RMSNorm(h)
+        mod.mlp = lc.LongcatFlashMLP(args, False)
+        mod.norm = nn.RMSNorm(h)
+        attn = lc.LongcatFlashMLA(args)
+        randomize(mod, seed + 1)
+        randomize(attn, seed + 2)
+        if context_strength is not None:
+            scale_outputs(mod, context_strength)
+            scale_outputs(attn, context_strength)
+            mod.eh_proj.weight = mx.concatenate([mx.eye(h), mx.zeros((h, h))], axis=1)
+            mod.enorm.weight = mx.ones((h,))
+            mod.norm.weight = model.model.norm.weight
+        p = "model.mtp.layers.0."
+        tensors.update({p + "enorm.m.weight": mod.enorm.weight, p + "hnorm.m.weight": mod.hnorm.weight})
+        tensors[p + "eh_proj.weight"] = mod.eh_proj.weight
+        tensors[p + "input_layernorm.weight"] = mod.input_layernorm.weight
+        tensors[p + "post_attention_layernorm.weight"] = mod.post_attention_layernorm.weight
+        tensors.update(_prefixed(mod.mlp, p + "transformer_layer.mlp."))
+        tensors.update(_mla_hf(p + "self_attn.", attn, args))
+        tensors["model.mtp.norm.weight"] = mod.norm.weight
+        tensors["model.mtp.embed_tokens.weight"] = model.model.embed_tokens.weight
     return write_checkpoint(path, tensors, config)
 
 

@@ -438,6 +438,41 @@ def step3p5_config(vocab_size: int = 32, mtp_layers: int = 3, window: int = 4) -
     }
 
 
+def longcat_flash_config(vocab_size: int = 32) -> dict:
+    """The Hugging Face config of a 1-layer LongCat-Flash (``meituan-longcat/LongCat-Flash-Chat``'s
+    keys): each layer two MLA attentions + two dense MLPs + a shortcut MoE with zero (identity)
+    experts; the MTP layer (one, as released) is counted from its tensor names. Hidden size 64:
+    mlx-lm quantizes the router at group size 64 whatever the trunk's."""
+    return {
+        "model_type": "longcat_flash",
+        "architectures": ["LongcatFlashForCausalLM"],
+        "attention_method": "MLA",
+        "vocab_size": vocab_size,
+        "hidden_size": 2 * HIDDEN,
+        "ffn_hidden_size": 64,
+        "expert_ffn_hidden_size": 16,
+        "moe_topk": 2,
+        "n_routed_experts": 4,
+        "zero_expert_num": 2,
+        "zero_expert_type": "identity",
+        "num_layers": 1,
+        "num_attention_heads": 2,
+        "kv_lora_rank": 16,
+        "q_lora_rank": 32,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 8,
+        "v_head_dim": 8,
+        "routed_scaling_factor": 1.0,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "mla_scale_q_lora": True,
+        "mla_scale_kv_lora": True,
+        "attention_bias": False,
+        "max_position_embeddings": 256,
+        "torch_dtype": "float32",
+    }
+
+
 def ernie4_5_moe_config(vocab_size: int = 32, mtp_layers: int = 1) -> dict:
     """The Hugging Face config of a 2-layer ERNIE-4.5 MoE (``baidu/ERNIE-4.5-21B-A3B-PT``'s keys):
     layer 0 dense, layer 1 a 4-expert MoE with a shared expert (``moe_layer_start_index`` 1),
