@@ -1,5 +1,5 @@
-"""Head precision on a 4-bit trunk: float MTP head vs the same head quantized (what `mtplx convert
---head-bits` chooses between), measured on acceptance.
+"""Head precision: the float MTP head vs the same head with some or all of its parts quantized
+(what `mtplx convert --head-bits` and its default choose between), measured on acceptance.
 
 Default model, q4 build (4-bit trunk from the GGUF's Q4 blocks) with the head mtplx ships for it.
 Two measurements per variant:
@@ -9,7 +9,12 @@ Two measurements per variant:
 - real greedy decoding at depth 3 (`Engine.generate`): acceptance per position and tokens per
   cycle (greedy output is the same for every variant, so the drafts face the same text).
 
-    PYTHONPATH=$PWD python benchmarks/head_precision.py [--tokens 64] [--prompts 12]
+With ``--groups``, one tensor group at a time (`mtplx.heads.precision.tensor_group`: projection
+``fc``, attention, dense MLP; plus ``embedding``: the trunk's tied embedding / LM head as the
+head reads it, quantized for the head only) at 8 and 4 bits with the rest float, every group at
+8 and at 4, and conversion's default beside a 4-bit trunk (``default_bits``).
+
+    PYTHONPATH=$PWD python benchmarks/head_precision.py [--tokens 64] [--prompts 12] [--groups]
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from pathlib import Path
 from mtplx import resources
 from mtplx.checkpoints import load as loading
 from mtplx.engine.engine import Engine
-from mtplx.heads import forged
+from mtplx.heads import forged, precision
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -38,6 +43,40 @@ def quantized(head: nn.Module, bits: int, group_size: int) -> nn.Module:
         class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % group_size == 0,
     )
     return head
+
+
+def quantized_groups(head: nn.Module, bits: dict[str, int], group_size: int) -> nn.Module:
+    """``head`` with the layers of each group in ``bits`` (``precision.tensor_group`` of the layer's
+    checkpoint name) quantized at that width, the rest float; ``"embedding"`` quantizes the trunk's
+    tied embedding for the head's input and output only (the trunk's own logits are unchanged)."""
+
+    def predicate(path: str, m: nn.Module) -> bool | dict:
+        if not hasattr(m, "to_quantized") or m.weight.shape[-1] % group_size:
+            return False
+        b = bits.get(precision.tensor_group(head.checkpoint_name(path)))
+        return {"group_size": group_size, "bits": b} if b else False
+
+    nn.quantize(head, class_predicate=predicate)
+    if "embedding" in bits:
+        table = head._embed.__self__.inner.embed_tokens.weight  # [V, H]
+        q = mx.dequantize(*mx.quantize(table, group_size, bits["embedding"]), group_size, bits["embedding"])
+        head._embed = lambda tokens: q[tokens]
+        head.set_draft_vocab(None if head.vocab_ids is None else head.vocab_ids.tolist(), q.T)
+    return head
+
+
+def group_variants(fresh) -> dict:
+    """Per group at 8 and 4 bits (rest float), all at 8 / 4, and conversion's default beside a 4-bit trunk."""
+    groups = ("projection", "attention", "dense", "embedding")
+    out = {}
+    for bits in (8, 4):
+        for g in groups:
+            out[f"{g}-q{bits}"] = lambda g=g, bits=bits: quantized_groups(fresh(), {g: bits}, 64)
+        out[f"all-q{bits}"] = lambda bits=bits: quantized_groups(fresh(), dict.fromkeys(groups, bits), 64)
+    default = {g: precision.default_bits(g, 4) for g in precision.GROUPS}
+    default["embedding"] = 4  # the trunk's LM head, at the trunk's bits
+    out["default@q4-trunk"] = lambda: quantized_groups(fresh(), default, 64)
+    return out
 
 
 def trunk_rows(engine: Engine, prompts: list[list[int]], ids: mx.array) -> list[tuple]:
@@ -102,6 +141,7 @@ def main() -> None:
     )
     ap.add_argument("--prompts", type=int, default=12, help="suite prompts scored teacher-forced")
     ap.add_argument("--prompt-tokens", type=int, default=256, help="tokens scored per prompt (at most)")
+    ap.add_argument("--groups", action="store_true", help="one tensor group at a time (teacher-forced only)")
     args = ap.parse_args()
     rows = [json.loads(line) for line in SUITE.read_text().splitlines() if line.strip()][: args.prompts]
     texts = [r.get("prompt") or r["messages"] for r in rows]  # raw text, or a chat
@@ -122,6 +162,8 @@ def main() -> None:
         "q4-g64": lambda: quantized(fresh(), 4, 64),
         "q4-g32": lambda: quantized(fresh(), 4, 32),
     }
+    if args.groups:
+        variants = {"float": lambda: float_head, **group_variants(fresh)}
     for name, make in variants.items():
         engine.head = head = make()
         print(name, "teacher-forced", json.dumps(teacher_forced(head, targets, ids)), flush=True)

@@ -10,9 +10,13 @@ trunk's shards as ``mtp.safetensors``, under the checkpoint names the head loade
 That file is outside the shard index, so mlx-lm never sees it and ``mlx_lm.load`` opens the
 directory as an ordinary quantized model; ``mtplx`` finds it as a sidecar.
 
-The head is quantized like the trunk (``head_bits=None`` means "the trunk's bits") or kept
-in float (``head_bits="float"``), or given its own bit width (a per-layer override in the
-``quantization`` block, the form mlx-lm uses for mixed-precision layers).
+The head's precision (``mtplx.heads.precision``): by default its attention, projection and
+dense parts at max(trunk bits, 8) and its routed experts at the trunk's bits; ``head_bits="float"``
+keeps it unquantized, an int gives every head layer that width. Layers whose width differs
+from the trunk's get a per-layer entry in the ``quantization`` block (the form mlx-lm uses for
+mixed precision); layers the head loader already holds quantized (an FP8 head read as mxfp8 or
+8-bit affine) stay as they are. What each group got is recorded in the config's ``mtplx`` block
+(``head_precision``), which ``mtplx inspect`` shows.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any, Literal
 
 from mtplx.checkpoints.convert_gguf import refuse_existing, write_dir_atomically
 from mtplx.errors import MtplxError
+from mtplx.heads import precision
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -90,27 +95,86 @@ def _cast(module: nn.Module, dtype: str, predicate: Any = None) -> None:
 
 
 def quantize_head(
-    head: nn.Module, bits: int, group_size: int, trunk_predicate: Any, quantization: dict, trunk_bits: int
+    head: nn.Module, head_bits: HeadBits, trunk_bits: int, group_size: int, trunk_predicate: Any
 ) -> None:
-    """Quantize every quantizable head layer (mlx-lm's rule: ``to_quantized`` and the input
-    dimension a multiple of the group size; the trunk model's ``quant_predicate`` applied to the
-    head's paths too). Layers whose bits differ from the trunk's get a per-layer entry in
-    ``quantization``, keyed by checkpoint path, which the head loader honours."""
-    ckpt = {p[: -len(".weight")]: c[: -len(".weight")] for p, c in head.checkpoint_keys().items()}
-    default = {"group_size": group_size, "bits": bits, "mode": "affine"}
+    """Quantize the head's quantizable layers (mlx-lm's rule: ``to_quantized`` and the input
+    dimension a multiple of the group size) at ``head_bits`` (an int: every layer; None: each
+    layer's ``precision.default_bits`` for its group). The trunk model's ``quant_predicate``
+    applied to the head's paths decides first (False skips a layer, a dict is its own setting:
+    Qwen's 8-bit router gates). Layers already quantized (an FP8 head loaded as mxfp8) are kept."""
+    if head_bits == "float":
+        return
+    names = head.checkpoint_keys()
+    requantize_packed(head, names, head_bits, trunk_bits, group_size)
 
     def predicate(path: str, module: nn.Module) -> bool | dict:
         if not hasattr(module, "to_quantized") or module.weight.shape[-1] % group_size:
             return False
-        params = trunk_predicate(path, module) if trunk_predicate is not None else True
-        if params is False:
+        own = trunk_predicate(path, module) if trunk_predicate is not None else True
+        if own is False:
             return False
-        params = params if isinstance(params, dict) else default
-        if params.get("bits", bits) != trunk_bits or params.get("group_size", group_size) != group_size:
-            quantization[ckpt[path]] = {"group_size": params["group_size"], "bits": params["bits"]}
-        return params
+        if isinstance(own, dict):
+            return own
+        group = precision.tensor_group(names.get(f"{path}.weight", path))
+        bits = head_bits if isinstance(head_bits, int) else precision.default_bits(group, trunk_bits)
+        return {"group_size": group_size, "bits": bits, "mode": "affine"}
 
-    nn.quantize(head, group_size=group_size, bits=bits, class_predicate=predicate)
+    nn.quantize(head, class_predicate=predicate)
+
+
+def requantize_packed(
+    head: nn.Module, names: dict[str, str], head_bits: HeadBits, trunk_bits: int, group_size: int
+) -> None:
+    """Head layers the loader holds packed at 8 bits (an FP8 head read as mxfp8 / 8-bit affine)
+    whose width here is lower (routed experts beside a 4-bit trunk, or ``--head-bits 4``) are
+    re-packed at it, affine, one layer at a time: its float copy lives only while that layer is
+    converted. Layers whose width here is 8 or more stay as loaded (nothing to gain over FP8)."""
+    for path, module in head.named_modules():
+        if not hasattr(module, "scales") or module.weight.shape[-1] * 32 // module.bits % group_size:
+            continue
+        group = precision.tensor_group(names.get(f"{path}.weight", path))
+        bits = head_bits if isinstance(head_bits, int) else precision.default_bits(group, trunk_bits)
+        if bits >= module.bits:
+            continue
+        w = mx.dequantize(
+            module.weight,
+            module.scales,
+            module.get("biases"),
+            module.group_size,
+            module.bits,
+            mode=module.mode,
+        )
+        module.weight, module.scales, module.biases = mx.quantize(w, group_size=group_size, bits=bits)
+        module.group_size, module.bits, module.mode = group_size, bits, "affine"
+        mx.eval(module.weight, module.scales, module.biases)
+
+
+def head_layer_precision(head: nn.Module, group_size: int) -> dict[str, dict | str]:
+    """``{checkpoint layer name: {"group_size", "bits", "mode"} or "float"}`` for every head layer
+    that is quantized or could be (``to_quantized``, input width a multiple of ``group_size``);
+    layers no quantizer touches (router gates, norms) are left out."""
+    names = head.checkpoint_keys()
+    out: dict[str, dict | str] = {}
+    for path, module in head.named_modules():
+        if f"{path}.weight" not in names:
+            continue
+        name = names[f"{path}.weight"][: -len(".weight")]
+        if hasattr(module, "scales"):
+            out[name] = {"group_size": module.group_size, "bits": module.bits, "mode": module.mode}
+        elif hasattr(module, "to_quantized") and module.weight.shape[-1] % group_size == 0:
+            out[name] = precision.FLOAT
+    return out
+
+
+def record_head_precision(layers: dict[str, dict | str], quantization: dict) -> dict[str, int | str]:
+    """Per-layer ``quantization`` entries for head layers whose setting differs from the trunk's
+    (``quantization``'s own group_size / bits / mode, which mlx-lm's loader applies otherwise);
+    returns the per-group summary (``precision.summarize``) for the config's ``mtplx`` block."""
+    trunk = (quantization["group_size"], quantization["bits"], quantization.get("mode", "affine"))
+    for name, setting in layers.items():
+        if isinstance(setting, dict) and (setting["group_size"], setting["bits"], setting["mode"]) != trunk:
+            quantization[name] = dict(setting)
+    return precision.summarize({name: s["bits"] if isinstance(s, dict) else s for name, s in layers.items()})
 
 
 def head_tensors(head: nn.Module) -> dict[str, mx.array]:
@@ -138,8 +202,9 @@ def convert_hf(
 ) -> Path:
     """Quantize a float HF checkpoint's trunk as ``mlx_lm.convert -q`` does and keep its MTP head.
 
-    ``head_bits``: None quantizes the head like the trunk, ``"float"`` keeps it unquantized (in
-    the dtype the trunk is cast to), an int gives it its own bit width. Output is atomic.
+    ``head_bits``: None is the default precision (``mtplx.heads.precision.default_bits``),
+    ``"float"`` keeps the head unquantized (in the dtype the trunk is cast to), an int gives every
+    head layer that width. Output is atomic.
     """
     from mtplx import heads
     from mtplx.checkpoints import load as loading
@@ -177,16 +242,17 @@ def convert_hf(
 
     trunk_predicate = getattr(model, "quant_predicate", None)
     model, qconfig = quantize_model(model, config, q_group_size, q_bits)
-    if head is not None and head_bits != "float":
-        quantize_head(
-            head, head_bits or q_bits, q_group_size, trunk_predicate, qconfig["quantization"], q_bits
-        )
+    summary = None
     if head is not None:
+        quantize_head(head, head_bits, q_bits, q_group_size, trunk_predicate)
+        summary = record_head_precision(head_layer_precision(head, q_group_size), qconfig["quantization"])
         _declare_head_layers(qconfig, config, weight_index(src), head.layout)
     qconfig["mtplx"] = {
         "converted_from": str(source),
         "head_file": HEAD_FILE if head is not None else None,
-        "head_bits": None if head is None else (head_bits or q_bits),
+        # "default" (mtplx.heads.precision.default_bits), "float" or the --head-bits width
+        "head_bits": None if head is None else ("default" if head_bits is None else head_bits),
+        "head_precision": summary,  # {group: bits or "float"} as written
     }
 
     def write(tmp: Path) -> None:

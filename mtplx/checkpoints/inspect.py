@@ -82,19 +82,46 @@ def _quant_bits(name: str, header: dict[str, dict], q: dict | None) -> int | Non
     return int(round(packed_cols * 32 / (groups * group))) if groups else None
 
 
+def _head_precision(header: dict[str, dict], q: dict | None, is_head, config: dict) -> dict | None:
+    """Per group (``mtplx.heads.precision``) the bits of the head's weight matrices as stored
+    (FP8 tensors, ``F8_*`` or with a ``weight_scale_inv``, count as 8), which groups every draft passes through are under 8 bits,
+    and the choice ``mtplx convert`` recorded (``"default"``, ``"float"``, a width; None: not
+    converted by mtplx). In a quantized checkpoint with some head layer quantized, its float
+    matrices are the ones no quantizer touches (router gates, widths off the group size) and are
+    left out. None when the checkpoint holds no head layers."""
+    from mtplx.heads import precision
+
+    layers: dict[str, int | str] = {}
+    for name, info in header.items():
+        if not (is_head(name) and name.endswith(".weight")) or len(info["shape"]) < 2:
+            continue
+        bits = _quant_bits(name, header, q)
+        fp8 = str(info["dtype"]).startswith("F8") or f"{name}_scale_inv" in header
+        layers[name[: -len(".weight")]] = bits or (8 if fp8 else precision.FLOAT)
+    if q is not None and any(b != precision.FLOAT for b in layers.values()):
+        layers = {k: b for k, b in layers.items() if b != precision.FLOAT}
+    if not layers:
+        return None
+    summary = precision.summarize(layers)
+    recorded = (config.get("mtplx") or {}).get("head_bits")
+    return {"groups": summary, "below_8_bits": precision.below_floor(summary), "converted_as": recorded}
+
+
 def _head_predicate(layout: str | None, config: dict):
     text = config.get("text_config") or config
     if layout == "qwen3_next":
         return lambda k: re.search(r"(^|\.)mtp\.", k) is not None
-    if layout == "deepseek":
+    if layout in ("deepseek", "step3p5"):
         first = int(text.get("num_hidden_layers", config.get("num_hidden_layers", 0)))
         return lambda k: (
             (m := re.match(r"model\.layers\.(\d+)\.", k)) is not None and int(m.group(1)) >= first
         )
     if layout == "mimo":
         return lambda k: k.startswith("model.mtp_layers.")
-    if layout == "mimo_v2_flash":
+    if layout in ("mimo_v2_flash", "longcat"):
         return lambda k: k.startswith("model.mtp.")
+    if layout == "ernie":
+        return lambda k: k.startswith("model.mtp_")
     # An unknown layout: count what is named like an MTP head, so inspect can say what it found.
     return lambda k: re.search(r"(^|[._])(mtp|nextn)", k) is not None
 
@@ -335,6 +362,8 @@ def inspect_model(
             "layer_count_source": count_source,  # "config", or "tensor names" when it declares none
             "tensors": head_tensors,
             "norm_rule": norms,  # which rule decides the head's norm convention (None: not a question)
+            # {"groups": {group: bits or "float"}, "below_8_bits": [...], "converted_as": ...}
+            "precision": _head_precision(header, q, is_head, config) if head_tensors else None,
         },
         "forged_head": forged,
         "default_model_build": default_variant,
@@ -363,6 +392,11 @@ def _acceptance_text(acceptance: dict[str, dict[str, float]]) -> str:
     return "; ".join(by_depth)
 
 
+def _widths(bits: int | str) -> str:
+    """``8`` -> ``8-bit``; ``"4/8"`` -> ``4-bit/8-bit``; ``"float"`` stays."""
+    return "/".join(w if w == "float" else f"{w}-bit" for w in str(bits).split("/"))
+
+
 def _head_lines(info: dict[str, Any]) -> list[str]:
     head, mtp = info["head"], info["mtp"]
     if head is None:
@@ -375,6 +409,17 @@ def _head_lines(info: dict[str, Any]) -> list[str]:
     ]
     if mtp.get("norm_rule") and head.get("source") == "in the checkpoint":
         lines.append(f"head norms    {mtp['norm_rule']}")
+    prec = mtp.get("precision")
+    if prec and head.get("source") == "in the checkpoint":
+        groups = ", ".join(f"{g} {_widths(b)}" for g, b in prec["groups"].items())
+        chosen = {None: "", "default": " (mtplx convert's default)", "float": " (--head-bits float)"}
+        how = chosen.get(prec["converted_as"], f" (--head-bits {prec['converted_as']})")
+        lines.append(f"head bits     {groups}{how}")
+        if prec["below_8_bits"]:
+            lines.append(
+                f"warning       head {' and '.join(prec['below_8_bits'])} below 8 bits: drafts are "
+                "often rejected; reconvert with `mtplx convert` (default) or --head-bits 8"
+            )
     if "dir" in head:
         lines.append(f"head files    {head['dir']} (draft vocabulary {head['draft_vocab']})")
     if head.get("depth_trained") or head.get("default_depth"):

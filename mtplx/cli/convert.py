@@ -22,7 +22,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--head-bits",
         choices=["float", "2", "3", "4", "5", "6", "8"],
         default=None,
-        help="HF: the MTP head's bits, or float to keep it unquantized (default: the trunk's bits)",
+        help="HF: the MTP head's bits, or float to keep it unquantized (default: attention, projection "
+        "and dense parts at max(q-bits, 8), routed experts at q-bits)",
     )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
 

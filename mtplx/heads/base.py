@@ -79,6 +79,9 @@ class MTPHead(nn.Module):
     max_depth: int | None = None
     default_depth: int | None = None
     reads_trunk_cache: bool = False
+    # FP8 checkpoint tensors the family reshapes in its sanitize, read as bfloat16 rather than
+    # kept 8-bit (weights.fp8_blocks_quantized); suffixes of checkpoint module names.
+    fp8_dequantized: tuple[str, ...] = ()
 
     def __init__(
         self,

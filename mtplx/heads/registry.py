@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mtplx.heads import deepseek, mimo, mimo_v2_flash, qwen3_next
+from mtplx.heads import deepseek, ernie, longcat, mimo, mimo_v2_flash, qwen3_next, step3p5
 from mtplx.heads.base import HiddenSource, MTPHead
 from mtplx.heads.weights import HeadSource, MissingHeadError, load_head_weights, weight_index
 
@@ -86,7 +86,8 @@ FAMILIES: dict[str, HeadFamily] = {
         HeadFamily(
             name=deepseek.LAYOUT,
             model_types=("deepseek_v3", "deepseek_v32", "kimi_k2", "glm4_moe", "glm_moe_dsa"),
-            marker=r"model\.layers\..*\.eh_proj\.weight",
+            # shared_head.norm right after the layer index: Step-3.5 nests it under transformer.
+            marker=r"model\.layers\.\d+\.shared_head\.norm\.weight",
             count_keys=("num_nextn_predict_layers",),
             layer_names=r"model\.layers\.(\d+)\.eh_proj\.weight",
             default_hidden_source=deepseek.DEFAULT_HIDDEN_SOURCE,
@@ -104,11 +105,40 @@ FAMILIES: dict[str, HeadFamily] = {
         HeadFamily(
             name=mimo_v2_flash.LAYOUT,
             model_types=("mimo_v2_flash",),
-            marker=r"model\.mtp\.layers\.\d+\.eh_proj\.weight",
+            # its own final_layernorm per layer: LongCat-Flash has one shared model.mtp.norm
+            marker=r"model\.mtp\.layers\.\d+\.final_layernorm\.weight",
             count_keys=("num_nextn_predict_layers",),
             layer_names=r"model\.mtp\.layers\.(\d+)\..+",
             default_hidden_source=mimo_v2_flash.DEFAULT_HIDDEN_SOURCE,
             build=mimo_v2_flash.build_head,
+        ),
+        HeadFamily(
+            name=step3p5.LAYOUT,
+            model_types=("step3p5",),
+            marker=r"model\.layers\.\d+\.transformer\.shared_head\.norm\.weight",
+            count_keys=("num_nextn_predict_layers",),
+            layer_names=r"model\.layers\.(\d+)\.eh_proj\.weight",
+            default_hidden_source=step3p5.DEFAULT_HIDDEN_SOURCE,
+            build=step3p5.build_head,
+            offset_norm_types=step3p5.OFFSET_NORM_MODEL_TYPES,
+        ),
+        HeadFamily(
+            name=longcat.LAYOUT,
+            model_types=("longcat_flash",),
+            marker=r"model\.mtp\.layers\.\d+\.enorm\.m\.weight",
+            count_keys=("num_nextn_predict_layers",),
+            layer_names=r"model\.mtp\.layers\.(\d+)\.eh_proj\.weight",
+            default_hidden_source=longcat.DEFAULT_HIDDEN_SOURCE,
+            build=longcat.build_head,
+        ),
+        HeadFamily(
+            name=ernie.LAYOUT,
+            model_types=("ernie4_5_moe", "ernie4_5"),
+            marker=r"model\.mtp_linear_proj\.\d+\.weight",
+            count_keys=("num_nextn_predict_layers",),
+            layer_names=r"model\.mtp_linear_proj\.(\d+)\.weight",
+            default_hidden_source=ernie.DEFAULT_HIDDEN_SOURCE,
+            build=ernie.build_head,
         ),
     )
 }

@@ -64,13 +64,20 @@ class CheckpointHead(Protocol):
 
 
 def load_head_weights(head: CheckpointHead, src: HeadSource) -> None:
-    """Fill a freshly built ``head`` from ``src``: read -> dequantize FP8 -> rename -> quantize
-    like the checkpoint -> load (one-line MtplxErrors for missing, extra or mis-shaped tensors)."""
+    """Fill a freshly built ``head`` from ``src``: read -> FP8 blocks as 8-bit MLX layers -> rename
+    -> quantize like the checkpoint (and as the weights came packed) -> load (one-line
+    MtplxErrors for missing, extra or mis-shaped tensors).
+
+    A head's FP8 layers stay 8-bit (``fp8_blocks_quantized``): a DeepSeek-V3 MTP layer is ~11.6 B
+    parameters, 23 GB as a bfloat16 copy. Tensors the family reshapes on load
+    (``fp8_dequantized`` on the head, e.g. MLA's ``kv_b_proj``, split per head) are dequantized."""
     prefixes = head.checkpoint_prefixes()
     names = sorted(k for k in src.index if k.startswith(prefixes))
-    tensors = dequantize_fp8_blocks(load_tensors(src.model_dir, src.index, names))
+    tensors = load_tensors(src.model_dir, src.index, names)
+    tensors = fp8_blocks_quantized(tensors, keep_float=getattr(head, "fp8_dequantized", ()))
     weights = head.sanitize(tensors, src)
     quantize_like_checkpoint(head, head.checkpoint_name, set(src.index), src.config)
+    quantize_as_packed(head, weights)
     check_and_load(head, weights, str(src.source))
 
 
@@ -184,6 +191,87 @@ def dequantize_fp8_blocks(weights: dict[str, mx.array], block: int = 128) -> dic
     return weights
 
 
+FP8_BLOCK = 128  # DeepSeek-V3's weight_block_size
+MXFP8 = {"group_size": 32, "bits": 8, "mode": "mxfp8"}
+FP8_AFFINE = {"group_size": 64, "bits": 8, "mode": "affine"}
+
+
+def powers_of_two(x: mx.array) -> bool:
+    """Every element a positive normal power of two (zero mantissa bits): ue8m0 block scales."""
+    bits = x.astype(mx.float32).view(mx.uint32)
+    exponent = (bits >> 23) & 0xFF
+    return bool(mx.all(((bits & 0x807FFFFF) == 0) & (exponent > 0) & (exponent < 255)).item())
+
+
+def fp8_as_mxfp8(w8: mx.array, scale_inv: mx.array, block: int = FP8_BLOCK) -> tuple[mx.array, mx.array]:
+    """FP8 e4m3 ``w8`` [..., m, n] with power-of-two ``block`` x ``block`` scales [..., m/b, n/b]
+    -> MLX mxfp8 (weight [..., m, n/4] uint32, scales [..., m, n/32] uint8), exactly: mxfp8 is
+    e4m3 elements with one E8M0 (biased power-of-two exponent) scale per 32 consecutive inputs, and
+    every such group lies inside one FP8 block, so its scale is the block's and the elements are
+    the checkpoint's own bytes. No float copy is made. Needs n % 32 == 0 and block % 32 == 0."""
+    *_, m, n = w8.shape
+    exponent = ((scale_inv.astype(mx.float32).view(mx.uint32) >> 23) & 0xFF).astype(
+        mx.uint8
+    )  # E8M0 = biased exp
+    per_row = mx.repeat(exponent, block, axis=-2)[..., :m, :]
+    scales = mx.repeat(per_row, block // MXFP8["group_size"], axis=-1)[..., : n // MXFP8["group_size"]]
+    return mx.contiguous(w8.view(mx.uint8)).view(mx.uint32), mx.contiguous(scales)
+
+
+def fp8_blocks_quantized(
+    weights: dict[str, mx.array], keep_float: Iterable[str] = (), block: int = FP8_BLOCK
+) -> dict[str, mx.array]:
+    """DeepSeek-style FP8 tensors (``w`` e4m3 + ``w_scale_inv`` per ``block`` x ``block``) as 8-bit
+    MLX layers, never as a full float copy: power-of-two scales (V3.1's ue8m0) -> mxfp8, exactly
+    (``fp8_as_mxfp8``; mlx-lm's loader does the same for 32x32 ue8m0 blocks); other scales ->
+    8-bit affine with group size 64 (32 where the input width needs it), one tensor at a time (its
+    bfloat16 dequantization evaluated and dropped before the next). Tensors whose name ends with
+    one of ``keep_float``, or whose input width is not a multiple of 32, are dequantized to
+    bfloat16 (``dequantize_fp8_blocks``).
+    Each quantized ``x.weight`` comes out with ``x.scales`` (and ``x.biases`` for affine), the
+    layout ``quantize_as_packed`` reads."""
+    keep_float = tuple(keep_float)
+    for key in [k for k in weights if k.endswith(".weight_scale_inv")]:
+        wkey = key[: -len("_scale_inv")]
+        module, n = wkey[: -len(".weight")], weights[wkey].shape[-1]
+        if module.endswith(keep_float) or n % MXFP8["group_size"]:
+            weights.update(dequantize_fp8_blocks({wkey: weights.pop(wkey), key: weights.pop(key)}, block))
+        elif block % MXFP8["group_size"] == 0 and powers_of_two(weights[key]):
+            weights[wkey], weights[f"{module}.scales"] = fp8_as_mxfp8(weights[wkey], weights.pop(key), block)
+        else:
+            group = FP8_AFFINE["group_size"] if n % FP8_AFFINE["group_size"] == 0 else MXFP8["group_size"]
+            w = dequantize_fp8_blocks({wkey: weights[wkey], key: weights.pop(key)}, block)[wkey]
+            wq, scales, biases = mx.quantize(w, group_size=group, bits=FP8_AFFINE["bits"])
+            mx.eval(wq, scales, biases)  # the bfloat16 copy of this one tensor is freed here
+            weights[wkey], weights[f"{module}.scales"], weights[f"{module}.biases"] = wq, scales, biases
+    return weights
+
+
+def split_mla_kv_b_proj(weights: dict[str, mx.array], prefix: str, args: Any, config: dict) -> None:
+    """HF MLA ``kv_b_proj`` [heads*(nope+v), kv_lora] -> mlx-lm's per-head ``embed_q`` / ``unembed_out``
+    (DeepSeek-V3 / GLM-5 and LongCat-Flash heads; as those models' mlx-lm ``sanitize``)."""
+    key = f"{prefix}.kv_b_proj.weight"
+    if key not in weights:
+        return
+    w = weights.pop(key)
+    q = quantization_config(config)
+    scales = weights.pop(f"{prefix}.kv_b_proj.scales", None)
+    biases = weights.pop(f"{prefix}.kv_b_proj.biases", None)
+    if scales is not None:
+        w = mx.dequantize(w, scales, biases, group_size=q["group_size"], bits=q["bits"])
+    nope, vdim = args.qk_nope_head_dim, args.v_head_dim
+    w = w.reshape(args.num_attention_heads, nope + vdim, -1)
+    parts = {
+        "embed_q": mx.contiguous(w[:, :nope, :].swapaxes(-1, -2)),
+        "unembed_out": mx.contiguous(w[:, nope:, :]),
+    }
+    for name, t in parts.items():
+        if scales is not None:
+            t, s, b = mx.quantize(t, group_size=q["group_size"], bits=q["bits"])
+            weights[f"{prefix}.{name}.scales"], weights[f"{prefix}.{name}.biases"] = s, b
+        weights[f"{prefix}.{name}.weight"] = t
+
+
 # --- norm convention ---------------------------------------------------------------
 
 _NORM_WEIGHT = re.compile(r"(^|\.)[^.]*norm[^.]*\.weight$")
@@ -287,6 +375,45 @@ def quantize_like_checkpoint(
         mode=q.get("mode", "affine"),
         class_predicate=predicate,
     )
+
+
+def packed_setting(weight: mx.array, scales: mx.array, in_dims: int) -> dict:
+    """The group size, bits and mode a packed weight was quantized with (as mlx-lm's
+    ``infer_quant_config``: affine keeps its scales in a float dtype; uint8 scales at 8 bits with
+    group 32 are mxfp8)."""
+    group_size = in_dims // scales.shape[-1]
+    bits = weight.shape[-1] * 32 // in_dims
+    if scales.dtype != mx.uint8:
+        return {"group_size": group_size, "bits": bits, "mode": "affine"}
+    if (bits, group_size) == (8, 32):
+        return dict(MXFP8)
+    raise MtplxError(f"cannot tell how a head weight of {bits} bits with group size {group_size} was packed")
+
+
+def quantize_as_packed(module: nn.Module, weights: dict[str, mx.array]) -> None:
+    """Quantize the still-float layers whose sanitized weights came packed (``<path>.scales``
+    present: an FP8 head read by ``fp8_blocks_quantized``), each as its weights say."""
+    settings = {
+        path: packed_setting(weights[f"{path}.weight"], weights[f"{path}.scales"], m.weight.shape[-1])
+        for path, m in module.named_modules()
+        if hasattr(m, "to_quantized") and f"{path}.scales" in weights and f"{path}.weight" in weights
+    }
+    if settings:
+        nn.quantize(module, class_predicate=lambda path, _: settings.get(path, False))
+
+
+def same_as_trunk_lm_head(own: dict[str, mx.array], trunk: Any) -> bool:
+    """True when a checkpoint's own LM-head copy in an MTP layer (``{weight, scales?, biases?}``)
+    equals the trunk's LM head (DeepSeek ships an identical copy: keep one in memory)."""
+    lm = getattr(trunk, "_lm_head", None)
+    if lm is None:
+        lm = getattr(getattr(trunk, "inner", None), "embed_tokens", None)
+    if lm is None:
+        return False
+    params = dict(tree_flatten(lm.parameters()))
+    if set(own) != set(params):
+        return False
+    return all(params[k].shape == v.shape and mx.array_equal(params[k], v).item() for k, v in own.items())
 
 
 def _listed(names: list[str]) -> str:

@@ -77,7 +77,12 @@ def converted(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
         src = root / family
         build(src)
         word_level(src)
-        out[family] = (src, convert_hf(src, root / f"{family}-4bit", q_bits=BITS, q_group_size=GROUP))
+        # head_bits=BITS: every head layer at the trunk's width, so one fake quantization checks it
+        # (the default precision per group is tests/checkpoints/test_head_precision.py's).
+        out[family] = (
+            src,
+            convert_hf(src, root / f"{family}-4bit", q_bits=BITS, q_group_size=GROUP, head_bits=BITS),
+        )
     return out
 
 
@@ -145,7 +150,12 @@ def test_head_bits_of_its_own_are_a_per_layer_override(converted, tmp_path):
     src, _ = converted["mimo"]
     out = convert_hf(src, tmp_path / "8bit-head", q_bits=BITS, q_group_size=GROUP, head_bits=8)
     config = json.loads((out / "config.json").read_text())
-    assert config["quantization"]["model.mtp_layers.0.input_proj"] == {"group_size": GROUP, "bits": 8}
+    assert config["quantization"]["model.mtp_layers.0.input_proj"] == {
+        "group_size": GROUP,
+        "bits": 8,
+        "mode": "affine",
+    }
+    assert config["mtplx"]["head_bits"] == 8 and config["mtplx"]["head_precision"]["projection"] == 8
     model, config = mlx_load_model(out)
     head = load_head(out, Trunk(model), config)
     assert head.modules_[0].input_proj.bits == 8
@@ -156,7 +166,11 @@ def test_cli_converts_a_repo_id_from_the_hub_cache_and_generates(converted, tmp_
     src, _ = converted["mimo"]
     cache_layout(src, tmp_path / "hub", "tiny-org/MiMo-tiny")
     out = convert_hf(
-        "tiny-org/MiMo-tiny", tmp_path / "from-repo", q_group_size=GROUP, hub_cache=tmp_path / "hub"
+        "tiny-org/MiMo-tiny",
+        tmp_path / "from-repo",
+        q_group_size=GROUP,
+        head_bits=BITS,
+        hub_cache=tmp_path / "hub",
     )
     assert head_error(src, out) < 1e-4
     cli_out = tmp_path / "cli"

@@ -29,6 +29,11 @@ def test_qwen35_with_head_is_mtp_ready(tmp_path):
         "layer_count_source": "config",
         "tensors": sum(k.startswith("mtp.") for k in tiny.tensors),
         "norm_rule": "offsets from 1: raw Hugging Face qwen3_5 checkpoint (format pt)",
+        "precision": {
+            "groups": {"projection": "float", "attention": "float", "dense": "float"},
+            "below_8_bits": [],
+            "converted_as": None,
+        },
     }
     assert info["parameters"] == _numel(tiny.tensors)
     assert info["parameters_by_part"]["mtp_head"] == _numel(

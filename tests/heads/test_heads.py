@@ -453,6 +453,9 @@ def test_default_hidden_sources_are_explicit():
         "deepseek": "post_norm",
         "mimo": "pre_norm",
         "mimo_v2_flash": "post_norm",
+        "ernie": "post_norm",
+        "step3p5": "post_norm",
+        "longcat": "post_norm",
     }
 
 
@@ -467,8 +470,16 @@ def test_each_registry_row_recognises_its_own_checkpoint_and_no_other(tmp_path):
         "deepseek": checkpoints.deepseek_v3(tmp_path / "d", mtp_layers=2, sidecar=True, trunk_layers=2),
         "mimo": checkpoints.mimo(tmp_path / "m", mtp_layers=2),
         "mimo_v2_flash": checkpoints.mimo_v2_flash(tmp_path / "mv2", mtp_layers=2),
+        "ernie": checkpoints.ernie4_5_moe(tmp_path / "e", mtp_layers=2),
+        "step3p5": checkpoints.step3p5(tmp_path / "s", mtp_layers=2),
     }
-    assert set(built) == set(FAMILIES)
+    # LongCat-Flash ships one MTP layer and its config declares none: counted from tensor names.
+    longcat = checkpoints.longcat_flash(tmp_path / "l")
+    assert set(built) | {"longcat"} == set(FAMILIES)
+    index = weight_index(longcat.path)
+    assert [f.name for f in FAMILIES.values() if f.has_layout(index)] == ["longcat"]
+    assert detect_layout({}, longcat.config) == "longcat"
+    assert FAMILIES["longcat"].layer_count(index, longcat.config) == (1, "tensor names")
     for name, tiny in built.items():
         index = weight_index(tiny.path)
         assert [f.name for f in FAMILIES.values() if f.has_layout(index)] == [name]

@@ -30,14 +30,17 @@ from support.models import (
     HIDDEN,
     VOCAB,
     deepseek_v3_config,
+    ernie4_5_moe_config,
     gemma4_assistant_config,
     gemma4_config,
+    longcat_flash_config,
     mimo_config,
     mimo_v2_flash_config,
     qwen3_5_config,
     qwen3_5_mtp_layer,
     randomize,
     scale_outputs,
+    step3p5_config,
     tiny_gemma4,
 )
 
@@ -113,15 +116,27 @@ def _qwen_next_head_module(layers: list) -> nn.Module:
 
 
 def qwen3_5(
-    path: Path, *, mtp_layers: int = 1, ship_mtp: bool = True, shards: int = 1, seed: int = 0
+    path: Path,
+    *,
+    mtp_layers: int = 1,
+    ship_mtp: bool = True,
+    shards: int = 1,
+    seed: int = 0,
+    context_strength: float | None = None,
 ) -> Tiny:
     """A Qwen3.5 checkpoint declaring ``mtp_layers`` MTP layers, their tensors under ``mtp.``
-    unless ``ship_mtp`` is off (as a converter that dropped them leaves it)."""
+    unless ``ship_mtp`` is off (as a converter that dropped them leaves it).
+    ``context_strength`` as ``deepseek_v3``'s: the head starts from reading the next token's
+    embedding alone (``fc`` = [I, 0]), so it predicts the trunk's bigram part and drafts are kept."""
     from mlx_lm.models import qwen3_5 as q
 
     config = qwen3_5_config(mtp_layers=mtp_layers)
     model = q.Model(q.ModelArgs.from_dict(config))
     randomize(model, seed)
+    inner = model.language_model.model
+    if context_strength is not None:
+        scale_outputs(model, context_strength)
+        inner.embed_tokens.weight = inner.embed_tokens.weight * HIDDEN**0.5
     tensors: dict[str, mx.array] = {}
     for name, v in tree_flatten(model.parameters()):
         if name.startswith("language_model.model."):
@@ -134,6 +149,11 @@ def qwen3_5(
     if mtp_layers and ship_mtp:
         head = _qwen_next_head_module([qwen3_5_mtp_layer(model) for _ in range(mtp_layers)])
         randomize(head, seed + 1)
+        if context_strength is not None:
+            scale_outputs(head, context_strength)
+            head.fc.weight = mx.concatenate([mx.eye(HIDDEN), mx.zeros((HIDDEN, HIDDEN))], axis=1)
+            head.pre_fc_norm_embedding.weight = mx.ones((HIDDEN,))
+            head.norm.weight = inner.norm.weight
         for name, v in _prefixed(head, "mtp.").items():
             tensors[name] = _qwen35_offset(name, v)
     return write_checkpoint(path, tensors, config, shards)
@@ -173,6 +193,41 @@ def _deepseek_layer_class(model_type: str) -> type:
     return DeepseekV32DecoderLayer
 
 
+FP8_BLOCK = 128
+FP8_MAX = 448.0  # largest finite e4m3
+
+
+def fp8_blocks(w: mx.array, ue8m0: bool) -> tuple[mx.array, mx.array]:
+    """``w`` [..., m, n] as DeepSeek's FP8 layout: e4m3 bytes and one inverse scale per 128 x 128
+    block (edge blocks short): the block's max |w| / 448, rounded up to a power of two for V3.1's
+    ``ue8m0`` scales. Returns (uint8 [..., m, n], float32 [..., ceil(m/128), ceil(n/128)])."""
+    a = np.array(w.astype(mx.float32), dtype=np.float64)
+    *lead, m, n = a.shape
+    mb, nb = -(-m // FP8_BLOCK), -(-n // FP8_BLOCK)
+    scale = np.empty((*lead, mb, nb))
+    for i in range(mb):
+        for j in range(nb):
+            block = a[..., i * FP8_BLOCK : (i + 1) * FP8_BLOCK, j * FP8_BLOCK : (j + 1) * FP8_BLOCK]
+            amax = np.maximum(np.abs(block).max(axis=(-2, -1)), 1e-12) / FP8_MAX
+            scale[..., i, j] = 2.0 ** np.ceil(np.log2(amax)) if ue8m0 else amax
+    full = scale.repeat(FP8_BLOCK, axis=-2)[..., :m, :].repeat(FP8_BLOCK, axis=-1)[..., :n]
+    return mx.to_fp8(mx.array((a / full).astype(np.float32))), mx.array(scale.astype(np.float32))
+
+
+def _fp8_head(head: dict[str, mx.array], ue8m0: bool) -> dict[str, mx.array]:
+    """The MTP layer's linear weights (attention, MLPs, experts, ``eh_proj``) in FP8 blocks, as
+    DeepSeek's FP8 checkpoints store them; norms, the router gate and the embedding / LM-head
+    copies stay float."""
+    out = {}
+    for name, v in head.items():
+        keep = v.ndim < 2 or "norm" in name or name.endswith(("mlp.gate.weight", "embed_tokens.weight"))
+        if keep or "shared_head.head" in name:
+            out[name] = v
+            continue
+        out[name], out[name + "_scale_inv"] = fp8_blocks(v, ue8m0)
+    return out
+
+
 def deepseek_v3(
     path: Path,
     *,
@@ -185,6 +240,7 @@ def deepseek_v3(
     trunk_layers: int = 61,
     model_type: str = "deepseek_v3",
     context_strength: float | None = None,
+    fp8: str | None = None,
 ) -> Tiny:
     """``context_strength``: scale the trunk's and the MTP blocks' output projections by it and
     start each MTP module from reading the next token's embedding alone (``eh_proj`` = [I, 0],
@@ -194,7 +250,9 @@ def deepseek_v3(
     ``deepseek_v3``: its sanitize drops only ``model.layers.61.*``). ``model_type``
     "deepseek_v32" (DeepSeek-V3.2) or "glm_moe_dsa" (GLM-5): MLA with the DSA indexer
     (``self_attn.indexer.*``, as those checkpoints name it; their sanitize drops every layer
-    from ``num_hidden_layers`` on)."""
+    from ``num_hidden_layers`` on). ``fp8`` "ue8m0" (V3.1: power-of-two block scales) or "float"
+    (V3 / R1): the MTP layer's linear weights in FP8 128 x 128 blocks, with the config's
+    ``quantization_config`` as published."""
     import importlib
 
     d = importlib.import_module(f"mlx_lm.models.{model_type}")
@@ -237,6 +295,15 @@ def deepseek_v3(
         # DeepSeek ships copies of the embedding and the LM head inside the MTP layer.
         head[p + "embed_tokens.weight"] = model.model.embed_tokens.weight
         head[p + "shared_head.head.weight"] = model.lm_head.weight
+    if fp8 is not None:
+        head = _fp8_head(head, ue8m0=fp8 == "ue8m0")
+        config["quantization_config"] = {
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "quant_method": "fp8",
+            "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+            **({"scale_fmt": "ue8m0"} if fp8 == "ue8m0" else {}),
+        }
     return _write_with_head(path, tensors, head, config, shards, sidecar)
 
 
@@ -362,6 +429,195 @@ def mimo_v2_flash(
         tensors.update(_prefixed(mod, p))
         for name, v in _prefixed(block, p).items():
             tensors[name.replace(".post_attention_layernorm.", ".pre_mlp_layernorm.")] = v
+    return write_checkpoint(path, tensors, config)
+
+
+# --------------------------------------------------------------------------- ernie4_5_moe
+
+
+def ernie4_5_moe(
+    path: Path,
+    *,
+    mtp_layers: int = 1,
+    ship_mtp: bool = True,
+    seed: int = 0,
+    context_strength: float | None = None,
+) -> Tiny:
+    """ERNIE-4.5 MoE as published: experts per expert (``mlp.experts.{e}.*``), the router's
+    ``moe_statics.e_score_correction_bias``, and the MTP layers as four lists indexed by layer:
+    ``model.mtp_emb_norm.{i}``, ``model.mtp_hidden_norm.{i}``, ``model.mtp_linear_proj.{i}``,
+    ``model.mtp_block.{i}.*`` (a dense decoder layer). ``context_strength`` as ``deepseek_v3``'s,
+    with ``mtp_emb_norm`` = the trunk's final norm (the layer has no final norm of its own)."""
+    from mlx_lm.models import ernie4_5_moe as e
+
+    config = ernie4_5_moe_config(mtp_layers=mtp_layers)
+    args = e.ModelArgs.from_dict(config)
+    model = e.Model(args)
+    randomize(model, seed)
+    if context_strength is not None:
+        scale_outputs(model, context_strength)
+        model.model.embed_tokens.weight = model.model.embed_tokens.weight * HIDDEN**0.5
+    tensors: dict[str, mx.array] = {}
+    for name, v in tree_flatten(model.parameters()):
+        if ".switch_mlp." in name:
+            layer, proj = name.split(".mlp.switch_mlp.")
+            for x in range(v.shape[0]):
+                tensors[f"{layer}.mlp.experts.{x}.{proj}"] = v[x]
+        else:
+            tensors[name] = v
+    tensors["model.layers.1.mlp.moe_statics.e_score_correction_bias"] = mx.zeros((1, args.moe_num_experts))
+    for i in range(mtp_layers if ship_mtp else 0):
+        mod = nn.Module()
+        mod.mtp_emb_norm, mod.mtp_hidden_norm = nn.RMSNorm(HIDDEN), nn.RMSNorm(HIDDEN)
+        mod.mtp_linear_proj = nn.Linear(2 * HIDDEN, HIDDEN, bias=False)
+        block = e.Ernie4_5_DecoderLayer(args, args.num_hidden_layers + i)  # dense, as the references build it
+        randomize(mod, seed + 1 + 2 * i)
+        randomize(block, seed + 2 + 2 * i)
+        if context_strength is not None:
+            scale_outputs(block, context_strength)
+            mod.mtp_linear_proj.weight = mx.concatenate([mx.eye(HIDDEN), mx.zeros((HIDDEN, HIDDEN))], axis=1)
+            mod.mtp_emb_norm.weight = model.model.norm.weight
+        for name, v in tree_flatten(mod.parameters()):
+            own, rest = name.split(".", 1)
+            tensors[f"model.{own}.{i}.{rest}"] = v
+        tensors.update(_prefixed(block, f"model.mtp_block.{i}."))
+    return write_checkpoint(path, tensors, config)
+
+
+# --------------------------------------------------------------------------- longcat_flash
+
+
+def _mla_hf(prefix: str, attn: nn.Module, args) -> dict[str, mx.array]:
+    """An mlx-lm MLA attention's parameters under HF names: ``embed_q`` / ``unembed_out`` fused back
+    into ``kv_b_proj`` [heads*(nope+v), kv_lora]."""
+    out = {
+        prefix + k: v
+        for k, v in tree_flatten(attn.parameters())
+        if not k.startswith(("embed_q", "unembed_out"))
+    }
+    wk = attn.embed_q.weight.swapaxes(-1, -2)  # [heads, nope, kv_lora]
+    out[prefix + "kv_b_proj.weight"] = mx.concatenate([wk, attn.unembed_out.weight], axis=1).reshape(
+        -1, args.kv_lora_rank
+    )
+    return out
+
+
+def longcat_flash(
+    path: Path, *, ship_mtp: bool = True, seed: int = 0, context_strength: float | None = None
+) -> Tiny:
+    """LongCat-Flash as published (vLLM ``longcat_flash_mtp.py``'s name map): per-expert trunk
+    MoE, fused ``kv_b_proj``, and the MTP layer under ``model.mtp.``: ``layers.0.{enorm,hnorm}.m``,
+    ``layers.0.eh_proj``, the MLA attention and both norms at ``layers.0.``, the dense MLP at
+    ``layers.0.transformer_layer.mlp``, the final norm ``model.mtp.norm``, an embedding copy
+    ``model.mtp.embed_tokens``. ``context_strength`` as ``deepseek_v3``'s."""
+    from mlx_lm.models import longcat_flash as lc
+
+    config = longcat_flash_config()
+    args = lc.ModelArgs.from_dict(config)
+    model = lc.Model(args)
+    h = args.hidden_size
+    randomize(model, seed)
+    if context_strength is not None:
+        scale_outputs(model, context_strength)
+        model.model.embed_tokens.weight = model.model.embed_tokens.weight * h**0.5
+    tensors: dict[str, mx.array] = {}
+    for name, v in tree_flatten(model.parameters()):
+        if ".switch_mlp." in name:
+            layer, proj = name.split(".mlp.switch_mlp.")
+            for x in range(v.shape[0]):
+                tensors[f"{layer}.mlp.experts.{x}.{proj}"] = v[x]
+        elif ".self_attn." not in name:
+            tensors[name] = v
+    for i, layer in enumerate(model.model.layers):
+        for a, attn in enumerate(layer.self_attn):
+            tensors.update(_mla_hf(f"model.layers.{i}.self_attn.{a}.", attn, args))
+    if ship_mtp:
+        mod = nn.Module()
+        mod.enorm, mod.hnorm = nn.RMSNorm(h), nn.RMSNorm(h)
+        mod.eh_proj = nn.Linear(2 * h, h, bias=False)
+        mod.input_layernorm, mod.post_attention_layernorm = nn.RMSNorm(h), nn.RMSNorm(h)
+        mod.mlp = lc.LongcatFlashMLP(args, False)
+        mod.norm = nn.RMSNorm(h)
+        attn = lc.LongcatFlashMLA(args)
+        randomize(mod, seed + 1)
+        randomize(attn, seed + 2)
+        if context_strength is not None:
+            scale_outputs(mod, context_strength)
+            scale_outputs(attn, context_strength)
+            mod.eh_proj.weight = mx.concatenate([mx.eye(h), mx.zeros((h, h))], axis=1)
+            mod.enorm.weight = mx.ones((h,))
+            mod.norm.weight = model.model.norm.weight
+        p = "model.mtp.layers.0."
+        tensors.update({p + "enorm.m.weight": mod.enorm.weight, p + "hnorm.m.weight": mod.hnorm.weight})
+        tensors[p + "eh_proj.weight"] = mod.eh_proj.weight
+        tensors[p + "input_layernorm.weight"] = mod.input_layernorm.weight
+        tensors[p + "post_attention_layernorm.weight"] = mod.post_attention_layernorm.weight
+        tensors.update(_prefixed(mod.mlp, p + "transformer_layer.mlp."))
+        tensors.update(_mla_hf(p + "self_attn.", attn, args))
+        tensors["model.mtp.norm.weight"] = mod.norm.weight
+        tensors["model.mtp.embed_tokens.weight"] = model.model.embed_tokens.weight
+    return write_checkpoint(path, tensors, config)
+
+
+# --------------------------------------------------------------------------- step3p5
+
+_STEP3P5_HF = (  # mlx-lm's spelling -> the published one (step3p5.sanitize's remappings, reversed)
+    (".mlp.switch_mlp.", ".moe."),
+    (".mlp.gate.gate.", ".moe.gate."),
+    (".mlp.gate.router_bias", ".moe.router_bias"),
+    (".mlp.share_expert.", ".share_expert."),
+)
+
+
+def _step3p5_hf(name: str, v: mx.array) -> tuple[str, mx.array]:
+    for ours, theirs in _STEP3P5_HF:
+        name = name.replace(ours, theirs)
+    # Every RMSNorm weight is stored as an offset from 1 (zero-centred; vLLM's GemmaRMSNorm).
+    return name, (v - 1.0 if name.endswith(".weight") and "norm" in name else v)
+
+
+def step3p5(
+    path: Path,
+    *,
+    mtp_layers: int = 3,
+    ship_mtp: bool = True,
+    seed: int = 0,
+    context_strength: float | None = None,
+) -> Tiny:
+    """Step-3.5-Flash as published: stacked experts under ``.moe.``, norms as offsets from 1, and
+    the MTP layers at ``model.layers.{2 + i}``: ``enorm``, ``hnorm``, ``eh_proj``, the block's
+    tensors at the prefix itself, ``transformer.shared_head.norm`` and its own LM head
+    ``transformer.shared_head.output`` (1.5x the trunk's, so it is kept and its argmax agrees).
+    ``context_strength`` as ``deepseek_v3``'s."""
+    from mlx_lm.models import step3p5 as st
+
+    config = step3p5_config(mtp_layers=mtp_layers)
+    args = st.ModelArgs.from_dict(config)
+    model = st.Model(args)
+    h = args.hidden_size
+    randomize(model, seed)
+    if context_strength is not None:
+        scale_outputs(model, context_strength)
+        model.model.embed_tokens.weight = model.model.embed_tokens.weight * h**0.5
+    tensors = dict(_step3p5_hf(k, v) for k, v in tree_flatten(model.parameters()))
+    for i in range(mtp_layers if ship_mtp else 0):
+        layer = args.num_hidden_layers + i
+        mod = nn.Module()
+        mod.enorm, mod.hnorm = nn.RMSNorm(h), nn.RMSNorm(h)
+        mod.eh_proj = nn.Linear(2 * h, h, bias=False)
+        block = st.Step3p5DecoderLayer(args, layer)
+        randomize(mod, seed + 1 + 2 * i)
+        randomize(block, seed + 2 + 2 * i)
+        head_norm = model.model.norm.weight
+        if context_strength is not None:
+            scale_outputs(block, context_strength)
+            mod.eh_proj.weight = mx.concatenate([mx.eye(h), mx.zeros((h, h))], axis=1)
+            mod.enorm.weight = mx.ones((h,))
+        p = f"model.layers.{layer}."
+        tensors.update(_step3p5_hf(k, v) for k, v in _prefixed(mod, p).items())
+        tensors.update(_step3p5_hf(k, v) for k, v in _prefixed(block, p).items())
+        tensors[p + "transformer.shared_head.norm.weight"] = head_norm - 1.0
+        tensors[p + "transformer.shared_head.output.weight"] = model.lm_head.weight * 1.5
     return write_checkpoint(path, tensors, config)
 
 

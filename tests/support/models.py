@@ -403,6 +403,107 @@ def mimo_config(vocab_size: int = VOCAB, mtp_layers: int = 1) -> dict:
     }
 
 
+def step3p5_config(vocab_size: int = 32, mtp_layers: int = 3, window: int = 4) -> dict:
+    """The Hugging Face config of a 2-layer Step-3.5-Flash (``stepfun-ai/Step-3.5-Flash``'s keys):
+    layer 0 full attention + dense MLP, layer 1 sliding-window (``window``) attention + a 4-expert
+    MoE with a shared expert; head-wise attention gates; ``num_nextn_predict_layers`` MTP layers
+    (3 as released), sliding, listed in ``layer_types`` after the trunk's. Hidden size 64: mlx-lm
+    quantizes the router (``mlp.gate.gate``) at group size 64 whatever the trunk's."""
+    return {
+        "model_type": "step3p5",
+        "architectures": ["Step3p5ForCausalLM"],
+        "vocab_size": vocab_size,
+        "hidden_size": 2 * HIDDEN,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_attention_groups": 2,
+        "head_dim": 8,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 256,
+        "sliding_window": window,
+        "layer_types": ["full_attention", "sliding_attention"] + ["sliding_attention"] * mtp_layers,
+        "use_head_wise_attn_gate": True,
+        "moe_num_experts": 4,
+        "moe_top_k": 2,
+        "moe_intermediate_size": 16,
+        "share_expert_dim": 16,
+        "moe_layers_enum": "1",
+        "moe_router_scaling_factor": 1.0,
+        "norm_expert_weight": True,
+        "num_nextn_predict_layers": mtp_layers,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
+
+
+def longcat_flash_config(vocab_size: int = 32) -> dict:
+    """The Hugging Face config of a 1-layer LongCat-Flash (``meituan-longcat/LongCat-Flash-Chat``'s
+    keys): each layer two MLA attentions + two dense MLPs + a shortcut MoE with zero (identity)
+    experts; the MTP layer (one, as released) is counted from its tensor names. Hidden size 64:
+    mlx-lm quantizes the router at group size 64 whatever the trunk's."""
+    return {
+        "model_type": "longcat_flash",
+        "architectures": ["LongcatFlashForCausalLM"],
+        "attention_method": "MLA",
+        "vocab_size": vocab_size,
+        "hidden_size": 2 * HIDDEN,
+        "ffn_hidden_size": 64,
+        "expert_ffn_hidden_size": 16,
+        "moe_topk": 2,
+        "n_routed_experts": 4,
+        "zero_expert_num": 2,
+        "zero_expert_type": "identity",
+        "num_layers": 1,
+        "num_attention_heads": 2,
+        "kv_lora_rank": 16,
+        "q_lora_rank": 32,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 8,
+        "v_head_dim": 8,
+        "routed_scaling_factor": 1.0,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "mla_scale_q_lora": True,
+        "mla_scale_kv_lora": True,
+        "attention_bias": False,
+        "max_position_embeddings": 256,
+        "torch_dtype": "float32",
+    }
+
+
+def ernie4_5_moe_config(vocab_size: int = 32, mtp_layers: int = 1) -> dict:
+    """The Hugging Face config of a 2-layer ERNIE-4.5 MoE (``baidu/ERNIE-4.5-21B-A3B-PT``'s keys):
+    layer 0 dense, layer 1 a 4-expert MoE with a shared expert (``moe_layer_start_index`` 1),
+    tied embeddings, ``num_nextn_predict_layers`` MTP layers (1 as released)."""
+    return {
+        "model_type": "ernie4_5_moe",
+        "architectures": ["Ernie4_5_MoeForCausalLM"],
+        "vocab_size": vocab_size,
+        "hidden_size": HIDDEN,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "use_bias": False,
+        "tie_word_embeddings": True,
+        "moe_num_experts": 4,
+        "moe_k": 2,
+        "moe_intermediate_size": 16,
+        "moe_num_shared_experts": 1,
+        "moe_layer_start_index": 1,
+        "moe_layer_interval": 1,
+        "moe_use_aux_free": True,
+        "num_nextn_predict_layers": mtp_layers,
+        "torch_dtype": "float32",
+    }
+
+
 def mimo_v2_flash_config(vocab_size: int = VOCAB, mtp_layers: int = 3, window: int = 4) -> dict:
     """The Hugging Face config of a 2-layer MiMo-V2-Flash: one full-attention dense layer, one
     sliding-window (``window``) MoE layer with attention sinks, asymmetric value heads, partial
