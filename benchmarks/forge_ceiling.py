@@ -20,7 +20,8 @@ Stages (each resumable; rerun the same command after a kill):
    greedy text ("suite d1", the model card's measure: each prompt plus the trunk's greedy
    ``--suite-tokens``-token continuation from `Engine.generate`, depth 1) and the unseen t 0.7
    samples of ``eval/`` at depths 1-3. Each point is written to ``--json`` as it is scored; a
-   rerun resumes from the newest checkpoint in ``--out/ckpt`` and keeps the points already there.
+   rerun resumes from the newest checkpoint in ``--out/ckpt-lr<lr>-<steps>`` and keeps the points
+   already in ``--json`` (another ``--lr`` or ``--steps``: another ``--json``, same ``--out``).
 
     nice -n 19 .venv/bin/python benchmarks/forge_ceiling.py --out /tmp/ceiling \
         --init-head models/smollm2-135m-instruct --steps 90 --eval-every 30 --lr 1e-4 \
@@ -70,7 +71,7 @@ def generate(engine: Engine, out: Path, args: argparse.Namespace) -> dict:
     plan = [("train", i, GREEDY if i == 0 else SAMPLED) for i in range(args.train_shards)]
     plan += [("eval", i, SAMPLED) for i in range(args.eval_shards)]
     plan.sort(key=lambda e: (e[1] > 0 or e[0] == "eval", e[0] == "train"))  # greedy, then eval, then samples
-    summary = {"seq_len": seq_len, "shards": {}}
+    summary = {"seq_len": seq_len}
     for split, index, setting in plan:
         path = out / split / f"shard-{index:05d}.npz"
         if path.is_file():
@@ -102,10 +103,17 @@ def generate(engine: Engine, out: Path, args: argparse.Namespace) -> dict:
             f"({meta['response_tokens_per_s']} tokens/s)",
             flush=True,
         )
+    return summary
+
+
+def summarize(out: Path) -> dict:
+    """The shards in ``out/train`` and ``out/eval``: rows, response tokens, settings, generation time."""
+    summary = {}
     for split in ("train", "eval"):
         data, metas = load_shards(out / split)
-        summary["shards"][split] = {
+        summary[split] = {
             "shards": len(metas),
+            "seq_len": int(data.tokens.shape[1]),
             "sequences": data.num_sequences,
             "response_tokens": data.num_response_tokens,
             "by_setting": {s: sum(m["setting"] == s for m in metas) for s in {m["setting"] for m in metas}},
@@ -168,7 +176,7 @@ def main() -> None:
     engine = Engine.load()
     report = json.loads(args.json.read_text()) if args.json.is_file() else {}
     if args.stage in ("gen", "all"):
-        report["data"] = generate(engine, args.out, args)
+        report["generation"] = generate(engine, args.out, args)
         write(args.json, report)
     if args.stage == "gen":
         return
@@ -191,13 +199,13 @@ def main() -> None:
     }
     if report.get("recipe") != recipe:  # another recipe's points would not continue this curve
         report["points"] = []
-    report.update(recipe=recipe, greedy_overlap=greedy_overlap(args.out, cache))
+    report.update(recipe=recipe, data=summarize(args.out), greedy_overlap=greedy_overlap(args.out, cache))
     train_ids = frequent_ids(data, cfg.train_vocab, trunk.vocab_size)
     tokens_per_sequence = data.num_response_tokens / max(data.num_sequences, 1)
     memo = forge_ablation.MemoTrunk(trunk)
     head = build_head(trunk, "pre_norm", "pre_norm", 1)
     init_from_head(head, args.init_head, trunk, fingerprint)
-    ckpt_dir = args.out / "ckpt"
+    ckpt_dir = args.out / f"ckpt-lr{args.lr:g}-{args.steps}"  # one per recipe: arms share the shards
     done = {p["step"] for p in report["points"]}
     stops = [0, *range(args.eval_every, args.steps, args.eval_every), args.steps]
     for stop in stops:
