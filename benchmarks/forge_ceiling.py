@@ -44,7 +44,14 @@ from mtplx.engine.engine import Engine  # noqa: E402
 from mtplx.forge.config import DEFAULT_FORGE_CONFIG  # noqa: E402
 from mtplx.forge.loss import frequent_ids  # noqa: E402
 from mtplx.forge.prompts import prompt_ids, read_held_out  # noqa: E402
-from mtplx.forge.record import drop_empty_rows, generate_batch, load_shards, save_shard  # noqa: E402
+from mtplx.forge.record import (  # noqa: E402
+    SHARD_FILES,
+    ForgeData,
+    drop_empty_rows,
+    generate_batch,
+    load_shards,
+    save_shard,
+)
 from mtplx.forge.train import build_head, init_from_head, train_head  # noqa: E402
 from mtplx.io import atomic_write  # noqa: E402
 from mtplx.sample.params import Setting  # noqa: E402
@@ -157,6 +164,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=90)
     ap.add_argument("--eval-every", type=int, default=30)
     ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--until", type=int, default=None, help="stop after this step's point (resumable)")
+    ap.add_argument(
+        "--samples-only", action="store_true", help="train on the t 0.7 shards only (no greedy suite text)"
+    )
     ap.add_argument("--suite-tokens", type=int, default=64)
     ap.add_argument("--origins", type=int, default=DEFAULT_FORGE_CONFIG.eval_origins)
     ap.add_argument("--seed", type=int, default=0)
@@ -182,7 +193,10 @@ def main() -> None:
         return
 
     trunk, fingerprint = engine.trunk, engine.fingerprint
-    data, _ = load_shards(args.out / "train")
+    data, metas = load_shards(args.out / "train")
+    if args.samples_only:  # the greedy rows out: the scored suite text itself is never trained on
+        settings = np.array([m["setting"] for m in metas for _ in m["kinds"]])
+        data = ForgeData(*(getattr(data, n)[settings != "greedy"] for n in SHARD_FILES))
     held, _ = load_shards(args.out / "eval")
     cache = args.out / f"suite-greedy-{args.suite_tokens}.json"
     suite = forge_ablation.suite_text(engine, args.suite_tokens, cache)
@@ -196,6 +210,7 @@ def main() -> None:
         "train_sequences": data.num_sequences,
         "train_response_tokens": data.num_response_tokens,
         "suite_tokens": args.suite_tokens,
+        "samples_only": args.samples_only,
     }
     if report.get("recipe") != recipe:  # another recipe's points would not continue this curve
         report["points"] = []
@@ -205,9 +220,11 @@ def main() -> None:
     memo = forge_ablation.MemoTrunk(trunk)
     head = build_head(trunk, "pre_norm", "pre_norm", 1)
     init_from_head(head, args.init_head, trunk, fingerprint)
-    ckpt_dir = args.out / f"ckpt-lr{args.lr:g}-{args.steps}"  # one per recipe: arms share the shards
+    # One checkpoint directory per recipe: arms share the shards.
+    ckpt_dir = args.out / f"ckpt-lr{args.lr:g}-{args.steps}{'-samples' if args.samples_only else ''}"
     done = {p["step"] for p in report["points"]}
     stops = [0, *range(args.eval_every, args.steps, args.eval_every), args.steps]
+    stops = [s for s in stops if args.until is None or s <= args.until]
     for stop in stops:
         if stop in done:
             continue
