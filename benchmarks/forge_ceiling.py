@@ -174,12 +174,13 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=Path("forge-ceiling.json"))
     ap.add_argument("--plot", type=Path, default=None)
     ap.add_argument("--report-only", action="store_true", help="print the table (and plot) of --json")
+    ap.add_argument("--compare", type=Path, default=None, help="another arm's --json, drawn beside it")
     args = ap.parse_args()
     if args.report_only:
         report = json.loads(args.json.read_text())
         print(markdown_table(report))
         if args.plot:
-            plot(report, args.plot)
+            plot(report, args.plot, json.loads(args.compare.read_text()) if args.compare else None)
         return
     if args.out is None:
         raise SystemExit("--out is needed (or pass --report-only)")
@@ -275,26 +276,23 @@ def markdown_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(report: dict, path: Path) -> None:
+def plot(report: dict, path: Path, other: dict | None = None) -> None:
+    """Suite greedy text and unseen samples, depth 1, against steps; ``other`` (a --samples-only arm) beside."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    points = report["points"]
-    steps = [p["step"] for p in points]
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for t, style in (("0.0", "-o"), ("0.7", "--s")):
-        ax.plot(
-            steps,
-            [p["suite_depth1"][t] for p in points],
-            style,
-            color="C0",
-            label=f"suite greedy text, t {t}",
-        )
-        ax.plot(
-            steps, [p["held_out"]["1"][t] for p in points], style, color="C1", label=f"unseen samples, t {t}"
-        )
+    fig, ax = plt.subplots(figsize=(7.5, 4.6))
+    arms = [("", report, ("C0", "C1"))] + ([("samples only: ", other, ("C2", "C3"))] if other else [])
+    for prefix, arm, colors in arms:
+        points = arm["points"]
+        steps = [p["step"] for p in points]
+        for t, style in (("0.0", "-o"), ("0.7", "--s")):
+            suite = [p["suite_depth1"][t] for p in points]
+            unseen = [p["held_out"]["1"][t] for p in points]
+            ax.plot(steps, suite, style, color=colors[0], label=f"{prefix}suite greedy text, t {t}")
+            ax.plot(steps, unseen, style, color=colors[1], label=f"{prefix}unseen samples, t {t}")
     ax.axhline(0.41, color="grey", lw=0.8, ls=":", label="forge's plateau on the suite (0.41)")
     ax.set_xlabel("training steps (8 sequences each)")
     ax.set_ylabel("teacher-forced first-draft acceptance")
