@@ -53,7 +53,11 @@ def _last_layer_weights(trunk: Trunk):
     return tree_flatten(trunk.layers[-1].parameters())
 
 
-@pytest.mark.parametrize("prompt", PROMPTS)
+@pytest.mark.parametrize(
+    "prompt",
+    # One prompt in the default run; the others repeat the same check (`make test-slow`).
+    [PROMPTS[0], *(pytest.param(p, marks=pytest.mark.slow) for p in PROMPTS[1:])],
+)
 def test_greedy_mtp_equals_ar_on_the_default_model(engine, prompt):
     ar = engine.generate(prompt, chat=True, max_tokens=64, mtp=False)
     mtp = engine.generate(prompt, chat=True, max_tokens=64, mtp=True, depth=3)
