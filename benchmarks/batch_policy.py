@@ -20,20 +20,18 @@ same text in every variant, and the ratios compare the decoding, not the text.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import platform
 import statistics
 import time
 from pathlib import Path
 
-import mtplx
-from mtplx.bench.suite import Prompt, load_prompts
+from mtplx.bench.report import provenance, write_json
+from mtplx.bench.suite import load_prompts
 from mtplx.engine.engine import Engine
 from mtplx.engine.request import GenerationRequest
-from mtplx.io import atomic_write
 from mtplx.sample.params import SamplerConfig
 from mtplx.spec_decode.settings import Drafting
+
+from serve_concurrency import chat_messages  # the same chat turns as the server benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {
@@ -41,17 +39,6 @@ VARIANTS = {
     "auto": ("auto", Drafting()),
     "head1": ("fixed", Drafting(kind="head", depth=1)),
 }
-
-
-def chat_turn(prompt: Prompt, tag: str) -> list[dict]:
-    """As `serve_concurrency.chat_messages`: the prompt as chat turns, a tag in front."""
-    messages = (
-        [dict(m) for m in prompt.messages]
-        if prompt.messages
-        else [{"role": "user", "content": f"Continue this text:\n\n{prompt.text}"}]
-    )
-    messages[0]["content"] = f"(request {tag})\n{messages[0]['content']}"
-    return messages
 
 
 def steady_run(engine: Engine, prompts: list, request: GenerationRequest, policy: str) -> dict:
@@ -111,7 +98,7 @@ def main() -> None:
             for name in order:
                 policy, drafting = VARIANTS[name]
                 prompts = [
-                    chat_turn(suite[(repetition * rows + i) % len(suite)], f"{repetition}.{rows}.{i}")
+                    chat_messages(suite[(repetition * rows + i) % len(suite)], f"{repetition}.{rows}.{i}")
                     for i in range(rows)
                 ]
                 request = GenerationRequest(sampler=sampler, max_tokens=args.tokens, drafting=drafting)
@@ -130,16 +117,7 @@ def main() -> None:
         }
         summary[rows] = {**cell, **{f"{n}/ar": cell[n] / cell["ar"] for n in variants if "ar" in cell}}
         print(f"rows {rows}: " + ", ".join(f"{k} {v:.2f}" for k, v in summary[rows].items()))
-    document = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "processor": platform.processor()},
-        "mtplx": mtplx.__version__,
-        "args": {k: str(v) for k, v in vars(args).items()},
-        "summary": summary,
-        "runs": runs,
-    }
-    with atomic_write(args.out) as out:
-        json.dump(document, out, indent=1)
+    write_json(args.out, {**provenance(vars(args)), "summary": summary, "runs": runs})
     print(f"wrote {args.out}")
 
 

@@ -14,17 +14,14 @@ differ anywhere else (a defect: the tests fail on it).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import sys
 from pathlib import Path
 
-import mtplx
+from mtplx.bench.report import provenance, write_json
 from mtplx.bench.suite import load_prompts
 from mtplx.engine.engine import Engine
 from mtplx.engine.request import GenerationRequest
-from mtplx.io import atomic_write
 from mtplx.sample.params import SamplerConfig
 from mtplx.spec_decode.settings import Drafting
 
@@ -70,16 +67,7 @@ def main() -> None:
         "ties_per_1000_tokens": 1000 * sum(r["tie"] for r in rows) / compared,
     }
     print(json.dumps(summary))
-    document = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "processor": platform.processor()},
-        "mtplx": mtplx.__version__,
-        "args": {k: str(v) for k, v in vars(args).items()},
-        "summary": summary,
-        "rows": rows,
-    }
-    with atomic_write(args.out) as out:
-        json.dump(document, out, indent=1)
+    write_json(args.out, {**provenance(vars(args)), "summary": summary, "rows": rows})
     print(f"wrote {args.out}")
 
 

@@ -134,6 +134,18 @@ def result_document(
     }
 
 
+def provenance(args: dict[str, Any]) -> dict[str, Any]:
+    """The head of a benchmark script's JSON: when, which commit and versions, which machine, and
+    the script's arguments (as strings)."""
+    return {
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "commit": git_commit(),
+        "versions": versions(),
+        "machine": machine_info(),
+        "args": {k: str(v) for k, v in args.items()},
+    }
+
+
 def write_json(path: str | Path, document: dict[str, Any]) -> None:
     """``document`` as indented JSON, written whole."""
     text = json.dumps(document, indent=1)

@@ -159,6 +159,15 @@ class _Group:
     invalid: mx.array  # [] int32
 
 
+def fill_holes(num_rows: int, gone: set[int]) -> list[int]:
+    """The rows that stay, as ``remove_rows`` takes them: a staying row keeps its index where that
+    index survives, and the last staying rows move into the holes the leavers left, so the caches
+    copy one row per leaver rather than every row after the first hole (rows are not in join order)."""
+    num_keep = num_rows - len(gone)
+    movers = iter(i for i in range(num_keep, num_rows) if i not in gone)
+    return [next(movers) if i in gone else i for i in range(num_keep)]
+
+
 class BatchDecoder:
     """Rows decoding together; ``step`` runs one cycle for all of them (the module docstring)."""
 
@@ -318,10 +327,10 @@ class BatchDecoder:
 
     def leave(self, row_ids: Sequence[int]) -> None:
         """Remove rows (finished, stopped, cancelled); their cache memory is freed."""
-        gone = set(row_ids)
-        keep = [i for i, row in enumerate(self.rows) if row.row_id not in gone]
-        if len(keep) == len(self.rows):
+        gone = {i for i, row in enumerate(self.rows) if row.row_id in set(row_ids)}
+        if not gone:
             return
+        keep = fill_holes(len(self.rows), gone)
         self.rows = [self.rows[i] for i in keep]
         self.cache.remove_rows(keep)
         if self.chain is not None:

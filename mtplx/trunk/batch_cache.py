@@ -17,7 +17,7 @@ number of positions per row each cycle, so here every row has its own length:
   [n, n + kernel - 1) of that input.
 
 Rows join from single-row caches (`add_rows`, after their own prefill or from the prompt
-cache) and leave (`remove_rows`); both copy the buffers once, never per cycle. Sliding-window
+cache) and leave (`remove_rows`); both copy only the rows that move, never per cycle. Sliding-window
 (rotating) and quantized caches are not batched: `check_batchable` says so.
 
 Invariant between cycles: every layer's row r holds exactly the committed positions of
@@ -53,10 +53,18 @@ _STEP = 256  # buffer growth, in positions (mlx-lm's KVCache grows by the same s
 
 class RaggedKVCache:
     """K/V of B rows with per-row lengths (the module docstring). Quacks like mlx-lm's KVCache
-    where models touch it: ``offset`` (per-row array), ``update_and_fetch``, ``make_mask``, ``state``."""
+    where models touch it: ``offset`` (per-row array), ``update_and_fetch``, ``make_mask``, ``state``.
+
+    The buffers hold ``slots >= B`` rows; rows 0..B-1 are the batch (a leading-axis slice, no
+    copy). A joining row is written into the next free slot and a leaving row's slot is filled
+    by the last row, so a join or a leave copies the rows that move, not the whole batch (at 16
+    rows of ~700 positions a whole copy is ~0.5 GB of float32 K/V per join and per leave). The
+    buffers grow by doubling; they shrink (one copy) when the batch uses a quarter of the slots
+    or half the positions, and are freed when the last row leaves.
+    """
 
     def __init__(self, keys: mx.array | None = None, values: mx.array | None = None, lengths=()):
-        self.keys = keys  # [B, H, capacity, D] or None while empty
+        self.keys = keys  # [slots, H, capacity, D] or None while empty; rows 0..B-1 in use
         self.values = values
         self.lengths: list[int] = list(lengths)
         self.offset = mx.array(self.lengths, dtype=mx.int32)  # [B]: where the next block is written
@@ -67,29 +75,33 @@ class RaggedKVCache:
 
     @property
     def state(self) -> tuple:
-        return (self.keys, self.values) if self.keys is not None else ()
+        if self.keys is None:
+            return ()
+        return self.keys[: self.batch_size], self.values[: self.batch_size]
 
     def set_lengths(self, lengths: Sequence[int]) -> None:
         self.lengths = [int(n) for n in lengths]
         self.offset = mx.array(self.lengths, dtype=mx.int32)
 
+    def _reallocate(self, slots: int, capacity: int, like_keys: mx.array, like_values: mx.array) -> None:
+        """New zero buffers [slots, H, capacity, D] holding the current rows (one copy of them)."""
+        keys = mx.zeros((slots, like_keys.shape[1], capacity, like_keys.shape[3]), like_keys.dtype)
+        values = mx.zeros((slots, like_values.shape[1], capacity, like_values.shape[3]), like_values.dtype)
+        if self.keys is not None and self.batch_size:
+            rows, have = min(self.batch_size, slots), min(self.keys.shape[2], capacity)
+            keys[:rows, :, :have, :] = self.keys[:rows, :, :have, :]
+            values[:rows, :, :have, :] = self.values[:rows, :, :have, :]
+        self.keys, self.values = keys, values
+
     def _reserve(self, end: int, like_keys: mx.array, like_values: mx.array) -> None:
         capacity = 0 if self.keys is None else self.keys.shape[2]
         if end <= capacity:
             return
-        new_capacity = ((end + _STEP - 1) // _STEP) * _STEP
-        batch, heads, _, key_dim = like_keys.shape
-        keys = mx.zeros((batch, heads, new_capacity, key_dim), like_keys.dtype)
-        values = mx.zeros(
-            (batch, like_values.shape[1], new_capacity, like_values.shape[3]), like_values.dtype
-        )
-        if self.keys is not None:
-            keys[..., :capacity, :] = self.keys
-            values[..., :capacity, :] = self.values
-        self.keys, self.values = keys, values
+        slots = self.batch_size if self.keys is None else self.keys.shape[0]
+        self._reallocate(slots, _round_up(end), like_keys, like_values)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Write keys/values [B, H, T, D] at each row's length; return the buffers up to the longest end."""
+        """Write keys/values [B, H, T, D] at each row's length; return the rows' buffers up to the longest end."""
         block_len = keys.shape[2]
         end = max(self.lengths) + block_len
         self._reserve(end, keys, values)
@@ -98,7 +110,8 @@ class RaggedKVCache:
         self.keys[rows, :, positions] = keys.transpose(0, 2, 1, 3)
         self.values[rows, :, positions] = values.transpose(0, 2, 1, 3)
         self.set_lengths([n + block_len for n in self.lengths])
-        return self.keys[..., :end, :], self.values[..., :end, :]
+        batch = self.batch_size
+        return self.keys[:batch, :, :end, :], self.values[:batch, :, :end, :]
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
         """bool [B, 1, N, max(lengths) + N]: query t of row r sees keys 0..lengths[r] + t."""
@@ -110,7 +123,7 @@ class RaggedKVCache:
 
     # ------------------------------------------------------------------ rows join and leave
     def add_rows(self, caches: Sequence[KVCache]) -> None:
-        """Append single-row KVCaches (copied; the originals stay usable)."""
+        """Append single-row KVCaches (copied into free slots; the originals stay usable)."""
         if not caches:
             return
         lengths = [int(c.offset) for c in caches]
@@ -120,59 +133,45 @@ class RaggedKVCache:
             return
         like_keys = self.keys if self.keys is not None else kv_state(filled[0]).keys
         like_values = self.values if self.values is not None else kv_state(filled[0]).values
-        capacity = max(max(self.lengths, default=0), max(lengths)) + 1
-        capacity = ((capacity + _STEP - 1) // _STEP) * _STEP
-        if self.keys is not None and self.keys.shape[2] > capacity:
-            capacity = self.keys.shape[2]
-        parts_k, parts_v = [], []
-        if self.keys is not None:
-            parts_k.append(_pad_to(self.keys, capacity))
-            parts_v.append(_pad_to(self.values, capacity))
-        elif self.lengths:  # existing rows all empty: zeros for them
-            parts_k.append(
-                mx.zeros(
-                    (len(self.lengths), *like_keys.shape[1:2], capacity, like_keys.shape[3]), like_keys.dtype
-                )
-            )
-            parts_v.append(
-                mx.zeros(
-                    (len(self.lengths), *like_values.shape[1:2], capacity, like_values.shape[3]),
-                    like_values.dtype,
-                )
-            )
-        for c, n in zip(caches, lengths):
-            if n == 0:
-                parts_k.append(
-                    mx.zeros((1, like_keys.shape[1], capacity, like_keys.shape[3]), like_keys.dtype)
-                )
-                parts_v.append(
-                    mx.zeros((1, like_values.shape[1], capacity, like_values.shape[3]), like_values.dtype)
-                )
-                continue
-            state = kv_state(c)
-            parts_k.append(_pad_to(state.keys[..., :n, :], capacity))
-            parts_v.append(_pad_to(state.values[..., :n, :], capacity))
-        self.keys = mx.concatenate(parts_k, axis=0)
-        self.values = mx.concatenate(parts_v, axis=0)
+        first, rows = self.batch_size, self.batch_size + len(caches)
+        slots = 0 if self.keys is None else self.keys.shape[0]
+        capacity = 0 if self.keys is None else self.keys.shape[2]
+        needed = _round_up(max(max(self.lengths, default=0), max(lengths)) + 1)
+        if rows > slots or needed > capacity:
+            self._reallocate(max(rows, 2 * slots), max(needed, capacity), like_keys, like_values)
+        for r, (c, n) in enumerate(zip(caches, lengths), start=first):
+            # A slot's stale tail past its length is never read (make_mask); only n is written.
+            if n:
+                state = kv_state(c)
+                self.keys[r : r + 1, :, :n, :] = state.keys[..., :n, :]
+                self.values[r : r + 1, :, :n, :] = state.values[..., :n, :]
         self.set_lengths(self.lengths + lengths)
 
     def remove_rows(self, keep: Sequence[int]) -> None:
-        """Keep only the rows ``keep`` (indices, in order); the others' memory is freed."""
+        """Keep only the rows ``keep`` (indices, in their new order): row j becomes old row
+        keep[j]. Only rows whose index changes are copied (`BatchDecoder.leave` moves the last
+        rows into the holes, so that is one row per leaver)."""
         self.set_lengths([self.lengths[i] for i in keep])
         if self.keys is None:
             return
         if not keep:
             self.keys = self.values = None
             return
-        index = mx.array(list(keep), dtype=mx.int32)
-        longest = max(self.lengths) if self.lengths else 0
-        capacity = max(_STEP, ((longest + _STEP - 1) // _STEP) * _STEP)
-        self.keys = mx.contiguous(
-            mx.take(self.keys, index, axis=0)[..., : min(capacity, self.keys.shape[2]), :]
-        )
-        self.values = mx.contiguous(
-            mx.take(self.values, index, axis=0)[..., : min(capacity, self.values.shape[2]), :]
-        )
+        moves = [(j, i) for j, i in enumerate(keep) if i != j]
+        if moves:
+            dst = [j for j, _ in moves]
+            src = mx.array([i for _, i in moves], dtype=mx.int32)
+            moved_keys, moved_values = mx.take(self.keys, src, axis=0), mx.take(self.values, src, axis=0)
+            # Evaluated first, so the buffers have no other reader and the slice writes below
+            # happen in place (MLX donates a buffer only to its last user; else a write copies it).
+            mx.eval(moved_keys, moved_values)
+            for k, j in enumerate(dst):
+                self.keys[j : j + 1] = moved_keys[k : k + 1]
+                self.values[j : j + 1] = moved_values[k : k + 1]
+        slots, capacity = self.keys.shape[0], self.keys.shape[2]
+        needed = _round_up(max(self.lengths))
+        if 4 * len(keep) <= slots or 2 * needed <= capacity:  # free what the batch no longer uses
+            self._reallocate(max(len(keep), slots // 2), min(needed, capacity), self.keys, self.values)
 
     def extract(self, row: int) -> KVCache:
         """Row ``row`` as a fresh single-row mlx-lm KVCache (its own copy)."""
@@ -186,14 +185,8 @@ class RaggedKVCache:
         return out
 
 
-def _pad_to(buffer: mx.array, capacity: int) -> mx.array:
-    have = buffer.shape[2]
-    if have == capacity:
-        return buffer
-    if have > capacity:
-        return buffer[..., :capacity, :]
-    pad = mx.zeros((*buffer.shape[:2], capacity - have, buffer.shape[3]), buffer.dtype)
-    return mx.concatenate([buffer, pad], axis=2)
+def _round_up(positions: int) -> int:
+    return max(_STEP, ((positions + _STEP - 1) // _STEP) * _STEP)
 
 
 # --------------------------------------------------------------------------- which models batch
@@ -268,7 +261,7 @@ class BatchCache:
     """One cache per layer for the rows of a batch (attention: RaggedKVCache; gated delta: ArraysCache).
 
     ``layers`` is what the model's forward takes as its cache list. Rows are indexed 0..B-1 in
-    join order; `remove_rows` renumbers them.
+    join order; `remove_rows` renumbers them (`BatchDecoder.leave` moves the last rows into holes).
     """
 
     def __init__(self, template: list, model: nn.Module | None = None):

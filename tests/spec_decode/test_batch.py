@@ -14,7 +14,7 @@ import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.errors import MtplxError
 from mtplx.sample.params import SamplerConfig
 from mtplx.spec_decode import loop as decode
-from mtplx.spec_decode.batch import BatchDecoder, RowSpec
+from mtplx.spec_decode.batch import BatchDecoder, RowSpec, fill_holes
 from mtplx.spec_decode.draft_policy import CostProfile, DraftPolicy
 from mtplx.spec_decode.settings import DecodeSettings
 from mtplx.trunk import compat
@@ -83,6 +83,29 @@ def test_rows_leave_and_join_without_disturbing_the_others():
         alone = model(mx.array([prompt + [30 + r]]))
         assert mx.abs(alone[0, -1] - out[r, 0]).max().item() < 1e-4
     assert batch.lengths == [5, 4, 6]
+
+
+@pytest.mark.parametrize("build", [tiny_llama, tiny_qwen3_5], ids=["llama", "qwen3_5"])
+def test_leavers_holes_are_filled_by_the_last_rows(build):
+    """The decoder's leave order (`fill_holes`): the last rows move into the leavers' slots, the
+    slots are reused by the next joins, and every row still decodes as it would alone."""
+    model = build()
+    rng = random.Random()
+    prompts = [[rng.randrange(1, 60) for _ in range(rng.randrange(2, 9))] for _ in range(8)]
+    batch = BatchCache(compat.make_prompt_cache(model), model)
+    batch.add_rows([_prefilled(model, p) for p in prompts[:6]])
+    gone = set(rng.sample(range(6), 2))  # fresh every run
+    keep = fill_holes(6, gone)
+    assert sorted(keep) == [i for i in range(6) if i not in gone]
+    assert all(i == j for j, i in enumerate(keep) if j not in gone)  # only the holes are refilled
+    batch.remove_rows(keep)
+    batch.add_rows([_prefilled(model, p) for p in prompts[6:]])
+    rows = [prompts[i] for i in keep] + prompts[6:]
+    out = model(mx.array([[30 + r] for r in range(len(rows))]), cache=batch.layers)
+    for r, prompt in enumerate(rows):
+        alone = model(mx.array([prompt + [30 + r]]))
+        assert mx.abs(alone[0, -1] - out[r, 0]).max().item() < 1e-4, (r, gone)
+    assert batch.lengths == [len(p) + 1 for p in rows]
 
 
 def test_sliding_window_models_are_refused_with_a_reason():
