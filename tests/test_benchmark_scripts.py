@@ -19,10 +19,12 @@ def import_script(path: Path):
     spec = importlib.util.spec_from_file_location(f"script_{path.parent.name}_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    sys.path.insert(0, str(path.parent))  # as `python benchmarks/x.py` runs it: siblings import
     try:
         spec.loader.exec_module(module)
     finally:
         del sys.modules[spec.name]
+        sys.path.remove(str(path.parent))
     return module
 
 
