@@ -5,10 +5,12 @@ key prefix. The models and configs come from ``support.models``.
 Families: ``qwen3_5`` (hybrid gated-delta + gated attention, norms stored as offsets from 1,
 ``model.language_model.`` prefix, torch conv layout), ``deepseek_v3`` (MLA attention with the
 fused ``kv_b_proj``, optional MoE with per-expert tensors, MTP layer at ``num_hidden_layers``),
-``mimo`` (Qwen2-style, ``model.mtp_layers.0.*``), ``gemma4_target`` and ``gemma4_assistant``
-(``model.language_model.*``; ``model.*``, ``pre_projection``, ``post_projection``,
-``masked_embedding.*``); ``save_model`` writes any in-memory mlx-lm model as mlx-lm saves it.
-Everything is float32 so the NumPy float64 reference comparisons are tight.
+``glm4_moe`` (GLM-4.5: GQA + MoE, the MTP layer at ``num_hidden_layers`` in DeepSeek's
+layout), ``mimo`` (Qwen2-style, ``model.mtp_layers.0.*``), ``gemma4_target`` and
+``gemma4_assistant`` (``model.language_model.*``; ``model.*``, ``pre_projection``,
+``post_projection``, ``masked_embedding.*``), and the others below; ``save_model`` writes any
+in-memory mlx-lm model as mlx-lm saves it. Everything is float32 so the NumPy float64 reference
+comparisons are tight, but ``glm4_moe`` (bfloat16 as published, by default).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from support.models import (
     ernie4_5_moe_config,
     gemma4_assistant_config,
     gemma4_config,
+    glm4_moe_config,
     longcat_flash_config,
     mimo_config,
     mimo_v2_flash_config,
@@ -49,7 +52,7 @@ from support.models import (
 class Tiny:
     path: Path
     config: dict
-    tensors: dict[str, np.ndarray]  # exactly what was written, by HF name
+    tensors: dict[str, np.ndarray]  # exactly what was written, by HF name (bfloat16 as float32)
     head_module: nn.Module | None = None  # the head as built in mlx (quantized variants)
 
 
@@ -72,7 +75,12 @@ def write_checkpoint(path: Path, tensors: dict[str, mx.array], config: dict, sha
         (path / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
         )
-    return Tiny(path, config, {k: np.array(v) for k, v in tensors.items()})
+    return Tiny(path, config, {k: _numpy(v) for k, v in tensors.items()})
+
+
+def _numpy(v: mx.array) -> np.ndarray:
+    """NumPy has no bfloat16: such a tensor comes back as float32 (exact)."""
+    return np.array(v.astype(mx.float32) if v.dtype == mx.bfloat16 else v)
 
 
 def save_model(path: Path, model: nn.Module, **config) -> Tiny:
@@ -305,6 +313,76 @@ def deepseek_v3(
             **({"scale_fmt": "ue8m0"} if fp8 == "ue8m0" else {}),
         }
     return _write_with_head(path, tensors, head, config, shards, sidecar)
+
+
+# --------------------------------------------------------------------------- glm4_moe
+
+
+def _unstack_experts(params: dict[str, mx.array]) -> dict[str, mx.array]:
+    """mlx-lm's stacked ``mlp.switch_mlp.{proj}`` -> HF's per-expert ``mlp.experts.{e}.{proj}``."""
+    out = {}
+    for name, v in params.items():
+        if ".mlp.switch_mlp." in name:
+            layer, proj = name.split(".mlp.switch_mlp.")
+            for e in range(v.shape[0]):
+                out[f"{layer}.mlp.experts.{e}.{proj}"] = v[e]
+        else:
+            out[name] = v
+    return out
+
+
+def glm4_moe(
+    path: Path,
+    *,
+    ship_mtp: bool = True,
+    shards: int = 1,
+    seed: int = 0,
+    context_strength: float | None = None,
+    qk_norm: bool = True,
+    dtype: mx.Dtype = mx.bfloat16,
+) -> Tiny:
+    """GLM-4.5 / 4.6 / 4.7 as published (``support.models.glm4_moe_config``): per-expert MoE
+    tensors (``mlp.experts.{e}.*``, ``mlp.shared_experts.*``, ``mlp.gate.weight`` and
+    ``mlp.gate.e_score_correction_bias``), GQA ``self_attn.{q,k,v}_proj`` with biases and
+    ``q_norm`` / ``k_norm`` (none with ``qk_norm`` off, as GLM-4.5-Air), and the one MTP layer
+    at ``model.layers.{num_hidden_layers}.``: ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``, ``shared_head.head`` (an LM-head
+    copy), ``embed_tokens`` (an embedding copy) and a MoE decoder layer of the trunk's class at
+    the same prefix (vLLM ``glm4_moe_mtp.py``'s name map; mlx-lm's ``glm4_moe`` sanitize drops
+    that layer). Everything ``dtype`` (bfloat16 as published) but the router's correction bias,
+    kept float32 (mlx-lm's ``cast_predicate`` leaves it so). ``context_strength`` as
+    ``deepseek_v3``'s (the head agrees with the trunk's bigram part, so drafts are kept)."""
+    from mlx_lm.models import glm4_moe as g
+
+    config = glm4_moe_config(qk_norm=qk_norm)
+    args = g.ModelArgs.from_dict(config)
+    model = g.Model(args)
+    randomize(model, seed)
+    if context_strength is not None:
+        scale_outputs(model, context_strength)
+        model.model.embed_tokens.weight = model.model.embed_tokens.weight * HIDDEN**0.5
+    tensors = _unstack_experts(dict(tree_flatten(model.parameters())))
+    if ship_mtp:
+        layer = args.num_hidden_layers
+        mod = nn.Module()
+        mod.enorm, mod.hnorm = nn.RMSNorm(HIDDEN), nn.RMSNorm(HIDDEN)
+        mod.eh_proj = nn.Linear(2 * HIDDEN, HIDDEN, bias=False)
+        mod.shared_head = nn.Module()
+        mod.shared_head.norm = nn.RMSNorm(HIDDEN)
+        block = g.DecoderLayer(args, layer)  # past first_k_dense_replace: MoE, as in GLM-4.5
+        randomize(mod, seed + 1)
+        randomize(block, seed + 2)
+        if context_strength is not None:
+            scale_outputs(block, context_strength)
+            mod.eh_proj.weight = mx.concatenate([mx.eye(HIDDEN), mx.zeros((HIDDEN, HIDDEN))], axis=1)
+            mod.enorm.weight = mx.ones((HIDDEN,))
+            mod.shared_head.norm.weight = model.model.norm.weight
+        p = f"model.layers.{layer}."
+        tensors.update(_prefixed(mod, p))
+        tensors.update(_unstack_experts(_prefixed(block, p)))
+        tensors[p + "embed_tokens.weight"] = model.model.embed_tokens.weight
+        tensors[p + "shared_head.head.weight"] = model.lm_head.weight
+    tensors = {k: v if k.endswith("e_score_correction_bias") else v.astype(dtype) for k, v in tensors.items()}
+    return write_checkpoint(path, tensors, config, shards)
 
 
 # --------------------------------------------------------------------------- mimo

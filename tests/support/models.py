@@ -383,6 +383,47 @@ def deepseek_v3_config(
     return cfg
 
 
+def glm4_moe_config(mtp_layers: int = 1, trunk_layers: int = 2, qk_norm: bool = True) -> dict:
+    """The Hugging Face config of a GLM-4.5 (``glm4_moe``), its keys as zai-org/GLM-4.5 publishes
+    them, shrunk: GQA (4 query heads, 2 KV heads of 16) with q/k/v biases, QK norm unless
+    ``qk_norm`` is off (GLM-4.5 has it, GLM-4.5-Air not), RoPE on half of each head (``partial_rotary_factor`` 0.5), the first
+    layer dense and the rest 4-expert sigmoid-routed MoE with one shared expert and the router's
+    ``e_score_correction_bias``, routed scale 2.5, and ``num_nextn_predict_layers`` MTP layers
+    at ``model.layers.{num_hidden_layers}``; bfloat16 as published."""
+    return {
+        "model_type": "glm4_moe",
+        "architectures": ["Glm4MoeForCausalLM"],
+        "vocab_size": VOCAB,
+        "hidden_size": HIDDEN,
+        "intermediate_size": 64,
+        "moe_intermediate_size": 32,  # a multiple of the quantization group: experts quantize
+        "num_hidden_layers": trunk_layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "partial_rotary_factor": 0.5,
+        "attention_bias": True,
+        "attention_dropout": 0.0,
+        "use_qk_norm": qk_norm,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1000000,
+        "rope_scaling": None,
+        "max_position_embeddings": 256,
+        "first_k_dense_replace": 1,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "num_nextn_predict_layers": mtp_layers,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    }
+
+
 def mimo_config(vocab_size: int = VOCAB, mtp_layers: int = 1) -> dict:
     """The Hugging Face config of a 2-layer MiMo (Qwen2-style attention with biases) declaring
     ``mtp_layers`` MTP layers, context 256."""
