@@ -170,10 +170,12 @@ def test_chi_square_rejects_a_loop_that_commits_the_rejected_draft(monkeypatch):
 # ------------------------------------------------- checkpoint heads of each shipped family
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "deepseek_v3", "mimo"])
+@pytest.mark.parametrize("family", ["qwen3_5", "deepseek_v3", "mimo", "glm4_moe"])
 @pytest.mark.parametrize("depth", [1, 3])
 def test_greedy_identity_with_each_familys_checkpoint_head(family, depth, tmp_path):
-    """Tiny random checkpoints in real HF layout, head loaded through the user's code path."""
+    """Tiny random checkpoints in real HF layout, head loaded through the user's code path.
+    Decoded in float32: the glm4_moe replica is bfloat16 as published, and the CPU backend's
+    GatherMM (its unquantized experts) is float32-only."""
     from mtplx.heads import load_head
     from mtplx.trunk.model import Trunk
 
@@ -182,9 +184,11 @@ def test_greedy_identity_with_each_familys_checkpoint_head(family, depth, tmp_pa
 
     tiny = getattr(checkpoints, family)(tmp_path / family)
     model, config = mlx_load_model(tiny.path)
+    model.set_dtype(mx.float32)
     trunk = Trunk(model)
     head = load_head(tiny.path, trunk, config)
     assert head is not None
+    head.set_dtype(mx.float32)
     cfg = SamplerConfig(temperature=0.0)
     ar = run_loop(trunk, head, cfg, None, 32, seed=0)
     mtp, cycles = run_mtp_steps(trunk, head, cfg, depth, 32)
