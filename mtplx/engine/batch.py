@@ -12,9 +12,10 @@ and returns each request's new `GenerationChunk` (from `RequestOutput`, the same
 single stream). Requests that end (EOS, stop string, max_tokens) or are cancelled leave before
 the next cycle, their caches going to the prompt cache as a single stream's do.
 
+A grammar request (``request.grammar``) joins as a constrained AR row: its matcher is compiled here,
+it drafts nothing, and each cycle masks its one position (`BatchDecoder.start`'s ``constraint``).
 A request runs here when `Engine.batch_refusal` has nothing against it: a draft model, the
-adaptive gate, a grammar (the batched cycle has no per-row masks yet) or a sharded engine need
-the single-stream loop (`Engine.stream`), and so do
+adaptive gate or a sharded engine need the single-stream loop (`Engine.stream`), and so do
 models whose caches cannot be batched (sliding-window, quantized KV; heads that read the trunk's
 cache).
 """
@@ -93,11 +94,15 @@ class BatchScheduler:
         if refusal is not None:
             raise MtplxError(f"batched decoding: {refusal}")
         decoder = self._decoder_for_engine()
-        with_head = plan.row_drafter in ("head", "auto")
+        # A grammar row decodes as constrained AR in the batch (`BatchDecoder.start`): no drafter.
+        # Compiled before any cache is taken: a grammar this tokenizer cannot serve fails here.
+        constraint = engine.compile_grammar(request.grammar) if request.grammar is not None else None
+        row_drafter = "none" if constraint is not None else plan.row_drafter
+        with_head = row_drafter in ("head", "auto")
         session = open_session(engine.prompt_cache, engine.trunk, engine.head, plan.prompt_tokens, with_head)
         pending = decoder.start(
             plan.prompt_tokens,
-            RowSpec(plan.settings, plan.row_drafter, request.drafting.lookup),
+            RowSpec(plan.settings, row_drafter, request.drafting.lookup),
             engine.request_key(request.seed),
             trunk_cache=session.trunk_cache,
             head_cache=session.head_cache,
@@ -105,8 +110,9 @@ class BatchScheduler:
             # A seeded request drafts its own depth every cycle, as alone, so it reproduces its
             # tokens whatever else is in the batch; the draft policy chooses for the others.
             draft_length=plan.settings.depth if request.seed is not None else None,
+            constraint=constraint,
         )
-        mode, depth = ("mtp", plan.choice.depth) if plan.row_drafter != "none" else ("ar", 0)
+        mode, depth = ("mtp", plan.choice.depth) if row_drafter != "none" else ("ar", 0)
         output = RequestOutput(
             engine.tokenizer, request, len(plan.prompt_tokens), session.prefix.start, mode, depth
         )

@@ -367,8 +367,6 @@ class Engine:
         model_refusal = self._model_batch_refusal()
         if model_refusal is not None:
             return model_refusal
-        if request.grammar is not None:
-            return "a grammar-constrained request (response_format, tool calls) is served alone"
         drafting = request.drafting
         if drafting.adaptive or drafting.adaptive_threshold is not None:
             return "adaptive drafting reads the head's confidence mid-cycle and is served alone"

@@ -11,9 +11,11 @@ for up to ``prompt_concurrency`` waiting jobs, then one batched decode cycle for
 the worker drops its row before the next cycle, which frees its memory.
 
 A job the batch cannot serve (`Engine.batch_refusal`: a draft model, the adaptive gate, a
-grammar, a sharded engine, a model whose caches do not batch) is served alone through `Engine.stream`
+sharded engine, a model whose caches do not batch) is served alone through `Engine.stream`
 when it comes up, the batched rows pausing meanwhile, exactly as the first-in first-out
-worker served every job before batching.
+worker served every job before batching. A grammar job (response_format, tools) joins the batch
+as constrained AR (no drafts) when other jobs are in flight or queued, and is served alone,
+speculating, when it is the only one.
 """
 
 from __future__ import annotations
@@ -146,7 +148,10 @@ class GenerationWorker:
                 job.emit(JobTimeout())
                 job.emit(Finished())
                 continue
-            if self.engine.batch_refusal(job.request) is not None:
+            # A grammar request decodes in the batch as constrained AR; with nothing else to
+            # serve it runs alone instead, where it speculates (masked head drafts).
+            alone_is_free = job.request.grammar is not None and not self._active and self._queue.empty()
+            if alone_is_free or self.engine.batch_refusal(job.request) is not None:
                 self.busy = True
                 try:
                     self._serve_alone(job)

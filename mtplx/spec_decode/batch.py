@@ -19,6 +19,11 @@ One cycle (`BatchDecoder.step`), for all rows at once:
   4. one host sync for every group's verdict and validity flag; then per row: caches keep
      n_r + 1 positions (`BatchCache.commit_block`), the head its true pairs, lookup adapts.
 
+A row may carry a *grammar* (`start`'s ``constraint``): it then drafts nothing, and its one
+sampled position per cycle is masked by the grammar after its committed text (constrained AR; the
+mask is computed on the host between cycles, so the cycle keeps its one sync). Speculation under a
+grammar (masked head drafts, cut lookup drafts, a mask per draft position) runs single-stream.
+
 A row may carry a *trunk tap* (`start`'s ``trunk_tap``): it sees the trunk's output at every
 position the row commits, prompt included, and nothing else (forge records its training data
 through it). Unset, it costs nothing.
@@ -43,12 +48,14 @@ from mtplx.errors import MtplxError
 from mtplx.sample import ops as sample_ops
 from mtplx.sample import rejection
 from mtplx.spec_decode.batch_head import HeadChain, groups_by, left_padded, pad_time, padded_uniforms
+from mtplx.spec_decode.constraint import GrammarConstraint
 from mtplx.spec_decode.draft_policy import DraftPolicy, RowAcceptance
 from mtplx.spec_decode.head_proposer import trunk_hidden
 from mtplx.spec_decode.lookup_proposer import LookupProposer
 from mtplx.spec_decode.loop import (
     PromptPrefix,
     Step,
+    _grammar_step,
     _sample_last_row,
     _split_key,
     _token_logprobs,
@@ -93,6 +100,7 @@ class PendingRow:
     draft_length: int | None = None
     position: int = -1  # prompt tokens forwarded so far (set from prefix.start)
     trunk_tap: TrunkTap | None = None
+    constraint: GrammarConstraint | None = None  # the row's grammar (it then decodes without drafts)
 
     def __post_init__(self) -> None:
         if self.position < 0:
@@ -118,6 +126,7 @@ class BatchRow:
     draft_length: int | None = None  # pinned draft length for the head (None: the spec's depth)
     acceptance: RowAcceptance = field(default_factory=RowAcceptance)  # what the draft policy reads
     trunk_tap: TrunkTap | None = None
+    constraint: GrammarConstraint | None = None  # the row's grammar matcher, at its committed text
 
     @property
     def pending(self) -> int:
@@ -200,6 +209,7 @@ class BatchDecoder:
         prefix: PromptPrefix | None = None,
         draft_length: int | None = None,
         trunk_tap: TrunkTap | None = None,
+        constraint: GrammarConstraint | None = None,
     ) -> PendingRow:
         """A sequence to prefill on its own (`prefill`, chunk by chunk) before it joins (`admit`).
 
@@ -213,6 +223,12 @@ class BatchDecoder:
         exactly once: hidden j is the state after reading token j, logits j the distribution token
         j+1 was drawn from. To add no host sync, the tap leaves what it derives lazy or queues it
         (``mx.async_eval``) and reads it back after a later sync; it must not evaluate it at once.
+
+        ``constraint``: the row's grammar (a fresh `GrammarConstraint`). Such a row drafts nothing
+        (drafter "none"): each cycle its one sampled position is masked by the grammar after its
+        committed text, a mask the host computes between cycles, so the cycle keeps its one sync
+        (constrained AR, exact as `loop.ar_decode` with the same constraint). A complete grammar
+        ends the row's tokens (`Step.grammar_done`).
         """
         if spec.drafter not in BATCH_DRAFTERS:
             raise MtplxError(
@@ -220,6 +236,8 @@ class BatchDecoder:
             )
         if spec.drafter == "head" and self.head is None:
             raise MtplxError("batched decoding: drafter 'head' needs an MTP head")
+        if constraint is not None and spec.drafter != "none":
+            raise MtplxError("batched decoding: a grammar-constrained row drafts nothing (drafter 'none')")
         prefix = prefix if prefix is not None else PromptPrefix()
         if not 0 <= prefix.start < len(prompt_tokens):
             raise MtplxError(
@@ -230,7 +248,15 @@ class BatchDecoder:
         if self.head is not None and head_cache is None:
             head_cache = self.head.make_cache()
         return PendingRow(
-            list(prompt_tokens), spec, key, trunk_cache, head_cache, prefix, draft_length, trunk_tap=trunk_tap
+            list(prompt_tokens),
+            spec,
+            key,
+            trunk_cache,
+            head_cache,
+            prefix,
+            draft_length,
+            trunk_tap=trunk_tap,
+            constraint=constraint,
         )
 
     def prefill(self, pending: PendingRow, max_tokens: int | None = None) -> bool:
@@ -260,7 +286,10 @@ class BatchDecoder:
         trunk_cache, head_cache = pending.trunk_cache, pending.head_cache
         output = prefill_last(self.trunk, prompt_tokens, trunk_cache, self._observer(pending), pending.prefix)
         key, step_key = _split_key(pending.key)
-        first = _sample_last_row(output.logits, prompt_tokens, settings, step_key)
+        constraint = pending.constraint
+        mask_mark = constraint.mask_seconds if constraint is not None else 0.0
+        allowed = constraint.mask_after() if constraint is not None else None
+        first = _sample_last_row(output.logits, prompt_tokens, settings, step_key, allowed)
         mx.eval(first.tokens, first.invalid, [c.state for c in trunk_cache])
         token = int(first.checked().tokens.item())
         spec = pending.spec
@@ -273,6 +302,7 @@ class BatchDecoder:
             lookup,
             draft_length=pending.draft_length,
             trunk_tap=pending.trunk_tap,
+            constraint=constraint,
         )
         if head is not None:
             row.pending_hidden = [trunk_hidden(output, head)[:, :1]]
@@ -284,7 +314,8 @@ class BatchDecoder:
         logprobs = None
         if settings.logprobs is not None:
             logprobs = _token_logprobs(output.logits[0, -1:], [token], settings.logprobs)
-        return row.row_id, Step([token], logprobs=logprobs)
+        tokens, grammar = _grammar_step(constraint, [token], mask_mark)
+        return row.row_id, Step(tokens, logprobs=logprobs, **grammar)
 
     def join(self, prompt_tokens: list[int], spec: RowSpec, key: mx.array, **options) -> tuple[int, Step]:
         """`start`, `prefill` and `admit` in one call (the options are `start`'s)."""
@@ -418,6 +449,7 @@ class BatchDecoder:
         block = mx.concatenate([pending, draft_tokens], axis=1)
 
         # 2. One trunk forward; 3. verify per group; 4. one sync.
+        mask_marks = [row.constraint.mask_seconds if row.constraint is not None else 0.0 for row in rows]
         capture = self.cache.begin_block(width + 1)
         try:
             output = self.trunk(block, self.cache.layers)
@@ -462,7 +494,8 @@ class BatchDecoder:
                 logprobs = _token_logprobs(output.logits[i, : n + 1], committed, row.spec.settings.logprobs)
             if k:
                 row.acceptance.observe(k, n)
-            steps[row.row_id] = Step(committed, k, n, accept_probs[i], logprobs, source)
+            committed, grammar = _grammar_step(row.constraint, committed, mask_marks[i])
+            steps[row.row_id] = Step(committed, k, n, accept_probs[i], logprobs, source, **grammar)
         return steps
 
     def _verify(
@@ -491,7 +524,12 @@ class BatchDecoder:
                 logits = sample_ops.penalize_logits(logits, context, cfg, drafts)
             sample_u = mx.concatenate([sample_ops.draw_uniforms((1,), sample_keys[i]) for i in index])
             if k == 0:
-                drawn = sample_ops.sample(logits[:, 0, :], cfg, sample_u, backend=backend)
+                drawn = sample_ops.sample(
+                    sample_ops.mask_logits(logits[:, 0, :], _grammar_masks([rows[i] for i in index])),
+                    cfg,
+                    sample_u,
+                    backend=backend,
+                )
                 zeros = mx.zeros((len(index),), dtype=mx.int32)
                 groups.append(_Group(index, zeros, drawn.tokens, mx.zeros((len(index), 0)), drawn.invalid))
                 continue
@@ -516,6 +554,16 @@ class BatchDecoder:
                 sample_ops.raise_if_invalid(g.invalid)
             except ValueError as err:
                 raise RowsFailed([rows[i].row_id for i in g.index], str(err)) from None
+
+
+def _grammar_masks(rows: Sequence[BatchRow]) -> mx.array | None:
+    """bool [G, V]: each row's grammar mask after its committed text (all allowed for a free row);
+    None when no row has a grammar. Constrained rows draft nothing, so this is their only position."""
+    masks = [row.constraint.mask_after() if row.constraint is not None else None for row in rows]
+    if all(m is None for m in masks):
+        return None
+    vocab = next(m for m in masks if m is not None).shape[-1]
+    return mx.stack([m if m is not None else mx.ones((vocab,), dtype=mx.bool_) for m in masks])
 
 
 def _positions(output: TrunkOutput, row: int, count: int) -> TrunkOutput:

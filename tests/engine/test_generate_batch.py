@@ -9,10 +9,13 @@ token-id prompts; the default model itself checks identity up to rounding ties (
 
 from __future__ import annotations
 
+import dataclasses
 import random
+import re
 
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.engine import Engine
+from mtplx.engine.grammar_spec import Grammar
 from mtplx.engine.request import GenerationRequest
 from mtplx.errors import MtplxError
 
@@ -44,6 +47,39 @@ def _mixed_requests(seed: int) -> list[GenerationRequest]:
         _req(max_tokens=12, temperature=0.9, repetition_penalty=1.3, seed=seed + 2, draft="none"),
         _req(max_tokens=10, temperature=1.0, top_p=0.8, seed=seed + 3, draft="lookup"),
     ]
+
+
+def test_grammar_rows_in_a_batch_give_the_tokens_of_constrained_ar_alone(tiny_engine):
+    """A grammar request joins the batch as constrained AR (no drafts, its one position masked):
+    greedy and seeded rows give exactly what the same request gives alone without drafts, beside
+    free speculative rows; every constrained text matches its grammar."""
+    seed = random.randrange(10_000)
+    # The tiny checkpoints' 64 ids hold the ASCII punctuation, digits and "A".."O" (no space, no braces).
+    words = Grammar.lark(r'start: /[A-O]+/ ("-" /[A-O]+/)*')
+    numbers = Grammar.lark(r'start: /[0-9]{1,3}/ ("," /[0-9]{1,3}/)* "."')  # ends: "stop"
+    requests = [
+        _req(max_tokens=12, temperature=0.0, grammar=words),
+        _req(max_tokens=14, temperature=1.0, seed=seed, draft="head", depth=3),
+        _req(max_tokens=24, temperature=1.0, top_p=0.9, seed=seed + 1, grammar=numbers),
+        _req(max_tokens=10, temperature=0.8, seed=seed + 2, grammar=words, repetition_penalty=1.2),
+        _req(max_tokens=9, temperature=0.7, top_k=5, seed=seed + 3, draft="auto"),
+    ]
+    alone_requests = [
+        r
+        if r.grammar is None
+        else dataclasses.replace(r, drafting=dataclasses.replace(r.drafting, kind="none"))
+        for r in requests
+    ]
+    assert tiny_engine.batch_refusal(requests[0]) is None
+    alone = [tiny_engine.generate(p, r) for p, r in zip(PROMPTS, alone_requests)]
+    batched = tiny_engine.generate_batch(PROMPTS, requests, max_rows=3)
+    for a, b, r in zip(alone, batched, requests):
+        assert b.token_ids == a.token_ids, r
+        assert b.finish_reason == a.finish_reason
+    assert re.fullmatch(r"[A-O]+(-[A-O]+)*-?", batched[0].text), batched[0].text
+    numbers_text = re.fullmatch(r"[0-9]{1,3}(,[0-9]{1,3})*(\.|,)?", batched[2].text)
+    assert numbers_text, batched[2].text
+    assert batched[2].text.endswith(".") == (batched[2].finish_reason == "stop"), batched[2]
 
 
 def test_generate_batch_gives_each_request_the_tokens_it_gives_alone(tiny_engine):

@@ -10,7 +10,6 @@ import json
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.engine.engine import Engine
 from mtplx.engine.grammar_spec import Grammar
-from mtplx.engine.request import GenerationRequest
 from mtplx.errors import MtplxError
 
 import jsonschema
@@ -71,15 +70,6 @@ def test_a_lark_grammar_ends_the_stream_with_its_last_token(engine):
     chunks = list(engine.stream(MESSAGES, max_tokens=16, draft="head", grammar=grammar))
     text = "".join(c.text for c in chunks)
     assert text in ("yes", "no") and chunks[-1].finish_reason == "stop"
-
-
-def test_grammar_requests_are_served_alone_by_the_batch(engine):
-    request = GenerationRequest.from_kwargs(max_tokens=8, grammar=Grammar.json_object())
-    assert "grammar" in engine.batch_refusal(request)
-    assert engine.batch_refusal(GenerationRequest.from_kwargs(max_tokens=8)) is None
-    scheduler = engine.batch(max_rows=2, draft_policy="fixed")
-    with pytest.raises(MtplxError, match="^batched decoding: a grammar-constrained request"):
-        scheduler.submit(MESSAGES, request)
 
 
 def test_bad_grammars_are_one_line_errors_and_the_engine_keeps_working(engine):

@@ -12,6 +12,7 @@ before ``max_tokens``.
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import mtplx  # noqa: F401  (BLAS before mlx)
@@ -149,6 +150,32 @@ def test_json_replies_parse_and_validate_at_both_temperatures(client, model_id):
     runs = len(TEMPERATURES) * len(SEEDS)
     print(f"cut by length: json_schema {cut['json_schema']}/{runs}, json_object {cut['json_object']}/{runs}")
     assert cut["json_schema"] == 0
+
+
+def test_concurrent_json_requests_decode_in_the_batch_and_validate(client, model_id, server):
+    """Grammar requests in flight together join the batch as constrained AR rows (one alone would
+    run single-stream): every reply that stops validates, and the server says it batched them."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "trip", "schema": SCHEMA, "strict": True}}
+
+    def ask(seed: int):
+        return client.chat.completions.create(
+            model=model_id,
+            messages=_ask(f"Plan a trip (concurrent, seed {seed})."),
+            response_format=fmt,
+            max_tokens=MAX_TOKENS["json_schema"],
+            temperature=0.8,
+            seed=seed,
+        )
+
+    with ThreadPoolExecutor(4) as pool:
+        replies = list(pool.map(ask, range(4)))
+    for reply in replies:
+        choice = reply.choices[0]
+        assert choice.finish_reason == "stop", choice
+        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+    assert any(reply.model_extra["mtplx"]["mode"] == "ar" for reply in replies), [
+        r.model_extra for r in replies
+    ]
 
 
 def test_the_json_check_catches_an_unconstrained_reply(client, model_id):

@@ -17,9 +17,11 @@ from mtplx.engine.grammar import GrammarCompiler
 from mtplx.engine.grammar_spec import Grammar
 from mtplx.errors import MtplxError
 from mtplx.sampling import SamplerConfig, distribution_from_logits
+from mtplx.spec_decode import batch as batch_module
 from mtplx.spec_decode import head_proposer as head_module
 from mtplx.spec_decode import loop as decode
 from mtplx.spec_decode.auto_proposer import AutoProposer
+from mtplx.spec_decode.batch import BatchDecoder, RowSpec
 from mtplx.spec_decode.constraint import GrammarConstraint
 from mtplx.spec_decode.draft_model_proposer import DraftModelProposer
 from mtplx.spec_decode.head_proposer import HeadProposer
@@ -258,6 +260,66 @@ def test_chi_square_catches_the_first_mask_reused_at_later_positions(compiler, m
     except MtplxError:
         pytest.fail("the reused mask made a token the matcher refuses: the control needs legal tokens")
     assert p_value < FALSE_FAILURE_RATE
+
+
+# --------------------------------------------------------------------------- in a batch
+
+
+def batch_counts(trunk, head, compiler, cfg: SamplerConfig, num_samples: int, seed0: int) -> np.ndarray:
+    """Counts of the first tokens of grammar rows decoded together in one `BatchDecoder` (as
+    constrained AR: no drafts, one masked position a cycle), each beside a free head-drafting row."""
+    decoder = BatchDecoder(trunk, head)
+    grammar = Grammar.lark(LOOP_GRAMMAR)
+    constrained = RowSpec(DecodeSettings(sampler=cfg), "none")
+    free = RowSpec(DecodeSettings(sampler=SamplerConfig(temperature=1.0), depth=2), "head")
+    counts = np.zeros([VOCAB] * NUM_OUTPUT_TOKENS, dtype=np.int64)
+    rows: dict[int, list[int]] = {}
+    for i in range(num_samples):
+        key = mx.random.key(seed0 + i)
+        row_id, first = decoder.join(GRAMMAR_PROMPT, constrained, key, constraint=compiler.compile(grammar))
+        rows[row_id] = list(first.tokens)
+        decoder.join(GRAMMAR_PROMPT, free, mx.random.key(seed0 + num_samples + i))
+    while rows:
+        for row_id, step in decoder.step().items():
+            if row_id in rows:
+                rows[row_id].extend(step.tokens)
+        done = [row_id for row_id, tokens in rows.items() if len(tokens) >= NUM_OUTPUT_TOKENS]
+        for row_id in done:
+            counts[tuple(rows.pop(row_id)[:NUM_OUTPUT_TOKENS])] += 1
+        decoder.leave(done)
+    return counts
+
+
+def _batch_p_value(compiler, seed0: int, num_samples: int = NUM_SAMPLES) -> float:
+    trunk, head = make_loop_pair(**MODEL)
+    cfg = SamplerConfig(temperature=1.0, top_p=0.9)
+    expected = constrained_ar_joint(trunk, compiler, LOOP_GRAMMAR, cfg)
+    return loop_p_value(batch_counts(trunk, head, compiler, cfg, num_samples, seed0), expected)
+
+
+def test_grammar_rows_in_a_batch_match_the_oracle(compiler):
+    seed0 = int.from_bytes(os.urandom(4), "little")
+    p_value = _batch_p_value(compiler, seed0)
+    assert p_value > FALSE_FAILURE_RATE, f"p={p_value:.3g} (seed0={seed0})"
+
+
+def test_chi_square_catches_a_batch_reusing_a_rows_first_cycle_mask(compiler, monkeypatch):
+    """Negative control: each grammar row keeps the mask of its first batched cycle (position 2,
+    {a..e}) at position 3 ({a..z}): legal tokens in the wrong proportions."""
+    honest = batch_module._grammar_masks
+    first: dict[int, object] = {}
+
+    def stale(rows):
+        masks = honest(rows)
+        if masks is None:
+            return None
+        for i, row in enumerate(rows):
+            if row.constraint is not None:
+                first.setdefault(row.row_id, masks[i])
+        return mx.stack([first.get(row.row_id, masks[i]) for i, row in enumerate(rows)])
+
+    monkeypatch.setattr(batch_module, "_grammar_masks", stale)
+    assert _batch_p_value(compiler, 2468, num_samples=200) < FALSE_FAILURE_RATE
 
 
 def test_chi_square_catches_an_unmasked_q_in_the_acceptance_ratio(compiler, monkeypatch):
