@@ -118,14 +118,15 @@ def _sub_package_files(stdlib: Path) -> list[Path]:
 
 
 def _code_windows(path: Path, label: str, lines: list[str]) -> list[Prompt]:
-    """Up to two raw continuation windows of a source file, 600-1100 characters cut in mid-line."""
+    """Up to two raw continuation windows of a source file, 450-850 characters cut in mid-line (so that
+    they fit ``--max-prompt`` tokens)."""
     out = []
     for w in range(2):
         key = f"{label}#{w}"
         if len(lines) < 40:
             break
         start = int(unit_hash("start:" + key) * (len(lines) - 30))
-        target = 600 + int(unit_hash("len:" + key) * 500)
+        target = 450 + int(unit_hash("len:" + key) * 400)
         text, i = "", start
         while i < len(lines) and len(text) < target:
             text += lines[i] + "\n"
@@ -139,13 +140,13 @@ def _code_windows(path: Path, label: str, lines: list[str]) -> list[Prompt]:
 
 
 def _functions(tree: ast.AST, lines: list[str], label: str) -> list[tuple[str, str, list[str]]]:
-    """(key, source, argument names) of functions 6-40 lines long."""
+    """(key, source, argument names) of functions 6-22 lines and at most 800 characters long."""
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno:
             n = node.end_lineno - node.lineno + 1
-            if 6 <= n <= 40:
-                body = "\n".join(lines[node.lineno - 1 : node.end_lineno])
+            body = "\n".join(lines[node.lineno - 1 : node.end_lineno])
+            if 6 <= n <= 22 and len(body) <= 800:
                 args = [a.arg for a in node.args.args if a.arg not in ("self", "cls") and len(a.arg) > 1]
                 out.append((f"{label}:{node.name}:{node.lineno}", textwrap.dedent(body), args))
     return out
@@ -222,11 +223,11 @@ def _documents(stdlib: Path, doc_root: Path) -> list[tuple[str, str]]:
 
 
 def _passages(text: str) -> list[str]:
-    """Passages of 700-1400 characters that read as prose (few symbols, several sentences)."""
+    """Passages of 600-1100 characters that read as prose (few symbols, several sentences)."""
     out = []
-    for p in split_passages(text, max_chars=1300):
+    for p in split_passages(text, max_chars=1000):
         letters = sum(c.isalpha() or c.isspace() for c in p)
-        if 700 <= len(p) <= 1600 and letters > 0.85 * len(p) and p.count(". ") >= 3:
+        if 600 <= len(p) <= 1100 and letters > 0.85 * len(p) and p.count(". ") >= 3:
             out.append(p)
     return out
 
@@ -361,6 +362,7 @@ def main() -> None:
     ap.add_argument("--stage", choices=("prompts", "gen", "train"), default="prompts")
     ap.add_argument("--per-kind", type=int, default=240, help="matched prompts of each suite kind")
     ap.add_argument("--gen-tokens", type=int, default=7000, help="response tokens to generate")
+    ap.add_argument("--shards", type=int, default=2, help="at most this many shards (0 greedy, 1 t 0.7, ...)")
     ap.add_argument("--seq-len", type=int, default=448)
     ap.add_argument("--max-prompt", type=int, default=320)
     ap.add_argument("--train-tokens", type=int, default=6500, help="response tokens every arm trains on")
@@ -426,6 +428,7 @@ def main() -> None:
             True,
             f"gen {args.arm}",
             args.max_prompt,
+            args.shards,
         )
         report["generation"].update(seq_len=args.seq_len, max_prompt=args.max_prompt, batch=plan.batch)
         forge_ceiling.write(args.json, report)
