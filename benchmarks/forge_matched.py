@@ -327,12 +327,11 @@ def arm_prompts(arm: str, per_kind: int) -> tuple[list[Prompt], dict]:
     return prompts, {**record, "prompts": len(prompts), "kinds": kinds, "held_out_check": check}
 
 
-def take_tokens(data: ForgeData, limit: int, seed: int) -> ForgeData:
-    """Whole rows in a seeded order, as many as fit in ``limit`` response tokens (rows kept in order)."""
+def take_tokens(data: ForgeData, limit: int, seed: int) -> np.ndarray:
+    """Whole rows in a seeded order, as many as fit in ``limit`` response tokens: their indices, in order."""
     per_row = data.valid.sum(axis=1)
     order = np.random.default_rng([seed, 28]).permutation(data.num_sequences)
-    keep = order[np.cumsum(per_row[order]) <= limit]
-    return ForgeData(*(getattr(data, n)[np.sort(keep)] for n in SHARD_FILES))
+    return np.sort(order[np.cumsum(per_row[order]) <= limit])
 
 
 def arm_data(arm: str, root: Path, limit: int, seed: int) -> tuple[ForgeData, dict]:
@@ -341,15 +340,20 @@ def arm_data(arm: str, root: Path, limit: int, seed: int) -> tuple[ForgeData, di
     datas, described = [], {}
     for source, n in parts:
         data, metas = load_shards(root / f"matched-{source}" / "train")
-        kept = take_tokens(data, n, seed)
+        rows = take_tokens(data, n, seed)
+        kept = ForgeData(*(getattr(data, f)[rows] for f in SHARD_FILES))
         datas.append(kept)
+        kinds = np.array([k for m in metas for k in m["kinds"]])[rows]
+        settings = np.array([m["setting"] for m in metas for _ in m["kinds"]])[rows]
         described[source] = {
             "shards": len(metas),
             "generated_sequences": data.num_sequences,
             "generated_response_tokens": data.num_response_tokens,
             "kept_sequences": kept.num_sequences,
             "kept_response_tokens": kept.num_response_tokens,
-            "settings": sorted({m["setting"] for m in metas}),
+            "kept_by_kind": {str(k): int((kinds == k).sum()) for k in sorted(set(kinds))},
+            "kept_by_setting": {str(k): int((settings == k).sum()) for k in sorted(set(settings))},
+            "kept_tokens_by_kind": {str(k): int(kept.valid[kinds == k].sum()) for k in sorted(set(kinds))},
             "generation_seconds": round(sum(m["seconds"] for m in metas), 1),
         }
     return ForgeData.concat(datas), described
