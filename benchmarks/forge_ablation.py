@@ -193,7 +193,7 @@ def suite_text(engine: Engine, tokens: int, cache_path: Path) -> tuple[np.ndarra
 # ---------------------------------------------------------------- the run
 
 
-def score(trunk: Trunk, head, held: ForgeData, suite: tuple, origins: int) -> dict:
+def score(trunk: Trunk, head, held: ForgeData | None, suite: tuple, origins: int) -> dict:
     windows, scored, kinds = suite
     by_kind, weights = {}, {}
     for kind in sorted(set(kinds)):
@@ -205,13 +205,12 @@ def score(trunk: Trunk, head, held: ForgeData, suite: tuple, origins: int) -> di
         weights[kind] = int(scored[pick].sum())
     total = sum(weights.values())
     suite_all = {t: sum(by_kind[k][t] * weights[k] for k in by_kind) / total for t in by_kind[kinds[0]]}
-    return {
-        "held_out": evaluate_acceptance(
+    out = {"suite_depth1": suite_all, "suite_depth1_by_kind": by_kind}
+    if held is not None:  # None: the suite alone
+        out["held_out"] = evaluate_acceptance(
             trunk, head, held.tokens, depths=3, origins=origins, valid=held.valid
-        ),
-        "suite_depth1": suite_all,
-        "suite_depth1_by_kind": by_kind,
-    }
+        )
+    return out
 
 
 def main() -> None:

@@ -193,13 +193,38 @@ def main() -> None:
     if args.stage == "gen":
         return
 
-    trunk, fingerprint = engine.trunk, engine.fingerprint
     data, metas = load_shards(args.out / "train")
     if args.samples_only:  # the greedy rows out: the scored suite text itself is never trained on
         settings = np.array([m["setting"] for m in metas for _ in m["kinds"]])
         data = ForgeData(*(getattr(data, n)[settings != "greedy"] for n in SHARD_FILES))
     held, _ = load_shards(args.out / "eval")
     cache = args.out / f"suite-greedy-{args.suite_tokens}.json"
+    extra = {"samples_only": args.samples_only}
+    # One checkpoint directory per recipe: arms share the shards.
+    ckpt_dir = args.out / f"ckpt-lr{args.lr:g}-{args.steps}{'-samples' if args.samples_only else ''}"
+    report = train_and_score(engine, data, held, cache, ckpt_dir, args, report, extra)
+    report.update(data=summarize(args.out), greedy_overlap=greedy_overlap(args.out, cache))
+    write(args.json, report)
+    print(markdown_table(report))
+    if args.plot:
+        plot(report, args.plot)
+
+
+def train_and_score(
+    engine: Engine,
+    data: ForgeData,
+    held: ForgeData | None,
+    cache: Path,
+    ckpt_dir: Path,
+    args: argparse.Namespace,
+    report: dict,
+    extra: dict,
+) -> dict:
+    """Train the head from ``args.init_head`` on ``data`` and score it (suite d1; ``held`` at depths
+    1-3 when given) at step 0 and every ``args.eval_every`` steps up to ``args.steps`` (or
+    ``args.until``), each point written to ``args.json`` as it is scored; resumes from the newest
+    checkpoint in ``ckpt_dir`` and keeps the points already in ``report`` for the same recipe."""
+    trunk, fingerprint = engine.trunk, engine.fingerprint
     suite = forge_ablation.suite_text(engine, args.suite_tokens, cache)
     cfg = replace(DEFAULT_FORGE_CONFIG, lr=args.lr, checkpoint_every=args.eval_every, progress=True)
     recipe = {
@@ -211,18 +236,16 @@ def main() -> None:
         "train_sequences": data.num_sequences,
         "train_response_tokens": data.num_response_tokens,
         "suite_tokens": args.suite_tokens,
-        "samples_only": args.samples_only,
+        **extra,
     }
     if report.get("recipe") != recipe:  # another recipe's points would not continue this curve
         report["points"] = []
-    report.update(recipe=recipe, data=summarize(args.out), greedy_overlap=greedy_overlap(args.out, cache))
+    report["recipe"] = recipe
     train_ids = frequent_ids(data, cfg.train_vocab, trunk.vocab_size)
     tokens_per_sequence = data.num_response_tokens / max(data.num_sequences, 1)
     memo = forge_ablation.MemoTrunk(trunk)
     head = build_head(trunk, "pre_norm", "pre_norm", 1)
     init_from_head(head, args.init_head, trunk, fingerprint)
-    # One checkpoint directory per recipe: arms share the shards.
-    ckpt_dir = args.out / f"ckpt-lr{args.lr:g}-{args.steps}{'-samples' if args.samples_only else ''}"
     done = {p["step"] for p in report["points"]}
     stops = [0, *range(args.eval_every, args.steps, args.eval_every), args.steps]
     stops = [s for s in stops if args.until is None or s <= args.until]
@@ -245,13 +268,9 @@ def main() -> None:
         }
         report["points"] = sorted([*report["points"], point], key=lambda p: p["step"])
         write(args.json, report)
-        print(
-            f"step {stop}: suite d1 {point['suite_depth1']} unseen samples d1 {point['held_out']['1']}",
-            flush=True,
-        )
-    print(markdown_table(report))
-    if args.plot:
-        plot(report, args.plot)
+        unseen = f" unseen samples d1 {point['held_out']['1']}" if "held_out" in point else ""
+        print(f"step {stop}: suite d1 {point['suite_depth1']}{unseen}", flush=True)
+    return report
 
 
 def write(path: Path, report: dict) -> None:
