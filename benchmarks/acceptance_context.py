@@ -491,6 +491,82 @@ def summarize(report: dict) -> dict:
     }
 
 
+def cell(v: dict | None) -> str:
+    if not v or v.get("mean") is None:
+        return "-"
+    return (
+        f"{v['mean']:.3f} ± {v['se']:.3f} ({v['n']})"
+        if v.get("se") is not None
+        else f"{v['mean']:.3f} ({v['n']})"
+    )
+
+
+def markdown(summary: dict) -> str:
+    """The tables RESULTS.md shows, from a summary."""
+    lines = []
+    human = summary.get("human_teacher_forced", {})
+    decoding = summary.get("decoding_by_context", {})
+    labels = [bin_label(lo, hi) for lo, hi in zip(BINS[:-1], BINS[1:])]
+    lines += ["| context bin | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|"]
+    for setting in SETTINGS:
+        for group, row in human.get(setting, {}).items():
+            lines.append(
+                f"| {setting}, human text TF: {group} | "
+                + " | ".join(cell(row.get(b)) for b in labels)
+                + " |"
+            )
+        row = decoding.get(setting, {})
+        lines.append(
+            f"| {setting}, **decoding d=1** | " + " | ".join(cell(row.get(b)) for b in labels) + " |"
+        )
+    by_len = summary.get("documents_by_length", {})
+    lengths = sorted({int(k) for s in by_len.values() for k in s})
+    if lengths:
+        lines += [
+            "",
+            "| documents, prompt length | " + " | ".join(map(str, lengths)) + " |",
+            "|---" * (len(lengths) + 1) + "|",
+        ]
+        for setting, row in by_len.items():
+            lines.append(
+                f"| {setting}: first draft | " + " | ".join(cell(row.get(str(n))) for n in lengths) + " |"
+            )
+            lines.append(
+                f"| {setting}: tokens/cycle | "
+                + " | ".join(
+                    f"{row[str(n)]['tokens_per_cycle']:.2f}" if str(n) in row else "-" for n in lengths
+                )
+                + " |"
+            )
+    for name in ("speed_suite", "speed_long_context"):
+        table = summary.get(name, {})
+        for setting, entries in table.items():
+            lines += [
+                "",
+                f"{name}, {setting} ({entries['best_fixed_depth_2_plus']} is the best depth >= 2; adaptive / it, "
+                f"median paired: {entries['adaptive_x_best_depth_2_plus']:.3f})",
+                "",
+                "| variant | blocks | tokens/cycle | drafts/cycle | first draft | x d=1 (median [q1-q3]) | x AR |",
+                "|---|---|---|---|---|---|---|",
+            ]
+            for variant, e in entries.items():
+                if not isinstance(e, dict):
+                    continue
+                x1, xa = e["x_d1"], e["x_ar"]
+                lines.append(
+                    f"| {variant} | {e['blocks']} | {e['tokens_per_cycle']:.2f} | {e['drafts_per_cycle']:.2f} | "
+                    f"{cell(e.get('first_draft'))} | {x1['median']:.3f} [{x1['q1']:.2f}-{x1['q3']:.2f}] | "
+                    f"{xa['median']:.3f} [{xa['q1']:.2f}-{xa['q3']:.2f}] |"
+                )
+    for c in summary.get("spot_checks", []):
+        lines.append(
+            f"\nspot check {c['source']} at {c['prompt_tokens']} tokens: {c['cycles']} cycles, decoding "
+            f"{c['decode_first']:.3f}, teacher-forced {c['teacher_forced_same_positions']:.3f}, "
+            f"{c['differing_positions']} positions differ"
+        )
+    return "\n".join(lines)
+
+
 # ------------------------------------------------------------------------------------- the plot
 
 
@@ -576,7 +652,7 @@ def main() -> None:
             save()
     report["summary"] = summarize(report)
     write_json(args.json, report)
-    print(json.dumps(report["summary"], indent=1))
+    print(markdown(report["summary"]))
     if args.plot:
         plot(report, args.plot)
 
