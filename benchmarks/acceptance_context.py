@@ -109,6 +109,10 @@ def variants(threshold: float) -> dict[str, tuple[str, int | None, float | None]
     }
 
 
+def chosen_source(args, source: str) -> bool:
+    return not args.sources or source in args.sources.split(",")
+
+
 def read_text(path: Path, start: str | None = None) -> str:
     raw = gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else path.open(encoding="utf-8")
     with raw as f:
@@ -214,7 +218,8 @@ def stage_contexts(engine: Engine, args, report: dict, save) -> None:
             )
         return greedy_text
 
-    for i, (source, kind, path, start) in enumerate(DOCUMENTS):
+    documents = [d for d in DOCUMENTS if chosen_source(args, d[0])]
+    for i, (source, kind, path, start) in enumerate(documents):
         ids = engine.encode_prompt(read_text(path, start), chat=False)
         for length in args.lengths:
             measure(
@@ -225,7 +230,7 @@ def stage_contexts(engine: Engine, args, report: dict, save) -> None:
                 length,
                 spot=i < args.spot_check and length == max(args.lengths),
             )
-    for source, kind, path, label, questions in CHATS:
+    for source, kind, path, label, questions in [c for c in CHATS if chosen_source(args, c[0])]:
         sections = split_passages(read_text(path), max_chars=SECTION_CHARS)
         messages = chats.get(source) or []
         turn = len(messages) // 2
@@ -298,9 +303,9 @@ def stage_human(engine: Engine, args, report: dict, save) -> None:
     """Teacher-forced acceptance at every position of the first ``max_context`` tokens of each text."""
     texts = report.setdefault("human", {})
     windows = []
-    for source, kind, path, start in DOCUMENTS:
+    for source, kind, path, start in [d for d in DOCUMENTS if chosen_source(args, d[0])]:
         windows.append((source, kind, engine.encode_prompt(read_text(path, start), chat=False)))
-    for source, kind, *_ in CHATS:
+    for source, kind, *_ in [c for c in CHATS if chosen_source(args, c[0])]:
         messages = report.get("chat_transcripts", {}).get(source)
         if messages:
             windows.append((source, f"chat-{kind}", engine.encode_prompt(messages, chat=True)))
@@ -626,6 +631,7 @@ def main() -> None:
     ap.add_argument(
         "--spot-check", type=int, default=2, help="documents whose longest decode is teacher-forced"
     )
+    ap.add_argument("--sources", default="", help="comma-separated document / chat ids (default: all)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=Path("acceptance-context.json"))
     ap.add_argument("--plot", type=Path, default=None)
