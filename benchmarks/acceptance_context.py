@@ -41,6 +41,7 @@ import gzip
 import json
 import math
 import sys
+import time
 from pathlib import Path
 
 import mtplx  # noqa: F401  (optimized BLAS before mlx)
@@ -52,7 +53,9 @@ from mtplx.engine.request import GenerationRequest
 from mtplx.forge.corpus import split_passages, stdlib_dir
 from mtplx.sample.params import SamplerConfig
 from mtplx.spec_decode.settings import Drafting
+from mtplx.trunk import rollback
 
+import mlx.core as mx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # forge_decode_check, beside this script
@@ -329,6 +332,39 @@ def stage_human(engine: Engine, args, report: dict, save) -> None:
         )
 
 
+def stage_costs(engine: Engine, args, report: dict, save) -> None:
+    """What a cycle's parts cost at a short and a long context, timed apart: the trunk forward of
+    1-4 tokens (a verify of 0-3 drafts; 1 token is an AR step) and one head draft step, each the
+    fastest of ``--cost-reps`` interleaved tries (the minimum is the least load-dependent figure)."""
+    head, trunk = engine.head, engine.trunk
+    ids = engine.encode_prompt(read_text(DOCUMENTS[0][2], DOCUMENTS[0][3]), chat=False)
+    costs = report.setdefault("costs", {})
+    for context in args.cost_contexts:
+        tokens = mx.array([ids[: context + 4]])
+        cache, head_cache = trunk.make_cache(), head.make_cache()
+        out = trunk(tokens[:, :context], cache)
+        hidden = out.hidden_pre_norm if head.hidden_source == "pre_norm" else out.hidden_post_norm
+        mx.eval(head(hidden[:, :-1], tokens[:, 1:context], head_cache), [c.state for c in cache])
+        x, token = hidden[:, -1:], tokens[:, context : context + 1]
+        times: dict[str, list[float]] = {**{f"verify_{k}": [] for k in range(1, 5)}, "head_step": []}
+        for _ in range(args.cost_reps):
+            for k in range(1, 5):
+                start = time.perf_counter()
+                mx.eval(trunk(tokens[:, context : context + k], cache).logits)
+                times[f"verify_{k}"].append(time.perf_counter() - start)
+                rollback.trim_kv(cache, k)
+            start = time.perf_counter()
+            mx.eval(mx.argmax(head.logits(head(x, token, head_cache))[:, -1], axis=-1))
+            times["head_step"].append(time.perf_counter() - start)
+            rollback.trim_kv(head_cache, 1)
+        costs[str(context)] = {
+            name: {"min_ms": round(1e3 * min(t), 3), "median_ms": round(1e3 * float(np.median(t)), 3)}
+            for name, t in times.items()
+        }
+        save()
+        print(f"costs at {context}: {json.dumps(costs[str(context)])}", file=sys.stderr, flush=True)
+
+
 # -------------------------------------------------------------------------------- summaries
 
 
@@ -430,7 +466,24 @@ def pooled_tau(rows: list[dict]) -> float:
     return sum(r["tokens_per_cycle"] * r["cycles"] for r in rows) / max(cycles, 1)
 
 
-def speed(rows: list[dict]) -> dict:
+# Without a costs stage: a cycle is 1 AR step + 0.12 per verified draft + 0.05 per head step, the
+# profiler's short-context costs on a quiet machine (RESULTS.md "Where the time goes"; the
+# defaults of drafter_bounds.py).
+PROFILED_COSTS = {
+    **{f"verify_{k}": {"min_ms": 1.0 + 0.12 * (k - 1)} for k in range(1, 5)},
+    "head_step": {"min_ms": 0.05},
+}
+
+
+def cycle_cost(costs: dict, drafts: float) -> float:
+    """A cycle drafting ``drafts`` tokens on average, in AR steps: the verify of 1 + drafts tokens
+    (linear between the timed counts) plus the head steps, from the fastest tries."""
+    verify = [costs[f"verify_{k}"]["min_ms"] for k in range(1, 5)]
+    v = float(np.interp(1 + drafts, [1, 2, 3, 4], verify))
+    return (v + drafts * costs["head_step"]["min_ms"]) / verify[0]
+
+
+def speed(rows: list[dict], costs: dict | None = None) -> dict:
     """Per setting and variant, over the blocks where every variant ran: tokens per cycle, drafts per
     cycle, first-draft acceptance, and the medians of paired tok/s ratios (each run over its own
     block's depth-1 and AR runs), with the ratio's quartiles."""
@@ -468,6 +521,10 @@ def speed(rows: list[dict]) -> dict:
                     "q1": round(float(q1), 4),
                     "q3": round(float(q3), 4),
                 }
+            if costs:
+                entry["modelled_x_ar"] = round(
+                    entry["tokens_per_cycle"] / cycle_cost(costs, entry["drafts_per_cycle"]), 4
+                )
             table[name] = entry
         # The adaptive gate against the best fixed depth >= 2 (by median x d1), paired per block.
         fixed2 = max((n for n in names if n in ("d2", "d3")), key=lambda n: table[n]["x_d1"]["median"])
@@ -477,6 +534,11 @@ def speed(rows: list[dict]) -> dict:
         table["adaptive_x_best_depth_2_plus"] = round(float(np.median(ratios)), 4)
         out[setting] = table
     return out
+
+
+def nearest_costs(report: dict, context: int) -> dict | None:
+    costs = report.get("costs") or {}
+    return costs[min(costs, key=lambda c: abs(int(c) - context))] if costs else PROFILED_COSTS
 
 
 def summarize(report: dict) -> dict:
@@ -491,8 +553,8 @@ def summarize(report: dict) -> dict:
             for r in contexts
             if "spot_check" in r
         ],
-        "speed_long_context": speed(long_rows),
-        "speed_suite": speed(report.get("suite", [])),
+        "speed_long_context": speed(long_rows, nearest_costs(report, 3584)),
+        "speed_suite": speed(report.get("suite", []), nearest_costs(report, 0)),
     }
 
 
@@ -551,8 +613,8 @@ def markdown(summary: dict) -> str:
                 f"{name}, {setting} ({entries['best_fixed_depth_2_plus']} is the best depth >= 2; adaptive / it, "
                 f"median paired: {entries['adaptive_x_best_depth_2_plus']:.3f})",
                 "",
-                "| variant | blocks | tokens/cycle | drafts/cycle | first draft | x d=1 (median [q1-q3]) | x AR |",
-                "|---|---|---|---|---|---|---|",
+                "| variant | blocks | tokens/cycle | drafts/cycle | first draft | x d=1 (median [q1-q3]) | x AR | modelled x AR |",
+                "|---|---|---|---|---|---|---|---|",
             ]
             for variant, e in entries.items():
                 if not isinstance(e, dict):
@@ -561,7 +623,7 @@ def markdown(summary: dict) -> str:
                 lines.append(
                     f"| {variant} | {e['blocks']} | {e['tokens_per_cycle']:.2f} | {e['drafts_per_cycle']:.2f} | "
                     f"{cell(e.get('first_draft'))} | {x1['median']:.3f} [{x1['q1']:.2f}-{x1['q3']:.2f}] | "
-                    f"{xa['median']:.3f} [{xa['q1']:.2f}-{xa['q3']:.2f}] |"
+                    f"{xa['median']:.3f} [{xa['q1']:.2f}-{xa['q3']:.2f}] | {e.get('modelled_x_ar', '-')} |"
                 )
     for c in summary.get("spot_checks", []):
         lines.append(
@@ -632,12 +694,15 @@ def main() -> None:
         "--spot-check", type=int, default=2, help="documents whose longest decode is teacher-forced"
     )
     ap.add_argument("--sources", default="", help="comma-separated document / chat ids (default: all)")
+    ap.add_argument("--cost-contexts", default="128,3584", help="contexts the costs stage times at")
+    ap.add_argument("--cost-reps", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=Path("acceptance-context.json"))
     ap.add_argument("--plot", type=Path, default=None)
     ap.add_argument("--report", action="store_true", help="re-summarize (and re-plot) the JSON only")
     args = ap.parse_args()
     args.lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
+    args.cost_contexts = [int(x) for x in args.cost_contexts.split(",") if x.strip()]
     report = json.loads(args.json.read_text()) if args.json.is_file() else {}
     if not args.report:
         engine = Engine.load(prompt_cache_bytes=2 * 1024**3)
@@ -651,7 +716,12 @@ def main() -> None:
         def save() -> None:
             write_json(args.json, report)
 
-        stages = {"contexts": stage_contexts, "suite": stage_suite, "human": stage_human}
+        stages = {
+            "contexts": stage_contexts,
+            "suite": stage_suite,
+            "human": stage_human,
+            "costs": stage_costs,
+        }
         for name in [s.strip() for s in args.stages.split(",") if s.strip()]:
             stages[name](engine, args, report, save)
             report["summary"] = summarize(report)
