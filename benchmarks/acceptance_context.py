@@ -22,6 +22,11 @@ Three stages, each writing its part of one JSON document (``--stages``, rerun on
   (`forge_decode_check.teacher_forced_all`): item 1c's check at long context.
 * ``suite``: the same variants on the benchmark suite's prompts (short context), one block
   per (prompt, setting).
+* ``costs`` (optional): a verify forward of 1-4 tokens and one head step timed apart at a short
+  and a long context (fastest of interleaved tries). The summary turns each variant's tokens and
+  drafts per cycle into a modelled speed over AR with these costs, or without them with the
+  profiler's short-context costs (RESULTS.md "Where the time goes"): a load-independent check
+  on the paired tokens/s ratios.
 
 Sources (offline, held out from the shipped head's forge data: forge reads CPython's top-level
 ``Lib/*.py`` and Debian's uncompressed README / .md / .txt files): CPython sub-package modules,
