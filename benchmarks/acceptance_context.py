@@ -552,6 +552,11 @@ def summarize(report: dict) -> dict:
     return {
         "human_teacher_forced": human_bins(report["human"]) if report.get("human") else {},
         "decoding_by_context": decoding_bins(contexts + report.get("suite", [])),
+        "decoding_by_context_documents": decoding_bins(
+            [r for r in contexts if not r["kind"].startswith("chat")]
+        ),
+        "decoding_by_context_chats": decoding_bins([r for r in contexts if r["kind"].startswith("chat")]),
+        "decoding_suite": decoding_bins(report.get("suite", [])),
         "documents_by_length": by_length(contexts),
         "spot_checks": [
             {"source": r["source"], "prompt_tokens": r["prompt_tokens"], **r["spot_check"]}
@@ -577,7 +582,6 @@ def markdown(summary: dict) -> str:
     """The tables RESULTS.md shows, from a summary."""
     lines = []
     human = summary.get("human_teacher_forced", {})
-    decoding = summary.get("decoding_by_context", {})
     labels = [bin_label(lo, hi) for lo, hi in zip(BINS[:-1], BINS[1:])]
     lines += ["| context bin | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|"]
     for setting in SETTINGS:
@@ -587,10 +591,14 @@ def markdown(summary: dict) -> str:
                 + " | ".join(cell(row.get(b)) for b in labels)
                 + " |"
             )
-        row = decoding.get(setting, {})
-        lines.append(
-            f"| {setting}, **decoding d=1** | " + " | ".join(cell(row.get(b)) for b in labels) + " |"
-        )
+        for what in ("", "_documents", "_chats"):
+            row = summary.get(f"decoding_by_context{what}", {}).get(setting, {})
+            name = what.strip("_") or "all, with the suite"
+            lines.append(
+                f"| {setting}, **decoding d=1**: {name} | "
+                + " | ".join(cell(row.get(b)) for b in labels)
+                + " |"
+            )
     by_len = summary.get("documents_by_length", {})
     lengths = sorted({int(k) for s in by_len.values() for k in s})
     if lengths:
@@ -650,7 +658,16 @@ def plot(report: dict, path: Path) -> None:
 
     fine = tuple(range(0, 4096 + PLOT_BIN, PLOT_BIN))
     human = human_bins(report["human"], fine) if report.get("human") else {}
-    decoding = decoding_bins(report.get("contexts", []) + report.get("suite", []))
+    contexts = report.get("contexts", [])
+    decoding = {
+        "documents (cut at 0.25k-3.5k)": (
+            "s",
+            "crimson",
+            [r for r in contexts if not r["kind"].startswith("chat")],
+        ),
+        "long chat (one per turn)": ("D", "purple", [r for r in contexts if r["kind"].startswith("chat")]),
+        "suite prompts": ("o", "green", report.get("suite", [])),
+    }
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     for ax, setting in zip(axes, SETTINGS):
         for group, row in human.get(setting, {}).items():
@@ -659,18 +676,19 @@ def plot(report: dict, path: Path) -> None:
             se = [v["se"] or 0 for v in row.values()]
             style = dict(lw=2.5, color="black") if group == "all" else dict(lw=1, alpha=0.8)
             ax.errorbar(x, y, yerr=se, label=f"human text, teacher-forced: {group}", capsize=2, **style)
-        row = decoding.get(setting, {})
-        x = [np.mean([int(v) for v in k.split("-")]) for k in row]
-        ax.errorbar(
-            x,
-            [v["mean"] for v in row.values()],
-            yerr=[v["se"] or 0 for v in row.values()],
-            fmt="s",
-            color="crimson",
-            ms=7,
-            capsize=3,
-            label="real decoding, depth 1 (trunk's own text)",
-        )
+        for what, (marker, color, rows) in decoding.items():
+            row = decoding_bins(rows).get(setting, {})
+            x = [np.mean([int(v) for v in k.split("-")]) for k in row]
+            ax.errorbar(
+                x,
+                [v["mean"] for v in row.values()],
+                yerr=[v["se"] or 0 for v in row.values()],
+                fmt=marker,
+                color=color,
+                ms=7,
+                capsize=3,
+                label=f"real decoding d=1, trunk's own text: {what}",
+            )
         ax.set_title(f"{setting}: first-draft acceptance" + (" (1 - TV)" if setting != "greedy" else ""))
         ax.set_xlabel("tokens of context before the drafted token")
         ax.grid(alpha=0.3)
