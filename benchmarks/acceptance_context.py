@@ -668,7 +668,7 @@ def plot(report: dict, path: Path) -> None:
         "long chat (one per turn)": ("D", "purple", [r for r in contexts if r["kind"].startswith("chat")]),
         "suite prompts": ("o", "green", report.get("suite", [])),
     }
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5.2), sharey=True)
     for ax, setting in zip(axes, SETTINGS):
         for group, row in human.get(setting, {}).items():
             x = [np.mean([int(v) for v in k.split("-")]) for k in row]
@@ -693,9 +693,9 @@ def plot(report: dict, path: Path) -> None:
         ax.set_xlabel("tokens of context before the drafted token")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("first-draft acceptance")
-    axes[0].legend(fontsize=7, loc="lower left")
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=3, fontsize=7)
     fig.suptitle(f"SmolLM2-135M-Instruct + shipped head, commit {report.get('commit') or '?'}", fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
     fig.savefig(path, dpi=110)
 
 
