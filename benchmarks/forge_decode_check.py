@@ -95,13 +95,26 @@ def cycles_of(steps: list, prompt_len: int, generated: int) -> list[dict]:
 def teacher_forced(engine: Engine, window: list[int], temperature: float) -> np.ndarray:
     """Per trunk position s: forge's teacher-forced acceptance of the head's draft scored there
     (the head at s - 1, given the trunk's hidden state at s - 1 and token s); NaN at s = 0."""
+    return teacher_forced_all(engine, window, (temperature,))[temperature]
+
+
+def teacher_forced_all(
+    engine: Engine, window: list[int], temperatures: tuple[float, ...], chunk: int = 512
+) -> dict[float, np.ndarray]:
+    """`teacher_forced` at each of ``temperatures`` from one trunk and one head forward; p and q
+    are read ``chunk`` positions at a time (a 4k-token window's logits are 0.8 GB each in float32)."""
     head, tokens = engine.head, mx.array([window])
     out = engine.trunk(tokens)
     hidden = out.hidden_pre_norm if head.hidden_source == "pre_norm" else out.hidden_post_norm
     g = head(hidden[:, :-1], tokens[:, 1:], head.make_cache())
-    p = np.asarray(out.logits.astype(mx.float32))[0, 1:]
-    q = np.asarray(head.logits(g).astype(mx.float32))[0]
-    return np.concatenate([[np.nan], acceptance(p, q, temperature)])
+    mx.eval(out.logits, g)
+    result = {t: [np.array([np.nan])] for t in temperatures}
+    for start in range(0, len(window) - 1, chunk):
+        p = np.asarray(out.logits[0, 1 + start : 1 + start + chunk].astype(mx.float32))
+        q = np.asarray(head.logits(g[:, start : start + chunk]).astype(mx.float32))[0]
+        for t in temperatures:
+            result[t].append(acceptance(p, q, t))
+    return {t: np.concatenate(parts) for t, parts in result.items()}
 
 
 def forge_figure(engine: Engine, window: list[int], positions: list[int], temperature: float) -> float:
