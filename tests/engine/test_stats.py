@@ -31,7 +31,6 @@ def test_mtp_stats_count_the_head_drafts_and_full_cycles(engine):
         engine.encode_prompt("Say only the word yes.", chat=True)
     )
     # Accounting, not speed: the total is the first token's wait plus the decode that followed.
-    assert stats.ttft_seconds > 0 and stats.decode_seconds >= 0
     assert stats.total_seconds == pytest.approx(stats.ttft_seconds + stats.decode_seconds)
 
 
