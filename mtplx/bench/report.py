@@ -108,10 +108,7 @@ def result_document(
     """The saved result: provenance (versions, machine, ``context``), the plan, the summary and every run."""
     return {
         "schema": 1,
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "commit": git_commit(),
-        "versions": versions(),
-        "machine": machine_info(),
+        **_origin(),
         **context,
         "plan": {
             "max_tokens": plan.max_tokens,
@@ -134,16 +131,19 @@ def result_document(
     }
 
 
-def provenance(args: dict[str, Any]) -> dict[str, Any]:
-    """The head of a benchmark script's JSON: when, which commit and versions, which machine, and
-    the script's arguments (as strings)."""
+def _origin() -> dict[str, Any]:
+    """When, which commit and versions, which machine: the head of every saved result."""
     return {
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "commit": git_commit(),
         "versions": versions(),
         "machine": machine_info(),
-        "args": {k: str(v) for k, v in args.items()},
     }
+
+
+def provenance(args: dict[str, Any]) -> dict[str, Any]:
+    """The head of a benchmark script's JSON: `_origin` and the script's arguments (as strings)."""
+    return {**_origin(), "args": {k: str(v) for k, v in args.items()}}
 
 
 def write_json(path: str | Path, document: dict[str, Any]) -> None:
