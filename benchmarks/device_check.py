@@ -1,5 +1,5 @@
-"""GPU half of benchmarks/device_check.sh: fused kernels vs the NumPy mirror on
-the device, then fused vs MLX-ops verify timings. Prints markdown."""
+"""GPU half of benchmarks/device_check.sh (on a Mac: run it directly): the fused verify vs the
+NumPy mirror on the device, then fused vs MLX-ops verify timings. Prints markdown."""
 
 import os
 import sys
@@ -28,9 +28,15 @@ def cfg_of(row):
     return SamplerConfig(temperature=t, top_p=top_p, top_k=int(top_k), min_p=min_p)
 
 
-def correctness():
-    fused_v, fused_s = K.get_fused("verify"), K.get_fused("sample")
-    assert fused_v is not None and fused_s is not None, "no fused kernel on this backend"
+def fused_verify(tg: int = K.DEFAULT_TG):
+    """This GPU's fused verify in threadgroups of ``tg`` threads, whether or not ``auto`` uses it."""
+    backend = K._gpu_backend()
+    assert backend is not None, "no GPU backend"
+    return K.build_fused(backend, "verify", tg=tg)
+
+
+def correctness(tg: int = K.DEFAULT_TG):
+    fused_v = fused_verify(tg)
     checked = skipped = 0
     for seed, (B, k, Vv, kinds, draft, _tg, ties, masked) in enumerate(T.VERIFY_SHAPES):
         for kind in sorted(set(kinds)):  # the fused path takes one cfg for the batch
@@ -49,7 +55,7 @@ def correctness():
                     continue
                 assert (n[b], tok[b]) == (rn[b], rtok[b]), (seed, kind, b, n[b], tok[b], rn[b], rtok[b])
                 checked += 1
-    print(f"verify on device: {checked} rows equal to the oracle, {skipped} boundary rows skipped")
+    print(f"verify on device, TG {tg}: {checked} rows equal to the oracle, {skipped} boundary rows skipped")
 
 
 def bench(fn, reps=20):
@@ -63,7 +69,7 @@ def bench(fn, reps=20):
 
 def timings():
     vocab = 151936
-    fused = K.get_fused("verify")
+    fused = fused_verify()
     print("\n| B | k | MLX-ops verify ms | fused verify ms | speedup |")
     print("|---|---|---|---|---|")
     cfg = SamplerConfig(temperature=0.7, top_p=0.9)
@@ -79,9 +85,38 @@ def timings():
             print(f"| {B} | {k} | {ops:.3f} | {fu:.3f} | {ops / fu:.2f}x |", flush=True)
 
 
+def breakdown():
+    """Where the fused time goes: sampler settings (the top-k/top-p threshold searches are up
+    to 8 passes over V per position) against threadgroup size, beside the MLX-ops path."""
+    vocab = 151936
+    settings = {
+        "greedy": SamplerConfig(temperature=0.0),
+        "t0.7": SamplerConfig(temperature=0.7),
+        "t0.7 top-p 0.9": SamplerConfig(temperature=0.7, top_p=0.9),
+        "t0.7 top-k 50": SamplerConfig(temperature=0.7, top_k=50),
+    }
+    kernels = {tg: fused_verify(tg) for tg in (256, 512)}
+    print("\n| sampler | B | k | MLX-ops ms | fused TG 256 ms | fused TG 512 ms |")
+    print("|---|---|---|---|---|---|")
+    for name, cfg in settings.items():
+        for B in (1, 8):
+            for k in (1, 4):
+                z = mx.random.normal((B, k + 1, vocab)) * 3
+                q = mx.softmax(mx.random.normal((B, k, vocab)) * 3, axis=-1)
+                d = mx.argmax(q, axis=-1).astype(mx.int32)
+                a, s = sample_ops.draw_uniforms((B, k)), sample_ops.draw_uniforms((B,))
+                mx.eval(z, q, d, a, s)
+                args = (z, d, q, cfg, a, s)
+                ops = bench(lambda args=args: rejection.verify(*args, backend="mlx"))
+                fused = [bench(lambda f=f, args=args: f(*args)) for f in kernels.values()]
+                print(f"| {name} | {B} | {k} | {ops:.3f} | {fused[0]:.3f} | {fused[1]:.3f} |", flush=True)
+
+
 def main() -> None:
     print(f"mlx {mx.__version__}, device {mx.default_device()}")
     correctness()
+    correctness(tg=512)
+    breakdown()
     timings()
 
 

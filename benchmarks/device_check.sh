@@ -1,25 +1,23 @@
 #!/usr/bin/env bash
-# Fused-kernel check on an NVIDIA machine with no network (< 5 minutes).
+# Fused-kernel check on an offline NVIDIA Hopper machine (< 5 minutes there).
 #
-#   bash benchmarks/device_check.sh            # from the repository root
+#   python benchmarks/device_pack.py            # here, with network: fills .whl/ (~20 MiB)
+#   bash benchmarks/device_check.sh | tee out   # there, from the repository root, .whl carried
 #
-# Needs wheels brought along in .whl/ (fetch them on a networked Linux x86_64
-# machine with the GPU machine's Python version, e.g. 3.11):
-#   pip download -d .whl --only-binary=:all: --python-version 3.11 \
-#       --platform manylinux_2_35_x86_64 "mlx[cuda12]==0.32.4" numpy pytest
-# (mlx's CUDA backend ships as extra wheels pulled by the cuda12 extra; if the
-# machine's driver wants CUDA 13, use "mlx[cuda13]" instead.)
-# It installs mlx + mtplx (no deps) into a throwaway venv, runs the
-# kernel-vs-oracle comparison on the GPU, then times fused vs MLX-ops verify
-# for V=151936, k=1..8, B=1..8 and prints a markdown table for
-# benchmarks/README.md.
+# It unpacks MLX + its CUDA backend (pruned to sm_90 by device_pack.py) into /tmp/site, links
+# the image's own NVIDIA libraries (cuBLAS, cuDNN, NVRTC, ... from its PyTorch install) where
+# libmlx.so's rpath looks, and runs benchmarks/device_check.py with the image's python3 (its
+# numpy and pytest): the fused verify on the GPU against the NumPy mirror over the test
+# suite's shapes, then fused vs MLX-ops verify timings for V=151936, k=1..8, B=1..8.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-ENV=${MTPLX_DEVICE_VENV:-/tmp/mtplx-device-venv}
-python3 -m venv "$ENV"
-"$ENV/bin/pip" install -q --no-index --find-links .whl "mlx[cuda12]" numpy pytest \
-  || "$ENV/bin/pip" install -q --no-index --find-links .whl "mlx[cuda13]" numpy pytest
-"$ENV/bin/pip" install -q --no-index --no-deps --no-build-isolation -e . 2>/dev/null \
-  || export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+SITE=${MTPLX_DEVICE_SITE:-/tmp/site}
+mkdir -p "$SITE"
+python3 -m zipfile -e .whl/mlx-*-cp312-*.whl "$SITE"
+tar -xJf .whl/mlx-cuda-sm90.tar.xz -C "$SITE"
+NVIDIA=$(python3 -c 'import nvidia; print(list(nvidia.__path__)[0])')
+ln -sfn "$NVIDIA" "$SITE/nvidia"
+export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
-timeout 270 "$ENV/bin/python" benchmarks/device_check.py "$@"
+python3 -c 'import mlx.core as mx; print("mlx", mx.__version__, mx.default_device(), "cuda:", mx.cuda.is_available())'
+timeout 400 python3 benchmarks/device_check.py "$@"

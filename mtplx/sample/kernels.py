@@ -7,12 +7,14 @@ emulation used only by the tests, which lives in ``mtplx.sample.emulation``
 (g++, real threads, ctypes) so the runtime never imports it. Semantics are
 those of ``docs/sampling.md``; the NumPy mirrors live in ``mtplx.sample.reference``.
 
-``get_fused(name)`` is what ``mtplx.sample.rejection`` calls: on Metal or CUDA it returns
+``get_fused(name)`` is what ``mtplx.sample.rejection`` calls: on a GPU it returns
 a callable taking ``verify.verify`` / ``verify.sample``'s array arguments
 (already validated by ``mtplx.sample.rejection``) and returning the raw output arrays,
 ``(num_accepted, next_token, accept_probs)`` or ``(tokens, probs)``; ``None``
-on the CPU backend, when forced off, or when the build fails (one warning,
-never an exception). From ``mtplx`` it imports only `mtplx.resources` (where the sources are).
+on the CPU backend, on a backend where the fused kernels were measured slower than the
+MLX-ops path (``FUSED_BY_DEFAULT``), when forced off, or when the build fails (one warning,
+never an exception). ``build_fused`` builds one for a named backend regardless (the device
+check uses it). From ``mtplx`` it imports only `mtplx.resources` (where the sources are).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ __all__ = [
     "metal_sources",
     "cuda_sources",
     "get_fused",
+    "build_fused",
+    "FUSED_BY_DEFAULT",
     "set_force_fallback",
     "force_fallback",
     "row_params",
@@ -43,6 +47,15 @@ __all__ = [
 # Threads per threadgroup on a GPU. Metal's limit is 1024 and register use of
 # the 16-accumulator search makes 256 the safe choice on both backends.
 DEFAULT_TG = 256
+
+# Whether ``get_fused`` (the ``backend="auto"`` dispatch) uses the fused kernels on each GPU
+# backend: only where they are not measured slower than the MLX-ops path. CUDA, measured on
+# an H200 (benchmarks/RESULTS.md, "The fused kernels on a GPU"): 0.2-1.1x of the ops path at
+# B 1-8, k 1-8, because one threadgroup per row walks the k+1 positions one after another
+# (each filter search up to 8 passes over V), so a few rows leave most of the GPU idle.
+# Metal: not measured (no Mac here); on by design until a Mac run of
+# benchmarks/device_check.py says otherwise.
+FUSED_BY_DEFAULT = {"metal": True, "cuda": False}
 
 
 # --------------------------------------------------------------------------- sources
@@ -158,14 +171,13 @@ def get_fused(name: str, *, force_fallback: bool | None = None) -> Callable | No
     if forced:
         return None
     backend = _gpu_backend()
-    if backend is None:
+    if backend is None or not FUSED_BY_DEFAULT.get(backend, False):
         return None
     key = (backend, name)
     with _lock:
         if key not in _built:
             try:
-                kernel = _make_kernel(backend, name)
-                _built[key] = _VERIFY_WRAPPERS[name](kernel)
+                _built[key] = build_fused(backend, name)
             except Exception as e:  # any build failure means: use the MLX-ops path
                 _built[key] = None
                 if key not in _warned:
@@ -177,6 +189,18 @@ def get_fused(name: str, *, force_fallback: bool | None = None) -> Callable | No
                         stacklevel=2,
                     )
         return _built[key]
+
+
+def build_fused(backend: str, name: str, tg: int = DEFAULT_TG) -> Callable:
+    """The fused ``name`` kernel for ``backend`` ("metal" or "cuda") in threadgroups of ``tg``
+    threads, wrapped like ``get_fused``'s; raises where that backend is absent or the build fails.
+
+    A ``tg`` whose threadgroup needs more registers than the GPU has fails to launch; MLX's
+    CUDA backend then returns the untouched (zero) outputs rather than raising (seen at 1024 on
+    an H200), so a new ``tg`` is checked against the oracle before it is timed."""
+    if name not in SPECS:
+        raise ValueError(f"unknown fused kernel {name!r}; expected one of {sorted(SPECS)}")
+    return _VERIFY_WRAPPERS[name](_make_kernel(backend, name), tg=tg)
 
 
 def _make_kernel(backend: str, name: str):

@@ -213,7 +213,7 @@ def _queue_top_p_fallbacks() -> bool:
     queued and picked per row with `where`. On the CPU backend it is the other way
     round: the fallbacks cost several ms a row, a sync only ends Python/compute
     overlap, so it checks `decided` (an LLM nucleus rarely exceeds the first pool).
-    GPUs with a fused kernel (Metal, CUDA) never reach this code.
+    On Metal the fused kernel runs instead (CUDA uses this path: kernels.FUSED_BY_DEFAULT).
     """
     return mx.default_device().type == mx.DeviceType.gpu
 
