@@ -42,7 +42,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import mtplx
@@ -96,6 +96,7 @@ class RequestResult:
     ttft_s: float | None
     tokens_per_cycle: float | None  # from the mtplx server's stats, where it reports them
     error: str | None = None
+    end_s: float | None = None  # when the stream ended, in seconds from the round's start
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,7 @@ class RoundResult:
             "tok_s": self.tok_s,
             "ttft_s": [r.ttft_s for r in self.requests],
             "tokens_per_cycle": [r.tokens_per_cycle for r in self.requests],
+            "end_s": [r.end_s for r in self.requests],
             "errors": [r.error for r in self.requests if r.error is not None],
         }
 
@@ -341,12 +343,11 @@ def run_round(
             n = c * requests + j
             prompt = prompts[(n + repetition * clients * requests) % len(prompts)]
             tag = f"{repetition}.{temperature:g}.{clients}.{n}"
-            results.append(
-                stream_one(client, server.model_id, chat_messages(prompt, tag), temperature, max_tokens)
-            )
+            result = stream_one(client, server.model_id, chat_messages(prompt, tag), temperature, max_tokens)
+            results.append(replace(result, end_s=time.perf_counter() - start))
         return results
 
-    start = time.perf_counter()
+    start = time.perf_counter()  # read by one_client: the pool starts below
     with ThreadPoolExecutor(clients) as pool:
         per_client = list(pool.map(one_client, range(clients)))
     wall = time.perf_counter() - start
