@@ -23,6 +23,7 @@ from mtplx.cli.args import (
 from mtplx.errors import MtplxError
 from mtplx.sample.params import SamplerConfig
 from mtplx.server.settings import ServerSettings
+from mtplx.spec_decode.settings import DEFAULT_PREFILL_STEP
 
 __all__ = ["HELP", "add_args", "run", "serve"]
 
@@ -64,6 +65,7 @@ def serve(
         settings.decode_concurrency,
         settings.prompt_concurrency,
         settings.draft_policy,
+        settings.prefill_step_size,
     )
     app = create_app(worker, settings)
     worker.start()
@@ -104,6 +106,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="requests prefilled meanwhile, a chunk per cycle (default 8)",
     )
     parser.add_argument(
+        "--prefill-step-size",
+        type=int,
+        default=DEFAULT_PREFILL_STEP,
+        help="prompt tokens forwarded per cycle, all prefilling requests together: what a long prompt "
+        f"stalls the running streams by (default {DEFAULT_PREFILL_STEP})",
+    )
+    parser.add_argument(
         "--draft-policy",
         choices=("auto", "fixed"),
         default="auto",
@@ -129,6 +138,7 @@ def _check_server_flags(args: argparse.Namespace) -> None:
         "max_body_bytes",
         "decode_concurrency",
         "prompt_concurrency",
+        "prefill_step_size",
     ):
         if getattr(args, name) <= 0:
             raise MtplxError(f"--{name.replace('_', '-')}: must be > 0, got {getattr(args, name)}")
@@ -157,6 +167,7 @@ def run(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         decode_concurrency=args.decode_concurrency,
         prompt_concurrency=args.prompt_concurrency,
+        prefill_step_size=args.prefill_step_size,
         draft_policy=args.draft_policy,
         request_timeout=args.request_timeout,
         max_tokens_cap=args.max_tokens_cap,

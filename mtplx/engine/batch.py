@@ -2,7 +2,7 @@
 
 Requests are submitted at any time (`submit`). Each `step`:
   1. prefills waiting requests, first come first served, at most ``prompt_concurrency`` of them
-     and ``prefill_budget`` prompt tokens in all per step, so long prompts stall the running
+     and ``prefill_step_size`` prompt tokens in all per step, so long prompts stall the running
      rows by one chunk per cycle, never by their whole length, while short ones join at once;
   2. admits prefilled requests while fewer than ``max_rows`` decode (the admission draws the
      request's first token);
@@ -31,6 +31,7 @@ from mtplx.engine.session import CacheSession, open_session
 from mtplx.errors import MtplxError
 from mtplx.spec_decode.batch import BatchDecoder, PendingRow, RowsFailed, RowSpec
 from mtplx.spec_decode.draft_policy import DraftPolicy
+from mtplx.spec_decode.settings import DEFAULT_PREFILL_STEP
 
 __all__ = ["BatchScheduler"]
 
@@ -69,8 +70,9 @@ class BatchScheduler:
     max_rows: int = 32  # rows decoding at once (--decode-concurrency)
     prompt_concurrency: int = 8  # requests prefilling at once (--prompt-concurrency)
     # Prompt tokens forwarded per step, over all prefilling requests: what bounds the stall of
-    # the running rows (one chunk's worth per cycle), as vLLM's chunked-prefill token budget.
-    prefill_budget: int = 512
+    # the running rows (one chunk's worth per cycle), as vLLM's chunked-prefill token budget
+    # (`mtplx serve --prefill-step-size`).
+    prefill_step_size: int = DEFAULT_PREFILL_STEP
     policy: DraftPolicy | None = None  # each cycle's draft length; None: every row its depth
     _decoder: BatchDecoder | None = None
     _jobs: dict[int, _Job] = field(default_factory=dict)  # in submission order
@@ -81,8 +83,8 @@ class BatchScheduler:
             raise MtplxError(f"decode concurrency: must be >= 1 (got {self.max_rows})")
         if self.prompt_concurrency < 1:
             raise MtplxError(f"prompt concurrency: must be >= 1 (got {self.prompt_concurrency})")
-        if self.prefill_budget < 1:
-            raise MtplxError(f"prefill budget: must be >= 1 (got {self.prefill_budget})")
+        if self.prefill_step_size < 1:
+            raise MtplxError(f"prefill step size: must be >= 1 (got {self.prefill_step_size})")
 
     # ------------------------------------------------------------------ requests in and out
     def submit(self, prompt, request: GenerationRequest) -> int:
@@ -154,13 +156,13 @@ class BatchScheduler:
         if decoder is None:
             return results
         waiting = [job for job in self._jobs.values() if job.row_id is None]
-        budget = self.prefill_budget
+        budget = self.prefill_step_size
         for job in waiting[: self.prompt_concurrency]:
             if budget <= 0:
                 break
             try:
                 before = job.pending.remaining
-                ready = decoder.prefill(job.pending, min(budget, job.pending.spec.settings.prefill_step_size))
+                ready = decoder.prefill(job.pending, budget)
                 budget -= before - job.pending.remaining
                 if ready and self.num_decoding < self.max_rows:
                     job.row_id, first = decoder.admit(job.pending)

@@ -29,7 +29,7 @@ from mtplx.spec_decode import loop as decode
 from mtplx.spec_decode.constraint import GrammarConstraint
 from mtplx.spec_decode.draft_policy import DRAFT_POLICIES, CostProfile, DraftPolicy
 from mtplx.spec_decode.select import DEFAULT_DEPTH, DrafterChoice, build_proposer, choose_drafter
-from mtplx.spec_decode.settings import DecodeSettings
+from mtplx.spec_decode.settings import DEFAULT_PREFILL_STEP, DecodeSettings
 from mtplx.trunk.model import Trunk
 from mtplx.trunk.prompt_cache import PromptCache
 
@@ -385,12 +385,17 @@ class Engine:
         return self._batch_support or None
 
     def batch(
-        self, max_rows: int = 32, prompt_concurrency: int = 8, draft_policy: str = "auto"
+        self,
+        max_rows: int = 32,
+        prompt_concurrency: int = 8,
+        draft_policy: str = "auto",
+        prefill_step_size: int = DEFAULT_PREFILL_STEP,
     ) -> BatchScheduler:
         """A scheduler that decodes up to ``max_rows`` requests together on this engine, with up to
-        ``prompt_concurrency`` prefilling meanwhile (`mtplx.engine.batch`). ``draft_policy``:
-        "auto" chooses each cycle's draft length from the cost profile and the rows' acceptance
-        (`mtplx.spec_decode.draft_policy`); "fixed" drafts every row's depth every cycle."""
+        ``prompt_concurrency`` prefilling meanwhile, ``prefill_step_size`` prompt tokens in all per
+        cycle (`mtplx.engine.batch`). ``draft_policy``: "auto" chooses each cycle's draft length
+        from the cost profile and the rows' acceptance (`mtplx.spec_decode.draft_policy`);
+        "fixed" drafts every row's depth every cycle."""
         if draft_policy not in DRAFT_POLICIES:
             raise MtplxError(
                 f"draft policy: must be one of {', '.join(DRAFT_POLICIES)} (got {draft_policy!r})"
@@ -398,7 +403,7 @@ class Engine:
         # No profile to measure where nothing batches (every request is then served alone).
         batches = self._model_batch_refusal() is None
         policy = DraftPolicy(self.batch_cost_profile()) if draft_policy == "auto" and batches else None
-        return BatchScheduler(self, max_rows, prompt_concurrency, policy=policy)
+        return BatchScheduler(self, max_rows, prompt_concurrency, prefill_step_size, policy=policy)
 
     def batch_cost_profile(self, remeasure: bool = False) -> CostProfile:
         """What a batched cycle costs here: `mtplx tune`'s saved profile, else measured once per

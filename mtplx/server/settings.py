@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from mtplx.engine.request import GenerationRequest
 from mtplx.sample.params import SamplerConfig
+from mtplx.spec_decode.settings import DEFAULT_PREFILL_STEP
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,7 @@ class ServerSettings:
     max_queue: int = 64
     decode_concurrency: int = 32  # requests decoded together (mtplx.server.worker)
     prompt_concurrency: int = 8  # requests prefilled meanwhile
+    prefill_step_size: int = DEFAULT_PREFILL_STEP  # prompt tokens per cycle, all prefilling requests together
     draft_policy: str = "auto"  # each batched cycle's draft length (mtplx.spec_decode.draft_policy)
     request_timeout: float = 600.0
     default_max_tokens: int = 512

@@ -30,6 +30,7 @@ from typing import Any
 
 from mtplx.engine.request import GenerationRequest
 from mtplx.errors import MtplxError
+from mtplx.spec_decode.settings import DEFAULT_PREFILL_STEP
 
 log = logging.getLogger("mtplx.server")
 
@@ -79,11 +80,13 @@ class GenerationWorker:
         decode_concurrency: int = 32,
         prompt_concurrency: int = 8,
         draft_policy: str = "auto",
+        prefill_step_size: int = DEFAULT_PREFILL_STEP,
     ):
         self.engine = engine
         self.decode_concurrency = decode_concurrency
         self.prompt_concurrency = prompt_concurrency
         self.draft_policy = draft_policy
+        self.prefill_step_size = prefill_step_size
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._thread = threading.Thread(target=self._run, name="mtplx-generation", daemon=True)
         self._active: dict[int, Job] = {}  # scheduler handle -> job, in flight
@@ -117,7 +120,9 @@ class GenerationWorker:
 
     # ------------------------------------------------------------------ the generation thread
     def _run(self) -> None:
-        scheduler = self.engine.batch(self.decode_concurrency, self.prompt_concurrency, self.draft_policy)
+        scheduler = self.engine.batch(
+            self.decode_concurrency, self.prompt_concurrency, self.draft_policy, self.prefill_step_size
+        )
         try:
             while True:
                 if not self._take_jobs(scheduler):

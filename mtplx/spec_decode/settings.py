@@ -12,6 +12,13 @@ from dataclasses import dataclass, field
 from mtplx.errors import MtplxError
 from mtplx.sample.params import SamplerConfig, integer_value
 
+# Prompt tokens per prefill forward (a single stream's chunk; a batch's per-cycle budget over
+# all prefilling requests, `mtplx serve --prefill-step-size`): mlx-lm's default. A smaller step
+# bounds how long a long prompt stalls the running streams (on the 2-core CPU 512 tokens of the
+# default model take ~2.5 s) but costs aggregate throughput: at 16 clients greedy the 2048 step
+# ran 23.3 tok/s against 20.9 for 512 (benchmarks/RESULTS.md).
+DEFAULT_PREFILL_STEP = 2048
+
 __all__ = [
     "DRAFT_KINDS",
     "MAX_DEPTH",
@@ -34,7 +41,7 @@ class DecodeSettings:
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     depth: int = 3  # draft tokens per verify cycle
     greedy_draft: bool = False  # draft the head's argmax (q one-hot) instead of sampling q
-    prefill_step_size: int = 512
+    prefill_step_size: int = DEFAULT_PREFILL_STEP
     verify_backend: str = "auto"  # "auto" (fused kernel where available) | "mlx"
     # Adaptive head drafting: stop after a draft the head gave less than this probability (0 = off).
     adaptive_threshold: float = 0.0

@@ -98,7 +98,7 @@ def test_long_prompts_prefill_in_chunks_while_rows_decode(tiny_engine):
     request = _req(max_tokens=30, temperature=0.0, draft="head")
     long_prompt = [(7 * i) % 13 + 1 for i in range(150)]
     scheduler = tiny_engine.batch(max_rows=4, prompt_concurrency=2)
-    scheduler.prefill_budget = 40
+    scheduler.prefill_step_size = 40
     running = scheduler.submit(PROMPTS[0], request)
     tokens: dict[int, list[int]] = {running: []}
     for result in scheduler.step():  # the short prompt joins at once
