@@ -368,9 +368,17 @@ class BatchDecoder:
             self.chain.cache.remove_rows(keep)
 
     def extract(self, row_id: int) -> tuple[list, list | None]:
-        """A row's trunk and head caches as single-row mlx-lm caches (copies, for the prompt cache)."""
+        """A row's trunk and head caches as single-row mlx-lm caches (copies, for the prompt cache).
+
+        The copies are evaluated here: a lazy slice of the batch's buffers keeps the whole
+        buffers (every slot, the full capacity) alive for as long as the prompt cache holds the
+        row, so each stored request pinned a batch's worth of K/V (measured: a 16-client server
+        grew to 21 GB and was killed)."""
         i = self.index_of(row_id)
-        return self.cache.extract(i), (self.chain.cache.extract(i) if self.chain is not None else None)
+        trunk_cache = self.cache.extract(i)
+        head_cache = self.chain.cache.extract(i) if self.chain is not None else None
+        mx.eval([c.state for c in trunk_cache + (head_cache or [])])
+        return trunk_cache, head_cache
 
     # ------------------------------------------------------------------ one cycle
     def _head_length(self, row: BatchRow) -> int:

@@ -20,6 +20,7 @@ from mtplx.spec_decode.settings import DecodeSettings
 from mtplx.trunk import compat
 from mtplx.trunk.batch_cache import BatchCache
 from mtplx.trunk.model import Trunk
+from mtplx.trunk.prompt_cache import cache_nbytes
 
 import mlx.core as mx
 import numpy as np
@@ -106,6 +107,28 @@ def test_leavers_holes_are_filled_by_the_last_rows(build):
         alone = model(mx.array([prompt + [30 + r]]))
         assert mx.abs(alone[0, -1] - out[r, 0]).max().item() < 1e-4, (r, gone)
     assert batch.lengths == [len(p) + 1 for p in rows]
+
+
+def test_an_extracted_row_does_not_keep_the_batch_alive():
+    """`BatchDecoder.extract` (a finished request's caches, for the prompt cache) holds the row's
+    own positions only: with a lazy slice the whole batch's K/V buffers (every slot, the full
+    capacity) stayed alive as long as the prompt cache kept the row."""
+    import gc
+
+    trunk = Trunk(tiny_llama())
+    base = mx.get_active_memory()
+    decoder = BatchDecoder(trunk)
+    spec = RowSpec(DecodeSettings(sampler=SamplerConfig(temperature=0.0)), "none")
+    rows = [decoder.join(PROMPT, spec, mx.random.key(seed))[0] for seed in range(8)]
+    for _ in range(3):
+        decoder.step()
+    batch_bytes = mx.get_active_memory() - base
+    trunk_cache, _ = decoder.extract(rows[random.randrange(8)])
+    del decoder
+    gc.collect()
+    held = mx.get_active_memory() - base
+    row_bytes = cache_nbytes(trunk_cache)
+    assert held <= 2 * row_bytes + 65536, (held, row_bytes, batch_bytes)
 
 
 def test_sliding_window_models_are_refused_with_a_reason():
