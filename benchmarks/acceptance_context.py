@@ -56,6 +56,7 @@ from mtplx.bench.suite import load_prompts
 from mtplx.engine.engine import DEFAULT_ADAPTIVE_THRESHOLD, Engine
 from mtplx.engine.request import GenerationRequest
 from mtplx.forge.corpus import split_passages, stdlib_dir
+from mtplx.io import atomic_path
 from mtplx.sample.params import SamplerConfig
 from mtplx.spec_decode.settings import Drafting
 from mtplx.trunk import rollback
@@ -696,7 +697,8 @@ def plot(report: dict, path: Path) -> None:
     fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=3, fontsize=7)
     fig.suptitle(f"SmolLM2-135M-Instruct + shipped head, commit {report.get('commit') or '?'}", fontsize=9)
     fig.tight_layout(rect=(0, 0.12, 1, 1))
-    fig.savefig(path, dpi=110)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110)
 
 
 # ----------------------------------------------------------------------------------------- main

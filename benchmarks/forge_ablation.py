@@ -45,7 +45,7 @@ from mtplx.forge.record import ForgeData, load_shards
 from mtplx.forge.train import build_head, init_from_head, train_head
 from mtplx.heads.base import build_layer_like, model_args_of
 from mtplx.heads.forged import ForgedMTPHead, load_forged_head
-from mtplx.io import atomic_write
+from mtplx.io import atomic_path, atomic_write
 from mtplx.trunk.model import Trunk, TrunkOutput
 
 import mlx.core as mx
@@ -356,9 +356,8 @@ def plot(report: dict, path: Path) -> None:
     axes[0].legend(fontsize=7)
     fig.suptitle(f"forge ablations from the shipped head (lr {report['lr']}, batch {report['batch_size']})")
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    tmp.replace(path)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110)
 
 
 if __name__ == "__main__":

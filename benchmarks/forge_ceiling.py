@@ -53,7 +53,7 @@ from mtplx.forge.record import (  # noqa: E402
     save_shard,
 )
 from mtplx.forge.train import build_head, init_from_head, train_head  # noqa: E402
-from mtplx.io import atomic_write  # noqa: E402
+from mtplx.io import atomic_path, atomic_write  # noqa: E402
 from mtplx.sample.params import Setting  # noqa: E402
 
 import forge_ablation  # noqa: E402
@@ -321,9 +321,8 @@ def plot(report: dict, path: Path, other: dict | None = None) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    tmp.replace(path)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110)
 
 
 if __name__ == "__main__":

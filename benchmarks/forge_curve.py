@@ -24,7 +24,7 @@ from mtplx.forge.config import DEFAULT_FORGE_CONFIG
 from mtplx.forge.evaluate import evaluate_acceptance
 from mtplx.forge.record import load_shards
 from mtplx.forge.train import build_head, init_from_head
-from mtplx.io import atomic_write
+from mtplx.io import atomic_path, atomic_write
 from mtplx.trunk.model import Trunk
 
 import mlx.core as mx
@@ -106,7 +106,8 @@ def plot(result: dict, path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120)
 
 
 if __name__ == "__main__":

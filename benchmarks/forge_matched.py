@@ -54,6 +54,7 @@ from mtplx.forge.prompts import (  # noqa: E402
     read_held_out,
 )
 from mtplx.forge.record import SHARD_FILES, ForgeData, ShardPlan, generate_shards, load_shards  # noqa: E402
+from mtplx.io import atomic_path  # noqa: E402
 
 import forge_ablation  # noqa: E402
 import forge_ceiling  # noqa: E402
@@ -490,9 +491,8 @@ def plot(reports: dict[str, dict], path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    tmp.replace(path)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110)
 
 
 if __name__ == "__main__":
