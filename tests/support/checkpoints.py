@@ -48,6 +48,21 @@ from support.models import (
 )
 
 
+def _random_replica(family, config: dict, seed: int, context_strength: float | None):
+    """(args, model): mlx-lm's ``family`` module built from ``config`` with `randomize`d weights.
+    With ``context_strength``, the output projections are scaled (`scale_outputs`) and the
+    embeddings brought to the residual stream's scale (RMS 1, as the MTP module's normed input
+    is), so the head agrees with the trunk's bigram part and its drafts are kept."""
+    args = family.ModelArgs.from_dict(config)
+    model = family.Model(args)
+    randomize(model, seed)
+    if context_strength is not None:
+        scale_outputs(model, context_strength)
+        embed = getattr(model, "language_model", model).model.embed_tokens
+        embed.weight = embed.weight * embed.weight.shape[-1] ** 0.5
+    return args, model
+
+
 @dataclass
 class Tiny:
     path: Path
@@ -139,12 +154,8 @@ def qwen3_5(
     from mlx_lm.models import qwen3_5 as q
 
     config = qwen3_5_config(mtp_layers=mtp_layers)
-    model = q.Model(q.ModelArgs.from_dict(config))
-    randomize(model, seed)
+    _, model = _random_replica(q, config, seed, context_strength)
     inner = model.language_model.model
-    if context_strength is not None:
-        scale_outputs(model, context_strength)
-        inner.embed_tokens.weight = inner.embed_tokens.weight * HIDDEN**0.5
     tensors: dict[str, mx.array] = {}
     for name, v in tree_flatten(model.parameters()):
         if name.startswith("language_model.model."):
@@ -266,13 +277,7 @@ def deepseek_v3(
     d = importlib.import_module(f"mlx_lm.models.{model_type}")
     layer_class = _deepseek_layer_class(model_type)
     config = deepseek_v3_config(moe, mtp_layers, trunk_layers, model_type)
-    args = d.ModelArgs.from_dict(config)
-    model = d.Model(args)
-    randomize(model, seed)
-    if context_strength is not None:
-        scale_outputs(model, context_strength)
-        # Embeddings of the residual stream's scale (RMS 1, as the MTP module's normed input is).
-        model.model.embed_tokens.weight = model.model.embed_tokens.weight * HIDDEN**0.5
+    args, model = _random_replica(d, config, seed, context_strength)
     tensors = {
         "model.embed_tokens.weight": model.model.embed_tokens.weight,
         "model.norm.weight": model.model.norm.weight,
@@ -354,12 +359,7 @@ def glm4_moe(
     from mlx_lm.models import glm4_moe as g
 
     config = glm4_moe_config(qk_norm=qk_norm)
-    args = g.ModelArgs.from_dict(config)
-    model = g.Model(args)
-    randomize(model, seed)
-    if context_strength is not None:
-        scale_outputs(model, context_strength)
-        model.model.embed_tokens.weight = model.model.embed_tokens.weight * HIDDEN**0.5
+    args, model = _random_replica(g, config, seed, context_strength)
     tensors = _unstack_experts(dict(tree_flatten(model.parameters())))
     if ship_mtp:
         layer = args.num_hidden_layers
@@ -476,12 +476,7 @@ def mimo_v2_flash(
     from mlx_lm.models import mimo_v2_flash as m
 
     config = mimo_v2_flash_config(VOCAB, mtp_layers, window)
-    args = m.ModelArgs.from_dict(config)
-    model = m.Model(args)
-    randomize(model, seed)
-    if context_strength is not None:
-        scale_outputs(model, context_strength)
-        model.model.embed_tokens.weight = model.model.embed_tokens.weight * HIDDEN**0.5
+    args, model = _random_replica(m, config, seed, context_strength)
     tensors: dict[str, mx.array] = {}
     for name, v in tree_flatten(model.parameters()):
         if ".switch_mlp." in name:
@@ -529,12 +524,7 @@ def ernie4_5_moe(
     from mlx_lm.models import ernie4_5_moe as e
 
     config = ernie4_5_moe_config(mtp_layers=mtp_layers)
-    args = e.ModelArgs.from_dict(config)
-    model = e.Model(args)
-    randomize(model, seed)
-    if context_strength is not None:
-        scale_outputs(model, context_strength)
-        model.model.embed_tokens.weight = model.model.embed_tokens.weight * HIDDEN**0.5
+    args, model = _random_replica(e, config, seed, context_strength)
     tensors: dict[str, mx.array] = {}
     for name, v in tree_flatten(model.parameters()):
         if ".switch_mlp." in name:
@@ -591,13 +581,8 @@ def longcat_flash(
     from mlx_lm.models import longcat_flash as lc
 
     config = longcat_flash_config()
-    args = lc.ModelArgs.from_dict(config)
-    model = lc.Model(args)
+    args, model = _random_replica(lc, config, seed, context_strength)
     h = args.hidden_size
-    randomize(model, seed)
-    if context_strength is not None:
-        scale_outputs(model, context_strength)
-        model.model.embed_tokens.weight = model.model.embed_tokens.weight * h**0.5
     tensors: dict[str, mx.array] = {}
     for name, v in tree_flatten(model.parameters()):
         if ".switch_mlp." in name:
@@ -670,13 +655,8 @@ def step3p5(
     from mlx_lm.models import step3p5 as st
 
     config = step3p5_config(mtp_layers=mtp_layers)
-    args = st.ModelArgs.from_dict(config)
-    model = st.Model(args)
+    args, model = _random_replica(st, config, seed, context_strength)
     h = args.hidden_size
-    randomize(model, seed)
-    if context_strength is not None:
-        scale_outputs(model, context_strength)
-        model.model.embed_tokens.weight = model.model.embed_tokens.weight * h**0.5
     tensors = dict(_step3p5_hf(k, v) for k, v in tree_flatten(model.parameters()))
     for i in range(mtp_layers if ship_mtp else 0):
         layer = args.num_hidden_layers + i
