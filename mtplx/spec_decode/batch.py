@@ -49,7 +49,7 @@ from mtplx.sample import ops as sample_ops
 from mtplx.sample import rejection
 from mtplx.spec_decode.batch_head import HeadChain, groups_by, left_padded, pad_time, padded_uniforms
 from mtplx.spec_decode.constraint import GrammarConstraint
-from mtplx.spec_decode.draft_policy import DraftPolicy, RowAcceptance
+from mtplx.spec_decode.draft_policy import DraftOffer, DraftPolicy, RowAcceptance, drafter_records
 from mtplx.spec_decode.head_proposer import trunk_hidden
 from mtplx.spec_decode.lookup_proposer import LookupProposer
 from mtplx.spec_decode.loop import (
@@ -124,7 +124,8 @@ class BatchRow:
     pending_hidden: list[mx.array] = field(default_factory=list)  # true (hidden [1, n, H], next token) pairs
     pending_tokens: list[int] = field(default_factory=list)  # the head has not consumed yet
     draft_length: int | None = None  # pinned draft length for the head (None: the spec's depth)
-    acceptance: RowAcceptance = field(default_factory=RowAcceptance)  # what the draft policy reads
+    # What the draft policy reads: one record per drafter ("head", "lookup").
+    acceptance: dict[str, RowAcceptance] = field(default_factory=drafter_records)
     trunk_tap: TrunkTap | None = None
     constraint: GrammarConstraint | None = None  # the row's grammar matcher, at its committed text
 
@@ -391,19 +392,15 @@ class BatchDecoder:
         if self.policy is None:
             return unlimited
         free = [r.draft_length is None for r in rows]
-        drafting = [
-            row.acceptance if is_free and (f or (self.chain is not None and row.uses_head)) else None
-            for row, f, is_free in zip(rows, found, free)
-        ]
-        max_depth = max(
-            (
-                max(len(f), row.spec.settings.depth)
-                for row, f, a in zip(rows, found, drafting)
-                if a is not None
-            ),
-            default=0,
-        )
-        k = self.policy.choose(drafting, max_depth) if max_depth else 0
+        offers: list[DraftOffer | None] = []
+        for row, f, is_free in zip(rows, found, free):
+            if is_free and f:
+                offers.append(DraftOffer(row.acceptance["lookup"], len(f)))
+            elif is_free and self.chain is not None and row.uses_head:
+                offers.append(DraftOffer(row.acceptance["head"], row.spec.settings.depth))
+            else:
+                offers.append(None)
+        k = self.policy.choose(offers)
         return [k if is_free else cap for is_free, cap in zip(free, unlimited)]
 
     def step(self) -> dict[int, Step]:
@@ -501,7 +498,7 @@ class BatchDecoder:
             if row.spec.settings.logprobs is not None:
                 logprobs = _token_logprobs(output.logits[i, : n + 1], committed, row.spec.settings.logprobs)
             if k:
-                row.acceptance.observe(k, n)
+                row.acceptance["head" if use_head[i] else "lookup"].observe(k, n)
             committed, grammar = _grammar_step(row.constraint, committed, mask_marks[i])
             steps[row.row_id] = Step(committed, k, n, accept_probs[i], logprobs, source, **grammar)
         return steps

@@ -14,8 +14,12 @@ token costs about what an AR token costs, so drafting pays only where it is acce
 
 Gain: a row that drafts K tokens commits 1 + sum_{j<=K} prod_{i<=j} c_i tokens on average,
 c_i its running acceptance at position i given position i-1 was accepted (`RowAcceptance`, with
-a prior so that a new row starts from the head's typical figure). Rows that do not draft
-(drafter "none", lookup rows without a match) commit 1.
+a prior so that a new row starts from the drafter's typical figure). A row keeps one record per
+drafter, since a lookup match (a copy of the row's own text) is kept far more often than a head
+draft and a pooled record would cut every match to the head's length. A row offers at most
+``most`` drafts (`DraftOffer`: the head's depth, or the lookup match's length), so at K above
+that it gains nothing more. Rows that do not draft (drafter "none", lookup rows without a match)
+commit 1.
 
 The choice maximizes expected committed tokens / expected cycle seconds over K in 0..max_depth,
 so batched AR (K = 0) is the floor: speculation is added only where the model says it pays.
@@ -32,8 +36,10 @@ from dataclasses import dataclass, field
 __all__ = [
     "DRAFT_POLICIES",
     "CostProfile",
+    "DraftOffer",
     "DraftPolicy",
     "RowAcceptance",
+    "drafter_records",
     "measure_cost_profile",
     "row_bucket",
 ]
@@ -41,10 +47,14 @@ __all__ = [
 # "auto": `DraftPolicy` chooses each cycle's draft length; "fixed": every row drafts its depth.
 DRAFT_POLICIES = ("auto", "fixed")
 
-# A new row's acceptance per position before it has drafted: the default head's measured first
-# position (benchmarks/RESULTS.md), decaying, as deeper drafts are kept less often. Weighted as
-# PRIOR_WEIGHT drafted positions, so a row's own record takes over after a few cycles.
+# A new row's acceptance per position before it has drafted (the last entry holds for every
+# deeper position), weighted as PRIOR_WEIGHT drafted positions, so a row's own record takes over
+# after a few cycles. The head: the default head's measured first position (benchmarks/RESULTS.md),
+# decaying, as deeper drafts are kept less often. Lookup: measured on the suite's 16 chat turns
+# (single-stream lookup, 96 tokens each, 2026-12-04): the first position kept 0.70 greedy / 0.56
+# at t 0.7, and once it is, the copy tends to go on (later positions 0.91-0.95 / 0.66-0.88).
 PRIOR_ACCEPTANCE = (0.4, 0.35, 0.3)
+LOOKUP_PRIOR_ACCEPTANCE = (0.6, 0.8)
 PRIOR_WEIGHT = 4.0
 # Each measured cycle moves its length's calibration this far towards it (about the last 10
 # cycles count), within [1/CALIBRATION_LIMIT, CALIBRATION_LIMIT].
@@ -113,8 +123,9 @@ def _interpolate(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
 
 @dataclass
 class RowAcceptance:
-    """One row's drafting record: per position, the cycles that reached it and the accepts."""
+    """One row's record of one drafter: per position, the cycles that reached it and the accepts."""
 
+    prior: tuple[float, ...] = PRIOR_ACCEPTANCE
     reached: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
 
@@ -129,7 +140,7 @@ class RowAcceptance:
 
     def conditional(self, position: int) -> float:
         """P(accept draft ``position`` | the earlier ones were accepted), smoothed by the prior."""
-        prior = PRIOR_ACCEPTANCE[min(position, len(PRIOR_ACCEPTANCE) - 1)]
+        prior = self.prior[min(position, len(self.prior) - 1)]
         reached = self.reached[position] if position < len(self.reached) else 0
         accepted = self.accepted[position] if position < len(self.accepted) else 0
         return (accepted + prior * PRIOR_WEIGHT) / (reached + PRIOR_WEIGHT)
@@ -141,6 +152,23 @@ class RowAcceptance:
             keep *= self.conditional(position)
             total += keep
         return total
+
+
+def drafter_records() -> dict[str, RowAcceptance]:
+    """A new row's records, one per drafter that can offer it drafts."""
+    return {"head": RowAcceptance(), "lookup": RowAcceptance(LOOKUP_PRIOR_ACCEPTANCE)}
+
+
+@dataclass(frozen=True)
+class DraftOffer:
+    """What one row can draft this cycle: its record for the drafter it would use, and how many
+    drafts that drafter has at most (the head's depth, or the lookup match's length)."""
+
+    acceptance: RowAcceptance
+    most: int
+
+    def expected_tokens(self, draft_length: int) -> float:
+        return self.acceptance.expected_tokens(min(draft_length, self.most))
 
 
 def row_bucket(num_rows: int) -> int:
@@ -182,12 +210,14 @@ class DraftPolicy:
         """The predicted seconds of a cycle, calibrated by the cycles measured like it."""
         return self.profile.cycle(num_rows, draft_length) * self.calibration_for(num_rows, draft_length)
 
-    def choose(self, acceptances: Sequence[RowAcceptance | None], max_depth: int) -> int:
-        """K in 0..max_depth for a cycle over these rows (None: a row that does not draft)."""
-        num_rows = len(acceptances)
+    def choose(self, offers: Sequence[DraftOffer | None]) -> int:
+        """K in 0..(the most any row offers) for a cycle over these rows (None: a row that does
+        not draft)."""
+        num_rows = len(offers)
+        max_depth = max((o.most for o in offers if o is not None), default=0)
         best_k, best_rate = 0, num_rows / self.cycle_seconds(num_rows, 0)
         for k in range(1, max_depth + 1):
-            tokens = sum(a.expected_tokens(k) if a is not None else 1.0 for a in acceptances)
+            tokens = sum(o.expected_tokens(k) if o is not None else 1.0 for o in offers)
             rate = tokens / self.cycle_seconds(num_rows, k)
             if rate > best_rate:
                 best_k, best_rate = k, rate

@@ -210,7 +210,8 @@ class CyclingPolicy(DraftPolicy):
         super().__init__(CostProfile((1,), (1.0,)))
         self.chosen: list[int] = []
 
-    def choose(self, acceptances, max_depth):
+    def choose(self, offers):
+        max_depth = max((o.most for o in offers if o is not None), default=0)
         self.chosen.append(min(self.ORDER[len(self.chosen) % len(self.ORDER)], max_depth))
         return self.chosen[-1]
 

@@ -3,7 +3,15 @@ cycle's draft length against figures worked out by hand."""
 
 from __future__ import annotations
 
-from mtplx.spec_decode.draft_policy import CostProfile, DraftPolicy, RowAcceptance, row_bucket
+from mtplx.spec_decode.draft_policy import (
+    LOOKUP_PRIOR_ACCEPTANCE,
+    CostProfile,
+    DraftOffer,
+    DraftPolicy,
+    RowAcceptance,
+    drafter_records,
+    row_bucket,
+)
 
 import pytest
 
@@ -47,38 +55,43 @@ def test_expected_tokens_follow_the_smoothed_record():
     assert record.expected_tokens(1) == pytest.approx(1.976)
 
 
+def head_rows(n: int, depth: int = 1) -> list[DraftOffer]:
+    """n new rows offering head drafts (the prior: 0.4 at the first position)."""
+    return [DraftOffer(RowAcceptance(), depth) for _ in range(n)]
+
+
 def test_compute_bound_cost_keeps_plain_ar_and_memory_bound_cost_drafts():
-    fresh = [RowAcceptance() for _ in range(8)]  # the prior: 0.4 at the first position
+    fresh = head_rows(8, depth=3)
     # Cost proportional to tokens: drafting 1 doubles the cost for 1.4 tokens a row.
     compute_bound = DraftPolicy(CostProfile((1, 64), (0.01, 0.64)))
-    assert compute_bound.choose(fresh, 3) == 0
+    assert compute_bound.choose(fresh) == 0
     # Flat cost: every extra draft is free, so the deepest wins.
     memory_bound = DraftPolicy(CostProfile((1, 64), (0.1, 0.1)))
-    assert memory_bound.choose(fresh, 3) == 3
+    assert memory_bound.choose(fresh) == 3
 
 
 def test_rows_that_do_not_draft_count_one_token_at_any_length():
     # 8 tokens cost 0.08 s, 16 cost 0.10 s. Four drafting rows at the prior (1.4 each at K=1):
     # K=0: 4 / 0.06 = 66.7 tok/s; K=1: 5.6 / 0.08 = 70 tok/s, so K=1 ...
     profile = CostProfile((4, 8, 16), (0.06, 0.08, 0.10))
-    assert DraftPolicy(profile).choose([RowAcceptance() for _ in range(4)], 1) == 1
+    assert DraftPolicy(profile).choose(head_rows(4)) == 1
     # ... but with four more rows that never draft: K=0: 8 / 0.08 = 100; K=1: 9.6 / 0.10 = 96.
-    rows = [RowAcceptance() for _ in range(4)] + [None] * 4
-    assert DraftPolicy(profile).choose(rows, 1) == 0
+    rows = [*head_rows(4), *[None] * 4]
+    assert DraftPolicy(profile).choose(rows) == 0
 
 
 def test_measured_cycles_calibrate_the_choice():
     # The profile says drafting pays (flat cost) ...
     policy = DraftPolicy(CostProfile((1, 64), (0.1, 0.1)))
-    rows = [RowAcceptance() for _ in range(8)]
-    assert policy.choose(rows, 1) == 1
+    rows = head_rows(8)
+    assert policy.choose(rows) == 1
     # ... but cycles that draft measure 3x slower than predicted (0.3 s), AR ones as predicted:
     # K=1 now gives 8 * 1.4 / 0.3 = 37 tok/s against K=0's 8 / 0.1 = 80.
     for _ in range(30):
         policy.observe_cycle(8, 1, 0.3)
         policy.observe_cycle(8, 0, 0.1)
     assert policy.calibration[(8, 1)] == pytest.approx(3.0)
-    assert policy.choose(rows, 1) == 0
+    assert policy.choose(rows) == 0
     policy.observe_cycle(8, 0, 1e6)  # one stall moves the mean by at most the limit
     assert policy.calibration[(8, 0)] <= 1.0 + 0.1 * (4.0 - 1.0) + 1e-9
 
@@ -92,12 +105,50 @@ def test_calibration_is_kept_per_row_bucket():
         policy.observe_cycle(16, 0, 0.32)
         policy.observe_cycle(2, 1, 0.04)
     assert policy.calibration == pytest.approx({(16, 0): 2.0, (2, 1): 1.0})
-    rows = [RowAcceptance() for _ in range(16)]  # the prior: 1.4 tokens a row at K = 1
+    rows = head_rows(16)  # the prior: 1.4 tokens a row at K = 1
     # At 16 rows K = 1 was never measured, so it takes the bucket's 2.0 like K = 0:
     # K = 0 gives 16 / 0.32 = 50 tok/s, K = 1 gives 22.4 / 0.64 = 35. Keyed by K alone (K = 1 at
     # its 2-row ratio 1.0) it would have been 22.4 / 0.32 = 70 and drafting would have won.
     assert policy.cycle_seconds(16, 1) == pytest.approx(0.64)
-    assert policy.choose(rows, 1) == 0
+    assert policy.choose(rows) == 0
     # A bucket with nothing measured uses the profile as it is.
     assert policy.cycle_seconds(32, 1) == pytest.approx(0.64)
     assert [row_bucket(n) for n in (1, 2, 3, 16, 17)] == [1, 2, 4, 16, 32]
+
+
+def test_a_row_gains_nothing_past_what_its_drafter_offers():
+    # Flat cost to 4 tokens, then 0.05 s a token. One row offers a depth-1 head, the other a
+    # 3-token lookup match kept half the time at every position, as the records say.
+    profile = CostProfile((1, 4, 8), (0.1, 0.1, 0.3))
+    lookup = RowAcceptance((0.5,))
+    head = DraftOffer(RowAcceptance(), 1)
+    # At K = 3 the head row still drafts one token, so it commits its K = 1 figure:
+    assert head.expected_tokens(3) == pytest.approx(head.expected_tokens(1)) == pytest.approx(1.4)
+    # K = 3 over 2 rows forwards 8 tokens (0.3 s): 1.4 + (1 + 0.5 + 0.25 + 0.125) = 3.275 tokens,
+    # 10.9 tok/s; K = 1 forwards 4 (0.1 s) for 1.4 + 1.5 = 29 tok/s, and wins.
+    assert DraftPolicy(profile).choose([head, DraftOffer(lookup, 3)]) == 1
+    # Alone, the lookup row drafts its whole match where extra tokens are free (4 tokens, 0.1 s).
+    assert DraftPolicy(profile).choose([DraftOffer(lookup, 3)]) == 3
+
+
+def test_lookup_and_head_keep_their_own_records():
+    """A lookup match is judged by the row's lookup record, not by its head drafts: a row whose
+    head drafts are always rejected still drafts its whole match when matches are kept."""
+    records = drafter_records()
+    assert records["lookup"].prior == LOOKUP_PRIOR_ACCEPTANCE
+    for _ in range(20):
+        records["head"].observe(1, 0)
+        records["lookup"].observe(4, 4)
+    # One drafted token costs 50% more than none, four cost 3x: head drafts kept 1 time in 15
+    # (smoothed) do not pay; the match, kept 0.93-0.97 a position, does at its full length
+    # (4.55 tokens / 0.3 s = 15 tok/s against 10 for none).
+    policy = DraftPolicy(CostProfile((1, 2, 5), (0.1, 0.15, 0.3)))
+    assert policy.choose([DraftOffer(records["head"], 1)]) == 0
+    assert policy.choose([DraftOffer(records["lookup"], 4)]) == 4
+    # Negative control: one pooled record (head rejections counted against the match: 0.49 at
+    # the first position) gives up drafting altogether (2.66 tokens / 0.3 s = 8.9 tok/s).
+    pooled = RowAcceptance()
+    for _ in range(20):
+        pooled.observe(1, 0)
+        pooled.observe(4, 4)
+    assert policy.choose([DraftOffer(pooled, 4)]) == 0
