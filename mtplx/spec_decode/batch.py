@@ -385,12 +385,15 @@ class BatchDecoder:
     def _head_length(self, row: BatchRow) -> int:
         return row.draft_length if row.draft_length is not None else row.spec.settings.depth
 
-    def _draft_caps(self, rows: Sequence[BatchRow], found: Sequence[list[int]]) -> list[int]:
+    def _draft_caps(
+        self, rows: Sequence[BatchRow], found: Sequence[list[int]]
+    ) -> tuple[list[int], list[DraftOffer | None]]:
         """Each row's most drafts this cycle: the policy's K for rows without a pinned length
-        (`DraftPolicy`), no cap for pinned rows or without a policy."""
+        (`DraftPolicy`), no cap for pinned rows or without a policy; and what each row offered
+        the policy (None: nothing, or no policy)."""
         unlimited = [MAX_DEPTH + 64] * len(rows)
         if self.policy is None:
-            return unlimited
+            return unlimited, [None] * len(rows)
         free = [r.draft_length is None for r in rows]
         offers: list[DraftOffer | None] = []
         for row, f, is_free in zip(rows, found, free):
@@ -401,7 +404,7 @@ class BatchDecoder:
             else:
                 offers.append(None)
         k = self.policy.choose(offers)
-        return [k if is_free else cap for is_free, cap in zip(free, unlimited)]
+        return [k if is_free else cap for is_free, cap in zip(free, unlimited)], offers
 
     def step(self) -> dict[int, Step]:
         """One cycle for every row: {row id: the Step it committed}. Raises RowsFailed (cycle undone)."""
@@ -425,7 +428,7 @@ class BatchDecoder:
 
         # 1. Drafts: lookup on the host, then the head chain for the rows without a match.
         found = [row.lookup.find(row.history) if row.lookup is not None else [] for row in rows]
-        caps = self._draft_caps(rows, found)
+        caps, offers = self._draft_caps(rows, found)
         found = [f[:cap] for f, cap in zip(found, caps)]
         use_head = [
             self.chain is not None and row.uses_head and not f and cap > 0
@@ -499,6 +502,8 @@ class BatchDecoder:
                 logprobs = _token_logprobs(output.logits[i, : n + 1], committed, row.spec.settings.logprobs)
             if k:
                 row.acceptance["head" if use_head[i] else "lookup"].observe(k, n)
+            elif offers[i] is not None:
+                offers[i].acceptance.skip()
             committed, grammar = _grammar_step(row.constraint, committed, mask_marks[i])
             steps[row.row_id] = Step(committed, k, n, accept_probs[i], logprobs, source, **grammar)
         return steps

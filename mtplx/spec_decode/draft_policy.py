@@ -55,6 +55,12 @@ DRAFT_POLICIES = ("auto", "fixed")
 # at t 0.7, and once it is, the copy tends to go on (later positions 0.91-0.95 / 0.66-0.88).
 PRIOR_ACCEPTANCE = (0.4, 0.35, 0.3)
 LOOKUP_PRIOR_ACCEPTANCE = (0.6, 0.8)
+# Every cycle with a drafter on offer scales that record by this before it counts the cycle
+# (about the last 20 cycles count): acceptance that changes within a response is followed, and
+# a record whose drafts were not taken (K = 0) drifts back to its prior, so the row is tried
+# again. Without it a few early rejections locked a row out of drafting for good (measured: 33
+# cycles in a row at K = 0 on a chat turn at t 0.7, one row, where drafting paid).
+ACCEPTANCE_MEMORY = 0.95
 PRIOR_WEIGHT = 4.0
 # Each measured cycle moves its length's calibration this far towards it (about the last 10
 # cycles count), within [1/CALIBRATION_LIMIT, CALIBRATION_LIMIT].
@@ -123,20 +129,27 @@ def _interpolate(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
 
 @dataclass
 class RowAcceptance:
-    """One row's record of one drafter: per position, the cycles that reached it and the accepts."""
+    """One row's record of one drafter: per position, the cycles that reached it and the accepts
+    (both fading by ``ACCEPTANCE_MEMORY`` a cycle)."""
 
     prior: tuple[float, ...] = PRIOR_ACCEPTANCE
-    reached: list[int] = field(default_factory=list)
-    accepted: list[int] = field(default_factory=list)
+    reached: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         """A cycle that drafted ``num_drafted`` tokens and kept ``num_accepted`` of them."""
+        self.skip()
         while len(self.reached) < num_drafted:
-            self.reached.append(0)
-            self.accepted.append(0)
+            self.reached.append(0.0)
+            self.accepted.append(0.0)
         for position in range(min(num_accepted + 1, num_drafted)):
             self.reached[position] += 1
             self.accepted[position] += int(position < num_accepted)
+
+    def skip(self) -> None:
+        """A cycle that offered this drafter but drafted nothing (K = 0): the record fades."""
+        self.reached = [r * ACCEPTANCE_MEMORY for r in self.reached]
+        self.accepted = [a * ACCEPTANCE_MEMORY for a in self.accepted]
 
     def conditional(self, position: int) -> float:
         """P(accept draft ``position`` | the earlier ones were accepted), smoothed by the prior."""

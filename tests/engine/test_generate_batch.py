@@ -178,7 +178,7 @@ def test_generate_batch_on_the_default_model_equals_alone_up_to_rounding_ties():
         "def fib(n):",
         "Name the planets of the solar system.",
     ]
-    request = _req(max_tokens=24, temperature=0.0, logprobs=2)
+    request = _req(max_tokens=16, temperature=0.0, logprobs=2)
     alone = [engine.generate(p, request) for p in prompts]
     top2 = [[(t.top[0][1], t.top[1][1]) for t in a.logprobs] for a in alone]
     batched = engine.generate_batch(prompts, request)

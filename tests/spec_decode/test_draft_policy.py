@@ -4,6 +4,7 @@ cycle's draft length against figures worked out by hand."""
 from __future__ import annotations
 
 from mtplx.spec_decode.draft_policy import (
+    ACCEPTANCE_MEMORY,
     LOOKUP_PRIOR_ACCEPTANCE,
     CostProfile,
     DraftOffer,
@@ -39,20 +40,47 @@ def test_cost_profile_round_trips_and_rejects_damaged_entries():
     assert all(CostProfile.from_dict(d) is None for d in damaged)
 
 
-def test_row_acceptance_counts_each_position_reached():
+def test_row_acceptance_counts_each_position_reached_and_fades():
     record = RowAcceptance()
     record.observe(3, 1)  # d1 kept, d2 rejected, d3 never reached
-    record.observe(2, 2)
-    assert record.reached == [2, 2, 0]
-    assert record.accepted == [2, 1, 0]
+    assert record.reached == [1, 1, 0]
+    assert record.accepted == [1, 0, 0]
+    record.observe(2, 2)  # the earlier cycle now counts 0.95
+    assert record.reached == pytest.approx([1.95, 1.95, 0])
+    assert record.accepted == pytest.approx([1.95, 1, 0])
 
 
 def test_expected_tokens_follow_the_smoothed_record():
     record = RowAcceptance()
     for _ in range(96):
-        record.observe(1, 1)  # always kept: (96 + 0.4 * 4) / (96 + 4) = 0.976
+        record.observe(1, 1)  # always kept
+    # 96 cycles fading by 0.95 weigh sum(0.95^j, j < 96); the prior adds 0.4 * 4 over 4.
+    weight = sum(ACCEPTANCE_MEMORY**j for j in range(96))
     assert record.expected_tokens(0) == 1.0
-    assert record.expected_tokens(1) == pytest.approx(1.976)
+    assert record.expected_tokens(1) == pytest.approx(1 + (weight + 1.6) / (weight + 4))
+
+
+def test_a_row_kept_from_drafting_is_tried_again():
+    # One drafted token costs 22% more: drafting pays above 0.22 acceptance.
+    policy = DraftPolicy(CostProfile((1, 2), (0.1, 0.122)))
+    record = RowAcceptance()
+    for _ in range(4):
+        record.observe(1, 0)  # four early rejections: (0 + 1.6) / (3.71 + 4) = 0.208
+    offer = [DraftOffer(record, 1)]
+    assert policy.choose(offer) == 0
+    chosen = []
+    for _ in range(10):  # each K = 0 cycle fades the record towards the prior (0.4): after
+        # three, 1.6 / (3.71 * 0.95^3 + 4) = 0.223
+        chosen.append(policy.choose(offer))
+        if chosen[-1] == 0:
+            record.skip()
+    assert chosen == [0, 0, 0] + [1] * 7, chosen
+    # Negative control: a record that does not fade stays locked out.
+    frozen = RowAcceptance()
+    for _ in range(4):
+        frozen.observe(1, 0)
+    frozen.reached, frozen.accepted = [4.0], [0.0]
+    assert all(policy.choose([DraftOffer(frozen, 1)]) == 0 for _ in range(10))
 
 
 def head_rows(n: int, depth: int = 1) -> list[DraftOffer]:
