@@ -400,7 +400,7 @@ class BatchDecoder:
             if is_free and f:
                 offers.append(DraftOffer(row.acceptance["lookup"], len(f)))
             elif is_free and self.chain is not None and row.uses_head:
-                offers.append(DraftOffer(row.acceptance["head"], row.spec.settings.depth))
+                offers.append(DraftOffer(row.acceptance["head"], self._head_length(row)))
             else:
                 offers.append(None)
         k = self.policy.choose(offers)
@@ -488,7 +488,8 @@ class BatchDecoder:
         for i, row in enumerate(rows):
             n, k = num_accepted[i], lengths[i]
             committed = block_rows[i][1 : n + 1] + [next_token[i]]
-            source = () if k == 0 else ((("head" if use_head[i] else "lookup"), k),)
+            drafter = "head" if use_head[i] else "lookup"
+            source = () if k == 0 else ((drafter, k),)
             if hidden is not None:
                 row.pending_hidden.append(hidden[i : i + 1, : n + 1])
                 row.pending_tokens.extend(committed)
@@ -501,7 +502,7 @@ class BatchDecoder:
             if row.spec.settings.logprobs is not None:
                 logprobs = _token_logprobs(output.logits[i, : n + 1], committed, row.spec.settings.logprobs)
             if k:
-                row.acceptance["head" if use_head[i] else "lookup"].observe(k, n)
+                row.acceptance[drafter].observe(k, n)
             elif offers[i] is not None:
                 offers[i].acceptance.skip()
             committed, grammar = _grammar_step(row.constraint, committed, mask_marks[i])
