@@ -96,6 +96,7 @@ class RequestResult:
     ttft_s: float | None
     tokens_per_cycle: float | None  # from the mtplx server's stats, where it reports them
     error: str | None = None
+    start_s: float | None = None  # when the request was sent, in seconds from the round's start
     end_s: float | None = None  # when the stream ended, in seconds from the round's start
 
 
@@ -125,6 +126,8 @@ class RoundResult:
             "wall_s": self.wall_s,
             "tokens": self.tokens,
             "tok_s": self.tok_s,
+            "request_tokens": [r.tokens for r in self.requests],
+            "start_s": [r.start_s for r in self.requests],
             "ttft_s": [r.ttft_s for r in self.requests],
             "tokens_per_cycle": [r.tokens_per_cycle for r in self.requests],
             "end_s": [r.end_s for r in self.requests],
@@ -343,8 +346,9 @@ def run_round(
             n = c * requests + j
             prompt = prompts[(n + repetition * clients * requests) % len(prompts)]
             tag = f"{repetition}.{temperature:g}.{clients}.{n}"
+            sent = time.perf_counter() - start
             result = stream_one(client, server.model_id, chat_messages(prompt, tag), temperature, max_tokens)
-            results.append(replace(result, end_s=time.perf_counter() - start))
+            results.append(replace(result, start_s=sent, end_s=time.perf_counter() - start))
         return results
 
     start = time.perf_counter()  # read by one_client: the pool starts below
