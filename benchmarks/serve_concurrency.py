@@ -1,4 +1,4 @@
-"""`mtplx serve` vs `mlx_lm.server` on the default model: aggregate decode throughput at N concurrent clients.
+"""`mtplx serve` vs `mlx_lm.server` on the default model: aggregate throughput at N concurrent clients.
 
 Both servers serve the same weights (the float32 mlx directory mtplx converts the default
 model into) and run one at a time, started and stopped by this script; the order alternates
@@ -10,7 +10,7 @@ a matmul GFLOP/s check with and without the preload, and the running server's
 A round is C client threads (the `openai` client, streaming chat completions, no ``seed``:
 a seed stops mlx_lm.server from batching), each sending R requests back to back, at one
 temperature; the figure is aggregate tokens/s = completion tokens (from the stream's usage)
-/ wall time of the round, plus the median time to first token per request and, where the
+/ wall time of the round (so every request's prefill is in it), plus the median time to first token per request and, where the
 mtplx server reports it, the median tokens per cycle. Every request's prompt is a suite prompt
 with a request tag in front (the same for both servers), so neither server's prompt cache
 turns a round into cache hits.
@@ -18,6 +18,7 @@ turns a round into cache hits.
     python benchmarks/serve_concurrency.py                 # the full run (an hour on 2 cores)
     python benchmarks/serve_concurrency.py --short         # a smoke run (clients 1,2; 32 tokens)
     python benchmarks/serve_concurrency.py --mtplx-arg=--decode-concurrency=8 --stock-arg=--decode-concurrency=8
+    python benchmarks/serve_concurrency.py --merge a.json b.json --out all.json   # one table from runs
 
 Writes benchmarks/results/serve-concurrency.json (serve-concurrency-short.json with --short)
 and a .png beside it. ``--stock-arg`` replaces the stock server's default flags
@@ -376,23 +377,23 @@ def _median(values: list[float | None]) -> float | None:
     return statistics.median(present) if present else None
 
 
-def summarize(rounds: list[RoundResult]) -> dict:
-    """results[server][temperature][clients]: tok/s per repetition and medians."""
+def summarize(rounds: list[dict]) -> dict:
+    """results[server][temperature][clients]: tok/s per repetition and medians, from round summaries
+    (`RoundResult.summary`, as the JSON keeps them)."""
     results: dict = {}
     for r in rounds:
-        cell = results.setdefault(r.server, {}).setdefault(f"{r.temperature:g}", {})
-        cell.setdefault(str(r.clients), []).append(r)
+        cell = results.setdefault(r["server"], {}).setdefault(f"{r['temperature']:g}", {})
+        cell.setdefault(str(r["clients"]), []).append(r)
     for per_temperature in results.values():
         for per_clients in per_temperature.values():
             for key, cell in per_clients.items():
-                requests = [q for r in cell for q in r.requests]
-                errors = [q.error for q in requests if q.error is not None]
+                errors = [e for r in cell for e in r["errors"]]
                 per_clients[key] = {
-                    "tok_s": [r.tok_s for r in cell],
-                    "tok_s_median": statistics.median(r.tok_s for r in cell),
-                    "ttft_median_s": _median([q.ttft_s for q in requests]),
-                    "tokens_per_cycle_median": _median([q.tokens_per_cycle for q in requests]),
-                    "requests": len(requests),
+                    "tok_s": [r["tok_s"] for r in cell],
+                    "tok_s_median": statistics.median(r["tok_s"] for r in cell),
+                    "ttft_median_s": _median([t for r in cell for t in r["ttft_s"]]),
+                    "tokens_per_cycle_median": _median([t for r in cell for t in r["tokens_per_cycle"]]),
+                    "requests": sum(len(r["ttft_s"]) for r in cell),
                     "errors": len(errors),
                     "error_messages": sorted(set(errors))[:5],
                 }
@@ -443,7 +444,8 @@ def report(
     complete: bool,
 ) -> dict:
     stock_mapped = [s.openblas_mapped for s in sessions if s.server == "stock"]
-    results = summarize(rounds)
+    summaries = [r.summary() for r in rounds]
+    results = summarize(summaries)
     return {
         "complete": complete,
         "machine": machine,
@@ -452,7 +454,57 @@ def report(
         "sessions": [asdict(s) for s in sessions],
         "results": results,
         "ratio_mtplx_over_stock": ratios(results),
-        "rounds": [r.summary() for r in rounds],
+        "rounds": summaries,
+    }
+
+
+def merge(paths: list[Path]) -> dict:
+    """One table from several runs' JSON files, each cell from exactly one of them (a cell in two
+    runs is refused: its rounds would mix code or settings). ``sources`` says which run holds what."""
+    sources, rounds, owner = [], [], {}
+    max_tokens = set()
+    for path in paths:
+        try:
+            data = json.loads(path.read_text())
+            run_rounds, config, machine = data["rounds"], data["config"], data["machine"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise SystemExit(f"--merge {path}: not a serve_concurrency JSON file ({err})") from None
+        if not data.get("complete"):
+            raise SystemExit(f"--merge {path}: an incomplete run (it stopped before its last round)")
+        max_tokens.add(config["max_tokens"])
+        for r in run_rounds:
+            key = (r["server"], f"{r['temperature']:g}", r["clients"])
+            if owner.setdefault(key, path) != path:
+                raise SystemExit(f"--merge: the cell {key} is in both {owner[key]} and {path}")
+        rounds.extend(run_rounds)
+        sources.append(
+            {
+                "path": str(path),
+                "commit": machine["mtplx"]["commit"],
+                "date": machine["date"],
+                "clients": config["clients"],
+                "temperatures": config["temperatures"],
+                "requests_per_client": config["requests_per_client"],
+                "repetitions": config["repetitions"],
+                "blas": data["blas"],
+            }
+        )
+    if len(max_tokens) != 1:
+        raise SystemExit(f"--merge: the runs differ in max_tokens ({sorted(max_tokens)})")
+    results = summarize(rounds)
+    last = json.loads(paths[-1].read_text())
+    return {
+        "complete": True,
+        "machine": last["machine"],
+        "config": {
+            "clients": sorted({r["clients"] for r in rounds}),
+            "temperatures": sorted({r["temperature"] for r in rounds}),
+            "max_tokens": max_tokens.pop(),
+        },
+        "sources": sources,
+        "results": results,
+        "ratio_mtplx_over_stock": ratios(results),
+        "rounds": rounds,
     }
 
 
@@ -472,12 +524,23 @@ def plot(data: dict, path: Path) -> None:
             cells = data["results"].get(server, {}).get(temperature, {})
             xs = sorted(int(c) for c in cells)
             top.plot(xs, [cells[str(x)]["tok_s_median"] for x in xs], marker="o", label=server)
+        one = data["results"].get("mtplx", {}).get(temperature, {}).get("1")
+        if one is not None and 4 in data["config"]["clients"]:  # the issue's target: 4 clients >= 2x one
+            top.plot(
+                [4],
+                [2 * one["tok_s_median"]],
+                marker="_",
+                markersize=18,
+                color="black",
+                linestyle="none",
+                label="2x mtplx's 1-client figure",
+            )
         ratio = data["ratio_mtplx_over_stock"].get(temperature, {})
         xs = sorted(int(c) for c in ratio)
         bottom.plot(xs, [ratio[str(x)] for x in xs], marker="o", color="tab:green")
         bottom.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
         top.set_title(f"temperature {temperature}")
-        top.set_ylabel("aggregate decode tok/s (median)")
+        top.set_ylabel("aggregate tok/s, prefill included (median)")
         bottom.set_ylabel("mtplx / stock")
         bottom.set_xlabel("concurrent clients")
         bottom.set_xscale("log", base=2)
@@ -488,6 +551,7 @@ def plot(data: dict, path: Path) -> None:
     fig.suptitle(
         f"mtplx serve vs mlx_lm.server, {data['config']['max_tokens']} tokens/request, "
         f"{data['machine']['cpu_count']} CPUs, {data['machine']['date'][:10]}"
+        + (f" ({len(data['sources'])} runs merged)" if data.get("sources") else "")
     )
     fig.tight_layout()
     with atomic_path(path) as tmp:
@@ -548,7 +612,24 @@ def main() -> None:
     parser.add_argument(
         "--out", type=Path, default=None, help="the JSON file (the plot goes beside it as .png)"
     )
+    parser.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="no run: one table and plot from these runs' JSON files (each cell from one run) into --out",
+    )
     args = parser.parse_args()
+    if args.merge is not None:
+        if args.out is None:
+            raise SystemExit("--merge needs --out (the merged JSON file)")
+        data = merge(args.merge)
+        with atomic_write(args.out) as handle:
+            json.dump(data, handle, indent=1)
+        plot(data, args.out.with_suffix(".png"))
+        print(table(data))
+        print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+        return
     clients = parse_list(args.clients or ("1,2" if args.short else "1,2,4,8,16"), int)
     temperatures = parse_list(args.temperatures, float)
     max_tokens = args.max_tokens or (32 if args.short else 128)

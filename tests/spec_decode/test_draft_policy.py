@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from mtplx.spec_decode.draft_policy import (
     ACCEPTANCE_MEMORY,
+    FLOOR_REFRESH_CYCLES,
     LOOKUP_PRIOR_ACCEPTANCE,
     CostProfile,
     DraftOffer,
@@ -67,11 +68,11 @@ def test_a_row_kept_from_drafting_is_tried_again():
     for _ in range(4):
         record.observe(1, 0)  # four early rejections: (0 + 1.6) / (3.71 + 4) = 0.208
     offer = [DraftOffer(record, 1)]
-    assert policy.choose(offer) == 0
+    assert policy.best_length(offer) == 0
     chosen = []
     for _ in range(10):  # each K = 0 cycle fades the record towards the prior (0.4): after
         # three, 1.6 / (3.71 * 0.95^3 + 4) = 0.223
-        chosen.append(policy.choose(offer))
+        chosen.append(policy.best_length(offer))
         if chosen[-1] == 0:
             record.skip()
     assert chosen == [0, 0, 0] + [1] * 7, chosen
@@ -80,7 +81,7 @@ def test_a_row_kept_from_drafting_is_tried_again():
     for _ in range(4):
         frozen.observe(1, 0)
     frozen.reached, frozen.accepted = [4.0], [0.0]
-    assert all(policy.choose([DraftOffer(frozen, 1)]) == 0 for _ in range(10))
+    assert all(policy.best_length([DraftOffer(frozen, 1)]) == 0 for _ in range(10))
 
 
 def head_rows(n: int, depth: int = 1) -> list[DraftOffer]:
@@ -92,34 +93,34 @@ def test_compute_bound_cost_keeps_plain_ar_and_memory_bound_cost_drafts():
     fresh = head_rows(8, depth=3)
     # Cost proportional to tokens: drafting 1 doubles the cost for 1.4 tokens a row.
     compute_bound = DraftPolicy(CostProfile((1, 64), (0.01, 0.64)))
-    assert compute_bound.choose(fresh) == 0
+    assert compute_bound.best_length(fresh) == 0
     # Flat cost: every extra draft is free, so the deepest wins.
     memory_bound = DraftPolicy(CostProfile((1, 64), (0.1, 0.1)))
-    assert memory_bound.choose(fresh) == 3
+    assert memory_bound.best_length(fresh) == 3
 
 
 def test_rows_that_do_not_draft_count_one_token_at_any_length():
     # 8 tokens cost 0.08 s, 16 cost 0.10 s. Four drafting rows at the prior (1.4 each at K=1):
     # K=0: 4 / 0.06 = 66.7 tok/s; K=1: 5.6 / 0.08 = 70 tok/s, so K=1 ...
     profile = CostProfile((4, 8, 16), (0.06, 0.08, 0.10))
-    assert DraftPolicy(profile).choose(head_rows(4)) == 1
+    assert DraftPolicy(profile).best_length(head_rows(4)) == 1
     # ... but with four more rows that never draft: K=0: 8 / 0.08 = 100; K=1: 9.6 / 0.10 = 96.
     rows = [*head_rows(4), *[None] * 4]
-    assert DraftPolicy(profile).choose(rows) == 0
+    assert DraftPolicy(profile).best_length(rows) == 0
 
 
 def test_measured_cycles_calibrate_the_choice():
     # The profile says drafting pays (flat cost) ...
     policy = DraftPolicy(CostProfile((1, 64), (0.1, 0.1)))
     rows = head_rows(8)
-    assert policy.choose(rows) == 1
+    assert policy.best_length(rows) == 1
     # ... but cycles that draft measure 3x slower than predicted (0.3 s), AR ones as predicted:
     # K=1 now gives 8 * 1.4 / 0.3 = 37 tok/s against K=0's 8 / 0.1 = 80.
     for _ in range(30):
         policy.observe_cycle(8, 1, 0.3)
         policy.observe_cycle(8, 0, 0.1)
     assert policy.calibration[(8, 1)] == pytest.approx(3.0)
-    assert policy.choose(rows) == 0
+    assert policy.best_length(rows) == 0
     policy.observe_cycle(8, 0, 1e6)  # one stall moves the mean by at most the limit
     assert policy.calibration[(8, 0)] <= 1.0 + 0.1 * (4.0 - 1.0) + 1e-9
 
@@ -138,7 +139,7 @@ def test_calibration_is_kept_per_row_bucket():
     # K = 0 gives 16 / 0.32 = 50 tok/s, K = 1 gives 22.4 / 0.64 = 35. Keyed by K alone (K = 1 at
     # its 2-row ratio 1.0) it would have been 22.4 / 0.32 = 70 and drafting would have won.
     assert policy.cycle_seconds(16, 1) == pytest.approx(0.64)
-    assert policy.choose(rows) == 0
+    assert policy.best_length(rows) == 0
     # A bucket with nothing measured uses the profile as it is.
     assert policy.cycle_seconds(32, 1) == pytest.approx(0.64)
     assert [row_bucket(n) for n in (1, 2, 3, 16, 17)] == [1, 2, 4, 16, 32]
@@ -154,9 +155,9 @@ def test_a_row_gains_nothing_past_what_its_drafter_offers():
     assert head.expected_tokens(3) == pytest.approx(head.expected_tokens(1)) == pytest.approx(1.4)
     # K = 3 over 2 rows forwards 8 tokens (0.3 s): 1.4 + (1 + 0.5 + 0.25 + 0.125) = 3.275 tokens,
     # 10.9 tok/s; K = 1 forwards 4 (0.1 s) for 1.4 + 1.5 = 29 tok/s, and wins.
-    assert DraftPolicy(profile).choose([head, DraftOffer(lookup, 3)]) == 1
+    assert DraftPolicy(profile).best_length([head, DraftOffer(lookup, 3)]) == 1
     # Alone, the lookup row drafts its whole match where extra tokens are free (4 tokens, 0.1 s).
-    assert DraftPolicy(profile).choose([DraftOffer(lookup, 3)]) == 3
+    assert DraftPolicy(profile).best_length([DraftOffer(lookup, 3)]) == 3
 
 
 def test_lookup_and_head_keep_their_own_records():
@@ -171,12 +172,49 @@ def test_lookup_and_head_keep_their_own_records():
     # (smoothed) do not pay; the match, kept 0.93-0.97 a position, does at its full length
     # (4.55 tokens / 0.3 s = 15 tok/s against 10 for none).
     policy = DraftPolicy(CostProfile((1, 2, 5), (0.1, 0.15, 0.3)))
-    assert policy.choose([DraftOffer(records["head"], 1)]) == 0
-    assert policy.choose([DraftOffer(records["lookup"], 4)]) == 4
+    assert policy.best_length([DraftOffer(records["head"], 1)]) == 0
+    assert policy.best_length([DraftOffer(records["lookup"], 4)]) == 4
     # Negative control: one pooled record (head rejections counted against the match: 0.49 at
     # the first position) gives up drafting altogether (2.66 tokens / 0.3 s = 8.9 tok/s).
     pooled = RowAcceptance()
     for _ in range(20):
         pooled.observe(1, 0)
         pooled.observe(4, 4)
-    assert policy.choose([DraftOffer(pooled, 4)]) == 0
+    assert policy.best_length([DraftOffer(pooled, 4)]) == 0
+
+
+def test_the_floor_is_timed_where_drafting_was_chosen_first():
+    # The profile: 8 tokens 0.10 s, 16 tokens 0.12 s, so for 8 rows at the prior (1.4 tokens a
+    # row at K = 1) drafting looks better: 11.2 / 0.12 = 93 tok/s against 8 / 0.10 = 80. The
+    # machine disagrees: a drafting cycle takes 0.16 s (verification and the head are not in the
+    # profile), 70 tok/s, so plain AR is the faster choice.
+    profile = CostProfile((8, 16), (0.10, 0.12))
+    measured = {0: 0.10, 1: 0.16}
+
+    def run(policy: DraftPolicy, cycles: int) -> list[int]:
+        rows, chosen = head_rows(8), []
+        for _ in range(cycles):
+            k = policy.choose(rows)
+            policy.observe_cycle(8, k, measured[k])
+            chosen.append(k)
+        return chosen
+
+    # The floor is timed first, then K = 1 once (unmeasured, it borrows the floor's 1.0 and looks
+    # better); its 0.16 s (calibration 4/3) puts it at 70 tok/s, and AR stays.
+    assert run(DraftPolicy(profile), 40) == [0, 1] + [0] * 38
+    # Negative control, the floor never timed unasked: it borrows K = 1's 4/3 (60 tok/s against
+    # 70), and the policy drafts every cycle at 0.875x the floor's rate.
+    assert run(DraftPolicy(profile, floor_refresh=None), 40) == [1] * 40
+
+
+def test_the_floor_is_timed_again_every_refresh_cycles():
+    # Flat cost: drafting pays and is chosen, but every FLOOR_REFRESH_CYCLES drafting cycles in a
+    # row (per row bucket) one plain AR cycle keeps the floor's calibration current.
+    policy = DraftPolicy(CostProfile((1, 64), (0.1, 0.1)), floor_refresh=3)
+    rows = head_rows(8)
+    chosen = [policy.choose(rows) for _ in range(9)]
+    assert chosen == [0, 1, 1, 1, 0, 1, 1, 1, 0]
+    # Each row bucket keeps its own count: 2 rows start with their floor.
+    assert policy.choose(head_rows(2)) == 0
+    assert policy.floor_age == {8: 0, 2: 0}
+    assert FLOOR_REFRESH_CYCLES == DraftPolicy(CostProfile((1,), (1.0,))).floor_refresh
