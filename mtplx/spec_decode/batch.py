@@ -194,6 +194,9 @@ class BatchDecoder:
         self.rows: list[BatchRow] = []
         self._next_id = 0
         self.policy = policy
+        # Rows joined or left since the last cycle: the next cycle also evaluates the copies that
+        # moved them (lazy slice writes into the batch buffers), so it does not calibrate the policy.
+        self._rows_moved = False
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -312,6 +315,7 @@ class BatchDecoder:
         self.cache.add_rows([trunk_cache])
         self.rows.append(row)
         self._next_id += 1
+        self._rows_moved = True
         logprobs = None
         if settings.logprobs is not None:
             logprobs = _token_logprobs(output.logits[0, -1:], [token], settings.logprobs)
@@ -364,6 +368,7 @@ class BatchDecoder:
             return
         keep = fill_holes(len(self.rows), gone)
         self.rows = [self.rows[i] for i in keep]
+        self._rows_moved = True
         self.cache.remove_rows(keep)
         if self.chain is not None:
             self.chain.cache.remove_rows(keep)
@@ -386,11 +391,11 @@ class BatchDecoder:
         return row.draft_length if row.draft_length is not None else row.spec.settings.depth
 
     def _draft_caps(
-        self, rows: Sequence[BatchRow], found: Sequence[list[int]]
+        self, rows: Sequence[BatchRow], found: Sequence[list[int]], timed: bool
     ) -> tuple[list[int], list[DraftOffer | None]]:
         """Each row's most drafts this cycle: the policy's K for rows without a pinned length
-        (`DraftPolicy`), no cap for pinned rows or without a policy; and what each row offered
-        the policy (None: nothing, or no policy)."""
+        (`DraftPolicy`; ``timed``: this cycle's seconds will calibrate it), no cap for pinned rows
+        or without a policy; and what each row offered the policy (None: nothing, or no policy)."""
         unlimited = [MAX_DEPTH + 64] * len(rows)
         if self.policy is None:
             return unlimited, [None] * len(rows)
@@ -403,7 +408,7 @@ class BatchDecoder:
                 offers.append(DraftOffer(row.acceptance["head"], self._head_length(row)))
             else:
                 offers.append(None)
-        k = self.policy.choose(offers)
+        k = self.policy.choose(offers, timed=timed)
         return [k if is_free else cap for is_free, cap in zip(free, unlimited)], offers
 
     def step(self) -> dict[int, Step]:
@@ -428,7 +433,8 @@ class BatchDecoder:
 
         # 1. Drafts: lookup on the host, then the head chain for the rows without a match.
         found = [row.lookup.find(row.history) if row.lookup is not None else [] for row in rows]
-        caps, offers = self._draft_caps(rows, found)
+        timed, self._rows_moved = not self._rows_moved, False
+        caps, offers = self._draft_caps(rows, found, timed)
         found = [f[:cap] for f, cap in zip(found, caps)]
         use_head = [
             self.chain is not None and row.uses_head and not f and cap > 0
@@ -479,7 +485,7 @@ class BatchDecoder:
                 i = g.index[j]
                 num_accepted[i], next_token[i], accept_probs[i] = n, t, probs
         self.cache.commit_block(capture, [n + 1 for n in num_accepted])
-        if self.policy is not None:  # the cycle's cost, up to its one sync and commit
+        if self.policy is not None and timed:  # the cycle's cost, up to its one sync and commit
             self.policy.observe_cycle(len(rows), width, time.perf_counter() - started)
 
         block_rows = block.tolist()

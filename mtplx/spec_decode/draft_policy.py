@@ -75,7 +75,8 @@ CALIBRATION_LIMIT = 4.0
 # the floor of a bucket where drafting was chosen first was never timed: it borrowed the drafting
 # cycles' calibration, the profile's shape decided alone, and at 8 rows at t 0.7 the policy kept
 # drafting at 0.92x plain batched AR (measured, in process), where a drafting cycle cost 1.5x an AR
-# one and the profile said 1.2x.
+# one and the profile said 1.07x. Cycles right after rows join or leave are not timed (they also
+# copy the moved rows): the first floor timing at 8 rows was such a cycle, at 2x a steady one.
 FLOOR_REFRESH_CYCLES = 32
 
 
@@ -249,12 +250,13 @@ class DraftPolicy:
                 best_k, best_rate = k, rate
         return best_k
 
-    def choose(self, offers: Sequence[DraftOffer | None]) -> int:
+    def choose(self, offers: Sequence[DraftOffer | None], *, timed: bool = True) -> int:
         """This cycle's K: `best_length`, except that a row bucket gets a plain AR cycle (K = 0)
         when its floor has not been timed yet or its last FLOOR_REFRESH_CYCLES cycles all drafted
-        (the module docstring); ``floor_refresh`` None never does."""
+        (the module docstring); ``floor_refresh`` None never does. ``timed`` False: this cycle's
+        seconds will not reach `observe_cycle` (rows just joined or left), so it times nothing."""
         best_k = self.best_length(offers)
-        if self.floor_refresh is None:
+        if self.floor_refresh is None or not timed:
             return best_k
         bucket = row_bucket(len(offers))
         age = self.floor_age.get(bucket)

@@ -131,6 +131,28 @@ def test_an_extracted_row_does_not_keep_the_batch_alive():
     assert held <= 2 * row_bytes + 65536, (held, row_bytes, batch_bytes)
 
 
+def test_cycles_after_rows_move_do_not_calibrate_the_policy():
+    """The cycle after a join or a leave also evaluates the copies that moved the rows (lazy
+    writes into the batch buffers), so its seconds stay out of the policy's calibration, and the
+    floor is not timed on it: the first floor timing at 8 rows was a join cycle, 2x the steady
+    one, and kept the policy drafting where plain AR was faster."""
+    trunk = Trunk(tiny_llama())
+    policy = DraftPolicy(CostProfile((1, 64), (0.01, 0.64)))
+    decoder = BatchDecoder(trunk, None, policy)
+    spec = RowSpec(DecodeSettings(sampler=SamplerConfig(temperature=0.0)), "none")
+    rows = [decoder.join(PROMPT, spec, mx.random.key(seed))[0] for seed in range(3)]
+    decoder.step()  # right after the joins: not timed
+    assert policy.calibration == {}
+    decoder.step()
+    assert set(policy.calibration) == {(4, 0)}
+    decoder.leave(rows[:1])
+    before = dict(policy.calibration)
+    decoder.step()  # right after a leave: not timed
+    assert policy.calibration == before
+    decoder.step()
+    assert set(policy.calibration) == {(4, 0), (2, 0)}
+
+
 def test_sliding_window_models_are_refused_with_a_reason():
     trunk = Trunk(tiny_gemma3())
     with pytest.raises(MtplxError, match="sliding-window"):
@@ -210,7 +232,7 @@ class CyclingPolicy(DraftPolicy):
         super().__init__(CostProfile((1,), (1.0,)))
         self.chosen: list[int] = []
 
-    def choose(self, offers):
+    def choose(self, offers, *, timed=True):
         max_depth = max((o.most for o in offers if o is not None), default=0)
         self.chosen.append(min(self.ORDER[len(self.chosen) % len(self.ORDER)], max_depth))
         return self.chosen[-1]

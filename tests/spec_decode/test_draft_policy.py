@@ -218,3 +218,8 @@ def test_the_floor_is_timed_again_every_refresh_cycles():
     assert policy.choose(head_rows(2)) == 0
     assert policy.floor_age == {8: 0, 2: 0}
     assert FLOOR_REFRESH_CYCLES == DraftPolicy(CostProfile((1,), (1.0,))).floor_refresh
+    # A cycle that will not be timed (rows just joined or left) neither times the floor nor ages it.
+    fresh = DraftPolicy(CostProfile((1, 64), (0.1, 0.1)), floor_refresh=3)
+    assert [fresh.choose(rows, timed=False) for _ in range(5)] == [1] * 5
+    assert fresh.floor_age == {}
+    assert fresh.choose(rows) == 0
