@@ -472,10 +472,11 @@ def merge(paths: list[Path]) -> dict:
         if not data.get("complete"):
             raise SystemExit(f"--merge {path}: an incomplete run (it stopped before its last round)")
         max_tokens.add(config["max_tokens"])
-        for r in run_rounds:
-            key = (r["server"], f"{r['temperature']:g}", r["clients"])
-            if owner.setdefault(key, path) != path:
-                raise SystemExit(f"--merge: the cell {key} is in both {owner[key]} and {path}")
+        cells = {(r["server"], f"{r['temperature']:g}", r["clients"]) for r in run_rounds}
+        overlap = sorted(cells & owner.keys())
+        if overlap:
+            raise SystemExit(f"--merge: the cell {overlap[0]} is in both {owner[overlap[0]]} and {path}")
+        owner.update(dict.fromkeys(cells, path))
         rounds.extend(run_rounds)
         sources.append(
             {
