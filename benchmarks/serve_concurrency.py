@@ -493,10 +493,9 @@ def merge(paths: list[Path]) -> dict:
     if len(max_tokens) != 1:
         raise SystemExit(f"--merge: the runs differ in max_tokens ({sorted(max_tokens)})")
     results = summarize(rounds)
-    last = json.loads(paths[-1].read_text())
     return {
         "complete": True,
-        "machine": last["machine"],
+        "machine": machine,  # the last run's
         "config": {
             "clients": sorted({r["clients"] for r in rounds}),
             "temperatures": sorted({r["temperature"] for r in rounds}),
