@@ -4,9 +4,9 @@
 `Engine` (`Engine.batch()` with `mtplx serve`'s defaults: drafter auto, draft policy auto,
 prefill step 2048, prompt concurrency 8): C closed-loop clients, each sending its ``--requests``
 requests back to back, the same prompts in the same order as the server benchmark. A request
-joins between cycles, as the server's worker lets it. Each scheduler step is split into its
-prefill part (the step minus its decode cycle) and its decode cycle, and the cycles are grouped by
-the number of rows decoding.
+joins between cycles, as the server's worker lets it. Each scheduler step is split
+(`BatchScheduler.last_timing`) into its decode cycle and the rest (prefill chunks, admissions,
+outputs: "prefill" below), and the cycles are grouped by the number of rows decoding.
 
 On a machine whose cores are saturated, a round's wall time is prefill plus decode cycles, and
 batching shrinks only the second. So, with T1 the 1-client round's seconds (the same N tokens)
@@ -48,31 +48,12 @@ def required_decode_rate(
     return tokens / budget if budget > 0 else None
 
 
-class _TimedCycles:
-    """Wraps a BatchDecoder's ``step`` to record each cycle's seconds and rows (instrumentation only)."""
-
-    def __init__(self, decoder):
-        self.decoder = decoder
-        self.step = decoder.step
-        self.cycles: list[tuple[int, float, int]] = []  # (rows, seconds, tokens committed)
-        decoder.step = self
-
-    def __call__(self):
-        rows = len(self.decoder)
-        started = time.perf_counter()
-        steps = self.step()
-        seconds = time.perf_counter() - started
-        self.cycles.append((rows, seconds, sum(len(step.tokens) for step in steps.values())))
-        return steps
-
-
 def replay_round(
     engine: Engine, prompts: list, request: GenerationRequest, clients: int, requests: int, tag: str
 ) -> dict:
     """One round: ``clients`` clients, each sending ``requests`` requests one after another."""
     scheduler = engine.batch()
-    decoder = scheduler._decoder_for_engine()
-    timed = _TimedCycles(decoder)
+    cycles: list[tuple[int, float, int]] = []  # (rows, seconds, tokens committed)
     queues = [
         [chat_messages(prompts[c * requests + j], f"{tag}.{c * requests + j}") for j in range(requests)]
         for c in range(clients)
@@ -83,9 +64,11 @@ def replay_round(
     started = time.perf_counter()
     try:
         while live:
-            step_started = time.perf_counter()
             results = scheduler.step()
-            step_seconds += time.perf_counter() - step_started
+            timing = scheduler.last_timing
+            step_seconds += timing.seconds
+            if timing.rows:
+                cycles.append((timing.rows, timing.cycle_seconds, timing.cycle_tokens))
             for result in results:
                 if result.error is not None:
                     raise result.error
@@ -99,15 +82,15 @@ def replay_round(
     finally:
         scheduler.close()
     by_rows: dict[int, list[tuple[float, int]]] = {}
-    for rows, seconds, committed in timed.cycles:
+    for rows, seconds, committed in cycles:
         by_rows.setdefault(rows, []).append((seconds, committed))
-    decode_seconds = sum(seconds for _, seconds, _ in timed.cycles)
+    decode_seconds = sum(seconds for _, seconds, _ in cycles)
     num_requests = clients * requests
     return {
         "wall_s": wall,
         "tokens": tokens,
         "tok_s": tokens / wall,
-        # The steps minus their cycles: prefill, admission (each request's first token), joins.
+        # The steps minus their cycles: prefill chunks, admissions (first tokens), outputs.
         "prefill_s": step_seconds - decode_seconds,
         "decode_s": decode_seconds,
         "decode_tok_s": (tokens - num_requests) / decode_seconds,  # first tokens come from admission
@@ -138,7 +121,7 @@ def summarize(runs: list[dict]) -> list[dict]:
         one, four = by_clients.get(1), by_clients.get(4)
         if one is None or four is None:
             continue
-        steady = four["by_rows"].get(4) or four["by_rows"].get("4")
+        steady = four["by_rows"].get(4)
         cells.append(
             {
                 "temperature": temperature,

@@ -22,6 +22,7 @@ cache).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -33,7 +34,7 @@ from mtplx.spec_decode.batch import BatchDecoder, PendingRow, RowsFailed, RowSpe
 from mtplx.spec_decode.draft_policy import DraftPolicy
 from mtplx.spec_decode.settings import DEFAULT_PREFILL_STEP
 
-__all__ = ["BatchScheduler"]
+__all__ = ["BatchScheduler", "StepTiming"]
 
 
 @dataclass
@@ -61,6 +62,16 @@ class StepResult:
         return self.error is not None or (self.chunk is not None and self.chunk.finish_reason is not None)
 
 
+@dataclass(frozen=True)
+class StepTiming:
+    """Where one `BatchScheduler.step` spent its time (for benchmarks and logs)."""
+
+    seconds: float  # the whole step: prefill chunks, admissions (first tokens), the cycle, outputs
+    cycle_seconds: float  # the batched cycle alone; 0.0 when no row decoded
+    rows: int  # rows in the cycle
+    cycle_tokens: int  # tokens the cycle committed (a row's last cycle may pass its max_tokens)
+
+
 @dataclass
 class BatchScheduler:
     """Continuous batching over one engine (the module docstring). Not thread-safe: one thread
@@ -77,6 +88,7 @@ class BatchScheduler:
     _decoder: BatchDecoder | None = None
     _jobs: dict[int, _Job] = field(default_factory=dict)  # in submission order
     _next_handle: int = 0
+    last_timing: StepTiming | None = None  # the latest step's, once a step has run
 
     def __post_init__(self) -> None:
         if self.max_rows < 1:
@@ -151,6 +163,7 @@ class BatchScheduler:
         """Prefill a chunk, admit, decode one cycle (the module docstring); every request's news,
         in order (a request admitted in this step gets two: its first token, then its cycle's)."""
         results: list[StepResult] = []
+        started = time.perf_counter()
         self._drop_cancelled()
         decoder = self._decoder_for_engine() if self._jobs else None
         if decoder is None:
@@ -172,15 +185,22 @@ class BatchScheduler:
             except (MtplxError, ValueError) as err:  # ValueError: invalid values in the first draw
                 results.append(self._fail(job, err))
         rows = {job.row_id: job for job in self._jobs.values() if job.row_id is not None}
-        if rows:
-            try:
-                steps = decoder.step()
-            except RowsFailed as err:
-                for row_id in err.row_ids:
-                    results.append(self._fail(rows[row_id], err))
-                return results  # the cycle was undone for every row; the others step next time
-            for row_id, step in steps.items():
-                results.append(self._feed(rows[row_id], step))
+        cycle_started = time.perf_counter()
+        try:
+            steps = decoder.step() if rows else {}
+        except RowsFailed as err:
+            steps = {}  # the cycle was undone for every row; the others step next time
+            for row_id in err.row_ids:
+                results.append(self._fail(rows[row_id], err))
+        cycle_seconds = time.perf_counter() - cycle_started if rows else 0.0
+        for row_id, step in steps.items():
+            results.append(self._feed(rows[row_id], step))
+        self.last_timing = StepTiming(
+            time.perf_counter() - started,
+            cycle_seconds,
+            len(rows),
+            sum(len(step.tokens) for step in steps.values()),
+        )
         return results
 
     def _feed(self, job: _Job, step) -> StepResult:

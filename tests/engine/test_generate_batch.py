@@ -120,6 +120,29 @@ def test_long_prompts_prefill_in_chunks_while_rows_decode(tiny_engine):
     assert tokens[late] == tiny_engine.generate(long_prompt, request).token_ids
 
 
+def test_each_step_reports_its_cycle_rows_and_tokens(tiny_engine):
+    """`last_timing`: the rows the step's cycle decoded and the tokens it committed, which are the
+    tokens the step delivered less the admitted requests' first tokens (while nothing finishes)."""
+    request = _req(max_tokens=12, temperature=0.0, draft="head")
+    scheduler = tiny_engine.batch(max_rows=4)
+    assert scheduler.last_timing is None
+    for prompt in PROMPTS[:3]:
+        scheduler.submit(prompt, request)
+    checked, widest = 0, 0
+    while not scheduler.idle:
+        decoding = scheduler.num_decoding
+        results = scheduler.step()
+        timing = scheduler.last_timing
+        assert 0.0 < timing.cycle_seconds <= timing.seconds
+        widest = max(widest, timing.rows)
+        if not any(r.done for r in results):
+            admitted = scheduler.num_decoding - decoding
+            assert timing.rows == scheduler.num_decoding
+            assert sum(len(r.chunk.token_ids) for r in results) == timing.cycle_tokens + admitted
+            checked += 1
+    assert widest == 3 and checked >= 3
+
+
 def test_a_cancelled_request_leaves_and_the_others_are_undisturbed(tiny_engine):
     requests = _mixed_requests(random.randrange(10_000))[:3]
     scheduler = tiny_engine.batch()
