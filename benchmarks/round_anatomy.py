@@ -53,7 +53,7 @@ def replay_round(
 ) -> dict:
     """One round: ``clients`` clients, each sending ``requests`` requests one after another."""
     scheduler = engine.batch()
-    cycles: list[tuple[int, float, int]] = []  # (rows, seconds, tokens committed)
+    cycles: list[tuple[int, int, float, int]] = []  # (rows, draft length K, seconds, tokens committed)
     queues = [
         [chat_messages(prompts[c * requests + j], f"{tag}.{c * requests + j}") for j in range(requests)]
         for c in range(clients)
@@ -68,7 +68,7 @@ def replay_round(
             timing = scheduler.last_timing
             step_seconds += timing.seconds
             if timing.rows:
-                cycles.append((timing.rows, timing.cycle_seconds, timing.cycle_tokens))
+                cycles.append((timing.rows, timing.draft_length, timing.cycle_seconds, timing.cycle_tokens))
             for result in results:
                 if result.error is not None:
                     raise result.error
@@ -82,9 +82,11 @@ def replay_round(
     finally:
         scheduler.close()
     by_rows: dict[int, list[tuple[float, int]]] = {}
-    for rows, seconds, committed in cycles:
+    by_width: dict[int, dict[int, list[tuple[float, int]]]] = {}
+    for rows, k, seconds, committed in cycles:
         by_rows.setdefault(rows, []).append((seconds, committed))
-    decode_seconds = sum(seconds for _, seconds, _ in cycles)
+        by_width.setdefault(rows, {}).setdefault(k, []).append((seconds, committed))
+    decode_seconds = sum(seconds for _, _, seconds, _ in cycles)
     num_requests = clients * requests
     return {
         "wall_s": wall,
@@ -103,6 +105,17 @@ def replay_round(
                 "tokens_per_row_cycle": sum(n for _, n in cells) / (rows * len(cells)),
             }
             for rows, cells in sorted(by_rows.items())
+        },
+        "cycle_ms_by_draft_length": {  # rows -> K -> cycles, median ms, tokens per cycle
+            rows: {
+                k: {
+                    "cycles": len(cells),
+                    "median_cycle_ms": 1000 * statistics.median(s for s, _ in cells),
+                    "tokens_per_cycle": sum(n for _, n in cells) / len(cells),
+                }
+                for k, cells in sorted(by_k.items())
+            }
+            for rows, by_k in sorted(by_width.items())
         },
     }
 
@@ -187,9 +200,15 @@ def main() -> None:
                         f"{n} rows {c['cycles']} cycles {c['tok_s']:.1f} tok/s"
                         for n, c in result["by_rows"].items()
                     )
+                    widest = max(result["cycle_ms_by_draft_length"], default=None)
+                    costs = ", ".join(
+                        f"K={k} {c['median_cycle_ms']:.0f} ms x{c['cycles']}"
+                        for k, c in result["cycle_ms_by_draft_length"].get(widest, {}).items()
+                    )
                     print(
                         f"t {temperature:g} {name:>4} {clients} clients: {result['tok_s']:5.1f} tok/s over "
-                        f"{result['wall_s']:.1f} s (prefill {result['prefill_s']:.1f} s); {rows}",
+                        f"{result['wall_s']:.1f} s (prefill {result['prefill_s']:.1f} s); {rows}; "
+                        f"{widest}-row cycles by K: {costs}",
                         flush=True,
                     )
     summary = summarize(runs)

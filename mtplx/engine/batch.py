@@ -69,6 +69,7 @@ class StepTiming:
     seconds: float  # the whole step: prefill chunks, admissions (first tokens), the cycle, outputs
     cycle_seconds: float  # the batched cycle alone; 0.0 when no row decoded
     rows: int  # rows in the cycle
+    draft_length: int  # the cycle's K: the most drafts any row verified (0: a plain AR cycle)
     cycle_tokens: int  # tokens the cycle committed (a row's last cycle may pass its max_tokens)
 
 
@@ -199,6 +200,7 @@ class BatchScheduler:
             time.perf_counter() - started,
             cycle_seconds,
             len(rows),
+            max((step.num_drafted for step in steps.values()), default=0),
             sum(len(step.tokens) for step in steps.values()),
         )
         return results

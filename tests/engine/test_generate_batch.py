@@ -121,10 +121,11 @@ def test_long_prompts_prefill_in_chunks_while_rows_decode(tiny_engine):
 
 
 def test_each_step_reports_its_cycle_rows_and_tokens(tiny_engine):
-    """`last_timing`: the rows the step's cycle decoded and the tokens it committed, which are the
-    tokens the step delivered less the admitted requests' first tokens (while nothing finishes)."""
+    """`last_timing`: the rows the step's cycle decoded, its draft length (the head drafts depth 2
+    every cycle here) and the tokens it committed, which are the tokens the step delivered less
+    the admitted requests' first tokens (while nothing finishes)."""
     request = _req(max_tokens=12, temperature=0.0, draft="head")
-    scheduler = tiny_engine.batch(max_rows=4)
+    scheduler = tiny_engine.batch(max_rows=4, draft_policy="fixed")
     assert scheduler.last_timing is None
     for prompt in PROMPTS[:3]:
         scheduler.submit(prompt, request)
@@ -134,6 +135,7 @@ def test_each_step_reports_its_cycle_rows_and_tokens(tiny_engine):
         results = scheduler.step()
         timing = scheduler.last_timing
         assert 0.0 < timing.cycle_seconds <= timing.seconds
+        assert timing.draft_length == 2
         widest = max(widest, timing.rows)
         if not any(r.done for r in results):
             admitted = scheduler.num_decoding - decoding
