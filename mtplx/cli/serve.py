@@ -50,11 +50,16 @@ def serve(
 ) -> None:
     """Serve ``engine`` until interrupted (blocks)."""
     try:
+        from mtplx.server.app import create_app
+        from mtplx.server.worker import GenerationWorker
+
         import uvicorn
-    except ImportError:
-        raise MtplxError("serve: needs the server extra: pip install 'mtplx[serve]'") from None
-    from mtplx.server.app import create_app
-    from mtplx.server.worker import GenerationWorker
+    except ModuleNotFoundError as err:
+        if (err.name or "mtplx").startswith("mtplx"):
+            raise  # a bug of ours, not a missing extra
+        raise MtplxError(
+            f"serve: needs the server extra ({err.name} is missing): pip install 'mtplx[serve]'"
+        ) from None
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="mtplx: %(message)s")
     if not _is_loopback(host) and settings.api_key is None:

@@ -27,6 +27,7 @@ from mtplx.server.anthropic import CountTokensRequest, MessagesFormat, MessagesR
 from mtplx.server.anthropic import error_body as anthropic_error
 from mtplx.server.chat import ChatPlan, plan_chat
 from mtplx.server.constraints import response_format_grammar
+from mtplx.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from mtplx.server.openai import APIError, ChatFormat, TextFormat, error_body
 from mtplx.server.schemas import ChatCompletionRequest, CompletionRequest
 from mtplx.server.settings import ServerSettings
@@ -34,7 +35,7 @@ from mtplx.server.worker import Finished, GenerationWorker, Job, JobFailed, JobT
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -169,6 +170,11 @@ def create_app(worker: GenerationWorker, settings: ServerSettings) -> FastAPI:
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": settings.model_id, "queued": worker.queued, "busy": worker.busy}
+
+    @app.get("/metrics", dependencies=[Depends(check_key)])
+    async def metrics():
+        """Prometheus' text format (`mtplx.server.metrics`); behind the API key like /v1."""
+        return Response(worker.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     @v1.get("/models")
     async def models():

@@ -28,8 +28,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from mtplx.engine.output import GenerationChunk
 from mtplx.engine.request import GenerationRequest
 from mtplx.errors import MtplxError
+from mtplx.server.metrics import ServerMetrics
 from mtplx.spec_decode.settings import DEFAULT_PREFILL_STEP
 
 log = logging.getLogger("mtplx.server")
@@ -91,6 +93,10 @@ class GenerationWorker:
         self._thread = threading.Thread(target=self._run, name="mtplx-generation", daemon=True)
         self._active: dict[int, Job] = {}  # scheduler handle -> job, in flight
         self.busy = False
+        # Load, as the generation thread last saw it (read by /metrics from other threads).
+        self._decoding = 0  # batch rows decoding, or 1 while a job is served alone
+        self._prefilling = 0  # jobs in the batch still prefilling
+        self.metrics = ServerMetrics(self)
 
     def start(self) -> None:
         self._thread.start()
@@ -111,6 +117,14 @@ class GenerationWorker:
     @property
     def queued(self) -> int:
         return self._queue.qsize()
+
+    @property
+    def running(self) -> int:
+        return self._decoding
+
+    @property
+    def waiting(self) -> int:
+        return self.queued + self._prefilling
 
     def submit(self, job: Job) -> None:
         try:
@@ -147,9 +161,11 @@ class GenerationWorker:
             if job is None:
                 return False
             if job.cancelled.is_set():
+                self.metrics.abort("cancelled")
                 job.emit(Finished())
                 continue
             if time.monotonic() > job.deadline:
+                self.metrics.abort("timeout")
                 job.emit(JobTimeout())
                 job.emit(Finished())
                 continue
@@ -158,18 +174,22 @@ class GenerationWorker:
             alone_is_free = job.request.grammar is not None and not self._active and self._queue.empty()
             if alone_is_free or self.engine.batch_refusal(job.request) is not None:
                 self.busy = True
+                self._decoding += 1
                 try:
                     self._serve_alone(job)
                 finally:
+                    self._decoding -= 1
                     job.emit(Finished())
                 continue
             try:
                 handle = scheduler.submit(job.prompt_tokens, job.request)
             except MtplxError as err:
+                self.metrics.abort("error")
                 job.emit(err)
                 job.emit(Finished())
                 continue
             self._active[handle] = job
+        self._prefilling = scheduler.num_waiting
         return True
 
     def _step(self, scheduler) -> None:
@@ -180,6 +200,7 @@ class GenerationWorker:
             if job.cancelled.is_set() or late:
                 if late and not job.cancelled.is_set():
                     job.emit(JobTimeout())
+                self.metrics.abort("cancelled" if job.cancelled.is_set() else "timeout")
                 scheduler.cancel(handle)
                 self._end(handle)
         try:
@@ -188,10 +209,12 @@ class GenerationWorker:
             # A bug, not a user error: every job in flight fails; the worker goes on with fresh rows.
             log.exception("generation failed")
             for handle, job in list(self._active.items()):
+                self.metrics.abort("error")
                 job.emit(JobFailed())
                 scheduler.cancel(handle)
                 self._end(handle)
             scheduler.close()
+            self._decoding = self._prefilling = 0
             return
         for result in results:
             job = self._active.get(result.handle)
@@ -201,9 +224,18 @@ class GenerationWorker:
             if error is not None and not isinstance(error, MtplxError):  # the model's fault: a 500
                 log.error("generation failed", exc_info=error)
                 error = JobFailed()
-            job.emit(error if error is not None else result.chunk)
+            if error is not None:
+                self.metrics.abort("error")
+                job.emit(error)
+            else:
+                self._send(job, result.chunk)
             if result.done:
                 self._end(result.handle)
+        self._decoding, self._prefilling = scheduler.num_decoding, scheduler.num_waiting
+
+    def _send(self, job: Job, chunk: GenerationChunk) -> None:
+        self.metrics.observe(chunk)  # counts the request when this chunk ends it
+        job.emit(chunk)
 
     def _end(self, handle: int) -> None:
         job = self._active.pop(handle, None)
@@ -215,16 +247,22 @@ class GenerationWorker:
             stream = self.engine.stream(job.prompt_tokens, job.request)
             try:
                 for chunk in stream:
-                    job.emit(chunk)
-                    if job.cancelled.is_set() or chunk.finish_reason is not None:
+                    self._send(job, chunk)
+                    if chunk.finish_reason is not None:
+                        break
+                    if job.cancelled.is_set():
+                        self.metrics.abort("cancelled")
                         break
                     if time.monotonic() > job.deadline:
+                        self.metrics.abort("timeout")
                         job.emit(JobTimeout())
                         break
             finally:
                 stream.close()
         except MtplxError as err:
+            self.metrics.abort("error")
             job.emit(err)
         except Exception:
             log.exception("generation failed")
+            self.metrics.abort("error")
             job.emit(JobFailed())

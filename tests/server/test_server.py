@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import shutil
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import mtplx  # noqa: F401  (BLAS before mlx)
@@ -18,6 +19,7 @@ import mtplx  # noqa: F401  (BLAS before mlx)
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from support import checkpoints
 from support.decoding import is_rounding_tie
 from support.server import KEY, running_server, wait_for
@@ -459,6 +461,100 @@ def test_every_v1_route_needs_the_key_and_health_does_not(server, model_id):
             assert response.status_code == 401, (method, path, headers)
             assert response.json()["error"]["type"] == "authentication_error"
     assert httpx.get(base + "/health").status_code == 200
+
+
+def _metrics(base: str) -> dict[tuple[str, tuple], float]:
+    """GET /metrics parsed: {(sample name, its labels): value}."""
+    response = httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {KEY}"})
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(response.text)
+        for sample in family.samples
+    }
+
+
+def _delta(after: dict, before: dict, name: str, **labels) -> float:
+    key = (name, tuple(sorted(labels.items())))
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def test_metrics_count_what_the_responses_report(server, client, model_id):
+    """/metrics moves by exactly what the finished responses report in their usage: prompt, cached
+    and completion tokens, finish reasons, one time-to-first-token and one latency observation
+    each, the head's drafted and accepted tokens as the usage's mtplx field counts them; the
+    running gauge counts the rows while they decode, and afterwards nothing runs or waits. A request cancelled mid-stream runs, then counts as aborted,
+    not as finished. The API key guards the route."""
+    base, _ = server
+    assert httpx.get(base + "/metrics").status_code == 401
+
+    def idle() -> bool:
+        load = _metrics(base)
+        return load[("mtplx_num_requests_running", ())] == load[("mtplx_num_requests_waiting", ())] == 0
+
+    wait_for(idle)
+    before = _metrics(base)
+
+    def one(i: int, max_tokens: int) -> tuple:
+        """(usage, the mtplx field, finish reasons) of one chat request; the second one streams."""
+        messages = _messages(f"Count the metrics, request {i}.")
+        if i == 1:
+            chunks = list(
+                client.chat.completions.create(
+                    model=model_id,
+                    messages=messages,
+                    max_tokens=max_tokens,
+                    temperature=0.8,
+                    seed=7,  # a seeded row drafts its depth every cycle (the policy would not here)
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+            )
+            reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+            return chunks[-1].usage, chunks[-1].model_extra["mtplx"], reasons
+        response = client.chat.completions.create(
+            model=model_id, messages=messages, max_tokens=max_tokens, temperature=0
+        )
+        return response.usage, response.model_extra["mtplx"], [response.choices[0].finish_reason]
+
+    running_seen = []  # what the gauge said while the three requests were in flight
+    with ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(one, i, n) for i, n in enumerate((24, 32, 40))]
+        while not all(f.done() for f in futures):
+            running_seen.append(_metrics(base)[("mtplx_num_requests_running", ())])
+    usages, extras, reasons = zip(*(f.result() for f in futures))
+    reasons = [r for rs in reasons for r in rs]
+    assert max(running_seen) >= 2  # rows decoding together (measured here: 3 for most polls)
+    # One more, abandoned after its first chunk (as in the disconnect test): aborted, not finished.
+    body = dict(
+        model=model_id, messages=_messages("Go on and on."), max_tokens=200, temperature=0, stream=True
+    )
+    with _stream_lines(base, body) as response:
+        assert next(response.iter_lines()).startswith("data: ")
+    wait_for(
+        lambda: (
+            idle() and _delta(_metrics(base), before, "mtplx_request_aborted_total", reason="cancelled") == 1
+        )
+    )
+    after = _metrics(base)
+    assert _delta(after, before, "mtplx_prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
+    assert _delta(after, before, "mtplx_prompt_cached_tokens_total") == sum(
+        u.prompt_tokens_details.cached_tokens for u in usages
+    )
+    assert _delta(after, before, "mtplx_generation_tokens_total") == sum(u.completion_tokens for u in usages)
+    for reason in ("stop", "length"):
+        assert _delta(after, before, "mtplx_request_success_total", finished_reason=reason) == reasons.count(
+            reason
+        )
+    assert _delta(after, before, "mtplx_request_aborted_total", reason="cancelled") == 1
+    assert _delta(after, before, "mtplx_time_to_first_token_seconds_count") == 3
+    assert _delta(after, before, "mtplx_e2e_request_latency_seconds_count") == 3
+    assert _delta(after, before, "mtplx_e2e_request_latency_seconds_sum") > 0
+    head = [extra["drafters"].get("head", {"drafted": 0, "accepted": 0}) for extra in extras]
+    assert sum(h["drafted"] for h in head) > 0  # the seeded request drafted
+    for kind, name in [("drafted", "num_draft_tokens"), ("accepted", "num_accepted_tokens")]:
+        counted = _delta(after, before, f"mtplx_spec_decode_{name}_total", drafter="head")
+        assert counted == sum(h[kind] for h in head), kind
 
 
 def test_sampler_fields_reach_the_engine(client, engine, model_id):

@@ -1,0 +1,109 @@
+"""`GET /metrics`: the server's load and throughput in Prometheus' text format.
+
+The names follow vLLM's (`vllm:num_requests_running`, `vllm:prompt_tokens_total`,
+`vllm:request_success_total{finished_reason}`, `vllm:time_to_first_token_seconds`,
+`vllm:e2e_request_latency_seconds`, `vllm:spec_decode_num_draft_tokens_total`, ...) with the
+prefix ``mtplx_``, so a dashboard built for one reads the other with a rename. Requests are
+counted when they finish (a finish reason, "stop" or "length"), from the same `GenerationStats`
+their usage reports, so the token counters equal the sum of the finished responses' usage;
+requests cancelled or timed out before their end are in ``mtplx_request_aborted_total`` only.
+The gauges read the worker's counts, which its thread updates between cycles.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from mtplx.engine.output import GenerationChunk
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+__all__ = ["CONTENT_TYPE", "ServerMetrics"]
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# Seconds: from tens of milliseconds (a cached prompt on a GPU) to minutes (a long prompt on a CPU).
+_LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+
+
+class WorkerLoad(Protocol):
+    """What the gauges read (`mtplx.server.worker.GenerationWorker`)."""
+
+    @property
+    def running(self) -> int: ...  # requests decoding (batch rows, or the one served alone)
+
+    @property
+    def waiting(self) -> int: ...  # requests queued or prefilling
+
+
+class ServerMetrics:
+    """The server's metrics in a registry of their own (one per app, so tests can run several)."""
+
+    def __init__(self, load: WorkerLoad):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        Gauge("mtplx_num_requests_running", "Requests decoding", registry=r).set_function(
+            lambda: load.running
+        )
+        Gauge("mtplx_num_requests_waiting", "Requests queued or prefilling", registry=r).set_function(
+            lambda: load.waiting
+        )
+        self.prompt_tokens = Counter("mtplx_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.cached_tokens = Counter(
+            "mtplx_prompt_cached_tokens", "Prompt tokens reused from the prompt cache", registry=r
+        )
+        self.generation_tokens = Counter(
+            "mtplx_generation_tokens", "Completion tokens of finished requests", registry=r
+        )
+        self.success = Counter("mtplx_request_success", "Finished requests", ["finished_reason"], registry=r)
+        self.aborted = Counter(
+            "mtplx_request_aborted", "Requests ended before their finish", ["reason"], registry=r
+        )
+        self.ttft = Histogram(
+            "mtplx_time_to_first_token_seconds",
+            "From the request reaching the engine to its first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.latency = Histogram(
+            "mtplx_e2e_request_latency_seconds",
+            "From the request reaching the engine to its last token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.draft_tokens = Counter(
+            "mtplx_spec_decode_num_draft_tokens", "Draft tokens verified", ["drafter"], registry=r
+        )
+        self.accepted_tokens = Counter(
+            "mtplx_spec_decode_num_accepted_tokens", "Draft tokens accepted", ["drafter"], registry=r
+        )
+
+    def observe(self, chunk: GenerationChunk) -> None:
+        """Count a request that ended with ``chunk`` (other chunks are ignored)."""
+        if chunk.finish_reason is None:
+            return
+        stats = chunk.stats
+        self.prompt_tokens.inc(stats.prompt_tokens)
+        self.cached_tokens.inc(stats.cached_tokens)
+        self.generation_tokens.inc(stats.generated_tokens)
+        self.success.labels(finished_reason=chunk.finish_reason).inc()
+        if stats.generated_tokens:
+            self.ttft.observe(stats.ttft_seconds)
+        self.latency.observe(stats.total_seconds)
+        for drafter, counts in stats.drafters.items():
+            self.draft_tokens.labels(drafter=drafter).inc(counts.get("drafted", 0))
+            self.accepted_tokens.labels(drafter=drafter).inc(counts.get("accepted", 0))
+
+    def abort(self, reason: str) -> None:
+        """A request that ended without a finish: "cancelled" (client gone), "timeout", "error"."""
+        self.aborted.labels(reason=reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
