@@ -21,6 +21,7 @@ the server's defaults (``auto``) and of plain batched AR (``ar``, every request 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from pathlib import Path
@@ -29,6 +30,7 @@ from mtplx.bench.report import provenance, write_json
 from mtplx.bench.suite import load_prompts
 from mtplx.engine.engine import Engine
 from mtplx.engine.request import GenerationRequest
+from mtplx.io import atomic_path
 from mtplx.sample.params import SamplerConfig
 from mtplx.spec_decode.settings import Drafting
 
@@ -153,6 +155,71 @@ def summarize(runs: list[dict]) -> list[dict]:
     return cells
 
 
+def plot(runs: list[dict], path: Path) -> None:
+    """One bar per round, its seconds stacked: prefill, then the decode cycles by how many rows
+    they decoded, then the rest (submitting between steps). Over each 4-client bar a black tick
+    at half its 1-client round: the 2x target is that bar reaching down to the tick."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    temperatures = sorted({r["temperature"] for r in runs})
+    max_rows = max(int(n) for r in runs for n in r["by_rows"])
+    colors = plt.get_cmap("viridis")
+    fig, axes = plt.subplots(1, len(temperatures), figsize=(7 * len(temperatures), 5), squeeze=False)
+    for ax, temperature in zip(axes[0], temperatures):
+        rounds = sorted(
+            (r for r in runs if r["temperature"] == temperature),
+            key=lambda r: (r["variant"], r["repetition"], r["clients"]),
+        )
+        for x, r in enumerate(rounds):
+            bottom = r["prefill_s"]
+            ax.bar(x, bottom, color="lightgray", label="prefill" if x == 0 else None)
+            for rows in range(1, max_rows + 1):
+                seconds = r["by_rows"].get(str(rows), r["by_rows"].get(rows, {})).get("seconds", 0.0)
+                ax.bar(
+                    x,
+                    seconds,
+                    bottom=bottom,
+                    color=colors(rows / max_rows),
+                    label=f"decode, {rows} row{'s' if rows > 1 else ''}",
+                )
+                bottom += seconds
+            ax.bar(x, r["wall_s"] - bottom, bottom=bottom, color="white", edgecolor="gray", hatch="//")
+            ax.annotate(f"{r['tok_s']:.1f}", (x, r["wall_s"]), ha="center", va="bottom", fontsize=8)
+            one = next(
+                (
+                    o
+                    for o in rounds
+                    if o["clients"] == 1
+                    and (o["variant"], o["repetition"]) == (r["variant"], r["repetition"])
+                ),
+                None,
+            )
+            if r["clients"] == 4 and one is not None:
+                ax.plot([x - 0.4, x + 0.4], [one["wall_s"] / 2] * 2, color="black", linewidth=2)
+        handles, labels = ax.get_legend_handles_labels()
+        unique = dict(zip(labels, handles))
+        ax.legend(unique.values(), unique.keys(), fontsize=8)
+        ax.set_xticks(
+            range(len(rounds)),
+            [
+                f"{r['variant']} r{r['repetition']}\n{r['clients']} client{'s' if r['clients'] > 1 else ''}"
+                for r in rounds
+            ],
+            fontsize=8,
+        )
+        ax.set_ylabel("seconds per round (bar labels: aggregate tok/s)")
+        ax.set_title(f"temperature {temperature:g}; black tick: half the 1-client round (the 2x target)")
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle("8 requests in one round, in process: where the seconds go")
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", default="1,4", help="client counts, comma-separated (default 1,4)")
@@ -164,7 +231,15 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repetitions", type=int, default=1)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "round-anatomy.json")
+    parser.add_argument(
+        "--replot", type=Path, help="only draw the plot of this earlier run's JSON (next to it)"
+    )
     args = parser.parse_args()
+    if args.replot is not None:
+        runs = json.loads(args.replot.read_text())["runs"]
+        plot(runs, args.replot.with_suffix(".png"))
+        print(f"wrote {args.replot.with_suffix('.png')}")
+        return
     client_counts = [int(c) for c in args.clients.split(",")]
     variants = args.variants.split(",")
     engine = Engine.load()
@@ -222,7 +297,8 @@ def main() -> None:
             + (f"{needed:.1f} tok/s at 4 clients" if needed else "more than the whole budget for prefill")
         )
     write_json(args.out, {**provenance(vars(args)), "summary": summary, "runs": runs})
-    print(f"wrote {args.out}")
+    plot(runs, args.out.with_suffix(".png"))
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 
 
 if __name__ == "__main__":
