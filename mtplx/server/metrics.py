@@ -7,7 +7,8 @@ prefix ``mtplx_``, so a dashboard built for one reads the other with a rename. R
 counted when they finish (a finish reason, "stop" or "length"), from the same `GenerationStats`
 their usage reports, so the token counters equal the sum of the finished responses' usage;
 requests cancelled or timed out before their end are in ``mtplx_request_aborted_total`` only.
-The gauges read the worker's counts, which its thread updates between cycles.
+The gauges (requests running and waiting, MLX's active memory, the prompt cache's bytes and
+limit) read what the worker's thread last saw between cycles.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ class WorkerLoad(Protocol):
     @property
     def waiting(self) -> int: ...  # requests queued or prefilling
 
+    @property
+    def memory(self) -> tuple[int, int, int]: ...  # MLX active bytes, prompt cache bytes, its capacity
+
 
 class ServerMetrics:
     """The server's metrics in a registry of their own (one per app, so tests can run several)."""
@@ -54,6 +58,15 @@ class ServerMetrics:
         )
         Gauge("mtplx_num_requests_waiting", "Requests queued or prefilling", registry=r).set_function(
             lambda: load.waiting
+        )
+        Gauge("mtplx_memory_active_bytes", "MLX's active memory", registry=r).set_function(
+            lambda: load.memory[0]
+        )
+        Gauge("mtplx_prompt_cache_bytes", "Bytes the prompt cache holds", registry=r).set_function(
+            lambda: load.memory[1]
+        )
+        Gauge("mtplx_prompt_cache_capacity_bytes", "The prompt cache's limit", registry=r).set_function(
+            lambda: load.memory[2]
         )
         self.prompt_tokens = Counter("mtplx_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.cached_tokens = Counter(

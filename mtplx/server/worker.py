@@ -34,6 +34,8 @@ from mtplx.errors import MtplxError
 from mtplx.server.metrics import ServerMetrics
 from mtplx.spec_decode.settings import DEFAULT_PREFILL_STEP
 
+import mlx.core as mx
+
 log = logging.getLogger("mtplx.server")
 
 
@@ -94,8 +96,9 @@ class GenerationWorker:
         self._active: dict[int, Job] = {}  # scheduler handle -> job, in flight
         self.busy = False
         # Load, as the generation thread last saw it (read by /metrics from other threads).
-        self._decoding = 0  # batch rows decoding, or 1 while a job is served alone
+        self._decoding = 0  # batch rows decoding, plus the job served alone (if one is)
         self._prefilling = 0  # jobs in the batch still prefilling
+        self._memory = (0, 0, engine.prompt_cache.max_bytes)  # see `memory`
         self.metrics = ServerMetrics(self)
 
     def start(self) -> None:
@@ -125,6 +128,17 @@ class GenerationWorker:
     @property
     def waiting(self) -> int:
         return self.queued + self._prefilling
+
+    @property
+    def memory(self) -> tuple[int, int, int]:
+        """(MLX active bytes, prompt cache bytes, its capacity), as of the last cycle."""
+        return self._memory
+
+    def _note_load(self, scheduler) -> None:
+        """Publish the load for /metrics (the prompt cache is not thread-safe: read it here)."""
+        self._decoding, self._prefilling = scheduler.num_decoding, scheduler.num_waiting
+        cache = self.engine.prompt_cache
+        self._memory = (mx.get_active_memory(), cache.nbytes, cache.max_bytes)
 
     def submit(self, job: Job) -> None:
         try:
@@ -174,11 +188,11 @@ class GenerationWorker:
             alone_is_free = job.request.grammar is not None and not self._active and self._queue.empty()
             if alone_is_free or self.engine.batch_refusal(job.request) is not None:
                 self.busy = True
-                self._decoding += 1
+                self._decoding += 1  # the batch's rows wait meanwhile
                 try:
                     self._serve_alone(job)
                 finally:
-                    self._decoding -= 1
+                    self._note_load(scheduler)  # the alone job no longer counts
                     job.emit(Finished())
                 continue
             try:
@@ -189,7 +203,7 @@ class GenerationWorker:
                 job.emit(Finished())
                 continue
             self._active[handle] = job
-        self._prefilling = scheduler.num_waiting
+        self._note_load(scheduler)
         return True
 
     def _step(self, scheduler) -> None:
@@ -214,7 +228,7 @@ class GenerationWorker:
                 scheduler.cancel(handle)
                 self._end(handle)
             scheduler.close()
-            self._decoding = self._prefilling = 0
+            self._note_load(scheduler)
             return
         for result in results:
             job = self._active.get(result.handle)
@@ -231,7 +245,7 @@ class GenerationWorker:
                 self._send(job, result.chunk)
             if result.done:
                 self._end(result.handle)
-        self._decoding, self._prefilling = scheduler.num_decoding, scheduler.num_waiting
+        self._note_load(scheduler)
 
     def _send(self, job: Job, chunk: GenerationChunk) -> None:
         self.metrics.observe(chunk)  # counts the request when this chunk ends it

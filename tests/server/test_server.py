@@ -483,7 +483,8 @@ def test_metrics_count_what_the_responses_report(server, client, model_id):
     """/metrics moves by exactly what the finished responses report in their usage: prompt, cached
     and completion tokens, finish reasons, one time-to-first-token and one latency observation
     each, the head's drafted and accepted tokens as the usage's mtplx field counts them; the
-    running gauge counts the rows while they decode, and afterwards nothing runs or waits. A request cancelled mid-stream runs, then counts as aborted,
+    running gauge counts the rows while they decode, the prompt cache's bytes are within its limit
+    and inside MLX's active memory, and afterwards nothing runs or waits. A request cancelled mid-stream runs, then counts as aborted,
     not as finished. The API key guards the route."""
     base, _ = server
     assert httpx.get(base + "/metrics").status_code == 401
@@ -525,6 +526,10 @@ def test_metrics_count_what_the_responses_report(server, client, model_id):
     usages, extras, reasons = zip(*(f.result() for f in futures))
     reasons = [r for rs in reasons for r in rs]
     assert max(running_seen) >= 2  # rows decoding together (measured here: 3 for most polls)
+    # The finished requests' caches went to the prompt cache (on by default), which MLX holds.
+    load = _metrics(base)
+    active, held = load[("mtplx_memory_active_bytes", ())], load[("mtplx_prompt_cache_bytes", ())]
+    assert 0 < held <= load[("mtplx_prompt_cache_capacity_bytes", ())] and active > held
     # One more, abandoned after its first chunk (as in the disconnect test): aborted, not finished.
     body = dict(
         model=model_id, messages=_messages("Go on and on."), max_tokens=200, temperature=0, stream=True
