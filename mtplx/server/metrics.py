@@ -2,7 +2,8 @@
 
 The names follow vLLM's (`vllm:num_requests_running`, `vllm:prompt_tokens_total`,
 `vllm:request_success_total{finished_reason}`, `vllm:time_to_first_token_seconds`,
-`vllm:e2e_request_latency_seconds`, `vllm:spec_decode_num_draft_tokens_total`, ...) with the
+`vllm:e2e_request_latency_seconds`, `vllm:spec_decode_num_draft_tokens_total`,
+`vllm:spec_decode_num_accepted_tokens_per_pos`, ...) with the
 prefix ``mtplx_``, so a dashboard built for one reads the other with a rename. Requests are
 counted when they finish (a finish reason, "stop" or "length"), from the same `GenerationStats`
 their usage reports, so the token counters equal the sum of the finished responses' usage;
@@ -97,6 +98,13 @@ class ServerMetrics:
         self.accepted_tokens = Counter(
             "mtplx_spec_decode_num_accepted_tokens", "Draft tokens accepted", ["drafter"], registry=r
         )
+        self.drafts = Counter("mtplx_spec_decode_num_drafts", "Cycles that verified drafts", registry=r)
+        self.accepted_per_position = Counter(
+            "mtplx_spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each draft position (1-based)",
+            ["position"],
+            registry=r,
+        )
 
     def observe(self, chunk: GenerationChunk) -> None:
         """Count a request that ended with ``chunk`` (other chunks are ignored)."""
@@ -113,6 +121,13 @@ class ServerMetrics:
         for drafter, counts in stats.drafters.items():
             self.draft_tokens.labels(drafter=drafter).inc(counts.get("drafted", 0))
             self.accepted_tokens.labels(drafter=drafter).inc(counts.get("accepted", 0))
+        if stats.drafted_per_position:
+            self.drafts.inc(stats.drafted_per_position[0])
+        for position, (rate, cycles) in enumerate(
+            zip(stats.acceptance_per_position, stats.drafted_per_position), start=1
+        ):
+            # The stats keep a rate over `cycles`; the count it came from is an integer.
+            self.accepted_per_position.labels(position=str(position)).inc(round(rate * cycles))
 
     def abort(self, reason: str) -> None:
         """A request that ended without a finish: "cancelled" (client gone), "timeout", "error"."""

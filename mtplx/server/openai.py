@@ -68,6 +68,7 @@ def decode_stats(stats: GenerationStats) -> dict:
         "cycles": stats.cycles,
         "tokens_per_cycle": stats.tokens_per_cycle,
         "acceptance_per_position": stats.acceptance_per_position,
+        "drafted_per_position": stats.drafted_per_position,  # the cycles each acceptance is over
         "cached_tokens": stats.cached_tokens,
         "prefilled_tokens": stats.prefilled_tokens,
         "prefill_seconds": stats.prefill_seconds,

@@ -560,6 +560,16 @@ def test_metrics_count_what_the_responses_report(server, client, model_id):
     for kind, name in [("drafted", "num_draft_tokens"), ("accepted", "num_accepted_tokens")]:
         counted = _delta(after, before, f"mtplx_spec_decode_{name}_total", drafter="head")
         assert counted == sum(h[kind] for h in head), kind
+    cycles = [e["drafted_per_position"] for e in extras]
+    assert _delta(after, before, "mtplx_spec_decode_num_drafts_total") == sum(c[0] for c in cycles if c)
+    per_position = [
+        _delta(after, before, "mtplx_spec_decode_num_accepted_tokens_per_pos_total", position=str(p))
+        for p in range(1, 1 + max(len(c) for c in cycles))
+    ]
+    # Counted per position, they add up to the drafters' own accepted counts; a later position is
+    # kept only after the earlier one.
+    assert sum(per_position) == sum(d["accepted"] for e in extras for d in e["drafters"].values())
+    assert per_position == sorted(per_position, reverse=True)
 
 
 def test_sampler_fields_reach_the_engine(client, engine, model_id):
