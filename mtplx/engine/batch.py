@@ -32,7 +32,9 @@ from mtplx.engine.session import CacheSession, open_session
 from mtplx.errors import MtplxError
 from mtplx.spec_decode.batch import BatchDecoder, PendingRow, RowsFailed, RowSpec
 from mtplx.spec_decode.draft_policy import DraftPolicy
+from mtplx.spec_decode.loop import PromptPrefix
 from mtplx.spec_decode.settings import DEFAULT_PREFILL_STEP
+from mtplx.trunk.prompt_cache import fork_prefix, held_positions, is_trimmable, reusable
 
 __all__ = ["BatchScheduler", "StepTiming"]
 
@@ -171,9 +173,13 @@ class BatchScheduler:
             return results
         waiting = [job for job in self._jobs.values() if job.row_id is None]
         budget = self.prefill_step_size
+        prefilled: list[PendingRow] = []  # this step's prefills, in order: what later ones may fork
         for job in waiting[: self.prompt_concurrency]:
             if budget <= 0:
                 break
+            pending = job.pending
+            self._share_prefix(job, prefilled)
+            prefilled.append(pending)
             try:
                 before = job.pending.remaining
                 ready = decoder.prefill(job.pending, budget)
@@ -204,6 +210,34 @@ class BatchScheduler:
             sum(len(step.tokens) for step in steps.values()),
         )
         return results
+
+    def _share_prefix(self, job: _Job, sources: Sequence[PendingRow]) -> None:
+        """Before ``job`` forwards its first prompt token: start it from copies of the caches of
+        the request in ``sources`` it shares the longest prefix with, where that beats what the
+        prompt cache gave it, so concurrent requests with a common prefix (an agent's parallel
+        calls over one conversation) forward it once. ``sources`` prefilled earlier in this step,
+        and each has forwarded its whole prompt but the last token: the budget goes to requests
+        in order, so a later one gets a turn only once the earlier ones are done. Only with the
+        prompt cache on and pure-KV caches (a recurrent state cannot be moved back)."""
+        pending = job.pending
+        if not self.engine.prompt_cache.max_bytes or not job.session.trimmable:
+            return
+        if pending.position != pending.prefix.start:
+            return  # it has started
+        with_head = pending.head_cache is not None
+        best, source = pending.prefix.start, None
+        for candidate in sources:
+            if not is_trimmable(candidate.trunk_cache) or (candidate.head_cache is not None) != with_head:
+                continue
+            held = held_positions(candidate.trunk_cache, candidate.head_cache)
+            shared = reusable(candidate.prompt_tokens, held, pending.prompt_tokens, with_head)
+            if shared > best:
+                best, source = shared, candidate
+        if source is not None:
+            pending.trunk_cache, pending.head_cache = fork_prefix(source.trunk_cache, source.head_cache, best)
+            pending.prefix = PromptPrefix(best)
+            pending.position = best
+            job.output.prefix_reused(best)
 
     def _feed(self, job: _Job, step) -> StepResult:
         job.session.record(step.tokens)

@@ -79,6 +79,12 @@ class RequestOutput:
     def stats(self) -> GenerationStats:
         return self.tracker.stats
 
+    def prefix_reused(self, cached_tokens: int) -> None:
+        """The prompt's first ``cached_tokens`` came from another request's caches after all."""
+        stats = self.tracker.stats
+        stats.cached_tokens = cached_tokens
+        stats.prefilled_tokens = stats.prompt_tokens - cached_tokens
+
     def feed(self, step: Step) -> GenerationChunk:
         """The chunk for ``step``'s tokens, up to the end of the request if it ends here."""
         assert not self.finished, "the request has ended"

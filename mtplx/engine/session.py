@@ -9,8 +9,7 @@ snapshotted by the loop's `PromptPrefix` hook when they hold all prompt position
 from __future__ import annotations
 
 from mtplx.spec_decode.loop import PromptPrefix
-from mtplx.trunk.compat import cache_leaves
-from mtplx.trunk.prompt_cache import PromptCache, is_trimmable
+from mtplx.trunk.prompt_cache import PromptCache, held_positions, is_trimmable
 
 __all__ = ["CacheSession", "open_session"]
 
@@ -50,8 +49,7 @@ class CacheSession:
         """The decode loop stopped between steps: its caches are consistent with ``tokens``."""
         if not self.trimmable or self.store.max_bytes == 0:
             return
-        caches = list(self.trunk_cache) + list(self.head_cache or [])
-        size = min(min((c.offset for c in cache_leaves(caches)), default=0), len(self.tokens))
+        size = min(held_positions(self.trunk_cache, self.head_cache), len(self.tokens))
         self.store.insert(self.tokens, size, self.trunk_cache, self.head_cache, copy=False)
 
 

@@ -145,6 +145,47 @@ def test_each_step_reports_its_cycle_rows_and_tokens(tiny_engine):
     assert widest == 3 and checked >= 3
 
 
+@pytest.fixture(scope="module")
+def mimo_dir(tmp_path_factory, default_model_dir):
+    path = tmp_path_factory.mktemp("shared") / "mimo"
+    checkpoints.mimo(path, seed=1)
+    checkpoints.copy_tokenizer(default_model_dir, path)
+    return path
+
+
+def _run_together(engine: Engine, prompts: list, request: GenerationRequest) -> list:
+    """Every prompt submitted at once; each request's (tokens, final stats)."""
+    scheduler = engine.batch(max_rows=4)
+    scheduler.prefill_step_size = 40  # the longest prompt prefills over several steps
+    handles = [scheduler.submit(p, request) for p in prompts]
+    chunks: dict[int, list] = {h: [] for h in handles}
+    while not scheduler.idle:
+        for r in scheduler.step():
+            chunks[r.handle].append(r.chunk)
+    return [([t for c in chunks[h] for t in c.token_ids], chunks[h][-1].stats) for h in handles]
+
+
+def test_concurrent_requests_with_a_shared_prefix_forward_it_once(mimo_dir):
+    """Submitted together, a request sharing a long prefix with one that prefills before it (over
+    several steps: the budget goes to requests in order) starts from a copy of that one's caches:
+    it forwards only the rest and reports the shared part as cached (the head needs one more
+    agreeing token, so 119 of the 120 shared), and it gives the tokens it gives alone. With the
+    prompt cache off nothing is shared (the negative control)."""
+    shared = [(5 * i) % 13 + 1 for i in range(120)]
+    prompts = [shared + [3, 9, 4], shared + [7, 2], shared[:50] + [11, 12]]
+    request = _req(max_tokens=8, temperature=0.0, draft="head")
+    alone = Engine.load(str(mimo_dir), mtp=True, depth=2)
+    expected = [alone.generate(p, request).token_ids for p in prompts]
+    with_cache = Engine.load(str(mimo_dir), mtp=True, depth=2, prompt_cache_bytes=1 << 30)
+    results = _run_together(with_cache, prompts, request)
+    assert [tokens for tokens, _ in results] == expected
+    assert [stats.cached_tokens for _, stats in results] == [0, 119, 49]
+    assert [stats.prefilled_tokens for _, stats in results] == [123, 3, 3]
+    results = _run_together(alone, prompts, request)  # prompt cache off
+    assert [tokens for tokens, _ in results] == expected
+    assert [stats.cached_tokens for _, stats in results] == [0, 0, 0]
+
+
 def test_a_cancelled_request_leaves_and_the_others_are_undisturbed(tiny_engine):
     requests = _mixed_requests(random.randrange(10_000))[:3]
     scheduler = tiny_engine.batch()
