@@ -6,8 +6,9 @@ once with the same long system prompt (new every round, so no earlier round's ca
 different short questions, ``--max-tokens`` each, and times the round. Servers, one at a time
 (`serve_concurrency.py`'s helpers; the stock server gets OpenBLAS by LD_PRELOAD):
 
-- ``mtplx``: `mtplx serve` as shipped (a request starts from a copy of the caches of one
-  prefilled before it in the same step, `BatchScheduler._share_prefix`);
+- ``mtplx``: `mtplx serve` as shipped (a prompt's caches enter the prompt cache when its request
+  is admitted, and a request looks again right before its prefill starts,
+  `BatchScheduler._reuse_prefix`);
 - ``mtplx-no-cache``: `mtplx serve --prompt-cache-bytes 0` (no prefix reuse of any kind);
 - ``stock``: `mlx_lm.server` with the concurrency benchmark's flags.
 

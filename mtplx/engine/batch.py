@@ -34,7 +34,6 @@ from mtplx.spec_decode.batch import BatchDecoder, PendingRow, RowsFailed, RowSpe
 from mtplx.spec_decode.draft_policy import DraftPolicy
 from mtplx.spec_decode.loop import PromptPrefix
 from mtplx.spec_decode.settings import DEFAULT_PREFILL_STEP
-from mtplx.trunk.prompt_cache import fork_prefix, held_positions, is_trimmable, reusable
 
 __all__ = ["BatchScheduler", "StepTiming"]
 
@@ -173,21 +172,21 @@ class BatchScheduler:
             return results
         waiting = [job for job in self._jobs.values() if job.row_id is None]
         budget = self.prefill_step_size
-        prefilled: list[PendingRow] = []  # this step's prefills, in order: what later ones may fork
         for job in waiting[: self.prompt_concurrency]:
             if budget <= 0:
                 break
             pending = job.pending
-            self._share_prefix(job, prefilled)
-            prefilled.append(pending)
+            if pending.position == pending.prefix.start:  # not started: the store may hold more now
+                self._reuse_prefix(job)
             try:
-                before = job.pending.remaining
-                ready = decoder.prefill(job.pending, budget)
-                budget -= before - job.pending.remaining
+                before = pending.remaining
+                ready = decoder.prefill(pending, budget)
+                budget -= before - pending.remaining
                 if ready and self.num_decoding < self.max_rows:
-                    job.row_id, first = decoder.admit(job.pending)
+                    job.row_id, first = decoder.admit(pending)
                     job.pending = None
                     budget -= 1
+                    job.session.store_prompt(pending.trunk_cache, pending.head_cache)
                     results.append(self._feed(job, first))
             except (MtplxError, ValueError) as err:  # ValueError: invalid values in the first draw
                 results.append(self._fail(job, err))
@@ -211,33 +210,21 @@ class BatchScheduler:
         )
         return results
 
-    def _share_prefix(self, job: _Job, sources: Sequence[PendingRow]) -> None:
-        """Before ``job`` forwards its first prompt token: start it from copies of the caches of
-        the request in ``sources`` it shares the longest prefix with, where that beats what the
-        prompt cache gave it, so concurrent requests with a common prefix (an agent's parallel
-        calls over one conversation) forward it once. ``sources`` prefilled earlier in this step,
-        and each has forwarded its whole prompt but the last token: the budget goes to requests
-        in order, so a later one gets a turn only once the earlier ones are done. Only with the
-        prompt cache on and pure-KV caches (a recurrent state cannot be moved back)."""
+    def _reuse_prefix(self, job: _Job) -> None:
+        """Before ``job`` forwards its first prompt token: start it from the prompt cache's caches
+        if they give more now than when it was planned. Requests prefilled since then are in the
+        store (`CacheSession.store_prompt`), so concurrent requests with a common prefix (an
+        agent's parallel calls over one conversation) forward it once."""
         pending = job.pending
-        if not self.engine.prompt_cache.max_bytes or not job.session.trimmable:
+        hit = job.session.better_prefix(pending.prefix.start)
+        if hit is None:
             return
-        if pending.position != pending.prefix.start:
-            return  # it has started
-        with_head = pending.head_cache is not None
-        best, source = pending.prefix.start, None
-        for candidate in sources:
-            if not is_trimmable(candidate.trunk_cache) or (candidate.head_cache is not None) != with_head:
-                continue
-            held = held_positions(candidate.trunk_cache, candidate.head_cache)
-            shared = reusable(candidate.prompt_tokens, held, pending.prompt_tokens, with_head)
-            if shared > best:
-                best, source = shared, candidate
-        if source is not None:
-            pending.trunk_cache, pending.head_cache = fork_prefix(source.trunk_cache, source.head_cache, best)
-            pending.prefix = PromptPrefix(best)
-            pending.position = best
-            job.output.prefix_reused(best)
+        pending.trunk_cache = hit.trunk_cache
+        if hit.head_cache is not None:
+            pending.head_cache = hit.head_cache
+        pending.prefix = PromptPrefix(hit.start)
+        pending.position = hit.start
+        job.output.prefix_reused(hit.start)
 
     def _feed(self, job: _Job, step) -> StepResult:
         job.session.record(step.tokens)

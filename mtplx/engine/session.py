@@ -9,7 +9,7 @@ snapshotted by the loop's `PromptPrefix` hook when they hold all prompt position
 from __future__ import annotations
 
 from mtplx.spec_decode.loop import PromptPrefix
-from mtplx.trunk.prompt_cache import PromptCache, held_positions, is_trimmable
+from mtplx.trunk.prompt_cache import CacheHit, PromptCache, held_positions, is_trimmable
 
 __all__ = ["CacheSession", "open_session"]
 
@@ -44,6 +44,26 @@ class CacheSession:
 
     def record(self, tokens: list[int]) -> None:
         self.tokens.extend(tokens)
+
+    def better_prefix(self, start: int) -> CacheHit | None:
+        """Caches holding more than ``start`` prompt positions, if the store has them by now (a
+        request prefilled since this one was planned); None otherwise. Pure-KV caches only."""
+        if not self.trimmable or self.store.max_bytes == 0:
+            return None
+        with_head = self.head_cache is not None
+        if self.store.longest(self.prompt_tokens, with_head) <= start:
+            return None
+        return self.store.lookup(self.prompt_tokens, with_head)
+
+    def store_prompt(self, trunk_cache: list, head_cache: list | None) -> None:
+        """The prompt's caches, just prefilled, go into the store now (no copy: the caller is done
+        with them), so requests that arrive while this one decodes start from them; the caches it
+        ends with replace them (`finish`). Pure-KV caches only: the others are snapshotted."""
+        if not self.trimmable or self.store.max_bytes == 0:
+            return
+        head_cache = head_cache if self.head_cache is not None else None
+        size = min(held_positions(trunk_cache, head_cache), len(self.prompt_tokens))
+        self.store.insert(self.prompt_tokens, size, trunk_cache, head_cache, copy=False)
 
     def finish(self) -> None:
         """The decode loop stopped between steps: its caches are consistent with ``tokens``."""

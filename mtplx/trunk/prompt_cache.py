@@ -43,10 +43,8 @@ __all__ = [
     "PromptCache",
     "cache_nbytes",
     "copy_cache",
-    "fork_prefix",
     "held_positions",
     "is_trimmable",
-    "reusable",
 ]
 
 # What `mtplx serve` and `mtplx chat` keep unless told otherwise.
@@ -63,7 +61,7 @@ def cache_nbytes(cache: list) -> int:
     return sum(c.nbytes for c in cache_leaves(cache))
 
 
-def reusable(tokens: Sequence[int], size: int, prompt: Sequence[int], with_head: bool) -> int:
+def _reusable(tokens: Sequence[int], size: int, prompt: Sequence[int], with_head: bool) -> int:
     """Positions of caches built from ``tokens`` and holding ``size`` of them that ``prompt`` can
     start from (the module docstring: the head needs one more agreeing token, and one prompt token
     is always left to forward)."""
@@ -77,7 +75,7 @@ def held_positions(trunk_cache: list, head_cache: list | None) -> int:
     return min((c.offset for c in cache_leaves(caches)), default=0)
 
 
-def fork_prefix(trunk_cache: list, head_cache: list | None, size: int) -> tuple[list, list | None]:
+def _fork_prefix(trunk_cache: list, head_cache: list | None, size: int) -> tuple[list, list | None]:
     """Copies of trimmable caches holding their first ``size`` positions (the originals go on)."""
     trunk = copy_cache(trunk_cache)
     _trim_to(trunk, size)
@@ -146,10 +144,14 @@ class PromptCache:
     def _usable(self, entry: _Entry, prompt: list[int], with_head: bool) -> int:
         if with_head and entry.head_cache is None:
             return 0
-        usable = reusable(entry.tokens, entry.size, prompt, with_head)
+        usable = _reusable(entry.tokens, entry.size, prompt, with_head)
         if not entry.trimmable and usable < entry.size:
             return 0
         return usable
+
+    def longest(self, prompt: list[int], with_head: bool) -> int:
+        """Positions of ``prompt`` the best entry would give `lookup` (nothing is copied or moved)."""
+        return max((self._usable(e, prompt, with_head) for e in self._entries.values()), default=0)
 
     def lookup(self, prompt: list[int], with_head: bool) -> CacheHit | None:
         """Copies of the caches of the longest reusable prefix of ``prompt``, or None."""
@@ -164,7 +166,7 @@ class PromptCache:
         self._entries.move_to_end(best_id)
         head_cache = entry.head_cache if with_head else None
         if entry.trimmable:
-            trunk_cache, head_cache = fork_prefix(entry.trunk_cache, head_cache, best)
+            trunk_cache, head_cache = _fork_prefix(entry.trunk_cache, head_cache, best)
         else:
             trunk_cache = copy_cache(entry.trunk_cache)
             head_cache = copy_cache(head_cache) if head_cache is not None else None

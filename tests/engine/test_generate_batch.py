@@ -186,6 +186,24 @@ def test_concurrent_requests_with_a_shared_prefix_forward_it_once(mimo_dir):
     assert [stats.cached_tokens for _, stats in results] == [0, 0, 0]
 
 
+def test_a_request_arriving_while_another_decodes_starts_from_its_prompt(mimo_dir):
+    """The prompt's caches go into the prompt cache when its request is admitted, not only when it
+    ends: a request submitted while the first one decodes reuses the shared prefix."""
+    shared = [(7 * i) % 11 + 1 for i in range(90)]
+    request = _req(max_tokens=12, temperature=0.0, draft="head")
+    engine = Engine.load(str(mimo_dir), mtp=True, depth=2, prompt_cache_bytes=1 << 30)
+    scheduler = engine.batch(max_rows=4)
+    first = scheduler.submit(shared + [2, 4], request)
+    scheduler.step()  # prefilled and admitted: decoding from here
+    assert scheduler.num_decoding == 1
+    late = scheduler.submit(shared + [5], request)
+    stats = {}
+    while not scheduler.idle:
+        for r in scheduler.step():
+            stats[r.handle] = r.chunk.stats
+    assert stats[first].cached_tokens == 0 and stats[late].cached_tokens == 89
+
+
 def test_a_cancelled_request_leaves_and_the_others_are_undisturbed(tiny_engine):
     requests = _mixed_requests(random.randrange(10_000))[:3]
     scheduler = tiny_engine.batch()
