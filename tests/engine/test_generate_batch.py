@@ -134,7 +134,6 @@ def test_each_step_reports_its_cycle_rows_and_tokens(tiny_engine):
         decoding = scheduler.num_decoding
         results = scheduler.step()
         timing = scheduler.last_timing
-        assert 0.0 < timing.cycle_seconds <= timing.seconds
         assert timing.draft_length == 2
         widest = max(widest, timing.rows)
         if not any(r.done for r in results):

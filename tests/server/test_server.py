@@ -554,7 +554,6 @@ def test_metrics_count_what_the_responses_report(server, client, model_id):
     assert _delta(after, before, "mtplx_request_aborted_total", reason="cancelled") == 1
     assert _delta(after, before, "mtplx_time_to_first_token_seconds_count") == 3
     assert _delta(after, before, "mtplx_e2e_request_latency_seconds_count") == 3
-    assert _delta(after, before, "mtplx_e2e_request_latency_seconds_sum") > 0
     head = [extra["drafters"].get("head", {"drafted": 0, "accepted": 0}) for extra in extras]
     assert sum(h["drafted"] for h in head) > 0  # the seeded request drafted
     for kind, name in [("drafted", "num_draft_tokens"), ("accepted", "num_accepted_tokens")]:
