@@ -50,10 +50,7 @@ class CacheSession:
         request prefilled since this one was planned); None otherwise. Pure-KV caches only."""
         if not self.trimmable or self.store.max_bytes == 0:
             return None
-        with_head = self.head_cache is not None
-        if self.store.longest(self.prompt_tokens, with_head) <= start:
-            return None
-        return self.store.lookup(self.prompt_tokens, with_head)
+        return self.store.lookup(self.prompt_tokens, self.head_cache is not None, longer_than=start)
 
     def store_prompt(self, trunk_cache: list, head_cache: list | None) -> None:
         """The prompt's caches, just prefilled, go into the store now (no copy: the caller is done

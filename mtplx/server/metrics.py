@@ -38,14 +38,11 @@ _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
 class WorkerLoad(Protocol):
     """What the gauges read (`mtplx.server.worker.GenerationWorker`)."""
 
-    @property
-    def running(self) -> int: ...  # requests decoding (batch rows, or the one served alone)
+    running: int  # requests decoding (batch rows, and the one served alone)
+    memory: tuple[int, int, int]  # MLX active bytes, prompt cache bytes, its limit
 
     @property
     def waiting(self) -> int: ...  # requests queued or prefilling
-
-    @property
-    def memory(self) -> tuple[int, int, int]: ...  # MLX active bytes, prompt cache bytes, its capacity
 
 
 class ServerMetrics:

@@ -95,10 +95,10 @@ class GenerationWorker:
         self._thread = threading.Thread(target=self._run, name="mtplx-generation", daemon=True)
         self._active: dict[int, Job] = {}  # scheduler handle -> job, in flight
         self.busy = False
-        # Load, as the generation thread last saw it (read by /metrics from other threads).
-        self._decoding = 0  # batch rows decoding, plus the job served alone (if one is)
+        # Load, as the generation thread last saw it between cycles (/metrics reads it from others).
+        self.running = 0  # batch rows decoding, plus the job served alone (if one is)
         self._prefilling = 0  # jobs in the batch still prefilling
-        self._memory = (0, 0, engine.prompt_cache.max_bytes)  # see `memory`
+        self.memory = (0, 0, engine.prompt_cache.max_bytes)  # MLX active bytes, prompt cache bytes, its limit
         self.metrics = ServerMetrics(self)
 
     def start(self) -> None:
@@ -122,23 +122,14 @@ class GenerationWorker:
         return self._queue.qsize()
 
     @property
-    def running(self) -> int:
-        return self._decoding
-
-    @property
     def waiting(self) -> int:
         return self.queued + self._prefilling
 
-    @property
-    def memory(self) -> tuple[int, int, int]:
-        """(MLX active bytes, prompt cache bytes, its capacity), as of the last cycle."""
-        return self._memory
-
     def _note_load(self, scheduler) -> None:
         """Publish the load for /metrics (the prompt cache is not thread-safe: read it here)."""
-        self._decoding, self._prefilling = scheduler.num_decoding, scheduler.num_waiting
+        self.running, self._prefilling = scheduler.num_decoding, scheduler.num_waiting
         cache = self.engine.prompt_cache
-        self._memory = (mx.get_active_memory(), cache.nbytes, cache.max_bytes)
+        self.memory = (mx.get_active_memory(), cache.nbytes, cache.max_bytes)
 
     def submit(self, job: Job) -> None:
         try:
@@ -188,7 +179,7 @@ class GenerationWorker:
             alone_is_free = job.request.grammar is not None and not self._active and self._queue.empty()
             if alone_is_free or self.engine.batch_refusal(job.request) is not None:
                 self.busy = True
-                self._decoding += 1  # the batch's rows wait meanwhile
+                self.running += 1  # the batch's rows wait meanwhile
                 try:
                     self._serve_alone(job)
                 finally:

@@ -31,7 +31,6 @@ longest-prefix entry; the data structure here is our own.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mtplx.errors import MtplxError
@@ -61,29 +60,10 @@ def cache_nbytes(cache: list) -> int:
     return sum(c.nbytes for c in cache_leaves(cache))
 
 
-def _reusable(tokens: Sequence[int], size: int, prompt: Sequence[int], with_head: bool) -> int:
-    """Positions of caches built from ``tokens`` and holding ``size`` of them that ``prompt`` can
-    start from (the module docstring: the head needs one more agreeing token, and one prompt token
-    is always left to forward)."""
-    match = _common_prefix(tokens, prompt)
-    return max(min(size, match - 1 if with_head else match, len(prompt) - 1), 0)
-
-
 def held_positions(trunk_cache: list, head_cache: list | None) -> int:
     """Positions every cache holds (the head's pair i needs token i + 1, so it may hold fewer)."""
     caches = list(trunk_cache) + list(head_cache or [])
     return min((c.offset for c in cache_leaves(caches)), default=0)
-
-
-def _fork_prefix(trunk_cache: list, head_cache: list | None, size: int) -> tuple[list, list | None]:
-    """Copies of trimmable caches holding their first ``size`` positions (the originals go on)."""
-    trunk = copy_cache(trunk_cache)
-    _trim_to(trunk, size)
-    head = None
-    if head_cache is not None:
-        head = copy_cache(head_cache)
-        _trim_to(head, size)
-    return trunk, head
 
 
 def _trim_to(cache: list, size: int) -> None:
@@ -91,7 +71,7 @@ def _trim_to(cache: list, size: int) -> None:
         c.trim(c.offset - size)  # offset becomes size (KV caches only: is_trimmable)
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:
@@ -144,18 +124,16 @@ class PromptCache:
     def _usable(self, entry: _Entry, prompt: list[int], with_head: bool) -> int:
         if with_head and entry.head_cache is None:
             return 0
-        usable = _reusable(entry.tokens, entry.size, prompt, with_head)
+        match = _common_prefix(entry.tokens, prompt)
+        usable = min(entry.size, match - 1 if with_head else match, len(prompt) - 1)
         if not entry.trimmable and usable < entry.size:
             return 0
-        return usable
+        return max(usable, 0)
 
-    def longest(self, prompt: list[int], with_head: bool) -> int:
-        """Positions of ``prompt`` the best entry would give `lookup` (nothing is copied or moved)."""
-        return max((self._usable(e, prompt, with_head) for e in self._entries.values()), default=0)
-
-    def lookup(self, prompt: list[int], with_head: bool) -> CacheHit | None:
-        """Copies of the caches of the longest reusable prefix of ``prompt``, or None."""
-        best_id, best = None, 0
+    def lookup(self, prompt: list[int], with_head: bool, longer_than: int = 0) -> CacheHit | None:
+        """Copies of the caches of the longest reusable prefix of ``prompt`` if it holds more than
+        ``longer_than`` positions, else None (nothing copied)."""
+        best_id, best = None, longer_than
         for entry_id, entry in self._entries.items():
             usable = self._usable(entry, prompt, with_head)
             if usable > best:
@@ -164,12 +142,12 @@ class PromptCache:
             return None
         entry = self._entries[best_id]
         self._entries.move_to_end(best_id)
-        head_cache = entry.head_cache if with_head else None
+        trunk_cache = copy_cache(entry.trunk_cache)
+        head_cache = copy_cache(entry.head_cache) if with_head else None
         if entry.trimmable:
-            trunk_cache, head_cache = _fork_prefix(entry.trunk_cache, head_cache, best)
-        else:
-            trunk_cache = copy_cache(entry.trunk_cache)
-            head_cache = copy_cache(head_cache) if head_cache is not None else None
+            _trim_to(trunk_cache, best)
+            if head_cache is not None:
+                _trim_to(head_cache, best)
         return CacheHit(trunk_cache, head_cache, best)
 
     def insert(
