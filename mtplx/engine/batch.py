@@ -12,8 +12,8 @@ and returns each request's new `GenerationChunk` (from `RequestOutput`, the same
 single stream). Requests that end (EOS, stop string, max_tokens) or are cancelled leave before
 the next cycle, their caches going to the prompt cache as a single stream's do.
 
-A grammar request (``request.grammar``) joins as a constrained AR row: its matcher is compiled here,
-it drafts nothing, and each cycle masks its one position (`BatchDecoder.start`'s ``constraint``).
+A grammar request (``request.grammar``) joins like any other: its matcher is compiled here and the
+row speculates under it (`mtplx.spec_decode.batch`, "Grammar rows": forced tokens, masked drafts).
 A request runs here when `Engine.batch_refusal` has nothing against it: a draft model, the
 adaptive gate or a sharded engine need the single-stream loop (`Engine.stream`), and so do
 models whose caches cannot be batched (sliding-window, quantized KV; heads that read the trunk's
@@ -110,10 +110,10 @@ class BatchScheduler:
         if refusal is not None:
             raise MtplxError(f"batched decoding: {refusal}")
         decoder = self._decoder_for_engine()
-        # A grammar row decodes as constrained AR in the batch (`BatchDecoder.start`): no drafter.
+        # A grammar row speculates in the batch like any other (`BatchDecoder`, "Grammar rows").
         # Compiled before any cache is taken: a grammar this tokenizer cannot serve fails here.
         constraint = engine.compile_grammar(request.grammar) if request.grammar is not None else None
-        row_drafter = "none" if constraint is not None else plan.row_drafter
+        row_drafter = plan.row_drafter
         with_head = row_drafter in ("head", "auto")
         session = open_session(engine.prompt_cache, engine.trunk, engine.head, plan.prompt_tokens, with_head)
         pending = decoder.start(

@@ -14,8 +14,7 @@ A job the batch cannot serve (`Engine.batch_refusal`: a draft model, the adaptiv
 sharded engine, a model whose caches do not batch) is served alone through `Engine.stream`
 when it comes up, the batched rows pausing meanwhile, exactly as the first-in first-out
 worker served every job before batching. A grammar job (response_format, tools) joins the batch
-as constrained AR (no drafts) when other jobs are in flight or queued, and is served alone,
-speculating, when it is the only one.
+and speculates there (forced tokens, masked drafts), whatever else is in flight.
 """
 
 from __future__ import annotations
@@ -174,10 +173,7 @@ class GenerationWorker:
                 job.emit(JobTimeout())
                 job.emit(Finished())
                 continue
-            # A grammar request decodes in the batch as constrained AR; with nothing else to
-            # serve it runs alone instead, where it speculates (masked head drafts).
-            alone_is_free = job.request.grammar is not None and not self._active and self._queue.empty()
-            if alone_is_free or self.engine.batch_refusal(job.request) is not None:
+            if self.engine.batch_refusal(job.request) is not None:
                 self.busy = True
                 self.running += 1  # the batch's rows wait meanwhile
                 try:

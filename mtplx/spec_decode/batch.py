@@ -19,10 +19,18 @@ One cycle (`BatchDecoder.step`), for all rows at once:
   4. one host sync for every group's verdict and validity flag; then per row: caches keep
      n_r + 1 positions (`BatchCache.commit_block`), the head its true pairs, lookup adapts.
 
-A row may carry a *grammar* (`start`'s ``constraint``): it then drafts nothing, and its one
-sampled position per cycle is masked by the grammar after its committed text (constrained AR; the
-mask is computed on the host between cycles, so the cycle keeps its one sync). Speculation under a
-grammar (masked head drafts, cut lookup drafts, a mask per draft position) runs single-stream.
+Grammar rows (`start`'s ``constraint``) speculate in the batch (docs/sampling.md, "Grammar mask";
+every position the target verifies is masked with the grammar's mask after the draft prefix
+before it, so any q stays exact):
+  - tokens the grammar forces after the committed text (llguidance's fast-forward tokens) are
+    drafted first, as point masses: where the mask allows only that token its masked target
+    probability is 1, so verify keeps it (JSON keys, braces, tool-call syntax in one cycle);
+  - else a lookup match, cut to its legal prefix (exact for point masses);
+  - else the head chain: the first draft from the head's masked distribution (its mask, after the
+    committed text, is computed between cycles), later drafts unmasked (an illegal one has p = 0
+    and is rejected, exactly). The verify masks need the head's drafts on the host: one extra read
+    per cycle, taken after the trunk forward is queued so llguidance computes the masks while it
+    runs (`Step.grammar_reads`).
 
 A row may carry a *trunk tap* (`start`'s ``trunk_tap``): it sees the trunk's output at every
 position the row commits, prompt included, and nothing else (forge records its training data
@@ -75,6 +83,8 @@ __all__ = ["BATCH_DRAFTERS", "BatchDecoder", "BatchRow", "PendingRow", "RowSpec"
 TrunkTap = Callable[[TrunkOutput], None]
 
 BATCH_DRAFTERS = ("none", "lookup", "head", "auto")  # "auto": lookup where the text recurs, else the head
+# Most grammar-forced tokens a row drafts in one cycle (they widen every row's block, so bounded).
+MAX_FORCED = 8
 
 
 @dataclass(frozen=True)
@@ -228,11 +238,9 @@ class BatchDecoder:
         j+1 was drawn from. To add no host sync, the tap leaves what it derives lazy or queues it
         (``mx.async_eval``) and reads it back after a later sync; it must not evaluate it at once.
 
-        ``constraint``: the row's grammar (a fresh `GrammarConstraint`). Such a row drafts nothing
-        (drafter "none"): each cycle its one sampled position is masked by the grammar after its
-        committed text, a mask the host computes between cycles, so the cycle keeps its one sync
-        (constrained AR, exact as `loop.ar_decode` with the same constraint). A complete grammar
-        ends the row's tokens (`Step.grammar_done`).
+        ``constraint``: the row's grammar (a fresh `GrammarConstraint`). Such a row speculates
+        like any other (the module docstring, "Grammar rows"); with drafter "none" it decodes as
+        constrained AR. A complete grammar ends the row's tokens (`Step.grammar_done`).
         """
         if spec.drafter not in BATCH_DRAFTERS:
             raise MtplxError(
@@ -240,8 +248,6 @@ class BatchDecoder:
             )
         if spec.drafter == "head" and self.head is None:
             raise MtplxError("batched decoding: drafter 'head' needs an MTP head")
-        if constraint is not None and spec.drafter != "none":
-            raise MtplxError("batched decoding: a grammar-constrained row drafts nothing (drafter 'none')")
         prefix = prefix if prefix is not None else PromptPrefix()
         if not 0 <= prefix.start < len(prompt_tokens):
             raise MtplxError(
@@ -391,20 +397,23 @@ class BatchDecoder:
         return row.draft_length if row.draft_length is not None else row.spec.settings.depth
 
     def _draft_caps(
-        self, rows: Sequence[BatchRow], found: Sequence[list[int]], timed: bool
+        self, rows: Sequence[BatchRow], found: Sequence[list[int]], forced: Sequence[list[int]], timed: bool
     ) -> tuple[list[int], list[DraftOffer | None]]:
         """Each row's most drafts this cycle: the policy's K for rows without a pinned length
         (`DraftPolicy`; ``timed``: this cycle's seconds will calibrate it), no cap for pinned rows
-        or without a policy; and what each row offered the policy (None: nothing, or no policy)."""
+        or without a policy; and what each row offered the policy (None: nothing, or no policy; a
+        row drafting grammar-forced tokens offers nothing, its drafts are not the policy's)."""
         unlimited = [MAX_DEPTH + 64] * len(rows)
         if self.policy is None:
             return unlimited, [None] * len(rows)
         free = [r.draft_length is None for r in rows]
         offers: list[DraftOffer | None] = []
-        for row, f, is_free in zip(rows, found, free):
-            if is_free and f:
+        for row, f, g, is_free in zip(rows, found, forced, free):
+            if not is_free or g:
+                offers.append(None)
+            elif f:
                 offers.append(DraftOffer(row.acceptance["lookup"], len(f)))
-            elif is_free and self.chain is not None and row.uses_head:
+            elif self.chain is not None and row.uses_head:
                 offers.append(DraftOffer(row.acceptance["head"], self._head_length(row)))
             else:
                 offers.append(None)
@@ -412,90 +421,176 @@ class BatchDecoder:
         return [k if is_free else cap for is_free, cap in zip(free, unlimited)], offers
 
     def step(self) -> dict[int, Step]:
-        """One cycle for every row: {row id: the Step it committed}. Raises RowsFailed (cycle undone)."""
+        """One cycle for every row: {row id: the Step it committed}. Raises RowsFailed (cycle undone).
+
+        draft -> one trunk forward -> verify (grammar rows masked) -> the one sync -> commit."""
         rows = self.rows
         if not rows:
             return {}
         started = time.perf_counter()
-        draft_keys: list[mx.array | None] = []
-        accept_keys: list[mx.array | None] = []
-        sample_keys: list[mx.array] = []
-        for row in rows:
-            if row.spec.drafter == "none":
-                row.key, sample_key = _split_key(row.key)
-                draft_keys.append(None)
-                accept_keys.append(None)
-            else:
-                row.key, draft_key, accept_key, sample_key = mx.random.split(row.key, 4)
-                draft_keys.append(draft_key)
-                accept_keys.append(accept_key)
-            sample_keys.append(sample_key)
-
-        # 1. Drafts: lookup on the host, then the head chain for the rows without a match.
-        found = [row.lookup.find(row.history) if row.lookup is not None else [] for row in rows]
-        timed, self._rows_moved = not self._rows_moved, False
-        caps, offers = self._draft_caps(rows, found, timed)
-        found = [f[:cap] for f, cap in zip(found, caps)]
-        use_head = [
-            self.chain is not None and row.uses_head and not f and cap > 0
-            for row, f, cap in zip(rows, found, caps)
-        ]
-        lengths = [
-            len(f) if f else (min(self._head_length(row), cap) if h else 0)
-            for row, f, h, cap in zip(rows, found, use_head, caps)
-        ]
-        width = max(lengths)
-        host_drafts = [f + [0] * (width - len(f)) for f in found]
-        draft_tokens = mx.array(host_drafts, dtype=mx.int32).reshape(len(rows), width)
-        head_probs = None
-        flags: list[mx.array] = []
-        if any(use_head):
-            depth = max(n for n, h in zip(lengths, use_head) if h)
-            uniforms = [
-                padded_uniforms(row.spec.settings.depth, depth, key) for row, key in zip(rows, draft_keys)
-            ]
-            head_tokens, head_probs, head_invalid = self.chain.draft(rows, depth, uniforms)
-            flags.append(head_invalid)
-            head_tokens = pad_time(head_tokens, width)
-            head_mask = mx.array(use_head)[:, None]
-            draft_tokens = mx.where(head_mask, head_tokens, draft_tokens)
-        pending = mx.array([[row.pending] for row in rows], dtype=mx.int32)
-        block = mx.concatenate([pending, draft_tokens], axis=1)
-
-        # 2. One trunk forward; 3. verify per group; 4. one sync.
         mask_marks = [row.constraint.mask_seconds if row.constraint is not None else 0.0 for row in rows]
-        capture = self.cache.begin_block(width + 1)
+        keys = [_cycle_keys(row) for row in rows]
+        timed, self._rows_moved = not self._rows_moved, False
+        block = self._draft(rows, keys, timed)
+        capture = self.cache.begin_block(block.width + 1)
         try:
-            output = self.trunk(block, self.cache.layers)
-            groups = self._verify(
-                rows, output.logits, draft_tokens, head_probs, lengths, use_head, accept_keys, sample_keys
-            )
-            mx.eval(block, [(g.num_accepted, g.next_token, g.accept_probs, g.invalid) for g in groups], flags)
-            self._raise_if_invalid(rows, groups, flags)
+            output = self.trunk(block.tokens, self.cache.layers)
+            masks = self._verify_masks(rows, block, output)
+            groups = self._verify(rows, output.logits, block, masks, keys)
+            verdicts = [(g.num_accepted, g.next_token, g.accept_probs, g.invalid) for g in groups]
+            mx.eval(block.tokens, verdicts, block.flags)  # the cycle's one sync
+            self._raise_if_invalid(rows, groups, block.flags)
         except BaseException:
             self.cache.abort_block(capture)
             raise
-        num_accepted = [0] * len(rows)
-        next_token = [0] * len(rows)
-        accept_probs: list[list[float]] = [[] for _ in rows]
-        for g in groups:
-            for j, (n, t, probs) in enumerate(
-                zip(g.num_accepted.tolist(), g.next_token.tolist(), g.accept_probs.tolist())
-            ):
-                i = g.index[j]
-                num_accepted[i], next_token[i], accept_probs[i] = n, t, probs
-        self.cache.commit_block(capture, [n + 1 for n in num_accepted])
+        verdicts = _Verdicts.gather(groups, len(rows))
+        self.cache.commit_block(capture, [n + 1 for n in verdicts.num_accepted])
         if self.policy is not None and timed:  # the cycle's cost, up to its one sync and commit
-            self.policy.observe_cycle(len(rows), width, time.perf_counter() - started)
+            self.policy.observe_cycle(len(rows), block.width, time.perf_counter() - started)
+        return self._commit(rows, block, output, verdicts, mask_marks)
 
-        block_rows = block.tolist()
+    # ------------------------------------------------------------------ the cycle's stages
+    def _draft(self, rows: Sequence[BatchRow], keys: Sequence[_CycleKeys], timed: bool) -> _Block:
+        """Every row's drafts for this cycle (lazy where the head draws them).
+
+        Per row, first match wins: tokens its grammar forces (point masses, no policy cap), a
+        prompt-lookup match (cut to the policy's cap, and for a grammar row to its legal prefix:
+        exact for point masses), else the head chain up to min(its length, cap)."""
+        forced = [
+            row.constraint.forced_tokens(MAX_FORCED)
+            if row.constraint is not None and row.spec.drafter != "none"
+            else []
+            for row in rows
+        ]
+        found = [
+            row.lookup.find(row.history) if row.lookup is not None and not g else []
+            for row, g in zip(rows, forced)
+        ]
+        caps, offers = self._draft_caps(rows, found, forced, timed)
+        found = [f[:cap] for f, cap in zip(found, caps)]
+        found = [
+            f[: row.constraint.legal_prefix(f)] if row.constraint is not None and f else f
+            for row, f in zip(rows, found)
+        ]
+        kinds, host_drafts, lengths = [], [], []
+        for row, g, f, cap in zip(rows, forced, found, caps):
+            if g or f:
+                kinds.append("grammar" if g else "lookup")
+                host_drafts.append(g or f)
+                lengths.append(len(g or f))
+            elif self.chain is not None and row.uses_head and cap > 0:
+                kinds.append("head")
+                host_drafts.append([])
+                lengths.append(min(self._head_length(row), cap))
+            else:
+                kinds.append("")
+                host_drafts.append([])
+                lengths.append(0)
+        width = max(lengths)
+        draft_tokens = mx.array([d + [0] * (width - len(d)) for d in host_drafts], dtype=mx.int32)
+        draft_tokens = draft_tokens.reshape(len(rows), width)
+        block = _Block(kinds, lengths, host_drafts, offers, width, draft_tokens)
+        if "head" in kinds:
+            self._head_drafts(rows, keys, block)
+        pending = mx.array([[row.pending] for row in rows], dtype=mx.int32)
+        block.tokens = mx.concatenate([pending, block.drafts], axis=1)
+        return block
+
+    def _head_drafts(self, rows: Sequence[BatchRow], keys: Sequence[_CycleKeys], block: _Block) -> None:
+        """The head chain for every row at once; the rows drafting with it take its tokens and q.
+        A grammar row's first draft is drawn from the head's masked distribution (its mask after
+        the committed text, computed between cycles: no host read)."""
+        use_head = [kind == "head" for kind in block.kinds]
+        depth = max(n for n, h in zip(block.lengths, use_head) if h)
+        uniforms = [padded_uniforms(row.spec.settings.depth, depth, k.draft) for row, k in zip(rows, keys)]
+        first_allowed = None
+        if any(row.constraint is not None and h for row, h in zip(rows, use_head)):
+            first_allowed = mx.stack(
+                [
+                    row.constraint.mask_after() if row.constraint is not None and h else self._all_allowed()
+                    for row, h in zip(rows, use_head)
+                ]
+            )
+        head_tokens, block.head_probs, head_invalid = self.chain.draft(rows, depth, uniforms, first_allowed)
+        block.flags.append(head_invalid)
+        block.drafts = mx.where(mx.array(use_head)[:, None], pad_time(head_tokens, block.width), block.drafts)
+
+    def _all_allowed(self) -> mx.array:
+        return mx.ones((int(self.trunk.vocab_size),), dtype=mx.bool_)
+
+    def _verify_masks(self, rows: Sequence[BatchRow], block: _Block, output: TrunkOutput) -> list | None:
+        """Each row's grammar masks over its verify positions, bool [k_r + 1, V] (None for a free
+        row); None when no row has a grammar. A grammar row's head drafts are read to the host here
+        (the cycle's one extra read, `Step.grammar_reads`), after the trunk forward is queued, so
+        llguidance computes the masks while the forward runs."""
+        if all(row.constraint is None for row in rows):
+            return None
+        if any(row.constraint is not None and kind == "head" for row, kind in zip(rows, block.kinds)):
+            mx.async_eval(output.logits)
+            on_host = block.drafts.tolist()
+            for i, (row, kind) in enumerate(zip(rows, block.kinds)):
+                if row.constraint is not None and kind == "head":
+                    block.host_drafts[i] = on_host[i][: block.lengths[i]]
+                    block.grammar_reads[i] = 1
+        return _grammar_masks(rows, block.host_drafts)
+
+    def _verify(
+        self,
+        rows: Sequence[BatchRow],
+        target_logits: mx.array,  # [B, K+1, V]
+        block: _Block,
+        masks: list | None,  # per row: bool [k_r + 1, V] or None (`_verify_masks`)
+        keys: Sequence[_CycleKeys],
+    ) -> list[_Group]:
+        """`rejection.verify` per group of rows sharing (sampler, k_r, q or point masses, backend),
+        after each row's penalties and grammar mask (the logit pipeline's order)."""
+        groups: list[_Group] = []
+
+        def group_key(i: int):
+            settings = rows[i].spec.settings
+            return settings.sampler, block.lengths[i], block.kinds[i] == "head", settings.verify_backend
+
+        for (cfg, k, with_q, backend), index in groups_by(range(len(rows)), group_key).items():
+            sel = mx.array(index, dtype=mx.int32)
+            logits = target_logits[sel, : k + 1]
+            drafts = block.drafts[sel, :k]
+            if cfg.has_penalties:
+                context = left_padded([rows[i].history for i in index])
+                logits = sample_ops.penalize_logits(logits, context, cfg, drafts)
+            if masks is not None and any(masks[i] is not None for i in index):
+                allowed = [masks[i] if masks[i] is not None else self._all_allowed()[None] for i in index]
+                logits = sample_ops.mask_logits(logits, mx.stack([_rows(a, k + 1) for a in allowed]))
+            sample_u = mx.concatenate([sample_ops.draw_uniforms((1,), keys[i].sample) for i in index])
+            if k == 0:
+                drawn = sample_ops.sample(logits[:, 0, :], cfg, sample_u, backend=backend)
+                zeros = mx.zeros((len(index),), dtype=mx.int32)
+                groups.append(_Group(index, zeros, drawn.tokens, mx.zeros((len(index), 0)), drawn.invalid))
+                continue
+            probs = block.head_probs[sel, :k] if with_q and block.head_probs is not None else None
+            accept_u = mx.concatenate([sample_ops.draw_uniforms((1, k), keys[i].accept) for i in index])
+            result = rejection.verify(logits, drafts, probs, cfg, accept_u, sample_u, backend=backend)
+            groups.append(
+                _Group(index, result.num_accepted, result.next_token, result.accept_probs, result.invalid)
+            )
+        return groups
+
+    def _commit(
+        self,
+        rows: Sequence[BatchRow],
+        block: _Block,
+        output: TrunkOutput,
+        verdicts: _Verdicts,
+        mask_marks: Sequence[float],
+    ) -> dict[int, Step]:
+        """Per row, after the sync: its committed tokens, the head's true pairs, lookup's length,
+        the acceptance records, the tap, logprobs and the grammar's advance, as its Step."""
+        block_rows = block.tokens.tolist()
         hidden = trunk_hidden(output, self.head) if self.head is not None else None
         steps: dict[int, Step] = {}
         for i, row in enumerate(rows):
-            n, k = num_accepted[i], lengths[i]
-            committed = block_rows[i][1 : n + 1] + [next_token[i]]
-            drafter = "head" if use_head[i] else "lookup"
-            source = () if k == 0 else ((drafter, k),)
+            n, k, kind = verdicts.num_accepted[i], block.lengths[i], block.kinds[i]
+            committed = block_rows[i][1 : n + 1] + [verdicts.next_token[i]]
+            source = () if k == 0 else ((kind, k),)
             if hidden is not None:
                 row.pending_hidden.append(hidden[i : i + 1, : n + 1])
                 row.pending_tokens.extend(committed)
@@ -507,56 +602,22 @@ class BatchDecoder:
             logprobs = None
             if row.spec.settings.logprobs is not None:
                 logprobs = _token_logprobs(output.logits[i, : n + 1], committed, row.spec.settings.logprobs)
-            if k:
-                row.acceptance[drafter].observe(k, n)
-            elif offers[i] is not None:
-                offers[i].acceptance.skip()
+            if k and kind != "grammar":
+                row.acceptance[kind].observe(k, n)
+            elif block.offers[i] is not None:
+                block.offers[i].acceptance.skip()
             committed, grammar = _grammar_step(row.constraint, committed, mask_marks[i])
-            steps[row.row_id] = Step(committed, k, n, accept_probs[i], logprobs, source, **grammar)
-        return steps
-
-    def _verify(
-        self,
-        rows: Sequence[BatchRow],
-        target_logits: mx.array,  # [B, K+1, V]
-        draft_tokens: mx.array,  # [B, K]
-        head_probs: mx.array | None,  # [B, D, V], D <= K
-        lengths: list[int],
-        use_head: list[bool],
-        accept_keys: list[mx.array | None],
-        sample_keys: list[mx.array],
-    ) -> list[_Group]:
-        groups: list[_Group] = []
-
-        def group_key(i: int):
-            settings = rows[i].spec.settings
-            return settings.sampler, lengths[i], use_head[i], settings.verify_backend
-
-        for (cfg, k, with_q, backend), index in groups_by(range(len(rows)), group_key).items():
-            sel = mx.array(index, dtype=mx.int32)
-            logits = target_logits[sel, : k + 1]
-            drafts = draft_tokens[sel, :k]
-            if cfg.has_penalties:
-                context = left_padded([rows[i].history for i in index])
-                logits = sample_ops.penalize_logits(logits, context, cfg, drafts)
-            sample_u = mx.concatenate([sample_ops.draw_uniforms((1,), sample_keys[i]) for i in index])
-            if k == 0:
-                drawn = sample_ops.sample(
-                    sample_ops.mask_logits(logits[:, 0, :], _grammar_masks([rows[i] for i in index])),
-                    cfg,
-                    sample_u,
-                    backend=backend,
-                )
-                zeros = mx.zeros((len(index),), dtype=mx.int32)
-                groups.append(_Group(index, zeros, drawn.tokens, mx.zeros((len(index), 0)), drawn.invalid))
-                continue
-            probs = head_probs[sel, :k] if with_q and head_probs is not None else None
-            accept_u = mx.concatenate([sample_ops.draw_uniforms((1, k), accept_keys[i]) for i in index])
-            result = rejection.verify(logits, drafts, probs, cfg, accept_u, sample_u, backend=backend)
-            groups.append(
-                _Group(index, result.num_accepted, result.next_token, result.accept_probs, result.invalid)
+            steps[row.row_id] = Step(
+                committed,
+                k,
+                n,
+                verdicts.accept_probs[i],
+                logprobs,
+                source,
+                grammar_reads=block.grammar_reads[i],
+                **grammar,
             )
-        return groups
+        return steps
 
     @staticmethod
     def _raise_if_invalid(rows: Sequence[BatchRow], groups: list[_Group], flags: list[mx.array]) -> None:
@@ -573,14 +634,81 @@ class BatchDecoder:
                 raise RowsFailed([rows[i].row_id for i in g.index], str(err)) from None
 
 
-def _grammar_masks(rows: Sequence[BatchRow]) -> mx.array | None:
-    """bool [G, V]: each row's grammar mask after its committed text (all allowed for a free row);
-    None when no row has a grammar. Constrained rows draft nothing, so this is their only position."""
-    masks = [row.constraint.mask_after() if row.constraint is not None else None for row in rows]
-    if all(m is None for m in masks):
-        return None
-    vocab = next(m for m in masks if m is not None).shape[-1]
-    return mx.stack([m if m is not None else mx.ones((vocab,), dtype=mx.bool_) for m in masks])
+def _rows(allowed: mx.array, count: int) -> mx.array:
+    """A row's masks [n, V] as exactly ``count`` verify positions (the last repeated past its
+    block: padding positions, never verified)."""
+    if allowed.shape[0] >= count:
+        return allowed[:count]
+    return mx.concatenate([allowed, mx.repeat(allowed[-1:], count - allowed.shape[0], axis=0)])
+
+
+def _grammar_masks(rows: Sequence[BatchRow], host_drafts: Sequence[list[int]]) -> list:
+    """Per row, bool [k_r + 1, V]: the grammar's mask at each verify position [pending, d_1..d_k]
+    (`GrammarConstraint.block_masks`: after a refused or EOS draft, all allowed); None for a
+    free row."""
+    return [
+        row.constraint.block_masks(drafts) if row.constraint is not None else None
+        for row, drafts in zip(rows, host_drafts)
+    ]
+
+
+@dataclass
+class _CycleKeys:
+    """A row's keys for one cycle, split as the single-row loops split theirs: (key, draft, accept,
+    sample) for a drafting row, (key, step) for a plain AR row (no draft or accept key)."""
+
+    draft: mx.array | None
+    accept: mx.array | None
+    sample: mx.array
+
+
+def _cycle_keys(row: BatchRow) -> _CycleKeys:
+    """Advance ``row``'s key by one cycle and return the cycle's keys."""
+    if row.spec.drafter == "none":
+        row.key, sample_key = _split_key(row.key)
+        return _CycleKeys(None, None, sample_key)
+    row.key, draft_key, accept_key, sample_key = mx.random.split(row.key, 4)
+    return _CycleKeys(draft_key, accept_key, sample_key)
+
+
+@dataclass
+class _Block:
+    """One cycle's drafts for every row. ``kinds[r]``: "head", "lookup", "grammar" (forced tokens)
+    or "" (no drafts); ``lengths[r]`` = k_r; ``width`` = K = max k_r."""
+
+    kinds: list[str]
+    lengths: list[int]
+    host_drafts: list[list[int]]  # drafts known on the host (lookup, forced; head ones once read)
+    offers: list[DraftOffer | None]  # what each row offered the draft policy
+    width: int
+    drafts: mx.array  # [B, K] int32 (lazy where the head drew them)
+    tokens: mx.array | None = None  # [B, K+1]: [pending_r, d_r1..d_rk, padding]
+    head_probs: mx.array | None = None  # [B, D, V] q of the head's drafts, D <= K (None: argmax drafts)
+    flags: list[mx.array] = field(default_factory=list)  # the head's lazy validity flags
+    grammar_reads: list[int] = field(init=False)  # host reads of drafts a row's masks needed
+
+    def __post_init__(self) -> None:
+        self.grammar_reads = [0] * len(self.kinds)
+
+
+@dataclass
+class _Verdicts:
+    """verify's verdict per batch row, on the host after the cycle's sync."""
+
+    num_accepted: list[int]
+    next_token: list[int]
+    accept_probs: list[list[float]]
+
+    @classmethod
+    def gather(cls, groups: Sequence[_Group], num_rows: int) -> _Verdicts:
+        verdicts = cls([0] * num_rows, [0] * num_rows, [[] for _ in range(num_rows)])
+        for g in groups:
+            for j, (n, t, probs) in enumerate(
+                zip(g.num_accepted.tolist(), g.next_token.tolist(), g.accept_probs.tolist())
+            ):
+                i = g.index[j]
+                verdicts.num_accepted[i], verdicts.next_token[i], verdicts.accept_probs[i] = n, t, probs
+        return verdicts
 
 
 def _positions(output: TrunkOutput, row: int, count: int) -> TrunkOutput:

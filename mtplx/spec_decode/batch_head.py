@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 from mtplx.sample import ops as sample_ops
 from mtplx.sample.params import SamplerConfig
+from mtplx.spec_decode.proposer import masked_draft_logits
 from mtplx.spec_decode.settings import DecodeSettings
 from mtplx.trunk.batch_cache import BatchCache
 
@@ -55,10 +56,19 @@ class HeadChain:
         self.cache = BatchCache(template)
 
     def draft(
-        self, rows: Sequence[DraftingRow], depth: int, draft_uniforms: Sequence[mx.array]
+        self,
+        rows: Sequence[DraftingRow],
+        depth: int,
+        draft_uniforms: Sequence[mx.array],
+        first_allowed: mx.array | None = None,
     ) -> tuple[mx.array, mx.array | None, mx.array | None]:
         """Drafts [B, depth] int32, q [B, depth, V] (None when every row drafts its argmax) and the
-        lazy validity flag; draft_uniforms[r] holds row r's uniforms (its spec's depth of them)."""
+        lazy validity flag; draft_uniforms[r] holds row r's uniforms (its spec's depth of them).
+
+        ``first_allowed`` bool [B, V]: each row's grammar mask for its first draft (all True for a
+        free row), known on the host before the cycle; the first draft and its q are then the
+        head's masked distribution. Later drafts are drawn unmasked (q unmasked): verify masks the
+        target at every position, so any q is exact and no read of the drafts stalls the chain."""
         head = self.head
         counts = [len(r.pending_tokens) for r in rows]
         width = max(counts)
@@ -84,7 +94,11 @@ class HeadChain:
                 chain_in = head.chain_input(head_out)
             logits = head.logits(head_out, step=step)[:, -1, :]
             token, q, invalid = self._draw(
-                rows, logits, draft_tokens, [u[step : step + 1] for u in draft_uniforms]
+                rows,
+                logits,
+                draft_tokens,
+                [u[step : step + 1] for u in draft_uniforms],
+                first_allowed if step == 0 else None,
             )
             draft_tokens.append(token)
             if any_q:
@@ -98,9 +112,15 @@ class HeadChain:
         return mx.stack(draft_tokens, axis=1), probs, invalid
 
     def _draw(
-        self, rows: Sequence[DraftingRow], logits: mx.array, earlier: list[mx.array], uniforms: list[mx.array]
+        self,
+        rows: Sequence[DraftingRow],
+        logits: mx.array,
+        earlier: list[mx.array],
+        uniforms: list[mx.array],
+        allowed: mx.array | None,
     ) -> tuple[mx.array, mx.array, mx.array]:
-        """One draft per row from logits [B, V], grouped by the rows' draft sampler."""
+        """One draft per row from logits [B, V] (masked by ``allowed`` [B, V] after the penalties,
+        the target's order), grouped by the rows' draft sampler."""
         vocab_size = logits.shape[-1]
         tokens: list[mx.array | None] = [None] * len(rows)
         probs: list[mx.array | None] = [None] * len(rows)
@@ -111,6 +131,7 @@ class HeadChain:
             if cfg.has_penalties:
                 context = self._context(rows, index, earlier)
                 group_logits = sample_ops.penalize_logits(group_logits[:, None, :], context, cfg)[:, 0, :]
+            group_logits = masked_draft_logits(group_logits, None if allowed is None else allowed[sel])
             if greedy:
                 group_tokens = mx.argmax(group_logits, axis=-1).astype(mx.int32)
                 group_probs = (mx.arange(vocab_size)[None] == group_tokens[:, None]).astype(mx.float32)

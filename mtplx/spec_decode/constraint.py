@@ -85,6 +85,18 @@ class GrammarConstraint:
             raise MtplxError("grammar: a committed token does not match the grammar")
         self._check()
 
+    def forced_tokens(self, limit: int) -> list[int]:
+        """Up to ``limit`` tokens the grammar forces right after the committed text (llguidance's
+        fast-forward tokens: the forced bytes, tokenized). Drafted as point masses they are exact
+        like any draft; where the mask allows only that token its masked target probability is 1
+        and verify keeps it for sure (JSON keys, braces, fixed tool-call syntax). EOS never."""
+        start = time.perf_counter()
+        forced = [int(t) for t in self.matcher.compute_ff_tokens()][:limit]
+        self._check()
+        self.mask_seconds += time.perf_counter() - start
+        inside = self.legal_prefix(forced)  # ids past the tokenizer's vocabulary never drafted
+        return [t for t in forced[:inside] if t not in self.eos]
+
     def legal_prefix(self, tokens: Sequence[int]) -> int:
         """How many of ``tokens`` (drafts after the committed text) the grammar allows in a row.
         An id past the tokenizer's vocabulary is never allowed (and never shown to llguidance,

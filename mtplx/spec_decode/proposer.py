@@ -122,16 +122,23 @@ def draw_draft_token(
     cfg = settings.sampler
     if cfg.has_penalties:
         logits = sample_ops.penalize_logits(logits[:, None, :], context, cfg)[:, 0, :]
-    if allowed is not None:
-        masked = sample_ops.mask_logits(logits, allowed)
-        # A drafter may give every allowed token probability 0 (a head with a narrowed vocabulary):
-        # then it drafts uniformly among them. Any q keeps verify exact, and the draft stays legal.
-        nothing = mx.all(masked == -mx.inf, axis=-1, keepdims=True)
-        logits = mx.where(nothing, mx.where(allowed, 0.0, -mx.inf), masked)
+    logits = masked_draft_logits(logits, allowed)
     if settings.greedy_draft:
         return mx.argmax(logits, axis=-1).astype(mx.int32), None, None
     drawn = sample_ops.sample(logits, cfg, uniform, backend=settings.verify_backend)
     return drawn.tokens.astype(mx.int32), drawn.probs, drawn.invalid
+
+
+def masked_draft_logits(logits: mx.array, allowed: mx.array | None) -> mx.array:
+    """A drafter's logits [B, V] (penalized) under the grammar's mask ``allowed`` [B, V] or [V]
+    (None: returned as they are). A drafter may give every allowed token probability 0 (a head
+    with a narrowed vocabulary): then it drafts uniformly among them. Any q keeps verify exact,
+    and the draft stays legal."""
+    if allowed is None:
+        return logits
+    masked = sample_ops.mask_logits(logits, allowed)
+    nothing = mx.all(masked == -mx.inf, axis=-1, keepdims=True)
+    return mx.where(nothing, mx.where(allowed, 0.0, -mx.inf), masked)
 
 
 def stacked_draft(

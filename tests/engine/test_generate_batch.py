@@ -9,7 +9,6 @@ token-id prompts; the default model itself checks identity up to rounding ties (
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import re
 
@@ -49,10 +48,11 @@ def _mixed_requests(seed: int) -> list[GenerationRequest]:
     ]
 
 
-def test_grammar_rows_in_a_batch_give_the_tokens_of_constrained_ar_alone(tiny_engine):
-    """A grammar request joins the batch as constrained AR (no drafts, its one position masked):
-    greedy and seeded rows give exactly what the same request gives alone without drafts, beside
-    free speculative rows; every constrained text matches its grammar."""
+def test_grammar_rows_speculate_in_a_batch_and_give_the_tokens_they_give_alone(tiny_engine):
+    """Grammar requests speculate in the batch (forced tokens, masked head drafts, lookup cut to its
+    legal prefix) beside free rows: the greedy row gives exactly what it gives alone, the seeded
+    AR row (draft "none") exactly what it gives alone; every constrained text matches its grammar,
+    and the drafting grammar rows did draft."""
     seed = random.randrange(10_000)
     # The tiny checkpoints' 64 ids hold the ASCII punctuation, digits and "A".."O" (no space, no braces).
     words = Grammar.lark(r'start: /[A-O]+/ ("-" /[A-O]+/)*')
@@ -60,26 +60,26 @@ def test_grammar_rows_in_a_batch_give_the_tokens_of_constrained_ar_alone(tiny_en
     requests = [
         _req(max_tokens=12, temperature=0.0, grammar=words),
         _req(max_tokens=14, temperature=1.0, seed=seed, draft="head", depth=3),
-        _req(max_tokens=24, temperature=1.0, top_p=0.9, seed=seed + 1, grammar=numbers),
-        _req(max_tokens=10, temperature=0.8, seed=seed + 2, grammar=words, repetition_penalty=1.2),
+        _req(max_tokens=24, temperature=1.0, top_p=0.9, seed=seed + 1, grammar=numbers, draft="none"),
+        _req(max_tokens=10, temperature=0.8, seed=seed + 2, grammar=words, repetition_penalty=1.2, depth=2),
         _req(max_tokens=9, temperature=0.7, top_k=5, seed=seed + 3, draft="auto"),
     ]
-    alone_requests = [
-        r
-        if r.grammar is None
-        else dataclasses.replace(r, drafting=dataclasses.replace(r.drafting, kind="none"))
-        for r in requests
-    ]
     assert tiny_engine.batch_refusal(requests[0]) is None
-    alone = [tiny_engine.generate(p, r) for p, r in zip(PROMPTS, alone_requests)]
-    batched = tiny_engine.generate_batch(PROMPTS, requests, max_rows=3)
-    for a, b, r in zip(alone, batched, requests):
-        assert b.token_ids == a.token_ids, r
-        assert b.finish_reason == a.finish_reason
+    alone = [tiny_engine.generate(p, r) for p, r in zip(PROMPTS, requests)]
+    # "fixed": every row drafts its depth (the cost policy may keep a short run at K = 0).
+    batched = tiny_engine.generate_batch(PROMPTS, requests, max_rows=3, draft_policy="fixed")
+    for i in (0, 1, 2, 4):  # greedy, or seeded with the same drafts as alone
+        assert batched[i].token_ids == alone[i].token_ids, (i, seed)
+        assert batched[i].finish_reason == alone[i].finish_reason
     assert re.fullmatch(r"[A-O]+(-[A-O]+)*-?", batched[0].text), batched[0].text
+    assert re.fullmatch(r"[A-O]+(-[A-O]+)*-?", batched[3].text), batched[3].text
     numbers_text = re.fullmatch(r"[0-9]{1,3}(,[0-9]{1,3})*(\.|,)?", batched[2].text)
     assert numbers_text, batched[2].text
     assert batched[2].text.endswith(".") == (batched[2].finish_reason == "stop"), batched[2]
+    for i in (0, 3):
+        stats = batched[i].stats
+        assert stats.mode == "mtp" and sum(d["drafted"] for d in stats.drafters.values()) > 0, stats
+    assert batched[2].stats.drafters == {}, batched[2].stats.drafters
 
 
 def test_generate_batch_gives_each_request_the_tokens_it_gives_alone(tiny_engine):

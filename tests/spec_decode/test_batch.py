@@ -331,12 +331,12 @@ def test_chi_square_catches_a_batch_that_commits_rejected_drafts(pair, expected)
     def commits_rejected(decoder: BatchDecoder) -> None:
         verify = decoder._verify
 
-        def wrong(rows, logits, drafts, *rest):
-            groups = verify(rows, logits, drafts, *rest)
+        def wrong(rows, logits, block, *rest):
+            groups = verify(rows, logits, block, *rest)
             for g in groups:
                 k = g.accept_probs.shape[1]
                 if k:
-                    row_drafts = drafts[mx.array(g.index), :k]
+                    row_drafts = block.drafts[mx.array(g.index), :k]
                     slot = mx.minimum(g.num_accepted, k - 1)[:, None]
                     rejected = mx.take_along_axis(row_drafts, slot, axis=1)[:, 0]
                     g.next_token = mx.where(g.num_accepted < k, rejected, g.next_token)
