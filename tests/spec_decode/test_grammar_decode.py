@@ -289,7 +289,7 @@ def batch_counts(
     free = RowSpec(DecodeSettings(sampler=SamplerConfig(temperature=1.0), depth=2), "head")
     kinds = list(BATCH_GRAMMAR_SPECS)
     counts = {kind: np.zeros([VOCAB] * NUM_OUTPUT_TOKENS, dtype=np.int64) for kind in kinds}
-    drafted = dict.fromkeys(kinds, 0)
+    drafted = dict.fromkeys([*kinds, "forced", "forced_accepted"], 0)
     free_rows: list[int] = []
     rows: dict[int, tuple[str, list[int]]] = {}
     joined = 0
@@ -311,6 +311,9 @@ def batch_counts(
             if row_id in rows:
                 rows[row_id][1].extend(step.tokens)
                 drafted[rows[row_id][0]] += step.num_drafted
+                if step.sources and step.sources[0][0] == "grammar":
+                    drafted["forced"] += step.num_drafted
+                    drafted["forced_accepted"] += step.num_accepted
         done = [row_id for row_id, (_, tokens) in rows.items() if len(tokens) >= NUM_OUTPUT_TOKENS]
         for row_id in done:
             kind, tokens = rows.pop(row_id)
@@ -319,11 +322,13 @@ def batch_counts(
     return counts, drafted
 
 
-def _batch_p_values(compiler, seed0: int, num_samples: int = NUM_SAMPLES) -> tuple[dict, dict]:
+def _batch_p_values(
+    compiler, seed0: int, num_samples: int = NUM_SAMPLES, grammar: str = LOOP_GRAMMAR
+) -> tuple[dict, dict]:
     trunk, head = make_loop_pair(**MODEL)
     cfg = SamplerConfig(temperature=1.0, top_p=0.9)
-    expected = constrained_ar_joint(trunk, compiler, LOOP_GRAMMAR, cfg)
-    counts, drafted = batch_counts(trunk, head, compiler, cfg, num_samples, seed0)
+    expected = constrained_ar_joint(trunk, compiler, grammar, cfg)
+    counts, drafted = batch_counts(trunk, head, compiler, cfg, num_samples, seed0, grammar)
     return {kind: loop_p_value(c, expected) for kind, c in counts.items()}, drafted
 
 
@@ -356,6 +361,61 @@ def test_chi_square_catches_a_rows_mask_applied_to_its_neighbour(compiler, monke
     except MtplxError:  # a token the row's own grammar refuses: caught as well
         return
     assert min(p_values.values()) < FALSE_FAILURE_RATE, p_values
+
+
+# Position 2 is forced ("c"): drafted as a free point mass after position 1, always kept.
+FORCED_GRAMMAR = 'start: /[ab]/ "c" /[a-e][a-z]*/'
+
+
+def test_forced_tokens_are_free_drafts_in_a_batch(compiler):
+    """Tokens the grammar forces are drafted (source "grammar") and kept every time (their masked
+    target probability is 1), and every row kind keeps the constrained chain's marginals."""
+    seed0 = int.from_bytes(os.urandom(4), "little")
+    p_values, drafted = _batch_p_values(compiler, seed0, num_samples=3 * 60, grammar=FORCED_GRAMMAR)
+    assert drafted["forced"] >= 60 and drafted["forced_accepted"] == drafted["forced"], drafted
+    for kind, p_value in p_values.items():
+        assert p_value > FALSE_FAILURE_RATE, f"{kind}: p={p_value:.3g} (seed0={seed0})"
+
+
+def _guess_forced(monkeypatch) -> None:
+    """Treat the first allowed token as "forced" wherever the grammar allows several (as a
+    drafter that mistook a choice for a forced token would)."""
+
+    def guess(self, limit):
+        return [int(np.flatnonzero(np.array(self.mask_after()))[0])]
+
+    monkeypatch.setattr(GrammarConstraint, "forced_tokens", guess)
+
+
+def test_a_forced_draft_where_two_tokens_are_allowed_is_still_verified(compiler, monkeypatch):
+    """Exactness does not rest on the matcher's forced tokens being unique: a wrong "forced" point
+    mass is verified like any draft, so the marginals hold (the control below proves the check
+    would see it accepted unverified)."""
+    _guess_forced(monkeypatch)
+    seed0 = int.from_bytes(os.urandom(4), "little")
+    p_values, drafted = _batch_p_values(compiler, seed0, num_samples=3 * 100)
+    assert drafted["forced_accepted"] < drafted["forced"], drafted  # some guesses were rejected
+    for kind, p_value in p_values.items():
+        assert p_value > FALSE_FAILURE_RATE, f"{kind}: p={p_value:.3g} (seed0={seed0})"
+
+
+def test_chi_square_catches_a_forced_draft_accepted_where_two_tokens_were_allowed(compiler, monkeypatch):
+    """Negative control: the guessed "forced" token is kept without verify (its position's mask
+    narrowed to it, as if the grammar allowed it alone)."""
+    _guess_forced(monkeypatch)
+    honest = batch_module._grammar_masks
+
+    def accepted_unverified(rows, host_drafts):
+        masks = honest(rows, host_drafts)
+        for i, (row, drafts) in enumerate(zip(rows, host_drafts)):
+            if masks[i] is not None and drafts and drafts[:1] == row.constraint.forced_tokens(1):
+                only = mx.arange(VOCAB) == drafts[0]
+                masks[i] = mx.concatenate([only[None], masks[i][1:]])
+        return masks
+
+    monkeypatch.setattr(batch_module, "_grammar_masks", accepted_unverified)
+    p_values, _ = _batch_p_values(compiler, 1357, num_samples=3 * 100)
+    assert min(p_values[kind] for kind in ("head", "lookup")) < FALSE_FAILURE_RATE, p_values
 
 
 def test_chi_square_catches_an_unmasked_q_in_the_acceptance_ratio(compiler, monkeypatch):
