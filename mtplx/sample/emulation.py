@@ -290,7 +290,10 @@ def emulate_verify(
     defines: Sequence[str] = (),
     tsan: bool = False,
 ):
-    """The verify kernel on the CPU emulation: (num_accepted, next_token, accept_probs)."""
+    """The verify kernel on the CPU emulation: (num_accepted, next_token, accept_probs).
+
+    k >= 0: with k = 0 (draft_tokens and accept_u [B, 0]) the body draws row 0's bonus token,
+    the sample kernel's token (tests/sample/test_verify_without_drafts.py)."""
     ins, shapes, B = _verify_inputs(target_logits, draft_tokens, draft_probs, params, accept_u, sample_u)
     return emulate("verify", ins, shapes, B, tg, defines, tsan)
 

@@ -10,7 +10,8 @@ those of ``docs/sampling.md``; the NumPy mirrors live in ``mtplx.sample.referenc
 ``get_fused(name)`` is what ``mtplx.sample.rejection`` calls: on a GPU it returns
 a callable taking ``verify.verify`` / ``verify.sample``'s array arguments
 (already validated by ``mtplx.sample.rejection``) and returning the raw output arrays,
-``(num_accepted, next_token, accept_probs)`` or ``(tokens, probs)``; ``None``
+``(num_accepted, next_token, accept_probs)`` or ``(tokens, probs)`` (verify for k >= 1:
+``rejection.verify`` sends k = 0, a plain AR step, to ``sample``); ``None``
 on the CPU backend, on a backend where the fused kernels were measured slower than the
 MLX-ops path (``FUSED_BY_DEFAULT``), when forced off, or when the build fails (one warning,
 never an exception). ``build_fused`` builds one for a named backend regardless (the device
@@ -254,6 +255,8 @@ def _wrap_verify(kernel, tg: int = DEFAULT_TG):
         # lazy validity flag; the kernel only does the math.
         B, k1, V = target_logits.shape
         k = k1 - 1
+        if k == 0:  # zero-size buffers; rejection.verify sends k = 0 to the sample kernel instead
+            raise ValueError("the fused verify kernel takes k >= 1 drafts; k = 0 is ops.sample")
         has_q = draft_probs is not None
         q = draft_probs.astype(mx.float32) if has_q else mx.zeros((1,), mx.float32)
         params = mx.array(row_params(cfg, B))

@@ -399,12 +399,14 @@ def verify_reference(
 
     target_logits[B, k+1, V] (already penalized), draft_tokens[B, k],
     draft_probs[B, k, V] or None (greedy drafting: q one-hot at the draft),
-    accept_uniforms[B, k] and sample_uniforms[B] in (0, 1].
+    accept_uniforms[B, k] and sample_uniforms[B] in (0, 1]; k >= 0.
     Returns (num_accepted[B] int64, next_token[B] int64, accept_probs[B, k] float64).
+    The bonus token (all k accepted; k = 0 is a plain AR step) is drawn from row k's filtered
+    weights exactly as ``sample_reference`` draws, so k = 0 gives sample_reference's token.
     """
     z = _as_float32_logits(target_logits)
-    if z.ndim != 3 or z.shape[1] < 2:
-        raise ValueError(f"target_logits must be [B, k+1, V] with k >= 1, got shape {z.shape}")
+    if z.ndim != 3 or z.shape[1] < 1:
+        raise ValueError(f"target_logits must be [B, k+1, V] with k >= 0, got shape {z.shape}")
     batch, rows, vocab_size = z.shape
     depth = rows - 1
     drafts = np.asarray(draft_tokens, dtype=np.int64)
@@ -445,10 +447,11 @@ def verify_reference(
             accepted = q_of_d > 0 and math.log(accept_u[b, i]) <= log_ratio
             still_accepting = still_accepting and accepted
             n += int(still_accepting)
+        if n == depth:  # the bonus token: sample_reference's draw from the filtered weights
+            num_accepted[b], next_token[b] = n, draw_from_weights(weights[n], sample_u[b])
+            continue
         p_n = weights[n] / totals[n]
-        if n == depth:
-            q_next = np.zeros(vocab_size)
-        elif q_all is None:
+        if q_all is None:
             q_next = np.zeros(vocab_size)
             q_next[drafts[b, n]] = 1.0
         else:

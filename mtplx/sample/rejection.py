@@ -5,10 +5,18 @@ from ``target_logits`` through the sampler (docs/sampling.md); q is the distribu
 was drawn from (``draft_probs``; one-hot at the draft for point-mass drafters); a draft is
 *accepted* with probability min(1, p/q); at the first rejection the *recovered* token is drawn
 from the residual max(p - q, 0) renormalised; when all k are accepted the *bonus* token is drawn
-from p at position k+1. ``next_token`` is the recovered or the bonus token.
+from p at position k+1. ``next_token`` is the recovered or the bonus token. k = 0 (no drafts) is
+a plain AR step: nothing to accept, ``next_token`` is the bonus token from p_0, drawn by
+`mtplx.sample.ops.sample` itself (same uniforms, same backend, so the same token).
+
+Shapes (B sequences, k drafts each, V vocabulary; k >= 0): target_logits [B, k+1, V],
+draft_tokens [B, k], draft_probs [B, k, V] or None, accept_uniforms [B, k], sample_uniforms [B];
+result num_accepted [B], next_token [B], accept_probs [B, k].
 
 Bit-level mirror: `mtplx.sample.reference.verify_reference`. Dispatches to a fused kernel
-(`mtplx.sample.kernels.get_fused("verify")`) when the backend has one and ``backend="auto"``.
+(`mtplx.sample.kernels.get_fused("verify")`) when the backend has one and ``backend="auto"``;
+k = 0 goes to `ops.sample` with the caller's backend (the fused *sample* kernel where that one
+runs), never to the fused verify kernel.
 Lazy: nothing is evaluated; invalid inputs come back as the result's ``invalid`` flag.
 """
 
@@ -26,6 +34,7 @@ from mtplx.sample.ops import (
     _one_hot,
     _row_max_and_flag,
     raise_if_invalid,
+    sample,
 )
 from mtplx.sample.params import SamplerConfig
 
@@ -36,8 +45,8 @@ __all__ = ["VerifyResult", "verify"]
 
 class VerifyResult(NamedTuple):
     num_accepted: mx.array  # [B] int32: length of the accepted draft prefix
-    next_token: mx.array  # [B] int32: residual sample, or the bonus token when all were accepted
-    accept_probs: mx.array  # [B, k] float32: min(1, p/q) at every draft position
+    next_token: mx.array  # [B] int32: residual sample, or the bonus token when all were accepted (k = 0 too)
+    accept_probs: mx.array  # [B, k] float32: min(1, p/q) at every draft position ([B, 0] for k = 0)
     invalid: mx.array  # [] int32, lazy: INVALID_* bits; the other fields are meaningless when nonzero
 
     def checked(self) -> VerifyResult:
@@ -53,8 +62,8 @@ def _check_verify_shapes(
     accept_uniforms: mx.array,
     sample_uniforms: mx.array,
 ) -> None:
-    if target_logits.ndim != 3 or target_logits.shape[1] < 2:
-        raise ValueError(f"target_logits must be [B, k+1, V] with k >= 1, got shape {target_logits.shape}")
+    if target_logits.ndim != 3 or target_logits.shape[1] < 1:
+        raise ValueError(f"target_logits must be [B, k+1, V] with k >= 0, got shape {target_logits.shape}")
     batch, rows, vocab_size = target_logits.shape
     depth = rows - 1
     if draft_tokens.shape != (batch, depth):
@@ -76,17 +85,20 @@ def verify(
     sample_uniforms: mx.array,
     backend: str = "auto",
 ) -> VerifyResult:
-    """Verify k drafts per sequence (docs/sampling.md).
+    """Verify k >= 0 drafts per sequence (docs/sampling.md).
 
     target_logits[B, k+1, V] (already penalized), draft_tokens[B, k],
     draft_probs[B, k, V] float32 or None (greedy drafting: q one-hot at the
     draft), accept_uniforms[B, k] and sample_uniforms[B] in (0, 1].
+    k = 0 is a plain AR step (`_verify_without_drafts`).
     Lazy: nothing is evaluated; call `.checked()` on the result after evaluating it.
     """
     _check_backend(backend)
     _check_verify_shapes(target_logits, draft_tokens, draft_probs, accept_uniforms, sample_uniforms)
     batch, rows, vocab_size = target_logits.shape
     depth = rows - 1
+    if depth == 0:
+        return _verify_without_drafts(target_logits, cfg, sample_uniforms, backend)
     flat_rows = _as_rows(target_logits)
     row_max, invalid = _row_max_and_flag(flat_rows)
     drafts_outside = (draft_tokens < 0) | (draft_tokens >= vocab_size)
@@ -142,6 +154,26 @@ def verify(
     residual_has_mass = mx.sum(residual, axis=-1) > 0
     next_token = mx.where(residual_has_mass, from_residual, from_target).astype(mx.int32)
     return VerifyResult(num_accepted, next_token, accept_probs, invalid)
+
+
+def _verify_without_drafts(
+    target_logits: mx.array, cfg: SamplerConfig, sample_uniforms: mx.array, backend: str
+) -> VerifyResult:
+    """k = 0, a plain AR step: num_accepted 0, accept_probs [B, 0], next_token the bonus from p_0.
+
+    The token is `ops.sample` of row 0 with the same uniforms and backend, so a seeded AR step
+    gives the same token through `verify` as through `sample`, on every backend (with
+    ``backend="auto"`` that is the fused sample kernel where one runs: the fused verify kernel
+    is not launched for k = 0). The flag is sample's (no drafts, so never INVALID_DRAFTS).
+    """
+    batch = target_logits.shape[0]
+    drawn = sample(target_logits[:, 0, :], cfg, sample_uniforms, backend=backend)
+    return VerifyResult(
+        mx.zeros((batch,), dtype=mx.int32),
+        drawn.tokens.astype(mx.int32),
+        mx.zeros((batch, 0), dtype=mx.float32),
+        drawn.invalid,
+    )
 
 
 def _verify_greedy(logits: mx.array, drafts: mx.array, invalid: mx.array) -> VerifyResult:
