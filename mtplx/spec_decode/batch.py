@@ -561,13 +561,12 @@ class BatchDecoder:
                 allowed = [masks[i] if masks[i] is not None else self._all_allowed()[None] for i in index]
                 logits = sample_ops.mask_logits(logits, mx.stack([_rows(a, k + 1) for a in allowed]))
             sample_u = mx.concatenate([sample_ops.draw_uniforms((1,), keys[i].sample) for i in index])
-            if k == 0:
-                drawn = sample_ops.sample(logits[:, 0, :], cfg, sample_u, backend=backend)
-                zeros = mx.zeros((len(index),), dtype=mx.int32)
-                groups.append(_Group(index, zeros, drawn.tokens, mx.zeros((len(index), 0)), drawn.invalid))
-                continue
-            probs = block.head_probs[sel, :k] if with_q and block.head_probs is not None else None
-            accept_u = mx.concatenate([sample_ops.draw_uniforms((1, k), keys[i].accept) for i in index])
+            probs = block.head_probs[sel, :k] if with_q and k and block.head_probs is not None else None
+            accept_u = (  # k = 0: a plain AR step, verify samples row 0
+                mx.concatenate([sample_ops.draw_uniforms((1, k), keys[i].accept) for i in index])
+                if k
+                else mx.zeros((len(index), 0), dtype=mx.float32)
+            )
             result = rejection.verify(logits, drafts, probs, cfg, accept_u, sample_u, backend=backend)
             groups.append(
                 _Group(index, result.num_accepted, result.next_token, result.accept_probs, result.invalid)

@@ -345,34 +345,23 @@ def speculative_decode(
         capture = cache_ops.begin_block(trunk_cache, block_len=num_drafted + 1)
         try:
             output = trunk(block, trunk_cache)
-            if draft is None:
-                drawn = sample_ops.sample(
-                    sample_ops.mask_logits(_penalize(output.logits, history, cfg)[:, 0, :], masks),
-                    cfg,
-                    sample_ops.draw_uniforms((1,), sample_key),
-                    backend=settings.verify_backend,
-                )
-                result = rejection.VerifyResult(
-                    mx.zeros((1,), dtype=mx.int32),
-                    drawn.tokens,
-                    mx.zeros((1, 0), dtype=mx.float32),
-                    drawn.invalid,
-                )
-                invalid = result.invalid
-            else:
-                result = rejection.verify(
-                    sample_ops.mask_logits(
-                        _penalize(output.logits, history, cfg, draft.tokens),
-                        None if masks is None else masks[None],
-                    ),
-                    draft.tokens,
-                    draft.probs,
-                    cfg,
-                    sample_ops.draw_uniforms((1, num_drafted), accept_key),
-                    sample_ops.draw_uniforms((1,), sample_key),
-                    backend=settings.verify_backend,
-                )
-                invalid = result.invalid if draft.invalid is None else result.invalid | draft.invalid
+            # k = 0 (no draft): verify samples row 0, a plain AR step.
+            drafts = draft.tokens if draft is not None else mx.zeros((1, 0), dtype=mx.int32)
+            result = rejection.verify(
+                sample_ops.mask_logits(
+                    _penalize(output.logits, history, cfg, drafts if num_drafted else None),
+                    None if masks is None else masks[None],
+                ),
+                drafts,
+                draft.probs if draft is not None else None,
+                cfg,
+                sample_ops.draw_uniforms((1, num_drafted), accept_key),
+                sample_ops.draw_uniforms((1,), sample_key),
+                backend=settings.verify_backend,
+            )
+            invalid = (
+                result.invalid if draft is None or draft.invalid is None else result.invalid | draft.invalid
+            )
             # The cycle's one sync: tokens, accept count and every lazy validity flag together.
             mx.eval(result, block, invalid)
             sample_ops.raise_if_invalid(invalid)
