@@ -14,10 +14,10 @@ the next cycle, their caches going to the prompt cache as a single stream's do.
 
 A grammar request (``request.grammar``) joins like any other: its matcher is compiled here and the
 row speculates under it (`mtplx.spec_decode.batch`, "Grammar rows": forced tokens, masked drafts).
-A request runs here when `Engine.batch_refusal` has nothing against it: a draft model, the
-adaptive gate or a sharded engine need the single-stream loop (`Engine.stream`), and so do
-models whose caches cannot be batched (sliding-window, quantized KV; heads that read the trunk's
-cache).
+A request runs here when `Engine.batch_refusal` has nothing against it: a draft model or a
+sharded engine need the single-stream loop (`Engine.stream`), and so do models whose caches
+cannot be batched (sliding-window, quantized KV; heads that read the trunk's cache). Adaptive
+head drafting and grammar requests decode here.
 """
 
 from __future__ import annotations

@@ -368,8 +368,6 @@ class Engine:
         if model_refusal is not None:
             return model_refusal
         drafting = request.drafting
-        if drafting.adaptive or drafting.adaptive_threshold is not None:
-            return "adaptive drafting reads the head's confidence mid-cycle and is served alone"
         if drafting.kind == "model" or (drafting.kind == "auto" and self.draft_model is not None):
             return "a draft model is served alone"
         return None

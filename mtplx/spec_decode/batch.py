@@ -41,9 +41,13 @@ speculative row splits its key into (key, draft, accept, sample) every cycle and
 of the same shapes, an AR row splits (key, step). A seeded row with its draft length pinned
 therefore draws the same tokens in a batch as alone, up to float rounding of batched matmuls.
 
+Adaptive head rows (``adaptive_threshold`` > 0) draft the full depth in the chain; one read of the
+head's confidences, taken after the trunk forward is queued (with the grammar rows' read), cuts
+each such row's block after its first unsure draft (`_verify_masks`): the drafts `HeadProposer`
+would stop at, without a host read per draft step stalling every row.
+
 Not batched (refused by `check_batch_support` / the engine): sliding-window and quantized KV
-caches, heads that read the trunk's KV (Gemma 4 assistants), a separate draft model, and the
-adaptive gate (its per-draft host read would stall every row).
+caches, heads that read the trunk's KV (Gemma 4 assistants), and a separate draft model.
 """
 
 from __future__ import annotations
@@ -511,7 +515,9 @@ class BatchDecoder:
                     for row, h in zip(rows, use_head)
                 ]
             )
-        head_tokens, block.head_probs, head_invalid = self.chain.draft(rows, depth, uniforms, first_allowed)
+        head_tokens, block.head_probs, head_invalid, block.confidence = self.chain.draft(
+            rows, depth, uniforms, first_allowed
+        )
         block.flags.append(head_invalid)
         block.drafts = mx.where(mx.array(use_head)[:, None], pad_time(head_tokens, block.width), block.drafts)
 
@@ -520,18 +526,28 @@ class BatchDecoder:
 
     def _verify_masks(self, rows: Sequence[BatchRow], block: _Block, output: TrunkOutput) -> list | None:
         """Each row's grammar masks over its verify positions, bool [k_r + 1, V] (None for a free
-        row); None when no row has a grammar. A grammar row's head drafts are read to the host here
-        (the cycle's one extra read, `Step.grammar_reads`), after the trunk forward is queued, so
-        llguidance computes the masks while the forward runs."""
+        row); None when no row has a grammar. Before them, the cycle's one extra host read where a
+        row needs its head drafts on the host, taken after the trunk forward is queued (it runs
+        meanwhile): a grammar row's drafts, for its masks (`Step.grammar_reads`), and an adaptive
+        row's confidences, which cut its block after the first draft the head gave less than the
+        row's threshold (`HeadProposer`'s early stop, taken after the chain: the same drafts, the
+        rest forwarded but never verified; exact, as the cut reads only the drafts and q)."""
+        reads = [
+            kind == "head" and (row.constraint is not None or row.spec.settings.adaptive_threshold > 0)
+            for row, kind in zip(rows, block.kinds)
+        ]
+        if any(reads):
+            mx.async_eval(output.logits)
+            on_host, confidence = block.drafts.tolist(), block.confidence.tolist()
+            for i, row in enumerate(rows):
+                if reads[i]:
+                    block.lengths[i] = _adaptive_length(
+                        confidence[i][: block.lengths[i]], row.spec.settings.adaptive_threshold
+                    )
+                    block.host_drafts[i] = on_host[i][: block.lengths[i]]
+                    block.grammar_reads[i] = int(row.constraint is not None)
         if all(row.constraint is None for row in rows):
             return None
-        if any(row.constraint is not None and kind == "head" for row, kind in zip(rows, block.kinds)):
-            mx.async_eval(output.logits)
-            on_host = block.drafts.tolist()
-            for i, (row, kind) in enumerate(zip(rows, block.kinds)):
-                if row.constraint is not None and kind == "head":
-                    block.host_drafts[i] = on_host[i][: block.lengths[i]]
-                    block.grammar_reads[i] = 1
         return _grammar_masks(rows, block.host_drafts)
 
     def _verify(
@@ -633,6 +649,16 @@ class BatchDecoder:
                 raise RowsFailed([rows[i].row_id for i in g.index], str(err)) from None
 
 
+def _adaptive_length(confidence: Sequence[float], threshold: float) -> int:
+    """The drafts an adaptive row keeps: up to and including the first the head gave less than
+    ``threshold`` (all of them when ``threshold`` is 0)."""
+    if threshold > 0:
+        for i, sure in enumerate(confidence[:-1]):
+            if sure < threshold:
+                return i + 1
+    return len(confidence)
+
+
 def _rows(allowed: mx.array, count: int) -> mx.array:
     """A row's masks [n, V] as exactly ``count`` verify positions (the last repeated past its
     block: padding positions, never verified)."""
@@ -683,6 +709,7 @@ class _Block:
     drafts: mx.array  # [B, K] int32 (lazy where the head drew them)
     tokens: mx.array | None = None  # [B, K+1]: [pending_r, d_r1..d_rk, padding]
     head_probs: mx.array | None = None  # [B, D, V] q of the head's drafts, D <= K (None: argmax drafts)
+    confidence: mx.array | None = None  # [B, D] the head's confidence in each draft (adaptive rows)
     flags: list[mx.array] = field(default_factory=list)  # the head's lazy validity flags
     grammar_reads: list[int] = field(init=False)  # host reads of drafts a row's masks needed
 

@@ -61,9 +61,12 @@ class HeadChain:
         depth: int,
         draft_uniforms: Sequence[mx.array],
         first_allowed: mx.array | None = None,
-    ) -> tuple[mx.array, mx.array | None, mx.array | None]:
-        """Drafts [B, depth] int32, q [B, depth, V] (None when every row drafts its argmax) and the
-        lazy validity flag; draft_uniforms[r] holds row r's uniforms (its spec's depth of them).
+    ) -> tuple[mx.array, mx.array | None, mx.array | None, mx.array]:
+        """Drafts [B, depth] int32, q [B, depth, V] (None when every row drafts its argmax), the
+        lazy validity flag, and the head's confidence in each draft [B, depth] float32 (what the
+        adaptive gate reads: q(d) for a sampled draft, the head's plain softmax at d for an argmax
+        draft, as `HeadProposer` reads it); draft_uniforms[r] holds row r's uniforms (its spec's
+        depth of them).
 
         ``first_allowed`` bool [B, V]: each row's grammar mask for its first draft (all True for a
         free row), known on the host before the cycle; the first draft and its q are then the
@@ -86,6 +89,7 @@ class HeadChain:
         head_out = gather_positions(head_out, last)
         draft_tokens: list[mx.array] = []
         draft_probs: list[mx.array] = []
+        confidence: list[mx.array] = []
         flags: list[mx.array] = []
         any_q = any(not r.spec.settings.greedy_draft for r in rows)
         for step in range(depth):
@@ -93,7 +97,7 @@ class HeadChain:
                 head_out = head(chain_in, draft_tokens[-1][:, None], self.cache.layers, step=step)
                 chain_in = head.chain_input(head_out)
             logits = head.logits(head_out, step=step)[:, -1, :]
-            token, q, invalid = self._draw(
+            token, q, invalid, sure = self._draw(
                 rows,
                 logits,
                 draft_tokens,
@@ -101,6 +105,7 @@ class HeadChain:
                 first_allowed if step == 0 else None,
             )
             draft_tokens.append(token)
+            confidence.append(sure)
             if any_q:
                 draft_probs.append(q)
             flags.append(invalid)
@@ -109,7 +114,7 @@ class HeadChain:
         for flag in flags[1:]:
             invalid = invalid | flag
         probs = mx.stack(draft_probs, axis=1) if any_q else None
-        return mx.stack(draft_tokens, axis=1), probs, invalid
+        return mx.stack(draft_tokens, axis=1), probs, invalid, mx.stack(confidence, axis=1)
 
     def _draw(
         self,
@@ -118,12 +123,14 @@ class HeadChain:
         earlier: list[mx.array],
         uniforms: list[mx.array],
         allowed: mx.array | None,
-    ) -> tuple[mx.array, mx.array, mx.array]:
+    ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         """One draft per row from logits [B, V] (masked by ``allowed`` [B, V] after the penalties,
-        the target's order), grouped by the rows' draft sampler."""
+        the target's order), grouped by the rows' draft sampler: tokens [B], q [B, V], the
+        validity flag, and the head's confidence in each draft [B] (`draft`)."""
         vocab_size = logits.shape[-1]
         tokens: list[mx.array | None] = [None] * len(rows)
         probs: list[mx.array | None] = [None] * len(rows)
+        sure: list[mx.array | None] = [None] * len(rows)
         invalid = mx.array(0, dtype=mx.int32)
         for (cfg, greedy, backend), index in groups_by(rows, lambda r: _draft_key(r.spec.settings)).items():
             sel = mx.array(index, dtype=mx.int32)
@@ -140,10 +147,14 @@ class HeadChain:
                 drawn = sample_ops.sample(group_logits, cfg, u, backend=backend)
                 group_tokens, group_probs = drawn.tokens.astype(mx.int32), drawn.probs
                 invalid = invalid | drawn.invalid
+            # An argmax draft's q is one-hot: its confidence is the head's plain softmax at it.
+            weights = mx.softmax(logits[sel].astype(mx.float32), axis=-1) if greedy else group_probs
+            group_sure = mx.take_along_axis(weights, group_tokens[:, None], axis=-1)[:, 0]
             for j, i in enumerate(index):
                 tokens[i] = group_tokens[j : j + 1]
                 probs[i] = group_probs[j : j + 1]
-        return mx.concatenate(tokens), mx.concatenate(probs), invalid
+                sure[i] = group_sure[j : j + 1]
+        return mx.concatenate(tokens), mx.concatenate(probs), invalid, mx.concatenate(sure)
 
     @staticmethod
     def _context(rows: Sequence[DraftingRow], index: Sequence[int], earlier: list[mx.array]) -> mx.array:

@@ -82,6 +82,29 @@ def test_grammar_rows_speculate_in_a_batch_and_give_the_tokens_they_give_alone(t
     assert batched[2].stats.drafters == {}, batched[2].stats.drafters
 
 
+def test_adaptive_rows_cut_their_blocks_in_a_batch_as_they_do_alone(tiny_engine):
+    """Adaptive head drafting joins the batch (the chain drafts the full depth, one read of its
+    confidences after the forward is queued cuts each row's block): seeded and greedy rows give
+    the tokens and the drafted counts they give alone, and the blocks were cut."""
+    seed = random.randrange(10_000)
+    # A threshold inside this random head's confidence range: some blocks are cut, some not.
+    adaptive = dict(draft="head", depth=3, adaptive_threshold=0.05)
+    requests = [
+        _req(max_tokens=16, temperature=0.0, **adaptive),
+        _req(max_tokens=14, temperature=1.0, seed=seed, **adaptive),
+        _req(max_tokens=12, temperature=0.8, seed=seed + 1, draft="head", depth=3),
+    ]
+    assert tiny_engine.batch_refusal(requests[0]) is None
+    alone = [tiny_engine.generate(p, r) for p, r in zip(PROMPTS, requests)]
+    batched = tiny_engine.generate_batch(PROMPTS[:3], requests, max_rows=3, draft_policy="fixed")
+    for a, b in zip(alone, batched):
+        assert b.token_ids == a.token_ids, seed
+        assert b.stats.drafters == a.stats.drafters, seed
+    drafted = batched[0].stats.drafters["head"]["drafted"] + batched[1].stats.drafters["head"]["drafted"]
+    cycles = batched[0].stats.cycles + batched[1].stats.cycles
+    assert drafted < 3 * cycles, (drafted, cycles)  # some blocks were cut short
+
+
 def test_generate_batch_gives_each_request_the_tokens_it_gives_alone(tiny_engine):
     requests = _mixed_requests(random.randrange(10_000))
     alone = [tiny_engine.generate(p, r) for p, r in zip(PROMPTS, requests)]
@@ -235,16 +258,9 @@ def test_finished_rows_fill_the_prompt_cache(tiny_engine):
         tiny_engine.prompt_cache.clear()
 
 
-@pytest.mark.parametrize(
-    ("fields", "message"),
-    [
-        ({"adaptive": True}, "adaptive drafting"),
-        ({"draft": "model"}, "needs a draft model"),
-    ],
-)
-def test_requests_the_batch_cannot_serve_are_refused_in_one_line(tiny_engine, fields, message):
-    with pytest.raises(MtplxError, match=message) as err:
-        tiny_engine.generate_batch(PROMPTS[:2], _req(max_tokens=4, **fields))
+def test_requests_the_batch_cannot_serve_are_refused_in_one_line(tiny_engine):
+    with pytest.raises(MtplxError, match="needs a draft model") as err:
+        tiny_engine.generate_batch(PROMPTS[:2], _req(max_tokens=4, draft="model"))
     assert "\n" not in str(err.value)
 
 
