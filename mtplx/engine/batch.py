@@ -14,10 +14,10 @@ the next cycle, their caches going to the prompt cache as a single stream's do.
 
 A grammar request (``request.grammar``) joins like any other: its matcher is compiled here and the
 row speculates under it (`mtplx.spec_decode.batch`, "Grammar rows": forced tokens, masked drafts).
-A request runs here when `Engine.batch_refusal` has nothing against it: a draft model or a
-sharded engine need the single-stream loop (`Engine.stream`), and so do models whose caches
-cannot be batched (sliding-window, quantized KV; heads that read the trunk's cache). Adaptive
-head drafting and grammar requests decode here.
+A request runs here when `Engine.batch_refusal` has nothing against it: a sharded engine needs the
+single-stream loop (`Engine.stream`), and so do models whose caches cannot be batched
+(sliding-window, quantized KV; heads that read the trunk's cache). Adaptive head drafting, grammar
+requests and draft-model requests (each row drafting with its own proposer) decode here.
 """
 
 from __future__ import annotations
@@ -127,6 +127,7 @@ class BatchScheduler:
             # tokens whatever else is in the batch; the draft policy chooses for the others.
             draft_length=plan.settings.depth if request.seed is not None else None,
             constraint=constraint,
+            proposer=engine.row_proposer(plan, request),
         )
         mode, depth = ("mtp", plan.choice.depth) if row_drafter != "none" else ("ar", 0)
         output = RequestOutput(

@@ -53,6 +53,8 @@ class DecodePlan:
     def row_drafter(self) -> str:
         """The batched loop's drafter for this plan (`mtplx.spec_decode.batch.BATCH_DRAFTERS`)."""
         kind = self.choice.kind
+        if self.choice.model_drafter == "model" and kind in ("auto", "model"):
+            return "model"  # the row's own proposer (`Engine.row_proposer`): lookup and the draft model
         if kind == "auto":
             return "auto" if self.choice.model_drafter == "head" else "lookup"
         return kind
@@ -364,13 +366,21 @@ class Engine:
 
     def batch_refusal(self, request: GenerationRequest) -> str | None:
         """Why ``request`` cannot decode in a batch on this engine (one line), None if it can."""
-        model_refusal = self._model_batch_refusal()
-        if model_refusal is not None:
-            return model_refusal
-        drafting = request.drafting
-        if drafting.kind == "model" or (drafting.kind == "auto" and self.draft_model is not None):
-            return "a draft model is served alone"
-        return None
+        return self._model_batch_refusal()
+
+    def row_proposer(self, plan: DecodePlan, request: GenerationRequest):
+        """The single-row proposer a batch row with drafter "model" drafts with (its own draft
+        model cache; lookup in front of it under "auto"), built as `stream` builds it; else None."""
+        if plan.row_drafter != "model":
+            return None
+        return build_proposer(
+            plan.choice,
+            request.drafting,
+            plan.settings,
+            draft_model=self.draft_model,
+            target_vocab_size=int(self.trunk.vocab_size),
+            draft_vocab_size=self.draft_vocab_size,
+        )
 
     def _model_batch_refusal(self) -> str | None:
         """Why no request can decode in a batch on this engine (one line), None if they can."""

@@ -1,67 +1,68 @@
 """The batched decode loop: many sequences, each with its own sampler, seed, drafter and draft
 length, verified together in one trunk forward per cycle.
 
-Glossary: a *row* is one sequence in the batch (`BatchRow`); rows *join* after their own prefill
-(`BatchDecoder.join`) and *leave* between cycles (`leave`). ``k_r`` is row r's draft length this
-cycle (0 = a plain AR step in the same forward); K = max k_r.
+Glossary: a *row* is one sequence in the batch (`rows.BatchRow`); rows *join* after their own
+prefill (`BatchDecoder.join`) and *leave* between cycles (`leave`). ``k_r`` is row r's draft length
+this cycle (0 = a plain AR step in the same forward); K = max k_r (`block.Block`).
 
 One cycle (`BatchDecoder.step`), for all rows at once:
-  1. each row's drafts: prompt lookup on the host (its own history), or the MTP head chain,
-     batched: one head forward per depth for every row (`batch_head.HeadChain`);
-  2. one trunk forward over the block [B, K+1] = [pending_r, d_r1..d_rk_r, padding];
-     padding sits after a row's last real position, so causality keeps it out of every row's
-     logits, and the commit drops it;
-  3. verify per group of rows sharing (sampler, k_r, q-or-point-mass): `verify` and `sample`
-     take one `SamplerConfig` per call, so grouping keeps the oracle, the kernel emulation and
-     the fused kernels unchanged and exact; a server's rows mostly share a few settings, so the
-     groups are few. (Vectorised per-row parameters would need every filter's threshold search
-     and the kernels' static top-k per row: more code in the hot path for the rare mixed batch);
-  4. one host sync for every group's verdict and validity flag; then per row: caches keep
-     n_r + 1 positions (`BatchCache.commit_block`), the head its true pairs, lookup adapts.
+  1. draft: tokens a row's grammar forces, prompt lookup on the host (its own history), the MTP
+     head chain batched (one head forward per depth for every row, `batch_head.HeadChain`), or a
+     row's own proposer (drafter "model": a draft model, one row at a time);
+  2. one trunk forward over the block [B, K+1] = [pending_r, d_r1..d_rk_r, padding]; padding sits
+     after a row's last real position, so causality keeps it out of every row's logits;
+  3. verify (`rejection.verify`, k = 0 a plain AR step) per group of rows sharing (sampler, k_r,
+     q or point masses): one `SamplerConfig` per call keeps the oracle, the kernel emulation and
+     the fused kernels unchanged and exact; a server's rows mostly share a few settings;
+  4. one host sync for every verdict and validity flag; then per row: caches keep n_r + 1
+     positions (`BatchCache.commit_block`), the head its true pairs, proposers roll back.
 
-Grammar rows (`start`'s ``constraint``) speculate in the batch (docs/sampling.md, "Grammar mask";
-every position the target verifies is masked with the grammar's mask after the draft prefix
-before it, so any q stays exact):
+Grammar rows (`start`'s ``constraint``) speculate (docs/sampling.md, "Grammar mask": every verified
+position is masked after the draft prefix before it, so any q stays exact):
   - tokens the grammar forces after the committed text (llguidance's fast-forward tokens) are
     drafted first, as point masses: where the mask allows only that token its masked target
     probability is 1, so verify keeps it (JSON keys, braces, tool-call syntax in one cycle);
   - else a lookup match, cut to its legal prefix (exact for point masses);
-  - else the head chain: the first draft from the head's masked distribution (its mask, after the
-    committed text, is computed between cycles), later drafts unmasked (an illegal one has p = 0
-    and is rejected, exactly). The verify masks need the head's drafts on the host: one extra read
-    per cycle, taken after the trunk forward is queued so llguidance computes the masks while it
-    runs (`Step.grammar_reads`).
+  - else the head chain: the first draft from the head's masked distribution (its mask is computed
+    between cycles), later drafts unmasked (an illegal one has p = 0 and is rejected, exactly).
+    The verify masks need the drafts on the host: one extra read per cycle, taken after the trunk
+    forward is queued so llguidance computes the masks while it runs (`Step.grammar_reads`).
+Adaptive head rows (``adaptive_threshold`` > 0) draft the full depth in the chain; the same read
+(the head's confidences) cuts each such row's block after its first unsure draft: the drafts
+`HeadProposer` stops at, without a host read per draft step stalling every row.
 
-A row may carry a *trunk tap* (`start`'s ``trunk_tap``): it sees the trunk's output at every
-position the row commits, prompt included, and nothing else (forge records its training data
-through it). Unset, it costs nothing.
+A row's *trunk tap* (`start`'s ``trunk_tap``) sees the trunk's output at every position it commits.
 
-Per-row randomness follows the single-row loops (`mtplx.spec_decode.loop`) key for key: a
-speculative row splits its key into (key, draft, accept, sample) every cycle and draws uniforms
-of the same shapes, an AR row splits (key, step). A seeded row with its draft length pinned
-therefore draws the same tokens in a batch as alone, up to float rounding of batched matmuls.
-
-Adaptive head rows (``adaptive_threshold`` > 0) draft the full depth in the chain; one read of the
-head's confidences, taken after the trunk forward is queued (with the grammar rows' read), cuts
-each such row's block after its first unsure draft (`_verify_masks`): the drafts `HeadProposer`
-would stop at, without a host read per draft step stalling every row.
+Per-row randomness follows the single-row loops (`mtplx.spec_decode.loop`) key for key
+(`block.cycle_keys`), so a seeded row with its draft length pinned draws the same tokens in a
+batch as alone, up to float rounding of batched matmuls.
 
 Not batched (refused by `check_batch_support` / the engine): sliding-window and quantized KV
-caches, heads that read the trunk's KV (Gemma 4 assistants), and a separate draft model.
+caches, heads that read the trunk's KV (Gemma 4 assistants).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
 from mtplx.errors import MtplxError
 from mtplx.sample import ops as sample_ops
 from mtplx.sample import rejection
 from mtplx.spec_decode.batch_head import HeadChain, groups_by, left_padded, pad_time, padded_uniforms
+from mtplx.spec_decode.block import (
+    Block,
+    CycleKeys,
+    Group,
+    SourceOnly,
+    Verdicts,
+    adaptive_length,
+    cycle_keys,
+    padded_masks,
+    row_positions,
+)
 from mtplx.spec_decode.constraint import GrammarConstraint
-from mtplx.spec_decode.draft_policy import DraftOffer, DraftPolicy, RowAcceptance, drafter_records
+from mtplx.spec_decode.draft_policy import DraftOffer, DraftPolicy
 from mtplx.spec_decode.head_proposer import trunk_hidden
 from mtplx.spec_decode.lookup_proposer import LookupProposer
 from mtplx.spec_decode.loop import (
@@ -74,122 +75,29 @@ from mtplx.spec_decode.loop import (
     prefill_chunk,
     prefill_last,
 )
-from mtplx.spec_decode.proposer import CycleOutcome
-from mtplx.spec_decode.settings import MAX_DEPTH, DecodeSettings, LookupConfig
-from mtplx.trunk.batch_cache import BatchCache, check_batchable
+from mtplx.spec_decode.proposer import CycleOutcome, Proposer
+from mtplx.spec_decode.rows import (
+    BatchRow,
+    PendingRow,
+    RowsFailed,
+    RowSpec,
+    TrunkTap,
+    check_batch_support,
+    fill_holes,
+)
+from mtplx.spec_decode.settings import MAX_DEPTH
+from mtplx.trunk.batch_cache import BatchCache
 from mtplx.trunk.model import Trunk, TrunkOutput
 
 import mlx.core as mx
 
 __all__ = ["BATCH_DRAFTERS", "BatchDecoder", "BatchRow", "PendingRow", "RowSpec", "RowsFailed", "TrunkTap"]
 
-# Sees a row's trunk output [1, n, ...] (lazy) at n positions it commits (`BatchDecoder.start`).
-TrunkTap = Callable[[TrunkOutput], None]
-
-BATCH_DRAFTERS = ("none", "lookup", "head", "auto")  # "auto": lookup where the text recurs, else the head
+# "auto": lookup where the text recurs, else the head; "model": the row's own proposer (a draft
+# model, alone or behind lookup: `start`'s ``proposer``), drafting one row at a time.
+BATCH_DRAFTERS = ("none", "lookup", "head", "auto", "model")
 # Most grammar-forced tokens a row drafts in one cycle (they widen every row's block, so bounded).
 MAX_FORCED = 8
-
-
-@dataclass(frozen=True)
-class RowSpec:
-    """How one row decodes: its settings (sampler, depth = most drafts per cycle, greedy drafts,
-    logprobs, verify backend), its drafter and its lookup matcher."""
-
-    settings: DecodeSettings
-    drafter: str = "auto"
-    lookup: LookupConfig = field(default_factory=LookupConfig)
-
-
-@dataclass
-class PendingRow:
-    """A sequence prefilling on its own before it joins the batch (`BatchDecoder.start`)."""
-
-    prompt_tokens: list[int]
-    spec: RowSpec
-    key: mx.array
-    trunk_cache: list  # single-row mlx-lm caches, holding prompt_tokens[:position]
-    head_cache: list | None
-    prefix: PromptPrefix
-    draft_length: int | None = None
-    position: int = -1  # prompt tokens forwarded so far (set from prefix.start)
-    trunk_tap: TrunkTap | None = None
-    constraint: GrammarConstraint | None = None  # the row's grammar (it then decodes without drafts)
-
-    def __post_init__(self) -> None:
-        if self.position < 0:
-            self.position = self.prefix.start
-
-    @property
-    def remaining(self) -> int:
-        """Prompt tokens still to forward, the last included."""
-        return len(self.prompt_tokens) - self.position
-
-
-@dataclass
-class BatchRow:
-    """Everything one sequence owns in the batch; the batch index is its position in ``rows``."""
-
-    row_id: int
-    spec: RowSpec
-    key: mx.array
-    history: list[int]  # prompt + committed tokens; the last (pending) one is not yet forwarded
-    lookup: LookupProposer | None
-    pending_hidden: list[mx.array] = field(default_factory=list)  # true (hidden [1, n, H], next token) pairs
-    pending_tokens: list[int] = field(default_factory=list)  # the head has not consumed yet
-    draft_length: int | None = None  # pinned draft length for the head (None: the spec's depth)
-    # What the draft policy reads: one record per drafter ("head", "lookup").
-    acceptance: dict[str, RowAcceptance] = field(default_factory=drafter_records)
-    trunk_tap: TrunkTap | None = None
-    constraint: GrammarConstraint | None = None  # the row's grammar matcher, at its committed text
-
-    @property
-    def pending(self) -> int:
-        return self.history[-1]
-
-    @property
-    def uses_head(self) -> bool:
-        return self.spec.drafter in ("head", "auto")
-
-
-def check_batch_support(trunk: Trunk, head=None) -> str | None:
-    """None if this trunk (and head) decode in a batch, else why not (one line)."""
-    reason = check_batchable(trunk.make_cache(), trunk.model)
-    if reason is None and head is not None and head.reads_trunk_cache:
-        reason = f"a {head.layout} head reads the target's KV cache and is not batched"
-    if reason is None and head is not None:
-        reason = check_batchable(head.make_cache())
-        reason = None if reason is None else f"head {reason}"
-    return reason
-
-
-class RowsFailed(Exception):
-    """A cycle found invalid values (NaN logits, drafts outside the vocabulary) in some rows: a
-    fault of the model or its weights, not of the request (so not an `MtplxError`).
-
-    The cycle was undone for every row; the caller removes ``row_ids`` and steps again."""
-
-    def __init__(self, row_ids: list[int], message: str):
-        super().__init__(message)
-        self.row_ids = row_ids
-
-
-@dataclass
-class _Group:
-    index: list[int]  # batch indices of the rows
-    num_accepted: mx.array  # [G] int32
-    next_token: mx.array  # [G] int32
-    accept_probs: mx.array  # [G, k] float32
-    invalid: mx.array  # [] int32
-
-
-def fill_holes(num_rows: int, gone: set[int]) -> list[int]:
-    """The rows that stay, as ``remove_rows`` takes them: a staying row keeps its index where that
-    index survives, and the last staying rows move into the holes the leavers left, so the caches
-    copy one row per leaver rather than every row after the first hole (rows are not in join order)."""
-    num_keep = num_rows - len(gone)
-    movers = iter(i for i in range(num_keep, num_rows) if i not in gone)
-    return [next(movers) if i in gone else i for i in range(num_keep)]
 
 
 class BatchDecoder:
@@ -228,6 +136,7 @@ class BatchDecoder:
         draft_length: int | None = None,
         trunk_tap: TrunkTap | None = None,
         constraint: GrammarConstraint | None = None,
+        proposer: Proposer | None = None,
     ) -> PendingRow:
         """A sequence to prefill on its own (`prefill`, chunk by chunk) before it joins (`admit`).
 
@@ -252,6 +161,8 @@ class BatchDecoder:
             )
         if spec.drafter == "head" and self.head is None:
             raise MtplxError("batched decoding: drafter 'head' needs an MTP head")
+        if (spec.drafter == "model") != (proposer is not None):
+            raise MtplxError("batched decoding: drafter 'model' takes the row's proposer (and only it does)")
         prefix = prefix if prefix is not None else PromptPrefix()
         if not 0 <= prefix.start < len(prompt_tokens):
             raise MtplxError(
@@ -271,6 +182,7 @@ class BatchDecoder:
             draft_length,
             trunk_tap=trunk_tap,
             constraint=constraint,
+            proposer=proposer,
         )
 
     def prefill(self, pending: PendingRow, max_tokens: int | None = None) -> bool:
@@ -317,7 +229,10 @@ class BatchDecoder:
             draft_length=pending.draft_length,
             trunk_tap=pending.trunk_tap,
             constraint=constraint,
+            proposer=pending.proposer,
         )
+        if row.proposer is not None:  # as the single-row loop tells its proposer the first token
+            row.proposer.commit(CycleOutcome(output, 0, [token], None))
         if head is not None:
             row.pending_hidden = [trunk_hidden(output, head)[:, :1]]
             row.pending_tokens = [token]
@@ -413,7 +328,7 @@ class BatchDecoder:
         free = [r.draft_length is None for r in rows]
         offers: list[DraftOffer | None] = []
         for row, f, g, is_free in zip(rows, found, forced, free):
-            if not is_free or g:
+            if not is_free or g or row.spec.drafter == "model":
                 offers.append(None)
             elif f:
                 offers.append(DraftOffer(row.acceptance["lookup"], len(f)))
@@ -433,7 +348,7 @@ class BatchDecoder:
             return {}
         started = time.perf_counter()
         mask_marks = [row.constraint.mask_seconds if row.constraint is not None else 0.0 for row in rows]
-        keys = [_cycle_keys(row) for row in rows]
+        keys = [cycle_keys(row) for row in rows]
         timed, self._rows_moved = not self._rows_moved, False
         block = self._draft(rows, keys, timed)
         capture = self.cache.begin_block(block.width + 1)
@@ -447,14 +362,14 @@ class BatchDecoder:
         except BaseException:
             self.cache.abort_block(capture)
             raise
-        verdicts = _Verdicts.gather(groups, len(rows))
+        verdicts = Verdicts.gather(groups, len(rows))
         self.cache.commit_block(capture, [n + 1 for n in verdicts.num_accepted])
         if self.policy is not None and timed:  # the cycle's cost, up to its one sync and commit
             self.policy.observe_cycle(len(rows), block.width, time.perf_counter() - started)
         return self._commit(rows, block, output, verdicts, mask_marks)
 
     # ------------------------------------------------------------------ the cycle's stages
-    def _draft(self, rows: Sequence[BatchRow], keys: Sequence[_CycleKeys], timed: bool) -> _Block:
+    def _draft(self, rows: Sequence[BatchRow], keys: Sequence[CycleKeys], timed: bool) -> Block:
         """Every row's drafts for this cycle (lazy where the head draws them).
 
         Per row, first match wins: tokens its grammar forces (point masses, no policy cap), a
@@ -476,12 +391,19 @@ class BatchDecoder:
             f[: row.constraint.legal_prefix(f)] if row.constraint is not None and f else f
             for row, f in zip(rows, found)
         ]
-        kinds, host_drafts, lengths = [], [], []
-        for row, g, f, cap in zip(rows, forced, found, caps):
+        kinds, host_drafts, lengths, row_drafts = [], [], [], [None] * len(rows)
+        for i, (row, g, f, cap) in enumerate(zip(rows, forced, found, caps)):
             if g or f:
                 kinds.append("grammar" if g else "lookup")
                 host_drafts.append(g or f)
                 lengths.append(len(g or f))
+            elif row.proposer is not None:  # its own drafts, lazy (a draft model's chain)
+                row_drafts[i] = row.proposer.propose(
+                    row.history, keys[i].draft, None, constraint=row.constraint
+                )
+                kinds.append("model" if row_drafts[i] is not None else "")
+                host_drafts.append([])
+                lengths.append(row_drafts[i].num_tokens if row_drafts[i] is not None else 0)
             elif self.chain is not None and row.uses_head and cap > 0:
                 kinds.append("head")
                 host_drafts.append([])
@@ -493,14 +415,21 @@ class BatchDecoder:
         width = max(lengths)
         draft_tokens = mx.array([d + [0] * (width - len(d)) for d in host_drafts], dtype=mx.int32)
         draft_tokens = draft_tokens.reshape(len(rows), width)
-        block = _Block(kinds, lengths, host_drafts, offers, width, draft_tokens)
+        if any(d is not None for d in row_drafts):
+            draft_tokens = mx.concatenate(
+                [
+                    pad_time(d.tokens, width) if d is not None else draft_tokens[i : i + 1]
+                    for i, d in enumerate(row_drafts)
+                ]
+            )
+        block = Block(kinds, lengths, host_drafts, offers, width, draft_tokens, row_drafts=row_drafts)
         if "head" in kinds:
             self._head_drafts(rows, keys, block)
         pending = mx.array([[row.pending] for row in rows], dtype=mx.int32)
         block.tokens = mx.concatenate([pending, block.drafts], axis=1)
         return block
 
-    def _head_drafts(self, rows: Sequence[BatchRow], keys: Sequence[_CycleKeys], block: _Block) -> None:
+    def _head_drafts(self, rows: Sequence[BatchRow], keys: Sequence[CycleKeys], block: Block) -> None:
         """The head chain for every row at once; the rows drafting with it take its tokens and q.
         A grammar row's first draft is drawn from the head's masked distribution (its mask after
         the committed text, computed between cycles: no host read)."""
@@ -524,7 +453,7 @@ class BatchDecoder:
     def _all_allowed(self) -> mx.array:
         return mx.ones((int(self.trunk.vocab_size),), dtype=mx.bool_)
 
-    def _verify_masks(self, rows: Sequence[BatchRow], block: _Block, output: TrunkOutput) -> list | None:
+    def _verify_masks(self, rows: Sequence[BatchRow], block: Block, output: TrunkOutput) -> list | None:
         """Each row's grammar masks over its verify positions, bool [k_r + 1, V] (None for a free
         row); None when no row has a grammar. Before them, the cycle's one extra host read where a
         row needs its head drafts on the host, taken after the trunk forward is queued (it runs
@@ -532,18 +461,24 @@ class BatchDecoder:
         row's confidences, which cut its block after the first draft the head gave less than the
         row's threshold (`HeadProposer`'s early stop, taken after the chain: the same drafts, the
         rest forwarded but never verified; exact, as the cut reads only the drafts and q)."""
-        reads = [
-            kind == "head" and (row.constraint is not None or row.spec.settings.adaptive_threshold > 0)
+        adaptive = [
+            kind == "head" and row.spec.settings.adaptive_threshold > 0
             for row, kind in zip(rows, block.kinds)
+        ]
+        reads = [
+            a or (kind in ("head", "model") and row.constraint is not None)
+            for row, kind, a in zip(rows, block.kinds, adaptive)
         ]
         if any(reads):
             mx.async_eval(output.logits)
-            on_host, confidence = block.drafts.tolist(), block.confidence.tolist()
+            on_host = block.drafts.tolist()
+            confidence = block.confidence.tolist() if any(adaptive) else None
             for i, row in enumerate(rows):
-                if reads[i]:
-                    block.lengths[i] = _adaptive_length(
+                if adaptive[i]:
+                    block.lengths[i] = adaptive_length(
                         confidence[i][: block.lengths[i]], row.spec.settings.adaptive_threshold
                     )
+                if reads[i]:
                     block.host_drafts[i] = on_host[i][: block.lengths[i]]
                     block.grammar_reads[i] = int(row.constraint is not None)
         if all(row.constraint is None for row in rows):
@@ -554,17 +489,17 @@ class BatchDecoder:
         self,
         rows: Sequence[BatchRow],
         target_logits: mx.array,  # [B, K+1, V]
-        block: _Block,
+        block: Block,
         masks: list | None,  # per row: bool [k_r + 1, V] or None (`_verify_masks`)
-        keys: Sequence[_CycleKeys],
-    ) -> list[_Group]:
+        keys: Sequence[CycleKeys],
+    ) -> list[Group]:
         """`rejection.verify` per group of rows sharing (sampler, k_r, q or point masses, backend),
         after each row's penalties and grammar mask (the logit pipeline's order)."""
-        groups: list[_Group] = []
+        groups: list[Group] = []
 
         def group_key(i: int):
             settings = rows[i].spec.settings
-            return settings.sampler, block.lengths[i], block.kinds[i] == "head", settings.verify_backend
+            return settings.sampler, block.lengths[i], block.has_q(i), settings.verify_backend
 
         for (cfg, k, with_q, backend), index in groups_by(range(len(rows)), group_key).items():
             sel = mx.array(index, dtype=mx.int32)
@@ -575,26 +510,29 @@ class BatchDecoder:
                 logits = sample_ops.penalize_logits(logits, context, cfg, drafts)
             if masks is not None and any(masks[i] is not None for i in index):
                 allowed = [masks[i] if masks[i] is not None else self._all_allowed()[None] for i in index]
-                logits = sample_ops.mask_logits(logits, mx.stack([_rows(a, k + 1) for a in allowed]))
+                logits = sample_ops.mask_logits(logits, mx.stack([padded_masks(a, k + 1) for a in allowed]))
             sample_u = mx.concatenate([sample_ops.draw_uniforms((1,), keys[i].sample) for i in index])
-            probs = block.head_probs[sel, :k] if with_q and k and block.head_probs is not None else None
+            probs = mx.concatenate([block.q(i, k) for i in index]) if with_q and k else None
             accept_u = (  # k = 0: a plain AR step, verify samples row 0
                 mx.concatenate([sample_ops.draw_uniforms((1, k), keys[i].accept) for i in index])
                 if k
                 else mx.zeros((len(index), 0), dtype=mx.float32)
             )
             result = rejection.verify(logits, drafts, probs, cfg, accept_u, sample_u, backend=backend)
-            groups.append(
-                _Group(index, result.num_accepted, result.next_token, result.accept_probs, result.invalid)
-            )
+            invalid = result.invalid
+            for i in index:  # a row proposer's draw flags (the head's are the chain's, `block.flags`)
+                draft = block.row_drafts[i]
+                if draft is not None and draft.invalid is not None:
+                    invalid = invalid | draft.invalid
+            groups.append(Group(index, result.num_accepted, result.next_token, result.accept_probs, invalid))
         return groups
 
     def _commit(
         self,
         rows: Sequence[BatchRow],
-        block: _Block,
+        block: Block,
         output: TrunkOutput,
-        verdicts: _Verdicts,
+        verdicts: Verdicts,
         mask_marks: Sequence[float],
     ) -> dict[int, Step]:
         """Per row, after the sync: its committed tokens, the head's true pairs, lookup's length,
@@ -605,19 +543,22 @@ class BatchDecoder:
         for i, row in enumerate(rows):
             n, k, kind = verdicts.num_accepted[i], block.lengths[i], block.kinds[i]
             committed = block_rows[i][1 : n + 1] + [verdicts.next_token[i]]
-            source = () if k == 0 else ((kind, k),)
+            draft = block.row_drafts[i]
+            source = () if k == 0 else (draft.sources if draft is not None else ((kind, k),))
             if hidden is not None:
                 row.pending_hidden.append(hidden[i : i + 1, : n + 1])
                 row.pending_tokens.extend(committed)
             if row.lookup is not None and k:
-                row.lookup.commit(CycleOutcome(output, n, committed, _SourceOnly(source)))
+                row.lookup.commit(CycleOutcome(output, n, committed, SourceOnly(source)))
+            if row.proposer is not None:  # rolls its own state back (a draft model's cache)
+                row.proposer.commit(CycleOutcome(row_positions(output, i, k + 1), n, committed, draft))
             row.history.extend(committed)
             if row.trunk_tap is not None:
-                row.trunk_tap(_positions(output, i, n + 1))
+                row.trunk_tap(row_positions(output, i, n + 1))
             logprobs = None
             if row.spec.settings.logprobs is not None:
                 logprobs = _token_logprobs(output.logits[i, : n + 1], committed, row.spec.settings.logprobs)
-            if k and kind != "grammar":
+            if k and kind in row.acceptance:
                 row.acceptance[kind].observe(k, n)
             elif block.offers[i] is not None:
                 block.offers[i].acceptance.skip()
@@ -635,7 +576,7 @@ class BatchDecoder:
         return steps
 
     @staticmethod
-    def _raise_if_invalid(rows: Sequence[BatchRow], groups: list[_Group], flags: list[mx.array]) -> None:
+    def _raise_if_invalid(rows: Sequence[BatchRow], groups: list[Group], flags: list[mx.array]) -> None:
         if any(int(f.item()) for f in flags):  # the head's draws: not attributable to one group
             try:
                 for f in flags:
@@ -649,24 +590,6 @@ class BatchDecoder:
                 raise RowsFailed([rows[i].row_id for i in g.index], str(err)) from None
 
 
-def _adaptive_length(confidence: Sequence[float], threshold: float) -> int:
-    """The drafts an adaptive row keeps: up to and including the first the head gave less than
-    ``threshold`` (all of them when ``threshold`` is 0)."""
-    if threshold > 0:
-        for i, sure in enumerate(confidence[:-1]):
-            if sure < threshold:
-                return i + 1
-    return len(confidence)
-
-
-def _rows(allowed: mx.array, count: int) -> mx.array:
-    """A row's masks [n, V] as exactly ``count`` verify positions (the last repeated past its
-    block: padding positions, never verified)."""
-    if allowed.shape[0] >= count:
-        return allowed[:count]
-    return mx.concatenate([allowed, mx.repeat(allowed[-1:], count - allowed.shape[0], axis=0)])
-
-
 def _grammar_masks(rows: Sequence[BatchRow], host_drafts: Sequence[list[int]]) -> list:
     """Per row, bool [k_r + 1, V]: the grammar's mask at each verify position [pending, d_1..d_k]
     (`GrammarConstraint.block_masks`: after a refused or EOS draft, all allowed); None for a
@@ -675,79 +598,3 @@ def _grammar_masks(rows: Sequence[BatchRow], host_drafts: Sequence[list[int]]) -
         row.constraint.block_masks(drafts) if row.constraint is not None else None
         for row, drafts in zip(rows, host_drafts)
     ]
-
-
-@dataclass
-class _CycleKeys:
-    """A row's keys for one cycle, split as the single-row loops split theirs: (key, draft, accept,
-    sample) for a drafting row, (key, step) for a plain AR row (no draft or accept key)."""
-
-    draft: mx.array | None
-    accept: mx.array | None
-    sample: mx.array
-
-
-def _cycle_keys(row: BatchRow) -> _CycleKeys:
-    """Advance ``row``'s key by one cycle and return the cycle's keys."""
-    if row.spec.drafter == "none":
-        row.key, sample_key = _split_key(row.key)
-        return _CycleKeys(None, None, sample_key)
-    row.key, draft_key, accept_key, sample_key = mx.random.split(row.key, 4)
-    return _CycleKeys(draft_key, accept_key, sample_key)
-
-
-@dataclass
-class _Block:
-    """One cycle's drafts for every row. ``kinds[r]``: "head", "lookup", "grammar" (forced tokens)
-    or "" (no drafts); ``lengths[r]`` = k_r; ``width`` = K = max k_r."""
-
-    kinds: list[str]
-    lengths: list[int]
-    host_drafts: list[list[int]]  # drafts known on the host (lookup, forced; head ones once read)
-    offers: list[DraftOffer | None]  # what each row offered the draft policy
-    width: int
-    drafts: mx.array  # [B, K] int32 (lazy where the head drew them)
-    tokens: mx.array | None = None  # [B, K+1]: [pending_r, d_r1..d_rk, padding]
-    head_probs: mx.array | None = None  # [B, D, V] q of the head's drafts, D <= K (None: argmax drafts)
-    confidence: mx.array | None = None  # [B, D] the head's confidence in each draft (adaptive rows)
-    flags: list[mx.array] = field(default_factory=list)  # the head's lazy validity flags
-    grammar_reads: list[int] = field(init=False)  # host reads of drafts a row's masks needed
-
-    def __post_init__(self) -> None:
-        self.grammar_reads = [0] * len(self.kinds)
-
-
-@dataclass
-class _Verdicts:
-    """verify's verdict per batch row, on the host after the cycle's sync."""
-
-    num_accepted: list[int]
-    next_token: list[int]
-    accept_probs: list[list[float]]
-
-    @classmethod
-    def gather(cls, groups: Sequence[_Group], num_rows: int) -> _Verdicts:
-        verdicts = cls([0] * num_rows, [0] * num_rows, [[] for _ in range(num_rows)])
-        for g in groups:
-            for j, (n, t, probs) in enumerate(
-                zip(g.num_accepted.tolist(), g.next_token.tolist(), g.accept_probs.tolist())
-            ):
-                i = g.index[j]
-                verdicts.num_accepted[i], verdicts.next_token[i], verdicts.accept_probs[i] = n, t, probs
-        return verdicts
-
-
-def _positions(output: TrunkOutput, row: int, count: int) -> TrunkOutput:
-    """Row ``row``'s first ``count`` block positions of a cycle's output, as [1, count, ...]."""
-    return TrunkOutput(
-        output.logits[row : row + 1, :count],
-        output.hidden_pre_norm[row : row + 1, :count],
-        output.hidden_post_norm[row : row + 1, :count],
-    )
-
-
-@dataclass
-class _SourceOnly:
-    """The part of a Draft that LookupProposer.commit reads (its source segments)."""
-
-    sources: tuple[tuple[str, int], ...]

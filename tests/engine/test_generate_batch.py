@@ -13,6 +13,7 @@ import random
 import re
 
 import mtplx  # noqa: F401  (BLAS before mlx)
+from mtplx.checkpoints.load import load_model
 from mtplx.engine import Engine
 from mtplx.engine.grammar_spec import Grammar
 from mtplx.engine.request import GenerationRequest
@@ -103,6 +104,38 @@ def test_adaptive_rows_cut_their_blocks_in_a_batch_as_they_do_alone(tiny_engine)
     drafted = batched[0].stats.drafters["head"]["drafted"] + batched[1].stats.drafters["head"]["drafted"]
     cycles = batched[0].stats.cycles + batched[1].stats.cycles
     assert drafted < 3 * cycles, (drafted, cycles)  # some blocks were cut short
+
+
+def test_draft_model_rows_join_the_batch_and_give_the_tokens_they_give_alone(
+    tiny_engine, tmp_path, default_model_dir
+):
+    """With a draft model loaded, its requests decode in the batch (each row drafting with its own
+    proposer and draft-model cache) beside head rows: greedy and seeded rows give the tokens and
+    drafter counts they give alone, and the draft model's drafts were verified."""
+    family = "mimo" if "mimo" in str(tiny_engine.model_path) else "qwen3_5"
+    getattr(checkpoints, family)(tmp_path / "draft", seed=2)  # other weights, the same tokenizer
+    checkpoints.copy_tokenizer(default_model_dir, tmp_path / "draft")
+    seed = random.randrange(10_000)
+    requests = [
+        _req(max_tokens=12, temperature=0.0, draft="model", depth=2),
+        _req(max_tokens=12, temperature=1.0, seed=seed, draft="model", depth=2),
+        _req(max_tokens=10, temperature=0.9, seed=seed + 1, draft="auto", depth=2),  # lookup, then the model
+        _req(max_tokens=10, temperature=0.8, seed=seed + 2, draft="head"),
+    ]
+    # Loaded as `Engine.load(draft_model=...)` does, without its tokenizer check: the tiny models
+    # carry the default model's tokenizer over their 64 ids, which that check rightly refuses.
+    tiny_engine.draft_model = load_model(tmp_path / "draft").model
+    tiny_engine.draft_vocab_size = int(tiny_engine.trunk.vocab_size)
+    try:
+        assert tiny_engine.batch_refusal(requests[0]) is None
+        alone = [tiny_engine.generate(p, r) for p, r in zip(PROMPTS, requests)]
+        batched = tiny_engine.generate_batch(PROMPTS[:4], requests, max_rows=4, draft_policy="fixed")
+    finally:
+        tiny_engine.draft_model, tiny_engine.draft_vocab_size = None, 0
+    for a, b in zip(alone, batched):
+        assert b.token_ids == a.token_ids, seed
+        assert b.stats.drafters == a.stats.drafters, seed
+    assert sum(b.stats.drafters.get("model", {}).get("drafted", 0) for b in batched[:3]) > 0
 
 
 def test_generate_batch_gives_each_request_the_tokens_it_gives_alone(tiny_engine):

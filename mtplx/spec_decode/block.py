@@ -1,0 +1,147 @@
+"""One cycle's data in the batched loop: each row's keys (`CycleKeys`), the block of drafts
+(`Block`), verify's result per group of rows (`Group`) and per row on the host (`Verdicts`).
+
+Glossary: B rows; k_r row r's drafts this cycle; K = max k_r (the block is [B, K+1]: the pending
+token, the drafts, padding); V the vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from mtplx.spec_decode.draft_policy import DraftOffer
+from mtplx.spec_decode.loop import _split_key
+from mtplx.spec_decode.proposer import Draft
+from mtplx.spec_decode.rows import BatchRow
+from mtplx.trunk.model import TrunkOutput
+
+import mlx.core as mx
+
+__all__ = [
+    "Block",
+    "CycleKeys",
+    "Group",
+    "SourceOnly",
+    "Verdicts",
+    "adaptive_length",
+    "cycle_keys",
+    "padded_masks",
+    "row_positions",
+]
+
+
+@dataclass
+class Group:
+    index: list[int]  # batch indices of the rows
+    num_accepted: mx.array  # [G] int32
+    next_token: mx.array  # [G] int32
+    accept_probs: mx.array  # [G, k] float32
+    invalid: mx.array  # [] int32
+
+
+@dataclass
+class CycleKeys:
+    """A row's keys for one cycle, split as the single-row loops split theirs: (key, draft, accept,
+    sample) for a drafting row, (key, step) for a plain AR row (no draft or accept key)."""
+
+    draft: mx.array | None
+    accept: mx.array | None
+    sample: mx.array
+
+
+def cycle_keys(row: BatchRow) -> CycleKeys:
+    """Advance ``row``'s key by one cycle and return the cycle's keys."""
+    if row.spec.drafter == "none":
+        row.key, sample_key = _split_key(row.key)
+        return CycleKeys(None, None, sample_key)
+    row.key, draft_key, accept_key, sample_key = mx.random.split(row.key, 4)
+    return CycleKeys(draft_key, accept_key, sample_key)
+
+
+@dataclass
+class Block:
+    """One cycle's drafts for every row. ``kinds[r]``: "head", "lookup", "grammar" (forced tokens)
+    or "" (no drafts); ``lengths[r]`` = k_r; ``width`` = K = max k_r."""
+
+    kinds: list[str]
+    lengths: list[int]
+    host_drafts: list[list[int]]  # drafts known on the host (lookup, forced; head ones once read)
+    offers: list[DraftOffer | None]  # what each row offered the draft policy
+    width: int
+    drafts: mx.array  # [B, K] int32 (lazy where the head drew them)
+    tokens: mx.array | None = None  # [B, K+1]: [pending_r, d_r1..d_rk, padding]
+    head_probs: mx.array | None = None  # [B, D, V] q of the head's drafts, D <= K (None: argmax drafts)
+    confidence: mx.array | None = None  # [B, D] the head's confidence in each draft (adaptive rows)
+    flags: list[mx.array] = field(default_factory=list)  # the head's lazy validity flags
+    row_drafts: list[Draft | None] = field(default_factory=list)  # drafter "model" rows' own Drafts
+    grammar_reads: list[int] = field(init=False)  # host reads of drafts a row's masks needed
+
+    def __post_init__(self) -> None:
+        self.grammar_reads = [0] * len(self.kinds)
+
+    def has_q(self, i: int) -> bool:
+        """Whether row i's drafts come with the distribution they were drawn from (else point masses)."""
+        if self.kinds[i] == "head":
+            return self.head_probs is not None
+        return self.kinds[i] == "model" and self.row_drafts[i].probs is not None
+
+    def q(self, i: int, k: int) -> mx.array:
+        """Row i's q over its k drafts, [1, k, V] (`has_q`)."""
+        if self.kinds[i] == "head":
+            return self.head_probs[i : i + 1, :k]
+        return self.row_drafts[i].probs[:, :k]
+
+
+@dataclass
+class Verdicts:
+    """verify's verdict per batch row, on the host after the cycle's sync."""
+
+    num_accepted: list[int]
+    next_token: list[int]
+    accept_probs: list[list[float]]
+
+    @classmethod
+    def gather(cls, groups: Sequence[Group], num_rows: int) -> Verdicts:
+        verdicts = cls([0] * num_rows, [0] * num_rows, [[] for _ in range(num_rows)])
+        for g in groups:
+            for j, (n, t, probs) in enumerate(
+                zip(g.num_accepted.tolist(), g.next_token.tolist(), g.accept_probs.tolist())
+            ):
+                i = g.index[j]
+                verdicts.num_accepted[i], verdicts.next_token[i], verdicts.accept_probs[i] = n, t, probs
+        return verdicts
+
+
+def adaptive_length(confidence: Sequence[float], threshold: float) -> int:
+    """The drafts an adaptive row keeps: up to and including the first the head gave less than
+    ``threshold`` (all of them when ``threshold`` is 0)."""
+    if threshold > 0:
+        for i, sure in enumerate(confidence[:-1]):
+            if sure < threshold:
+                return i + 1
+    return len(confidence)
+
+
+def padded_masks(allowed: mx.array, count: int) -> mx.array:
+    """A row's masks [n, V] as exactly ``count`` verify positions (the last repeated past its
+    block: padding positions, never verified)."""
+    if allowed.shape[0] >= count:
+        return allowed[:count]
+    return mx.concatenate([allowed, mx.repeat(allowed[-1:], count - allowed.shape[0], axis=0)])
+
+
+def row_positions(output: TrunkOutput, row: int, count: int) -> TrunkOutput:
+    """Row ``row``'s first ``count`` block positions of a cycle's output, as [1, count, ...]."""
+    return TrunkOutput(
+        output.logits[row : row + 1, :count],
+        output.hidden_pre_norm[row : row + 1, :count],
+        output.hidden_post_norm[row : row + 1, :count],
+    )
+
+
+@dataclass
+class SourceOnly:
+    """The part of a Draft that LookupProposer.commit reads (its source segments)."""
+
+    sources: tuple[tuple[str, int], ...]
