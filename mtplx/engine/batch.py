@@ -131,7 +131,7 @@ class BatchScheduler:
         )
         mode, depth = ("mtp", plan.choice.depth) if row_drafter != "none" else ("ar", 0)
         output = RequestOutput(
-            engine.tokenizer, request, len(plan.prompt_tokens), session.prefix.start, mode, depth
+            engine.tokenizer, request, len(plan.prompt_tokens), session.prefix.start, mode, depth, engine.head
         )
         handle = self._next_handle
         self._next_handle += 1

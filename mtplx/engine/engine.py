@@ -28,6 +28,7 @@ from mtplx.heads.discovery import find_head, missing_head_message
 from mtplx.spec_decode import loop as decode
 from mtplx.spec_decode.constraint import GrammarConstraint
 from mtplx.spec_decode.draft_policy import DRAFT_POLICIES, CostProfile, DraftPolicy
+from mtplx.spec_decode.rows import RowsFailed
 from mtplx.spec_decode.select import DEFAULT_DEPTH, DrafterChoice, build_proposer, choose_drafter
 from mtplx.spec_decode.settings import DEFAULT_PREFILL_STEP, DecodeSettings
 from mtplx.trunk.model import Trunk
@@ -257,6 +258,21 @@ class Engine:
             request = GenerationRequest.from_kwargs(**kwargs)
         elif kwargs:
             raise MtplxError(f"stream: pass a request or keyword arguments, not both (got {sorted(kwargs)})")
+        if self.batch_refusal(request) is None:
+            return self._stream_as_a_batch_of_one(prompt, request)
+        return self._stream_alone(prompt, request)
+
+    def _stream_as_a_batch_of_one(self, prompt, request: GenerationRequest) -> Iterator[GenerationChunk]:
+        """A stream is a batch of one: the one scheduler and the one cycle (`mtplx.engine.batch`),
+        the row drafting its own depth every cycle as alone (no cost policy: a stream pays no
+        profile measurement). The request is planned and refused here, before the first chunk."""
+        scheduler = BatchScheduler(self, max_rows=1, prompt_concurrency=1)
+        handle = scheduler.submit(prompt, request)
+        return _chunks_of(scheduler, handle)
+
+    def _stream_alone(self, prompt, request: GenerationRequest) -> Iterator[GenerationChunk]:
+        """The single-row loop (`spec_decode.loop`), for what the batch cannot serve: sharded
+        engines and models whose caches do not batch (`batch_refusal`)."""
         plan = self.plan(prompt, request)
         choice, prompt_tokens, settings = plan.choice, plan.prompt_tokens, plan.settings
         drafting = request.drafting
@@ -498,3 +514,21 @@ class Engine:
     ) -> GenerationResult:
         """Generate to completion; the same arguments as `stream`."""
         return GenerationResult.from_chunks(list(self.stream(prompt, request, **kwargs)))
+
+
+def _chunks_of(scheduler: BatchScheduler, handle: int) -> Iterator[GenerationChunk]:
+    """The chunks of request ``handle``, stepping ``scheduler`` until it ends; errors raise
+    (invalid values the model produced as the ValueError a single stream raises). Closing the
+    generator early drops the request (its memory freed), as an interrupted call leaves nothing."""
+    try:
+        while not scheduler.idle:
+            for result in scheduler.step():
+                if isinstance(result.error, RowsFailed):
+                    raise ValueError(str(result.error)) from None
+                if result.error is not None:
+                    raise result.error
+                yield result.chunk
+                if result.done:
+                    return
+    finally:
+        scheduler.close()
