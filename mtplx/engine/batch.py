@@ -32,8 +32,8 @@ from mtplx.engine.session import CacheSession, open_session
 from mtplx.errors import MtplxError
 from mtplx.spec_decode.batch import BatchDecoder, PendingRow, RowsFailed, RowSpec
 from mtplx.spec_decode.draft_policy import DraftPolicy
-from mtplx.spec_decode.loop import PromptPrefix
 from mtplx.spec_decode.settings import DEFAULT_PREFILL_STEP
+from mtplx.spec_decode.step import PromptPrefix
 
 __all__ = ["BatchScheduler", "StepTiming"]
 
@@ -114,7 +114,9 @@ class BatchScheduler:
         # Compiled before any cache is taken: a grammar this tokenizer cannot serve fails here.
         constraint = engine.compile_grammar(request.grammar) if request.grammar is not None else None
         row_drafter = plan.row_drafter
-        with_head = row_drafter in ("head", "auto")
+        if decoder.single_row and row_drafter not in ("none", "lookup"):
+            row_drafter = "proposer"  # one row on its own caches: every drafter is its own proposer
+        with_head = plan.choice.model_drafter == "head" and row_drafter in ("head", "auto", "proposer")
         session = open_session(engine.prompt_cache, engine.trunk, engine.head, plan.prompt_tokens, with_head)
         pending = decoder.start(
             plan.prompt_tokens,
@@ -127,7 +129,9 @@ class BatchScheduler:
             # tokens whatever else is in the batch; the draft policy chooses for the others.
             draft_length=plan.settings.depth if request.seed is not None else None,
             constraint=constraint,
-            proposer=engine.row_proposer(plan, request),
+            proposer=engine.row_proposer(plan, request, session.head_cache)
+            if row_drafter == "proposer"
+            else None,
         )
         mode, depth = ("mtp", plan.choice.depth) if row_drafter != "none" else ("ar", 0)
         output = RequestOutput(
@@ -183,11 +187,12 @@ class BatchScheduler:
                 before = pending.remaining
                 ready = decoder.prefill(pending, budget)
                 budget -= before - pending.remaining
-                if ready and self.num_decoding < self.max_rows:
+                if ready and self.num_decoding < (1 if decoder.single_row else self.max_rows):
                     job.row_id, first = decoder.admit(pending)
                     job.pending = None
                     budget -= 1
-                    job.session.store_prompt(pending.trunk_cache, pending.head_cache)
+                    if not decoder.single_row:  # a single row decodes in its own (live) caches
+                        job.session.store_prompt(pending.trunk_cache, pending.head_cache)
                     results.append(self._feed(job, first))
             except (MtplxError, ValueError) as err:  # ValueError: invalid values in the first draw
                 results.append(self._fail(job, err))
@@ -242,9 +247,10 @@ class BatchScheduler:
         """A request that ended between cycles: its caches go to the prompt cache, its row leaves."""
         session = job.session
         if session.store.max_bytes and session.trimmable and job.row_id is not None:
-            trunk_cache, head_cache = self._decoder.extract(job.row_id)
-            session.trunk_cache = trunk_cache
-            session.head_cache = head_cache if session.head_cache is not None else None
+            if not self._decoder.single_row:  # the batch's copies; a single row's are the session's own
+                trunk_cache, head_cache = self._decoder.extract(job.row_id)
+                session.trunk_cache = trunk_cache
+                session.head_cache = head_cache if session.head_cache is not None else None
             session.finish()
         self._remove(job)
 

@@ -55,7 +55,7 @@ class DecodePlan:
         """The batched loop's drafter for this plan (`mtplx.spec_decode.batch.BATCH_DRAFTERS`)."""
         kind = self.choice.kind
         if self.choice.model_drafter == "model" and kind in ("auto", "model"):
-            return "model"  # the row's own proposer (`Engine.row_proposer`): lookup and the draft model
+            return "proposer"  # the row's own proposer (`Engine.row_proposer`): lookup, the draft model
         if kind == "auto":
             return "auto" if self.choice.model_drafter == "head" else "lookup"
         return kind
@@ -258,9 +258,9 @@ class Engine:
             request = GenerationRequest.from_kwargs(**kwargs)
         elif kwargs:
             raise MtplxError(f"stream: pass a request or keyword arguments, not both (got {sorted(kwargs)})")
-        if self.batch_refusal(request) is None:
+        if self.distributed is None:
             return self._stream_as_a_batch_of_one(prompt, request)
-        return self._stream_alone(prompt, request)
+        return self._stream_sharded(prompt, request)
 
     def _stream_as_a_batch_of_one(self, prompt, request: GenerationRequest) -> Iterator[GenerationChunk]:
         """A stream is a batch of one: the one scheduler and the one cycle (`mtplx.engine.batch`),
@@ -270,58 +270,42 @@ class Engine:
         handle = scheduler.submit(prompt, request)
         return _chunks_of(scheduler, handle)
 
-    def _stream_alone(self, prompt, request: GenerationRequest) -> Iterator[GenerationChunk]:
-        """The single-row loop (`spec_decode.loop`), for what the batch cannot serve: sharded
-        engines and models whose caches do not batch (`batch_refusal`)."""
+    def _stream_sharded(self, prompt, request: GenerationRequest) -> Iterator[GenerationChunk]:
+        """A sharded engine's stream: every rank decodes the same request alone on its own caches
+        (`spec_decode.loop`: the one cycle as a batch of one), with rank 0's seed and a check that
+        the ranks agree on every step (`mtplx.engine.distributed`)."""
         plan = self.plan(prompt, request)
         choice, prompt_tokens, settings = plan.choice, plan.prompt_tokens, plan.settings
-        drafting = request.drafting
         # Compiled before any cache is taken: a grammar this tokenizer cannot serve fails here.
         constraint = self.compile_grammar(request.grammar) if request.grammar is not None else None
-        seed = request.seed
-        if self.distributed is not None:  # every rank must run this request with rank 0's seed
-            seed = self.distributed.agree_on_request(
-                seed,
-                {
-                    "prompt": prompt_tokens,
-                    "settings": settings,
-                    "draft": choice.kind,
-                    "max_tokens": request.max_tokens,
-                },
-            )
-        key = self.request_key(seed)
+        # Every rank runs this request with rank 0's seed.
+        seed = self.distributed.agree_on_request(
+            request.seed,
+            {
+                "prompt": prompt_tokens,
+                "settings": settings,
+                "draft": choice.kind,
+                "max_tokens": request.max_tokens,
+            },
+        )
         session = open_session(
             self.prompt_cache, self.trunk, self.head, prompt_tokens, choice.model_drafter == "head"
         )
-        proposer = build_proposer(
-            choice,
-            drafting,
+        proposer = self.row_proposer(plan, request, session.head_cache)
+        args = (
+            prompt_tokens,
             settings,
-            head=self.head,
-            head_cache=session.head_cache,
-            draft_model=self.draft_model,
-            target_vocab_size=int(self.trunk.vocab_size),
-            draft_vocab_size=self.draft_vocab_size,
+            self.request_key(seed),
+            session.trunk_cache,
+            session.prefix,
+            constraint,
         )
         if proposer is not None:
-            steps = decode.speculative_decode(
-                self.trunk,
-                proposer,
-                prompt_tokens,
-                settings,
-                key,
-                session.trunk_cache,
-                session.prefix,
-                constraint,
-            )
+            steps = decode.speculative_decode(self.trunk, proposer, *args)
         else:
-            steps = decode.ar_decode(
-                self.trunk, prompt_tokens, settings, key, session.trunk_cache, session.prefix, constraint
-            )
-        if self.distributed is not None:
-            steps = self.distributed.guard_steps(steps)
+            steps = decode.ar_decode(self.trunk, *args)
         mode, depth = ("mtp", choice.depth) if proposer is not None else ("ar", 0)
-        return self._assemble(steps, session, request, mode, depth)
+        return self._assemble(self.distributed.guard_steps(steps), session, request, mode, depth)
 
     def _choose_drafter(self, request: GenerationRequest) -> DrafterChoice:
         """The request's drafter, refused with a one-line error when this engine cannot serve it."""
@@ -381,25 +365,31 @@ class Engine:
         return mx.random.key(seed if seed is not None else int(time.time_ns() % (2**63)))
 
     def batch_refusal(self, request: GenerationRequest) -> str | None:
-        """Why ``request`` cannot decode in a batch on this engine (one line), None if it can."""
-        return self._model_batch_refusal()
+        """Why ``request`` cannot go through the scheduler on this engine (one line), None if it
+        can: a sharded engine decodes one request at a time on every rank. (A model whose caches
+        do not batch goes through it too, one row at a time: `BatchDecoder`'s ``single_row``.)"""
+        if self.distributed is not None:
+            return "a sharded engine decodes one request at a time"
+        return None
 
-    def row_proposer(self, plan: DecodePlan, request: GenerationRequest):
-        """The single-row proposer a batch row with drafter "model" drafts with (its own draft
-        model cache; lookup in front of it under "auto"), built as `stream` builds it; else None."""
-        if plan.row_drafter != "model":
-            return None
+    def row_proposer(self, plan: DecodePlan, request: GenerationRequest, head_cache: list | None):
+        """The single-row proposer a batch row with drafter "proposer" drafts with, built as a
+        sharded stream builds it (a draft model with its own cache, lookup in front under "auto";
+        on a single-row decoder any drafter, the head on the request's ``head_cache``)."""
         return build_proposer(
             plan.choice,
             request.drafting,
             plan.settings,
+            head=self.head,
+            head_cache=head_cache,
             draft_model=self.draft_model,
             target_vocab_size=int(self.trunk.vocab_size),
             draft_vocab_size=self.draft_vocab_size,
         )
 
     def _model_batch_refusal(self) -> str | None:
-        """Why no request can decode in a batch on this engine (one line), None if they can."""
+        """Why requests cannot share a batch on this engine (one line; they then decode one at a
+        time), None if they can."""
         if self.distributed is not None:
             return "a sharded engine decodes one request at a time"
         if self._batch_support is None:

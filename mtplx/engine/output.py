@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from mtplx.engine.request import GenerationRequest
 from mtplx.engine.stats import GenerationStats, StatsTracker
 from mtplx.engine.text import TextAssembler
-from mtplx.spec_decode.loop import Step, TokenLogprobs
+from mtplx.spec_decode.step import Step, TokenLogprobs
 
 __all__ = ["GenerationChunk", "GenerationResult", "RequestOutput"]
 

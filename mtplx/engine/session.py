@@ -8,7 +8,7 @@ snapshotted by the loop's `PromptPrefix` hook when they hold all prompt position
 
 from __future__ import annotations
 
-from mtplx.spec_decode.loop import PromptPrefix
+from mtplx.spec_decode.step import PromptPrefix
 from mtplx.trunk.prompt_cache import CacheHit, PromptCache, held_positions, is_trimmable
 
 __all__ = ["CacheSession", "open_session"]

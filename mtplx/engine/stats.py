@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 
-from mtplx.spec_decode.loop import Step
+from mtplx.spec_decode.step import Step
 
 import mlx.core as mx
 

@@ -8,7 +8,7 @@ this cycle (0 = a plain AR step in the same forward); K = max k_r (`block.Block`
 One cycle (`BatchDecoder.step`), for all rows at once:
   1. draft: tokens a row's grammar forces, prompt lookup on the host (its own history), the MTP
      head chain batched (one head forward per depth for every row, `batch_head.HeadChain`), or a
-     row's own proposer (drafter "model": a draft model, one row at a time);
+     row's own proposer (drafter "proposer": a draft model, or any drafter on a single-row decoder);
   2. one trunk forward over the block [B, K+1] = [pending_r, d_r1..d_rk_r, padding]; padding sits
      after a row's last real position, so causality keeps it out of every row's logits;
   3. verify (`rejection.verify`, k = 0 a plain AR step) per group of rows sharing (sampler, k_r,
@@ -57,24 +57,16 @@ from mtplx.spec_decode.block import (
     SourceOnly,
     Verdicts,
     adaptive_length,
+    cut_to_legal,
     cycle_keys,
     padded_masks,
+    raise_if_invalid,
     row_positions,
 )
 from mtplx.spec_decode.constraint import GrammarConstraint
 from mtplx.spec_decode.draft_policy import DraftOffer, DraftPolicy
 from mtplx.spec_decode.head_proposer import trunk_hidden
 from mtplx.spec_decode.lookup_proposer import LookupProposer
-from mtplx.spec_decode.loop import (
-    PromptPrefix,
-    Step,
-    _grammar_step,
-    _sample_last_row,
-    _split_key,
-    _token_logprobs,
-    prefill_chunk,
-    prefill_last,
-)
 from mtplx.spec_decode.proposer import CycleOutcome, Proposer
 from mtplx.spec_decode.rows import (
     BatchRow,
@@ -86,16 +78,27 @@ from mtplx.spec_decode.rows import (
     fill_holes,
 )
 from mtplx.spec_decode.settings import MAX_DEPTH
+from mtplx.spec_decode.step import (
+    PromptPrefix,
+    Step,
+    grammar_step,
+    prefill_chunk,
+    prefill_last,
+    sample_last_row,
+    split_key,
+    token_logprobs,
+)
 from mtplx.trunk.batch_cache import BatchCache
 from mtplx.trunk.model import Trunk, TrunkOutput
+from mtplx.trunk.row_cache import SingleRowCache
 
 import mlx.core as mx
 
 __all__ = ["BATCH_DRAFTERS", "BatchDecoder", "BatchRow", "PendingRow", "RowSpec", "RowsFailed", "TrunkTap"]
 
-# "auto": lookup where the text recurs, else the head; "model": the row's own proposer (a draft
-# model, alone or behind lookup: `start`'s ``proposer``), drafting one row at a time.
-BATCH_DRAFTERS = ("none", "lookup", "head", "auto", "model")
+# "auto": lookup where the text recurs, else the head; "proposer": the row's own single-row
+# proposer (`start`'s ``proposer``: a draft model, or any drafter on a single-row decoder).
+BATCH_DRAFTERS = ("none", "lookup", "head", "auto", "proposer")
 # Most grammar-forced tokens a row drafts in one cycle (they widen every row's block, so bounded).
 MAX_FORCED = 8
 
@@ -103,16 +106,24 @@ MAX_FORCED = 8
 class BatchDecoder:
     """Rows decoding together; ``step`` runs one cycle for all of them (the module docstring)."""
 
-    def __init__(self, trunk: Trunk, head=None, policy: DraftPolicy | None = None):
+    def __init__(
+        self, trunk: Trunk, head=None, policy: DraftPolicy | None = None, *, single_row: bool = False
+    ):
         """``policy`` chooses each cycle's draft length for rows without a pinned one; None:
-        every row drafts its spec's depth (or its lookup match) every cycle."""
-        reason = check_batch_support(trunk, head)
-        if reason is not None:
-            raise MtplxError(f"batched decoding: {reason}")
+        every row drafts its spec's depth (or its lookup match) every cycle.
+
+        ``single_row`` (or a model whose caches do not batch, `check_batch_support`): at most one
+        row, on its own caches (`SingleRowCache`, every cache kind rollback supports), drafting
+        with its own proposer (drafter "proposer") or lookup: the same cycle, one row at a time."""
+        self.single_row = single_row or check_batch_support(trunk, head) is not None
         self.trunk = trunk
         self.head = head
-        self.cache = BatchCache(trunk.make_cache(), trunk.model)
-        self.chain = HeadChain(head, head.make_cache()) if head is not None else None
+        if self.single_row:
+            self.cache: BatchCache | SingleRowCache = SingleRowCache()
+            self.chain = None
+        else:
+            self.cache = BatchCache(trunk.make_cache(), trunk.model)
+            self.chain = HeadChain(head, head.make_cache()) if head is not None else None
         self.rows: list[BatchRow] = []
         self._next_id = 0
         self.policy = policy
@@ -159,10 +170,14 @@ class BatchDecoder:
             raise MtplxError(
                 f"batched decoding: drafter must be one of {', '.join(BATCH_DRAFTERS)} (got {spec.drafter!r})"
             )
-        if spec.drafter == "head" and self.head is None:
-            raise MtplxError("batched decoding: drafter 'head' needs an MTP head")
-        if (spec.drafter == "model") != (proposer is not None):
-            raise MtplxError("batched decoding: drafter 'model' takes the row's proposer (and only it does)")
+        if spec.drafter in ("head", "auto") and self.chain is None:
+            raise MtplxError(
+                f"batched decoding: drafter {spec.drafter!r} needs an MTP head on a decoder that batches rows"
+            )
+        if (spec.drafter == "proposer") != (proposer is not None):
+            raise MtplxError(
+                "batched decoding: drafter 'proposer' takes the row's proposer (and only it does)"
+            )
         prefix = prefix if prefix is not None else PromptPrefix()
         if not 0 <= prefix.start < len(prompt_tokens):
             raise MtplxError(
@@ -170,7 +185,7 @@ class BatchDecoder:
                 f"{len(prompt_tokens)} to forward"
             )
         trunk_cache = trunk_cache if trunk_cache is not None else self.trunk.make_cache()
-        if self.head is not None and head_cache is None:
+        if self.chain is not None and head_cache is None:
             head_cache = self.head.make_cache()
         return PendingRow(
             list(prompt_tokens),
@@ -211,11 +226,11 @@ class BatchDecoder:
         prompt_tokens, settings, head = pending.prompt_tokens, pending.spec.settings, self.head
         trunk_cache, head_cache = pending.trunk_cache, pending.head_cache
         output = prefill_last(self.trunk, prompt_tokens, trunk_cache, self._observer(pending), pending.prefix)
-        key, step_key = _split_key(pending.key)
+        key, step_key = split_key(pending.key)
         constraint = pending.constraint
         mask_mark = constraint.mask_seconds if constraint is not None else 0.0
         allowed = constraint.mask_after() if constraint is not None else None
-        first = _sample_last_row(output.logits, prompt_tokens, settings, step_key, allowed)
+        first = sample_last_row(output.logits, prompt_tokens, settings, step_key, allowed)
         mx.eval(first.tokens, first.invalid, [c.state for c in trunk_cache])
         token = int(first.checked().tokens.item())
         spec = pending.spec
@@ -233,7 +248,7 @@ class BatchDecoder:
         )
         if row.proposer is not None:  # as the single-row loop tells its proposer the first token
             row.proposer.commit(CycleOutcome(output, 0, [token], None))
-        if head is not None:
+        if self.chain is not None:
             row.pending_hidden = [trunk_hidden(output, head)[:, :1]]
             row.pending_tokens = [token]
             self.chain.cache.add_rows([head_cache])
@@ -243,8 +258,8 @@ class BatchDecoder:
         self._rows_moved = True
         logprobs = None
         if settings.logprobs is not None:
-            logprobs = _token_logprobs(output.logits[0, -1:], [token], settings.logprobs)
-        tokens, grammar = _grammar_step(constraint, [token], mask_mark)
+            logprobs = token_logprobs(output.logits[0, -1:], [token], settings.logprobs)
+        tokens, grammar = grammar_step(constraint, [token], mask_mark)
         return row.row_id, Step(tokens, logprobs=logprobs, **grammar)
 
     def join(self, prompt_tokens: list[int], spec: RowSpec, key: mx.array, **options) -> tuple[int, Step]:
@@ -253,32 +268,25 @@ class BatchDecoder:
 
     def _observer(self, pending: PendingRow):
         """What sees each prefill forward: the row's trunk tap, and the head's own prefill."""
-        head_observer, tap = self._head_observer(pending), pending.trunk_tap
-        if tap is None:
+        head_observer, tap, proposer = self._head_observer(pending), pending.trunk_tap, pending.proposer
+        if tap is None and proposer is None:
             return head_observer
 
         def observe(output, start: int, end: int) -> None:
             if head_observer is not None:
                 head_observer(output, start, end)
-            tap(output)
+            if proposer is not None:
+                proposer.observe_prefill(output, start, end, pending.prompt_tokens)
+            if tap is not None:
+                tap(output)
 
         return observe
 
     def _head_observer(self, pending: PendingRow):
-        """The head's own prefill: head position i pairs trunk hidden i with token i+1 (as
-        HeadProposer.observe_prefill); None without a head."""
-        head, head_cache, prompt_tokens = self.head, pending.head_cache, pending.prompt_tokens
-        if head is None:
+        """The head's own prefill of this row (`HeadChain.prefill_observer`); None without a chain."""
+        if self.chain is None:
             return None
-
-        def observe(output, start: int, end: int) -> None:
-            stop = min(end, len(prompt_tokens) - 1)
-            if stop > start:
-                hidden = trunk_hidden(output, head)[:, : stop - start]
-                head(hidden, mx.array(prompt_tokens[start + 1 : stop + 1])[None], head_cache)
-                mx.eval([c.state for c in head_cache])
-
-        return observe
+        return self.chain.prefill_observer(pending.head_cache, pending.prompt_tokens)
 
     def index_of(self, row_id: int) -> int:
         for i, row in enumerate(self.rows):
@@ -328,7 +336,7 @@ class BatchDecoder:
         free = [r.draft_length is None for r in rows]
         offers: list[DraftOffer | None] = []
         for row, f, g, is_free in zip(rows, found, forced, free):
-            if not is_free or g or row.spec.drafter == "model":
+            if not is_free or g or row.spec.drafter == "proposer":
                 offers.append(None)
             elif f:
                 offers.append(DraftOffer(row.acceptance["lookup"], len(f)))
@@ -358,7 +366,7 @@ class BatchDecoder:
             groups = self._verify(rows, output.logits, block, masks, keys)
             verdicts = [(g.num_accepted, g.next_token, g.accept_probs, g.invalid) for g in groups]
             mx.eval(block.tokens, verdicts, block.flags)  # the cycle's one sync
-            self._raise_if_invalid(rows, groups, block.flags)
+            raise_if_invalid(rows, groups, block.flags)
         except BaseException:
             self.cache.abort_block(capture)
             raise
@@ -399,9 +407,9 @@ class BatchDecoder:
                 lengths.append(len(g or f))
             elif row.proposer is not None:  # its own drafts, lazy (a draft model's chain)
                 row_drafts[i] = row.proposer.propose(
-                    row.history, keys[i].draft, None, constraint=row.constraint
+                    row.history, keys[i].draft, self.cache.layers, constraint=row.constraint
                 )
-                kinds.append("model" if row_drafts[i] is not None else "")
+                kinds.append("proposer" if row_drafts[i] is not None else "")
                 host_drafts.append([])
                 lengths.append(row_drafts[i].num_tokens if row_drafts[i] is not None else 0)
             elif self.chain is not None and row.uses_head and cap > 0:
@@ -466,7 +474,7 @@ class BatchDecoder:
             for row, kind in zip(rows, block.kinds)
         ]
         reads = [
-            a or (kind in ("head", "model") and row.constraint is not None)
+            a or (kind in ("head", "proposer") and row.constraint is not None)
             for row, kind, a in zip(rows, block.kinds, adaptive)
         ]
         if any(reads):
@@ -481,6 +489,8 @@ class BatchDecoder:
                 if reads[i]:
                     block.host_drafts[i] = on_host[i][: block.lengths[i]]
                     block.grammar_reads[i] = int(row.constraint is not None)
+                if reads[i] and block.kinds[i] == "proposer":
+                    cut_to_legal(block, i, row.constraint)
         if all(row.constraint is None for row in rows):
             return None
         return _grammar_masks(rows, block.host_drafts)
@@ -538,7 +548,7 @@ class BatchDecoder:
         """Per row, after the sync: its committed tokens, the head's true pairs, lookup's length,
         the acceptance records, the tap, logprobs and the grammar's advance, as its Step."""
         block_rows = block.tokens.tolist()
-        hidden = trunk_hidden(output, self.head) if self.head is not None else None
+        hidden = trunk_hidden(output, self.head) if self.chain is not None else None
         steps: dict[int, Step] = {}
         for i, row in enumerate(rows):
             n, k, kind = verdicts.num_accepted[i], block.lengths[i], block.kinds[i]
@@ -557,12 +567,12 @@ class BatchDecoder:
                 row.trunk_tap(row_positions(output, i, n + 1))
             logprobs = None
             if row.spec.settings.logprobs is not None:
-                logprobs = _token_logprobs(output.logits[i, : n + 1], committed, row.spec.settings.logprobs)
+                logprobs = token_logprobs(output.logits[i, : n + 1], committed, row.spec.settings.logprobs)
             if k and kind in row.acceptance:
                 row.acceptance[kind].observe(k, n)
             elif block.offers[i] is not None:
                 block.offers[i].acceptance.skip()
-            committed, grammar = _grammar_step(row.constraint, committed, mask_marks[i])
+            committed, grammar = grammar_step(row.constraint, committed, mask_marks[i])
             steps[row.row_id] = Step(
                 committed,
                 k,
@@ -574,20 +584,6 @@ class BatchDecoder:
                 **grammar,
             )
         return steps
-
-    @staticmethod
-    def _raise_if_invalid(rows: Sequence[BatchRow], groups: list[Group], flags: list[mx.array]) -> None:
-        if any(int(f.item()) for f in flags):  # the head's draws: not attributable to one group
-            try:
-                for f in flags:
-                    sample_ops.raise_if_invalid(f)
-            except ValueError as err:
-                raise RowsFailed([r.row_id for r in rows if r.uses_head], str(err)) from None
-        for g in groups:
-            try:
-                sample_ops.raise_if_invalid(g.invalid)
-            except ValueError as err:
-                raise RowsFailed([rows[i].row_id for i in g.index], str(err)) from None
 
 
 def _grammar_masks(rows: Sequence[BatchRow], host_drafts: Sequence[list[int]]) -> list:

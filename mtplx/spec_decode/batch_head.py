@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 from mtplx.sample import ops as sample_ops
 from mtplx.sample.params import SamplerConfig
+from mtplx.spec_decode.head_proposer import trunk_hidden
 from mtplx.spec_decode.proposer import masked_draft_logits
 from mtplx.spec_decode.settings import DecodeSettings
 from mtplx.trunk.batch_cache import BatchCache
@@ -54,6 +55,20 @@ class HeadChain:
     def __init__(self, head, template: list):
         self.head = head
         self.cache = BatchCache(template)
+
+    def prefill_observer(self, head_cache: list, prompt_tokens: list[int]):
+        """What feeds a prefilling row's own head cache: head position i pairs trunk hidden i with
+        token i+1 (as `HeadProposer.observe_prefill`); called with each prefill chunk's output."""
+        head = self.head
+
+        def observe(output, start: int, end: int) -> None:
+            stop = min(end, len(prompt_tokens) - 1)
+            if stop > start:
+                hidden = trunk_hidden(output, head)[:, : stop - start]
+                head(hidden, mx.array(prompt_tokens[start + 1 : stop + 1])[None], head_cache)
+                mx.eval([c.state for c in head_cache])
+
+        return observe
 
     def draft(
         self,

@@ -10,10 +10,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from mtplx.sample import ops as sample_ops
 from mtplx.spec_decode.draft_policy import DraftOffer
-from mtplx.spec_decode.loop import _split_key
-from mtplx.spec_decode.proposer import Draft
-from mtplx.spec_decode.rows import BatchRow
+from mtplx.spec_decode.proposer import Draft, cut_draft
+from mtplx.spec_decode.rows import BatchRow, RowsFailed
+from mtplx.spec_decode.step import split_key
 from mtplx.trunk.model import TrunkOutput
 
 import mlx.core as mx
@@ -25,8 +26,10 @@ __all__ = [
     "SourceOnly",
     "Verdicts",
     "adaptive_length",
+    "cut_to_legal",
     "cycle_keys",
     "padded_masks",
+    "raise_if_invalid",
     "row_positions",
 ]
 
@@ -53,7 +56,7 @@ class CycleKeys:
 def cycle_keys(row: BatchRow) -> CycleKeys:
     """Advance ``row``'s key by one cycle and return the cycle's keys."""
     if row.spec.drafter == "none":
-        row.key, sample_key = _split_key(row.key)
+        row.key, sample_key = split_key(row.key)
         return CycleKeys(None, None, sample_key)
     row.key, draft_key, accept_key, sample_key = mx.random.split(row.key, 4)
     return CycleKeys(draft_key, accept_key, sample_key)
@@ -74,7 +77,7 @@ class Block:
     head_probs: mx.array | None = None  # [B, D, V] q of the head's drafts, D <= K (None: argmax drafts)
     confidence: mx.array | None = None  # [B, D] the head's confidence in each draft (adaptive rows)
     flags: list[mx.array] = field(default_factory=list)  # the head's lazy validity flags
-    row_drafts: list[Draft | None] = field(default_factory=list)  # drafter "model" rows' own Drafts
+    row_drafts: list[Draft | None] = field(default_factory=list)  # drafter "proposer" rows' own Drafts
     grammar_reads: list[int] = field(init=False)  # host reads of drafts a row's masks needed
 
     def __post_init__(self) -> None:
@@ -84,7 +87,7 @@ class Block:
         """Whether row i's drafts come with the distribution they were drawn from (else point masses)."""
         if self.kinds[i] == "head":
             return self.head_probs is not None
-        return self.kinds[i] == "model" and self.row_drafts[i].probs is not None
+        return self.kinds[i] == "proposer" and self.row_drafts[i].probs is not None
 
     def q(self, i: int, k: int) -> mx.array:
         """Row i's q over its k drafts, [1, k, V] (`has_q`)."""
@@ -145,3 +148,35 @@ class SourceOnly:
     """The part of a Draft that LookupProposer.commit reads (its source segments)."""
 
     sources: tuple[tuple[str, int], ...]
+
+
+def cut_to_legal(block: Block, i: int, constraint) -> None:
+    """Row i's own proposer's drafts under its grammar (``constraint``), read to the host: point
+    masses cut to their legal prefix (exact: an illegal point mass has p = 0, verify would reject
+    it and sample p itself); sampled drafts are verified as they are. The proposer's own reads (a
+    head masking each draft) count with the row's."""
+    draft = block.row_drafts[i]
+    block.grammar_reads[i] += draft.host_reads
+    if draft.probs is None:
+        legal = constraint.legal_prefix(block.host_drafts[i])
+        block.row_drafts[i] = cut_draft(draft, legal)
+        block.host_drafts[i] = block.host_drafts[i][:legal]
+        block.lengths[i] = legal
+        if block.row_drafts[i] is None:
+            block.kinds[i] = ""
+
+
+def raise_if_invalid(rows: Sequence[BatchRow], groups: list[Group], flags: list[mx.array]) -> None:
+    """Raise `RowsFailed` naming the rows whose cycle made invalid values (the head's draws: every
+    head row; a verify group's: its rows)."""
+    if any(int(f.item()) for f in flags):  # the head's draws: not attributable to one group
+        try:
+            for f in flags:
+                sample_ops.raise_if_invalid(f)
+        except ValueError as err:
+            raise RowsFailed([r.row_id for r in rows if r.uses_head], str(err)) from None
+    for g in groups:
+        try:
+            sample_ops.raise_if_invalid(g.invalid)
+        except ValueError as err:
+            raise RowsFailed([rows[i].row_id for i in g.index], str(err)) from None

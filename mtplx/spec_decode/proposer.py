@@ -152,3 +152,17 @@ def stacked_draft(
         if flag is not None:
             invalid = flag if invalid is None else invalid | flag
     return Draft(mx.stack(tokens, axis=1), stacked_probs, ((name, len(tokens)),), invalid)
+
+
+def cut_draft(draft: Draft, keep: int) -> Draft | None:
+    """The first ``keep`` tokens of a point-mass ``draft`` (None when nothing is kept)."""
+    if keep >= draft.num_tokens:
+        return draft
+    if keep <= 0:
+        return None
+    sources, left = [], keep
+    for name, count in draft.sources:
+        if left > 0:
+            sources.append((name, min(count, left)))
+        left -= count
+    return Draft(draft.tokens[:, :keep], None, tuple(sources), draft.invalid)

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from mtplx.spec_decode.constraint import GrammarConstraint
 from mtplx.spec_decode.draft_policy import RowAcceptance, drafter_records
 from mtplx.spec_decode.lookup_proposer import LookupProposer
-from mtplx.spec_decode.loop import PromptPrefix
 from mtplx.spec_decode.proposer import Proposer
 from mtplx.spec_decode.settings import DecodeSettings, LookupConfig
+from mtplx.spec_decode.step import PromptPrefix
 from mtplx.trunk.batch_cache import check_batchable
 from mtplx.trunk.model import Trunk, TrunkOutput
 
@@ -48,7 +48,7 @@ class PendingRow:
     position: int = -1  # prompt tokens forwarded so far (set from prefix.start)
     trunk_tap: TrunkTap | None = None
     constraint: GrammarConstraint | None = None  # the row's grammar
-    proposer: Proposer | None = None  # drafter "model": the row's own single-row proposer
+    proposer: Proposer | None = None  # drafter "proposer": the row's own single-row proposer
 
     def __post_init__(self) -> None:
         if self.position < 0:
@@ -76,7 +76,7 @@ class BatchRow:
     acceptance: dict[str, RowAcceptance] = field(default_factory=drafter_records)
     trunk_tap: TrunkTap | None = None
     constraint: GrammarConstraint | None = None  # the row's grammar matcher, at its committed text
-    proposer: Proposer | None = None  # drafter "model": its proposer (state of its own, per row)
+    proposer: Proposer | None = None  # drafter "proposer": its proposer (state of its own, per row)
 
     @property
     def pending(self) -> int:

@@ -69,12 +69,19 @@ class SingleRowCache:
         if drop:
             rollback.trim_kv(self.layers, drop)
 
-    def begin_block(self, block_len: int) -> rollback.BlockCapture:
-        return rollback.begin_block(self.layers, block_len)
+    def begin_block(self, block_len: int) -> rollback.BlockCapture | None:
+        """A capture of the caches before a block of ``block_len`` positions; None for a one-position
+        block (a plain AR step is always kept whole, so caches rollback refuses still decode AR)."""
+        return rollback.begin_block(self.layers, block_len) if block_len > 1 else None
 
-    def commit_block(self, capture: rollback.BlockCapture, num_keep: Sequence[int]) -> None:
+    def commit_block(self, capture: rollback.BlockCapture | None, num_keep: Sequence[int]) -> None:
         (keep,) = num_keep
-        rollback.commit_block(self.layers, capture, keep)
+        if capture is not None:
+            rollback.commit_block(self.layers, capture, keep)
 
-    def abort_block(self, capture: rollback.BlockCapture) -> None:
-        rollback.abort_block(self.layers, capture)
+    def abort_block(self, capture: rollback.BlockCapture | None) -> None:
+        """Back to the state before the block. A one-position block has no capture (as a plain AR
+        loop keeps none): an interrupted AR step leaves the caches as the forward left them, and
+        the row's request ends there (its caches are not stored)."""
+        if capture is not None:
+            rollback.abort_block(self.layers, capture)
