@@ -13,8 +13,10 @@ import json
 from pathlib import Path
 
 import mtplx  # noqa: F401  (BLAS before mlx)
+from mtplx.server.responses import ResponseStore
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from support import checkpoints
@@ -175,3 +177,105 @@ def test_streamed_events_are_ordered_and_agree_with_the_whole_reply(client, mode
     assert final.output_text == text and final.status == whole.status
     assert final.usage.input_tokens == whole.usage.input_tokens
     assert final.usage.output_tokens == whole.usage.output_tokens
+
+
+# ------------------------------------------------------------------ tools, text.format, store
+
+
+def _one_call(output) -> object:
+    calls = [item for item in output if item.type == "function_call"]
+    assert len(calls) == 1, output
+    call = calls[0]
+    assert call.call_id.startswith("call_") and call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), WEATHER_PARAMETERS)
+    return call
+
+
+def test_a_tool_call_round_trip_with_function_call_output(client, model_id):
+    kwargs = dict(
+        model=model_id,
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=150,
+        temperature=0,
+    )
+    question = {"role": "user", "content": "Weather in Lima?"}
+    first = client.responses.create(input=[question], **kwargs)
+    assert first.status == "completed"
+    call = _one_call(first.output)
+
+    events = list(client.responses.create(input=[question], stream=True, **kwargs))
+    _check_stream_order(events)
+    streamed = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    (done,) = [e.arguments for e in events if e.type == "response.function_call_arguments.done"]
+    assert streamed == done == _one_call(events[-1].response.output).arguments
+    # Greedy: the same call (a whole reply's arguments are re-serialized, a stream's are as written).
+    assert json.loads(streamed) == json.loads(call.arguments)
+    assert sum(e.type == "response.function_call_arguments.delta" for e in events) > 1
+
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": '{"sky":"clear","c":21}'}
+    history = [question, *[item.model_dump(exclude_none=True) for item in first.output], result]
+    second = client.responses.create(
+        input=history, **{**kwargs, "tool_choice": "auto", "max_output_tokens": 20}
+    )
+    assert second.status in ("completed", "incomplete")
+    # The second prompt holds the first, the call and the tool's result.
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+
+
+def test_json_schema_text_format_validates(client, model_id):
+    fmt = {"type": "json_schema", "name": "trip", "schema": SCHEMA, "strict": True}
+    for seed in range(2):
+        reply = client.responses.create(
+            model=model_id,
+            input=f"Plan a trip ({seed}).",
+            text={"format": fmt},
+            max_output_tokens=80,  # the bounded schema's longest reply fits: it must end by itself
+            temperature=0.8,
+            extra_body={"seed": seed},
+        )
+        assert reply.status == "completed", reply
+        jsonschema.validate(json.loads(reply.output_text), SCHEMA)
+    # Negative control: the same request without the format does not parse.
+    free = client.responses.create(
+        model=model_id, input="Plan a trip (0).", max_output_tokens=40, temperature=0
+    )
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(free.output_text)
+
+
+def test_previous_response_id_continues_the_stored_conversation(client, model_id):
+    kwargs = dict(model=model_id, max_output_tokens=8, temperature=0)
+    first = client.responses.create(instructions="Be brief.", input="Name a color.", store=True, **kwargs)
+    second = client.responses.create(
+        instructions="Be brief.", input="And another one?", previous_response_id=first.id, **kwargs
+    )
+    full = client.responses.create(
+        instructions="Be brief.",
+        input=[
+            {"role": "user", "content": "Name a color."},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "And another one?"},
+        ],
+        store=False,
+        **kwargs,
+    )
+    assert second.usage.input_tokens == full.usage.input_tokens
+    assert second.output_text == full.output_text
+    assert second.previous_response_id == first.id
+    alone = client.responses.create(instructions="Be brief.", input="And another one?", **kwargs)
+    assert alone.usage.input_tokens < second.usage.input_tokens  # negative control: no history
+    # Not stored (store: false): a later request cannot continue it.
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(input="More?", previous_response_id=full.id, **kwargs)
+    assert caught.value.body["param"] == "previous_response_id"
+
+
+def test_the_store_keeps_the_most_recently_used_conversations():
+    store = ResponseStore(2)
+    store.put("a", [{"role": "user", "content": "1"}])
+    store.put("b", [{"role": "user", "content": "2"}])
+    assert store.get("a") == [{"role": "user", "content": "1"}]  # a is now the most recent
+    store.put("c", [{"role": "user", "content": "3"}])
+    assert store.get("b") is None and store.get("a") is not None and store.get("c") is not None
