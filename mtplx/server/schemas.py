@@ -214,7 +214,7 @@ class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None  # None: the served model
-    input: str | list[dict[str, Any]]
+    input: Any  # a string or a list of items (objects); checked by `_input_shape`
     instructions: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none", "auto", "required"] | ResponsesNamedTool | None = None
@@ -239,3 +239,10 @@ class ResponsesRequest(BaseModel):
     reasoning: dict[str, Any] | None = None
     truncation: str | None = None
     service_tier: str | None = None
+
+    @field_validator("input")
+    @classmethod
+    def _input_shape(cls, value: Any) -> str | list[dict[str, Any]]:
+        if isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, dict) for v in value)):
+            return value
+        raise ValueError("must be a string or a list of input items (objects)")

@@ -279,3 +279,219 @@ def test_the_store_keeps_the_most_recently_used_conversations():
     assert store.get("a") == [{"role": "user", "content": "1"}]  # a is now the most recent
     store.put("c", [{"role": "user", "content": "3"}])
     assert store.get("b") is None and store.get("a") is not None and store.get("c") is not None
+
+
+# ------------------------------------------------------------------ Codex's requests, replayed raw
+
+# Shapes as Codex sends them (openai/codex codex-rs/codex-api/src/common.rs ResponsesApiRequest,
+# items as codex-rs/protocol/src/models.rs ResponseItem serializes them): `codex exec
+# --output-schema`, so every reply (the schema's JSON or a shell call) ends by itself.
+CODEX_SCHEMA = {
+    "type": "object",
+    "properties": {"summary": {"type": "string", "maxLength": 24}, "done": {"type": "boolean"}},
+    "required": ["summary", "done"],
+    "additionalProperties": False,
+}
+CODEX_TOOLS = [
+    {
+        "type": "function",
+        "name": "shell",
+        "description": "Runs a shell command and returns its output.",
+        "strict": False,
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "command": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3},
+                "workdir": {"type": "string", "maxLength": 16},
+            },
+            "required": ["command"],
+            "additionalProperties": False,
+        },
+    },
+    {"type": "local_shell"},
+    {"type": "web_search"},
+    {
+        "type": "custom",
+        "name": "apply_patch",
+        "description": "Edits files with a patch.",
+        "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"},
+    },
+]
+
+
+def _text_item(role: str, text: str) -> dict:
+    kind = "output_text" if role == "assistant" else "input_text"
+    return {"type": "message", "role": role, "content": [{"type": kind, "text": text}]}
+
+
+CODEX_FIRST_TURN = [
+    _text_item("developer", "<permissions instructions>Sandbox: workspace-write.</permissions instructions>"),
+    _text_item("user", "<environment_context><cwd>/repo</cwd><shell>bash</shell></environment_context>"),
+    _text_item("user", "List the files in this repository."),
+]
+CODEX_SECOND_TURN = [
+    *CODEX_FIRST_TURN,
+    {
+        "type": "reasoning",
+        "summary": [{"type": "summary_text", "text": "Listing."}],
+        "encrypted_content": None,
+    },
+    {"type": "function_call", "name": "shell", "arguments": '{"command":["ls"]}', "call_id": "call_1"},
+    {"type": "function_call_output", "call_id": "call_1", "output": "README.md\nsrc\n"},
+    {"type": "custom_tool_call", "call_id": "call_2", "name": "apply_patch", "input": "*** Begin Patch"},
+    {"type": "custom_tool_call_output", "call_id": "call_2", "output": "Done."},
+    _text_item("assistant", "Two entries: README.md and src."),
+    _text_item("developer", "<permissions instructions>Sandbox: read-only.</permissions instructions>"),
+    _text_item("user", "Thanks. Summarize."),
+]
+
+
+def _codex_body(model_id: str, items: list[dict]) -> dict:
+    return {
+        "model": model_id,
+        "instructions": "You are Codex, a coding agent. Use the shell tool to inspect files.",
+        "input": items,
+        "tools": CODEX_TOOLS,
+        "tool_choice": "auto",
+        "parallel_tool_calls": False,
+        "reasoning": {"effort": "medium", "summary": "auto"},
+        "store": False,
+        "stream": True,
+        "include": ["reasoning.encrypted_content"],
+        "prompt_cache_key": "0199a1b2-c3d4-7e5f-8a9b-0c1d2e3f4a5b",
+        "text": {
+            "verbosity": "low",
+            "format": {
+                "type": "json_schema",
+                "strict": True,
+                "schema": CODEX_SCHEMA,
+                "name": "codex_output_schema",
+            },
+        },
+    }
+
+
+def _check_codex_item(item: dict) -> None:
+    """``item`` deserializes as Codex's ResponseItem of its type (codex-rs/protocol/src/models.rs)."""
+    assert isinstance(item["id"], str) and item["id"]
+    if item["type"] == "message":
+        assert item["role"] == "assistant"
+        assert all(p["type"] == "output_text" and isinstance(p["text"], str) for p in item["content"])
+    elif item["type"] == "function_call":
+        assert isinstance(item["name"], str) and isinstance(item["call_id"], str) and item["call_id"]
+        assert isinstance(item["arguments"], str)
+    else:
+        assert item["type"] == "reasoning" and isinstance(item["summary"], list), item
+
+
+def _check_codex_stream(events: list[tuple[str, dict]]) -> dict:
+    """Every event Codex's reader (codex-rs/codex-api/src/sse/responses.rs) reads is present,
+    ordered and complete; returns the completed response."""
+    assert all(name == data["type"] for name, data in events)
+    assert [data["sequence_number"] for _, data in events] == list(range(len(events)))
+    kinds = [name for name, _ in events]
+    assert kinds[0] == "response.created" and isinstance(events[0][1]["response"], dict)
+    assert kinds[-1] == "response.completed" and kinds.count("response.completed") == 1
+    assert "response.failed" not in kinds and "response.incomplete" not in kinds
+    done_items, open_item, texts = [], None, {}
+    for name, data in events[1:-1]:
+        if name == "response.output_item.added":
+            assert open_item is None
+            _check_codex_item(data["item"])
+            open_item, texts[data["item"]["id"]] = data["item"], ""
+        elif name == "response.output_item.done":
+            assert open_item is not None and data["item"]["id"] == open_item["id"]
+            _check_codex_item(data["item"])
+            done_items.append(data["item"])
+            open_item = None
+        elif name in ("response.output_text.delta", "response.function_call_arguments.delta"):
+            assert data["item_id"] == open_item["id"] and isinstance(data["delta"], str)
+            texts[open_item["id"]] += data["delta"]
+        elif name == "response.reasoning_text.delta":
+            assert isinstance(data["content_index"], int) and isinstance(data["delta"], str)
+    assert open_item is None and done_items
+    for item in done_items:  # the deltas add up to each finished item
+        written = item["arguments"] if item["type"] == "function_call" else item["content"][0]["text"]
+        assert texts[item["id"]] == written
+    response = events[-1][1]["response"]
+    assert isinstance(response["id"], str) and response["id"].startswith("resp_")
+    assert response["output"] == done_items
+    usage = response["usage"]
+    assert usage["input_tokens"] > 0 and usage["output_tokens"] > 0
+    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+    assert isinstance(usage["input_tokens_details"]["cached_tokens"], int)
+    assert isinstance(usage["output_tokens_details"]["reasoning_tokens"], int)
+    return response
+
+
+def test_codex_requests_replayed_raw_stream_every_event_codex_reads(server, model_id):
+    first = _check_codex_stream(_sse(server, _codex_body(model_id, CODEX_FIRST_TURN)))
+    second = _check_codex_stream(_sse(server, _codex_body(model_id, CODEX_SECOND_TURN)))
+    for response in (first, second):
+        (item,) = response["output"]  # the schema's JSON or one call (parallel_tool_calls: false)
+        if item["type"] == "message":
+            jsonschema.validate(json.loads(item["content"][0]["text"]), CODEX_SCHEMA)
+        else:
+            jsonschema.validate(json.loads(item["arguments"]), CODEX_TOOLS[0]["parameters"])
+    # The second turn's prompt holds the first's and the call, its output and the reply.
+    assert second["usage"]["input_tokens"] > first["usage"]["input_tokens"] + 20
+    assert first["store"] is False and first["tools"] == CODEX_TOOLS[:1]
+
+
+# ------------------------------------------------------------------ errors
+
+BAD = [
+    ({"input": 5}, "input"),
+    ({"input": []}, "input"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
+    ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
+    ({"input": [{"type": "mystery"}]}, "input[0].type"),
+    (
+        {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+        "input[0].content[0]",
+    ),
+    (
+        {"input": [{"type": "function_call", "call_id": "c", "name": "bad name!", "arguments": "{}"}]},
+        "input[0].name",
+    ),
+    ({"tools": [{"type": "function", "name": "bad name!"}]}, "tools[0].name"),
+    (
+        {"tools": [{"type": "web_search"}, {"type": "function", "name": "f", "parameters": {"type": 3}}]},
+        "tools[1].parameters",
+    ),
+    (
+        {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}},
+        "text.format",
+    ),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "web_search"}}, "tool_choice"),
+    ({"previous_response_id": "resp_never"}, "previous_response_id"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"max_output_tokens": 10**6}, "max_output_tokens"),
+    ({"temperature": -1}, "temperature"),
+    ({"store": "yes"}, "store"),
+]
+
+
+@pytest.mark.parametrize(("extra", "param"), BAD)
+def test_bad_bodies_get_a_400_in_the_responses_shape_naming_the_field(server, extra, param):
+    reply = _post(server, {"input": "hi", **extra})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert error["param"] == param, error
+    assert error["message"].startswith(param + ":") and "\n" not in error["message"], error
+
+
+def test_a_prompt_that_does_not_fit_is_context_length_exceeded_whole_and_streamed(server, client, model_id):
+    long = "word " * 1500  # the model's context is 1024 tokens
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model=model_id, input=long)
+    assert caught.value.body["code"] == "context_length_exceeded" and caught.value.body["param"] == "input"
+    events = _sse(server, {"model": model_id, "input": long, "stream": True})
+    assert [name for name, _ in events] == ["response.created", "response.in_progress", "response.failed"]
+    failed = events[-1][1]["response"]
+    assert failed["status"] == "failed" and failed["error"]["code"] == "context_length_exceeded"
+    assert [data["sequence_number"] for _, data in events] == [0, 1, 2]
