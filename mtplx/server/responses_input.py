@@ -69,7 +69,7 @@ HOSTED_ITEMS = frozenset(
     }
 )
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text", "summary_text", "reasoning_text"})
-_warned_tool_types: set[str] = set()
+_logged_drops: set[frozenset[str]] = set()
 
 
 class _Item(BaseModel):
@@ -186,16 +186,15 @@ def assemble(instructions: str | None, turns: list[dict]) -> list[dict]:
 
 
 def _function_tools(tools: list[dict[str, Any]] | None) -> tuple[list[dict], list[int]]:
-    """(chat tools, the body's index of each): hosted tools are dropped (logged once per type)."""
-    chat_tools, index = [], []
+    """(chat tools, the body's index of each): hosted tools are dropped, with one log line the first
+    time a set of dropped types is seen (Codex sends the same tools with every request)."""
+    chat_tools, index, dropped = [], [], []
     for i, tool in enumerate(tools or ()):
         kind = tool.get("type")
         if not isinstance(kind, str):
             raise APIError(400, f"tools[{i}].type: required (a string)", param=f"tools[{i}].type")
         if kind != "function":
-            if kind not in _warned_tool_types:
-                _warned_tool_types.add(kind)
-                log.info("responses: dropped the hosted tool type %r (only function tools are served)", kind)
+            dropped.append(kind)
             continue
         fn = _checked(_FunctionTool, tool, f"tools[{i}]")
         spec = {
@@ -206,6 +205,9 @@ def _function_tools(tools: list[dict[str, Any]] | None) -> tuple[list[dict], lis
         }
         chat_tools.append({"type": "function", "function": {k: v for k, v in spec.items() if v is not None}})
         index.append(i)
+    if dropped and frozenset(dropped) not in _logged_drops and len(_logged_drops) < 64:
+        _logged_drops.add(frozenset(dropped))
+        log.info("responses: dropped hosted tools (only function tools are served): %s", ", ".join(dropped))
     return chat_tools, index
 
 
@@ -259,6 +261,7 @@ def to_chat(body: ResponsesRequest, history: list[dict], max_tokens: int | None)
         "max_tokens": max_tokens,
         "repetition_penalty": body.repetition_penalty,
         "seed": body.seed,
+        "logit_bias": body.logit_bias,
         "stream": body.stream,
     }
     chat.update({name: getattr(body, name) for name in _SAMPLER})

@@ -229,6 +229,7 @@ class ResponsesRequest(BaseModel):
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
     seed: StrictInt | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None  # as on chat
     stream: StrictBool = False
     store: StrictBool = True
     previous_response_id: str | None = None

@@ -106,6 +106,7 @@ def test_greedy_reply_equals_chat_completions_and_developer_is_a_system_turn(cli
     assert reply.usage.input_tokens == chat.usage.prompt_tokens
     assert reply.usage.output_tokens == chat.usage.completion_tokens
     assert reply.usage.total_tokens == chat.usage.total_tokens
+    assert reply.usage.output_tokens_details.reasoning_tokens == 0  # not a thinking model
     assert reply.id.startswith("resp_") and reply.object == "response"
     if chat.choices[0].finish_reason == "length":
         assert reply.status == "incomplete" and reply.incomplete_details.reason == "max_output_tokens"
