@@ -43,7 +43,11 @@ __all__ = ["ResponseStore", "ResponsesFormat"]
 
 class ResponseStore:
     """The conversations of stored responses (``store: true``), by response id: an LRU of at most
-    ``capacity`` entries, in this process only. Used from the event loop's thread alone."""
+    ``capacity`` entries, in this process only. Used from the event loop's thread alone.
+
+    A conversation is chat turns (`mtplx.server.responses_input.conversation`) ending with the
+    reply's turn, without ``instructions``: as in OpenAI's API, a request continuing it with
+    ``previous_response_id`` gives its own."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
@@ -76,7 +80,12 @@ class ResponsesFormat:
     `sse_chunk`, `sse_error`, `sse_close`: the interface `mtplx.server.app._sse` drives)."""
 
     def __init__(
-        self, body: ResponsesRequest, model_id: str, reader: ReplyReader | None, tokenizer: Any, store
+        self,
+        body: ResponsesRequest,
+        model_id: str,
+        reader: ReplyReader | None,
+        tokenizer: Any,
+        store: tuple[ResponseStore, list[dict]] | None,
     ):
         self.body = body
         self.model_id = model_id
@@ -95,6 +104,8 @@ class ResponsesFormat:
     def _envelope(self, status: str) -> dict:
         body = self.body
         fmt = body.text.format if body.text is not None and body.text.format is not None else None
+        choice = body.tool_choice if body.tool_choice is not None else "auto"
+        choice = choice if isinstance(choice, str) else choice.model_dump(exclude_none=True)
         return {
             "id": self.id,
             "object": "response",
@@ -112,9 +123,7 @@ class ResponsesFormat:
             "store": body.store,
             "temperature": body.temperature,
             "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
-            "tool_choice": body.tool_choice
-            if isinstance(body.tool_choice, str) or body.tool_choice is None
-            else body.tool_choice.model_dump(exclude_none=True),
+            "tool_choice": choice,
             "tools": [t for t in body.tools or () if t.get("type") == "function"],
             "top_p": body.top_p,
             "truncation": "disabled",
