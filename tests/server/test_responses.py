@@ -3,7 +3,7 @@ and the real `openai` client: whole and streamed replies, a tool-call round trip
 ``previous_response_id``, recorded Codex-shaped bodies replayed raw, and the 400s.
 
 The served model is the tiny random MiMo of test_agent.py (its own MTP head, depth 2: speculation
-is on) with the default model's tokenizer; its context is 1024 tokens. The route runs on the chat
+is on) with the default model's tokenizer; its context is 1024 tokens, and --max-tokens-cap 600. The route runs on the chat
 path, so greedy replies equal /v1/chat/completions' for the same conversation.
 """
 
@@ -60,7 +60,7 @@ def model_dir(tmp_path_factory, default_model_dir) -> Path:
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("log") / "server.log"
-    with running_server(model_dir, log_path, "--depth", "2") as running:
+    with running_server(model_dir, log_path, "--depth", "2", "--max-tokens-cap", "600") as running:
         yield running
 
 
@@ -496,3 +496,15 @@ def test_a_prompt_that_does_not_fit_is_context_length_exceeded_whole_and_streame
     failed = events[-1][1]["response"]
     assert failed["status"] == "failed" and failed["error"]["code"] == "context_length_exceeded"
     assert [data["sequence_number"] for _, data in events] == [0, 1, 2]
+
+
+def test_without_max_output_tokens_a_reply_may_use_the_rest_of_the_context_up_to_the_cap(client, model_id):
+    """Codex never sends ``max_output_tokens``: the default is what the prompt leaves of the
+    context (1024 here), at most --max-tokens-cap (600 here), not chat's 512. The random model
+    never stops by itself."""
+    short = client.responses.create(model=model_id, input="Ramble on.", temperature=0)
+    assert short.status == "incomplete" and short.incomplete_details.reason == "max_output_tokens"
+    assert short.usage.output_tokens == 600
+    long = client.responses.create(model=model_id, input="word " * 900, temperature=0)
+    assert long.status == "incomplete" and long.usage.output_tokens < 600
+    assert long.usage.input_tokens + long.usage.output_tokens == 1024
