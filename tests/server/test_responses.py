@@ -133,6 +133,12 @@ def test_greedy_reply_equals_chat_completions_and_developer_is_a_system_turn(cli
         **kwargs,
     )
     assert later.usage.input_tokens != reply.usage.input_tokens
+    # ... it is read as that: the same reply as a user turn of that text.
+    as_user = client.responses.create(
+        input=[{"role": "user", "content": "Say hello."}, {"role": "user", "content": "You are terse."}],
+        **kwargs,
+    )
+    assert (later.usage.input_tokens, later.output_text) == (as_user.usage.input_tokens, as_user.output_text)
 
 
 @pytest.fixture(scope="module")
@@ -221,8 +227,33 @@ def test_a_tool_call_round_trip_with_function_call_output(client, model_id):
         input=history, **{**kwargs, "tool_choice": "auto", "max_output_tokens": 20}
     )
     assert second.status in ("completed", "incomplete")
-    # The second prompt holds the first, the call and the tool's result.
+    # The second prompt holds the first, the call and the tool's result: the prompt chat renders
+    # for the same conversation.
     assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    chat = client.chat.completions.create(
+        model=model_id,
+        messages=[
+            question,
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": call.call_id,
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": call.arguments},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": call.call_id, "content": result["output"]},
+        ],
+        tools=[{"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}],
+        parallel_tool_calls=False,
+        max_tokens=20,
+        temperature=0,
+    )
+    assert chat.usage.prompt_tokens == second.usage.input_tokens
+    assert (chat.choices[0].message.content or "") == second.output_text
 
 
 def test_json_schema_text_format_validates(client, model_id):
