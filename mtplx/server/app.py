@@ -3,7 +3,7 @@
 The wire format (response bodies, stream chunks, error bodies) is `mtplx.server.openai`.
 
 Route shapes follow the OpenAI API reference (chat completions, completions,
-models) and vLLM's server for the details it settles (logprobs are the raw
+models, responses) and vLLM's server for the details it settles (logprobs are the raw
 target log-probabilities; an error after streaming began is sent as a final
 ``data: {"error": ...}`` event). Generation runs on `GenerationWorker`'s thread;
 handlers only validate, tokenize, queue and format.
@@ -436,15 +436,20 @@ async def _responses(request: Request, body: ResponsesRequest, worker, settings,
         chat = ChatCompletionRequest.model_validate(turn.chat)
         plan = plan_chat(engine.tokenizer, chat)
         prompt_tokens = await _encode_chat(engine, plan)
+        context = engine.context_length
+        if requested is None and context is not None and len(prompt_tokens) >= context:
+            message = f"input: {len(prompt_tokens)} tokens leave no room in the model's context of {context}"
+            raise APIError(400, message, param="input", code="context_length_exceeded")
         max_tokens = requested or _agent_max_tokens(engine, settings, len(prompt_tokens))
         job = _make_job(engine, chat, prompt_tokens, max_tokens, None, settings, plan.grammar)
     except (APIError, MtplxError, ValidationError) as err:
         renamed = responses_error(err, turn.tool_index)
         if body.stream and renamed.code == "context_length_exceeded":
-            events = ResponsesFormat(body, settings.model_id, None, engine.tokenizer, None).failed_events(
-                renamed
+            fmt = ResponsesFormat(body, settings.model_id, None, engine.tokenizer, None)
+            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            return StreamingResponse(
+                iter(fmt.failed_events(renamed)), media_type="text/event-stream", headers=headers
             )
-            return StreamingResponse(iter(events), media_type="text/event-stream")
         raise renamed from None
     kept = (store, turn.turns) if body.store else None
     fmt = ResponsesFormat(body, settings.model_id, plan.reader(), engine.tokenizer, kept)

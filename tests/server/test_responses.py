@@ -522,6 +522,7 @@ def test_a_prompt_that_does_not_fit_is_context_length_exceeded_whole_and_streame
     with pytest.raises(openai.BadRequestError) as caught:
         client.responses.create(model=model_id, input=long)
     assert caught.value.body["code"] == "context_length_exceeded" and caught.value.body["param"] == "input"
+    assert caught.value.body["message"].startswith("input: ")
     events = _sse(server, {"model": model_id, "input": long, "stream": True})
     assert [name for name, _ in events] == ["response.created", "response.in_progress", "response.failed"]
     failed = events[-1][1]["response"]
