@@ -154,6 +154,8 @@ def conversation(items: str | list[dict[str, Any]]) -> list[dict]:
     for i, item in enumerate(items):
         where = f"input[{i}]"
         kind = item.get("type", "message" if "role" in item else None)
+        if not isinstance(kind, str):
+            raise APIError(400, f"{where}.type: required (a string)", param=f"{where}.type")
         if kind == "message":
             message = _checked(_MessageItem, item, where)
             role = "system" if message.role == "developer" else message.role

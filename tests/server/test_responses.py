@@ -269,6 +269,17 @@ def test_json_schema_text_format_validates(client, model_id):
         )
         assert reply.status == "completed", reply
         jsonschema.validate(json.loads(reply.output_text), SCHEMA)
+    # The client's own stream helper accumulates the events into the same (completed) response.
+    with client.responses.stream(
+        model=model_id,
+        input="Plan a trip (1).",
+        text={"format": fmt},
+        max_output_tokens=80,
+        temperature=0.8,
+        extra_body={"seed": 1},
+    ) as stream:
+        accumulated = stream.get_final_response()
+    assert accumulated.status == "completed" and accumulated.output_text == reply.output_text
     # Negative control: the same request without the format does not parse.
     free = client.responses.create(
         model=model_id, input="Plan a trip (0).", max_output_tokens=40, temperature=0
@@ -478,6 +489,8 @@ BAD = [
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
     ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
     ({"input": [{"type": "mystery"}]}, "input[0].type"),
+    ({"input": [{"content": "no role, no type"}]}, "input[0].type"),
+    ({"input": [{"type": ["message"]}]}, "input[0].type"),
     (
         {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
         "input[0].content[0]",
