@@ -10,6 +10,7 @@ path, so greedy replies equal /v1/chat/completions' for the same conversation.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import mtplx  # noqa: F401  (BLAS before mlx)
@@ -553,3 +554,36 @@ def test_without_max_output_tokens_a_reply_may_use_the_rest_of_the_context_up_to
     long = client.responses.create(model=model_id, input="word " * 900, temperature=0)
     assert long.status == "incomplete" and long.usage.output_tokens < 600
     assert long.usage.input_tokens + long.usage.output_tokens == 1024
+
+
+# Codex's provider keys (openai/codex codex-rs/core/src/model_provider_info.rs ModelProviderInfo)
+# and the top-level ones the README uses (its config: model, model_provider, model_context_window).
+CODEX_PROVIDER_KEYS = {
+    "name",
+    "base_url",
+    "env_key",
+    "env_key_instructions",
+    "experimental_bearer_token",
+    "wire_api",
+    "query_params",
+    "http_headers",
+    "env_http_headers",
+    "request_max_retries",
+    "stream_max_retries",
+    "stream_idle_timeout_ms",
+    "requires_openai_auth",
+}
+
+
+def test_the_readme_codex_configuration_names_codex_keys_and_this_route():
+    import tomllib
+    from support.paths import REPO
+
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    (block,) = re.findall(r"```toml\n(.*?)\n```", readme, re.S)
+    config = tomllib.loads(block)
+    assert set(config) == {"model", "model_provider", "model_context_window", "model_providers"}
+    provider = config["model_providers"][config["model_provider"]]
+    assert set(provider) <= CODEX_PROVIDER_KEYS
+    assert provider["wire_api"] == "responses" and provider["base_url"] == "http://127.0.0.1:8000/v1"
+    assert provider["env_key"] == "MTPLX_API_KEY"  # the variable `mtplx serve` reads
