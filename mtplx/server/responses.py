@@ -138,7 +138,12 @@ class ResponsesFormat:
         )
         return {
             "input_tokens": stats.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": stats.cached_tokens},
+            # cache_write_tokens (the client's types require it): the prompt tokens this request
+            # prefilled, which is what it adds to the prompt cache (when the cache is on)
+            "input_tokens_details": {
+                "cached_tokens": stats.cached_tokens,
+                "cache_write_tokens": stats.prefilled_tokens,
+            },
             "output_tokens": stats.generated_tokens,
             "output_tokens_details": {"reasoning_tokens": min(reasoning, stats.generated_tokens)},
             "total_tokens": stats.prompt_tokens + stats.generated_tokens,

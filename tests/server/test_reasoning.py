@@ -20,6 +20,7 @@ from mtplx.server.reasoning import ReasoningSplitter
 import jsonschema
 import openai
 import pytest
+from openai.types.responses import Response
 from support import checkpoints
 from support.server import KEY, running_server
 
@@ -215,6 +216,7 @@ def test_responses_reasoning_is_a_reasoning_item_whole_and_streamed(client, thin
     assert [item.type for item in whole.output] == ["reasoning", "message"]
     assert whole.output[0].content[0].type == "reasoning_text" and whole.output[0].summary == []
     assert whole.output[0].content[0].text == expected and whole.output_text == chat.content
+    Response.model_validate(whole.to_dict())  # every field the client's (strict) type requires
     details = whole.usage.output_tokens_details
     assert 0 < details.reasoning_tokens < whole.usage.output_tokens
 
@@ -226,6 +228,8 @@ def test_responses_reasoning_is_a_reasoning_item_whole_and_streamed(client, thin
     assert "".join(e.delta for e in deltas) == expected
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == chat.content
     assert events[-1].response.usage.output_tokens_details.reasoning_tokens == details.reasoning_tokens
+    for event in events:
+        type(event).model_validate(event.to_dict())
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 5, 8, 100])

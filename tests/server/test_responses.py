@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import typing
 from pathlib import Path
 
 import mtplx  # noqa: F401  (BLAS before mlx)
@@ -20,6 +21,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from openai.types.responses import Response, ResponseStreamEvent
 from support import checkpoints
 from support.server import KEY, running_server
 
@@ -44,6 +46,14 @@ SCHEMA = {
     },
     "required": ["city", "days", "ok"],
     "additionalProperties": False,
+}
+
+
+# The `openai` client's type of each stream event, by its ``type``.
+EVENT_TYPES = {
+    kind: cls
+    for cls in typing.get_args(typing.get_args(ResponseStreamEvent)[0])
+    for kind in typing.get_args(cls.model_fields["type"].annotation)
 }
 
 
@@ -432,6 +442,8 @@ def _check_codex_stream(events: list[tuple[str, dict]]) -> dict:
     """Every event Codex's reader (codex-rs/codex-api/src/sse/responses.rs) reads is present,
     ordered and complete; returns the completed response."""
     assert all(name == data["type"] for name, data in events)
+    for _, data in events:  # each has the fields the `openai` client's type for it requires
+        EVENT_TYPES[data["type"]].model_validate(data)
     assert [data["sequence_number"] for _, data in events] == list(range(len(events)))
     kinds = [name for name, _ in events]
     assert kinds[0] == "response.created" and isinstance(events[0][1]["response"], dict)
@@ -480,6 +492,10 @@ def test_codex_requests_replayed_raw_stream_every_event_codex_reads(server, mode
     # The second turn's prompt holds the first's and the call, its output and the reply.
     assert second["usage"]["input_tokens"] > first["usage"]["input_tokens"] + 20
     assert first["store"] is False and first["tools"] == CODEX_TOOLS[:1]
+    # Not streamed, the body is a whole response with every field the client's type requires.
+    whole = _post(server, {**_codex_body(model_id, CODEX_FIRST_TURN), "stream": False})
+    assert whole.status_code == 200, whole.text
+    assert Response.model_validate(whole.json()).status == "completed"
 
 
 # ------------------------------------------------------------------ errors
@@ -542,6 +558,9 @@ def test_a_prompt_that_does_not_fit_is_context_length_exceeded_whole_and_streame
     failed = events[-1][1]["response"]
     assert failed["status"] == "failed" and failed["error"]["code"] == "context_length_exceeded"
     assert [data["sequence_number"] for _, data in events] == [0, 1, 2]
+    # (the client's type lists no context_length_exceeded code; Codex reads it, as OpenAI sends it)
+    for _, data in events[:2]:
+        EVENT_TYPES[data["type"]].model_validate(data)
 
 
 def test_without_max_output_tokens_a_reply_may_use_the_rest_of_the_context_up_to_the_cap(client, model_id):
