@@ -577,21 +577,10 @@ def test_without_max_output_tokens_a_reply_may_use_the_rest_of_the_context_up_to
 
 # Codex's provider keys (openai/codex codex-rs/core/src/model_provider_info.rs ModelProviderInfo)
 # and the top-level ones the README uses (its config: model, model_provider, model_context_window).
-CODEX_PROVIDER_KEYS = {
-    "name",
-    "base_url",
-    "env_key",
-    "env_key_instructions",
-    "experimental_bearer_token",
-    "wire_api",
-    "query_params",
-    "http_headers",
-    "env_http_headers",
-    "request_max_retries",
-    "stream_max_retries",
-    "stream_idle_timeout_ms",
-    "requires_openai_auth",
-}
+CODEX_PROVIDER_KEYS = frozenset(
+    "name base_url env_key env_key_instructions experimental_bearer_token wire_api query_params http_headers"
+    " env_http_headers request_max_retries stream_max_retries stream_idle_timeout_ms requires_openai_auth".split()
+)
 
 
 def test_the_readme_codex_configuration_names_codex_keys_and_this_route():
