@@ -390,7 +390,17 @@ def _split_verdict(split: dict, path: Path, config: dict) -> tuple[str, str, dic
     where = f"{split['path']} ({split['why']})"
     if split["problem"] is not None:
         return "AR-only", f"the split MTP drafter {where} does not fit: {split['problem']}", None
+    from mtplx.heads import provenance
+
     info = split_drafter.head_info(Path(split["path"]), split_drafter.read_split_config(split["path"]), where)
+    measured = provenance.measure_dir(path, split["path"])
+    info["provenance"] = measured.describe() if measured is not None else None
+    if measured is not None and measured.suspicious:
+        return (
+            "MTP-ready",
+            f"drafts with the split MTP drafter {where}, but its {measured.describe()} is below {provenance.WARN_BELOW}: it may belong to other weights",
+            info,
+        )
     return "MTP-ready", f"drafts with the split MTP drafter {where}", info
 
 
@@ -447,6 +457,8 @@ def _head_lines(info: dict[str, Any]) -> list[str]:
             f"depth         trained at {head.get('depth_trained') or '?'}, default {head.get('default_depth') or '?'}"
             " (`mtplx tune` measures this machine)"
         )
+    if head.get("provenance"):
+        lines.append(f"provenance    {head['provenance']} (measured now)")
     if head.get("acceptance"):
         lines.append(f"acceptance    {_acceptance_text(head['acceptance'])} (measured when forged)")
     if "fits" in head:

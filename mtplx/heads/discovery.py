@@ -19,7 +19,7 @@ from typing import Any
 
 from mtplx import resources
 from mtplx.checkpoints import load as loading
-from mtplx.heads import forged, gemma4_assistant, split_drafter
+from mtplx.heads import forged, gemma4_assistant, provenance, split_drafter
 from mtplx.heads.base import MTPHead
 from mtplx.heads.registry import load_head
 from mtplx.heads.weights import MissingHeadError
@@ -67,10 +67,18 @@ def find_head(
         if head_dir is None:
             return None
     if split_drafter.read_split_config(head_dir) is not None:
-        return split_drafter.load_split_drafter(head_dir, trunk, loaded.config)
+        return _split_drafter(head_dir, loaded, trunk)
     if gemma4_assistant.read_assistant_config(head_dir) is not None:
         return gemma4_assistant.load_gemma4_assistant(head_dir, trunk, loaded.config)
     return forged.load_forged_head(head_dir, trunk, _forged_for(loaded, default_variant))
+
+
+def _split_drafter(drafter_dir: Path, loaded: loading.LoadedModel, trunk: Any) -> MTPHead:
+    """A split drafter loaded for ``loaded``, its provenance measured (``head.provenance``; a
+    warning when it agrees little with these weights, never a refusal)."""
+    head = split_drafter.load_split_drafter(drafter_dir, trunk, loaded.config)
+    head.provenance = provenance.check_drafter(trunk, head, loaded.tokenizer, str(drafter_dir))
+    return head
 
 
 def _own_or_split_drafter(
@@ -90,7 +98,7 @@ def _own_or_split_drafter(
     found = split_drafter.find_split_drafter(loaded.path, model, loaded.config)
     if found is not None:
         print(f"note: drafting with the split MTP drafter {found.path} ({found.why})", file=sys.stderr)
-        return split_drafter.load_split_drafter(found.path, trunk, loaded.config)
+        return _split_drafter(found.path, loaded, trunk)
     if missing is None:
         return None
     also = ""
