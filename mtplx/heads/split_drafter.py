@@ -215,19 +215,22 @@ def _sibling_dirs(model_path: Path) -> list[tuple[str, Path]]:
 
 
 def _cached_repos(repo_id: str, hub_cache: str | Path | None) -> list[tuple[str, Path]]:
-    """``(repo name, snapshot dir)`` of every model repo in the Hugging Face cache (no network);
-    repos of ``repo_id``'s owner first."""
+    """``(repo name, snapshot dir)`` of the model repos in the Hugging Face cache whose names say
+    they are ``repo_id``'s drafter (``drafter_rank``), read offline; ``repo_id``'s owner first."""
     from huggingface_hub import constants, snapshot_download
 
     cache = Path(hub_cache or constants.HF_HUB_CACHE)
-    owner = repo_id.split("/")[0]
+    owner, target = repo_id.split("/")[0], repo_id.split("/")[-1]
     try:
-        entries = sorted(p.name for p in cache.iterdir() if p.name.startswith("models--"))
+        repos = ["/".join(p.name.split("--")[1:]) for p in cache.iterdir() if p.name.startswith("models--")]
     except OSError:
         return []
+    named = sorted(
+        (r for r in repos if drafter_rank(r.split("/")[-1], target)),
+        key=lambda r: (r.split("/")[0] != owner, r),
+    )
     found: list[tuple[str, Path]] = []
-    for entry in sorted(entries, key=lambda e: e.split("--")[1] != owner):
-        repo = "/".join(entry.split("--")[1:])
+    for repo in named:
         try:
             snap = Path(snapshot_download(repo, local_files_only=True, cache_dir=hub_cache))
         except Exception:  # incomplete or not a snapshot mtplx can read: not a candidate
