@@ -452,7 +452,12 @@ def _head_lines(info: dict[str, Any]) -> list[str]:
             )
     if "dir" in head:
         lines.append(f"head files    {head['dir']} (draft vocabulary {head['draft_vocab']})")
-    if head.get("depth_trained") or head.get("default_depth"):
+    if head.get("split") and head.get("default_depth"):
+        lines.append(
+            f"depth         default {head['default_depth']}: the drafter's block_size less the pending token"
+            " (`mtplx tune` measures this machine)"
+        )
+    elif head.get("depth_trained") or head.get("default_depth"):
         lines.append(
             f"depth         trained at {head.get('depth_trained') or '?'}, default {head.get('default_depth') or '?'}"
             " (`mtplx tune` measures this machine)"

@@ -168,14 +168,10 @@ _SUFFIX_ORDER = ("bf16", "fp16", "f16", "8bit", "mxfp8", "6bit", "5bit", "4bit")
 
 def target_stems(name: str) -> list[str]:
     """The model name a drafter of ``name`` (a trunk's directory or repo name) starts with:
-    ``Qwen3.5-9B-4bit`` -> [``Qwen3.5-9B``]; ``Qwen3.5-9B-MLX-4bit`` -> [``Qwen3.5-9B-MLX``,
-    ``Qwen3.5-9B``]; a name without a precision suffix is its own stem."""
+    ``Qwen3.5-9B-4bit`` -> [``Qwen3.5-9B``, ``Qwen3.5-9B-4bit``]; ``Qwen3.5-9B-MLX-4bit`` -> [``Qwen3.5-9B-MLX``,
+    ``Qwen3.5-9B``, ``Qwen3.5-9B-MLX-4bit``]: the name itself last (``<trunk>-MTP-8bit``)."""
     stem = _PRECISION.sub("", name)
-    stems = [stem]
-    bare = _MLX.sub("", stem)
-    if bare != stem:
-        stems.append(bare)
-    return stems
+    return list(dict.fromkeys([stem, _MLX.sub("", stem), name]))
 
 
 def drafter_rank(candidate: str, target: str) -> tuple[int, str] | None:
@@ -185,13 +181,13 @@ def drafter_rank(candidate: str, target: str) -> tuple[int, str] | None:
     bfloat16 before 8-bit before the rest."""
     low = candidate.lower()
     if low == f"{target}-mtp".lower():
-        return 0, f"named <model>-mtp (mlx-vlm's own name for {target}'s drafter)"
+        return 0, f"named <model>-mtp: mlx-vlm's own name for {target}'s drafter"
     for stem in target_stems(target):
         prefix = f"{stem}-mtp".lower()
         if low.startswith(prefix) and (len(low) == len(prefix) or low[len(prefix)] in "-_"):
             rest = low[len(prefix) + 1 :]
             order = next((i for i, s in enumerate(_SUFFIX_ORDER) if rest.startswith(s)), len(_SUFFIX_ORDER))
-            return 1 + order, f"named {stem}-MTP-* ({target} with its precision suffix replaced)"
+            return 1 + order, f"named {stem}-MTP-*: {target} with its precision suffix replaced"
     return None
 
 

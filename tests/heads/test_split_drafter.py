@@ -239,14 +239,16 @@ def test_a_repo_ids_drafter_is_found_in_the_hub_cache(replica, tmp_path):
 
 
 def test_drafter_names():
-    assert target_stems("Qwen3.5-9B-4bit") == ["Qwen3.5-9B"]
-    assert target_stems("Qwen3.5-9B-MLX-4bit") == ["Qwen3.5-9B-MLX", "Qwen3.5-9B"]
-    assert target_stems("Qwen3.6-27B-8bit-DWQ") == ["Qwen3.6-27B"]
+    assert target_stems("Qwen3.5-9B-4bit") == ["Qwen3.5-9B", "Qwen3.5-9B-4bit"]
+    assert target_stems("Qwen3.5-9B-MLX-4bit") == ["Qwen3.5-9B-MLX", "Qwen3.5-9B", "Qwen3.5-9B-MLX-4bit"]
+    assert target_stems("Qwen3.6-27B-8bit-DWQ") == ["Qwen3.6-27B", "Qwen3.6-27B-8bit-DWQ"]
+    assert target_stems("my-model") == ["my-model"]
     target = "Qwen3.5-9B-MLX-4bit"
     ranked = [
         "Qwen3.5-9B-MLX-4bit-mtp",
         "Qwen3.5-9B-MTP-bf16",
         "Qwen3.5-9B-MLX-MTP-8bit",
+        "Qwen3.5-9B-MLX-4bit-MTP-6bit",
         "Qwen3.5-9B-MTP-4bit",
     ]
     assert sorted(ranked[::-1], key=lambda n: drafter_rank(n, target)[0]) == ranked
