@@ -1,0 +1,209 @@
+"""Independent float64 references for the head families whose block mtplx builds from classes
+the older tests ran in MLX: LongCat-Flash, MiMo-V2-Flash, Step-3.5-Flash and ERNIE-4.5.
+
+Each reference is the family's whole MTP layer written in NumPy (``support.numpy_heads``) from
+the published modeling code, reading the checkpoint's own tensors from its safetensors files
+(never the loaded head's modules): the fused input, the decoder block (attention with its
+mask, window, sinks or MLA; the MLP), the final norm and the LM head, giving logits at every
+position of a short sequence. The loaded head (module 0, draft step 0) must match within
+1e-4 of the logits' scale; each reference is also shown to move by more than 1e-2 under each
+convention it encodes (the negative controls), so a head that broke one could not pass.
+
+Sources (the facts followed):
+- LongCat-Flash: vLLM ``model_executor/models/longcat_flash_mtp.py`` (no position-0 mask,
+  ``eh_proj(concat[enorm(e), hnorm(h)])``, the block ``x + MLA(input_layernorm(x))`` then
+  ``+ mlp(post_attention_layernorm(.))``, ``model.mtp.norm``) and HF ``modeling_longcat_flash.py``
+  (MLA with ``mla_scale_q_lora = sqrt(hidden / q_lora_rank)`` on q and
+  ``mla_scale_kv_lora = sqrt(hidden / kv_lora_rank)`` on the normed latent; rope on interleaved pairs).
+- MiMo-V2-Flash: vLLM ``mimo_v2_flash_mtp.py`` / SGLang ``mimo_v2_flash_nextn.py`` (embedding
+  first, no position-0 mask, ``final_layernorm``), vLLM ``mimo_v2_flash.py`` (sliding-window
+  attention, ``swa_*`` head counts and rope base, partial rope on halves, attention sinks,
+  values scaled by ``attention_value_scale``, asymmetric value heads).
+- Step-3.5-Flash: vLLM ``step3p5_mtp.py`` / ``step3p5.py`` (norms ``x * (1 + w)`` from the raw
+  checkpoint, q/k norms per head, head-wise sigmoid gate ``g_proj``, sliding window from
+  ``layer_types``, the layer's own ``shared_head.output``).
+- ERNIE-4.5: vLLM ``ernie_mtp.py`` (position-0 mask, embedding first, no final norm) and the
+  trunk's decoder layer (rope on interleaved pairs, GQA, SwiGLU MLP).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mtplx  # noqa: F401  (BLAS before mlx)
+from mtplx.heads import load_head
+from mtplx.trunk.model import Trunk
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.utils import load_model as mlx_load_model
+from support import checkpoints
+from support.numpy_heads import (
+    causal_mask,
+    fuse_inputs,
+    gqa_attention,
+    mla_attention,
+    read_tensors,
+    rms,
+    rope,
+    swiglu_mlp,
+    zero_position_zero,
+)
+from support.seeds import SEEDS, resolve
+
+# The registry rows (``mtplx.heads.registry.FAMILIES``) whose reference is in this module
+# (read by ``test_reference_coverage.py``).
+REFERENCE_LAYOUTS = ("longcat", "mimo_v2_flash", "step3p5", "ernie")
+LENGTH = 7  # longer than the sliding windows (4): the window shows
+
+
+def load(path: Path):
+    model, config = mlx_load_model(path)
+    trunk = Trunk(model)
+    return trunk, config, load_head(path, trunk, config)
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory):
+    """Each family's tiny replica (random weights, norms around 1), loaded with its head."""
+    root = tmp_path_factory.mktemp("refs")
+    built = {
+        "longcat": checkpoints.longcat_flash(root / "longcat"),
+        "mimo_v2_flash": checkpoints.mimo_v2_flash(root / "mimo_v2_flash"),
+        "step3p5": checkpoints.step3p5(root / "step3p5"),
+        "ernie": checkpoints.ernie4_5_moe(root / "ernie"),
+    }
+    return {name: (tiny, read_tensors(tiny.path), load(tiny.path)[2]) for name, tiny in built.items()}
+
+
+# --------------------------------------------------------------------------- longcat
+
+
+def longcat_logits(t, cfg, hidden, tokens, *, embedding_first=True, mask_first=False, post_attn_norm=True):
+    """LongCat-Flash's one MTP layer (``model.mtp.layers.0``) in float64 -> logits [T, vocab]."""
+    p, eps, h = "model.mtp.layers.0.", cfg["rms_norm_eps"], cfg["hidden_size"]
+    e = t["model.embed_tokens.weight"][tokens]
+    e = zero_position_zero(e) if mask_first else e
+    x = fuse_inputs(
+        e, hidden, t[p + "enorm.m.weight"], t[p + "hnorm.m.weight"], t[p + "eh_proj.weight"], eps,
+        hidden_first=not embedding_first,
+    )  # fmt: skip
+    scales = {"q_scale": (h / cfg["q_lora_rank"]) ** 0.5, "kv_scale": (h / cfg["kv_lora_rank"]) ** 0.5}
+    a = rms(x, t[p + "input_layernorm.weight"], eps)
+    x = x + mla_attention(a, t, p + "self_attn.", cfg, latent_eps=eps, **scales)
+    m = rms(x, t[p + "post_attention_layernorm.weight"], eps) if post_attn_norm else x
+    x = x + swiglu_mlp(m, t, p + "transformer_layer.mlp.")
+    return rms(x, t["model.mtp.norm.weight"], eps) @ t["lm_head.weight"].T
+
+
+# --------------------------------------------------------------------------- mimo_v2_flash
+
+
+def mimo_v2_flash_logits(
+    t, cfg, hidden, tokens, *, embedding_first=True, mask_first=False, window=True, sinks=True
+):
+    """MiMo-V2-Flash's MTP module 0 (``model.mtp.layers.0``) in float64 -> logits [T, vocab]."""
+    p, eps, T = "model.mtp.layers.0.", cfg["layernorm_epsilon"], len(tokens)
+    nh, nkv, hd, vd = (cfg[k] for k in ("swa_num_attention_heads", "swa_num_key_value_heads", "swa_head_dim", "swa_v_head_dim"))
+    e = t["model.embed_tokens.weight"][tokens]
+    e = zero_position_zero(e) if mask_first else e
+    x = fuse_inputs(
+        e, hidden, t[p + "enorm.weight"], t[p + "hnorm.weight"], t[p + "eh_proj.weight"], eps,
+        hidden_first=not embedding_first,
+    )  # fmt: skip
+    a = rms(x, t[p + "input_layernorm.weight"], eps)
+    rope_dims = int(cfg["partial_rotary_factor"] * hd)
+    q = rope((a @ t[p + "self_attn.q_proj.weight"].T).reshape(T, nh, hd), rope_dims, cfg["swa_rope_theta"], False)
+    k = rope((a @ t[p + "self_attn.k_proj.weight"].T).reshape(T, nkv, hd), rope_dims, cfg["swa_rope_theta"], False)
+    v = (a @ t[p + "self_attn.v_proj.weight"].T).reshape(T, nkv, vd) * cfg["attention_value_scale"]
+    mask = causal_mask(T, cfg["sliding_window_size"] if window else None)
+    sink = t[p + "self_attn.attention_sink_bias"] if sinks else None
+    x = x + gqa_attention(q, k, v, hd**-0.5, mask, sink) @ t[p + "self_attn.o_proj.weight"].T
+    x = x + swiglu_mlp(rms(x, t[p + "pre_mlp_layernorm.weight"], eps), t, p + "mlp.")
+    return rms(x, t[p + "final_layernorm.weight"], eps) @ t["lm_head.weight"].T
+
+
+# --------------------------------------------------------------------------- step3p5
+
+
+def step3p5_logits(t, cfg, hidden, tokens, *, embedding_first=True, mask_first=False, own_head=True, gate=True):
+    """Step-3.5-Flash's MTP layer 0 (``model.layers.{num_hidden_layers}``) in float64; every norm
+    of the raw checkpoint is an offset from 1 (``x * (1 + w)``) -> logits [T, vocab]."""
+    p, eps, T = f"model.layers.{cfg['num_hidden_layers']}.", cfg["rms_norm_eps"], len(tokens)
+    nh, nkv, hd = cfg["num_attention_heads"], cfg["num_attention_groups"], cfg["head_dim"]
+    w = lambda name: t[p + name] + 1.0  # noqa: E731
+    e = t["model.embed_tokens.weight"][tokens]
+    e = zero_position_zero(e) if mask_first else e
+    x = fuse_inputs(
+        e, hidden, w("enorm.weight"), w("hnorm.weight"), t[p + "eh_proj.weight"], eps,
+        hidden_first=not embedding_first,
+    )  # fmt: skip
+    a = rms(x, w("input_layernorm.weight"), eps)
+    q = rms((a @ t[p + "self_attn.q_proj.weight"].T).reshape(T, nh, hd), w("self_attn.q_norm.weight"), eps)
+    k = rms((a @ t[p + "self_attn.k_proj.weight"].T).reshape(T, nkv, hd), w("self_attn.k_norm.weight"), eps)
+    q, k = rope(q, hd, cfg["rope_theta"], False), rope(k, hd, cfg["rope_theta"], False)
+    v = (a @ t[p + "self_attn.v_proj.weight"].T).reshape(T, nkv, hd)
+    o = gqa_attention(q, k, v, hd**-0.5, causal_mask(T, cfg["sliding_window"])).reshape(T, nh, hd)
+    if gate:
+        o = o / (1.0 + np.exp(-(a @ t[p + "self_attn.g_proj.weight"].T)))[..., None]
+    x = x + o.reshape(T, -1) @ t[p + "self_attn.o_proj.weight"].T
+    x = x + swiglu_mlp(rms(x, w("post_attention_layernorm.weight"), eps), t, p + "mlp.")
+    out = rms(x, w("transformer.shared_head.norm.weight"), eps)
+    return out @ (t[p + "transformer.shared_head.output.weight"] if own_head else t["lm_head.weight"]).T
+
+
+# --------------------------------------------------------------------------- ernie
+
+
+def ernie_logits(t, cfg, hidden, tokens, *, embedding_first=True, mask_first=True, final_norm=False):
+    """ERNIE-4.5's MTP layer 0 (``model.mtp_*.0``) in float64; tied embeddings -> logits [T, vocab]."""
+    p, eps, T = "model.mtp_block.0.", cfg["rms_norm_eps"], len(tokens)
+    nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    e = t["model.embed_tokens.weight"][tokens]
+    e = zero_position_zero(e) if mask_first else e
+    x = fuse_inputs(
+        e, hidden, t["model.mtp_emb_norm.0.weight"], t["model.mtp_hidden_norm.0.weight"],
+        t["model.mtp_linear_proj.0.weight"], eps, hidden_first=not embedding_first,
+    )  # fmt: skip
+    a = rms(x, t[p + "input_layernorm.weight"], eps)
+    q = rope((a @ t[p + "self_attn.q_proj.weight"].T).reshape(T, nh, hd), hd, cfg["rope_theta"], True)
+    k = rope((a @ t[p + "self_attn.k_proj.weight"].T).reshape(T, nkv, hd), hd, cfg["rope_theta"], True)
+    v = (a @ t[p + "self_attn.v_proj.weight"].T).reshape(T, nkv, hd)
+    x = x + gqa_attention(q, k, v, hd**-0.5, causal_mask(T)) @ t[p + "self_attn.o_proj.weight"].T
+    x = x + swiglu_mlp(rms(x, t[p + "post_attention_layernorm.weight"], eps), t, p + "mlp.")
+    x = rms(x, t["model.norm.weight"], eps) if final_norm else x
+    return x @ t["model.embed_tokens.weight"].T
+
+
+# --------------------------------------------------------------------------- the tests
+
+REFERENCES = {
+    "longcat": (longcat_logits, ({"mask_first": True}, {"post_attn_norm": False})),
+    "mimo_v2_flash": (mimo_v2_flash_logits, ({"mask_first": True}, {"window": False}, {"sinks": False})),
+    "step3p5": (step3p5_logits, ({"mask_first": True}, {"own_head": False}, {"gate": False})),
+    "ernie": (ernie_logits, ({"mask_first": False}, {"final_norm": True})),
+}
+
+
+def head_logits(head, hidden: np.ndarray, tokens: list[int]) -> np.ndarray:
+    """The loaded head's logits (draft step 0, fresh caches) at every position, as float64."""
+    out = head(mx.array(hidden[None].astype(np.float32)), mx.array([tokens]), head.make_cache())
+    return np.asarray(head.logits(out)[0], dtype=np.float64)
+
+
+@pytest.mark.parametrize("layout", REFERENCE_LAYOUTS)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_head_logits_match_the_float64_reference_at_every_position(replicas, layout, seed):
+    tiny, t, head = replicas[layout]
+    reference, variants = REFERENCES[layout]
+    rng = np.random.default_rng(resolve(seed))
+    tokens = [int(x) for x in rng.integers(0, tiny.config["vocab_size"], size=LENGTH)]
+    hidden = rng.standard_normal((LENGTH, tiny.config["hidden_size"]))
+    got, want = head_logits(head, hidden, tokens), reference(t, tiny.config, hidden, tokens)
+    scale = np.abs(want).max()
+    worst = np.abs(got - want).max(-1)  # per position
+    assert (worst < 1e-4 * scale).all(), (layout, seed, worst / scale)
+    for variant in ({"embedding_first": False}, *variants):  # negative controls: each convention shows
+        other = reference(t, tiny.config, hidden, tokens, **variant)
+        assert np.abs(got - other).max() > 1e-2 * scale, (layout, seed, variant)
