@@ -24,6 +24,10 @@ Sources (the facts followed):
   ``layer_types``, the layer's own ``shared_head.output``).
 - ERNIE-4.5: vLLM ``ernie_mtp.py`` (position-0 mask, embedding first, no final norm) and the
   trunk's decoder layer (rope on interleaved pairs, GQA, SwiGLU MLP).
+- Forged heads (``heads/forged.py``, the Qwen3-Next layout, vLLM ``qwen3_next_mtp.py``'s fusion:
+  embedding first, no position-0 mask) on a llama trunk: its layers run in sequence (one module),
+  each a llama decoder layer (HF ``modeling_llama.py``: rope on halves, GQA, SwiGLU), then
+  ``norm`` and the trunk's (tied) LM head restricted to the manifest's ``vocab_ids``.
 """
 
 from __future__ import annotations
@@ -32,13 +36,14 @@ from pathlib import Path
 
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.heads import load_head
+from mtplx.heads.forged import build_forged_head, lm_head_matrix, load_forged_head, save_forged_head
 from mtplx.trunk.model import Trunk
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.utils import load_model as mlx_load_model
-from support import checkpoints
+from support import checkpoints, models
 from support.numpy_heads import (
     causal_mask,
     fuse_inputs,
@@ -54,7 +59,7 @@ from support.seeds import SEEDS, resolve
 
 # The registry rows (``mtplx.heads.registry.FAMILIES``) whose reference is in this module
 # (read by ``test_reference_coverage.py``).
-REFERENCE_LAYOUTS = ("longcat", "mimo_v2_flash", "step3p5", "ernie")
+REFERENCE_LAYOUTS = ("longcat", "mimo_v2_flash", "step3p5", "ernie", "forged")
 LENGTH = 7  # longer than the sliding windows (4): the window shows
 
 
@@ -74,13 +79,16 @@ def replicas(tmp_path_factory):
         "step3p5": checkpoints.step3p5(root / "step3p5"),
         "ernie": checkpoints.ernie4_5_moe(root / "ernie"),
     }
-    return {name: (tiny, read_tensors(tiny.path), load(tiny.path)[2]) for name, tiny in built.items()}
+    loaded = {name: (tiny, read_tensors(tiny.path), load(tiny.path)[2]) for name, tiny in built.items()}
+    return {**loaded, "forged": forged_head(root)}
 
 
 # --------------------------------------------------------------------------- longcat
 
 
-def longcat_logits(t, cfg, hidden, tokens, *, embedding_first=True, mask_first=False, post_attn_norm=True):
+def longcat_logits(
+    t, cfg, hidden, tokens, *, embedding_first=True, mask_first=False, post_attn_norm=True, final_norm=True
+):
     """LongCat-Flash's one MTP layer (``model.mtp.layers.0``) in float64 -> logits [T, vocab]."""
     p, eps, h = "model.mtp.layers.0.", cfg["rms_norm_eps"], cfg["hidden_size"]
     e = t["model.embed_tokens.weight"][tokens]
@@ -94,7 +102,8 @@ def longcat_logits(t, cfg, hidden, tokens, *, embedding_first=True, mask_first=F
     x = x + mla_attention(a, t, p + "self_attn.", cfg, latent_eps=eps, **scales)
     m = rms(x, t[p + "post_attention_layernorm.weight"], eps) if post_attn_norm else x
     x = x + swiglu_mlp(m, t, p + "transformer_layer.mlp.")
-    return rms(x, t["model.mtp.norm.weight"], eps) @ t["lm_head.weight"].T
+    x = rms(x, t["model.mtp.norm.weight"], eps) if final_norm else x
+    return x @ t["lm_head.weight"].T
 
 
 # --------------------------------------------------------------------------- mimo_v2_flash
@@ -105,7 +114,10 @@ def mimo_v2_flash_logits(
 ):
     """MiMo-V2-Flash's MTP module 0 (``model.mtp.layers.0``) in float64 -> logits [T, vocab]."""
     p, eps, T = "model.mtp.layers.0.", cfg["layernorm_epsilon"], len(tokens)
-    nh, nkv, hd, vd = (cfg[k] for k in ("swa_num_attention_heads", "swa_num_key_value_heads", "swa_head_dim", "swa_v_head_dim"))
+    nh, nkv, hd, vd = (
+        cfg[k]
+        for k in ("swa_num_attention_heads", "swa_num_key_value_heads", "swa_head_dim", "swa_v_head_dim")
+    )
     e = t["model.embed_tokens.weight"][tokens]
     e = zero_position_zero(e) if mask_first else e
     x = fuse_inputs(
@@ -114,8 +126,12 @@ def mimo_v2_flash_logits(
     )  # fmt: skip
     a = rms(x, t[p + "input_layernorm.weight"], eps)
     rope_dims = int(cfg["partial_rotary_factor"] * hd)
-    q = rope((a @ t[p + "self_attn.q_proj.weight"].T).reshape(T, nh, hd), rope_dims, cfg["swa_rope_theta"], False)
-    k = rope((a @ t[p + "self_attn.k_proj.weight"].T).reshape(T, nkv, hd), rope_dims, cfg["swa_rope_theta"], False)
+    q = rope(
+        (a @ t[p + "self_attn.q_proj.weight"].T).reshape(T, nh, hd), rope_dims, cfg["swa_rope_theta"], False
+    )
+    k = rope(
+        (a @ t[p + "self_attn.k_proj.weight"].T).reshape(T, nkv, hd), rope_dims, cfg["swa_rope_theta"], False
+    )
     v = (a @ t[p + "self_attn.v_proj.weight"].T).reshape(T, nkv, vd) * cfg["attention_value_scale"]
     mask = causal_mask(T, cfg["sliding_window_size"] if window else None)
     sink = t[p + "self_attn.attention_sink_bias"] if sinks else None
@@ -127,12 +143,15 @@ def mimo_v2_flash_logits(
 # --------------------------------------------------------------------------- step3p5
 
 
-def step3p5_logits(t, cfg, hidden, tokens, *, embedding_first=True, mask_first=False, own_head=True, gate=True):
+def step3p5_logits(
+    t, cfg, hidden, tokens, *, embedding_first=True, mask_first=False, own_head=True, gate=True, offsets=True
+):
     """Step-3.5-Flash's MTP layer 0 (``model.layers.{num_hidden_layers}``) in float64; every norm
-    of the raw checkpoint is an offset from 1 (``x * (1 + w)``) -> logits [T, vocab]."""
+    of the raw checkpoint is an offset from 1 (``x * (1 + w)``; ``offsets=False``: read as
+    stored) -> logits [T, vocab]."""
     p, eps, T = f"model.layers.{cfg['num_hidden_layers']}.", cfg["rms_norm_eps"], len(tokens)
     nh, nkv, hd = cfg["num_attention_heads"], cfg["num_attention_groups"], cfg["head_dim"]
-    w = lambda name: t[p + name] + 1.0  # noqa: E731
+    w = lambda name: t[p + name] + (1.0 if offsets else 0.0)  # noqa: E731
     e = t["model.embed_tokens.weight"][tokens]
     e = zero_position_zero(e) if mask_first else e
     x = fuse_inputs(
@@ -176,13 +195,74 @@ def ernie_logits(t, cfg, hidden, tokens, *, embedding_first=True, mask_first=Tru
     return x @ t["model.embed_tokens.weight"].T
 
 
+# --------------------------------------------------------------------------- forged
+
+FORGED_VOCAB = 64
+FORGED_IDS = list(range(0, FORGED_VOCAB, 3))  # a reduced draft vocabulary
+
+
+def forged_head(tmp_path: Path):
+    """(tiny, tensors, head): a 2-layer forged head with a reduced vocabulary on a tiny llama,
+    written by ``save_forged_head`` and loaded back by ``load_forged_head``; ``tensors`` are the
+    written ``head.safetensors`` plus the trunk's (tied) embedding, ``tiny`` a stand-in with the
+    config the reference reads."""
+    trunk = Trunk(models.tiny_llama(vocab_size=FORGED_VOCAB))
+    head = build_forged_head(trunk, "post_norm", num_layers=2)
+    models.randomize(head, 3)
+    head.set_draft_vocab(FORGED_IDS, lm_head_matrix(trunk))
+    out = tmp_path / "forged"
+    save_forged_head(out, head, {"trunk_fingerprint": "tiny"})
+    t = read_tensors(out)
+    t["embed_tokens.weight"] = np.asarray(trunk.model.model.embed_tokens.weight, dtype=np.float64)
+    args = trunk.model.args
+    config = {
+        k: getattr(args, k)
+        for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "rms_norm_eps", "rope_theta")
+    }
+    config.update(vocab_size=FORGED_VOCAB, num_layers=2, vocab_ids=FORGED_IDS)
+    tiny = type("ForgedTiny", (), {"config": config})()
+    return tiny, t, load_forged_head(out, trunk, "tiny")
+
+
+def forged_logits(
+    t, cfg, hidden, tokens, *, embedding_first=True, mask_first=False, layers=None, final_norm=True
+):
+    """A forged head in float64: the fusion, every layer in sequence (``layers``: how many),
+    ``norm``, the tied LM head on ``vocab_ids`` only (-inf elsewhere) -> logits [T, vocab]."""
+    eps, T, nh, nkv = cfg["rms_norm_eps"], len(tokens), cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg["hidden_size"] // nh
+    e = t["embed_tokens.weight"][tokens]
+    e = zero_position_zero(e) if mask_first else e
+    x = fuse_inputs(
+        e, hidden, t["pre_fc_norm_embedding.weight"], t["pre_fc_norm_hidden.weight"], t["fc.weight"], eps,
+        hidden_first=not embedding_first,
+    )  # fmt: skip
+    for i in range(cfg["num_layers"] if layers is None else layers):
+        p = f"layers.{i}."
+        a = rms(x, t[p + "input_layernorm.weight"], eps)
+        q = rope((a @ t[p + "self_attn.q_proj.weight"].T).reshape(T, nh, hd), hd, cfg["rope_theta"], False)
+        k = rope((a @ t[p + "self_attn.k_proj.weight"].T).reshape(T, nkv, hd), hd, cfg["rope_theta"], False)
+        v = (a @ t[p + "self_attn.v_proj.weight"].T).reshape(T, nkv, hd)
+        x = x + gqa_attention(q, k, v, hd**-0.5, causal_mask(T)) @ t[p + "self_attn.o_proj.weight"].T
+        x = x + swiglu_mlp(rms(x, t[p + "post_attention_layernorm.weight"], eps), t, p + "mlp.")
+    x = rms(x, t["norm.weight"], eps) if final_norm else x
+    logits = np.full((T, cfg["vocab_size"]), -np.inf)
+    ids = cfg["vocab_ids"]
+    logits[:, ids] = x @ t["embed_tokens.weight"][ids].T
+    return logits
+
+
 # --------------------------------------------------------------------------- the tests
 
 REFERENCES = {
-    "longcat": (longcat_logits, ({"mask_first": True}, {"post_attn_norm": False})),
+    "longcat": (longcat_logits, ({"mask_first": True}, {"post_attn_norm": False}, {"final_norm": False})),
     "mimo_v2_flash": (mimo_v2_flash_logits, ({"mask_first": True}, {"window": False}, {"sinks": False})),
-    "step3p5": (step3p5_logits, ({"mask_first": True}, {"own_head": False}, {"gate": False})),
+    "step3p5": (
+        step3p5_logits,
+        ({"mask_first": True}, {"own_head": False}, {"gate": False}, {"offsets": False}),
+    ),
     "ernie": (ernie_logits, ({"mask_first": False}, {"final_norm": True})),
+    "forged": (forged_logits, ({"mask_first": True}, {"layers": 1}, {"final_norm": False})),
 }
 
 
@@ -201,9 +281,12 @@ def test_head_logits_match_the_float64_reference_at_every_position(replicas, lay
     tokens = [int(x) for x in rng.integers(0, tiny.config["vocab_size"], size=LENGTH)]
     hidden = rng.standard_normal((LENGTH, tiny.config["hidden_size"]))
     got, want = head_logits(head, hidden, tokens), reference(t, tiny.config, hidden, tokens)
+    drafted = np.isfinite(want)  # a reduced draft vocabulary is -inf elsewhere
+    assert (np.isfinite(got) == drafted).all(), (layout, seed)
+    got, want = np.where(drafted, got, 0.0), np.where(drafted, want, 0.0)
     scale = np.abs(want).max()
     worst = np.abs(got - want).max(-1)  # per position
     assert (worst < 1e-4 * scale).all(), (layout, seed, worst / scale)
     for variant in ({"embedding_first": False}, *variants):  # negative controls: each convention shows
-        other = reference(t, tiny.config, hidden, tokens, **variant)
+        other = np.where(drafted, reference(t, tiny.config, hidden, tokens, **variant), 0.0)
         assert np.abs(got - other).max() > 1e-2 * scale, (layout, seed, variant)

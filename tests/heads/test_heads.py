@@ -39,6 +39,8 @@ from support.hub import cache_layout
 from support.seeds import SEEDS, resolve
 from support.tokenizer import word_level
 
+# The registry rows whose float64 reference is in this module (read by ``test_reference_coverage.py``).
+REFERENCE_LAYOUTS = ("qwen3_next", "deepseek", "mimo")
 TOKENS = [[3, 17, 42, 5, 60, 9]]
 NEXT = [[17, 42, 5, 60, 9, 11]]
 

@@ -117,7 +117,9 @@ def mla_attention(
     q = q_b(norm(q_a(x))) * q_scale; latent = norm(kv_a(x)[:kv_lora]) * kv_scale; rope
     (interleaved pairs) on q's last ``qk_rope_head_dim`` features and on the one shared k_pe.
     LongCat-Flash's ``mla_scale_{q,kv}_lora`` are ``q_scale`` / ``kv_scale``. -> after o_proj."""
-    nh, nope, rd, vd = (cfg[k] for k in ("num_attention_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+    nh, nope, rd, vd = (
+        cfg[k] for k in ("num_attention_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    )
     rank, T = cfg["kv_lora_rank"], x.shape[0]
     q = rms(x @ t[p + "q_a_proj.weight"].T, t[p + "q_a_layernorm.weight"], latent_eps)
     q = (q @ t[p + "q_b_proj.weight"].T).reshape(T, nh, nope + rd) * q_scale
