@@ -5,7 +5,7 @@ positions ``offset, offset+1, ...``, weights are checkpoint tensors in Hugging F
 (``[out, in]``), read with ``read_tensors`` straight from the written safetensors files, never
 through mtplx's head modules. Sources, for the facts only: HF transformers
 ``modeling_deepseek_v3.py`` / ``modeling_longcat_flash.py`` (MLA, the latent LoRA scales),
-``modeling_mimo_v2_flash.py`` and vLLM ``model_executor/models/mimo_v2_flash.py`` (partial rope,
+``modeling_glm4_moe.py`` (the sigmoid-routed MoE), ``modeling_mimo_v2_flash.py`` and vLLM ``model_executor/models/mimo_v2_flash.py`` (partial rope,
 sliding window, attention sinks, value scale), mlx-lm ``models/base.py`` (sinks join the softmax
 denominator as one extra logit per head) and ``mlx.nn.RoPE`` (``traditional`` = adjacent pairs).
 """
@@ -14,15 +14,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
-from safetensors.numpy import load_file
 
 
 def read_tensors(path: Path) -> dict[str, np.ndarray]:
-    """Every tensor of the checkpoint directory ``path`` as float64, by its checkpoint name."""
+    """Every tensor of the checkpoint directory ``path`` (every shard) as float64, by its checkpoint
+    name; read with ``mx.load``, which also reads bfloat16 (exactly widened to float32 first)."""
     out: dict[str, np.ndarray] = {}
     for f in sorted(Path(path).glob("*.safetensors")):
-        out.update({k: v.astype(np.float64) for k, v in load_file(str(f)).items()})
+        out.update(
+            {k: np.asarray(v.astype(mx.float32), dtype=np.float64) for k, v in mx.load(str(f)).items()}
+        )
     return out
 
 
@@ -39,6 +42,36 @@ def swiglu_mlp(x: np.ndarray, t: dict[str, np.ndarray], prefix: str) -> np.ndarr
     """``down(silu(gate(x)) * up(x))`` with ``{prefix}{gate,up,down}_proj.weight``."""
     gate, up = x @ t[prefix + "gate_proj.weight"].T, x @ t[prefix + "up_proj.weight"].T
     return (silu(gate) * up) @ t[prefix + "down_proj.weight"].T
+
+
+def sigmoid_moe(x: np.ndarray, t: dict[str, np.ndarray], p: str, cfg: dict) -> np.ndarray:
+    """DeepSeek-V3 / GLM-4.5 MoE (HF ``modeling_glm4_moe.py``, ``n_group`` 1): sigmoid router
+    scores; the top ``num_experts_per_tok`` by score + ``gate.e_score_correction_bias`` are
+    chosen, weighted by their uncorrected scores (normalised to sum 1 with ``norm_topk_prob``)
+    times ``routed_scaling_factor``; plus the shared experts. Per-expert HF tensors
+    ``{p}experts.{e}.*``, ``{p}shared_experts.*``, ``{p}gate.weight``."""
+    if cfg.get("n_group", 1) != 1:
+        raise ValueError("sigmoid_moe covers n_group == 1 only")
+    scores = 1.0 / (1.0 + np.exp(-(x @ t[p + "gate.weight"].T)))  # [T, experts]
+    chosen = np.argsort(-(scores + t[p + "gate.e_score_correction_bias"]), axis=-1, kind="stable")
+    chosen = chosen[:, : cfg["num_experts_per_tok"]]
+    weights = np.take_along_axis(scores, chosen, -1)
+    if cfg["num_experts_per_tok"] > 1 and cfg.get("norm_topk_prob"):
+        weights = weights / weights.sum(-1, keepdims=True)
+    weights = weights * cfg.get("routed_scaling_factor", 1.0)
+    out = np.zeros_like(x)
+    for row in range(x.shape[0]):
+        for e, w in zip(chosen[row], weights[row]):
+            out[row] += w * swiglu_mlp(x[row : row + 1], t, f"{p}experts.{e}.")[0]
+    return out + swiglu_mlp(x, t, p + "shared_experts.") if cfg.get("n_shared_experts") else out
+
+
+def routing_margin(x: np.ndarray, t: dict[str, np.ndarray], p: str, k: int) -> float:
+    """The smallest gap, over rows, between the k-th and (k+1)-th corrected router score: a
+    float32 router can pick other experts than the float64 reference only near a tie."""
+    scores = 1.0 / (1.0 + np.exp(-(x @ t[p + "gate.weight"].T))) + t[p + "gate.e_score_correction_bias"]
+    ranked = -np.sort(-scores, axis=-1)
+    return float((ranked[:, k - 1] - ranked[:, k]).min())
 
 
 def rope(x: np.ndarray, dims: int, base: float, traditional: bool, offset: int = 0) -> np.ndarray:
