@@ -277,16 +277,17 @@ def head_logits(head, hidden: np.ndarray, tokens: list[int]) -> np.ndarray:
 def test_head_logits_match_the_float64_reference_at_every_position(replicas, layout, seed):
     tiny, t, head = replicas[layout]
     reference, variants = REFERENCES[layout]
-    rng = np.random.default_rng(resolve(seed))
+    drawn = resolve(seed)
+    rng = np.random.default_rng(drawn)
     tokens = [int(x) for x in rng.integers(0, tiny.config["vocab_size"], size=LENGTH)]
     hidden = rng.standard_normal((LENGTH, tiny.config["hidden_size"]))
     got, want = head_logits(head, hidden, tokens), reference(t, tiny.config, hidden, tokens)
     drafted = np.isfinite(want)  # a reduced draft vocabulary is -inf elsewhere
-    assert (np.isfinite(got) == drafted).all(), (layout, seed)
+    assert (np.isfinite(got) == drafted).all(), (layout, drawn)
     got, want = np.where(drafted, got, 0.0), np.where(drafted, want, 0.0)
     scale = np.abs(want).max()
     worst = np.abs(got - want).max(-1)  # per position
-    assert (worst < 1e-4 * scale).all(), (layout, seed, worst / scale)
+    assert (worst < 1e-4 * scale).all(), (layout, drawn, worst / scale)
     for variant in ({"embedding_first": False}, *variants):  # negative controls: each convention shows
         other = np.where(drafted, reference(t, tiny.config, hidden, tokens, **variant), 0.0)
-        assert np.abs(got - other).max() > 1e-2 * scale, (layout, seed, variant)
+        assert np.abs(got - other).max() > 1e-2 * scale, (layout, drawn, variant)

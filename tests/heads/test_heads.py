@@ -6,7 +6,9 @@ conventions: Qwen3.5's 1+w norms, DeepSeek's fused kv_b_proj and interleaved rop
 MiMo's [hidden, embed] order). Covered by the NumPy reference: Qwen3.5 gated full
 attention (partial rope, q/k norms, GQA) + dense MLP; DeepSeek-V3 MLA (q LoRA, latent
 kv, decoupled rope) + dense MLP; MiMo Qwen2 attention (biases, GQA) + MLP. The MoE MLP
-is checked structurally (HF per-expert tensors land stacked in mlx-lm's SwitchGLU).
+is checked structurally here (HF per-expert tensors land stacked in mlx-lm's SwitchGLU) and
+numerically in ``test_glm4_moe.py``; the other families' references are in
+``test_head_references.py`` (the building blocks: ``support/numpy_heads.py``).
 """
 
 from __future__ import annotations
