@@ -7,7 +7,9 @@ the published modeling code, reading the checkpoint's own tensors from its safet
 mask, window, sinks or MLA; the MLP), the final norm and the LM head, giving logits at every
 position of a short sequence. The loaded head (module 0, draft step 0) must match within
 1e-4 of the logits' scale; each reference is also shown to move by more than 1e-2 under each
-convention it encodes (the negative controls), so a head that broke one could not pass.
+convention it encodes (the negative controls), so a head that broke one could not pass. A
+three-step draft chain (the chained state fed back, module ``s % n`` at step ``s``, past the
+sliding windows) is checked against the same references.
 
 Sources (the facts followed):
 - LongCat-Flash: vLLM ``model_executor/models/longcat_flash_mtp.py`` (no position-0 mask,
@@ -86,10 +88,21 @@ def replicas(tmp_path_factory):
 # --------------------------------------------------------------------------- longcat
 
 
-def longcat_logits(
-    t, cfg, hidden, tokens, *, embedding_first=True, mask_first=False, post_attn_norm=True, final_norm=True
+def longcat_layer(
+    t,
+    cfg,
+    hidden,
+    tokens,
+    module=0,
+    *,
+    embedding_first=True,
+    mask_first=False,
+    post_attn_norm=True,
+    final_norm=True,
 ):
-    """LongCat-Flash's one MTP layer (``model.mtp.layers.0``) in float64 -> logits [T, vocab]."""
+    """LongCat-Flash's one MTP layer (``model.mtp.layers.0``; ``module`` must be 0) in float64
+    -> (before ``model.mtp.norm``, after it, logits [T, vocab])."""
+    assert module == 0, "LongCat-Flash ships one MTP layer"
     p, eps, h = "model.mtp.layers.0.", cfg["rms_norm_eps"], cfg["hidden_size"]
     e = t["model.embed_tokens.weight"][tokens]
     e = zero_position_zero(e) if mask_first else e
@@ -102,18 +115,19 @@ def longcat_logits(
     x = x + mla_attention(a, t, p + "self_attn.", cfg, latent_eps=eps, **scales)
     m = rms(x, t[p + "post_attention_layernorm.weight"], eps) if post_attn_norm else x
     x = x + swiglu_mlp(m, t, p + "transformer_layer.mlp.")
-    x = rms(x, t["model.mtp.norm.weight"], eps) if final_norm else x
-    return x @ t["lm_head.weight"].T
+    out = rms(x, t["model.mtp.norm.weight"], eps) if final_norm else x
+    return x, out, out @ t["lm_head.weight"].T
 
 
 # --------------------------------------------------------------------------- mimo_v2_flash
 
 
-def mimo_v2_flash_logits(
-    t, cfg, hidden, tokens, *, embedding_first=True, mask_first=False, window=True, sinks=True
+def mimo_v2_flash_layer(
+    t, cfg, hidden, tokens, module=0, *, embedding_first=True, mask_first=False, window=True, sinks=True
 ):
-    """MiMo-V2-Flash's MTP module 0 (``model.mtp.layers.0``) in float64 -> logits [T, vocab]."""
-    p, eps, T = "model.mtp.layers.0.", cfg["layernorm_epsilon"], len(tokens)
+    """MiMo-V2-Flash's MTP module ``module`` (``model.mtp.layers.{module}``) in float64
+    -> (before ``final_layernorm``, after it, logits [T, vocab])."""
+    p, eps, T = f"model.mtp.layers.{module}.", cfg["layernorm_epsilon"], len(tokens)
     nh, nkv, hd, vd = (
         cfg[k]
         for k in ("swa_num_attention_heads", "swa_num_key_value_heads", "swa_head_dim", "swa_v_head_dim")
@@ -137,19 +151,30 @@ def mimo_v2_flash_logits(
     sink = t[p + "self_attn.attention_sink_bias"] if sinks else None
     x = x + gqa_attention(q, k, v, hd**-0.5, mask, sink) @ t[p + "self_attn.o_proj.weight"].T
     x = x + swiglu_mlp(rms(x, t[p + "pre_mlp_layernorm.weight"], eps), t, p + "mlp.")
-    return rms(x, t[p + "final_layernorm.weight"], eps) @ t["lm_head.weight"].T
+    out = rms(x, t[p + "final_layernorm.weight"], eps)
+    return x, out, out @ t["lm_head.weight"].T
 
 
 # --------------------------------------------------------------------------- step3p5
 
 
-def step3p5_logits(
-    t, cfg, hidden, tokens, *, embedding_first=True, mask_first=False, own_head=True, gate=True, offsets=True
+def step3p5_layer(
+    t,
+    cfg,
+    hidden,
+    tokens,
+    module=0,
+    *,
+    embedding_first=True,
+    mask_first=False,
+    own_head=True,
+    gate=True,
+    offsets=True,
 ):
-    """Step-3.5-Flash's MTP layer 0 (``model.layers.{num_hidden_layers}``) in float64; every norm
-    of the raw checkpoint is an offset from 1 (``x * (1 + w)``; ``offsets=False``: read as
-    stored) -> logits [T, vocab]."""
-    p, eps, T = f"model.layers.{cfg['num_hidden_layers']}.", cfg["rms_norm_eps"], len(tokens)
+    """Step-3.5-Flash's MTP layer ``module`` (``model.layers.{num_hidden_layers + module}``) in
+    float64; every norm of the raw checkpoint is an offset from 1 (``x * (1 + w)``;
+    ``offsets=False``: read as stored) -> (before ``shared_head.norm``, after it, logits [T, vocab])."""
+    p, eps, T = f"model.layers.{cfg['num_hidden_layers'] + module}.", cfg["rms_norm_eps"], len(tokens)
     nh, nkv, hd = cfg["num_attention_heads"], cfg["num_attention_groups"], cfg["head_dim"]
     w = lambda name: t[p + name] + (1.0 if offsets else 0.0)  # noqa: E731
     e = t["model.embed_tokens.weight"][tokens]
@@ -169,21 +194,23 @@ def step3p5_logits(
     x = x + o.reshape(T, -1) @ t[p + "self_attn.o_proj.weight"].T
     x = x + swiglu_mlp(rms(x, w("post_attention_layernorm.weight"), eps), t, p + "mlp.")
     out = rms(x, w("transformer.shared_head.norm.weight"), eps)
-    return out @ (t[p + "transformer.shared_head.output.weight"] if own_head else t["lm_head.weight"]).T
+    lm_head = t[p + "transformer.shared_head.output.weight"] if own_head else t["lm_head.weight"]
+    return x, out, out @ lm_head.T
 
 
 # --------------------------------------------------------------------------- ernie
 
 
-def ernie_logits(t, cfg, hidden, tokens, *, embedding_first=True, mask_first=True, final_norm=False):
-    """ERNIE-4.5's MTP layer 0 (``model.mtp_*.0``) in float64; tied embeddings -> logits [T, vocab]."""
-    p, eps, T = "model.mtp_block.0.", cfg["rms_norm_eps"], len(tokens)
+def ernie_layer(t, cfg, hidden, tokens, module=0, *, embedding_first=True, mask_first=True, final_norm=False):
+    """ERNIE-4.5's MTP layer ``module`` (``model.mtp_*.{module}``) in float64; tied embeddings
+    -> (the block's output, the same (no final norm), logits [T, vocab])."""
+    p, eps, T = f"model.mtp_block.{module}.", cfg["rms_norm_eps"], len(tokens)
     nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     e = t["model.embed_tokens.weight"][tokens]
     e = zero_position_zero(e) if mask_first else e
     x = fuse_inputs(
-        e, hidden, t["model.mtp_emb_norm.0.weight"], t["model.mtp_hidden_norm.0.weight"],
-        t["model.mtp_linear_proj.0.weight"], eps, hidden_first=not embedding_first,
+        e, hidden, t[f"model.mtp_emb_norm.{module}.weight"], t[f"model.mtp_hidden_norm.{module}.weight"],
+        t[f"model.mtp_linear_proj.{module}.weight"], eps, hidden_first=not embedding_first,
     )  # fmt: skip
     a = rms(x, t[p + "input_layernorm.weight"], eps)
     q = rope((a @ t[p + "self_attn.q_proj.weight"].T).reshape(T, nh, hd), hd, cfg["rope_theta"], True)
@@ -191,8 +218,8 @@ def ernie_logits(t, cfg, hidden, tokens, *, embedding_first=True, mask_first=Tru
     v = (a @ t[p + "self_attn.v_proj.weight"].T).reshape(T, nkv, hd)
     x = x + gqa_attention(q, k, v, hd**-0.5, causal_mask(T)) @ t[p + "self_attn.o_proj.weight"].T
     x = x + swiglu_mlp(rms(x, t[p + "post_attention_layernorm.weight"], eps), t, p + "mlp.")
-    x = rms(x, t["model.norm.weight"], eps) if final_norm else x
-    return x @ t["model.embed_tokens.weight"].T
+    out = rms(x, t["model.norm.weight"], eps) if final_norm else x
+    return x, out, out @ t["model.embed_tokens.weight"].T
 
 
 # --------------------------------------------------------------------------- forged
@@ -224,11 +251,13 @@ def forged_head(tmp_path: Path):
     return tiny, t, load_forged_head(out, trunk, "tiny")
 
 
-def forged_logits(
-    t, cfg, hidden, tokens, *, embedding_first=True, mask_first=False, layers=None, final_norm=True
+def forged_layer(
+    t, cfg, hidden, tokens, module=0, *, embedding_first=True, mask_first=False, layers=None, final_norm=True
 ):
-    """A forged head in float64: the fusion, every layer in sequence (``layers``: how many),
-    ``norm``, the tied LM head on ``vocab_ids`` only (-inf elsewhere) -> logits [T, vocab]."""
+    """A forged head in float64 (one module: ``module`` must be 0): the fusion, every layer in
+    sequence (``layers``: how many), ``norm``, the tied LM head on ``vocab_ids`` only (-inf
+    elsewhere) -> (before ``norm``, after it, logits [T, vocab])."""
+    assert module == 0, "a forged head is one module"
     eps, T, nh, nkv = cfg["rms_norm_eps"], len(tokens), cfg["num_attention_heads"], cfg["num_key_value_heads"]
     hd = cfg["hidden_size"] // nh
     e = t["embed_tokens.weight"][tokens]
@@ -245,25 +274,43 @@ def forged_logits(
         v = (a @ t[p + "self_attn.v_proj.weight"].T).reshape(T, nkv, hd)
         x = x + gqa_attention(q, k, v, hd**-0.5, causal_mask(T)) @ t[p + "self_attn.o_proj.weight"].T
         x = x + swiglu_mlp(rms(x, t[p + "post_attention_layernorm.weight"], eps), t, p + "mlp.")
-    x = rms(x, t["norm.weight"], eps) if final_norm else x
+    out = rms(x, t["norm.weight"], eps) if final_norm else x
     logits = np.full((T, cfg["vocab_size"]), -np.inf)
     ids = cfg["vocab_ids"]
-    logits[:, ids] = x @ t["embed_tokens.weight"][ids].T
-    return logits
+    logits[:, ids] = out @ t["embed_tokens.weight"][ids].T
+    return x, out, logits
 
 
 # --------------------------------------------------------------------------- the tests
 
+# layout -> (its layer's reference, the conventions the negative controls flip)
 REFERENCES = {
-    "longcat": (longcat_logits, ({"mask_first": True}, {"post_attn_norm": False}, {"final_norm": False})),
-    "mimo_v2_flash": (mimo_v2_flash_logits, ({"mask_first": True}, {"window": False}, {"sinks": False})),
+    "longcat": (longcat_layer, ({"mask_first": True}, {"post_attn_norm": False}, {"final_norm": False})),
+    "mimo_v2_flash": (mimo_v2_flash_layer, ({"mask_first": True}, {"window": False}, {"sinks": False})),
     "step3p5": (
-        step3p5_logits,
+        step3p5_layer,
         ({"mask_first": True}, {"own_head": False}, {"gate": False}, {"offsets": False}),
     ),
-    "ernie": (ernie_logits, ({"mask_first": False}, {"final_norm": True})),
-    "forged": (forged_logits, ({"mask_first": True}, {"layers": 1}, {"final_norm": False})),
+    "ernie": (ernie_layer, ({"mask_first": False}, {"final_norm": True})),
+    "forged": (forged_layer, ({"mask_first": True}, {"layers": 1}, {"final_norm": False})),
 }
+# layout -> which state the next draft step reads: after the final norm ("post_norm") or before
+# it ("pre_norm"). vLLM ``mimo_v2_flash_mtp.py`` / ``longcat_flash_mtp.py`` and SGLang's nextn
+# models feed back the normed output; vLLM ``step3p5_mtp.py`` applies ``shared_head`` only in
+# ``compute_logits``, so the next step reads the state before it; ERNIE has no final norm (the
+# two are one); a forged head feeds back what it was trained on (its manifest's hidden source).
+CHAIN_SOURCE = {
+    "longcat": "post_norm",
+    "mimo_v2_flash": "post_norm",
+    "step3p5": "pre_norm",
+    "ernie": "post_norm",
+    "forged": "post_norm",
+}
+DRAFTS = [5, 11]  # teacher-forced draft tokens d_1, d_2 fed to steps 1, 2
+
+
+def reference_logits(layout: str, t, cfg, hidden, tokens, **variant) -> np.ndarray:
+    return REFERENCES[layout][0](t, cfg, hidden, tokens, **variant)[2]
 
 
 def head_logits(head, hidden: np.ndarray, tokens: list[int]) -> np.ndarray:
@@ -276,12 +323,12 @@ def head_logits(head, hidden: np.ndarray, tokens: list[int]) -> np.ndarray:
 @pytest.mark.parametrize("seed", SEEDS)
 def test_head_logits_match_the_float64_reference_at_every_position(replicas, layout, seed):
     tiny, t, head = replicas[layout]
-    reference, variants = REFERENCES[layout]
+    variants = REFERENCES[layout][1]
     drawn = resolve(seed)
     rng = np.random.default_rng(drawn)
     tokens = [int(x) for x in rng.integers(0, tiny.config["vocab_size"], size=LENGTH)]
     hidden = rng.standard_normal((LENGTH, tiny.config["hidden_size"]))
-    got, want = head_logits(head, hidden, tokens), reference(t, tiny.config, hidden, tokens)
+    got, want = head_logits(head, hidden, tokens), reference_logits(layout, t, tiny.config, hidden, tokens)
     drafted = np.isfinite(want)  # a reduced draft vocabulary is -inf elsewhere
     assert (np.isfinite(got) == drafted).all(), (layout, drawn)
     got, want = np.where(drafted, got, 0.0), np.where(drafted, want, 0.0)
@@ -289,5 +336,59 @@ def test_head_logits_match_the_float64_reference_at_every_position(replicas, lay
     worst = np.abs(got - want).max(-1)  # per position
     assert (worst < 1e-4 * scale).all(), (layout, drawn, worst / scale)
     for variant in ({"embedding_first": False}, *variants):  # negative controls: each convention shows
-        other = np.where(drafted, reference(t, tiny.config, hidden, tokens, **variant), 0.0)
+        other = np.where(drafted, reference_logits(layout, t, tiny.config, hidden, tokens, **variant), 0.0)
         assert np.abs(got - other).max() > 1e-2 * scale, (layout, drawn, variant)
+
+
+def chain_reference(layout, t, cfg, hidden, tokens, depth, *, modules, chain, pick=None) -> list[np.ndarray]:
+    """The draft chain in float64: step 0 reads the true (hidden, token) pairs; step s >= 1 appends
+    (step s-1's chained state at its last position, d_s) and runs module ``s % modules`` (vLLM's
+    ``spec_step_idx % num_mtp_layers``) causally over the whole pair sequence, as every module's
+    cache holds every position. -> the last position's logits per step."""
+    layer, pick = REFERENCES[layout][0], pick or (lambda s: s % modules)
+    hs, toks, steps, prev = list(hidden), list(tokens), [], None
+    for s in range(depth):
+        if s > 0:
+            hs.append(prev[0 if chain == "pre_norm" else 1][-1])
+            toks.append(DRAFTS[s - 1])
+        prev = layer(t, cfg, np.array(hs), np.array(toks), pick(s))
+        steps.append(prev[2][-1])
+    return steps
+
+
+def head_chain(head, hidden: np.ndarray, tokens: list[int], depth: int) -> list[np.ndarray]:
+    """The same chain through the loaded head and its caches, as the decode loop drives it."""
+    cache = head.make_cache()
+    out = head(mx.array(hidden[None].astype(np.float32)), mx.array([tokens]), cache, step=0)
+    steps = [np.asarray(head.logits(out, step=0)[0, -1], dtype=np.float64)]
+    for s in range(1, depth):
+        out = head(head.chain_input(out), mx.array([[DRAFTS[s - 1]]]), cache, step=s)
+        steps.append(np.asarray(head.logits(out, step=s)[0, -1], dtype=np.float64))
+    return steps
+
+
+def finite(x: np.ndarray) -> np.ndarray:
+    return np.where(np.isfinite(x), x, 0.0)
+
+
+@pytest.mark.parametrize("layout", REFERENCE_LAYOUTS)
+def test_three_step_draft_chain_matches_the_float64_reference(replicas, layout):
+    """Steps 1 and 2 read the chained state and module ``s % n``; past the window (4) on the
+    sliding families. Negative controls: the other chained state, and module 0 at every step."""
+    tiny, t, head = replicas[layout]
+    cfg, rng = tiny.config, np.random.default_rng(7)
+    tokens = [int(x) for x in rng.integers(0, cfg["vocab_size"], size=LENGTH)]
+    hidden = rng.standard_normal((LENGTH, cfg["hidden_size"]))
+    modules, chain = cfg.get("num_nextn_predict_layers") or 1, CHAIN_SOURCE[layout]
+    got = [finite(x) for x in head_chain(head, hidden, tokens, 3)]
+    want = [
+        finite(x) for x in chain_reference(layout, t, cfg, hidden, tokens, 3, modules=modules, chain=chain)
+    ]
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert np.abs(g - w).max() < 1e-4 * np.abs(w).max(), (layout, step)
+    other = "pre_norm" if chain == "post_norm" else "post_norm"
+    controls = [{"chain": other}] if layout != "ernie" else []  # ERNIE: pre-norm is post-norm
+    controls += [{"chain": chain, "pick": lambda s: 0}] if modules > 1 else []
+    for control in controls:
+        wrong = chain_reference(layout, t, cfg, hidden, tokens, 3, modules=modules, **control)
+        assert np.abs(got[1] - finite(wrong[1])).max() > 1e-2 * np.abs(want[1]).max(), (layout, control)
