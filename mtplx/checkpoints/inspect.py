@@ -221,7 +221,7 @@ def inspect_model(
     ``head`` is a forged-head directory to check against the model (as ``generate --head`` uses it);
     ``dtype`` picks the default model's build.
     """
-    from mtplx.heads import declared_mtp_layers, detect_layout
+    from mtplx.heads import declared_mtp_layers, detect_layout, split_drafter
     from mtplx.heads.gemma4_assistant import is_assistant_config, read_assistant_config
     from mtplx.heads.registry import FAMILIES
     from mtplx.resources import shipped_head_dir
@@ -238,7 +238,8 @@ def inspect_model(
     q = quantization_config(config)
 
     layout = detect_layout(index, config)
-    is_head = _head_predicate(layout, config)
+    is_drafter = split_drafter.read_split_config(path) is not None
+    is_head = (lambda k: True) if is_drafter else _head_predicate(layout, config)
     params = {"trunk": 0, "mtp_head": 0}
     bytes_by_dtype: dict[str, int] = {}
     head_bytes = 0
@@ -266,9 +267,11 @@ def inspect_model(
     shipped = shipped_head_dir(DEFAULT_MODEL_NAME) if default_variant else None
     sidecar = None
     given_assistant = resolve_model(head) if head is not None else None
-    if given_assistant is not None and read_assistant_config(given_assistant) is None:
+    given_split = given_assistant if split_drafter.read_split_config(given_assistant) else None
+    if given_assistant is not None and (given_split or read_assistant_config(given_assistant) is None):
         given_assistant = None
-    if head is not None and given_assistant is None:
+    split = None if is_drafter else split_drafter.inspect_split(path, spec_or_path, config, given_split)
+    if head is not None and given_assistant is None and given_split is None:
         sidecar = _sidecar_head(Path(head), "forged sidecar given with --head", path, default_variant)
     elif not head_tensors and shipped is not None:
         sidecar = _sidecar_head(shipped, "shipped by mtplx for this model", path, default_variant)
@@ -290,6 +293,11 @@ def inspect_model(
     if is_assistant_config(config):
         verdict = "drafter"
         reason = f"a Gemma 4 assistant for targets with hidden_size {config.get('backbone_hidden_size')}; use it with --head"
+    elif is_drafter:
+        verdict, reason = "drafter", split_drafter.describe_drafter(config)
+        sidecar = split_drafter.head_info(path, config, "split MTP drafter")
+    elif split and split["path"] and (given_split is not None or not head_tensors):
+        verdict, reason, sidecar = _split_verdict(split, path, config)
     elif not supported:
         verdict, reason = "unsupported", f"mlx-lm has no model class for model_type {model_type!r}"
     elif sidecar is not None and not sidecar["fits"]:
@@ -336,8 +344,8 @@ def inspect_model(
     else:
         verdict, reason = "AR-only", "no MTP head in the checkpoint; run `mtplx forge` to train one"
 
-    norms = None
-    if layout and head_tensors and FAMILIES[layout].offset_norm_types:
+    norms = split_drafter.SPLIT_NORMS_RULE if is_drafter or (sidecar or {}).get("split") else None
+    if norms is None and layout and head_tensors and FAMILIES[layout].offset_norm_types:
         from mtplx.heads.weights import norm_rule
 
         names = [k for k in header if is_head(k)]
@@ -369,9 +377,31 @@ def inspect_model(
         "default_model_build": default_variant,
         "head": sidecar,
         "assistant": assistant,
+        "split_drafter": split,
         "verdict": verdict,
         "reason": reason,
     }
+
+
+def _split_verdict(split: dict, path: Path, config: dict) -> tuple[str, str, dict | None]:
+    """Verdict, reason and head facts for a target with a split MTP drafter found or given."""
+    from mtplx.heads import split_drafter
+
+    where = f"{split['path']} ({split['why']})"
+    if split["problem"] is not None:
+        return "AR-only", f"the split MTP drafter {where} does not fit: {split['problem']}", None
+    from mtplx.heads import provenance
+
+    info = split_drafter.head_info(Path(split["path"]), split_drafter.read_split_config(split["path"]), where)
+    measured = provenance.measure_dir(path, split["path"])
+    info["provenance"] = measured.describe() if measured is not None else None
+    if measured is not None and measured.suspicious:
+        return (
+            "MTP-ready",
+            f"drafts with the split MTP drafter {where}, but its {measured.describe()} is below {provenance.WARN_BELOW}: it may belong to other weights",
+            info,
+        )
+    return "MTP-ready", f"drafts with the split MTP drafter {where}", info
 
 
 def _human(n: float, unit: str = "B") -> str:
@@ -407,7 +437,7 @@ def _head_lines(info: dict[str, Any]) -> list[str]:
         f"MTP head      {head['source']}: {head['layout']} layout, {head['layers']} layer(s), "
         f"{_human(head['parameters'], '')} parameters, {_human(head['bytes'])}"
     ]
-    if mtp.get("norm_rule") and head.get("source") == "in the checkpoint":
+    if mtp.get("norm_rule") and (head.get("source") == "in the checkpoint" or head.get("split")):
         lines.append(f"head norms    {mtp['norm_rule']}")
     prec = mtp.get("precision")
     if prec and head.get("source") == "in the checkpoint":
@@ -422,11 +452,18 @@ def _head_lines(info: dict[str, Any]) -> list[str]:
             )
     if "dir" in head:
         lines.append(f"head files    {head['dir']} (draft vocabulary {head['draft_vocab']})")
-    if head.get("depth_trained") or head.get("default_depth"):
+    if head.get("split") and head.get("default_depth"):
+        lines.append(
+            f"depth         default {head['default_depth']}: the drafter's block_size less the pending token"
+            " (`mtplx tune` measures this machine)"
+        )
+    elif head.get("depth_trained") or head.get("default_depth"):
         lines.append(
             f"depth         trained at {head.get('depth_trained') or '?'}, default {head.get('default_depth') or '?'}"
             " (`mtplx tune` measures this machine)"
         )
+    if head.get("provenance"):
+        lines.append(f"provenance    {head['provenance']} (measured now)")
     if head.get("acceptance"):
         lines.append(f"acceptance    {_acceptance_text(head['acceptance'])} (measured when forged)")
     if "fits" in head:
@@ -466,6 +503,9 @@ def format_inspection(info: dict[str, Any]) -> str:
     lines.extend(_head_lines(info))
     if info["forged_head"] and info["head"] is None:
         lines.append(f"forged head   {info['forged_head'].get('manifest')}")
+    split = info.get("split_drafter")
+    if split and not split.get("path"):
+        lines.append(f"split drafter none beside it ({split['looked_for']})")
     assistant = info.get("assistant")
     if assistant:
         state = "pairs" if assistant["pairs"] else assistant["problem"]

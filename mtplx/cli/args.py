@@ -147,8 +147,9 @@ def add_model_args(
     parser.add_argument(
         "--head",
         default=None,
-        help="a forged MTP head directory or a Gemma 4 assistant (directory or cached repo id) "
-        "(default: the model's own head; for Gemma 4, <model>-assistant if present)",
+        help="a split MTP drafter (mlx-vlm's split_mtp), a Gemma 4 assistant (directory or cached repo id) "
+        "or a forged MTP head directory (default: the model's own head, else a split drafter "
+        "<stem>-MTP-* / <model>-mtp beside it; for Gemma 4, <model>-assistant if present)",
     )
     if not builds:
         return

@@ -127,7 +127,11 @@ def run_chat(
             print("[conversation reset]", file=stderr, flush=True)
             continue
         if command == "/stats":
-            print(format_stats(last_stats) if last_stats else "[no reply yet]", file=stderr, flush=True)
+            print(
+                format_stats(last_stats, getattr(engine, "head", None)) if last_stats else "[no reply yet]",
+                file=stderr,
+                flush=True,
+            )
             continue
         conversation.add("user", line)
         try:
@@ -138,7 +142,7 @@ def run_chat(
             continue
         last_stats = stats or last_stats
         if settings.show_stats and stats is not None:
-            print(format_stats(stats), file=stderr, flush=True)
+            print(format_stats(stats, getattr(engine, "head", None)), file=stderr, flush=True)
 
 
 def add_args(chat: argparse.ArgumentParser) -> None:

@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.flush()
         print("mtplx: interrupted", file=sys.stderr)
         if chunk is not None and (show_stats(args) or args.json):
-            print(format_stats(chunk.stats), file=sys.stderr)
+            print(format_stats(chunk.stats, engine.head), file=sys.stderr)
         return 130
     if silent:
         return 0
@@ -130,5 +130,5 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         sys.stdout.flush()
     if show_stats(args) and chunk is not None:
-        print(format_stats(chunk.stats), file=sys.stderr)
+        print(format_stats(chunk.stats, engine.head), file=sys.stderr)
     return 0

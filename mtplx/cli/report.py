@@ -5,8 +5,9 @@ from __future__ import annotations
 __all__ = ["format_stats"]
 
 
-def format_stats(stats) -> str:
-    """mlx-lm's stats lines (Prompt / Generation / Peak memory), timings, then the drafting lines."""
+def format_stats(stats, head=None) -> str:
+    """mlx-lm's stats lines (Prompt / Generation / Peak memory), timings, then the drafting lines;
+    with ``head`` (the engine's) a split drafter's provenance figure, measured when it loaded."""
     cached = (
         f" ({stats.cached_tokens} cached, {stats.prefilled_tokens} prefilled)" if stats.cached_tokens else ""
     )
@@ -39,4 +40,7 @@ def format_stats(stats) -> str:
         f"Tokens per verify cycle: {stats.tokens_per_cycle:.2f} over {stats.cycles} cycles"
         f" ({stats.tokens_per_full_cycle:.2f} over full cycles)"
     )
+    provenance = getattr(head, "provenance", None)
+    if provenance is not None:
+        lines.append(f"Drafter check: {provenance.describe()} (at load)")
     return "\n".join(lines)

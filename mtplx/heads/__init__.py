@@ -5,6 +5,7 @@
 - ``qwen3_next`` / ``deepseek`` / ``mimo`` / ``mimo_v2_flash``: one file per checkpoint layout, its math and key renaming
 - ``registry``: one row per layout; ``load_head`` detects which one a checkpoint ships
 - ``gemma4_assistant``: Google's separate drafter checkpoints; ``forged``: heads ``mtplx forge`` trains
+- ``split_drafter``: heads split out by mlx-vlm (``qwen3_5_mtp``) beside stripped trunks; ``provenance``: their check at load
 - ``discovery``: which head a loaded target drafts with (``find_head``)
 """
 

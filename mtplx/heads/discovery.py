@@ -1,10 +1,13 @@
 """Which draft head a loaded target drafts with, and loading it.
 
 In order (the first that applies wins):
-1. ``head`` given: a forged-head directory, or a Gemma 4 assistant directory / cached repo id;
+1. ``head`` given: a split MTP drafter, a Gemma 4 assistant (directory / cached repo id), or a
+   forged-head directory;
 2. the checkpoint's own MTP head (``load_checkpoint_head``);
-3. for a Gemma 4 target without one: ``<target>-assistant`` beside it or in the HF cache;
-4. for the default model: the forged head mtplx ships for it (also for its q4 build).
+3. for a target whose head was stripped (or never shipped): a split MTP drafter named like it
+   beside it or in the HF cache (``split_drafter.find_split_drafter``);
+4. for a Gemma 4 target without one: ``<target>-assistant`` beside it or in the HF cache;
+5. for the default model: the forged head mtplx ships for it (also for its q4 build).
 None when nothing applies: the target decodes without a head.
 """
 
@@ -16,7 +19,7 @@ from typing import Any
 
 from mtplx import resources
 from mtplx.checkpoints import load as loading
-from mtplx.heads import forged, gemma4_assistant
+from mtplx.heads import forged, gemma4_assistant, provenance, split_drafter
 from mtplx.heads.base import MTPHead
 from mtplx.heads.registry import load_head
 from mtplx.heads.weights import MissingHeadError
@@ -57,15 +60,54 @@ def find_head(
         else (resources.shipped_head_dir(loading.DEFAULT_MODEL_NAME) if default_variant else None)
     )
     if head_dir is None:
-        own = load_checkpoint_head(loaded.path, trunk, loaded.config, required=required)
+        own = _own_or_split_drafter(loaded, trunk, model, required)
         if own is not None or not gemma4_assistant.is_gemma4_target(loaded.config):
             return own
         head_dir = gemma4_assistant.find_assistant(loaded.path, model)
         if head_dir is None:
             return None
+    if split_drafter.read_split_config(head_dir) is not None:
+        return _split_drafter(head_dir, loaded, trunk)
     if gemma4_assistant.read_assistant_config(head_dir) is not None:
         return gemma4_assistant.load_gemma4_assistant(head_dir, trunk, loaded.config)
     return forged.load_forged_head(head_dir, trunk, _forged_for(loaded, default_variant))
+
+
+def _split_drafter(drafter_dir: Path, loaded: loading.LoadedModel, trunk: Any) -> MTPHead:
+    """A split drafter loaded for ``loaded``, its provenance measured (``head.provenance``; a
+    warning when it agrees little with these weights, never a refusal)."""
+    head = split_drafter.load_split_drafter(drafter_dir, trunk, loaded.config)
+    head.provenance = provenance.check_drafter(trunk, head, loaded.tokenizer, str(drafter_dir))
+    return head
+
+
+def _own_or_split_drafter(
+    loaded: loading.LoadedModel, trunk: Any, model: str | Path | None, required: bool
+) -> MTPHead | None:
+    """The checkpoint's own head; else a fitting split drafter found beside it (a misfit one
+    named like its drafter is an error); else None, with the stripped-head note (or error when
+    ``required``) naming the drafter names looked for."""
+    try:
+        own = load_head(loaded.path, trunk, loaded.config)
+    except MissingHeadError as e:
+        own, missing = None, e
+    else:
+        missing = None
+    if own is not None:
+        return own
+    found = split_drafter.find_split_drafter(loaded.path, model, loaded.config)
+    if found is not None:
+        print(f"note: drafting with the split MTP drafter {found.path} ({found.why})", file=sys.stderr)
+        return _split_drafter(found.path, loaded, trunk)
+    if missing is None:
+        return None
+    also = ""
+    if split_drafter.is_split_target(loaded.config):
+        also = f", and no split MTP drafter beside it ({split_drafter.looked_for(loaded.path, model)})"
+    if required:
+        raise MissingHeadError(f"{missing}{also}")
+    print(f"note: {missing}{also}; decoding without MTP", file=sys.stderr)
+    return None
 
 
 def _forged_for(loaded: loading.LoadedModel, default_variant: str | None) -> str:

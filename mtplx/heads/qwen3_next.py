@@ -36,6 +36,7 @@ from mtplx.heads.base import HiddenSource, MTPHead, build_layer_like, model_args
 from mtplx.heads.weights import (
     HeadSource,
     MissingHeadError,
+    NormRule,
     find_prefix,
     norm_rule,
     plain_norms,
@@ -67,11 +68,14 @@ class Qwen3NextMTPHead(MTPHead):
         eps: float = 1e-6,
         key_prefix: str = KEY_PREFIX,
         layer_per_step: bool = False,
+        norms: NormRule | None = None,
         **shared: Any,
     ):
         """``layers``: already-built decoder layers of the trunk's architecture (called as
         ``layer(x, mask, cache)``, as every mlx-lm layer is); ``shared``: ``MTPHead``'s keywords
-        (``trunk=`` or ``embed=``/``lm_head=``, ``hidden_source=``)."""
+        (``trunk=`` or ``embed=``/``lm_head=``, ``hidden_source=``). ``norms``: the checkpoint's
+        norm convention when its provenance is known (a split drafter's: plain scales), else
+        None and ``weights.norm_rule`` decides."""
         super().__init__(**shared)
         if not layers:
             raise ValueError("a Qwen3-Next MTP head needs at least one decoder layer")
@@ -83,6 +87,7 @@ class Qwen3NextMTPHead(MTPHead):
         self.key_prefix = key_prefix
         # True: layer s % N drafts step s (checkpoint heads); False: the layers form one module.
         self.layer_per_step = layer_per_step
+        self._norms = norms  # a plain attribute: not a parameter
 
     def decoder_layers(self) -> list[nn.Module]:
         return self.layers
@@ -113,7 +118,9 @@ class Qwen3NextMTPHead(MTPHead):
         num_experts = int(getattr(model_args_of(src.trunk.model), "num_experts", 0) or 0)
         for i in range(len(self.layers)):
             weights = stack_experts(weights, f"layers.{i}.mlp", num_experts)
-        rule = norm_rule(src.config, src.model_dir, src.index, tensors, OFFSET_NORM_MODEL_TYPES)
+        rule = self._norms or norm_rule(
+            src.config, src.model_dir, src.index, tensors, OFFSET_NORM_MODEL_TYPES
+        )
         return plain_norms(weights, rule, str(src.source))
 
 
@@ -151,5 +158,36 @@ def build_head(src: HeadSource, num_layers: int, hidden_source: HiddenSource) ->
         hidden_source=hidden_source,
         key_prefix=prefix,
         layer_per_step=True,
+        cache_like=[idx] * num_layers,
+    )
+
+
+# mlx-vlm's splitter adds 1 to every offset-style norm before writing (mlx-vlm 0.7.10
+# ``qwen3_5_mtp/qwen3_5_mtp.py`` ``sanitize``; ``split.py`` for Qwen3-Next, and an MLX source
+# it re-splits was shifted by mlx-lm's own conversion): the file holds plain scales.
+SPLIT_DRAFTER_NORMS = NormRule(False, "plain scales: a split MTP drafter (mlx-vlm's splitter added 1)")
+
+
+def build_split_head(src: HeadSource, num_layers: int) -> Qwen3NextMTPHead:
+    """An unloaded head for a ``qwen3_5_mtp`` split drafter (``mtplx.heads.split_drafter``): the
+    tensors of ``build_head``'s layout without the ``mtp.`` prefix, norms as plain scales, the
+    layer built like the target's first full-attention layer, the target's post-norm hidden read."""
+    present = {int(k.split(".")[1]) for k in src.index if k.startswith("layers.")}
+    if "fc.weight" not in src.index or present != set(range(num_layers)):
+        raise MtplxError(
+            f"{src.source}: a qwen3_5_mtp drafter of {num_layers} layer(s) needs fc.weight and "
+            f"layers 0..{num_layers - 1}; it has layers {sorted(present)}"
+        )
+    args = model_args_of(src.trunk.model)
+    template, idx = _attention_template(src.trunk)
+    return Qwen3NextMTPHead(
+        [build_layer_like(template, args, idx) for _ in range(num_layers)],
+        args.hidden_size,
+        eps=args.rms_norm_eps,
+        trunk=src.trunk,
+        hidden_source=DEFAULT_HIDDEN_SOURCE,
+        key_prefix="",
+        layer_per_step=True,
+        norms=SPLIT_DRAFTER_NORMS,
         cache_like=[idx] * num_layers,
     )

@@ -96,7 +96,9 @@ FAMILIES: dict[str, HeadFamily] = {
         HeadFamily(
             name=mimo.LAYOUT,
             model_types=("mimo",),
-            marker=r"model\.mtp_layers\..*",
+            # input_proj, not the list name: a Hunyuan-V4 checkpoint names its MTP list the same way
+            # with DeepSeek-style modules inside (mlx-vlm 0.7.10 hy_v4_mtp/split.py).
+            marker=r"model\.mtp_layers\.\d+\.input_proj\.weight",
             count_keys=("num_nextn_predict_layers",),
             layer_names=r"model\.mtp_layers\.(\d+)\..+",
             default_hidden_source=mimo.DEFAULT_HIDDEN_SOURCE,

@@ -3,7 +3,7 @@
 The wire format (response bodies, stream chunks, error bodies) is `mtplx.server.openai`.
 
 Route shapes follow the OpenAI API reference (chat completions, completions,
-models) and vLLM's server for the details it settles (logprobs are the raw
+models, responses) and vLLM's server for the details it settles (logprobs are the raw
 target log-probabilities; an error after streaming began is sent as a final
 ``data: {"error": ...}`` event). Generation runs on `GenerationWorker`'s thread;
 handlers only validate, tokenize, queue and format.
@@ -29,7 +29,10 @@ from mtplx.server.chat import ChatPlan, plan_chat
 from mtplx.server.constraints import response_format_grammar
 from mtplx.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from mtplx.server.openai import APIError, ChatFormat, TextFormat, error_body
-from mtplx.server.schemas import ChatCompletionRequest, CompletionRequest
+from mtplx.server.responses import ResponsesFormat, ResponseStore
+from mtplx.server.responses_input import responses_error
+from mtplx.server.responses_input import to_chat as responses_to_chat
+from mtplx.server.schemas import ChatCompletionRequest, CompletionRequest, ResponsesRequest
 from mtplx.server.settings import ServerSettings
 from mtplx.server.worker import Finished, GenerationWorker, Job, JobFailed, JobTimeout, QueueFull
 
@@ -223,6 +226,12 @@ def create_app(worker: GenerationWorker, settings: ServerSettings) -> FastAPI:
         fmt = MessagesFormat(settings.model_id, plan.reader(), engine.tokenizer, body.stop_sequences)
         return await _respond(request, worker, job, settings, fmt, chat)
 
+    store = ResponseStore(settings.responses_store_size)
+
+    @v1.post("/responses")
+    async def responses(body: ResponsesRequest, request: Request):
+        return await _responses(request, body, worker, settings, store)
+
     @v1.post("/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest):
         chat = _chat_of(body)
@@ -391,6 +400,60 @@ def _request(
         field = str(err).split(" ", 1)[0]  # the messages start with the field's API name
         known = field in _SAMPLER_FIELDS or field in ("seed", "logit_bias", "stop")
         raise APIError(400, str(err), param=field if known else None) from None
+
+
+def _agent_max_tokens(engine, settings: ServerSettings, prompt_length: int) -> int:
+    """``max_output_tokens`` when the body leaves it out: what is left of the context, at most
+    ``--max-tokens-cap``. A coding agent (Codex) never sends it and writes whole files in one
+    call; chat's 512 would cut such a reply mid-call."""
+    context = engine.context_length
+    cap = settings.max_tokens_cap
+    return cap if context is None else min(cap, context - prompt_length)
+
+
+async def _responses(request: Request, body: ResponsesRequest, worker, settings, store: ResponseStore):
+    """``POST /v1/responses``: the body as a chat request (`mtplx.server.responses_input`) on the
+    chat path; a prompt that does not fit a streamed request is a ``response.failed`` stream."""
+    engine = worker.engine
+    if body.model is not None:
+        _check_model(body.model, settings)
+    requested, cap = body.max_output_tokens, settings.max_tokens_cap
+    if requested is not None and requested > cap:
+        message = f"max_output_tokens: {requested} exceeds this server's cap of {cap}"
+        raise APIError(400, message, param="max_output_tokens")
+    history: list[dict] = []
+    if body.previous_response_id is not None:
+        found = store.get(body.previous_response_id)
+        if found is None:
+            message = (
+                f"previous_response_id: no stored response {body.previous_response_id!r} (this server "
+                f"keeps the last {store.capacity} responses made with store: true, in memory)"
+            )
+            raise APIError(400, message, param="previous_response_id")
+        history = found
+    turn = responses_to_chat(body, history, requested)
+    try:
+        chat = ChatCompletionRequest.model_validate(turn.chat)
+        plan = plan_chat(engine.tokenizer, chat)
+        prompt_tokens = await _encode_chat(engine, plan)
+        context = engine.context_length
+        if requested is None and context is not None and len(prompt_tokens) >= context:
+            message = f"input: {len(prompt_tokens)} tokens leave no room in the model's context of {context}"
+            raise APIError(400, message, param="input", code="context_length_exceeded")
+        max_tokens = requested or _agent_max_tokens(engine, settings, len(prompt_tokens))
+        job = _make_job(engine, chat, prompt_tokens, max_tokens, None, settings, plan.grammar)
+    except (APIError, MtplxError, ValidationError) as err:
+        renamed = responses_error(err, turn.tool_index)
+        if body.stream and renamed.code == "context_length_exceeded":
+            fmt = ResponsesFormat(body, settings.model_id, None, engine.tokenizer, None)
+            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            return StreamingResponse(
+                iter(fmt.failed_events(renamed)), media_type="text/event-stream", headers=headers
+            )
+        raise renamed from None
+    kept = (store, turn.turns) if body.store else None
+    fmt = ResponsesFormat(body, settings.model_id, plan.reader(), engine.tokenizer, kept)
+    return await _respond(request, worker, job, settings, fmt, chat)
 
 
 # ------------------------------------------------------------------ running a job

@@ -166,3 +166,84 @@ class CompletionRequest(_SamplingRequest):
     # A string, a list of token ids, or a one-element list of strings (n prompts is a batch: refused).
     prompt: str | Annotated[list[StrictInt], Field(min_length=1)] | Annotated[list[str], Field(min_length=1)]
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+
+
+# ------------------------------------------------------------------ the Responses API (/v1/responses)
+# Shapes from the OpenAI API reference (Responses) and the `openai` client's
+# ``types/responses``; what Codex sends is openai/codex codex-rs/codex-api/src/common.rs
+# (``ResponsesApiRequest``). ``input`` items and ``tools`` stay loose dicts here: each is checked
+# by its own model in `mtplx.server.responses`, so an error names the item (``input[3].call_id``).
+
+
+class ResponsesTextFormat(BaseModel):
+    """``text.format``: ``{"type": "text"}``, ``{"type": "json_object"}`` or ``{"type": "json_schema",
+    "name", "schema", "strict"}`` (the schema sits on the format itself, not under ``json_schema``)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponsesTextFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('type "json_schema" needs a schema')
+        return self
+
+
+class ResponsesText(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    format: ResponsesTextFormat | None = None
+    verbosity: str | None = None  # accepted; a local model has no verbosity control
+
+
+class ResponsesNamedTool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: str
+    name: str | None = None
+
+
+class ResponsesRequest(BaseModel):
+    """``POST /v1/responses``. Sampler fields beyond OpenAI's (top_k, min_p, the penalties, seed)
+    are accepted as on chat completions. ``store`` defaults to true, as in OpenAI's API; the
+    fields Codex sends that change nothing here (``include``, ``prompt_cache_key``, ``reasoning``,
+    ``metadata``, ``user``, ``truncation``, ``service_tier``) are accepted and type-checked."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None  # None: the served model
+    input: Any  # a string or a list of items (objects); checked by `_input_shape`
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponsesNamedTool | None = None
+    parallel_tool_calls: StrictBool | None = None
+    text: ResponsesText | None = None
+    max_output_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[StrictInt, Field(ge=0)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, lt=1.0)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
+    seed: StrictInt | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None  # as on chat
+    stream: StrictBool = False
+    store: StrictBool = True
+    previous_response_id: str | None = None
+    include: list[str] | None = None
+    prompt_cache_key: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    reasoning: dict[str, Any] | None = None
+    truncation: str | None = None
+    service_tier: str | None = None
+
+    @field_validator("input")
+    @classmethod
+    def _input_shape(cls, value: Any) -> str | list[dict[str, Any]]:
+        if isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, dict) for v in value)):
+            return value
+        raise ValueError("must be a string or a list of input items (objects)")

@@ -25,4 +25,5 @@ class ServerSettings:
     default_max_tokens: int = 512
     max_tokens_cap: int = 8192
     max_body_bytes: int = 10 * 1024 * 1024
+    responses_store_size: int = 64  # conversations kept for previous_response_id (an LRU, in memory)
     allowed_origins: tuple[str, ...] = ()

@@ -43,6 +43,10 @@ from support.models import GEMMA4_WINDOW, HIDDEN, gemma4_config
 from support.paths import REPO
 from support.tokenizer import word_level
 
+# The float64 reference of the assistant's forward is ``support.gemma4_ref`` (read by
+# ``test_reference_coverage.py``).
+REFERENCE_LAYOUTS = ("gemma4_assistant",)
+
 
 def build_pair(tmp_path: Path, *, vocab_size=64, ordered=False, num_centroids=8, top_k=2, fill="floor", **kw):
     target_kw = {k: kw.pop(k) for k in ("context_strength",) if k in kw}

@@ -42,6 +42,18 @@ from mlx_lm.models import glm4_moe
 from mlx_lm.utils import load_model as mlx_load_model
 from support import checkpoints
 from support.decoding import mtp_decode, take_steps, take_tokens
+from support.numpy_heads import (
+    causal_mask,
+    fuse_inputs,
+    gqa_attention,
+    read_tensors,
+    rms,
+    rope,
+    routing_margin,
+    sigmoid_moe,
+    zero_position_zero,
+)
+from support.seeds import SEEDS, resolve
 
 PROMPT = [3, 17, 42, 5, 60, 9, 11, 2, 33, 8]
 GREEDY = SamplerConfig(temperature=0.0)
@@ -174,3 +186,67 @@ def test_inspect_names_the_head_and_convert_q4_keeps_it(glm, tmp_path, capsys):
     bits = {p: m.bits for p, m in head.named_modules() if hasattr(m, "scales")}
     assert bits and all(b == (4 if "switch_mlp" in p else 8) for p, b in bits.items()), bits
     assert_greedy_mtp_equals_ar(trunk, head, 12, depths=(1, 2), rollbacks=False)
+
+
+# ---------------------------------------------------------------- float64 reference of the MTP layer
+
+# The DeepSeek row's GQA + MoE variant (its MLA variant's reference is in test_heads.py).
+REFERENCE_LAYOUTS = ("deepseek",)
+
+
+def glm_mtp_logits(t, cfg, hidden, tokens, *, mask_first=True, embedding_first=True, head_norm=True):
+    """GLM-4.5's MTP layer in float64 (vLLM ``glm4_moe_mtp.py``; HF ``modeling_glm4_moe.py``'s
+    decoder layer: GQA with q/k/v biases, per-head q/k norms with ``use_qk_norm``, rope on the
+    first ``partial_rotary_factor`` of each head (halves), the sigmoid-routed MoE with a shared
+    expert) -> (logits [T, vocab], the MoE's input, for the routing margin)."""
+    p, eps, T = f"model.layers.{cfg['num_hidden_layers']}.", cfg["rms_norm_eps"], len(tokens)
+    nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    e = t["model.embed_tokens.weight"][tokens]
+    e = zero_position_zero(e) if mask_first else e
+    x = fuse_inputs(
+        e, hidden, t[p + "enorm.weight"], t[p + "hnorm.weight"], t[p + "eh_proj.weight"], eps,
+        hidden_first=not embedding_first,
+    )  # fmt: skip
+    a = rms(x, t[p + "input_layernorm.weight"], eps)
+    qkv = {n: a @ t[f"{p}self_attn.{n}_proj.weight"].T + t[f"{p}self_attn.{n}_proj.bias"] for n in "qkv"}
+    q, k = qkv["q"].reshape(T, nh, hd), qkv["k"].reshape(T, nkv, hd)
+    if cfg["use_qk_norm"]:
+        q, k = rms(q, t[p + "self_attn.q_norm.weight"], eps), rms(k, t[p + "self_attn.k_norm.weight"], eps)
+    dims = int(hd * cfg["partial_rotary_factor"])
+    q, k = rope(q, dims, cfg["rope_theta"], False), rope(k, dims, cfg["rope_theta"], False)
+    o = gqa_attention(q, k, qkv["v"].reshape(T, nkv, hd), hd**-0.5, causal_mask(T))
+    x = x + o @ t[p + "self_attn.o_proj.weight"].T
+    moe_in = rms(x, t[p + "post_attention_layernorm.weight"], eps)
+    x = x + sigmoid_moe(moe_in, t, p + "mlp.", cfg)
+    out = rms(x, t[p + "shared_head.norm.weight"], eps) if head_norm else x
+    return out @ t[p + "shared_head.head.weight"].T, moe_in
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["GLM-4.5", "GLM-4.5-Air"])
+def glm_random(request, tmp_path_factory):
+    """A replica with every weight random (no ``context_strength``: its ``eh_proj`` would hide the
+    hidden half of the input), loaded as float32 (the CPU's unquantized experts need it)."""
+    tiny = checkpoints.glm4_moe(tmp_path_factory.mktemp("glm_ref") / "tiny", qk_norm=request.param)
+    return tiny, read_tensors(tiny.path), load(tiny.path, mx.float32)[2]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_mtp_layer_matches_a_float64_reference_at_every_position(glm_random, seed):
+    tiny, t, head = glm_random
+    drawn = resolve(seed)
+    cfg, rng = tiny.config, np.random.default_rng(drawn)
+    for _ in range(20):  # inputs whose expert choice is not within rounding of a tie
+        tokens = [int(x) for x in rng.integers(0, cfg["vocab_size"], size=7)]
+        hidden = rng.standard_normal((7, cfg["hidden_size"]))
+        want, moe_in = glm_mtp_logits(t, cfg, hidden, tokens)
+        if routing_margin(moe_in, t, f"model.layers.{cfg['num_hidden_layers']}.mlp.", 2) > 1e-4:
+            break
+    else:
+        pytest.fail(f"seed {drawn}: 20 draws all route within 1e-4 of a tie")
+    out = head(mx.array(hidden[None].astype(np.float32)), mx.array([tokens]), head.make_cache())
+    got = np.asarray(head.logits(out)[0], dtype=np.float64)
+    scale = np.abs(want).max()
+    assert (np.abs(got - want).max(-1) < 1e-4 * scale).all(), (drawn, np.abs(got - want).max() / scale)
+    for variant in ({"mask_first": False}, {"embedding_first": False}, {"head_norm": False}):
+        other = glm_mtp_logits(t, cfg, hidden, tokens, **variant)[0]
+        assert np.abs(got - other).max() > 1e-2 * scale, (drawn, variant)  # each convention shows

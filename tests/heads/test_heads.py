@@ -6,7 +6,9 @@ conventions: Qwen3.5's 1+w norms, DeepSeek's fused kv_b_proj and interleaved rop
 MiMo's [hidden, embed] order). Covered by the NumPy reference: Qwen3.5 gated full
 attention (partial rope, q/k norms, GQA) + dense MLP; DeepSeek-V3 MLA (q LoRA, latent
 kv, decoupled rope) + dense MLP; MiMo Qwen2 attention (biases, GQA) + MLP. The MoE MLP
-is checked structurally (HF per-expert tensors land stacked in mlx-lm's SwitchGLU).
+is checked structurally here (HF per-expert tensors land stacked in mlx-lm's SwitchGLU) and
+numerically in ``test_glm4_moe.py``; the other families' references are in
+``test_head_references.py`` (the building blocks: ``support/numpy_heads.py``).
 """
 
 from __future__ import annotations
@@ -32,25 +34,28 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model as mlx_load_model
-from safetensors.numpy import load_file
 from support import checkpoints, models
 from support.decoding import mtp_decode, take_tokens
 from support.hub import cache_layout
+from support.numpy_heads import (
+    causal_mask,
+    gqa_attention,
+    mla_attention,
+    read_tensors,
+    rms,
+    rope,
+    swiglu_mlp,
+)
 from support.seeds import SEEDS, resolve
 from support.tokenizer import word_level
 
+# The registry rows whose float64 reference is in this module (read by ``test_reference_coverage.py``).
+REFERENCE_LAYOUTS = ("qwen3_next", "deepseek", "mimo")
 TOKENS = [[3, 17, 42, 5, 60, 9]]
 NEXT = [[17, 42, 5, 60, 9, 11]]
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def read_tensors(path: Path) -> dict[str, np.ndarray]:
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        out.update({k: v.astype(np.float64) for k, v in load_file(str(f)).items()})
-    return out
 
 
 def load(path: Path):
@@ -63,52 +68,6 @@ def head_inputs(trunk: Trunk, head) -> tuple[mx.array, mx.array]:
     out = trunk(mx.array(TOKENS))
     hidden = out.hidden_pre_norm if head.hidden_source == "pre_norm" else out.hidden_post_norm
     return hidden, mx.array(NEXT)
-
-
-def rms(x, w, eps=1e-6):
-    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
-
-
-def silu(x):
-    return x / (1 + np.exp(-x))
-
-
-def mlp(x, t, p):
-    return (silu(x @ t[p + "gate_proj.weight"].T) * (x @ t[p + "up_proj.weight"].T)) @ t[
-        p + "down_proj.weight"
-    ].T
-
-
-def rope(x, dims, base, traditional):
-    """x [T, heads, d]: rotate the first ``dims`` features by position (positions 0..T-1)."""
-    T = x.shape[0]
-    inv = base ** (-np.arange(0, dims, 2) / dims)
-    ang = np.arange(T)[:, None] * inv[None]
-    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
-    r, rest = x[..., :dims], x[..., dims:]
-    if traditional:  # pairs (2i, 2i+1)
-        a, b = r[..., 0::2], r[..., 1::2]
-        out = np.empty_like(r)
-        out[..., 0::2], out[..., 1::2] = a * cos - b * sin, a * sin + b * cos
-    else:  # halves
-        a, b = r[..., : dims // 2], r[..., dims // 2 :]
-        out = np.concatenate([a * cos - b * sin, a * sin + b * cos], -1)
-    return np.concatenate([out, rest], -1)
-
-
-def attend(scores, v):
-    """scores [heads, T, T] (already scaled), v [T, heads, dv] -> [T, heads*dv], causal."""
-    T = scores.shape[-1]
-    scores = np.where(np.tril(np.ones((T, T), bool)), scores, -np.inf)
-    p = np.exp(scores - scores.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    return np.einsum("hqk,khd->qhd", p, v).reshape(T, -1)
-
-
-def gqa_scores(q, k, scale):
-    rep = q.shape[1] // k.shape[1]
-    k = np.repeat(k, rep, axis=1)
-    return np.einsum("qhd,khd->hqk", q, k) * scale
 
 
 def assert_close(a: mx.array, b: np.ndarray, tol: float = 2e-4) -> None:
@@ -150,9 +109,9 @@ def qwen35_reference(t, hidden, next_tokens, cfg, offset=True, layer=0):
     v = (a @ t[p + "self_attn.v_proj.weight"].T).reshape(T, nkv, hd)
     q = rope(rms(q, g(t[p + "self_attn.q_norm.weight"]), eps), rdims, 10000.0, False)
     k = rope(rms(k, g(t[p + "self_attn.k_norm.weight"]), eps), rdims, 10000.0, False)
-    o = attend(gqa_scores(q, k, hd**-0.5), np.repeat(v, nh // nkv, axis=1))
+    o = gqa_attention(q, k, v, hd**-0.5, causal_mask(T))
     h = x + (o * (1 / (1 + np.exp(-gate)))) @ t[p + "self_attn.o_proj.weight"].T
-    h = h + mlp(rms(h, g(t[p + "post_attention_layernorm.weight"]), eps), t, p + "mlp.")
+    h = h + swiglu_mlp(rms(h, g(t[p + "post_attention_layernorm.weight"]), eps), t, p + "mlp.")
     return rms(h, g(t["mtp.norm.weight"]), eps)
 
 
@@ -242,29 +201,11 @@ def test_forged_style_head_on_a_llama_trunk():
 
 
 def mla_block(x, t, p, cfg):
-    nh, nope, rd, vd = (
-        cfg["num_attention_heads"],
-        cfg["qk_nope_head_dim"],
-        cfg["qk_rope_head_dim"],
-        cfg["v_head_dim"],
-    )
-    T, eps = x.shape[0], cfg["rms_norm_eps"]
+    """DeepSeek-V3's decoder layer: MLA (latent norms at mlx-lm's / HF's 1e-6) + dense MLP."""
+    eps = cfg["rms_norm_eps"]
     a = rms(x, t[p + "input_layernorm.weight"], eps)
-    q = rms(a @ t[p + "self_attn.q_a_proj.weight"].T, t[p + "self_attn.q_a_layernorm.weight"], 1e-6)
-    q = (q @ t[p + "self_attn.q_b_proj.weight"].T).reshape(T, nh, nope + rd)
-    kv = a @ t[p + "self_attn.kv_a_proj_with_mqa.weight"].T
-    lat, k_pe = kv[:, : cfg["kv_lora_rank"]], kv[:, cfg["kv_lora_rank"] :].reshape(T, 1, rd)
-    lat = rms(lat, t[p + "self_attn.kv_a_layernorm.weight"], 1e-6)
-    kvb = (lat @ t[p + "self_attn.kv_b_proj.weight"].T).reshape(T, nh, nope + vd)
-    k_nope, v = kvb[..., :nope], kvb[..., nope:]
-    q_pe = rope(q[..., nope:], rd, cfg["rope_theta"], True)
-    k_pe = rope(k_pe, rd, cfg["rope_theta"], True)
-    scale = (nope + rd) ** -0.5
-    s = (
-        np.einsum("qhd,khd->hqk", q[..., :nope], k_nope) + np.einsum("qhd,kd->hqk", q_pe, k_pe[:, 0])
-    ) * scale
-    h = x + attend(s, v) @ t[p + "self_attn.o_proj.weight"].T
-    return h + mlp(rms(h, t[p + "post_attention_layernorm.weight"], eps), t, p + "mlp.")
+    h = x + mla_attention(a, t, p + "self_attn.", cfg, latent_eps=1e-6)
+    return h + swiglu_mlp(rms(h, t[p + "post_attention_layernorm.weight"], eps), t, p + "mlp.")
 
 
 def zero_row0(emb, zero_first):
@@ -363,9 +304,9 @@ def mimo_reference(t, hidden, next_tokens, cfg, hidden_first=True, module=0, zer
     proj = {n: a @ t[f"{p}self_attn.{n}_proj.weight"].T + t[f"{p}self_attn.{n}_proj.bias"] for n in "qkv"}
     q = rope(proj["q"].reshape(T, nh, hd), hd, cfg["rope_theta"], False)
     k = rope(proj["k"].reshape(T, nkv, hd), hd, cfg["rope_theta"], False)
-    o = attend(gqa_scores(q, k, hd**-0.5), np.repeat(proj["v"].reshape(T, nkv, hd), nh // nkv, axis=1))
+    o = gqa_attention(q, k, proj["v"].reshape(T, nkv, hd), hd**-0.5, causal_mask(T))
     x = x + o @ t[p + "self_attn.o_proj.weight"].T
-    x = x + mlp(rms(x, t[p + "post_attention_layernorm.weight"], eps), t, p + "mlp.")
+    x = x + swiglu_mlp(rms(x, t[p + "post_attention_layernorm.weight"], eps), t, p + "mlp.")
     out = rms(x, t[p + "final_layernorm.weight"], eps)
     return x, out, out @ t["lm_head.weight"].T
 

@@ -20,6 +20,7 @@ from mtplx.server.reasoning import ReasoningSplitter
 import jsonschema
 import openai
 import pytest
+from openai.types.responses import Response
 from support import checkpoints
 from support.server import KEY, running_server
 
@@ -192,6 +193,43 @@ def test_the_templates_own_tool_calls_with_reasoning_whole_streamed_and_as_a_tur
         return_dict=False,
     )
     assert second.usage.prompt_tokens == len(expected)
+
+
+def test_responses_reasoning_is_a_reasoning_item_whole_and_streamed(client, thinking_dir, end_id):
+    """/v1/responses on the same path: the span is a ``reasoning`` item (its text as chat's
+    ``reasoning_content``) before the message, streamed as ``response.reasoning_text.delta``."""
+    for seed in range(6):  # the first seed whose reply has both a span and an answer
+        kwargs = _request(end_id, seed)
+        chat = client.chat.completions.create(model=str(thinking_dir), **kwargs).choices[0].message
+        expected = chat.model_extra.get("reasoning_content", "")
+        if expected and chat.content:
+            break
+    assert expected and chat.content, chat
+    body = dict(
+        model=str(thinking_dir),
+        input=kwargs["messages"],
+        max_output_tokens=kwargs["max_tokens"],
+        temperature=kwargs["temperature"],
+        extra_body={"seed": kwargs["seed"], "logit_bias": kwargs["logit_bias"]},
+    )
+    whole = client.responses.create(**body)
+    assert [item.type for item in whole.output] == ["reasoning", "message"]
+    assert whole.output[0].content[0].type == "reasoning_text" and whole.output[0].summary == []
+    assert whole.output[0].content[0].text == expected and whole.output_text == chat.content
+    Response.model_validate(whole.to_dict())  # every field the client's (strict) type requires
+    details = whole.usage.output_tokens_details
+    assert 0 < details.reasoning_tokens < whole.usage.output_tokens
+
+    events = list(client.responses.create(stream=True, **body))
+    added = [e.item.type for e in events if e.type == "response.output_item.added"]
+    assert added == ["reasoning", "message"]
+    deltas = [e for e in events if e.type == "response.reasoning_text.delta"]
+    assert deltas and all(e.content_index == 0 for e in deltas)
+    assert "".join(e.delta for e in deltas) == expected
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == chat.content
+    assert events[-1].response.usage.output_tokens_details.reasoning_tokens == details.reasoning_tokens
+    for event in events:
+        type(event).model_validate(event.to_dict())
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 5, 8, 100])
