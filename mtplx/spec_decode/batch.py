@@ -221,6 +221,8 @@ class BatchDecoder:
     def admit(self, pending: PendingRow) -> tuple[int, Step]:
         """Forward a prefilled row's last prompt token, draw its first token (one sync) and add it
         to the batch. Returns the row's id and the Step of its first token."""
+        if self.single_row and self.rows:
+            raise MtplxError("batched decoding: this model's caches are not batched: one row at a time")
         while not self.prefill(pending):
             pass
         prompt_tokens, settings, head = pending.prompt_tokens, pending.spec.settings, self.head

@@ -19,7 +19,7 @@ from mtplx.errors import MtplxError
 from mtplx.spec_decode.batch import BatchDecoder
 from mtplx.spec_decode.constraint import GrammarConstraint
 from mtplx.spec_decode.proposer import Proposer
-from mtplx.spec_decode.rows import RowSpec
+from mtplx.spec_decode.rows import RowsFailed, RowSpec
 from mtplx.spec_decode.settings import DecodeSettings
 from mtplx.spec_decode.step import PromptPrefix, Step, TokenLogprobs, prefill
 from mtplx.trunk import rollback as cache_ops
@@ -99,5 +99,8 @@ def decode_alone(
     )
     yield step
     while not step.grammar_done:
-        step = decoder.step()[row_id]
+        try:
+            step = decoder.step()[row_id]
+        except RowsFailed as err:  # invalid values (the cycle was undone): the ValueError alone raises
+            raise ValueError(str(err)) from None
         yield step

@@ -14,7 +14,7 @@ import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.errors import MtplxError
 from mtplx.sample.params import SamplerConfig
 from mtplx.spec_decode import loop as decode
-from mtplx.spec_decode.batch import BatchDecoder, RowSpec, fill_holes
+from mtplx.spec_decode.batch import BatchDecoder, RowSpec, check_batch_support, fill_holes
 from mtplx.spec_decode.draft_policy import CostProfile, DraftPolicy
 from mtplx.spec_decode.settings import DecodeSettings
 from mtplx.trunk import compat
@@ -153,10 +153,19 @@ def test_cycles_after_rows_move_do_not_calibrate_the_policy():
     assert set(policy.calibration) == {(4, 0), (2, 0)}
 
 
-def test_sliding_window_models_are_refused_with_a_reason():
+def test_sliding_window_models_decode_one_row_at_a_time_with_a_reason():
+    """A model whose caches do not batch gets a single-row decoder (its own caches, the same
+    cycle): one row decodes, a second is refused in one line, and the reason names the cache."""
     trunk = Trunk(tiny_gemma3())
-    with pytest.raises(MtplxError, match="sliding-window"):
-        BatchDecoder(trunk)
+    assert "sliding-window" in check_batch_support(trunk)
+    decoder = BatchDecoder(trunk)
+    assert decoder.single_row
+    spec = RowSpec(DecodeSettings(sampler=SamplerConfig(temperature=0.0)), "none")
+    decoder.join(PROMPT, spec, mx.random.key(0))
+    with pytest.raises(MtplxError, match="one row at a time") as err:
+        decoder.join(PROMPT, spec, mx.random.key(1))
+    assert "\n" not in str(err.value)
+    assert len(decoder.step()) == 1
 
 
 # --------------------------------------------------------------------------- identity

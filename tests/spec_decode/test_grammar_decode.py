@@ -22,6 +22,7 @@ from mtplx.spec_decode import head_proposer as head_module
 from mtplx.spec_decode import loop as decode
 from mtplx.spec_decode.auto_proposer import AutoProposer
 from mtplx.spec_decode.batch import BatchDecoder, RowSpec
+from mtplx.spec_decode.block import Block, cut_to_legal
 from mtplx.spec_decode.constraint import GrammarConstraint
 from mtplx.spec_decode.draft_model_proposer import DraftModelProposer
 from mtplx.spec_decode.head_proposer import HeadProposer
@@ -463,19 +464,32 @@ def test_greedy_constrained_lookup_equals_constrained_ar(drafter, compiler):
     assert any(s.num_drafted == 4 and s.num_accepted == 4 for s in steps)  # lookup blocks were kept
 
 
+def _one_row_block(draft: Draft, host: list[int]) -> Block:
+    """A cycle's block holding one row drafted by its own proposer, its drafts read to the host."""
+    block = Block(["proposer"], [draft.num_tokens], [host], [None], draft.num_tokens, draft.tokens)
+    block.row_drafts = [draft]
+    return block
+
+
 def test_point_mass_drafts_are_cut_and_sampled_drafts_kept(compiler):
     """Point masses are cut to their legal prefix; a sampled block keeps its refused draft (verify
     rejects it: p = 0), and the rows after it are all-allowed, never used."""
     constraint = compiler.compile(Grammar.lark(LOOP_GRAMMAR))
     tokens = mx.array([encode("abd,")], dtype=mx.int32)
-    cut, masks, reads = decode._constrain_draft(Draft(tokens, None, (("lookup", 4),)), constraint)
-    assert cut.tokens.tolist() == [encode("abd")] and cut.sources == (("lookup", 3),) and reads == 1
-    assert masks.shape == (4, VOCAB)
-    assert decode._constrain_draft(Draft(tokens[:, 2:], None, (("lookup", 2),)), constraint)[0] is None
+    block = _one_row_block(Draft(tokens, None, (("lookup", 4),)), encode("abd,"))
+    cut_to_legal(block, 0, constraint)
+    cut = block.row_drafts[0]
+    assert cut.tokens.tolist() == [encode("abd")] and cut.sources == (("lookup", 3),)
+    assert block.lengths == [3] and block.host_drafts == [encode("abd")] and block.kinds == ["proposer"]
+    refused = _one_row_block(Draft(tokens[:, 2:], None, (("lookup", 2),)), encode("d,"))
+    cut_to_legal(refused, 0, constraint)
+    assert refused.row_drafts == [None] and refused.lengths == [0] and refused.kinds == [""]
     q = mx.full((1, 4, VOCAB), 1.0 / VOCAB)
-    kept, masks, _ = decode._constrain_draft(Draft(tokens, q, (("model", 4),)), constraint)
-    assert kept.num_tokens == 4
-    rows = np.array(masks)
+    sampled = _one_row_block(Draft(tokens, q, (("model", 4),)), encode("abd,"))
+    cut_to_legal(sampled, 0, constraint)
+    assert sampled.lengths == [4] and sampled.row_drafts[0].num_tokens == 4
+    rows = np.array(constraint.block_masks(sampled.host_drafts[0]))
+    assert rows.shape == (5, VOCAB)
     assert not rows[3, encode(",")[0]] and rows[4].all()  # "," refused at position 4; after it: anything
 
 
