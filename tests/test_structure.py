@@ -298,3 +298,34 @@ def test_line_limit_check_catches_a_long_module(tmp_path: Path) -> None:
     (tmp_path / "short.py").write_text("x = 1\n" * MAX_MODULE_LINES)
     (tmp_path / "long.py").write_text("# why\n" * (MAX_MODULE_LINES + 1))
     assert long_modules(tmp_path) == {"long.py": MAX_MODULE_LINES + 1}
+
+
+def verify_callers(package_dir: Path) -> list[str]:
+    """Modules of ``spec_decode/`` that call `rejection.verify` (the cycle's verify step)."""
+    callers = []
+    for path in sorted((package_dir / "spec_decode").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "verify"
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "rejection"
+            ):
+                callers.append(path.name)
+                break
+    return callers
+
+
+def test_one_module_of_spec_decode_runs_the_cycle() -> None:
+    """The draft -> forward -> verify -> commit cycle exists once (`spec_decode/batch.py`): no
+    second module verifies."""
+    assert verify_callers(PACKAGE) == ["batch.py"]
+
+
+def test_the_cycle_check_sees_a_second_verifier(tmp_path: Path) -> None:
+    (tmp_path / "spec_decode").mkdir()
+    (tmp_path / "spec_decode" / "batch.py").write_text("def f():\n    rejection.verify(1)\n")
+    (tmp_path / "spec_decode" / "loop.py").write_text("def g():\n    return rejection.verify(2)\n")
+    assert verify_callers(tmp_path) == ["batch.py", "loop.py"]

@@ -10,10 +10,10 @@ for up to ``prompt_concurrency`` waiting jobs, then one batched decode cycle for
 ``decode_concurrency`` rows. A job is cancelled (client gone, timeout) by setting its event;
 the worker drops its row before the next cycle, which frees its memory.
 
-A job the batch cannot serve (`Engine.batch_refusal`: a draft model, a sharded engine, a model
-whose caches do not batch) is served alone through `Engine.stream`
-when it comes up, the batched rows pausing meanwhile, exactly as the first-in first-out
-worker served every job before batching. A grammar job (response_format, tools) joins the batch
+A job the scheduler cannot serve (`Engine.batch_refusal`: a sharded engine's, where every rank
+decodes one request in step) is served alone through `Engine.stream` when it comes up. A model
+whose caches do not batch is stepped by the scheduler one row at a time (`BatchDecoder`'s
+single-row mode). A grammar job (response_format, tools) joins the batch
 and speculates there (forced tokens, masked drafts), whatever else is in flight.
 """
 

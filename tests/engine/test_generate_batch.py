@@ -9,6 +9,7 @@ token-id prompts; the default model itself checks identity up to rounding ties (
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import re
 
@@ -321,9 +322,43 @@ def test_generate_batch_on_the_default_model_equals_alone_up_to_rounding_ties():
     assert not any(ok for ok, _ in swapped)
 
 
-def test_a_model_that_cannot_batch_still_gets_a_scheduler_and_a_reason():
-    """A sliding-window model (Gemma 3): the server's worker starts (no cost profile is measured,
-    nothing would use it) and each request is told why it is served alone."""
+def test_a_model_that_cannot_batch_gets_a_single_row_scheduler_and_a_reason():
+    """A sliding-window model (Gemma 3): its requests go through the scheduler (nothing is refused),
+    one row at a time on its own caches (no cost profile is measured, nothing would use it), and
+    the engine says why rows do not share a batch."""
     engine = Engine(tiny_gemma3(), None, {})
-    assert engine.batch().policy is None
-    assert "sliding-window" in engine.batch_refusal(_req())
+    assert engine.batch_refusal(_req()) is None
+    scheduler = engine.batch()
+    assert scheduler.policy is None and scheduler._decoder_for_engine().single_row
+    assert "sliding-window" in engine._model_batch_refusal()
+
+
+def test_a_sliding_window_model_with_an_assistant_decodes_its_requests_one_row_at_a_time(tmp_path):
+    """Gemma 4 (sliding-window caches) with its assistant drafter (which reads the trunk's KV): the
+    scheduler takes every request (nothing is served outside it), decodes them one row at a time
+    through the one cycle, and each gives the tokens it gives alone; greedy equals plain AR and the
+    assistant's drafts are verified."""
+    from support.tokenizer import word_level
+
+    target = checkpoints.gemma4_target(tmp_path / "gemma-4-tiny", 8, context_strength=3.0)
+    word_level(target.path, 8)
+    checkpoints.gemma4_assistant(
+        tmp_path / "gemma-4-tiny-assistant", 8, ordered=True, num_centroids=4, scale=0.3
+    )
+    engine = Engine.load(str(target.path))
+    assert engine.head is not None and engine.batch_refusal(_req()) is None
+    assert engine.batch()._decoder_for_engine().single_row
+    seed = random.randrange(10_000)
+    prompts = ["w2 w3 w4", "w5 w2 w6 w3", "w4 w4 w7"]
+    requests = [
+        _req(max_tokens=14, temperature=0.0, chat=False),
+        _req(max_tokens=12, temperature=1.0, seed=seed, chat=False),
+        _req(max_tokens=10, temperature=0.0, draft="none", chat=False),
+    ]
+    alone = [engine.generate(p, r) for p, r in zip(prompts, requests)]
+    batched = engine.generate_batch(prompts, requests)
+    for a, b in zip(alone, batched):
+        assert b.token_ids == a.token_ids, seed
+    plain = engine.generate(prompts[0], dataclasses.replace(requests[0], drafting=requests[2].drafting))
+    assert batched[0].token_ids == plain.token_ids
+    assert batched[0].stats.drafters["head"]["drafted"] > 0
