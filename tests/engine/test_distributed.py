@@ -314,6 +314,19 @@ def test_a_rank_that_hangs_trips_the_collective_timeout(tiny, tmp_path):
     assert f"Node with rank 0 exited with code {distributed.EXIT_COLLECTIVE_TIMEOUT}" in proc.stderr
 
 
+@launches
+def test_the_launcher_found_here_starts_a_group_of_two(tmp_path):
+    """Whichever form `mlx_launch_command` found (console script or mlx's own function) starts
+    ranks that form one group; the function form, the last resort, does so as well."""
+    hello = "import mlx.core as mx; g = mx.distributed.init(); print(f'rank {g.rank()} of {g.size()}')"
+    runner = "import sys; from mlx._distributed_utils.launch import main; sys.exit(main())"
+    for launch in (LAUNCH, [sys.executable, "-c", runner]):
+        command = [*launch, "-n", "2", "--backend", "ring", "--", sys.executable, "-c", hello]
+        proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert sorted(proc.stdout.split("\n")[:-1]) == ["rank 0 of 2", "rank 1 of 2"], proc.stdout
+
+
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_a_lazy_load_fingerprints_the_files_like_the_loaded_parameters(tiny, name):
     """Sharded loads are lazy and fingerprint the files (never materializing other ranks' layers)."""
