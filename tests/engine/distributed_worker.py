@@ -6,8 +6,9 @@ test saved (same files on every rank), runs JOB sharded and writes what this ran
 saw to ``OUT_DIR/rank{r}.json``. Jobs:
 
 * ``decode``: for each (model, mode) in the spec: greedy AR, greedy MTP, seeded
-  sampled MTP, and the cache comparison after a sampled run (random accept
-  patterns) against a from-scratch forward of the committed tokens.
+  sampled MTP, the sharded trunk's logits over the prompt and the greedy MTP tokens
+  (the test compares them with one process), and the cache comparison after a sampled
+  run (random accept patterns) against a from-scratch forward of the committed tokens.
   Last, rank 1 loads ``spec["other_head"]`` instead of the head: both must refuse.
 * ``die`` / ``hang``: rank 1 leaves (exits / sleeps) after two chunks of a generation.
 """
@@ -89,7 +90,10 @@ def run_decode(spec: dict) -> dict:
             logit_bias={0: -100.0},
         )
         mtp_greedy = engine.generate(PROMPT_TEXT, mtp=True, **greedy)
+        forwarded = engine.encode_prompt(PROMPT_TEXT) + mtp_greedy.token_ids
+        logits = engine.trunk(mx.array(forwarded)[None]).logits[0].astype(mx.float32)
         out[f"{job['name']}/{job['mode']}"] = {
+            "logits": logits.tolist(),  # [prompt + generated, vocab]: the sharded trunk's own
             "ar_greedy": engine.generate(PROMPT_TEXT, mtp=False, **greedy).token_ids,
             "mtp_greedy": mtp_greedy.token_ids,
             "mtp_sampled": engine.generate(PROMPT_TEXT, mtp=True, **sampled).token_ids,

@@ -1,21 +1,31 @@
 """MTP decoding on a trunk sharded over 2 local processes (mlx.launch, ring backend, CPU).
 
 Tiny llama and Qwen3.5-hybrid trunks with their heads are saved to a temp dir so
-both ranks load the same files; `distributed_worker.py` is one rank. Pipeline
-mode must reproduce one process exactly (greedy MTP == single-process AR;
-seeded sampled MTP == single-process MTP with the seed); tensor mode sums
-partial products in another order, so its greedy MTP is compared with its own
-sharded AR. Every rank's caches must equal a from-scratch forward after a run
-with random accept patterns. Then the default model through `mtplx generate`,
-and the failure cases: mismatched head files, a rank that exits, a rank that hangs.
+both ranks load the same files; `distributed_worker.py` is one rank. Both modes are
+compared with one process: the sharded trunk's logits over the same tokens within
+float32 rounding, and greedy MTP equal to single-process greedy AR up to rounding
+ties (tensor mode sums partial products in another order: a token may differ only
+where one process's two best candidates tie, `support.decoding`'s rule for batches).
+Pipeline mode reproduces one process exactly (greedy, and seeded sampled MTP ==
+single-process MTP with the seed); tensor greedy MTP also equals its own sharded AR.
+Every rank's caches must equal a from-scratch forward after a run with random accept
+patterns. Then the default model through `mtplx generate`, and the failure cases:
+mismatched head files, a rank that exits, a rank that hangs.
+
+`mlx.launch` is found wherever the install put it (`mlx_launch_command`); only the
+tests that launch processes skip without it, and CI fails on that skip
+(scripts/check_skips.py: it is not in tests/expected_skips.txt).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import sysconfig
+from functools import cache
 from pathlib import Path
 
 import mtplx  # noqa: F401  (BLAS before mlx)
@@ -26,14 +36,17 @@ from mtplx.engine import distributed
 from mtplx.engine.engine import Engine
 from mtplx.heads.forged import build_forged_head, save_forged_head
 
+import mlx.core as mx
+import numpy as np
 import pytest
 from support import checkpoints, models
+from support.decoding import same_or_tie
+from support.optional import installed
 from support.paths import REPO
 from support.tokenizer import printable_chars
 
 ROOT = REPO
 WORKER = Path(__file__).resolve().parent / "distributed_worker.py"
-LAUNCH = Path(sys.executable).parent / "mlx.launch"
 MAX_TOKENS = 40
 SEED = 1234
 DEPTH = 3
@@ -43,7 +56,29 @@ FAMILIES = {
     "qwen3_5": dict(seed=1, head_noise=0.5, family="qwen3_5"),
 }
 
-pytestmark = pytest.mark.skipif(not LAUNCH.exists(), reason="mlx.launch not installed")
+# Sharded logits against one process's: float32 sums in another order (measured: pipeline 0, tensor
+# 8e-7 on llama and 3e-5 on the Qwen3.5 hybrid, whose recurrent layers carry the rounding along).
+LOGITS_ATOL = 2e-4
+
+
+def mlx_launch_command() -> list[str] | None:
+    """How to start mlx.launch for this interpreter: its console script beside the interpreter
+    (a venv's bin/) or in the install's scripts folder (sysconfig), else on PATH, else the function
+    that script runs, through this interpreter (mlx ships it: ``mlx._distributed_utils.launch``,
+    which has no ``__main__``, so ``python -m`` cannot start it). None only without any of them."""
+    beside = [Path(sys.executable).parent / "mlx.launch", Path(sysconfig.get_path("scripts")) / "mlx.launch"]
+    for candidate in [*beside, shutil.which("mlx.launch")]:
+        if candidate and os.access(candidate, os.X_OK) and Path(candidate).is_file():
+            return [str(candidate)]
+    if installed("mlx._distributed_utils.launch"):
+        runner = "import sys; from mlx._distributed_utils.launch import main; sys.exit(main())"
+        return [sys.executable, "-c", runner]
+    return None
+
+
+LAUNCH = mlx_launch_command()
+# Only the tests that start processes need it; the others run everywhere.
+launches = pytest.mark.skipif(LAUNCH is None, reason="mlx.launch not found (console script or mlx module)")
 
 
 def _save_tiny(root: Path, name: str, params: dict) -> dict[str, str]:
@@ -72,7 +107,7 @@ def tiny(tmp_path_factory) -> dict[str, dict[str, str]]:
 def _launch(args: list[str], tmp_path: Path, timeout: float = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + str(ROOT / "tests")}
     # One BLAS thread per rank: two processes on 2 cores oversubscribe (OpenBLAS threads spin).
-    command = [str(LAUNCH), "-n", "2", "--backend", "ring", "--env", "OPENBLAS_NUM_THREADS=1"]
+    command = [*LAUNCH, "-n", "2", "--backend", "ring", "--env", "OPENBLAS_NUM_THREADS=1"]
     command += ["--", sys.executable, *args]
     return subprocess.run(
         command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout, check=False
@@ -87,12 +122,25 @@ def _run_worker(kind: str, spec: dict, tmp_path: Path) -> tuple[subprocess.Compl
     return proc, [json.loads(p.read_text()) for p in ranks if p.exists()]
 
 
-def _single_process(paths: dict[str, str]) -> dict[str, list[int]]:
-    engine = Engine.load(paths["model"], head=paths["head"], depth=DEPTH)
+def _single_process(paths: dict[str, str]) -> dict:
+    return _one_process(paths["model"], paths["head"])
+
+
+@cache
+def _one_process(model: str, head: str) -> dict:
+    """One process's engine, prompt ids, greedy AR tokens with the two best log-probabilities at
+    each (for the tie rule), and a seeded sampled MTP run (loaded once per model)."""
+    engine = Engine.load(model, head=head, depth=DEPTH)
     prompt = "def add(a, b):\n    return a + b\n"
     greedy = dict(max_tokens=MAX_TOKENS, temperature=0.0)
+    ids = engine.encode_prompt(prompt)
+    ar_greedy = engine.generate(prompt, mtp=False, **greedy).token_ids
+    logprobs = _logprobs(engine, ids + ar_greedy[:-1])[len(ids) - 1 :]
     return {
-        "ar_greedy": engine.generate(prompt, mtp=False, **greedy).token_ids,
+        "engine": engine,
+        "prompt": ids,
+        "ar_greedy": ar_greedy,
+        "ar_top2": [tuple(np.sort(row)[-2:][::-1]) for row in logprobs],
         "mtp_sampled": engine.generate(
             prompt,
             mtp=True,
@@ -103,6 +151,17 @@ def _single_process(paths: dict[str, str]) -> dict[str, list[int]]:
             logit_bias={0: -100.0},
         ).token_ids,
     }
+
+
+def _logits(engine: Engine, tokens: list[int]) -> np.ndarray:
+    """One process's trunk logits at every position of ``tokens`` (float64 for the comparison)."""
+    return np.array(engine.trunk(mx.array(tokens)[None]).logits[0].astype(mx.float32), dtype=np.float64)
+
+
+def _logprobs(engine: Engine, tokens: list[int]) -> np.ndarray:
+    logits = _logits(engine, tokens)
+    top = logits.max(-1, keepdims=True)
+    return logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +179,31 @@ def sharded_runs(tiny, tmp_path_factory) -> list[dict]:
     return ranks
 
 
+@launches
+@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("mode", ["pipeline", "tensor"])
+def test_sharded_logits_and_greedy_tokens_match_one_process(tiny, sharded_runs, mode, name):
+    """Each rank's sharded trunk, over the prompt and its greedy MTP tokens, gives one process's
+    logits on the same tokens within float32 rounding; and those tokens are one process's greedy
+    AR, or first differ where its two best candidates tie (then the runs are not compared on)."""
+    single = _single_process(tiny[name])
+    for rank in sharded_runs:
+        run = rank[f"{name}/{mode}"]
+        tokens = single["prompt"] + run["mtp_greedy"]
+        got = np.array(run["logits"], dtype=np.float64)
+        want = _logits(single["engine"], tokens)
+        assert got.shape == want.shape, (got.shape, want.shape)
+        worst = float(np.abs(got - want).max())
+        assert worst <= LOGITS_ATOL, f"{name}/{mode}: logits differ by {worst:.3g}"
+        same, _ = same_or_tie(single["ar_greedy"], single["ar_top2"], run["mtp_greedy"])
+        assert same, f"{name}/{mode}: {run['mtp_greedy']} vs one process's {single['ar_greedy']}"
+    # Negative control: the comparison sees a one-token change of the context (the prompt's last).
+    last = len(single["prompt"]) - 1
+    changed = [*tokens[:last], (tokens[last] + 1) % single["engine"].trunk.vocab_size, *tokens[last + 1 :]]
+    assert float(np.abs(got - _logits(single["engine"], changed)).max()) > 10 * LOGITS_ATOL
+
+
+@launches
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_pipeline_mtp_reproduces_one_process(tiny, sharded_runs, name):
     reference = _single_process(tiny[name])
@@ -136,6 +220,7 @@ def test_pipeline_mtp_reproduces_one_process(tiny, sharded_runs, name):
     assert reference["mtp_sampled"] != reference["ar_greedy"]
 
 
+@launches
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_tensor_mtp_greedy_equals_sharded_ar(sharded_runs, name):
     runs = [rank[f"{name}/tensor"] for rank in sharded_runs]
@@ -145,6 +230,7 @@ def test_tensor_mtp_greedy_equals_sharded_ar(sharded_runs, name):
     assert runs[0]["mtp_sampled"] == runs[1]["mtp_sampled"]  # both ranks took the same decisions
 
 
+@launches
 @pytest.mark.parametrize("name", list(FAMILIES))
 @pytest.mark.parametrize("mode", ["pipeline", "tensor"])
 def test_every_ranks_caches_equal_a_from_scratch_run(sharded_runs, name, mode):
@@ -160,6 +246,7 @@ def test_every_ranks_caches_equal_a_from_scratch_run(sharded_runs, name, mode):
     assert layers == ([total // 2, total // 2] if mode == "pipeline" else [total, total])
 
 
+@launches
 def test_stats_report_the_collectives_of_each_mode(sharded_runs):
     pipeline = sharded_runs[0]["llama/pipeline"]["stats"]
     tensor = sharded_runs[0]["llama/tensor"]["stats"]
@@ -180,6 +267,7 @@ def _cli_under_launch(tmp_path: Path, prompt: str, *options: str) -> dict:
     return json.loads(lines[0])
 
 
+@launches
 def test_cli_under_mlx_launch_shards_and_only_rank_0_prints(tiny, tmp_path):
     paths = tiny["llama"]
     prompt = "def add(a, b):"
@@ -191,6 +279,7 @@ def test_cli_under_mlx_launch_shards_and_only_rank_0_prints(tiny, tmp_path):
     assert sharded["token_ids"] == single.token_ids
 
 
+@launches
 @pytest.mark.slow  # the CLI test above at full size: the default model split over 2 processes
 def test_default_model_pipeline_through_the_cli(tmp_path, default_model_dir):
     prompt = "Write a Python function that reverses a string."
@@ -200,11 +289,13 @@ def test_default_model_pipeline_through_the_cli(tmp_path, default_model_dir):
     assert sharded["token_ids"] == single.token_ids
 
 
+@launches
 def test_ranks_with_different_head_files_refuse_to_generate(sharded_runs):
     for rank in sharded_runs:
         assert "rank 1 has a different head than rank 0" in rank["mismatch_error"]
 
 
+@launches
 def test_a_rank_that_exits_mid_generation_fails_the_others(tiny, tmp_path):
     spec = {"jobs": [{"depth": DEPTH, **tiny["llama"]}], "timeout": 60}
     proc, ranks = _run_worker("die", spec, tmp_path)
@@ -214,12 +305,26 @@ def test_a_rank_that_exits_mid_generation_fails_the_others(tiny, tmp_path):
     assert "Node with rank 0 exited with code 2" in proc.stderr
 
 
+@launches
 def test_a_rank_that_hangs_trips_the_collective_timeout(tiny, tmp_path):
     spec = {"jobs": [{"depth": DEPTH, **tiny["llama"]}], "timeout": 3}
     proc, ranks = _run_worker("hang", spec, tmp_path)
     assert not ranks
     assert "rank 0: a decode step did not finish within the collective timeout of 3 s" in proc.stderr
     assert f"Node with rank 0 exited with code {distributed.EXIT_COLLECTIVE_TIMEOUT}" in proc.stderr
+
+
+@launches
+def test_the_launcher_found_here_starts_a_group_of_two(tmp_path):
+    """Whichever form `mlx_launch_command` found (console script or mlx's own function) starts
+    ranks that form one group; the function form, the last resort, does so as well."""
+    hello = "import mlx.core as mx; g = mx.distributed.init(); print(f'rank {g.rank()} of {g.size()}')"
+    runner = "import sys; from mlx._distributed_utils.launch import main; sys.exit(main())"
+    for launch in (LAUNCH, [sys.executable, "-c", runner]):
+        command = [*launch, "-n", "2", "--backend", "ring", "--", sys.executable, "-c", hello]
+        proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert sorted(proc.stdout.split("\n")[:-1]) == ["rank 0 of 2", "rank 1 of 2"], proc.stdout
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))

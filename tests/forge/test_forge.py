@@ -41,6 +41,7 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 from support import checkpoints, models
+from support.seeds import FRESH, resolve
 from support.tokenizer import CharTokenizer, chatml_chars
 
 VOCAB, SEQ, HIDDEN = 48, 24, 32
@@ -258,7 +259,9 @@ def test_unrolled_step_matches_a_step_by_step_reference(
     depth, weights = 3, (1.0, 0.7, 0.4)
     head = build_head(trunk, "pre_norm", chain_source)
     # Fresh random weights every run (besides the trunk-derived init), so the check is not one lucky point.
-    head.update({"fc": {"weight": head.fc.weight + 0.05 * mx.random.normal(head.fc.weight.shape)}})
+    seed = resolve(FRESH)
+    noise = mx.random.normal(head.fc.weight.shape, key=mx.random.key(seed))
+    head.update({"fc": {"weight": head.fc.weight + 0.05 * noise}})
     obj = Objective.build(trunk, frequent_ids(data, 12, VOCAB))
     batch = make_batch(trunk, data, rows, "pre_norm", obj.in_shared, depth)
     short = type(batch)(
@@ -280,13 +283,16 @@ def test_unrolled_step_matches_a_step_by_step_reference(
     lr, gr = nn.value_and_grad(head, reference)(None)
     per_u = unrolled_step_losses(head, obj.rows_matrix, obj.shared_proj, short, depth)
     per_r = _reference_step_losses(head, obj, short, depth)
-    np.testing.assert_allclose([float(x) for x in per_u], [float(x) for x in per_r], rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(float(lu), float(lr), rtol=1e-4)
+    where = f"fc noise seed {seed}"
+    np.testing.assert_allclose(
+        [float(x) for x in per_u], [float(x) for x in per_r], rtol=1e-4, atol=1e-5, err_msg=where
+    )
+    np.testing.assert_allclose(float(lu), float(lr), rtol=1e-4, err_msg=where)
     flat_u, flat_r = dict(tree_flatten(gu)), dict(tree_flatten(gr))
     assert flat_u.keys() == flat_r.keys()
     for k in flat_u:
         np.testing.assert_allclose(
-            np.asarray(flat_u[k]), np.asarray(flat_r[k]), rtol=2e-3, atol=2e-5, err_msg=k
+            np.asarray(flat_u[k]), np.asarray(flat_r[k]), rtol=2e-3, atol=2e-5, err_msg=f"{k}, {where}"
         )
     # Negative control: an unrolled chain that forgets its own chain entries (plain causal mask) differs.
     original = UnrollCache.make_mask
@@ -298,7 +304,7 @@ def test_unrolled_step_matches_a_step_by_step_reference(
         wrong = unrolled_step_losses(head, obj.rows_matrix, obj.shared_proj, short, depth)
     finally:
         UnrollCache.make_mask = original
-    assert abs(float(wrong[1]) - float(per_r[1])) > 1e-4
+    assert abs(float(wrong[1]) - float(per_r[1])) > 1e-4, where
 
 
 def test_training_lowers_the_kl_at_every_depth(trunk: Trunk, data: ForgeData, tmp_path: Path) -> None:
@@ -387,9 +393,14 @@ def test_sidecar_round_trip_max_depth_and_fingerprint_refusal(
     loaded = load_forged_head(out, trunk, "abc123")
     assert loaded.max_depth == 3 and loaded.chain_source == "pre_norm"
     assert loaded.vocab_ids.tolist() == head.vocab_ids.tolist()
-    x, t = mx.random.normal((1, 4, HIDDEN)), mx.array([[1, 2, 3, 4]])
+    seed = resolve(FRESH)
+    x, t = mx.random.normal((1, 4, HIDDEN), key=mx.random.key(seed)), mx.array([[1, 2, 3, 4]])
     np.testing.assert_allclose(
-        np.asarray(loaded.logits(loaded(x, t))), np.asarray(head.logits(head(x, t))), rtol=1e-5, atol=1e-5
+        np.asarray(loaded.logits(loaded(x, t))),
+        np.asarray(head.logits(head(x, t))),
+        rtol=1e-5,
+        atol=1e-5,
+        err_msg=f"input seed {seed}",
     )
     with pytest.raises(MtplxError, match=r"manifest\.json: head was forged for trunk abc123, not this trunk"):
         load_forged_head(out, trunk, "other")
@@ -411,14 +422,18 @@ def test_a_deeper_head_starts_as_the_one_layer_head_and_learns_its_extra_layer(
     save_forged_head(tmp_path / "one", one, {"trunk_fingerprint": "fp"})
     two = build_head(trunk, "pre_norm", num_layers=2)
     init_from_head(two, str(tmp_path / "one"), trunk, "fp")
-    x, t = mx.random.normal((2, 6, HIDDEN)), mx.random.randint(0, VOCAB, (2, 6))
+    seed = resolve(FRESH)
+    x_key, t_key = mx.random.split(mx.random.key(seed))
+    x, t = mx.random.normal((2, 6, HIDDEN), key=x_key), mx.random.randint(0, VOCAB, (2, 6), key=t_key)
     chained = [one(x, t, one.make_cache()), two(x, t, two.make_cache())]
-    np.testing.assert_allclose(np.asarray(chained[1]), np.asarray(chained[0]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(chained[1]), np.asarray(chained[0]), rtol=1e-5, atol=1e-5, err_msg=f"input seed {seed}"
+    )
     # Negative control: without the identity start, the grown head is another function.
     plain = build_head(trunk, "pre_norm", num_layers=2)
     plain.layers[1].load_weights(list(tree_flatten(trunk.layers[-1].parameters())))
     init_from_head(plain, str(tmp_path / "one"), trunk, "fp")
-    assert float(mx.abs(plain(x, t, plain.make_cache()) - chained[0]).max()) > 1e-3
+    assert float(mx.abs(plain(x, t, plain.make_cache()) - chained[0]).max()) > 1e-3, f"input seed {seed}"
     # Its zero projections move, and the layer's other weights then learn too.
     before = _params(two)
     train_head(_cfg(tmp_path, steps=6), trunk, two, data, None, tmp_path / "ckpt2")
@@ -704,28 +719,29 @@ def test_nucleus_sampling_draws_only_inside_the_top_p_set(trunk: Trunk) -> None:
 
 
 def test_a_time_budget_fixes_the_step_count_once(trunk: Trunk, data: ForgeData, tmp_path: Path) -> None:
-    import time
-
     from mtplx.forge.run import _planned_steps
     from mtplx.forge.train import seconds_per_step
 
     cfg = _cfg(tmp_path, budget="10m", depth=2)
     per_step = seconds_per_step(cfg, trunk, build_head(trunk, "pre_norm"), data, Objective.build(trunk, None))
     assert per_step > 0
-    steps = _planned_steps(cfg, parse_budget("10m"), tmp_path / "c", time.time() + 115.6, lambda: 1.0, 2400)
-    assert steps == 100  # 115 s left at 1 s per step, 15% kept for checkpoints
+    budget, start = parse_budget("10m"), 1_000_000.0
+
+    def plan(ckpt: str, left: float, step_seconds: float, rows: int) -> int:
+        until, clock = start + left, lambda: start  # a fixed clock: no wall time passes between calls
+        return _planned_steps(cfg, budget, tmp_path / ckpt, until, lambda: step_seconds, rows, now=clock)
+
+    assert plan("c", 115.6, 1.0, 2400) == 100  # 115.6 s left at 1 s per step, 15% kept for checkpoints
     # Resumed later (less time left, another speed): the schedule recorded first is kept.
-    assert _planned_steps(cfg, parse_budget("10m"), tmp_path / "c", time.time() + 5.0, lambda: 9.0, 24) == 100
+    assert plan("c", 5.0, 9.0, 24) == 100
     # Little data: the time would allow 100 steps, the epoch cap stops earlier.
-    capped = _planned_steps(cfg, parse_budget("10m"), tmp_path / "f", time.time() + 115.6, lambda: 1.0, 24)
-    assert capped == int(np.ceil(cfg.max_epochs * 24 / cfg.batch_size)) < 100
+    assert plan("f", 115.6, 1.0, 24) == int(np.ceil(cfg.max_epochs * 24 / cfg.batch_size)) < 100
     with pytest.raises(
         MtplxError, match=r"--budget: 10m is too small to train anything \(one step takes 9\.0s\)"
     ):
-        _planned_steps(cfg, parse_budget("10m"), tmp_path / "d", time.time() + 5.0, lambda: 9.0, 24)
-    assert (
-        _planned_steps(cfg, parse_budget("1k"), tmp_path / "e", None, lambda: 1.0, 24) == 12
-    )  # 2 epochs of 4
+        plan("d", 5.0, 9.0, 24)
+    token_budget = parse_budget("1k")
+    assert _planned_steps(cfg, token_budget, tmp_path / "e", None, lambda: 1.0, 24) == 12  # 2 epochs of 4
 
 
 def test_a_passed_deadline_cuts_every_response_short(trunk: Trunk) -> None:

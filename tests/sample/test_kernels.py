@@ -13,8 +13,6 @@ import numpy as np
 import pytest
 from support import kernel_ref as ref
 
-pytest.importorskip("mtplx.sampling")
-
 PARAMS = {
     "plain": (1.0, 1.0, 0.0, 0),
     "temp": (0.6, 1.0, 0.0, 0),

@@ -5,8 +5,8 @@ the Anthropic Messages API, and the 400s of each API's error shape.
 The served model is the tiny random MiMo checkpoint of test_server.py (its own MTP head, depth 2:
 speculation is on) with the default model's tokenizer. A random model writes nonsense, so every
 reply that parses and validates does so because the grammar held it, at every accepted draft block.
-Test schemas bound strings and arrays and forbid extra keys, so a constrained reply ends well
-before ``max_tokens``.
+Test schemas bound strings and arrays and forbid extra keys, and json_object requests bias the
+tokens that close an object, so a constrained reply ends with ``stop`` well before ``max_tokens``.
 """
 
 from __future__ import annotations
@@ -27,9 +27,13 @@ from support.server import KEY, running_server
 
 TEMPERATURES = (0.0, 0.8)
 SEEDS = range(3)
-# The bounded schema's longest reply fits 120 tokens; any JSON object may not end (a random model
-# keeps writing keys and strings), so its replies are cut early and only counted.
+# The bounded schema's longest reply fits 120 tokens. Any JSON object may not end (a random model
+# keeps writing keys and strings), so json_object requests bias the tokens that close a string and
+# an object: the client's own logit_bias, which bounds the reply (here 4-5 tokens at either
+# temperature) and changes nothing the grammar allows. Biased enough to win over 49152 near-uniform
+# logits at temperature 0.8; `"}` above `"`, so a value string closes the object with it.
 MAX_TOKENS = {"json_schema": 120, "json_object": 40}
+CLOSING_BIAS = {'"}': 20.0, '"': 15.0}
 
 SCHEMA = {
     "type": "object",
@@ -117,20 +121,19 @@ def _valid_calls(calls) -> list[tuple[str, dict]]:
 # ------------------------------------------------------------------ response_format
 
 
-def test_json_replies_parse_and_validate_at_both_temperatures(client, model_id):
-    """Every reply that ends with ``stop`` parses and validates; the share cut by ``length`` is
-    printed (the bounded schema must never be cut: its longest reply fits ``max_tokens``)."""
+def test_json_replies_parse_and_validate_at_both_temperatures(client, model_id, model_dir):
+    """Every reply ends with ``stop`` (none is cut by ``length``), parses and validates."""
+    closing = _closing_bias(model_dir)
     formats = {
-        "json_schema": {
-            "type": "json_schema",
-            "json_schema": {"name": "trip", "schema": SCHEMA, "strict": True},
-        },
-        "json_object": {"type": "json_object"},
+        "json_schema": (
+            {"type": "json_schema", "json_schema": {"name": "trip", "schema": SCHEMA, "strict": True}},
+            None,
+        ),
+        "json_object": ({"type": "json_object"}, closing),
     }
-    cut = {name: 0 for name in formats}
     for temperature in TEMPERATURES:
         for seed in SEEDS:
-            for name, fmt in formats.items():
+            for name, (fmt, bias) in formats.items():
                 reply = client.chat.completions.create(
                     model=model_id,
                     messages=_ask(f"Plan a trip ({name}, seed {seed})."),
@@ -138,18 +141,26 @@ def test_json_replies_parse_and_validate_at_both_temperatures(client, model_id):
                     max_tokens=MAX_TOKENS[name],
                     temperature=temperature,
                     seed=seed,
+                    logit_bias=bias,
                 )
                 choice = reply.choices[0]
-                if choice.finish_reason == "length":
-                    cut[name] += 1
-                    continue
-                assert choice.finish_reason == "stop"
+                where = f"{name}, temperature {temperature}, seed {seed}: {choice.message.content!r}"
+                assert choice.finish_reason == "stop", where
                 value = json.loads(choice.message.content)
                 jsonschema.validate(value, SCHEMA if name == "json_schema" else {"type": "object"})
                 assert choice.message.content == json.dumps(value, separators=(",", ":"), ensure_ascii=False)
-    runs = len(TEMPERATURES) * len(SEEDS)
-    print(f"cut by length: json_schema {cut['json_schema']}/{runs}, json_object {cut['json_object']}/{runs}")
-    assert cut["json_schema"] == 0
+
+
+def _closing_bias(model_dir: Path) -> dict[str, float]:
+    """CLOSING_BIAS as an OpenAI logit_bias: {token id (a string): bias}, from the served tokenizer."""
+    from mlx_lm.tokenizer_utils import load
+
+    tokenizer = load(model_dir)
+    bias = {}
+    for text, value in CLOSING_BIAS.items():
+        (token,) = tokenizer.encode(text, add_special_tokens=False)
+        bias[str(token)] = value
+    return bias
 
 
 def test_concurrent_json_requests_decode_in_the_batch_and_validate(client, model_id, server):
@@ -178,13 +189,19 @@ def test_concurrent_json_requests_decode_in_the_batch_and_validate(client, model
         assert extra["mode"] == "mtp" and sum(d["drafted"] for d in extra["drafters"].values()) > 0, extra
 
 
-def test_the_json_check_catches_an_unconstrained_reply(client, model_id):
-    """Negative control: the same request without response_format does not parse."""
-    reply = client.chat.completions.create(
-        model=model_id, messages=_ask("Plan a trip (json_schema, seed 0)."), max_tokens=40, temperature=0
-    )
-    with pytest.raises(json.JSONDecodeError):
-        json.loads(reply.choices[0].message.content)
+def test_the_json_check_catches_an_unconstrained_reply(client, model_id, model_dir):
+    """Negative control: the same requests without response_format do not parse, the json_object one
+    with its closing bias included (the bias alone does not make JSON: the grammar does)."""
+    for name, bias in (("json_schema", None), ("json_object", _closing_bias(model_dir))):
+        reply = client.chat.completions.create(
+            model=model_id,
+            messages=_ask(f"Plan a trip ({name}, seed 0)."),
+            max_tokens=40,
+            temperature=0,
+            logit_bias=bias,
+        )
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(reply.choices[0].message.content)
 
 
 def test_completions_take_response_format_and_model_may_be_omitted(server):

@@ -426,7 +426,9 @@ def test_cors_is_off_unless_origins_are_allowed(server, model_id):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_request_timeout_is_a_504_in_the_openai_shape(engine, stream):
-    """In-process app (same code as the served one) with a timeout that has always passed."""
+    """In-process app (same code as the served one) with a timeout that has always passed. /metrics
+    counts it as a timeout abort, not a finish; the next request served is one finish, whose
+    first-token wait the histograms hold bucket by bucket."""
     from mtplx.server.app import create_app
     from mtplx.server.settings import ServerSettings
     from mtplx.server.worker import GenerationWorker
@@ -442,11 +444,20 @@ def test_request_timeout_is_a_504_in_the_openai_shape(engine, stream):
             response = http.post("/v1/chat/completions", json={**body, "stream": stream})
             assert response.status_code == 504
             assert response.json()["error"]["code"] == "timeout"
+            timeouts = ("mtplx_request_aborted_total", (("reason", "timeout"),))
+            wait_for(lambda: _scrape(http).get(timeouts) == 1)  # the worker may see it after the 504
             ok = create_app(worker, ServerSettings(model_id="tiny"))
             with TestClient(ok) as http2:
-                assert http2.post("/v1/chat/completions", json=body).json()["choices"][0]["finish_reason"]
+                reply = http2.post("/v1/chat/completions", json=body).json()
+                assert reply["choices"][0]["finish_reason"] in ("stop", "length")
+                after = _scrape(http2)
     finally:
         worker.stop()
+    assert after[timeouts] == 1 and after.get(("mtplx_request_aborted_total", (("reason", "error"),)), 0) == 0
+    finished = {"stop": 0, "length": 0, reply["choices"][0]["finish_reason"]: 1}
+    for reason, count in finished.items():
+        assert _delta(after, {}, "mtplx_request_success_total", finished_reason=reason) == count, reason
+    _assert_latency_histograms(after, {}, [reply["mtplx"]["prefill_seconds"]])
 
 
 def test_every_v1_route_needs_the_key_and_health_does_not(server, model_id):
@@ -465,13 +476,35 @@ def test_every_v1_route_needs_the_key_and_health_does_not(server, model_id):
 
 def _metrics(base: str) -> dict[tuple[str, tuple], float]:
     """GET /metrics parsed: {(sample name, its labels): value}."""
-    response = httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {KEY}"})
+    with httpx.Client(base_url=base) as http:
+        return _scrape(http)
+
+
+def _scrape(http) -> dict[tuple[str, tuple], float]:
+    """GET /metrics through ``http`` (an httpx or FastAPI test client), parsed as `_metrics` does."""
+    response = http.get("/metrics", headers={"Authorization": f"Bearer {KEY}"})
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
     return {
         (sample.name, tuple(sorted(sample.labels.items()))): sample.value
         for family in text_string_to_metric_families(response.text)
         for sample in family.samples
     }
+
+
+def _assert_latency_histograms(after: dict, before: dict, first_token_waits: list[float]) -> None:
+    """Between two scrapes, bucket by bucket: the time-to-first-token histogram gained exactly the
+    finished requests' reported waits (the usage's ``prefill_seconds``: the first token is prefill's);
+    the end-to-end latency histogram gained as many requests, and in no bucket more than the first
+    one did (a request ends no earlier than its first token)."""
+    ttft, latency = "mtplx_time_to_first_token_seconds", "mtplx_e2e_request_latency_seconds"
+    bounds = [dict(labels)["le"] for name, labels in after if name == f"{ttft}_bucket"]
+    assert len(bounds) > 2 and "+Inf" in bounds, bounds
+    for le in bounds:
+        want = sum(wait <= float(le) for wait in first_token_waits)
+        assert _delta(after, before, f"{ttft}_bucket", le=le) == want, (le, first_token_waits)
+        assert _delta(after, before, f"{latency}_bucket", le=le) <= want, le
+    assert _delta(after, before, f"{latency}_count") == len(first_token_waits)
+    assert _delta(after, before, f"{latency}_bucket", le="+Inf") == len(first_token_waits)
 
 
 def _delta(after: dict, before: dict, name: str, **labels) -> float:
@@ -569,6 +602,7 @@ def test_metrics_count_what_the_responses_report(server, client, model_id):
     # kept only after the earlier one.
     assert sum(per_position) == sum(d["accepted"] for e in extras for d in e["drafters"].values())
     assert per_position == sorted(per_position, reverse=True)
+    _assert_latency_histograms(after, before, [extra["prefill_seconds"] for extra in extras])
 
 
 def test_sampler_fields_reach_the_engine(client, engine, model_id):
@@ -653,8 +687,11 @@ def _assert_internal_error_body(error: dict) -> None:
 
 
 def test_internal_failure_is_a_500_and_the_next_request_is_served(open_server, open_client, engine):
+    """Both failures are error aborts in /metrics, not finishes; the two served after them are
+    finishes, their first-token waits in the histograms bucket by bucket."""
     base, log_path = open_server
     model_id = open_client.models.list().data[0].id
+    before = _metrics(base)
     prefix = engine.encode_prompt("Once upon a time there was", chat=False)
     for stream in (False, True):
         with pytest.raises(openai.InternalServerError) as info:
@@ -675,12 +712,23 @@ def test_internal_failure_is_a_500_and_the_next_request_is_served(open_server, o
     assert "Traceback" in log and "logits contain NaN" in log
     assert failed_lines() == 2
     # The next requests (one sharing the failed prompt's prefix) are served exactly.
+    waits, reasons = [], []
     for prompt in ([*prefix, 11, 12], "A different prompt"):
         expected = engine.generate(prompt, max_tokens=8, temperature=0.0, chat=False)
         assert NAN_TOKEN not in expected.token_ids
         response = open_client.completions.create(model=model_id, prompt=prompt, max_tokens=8, temperature=0)
         assert response.choices[0].text == expected.text
         assert response.usage.completion_tokens == len(expected.token_ids)
+        waits.append(response.model_extra["mtplx"]["prefill_seconds"])
+        reasons.append(response.choices[0].finish_reason)
+    after = _metrics(base)
+    assert _delta(after, before, "mtplx_request_aborted_total", reason="error") == 2
+    assert _delta(after, before, "mtplx_request_aborted_total", reason="timeout") == 0
+    for reason in ("stop", "length"):
+        assert _delta(after, before, "mtplx_request_success_total", finished_reason=reason) == reasons.count(
+            reason
+        )
+    _assert_latency_histograms(after, before, waits)
 
 
 def test_failure_after_streaming_began_ends_the_stream_with_an_error_event(open_server, open_client, engine):

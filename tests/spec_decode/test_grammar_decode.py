@@ -184,8 +184,8 @@ def sampled_counts(trunk, head, compiler, run, cfg, depth, num_samples, seed0) -
     return counts, block_lengths
 
 
-# A loop run costs 25-60 ms here (2 cores, shared): `make test` runs three cases at 400 samples,
-# `make test-slow` every case at 1000.
+# A loop run costs 25-60 ms here (2 cores, shared): `make test` runs four cases at 400 samples (the
+# default `auto` drafter among them; the head once, at depth 3), `make test-slow` every case at 1000.
 CASES = {
     "head-d1-t1.0": ("head", 1, SamplerConfig(temperature=1.0)),
     "head-d2-t0.7-topp": ("head", 2, SamplerConfig(temperature=0.7, top_p=0.9)),
@@ -195,7 +195,7 @@ CASES = {
     "ar-t0.7-topp": ("ar", 0, SamplerConfig(temperature=0.7, top_p=0.9)),
     "model-d2-t1.0": ("model", 2, SamplerConfig(temperature=1.0)),
 }
-QUICK_CASES = ["head-d1-t1.0", "head-d3-t1.0-topp", "lookup-t0.7-topp", "model-d2-t1.0"]
+QUICK_CASES = ["auto-d2-t1.0", "head-d3-t1.0-topp", "lookup-t0.7-topp", "model-d2-t1.0"]
 NUM_SAMPLES = 400
 NUM_SAMPLES_SLOW = 1000
 

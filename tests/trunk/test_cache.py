@@ -6,6 +6,10 @@ running the whole committed sequence from scratch and compares both caches
 (KV contents, rotating windows, conv and recurrent states) and the logits of the
 next position. Negative controls run the same loop with deliberately wrong
 commits and must be caught by the same comparison.
+
+Seeds: the comparisons run on two fixed seeds and one fresh seed per run (``support.seeds``), and
+every failure message names the seed and, where the test draws them, the tokens; the negative
+controls keep fixed seeds and patterns, so each proves the same catch every run.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 from support import models
+from support.seeds import FRESH, SEEDS, resolve
 
 TOL = 2e-4  # float32 models; a from-scratch prefill differs only by matmul blocking
 
@@ -156,19 +161,23 @@ def model_case(request):
     return (request.param, *_model_and_cache(request.param))
 
 
-def test_random_accept_patterns_match_scratch(model_case):
+@pytest.mark.parametrize("seed", SEEDS)
+def test_random_accept_patterns_match_scratch(model_case, seed):
     name, model, make_cache = model_case
+    seed = resolve(seed)
     assert cache_ops.check_rollback_support(make_cache(), model) is None
-    for seed in range(3):
-        assert run_cycles(model, make_cache, seed) is None, (name, seed)
+    why = run_cycles(model, make_cache, seed)
+    assert why is None, f"{name}, seed {seed}: {why}"
 
 
 def test_full_accept_and_single_token_blocks(model_case):
     # Edge patterns: accept everything, keep only the pending token, T=1 blocks
-    # (the in-place path of a rotating cache once its window has wrapped).
-    _, model, make_cache = model_case
+    # (the in-place path of a rotating cache once its window has wrapped); fresh tokens every run.
+    name, model, make_cache = model_case
+    seed = resolve(FRESH)
     pattern = [(9, 9), (9, 1), (1, 1), (1, 1), (5, 5), (2, 1), (1, 1), (9, 3)]
-    assert run_cycles(model, make_cache, 11, pattern=pattern) is None
+    why = run_cycles(model, make_cache, seed, pattern=pattern)
+    assert why is None, f"{name}, seed {seed}: {why}"
 
 
 # --------------------------------------------------------------------------- negative controls
@@ -218,25 +227,30 @@ def test_negative_control_skipped_trim_is_caught(name):
 @pytest.mark.parametrize("block_len", [1, 7])
 def test_abort_after_full_forward_restores_pre_block_state(name, block_len):
     model, make_cache = _model_and_cache(name)
-    tokens = list(range(3, 12))  # longer than the rotating window
-    cache = _scratch(model, make_cache, tokens)
+    seed = resolve(FRESH)
+    # 10 prompt tokens (longer than the rotating window), the aborted block, the committed one.
+    drawn = np.random.default_rng(seed).integers(0, models.ROLLBACK_VOCAB, size=10 + block_len + 3).tolist()
+    tokens, aborted, committed = drawn[:10], drawn[10 : 10 + block_len], drawn[10 + block_len :]
+    where = f"seed {seed}: prompt {tokens}, aborted {aborted}, committed {committed}"
+    cache = _scratch(model, make_cache, tokens[:-1])
     # One single-token step shrinks a rotating buffer to its window; from then on
     # a T=1 block overwrites the oldest entry in place.
-    mx.eval(model(mx.array([[12]]), cache=cache))
-    tokens.append(12)
+    mx.eval(model(mx.array([tokens[-1:]]), cache=cache))
     before = [[mx.array(x) for x in _raw_arrays(c)] for c in cache]
     capture = cache_ops.begin_block(cache, block_len)
-    mx.eval(model(mx.array([list(range(20, 20 + block_len))]), cache=cache))
+    mx.eval(model(mx.array([aborted]), cache=cache))
     cache_ops.abort_block(cache, capture)
-    assert cache_mismatch(cache, _scratch(model, make_cache, tokens)) is None
+    why = cache_mismatch(cache, _scratch(model, make_cache, tokens))
+    assert why is None, f"{where}: {why}"
     # Stronger than the window comparison: the buffers are bit-identical to before.
     for c, old in zip(cache, before):
-        assert all(_max_diff(x, y) == 0 for x, y in zip(_raw_arrays(c), old))
+        assert all(_max_diff(x, y) == 0 for x, y in zip(_raw_arrays(c), old)), where
     # and it keeps working: another block commits normally
     capture = cache_ops.begin_block(cache)
-    mx.eval(model(mx.array([[40, 41, 42]]), cache=cache))
+    mx.eval(model(mx.array([committed]), cache=cache))
     cache_ops.commit_block(cache, capture, 2)
-    assert cache_mismatch(cache, _scratch(model, make_cache, tokens + [40, 41])) is None
+    why = cache_mismatch(cache, _scratch(model, make_cache, tokens + committed[:2]))
+    assert why is None, f"{where}: {why}"
 
 
 def _raw_arrays(c) -> list[mx.array]:
@@ -287,12 +301,15 @@ def test_failed_commit_leaves_pre_block_state():
 
 def test_trim_kv_after_chained_single_token_steps():
     model, make_cache = _model_and_cache("llama")
-    tokens = [4, 5, 6, 7]
+    seed = resolve(FRESH)
+    drawn = np.random.default_rng(seed).integers(0, models.ROLLBACK_VOCAB, size=7).tolist()
+    tokens, drafted = drawn[:4], drawn[4:]
     cache = _scratch(model, make_cache, tokens)
-    for t in (30, 31, 32):  # a head drafting one token at a time
+    for t in drafted:  # a head drafting one token at a time
         mx.eval(model(mx.array([[t]]), cache=cache))
     cache_ops.trim_kv(cache, 2)
-    assert cache_mismatch(cache, _scratch(model, make_cache, tokens + [30])) is None
+    why = cache_mismatch(cache, _scratch(model, make_cache, tokens + drafted[:1]))
+    assert why is None, f"seed {seed}: prompt {tokens}, drafted {drafted}: {why}"
     with pytest.raises(ValueError):
         cache_ops.trim_kv(cache, 6)
 

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from support.decoding import mtp_decode
 from support.models import make_loop_pair
+from support.seeds import FRESH, resolve
 
 VOCAB = 49152  # the default tokenizer's
 FAMILIES = ["llama", "qwen3_5"]  # plain KV (trimmable) and hybrid (recurrent snapshots)
@@ -50,7 +51,7 @@ def _random_tokens(rng: np.random.Generator, n: int) -> list[int]:
 def test_outputs_identical_with_and_without_the_cache(engines, mtp, sampling):
     family, plain, cached = engines
     cached.prompt_cache.clear()
-    seed = int(np.random.SeedSequence().entropy % 2**32)  # a fresh conversation every run
+    seed = resolve(FRESH)  # a fresh conversation every run
     rng = np.random.default_rng(seed)
     first = _random_tokens(rng, 20)
     prompts = [first]
@@ -58,10 +59,11 @@ def test_outputs_identical_with_and_without_the_cache(engines, mtp, sampling):
         kwargs = dict(sampling, max_tokens=7, mtp=mtp)
         expected = plain.generate(prompts[-1], **kwargs)
         got = cached.generate(prompts[-1], **kwargs)
-        assert got.token_ids == expected.token_ids, (family, turn, seed)
-        assert got.text == expected.text
+        where = f"{family}, seed {seed}, turn {turn}, prompt {prompts[-1]}"
+        assert got.token_ids == expected.token_ids, where
+        assert got.text == expected.text, where
         if turn == 0:
-            assert got.stats.cached_tokens == 0
+            assert got.stats.cached_tokens == 0, where
         # Next: the chat continues; then a repeat; then a prompt sharing only part of the first.
         nxt = [
             prompts[-1] + got.token_ids + _random_tokens(rng, 5),
@@ -69,7 +71,7 @@ def test_outputs_identical_with_and_without_the_cache(engines, mtp, sampling):
             first[:12] + _random_tokens(rng, 6),
         ]
         prompts.append(nxt[turn % 3])
-    assert len(cached.prompt_cache) > 0
+    assert len(cached.prompt_cache) > 0, f"seed {seed}"
 
 
 # Seed 4: the llama pair's first turn keeps every draft (two full cycles), the head's largest lag.
@@ -155,7 +157,9 @@ def _reference_logprobs(trunk, tokens: list[int]) -> np.ndarray:
 @pytest.mark.parametrize("mtp", [True, False])
 def test_logprobs_are_the_targets_own_whether_drafted_or_not(family, mtp):
     trunk, head = make_loop_pair(vocab_size=16, family=family, seed=3)
-    prompt = np.random.default_rng().integers(0, 16, size=9).tolist()
+    seed = resolve(FRESH)
+    prompt = np.random.default_rng(seed).integers(0, 16, size=9).tolist()
+    where = f"seed {seed}: prompt {prompt}"
     # Penalties and filters change sampling but not the reported (raw) log-probabilities.
     sampler = SamplerConfig(temperature=0.8, top_k=5, repetition_penalty=1.3)
     settings = decode.DecodeSettings(sampler=sampler, depth=3, logprobs=4)
@@ -167,7 +171,7 @@ def test_logprobs_are_the_targets_own_whether_drafted_or_not(family, mtp):
     )
     tokens, reported, drafted_hits = [], [], 0
     for step in steps:
-        assert step.logprobs is not None and len(step.logprobs) == len(step.tokens)
+        assert step.logprobs is not None and len(step.logprobs) == len(step.tokens), where
         tokens += step.tokens
         reported += step.logprobs
         drafted_hits += step.num_accepted
@@ -176,13 +180,14 @@ def test_logprobs_are_the_targets_own_whether_drafted_or_not(family, mtp):
     steps.close()
     reference = _reference_logprobs(trunk, prompt + tokens[:-1])[len(prompt) - 1 :]
     for i, (token, lp) in enumerate(zip(tokens, reported)):
-        np.testing.assert_allclose(lp.logprob, reference[i, token], atol=2e-4, err_msg=f"position {i}")
+        at = f"{where}, position {i}"
+        np.testing.assert_allclose(lp.logprob, reference[i, token], atol=2e-4, err_msg=at)
         order = np.argsort(-reference[i], kind="stable")[:4]
-        assert len(lp.top) == 4
-        np.testing.assert_allclose([v for _, v in lp.top], reference[i, order], atol=2e-4)
+        assert len(lp.top) == 4, at
+        np.testing.assert_allclose([v for _, v in lp.top], reference[i, order], atol=2e-4, err_msg=at)
         assert [t for t, _ in lp.top] == order.tolist() or np.allclose(
             reference[i, [t for t, _ in lp.top]], reference[i, order], atol=2e-4
-        )
+        ), at
 
 
 def test_logprobs_reference_catches_an_off_by_one():
