@@ -11,7 +11,12 @@ import pytest
 from support.paths import REPO
 
 SCRIPTS = sorted(
-    [*REPO.glob("benchmarks/*.py"), *REPO.glob("benchmarks/prompts/*.py"), *REPO.glob("scripts/*.py")]
+    [
+        *REPO.glob("benchmarks/*.py"),
+        *REPO.glob("benchmarks/experiments/*.py"),
+        *REPO.glob("benchmarks/prompts/*.py"),
+        *REPO.glob("scripts/*.py"),
+    ]
 )
 
 

@@ -23,7 +23,7 @@ Stages (each resumable; rerun the same command after a kill):
    rerun resumes from the newest checkpoint in ``--out/ckpt-lr<lr>-<steps>`` and keeps the points
    already in ``--json`` (another ``--lr`` or ``--steps``: another ``--json``, same ``--out``).
 
-    nice -n 19 .venv/bin/python benchmarks/forge_ceiling.py --out /tmp/ceiling \
+    nice -n 19 .venv/bin/python benchmarks/experiments/forge_ceiling.py --out /tmp/ceiling \
         --init-head models/smollm2-135m-instruct --steps 90 --eval-every 30 --lr 1e-4 \
         --json benchmarks/results/forge-ceiling.json --plot benchmarks/results/forge-ceiling.png
 """

@@ -4,7 +4,7 @@
 while the run trains (e.g. a loop of `ln <work>/<run>/ckpt-*/step-*.safetensors <dir>/`),
 then score each one on the run's own held-out generations (`<run>/eval`, never trained on):
 
-    python benchmarks/forge_curve.py --run-dir ~/.cache/mtplx/forge/<run> --checkpoints DIR \
+    python benchmarks/experiments/forge_curve.py --run-dir ~/.cache/mtplx/forge/<run> --checkpoints DIR \
         --json benchmarks/results/forge-curve.json --plot benchmarks/results/forge-curve.png
 
 "training tokens" = response tokens the head has trained on at that step (steps x batch x the

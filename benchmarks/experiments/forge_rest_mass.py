@@ -1,6 +1,6 @@
 """Could larger top-K or full-vocabulary targets lift the head? (issue 28, item 1d)
 
-    python benchmarks/forge_rest_mass.py [--suite-cache PATH] [--json benchmarks/results/forge-rest-mass.json]
+    python benchmarks/experiments/forge_rest_mass.py [--suite-cache PATH] [--json benchmarks/results/forge-rest-mass.json]
 
 Forge trains the head on the trunk's top-32 log-probabilities plus one "rest" bucket
 (`mtplx.forge.loss`): the head is told how much mass lies outside the top 32 but not where. So
@@ -126,7 +126,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--suite-cache", type=Path, default=Path("/tmp/forge-rest-mass/suite-greedy-64.json"))
     ap.add_argument("--suite-tokens", type=int, default=64)
-    ap.add_argument("--json", type=Path, default=HERE / "results" / "forge-rest-mass.json")
+    ap.add_argument("--json", type=Path, default=HERE.parent / "results" / "forge-rest-mass.json")
     args = ap.parse_args()
     args.suite_cache.parent.mkdir(parents=True, exist_ok=True)
     engine = Engine.load()

@@ -23,10 +23,10 @@ trims every arm to the same ``--train-tokens`` response tokens (whole rows, seed
 `forge_ceiling.train_and_score` (the shipped recipe from the shipped head), scored on the suite's
 greedy text ("suite d1", by item 1c the first-draft acceptance of real greedy decoding).
 
-    nice -n 19 .venv/bin/python benchmarks/forge_matched.py --arm matched --stage gen --gen-tokens 7000
-    nice -n 19 .venv/bin/python benchmarks/forge_matched.py --arm mix --stage gen --gen-tokens 7000
-    nice -n 19 .venv/bin/python benchmarks/forge_matched.py --arm matched --stage train --train-tokens 6500
-    nice -n 19 .venv/bin/python benchmarks/forge_matched.py --report-only --plot benchmarks/results/forge-matched.png
+    nice -n 19 .venv/bin/python benchmarks/experiments/forge_matched.py --arm matched --stage gen --gen-tokens 7000
+    nice -n 19 .venv/bin/python benchmarks/experiments/forge_matched.py --arm mix --stage gen --gen-tokens 7000
+    nice -n 19 .venv/bin/python benchmarks/experiments/forge_matched.py --arm matched --stage train --train-tokens 6500
+    nice -n 19 .venv/bin/python benchmarks/experiments/forge_matched.py --report-only --plot benchmarks/results/forge-matched.png
 """
 
 from __future__ import annotations
@@ -388,7 +388,7 @@ def main() -> None:
     ap.add_argument("--report-only", action="store_true", help="table (and --plot) of every arm's JSON")
     ap.add_argument("--plot", type=Path, default=None)
     args = ap.parse_args()
-    results = Path(__file__).resolve().parent / "results"
+    results = Path(__file__).resolve().parents[1] / "results"
     if args.report_only:
         reports = {
             a: json.loads(p.read_text()) for a in ARMS if (p := results / f"forge-matched-{a}.json").is_file()

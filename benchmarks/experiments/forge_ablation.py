@@ -2,7 +2,7 @@
 same steps on the same batches of one forge run's shards, and is scored teacher-forced at the same
 points, on the run's held-out generations and on the benchmark suite's own text.
 
-    .venv/bin/python benchmarks/forge_ablation.py --run-dir <forge work dir>/<run> \
+    .venv/bin/python benchmarks/experiments/forge_ablation.py --run-dir <forge work dir>/<run> \
         --init-head models/smollm2-135m-instruct --steps 90 --eval-every 30 --lr 3e-4 \
         --out /tmp/ablation --json benchmarks/results/forge-ablation.json \
         --plot benchmarks/results/forge-ablation.png
@@ -55,7 +55,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask
 
 HERE = Path(__file__).resolve().parent
-SUITE = HERE / "prompts" / "suite.jsonl"
+SUITE = HERE.parent / "prompts" / "suite.jsonl"
 ARMS = ("base", "layers2", "fusion")
 
 

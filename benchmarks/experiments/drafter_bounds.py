@@ -21,7 +21,7 @@ Speed-up over AR is modelled from the profiler's costs (benchmarks/RESULTS.md, "
 goes"): a cycle costs 1 AR step + ``--verify-cost`` per drafted position + ``--head-cost`` when the
 head drafted. `mtplx bench` measures the real thing; this shows what is left to gain.
 
-    .venv/bin/python benchmarks/drafter_bounds.py --json benchmarks/results/drafter-bounds.json
+    .venv/bin/python benchmarks/experiments/drafter_bounds.py --json benchmarks/results/drafter-bounds.json
 
 Trajectories (prompt ids and generated ids) are kept in ``--trajectories`` and reused.
 """

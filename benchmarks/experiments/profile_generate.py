@@ -1,6 +1,6 @@
 """Where does an MTP generation's time go? Phase breakdown, isolated kernels, and cProfile.
 
-    .venv/bin/python benchmarks/profile_generate.py --depth 3 --tokens 128 --temp 0
+    .venv/bin/python benchmarks/experiments/profile_generate.py --depth 3 --tokens 128 --temp 0
 
 Three views of the same generation settings (default model unless --model):
 
