@@ -32,6 +32,7 @@ from mtplx.engine.session import CacheSession, open_session
 from mtplx.errors import MtplxError
 from mtplx.spec_decode.batch import BatchDecoder, PendingRow, RowsFailed, RowSpec
 from mtplx.spec_decode.draft_policy import DraftPolicy
+from mtplx.spec_decode.select import batch_drafter
 from mtplx.spec_decode.settings import DEFAULT_PREFILL_STEP
 from mtplx.spec_decode.step import PromptPrefix
 
@@ -113,9 +114,7 @@ class BatchScheduler:
         # A grammar row speculates in the batch like any other (`BatchDecoder`, "Grammar rows").
         # Compiled before any cache is taken: a grammar this tokenizer cannot serve fails here.
         constraint = engine.compile_grammar(request.grammar) if request.grammar is not None else None
-        row_drafter = plan.row_drafter
-        if decoder.single_row and row_drafter not in ("none", "lookup"):
-            row_drafter = "proposer"  # one row on its own caches: every drafter is its own proposer
+        row_drafter = batch_drafter(plan.choice, decoder.single_row)
         with_head = plan.choice.model_drafter == "head" and row_drafter in ("head", "auto", "proposer")
         session = open_session(engine.prompt_cache, engine.trunk, engine.head, plan.prompt_tokens, with_head)
         pending = decoder.start(

@@ -50,16 +50,6 @@ class DecodePlan:
     choice: DrafterChoice
     settings: DecodeSettings
 
-    @property
-    def row_drafter(self) -> str:
-        """The batched loop's drafter for this plan (`mtplx.spec_decode.batch.BATCH_DRAFTERS`)."""
-        kind = self.choice.kind
-        if self.choice.model_drafter == "model" and kind in ("auto", "model"):
-            return "proposer"  # the row's own proposer (`Engine.row_proposer`): lookup, the draft model
-        if kind == "auto":
-            return "auto" if self.choice.model_drafter == "head" else "lookup"
-        return kind
-
 
 class Engine:
     """A loaded target model plus (optionally) its MTP head."""

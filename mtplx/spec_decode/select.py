@@ -9,6 +9,18 @@ The rules, in order:
 3. depth: the request's, else the engine's (tuned, else the head's default), else the head's
    own default when tuning chose AR but a drafter was asked for explicitly. A draft model drafts
    the request's depth or `DEFAULT_DEPTH`: the head's tuning says nothing about it.
+4. the batched loop's drafter for the row (`batch_drafter`, the table below): the head batched
+   across rows (`batch_head.HeadChain`), lookup on the host, or the row's own proposer (a draft
+   model always; any drafter on a single-row decoder, built by `build_proposer`).
+
+| kind  | model drafter | batch row drafter (rows share a batch) | single-row decoder |
+|-------|---------------|----------------------------------------|--------------------|
+| none  | -             | none                                   | none               |
+| lookup| -             | lookup                                 | lookup             |
+| head  | head          | head                                   | proposer           |
+| auto  | head          | auto (lookup where it matches, else the head) | proposer    |
+| auto  | none          | lookup                                 | lookup             |
+| model / auto | model  | proposer                               | proposer           |
 
 Exactness never depends on these choices (any proposer is exact, `proposer.py`); speed does.
 """
@@ -24,7 +36,7 @@ from mtplx.spec_decode.lookup_proposer import LookupProposer
 from mtplx.spec_decode.proposer import Proposer
 from mtplx.spec_decode.settings import DecodeSettings, Drafting
 
-__all__ = ["DEFAULT_DEPTH", "DrafterChoice", "build_proposer", "choose_drafter"]
+__all__ = ["DEFAULT_DEPTH", "DrafterChoice", "batch_drafter", "build_proposer", "choose_drafter"]
 
 DEFAULT_DEPTH = 3  # drafts per cycle when neither the head, tuning nor the request says
 
@@ -62,6 +74,18 @@ def choose_drafter(
         depth=asked_depth if asked_depth is not None else (engine_depth or head_depth),
         model_depth=asked_depth if asked_depth is not None else DEFAULT_DEPTH,
     )
+
+
+def batch_drafter(choice: DrafterChoice, single_row: bool) -> str:
+    """The batched loop's drafter for a row (`batch.BATCH_DRAFTERS`; the module docstring's table)."""
+    kind = choice.kind
+    if kind == "auto" and choice.model_drafter is None:
+        return "lookup"
+    if kind in ("none", "lookup"):
+        return kind
+    if single_row or choice.model_drafter == "model":
+        return "proposer"  # the row's own proposer (`build_proposer`)
+    return kind  # "head" or "auto" (lookup, else the head chain)
 
 
 def build_proposer(

@@ -534,3 +534,24 @@ def test_checkpoint_comparison_catches_a_cache_that_was_not_restored():
     assert not np.allclose(
         np.array(model(next_tokens, cache=cache)), np.array(model(next_tokens, cache=fresh)), atol=1e-5
     )
+
+
+@pytest.mark.parametrize(
+    ("kind", "model_drafter", "batched", "single"),
+    [
+        ("none", None, "none", "none"),
+        ("lookup", None, "lookup", "lookup"),
+        ("head", "head", "head", "proposer"),
+        ("auto", "head", "auto", "proposer"),
+        ("auto", None, "lookup", "lookup"),
+        ("auto", "model", "proposer", "proposer"),
+        ("model", "model", "proposer", "proposer"),
+    ],
+)
+def test_each_drafter_kind_has_one_batched_loop_drafter(kind, model_drafter, batched, single):
+    """`select.batch_drafter`: the table in select.py's docstring, row by row."""
+    from mtplx.spec_decode.select import DrafterChoice, batch_drafter
+
+    choice = DrafterChoice(kind, model_drafter, depth=2, model_depth=3)
+    assert batch_drafter(choice, single_row=False) == batched
+    assert batch_drafter(choice, single_row=True) == single
