@@ -34,18 +34,9 @@ from mtplx.engine.grammar_spec import Grammar
 from mtplx.engine.request import GenerationRequest
 from mtplx.io import atomic_write
 
+from grammar_speed import SCHEMA  # the same JSON schema as the single-stream grammar benchmark
+
 OUT = "benchmarks/results/grammar-batch.json"
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 24},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "city": {"type": "string", "maxLength": 24},
-        "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 16}, "maxItems": 3},
-    },
-    "required": ["name", "age", "city", "hobbies"],
-    "additionalProperties": False,
-}
 JSON_PROMPTS = [
     "Describe a fictional person as JSON with name, age, city and hobbies.",
     "Give me a JSON record for a retired teacher who lives by the sea.",

@@ -148,6 +148,13 @@ def build_head(src: HeadSource, num_layers: int, hidden_source: HiddenSource) ->
         raise MtplxError(
             f"{src.source}: config declares {num_layers} MTP layer(s), checkpoint has mtp.layers {sorted(present)}"
         )
+    return _head_like_the_trunk(src, num_layers, hidden_source, prefix)
+
+
+def _head_like_the_trunk(
+    src: HeadSource, num_layers: int, hidden_source: str, key_prefix: str, norms: NormRule | None = None
+) -> Qwen3NextMTPHead:
+    """``num_layers`` layers built like the trunk's first full-attention layer, one per step."""
     args = model_args_of(src.trunk.model)
     template, idx = _attention_template(src.trunk)
     return Qwen3NextMTPHead(
@@ -156,8 +163,9 @@ def build_head(src: HeadSource, num_layers: int, hidden_source: HiddenSource) ->
         eps=args.rms_norm_eps,
         trunk=src.trunk,
         hidden_source=hidden_source,
-        key_prefix=prefix,
+        key_prefix=key_prefix,
         layer_per_step=True,
+        norms=norms,
         cache_like=[idx] * num_layers,
     )
 
@@ -178,16 +186,4 @@ def build_split_head(src: HeadSource, num_layers: int) -> Qwen3NextMTPHead:
             f"{src.source}: a qwen3_5_mtp drafter of {num_layers} layer(s) needs fc.weight and "
             f"layers 0..{num_layers - 1}; it has layers {sorted(present)}"
         )
-    args = model_args_of(src.trunk.model)
-    template, idx = _attention_template(src.trunk)
-    return Qwen3NextMTPHead(
-        [build_layer_like(template, args, idx) for _ in range(num_layers)],
-        args.hidden_size,
-        eps=args.rms_norm_eps,
-        trunk=src.trunk,
-        hidden_source=DEFAULT_HIDDEN_SOURCE,
-        key_prefix="",
-        layer_per_step=True,
-        norms=SPLIT_DRAFTER_NORMS,
-        cache_like=[idx] * num_layers,
-    )
+    return _head_like_the_trunk(src, num_layers, DEFAULT_HIDDEN_SOURCE, "", SPLIT_DRAFTER_NORMS)
