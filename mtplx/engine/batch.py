@@ -88,6 +88,9 @@ class BatchScheduler:
     # (`mtplx serve --prefill-step-size`).
     prefill_step_size: int = DEFAULT_PREFILL_STEP
     policy: DraftPolicy | None = None  # each cycle's draft length; None: every row its depth
+    # One row at a time on its own mlx-lm caches (`BatchDecoder`'s single_row): a stream's
+    # scheduler, and any engine whose model's caches do not batch.
+    single_row: bool = False
     _decoder: BatchDecoder | None = None
     _jobs: dict[int, _Job] = field(default_factory=dict)  # in submission order
     _next_handle: int = 0
@@ -161,7 +164,9 @@ class BatchScheduler:
 
     def _decoder_for_engine(self) -> BatchDecoder:
         if self._decoder is None:
-            self._decoder = BatchDecoder(self.engine.trunk, self.engine.head, self.policy)
+            self._decoder = BatchDecoder(
+                self.engine.trunk, self.engine.head, self.policy, single_row=self.single_row
+            )
         return self._decoder
 
     # ------------------------------------------------------------------ one step

@@ -254,9 +254,11 @@ class Engine:
 
     def _stream_as_a_batch_of_one(self, prompt, request: GenerationRequest) -> Iterator[GenerationChunk]:
         """A stream is a batch of one: the one scheduler and the one cycle (`mtplx.engine.batch`),
-        the row drafting its own depth every cycle as alone (no cost policy: a stream pays no
-        profile measurement). The request is planned and refused here, before the first chunk."""
-        scheduler = BatchScheduler(self, max_rows=1, prompt_concurrency=1)
+        on a single-row decoder (the row's own mlx-lm caches, no ragged batch buffers or masks;
+        its drafter its own proposer), drafting its own depth every cycle (no cost policy: a
+        stream pays no profile measurement). The request is planned and refused here, before the
+        first chunk."""
+        scheduler = BatchScheduler(self, max_rows=1, prompt_concurrency=1, single_row=True)
         handle = scheduler.submit(prompt, request)
         return _chunks_of(scheduler, handle)
 

@@ -1,9 +1,8 @@
 """The batched decode loop: many sequences, each with its own sampler, seed, drafter and draft
 length, verified together in one trunk forward per cycle.
 
-Glossary: a *row* is one sequence in the batch (`rows.BatchRow`); rows *join* after their own
-prefill (`BatchDecoder.join`) and *leave* between cycles (`leave`). ``k_r`` is row r's draft length
-this cycle (0 = a plain AR step in the same forward); K = max k_r (`block.Block`).
+Glossary: a *row* is one sequence (`rows.BatchRow`); rows *join* after their own prefill (`join`)
+and *leave* between cycles (`leave`); ``k_r`` is row r's draft length this cycle, K = max k_r.
 
 One cycle (`BatchDecoder.step`), for all rows at once:
   1. draft: tokens a row's grammar forces, prompt lookup on the host (its own history), the MTP
@@ -15,10 +14,9 @@ One cycle (`BatchDecoder.step`), for all rows at once:
      q or point masses): one `SamplerConfig` per call keeps the oracle, the kernel emulation and
      the fused kernels unchanged and exact; a server's rows mostly share a few settings;
   4. one host sync for every verdict and validity flag; then per row: caches keep n_r + 1
-     positions (`BatchCache.commit_block`), the head its true pairs, proposers roll back.
+     positions (`commit_block`), the head its true pairs, proposers roll back.
 
-Grammar rows (`start`'s ``constraint``) speculate (docs/sampling.md, "Grammar mask": every verified
-position is masked after the draft prefix before it, so any q stays exact):
+Grammar rows speculate (docs/sampling.md, "Grammar mask": each verified position masked, any q exact):
   - tokens the grammar forces after the committed text (llguidance's fast-forward tokens) are
     drafted first, as point masses: where the mask allows only that token its masked target
     probability is 1, so verify keeps it (JSON keys, braces, tool-call syntax in one cycle);
@@ -31,14 +29,12 @@ Adaptive head rows (``adaptive_threshold`` > 0) draft the full depth in the chai
 (the head's confidences) cuts each such row's block after its first unsure draft: the drafts
 `HeadProposer` stops at, without a host read per draft step stalling every row.
 
-A row's *trunk tap* (`start`'s ``trunk_tap``) sees the trunk's output at every position it commits.
+Keys split per row per cycle (`block.cycle_keys`): a seeded row with its draft length pinned
+draws the same tokens in a batch as alone, up to float rounding of batched matmuls. Where every
+row is plain AR the next cycle is queued before the caller reads this one (`_launch_ahead`).
 
-Per-row randomness follows the single-row loops (`mtplx.spec_decode.loop`) key for key
-(`block.cycle_keys`), so a seeded row with its draft length pinned draws the same tokens in a
-batch as alone, up to float rounding of batched matmuls.
-
-Not batched (refused by `check_batch_support` / the engine): sliding-window and quantized KV
-caches, heads that read the trunk's KV (Gemma 4 assistants).
+``single_row``: sliding-window and quantized KV caches, heads that read the trunk's KV (Gemma 4
+assistants), and every stream decode one row at a time on its own caches (`SingleRowCache`).
 """
 
 from __future__ import annotations
@@ -52,6 +48,7 @@ from mtplx.sample import rejection
 from mtplx.spec_decode.batch_head import HeadChain, groups_by, left_padded, pad_time, padded_uniforms
 from mtplx.spec_decode.block import (
     Block,
+    Cycle,
     CycleKeys,
     Group,
     SourceOnly,
@@ -64,7 +61,7 @@ from mtplx.spec_decode.block import (
     row_positions,
 )
 from mtplx.spec_decode.constraint import GrammarConstraint
-from mtplx.spec_decode.draft_policy import DraftOffer, DraftPolicy
+from mtplx.spec_decode.draft_policy import DraftPolicy, row_caps
 from mtplx.spec_decode.head_proposer import trunk_hidden
 from mtplx.spec_decode.lookup_proposer import LookupProposer
 from mtplx.spec_decode.proposer import CycleOutcome, Proposer
@@ -77,7 +74,6 @@ from mtplx.spec_decode.rows import (
     check_batch_support,
     fill_holes,
 )
-from mtplx.spec_decode.settings import MAX_DEPTH
 from mtplx.spec_decode.step import (
     PromptPrefix,
     Step,
@@ -127,6 +123,7 @@ class BatchDecoder:
         self.rows: list[BatchRow] = []
         self._next_id = 0
         self.policy = policy
+        self._ahead: Cycle | None = None  # the next all-AR cycle, queued (`_launch_ahead`)
         # Rows joined or left since the last cycle: the next cycle also evaluates the copies that
         # moved them (lazy slice writes into the batch buffers), so it does not calibrate the policy.
         self._rows_moved = False
@@ -223,6 +220,7 @@ class BatchDecoder:
         to the batch. Returns the row's id and the Step of its first token."""
         if self.single_row and self.rows:
             raise MtplxError("batched decoding: this model's caches are not batched: one row at a time")
+        self._drop_ahead()
         while not self.prefill(pending):
             pass
         prompt_tokens, settings, head = pending.prompt_tokens, pending.spec.settings, self.head
@@ -301,6 +299,7 @@ class BatchDecoder:
         gone = {i for i, row in enumerate(self.rows) if row.row_id in set(row_ids)}
         if not gone:
             return
+        self._drop_ahead()
         keep = fill_holes(len(self.rows), gone)
         self.rows = [self.rows[i] for i in keep]
         self._rows_moved = True
@@ -315,6 +314,7 @@ class BatchDecoder:
         buffers (every slot, the full capacity) alive for as long as the prompt cache holds the
         row, so each stored request pinned a batch's worth of K/V (measured: a 16-client server
         grew to 21 GB and was killed)."""
+        self._drop_ahead()
         i = self.index_of(row_id)
         trunk_cache = self.cache.extract(i)
         head_cache = self.chain.cache.extract(i) if self.chain is not None else None
@@ -322,33 +322,6 @@ class BatchDecoder:
         return trunk_cache, head_cache
 
     # ------------------------------------------------------------------ one cycle
-    def _head_length(self, row: BatchRow) -> int:
-        return row.draft_length if row.draft_length is not None else row.spec.settings.depth
-
-    def _draft_caps(
-        self, rows: Sequence[BatchRow], found: Sequence[list[int]], forced: Sequence[list[int]], timed: bool
-    ) -> tuple[list[int], list[DraftOffer | None]]:
-        """Each row's most drafts this cycle: the policy's K for rows without a pinned length
-        (`DraftPolicy`; ``timed``: this cycle's seconds will calibrate it), no cap for pinned rows
-        or without a policy; and what each row offered the policy (None: nothing, or no policy; a
-        row drafting grammar-forced tokens offers nothing, its drafts are not the policy's)."""
-        unlimited = [MAX_DEPTH + 64] * len(rows)
-        if self.policy is None:
-            return unlimited, [None] * len(rows)
-        free = [r.draft_length is None for r in rows]
-        offers: list[DraftOffer | None] = []
-        for row, f, g, is_free in zip(rows, found, forced, free):
-            if not is_free or g or row.spec.drafter == "proposer":
-                offers.append(None)
-            elif f:
-                offers.append(DraftOffer(row.acceptance["lookup"], len(f)))
-            elif self.chain is not None and row.uses_head:
-                offers.append(DraftOffer(row.acceptance["head"], self._head_length(row)))
-            else:
-                offers.append(None)
-        k = self.policy.choose(offers, timed=timed)
-        return [k if is_free else cap for is_free, cap in zip(free, unlimited)], offers
-
     def step(self) -> dict[int, Step]:
         """One cycle for every row: {row id: the Step it committed}. Raises RowsFailed (cycle undone).
 
@@ -356,27 +329,56 @@ class BatchDecoder:
         rows = self.rows
         if not rows:
             return {}
+        cycle, self._ahead = self._ahead or self._launch(rows), None
+        try:
+            mx.eval(cycle.block.tokens, cycle.verdict_arrays(), cycle.block.flags)  # the cycle's one sync
+            raise_if_invalid(rows, cycle.groups, cycle.block.flags)
+        except BaseException:
+            self.cache.abort_block(cycle.capture)
+            raise
+        verdicts = Verdicts.gather(cycle.groups, len(rows))
+        self.cache.commit_block(cycle.capture, [n + 1 for n in verdicts.num_accepted])
+        if self.policy is not None and cycle.timed:  # the cycle's cost, up to its one sync and commit
+            self.policy.observe_cycle(len(rows), cycle.block.width, time.perf_counter() - cycle.started)
+        steps = self._commit(rows, cycle.block, cycle.output, verdicts, cycle.mask_marks)
+        self._launch_ahead()
+        return steps
+
+    def _launch(self, rows: Sequence[BatchRow]) -> Cycle:
+        """Draft, forward and verify, lazily (nothing evaluated but the host reads a row needs)."""
         started = time.perf_counter()
         mask_marks = [row.constraint.mask_seconds if row.constraint is not None else 0.0 for row in rows]
+        keys_before = [row.key for row in rows]
         keys = [cycle_keys(row) for row in rows]
         timed, self._rows_moved = not self._rows_moved, False
         block = self._draft(rows, keys, timed)
         capture = self.cache.begin_block(block.width + 1)
         try:
             output = self.trunk(block.tokens, self.cache.layers)
-            masks = self._verify_masks(rows, block, output)
-            groups = self._verify(rows, output.logits, block, masks, keys)
-            verdicts = [(g.num_accepted, g.next_token, g.accept_probs, g.invalid) for g in groups]
-            mx.eval(block.tokens, verdicts, block.flags)  # the cycle's one sync
-            raise_if_invalid(rows, groups, block.flags)
+            groups = self._verify(rows, output.logits, block, self._verify_masks(rows, block, output), keys)
         except BaseException:
             self.cache.abort_block(capture)
             raise
-        verdicts = Verdicts.gather(groups, len(rows))
-        self.cache.commit_block(capture, [n + 1 for n in verdicts.num_accepted])
-        if self.policy is not None and timed:  # the cycle's cost, up to its one sync and commit
-            self.policy.observe_cycle(len(rows), block.width, time.perf_counter() - started)
-        return self._commit(rows, block, output, verdicts, mask_marks)
+        return Cycle(keys_before, block, capture, output, groups, mask_marks, started, timed)
+
+    def _launch_ahead(self) -> None:
+        """Keep single-row speed where no row drafts: every row plain AR (no drafter, no grammar,
+        whose mask would need the token just read), the next cycle's forward and draw are queued
+        now (`mx.async_eval`), so the caller's work on this cycle's tokens (text, stop strings,
+        the wire) overlaps the compute, as a plain AR loop does. A join, a leave or an extract
+        first undoes it (`_drop_ahead`), keys included."""
+        if not all(row.spec.drafter == "none" and row.constraint is None for row in self.rows):
+            return
+        self._ahead = self._launch(self.rows)
+        mx.async_eval(self._ahead.verdict_arrays())
+
+    def _drop_ahead(self) -> None:
+        """Undo a queued cycle: the caches as before it, every row's key as before its split."""
+        cycle, self._ahead = self._ahead, None
+        if cycle is not None:
+            self.cache.abort_block(cycle.capture)
+            for row, key in zip(self.rows, cycle.keys_before):
+                row.key = key
 
     # ------------------------------------------------------------------ the cycle's stages
     def _draft(self, rows: Sequence[BatchRow], keys: Sequence[CycleKeys], timed: bool) -> Block:
@@ -395,7 +397,7 @@ class BatchDecoder:
             row.lookup.find(row.history) if row.lookup is not None and not g else []
             for row, g in zip(rows, forced)
         ]
-        caps, offers = self._draft_caps(rows, found, forced, timed)
+        caps, offers = row_caps(self.policy, rows, found, forced, self.chain is not None, timed)
         found = [f[:cap] for f, cap in zip(found, caps)]
         found = [
             f[: row.constraint.legal_prefix(f)] if row.constraint is not None and f else f
@@ -417,7 +419,7 @@ class BatchDecoder:
             elif self.chain is not None and row.uses_head and cap > 0:
                 kinds.append("head")
                 host_drafts.append([])
-                lengths.append(min(self._head_length(row), cap))
+                lengths.append(min(row.head_length, cap))
             else:
                 kinds.append("")
                 host_drafts.append([])

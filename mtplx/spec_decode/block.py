@@ -21,6 +21,7 @@ import mlx.core as mx
 
 __all__ = [
     "Block",
+    "Cycle",
     "CycleKeys",
     "Group",
     "SourceOnly",
@@ -180,3 +181,21 @@ def raise_if_invalid(rows: Sequence[BatchRow], groups: list[Group], flags: list[
             sample_ops.raise_if_invalid(g.invalid)
         except ValueError as err:
             raise RowsFailed([rows[i].row_id for i in g.index], str(err)) from None
+
+
+@dataclass
+class Cycle:
+    """One cycle launched (drafted, forwarded, verified lazily) and not yet synced: the state a
+    sync, a commit or an undo needs (`BatchDecoder._launch`)."""
+
+    keys_before: list[mx.array]  # each row's key before this cycle's split (an undo restores them)
+    block: Block
+    capture: object  # the cache's capture of this block (`BatchCache` / `SingleRowCache.begin_block`)
+    output: TrunkOutput
+    groups: list[Group]
+    mask_marks: list[float]  # each grammar row's mask seconds before the cycle
+    started: float  # time.perf_counter() at launch
+    timed: bool  # this cycle's seconds calibrate the draft policy
+
+    def verdict_arrays(self) -> list[tuple[mx.array, ...]]:
+        return [(g.num_accepted, g.next_token, g.accept_probs, g.invalid) for g in self.groups]

@@ -36,6 +36,8 @@ from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from mtplx.spec_decode.settings import MAX_DEPTH
+
 __all__ = [
     "DRAFT_POLICIES",
     "CostProfile",
@@ -46,6 +48,7 @@ __all__ = [
     "drafter_records",
     "measure_cost_profile",
     "row_bucket",
+    "row_caps",
 ]
 
 # "auto": `DraftPolicy` chooses each cycle's draft length; "fixed": every row drafts its depth.
@@ -332,3 +335,35 @@ def _powers_of_two(limit: int) -> list[int]:
         sizes.append(n)
         n *= 2
     return [*sizes, limit]
+
+
+def row_caps(
+    policy: DraftPolicy | None,
+    rows: Sequence,
+    found: Sequence[list[int]],
+    forced: Sequence[list[int]],
+    has_chain: bool,
+    timed: bool,
+) -> tuple[list[int], list[DraftOffer | None]]:
+    """Each batch row's most drafts this cycle (`mtplx.spec_decode.rows.BatchRow`s, their lookup
+    matches ``found`` and grammar-forced tokens ``forced``): the policy's K for rows without a
+    pinned length (``timed``: this cycle's seconds will calibrate it), no cap for pinned rows or
+    without a policy; and what each row offered the policy (None: nothing, or no policy; rows
+    drafting forced tokens or with their own proposer offer nothing: those drafts are not the
+    policy's). ``has_chain``: the batched head chain drafts for head rows."""
+    unlimited = [MAX_DEPTH + 64] * len(rows)
+    if policy is None:
+        return unlimited, [None] * len(rows)
+    free = [r.draft_length is None for r in rows]
+    offers: list[DraftOffer | None] = []
+    for row, f, g, is_free in zip(rows, found, forced, free):
+        if not is_free or g or row.spec.drafter == "proposer":
+            offers.append(None)
+        elif f:
+            offers.append(DraftOffer(row.acceptance["lookup"], len(f)))
+        elif has_chain and row.uses_head:
+            offers.append(DraftOffer(row.acceptance["head"], row.head_length))
+        else:
+            offers.append(None)
+    k = policy.choose(offers, timed=timed)
+    return [k if is_free else cap for is_free, cap in zip(free, unlimited)], offers

@@ -83,6 +83,11 @@ class BatchRow:
         return self.history[-1]
 
     @property
+    def head_length(self) -> int:
+        """The head's drafts per cycle for this row: its pinned length, else its spec's depth."""
+        return self.draft_length if self.draft_length is not None else self.spec.settings.depth
+
+    @property
     def uses_head(self) -> bool:
         return self.spec.drafter in ("head", "auto")
 

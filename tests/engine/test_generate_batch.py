@@ -139,6 +139,21 @@ def test_draft_model_rows_join_the_batch_and_give_the_tokens_they_give_alone(
     assert sum(b.stats.drafters.get("model", {}).get("drafted", 0) for b in batched[:3]) > 0
 
 
+def test_plain_ar_rows_queue_the_next_cycle_and_give_the_tokens_they_give_alone(tiny_engine):
+    """Where every row is plain AR the next cycle is queued before the step returns; rows that end
+    at different lengths and rows that join meanwhile undo it (caches and keys), so every seeded
+    row still gives the tokens it gives alone."""
+    seed = random.randrange(10_000)
+    requests = [
+        _req(max_tokens=n, temperature=t, seed=seed + i, draft="none")
+        for i, (n, t) in enumerate([(5, 1.0), (13, 0.9), (8, 1.0), (11, 0.0), (7, 1.0)])
+    ]
+    alone = [tiny_engine.generate(p, r) for p, r in zip(PROMPTS, requests)]
+    batched = tiny_engine.generate_batch(PROMPTS, requests, max_rows=2)  # joins as rows end
+    for i, (a, b) in enumerate(zip(alone, batched)):
+        assert b.token_ids == a.token_ids, (i, seed)
+
+
 def test_generate_batch_gives_each_request_the_tokens_it_gives_alone(tiny_engine):
     requests = _mixed_requests(random.randrange(10_000))
     alone = [tiny_engine.generate(p, r) for p, r in zip(PROMPTS, requests)]

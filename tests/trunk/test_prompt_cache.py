@@ -94,9 +94,9 @@ def test_second_turn_prefills_only_the_new_tokens(engines, mtp, seed):
         # Recurrent state is snapshotted at the prompt's end (all but its last token).
         assert stats.cached_tokens == len(turn1) - 1
     elif not mtp:
-        # Plain KV keeps prompt and reply but the last token (pending: sampled, never forwarded):
-        # it and the new message are forwarded.
-        assert stats.cached_tokens == len(turn1) + len(first.token_ids) - 1
+        # Plain KV keeps prompt and reply (the AR cycle queued after the last token forwarded it):
+        # only the new message is forwarded.
+        assert stats.cached_tokens == len(turn1) + len(first.token_ids)
     else:
         # The trunk lags one token (pending), and the head has not yet read the last cycle's
         # trunk states: up to depth + 1 more when that cycle kept every draft.
