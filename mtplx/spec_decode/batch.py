@@ -384,9 +384,9 @@ class BatchDecoder:
     def _draft(self, rows: Sequence[BatchRow], keys: Sequence[CycleKeys], timed: bool) -> Block:
         """Every row's drafts for this cycle (lazy where the head draws them).
 
-        Per row, first match wins: tokens its grammar forces (point masses, no policy cap), a
-        prompt-lookup match (cut to the policy's cap, and for a grammar row to its legal prefix:
-        exact for point masses), else the head chain up to min(its length, cap)."""
+        Per row, first match wins: tokens its grammar forces (point masses), a prompt-lookup match
+        (for a grammar row cut to its legal prefix: exact for point masses), else the head chain up
+        to its length; each cut to the row's cap (the draft policy's K, `row_caps`)."""
         forced = [
             row.constraint.forced_tokens(MAX_FORCED)
             if row.constraint is not None and row.spec.drafter != "none"
@@ -398,6 +398,7 @@ class BatchDecoder:
             for row, g in zip(rows, forced)
         ]
         caps, offers = row_caps(self.policy, rows, found, forced, self.chain is not None, timed)
+        forced = [g[:cap] for g, cap in zip(forced, caps)]
         found = [f[:cap] for f, cap in zip(found, caps)]
         found = [
             f[: row.constraint.legal_prefix(f)] if row.constraint is not None and f else f

@@ -62,6 +62,10 @@ DRAFT_POLICIES = ("auto", "fixed")
 # at t 0.7, and once it is, the copy tends to go on (later positions 0.91-0.95 / 0.66-0.88).
 PRIOR_ACCEPTANCE = (0.4, 0.35, 0.3)
 LOOKUP_PRIOR_ACCEPTANCE = (0.6, 0.8)
+# Tokens a grammar forces: where its mask allows only that token, its masked target probability is
+# 1 (kept for sure); llguidance's forced tokens are that case, so the prior is near 1 and a row's
+# record (an ambiguous tokenization rejected) corrects it.
+FORCED_PRIOR_ACCEPTANCE = (0.95,)
 # Every cycle with a drafter on offer scales that record by this before it counts the cycle
 # (about the last 20 cycles count): acceptance that changes within a response is followed, and
 # a record whose drafts were not taken (K = 0) drifts back to its prior, so the row is tried
@@ -184,7 +188,11 @@ class RowAcceptance:
 
 def drafter_records() -> dict[str, RowAcceptance]:
     """A new row's records, one per drafter that can offer it drafts."""
-    return {"head": RowAcceptance(), "lookup": RowAcceptance(LOOKUP_PRIOR_ACCEPTANCE)}
+    return {
+        "head": RowAcceptance(),
+        "lookup": RowAcceptance(LOOKUP_PRIOR_ACCEPTANCE),
+        "grammar": RowAcceptance(FORCED_PRIOR_ACCEPTANCE),
+    }
 
 
 @dataclass(frozen=True)
@@ -348,17 +356,20 @@ def row_caps(
     """Each batch row's most drafts this cycle (`mtplx.spec_decode.rows.BatchRow`s, their lookup
     matches ``found`` and grammar-forced tokens ``forced``): the policy's K for rows without a
     pinned length (``timed``: this cycle's seconds will calibrate it), no cap for pinned rows or
-    without a policy; and what each row offered the policy (None: nothing, or no policy; rows
-    drafting forced tokens or with their own proposer offer nothing: those drafts are not the
-    policy's). ``has_chain``: the batched head chain drafts for head rows."""
+    without a policy; and what each row offered the policy (None: nothing, or no policy; a row
+    with its own proposer offers nothing: its drafts are not the policy's). Forced tokens are
+    offered like any drafts (record "grammar", kept nearly always), so they widen the block only
+    where the cost model says the extra positions pay. ``has_chain``: the head chain drafts."""
     unlimited = [MAX_DEPTH + 64] * len(rows)
     if policy is None:
         return unlimited, [None] * len(rows)
     free = [r.draft_length is None for r in rows]
     offers: list[DraftOffer | None] = []
     for row, f, g, is_free in zip(rows, found, forced, free):
-        if not is_free or g or row.spec.drafter == "proposer":
+        if not is_free or row.spec.drafter == "proposer":
             offers.append(None)
+        elif g:
+            offers.append(DraftOffer(row.acceptance["grammar"], len(g)))
         elif f:
             offers.append(DraftOffer(row.acceptance["lookup"], len(f)))
         elif has_chain and row.uses_head:

@@ -25,6 +25,7 @@ from mtplx.spec_decode.batch import BatchDecoder, RowSpec
 from mtplx.spec_decode.block import Block, cut_to_legal
 from mtplx.spec_decode.constraint import GrammarConstraint
 from mtplx.spec_decode.draft_model_proposer import DraftModelProposer
+from mtplx.spec_decode.draft_policy import CostProfile, DraftPolicy
 from mtplx.spec_decode.head_proposer import HeadProposer
 from mtplx.spec_decode.lookup_proposer import LookupProposer
 from mtplx.spec_decode.proposer import Draft
@@ -376,6 +377,41 @@ def test_forced_tokens_are_free_drafts_in_a_batch(compiler):
     assert drafted["forced"] >= 60 and drafted["forced_accepted"] == drafted["forced"], drafted
     for kind, p_value in p_values.items():
         assert p_value > FALSE_FAILURE_RATE, f"{kind}: p={p_value:.3g} (seed0={seed0})"
+
+
+class OneDraftPolicy(DraftPolicy):
+    """A draft policy that allows K = 1 every cycle and keeps what each row offered it."""
+
+    def __init__(self):
+        super().__init__(CostProfile((1,), (1.0,)))
+        self.offers: list = []
+
+    def choose(self, offers, *, timed=True):
+        self.offers.append(list(offers))
+        return 1
+
+
+def test_forced_tokens_are_offered_to_the_draft_policy_and_cut_to_its_length(compiler):
+    """Under a cost policy, forced tokens widen every row's block, so they are offered like drafts
+    (record "grammar", kept nearly always) and cut to the policy's K: a grammar forcing 3 letters
+    drafts them one a cycle, each kept."""
+    trunk, head = make_loop_pair(**MODEL)
+    policy = OneDraftPolicy()
+    decoder = BatchDecoder(trunk, head, policy)
+    spec = RowSpec(DecodeSettings(sampler=SamplerConfig(temperature=1.0), depth=2), "head")
+    row_id, _ = decoder.join(
+        GRAMMAR_PROMPT,
+        spec,
+        mx.random.key(0),
+        constraint=compiler.compile(Grammar.lark('start: /[ab]/ "cde" /[a-e]+/')),
+    )
+    steps = [decoder.step()[row_id] for _ in range(4)]
+    forced = [s for s in steps if s.sources and s.sources[0][0] == "grammar"]
+    assert [(s.num_drafted, s.num_accepted) for s in forced] == [(1, 1)] * len(forced) and len(forced) >= 2, (
+        steps
+    )
+    offered = [o for cycle in policy.offers for o in cycle if o is not None]
+    assert any(o.acceptance is decoder.rows[0].acceptance["grammar"] for o in offered)
 
 
 def _guess_forced(monkeypatch) -> None:
