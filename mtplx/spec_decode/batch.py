@@ -95,7 +95,7 @@ __all__ = ["BATCH_DRAFTERS", "BatchDecoder", "BatchRow", "PendingRow", "RowSpec"
 # "auto": lookup where the text recurs, else the head; "proposer": the row's own single-row
 # proposer (`start`'s ``proposer``: a draft model, or any drafter on a single-row decoder).
 BATCH_DRAFTERS = ("none", "lookup", "head", "auto", "proposer")
-# Most grammar-forced tokens a row drafts in one cycle (they widen every row's block, so bounded).
+# Most grammar-forced tokens looked up per row per cycle (the draft policy then cuts them to its K).
 MAX_FORCED = 8
 
 
