@@ -19,7 +19,7 @@ syncs once. Only shapes, dtypes and config are checked eagerly (no data read).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -34,6 +34,8 @@ __all__ = [
     "SampleResult",
     "draw_uniforms",
     "filtered_probs",
+    "constrain_logits",
+    "left_padded",
     "mask_logits",
     "penalize_logits",
     "raise_if_invalid",
@@ -406,6 +408,38 @@ def mask_logits(logits: mx.array, allowed: mx.array | None) -> mx.array:
     if allowed is None:
         return logits
     return mx.where(allowed, logits, mx.array(-mx.inf, dtype=logits.dtype))
+
+
+def left_padded(histories: Sequence[Sequence[int]]) -> mx.array:
+    """int32 [B, C]: token lists left-padded with -1 (`penalize_logits`' context of rows of
+    different lengths)."""
+    width = max(len(h) for h in histories)
+    return mx.array([[-1] * (width - len(h)) + list(h) for h in histories], dtype=mx.int32)
+
+
+def constrain_logits(
+    logits: mx.array,
+    cfg: SamplerConfig,
+    context: mx.array | Sequence[Sequence[int]] | None = None,
+    block_tokens: mx.array | None = None,
+    allowed: mx.array | None = None,
+) -> mx.array:
+    """The logit pipeline's stages before temperature and the filters (docs/sampling.md): step 2
+    (bias and penalties over ``context`` then ``block_tokens``, `penalize_logits`), then step 2b
+    (the grammar mask ``allowed``, `mask_logits`). Every path that samples or verifies a
+    distribution (verify, the first token's draw, a drafter's draw) applies these two here, so
+    their order is written once; `sample` and `verify` apply temperature and the filters.
+
+    logits [B, T, V] or [B, V] (one position); ``context``: [B, C] int32 left-padded with -1, or
+    the rows' token lists (padded here, only when the sampler has penalties); ``allowed`` bool,
+    broadcast against the logits (None: no grammar). Without penalties and mask: the input."""
+    if cfg.has_penalties:
+        if context is not None and not isinstance(context, mx.array):
+            context = left_padded(context)
+        one_position = logits.ndim == 2
+        logits = penalize_logits(logits[:, None, :] if one_position else logits, context, cfg, block_tokens)
+        logits = logits[:, 0, :] if one_position else logits
+    return mask_logits(logits, allowed)
 
 
 # ----------------------------------------------------------------------------

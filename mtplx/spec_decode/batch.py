@@ -45,7 +45,7 @@ from collections.abc import Sequence
 from mtplx.errors import MtplxError
 from mtplx.sample import ops as sample_ops
 from mtplx.sample import rejection
-from mtplx.spec_decode.batch_head import HeadChain, groups_by, left_padded, pad_time, padded_uniforms
+from mtplx.spec_decode.batch_head import HeadChain, groups_by, pad_time, padded_uniforms
 from mtplx.spec_decode.block import (
     Block,
     Cycle,
@@ -56,7 +56,7 @@ from mtplx.spec_decode.block import (
     adaptive_length,
     cut_to_legal,
     cycle_keys,
-    padded_masks,
+    group_masks,
     raise_if_invalid,
     row_positions,
 )
@@ -519,12 +519,10 @@ class BatchDecoder:
             sel = mx.array(index, dtype=mx.int32)
             logits = target_logits[sel, : k + 1]
             drafts = block.drafts[sel, :k]
-            if cfg.has_penalties:
-                context = left_padded([rows[i].history for i in index])
-                logits = sample_ops.penalize_logits(logits, context, cfg, drafts)
-            if masks is not None and any(masks[i] is not None for i in index):
-                allowed = [masks[i] if masks[i] is not None else self._all_allowed()[None] for i in index]
-                logits = sample_ops.mask_logits(logits, mx.stack([padded_masks(a, k + 1) for a in allowed]))
+            allowed = group_masks(masks, index, k + 1, int(self.trunk.vocab_size))
+            logits = sample_ops.constrain_logits(
+                logits, cfg, [rows[i].history for i in index], drafts, allowed
+            )
             sample_u = mx.concatenate([sample_ops.draw_uniforms((1,), keys[i].sample) for i in index])
             probs = mx.concatenate([block.q(i, k) for i in index]) if with_q and k else None
             accept_u = (  # k = 0: a plain AR step, verify samples row 0

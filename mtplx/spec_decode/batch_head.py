@@ -29,12 +29,7 @@ class DraftingRow(Protocol):
     pending_tokens: list[int]
 
 
-__all__ = ["HeadChain", "gather_positions", "groups_by", "left_padded", "pad_time", "padded_uniforms"]
-
-
-def left_padded(rows: Sequence[list[int]]) -> mx.array:
-    width = max(len(r) for r in rows)
-    return mx.array([[-1] * (width - len(r)) + r for r in rows], dtype=mx.int32)
+__all__ = ["HeadChain", "gather_positions", "groups_by", "pad_time", "padded_uniforms"]
 
 
 def gather_positions(x: mx.array, index: Sequence[int]) -> mx.array:
@@ -150,10 +145,11 @@ class HeadChain:
         for (cfg, greedy, backend), index in groups_by(rows, lambda r: _draft_key(r.spec.settings)).items():
             sel = mx.array(index, dtype=mx.int32)
             group_logits = logits[sel]
-            if cfg.has_penalties:
-                context = self._context(rows, index, earlier)
-                group_logits = sample_ops.penalize_logits(group_logits[:, None, :], context, cfg)[:, 0, :]
-            group_logits = masked_draft_logits(group_logits, None if allowed is None else allowed[sel])
+            context = self._context(rows, index, earlier) if cfg.has_penalties else None
+            group_logits = masked_draft_logits(
+                sample_ops.constrain_logits(group_logits, cfg, context),
+                None if allowed is None else allowed[sel],
+            )
             if greedy:
                 group_tokens = mx.argmax(group_logits, axis=-1).astype(mx.int32)
                 group_probs = (mx.arange(vocab_size)[None] == group_tokens[:, None]).astype(mx.float32)
@@ -173,7 +169,7 @@ class HeadChain:
 
     @staticmethod
     def _context(rows: Sequence[DraftingRow], index: Sequence[int], earlier: list[mx.array]) -> mx.array:
-        context = left_padded([rows[i].history for i in index])
+        context = sample_ops.left_padded([rows[i].history for i in index])
         if earlier:
             sel = mx.array(list(index), dtype=mx.int32)
             context = mx.concatenate([context, mx.stack(earlier, axis=1)[sel]], axis=1)

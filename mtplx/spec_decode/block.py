@@ -29,6 +29,7 @@ __all__ = [
     "adaptive_length",
     "cut_to_legal",
     "cycle_keys",
+    "group_masks",
     "padded_masks",
     "raise_if_invalid",
     "row_positions",
@@ -125,6 +126,16 @@ def adaptive_length(confidence: Sequence[float], threshold: float) -> int:
             if sure < threshold:
                 return i + 1
     return len(confidence)
+
+
+def group_masks(masks: list | None, index: Sequence[int], count: int, vocab_size: int) -> mx.array | None:
+    """bool [G, count, V]: the grammar masks of the rows ``index`` over ``count`` verify positions
+    (all allowed for a free row); None when none of them has a grammar (``masks``: per batch row,
+    [k_r + 1, V] or None)."""
+    if masks is None or all(masks[i] is None for i in index):
+        return None
+    free = mx.ones((1, vocab_size), dtype=mx.bool_)
+    return mx.stack([padded_masks(masks[i] if masks[i] is not None else free, count) for i in index])
 
 
 def padded_masks(allowed: mx.array, count: int) -> mx.array:

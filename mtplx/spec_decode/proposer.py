@@ -120,9 +120,7 @@ def draw_draft_token(
     No host sync.
     """
     cfg = settings.sampler
-    if cfg.has_penalties:
-        logits = sample_ops.penalize_logits(logits[:, None, :], context, cfg)[:, 0, :]
-    logits = masked_draft_logits(logits, allowed)
+    logits = masked_draft_logits(sample_ops.constrain_logits(logits, cfg, context), allowed)
     if settings.greedy_draft:
         return mx.argmax(logits, axis=-1).astype(mx.int32), None, None
     drawn = sample_ops.sample(logits, cfg, uniform, backend=settings.verify_backend)

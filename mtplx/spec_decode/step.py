@@ -158,10 +158,7 @@ def sample_last_row(
     """The next token from the last row of logits[1, T, V], penalized by ``history`` and masked by
     ``allowed`` [V] (the grammar's mask; None: none). Lazy."""
     cfg = settings.sampler
-    last = logits[:, -1:, :]
-    if cfg.has_penalties:
-        last = sample_ops.penalize_logits(last, mx.array(history, dtype=mx.int32)[None], cfg)
-    last = sample_ops.mask_logits(last[:, 0, :], allowed)
+    last = sample_ops.constrain_logits(logits[:, -1, :], cfg, [history], allowed=allowed)
     return sample_ops.sample(last, cfg, sample_ops.draw_uniforms((1,), key), backend=settings.verify_backend)
 
 
