@@ -129,7 +129,7 @@ class BatchScheduler:
             prefix=session.prefix,
             # A seeded request drafts its own depth every cycle, as alone, so it reproduces its
             # tokens whatever else is in the batch; the draft policy chooses for the others.
-            draft_length=plan.settings.depth if request.seed is not None else None,
+            draft_length=plan.settings.depth if request.seed is not None or request.drafting.pinned else None,
             constraint=constraint,
             proposer=engine.row_proposer(plan, request, session.head_cache)
             if row_drafter == "proposer"

@@ -35,6 +35,7 @@ from mtplx.server.responses_input import to_chat as responses_to_chat
 from mtplx.server.schemas import ChatCompletionRequest, CompletionRequest, ResponsesRequest
 from mtplx.server.settings import ServerSettings
 from mtplx.server.worker import Finished, GenerationWorker, Job, JobFailed, JobTimeout, QueueFull
+from mtplx.spec_decode.settings import Drafting
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -395,11 +396,28 @@ def _request(
             seed=body.seed if body.seed is not None else defaults.seed,
             stop=body.stop or (),
             logprobs=logprobs,
+            drafting=_drafting(body, defaults.drafting),
         )
     except MtplxError as err:
         field = str(err).split(" ", 1)[0]  # the messages start with the field's API name
         known = field in _SAMPLER_FIELDS or field in ("seed", "logit_bias", "stop")
         raise APIError(400, str(err), param=field if known else None) from None
+
+
+def _drafting(body, served: Drafting) -> Drafting:
+    """The request's speculation over the served drafting (``num_draft_tokens``, ``speculative``):
+    a draft count of 0 or drafter "none" is plain AR; ``num_draft_tokens`` or ``n_min`` > 0 pins
+    the count (the batch's cost policy then drafts it every cycle, as for a seeded request)."""
+    spec = getattr(body, "speculative", None)
+    count = getattr(body, "num_draft_tokens", None)
+    if spec is None and count is None:
+        return served
+    n_max = count if count is not None else (spec.n_max if spec is not None else None)
+    kind = spec.drafter if spec is not None and spec.drafter is not None else served.kind
+    if n_max == 0:
+        return replace(served, kind="none", depth=None, pinned=False)
+    pinned = n_max is not None and (count is not None or (spec is not None and bool(spec.n_min)))
+    return replace(served, kind=kind, depth=n_max if n_max is not None else served.depth, pinned=pinned)
 
 
 def _agent_max_tokens(engine, settings: ServerSettings, prompt_length: int) -> int:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+from mtplx.spec_decode.settings import MAX_DEPTH
+
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
 # OpenAI allows at most 20 alternatives per position.
@@ -27,6 +29,23 @@ FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: StrictBool = False
+
+
+class Speculative(BaseModel):
+    """A request's own speculation, with llama-server's names: ``n_max`` the most drafts per cycle
+    (0: none), ``n_min`` > 0 keeps the row drafting ``n_max`` every cycle (the cost policy may not
+    take it to K = 0), ``drafter`` one of the engine's drafter kinds ("none": plain AR)."""
+
+    model_config = ConfigDict(extra="ignore")
+    n_max: Annotated[StrictInt, Field(ge=0, le=MAX_DEPTH)] | None = None
+    n_min: Annotated[StrictInt, Field(ge=0, le=MAX_DEPTH)] | None = None
+    drafter: Literal["auto", "head", "lookup", "model", "none"] | None = None
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Speculative:
+        if self.n_min is not None and self.n_max is not None and self.n_min > self.n_max:
+            raise ValueError(f"n_min ({self.n_min}) must be <= n_max ({self.n_max})")
+        return self
 
 
 class TextPart(BaseModel):
@@ -142,6 +161,19 @@ class _SamplingRequest(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
+    # Speculation for this request (README, "Per-request speculation"): mlx-lm's server spelling
+    # (drafts per cycle, pinned) and llama-server's object.
+    num_draft_tokens: Annotated[StrictInt, Field(ge=0, le=MAX_DEPTH)] | None = None
+    speculative: Speculative | None = None
+
+    @model_validator(mode="after")
+    def _one_draft_count(self) -> _SamplingRequest:
+        n_max = self.speculative.n_max if self.speculative is not None else None
+        if self.num_draft_tokens is not None and n_max is not None and n_max != self.num_draft_tokens:
+            raise ValueError(
+                f"num_draft_tokens ({self.num_draft_tokens}) contradicts speculative.n_max ({n_max})"
+            )
+        return self
 
     @field_validator("logit_bias")
     @classmethod

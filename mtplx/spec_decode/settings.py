@@ -82,6 +82,7 @@ class Drafting:
     adaptive: bool = False  # stop head drafting early when the head is unsure
     adaptive_threshold: float | None = None  # that threshold (implies adaptive); None: tuned, else default
     lookup: LookupConfig = field(default_factory=LookupConfig)
+    pinned: bool = False  # draft ``depth`` every cycle in a batch (the cost policy does not choose)
 
     def __post_init__(self) -> None:
         if self.kind not in DRAFT_KINDS:

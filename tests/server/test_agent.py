@@ -517,3 +517,70 @@ def test_messages_auth_and_unknown_model_use_anthropics_shape_and_the_server_kee
         claude.messages.create(model="other", max_tokens=4, messages=_ask("hi"))
     ok = claude.messages.create(model=model_id, max_tokens=4, messages=_ask("still there?"))
     assert ok.usage.output_tokens > 0
+
+
+# ------------------------------------------------------------------ per-request speculation
+
+
+def test_a_request_turns_drafting_off_while_others_keep_drafting(client, model_id):
+    """``speculative.drafter: "none"`` decodes that request as plain AR (no drafted tokens) in the
+    same batch as requests that draft."""
+
+    def ask(extra: dict):
+        return client.chat.completions.create(
+            model=model_id, messages=_ask("Count to ten."), max_tokens=24, temperature=0, extra_body=extra
+        )
+
+    with ThreadPoolExecutor(3) as pool:
+        # The two drafting requests pin their count: the cost policy may keep a free row at K = 0.
+        pinned = [{"num_draft_tokens": 2}, {"speculative": {"n_max": 2, "n_min": 1}}]
+        off, on, also_on = pool.map(ask, [{"speculative": {"drafter": "none"}}, *pinned])
+    assert off.model_extra["mtplx"]["mode"] == "ar" and off.model_extra["mtplx"]["drafters"] == {}
+    for reply in (on, also_on):
+        extra = reply.model_extra["mtplx"]
+        assert extra["mode"] == "mtp" and sum(d["drafted"] for d in extra["drafters"].values()) > 0, extra
+    assert off.choices[0].message.content == on.choices[0].message.content  # greedy: the same text
+
+
+@pytest.mark.parametrize(
+    "extra", [{"num_draft_tokens": 1}, {"speculative": {"n_max": 3, "n_min": 3, "drafter": "head"}}]
+)
+def test_a_pinned_draft_count_is_drafted_every_cycle(client, model_id, extra):
+    """``num_draft_tokens`` (mlx-lm's spelling) and ``speculative.n_max`` with ``n_min`` pin the
+    head's drafts per cycle: the reply's depth is the count, and every cycle but the prefill's
+    drafted exactly that many (the cost policy took none of them to K = 0)."""
+    count = extra.get("num_draft_tokens") or extra["speculative"]["n_max"]
+    reply = client.chat.completions.create(
+        model=model_id,
+        messages=_ask("Write a long list of fruit."),
+        max_tokens=40,
+        temperature=0,
+        extra_body={**extra, "speculative": {**extra.get("speculative", {}), "drafter": "head"}},
+    )
+    stats = reply.model_extra["mtplx"]
+    assert stats["depth"] == count, stats
+    assert len(stats["drafted_per_position"]) == count, stats
+    assert stats["drafted_per_position"][0] == stats["cycles"], stats  # every cycle drafted
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"num_draft_tokens": -1}, "num_draft_tokens"),
+        ({"num_draft_tokens": 99}, "num_draft_tokens"),
+        ({"speculative": {"n_max": 2, "n_min": 3}}, "speculative"),
+        ({"speculative": {"drafter": "bogus"}}, "speculative.drafter"),
+        ({"num_draft_tokens": 2, "speculative": {"n_max": 3}}, None),
+    ],
+)
+def test_bad_speculation_fields_are_400s_naming_the_field(server, extra, param):
+    body = {"messages": _ask("hi"), "max_tokens": 4, **extra}
+    reply = httpx.post(
+        server[0] + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60
+    )
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert "\n" not in error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+    assert ("num_draft_tokens" in error["message"]) or ("speculative" in error["message"]), error
