@@ -28,7 +28,7 @@ from typing import Annotated, Any, Literal
 from mtplx.engine.engine import GenerationChunk
 from mtplx.server.chat import ReplyReader
 from mtplx.server.openai import APIError
-from mtplx.server.schemas import FUNCTION_NAME
+from mtplx.server.schemas import FUNCTION_NAME, SpeculationFields
 from mtplx.server.tools import merge_calls
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
@@ -88,7 +88,7 @@ class ToolChoice(_Body):
     disable_parallel_tool_use: StrictBool = False
 
 
-class MessagesRequest(_Body):
+class MessagesRequest(_Body, SpeculationFields):
     model: str | None = None  # None: the served model
     max_tokens: Annotated[StrictInt, Field(ge=1)]
     messages: Annotated[list[InputMessage], Field(min_length=1)]
@@ -176,6 +176,7 @@ def to_chat(body: MessagesRequest | CountTokensRequest) -> dict:
             top_k=body.top_k,
             stop=body.stop_sequences,
             stream=body.stream,
+            **body.speculation(),
         )
     return {k: v for k, v in chat.items() if v is not None}
 

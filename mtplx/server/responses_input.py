@@ -267,6 +267,7 @@ def to_chat(body: ResponsesRequest, history: list[dict], max_tokens: int | None)
         "stream": body.stream,
     }
     chat.update({name: getattr(body, name) for name in _SAMPLER})
+    chat.update(body.speculation())
     return ChatTurn({k: v for k, v in chat.items() if v is not None}, turns, index)
 
 

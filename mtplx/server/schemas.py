@@ -48,6 +48,32 @@ class Speculative(BaseModel):
         return self
 
 
+class SpeculationFields(BaseModel):
+    """Speculation for one request (README, server section), on every route's body: mlx-lm's
+    server spelling (``num_draft_tokens``: drafts per cycle, pinned) and llama-server's object."""
+
+    num_draft_tokens: Annotated[StrictInt, Field(ge=0, le=MAX_DEPTH)] | None = None
+    speculative: Speculative | None = None
+
+    @model_validator(mode="after")
+    def _one_draft_count(self) -> SpeculationFields:
+        n_max = self.speculative.n_max if self.speculative is not None else None
+        if self.num_draft_tokens is not None and n_max is not None and n_max != self.num_draft_tokens:
+            raise ValueError(
+                f"num_draft_tokens ({self.num_draft_tokens}) contradicts speculative.n_max ({n_max})"
+            )
+        return self
+
+    def speculation(self) -> dict:
+        """These fields as a chat completion body carries them (the ones given)."""
+        out: dict = {}
+        if self.num_draft_tokens is not None:
+            out["num_draft_tokens"] = self.num_draft_tokens
+        if self.speculative is not None:
+            out["speculative"] = self.speculative.model_dump(exclude_none=True)
+        return out
+
+
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: Literal["text"]
@@ -140,7 +166,7 @@ class ResponseFormat(BaseModel):
         return self
 
 
-class _SamplingRequest(BaseModel):
+class _SamplingRequest(SpeculationFields):
     """Fields shared by chat and text completions."""
 
     model_config = ConfigDict(extra="ignore")
@@ -161,19 +187,6 @@ class _SamplingRequest(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
-    # Speculation for this request (README, "Per-request speculation"): mlx-lm's server spelling
-    # (drafts per cycle, pinned) and llama-server's object.
-    num_draft_tokens: Annotated[StrictInt, Field(ge=0, le=MAX_DEPTH)] | None = None
-    speculative: Speculative | None = None
-
-    @model_validator(mode="after")
-    def _one_draft_count(self) -> _SamplingRequest:
-        n_max = self.speculative.n_max if self.speculative is not None else None
-        if self.num_draft_tokens is not None and n_max is not None and n_max != self.num_draft_tokens:
-            raise ValueError(
-                f"num_draft_tokens ({self.num_draft_tokens}) contradicts speculative.n_max ({n_max})"
-            )
-        return self
 
     @field_validator("logit_bias")
     @classmethod
@@ -237,7 +250,7 @@ class ResponsesNamedTool(BaseModel):
     name: str | None = None
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(SpeculationFields):
     """``POST /v1/responses``. Sampler fields beyond OpenAI's (top_k, min_p, the penalties, seed)
     are accepted as on chat completions. ``store`` defaults to true, as in OpenAI's API; the
     fields Codex sends that change nothing here (``include``, ``prompt_cache_key``, ``reasoning``,

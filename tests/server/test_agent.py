@@ -584,3 +584,22 @@ def test_bad_speculation_fields_are_400s_naming_the_field(server, extra, param):
     if param is not None:
         assert error["param"] == param, error
     assert ("num_draft_tokens" in error["message"]) or ("speculative" in error["message"]), error
+
+
+def test_the_messages_route_carries_the_speculation_fields(claude, model_id):
+    """/v1/messages takes the same fields: they reach the chat request it is served as, and a bad
+    one is a 400 in Anthropic's shape."""
+    from mtplx.server.anthropic import MessagesRequest, to_chat
+
+    body = MessagesRequest.model_validate(
+        {"max_tokens": 4, "messages": _ask("hi"), "speculative": {"drafter": "none", "n_max": 0}}
+    )
+    assert to_chat(body)["speculative"] == {"drafter": "none", "n_max": 0}
+    reply = claude.messages.create(
+        model=model_id, max_tokens=8, messages=_ask("Count to ten."), extra_body={"num_draft_tokens": 1}
+    )
+    assert reply.stop_reason in ("end_turn", "max_tokens")
+    with pytest.raises(anthropic.BadRequestError, match="num_draft_tokens"):
+        claude.messages.create(
+            model=model_id, max_tokens=8, messages=_ask("hi"), extra_body={"num_draft_tokens": 99}
+        )

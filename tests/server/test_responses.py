@@ -595,3 +595,17 @@ def test_the_readme_codex_configuration_names_codex_keys_and_this_route():
     assert set(provider) <= CODEX_PROVIDER_KEYS
     assert provider["wire_api"] == "responses" and provider["base_url"] == "http://127.0.0.1:8000/v1"
     assert provider["env_key"] == "MTPLX_API_KEY"  # the variable `mtplx serve` reads
+
+
+def test_speculation_fields_reach_the_row_through_the_responses_route(client, model_id):
+    """``speculative`` / ``num_draft_tokens`` on /v1/responses, as on chat: drafter "none" is plain
+    AR, a pinned count drafts every cycle; a contradiction is a 400 naming the fields."""
+    kwargs = dict(model=model_id, input="Count to ten.", max_output_tokens=16, temperature=0)
+    off = client.responses.create(**kwargs, extra_body={"speculative": {"drafter": "none"}})
+    assert off.model_extra["mtplx"]["mode"] == "ar" and off.model_extra["mtplx"]["drafters"] == {}
+    pinned = client.responses.create(**kwargs, extra_body={"num_draft_tokens": 1})
+    stats = pinned.model_extra["mtplx"]
+    assert stats["depth"] == 1 and stats["drafted_per_position"][0] == stats["cycles"], stats
+    assert pinned.output_text == off.output_text  # greedy: the same text either way
+    with pytest.raises(openai.BadRequestError, match="num_draft_tokens"):
+        client.responses.create(**kwargs, extra_body={"num_draft_tokens": 2, "speculative": {"n_max": 1}})
