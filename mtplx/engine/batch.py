@@ -23,7 +23,7 @@ requests and draft-model requests (each row drafting with its own proposer) deco
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from mtplx.engine.output import GenerationChunk, RequestOutput
@@ -36,7 +36,7 @@ from mtplx.spec_decode.select import batch_drafter
 from mtplx.spec_decode.settings import DEFAULT_PREFILL_STEP
 from mtplx.spec_decode.step import PromptPrefix
 
-__all__ = ["BatchScheduler", "StepTiming"]
+__all__ = ["BatchScheduler", "StepTiming", "run_to_completion", "stream_of"]
 
 
 @dataclass
@@ -292,3 +292,21 @@ def run_to_completion(
     finally:
         scheduler.close()
     return chunks
+
+
+def stream_of(scheduler: BatchScheduler, handle: int) -> Iterator[GenerationChunk]:
+    """The chunks of request ``handle``, stepping ``scheduler`` until it ends; errors raise
+    (invalid values the model produced as the ValueError a single stream raises). Closing the
+    generator early drops the request (its memory freed), as an interrupted call leaves nothing."""
+    try:
+        while not scheduler.idle:
+            for result in scheduler.step():
+                if isinstance(result.error, RowsFailed):
+                    raise ValueError(str(result.error)) from None
+                if result.error is not None:
+                    raise result.error
+                yield result.chunk
+                if result.done:
+                    return
+    finally:
+        scheduler.close()

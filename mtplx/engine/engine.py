@@ -1,11 +1,12 @@
 """`Engine`: load a model (and its MTP head), then stream or generate text for a `GenerationRequest`.
 
-One call, end to end: the request (validated at the edge) -> prompt ids (`text.encode_prompt`) ->
-the caches it starts from (`session.open_session`, the prompt cache) -> the drafter and depth
-(`spec_decode.select`) -> the decode loop (`spec_decode.loop`: `speculative_decode` or `ar_decode`)
--> per step: EOS / stop strings / max_tokens, incremental text (`text.TextAssembler`), running
-stats (`stats.StatsTracker`) -> `GenerationChunk`s. The engine holds what outlives a request: the
-trunk, the head, a draft model, the prompt cache, the tuned defaults, the sharding.
+One call, end to end: the request (validated at the edge) -> `plan` (prompt ids, the drafter and
+depth from `spec_decode.select`, the loop's settings) -> the one scheduler (`engine.batch`: a
+stream is a batch of one, on its own caches) and the one cycle (`spec_decode.batch.BatchDecoder`)
+-> per step: EOS / stop strings / max_tokens, incremental text, running stats
+(`output.RequestOutput`) -> `GenerationChunk`s. A sharded engine decodes a request alone on every
+rank (`spec_decode.loop.decode_alone`, the same cycle). The engine holds what outlives a request:
+the trunk, the head, a draft model, the prompt cache, the tuned defaults, the sharding.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from mtplx.engine.batch import BatchScheduler, run_to_completion
+from mtplx.engine.batch import BatchScheduler, run_to_completion, stream_of
 from mtplx.engine.grammar import GrammarCompiler
 from mtplx.engine.output import GenerationChunk, GenerationResult, RequestOutput
 from mtplx.engine.request import GenerationRequest
@@ -28,7 +29,6 @@ from mtplx.heads.discovery import find_head, missing_head_message
 from mtplx.spec_decode import loop as decode
 from mtplx.spec_decode.constraint import GrammarConstraint
 from mtplx.spec_decode.draft_policy import DRAFT_POLICIES, CostProfile, DraftPolicy
-from mtplx.spec_decode.rows import RowsFailed
 from mtplx.spec_decode.select import DEFAULT_DEPTH, DrafterChoice, build_proposer, choose_drafter
 from mtplx.spec_decode.settings import DEFAULT_PREFILL_STEP, DecodeSettings
 from mtplx.trunk.model import Trunk
@@ -260,7 +260,7 @@ class Engine:
         first chunk."""
         scheduler = BatchScheduler(self, max_rows=1, prompt_concurrency=1, single_row=True)
         handle = scheduler.submit(prompt, request)
-        return _chunks_of(scheduler, handle)
+        return stream_of(scheduler, handle)
 
     def _stream_sharded(self, prompt, request: GenerationRequest) -> Iterator[GenerationChunk]:
         """A sharded engine's stream: every rank decodes the same request alone on its own caches
@@ -496,21 +496,3 @@ class Engine:
     ) -> GenerationResult:
         """Generate to completion; the same arguments as `stream`."""
         return GenerationResult.from_chunks(list(self.stream(prompt, request, **kwargs)))
-
-
-def _chunks_of(scheduler: BatchScheduler, handle: int) -> Iterator[GenerationChunk]:
-    """The chunks of request ``handle``, stepping ``scheduler`` until it ends; errors raise
-    (invalid values the model produced as the ValueError a single stream raises). Closing the
-    generator early drops the request (its memory freed), as an interrupted call leaves nothing."""
-    try:
-        while not scheduler.idle:
-            for result in scheduler.step():
-                if isinstance(result.error, RowsFailed):
-                    raise ValueError(str(result.error)) from None
-                if result.error is not None:
-                    raise result.error
-                yield result.chunk
-                if result.done:
-                    return
-    finally:
-        scheduler.close()

@@ -35,7 +35,6 @@ from mtplx.server.responses_input import to_chat as responses_to_chat
 from mtplx.server.schemas import ChatCompletionRequest, CompletionRequest, ResponsesRequest
 from mtplx.server.settings import ServerSettings
 from mtplx.server.worker import Finished, GenerationWorker, Job, JobFailed, JobTimeout, QueueFull
-from mtplx.spec_decode.settings import Drafting
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -119,10 +118,22 @@ def _log_request(scope, status: int, seconds: float) -> None:
 
 
 def create_app(worker: GenerationWorker, settings: ServerSettings) -> FastAPI:
-    engine = worker.engine
+    """The app: error handlers (each API's error shape), /health and /metrics, the /v1 routes behind
+    the API key, then the body-limit, log and CORS middleware."""
     app = FastAPI(title="mtplx", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.worker = worker
-    created = int(time.time())
+    _install_error_handlers(app)
+    check_key = _key_check(settings)
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
+    _add_service_routes(app, v1, worker, settings, check_key)
+    _add_generation_routes(v1, worker, settings)
+    app.include_router(v1)
+    _install_middleware(app, settings)
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    """Every failure as the route's API shapes it: ours (APIError, MtplxError), validation, HTTP, internal."""
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, err: APIError):
@@ -157,6 +168,10 @@ def create_app(worker: GenerationWorker, settings: ServerSettings) -> FastAPI:
         message = "internal server error (details in the server log)"
         return _error_response(request, APIError(500, message, type="server_error"))
 
+
+def _key_check(settings: ServerSettings):
+    """The dependency that guards /v1 and /metrics (None key: open)."""
+
     def check_key(request: Request) -> None:
         """``Authorization: Bearer <key>`` (OpenAI clients) or ``x-api-key: <key>`` (Anthropic's)."""
         if settings.api_key is None:
@@ -169,7 +184,14 @@ def create_app(worker: GenerationWorker, settings: ServerSettings) -> FastAPI:
                 401, "api key: missing or invalid", type="authentication_error", code="invalid_api_key"
             )
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
+    return check_key
+
+
+def _add_service_routes(
+    app: FastAPI, v1: APIRouter, worker: GenerationWorker, settings: ServerSettings, check_key
+) -> None:
+    """/health, /metrics and the model list."""
+    created = int(time.time())
 
     @app.get("/health")
     async def health():
@@ -188,6 +210,12 @@ def create_app(worker: GenerationWorker, settings: ServerSettings) -> FastAPI:
     async def model(model_id: str):
         _check_model(model_id, settings)
         return _model_card(settings.model_id, created)
+
+
+def _add_generation_routes(v1: APIRouter, worker: GenerationWorker, settings: ServerSettings) -> None:
+    """The OpenAI (chat, completions, responses) and Anthropic (messages, count_tokens) routes: each
+    plans a chat or text prompt and queues one job on the worker."""
+    engine = worker.engine
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -240,7 +268,8 @@ def create_app(worker: GenerationWorker, settings: ServerSettings) -> FastAPI:
             _check_model(chat.model, settings)
         return {"input_tokens": len(await _encode_chat(engine, plan_chat(engine.tokenizer, chat)))}
 
-    app.include_router(v1)
+
+def _install_middleware(app: FastAPI, settings: ServerSettings) -> None:
     app.add_middleware(LimitsAndLogMiddleware, max_body_bytes=settings.max_body_bytes)
     if settings.allowed_origins:
         from fastapi.middleware.cors import CORSMiddleware
@@ -251,7 +280,6 @@ def create_app(worker: GenerationWorker, settings: ServerSettings) -> FastAPI:
             allow_methods=["GET", "POST"],
             allow_headers=["Authorization", "Content-Type"],
         )
-    return app
 
 
 def _error_response(request: Request, err: APIError) -> JSONResponse:
@@ -396,28 +424,12 @@ def _request(
             seed=body.seed if body.seed is not None else defaults.seed,
             stop=body.stop or (),
             logprobs=logprobs,
-            drafting=_drafting(body, defaults.drafting),
+            drafting=body.drafting(defaults.drafting),
         )
     except MtplxError as err:
         field = str(err).split(" ", 1)[0]  # the messages start with the field's API name
         known = field in _SAMPLER_FIELDS or field in ("seed", "logit_bias", "stop")
         raise APIError(400, str(err), param=field if known else None) from None
-
-
-def _drafting(body, served: Drafting) -> Drafting:
-    """The request's speculation over the served drafting (``num_draft_tokens``, ``speculative``):
-    a draft count of 0 or drafter "none" is plain AR; ``num_draft_tokens`` or ``n_min`` > 0 pins
-    the count (the batch's cost policy then drafts it every cycle, as for a seeded request)."""
-    spec = getattr(body, "speculative", None)
-    count = getattr(body, "num_draft_tokens", None)
-    if spec is None and count is None:
-        return served
-    n_max = count if count is not None else (spec.n_max if spec is not None else None)
-    kind = spec.drafter if spec is not None and spec.drafter is not None else served.kind
-    if n_max == 0:
-        return replace(served, kind="none", depth=None, pinned=False)
-    pinned = n_max is not None and (count is not None or (spec is not None and bool(spec.n_min)))
-    return replace(served, kind=kind, depth=n_max if n_max is not None else served.depth, pinned=pinned)
 
 
 def _agent_max_tokens(engine, settings: ServerSettings, prompt_length: int) -> int:

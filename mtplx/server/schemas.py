@@ -13,9 +13,10 @@ The agent fields (``response_format``, ``tools``, ``tool_choice``, assistant ``t
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Annotated, Any, Literal
 
-from mtplx.spec_decode.settings import MAX_DEPTH
+from mtplx.spec_decode.settings import MAX_DEPTH, Drafting
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
@@ -63,6 +64,20 @@ class SpeculationFields(BaseModel):
                 f"num_draft_tokens ({self.num_draft_tokens}) contradicts speculative.n_max ({n_max})"
             )
         return self
+
+    def drafting(self, served: Drafting) -> Drafting:
+        """These fields over the served drafting: a draft count of 0 or drafter "none" is plain AR;
+        ``num_draft_tokens`` or ``n_min`` > 0 pins the count (the batch's cost policy then drafts
+        it every cycle, as for a seeded request)."""
+        spec, count = self.speculative, self.num_draft_tokens
+        if spec is None and count is None:
+            return served
+        n_max = count if count is not None else spec.n_max
+        kind = spec.drafter if spec is not None and spec.drafter is not None else served.kind
+        if n_max == 0:
+            return replace(served, kind="none", depth=None, pinned=False)
+        pinned = n_max is not None and (count is not None or bool(spec.n_min))
+        return replace(served, kind=kind, depth=n_max if n_max is not None else served.depth, pinned=pinned)
 
     def speculation(self) -> dict:
         """These fields as a chat completion body carries them (the ones given)."""
