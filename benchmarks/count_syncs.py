@@ -19,7 +19,7 @@ from support.decoding import mtp_decode
 from support.models import make_loop_pair
 from support.sync_counter import counting_syncs
 
-from mtplx.spec_decode import loop as decode
+from mtplx.spec_decode import settings as decode
 from mtplx.sample import ops as sample_ops
 from mtplx.sample.params import SamplerConfig
 

@@ -32,6 +32,7 @@ def child(variant: str, shard: int, depth: int) -> None:
     """One timed shard, in the tree on PYTHONPATH; prints a JSON line."""
     import mtplx  # noqa: F401  (optimized BLAS before mlx)
     from mtplx.checkpoints.load import load_model
+    from mtplx.engine.engine import Engine
     from mtplx.forge.config import DEFAULT_FORGE_CONFIG as cfg
     from mtplx.forge.prompts import prompt_ids
     from mtplx.forge.record import ShardPlan, generate_batch
@@ -55,13 +56,15 @@ def child(variant: str, shard: int, depth: int) -> None:
         (ids for ids in (prompt_ids(tokenizer, p) for p in chosen) if 0 < len(ids) <= cfg.max_prompt), key=len
     )
     eos = set(int(i) for i in getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
-    options = {}
+    head = None
     if variant == "head":
         from mtplx.heads.discovery import find_head
 
-        options = {"head": find_head(loaded, trunk, required=True), "depth": depth}
+        head = find_head(loaded, trunk, required=True)
+    engine = Engine(loaded.model, tokenizer, loaded.config, head=head)
     start = time.perf_counter()
-    data = generate_batch(trunk, encoded, setting, key, cfg.seq_len, cfg.top_n, eos, **options)
+    depth = depth if head is not None else 0
+    data = generate_batch(engine, encoded, setting, key, cfg.seq_len, cfg.top_n, eos, depth=depth)
     seconds = time.perf_counter() - start
     tokens = data.num_response_tokens
     print(json.dumps({"variant": variant, "shard": shard, "setting": setting.label(), "tokens": tokens,

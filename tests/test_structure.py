@@ -319,9 +319,11 @@ def verify_callers(package_dir: Path) -> list[str]:
 
 
 def test_one_module_of_spec_decode_runs_the_cycle() -> None:
-    """The draft -> forward -> verify -> commit cycle exists once (`spec_decode/batch.py`): no
-    second module verifies."""
-    assert verify_callers(PACKAGE) == ["batch.py"]
+    """The draft -> forward -> verify -> commit cycle exists once (`spec_decode/loop.py`): no
+    second module verifies, and the modules it replaced are gone."""
+    assert verify_callers(PACKAGE) == ["loop.py"]
+    gone = ["spec_decode/batch.py", "spec_decode/batch_head.py", "engine/batch.py"]
+    assert [name for name in gone if (PACKAGE / name).exists()] == []
 
 
 def test_the_cycle_check_sees_a_second_verifier(tmp_path: Path) -> None:
@@ -329,3 +331,63 @@ def test_the_cycle_check_sees_a_second_verifier(tmp_path: Path) -> None:
     (tmp_path / "spec_decode" / "batch.py").write_text("def f():\n    rejection.verify(1)\n")
     (tmp_path / "spec_decode" / "loop.py").write_text("def g():\n    return rejection.verify(2)\n")
     assert verify_callers(tmp_path) == ["batch.py", "loop.py"]
+
+
+def decoder_users(package_dir: Path) -> list[str]:
+    """Modules outside ``spec_decode/`` that name `BatchDecoder` (the one cycle's driver): only the
+    one scheduler may, so every entry (stream, batch, server, forge) decodes through it."""
+    users = []
+    for path in sorted(package_dir.rglob("*.py")):
+        relative = path.relative_to(package_dir)
+        if relative.parts[0] == "spec_decode":
+            continue
+        tree = ast.parse(path.read_text())
+        names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        names |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        names |= {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+        if "BatchDecoder" in names:
+            users.append(str(relative))
+    return users
+
+
+def test_only_the_one_scheduler_drives_the_cycle() -> None:
+    assert decoder_users(PACKAGE) == ["engine/scheduler.py"]
+
+
+def test_the_scheduler_check_sees_a_second_driver(tmp_path: Path) -> None:
+    for name in ("engine", "forge", "spec_decode"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "engine" / "scheduler.py").write_text("from x import BatchDecoder\n")
+    (tmp_path / "forge" / "record.py").write_text("import x\nd = x.BatchDecoder()\n")
+    (tmp_path / "spec_decode" / "loop.py").write_text("class BatchDecoder: ...\n")
+    assert decoder_users(tmp_path) == ["engine/scheduler.py", "forge/record.py"]
+
+
+MAX_FUNCTION_LINES = 80
+
+
+def long_functions(package_dir: Path, limit: int = MAX_FUNCTION_LINES) -> dict[str, int]:
+    """Functions over ``limit`` lines (docstring included) in the packages the one-cycle issue
+    holds to it: ``spec_decode/`` and ``engine/``."""
+    found = {}
+    for sub in ("spec_decode", "engine"):
+        for path in sorted((package_dir / sub).glob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    length = node.end_lineno - node.lineno + 1
+                    if length > limit:
+                        found[f"{sub}/{path.name}:{node.name}"] = length
+    return found
+
+
+def test_no_function_over_80_lines_in_the_cycle_and_the_scheduler() -> None:
+    assert long_functions(PACKAGE) == {}
+
+
+def test_function_limit_check_catches_a_long_function(tmp_path: Path) -> None:
+    (tmp_path / "engine").mkdir()
+    (tmp_path / "spec_decode").mkdir()
+    body = "".join("    x = 1\n" for _ in range(MAX_FUNCTION_LINES))
+    (tmp_path / "engine" / "a.py").write_text("def short():\n" + body[: -len("    x = 1\n")] + "\n")
+    (tmp_path / "spec_decode" / "b.py").write_text("def long():\n" + body)
+    assert long_functions(tmp_path) == {"spec_decode/b.py:long": MAX_FUNCTION_LINES + 1}

@@ -91,7 +91,7 @@ def generate(engine: Engine, out: Path, args: argparse.Namespace) -> dict:
         seed = args.seed * 1_000_003 + index + (500_000 if split == "eval" else 0)
         began = time.perf_counter()
         data = generate_batch(
-            engine.trunk, [ids[r] for r in rows], setting, mx.random.key(seed), seq_len, args.top_k, eos
+            engine, [ids[r] for r in rows], setting, mx.random.key(seed), seq_len, args.top_k, eos
         )
         seconds = time.perf_counter() - began
         meta = {

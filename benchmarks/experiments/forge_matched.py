@@ -424,8 +424,7 @@ def main() -> None:
             engine.fingerprint,
         )
         report["generation"] = generate_shards(
-            engine.trunk,
-            engine.tokenizer,
+            engine,
             plan,
             out / "train",
             args.gen_tokens,

@@ -1,11 +1,11 @@
 """`Engine`: load a model (and its MTP head), then stream or generate text for a `GenerationRequest`.
 
 One call, end to end: the request (validated at the edge) -> `plan` (prompt ids, the drafter and
-depth from `spec_decode.select`, the loop's settings) -> the one scheduler (`engine.batch`: a
-stream is a batch of one, on its own caches) and the one cycle (`spec_decode.batch.BatchDecoder`)
+depth from `spec_decode.select`, the loop's settings) -> the one scheduler (`engine.scheduler`: a
+stream is a batch of one, on its own caches) and the one cycle (`spec_decode.loop.BatchDecoder`)
 -> per step: EOS / stop strings / max_tokens, incremental text, running stats
-(`output.RequestOutput`) -> `GenerationChunk`s. A sharded engine decodes a request alone on every
-rank (`spec_decode.loop.decode_alone`, the same cycle). The engine holds what outlives a request:
+(`output.RequestOutput`) -> `GenerationChunk`s. A sharded engine's scheduler steps one row on every
+rank, with rank agreement (`engine.distributed`). The engine holds what outlives a request:
 the trunk, the head, a draft model, the prompt cache, the tuned defaults, the sharding.
 """
 
@@ -17,16 +17,14 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from mtplx.engine.batch import BatchScheduler, run_to_completion, stream_of
 from mtplx.engine.grammar import GrammarCompiler
-from mtplx.engine.output import GenerationChunk, GenerationResult, RequestOutput
+from mtplx.engine.output import GenerationChunk, GenerationResult
 from mtplx.engine.request import GenerationRequest
-from mtplx.engine.session import CacheSession, open_session
+from mtplx.engine.scheduler import BatchScheduler, run_to_completion, stream_of
 from mtplx.engine.stats import GenerationStats
 from mtplx.engine.text import encode_prompt
 from mtplx.errors import MtplxError
 from mtplx.heads.discovery import find_head, missing_head_message
-from mtplx.spec_decode import loop as decode
 from mtplx.spec_decode.constraint import GrammarConstraint
 from mtplx.spec_decode.draft_policy import DRAFT_POLICIES, CostProfile, DraftPolicy
 from mtplx.spec_decode.select import DEFAULT_DEPTH, DrafterChoice, build_proposer, choose_drafter
@@ -248,56 +246,18 @@ class Engine:
             request = GenerationRequest.from_kwargs(**kwargs)
         elif kwargs:
             raise MtplxError(f"stream: pass a request or keyword arguments, not both (got {sorted(kwargs)})")
-        if self.distributed is None:
-            return self._stream_as_a_batch_of_one(prompt, request)
-        return self._stream_sharded(prompt, request)
+        return self._stream_as_a_batch_of_one(prompt, request)
 
     def _stream_as_a_batch_of_one(self, prompt, request: GenerationRequest) -> Iterator[GenerationChunk]:
-        """A stream is a batch of one: the one scheduler and the one cycle (`mtplx.engine.batch`),
+        """A stream is a batch of one: the one scheduler and the one cycle (`mtplx.engine.scheduler`),
         on a single-row decoder (the row's own mlx-lm caches, no ragged batch buffers or masks;
         its drafter its own proposer), drafting its own depth every cycle (no cost policy: a
-        stream pays no profile measurement). The request is planned and refused here, before the
-        first chunk."""
+        stream pays no profile measurement). A sharded engine's too: every rank steps the same
+        row, with rank 0's seed and a check that the ranks agree (`BatchScheduler`). The request
+        is planned and refused here, before the first chunk."""
         scheduler = BatchScheduler(self, max_rows=1, prompt_concurrency=1, single_row=True)
         handle = scheduler.submit(prompt, request)
         return stream_of(scheduler, handle)
-
-    def _stream_sharded(self, prompt, request: GenerationRequest) -> Iterator[GenerationChunk]:
-        """A sharded engine's stream: every rank decodes the same request alone on its own caches
-        (`spec_decode.loop`: the one cycle as a batch of one), with rank 0's seed and a check that
-        the ranks agree on every step (`mtplx.engine.distributed`)."""
-        plan = self.plan(prompt, request)
-        choice, prompt_tokens, settings = plan.choice, plan.prompt_tokens, plan.settings
-        # Compiled before any cache is taken: a grammar this tokenizer cannot serve fails here.
-        constraint = self.compile_grammar(request.grammar) if request.grammar is not None else None
-        # Every rank runs this request with rank 0's seed.
-        seed = self.distributed.agree_on_request(
-            request.seed,
-            {
-                "prompt": prompt_tokens,
-                "settings": settings,
-                "draft": choice.kind,
-                "max_tokens": request.max_tokens,
-            },
-        )
-        session = open_session(
-            self.prompt_cache, self.trunk, self.head, prompt_tokens, choice.model_drafter == "head"
-        )
-        proposer = self.row_proposer(plan, request, session.head_cache)
-        args = (
-            prompt_tokens,
-            settings,
-            self.request_key(seed),
-            session.trunk_cache,
-            session.prefix,
-            constraint,
-        )
-        if proposer is not None:
-            steps = decode.speculative_decode(self.trunk, proposer, *args)
-        else:
-            steps = decode.ar_decode(self.trunk, *args)
-        mode, depth = ("mtp", choice.depth) if proposer is not None else ("ar", 0)
-        return self._assemble(self.distributed.guard_steps(steps), session, request, mode, depth)
 
     def _choose_drafter(self, request: GenerationRequest) -> DrafterChoice:
         """The request's drafter, refused with a one-line error when this engine cannot serve it."""
@@ -356,14 +316,6 @@ class Engine:
         """The random key a request decodes from: its seed's, else a fresh one."""
         return mx.random.key(seed if seed is not None else int(time.time_ns() % (2**63)))
 
-    def batch_refusal(self, request: GenerationRequest) -> str | None:
-        """Why ``request`` cannot go through the scheduler on this engine (one line), None if it
-        can: a sharded engine decodes one request at a time on every rank. (A model whose caches
-        do not batch goes through it too, one row at a time: `BatchDecoder`'s ``single_row``.)"""
-        if self.distributed is not None:
-            return "a sharded engine decodes one request at a time"
-        return None
-
     def row_proposer(self, plan: DecodePlan, request: GenerationRequest, head_cache: list | None):
         """The single-row proposer a batch row with drafter "proposer" drafts with, built as a
         sharded stream builds it (a draft model with its own cache, lookup in front under "auto";
@@ -385,7 +337,7 @@ class Engine:
         if self.distributed is not None:
             return "a sharded engine decodes one request at a time"
         if self._batch_support is None:
-            from mtplx.spec_decode.batch import check_batch_support
+            from mtplx.spec_decode.rows import check_batch_support
 
             self._batch_support = check_batch_support(self.trunk, self.head) or ""
         return self._batch_support or None
@@ -399,17 +351,24 @@ class Engine:
     ) -> BatchScheduler:
         """A scheduler that decodes up to ``max_rows`` requests together on this engine, with up to
         ``prompt_concurrency`` prefilling meanwhile, ``prefill_step_size`` prompt tokens in all per
-        cycle (`mtplx.engine.batch`). ``draft_policy``: "auto" chooses each cycle's draft length
+        cycle (`mtplx.engine.scheduler`). ``draft_policy``: "auto" chooses each cycle's draft length
         from the cost profile and the rows' acceptance (`mtplx.spec_decode.draft_policy`);
         "fixed" drafts every row's depth every cycle."""
         if draft_policy not in DRAFT_POLICIES:
             raise MtplxError(
                 f"draft policy: must be one of {', '.join(DRAFT_POLICIES)} (got {draft_policy!r})"
             )
-        # No profile to measure where nothing batches (every request is then served alone).
+        # No profile to measure where nothing batches (every request then decodes one row at a time).
         batches = self._model_batch_refusal() is None
         policy = DraftPolicy(self.batch_cost_profile()) if draft_policy == "auto" and batches else None
-        return BatchScheduler(self, max_rows, prompt_concurrency, prefill_step_size, policy=policy)
+        return BatchScheduler(
+            self,
+            max_rows,
+            prompt_concurrency,
+            prefill_step_size,
+            policy=policy,
+            single_row=self.distributed is not None,
+        )
 
     def batch_cost_profile(self, remeasure: bool = False) -> CostProfile:
         """What a batched cycle costs here: `mtplx tune`'s saved profile, else measured once per
@@ -462,34 +421,6 @@ class Engine:
                 on_done=lambda _: bar.update(1),
             )
         return [GenerationResult.from_chunks(parts) for parts in chunks]
-
-    def _assemble(
-        self,
-        steps: Iterator[decode.Step],
-        session: CacheSession,
-        request: GenerationRequest,
-        mode: str,
-        depth: int,
-    ) -> Iterator[GenerationChunk]:
-        output = RequestOutput(
-            self.tokenizer, request, len(session.prompt_tokens), session.prefix.start, mode, depth, self.head
-        )
-        if self.distributed is not None:
-            output.stats.distributed = self.distributed.stats(depth + 1 if mode == "mtp" else 1)
-        clean_end = False
-        try:
-            for step in steps:
-                session.record(step.tokens)
-                chunk = output.feed(step)
-                clean_end = True  # the consumer may close the stream at this yield
-                yield chunk
-                if output.finished:
-                    return
-                clean_end = False
-        finally:
-            steps.close()
-            if clean_end:
-                session.finish()
 
     def generate(
         self, prompt: str | Sequence[dict] | Sequence[int], request: GenerationRequest | None = None, **kwargs

@@ -1,7 +1,7 @@
 """`RequestOutput`: one request's decode `Step`s turned into `GenerationChunk`s.
 
 The one place a request's end is decided, for a single stream (`Engine.stream`) and for a row of
-the batched loop (`mtplx.engine.batch`) alike: EOS, stop strings, ``max_tokens``, a complete
+the batched loop (`mtplx.engine.scheduler`) alike: EOS, stop strings, ``max_tokens``, a complete
 grammar (`Step.grammar_done`: "stop", the text ends with the grammar's last token, no EOS); plus the
 incremental text (`TextAssembler`), the running stats (`StatsTracker`) and the logprobs of the
 tokens kept. Tokens after the end (the rest of a verify block) are dropped.
@@ -27,6 +27,7 @@ class GenerationChunk:
     finish_reason: str | None  # None while running; "stop" | "length" at the end
     stats: GenerationStats
     logprobs: list[TokenLogprobs] | None = None  # one per token id, when asked for
+    eos_token: int | None = None  # the EOS (or stop token id) that ended the request; not emitted
 
 
 @dataclass
@@ -36,6 +37,7 @@ class GenerationResult:
     finish_reason: str
     stats: GenerationStats
     logprobs: list[TokenLogprobs] | None = None  # one per token id, when asked for
+    eos_token: int | None = None  # the EOS (or stop token id) that ended it; not in token_ids
 
     @classmethod
     def from_chunks(cls, chunks: Sequence[GenerationChunk]) -> GenerationResult:
@@ -49,6 +51,7 @@ class GenerationResult:
             chunks[-1].finish_reason or "stop",
             chunks[-1].stats,
             logprobs,
+            chunks[-1].eos_token,
         )
 
 
@@ -65,10 +68,12 @@ class RequestOutput:
         depth: int,
         head=None,
     ):
-        self.eos = set(tokenizer.eos_token_ids)
+        self.eos = set(request.stop_token_ids) | (
+            set() if request.ignore_eos else set(tokenizer.eos_token_ids)
+        )
         self.max_tokens = request.max_tokens
         self.tracker = StatsTracker(prompt_tokens, mode, depth, cached_tokens)
-        self.text = TextAssembler(tokenizer, request.stop)
+        self.text = TextAssembler(tokenizer, request.stop) if request.detokenize else None
         self.produced = 0
         self.finished = False
         # The head's own counters (e.g. a narrowed vocabulary's misses): this request's share.
@@ -90,15 +95,16 @@ class RequestOutput:
         assert not self.finished, "the request has ended"
         kept: list[int] = []
         delta = ""
-        finish = None
+        finish = eos_token = None
         for token in step.tokens:
             if token in self.eos:
-                finish = "stop"
+                finish, eos_token = "stop", token
                 break
             kept.append(token)
             self.produced += 1
-            delta += self.text.add(token)
-            if self.text.stopped:
+            if self.text is not None:
+                delta += self.text.add(token)
+            if self.text is not None and self.text.stopped:
                 finish = "stop"
                 break
             if self.produced >= self.max_tokens:
@@ -114,5 +120,5 @@ class RequestOutput:
                 now = self._head.counters()
                 head_stats = self.stats.drafters.setdefault("head", {"drafted": 0, "accepted": 0})
                 head_stats.update({k: now[k] - self._counters_before[k] for k in now})
-            delta += self.text.finish()
-        return GenerationChunk(delta, kept, finish, self.stats, logprobs)
+            delta += self.text.finish() if self.text is not None else ""
+        return GenerationChunk(delta, kept, finish, self.stats, logprobs, eos_token)

@@ -50,6 +50,11 @@ class GenerationRequest:
     chat: bool | None = None  # raw text through the chat template (None: no; message lists always)
     drafting: Drafting = field(default_factory=Drafting)
     grammar: Grammar | None = None  # the output must match it (response_format, tool calls)
+    # Token ids that end the request as EOS does (never emitted), beside the tokenizer's EOS
+    # (vLLM's ``stop_token_ids``).
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # the tokenizer's EOS does not end the request (only stop_token_ids)
+    detokenize: bool = True  # False: token ids only, no text (no stop strings then)
 
     def __post_init__(self) -> None:
         if integer_value("max_tokens", self.max_tokens) <= 0:
@@ -64,6 +69,12 @@ class GenerationRequest:
         if not all(isinstance(s, str) for s in stop):
             raise MtplxError(f"stop must be strings (got {self.stop!r})")
         object.__setattr__(self, "stop", stop)
+        ids = tuple(integer_value("stop_token_ids", i) for i in self.stop_token_ids)
+        if any(i < 0 for i in ids):
+            raise MtplxError(f"stop_token_ids must be token ids >= 0 (got {list(self.stop_token_ids)})")
+        object.__setattr__(self, "stop_token_ids", ids)
+        if stop and not self.detokenize:
+            raise MtplxError("stop strings need the text: they cannot be used with detokenize=False")
 
     @classmethod
     def from_kwargs(

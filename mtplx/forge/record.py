@@ -1,8 +1,8 @@
 """`mtplx forge`'s training data: the trunk's own writing, recorded while it writes.
 
-Many prompts are generated together on the batched decoder (`mtplx.spec_decode.batch`:
-every row sees only its own tokens and positions, rows leave at EOS and the next prompts join
-after their own prefill). Through each row's trunk tap it records what training needs, so there
+Many prompts are generated together through the one scheduler (`mtplx.engine.scheduler`, the
+one cycle: every row sees only its own tokens and positions, rows leave at EOS and the next
+prompts join after their own prefill). Through each row's trunk tap it records what training needs, so there
 is no second teacher pass:
 
 * the trunk's hidden state (before its final norm: forged heads read ``pre_norm``),
@@ -27,18 +27,17 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from mtplx.engine.request import Drafting, GenerationRequest
+from mtplx.engine.scheduler import BatchScheduler
 from mtplx.errors import MtplxError
 from mtplx.forge.prompts import Prompt, prompt_ids
 from mtplx.io import atomic_path
 from mtplx.sample.params import SamplerConfig, Setting
-from mtplx.spec_decode.batch import BatchDecoder, RowSpec
-from mtplx.spec_decode.settings import DecodeSettings
-from mtplx.trunk.model import Trunk, TrunkOutput
+from mtplx.trunk.model import TrunkOutput
 
 import mlx.core as mx
 import numpy as np
@@ -153,7 +152,7 @@ class _Recorder:
 
 
 def generate_batch(
-    trunk: Trunk,
+    engine,
     prompts: Sequence[list[int]],
     setting: Setting,
     key: mx.array,
@@ -162,30 +161,31 @@ def generate_batch(
     eos_ids: set[int],
     deadline: float | None = None,
     *,
-    head=None,
-    depth: int = 1,
+    depth: int = 0,
     max_rows: int | None = None,
 ) -> ForgeData:
     """Generate a response for every prompt (until EOS, at most ``seq_len`` less the longest prompt
-    tokens) and record the training data, on the batched decoder (`mtplx.spec_decode.batch`).
+    tokens) and record the training data: every prompt is a `GenerationRequest` submitted to the
+    one scheduler (`mtplx.engine.scheduler`) on ``engine`` (an `Engine`), its trunk tap a row
+    option, so forge decodes as every other entry does.
 
     At most ``max_rows`` rows (default: every prompt) decode at once; a row leaves at EOS and the
     next prompt joins after its own prefill (responses differ a lot in length). Row r samples with
-    its own key, split from ``key``, so the data follow from (key, prompts) alone. With ``head``,
-    rows draft ``depth`` tokens per cycle and the trunk verifies them exactly: the tokens have the
-    same distribution, and the recorded distributions are the verify forward's own at each committed
-    position; `generate_shards` does not draft: with 32 rows on a 2-core CPU the trunk is compute
-    bound and verifying two positions a row halved tokens/s (benchmarks/forge_generation.py, the
-    default model's card). A shard's rows all start together (``max_rows`` unset): joins across
-    shards would make a shard's floats depend on where a run resumed. ``deadline`` (time.time()) cuts every response short when it passes, so a time budget
-    is kept even when one batch takes minutes (the cut responses are still valid data)."""
+    its own key, split from ``key``, so the data follow from (key, prompts) alone. With ``depth`` > 0
+    and the engine's head, rows draft ``depth`` tokens per cycle (default 0: plain AR) and the trunk verifies them
+    exactly: the tokens have the same distribution, and the recorded distributions are the verify
+    forward's own at each committed position; `generate_shards` does not draft: with 32 rows on a
+    2-core CPU the trunk is compute bound and verifying two positions a row halved tokens/s
+    (benchmarks/forge_generation.py, the default model's card). A shard's rows all start together
+    (``max_rows`` unset): joins across shards would make a shard's floats depend on where a run
+    resumed. ``deadline`` (time.time()) stops the scheduler after its first step once it passes,
+    so a time budget is kept even when one batch takes minutes (the cut responses are still
+    valid data)."""
+    trunk = engine.trunk
     lengths = [len(p) for p in prompts]
     if max(lengths) >= seq_len - 1:
         raise ValueError(f"prompts must be shorter than seq_len - 1 ({seq_len - 1}), got {max(lengths)}")
     rows, k = len(prompts), min(top_k, trunk.vocab_size)
-    # The fixed-batch loop this replaced gave every row the slots the longest prompt leaves; kept,
-    # so shards written before and after it (one resumed run can hold both) answer alike.
-    most_tokens = seq_len - max(lengths)
     out = ForgeData(
         np.zeros((rows, seq_len), np.int32),
         np.zeros((rows, seq_len, trunk.embed(mx.array([0])).shape[-1]), np.float16),
@@ -194,46 +194,46 @@ def generate_batch(
         np.zeros((rows, seq_len), bool),
     )
     recorder = _Recorder(out, lengths, k)
-    decoder = BatchDecoder(trunk, head)
-    sampler = SamplerConfig(temperature=setting.temperature, top_p=setting.top_p)
-    spec = RowSpec(DecodeSettings(sampler=sampler, depth=depth), drafter="none" if head is None else "head")
+    # The fixed-batch loop this replaced gave every row the slots the longest prompt leaves; kept,
+    # so shards written before and after it (one resumed run can hold both) answer alike.
+    request = GenerationRequest(
+        sampler=SamplerConfig(temperature=setting.temperature, top_p=setting.top_p),
+        max_tokens=seq_len - max(lengths),
+        drafting=Drafting(kind="head" if engine.head is not None and depth else "none", depth=depth or None),
+        stop_token_ids=tuple(sorted(eos_ids)),  # exactly these end a response
+        ignore_eos=True,
+        detokenize=False,
+    )
+    width = max_rows or rows
+    # Every waiting prompt may prefill in one step, whole: the first rows all join at once.
+    scheduler = BatchScheduler(engine, width, width, prefill_step_size=sum(lengths) + rows)
     row_keys = mx.random.split(key, rows)
+    handles = {
+        scheduler.submit(prompt, request, key=row_keys[r], trunk_tap=recorder.tap(r)): r
+        for r, prompt in enumerate(prompts)
+    }
     response: list[list[int]] = [[] for _ in prompts]
-    waiting, live = deque(range(rows)), {}  # live: row id in the decoder -> prompt index
-
-    def commit(r: int, tokens: list[int]) -> bool:
-        """Append a step's tokens to row r's response; True when the response is complete."""
-        for token in tokens[: most_tokens - len(response[r])]:
-            response[r].append(token)
-            if token in eos_ids:
-                return True
-        return len(response[r]) >= most_tokens
-
-    def past_deadline() -> bool:
-        return deadline is not None and time.time() >= deadline
-
-    # The first rows always prefill and draw their first token, as the fixed batch did; the
-    # deadline stops later joins and cycles.
-    stepped = False
-    while waiting or live:
-        while waiting and len(live) < (max_rows or rows) and not (stepped and past_deadline()):
-            r = waiting.popleft()
-            pending = decoder.start(prompts[r], spec, row_keys[r], trunk_tap=recorder.tap(r))
-            row_id, first = decoder.admit(pending)
+    try:
+        while not scheduler.idle:
+            for result in scheduler.step():
+                if result.error is not None:
+                    raise result.error
+                r = handles[result.handle]
+                response[r].extend(result.chunk.token_ids)
+                if result.chunk.eos_token is not None:
+                    response[r].append(result.chunk.eos_token)
             recorder.flush()
-            live[row_id] = r
-            if commit(r, first.tokens):
-                decoder.leave([row_id])
-                del live[row_id]
-        if past_deadline():
-            break
-        finished = [row_id for row_id, step in decoder.step().items() if commit(live[row_id], step.tokens)]
-        stepped = True
-        recorder.flush()
-        decoder.leave(finished)
-        for row_id in finished:
-            del live[row_id]
+            if deadline is not None and time.time() >= deadline:
+                break
+    finally:
+        scheduler.close()
     recorder.finish()
+    _write_sequences(out, prompts, response)
+    return out
+
+
+def _write_sequences(out: ForgeData, prompts: Sequence[list[int]], response: Sequence[list[int]]) -> None:
+    """Each row's tokens, prompt then response, and which positions a head trains on."""
     for r, (prompt, resp) in enumerate(zip(prompts, response)):
         p, end = len(prompt), len(prompt) + len(resp)  # end: the sequence's length, EOS included
         out.tokens[r, :p] = prompt
@@ -244,7 +244,6 @@ def generate_batch(
         out.top_ids[r, max(end - 1, 0) :] = 0
         out.top_logp[r, max(end - 1, 0) :] = 0
         out.valid[r, p : end - 1] = True
-    return out
 
 
 # ---------------------------------------------------------------- shards on disk
@@ -309,8 +308,7 @@ def count_shards(directory: Path) -> int:
 
 
 def generate_shards(
-    trunk: Trunk,
-    tokenizer,
+    engine,
     plan: ShardPlan,
     directory: Path,
     target_tokens: int,
@@ -328,6 +326,7 @@ def generate_shards(
     """
     from tqdm import tqdm
 
+    tokenizer = engine.tokenizer
     directory.mkdir(parents=True, exist_ok=True)
     max_prompt = max_prompt or plan.seq_len // 2
     eos = set(int(i) for i in getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
@@ -358,7 +357,7 @@ def generate_shards(
         if encoded:
             began = time.perf_counter()
             data = generate_batch(
-                trunk,
+                engine,
                 [ids for _, ids in encoded],
                 setting,
                 key,

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import mtplx  # noqa: F401  (optimized BLAS before mlx)
+from mtplx.engine.engine import Engine
 from mtplx.errors import MtplxError
 from mtplx.forge.config import (
     DEFAULT_FORGE_CONFIG,
@@ -181,8 +182,7 @@ def _planned_steps(
 
 def _generate(
     cfg: ForgeConfig,
-    trunk: Trunk,
-    tokenizer: Any,
+    engine: Any,
     plans: dict[str, ShardPlan],
     run_dir: Path,
     budget: Budget | None,
@@ -193,8 +193,7 @@ def _generate(
     done_path = run_dir / "generation_done.json"
     summaries = {
         "eval": generate_shards(
-            trunk,
-            tokenizer,
+            engine,
             plans["eval"],
             run_dir / "eval",
             cfg.eval_tokens,
@@ -212,8 +211,7 @@ def _generate(
     else:
         target, deadline = (budget.tokens if budget is not None else None) or cfg.gen_tokens, None
     summaries["train"] = generate_shards(
-        trunk,
-        tokenizer,
+        engine,
         plans["train"],
         run_dir / "train",
         target,
@@ -297,7 +295,7 @@ def _prompt_sets(cfg: ForgeConfig) -> _PromptSets:
 
 
 def _record(
-    cfg: ForgeConfig, trunk: Trunk, loaded: Any, prompts: _PromptSets, budget: Budget | None, t_start: float
+    cfg: ForgeConfig, engine: Any, loaded: Any, prompts: _PromptSets, budget: Budget | None, t_start: float
 ) -> _Recorded:
     """Generate (or find) this run's shards and read them back."""
     settings = _settings(cfg)
@@ -306,7 +304,7 @@ def _record(
         for name, ps, seed in (("train", prompts.train, cfg.seed), ("eval", prompts.eval, cfg.seed + 1))
     }
     run_dir = _work_root(cfg) / f"{loaded.fingerprint}-{plans['train'].key()}"
-    summaries = _generate(cfg, trunk, loaded.tokenizer, plans, run_dir, budget, t_start)
+    summaries = _generate(cfg, engine, plans, run_dir, budget, t_start)
     data, metas = load_shards(run_dir / "train")
     eval_data, eval_metas = load_shards(run_dir / "eval")
     if data.num_response_tokens == 0 or eval_data.num_response_tokens == 0:
@@ -463,8 +461,10 @@ def forge(config: ForgeConfig = DEFAULT_FORGE_CONFIG, **overrides: Any) -> Forge
     _check_budget(cfg, budget)
     prompts = _prompt_sets(cfg)  # before loading the model: bad data fails fast
     loaded = load_model(cfg.model)
-    trunk = Trunk(loaded.model)
-    recorded = _record(cfg, trunk, loaded, prompts, budget, t_start)
+    # Generation goes through the one scheduler, on an engine without a head (forge drafts nothing).
+    engine = Engine(loaded.model, loaded.tokenizer, loaded.config, fingerprint=loaded.fingerprint)
+    trunk = engine.trunk
+    recorded = _record(cfg, engine, loaded, prompts, budget, t_start)
     trained = _train(cfg, trunk, loaded.fingerprint, recorded, budget, t_start)
     scored = _score(cfg, trunk, trained.head, recorded)
     manifest = _manifest(cfg, loaded.fingerprint, prompts, recorded, trained, scored, t_start)

@@ -38,7 +38,7 @@ _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
 class WorkerLoad(Protocol):
     """What the gauges read (`mtplx.server.worker.GenerationWorker`)."""
 
-    running: int  # requests decoding (batch rows, and the one served alone)
+    running: int  # requests decoding (batch rows)
     memory: tuple[int, int, int]  # MLX active bytes, prompt cache bytes, its limit
 
     @property

@@ -3,18 +3,16 @@
 MLX work happens on this thread only; request handlers (asyncio) submit a `Job` to a bounded
 queue (full: 429) and read its chunks from an asyncio queue the worker feeds thread-safely.
 
-Continuous batching (`mtplx.engine.batch.BatchScheduler`): between two cycles the worker takes
+Continuous batching (`mtplx.engine.scheduler.BatchScheduler`): between two cycles the worker takes
 queued jobs while fewer than ``decode_concurrency + prompt_concurrency`` are in flight (so the
 next prompts prefill while the rows decode), and every cycle steps them all: a chunk of prefill
 for up to ``prompt_concurrency`` waiting jobs, then one batched decode cycle for up to
 ``decode_concurrency`` rows. A job is cancelled (client gone, timeout) by setting its event;
 the worker drops its row before the next cycle, which frees its memory.
 
-A job the scheduler cannot serve (`Engine.batch_refusal`: a sharded engine's, where every rank
-decodes one request in step) is served alone through `Engine.stream` when it comes up. A model
-whose caches do not batch is stepped by the scheduler one row at a time (`BatchDecoder`'s
-single-row mode). A grammar job (response_format, tools) joins the batch
-and speculates there (forced tokens, masked drafts), whatever else is in flight.
+Every job goes through the scheduler: a model whose caches do not batch is stepped one row at a
+time (`BatchDecoder`'s single-row mode); a grammar job (response_format, tools), an adaptive or a
+draft-model job joins the batch and speculates there, whatever else is in flight.
 """
 
 from __future__ import annotations
@@ -101,7 +99,7 @@ class GenerationWorker:
         self._active: dict[int, Job] = {}  # scheduler handle -> job, in flight
         self.busy = False
         # Load, as the generation thread last saw it between cycles (/metrics reads it from others).
-        self.running = 0  # batch rows decoding, plus the job served alone (if one is)
+        self.running = 0  # rows decoding
         self._prefilling = 0  # jobs in the batch still prefilling
         self.memory = (0, 0, engine.prompt_cache.max_bytes)  # MLX active bytes, prompt cache bytes, its limit
         self.metrics = ServerMetrics(self)
@@ -179,15 +177,6 @@ class GenerationWorker:
                 job.emit(JobTimeout())
                 job.emit(Finished())
                 continue
-            if self.engine.batch_refusal(job.request) is not None:
-                self.busy = True
-                self.running += 1  # the batch's rows wait meanwhile
-                try:
-                    self._serve_alone(job)
-                finally:
-                    self._note_load(scheduler)  # the alone job no longer counts
-                    job.emit(Finished())
-                continue
             try:
                 handle = scheduler.submit(job.prompt_tokens, job.request)
             except MtplxError as err:
@@ -248,28 +237,3 @@ class GenerationWorker:
         job = self._active.pop(handle, None)
         if job is not None:
             job.emit(Finished())
-
-    def _serve_alone(self, job: Job) -> None:
-        try:
-            stream = self.engine.stream(job.prompt_tokens, job.request)
-            try:
-                for chunk in stream:
-                    self._send(job, chunk)
-                    if chunk.finish_reason is not None:
-                        break
-                    if job.cancelled.is_set():
-                        self.metrics.abort(job.abort_reason())
-                        break
-                    if time.monotonic() > job.deadline:
-                        self.metrics.abort("timeout")
-                        job.emit(JobTimeout())
-                        break
-            finally:
-                stream.close()
-        except MtplxError as err:
-            self.metrics.abort("error")
-            job.emit(err)
-        except Exception:
-            log.exception("generation failed")
-            self.metrics.abort("error")
-            job.emit(JobFailed())

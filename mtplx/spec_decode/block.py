@@ -27,6 +27,10 @@ __all__ = [
     "SourceOnly",
     "Verdicts",
     "adaptive_length",
+    "gather_positions",
+    "groups_by",
+    "pad_time",
+    "padded_uniforms",
     "cut_to_legal",
     "cycle_keys",
     "group_masks",
@@ -210,3 +214,34 @@ class Cycle:
 
     def verdict_arrays(self) -> list[tuple[mx.array, ...]]:
         return [(g.num_accepted, g.next_token, g.accept_probs, g.invalid) for g in self.groups]
+
+
+# ------------------------------------------------------------------ array helpers
+def gather_positions(x: mx.array, index: Sequence[int]) -> mx.array:
+    """x[r, index[r]] for each row: [B, T, ...] -> [B, 1, ...]."""
+    idx = mx.array(list(index), dtype=mx.int32).reshape(-1, 1, *([1] * (x.ndim - 2)))
+    return mx.take_along_axis(x, idx, axis=1)
+
+
+def pad_time(x: mx.array, width: int) -> mx.array:
+    if x.shape[1] == width:
+        return x
+    return mx.concatenate([x, mx.zeros((x.shape[0], width - x.shape[1], *x.shape[2:]), x.dtype)], axis=1)
+
+
+def groups_by(items: Sequence, key) -> dict:
+    out: dict = {}
+    for i, item in enumerate(items):
+        out.setdefault(key(item), []).append(i)
+    return out
+
+
+def padded_uniforms(count: int, width: int, key: mx.array | None) -> mx.array:
+    """A row's draft uniforms, drawn as the single-row head proposer draws them (``count`` from
+    its key), padded with ones to the chain's ``width``; rows without a key get ones."""
+    if key is None or count == 0:
+        return mx.ones((width,), dtype=mx.float32)
+    uniforms = sample_ops.draw_uniforms((count,), key)
+    if count >= width:
+        return uniforms[:width]
+    return mx.concatenate([uniforms, mx.ones((width - count,), dtype=mx.float32)])

@@ -10,7 +10,7 @@ The rules, in order:
    own default when tuning chose AR but a drafter was asked for explicitly. A draft model drafts
    the request's depth or `DEFAULT_DEPTH`: the head's tuning says nothing about it.
 4. the batched loop's drafter for the row (`batch_drafter`, the table below): the head batched
-   across rows (`batch_head.HeadChain`), lookup on the host, or the row's own proposer (a draft
+   across rows (`head_proposer.HeadChain`), lookup on the host, or the row's own proposer (a draft
    model always; any drafter on a single-row decoder, built by `build_proposer`).
 
 | kind  | model drafter | batch row drafter (rows share a batch) | single-row decoder |

@@ -2,7 +2,7 @@
 (`PromptPrefix`), and the pieces every row's start shares: prefill in chunks, the first token's
 draw, the grammar's advance by committed tokens, a key's split.
 
-The one cycle that uses them is `mtplx.spec_decode.batch.BatchDecoder` (docs/ARCHITECTURE.md).
+The one cycle that uses them is `mtplx.spec_decode.loop.BatchDecoder` (docs/ARCHITECTURE.md).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.engine.engine import Engine
 from mtplx.errors import MtplxError
 from mtplx.sample.params import SamplerConfig
-from mtplx.spec_decode import loop as decode
+from mtplx.spec_decode import settings as decode
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache

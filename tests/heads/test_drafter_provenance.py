@@ -20,11 +20,11 @@ from mtplx.checkpoints.inspect import format_inspection, inspect_model
 from mtplx.engine.engine import Engine
 from mtplx.heads import provenance
 from mtplx.sampling import SamplerConfig
-from mtplx.spec_decode import loop as decode
 
 import mlx.core as mx
 import pytest
 from support import checkpoints
+from support import decoding as decode
 from support.decoding import mtp_decode, take_tokens
 
 GREEDY = SamplerConfig(temperature=0.0)

@@ -18,7 +18,7 @@ from mtplx.errors import MtplxError
 from mtplx.heads import gemma4_assistant as ga
 from mtplx.sample import rejection
 from mtplx.sampling import SamplerConfig
-from mtplx.spec_decode import loop as decode
+from mtplx.spec_decode import settings as decode
 from mtplx.trunk import rollback as cache_ops
 from mtplx.trunk.model import Trunk
 

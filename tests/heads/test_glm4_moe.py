@@ -30,7 +30,6 @@ from mtplx import cli
 from mtplx.checkpoints.inspect import format_inspection, inspect_model
 from mtplx.heads import load_head
 from mtplx.sampling import SamplerConfig
-from mtplx.spec_decode import loop as decode
 from mtplx.trunk.compat import KVCache
 from mtplx.trunk.model import Trunk
 
@@ -41,6 +40,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import glm4_moe
 from mlx_lm.utils import load_model as mlx_load_model
 from support import checkpoints
+from support import decoding as decode
 from support.decoding import mtp_decode, take_steps, take_tokens
 from support.numpy_heads import (
     causal_mask,

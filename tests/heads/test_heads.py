@@ -552,7 +552,8 @@ def test_two_module_heads_decode_at_depths_1_to_4(two_module_heads, family):
     greedy MTP equals greedy AR, and after the run every module's cache equals the cache a
     from-scratch pass over the committed tokens builds (the rollback drops exactly the drafts)."""
     from mtplx.sampling import SamplerConfig
-    from mtplx.spec_decode import loop as decode
+
+    from support import decoding as decode
 
     _, trunk, head, _ = two_module_heads[family]
     prompt = [3, 17, 42, 5, 60, 9, 11, 2]

@@ -25,7 +25,6 @@ from pathlib import Path
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.heads import load_head
 from mtplx.sampling import SamplerConfig
-from mtplx.spec_decode import loop as decode
 from mtplx.trunk.compat import CacheList, KVCache
 from mtplx.trunk.model import Trunk
 
@@ -34,6 +33,7 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model as mlx_load_model
 from support import checkpoints, models
+from support import decoding as decode
 from support.decoding import mtp_decode, take_steps, take_tokens
 
 PROMPT = [3, 17, 42, 5, 60, 9, 11, 2, 33, 8]  # longer than INDEX_TOPK: the indexer selects

@@ -20,13 +20,13 @@ from mtplx.checkpoints.convert_hf import convert_hf
 from mtplx.checkpoints.inspect import inspect_model
 from mtplx.heads import load_head
 from mtplx.sampling import SamplerConfig
-from mtplx.spec_decode import loop as decode
 from mtplx.trunk.model import Trunk
 
 import mlx.core as mx
 import pytest
 from mlx_lm.utils import load_model as mlx_load_model
 from support import checkpoints
+from support import decoding as decode
 from support.decoding import mtp_decode, take_steps, take_tokens
 from support.tokenizer import word_level
 

@@ -23,13 +23,13 @@ from mtplx.heads import load_head
 from mtplx.heads.qwen3_next import Qwen3NextMTPHead
 from mtplx.heads.split_drafter import drafter_rank, find_split_drafter, target_stems
 from mtplx.sampling import SamplerConfig
-from mtplx.spec_decode import loop as decode
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 from support import checkpoints
+from support import decoding as decode
 from support.decoding import mtp_decode, take_steps, take_tokens
 from support.hub import cache_layout
 from support.models import HIDDEN

@@ -18,7 +18,6 @@ import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.engine.engine import Engine
 from mtplx.heads import load_head
 from mtplx.sampling import SamplerConfig
-from mtplx.spec_decode import loop as decode
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -26,6 +25,7 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models import qwen3_next
 from support import checkpoints, models
+from support import decoding as decode
 from support.decoding import mtp_decode, take_steps, take_tokens
 from support.tokenizer import word_level
 

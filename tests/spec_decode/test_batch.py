@@ -1,4 +1,4 @@
-"""The batched loop (`mtplx.spec_decode.batch`) and its caches (`mtplx.trunk.batch_cache`).
+"""The batched loop (`mtplx.spec_decode.loop`) and its caches (`mtplx.trunk.batch_cache`).
 
 Exactness: in one batch that mixes temperatures, filters, drafters and draft lengths, each
 setting's rows reproduce the exact AR joint of the first tokens (chi-square, float64 oracle by
@@ -13,9 +13,8 @@ import random
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.errors import MtplxError
 from mtplx.sample.params import SamplerConfig
-from mtplx.spec_decode import loop as decode
-from mtplx.spec_decode.batch import BatchDecoder, RowSpec, check_batch_support, fill_holes
 from mtplx.spec_decode.draft_policy import CostProfile, DraftPolicy
+from mtplx.spec_decode.loop import BatchDecoder, RowSpec, check_batch_support, fill_holes
 from mtplx.spec_decode.settings import DecodeSettings
 from mtplx.trunk import compat
 from mtplx.trunk.batch_cache import BatchCache
@@ -25,6 +24,7 @@ from mtplx.trunk.prompt_cache import cache_nbytes
 import mlx.core as mx
 import numpy as np
 import pytest
+from support import decoding as decode
 from support.decoding import mtp_decode, take_tokens
 from support.exactness import FALSE_FAILURE_RATE, NUM_OUTPUT_TOKENS, PROMPT, exact_ar_joint, loop_p_value
 from support.models import make_loop_pair, tiny_gemma3, tiny_llama, tiny_qwen3_5, tiny_qwen3_next

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.sample.params import SamplerConfig
-from mtplx.spec_decode.batch import BatchDecoder, RowSpec
+from mtplx.spec_decode.loop import BatchDecoder, RowSpec
 from mtplx.spec_decode.settings import DecodeSettings
 from mtplx.trunk.model import TrunkOutput
 

@@ -8,7 +8,7 @@ import os
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.sample import rejection
 from mtplx.sampling import SamplerConfig
-from mtplx.spec_decode import loop as decode
+from mtplx.spec_decode import settings as decode
 from mtplx.trunk import rollback as cache_ops
 
 import mlx.core as mx

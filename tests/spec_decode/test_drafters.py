@@ -13,7 +13,6 @@ from mtplx.sample import ops as sample_ops
 from mtplx.sample import rejection
 from mtplx.sampling import SamplerConfig
 from mtplx.spec_decode import draft_model_proposer as draft_model_module
-from mtplx.spec_decode import loop as decode
 from mtplx.spec_decode.auto_proposer import AutoProposer
 from mtplx.spec_decode.draft_model_proposer import DraftModelProposer
 from mtplx.spec_decode.head_proposer import HeadProposer
@@ -24,6 +23,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
+from support import decoding as decode
 from support.decoding import take_steps
 from support.exactness import (
     FALSE_FAILURE_RATE,

@@ -17,17 +17,16 @@ from mtplx.engine.grammar import GrammarCompiler
 from mtplx.engine.grammar_spec import Grammar
 from mtplx.errors import MtplxError
 from mtplx.sampling import SamplerConfig, distribution_from_logits
-from mtplx.spec_decode import batch as batch_module
 from mtplx.spec_decode import head_proposer as head_module
-from mtplx.spec_decode import loop as decode
+from mtplx.spec_decode import loop as loop_module
 from mtplx.spec_decode.auto_proposer import AutoProposer
-from mtplx.spec_decode.batch import BatchDecoder, RowSpec
 from mtplx.spec_decode.block import Block, cut_to_legal
 from mtplx.spec_decode.constraint import GrammarConstraint
 from mtplx.spec_decode.draft_model_proposer import DraftModelProposer
 from mtplx.spec_decode.draft_policy import CostProfile, DraftPolicy
 from mtplx.spec_decode.head_proposer import HeadProposer
 from mtplx.spec_decode.lookup_proposer import LookupProposer
+from mtplx.spec_decode.loop import BatchDecoder, RowSpec
 from mtplx.spec_decode.proposer import Draft
 from mtplx.spec_decode.settings import DecodeSettings, LookupConfig
 
@@ -37,6 +36,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
+from support import decoding as decode
 from support.decoding import take_steps
 from support.exactness import FALSE_FAILURE_RATE, loop_p_value
 from support.models import make_loop_pair
@@ -347,7 +347,7 @@ def test_grammar_rows_in_a_batch_match_the_oracle(compiler):
 def test_chi_square_catches_a_rows_mask_applied_to_its_neighbour(compiler, monkeypatch):
     """Negative control: each grammar row verifies under the next grammar row's masks (another
     row's state: legal tokens in the wrong proportions, or tokens its own grammar refuses)."""
-    honest = batch_module._grammar_masks
+    honest = loop_module._grammar_masks
 
     def neighbours(rows, host_drafts):
         masks = honest(rows, host_drafts)
@@ -357,7 +357,7 @@ def test_chi_square_catches_a_rows_mask_applied_to_its_neighbour(compiler, monke
             shifted[a] = mx.concatenate([masks[b], mx.repeat(masks[b][-1:], 8, axis=0)])[: masks[a].shape[0]]
         return shifted
 
-    monkeypatch.setattr(batch_module, "_grammar_masks", neighbours)
+    monkeypatch.setattr(loop_module, "_grammar_masks", neighbours)
     try:
         p_values, _ = _batch_p_values(compiler, 2468, num_samples=3 * 100)
     except MtplxError:  # a token the row's own grammar refuses: caught as well
@@ -440,7 +440,7 @@ def test_chi_square_catches_a_forced_draft_accepted_where_two_tokens_were_allowe
     """Negative control: the guessed "forced" token is kept without verify (its position's mask
     narrowed to it, as if the grammar allowed it alone)."""
     _guess_forced(monkeypatch)
-    honest = batch_module._grammar_masks
+    honest = loop_module._grammar_masks
 
     def accepted_unverified(rows, host_drafts):
         masks = honest(rows, host_drafts)
@@ -450,7 +450,7 @@ def test_chi_square_catches_a_forced_draft_accepted_where_two_tokens_were_allowe
                 masks[i] = mx.concatenate([only[None], masks[i][1:]])
         return masks
 
-    monkeypatch.setattr(batch_module, "_grammar_masks", accepted_unverified)
+    monkeypatch.setattr(loop_module, "_grammar_masks", accepted_unverified)
     p_values, _ = _batch_p_values(compiler, 1357, num_samples=3 * 100)
     assert min(p_values[kind] for kind in ("head", "lookup")) < FALSE_FAILURE_RATE, p_values
 

@@ -9,9 +9,9 @@ import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.sample import ops as sample_ops
 from mtplx.sample import rejection
 from mtplx.sample.params import SamplerConfig
-from mtplx.spec_decode import loop as decode
 
 import pytest
+from support import decoding as decode
 from support.decoding import mtp_decode, take_tokens
 from support.models import make_loop_pair
 

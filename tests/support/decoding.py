@@ -1,5 +1,11 @@
-"""Driving the decode loop's step generators in tests: the first tokens (and the steps that
-made them), a sampled run long enough to have rolled back, and the arrays a cache holds."""
+"""Driving the one cycle directly in tests, without an engine or its scheduler: one request on its
+own caches as a batch of one (`decode_alone`, with `ar_decode` / `speculative_decode` naming the
+drafter), the first tokens (and the steps that made them), a sampled run long enough to have
+rolled back, and the arrays a cache holds.
+
+`decode_alone` is what the scheduler does for a single-row request, minus the prompt cache and
+the stop rules: `BatchDecoder(single_row=True)` joins the row (the caller's caches, used in place)
+and steps it; the Steps never stop on their own except after a complete grammar."""
 
 from __future__ import annotations
 
@@ -7,12 +13,68 @@ import math
 from collections.abc import Generator
 
 import mtplx  # noqa: F401  (BLAS before mlx)
+from mtplx.errors import MtplxError
+from mtplx.spec_decode.constraint import GrammarConstraint
 from mtplx.spec_decode.head_proposer import HeadProposer
-from mtplx.spec_decode.loop import Step, speculative_decode
-from mtplx.spec_decode.settings import DecodeSettings
+from mtplx.spec_decode.loop import BatchDecoder
+from mtplx.spec_decode.proposer import Proposer
+from mtplx.spec_decode.rows import RowsFailed, RowSpec
+from mtplx.spec_decode.settings import DecodeSettings, LookupConfig  # noqa: F401  (tests name them here)
+from mtplx.spec_decode.step import PromptPrefix, Step, TokenLogprobs, prefill  # noqa: F401
+from mtplx.trunk import rollback as cache_ops
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
+
+
+def decode_alone(
+    trunk,
+    prompt_tokens: list[int],
+    settings: DecodeSettings,
+    key: mx.array,
+    proposer: Proposer | None = None,
+    trunk_cache: list | None = None,
+    prefix: PromptPrefix | None = None,
+    constraint: GrammarConstraint | None = None,
+) -> Generator[Step, None, None]:
+    """One request on its own caches (``trunk_cache``, used in place; a fresh one when None)
+    through the one cycle as a batch of one: the Step of its first token, then one per cycle.
+    ``proposer``: its drafter (None: plain AR)."""
+    decoder = BatchDecoder(trunk, single_row=True)
+    spec = RowSpec(settings, "proposer" if proposer is not None else "none")
+    row_id, step = decoder.join(
+        prompt_tokens,
+        spec,
+        key,
+        trunk_cache=trunk_cache,
+        prefix=prefix,
+        constraint=constraint,
+        proposer=proposer,
+    )
+    yield step
+    while not step.grammar_done:
+        try:
+            step = decoder.step()[row_id]
+        except RowsFailed as err:  # invalid values (the cycle was undone): as the engine raises them
+            raise ValueError(str(err)) from None
+        yield step
+
+
+def ar_decode(trunk, prompt_tokens, settings, key, trunk_cache=None, prefix=None, constraint=None):
+    """Plain autoregressive decoding through the one cycle (`decode_alone` without a drafter)."""
+    return decode_alone(trunk, prompt_tokens, settings, key, None, trunk_cache, prefix, constraint)
+
+
+def speculative_decode(
+    trunk, proposer, prompt_tokens, settings, key, trunk_cache=None, prefix=None, constraint=None
+):
+    """``proposer`` drafting through the one cycle (`decode_alone`); a model whose caches cannot
+    roll back is refused as the engine refuses it."""
+    trunk_cache = trunk_cache if trunk_cache is not None else trunk.make_cache()
+    reason = cache_ops.check_rollback_support(trunk_cache, trunk.model)
+    if reason is not None:
+        raise MtplxError(f"speculative decoding cannot run on this model: {reason}")
+    return decode_alone(trunk, prompt_tokens, settings, key, proposer, trunk_cache, prefix, constraint)
 
 
 def take_steps(steps: Generator[Step, None, None], n: int) -> tuple[list[int], list[Step]]:

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.sampling import SamplerConfig, distribution_from_logits
-from mtplx.spec_decode import loop as decode
 
 import mlx.core as mx
 import numpy as np
 from scipy import stats as scipy_stats
 
+from support import decoding as decode
 from support.decoding import cache_arrays, mtp_decode, take_steps, take_tokens
 
 PROMPT = [1, 2, 0, 2, 1, 0, 2]  # valid for every vocabulary size used here (>= 3)

@@ -11,12 +11,12 @@ from __future__ import annotations
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.engine.engine import Engine
 from mtplx.sample.params import SamplerConfig
-from mtplx.spec_decode import loop as decode
 from mtplx.trunk.prompt_cache import PromptCache, cache_nbytes
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from support import decoding as decode
 from support.decoding import mtp_decode
 from support.models import make_loop_pair
 from support.seeds import FRESH, resolve

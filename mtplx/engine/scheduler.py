@@ -1,4 +1,6 @@
-"""`BatchScheduler`: many requests decoding together on one engine (continuous batching).
+"""`BatchScheduler`: the one scheduler. Every request decodes through it: `Engine.stream` /
+`generate` (a batch of one), `Engine.generate_batch`, the server's worker and forge's data
+generation (continuous batching).
 
 Requests are submitted at any time (`submit`). Each `step`:
   1. prefills waiting requests, first come first served, at most ``prompt_concurrency`` of them
@@ -6,37 +8,58 @@ Requests are submitted at any time (`submit`). Each `step`:
      rows by one chunk per cycle, never by their whole length, while short ones join at once;
   2. admits prefilled requests while fewer than ``max_rows`` decode (the admission draws the
      request's first token);
-  3. runs one cycle of the batched loop (`mtplx.spec_decode.batch.BatchDecoder`) for every
-     decoding row;
-and returns each request's new `GenerationChunk` (from `RequestOutput`, the same stop rules as a
-single stream). Requests that end (EOS, stop string, max_tokens) or are cancelled leave before
-the next cycle, their caches going to the prompt cache as a single stream's do.
+  3. runs the one cycle (`mtplx.spec_decode.loop.BatchDecoder.step`) for every decoding row;
+and returns each request's new `GenerationChunk` (from `RequestOutput`: EOS, stop strings,
+max_tokens). Requests that end or are cancelled leave before the next cycle, their caches going
+to the prompt cache.
 
-A grammar request (``request.grammar``) joins like any other: its matcher is compiled here and the
-row speculates under it (`mtplx.spec_decode.batch`, "Grammar rows": forced tokens, masked drafts).
-A request runs here when `Engine.batch_refusal` has nothing against it: a sharded engine needs the
-single-stream loop (`Engine.stream`), and so do models whose caches cannot be batched
-(sliding-window, quantized KV; heads that read the trunk's cache). Adaptive head drafting, grammar
-requests and draft-model requests (each row drafting with its own proposer) decode here.
+Every request joins: grammar rows speculate under their grammar (`mtplx.spec_decode.loop`,
+"Grammar rows"), adaptive and draft-model rows with their own proposers. ``single_row`` (a
+stream; a model whose caches do not batch: sliding-window, quantized KV, heads that read the
+trunk's KV; a sharded engine) decodes one row at a time on its own caches, the next prefilling
+meanwhile. On a sharded engine every rank runs the same scheduler: each request decodes with
+rank 0's seed after the ranks agree on it, and every step runs under the collective watchdog
+(`mtplx.engine.distributed`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from mtplx.engine.output import GenerationChunk, RequestOutput
 from mtplx.engine.request import GenerationRequest
 from mtplx.engine.session import CacheSession, open_session
 from mtplx.errors import MtplxError
-from mtplx.spec_decode.batch import BatchDecoder, PendingRow, RowsFailed, RowSpec
 from mtplx.spec_decode.draft_policy import DraftPolicy
+from mtplx.spec_decode.loop import BatchDecoder, PendingRow, RowsFailed, RowSpec, TrunkTap
 from mtplx.spec_decode.select import batch_drafter
 from mtplx.spec_decode.settings import DEFAULT_PREFILL_STEP
 from mtplx.spec_decode.step import PromptPrefix
 
-__all__ = ["BatchScheduler", "StepTiming", "run_to_completion", "stream_of"]
+__all__ = ["BatchScheduler", "DecodeCore", "StepTiming", "run_to_completion", "stream_of"]
+
+
+class DecodeCore(Protocol):
+    """What the scheduler needs of an engine (`mtplx.engine.Engine` is one): the models, the
+    prompt cache, and the request set-up (plan, grammar, key, a row's own proposer)."""
+
+    trunk: Any  # mtplx.trunk.model.Trunk
+    head: Any  # the MTP head, or None
+    tokenizer: Any
+    prompt_cache: Any  # mtplx.trunk.prompt_cache.PromptCache
+    distributed: Any  # mtplx.engine.distributed.Distributed when sharded, else None
+
+    def plan(self, prompt, request: GenerationRequest) -> Any: ...  # a DecodePlan
+
+    def compile_grammar(self, grammar) -> Any: ...  # a fresh GrammarConstraint
+
+    def request_key(self, seed: int | None) -> Any: ...  # mx.array
+
+    def row_proposer(self, plan, request: GenerationRequest, head_cache: list | None) -> Any: ...
 
 
 @dataclass
@@ -80,7 +103,7 @@ class BatchScheduler:
     """Continuous batching over one engine (the module docstring). Not thread-safe: one thread
     owns it, as one thread owns the engine."""
 
-    engine: object  # mtplx.engine.Engine (not imported: the engine imports this module)
+    engine: DecodeCore  # an `Engine` (not imported: the engine imports this module)
     max_rows: int = 32  # rows decoding at once (--decode-concurrency)
     prompt_concurrency: int = 8  # requests prefilling at once (--prompt-concurrency)
     # Prompt tokens forwarded per step, over all prefilling requests: what bounds the stall of
@@ -105,14 +128,17 @@ class BatchScheduler:
             raise MtplxError(f"prefill step size: must be >= 1 (got {self.prefill_step_size})")
 
     # ------------------------------------------------------------------ requests in and out
-    def submit(self, prompt, request: GenerationRequest) -> int:
+    def submit(
+        self, prompt, request: GenerationRequest, *, key=None, trunk_tap: TrunkTap | None = None
+    ) -> int:
         """Queue one request (prompt text, messages or token ids); its handle. Raises MtplxError
-        for a request this engine or the batch cannot serve, before anything runs."""
+        for a request this engine or the batch cannot serve, before anything runs.
+
+        Row options for callers below the API (forge): ``key`` (an mx random key) replaces the
+        request's seed; ``trunk_tap`` sees the trunk's output over every position the row
+        commits (`BatchDecoder.start`)."""
         engine = self.engine
         plan = engine.plan(prompt, request)  # first: a request nobody can serve gets that error
-        refusal = engine.batch_refusal(request)
-        if refusal is not None:
-            raise MtplxError(f"batched decoding: {refusal}")
         decoder = self._decoder_for_engine()
         # A grammar row speculates in the batch like any other (`BatchDecoder`, "Grammar rows").
         # Compiled before any cache is taken: a grammar this tokenizer cannot serve fails here.
@@ -123,13 +149,14 @@ class BatchScheduler:
         pending = decoder.start(
             plan.prompt_tokens,
             RowSpec(plan.settings, row_drafter, request.drafting.lookup),
-            engine.request_key(request.seed),
+            key if key is not None else engine.request_key(self._agreed_seed(plan, request)),
             trunk_cache=session.trunk_cache,
             head_cache=session.head_cache,
             prefix=session.prefix,
             # A seeded request drafts its own depth every cycle, as alone, so it reproduces its
             # tokens whatever else is in the batch; the draft policy chooses for the others.
             draft_length=plan.settings.depth if request.seed is not None or request.drafting.pinned else None,
+            trunk_tap=trunk_tap,
             constraint=constraint,
             proposer=engine.row_proposer(plan, request, session.head_cache)
             if row_drafter == "proposer"
@@ -139,10 +166,31 @@ class BatchScheduler:
         output = RequestOutput(
             engine.tokenizer, request, len(plan.prompt_tokens), session.prefix.start, mode, depth, engine.head
         )
+        if engine.distributed is not None:
+            output.stats.distributed = engine.distributed.stats(depth + 1 if mode == "mtp" else 1)
         handle = self._next_handle
         self._next_handle += 1
         self._jobs[handle] = _Job(handle, session, output, pending)
         return handle
+
+    def _agreed_seed(self, plan, request: GenerationRequest) -> int | None:
+        """The seed a request decodes from: its own; on a sharded engine rank 0's, once every rank
+        has checked it got the same request (`Distributed.agree_on_request`)."""
+        distributed = self.engine.distributed
+        if distributed is None:
+            return request.seed
+        fields = {
+            "prompt": plan.prompt_tokens,
+            "settings": plan.settings,
+            "draft": plan.choice.kind,
+            "max_tokens": request.max_tokens,
+        }
+        return distributed.agree_on_request(request.seed, fields)
+
+    def _guarded(self):
+        """A step's collectives under the watchdog on a sharded engine (a lost rank: MtplxError)."""
+        distributed = self.engine.distributed
+        return distributed.guarded("a decode step") if distributed is not None else contextlib.nullcontext()
 
     def cancel(self, handle: int) -> None:
         """The request leaves at the next step (it gets no more chunks)."""
@@ -173,12 +221,15 @@ class BatchScheduler:
     def step(self) -> list[StepResult]:
         """Prefill a chunk, admit, decode one cycle (the module docstring); every request's news,
         in order (a request admitted in this step gets two: its first token, then its cycle's)."""
+        self._drop_cancelled()
+        if not self._jobs:
+            return []
+        with self._guarded():
+            return self._step(self._decoder_for_engine())
+
+    def _step(self, decoder: BatchDecoder) -> list[StepResult]:
         results: list[StepResult] = []
         started = time.perf_counter()
-        self._drop_cancelled()
-        decoder = self._decoder_for_engine() if self._jobs else None
-        if decoder is None:
-            return results
         waiting = [job for job in self._jobs.values() if job.row_id is None]
         budget = self.prefill_step_size
         for job in waiting[: self.prompt_concurrency]:
