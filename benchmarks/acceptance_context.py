@@ -53,11 +53,12 @@ import mtplx  # noqa: F401  (optimized BLAS before mlx)
 from mtplx.bench.report import provenance, write_json
 from mtplx.bench.runners import ban_bias
 from mtplx.bench.suite import load_prompts
-from mtplx.engine.engine import DEFAULT_ADAPTIVE_THRESHOLD, Engine
+from mtplx.engine.engine import Engine
 from mtplx.engine.request import GenerationRequest
 from mtplx.forge.corpus import split_passages, stdlib_dir
 from mtplx.io import atomic_path
 from mtplx.sample.params import SamplerConfig
+from mtplx.spec_decode.drafting import DEFAULT_ADAPTIVE_THRESHOLD
 from mtplx.spec_decode.settings import Drafting
 from mtplx.trunk import rollback
 

@@ -5,7 +5,7 @@ same head at exactly the same position of the same text.
 For each prompt of ``benchmarks/prompts/suite.jsonl`` and each run (greedy at depth 1 and 3; t 0.7
 without top-p at depth 1, so the trunk's p is its softmax at 0.7 in both measures), the engine
 generates ``--tokens`` tokens with the head (`Engine.generate`, `mtplx generate`'s path: prompt
-cache session, `HeadProposer`, `speculative_decode`), and every cycle's outcome is taken from the
+cache session, the one scheduler and cycle as a batch of one, `HeadProposer`), and every cycle's outcome is taken from the
 loop's own `Step`s: where it drafted (the first draft of a cycle that starts with n generated tokens
 is a draft of token n, scored by the trunk at position P + n - 1), whether the first draft was
 kept, and its min(1, p/q). The decode's text is then scored teacher-forced as `mtplx forge`
@@ -38,7 +38,7 @@ import sys
 from pathlib import Path
 
 import mtplx  # noqa: F401  (optimized BLAS before mlx)
-from mtplx.engine import engine as engine_module
+from mtplx.engine import output as output_module
 from mtplx.engine.engine import Engine
 from mtplx.forge.evaluate import acceptance, evaluate_acceptance
 from mtplx.forge.prompts import read_held_out
@@ -57,23 +57,25 @@ RUNS = {  # name: (sampling, depth)
 
 
 class StepRecorder:
-    """Tees the loop's `Step`s of every `speculative_decode` the engine runs into ``steps``."""
+    """Tees the one cycle's `Step`s of every request the engine decodes into ``steps`` (each
+    request's steps reach `RequestOutput.feed`, first token included, in order)."""
 
     def __init__(self) -> None:
         self.steps: list = []
-        self.original = engine_module.decode.speculative_decode
+        self.original = output_module.RequestOutput.feed
 
     def __enter__(self) -> StepRecorder:
-        def tee(*args, **kwargs):
-            for step in self.original(*args, **kwargs):
-                self.steps.append(step)
-                yield step
+        original, steps = self.original, self.steps
 
-        engine_module.decode.speculative_decode = tee
+        def tee(output, step):
+            steps.append(step)
+            return original(output, step)
+
+        output_module.RequestOutput.feed = tee
         return self
 
     def __exit__(self, *exc) -> None:
-        engine_module.decode.speculative_decode = self.original
+        output_module.RequestOutput.feed = self.original
 
 
 def cycles_of(steps: list, prompt_len: int, generated: int) -> list[dict]:

@@ -1,7 +1,7 @@
 """`Engine`: load a model (and its MTP head), then stream or generate text for a `GenerationRequest`.
 
 One call, end to end: the request (validated at the edge) -> `plan` (prompt ids, the drafter and
-depth from `spec_decode.select`, the loop's settings) -> the one scheduler (`engine.scheduler`: a
+depth from `spec_decode.drafting`, the loop's settings) -> the one scheduler (`engine.scheduler`: a
 stream is a batch of one, on its own caches) and the one cycle (`spec_decode.loop.BatchDecoder`)
 -> per step: EOS / stop strings / max_tokens, incremental text, running stats
 (`output.RequestOutput`) -> `GenerationChunk`s. A sharded engine's scheduler steps one row on every
@@ -27,7 +27,13 @@ from mtplx.errors import MtplxError
 from mtplx.heads.discovery import find_head, missing_head_message
 from mtplx.spec_decode.constraint import GrammarConstraint
 from mtplx.spec_decode.draft_policy import DRAFT_POLICIES, CostProfile, DraftPolicy
-from mtplx.spec_decode.select import DEFAULT_DEPTH, DrafterChoice, build_proposer, choose_drafter
+from mtplx.spec_decode.drafting import (
+    DEFAULT_ADAPTIVE_THRESHOLD,
+    DrafterChoice,
+    build_proposer,
+    choose_drafter,
+    head_depth,
+)
 from mtplx.spec_decode.settings import DEFAULT_PREFILL_STEP, DecodeSettings
 from mtplx.trunk.model import Trunk
 from mtplx.trunk.prompt_cache import PromptCache
@@ -35,9 +41,6 @@ from mtplx.trunk.prompt_cache import PromptCache
 import mlx.core as mx
 
 __all__ = ["Engine", "GenerationChunk", "GenerationRequest", "GenerationResult", "GenerationStats"]
-
-# Adaptive head drafting stops after a draft the head gave less than this probability.
-DEFAULT_ADAPTIVE_THRESHOLD = 0.3
 
 
 @dataclass(frozen=True)
@@ -191,10 +194,7 @@ class Engine:
         from mtplx.engine import tuned
 
         saved = tuned.saved_depth(self.fingerprint)
-        return saved if saved is not None else self._head_depth()
-
-    def _head_depth(self) -> int:
-        return int((self.head.default_depth if self.head is not None else None) or DEFAULT_DEPTH)
+        return saved if saved is not None else head_depth(self.head)
 
     def _warn_if_deeper_than_trained(self, depth: int) -> None:
         limit = self.head.max_depth
@@ -273,7 +273,7 @@ class Engine:
             has_head=self.head is not None,
             has_draft_model=self.draft_model is not None,
             engine_depth=self.depth or 0,
-            head_depth=self._head_depth(),
+            head_depth=head_depth(self.head),
         )
         if choice.model_drafter == "head":
             self._warn_if_deeper_than_trained(choice.depth)

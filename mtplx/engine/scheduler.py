@@ -35,8 +35,8 @@ from mtplx.engine.request import GenerationRequest
 from mtplx.engine.session import CacheSession, open_session
 from mtplx.errors import MtplxError
 from mtplx.spec_decode.draft_policy import DraftPolicy
+from mtplx.spec_decode.drafting import batch_drafter
 from mtplx.spec_decode.loop import BatchDecoder, PendingRow, RowsFailed, RowSpec, TrunkTap
-from mtplx.spec_decode.select import batch_drafter
 from mtplx.spec_decode.settings import DEFAULT_PREFILL_STEP
 from mtplx.spec_decode.step import PromptPrefix
 

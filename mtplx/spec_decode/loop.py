@@ -93,7 +93,7 @@ import mlx.core as mx
 
 __all__ = ["BATCH_DRAFTERS", "BatchDecoder", "BatchRow", "PendingRow", "RowSpec", "RowsFailed", "TrunkTap"]
 
-# "auto": lookup where it matches, else the head; "proposer": the row's own (`select.batch_drafter`).
+# "auto": lookup where it matches, else the head; "proposer": the row's own (`drafting.batch_drafter`).
 BATCH_DRAFTERS = ("none", "lookup", "head", "auto", "proposer")
 # Most grammar-forced tokens looked up per row per cycle (the draft policy then cuts them to its K).
 MAX_FORCED = 8

@@ -27,7 +27,7 @@ __all__ = [
     "LookupConfig",
 ]
 
-# The drafters a request can ask for (`mtplx.spec_decode.select` builds them); "none" is plain AR.
+# The drafters a request can ask for (`mtplx.spec_decode.drafting` builds them); "none" is plain AR.
 DRAFT_KINDS = ("auto", "head", "lookup", "model", "none")
 MAX_DEPTH = 16  # drafts per cycle mtplx serves: no head layout chains usefully beyond this; a typo guard
 MAX_NGRAM_LIMIT = 64

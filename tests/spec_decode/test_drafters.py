@@ -549,8 +549,8 @@ def test_checkpoint_comparison_catches_a_cache_that_was_not_restored():
     ],
 )
 def test_each_drafter_kind_has_one_batched_loop_drafter(kind, model_drafter, batched, single):
-    """`select.batch_drafter`: the table in select.py's docstring, row by row."""
-    from mtplx.spec_decode.select import DrafterChoice, batch_drafter
+    """`drafting.batch_drafter`: the table in drafting.py's docstring, row by row."""
+    from mtplx.spec_decode.drafting import DrafterChoice, batch_drafter
 
     choice = DrafterChoice(kind, model_drafter, depth=2, model_depth=3)
     assert batch_drafter(choice, single_row=False) == batched

@@ -134,7 +134,7 @@ def mtp_decode(
     head_cache: list | None = None,
     prefix=None,
 ) -> Generator[Step, None, None]:
-    """The loop with the MTP head as its drafter, without an engine: what `spec_decode.select`
+    """The loop with the MTP head as its drafter, without an engine: what `spec_decode.drafting`
     builds for ``draft="head"``."""
     proposer = HeadProposer(head, settings, head_cache)
     return speculative_decode(trunk, proposer, prompt_tokens, settings, key, trunk_cache, prefix)

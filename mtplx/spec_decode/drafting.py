@@ -1,4 +1,8 @@
-"""Which drafter a request decodes with, how deep it drafts, and building that proposer.
+"""Drafting, decided in one module: which drafter a request decodes with, how deep it drafts
+(every depth default), the adaptive gate's default threshold, the cycle's per-row drafter table,
+and building a row's own proposer. Each cycle's draft length per row is the draft-length policy's
+(`draft_policy.row_caps`: a pinned length, the fixed depth, or the cost model; the adaptive gate
+then cuts an adaptive row's block after its first unsure draft).
 
 The rules, in order:
 1. kind: the request's `Drafting.kind` ("auto" unless asked); the engine has already refused a
@@ -36,9 +40,25 @@ from mtplx.spec_decode.lookup_proposer import LookupProposer
 from mtplx.spec_decode.proposer import Proposer
 from mtplx.spec_decode.settings import DecodeSettings, Drafting
 
-__all__ = ["DEFAULT_DEPTH", "DrafterChoice", "batch_drafter", "build_proposer", "choose_drafter"]
+__all__ = [
+    "DEFAULT_ADAPTIVE_THRESHOLD",
+    "DEFAULT_DEPTH",
+    "DrafterChoice",
+    "batch_drafter",
+    "build_proposer",
+    "choose_drafter",
+    "head_depth",
+]
 
 DEFAULT_DEPTH = 3  # drafts per cycle when neither the head, tuning nor the request says
+# Adaptive head drafting stops after a draft the head gave less than this probability (unless
+# `mtplx tune` saved a threshold for the model on this machine).
+DEFAULT_ADAPTIVE_THRESHOLD = 0.3
+
+
+def head_depth(head) -> int:
+    """The head's own default depth (its manifest's), else `DEFAULT_DEPTH`."""
+    return int((head.default_depth if head is not None else None) or DEFAULT_DEPTH)
 
 
 @dataclass(frozen=True)
@@ -77,7 +97,7 @@ def choose_drafter(
 
 
 def batch_drafter(choice: DrafterChoice, single_row: bool) -> str:
-    """The batched loop's drafter for a row (`batch.BATCH_DRAFTERS`; the module docstring's table)."""
+    """The cycle's drafter for a row (`loop.BATCH_DRAFTERS`; the module docstring's table)."""
     kind = choice.kind
     if kind == "auto" and choice.model_drafter is None:
         return "lookup"
