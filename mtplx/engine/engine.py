@@ -246,6 +246,7 @@ class Engine:
             request = GenerationRequest.from_kwargs(**kwargs)
         elif kwargs:
             raise MtplxError(f"stream: pass a request or keyword arguments, not both (got {sorted(kwargs)})")
+        _one_choice(request, "stream")
         return self._stream_as_a_batch_of_one(prompt, request)
 
     def _stream_as_a_batch_of_one(self, prompt, request: GenerationRequest) -> Iterator[GenerationChunk]:
@@ -411,6 +412,8 @@ class Engine:
                 raise MtplxError(
                     f"generate_batch: {len(requests)} requests for {len(prompts)} prompts (give one, or one each)"
                 )
+        for r in requests:
+            _one_choice(r, "generate_batch")
         from tqdm import tqdm
 
         with tqdm(total=len(prompts), unit="prompt", disable=not progress, file=sys.stderr) as bar:
@@ -427,3 +430,11 @@ class Engine:
     ) -> GenerationResult:
         """Generate to completion; the same arguments as `stream`."""
         return GenerationResult.from_chunks(list(self.stream(prompt, request, **kwargs)))
+
+
+def _one_choice(request: GenerationRequest, entry: str) -> None:
+    if request.n != 1:
+        raise MtplxError(
+            f"n: {entry} returns one choice per request (got n={request.n}); submit to Engine.batch() "
+            "(each chunk's index is its choice) or ask the server"
+        )

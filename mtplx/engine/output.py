@@ -28,6 +28,7 @@ class GenerationChunk:
     stats: GenerationStats
     logprobs: list[TokenLogprobs] | None = None  # one per token id, when asked for
     eos_token: int | None = None  # the EOS (or stop token id) that ended the request; not emitted
+    index: int = 0  # the choice's index (a request with n > 1 has n choices)
 
 
 @dataclass

@@ -32,6 +32,7 @@ __all__ = ["DEFAULT_MAX_TOKENS", "SEED_LIMIT", "Drafting", "GenerationRequest"]
 # mx.random.key takes an unsigned 64-bit seed.
 SEED_LIMIT = 2**64
 DEFAULT_MAX_TOKENS = 256
+MAX_CHOICES = 16  # most choices (n) one request may ask for
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class GenerationRequest:
     # Token ids that end the request as EOS does (never emitted), beside the tokenizer's EOS
     # (vLLM's ``stop_token_ids``).
     stop_token_ids: tuple[int, ...] = ()
+    n: int = 1  # choices from one prefill, each with its own key (the server's ``n``)
     ignore_eos: bool = False  # the tokenizer's EOS does not end the request (only stop_token_ids)
     detokenize: bool = True  # False: token ids only, no text (no stop strings then)
 
@@ -61,6 +63,8 @@ class GenerationRequest:
             raise MtplxError(f"max_tokens must be > 0 (got {self.max_tokens})")
         if self.seed is not None and not 0 <= integer_value("seed", self.seed) < SEED_LIMIT:
             raise MtplxError(f"seed must be in [0, 2**64) (got {self.seed})")
+        if not 1 <= integer_value("n", self.n) <= MAX_CHOICES:
+            raise MtplxError(f"n must be in [1, {MAX_CHOICES}] (got {self.n})")
         if self.logprobs is not None and integer_value("logprobs", self.logprobs) < 0:
             raise MtplxError(f"logprobs must be >= 0 (got {self.logprobs})")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -101,6 +105,7 @@ class GenerationRequest:
         adaptive: bool = False,
         adaptive_threshold: float | None = None,
         grammar: Grammar | None = None,
+        n: int = 1,
     ) -> GenerationRequest:
         """A request from `Engine.stream`'s flat keyword arguments (the names the API documents)."""
         sampler = SamplerConfig(
@@ -130,4 +135,5 @@ class GenerationRequest:
             chat=chat,
             drafting=drafting,
             grammar=grammar,
+            n=n,
         )

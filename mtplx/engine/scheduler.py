@@ -39,6 +39,9 @@ from mtplx.spec_decode.drafting import batch_drafter
 from mtplx.spec_decode.loop import BatchDecoder, PendingRow, RowsFailed, RowSpec, TrunkTap
 from mtplx.spec_decode.settings import DEFAULT_PREFILL_STEP
 from mtplx.spec_decode.step import PromptPrefix
+from mtplx.trunk.compat import copy_cache
+
+import mlx.core as mx
 
 __all__ = ["BatchScheduler", "DecodeCore", "StepTiming", "run_to_completion", "stream_of"]
 
@@ -62,14 +65,25 @@ class DecodeCore(Protocol):
     def row_proposer(self, plan, request: GenerationRequest, head_cache: list | None) -> Any: ...
 
 
+def choice_keys(key: mx.array, n: int) -> list[mx.array]:
+    """Each choice's key: the request's own for one choice, else n keys split from it."""
+    return [key] if n == 1 else list(mx.random.split(key, n))
+
+
 @dataclass
 class _Job:
-    handle: int
+    """One choice of a request: its row from submission to leaving."""
+
+    handle: int  # the request's (all its choices share it)
     session: CacheSession
     output: RequestOutput
     pending: PendingRow | None  # while prefilling
+    choice: int = 0  # the choice's index (n > 1)
     row_id: int | None = None  # once decoding
     cancelled: bool = False
+    # Choices 1..n-1 wait for choice 0's prefill and start from a copy of its caches (`_fork`).
+    forks: list[_Job] = field(default_factory=list)
+    waits: bool = False  # a fork whose caches are not copied yet
 
 
 @dataclass
@@ -79,8 +93,9 @@ class StepResult:
     produced, NaN logits: a fault of the model, not of the request)."""
 
     handle: int
-    chunk: GenerationChunk | None = None
+    chunk: GenerationChunk | None = None  # its ``index`` is the choice's
     error: Exception | None = None
+    choice: int = 0
 
     @property
     def done(self) -> bool:
@@ -115,8 +130,9 @@ class BatchScheduler:
     # scheduler, and any engine whose model's caches do not batch.
     single_row: bool = False
     _decoder: BatchDecoder | None = None
-    _jobs: dict[int, _Job] = field(default_factory=dict)  # in submission order
+    _jobs: dict[int, _Job] = field(default_factory=dict)  # every choice, in submission order
     _next_handle: int = 0
+    _next_key: int = 0
     last_timing: StepTiming | None = None  # the latest step's, once a step has run
 
     def __post_init__(self) -> None:
@@ -140,16 +156,43 @@ class BatchScheduler:
         engine = self.engine
         plan = engine.plan(prompt, request)  # first: a request nobody can serve gets that error
         decoder = self._decoder_for_engine()
+        base = key if key is not None else engine.request_key(self._agreed_seed(plan, request))
+        # n > 1: each choice its own key, split from the request's (a seeded request's choices
+        # are each reproducible); one choice keeps the request's key as it is.
+        keys = choice_keys(base, request.n)
+        handle = self._next_handle
+        self._next_handle += 1
+        first = self._new_job(handle, 0, plan, request, keys[0], decoder, trunk_tap, fresh=False)
+        for choice in range(1, request.n):
+            fork = self._new_job(handle, choice, plan, request, keys[choice], decoder, trunk_tap, fresh=True)
+            # A row with its own proposer (whose state follows the prefill) prefills on its own.
+            fork.waits = first.pending.proposer is None
+            if fork.waits:
+                first.forks.append(fork)
+        return handle
+
+    def _new_job(self, handle, choice, plan, request, key, decoder, trunk_tap, *, fresh: bool) -> _Job:
+        """One choice's row, pending: its grammar matcher, caches (the prompt cache's longest
+        prefix; ``fresh``: empty ones, for a fork), proposer and output."""
+        engine = self.engine
         # A grammar row speculates in the batch like any other (`BatchDecoder`, "Grammar rows").
         # Compiled before any cache is taken: a grammar this tokenizer cannot serve fails here.
         constraint = engine.compile_grammar(request.grammar) if request.grammar is not None else None
         row_drafter = batch_drafter(plan.choice, decoder.single_row)
         with_head = plan.choice.model_drafter == "head" and row_drafter in ("head", "auto", "proposer")
-        session = open_session(engine.prompt_cache, engine.trunk, engine.head, plan.prompt_tokens, with_head)
+        if fresh:
+            head_cache = engine.head.make_cache() if with_head else None
+            session = CacheSession(
+                engine.prompt_cache, plan.prompt_tokens, engine.trunk.make_cache(), head_cache, 0
+            )
+        else:
+            session = open_session(
+                engine.prompt_cache, engine.trunk, engine.head, plan.prompt_tokens, with_head
+            )
         pending = decoder.start(
             plan.prompt_tokens,
             RowSpec(plan.settings, row_drafter, request.drafting.lookup),
-            key if key is not None else engine.request_key(self._agreed_seed(plan, request)),
+            key,
             trunk_cache=session.trunk_cache,
             head_cache=session.head_cache,
             prefix=session.prefix,
@@ -168,10 +211,30 @@ class BatchScheduler:
         )
         if engine.distributed is not None:
             output.stats.distributed = engine.distributed.stats(depth + 1 if mode == "mtp" else 1)
-        handle = self._next_handle
-        self._next_handle += 1
-        self._jobs[handle] = _Job(handle, session, output, pending)
-        return handle
+        job = _Job(handle, session, output, pending, choice)
+        self._jobs[self._next_key] = job
+        self._next_key += 1
+        return job
+
+    def _fork(self, job: _Job) -> None:
+        """``job``'s prompt is prefilled but for its last token: each waiting choice starts from a
+        copy of its caches (the prompt forwarded once; each choice forwards the last token itself,
+        drawing its first token with its own key). Its stats count the copied positions cached."""
+        pending = job.pending
+        for fork in job.forks:
+            fork_pending = fork.pending
+            fork_pending.trunk_cache = copy_cache(pending.trunk_cache)
+            if pending.head_cache is not None:
+                fork_pending.head_cache = copy_cache(pending.head_cache)
+            fork_pending.prefix = PromptPrefix(pending.position)
+            fork_pending.position = pending.position
+            fork.session.trunk_cache, fork.session.head_cache = (
+                fork_pending.trunk_cache,
+                fork_pending.head_cache,
+            )
+            fork.output.prefix_reused(pending.position)
+            fork.waits = False
+        job.forks = []
 
     def _agreed_seed(self, plan, request: GenerationRequest) -> int | None:
         """The seed a request decodes from: its own; on a sharded engine rank 0's, once every rank
@@ -193,10 +256,13 @@ class BatchScheduler:
         return distributed.guarded("a decode step") if distributed is not None else contextlib.nullcontext()
 
     def cancel(self, handle: int) -> None:
-        """The request leaves at the next step (it gets no more chunks)."""
-        job = self._jobs.get(handle)
-        if job is not None:
-            job.cancelled = True
+        """The request (every choice of it) leaves at the next step (it gets no more chunks)."""
+        for job in self._jobs.values():
+            if job.handle == handle:
+                job.cancelled = True
+
+    def _choices(self, handle: int) -> list[_Job]:
+        return [job for job in self._jobs.values() if job.handle == handle]
 
     @property
     def idle(self) -> bool:
@@ -230,7 +296,7 @@ class BatchScheduler:
     def _step(self, decoder: BatchDecoder) -> list[StepResult]:
         results: list[StepResult] = []
         started = time.perf_counter()
-        waiting = [job for job in self._jobs.values() if job.row_id is None]
+        waiting = [job for job in self._jobs.values() if job.row_id is None and not job.waits]
         budget = self.prefill_step_size
         for job in waiting[: self.prompt_concurrency]:
             if budget <= 0:
@@ -242,6 +308,8 @@ class BatchScheduler:
                 before = pending.remaining
                 ready = decoder.prefill(pending, budget)
                 budget -= before - pending.remaining
+                if ready and job.forks:
+                    self._fork(job)
                 if ready and self.num_decoding < (1 if decoder.single_row else self.max_rows):
                     job.row_id, first = decoder.admit(pending)
                     job.pending = None
@@ -290,13 +358,16 @@ class BatchScheduler:
     def _feed(self, job: _Job, step) -> StepResult:
         job.session.record(step.tokens)
         chunk = job.output.feed(step)
+        chunk.index = job.choice
         if job.output.finished:
             self._finish(job)
-        return StepResult(job.handle, chunk=chunk)
+        return StepResult(job.handle, chunk=chunk, choice=job.choice)
 
     def _fail(self, job: _Job, err: Exception) -> StepResult:
-        self._remove(job)
-        return StepResult(job.handle, error=err)
+        """The request ends with ``err``: every choice of it leaves."""
+        for choice in self._choices(job.handle):
+            self._remove(choice)
+        return StepResult(job.handle, error=err, choice=job.choice)
 
     def _finish(self, job: _Job) -> None:
         """A request that ended between cycles: its caches go to the prompt cache, its row leaves."""
@@ -316,7 +387,10 @@ class BatchScheduler:
     def _remove(self, job: _Job) -> None:
         if job.row_id is not None:
             self._decoder.leave([job.row_id])
-        self._jobs.pop(job.handle, None)
+            job.row_id = None
+        for key, held in list(self._jobs.items()):
+            if held is job:
+                del self._jobs[key]
 
     def close(self) -> None:
         """Drop every request (their memory is freed)."""

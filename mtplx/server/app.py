@@ -227,7 +227,7 @@ def _add_generation_routes(v1: APIRouter, worker: GenerationWorker, settings: Se
         max_tokens = body.max_completion_tokens or body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         job = _make_job(engine, body, prompt_tokens, max_tokens, logprobs, settings, plan.grammar)
-        fmt = ChatFormat(engine, settings.model_id, plan.reader())
+        fmt = ChatFormat(engine, settings.model_id, plan.reader, n=body.n or 1)
         return await _respond(request, worker, job, settings, fmt, body)
 
     @v1.post("/completions")
@@ -243,7 +243,8 @@ def _add_generation_routes(v1: APIRouter, worker: GenerationWorker, settings: Se
         grammar = response_format_grammar(body.response_format)
         prompt_tokens = await _encode(engine, prompt, "prompt")
         job = _make_job(engine, body, prompt_tokens, body.max_tokens, body.logprobs, settings, grammar)
-        return await _respond(request, worker, job, settings, TextFormat(engine, settings.model_id), body)
+        fmt = TextFormat(engine, settings.model_id, n=body.n or 1)
+        return await _respond(request, worker, job, settings, fmt, body)
 
     @v1.post("/messages")
     async def messages(body: MessagesRequest, request: Request):
@@ -326,8 +327,10 @@ def _check_model(name: str, settings: ServerSettings) -> None:
 def _check_common(body, settings: ServerSettings) -> None:
     if body.model is not None:  # omitted: the served model answers (as mlx_lm.server, llama-server)
         _check_model(body.model, settings)
-    if body.n not in (None, 1):
-        raise APIError(400, f"n: only 1 completion per request is supported, got {body.n}", param="n")
+    best_of = getattr(body, "best_of", None)
+    if best_of is not None and best_of != (body.n or 1):
+        message = f"best_of: not supported (got {best_of}); n returns every choice as sampled"
+        raise APIError(400, message, param="best_of")
     requested = getattr(body, "max_completion_tokens", None) or body.max_tokens
     if requested is not None and requested > settings.max_tokens_cap:
         raise APIError(
@@ -425,6 +428,7 @@ def _request(
             stop=body.stop or (),
             logprobs=logprobs,
             drafting=body.drafting(defaults.drafting),
+            n=getattr(body, "n", None) or 1,
         )
     except MtplxError as err:
         field = str(err).split(" ", 1)[0]  # the messages start with the field's API name

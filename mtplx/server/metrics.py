@@ -104,17 +104,19 @@ class ServerMetrics:
         )
 
     def observe(self, chunk: GenerationChunk) -> None:
-        """Count a request that ended with ``chunk`` (other chunks are ignored)."""
+        """Count a request that ended with ``chunk`` (other chunks are ignored). With n > 1 each
+        choice's generation and drafts count; the prompt, success and latency once (choice 0)."""
         if chunk.finish_reason is None:
             return
         stats = chunk.stats
-        self.prompt_tokens.inc(stats.prompt_tokens)
-        self.cached_tokens.inc(stats.cached_tokens)
         self.generation_tokens.inc(stats.generated_tokens)
-        self.success.labels(finished_reason=chunk.finish_reason).inc()
-        if stats.generated_tokens:
-            self.ttft.observe(stats.ttft_seconds)
-        self.latency.observe(stats.total_seconds)
+        if chunk.index == 0:
+            self.prompt_tokens.inc(stats.prompt_tokens)
+            self.cached_tokens.inc(stats.cached_tokens)
+            self.success.labels(finished_reason=chunk.finish_reason).inc()
+            if stats.generated_tokens:
+                self.ttft.observe(stats.ttft_seconds)
+            self.latency.observe(stats.total_seconds)
         for drafter, counts in stats.drafters.items():
             self.draft_tokens.labels(drafter=drafter).inc(counts.get("drafted", 0))
             self.accepted_tokens.labels(drafter=drafter).inc(counts.get("accepted", 0))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from mtplx.engine.engine import GenerationChunk, GenerationStats
@@ -51,11 +52,14 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
 # ------------------------------------------------------------------ middleware
 
 
-def usage(stats: GenerationStats) -> dict:
+def usage(stats: GenerationStats, *more: GenerationStats) -> dict:
+    """The usage of a request whose choices ended with ``stats`` (and ``more``: n > 1): the
+    prompt counted once (it was forwarded once), the completions summed."""
+    completion = stats.generated_tokens + sum(s.generated_tokens for s in more)
     return {
         "prompt_tokens": stats.prompt_tokens,
-        "completion_tokens": stats.generated_tokens,
-        "total_tokens": stats.prompt_tokens + stats.generated_tokens,
+        "completion_tokens": completion,
+        "total_tokens": stats.prompt_tokens + completion,
         "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
     }
 
@@ -77,14 +81,27 @@ def decode_stats(stats: GenerationStats) -> dict:
     }
 
 
+def _by_choice(chunks: list[GenerationChunk]) -> list[list[GenerationChunk]]:
+    """A request's chunks, choice by choice (``GenerationChunk.index``), each in order."""
+    choices: dict[int, list[GenerationChunk]] = {}
+    for chunk in chunks:
+        choices.setdefault(chunk.index, []).append(chunk)
+    return [choices[i] for i in sorted(choices)]
+
+
 class _Format:
+    """A request's reply in an OpenAI shape; with ``n`` > 1 one entry of ``choices`` per choice,
+    each chunk streamed under its choice's ``index``."""
+
     object_name = ""
 
-    def __init__(self, engine, model_id: str):
+    def __init__(self, engine, model_id: str, n: int = 1):
         self.tokenizer = engine.tokenizer
         self.model_id = model_id
+        self.n = n
         self.id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        self._final: dict[int, GenerationStats] = {}  # each streamed choice's latest stats
 
     def _envelope(self, object_name: str, choices: list) -> dict:
         return {
@@ -99,33 +116,43 @@ class _Format:
         return self.tokenizer.decode([token])
 
     def response(self, chunks: list[GenerationChunk]) -> dict:
-        text = "".join(c.text for c in chunks)
-        logprobs = self._logprobs(chunks) if chunks[0].logprobs is not None else None
-        body = self._envelope(self.object_name, [self._choice(text, logprobs, chunks[-1].finish_reason)])
-        body["usage"] = usage(chunks[-1].stats)
-        body["mtplx"] = decode_stats(chunks[-1].stats)
+        choices, finals = [], []
+        for index, parts in enumerate(_by_choice(chunks)):
+            text = "".join(c.text for c in parts)
+            logprobs = self._logprobs(parts) if parts[0].logprobs is not None else None
+            choices.append(self._choice(text, logprobs, parts[-1].finish_reason, index))
+            finals.append(parts[-1].stats)
+        body = self._envelope(self.object_name, choices)
+        self._add_usage(body, finals)
         return body
 
-    def usage_chunk(self, stats: GenerationStats) -> dict:
+    def _add_usage(self, body: dict, finals: list[GenerationStats]) -> None:
+        body["usage"] = usage(*finals)
+        body["mtplx"] = decode_stats(finals[0])
+        if len(finals) > 1:  # each choice's own decode (choices 1.. start from choice 0's prompt caches)
+            body["mtplx"]["choices"] = [decode_stats(stats) for stats in finals]
+
+    def usage_chunk(self, finals: list[GenerationStats]) -> dict:
         body = self._envelope(self.chunk_object, [])
-        body["usage"] = usage(stats)
-        body["mtplx"] = decode_stats(stats)
+        self._add_usage(body, finals)
         return body
 
     # The server-sent events of a stream (vLLM's convention for an error after streaming began:
     # a final ``data: {"error": ...}`` event, then nothing).
     def sse_open(self) -> list[str]:
-        opening = self.opening_chunk()
-        return [] if opening is None else [sse_data(opening)]
+        openings = [self.opening_chunk(index) for index in range(self.n)]
+        return [sse_data(opening) for opening in openings if opening is not None]
 
     def sse_chunk(self, chunk: GenerationChunk) -> list[str]:
+        self._final[chunk.index] = chunk.stats
         return [sse_data(self.chunk(chunk))]
 
     def sse_error(self, err: APIError) -> str:
         return sse_data(error_body(err.message, err.type, err.param, err.code))
 
     def sse_close(self, last: GenerationChunk | None, include_usage: bool, failed: bool) -> list[str]:
-        usage_event = [sse_data(self.usage_chunk(last.stats))] if last is not None and include_usage else []
+        finals = [self._final[i] for i in sorted(self._final)]
+        usage_event = [sse_data(self.usage_chunk(finals))] if last is not None and include_usage else []
         return [*usage_event, "data: [DONE]\n\n"]
 
 
@@ -142,26 +169,38 @@ class ChatFormat(_Format):
     object_name = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, engine, model_id: str, reader: ReplyReader | None = None):
-        super().__init__(engine, model_id)
-        self.reader = reader
+    def __init__(self, engine, model_id: str, readers: Callable[[], ReplyReader] | None = None, n: int = 1):
+        """``readers`` makes a fresh `ReplyReader` (one per choice: each splits its own text)."""
+        super().__init__(engine, model_id, n)
+        self._new_reader = readers
+        self._readers: dict[int, ReplyReader] = {}
 
-    def _finish(self, finish: str | None) -> str | None:
-        called = self.reader is not None and self.reader.calls > 0
+    def reader(self, index: int) -> ReplyReader | None:
+        if self._new_reader is None:
+            return None
+        if index not in self._readers:
+            self._readers[index] = self._new_reader()
+        return self._readers[index]
+
+    def _finish(self, finish: str | None, index: int) -> str | None:
+        reader = self.reader(index)
+        called = reader is not None and reader.calls > 0
         return "tool_calls" if finish == "stop" and called else finish
 
     def response(self, chunks: list[GenerationChunk]) -> dict:
         body = super().response(chunks)
-        if self.reader is not None:
-            reasoning, content, deltas = self.reader.feed("".join(c.text for c in chunks), final=True)
+        if self._new_reader is None:
+            return body
+        for index, parts in enumerate(_by_choice(chunks)):
+            reasoning, content, deltas = self.reader(index).feed("".join(c.text for c in parts), final=True)
             calls = merge_calls(deltas)
-            message = body["choices"][0]["message"]
+            message = body["choices"][index]["message"]
             message["content"] = content or (None if calls else "")
             if reasoning:
                 message["reasoning_content"] = message["reasoning"] = reasoning
             if calls:
                 message["tool_calls"] = calls
-            body["choices"][0]["finish_reason"] = self._finish(chunks[-1].finish_reason)
+            body["choices"][index]["finish_reason"] = self._finish(parts[-1].finish_reason, index)
         return body
 
     def _entry(self, token: int, logprob: float) -> dict:
@@ -177,13 +216,13 @@ class ChatFormat(_Format):
                 content.append(entry)
         return {"content": content}
 
-    def _choice(self, text: str, logprobs: dict | None, finish: str | None) -> dict:
+    def _choice(self, text: str, logprobs: dict | None, finish: str | None, index: int = 0) -> dict:
         message = {"role": "assistant", "content": text}
-        return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
-    def opening_chunk(self) -> dict:
+    def opening_chunk(self, index: int = 0) -> dict:
         choice = {
-            "index": 0,
+            "index": index,
             "delta": {"role": "assistant", "content": ""},
             "logprobs": None,
             "finish_reason": None,
@@ -192,16 +231,17 @@ class ChatFormat(_Format):
 
     def chunk(self, chunk: GenerationChunk) -> dict:
         reasoning, content, deltas = "", chunk.text, []
-        if self.reader is not None:
-            reasoning, content, deltas = self.reader.feed(chunk.text, final=chunk.finish_reason is not None)
+        reader = self.reader(chunk.index)
+        if reader is not None:
+            reasoning, content, deltas = reader.feed(chunk.text, final=chunk.finish_reason is not None)
         delta: dict = {"content": content} if content else {}
         if reasoning:
             delta["reasoning_content"] = delta["reasoning"] = reasoning
         if deltas:
             delta["tool_calls"] = [d.wire() for d in deltas]
         logprobs = self._logprobs([chunk]) if chunk.logprobs is not None else None
-        finish = self._finish(chunk.finish_reason)
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        finish = self._finish(chunk.finish_reason, chunk.index)
+        choice = {"index": chunk.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return self._envelope(self.chunk_object, [choice])
 
 
@@ -227,12 +267,13 @@ class TextFormat(_Format):
             "text_offset": offsets,
         }
 
-    def _choice(self, text: str, logprobs: dict | None, finish: str | None) -> dict:
-        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+    def _choice(self, text: str, logprobs: dict | None, finish: str | None, index: int = 0) -> dict:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
-    def opening_chunk(self) -> None:
+    def opening_chunk(self, index: int = 0) -> None:
         return None  # text completion streams start with the first text
 
     def chunk(self, chunk: GenerationChunk) -> dict:
         logprobs = self._logprobs([chunk]) if chunk.logprobs is not None else None
-        return self._envelope(self.chunk_object, [self._choice(chunk.text, logprobs, chunk.finish_reason)])
+        choice = self._choice(chunk.text, logprobs, chunk.finish_reason, chunk.index)
+        return self._envelope(self.chunk_object, [choice])

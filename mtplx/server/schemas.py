@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Annotated, Any, Literal
 
+from mtplx.engine.request import MAX_CHOICES
 from mtplx.spec_decode.settings import MAX_DEPTH, Drafting
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
@@ -198,7 +199,7 @@ class _SamplingRequest(SpeculationFields):
     seed: StrictInt | None = None
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
-    n: Annotated[StrictInt, Field(ge=1)] | None = None
+    n: Annotated[StrictInt, Field(ge=1, le=MAX_CHOICES)] | None = None  # choices from one prefill
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
@@ -226,6 +227,7 @@ class CompletionRequest(_SamplingRequest):
     # A string, a list of token ids, or a one-element list of strings (n prompts is a batch: refused).
     prompt: str | Annotated[list[StrictInt], Field(min_length=1)] | Annotated[list[str], Field(min_length=1)]
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    best_of: StrictInt | None = None  # refused unless it equals n (`app._check_common`)
 
 
 # ------------------------------------------------------------------ the Responses API (/v1/responses)

@@ -97,6 +97,7 @@ class GenerationWorker:
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._thread = threading.Thread(target=self._run, name="mtplx-generation", daemon=True)
         self._active: dict[int, Job] = {}  # scheduler handle -> job, in flight
+        self._choices_left: dict[int, int] = {}  # scheduler handle -> its choices not ended yet
         self.busy = False
         # Load, as the generation thread last saw it between cycles (/metrics reads it from others).
         self.running = 0  # rows decoding
@@ -185,6 +186,7 @@ class GenerationWorker:
                 job.emit(Finished())
                 continue
             self._active[handle] = job
+            self._choices_left[handle] = job.request.n
         self._note_load(scheduler)
         return True
 
@@ -226,14 +228,23 @@ class GenerationWorker:
             else:
                 self._send(job, result.chunk)
             if result.done:
-                self._end(result.handle)
+                self._choice_done(result.handle, failed=error is not None)
         self._note_load(scheduler)
 
     def _send(self, job: Job, chunk: GenerationChunk) -> None:
         self.metrics.observe(chunk)  # counts the request when this chunk ends it
         job.emit(chunk)
 
+    def _choice_done(self, handle: int, failed: bool) -> None:
+        """A choice ended; the job ends with its last choice (or with an error: the scheduler
+        has dropped its other choices)."""
+        left = self._choices_left.get(handle, 1) - 1
+        self._choices_left[handle] = left
+        if failed or left <= 0:
+            self._end(handle)
+
     def _end(self, handle: int) -> None:
+        self._choices_left.pop(handle, None)
         job = self._active.pop(handle, None)
         if job is not None:
             job.emit(Finished())

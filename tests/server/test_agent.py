@@ -603,3 +603,77 @@ def test_the_messages_route_carries_the_speculation_fields(claude, model_id):
         claude.messages.create(
             model=model_id, max_tokens=8, messages=_ask("hi"), extra_body={"num_draft_tokens": 99}
         )
+
+
+# ------------------------------------------------------------------ n > 1
+
+
+def test_n_choices_whole_and_streamed_reassemble_alike(client, model_id):
+    """``n = 3`` with a seed: the streamed events, grouped by each chunk's choice index, reassemble to
+    the whole reply's choices (text, finish reason, logprobs); the prompt is counted once and
+    forwarded once (choices 1 and 2 start from a copy of choice 0's caches: their own stats count
+    every prompt token but the last as cached), the completions summed."""
+    request = dict(
+        model=model_id,
+        messages=_ask("Name three colours."),
+        max_tokens=12,
+        temperature=0.9,
+        seed=11,
+        n=3,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    whole = client.chat.completions.create(**request)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    texts = {c.message.content for c in whole.choices}
+    assert len(texts) > 1, texts  # independent keys: a random model at 0.9 writes three texts
+    per_choice = whole.model_extra["mtplx"]["choices"]
+    prompt = whole.usage.prompt_tokens
+    cached = [c["cached_tokens"] for c in per_choice]  # choice 0's: what the prompt cache held
+    assert cached[1:] == [prompt - 1, prompt - 1] and cached[0] < prompt - 1, per_choice
+    assert whole.usage.completion_tokens == sum(len(c.logprobs.content) for c in whole.choices)
+    streamed = client.chat.completions.create(**request, stream=True, stream_options={"include_usage": True})
+    text, finish, tokens = ["", "", ""], [None] * 3, [[], [], []]
+    usage = None
+    for event in streamed:
+        if event.usage is not None:
+            usage = event.usage
+        for choice in event.choices:
+            text[choice.index] += choice.delta.content or ""
+            finish[choice.index] = choice.finish_reason or finish[choice.index]
+            tokens[choice.index] += [e.token for e in (choice.logprobs.content if choice.logprobs else [])]
+    assert text == [c.message.content for c in whole.choices]
+    assert finish == [c.finish_reason for c in whole.choices]
+    assert tokens == [[e.token for e in c.logprobs.content] for c in whole.choices]
+    assert (usage.prompt_tokens, usage.completion_tokens) == (prompt, whole.usage.completion_tokens)
+
+
+def test_n_choices_each_follow_the_schema_and_completions_take_n(client, model_id, server):
+    """Each choice has its own grammar matcher: every one validates; /v1/completions takes ``n`` too."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "trip", "schema": SCHEMA, "strict": True}}
+    reply = client.chat.completions.create(
+        model=model_id,
+        messages=_ask("Plan a trip."),
+        response_format=fmt,
+        max_tokens=120,
+        temperature=0.8,
+        n=2,
+    )
+    assert len(reply.choices) == 2
+    for choice in reply.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+    text = client.completions.create(model=model_id, prompt="Once upon", max_tokens=6, temperature=1.0, n=2)
+    assert [c.index for c in text.choices] == [0, 1] and text.usage.completion_tokens == 12
+
+
+@pytest.mark.parametrize(
+    ("path", "extra", "param"),
+    [("/v1/chat/completions", {"n": 17}, "n"), ("/v1/completions", {"n": 2, "best_of": 3}, "best_of")],
+)
+def test_bad_choice_counts_are_400s_naming_the_field(server, path, extra, param):
+    body = {"max_tokens": 4, **extra}
+    body.update({"messages": _ask("hi")} if path.endswith("chat/completions") else {"prompt": "hi"})
+    reply = _post(server, path, body)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param, reply.text

@@ -326,7 +326,7 @@ BAD_REQUESTS = [
     ("max_tokens 0", "/v1/chat/completions", _chat(max_tokens=0), None, 400, "max_tokens"),
     ("max_tokens a float", "/v1/chat/completions", _chat(max_tokens=2.5), None, 400, "max_tokens"),
     ("max_tokens over the cap", "/v1/chat/completions", _chat(max_tokens=9000), None, 400, "max_tokens"),
-    ("n > 1", "/v1/chat/completions", _chat(n=2), None, 400, "n"),
+    ("n > 16", "/v1/chat/completions", _chat(n=17), None, 400, "n"),
     (
         "logit_bias key not an id",
         "/v1/chat/completions",
