@@ -307,6 +307,33 @@ def count_shards(directory: Path) -> int:
     return len(list(directory.glob("shard-*.npz")))
 
 
+def _resume_point(directory: Path) -> tuple[int, int]:
+    """(the next shard's index, the response tokens already written) from the complete shards."""
+    index, tokens = 0, 0
+    for path in sorted(directory.glob("shard-*.npz")):
+        with np.load(path) as z:
+            tokens += int(z["valid"].sum())
+        index = int(path.stem.split("-")[1]) + 1
+    return index, tokens
+
+
+def _make_shard(engine, plan: ShardPlan, encoded, setting: Setting, key, eos: set[int], deadline) -> tuple:
+    """One shard's data and metadata from its (prompt, ids) pairs; rows with nothing to train on dropped."""
+    began = time.perf_counter()
+    data = generate_batch(
+        engine, [ids for _, ids in encoded], setting, key, plan.seq_len, plan.top_k, eos, deadline
+    )
+    seconds = time.perf_counter() - began
+    meta = {
+        "setting": setting.label(explicit_top_p=True),
+        "kinds": [p.kind for p, _ in encoded],
+        "sources": [p.source for p, _ in encoded],
+        "seconds": round(seconds, 2),
+        "response_tokens_per_s": round(data.num_response_tokens / max(seconds, 1e-9), 1),
+    }
+    return drop_empty_rows(data, meta)
+
+
 def generate_shards(
     engine,
     plan: ShardPlan,
@@ -330,11 +357,7 @@ def generate_shards(
     directory.mkdir(parents=True, exist_ok=True)
     max_prompt = max_prompt or plan.seq_len // 2
     eos = set(int(i) for i in getattr(tokenizer, "eos_token_ids", None) or [tokenizer.eos_token_id])
-    index, tokens = 0, 0
-    for path in sorted(directory.glob("shard-*.npz")):
-        with np.load(path) as z:
-            tokens += int(z["valid"].sum())
-        index = int(path.stem.split("-")[1]) + 1
+    index, tokens = _resume_point(directory)
     bar = tqdm(
         total=target_tokens, initial=min(tokens, target_tokens), unit="tok", desc=desc, disable=not progress
     )
@@ -355,27 +378,8 @@ def generate_shards(
         if empty_run >= per_pass:
             raise MtplxError(f"forge: no prompt of {plan.prompts[0].source} ... fits in {max_prompt} tokens")
         if encoded:
-            began = time.perf_counter()
-            data = generate_batch(
-                engine,
-                [ids for _, ids in encoded],
-                setting,
-                key,
-                plan.seq_len,
-                plan.top_k,
-                eos,
-                deadline,
-            )
-            seconds = time.perf_counter() - began
-            generating += seconds
-            meta = {
-                "setting": setting.label(explicit_top_p=True),
-                "kinds": [p.kind for p, _ in encoded],
-                "sources": [p.source for p, _ in encoded],
-                "seconds": round(seconds, 2),
-                "response_tokens_per_s": round(data.num_response_tokens / max(seconds, 1e-9), 1),
-            }
-            data, meta = drop_empty_rows(data, meta)
+            data, meta = _make_shard(engine, plan, encoded, setting, key, eos, deadline)
+            generating += meta["seconds"]
         if encoded and data.num_sequences:
             save_shard(_shard_path(directory, index), data, meta)
             tokens += data.num_response_tokens

@@ -277,7 +277,18 @@ BATCH_GRAMMAR_SPECS = {
         LookupConfig(min_ngram=1, max_ngram=2, max_tokens=4, adaptive_length=False),
     ),
     "ar": lambda cfg: RowSpec(DecodeSettings(sampler=cfg), "none"),
+    # The row's own proposer: a draft model (with its own cache), verified with the others.
+    "draft": lambda cfg: RowSpec(DecodeSettings(sampler=cfg, depth=2), "proposer"),
 }
+
+
+def _row_proposer(kind: str, spec: RowSpec):
+    """A "draft" row's own draft-model proposer (the draft model built once per module)."""
+    if kind != "draft":
+        return None
+    if not _DRAFT_MODEL:
+        _DRAFT_MODEL.append(draft_model_for(MODEL))
+    return DraftModelProposer(_DRAFT_MODEL[0], spec.settings, target_vocab_size=VOCAB, real_vocab_size=VOCAB)
 
 
 def batch_counts(
@@ -300,8 +311,13 @@ def batch_counts(
         for i in range(joined, min(joined + len(kinds), num_samples)):
             kind = kinds[i % len(kinds)]
             key = mx.random.key(seed0 + i)
+            spec = BATCH_GRAMMAR_SPECS[kind](cfg)
             row_id, first = decoder.join(
-                GRAMMAR_PROMPT, BATCH_GRAMMAR_SPECS[kind](cfg), key, constraint=compiler.compile(grammar)
+                GRAMMAR_PROMPT,
+                spec,
+                key,
+                constraint=compiler.compile(grammar),
+                proposer=_row_proposer(kind, spec),
             )
             rows[row_id] = (kind, list(first.tokens))
             free_id, _ = decoder.join(GRAMMAR_PROMPT, free, mx.random.key(seed0 + num_samples + i))
@@ -335,11 +351,13 @@ def _batch_p_values(
 
 
 def test_grammar_rows_in_a_batch_match_the_oracle(compiler):
-    """Each grammar row kind (head, lookup, AR) has the constrained chain's marginals, decoded in
-    one batch beside free rows; the drafting kinds did draft."""
+    """Each grammar row kind (head, lookup, a draft model, AR) has the constrained chain's
+    marginals, decoded in one batch beside free head rows; the drafting kinds did draft."""
     seed0 = int.from_bytes(os.urandom(4), "little")
-    p_values, drafted = _batch_p_values(compiler, seed0, num_samples=3 * 200)
-    assert drafted["head"] > 0 and drafted["lookup"] > 0 and drafted["ar"] == 0, drafted
+    p_values, drafted = _batch_p_values(compiler, seed0, num_samples=4 * 200)
+    assert drafted["head"] > 0 and drafted["lookup"] > 0 and drafted["draft"] > 0 and drafted["ar"] == 0, (
+        drafted
+    )
     for kind, p_value in p_values.items():
         assert p_value > FALSE_FAILURE_RATE, f"{kind}: p={p_value:.3g} (seed0={seed0})"
 
@@ -359,7 +377,7 @@ def test_chi_square_catches_a_rows_mask_applied_to_its_neighbour(compiler, monke
 
     monkeypatch.setattr(loop_module, "_grammar_masks", neighbours)
     try:
-        p_values, _ = _batch_p_values(compiler, 2468, num_samples=3 * 100)
+        p_values, _ = _batch_p_values(compiler, 2468, num_samples=4 * 100)
     except MtplxError:  # a token the row's own grammar refuses: caught as well
         return
     assert min(p_values.values()) < FALSE_FAILURE_RATE, p_values
@@ -373,7 +391,7 @@ def test_forced_tokens_are_free_drafts_in_a_batch(compiler):
     """Tokens the grammar forces are drafted (source "grammar") and kept every time (their masked
     target probability is 1), and every row kind keeps the constrained chain's marginals."""
     seed0 = int.from_bytes(os.urandom(4), "little")
-    p_values, drafted = _batch_p_values(compiler, seed0, num_samples=3 * 60, grammar=FORCED_GRAMMAR)
+    p_values, drafted = _batch_p_values(compiler, seed0, num_samples=4 * 60, grammar=FORCED_GRAMMAR)
     assert drafted["forced"] >= 60 and drafted["forced_accepted"] == drafted["forced"], drafted
     for kind, p_value in p_values.items():
         assert p_value > FALSE_FAILURE_RATE, f"{kind}: p={p_value:.3g} (seed0={seed0})"
@@ -430,7 +448,7 @@ def test_a_forced_draft_where_two_tokens_are_allowed_is_still_verified(compiler,
     would see it accepted unverified)."""
     _guess_forced(monkeypatch)
     seed0 = int.from_bytes(os.urandom(4), "little")
-    p_values, drafted = _batch_p_values(compiler, seed0, num_samples=3 * 100)
+    p_values, drafted = _batch_p_values(compiler, seed0, num_samples=4 * 100)
     assert drafted["forced_accepted"] < drafted["forced"], drafted  # some guesses were rejected
     for kind, p_value in p_values.items():
         assert p_value > FALSE_FAILURE_RATE, f"{kind}: p={p_value:.3g} (seed0={seed0})"
@@ -451,7 +469,7 @@ def test_chi_square_catches_a_forced_draft_accepted_where_two_tokens_were_allowe
         return masks
 
     monkeypatch.setattr(loop_module, "_grammar_masks", accepted_unverified)
-    p_values, _ = _batch_p_values(compiler, 1357, num_samples=3 * 100)
+    p_values, _ = _batch_p_values(compiler, 1357, num_samples=4 * 100)
     assert min(p_values[kind] for kind in ("head", "lookup")) < FALSE_FAILURE_RATE, p_values
 
 
