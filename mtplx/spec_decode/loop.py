@@ -203,9 +203,11 @@ class BatchDecoder:
         step = max_tokens or pending.spec.settings.prefill_step_size
         last = len(pending.prompt_tokens) - 1
         if pending.position < last:
-            # A queued cycle's rollback records (a hybrid model's recurrent-state and conv taps are
-            # armed on the shared layers) would also record this forward: undo it first.
-            self._drop_ahead()
+            # A queued batch cycle's rollback records (a hybrid model's recurrent-state and conv
+            # taps are armed on the shared layers) would also record this forward: undo it first.
+            # A single row's queued AR step arms nothing (and keeps no capture to undo it with).
+            if not self.single_row:
+                self._drop_ahead()
             end = min(pending.position + step, last)
             prefill_chunk(
                 self.trunk,

@@ -343,6 +343,26 @@ def test_a_model_that_cannot_batch_gets_a_single_row_scheduler_and_a_reason():
     assert "sliding-window" in engine._model_batch_refusal()
 
 
+def test_a_single_row_decoding_plain_ar_stays_exact_while_the_next_request_prefills():
+    """One row at a time (Gemma 3's sliding-window caches): while it decodes plain AR (its next
+    cycle queued ahead), the next request prefills chunk by chunk; each gives exactly the tokens
+    it gives alone (seeded and sampled: a position forwarded twice would change them)."""
+    from mtplx.engine.scheduler import run_to_completion
+
+    engine = Engine(tiny_gemma3(), None, {})
+    prompts = [[5, 9, 2, 11, 7, 3, 3, 8, 1, 4], [3, 3, 8, 12, 1, 4, 4, 9, 10, 2], [6, 7, 2, 7, 2, 7, 2, 5]]
+    requests = [
+        dataclasses.replace(
+            _req(max_tokens=12, temperature=1.0, seed=11 + i, draft="none"), ignore_eos=True, detokenize=False
+        )
+        for i in range(len(prompts))
+    ]
+    alone = [run_to_completion(engine.batch(), [p], [r])[0] for p, r in zip(prompts, requests)]
+    together = run_to_completion(engine.batch(prefill_step_size=2), prompts, requests)
+    for a, b in zip(alone, together):
+        assert [t for c in b for t in c.token_ids] == [t for c in a for t in c.token_ids]
+
+
 def test_a_sliding_window_model_with_an_assistant_decodes_its_requests_one_row_at_a_time(tmp_path):
     """Gemma 4 (sliding-window caches) with its assistant drafter (which reads the trunk's KV): the
     scheduler takes every request (nothing is served outside it), decodes them one row at a time
