@@ -18,6 +18,7 @@ engine and rows in a batch, with a negative control that leaves the Mamba2 SSM s
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import mtplx  # noqa: F401  (BLAS before mlx)
@@ -25,15 +26,20 @@ from mtplx.engine import Engine
 from mtplx.engine.request import GenerationRequest
 from mtplx.heads import load_head
 from mtplx.heads.nemotron_h import NemotronHMTPHead, mtp_pattern
+from mtplx.sample import rejection
 from mtplx.sampling import SamplerConfig
 from mtplx.spec_decode import loop as decode
 from mtplx.trunk import batch_cache, compat, rollback
+from mtplx.trunk.model import Trunk
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx_lm.models import nemotron_h
 from support.decoding import mtp_decode, take_steps, take_tokens
-from support.nemotron import nemotron_h_checkpoint
+from support.exactness import FALSE_FAILURE_RATE, exact_ar_joint, loop_p_value, sample_counts
+from support.models import randomize, scale_outputs
+from support.nemotron import nemotron_h_checkpoint, tiny_nemotron_h
 from support.numpy_heads import causal_mask, gqa_attention, read_tensors, rms
 from support.seeds import SEEDS, resolve
 
@@ -315,3 +321,52 @@ def test_the_drafter_is_found_beside_the_4bit_trunk_equals_the_own_head_and_is_e
             assert tokens == ar, (prompt, depth)
             kept += sum(s.num_accepted for s in steps if s.num_drafted)
         assert kept > 0, depth
+
+
+# --------------------------------------------------------------------------- sampled distribution
+
+CHI_VOCAB = 5
+
+
+def chi_pair() -> tuple[Trunk, NemotronHMTPHead]:
+    """A 5-token Nemotron-H trunk with peaked, context-dependent distributions (embeddings x8,
+    the Mamba2 output x4, logits x3) and a random ``*E`` MTP module beside it."""
+    model = tiny_nemotron_h(CHI_VOCAB, seed=3)
+    model.backbone.embeddings.weight = model.backbone.embeddings.weight * 8
+    scale_outputs(model, 4.0, ("out_proj.weight",))
+    model.lm_head.weight = model.lm_head.weight * 3
+    trunk = Trunk(model)
+    blocks = [nemotron_h.NemotronHBlock(model.args, char) for char in "*E"]
+    head = NemotronHMTPHead(blocks, model.args.hidden_size, eps=1e-5, key_prefix="mtp.", trunk=trunk)
+    randomize(head, 5)
+    return trunk, head
+
+
+def test_sampled_mtp_matches_the_exact_ar_distribution():
+    """Depth 2 at temperature 1: the first three tokens' joint (and each marginal) against the
+    float64 enumeration of AR sampling. Measured on this pair: the loop that commits the rejected
+    draft fails at p ~ 1e-135 from 300 samples (the control below uses 150)."""
+    trunk, head = chi_pair()
+    cfg = SamplerConfig(temperature=1.0)
+    expected = exact_ar_joint(trunk, cfg, CHI_VOCAB)
+    seed0 = int.from_bytes(os.urandom(4), "little")
+    p = loop_p_value(sample_counts(trunk, head, cfg, 2, 300, CHI_VOCAB, seed0), expected)
+    assert p > FALSE_FAILURE_RATE, f"p={p:.3g} (seed0={seed0})"
+
+
+def test_chi_square_rejects_a_loop_that_commits_the_rejected_draft(monkeypatch):
+    honest = rejection.verify
+
+    def commit_rejected_draft(target_logits, draft_tokens, *args, **kwargs):
+        result = honest(target_logits, draft_tokens, *args, **kwargs)
+        k = draft_tokens.shape[1]
+        rejected = draft_tokens[0, mx.minimum(result.num_accepted, k - 1)]
+        return result._replace(next_token=mx.where(result.num_accepted < k, rejected, result.next_token))
+
+    monkeypatch.setattr(rejection, "verify", commit_rejected_draft)
+    trunk, head = chi_pair()
+    cfg = SamplerConfig(temperature=1.0)
+    expected = exact_ar_joint(trunk, cfg, CHI_VOCAB)
+    assert (
+        loop_p_value(sample_counts(trunk, head, cfg, 2, 150, CHI_VOCAB, 1234), expected) < FALSE_FAILURE_RATE
+    )
