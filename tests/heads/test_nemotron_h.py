@@ -281,6 +281,30 @@ def test_negative_control_skipping_the_ssm_rollback_breaks_exactness(engine, mon
 # --------------------------------------------------------------------------- the split drafter
 
 
+def test_misfits_are_one_line_errors(replica, tmp_path):
+    """A config declaring two MTP steps (the layout has one module), and a drafter whose source
+    trunk has another block pattern, are each refused in one line naming the problem."""
+    import shutil
+
+    from mtplx.errors import MtplxError
+
+    two = tmp_path / "two-steps"
+    shutil.copytree(replica["src"], two)
+    config = json.loads((two / "config.json").read_text())
+    (two / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 2}))
+    with pytest.raises(MtplxError, match="declares 2 Nemotron-H MTP steps") as e:
+        Engine.load(str(two), mtp=True)
+    assert "\n" not in str(e.value)
+    other = tmp_path / "other-MTP-bf16"
+    shutil.copytree(replica["drafter"], other)
+    drafter = json.loads((other / "config.json").read_text())
+    drafter["text_config"]["hybrid_override_pattern"] = "M*-EE"
+    (other / "config.json").write_text(json.dumps(drafter))
+    with pytest.raises(MtplxError, match="does not fit this model: hybrid_override_pattern") as e:
+        Engine.load(str(replica["trunk"]), head=str(other))
+    assert "\n" not in str(e.value)
+
+
 def test_the_splitter_wrote_the_module_without_mtp_and_the_trunk_is_stripped(replica):
     from mtplx.heads.weights import weight_index
 
