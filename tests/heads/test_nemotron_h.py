@@ -62,7 +62,8 @@ def replica(tmp_path_factory) -> dict:
     trunk = root / "Nemotron-H-Tiny-4bit"
     convert(str(src), str(trunk), quantize=True, q_group_size=32, q_bits=4)
     drafter = Path(split_mtp(str(src), str(root / "Nemotron-H-Tiny-MTP-bf16")))
-    return {"src": src, "tiny": tiny, "trunk": trunk, "drafter": drafter}
+    int8 = Path(split_mtp(str(src), str(root / "Nemotron-H-Tiny-MTP-8bit"), q_bits=8, q_group_size=32))
+    return {"src": src, "tiny": tiny, "trunk": trunk, "drafter": drafter, "8bit": int8}
 
 
 @pytest.fixture(scope="module")
@@ -369,7 +370,7 @@ def chi_pair() -> tuple[Trunk, NemotronHMTPHead]:
 def test_sampled_mtp_matches_the_exact_ar_distribution():
     """Depth 2 at temperature 1: the first three tokens' joint (and each marginal) against the
     float64 enumeration of AR sampling. Measured on this pair: the loop that commits the rejected
-    draft fails at p ~ 1e-135 from 300 samples (the control below uses 150)."""
+    draft fails at p ~ 1e-135 from 300 samples (the control below uses 100)."""
     trunk, head = chi_pair()
     cfg = SamplerConfig(temperature=1.0)
     expected = exact_ar_joint(trunk, cfg, CHI_VOCAB)
@@ -392,5 +393,36 @@ def test_chi_square_rejects_a_loop_that_commits_the_rejected_draft(monkeypatch):
     cfg = SamplerConfig(temperature=1.0)
     expected = exact_ar_joint(trunk, cfg, CHI_VOCAB)
     assert (
-        loop_p_value(sample_counts(trunk, head, cfg, 2, 150, CHI_VOCAB, 1234), expected) < FALSE_FAILURE_RATE
+        loop_p_value(sample_counts(trunk, head, cfg, 2, 100, CHI_VOCAB, 1234), expected) < FALSE_FAILURE_RATE
     )
+
+
+# --------------------------------------------------------------------------- quantized heads
+
+
+def _exact_with_drafts_kept(engine: Engine, head) -> None:
+    for depth in (1, 2):
+        kept = 0
+        for prompt in PROMPTS[:2]:
+            settings = decode.DecodeSettings(sampler=GREEDY, depth=depth)
+            ar = take_tokens(decode.ar_decode(engine.trunk, prompt, settings, mx.random.key(0)), 16)
+            tokens, steps = take_steps(mtp_decode(engine.trunk, head, prompt, settings, mx.random.key(0)), 16)
+            assert tokens == ar, (prompt, depth)
+            kept += sum(s.num_accepted for s in steps if s.num_drafted)
+        assert kept > 0, depth
+
+
+def test_an_8bit_drafter_beside_the_4bit_trunk_loads_quantized_and_is_exact(replica):
+    engine = Engine.load(str(replica["trunk"]), head=str(replica["8bit"]))
+    kinds = {type(m).__name__ for _, m in engine.head.named_modules()}
+    assert {"QuantizedLinear", "QuantizedSwitchLinear"} <= kinds, kinds
+    _exact_with_drafts_kept(engine, engine.head)
+
+
+def test_mtplx_convert_keeps_the_head_beside_a_4bit_trunk(replica, tmp_path):
+    from mtplx.checkpoints.convert_hf import convert_hf
+
+    out = convert_hf(replica["src"], tmp_path / "converted", q_bits=4, q_group_size=32)
+    engine = Engine.load(str(out), mtp=True)
+    assert isinstance(engine.head, NemotronHMTPHead)
+    _exact_with_drafts_kept(engine, engine.head)
