@@ -12,7 +12,9 @@ The layer's math is checked against a NumPy float64 reference written from vLLM'
 ``final_layernorm`` on the last block; blocks ``x + mixer(norm(x))``, attention without rope,
 ReLU^2 experts with sigmoid routing and a shared expert) with a negative control per convention;
 decoding is checked token for token against AR, one row on its own caches, one row through the
-engine and rows in a batch, with a negative control that leaves the Mamba2 SSM state unrolled.
+engine and rows in a batch, with a negative control that leaves the Mamba2 SSM state unrolled;
+sampled decoding against the float64 enumeration of AR (chi-square, with the committed-rejected-
+draft control); an 8-bit drafter and ``mtplx convert``'s 4-bit model with the head kept.
 """
 
 from __future__ import annotations
