@@ -250,7 +250,11 @@ PLANTS: dict[str, tuple[Plant, ...]] = {
             ),
         ),
         Plant(MUTATIONS[2], "hnorm dropped", ((_NEMOTRON, "first.hnorm(hidden).astype", "hidden.astype"),)),
-        Plant(MUTATIONS[3], "the MoE block skipped", ((_NEMOTRON, "                x = block(x)\n", "                pass\n"),)),
+        Plant(
+            MUTATIONS[3],
+            "the MoE block skipped",
+            ((_NEMOTRON, "                x = block(x)\n", "                pass\n"),),
+        ),
     ),
     "gemma4_assistant": (
         # It drafts one row at the target's position (> 0): the flip treats that row as position 0.
