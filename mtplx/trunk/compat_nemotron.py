@@ -111,7 +111,44 @@ def check_ssm(
             continue
         if getattr(module, "ssm_update", None) is None:
             problems.append(f"{name} no longer calls a module-level ssm_update")
-        model_cls = getattr(module, "Model", None)
-        if model_cls is None or not callable(getattr(model_cls, "make_cache", None)):
-            problems.append(f"{name}.Model no longer builds its caches with make_cache")
+        problems += _check_structure(module)
     return problems
+
+
+# A two-block Nemotron-H (a Mamba2 block, then an MLP block: the one without a cache) at the
+# smallest sizes mlx-lm accepts; built by ``_check_structure`` (once per process, milliseconds).
+_PROBE_CONFIG = {
+    "model_type": "nemotron_h",
+    "vocab_size": 4,
+    "hidden_size": 8,
+    "intermediate_size": 8,
+    "max_position_embeddings": 8,
+    "num_attention_heads": 1,
+    "num_key_value_heads": 1,
+    "attention_bias": False,
+    "mamba_num_heads": 2,
+    "mamba_head_dim": 4,
+    "mamba_proj_bias": False,
+    "ssm_state_size": 4,
+    "conv_kernel": 2,
+    "n_groups": 1,
+    "mlp_bias": False,
+    "layer_norm_epsilon": 1e-5,
+    "use_bias": False,
+    "use_conv_bias": True,
+    "hybrid_override_pattern": "M-",
+}
+
+
+def _check_structure(module) -> list[str]:
+    """The names and the cache list this module documents, on a model the module builds."""
+    model = module.Model(module.ModelArgs.from_dict(_PROBE_CONFIG))
+    inner = getattr(model, INNER_PATH[0], None)
+    if inner is None or not all(hasattr(inner, a) for a in INNER_SPELLINGS[1]):
+        return [f"{module.__name__}.Model no longer keeps backbone.embeddings / layers / norm_f"]
+    cache = model.make_cache()
+    if [layer.block_type for layer in cache_layers(model)] != ["M"] or len(cache) != 1:
+        return [f"{module.__name__}: the cache list no longer holds one entry per Mamba2 / attention block"]
+    if len(getattr(cache[0], "cache", ())) != 2:
+        return [f"{module.__name__}: a Mamba2 block's cache no longer has two slots (conv, SSM state)"]
+    return []

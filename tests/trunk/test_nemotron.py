@@ -13,11 +13,13 @@ import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.errors import MtplxError
 from mtplx.trunk import batch_cache, compat, rollback
 from mtplx.trunk.batch_cache import BatchCache, check_batchable
-from mtplx.trunk.compat_nemotron import cache_layers, check_ssm
+from mtplx.trunk.compat_nemotron import _check_structure, cache_layers, check_ssm
 from mtplx.trunk.model import Trunk
 
 import mlx.core as mx
 import pytest
+from mlx_lm.models import nemotron_h
+from mlx_lm.models.cache import ArraysCache
 from support.nemotron import tiny_nemotron_h
 
 
@@ -111,3 +113,25 @@ def test_check_notices_a_changed_ssm_update(monkeypatch):
     monkeypatch.setattr(compat, "check_ssm", lambda: check_ssm(update=renamed))
     with pytest.raises(MtplxError, match="ssm_update takes"):
         compat.check()
+
+
+def test_check_notices_a_cache_list_that_lines_up_with_the_layers():
+    """Negative control of the structural probe: a release whose cache list had one entry per
+    layer (MLP blocks included) would break ``cache_layers``; the probe says so."""
+
+    class PerLayer(nemotron_h.Model):
+        def make_cache(self):
+            return [ArraysCache(2) for _ in self.layers]
+
+    class Renamed(nemotron_h.Model):
+        def __init__(self, args):
+            super().__init__(args)
+            self.trunk = self.backbone
+            del self.backbone
+
+    assert _check_structure(nemotron_h) == []
+    for model_cls, needle in ((PerLayer, "cache list"), (Renamed, "backbone")):
+        fake = type(
+            "FakeModule", (), {"__name__": "fake", "Model": model_cls, "ModelArgs": nemotron_h.ModelArgs}
+        )
+        assert needle in _check_structure(fake)[0]
