@@ -67,6 +67,9 @@ _QWEN_SWAP = (
 )
 _QWEN_NORM = ((_QWEN, "h = self.pre_fc_norm_hidden(hidden)", "h = hidden"),)
 
+_NEMOTRON = "mtplx/heads/nemotron_h.py"
+_NEMOTRON_CONCAT = "mx.concatenate([e, first.hnorm(hidden).astype(e.dtype)], axis=-1)"
+
 _GEMMA = "mtplx/heads/gemma4_assistant.py"
 _GEMMA_EMBED = "self._embed(next_tokens[:, -1:])"
 _GEMMA_CONCAT = f"mx.concatenate([{_GEMMA_EMBED}, hidden[:, -1:]], axis=-1)"
@@ -222,6 +225,37 @@ PLANTS: dict[str, tuple[Plant, ...]] = {
             (("mtplx/heads/ernie.py", "return _NO_NORM", "return m.mtp_emb_norm"),),
         ),
     ),
+    "nemotron_h": (
+        Plant(
+            MUTATIONS[0],
+            "position 0's embedding zeroed",
+            (
+                (
+                    _NEMOTRON,
+                    "e = first.enorm(self._embed(next_tokens))",
+                    "from mtplx.heads.base import zero_first_position\n"
+                    "        e = first.enorm(zero_first_position(self._embed(next_tokens), 0))",
+                ),
+            ),
+        ),
+        Plant(
+            MUTATIONS[1],
+            "[hidden, embedding]",
+            (
+                (
+                    _NEMOTRON,
+                    _NEMOTRON_CONCAT,
+                    "mx.concatenate([first.hnorm(hidden).astype(e.dtype), e], axis=-1)",
+                ),
+            ),
+        ),
+        Plant(MUTATIONS[2], "hnorm dropped", ((_NEMOTRON, "first.hnorm(hidden).astype", "hidden.astype"),)),
+        Plant(
+            MUTATIONS[3],
+            "the MoE block skipped",
+            ((_NEMOTRON, "                x = block(x)\n", "                pass\n"),),
+        ),
+    ),
     "gemma4_assistant": (
         # It drafts one row at the target's position (> 0): the flip treats that row as position 0.
         Plant(
@@ -266,6 +300,7 @@ REFERENCE_TESTS: dict[str, tuple[str, ...]] = {
     "step3p5": (_REFS, "-k", "step3p5"),
     "longcat": (_REFS, "-k", "longcat"),
     "ernie": (_REFS, "-k", "ernie"),
+    "nemotron_h": ("tests/heads/test_nemotron_h.py", "-k", "reference or chain"),
     "gemma4_assistant": (
         "tests/heads/test_gemma4.py",
         "-k",

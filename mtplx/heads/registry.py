@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mtplx.heads import deepseek, ernie, longcat, mimo, mimo_v2_flash, qwen3_next, step3p5
+from mtplx.heads import deepseek, ernie, longcat, mimo, mimo_v2_flash, nemotron_h, qwen3_next, step3p5
 from mtplx.heads.base import HiddenSource, MTPHead
 from mtplx.heads.weights import HeadSource, MissingHeadError, load_head_weights, weight_index
 
@@ -141,6 +141,17 @@ FAMILIES: dict[str, HeadFamily] = {
             layer_names=r"model\.mtp_linear_proj\.(\d+)\.weight",
             default_hidden_source=ernie.DEFAULT_HIDDEN_SOURCE,
             build=ernie.build_head,
+        ),
+        HeadFamily(
+            name=nemotron_h.LAYOUT,
+            model_types=("nemotron_h",),
+            # mtp.layers.0.eh_proj at the top (or under a multimodal checkpoint's language_model.):
+            # MiMo-V2-Flash and LongCat-Flash put theirs under model.mtp.layers.
+            marker=r"(language_model\.)?mtp\.layers\.\d+\.eh_proj\.weight",
+            count_keys=("num_nextn_predict_layers",),
+            layer_names=r"(?:language_model\.)?mtp\.layers\.(\d+)\.eh_proj\.weight",
+            default_hidden_source=nemotron_h.DEFAULT_HIDDEN_SOURCE,
+            build=nemotron_h.build_head,
         ),
     )
 }

@@ -52,6 +52,12 @@ def _qwen3_5_mtp(src: HeadSource, num_layers: int) -> MTPHead:
     return qwen3_next.build_split_head(src, num_layers)
 
 
+def _nemotron_h_mtp(src: HeadSource, num_layers: int) -> MTPHead:
+    from mtplx.heads import nemotron_h
+
+    return nemotron_h.build_split_head(src, num_layers)
+
+
 SPLIT_FAMILIES: dict[str, SplitFamily] = {
     f.model_type: f
     for f in (
@@ -60,6 +66,12 @@ SPLIT_FAMILIES: dict[str, SplitFamily] = {
             target_types=("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"),
             layers_key="mtp_num_hidden_layers",
             build=_qwen3_5_mtp,
+        ),
+        SplitFamily(
+            model_type="nemotron_h_mtp",
+            target_types=("nemotron_h",),
+            layers_key="num_nextn_predict_layers",
+            build=_nemotron_h_mtp,
         ),
     )
 }
@@ -82,6 +94,11 @@ FIT_KEYS = (
     "layer_types",
     "full_attention_interval",
     "rms_norm_eps",
+    # Nemotron-H (nemotron_h_mtp): its block pattern, norm epsilon and experts
+    "hybrid_override_pattern",
+    "mtp_hybrid_override_pattern",
+    "layer_norm_epsilon",
+    "n_routed_experts",
 )
 
 

@@ -14,7 +14,8 @@ number of positions per row each cycle, so here every row has its own length:
   block records the recurrent state after every position (the same hook as single-row
   rollback, `mtplx.trunk.rollback`) and the conv layer's input (`compat.ConvInputTap`), so a
   row keeping n positions takes the state recorded after its position n and the conv rows
-  [n, n + kernel - 1) of that input.
+  [n, n + kernel - 1) of that input. Nemotron-H's Mamba2 blocks the same (their SSM-state hook,
+  `compat_nemotron`); its cache list skips the MLP / MoE blocks (`compat_nemotron.cache_layers`).
 
 Rows join from single-row caches (`add_rows`, after their own prefill or from the prompt
 cache) and leave (`remove_rows`); both copy only the rows that move, never per cycle. Sliding-window
@@ -38,10 +39,10 @@ from mtplx.trunk.compat import (
     ConvInputTap,
     KVCache,
     arrays_slots,
-    install_gated_delta_hook,
-    is_supported_gated_delta_layer,
+    is_supported_recurrent_layer,
     kv_state,
 )
+from mtplx.trunk.compat_nemotron import cache_layers
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -194,13 +195,13 @@ def _round_up(positions: int) -> int:
 
 def check_batchable(single_row_cache: list, model: nn.Module | None = None) -> str | None:
     """None if a model whose single-row cache looks like this can decode in a batch, else why not."""
-    layers = list(model.layers) if model is not None else None
+    layers = cache_layers(model) if model is not None else None
     for i, c in enumerate(single_row_cache):
         if type(c) is KVCache:
             continue
         if type(c) is ArraysCache and len(arrays_slots(c)) == 2:
-            if layers is not None and not is_supported_gated_delta_layer(layers[i]):
-                return f"cache of layer {i}: ArraysCache of a layer that is not a supported gated-delta layer"
+            if layers is not None and not is_supported_recurrent_layer(layers[i]):
+                return f"cache of layer {i}: ArraysCache of a layer that is not a supported recurrent layer"
             continue
         kind = type(c).__name__
         if kind == "RotatingKVCache":
@@ -274,9 +275,10 @@ class BatchCache:
         ]
         self._conv_taps: dict[int, ConvInputTap] = {}
         if model is not None:
+            owners = cache_layers(model)  # cache i's layer (Nemotron-H's MLP / MoE blocks have none)
             for i, c in enumerate(self.layers):
                 if type(c) is ArraysCache:
-                    self._conv_taps[i] = ConvInputTap.on(model.layers[i])
+                    self._conv_taps[i] = ConvInputTap.on(owners[i])
         self._attention = next((c for c in self.layers if type(c) is RaggedKVCache), None)
         if self._attention is None:
             raise ValueError("a batch needs at least one attention layer (its rows' lengths)")
@@ -335,7 +337,7 @@ class BatchCache:
         recurrent: list[_RecurrentBlock] = []
         for i, layer in enumerate(self.layers):
             if type(layer) is ArraysCache:
-                install_gated_delta_hook(rollback.capturing_gated_delta_update)
+                rollback.install_recurrent_hooks()
                 tap = self._conv_taps.get(i)
                 if tap is None:
                     raise ValueError("BatchCache of a hybrid model needs the model (pass model=)")

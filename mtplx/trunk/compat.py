@@ -24,6 +24,9 @@ are done here, against layouts read from its source
   cache's instance attributes (arrays re-wrapped, so in-place slice updates on
   one side never show on the other).
 
+Nemotron-H's contacts (its Mamba2 ``ssm_update`` hook, its ``backbone`` names, a cache list
+that skips its MLP / MoE blocks) live in ``compat_nemotron``, checked by the same ``check()``.
+
 ``check()`` verifies every one of these assumptions on the installed mlx-lm
 and raises one clear error naming what changed; the trunk calls it once per
 process, and the tests call it with deliberately changed layouts to prove it
@@ -41,6 +44,7 @@ from importlib import metadata
 from typing import Any, NamedTuple
 
 from mtplx.errors import MtplxError
+from mtplx.trunk.compat_nemotron import INNER_PATH, INNER_SPELLINGS, SUPPORTED_SSM_MODULES, check_ssm
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -80,7 +84,7 @@ __all__ = [
     "find_inner_model",
     "find_lm_head",
     "install_gated_delta_hook",
-    "is_supported_gated_delta_layer",
+    "is_supported_recurrent_layer",
     "kv_state",
     "leading_cache",
     "make_prompt_cache",
@@ -101,6 +105,8 @@ SUPPORTED_MLX_LM = ((0, 32, 2), (0, 33, 0))
 SUPPORTED_RECURRENT_MODULES = ("mlx_lm.models.qwen3_5", "mlx_lm.models.qwen3_next")
 CONV_SLOT = 0
 STATE_SLOT = 1
+# Recurrent layers whose conv1d input is [conv state, block]: gated delta and Mamba2 (compat_nemotron).
+RECURRENT_CONV_MODULES = SUPPORTED_RECURRENT_MODULES + SUPPORTED_SSM_MODULES
 
 # mlx-lm's own function; the hook's wrapper calls it.
 ORIGINAL_GATED_DELTA_UPDATE = _gated_delta.gated_delta_update
@@ -155,15 +161,16 @@ def thinking_markers(tokenizer: Any) -> ThinkingMarkers | None:
 
 
 def find_inner_model(model: nn.Module) -> nn.Module:
-    """The module that owns ``embed_tokens``, ``layers`` and ``norm`` (wrapper models nest it)."""
-    for path in (("model",), ("language_model", "model"), ("model", "language_model"), ()):
+    """The module that owns the embedding, ``layers`` and the final norm (wrapper models nest it;
+    ``compat_nemotron.INNER_SPELLINGS``: what they are called)."""
+    for path in (("model",), ("language_model", "model"), ("model", "language_model"), INNER_PATH, ()):
         node: Any = model
         try:
             for name in path:
                 node = getattr(node, name)
         except AttributeError:
             continue
-        if all(hasattr(node, a) for a in ("embed_tokens", "layers", "norm")):
+        if any(all(hasattr(node, a) for a in names) for names in INNER_SPELLINGS):
             return node
     raise ValueError(f"unsupported model class {type(model).__name__}: no embed_tokens/layers/norm found")
 
@@ -340,12 +347,12 @@ class ConvInputTap:
             (
                 m.conv1d
                 for _, m in layer.named_modules()
-                if type(m).__module__ in SUPPORTED_RECURRENT_MODULES and hasattr(m, "conv1d")
+                if type(m).__module__ in RECURRENT_CONV_MODULES and hasattr(m, "conv1d")
             ),
             None,
         )
         if conv is None:
-            raise ValueError("layer has no supported gated-delta conv1d")
+            raise ValueError("layer has no supported recurrent (gated-delta or Mamba2) conv1d")
         existing = getattr(type(conv), "_mtplx_conv_tap", None)
         if existing is not None:
             return existing
@@ -371,9 +378,10 @@ class ConvInputTap:
         return recorded
 
 
-def is_supported_gated_delta_layer(layer: nn.Module) -> bool:
+def is_supported_recurrent_layer(layer: nn.Module) -> bool:
+    """A gated-delta layer or a Nemotron-H Mamba2 block: one whose ArraysCache rollback captures."""
     return any(
-        type(m).__module__ in SUPPORTED_RECURRENT_MODULES and hasattr(m, "conv1d")
+        type(m).__module__ in RECURRENT_CONV_MODULES and hasattr(m, "conv1d")
         for _, m in layer.named_modules()
     )
 
@@ -561,6 +569,7 @@ def check(
     problems += _guarded(
         "probing gated_delta_update", _check_gated_delta, gated_delta_update, recurrent_modules
     )
+    problems += _guarded("probing ssm_update", check_ssm)
     problems += _guarded("probing cache copies", _check_copy, kv_cls, arrays_cls)
     problems += _guarded("probing create_attention_mask", _check_mask, mask_fn)
     problems += _guarded("probing the final-norm tap", _check_norm_tap)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mtplx.trunk import compat
+from mtplx.trunk.compat_nemotron import embedding_of, final_norm_of
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -32,7 +33,7 @@ class Trunk:
         compat.check_once()  # a changed mlx-lm fails here, with a clear message, not mid-decode
         self.model = model
         self.inner = compat.find_inner_model(model)
-        self._tap = compat.tap_final_norm(self.inner.norm)
+        self._tap = compat.tap_final_norm(final_norm_of(self.inner))
         self._lm_head = compat.find_lm_head(model)
 
     @property
@@ -41,7 +42,7 @@ class Trunk:
 
     @property
     def vocab_size(self) -> int:
-        return self.inner.embed_tokens.weight.shape[0]
+        return embedding_of(self.inner).weight.shape[0]
 
     def make_cache(self) -> list:
         return compat.make_prompt_cache(self.model)
@@ -53,11 +54,11 @@ class Trunk:
         return out
 
     def embed(self, tokens: mx.array) -> mx.array:
-        return self.inner.embed_tokens(tokens)
+        return embedding_of(self.inner)(tokens)
 
     def final_norm(self, hidden: mx.array) -> mx.array:
         # Untapped, so a head's own use does not overwrite the trunk's capture.
-        return compat.untapped_norm(self.inner.norm, hidden)
+        return compat.untapped_norm(final_norm_of(self.inner), hidden)
 
     @property
     def output_layer(self) -> nn.Module | None:
@@ -73,4 +74,4 @@ class Trunk:
         """Logits from a post-norm hidden state, through the trunk's (possibly tied) output layer."""
         if self._lm_head is not None:
             return self._lm_head(hidden_post_norm)
-        return self.inner.embed_tokens.as_linear(hidden_post_norm)
+        return embedding_of(self.inner).as_linear(hidden_post_norm)

@@ -12,7 +12,8 @@ up exactly as if only those positions had been forwarded:
   the window has wrapped. A single-token update writes in place over the
   oldest entry; that entry is only needed if the whole block is rejected, and
   for that case the pre-block state is kept (see ``_RotatingRecord``).
-* ``ArraysCache`` of a gated-delta layer (Qwen3.5 / Qwen3-Next): slot 0 holds
+* ``ArraysCache`` of a gated-delta layer (Qwen3.5 / Qwen3-Next) or of a Mamba2 block
+  (Nemotron-H, the same two slots: conv, SSM state): slot 0 holds
   the last ``kernel_size - 1`` conv inputs, slot 1 the recurrent state. Neither
   can be "trimmed", so ``begin_block`` arranges that the verify forward itself
   records both after every position (see "Hybrid capture" below) and
@@ -37,6 +38,10 @@ Hybrid capture (no second forward, nothing extra for attention-only models):
   The capturing cache also hides ``lengths`` from the mask and ``advance``,
   where it would otherwise mean "padding".
 
+Mamba2 (Nemotron-H): its mixer calls the module-level ``ssm_update(..., state, ...)`` the same
+way; ``compat_nemotron.install_ssm_hook`` rebinds it to ``capturing_ssm_update`` (the same
+records, one call per position), and its conv state honours ``lengths`` as above.
+
 The hooks are Python-level, so the verify forward must run eagerly (not inside
 ``mx.compile``). The captured states of a block stay alive until its commit.
 Every layout this relies on is read through ``mtplx.trunk.compat`` (and checked there).
@@ -60,11 +65,12 @@ from mtplx.trunk.compat import (
     arrays_slots,
     cache_leaves,
     install_gated_delta_hook,
-    is_supported_gated_delta_layer,
+    is_supported_recurrent_layer,
     rotating_state,
     set_arrays_slots,
     set_rotating_state,
 )
+from mtplx.trunk.compat_nemotron import ORIGINAL_SSM_UPDATE, cache_layers, install_ssm_hook
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -129,14 +135,14 @@ def check_rollback_support(cache: list, model: nn.Module | None = None) -> str |
     an ArraysCache is assumed to, and a layer that is not one makes
     ``commit_block`` raise instead of committing a wrong state.
     """
-    layers = list(model.layers) if model is not None else None
+    layers = cache_layers(model) if model is not None else None
     for i, c in _leaves(cache):
         reason = _leaf_refusal(c)
         if reason is None and _batch_size(c) not in (None, 1):
             reason = f"batch size {_batch_size(c)} (only 1 is supported)"
         if reason is None and type(c) is ArraysCache and layers is not None:
-            if i >= len(layers) or not is_supported_gated_delta_layer(layers[i]):
-                reason = "ArraysCache of a layer that is not a supported gated-delta layer"
+            if i >= len(layers) or not is_supported_recurrent_layer(layers[i]):
+                reason = "ArraysCache of a layer that is not a supported gated-delta or Mamba2 layer"
         if reason is not None:
             return f"cache of layer {i}: {reason}"
     return None
@@ -234,6 +240,59 @@ def capturing_gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask
         ys.append(y)
         record.states.append(state)
     return mx.concatenate(ys, axis=1), state
+
+
+def capturing_ssm_update(
+    hidden_states,
+    A_log,
+    B,
+    C,
+    D,
+    dt,
+    dt_bias,
+    state=None,
+    time_step_limit=(0.001, 100.0),
+    mask=None,
+    lengths=None,
+):
+    """``ssm_update`` (a Mamba2 mixer's, Nemotron-H) as ``capturing_gated_delta_update`` is the
+    gated-delta one: a pass-through but for the very state array a capturing record handed out;
+    then one call per position (the path an AR step takes: the Metal kernel on a GPU, the SSD ops
+    otherwise), each state kept, so the block's state after every prefix is the AR one."""
+    record = _RECORDERS.get(id(state)) if state is not None else None
+    if record is None or record.slots_before[STATE_SLOT] is not state:
+        return ORIGINAL_SSM_UPDATE(
+            hidden_states, A_log, B, C, D, dt, dt_bias, state, time_step_limit, mask, lengths
+        )
+    if record.states:
+        raise RuntimeError("a capturing Mamba2 cache was used by two forwards in one block")
+    if lengths is not None:
+        raise RuntimeError("a capturing Mamba2 update was given per-row lengths (not a verify block)")
+    ys = []
+    for t in range(hidden_states.shape[1]):
+        pos = slice(t, t + 1)
+        step_mask = None if mask is None else mask[:, pos]
+        y, state = ORIGINAL_SSM_UPDATE(
+            hidden_states[:, pos],
+            A_log,
+            B[:, pos],
+            C[:, pos],
+            D,
+            dt[:, pos],
+            dt_bias,
+            state,
+            time_step_limit,
+            step_mask,
+        )
+        ys.append(y)
+        record.states.append(state)
+    return mx.concatenate(ys, axis=1), state
+
+
+def install_recurrent_hooks() -> None:
+    """The gated-delta and Mamba2 capture hooks, installed in every supported module (idempotent)."""
+    install_gated_delta_hook(capturing_gated_delta_update)
+    install_ssm_hook(capturing_ssm_update)
 
 
 def _begin_recurrent(c: ArraysCache, rows: int) -> _RecurrentRecord:
@@ -360,7 +419,7 @@ def begin_block(cache: list, block_len: int | None = None) -> BlockCapture:
     records: list = []
     for _, c in _leaves(cache):
         if type(c) is ArraysCache:
-            install_gated_delta_hook(capturing_gated_delta_update)
+            install_recurrent_hooks()
             records.append(_begin_recurrent(c, (block_len or DEFAULT_MAX_BLOCK) + 1))
         elif type(c) is RotatingKVCache:
             records.append(_begin_rotating(c, block_len))

@@ -18,6 +18,7 @@ from mtplx.heads.weights import weight_index
 
 import pytest
 from support import checkpoints
+from support.nemotron import nemotron_h_checkpoint
 
 # family row -> (replica builder, MTP layers it ships)
 REPLICAS = {
@@ -34,6 +35,7 @@ REPLICAS = {
     "step3p5": ("step3p5", lambda p: checkpoints.step3p5(p), 3),
     "longcat_flash": ("longcat", lambda p: checkpoints.longcat_flash(p), 1),
     "ernie4_5_moe": ("ernie", lambda p: checkpoints.ernie4_5_moe(p), 1),
+    "nemotron_h": ("nemotron_h", lambda p: nemotron_h_checkpoint(p), 1),
 }
 
 
@@ -93,9 +95,12 @@ def test_a_hunyuan_v4_checkpoint_is_not_taken_for_mimo():
     assert detect_layout(index, {"model_type": "hy_v4", "num_nextn_predict_layers": 1}) is None
 
 
-def test_a_split_drafters_names_match_no_marker(indexes):
-    drafter = {k[len("mtp.") :]: f for k, f in indexes["qwen3_5"].items() if k.startswith("mtp.")}
-    assert "fc.weight" in drafter
+@pytest.mark.parametrize(
+    "replica, marker", [("qwen3_5", "fc.weight"), ("nemotron_h", "layers.0.eh_proj.weight")]
+)
+def test_a_split_drafters_names_match_no_marker(indexes, replica, marker):
+    drafter = {k[len("mtp.") :]: f for k, f in indexes[replica].items() if k.startswith("mtp.")}
+    assert marker in drafter
     assert matching_families(drafter) == []
 
 
@@ -105,3 +110,5 @@ def test_replica_names_are_the_published_spellings(indexes):
     assert "model.layers.2.shared_head.norm.weight" in indexes["deepseek_v3"]
     assert "model.mtp_layers.1.input_proj.weight" in indexes["mimo"]
     assert any(k.startswith("model.mtp_linear_proj.0.") for k in indexes["ernie4_5_moe"])
+    assert "mtp.layers.0.eh_proj.weight" in indexes["nemotron_h"]  # vLLM nemotron_h_mtp.py
+    assert "mtp.layers.1.final_layernorm.weight" in indexes["nemotron_h"]

@@ -37,6 +37,7 @@ from mlx_lm.utils import load_model as mlx_load_model
 from support import checkpoints, models
 from support.decoding import mtp_decode, take_tokens
 from support.hub import cache_layout
+from support.nemotron import nemotron_h_checkpoint
 from support.numpy_heads import (
     causal_mask,
     gqa_attention,
@@ -397,6 +398,7 @@ def test_default_hidden_sources_are_explicit():
         "ernie": "post_norm",
         "step3p5": "post_norm",
         "longcat": "post_norm",
+        "nemotron_h": "post_norm",
     }
 
 
@@ -416,7 +418,13 @@ def test_each_registry_row_recognises_its_own_checkpoint_and_no_other(tmp_path):
     }
     # LongCat-Flash ships one MTP layer and its config declares none: counted from tensor names.
     longcat = checkpoints.longcat_flash(tmp_path / "l")
-    assert set(built) | {"longcat"} == set(FAMILIES)
+    assert set(built) | {"longcat", "nemotron_h"} == set(FAMILIES)
+    # Nemotron-H: one MTP module (the published configs declare 1; more is refused at load).
+    nemotron = nemotron_h_checkpoint(tmp_path / "n")
+    index = weight_index(nemotron.path)
+    assert [f.name for f in FAMILIES.values() if f.has_layout(index)] == ["nemotron_h"]
+    assert detect_layout({}, nemotron.config) == "nemotron_h"
+    assert FAMILIES["nemotron_h"].declared_layers(nemotron.config) == 1
     index = weight_index(longcat.path)
     assert [f.name for f in FAMILIES.values() if f.has_layout(index)] == ["longcat"]
     assert detect_layout({}, longcat.config) == "longcat"

@@ -205,7 +205,8 @@ def tiny_gemma3(vocab_size: int = VOCAB, *, seed: int = 0, sliding_window: int =
 def rollback_model(family: str, *, seed: int = 0) -> nn.Module:
     """One model per cache kind the rollback code handles, hidden 64, ``ROLLBACK_VOCAB`` tokens:
     ``llama`` (KVCache; head_dim 32, so a ``quantized_kv_cache`` fits), ``qwen3_5`` and
-    ``qwen3_next`` (gated-delta ArraysCache + KVCache), ``gemma3`` (RotatingKVCache + KVCache)."""
+    ``qwen3_next`` (gated-delta ArraysCache + KVCache), ``gemma3`` (RotatingKVCache + KVCache),
+    ``nemotron_h`` (Mamba2 ArraysCache + KVCache, hidden 32: ``support.nemotron``)."""
     if family == "llama":
         return tiny_llama(ROLLBACK_VOCAB, seed=seed, hidden_size=64, num_heads=2, num_kv_heads=1)
     if family == "qwen3_5":
@@ -214,6 +215,10 @@ def rollback_model(family: str, *, seed: int = 0) -> nn.Module:
         return tiny_qwen3_next(ROLLBACK_VOCAB, seed=seed)
     if family == "gemma3":
         return tiny_gemma3(ROLLBACK_VOCAB, seed=seed)
+    if family == "nemotron_h":
+        from support.nemotron import tiny_nemotron_h
+
+        return tiny_nemotron_h(ROLLBACK_VOCAB, seed=seed)
     raise ValueError(family)
 
 

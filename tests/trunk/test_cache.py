@@ -146,6 +146,7 @@ MODELS = {
     "qwen3_5_hybrid": ("qwen3_5", None),
     "qwen3_next_hybrid": ("qwen3_next", None),
     "gemma3_rotating": ("gemma3", None),
+    "nemotron_h_hybrid": ("nemotron_h", None),
 }
 
 
@@ -212,6 +213,28 @@ def test_negative_control_recurrent_off_by_one_is_caught():
     assert run_cycles(model, make_cache, 5, pattern=REJECTING) is None
     why = run_cycles(model, make_cache, 5, pattern=REJECTING, commit=_commit_recurrent_off_by_one)
     assert why is not None and "layer 0" in why
+
+
+def _commit_without_ssm_rollback(cache: list, capture: cache_ops.BlockCapture, num_keep: int) -> None:
+    """The conv state rolled back, the recurrent (SSM) state left as the whole block made it."""
+    block_len = cache_ops._block_len(capture)
+    for r in capture.records:
+        if isinstance(r, cache_ops._RecurrentRecord):
+            final = r.states[-1]
+            r.commit(num_keep)
+            r.cache[1] = final
+        else:
+            r.commit(num_keep, block_len)
+    capture.status = "committed"
+
+
+def test_negative_control_skipped_ssm_rollback_is_caught():
+    """Nemotron-H's Mamba2 state: a commit that rolls back the conv state but not the SSM state
+    (the state-update hook skipped) differs from the scratch run at the first Mamba2 layer."""
+    model, make_cache = _model_and_cache("nemotron_h_hybrid")
+    assert run_cycles(model, make_cache, 5, pattern=REJECTING) is None
+    why = run_cycles(model, make_cache, 5, pattern=REJECTING, commit=_commit_without_ssm_rollback)
+    assert why is not None and "layer 0 slot 1" in why, why
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3_5_hybrid", "gemma3_rotating"])
