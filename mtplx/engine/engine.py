@@ -105,6 +105,9 @@ class Engine:
         distributed: bool | str = False,
         collective_timeout: float | None = None,
         adapter_path: str | Path | None = None,
+        kv_bits: int | None = None,
+        kv_group_size: int | None = None,
+        quantized_kv_start: int | None = None,
     ) -> Engine:
         """Load ``model`` (local path, Hugging Face repo id, or None for the embedded default).
 
@@ -119,9 +122,18 @@ class Engine:
         processes started by ``mlx.launch``; ``collective_timeout`` (seconds) bounds every
         wait on the other ranks (see mtplx/engine/distributed.py). ``adapter_path`` applies adapters
         trained with ``mlx_lm.lora``; the head keeps drafting and the output is the adapted
-        model's, exactly.
+        model's, exactly. ``kv_bits`` / ``kv_group_size`` / ``quantized_kv_start`` (mlx-lm's
+        names and defaults: none, 64, 5000) quantize the trunk's KV cache from that position on,
+        at the same positions in speculative and plain decoding (mtplx/trunk/kv_quant.py). The
+        MTP head's own cache stays float: one layer beside the trunk's many, rebuilt from true
+        hidden states every cycle; its precision moves acceptance only, never the output.
         """
         from mtplx.checkpoints import load as loading
+        from mtplx.trunk import kv_quant
+
+        kv_plan = kv_quant.KVQuantization.from_flags(kv_bits, kv_group_size, quantized_kv_start)
+        if kv_plan is not None and distributed:
+            raise MtplxError("kv_bits: not supported when sharded")
 
         if dtype not in (None, *loading.VARIANTS):
             raise MtplxError(f"dtype must be one of {', '.join(loading.VARIANTS)} (got {dtype})")
@@ -157,6 +169,9 @@ class Engine:
         engine.adaptive_threshold = engine._tuned_threshold()
         if draft_model is not None:
             engine._load_draft_model(draft_model)
+        if kv_plan is not None:
+            kv_quant.check_fit(engine.trunk, engine.head, kv_plan)
+            engine.trunk.kv_quantization = kv_plan
         if distributed:
             timeout = (
                 collective_timeout if collective_timeout is not None else dist.DEFAULT_COLLECTIVE_TIMEOUT

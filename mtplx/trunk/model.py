@@ -6,13 +6,17 @@ than re-implementing every model's forward, the trunk's final norm is tapped
 (`mtplx.trunk.compat.tap_final_norm`: the norm's class becomes a recording subclass
 of itself; the parameter tree, and so loading, quantization and fingerprints,
 is unchanged).
+
+With a KV quantization plan (`kv_quant.KVQuantization`, ``Trunk.kv_quantization``) the trunk's
+fresh caches follow it, and a forward that crosses the plan's start runs as two forwards split
+there, the caches converted between them (`kv_quant`'s module docstring: why, and the invariant).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mtplx.trunk import compat
+from mtplx.trunk import compat, kv_quant
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -34,6 +38,7 @@ class Trunk:
         self.inner = compat.find_inner_model(model)
         self._tap = compat.tap_final_norm(self.inner.norm)
         self._lm_head = compat.find_lm_head(model)
+        self.kv_quantization: kv_quant.KVQuantization | None = None  # None: float KV (`Engine.load`)
 
     @property
     def layers(self) -> list:
@@ -44,9 +49,26 @@ class Trunk:
         return self.inner.embed_tokens.weight.shape[0]
 
     def make_cache(self) -> list:
-        return compat.make_prompt_cache(self.model)
+        return kv_quant.make_cache(compat.make_prompt_cache(self.model), self.kv_quantization)
 
     def __call__(self, tokens: mx.array, cache: list | None = None) -> TrunkOutput:
+        split = None if cache is None else kv_quant.conversion_split(cache, tokens.shape[1])
+        if split is None:
+            return self._forward(tokens, cache)
+        # The caches convert before position `start` is written: positions before it first.
+        parts = [self._forward(tokens[:, :split], cache)] if split else []
+        kv_quant.convert(cache)
+        parts.append(self._forward(tokens[:, split:], cache))
+        if len(parts) == 1:
+            return parts[0]
+        return TrunkOutput(
+            *(
+                mx.concatenate(pair, axis=1)
+                for pair in zip(*((p.logits, p.hidden_pre_norm, p.hidden_post_norm) for p in parts))
+            )
+        )
+
+    def _forward(self, tokens: mx.array, cache: list | None) -> TrunkOutput:
         logits = self.model(tokens, cache=cache)
         out = TrunkOutput(logits, self._tap.pre, self._tap.post)
         self._tap.pre = self._tap.post = None
