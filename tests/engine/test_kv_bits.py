@@ -138,3 +138,15 @@ def _main(*args: str) -> tuple[int, str, str]:
         except SystemExit as exit_:
             code = exit_.code
     return code, stdout.getvalue(), stderr.getvalue()
+
+
+def test_inspect_and_doctor_print_the_default_models_kv_bytes_per_token(default_model_dir):
+    """SmolLM2-135M: 30 layers, 3 KV heads of 64 (float32 build). Per token, K and V: float32
+    2*30*3*64*4 = 46080 B; 8-bit 2*30*3*(64 + 2*4) = 12960 B (a float32 scale and bias per group
+    of 64); 4-bit 2*30*3*(32 + 8) = 7200 B."""
+    from mtplx.cli.doctor import check_kv_cache
+
+    code, out, err = _main("inspect")
+    assert code == 0, err
+    assert "kv cache      per token: float32 46.1 KB, 8-bit 13.0 KB, 4-bit 7.2 KB" in out, out
+    assert check_kv_cache().data == {"float32": 46080, "8-bit": 12960, "4-bit": 7200}

@@ -228,3 +228,18 @@ def test_prompt_cache_stores_quantized_entries_and_never_trims_below_the_start(m
     hit = store.lookup(TOKENS[:9] + [0], with_head=False)
     assert hit is not None and hit.start == 9
     assert_same_caches(hit.trunk_cache, mlx_lm_decoding(model, TOKENS[:9], later.kv_quantization)[1])
+
+
+# --------------------------------------------------------------------------- memory
+
+
+@pytest.mark.parametrize("bits", [None, 8, 4])
+def test_kv_bytes_per_token_is_what_real_caches_hold(model, bits):
+    """`kv_bytes_per_token` (what `inspect` and `doctor` print) from the config alone equals the
+    bytes mlx-lm's caches hold per position (256 positions: one allocation step, no slack)."""
+    plan = None if bits is None else KVQuantization(bits, GROUP, 0)
+    cache = _trunk(model, plan).make_cache()
+    model(mx.zeros((1, 256), dtype=mx.int32), cache=cache)
+    config = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1}
+    held = sum(c.nbytes for c in cache)
+    assert kv_quant.kv_bytes_per_token(config, bits, GROUP, float_bytes=4) * 256 == held
