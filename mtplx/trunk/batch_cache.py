@@ -52,7 +52,6 @@ from mtplx.trunk.compat import (
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_map
 
 __all__ = ["BatchCache", "RaggedKVCache", "RaggedQuantizedKVCache", "check_batchable"]
 
@@ -86,7 +85,7 @@ class RaggedKVCache:
         if self.keys is None:
             return ()
         rows = self.batch_size
-        return tree_map(lambda a: a[:rows], (self.keys, self.values))
+        return _map(lambda a: a[:rows], self.keys), _map(lambda a: a[:rows], self.values)
 
     @property
     def _buffers(self) -> list[mx.array]:
@@ -119,7 +118,7 @@ class RaggedKVCache:
         def zeros(like: mx.array) -> mx.array:
             return mx.zeros((slots, like.shape[1], capacity, like.shape[3]), like.dtype)
 
-        keys, values = tree_map(zeros, like_keys), tree_map(zeros, like_values)
+        keys, values = _map(zeros, like_keys), _map(zeros, like_values)
         if self.keys is not None and self.batch_size:
             rows, have = min(self.batch_size, slots), min(self._shape()[1], capacity)
             for new, old in zip(_leaves((keys, values)), self._buffers):
@@ -146,7 +145,11 @@ class RaggedKVCache:
             buffer[rows, :, positions] = block.transpose(0, 2, 1, 3)
         self.set_lengths([n + block_len for n in self.lengths])
         batch = self.batch_size
-        return tree_map(lambda a: a[:batch, :, :end, :], (self.keys, self.values))
+
+        def used(a: mx.array) -> mx.array:
+            return a[:batch, :, :end, :]
+
+        return _map(used, self.keys), _map(used, self.values)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
         """bool [B, 1, N, max(lengths) + N]: query t of row r sees keys 0..lengths[r] + t."""
@@ -252,15 +255,24 @@ class RaggedQuantizedKVCache(RaggedKVCache):
         out = QuantizedKVCache(group_size=self.group_size, bits=self.bits)
         n = self.lengths[row]
         if n and self.keys is not None:
-            keys, values = tree_map(
-                lambda a: mx.contiguous(a[row : row + 1, :, :n, :]), (self.keys, self.values)
-            )
+
+            def row_copy(a: mx.array) -> mx.array:
+                return mx.contiguous(a[row : row + 1, :, :n, :])
+
+            keys, values = _map(row_copy, self.keys), _map(row_copy, self.values)
             out.state = (keys, values, n, self.group_size, self.bits)
         return out
 
 
-def _leaves(tree: Any) -> list[mx.array]:
-    return [a for _, a in tree_flatten(tree)]
+def _leaves(pair: tuple) -> list[mx.array]:
+    """The arrays of a (keys, values) pair, keys' first: each part an array, or a tuple of arrays
+    (quantized: packed values, scales, biases)."""
+    return [a for part in pair for a in (part if isinstance(part, tuple) else (part,))]
+
+
+def _map(fn, part: Any) -> Any:
+    """``fn`` over one part of a (keys, values) pair, keeping its shape (array or tuple)."""
+    return tuple(fn(a) for a in part) if isinstance(part, tuple) else fn(part)
 
 
 def _round_up(positions: int) -> int:

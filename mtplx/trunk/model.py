@@ -55,17 +55,17 @@ class Trunk:
         split = None if cache is None else kv_quant.conversion_split(cache, tokens.shape[1])
         if split is None:
             return self._forward(tokens, cache)
-        # The caches convert before position `start` is written: positions before it first.
-        parts = [self._forward(tokens[:, :split], cache)] if split else []
+        # The caches convert right before position `start` is written: the positions before it first.
+        if split == 0:
+            kv_quant.convert(cache)
+            return self._forward(tokens, cache)
+        before = self._forward(tokens[:, :split], cache)
         kv_quant.convert(cache)
-        parts.append(self._forward(tokens[:, split:], cache))
-        if len(parts) == 1:
-            return parts[0]
+        after = self._forward(tokens[:, split:], cache)
         return TrunkOutput(
-            *(
-                mx.concatenate(pair, axis=1)
-                for pair in zip(*((p.logits, p.hidden_pre_norm, p.hidden_post_norm) for p in parts))
-            )
+            mx.concatenate([before.logits, after.logits], axis=1),
+            mx.concatenate([before.hidden_pre_norm, after.hidden_pre_norm], axis=1),
+            mx.concatenate([before.hidden_post_norm, after.hidden_post_norm], axis=1),
         )
 
     def _forward(self, tokens: mx.array, cache: list | None) -> TrunkOutput:
