@@ -122,11 +122,8 @@ class Engine:
         processes started by ``mlx.launch``; ``collective_timeout`` (seconds) bounds every
         wait on the other ranks (see mtplx/engine/distributed.py). ``adapter_path`` applies adapters
         trained with ``mlx_lm.lora``; the head keeps drafting and the output is the adapted
-        model's, exactly. ``kv_bits`` / ``kv_group_size`` / ``quantized_kv_start`` (mlx-lm's
-        names and defaults: none, 64, 5000) quantize the trunk's KV cache from that position on,
-        at the same positions in speculative and plain decoding (mtplx/trunk/kv_quant.py). The
-        MTP head's own cache stays float: one layer beside the trunk's many, rebuilt from true
-        hidden states every cycle; its precision moves acceptance only, never the output.
+        model's, exactly. ``kv_bits`` / ``kv_group_size`` / ``quantized_kv_start``: mlx-lm's
+        KV-cache quantization (`_quantize_kv`).
         """
         from mtplx.checkpoints import load as loading
         from mtplx.trunk import kv_quant
@@ -170,14 +167,24 @@ class Engine:
         if draft_model is not None:
             engine._load_draft_model(draft_model)
         if kv_plan is not None:
-            kv_quant.check_fit(engine.trunk, engine.head, kv_plan)
-            engine.trunk.kv_quantization = kv_plan
+            engine._quantize_kv(kv_plan)
         if distributed:
             timeout = (
                 collective_timeout if collective_timeout is not None else dist.DEFAULT_COLLECTIVE_TIMEOUT
             )
             engine.distributed = dist.shard_engine(engine, group, distributed, timeout)
         return engine
+
+    def _quantize_kv(self, plan) -> None:
+        """The trunk's KV cache quantized from ``plan.start`` on (mlx-lm's names and defaults: no
+        bits, groups of 64, start 5000), at the same positions in speculative and plain decoding
+        (mtplx/trunk/kv_quant.py). The MTP head's own cache stays float: one layer beside the
+        trunk's many, rebuilt from true hidden states every cycle; its precision moves acceptance
+        only, never the output."""
+        from mtplx.trunk import kv_quant
+
+        kv_quant.check_fit(self.trunk, self.head, plan)
+        self.trunk.kv_quantization = plan
 
     def _load_draft_model(self, path: str | Path) -> None:
         from mtplx.checkpoints import load as loading
