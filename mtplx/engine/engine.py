@@ -31,6 +31,7 @@ from mtplx.spec_decode.constraint import GrammarConstraint
 from mtplx.spec_decode.draft_policy import DRAFT_POLICIES, CostProfile, DraftPolicy
 from mtplx.spec_decode.select import DEFAULT_DEPTH, DrafterChoice, build_proposer, choose_drafter
 from mtplx.spec_decode.settings import DEFAULT_PREFILL_STEP, DecodeSettings
+from mtplx.trunk.kv_quant import KVQuantization, check_fit
 from mtplx.trunk.model import Trunk
 from mtplx.trunk.prompt_cache import PromptCache
 
@@ -126,11 +127,8 @@ class Engine:
         KV-cache quantization (`_quantize_kv`).
         """
         from mtplx.checkpoints import load as loading
-        from mtplx.trunk import kv_quant
 
-        kv_plan = kv_quant.KVQuantization.from_flags(kv_bits, kv_group_size, quantized_kv_start)
-        if kv_plan is not None and distributed:
-            raise MtplxError("kv_bits: not supported when sharded")
+        kv_plan = _kv_plan(kv_bits, kv_group_size, quantized_kv_start, distributed)  # before the load
 
         if dtype not in (None, *loading.VARIANTS):
             raise MtplxError(f"dtype must be one of {', '.join(loading.VARIANTS)} (got {dtype})")
@@ -175,15 +173,13 @@ class Engine:
             engine.distributed = dist.shard_engine(engine, group, distributed, timeout)
         return engine
 
-    def _quantize_kv(self, plan) -> None:
+    def _quantize_kv(self, plan: KVQuantization) -> None:
         """The trunk's KV cache quantized from ``plan.start`` on (mlx-lm's names and defaults: no
         bits, groups of 64, start 5000), at the same positions in speculative and plain decoding
         (mtplx/trunk/kv_quant.py). The MTP head's own cache stays float: one layer beside the
         trunk's many, rebuilt from true hidden states every cycle; its precision moves acceptance
         only, never the output."""
-        from mtplx.trunk import kv_quant
-
-        kv_quant.check_fit(self.trunk, self.head, plan)
+        check_fit(self.trunk, self.head, plan)
         self.trunk.kv_quantization = plan
 
     def _load_draft_model(self, path: str | Path) -> None:
@@ -518,3 +514,13 @@ class Engine:
     ) -> GenerationResult:
         """Generate to completion; the same arguments as `stream`."""
         return GenerationResult.from_chunks(list(self.stream(prompt, request, **kwargs)))
+
+
+def _kv_plan(
+    kv_bits: int | None, group_size: int | None, start: int | None, distributed: bool | str
+) -> KVQuantization | None:
+    """The validated KV quantization plan (None: float KV); refused on a sharded engine."""
+    plan = KVQuantization.from_flags(kv_bits, group_size, start)
+    if plan is not None and distributed:
+        raise MtplxError("kv_bits: not supported when sharded")
+    return plan
