@@ -92,6 +92,29 @@ def test_a_later_start_decodes_one_row_at_a_time_and_gives_plain_decodings_token
         assert got.token_ids == engine.generate(prompt, _ar(request)).token_ids
 
 
+@pytest.mark.parametrize("start", [0, 9])
+def test_the_prompt_cache_reuses_quantized_entries_with_the_same_tokens(model_dir, start):
+    """A second turn (the first's prompt and reply, then more) reuses the stored quantized caches
+    (start 9: converted while the first turn decoded) and gives the tokens a fresh prefill gives."""
+    engine = Engine.load(
+        str(model_dir),
+        mtp=True,
+        depth=2,
+        kv_bits=4,
+        kv_group_size=32,
+        quantized_kv_start=start,
+        prompt_cache_bytes=1 << 30,
+    )
+    request = _req(max_tokens=10, temperature=0.0, draft="head", depth=2)
+    first = engine.generate(PROMPTS[2], request)
+    second_prompt = PROMPTS[2] + first.token_ids + [3, 1]
+    cached = engine.generate(second_prompt, request)
+    assert cached.stats.cached_tokens >= len(PROMPTS[2]), cached.stats.cached_tokens
+    engine.prompt_cache.clear()
+    fresh = engine.generate(second_prompt, request)
+    assert fresh.stats.cached_tokens == 0 and cached.token_ids == fresh.token_ids
+
+
 def test_bad_kv_flags_are_one_line_errors_naming_the_flag(model_dir, tmp_path):
     with pytest.raises(MtplxError, match=r"^kv_group_size: 64 does not fit"):
         Engine.load(str(model_dir), mtp=True, kv_bits=4)  # head dimension 32: no group of 64
