@@ -23,7 +23,7 @@ rows batch (`batch_cache.RaggedQuantizedKVCache`). ``start > 0``: the float cach
 converting block back exactly: `ConversionBlock`); the model must be attention-only (plain
 ``KVCache`` layers: a sliding-window or recurrent cache cannot take a block in two forwards).
 Only plain ``KVCache`` layers are quantized (mlx-lm cannot quantize a ``RotatingKVCache`` either);
-an MTP head's own cache stays float (`Engine.load` says why).
+an MTP head's own cache stays float (`Engine._quantize_kv` says why).
 """
 
 from __future__ import annotations
