@@ -364,6 +364,7 @@ def inspect_model(
         "mtp_head_bytes": head_bytes,
         "shards": len(set(index.values())),
         "quantization": quant,
+        "kv_bytes_per_token": _kv_bytes(config, header),
         "mtp": {
             "layout": layout if (head_tensors or declared) else None,
             "declared_layers": declared,
@@ -381,6 +382,18 @@ def inspect_model(
         "verdict": verdict,
         "reason": reason,
     }
+
+
+def _kv_bytes(config: dict, header: dict[str, dict]) -> dict[str, int]:
+    """The trunk's KV cache per position: float (the dtype of the model's norms, its activations)
+    and under ``--kv-bits`` 8 and 4 (``--kv-group-size`` 64), mtplx/trunk/kv_quant.py."""
+    from mtplx.trunk.kv_quant import kv_bytes_per_token
+
+    norms = [info["dtype"] for name, info in header.items() if "norm" in name]
+    float_bytes = _SAFETENSORS_BYTES.get(norms[0] if norms else "F16", 2)
+    out = {f"float{8 * float_bytes}": kv_bytes_per_token(config, None, float_bytes=float_bytes)}
+    out.update({f"{bits}-bit": kv_bytes_per_token(config, bits, float_bytes=float_bytes) for bits in (8, 4)})
+    return out
 
 
 def _split_verdict(split: dict, path: Path, config: dict) -> tuple[str, str, dict | None]:
@@ -500,6 +513,9 @@ def format_inspection(info: dict[str, Any]) -> str:
         lines.append(f"quantization  {q['bits']}-bit {q['mode']}, group size {q['group_size']}{extra}")
     else:
         lines.append(f"quantization  {q.get('method')}")
+    kv = info.get("kv_bytes_per_token") or {}
+    if any(kv.values()):
+        lines.append("kv cache      per token: " + ", ".join(f"{k} {_human(v)}" for k, v in kv.items()))
     lines.extend(_head_lines(info))
     if info["forged_head"] and info["head"] is None:
         lines.append(f"forged head   {info['forged_head'].get('manifest')}")

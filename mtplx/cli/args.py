@@ -25,6 +25,7 @@ from mtplx.spec_decode.settings import DRAFT_KINDS, Drafting, LookupConfig
 __all__ = [
     "add_drafting_args",
     "add_generation_args",
+    "add_kv_args",
     "add_model_args",
     "add_reply_args",
     "add_sampling_args",
@@ -163,6 +164,33 @@ def add_model_args(
         typed(
             parser, "--adapter-path", default=None, help="fine-tuned adapters from mlx_lm.lora (a directory)"
         )
+        add_kv_args(parser)
+
+
+def add_kv_args(parser: argparse.ArgumentParser) -> None:
+    """mlx-lm's KV-cache quantization flags (mlx_lm/generate.py's spellings, meaning and defaults;
+    where mtplx converts is mtplx/trunk/kv_quant.py)."""
+    typed(
+        parser,
+        "--kv-bits",
+        convert=int,
+        default=None,
+        help="quantize the KV cache to this many bits (2-6 or 8; default: no quantization)",
+    )
+    typed(
+        parser,
+        "--kv-group-size",
+        convert=int,
+        default=None,
+        help="group size for KV cache quantization (32, 64 or 128; default 64)",
+    )
+    typed(
+        parser,
+        "--quantized-kv-start",
+        convert=int,
+        default=None,
+        help="position from which the KV cache is quantized, when --kv-bits is set (default 5000)",
+    )
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, defaults: SamplerConfig) -> None:
@@ -316,6 +344,9 @@ def load_engine(args: argparse.Namespace, *, quiet: bool = False, prompt_cache_b
         collective_timeout=getattr(args, "collective_timeout", None),
         draft_model=args.draft_model,
         adapter_path=args.adapter_path,
+        kv_bits=getattr(args, "kv_bits", None),
+        kv_group_size=getattr(args, "kv_group_size", None),
+        quantized_kv_start=getattr(args, "quantized_kv_start", None),
     )
     if args.mtp is None and not engine.has_head and engine.draft_model is None and not quiet:
         print(

@@ -258,6 +258,24 @@ def check_default_model() -> Check:
     return Check("default model", f"{gguf.name}: {state}; head {head}", data=data)
 
 
+def check_kv_cache() -> Check:
+    """The default model's KV cache per token, float and under ``--kv-bits`` 8 / 4 (from the
+    converted float32 build's config; information only)."""
+    from mtplx.checkpoints import load as loading
+    from mtplx.checkpoints.convert_gguf import CONVERTER_VERSION
+    from mtplx.trunk.kv_quant import kv_bytes_per_token
+
+    name = f"{loading.DEFAULT_MODEL_NAME}-float32-v{CONVERTER_VERSION}"
+    config_path = resources.cache_root() / "models" / name / "config.json"
+    if not config_path.is_file():
+        return Check("kv cache", "default model not converted yet (first use converts it)")
+    config = json.loads(config_path.read_text())
+    sizes = {"float32": kv_bytes_per_token(config, None, float_bytes=4)}
+    sizes.update({f"{b}-bit": kv_bytes_per_token(config, b, float_bytes=4) for b in (8, 4)})
+    text = ", ".join(f"{k} {_size_text(v)}" for k, v in sizes.items())
+    return Check("kv cache", f"per token (default model, --kv-bits): {text}", data=sizes)
+
+
 def _restore_shipped_head(model_name: str) -> str:
     """A git checkout restores the folder from git; an installed wheel is reinstalled."""
     checkout = resources.PACKAGE_DIR.parent
@@ -303,6 +321,7 @@ def diagnose(*, gflops: bool = True) -> Report:
             check_fused_kernel(),
             *check_caches(),
             check_default_model(),
+            check_kv_cache(),
             check_tuned_depths(),
         ]
     )

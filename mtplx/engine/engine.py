@@ -35,6 +35,7 @@ from mtplx.spec_decode.drafting import (
     head_depth,
 )
 from mtplx.spec_decode.settings import DEFAULT_PREFILL_STEP, DecodeSettings
+from mtplx.trunk.kv_quant import KVQuantization, check_fit
 from mtplx.trunk.model import Trunk
 from mtplx.trunk.prompt_cache import PromptCache
 
@@ -106,6 +107,9 @@ class Engine:
         distributed: bool | str = False,
         collective_timeout: float | None = None,
         adapter_path: str | Path | None = None,
+        kv_bits: int | None = None,
+        kv_group_size: int | None = None,
+        quantized_kv_start: int | None = None,
     ) -> Engine:
         """Load ``model`` (local path, Hugging Face repo id, or None for the embedded default).
 
@@ -120,9 +124,12 @@ class Engine:
         processes started by ``mlx.launch``; ``collective_timeout`` (seconds) bounds every
         wait on the other ranks (see mtplx/engine/distributed.py). ``adapter_path`` applies adapters
         trained with ``mlx_lm.lora``; the head keeps drafting and the output is the adapted
-        model's, exactly.
+        model's, exactly. ``kv_bits`` / ``kv_group_size`` / ``quantized_kv_start``: mlx-lm's
+        KV-cache quantization (`_quantize_kv`).
         """
         from mtplx.checkpoints import load as loading
+
+        kv_plan = _kv_plan(kv_bits, kv_group_size, quantized_kv_start, distributed)  # before the load
 
         if dtype not in (None, *loading.VARIANTS):
             raise MtplxError(f"dtype must be one of {', '.join(loading.VARIANTS)} (got {dtype})")
@@ -158,12 +165,23 @@ class Engine:
         engine.adaptive_threshold = engine._tuned_threshold()
         if draft_model is not None:
             engine._load_draft_model(draft_model)
+        if kv_plan is not None:
+            engine._quantize_kv(kv_plan)
         if distributed:
             timeout = (
                 collective_timeout if collective_timeout is not None else dist.DEFAULT_COLLECTIVE_TIMEOUT
             )
             engine.distributed = dist.shard_engine(engine, group, distributed, timeout)
         return engine
+
+    def _quantize_kv(self, plan: KVQuantization) -> None:
+        """The trunk's KV cache quantized from ``plan.start`` on (mlx-lm's names and defaults: no
+        bits, groups of 64, start 5000), at the same positions in speculative and plain decoding
+        (mtplx/trunk/kv_quant.py). The MTP head's own cache stays float: one layer beside the
+        trunk's many, rebuilt from true hidden states every cycle; its precision moves acceptance
+        only, never the output."""
+        check_fit(self.trunk, self.head, plan)
+        self.trunk.kv_quantization = plan
 
     def _load_draft_model(self, path: str | Path) -> None:
         from mtplx.checkpoints import load as loading
@@ -438,3 +456,13 @@ def _one_choice(request: GenerationRequest, entry: str) -> None:
             f"n: {entry} returns one choice per request (got n={request.n}); submit to Engine.batch() "
             "(each chunk's index is its choice) or ask the server"
         )
+
+
+def _kv_plan(
+    kv_bits: int | None, group_size: int | None, start: int | None, distributed: bool | str
+) -> KVQuantization | None:
+    """The validated KV quantization plan (None: float KV); refused on a sharded engine."""
+    plan = KVQuantization.from_flags(kv_bits, group_size, start)
+    if plan is not None and distributed:
+        raise MtplxError("kv_bits: not supported when sharded")
+    return plan

@@ -17,9 +17,15 @@ number of positions per row each cycle, so here every row has its own length:
   [n, n + kernel - 1) of that input. Nemotron-H's Mamba2 blocks the same (their SSM-state hook,
   `compat_nemotron`); its cache list skips the MLP / MoE blocks (`compat_nemotron.cache_layers`).
 
+* Quantized KV (`RaggedQuantizedKVCache`, `kv_quant` with start 0): the same rows, lengths and
+  masks over mlx-lm's QuantizedKVCache layout (each of K and V a triple: packed uint32 values, a
+  scale and a bias per group along the head dimension); a block is quantized when written, per
+  position, as a single-row QuantizedKVCache does, so rollback is again setting lengths.
+
 Rows join from single-row caches (`add_rows`, after their own prefill or from the prompt
 cache) and leave (`remove_rows`); both copy only the rows that move, never per cycle. Sliding-window
-(rotating) and quantized caches are not batched: `check_batchable` says so.
+(rotating) caches, and float caches that convert to quantized KV at a later position, are not
+batched: `check_batchable` says so.
 
 Invariant between cycles: every layer's row r holds exactly the committed positions of
 sequence r, as the same sequence's single-row cache would.
@@ -31,13 +37,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mtplx.trunk import rollback
+from mtplx.trunk import kv_quant, rollback
 from mtplx.trunk.compat import (
     CONV_SLOT,
     STATE_SLOT,
     ArraysCache,
     ConvInputTap,
     KVCache,
+    QuantizedKVCache,
     arrays_slots,
     is_supported_recurrent_layer,
     kv_state,
@@ -47,7 +54,7 @@ from mtplx.trunk.compat_nemotron import cache_layers
 import mlx.core as mx
 import mlx.nn as nn
 
-__all__ = ["BatchCache", "RaggedKVCache", "check_batchable"]
+__all__ = ["BatchCache", "RaggedKVCache", "RaggedQuantizedKVCache", "check_batchable"]
 
 _STEP = 256  # buffer growth, in positions (mlx-lm's KVCache grows by the same step)
 
@@ -78,41 +85,72 @@ class RaggedKVCache:
     def state(self) -> tuple:
         if self.keys is None:
             return ()
-        return self.keys[: self.batch_size], self.values[: self.batch_size]
+        rows = self.batch_size
+        return _map(lambda a: a[:rows], self.keys), _map(lambda a: a[:rows], self.values)
+
+    @property
+    def _buffers(self) -> list[mx.array]:
+        """Every buffer, keys' before values' (one each; three each when quantized)."""
+        return _leaves((self.keys, self.values))
+
+    def _shape(self) -> tuple[int, int]:
+        """(slots, capacity) of the buffers; (0, 0) while empty."""
+        if self.keys is None:
+            return 0, 0
+        first = self._buffers[0]
+        return first.shape[0], first.shape[2]
+
+    def _encode(self, keys: mx.array, values: mx.array) -> tuple:
+        """What a block of keys/values [B, H, T, D] is stored as (float: itself)."""
+        return keys, values
+
+    def _row_state(self, cache: Any) -> tuple:
+        """(keys, values) of a joining single-row cache, [1, H, capacity, D] each."""
+        state = kv_state(cache)
+        return state.keys, state.values
 
     def set_lengths(self, lengths: Sequence[int]) -> None:
         self.lengths = [int(n) for n in lengths]
         self.offset = mx.array(self.lengths, dtype=mx.int32)
 
-    def _reallocate(self, slots: int, capacity: int, like_keys: mx.array, like_values: mx.array) -> None:
+    def _reallocate(self, slots: int, capacity: int, like_keys: Any, like_values: Any) -> None:
         """New zero buffers [slots, H, capacity, D] holding the current rows (one copy of them)."""
-        keys = mx.zeros((slots, like_keys.shape[1], capacity, like_keys.shape[3]), like_keys.dtype)
-        values = mx.zeros((slots, like_values.shape[1], capacity, like_values.shape[3]), like_values.dtype)
+
+        def zeros(like: mx.array) -> mx.array:
+            return mx.zeros((slots, like.shape[1], capacity, like.shape[3]), like.dtype)
+
+        keys, values = _map(zeros, like_keys), _map(zeros, like_values)
         if self.keys is not None and self.batch_size:
-            rows, have = min(self.batch_size, slots), min(self.keys.shape[2], capacity)
-            keys[:rows, :, :have, :] = self.keys[:rows, :, :have, :]
-            values[:rows, :, :have, :] = self.values[:rows, :, :have, :]
+            rows, have = min(self.batch_size, slots), min(self._shape()[1], capacity)
+            for new, old in zip(_leaves((keys, values)), self._buffers):
+                new[:rows, :, :have, :] = old[:rows, :, :have, :]
         self.keys, self.values = keys, values
 
-    def _reserve(self, end: int, like_keys: mx.array, like_values: mx.array) -> None:
-        capacity = 0 if self.keys is None else self.keys.shape[2]
+    def _reserve(self, end: int, like_keys: Any, like_values: Any) -> None:
+        slots, capacity = self._shape()
         if end <= capacity:
             return
-        slots = self.batch_size if self.keys is None else self.keys.shape[0]
-        self._reallocate(slots, _round_up(end), like_keys, like_values)
+        self._reallocate(
+            slots if self.keys is not None else self.batch_size, _round_up(end), like_keys, like_values
+        )
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple:
         """Write keys/values [B, H, T, D] at each row's length; return the rows' buffers up to the longest end."""
         block_len = keys.shape[2]
+        stored = self._encode(keys, values)
         end = max(self.lengths) + block_len
-        self._reserve(end, keys, values)
+        self._reserve(end, *stored)
         positions = self.offset[:, None] + mx.arange(block_len)[None]  # [B, T]
         rows = mx.arange(self.batch_size)[:, None]
-        self.keys[rows, :, positions] = keys.transpose(0, 2, 1, 3)
-        self.values[rows, :, positions] = values.transpose(0, 2, 1, 3)
+        for buffer, block in zip(self._buffers, _leaves(stored)):
+            buffer[rows, :, positions] = block.transpose(0, 2, 1, 3)
         self.set_lengths([n + block_len for n in self.lengths])
         batch = self.batch_size
-        return self.keys[:batch, :, :end, :], self.values[:batch, :, :end, :]
+
+        def used(a: mx.array) -> mx.array:
+            return a[:batch, :, :end, :]
+
+        return _map(used, self.keys), _map(used, self.values)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
         """bool [B, 1, N, max(lengths) + N]: query t of row r sees keys 0..lengths[r] + t."""
@@ -123,8 +161,8 @@ class RaggedKVCache:
         return mx.arange(end)[None, None, None, :] <= query_positions
 
     # ------------------------------------------------------------------ rows join and leave
-    def add_rows(self, caches: Sequence[KVCache]) -> None:
-        """Append single-row KVCaches (copied into free slots; the originals stay usable)."""
+    def add_rows(self, caches: Sequence[Any]) -> None:
+        """Append single-row caches (copied into free slots; the originals stay usable)."""
         if not caches:
             return
         lengths = [int(c.offset) for c in caches]
@@ -132,20 +170,17 @@ class RaggedKVCache:
         if not filled and self.keys is None:
             self.set_lengths(self.lengths + lengths)
             return
-        like_keys = self.keys if self.keys is not None else kv_state(filled[0]).keys
-        like_values = self.values if self.values is not None else kv_state(filled[0]).values
+        like = (self.keys, self.values) if self.keys is not None else self._row_state(filled[0])
         first, rows = self.batch_size, self.batch_size + len(caches)
-        slots = 0 if self.keys is None else self.keys.shape[0]
-        capacity = 0 if self.keys is None else self.keys.shape[2]
+        slots, capacity = self._shape()
         needed = _round_up(max(max(self.lengths, default=0), max(lengths)) + 1)
         if rows > slots or needed > capacity:
-            self._reallocate(max(rows, 2 * slots), max(needed, capacity), like_keys, like_values)
+            self._reallocate(max(rows, 2 * slots), max(needed, capacity), *like)
         for r, (c, n) in enumerate(zip(caches, lengths), start=first):
             # A slot's stale tail past its length is never read (make_mask); only n is written.
             if n:
-                state = kv_state(c)
-                self.keys[r : r + 1, :, :n, :] = state.keys[..., :n, :]
-                self.values[r : r + 1, :, :n, :] = state.values[..., :n, :]
+                for buffer, held in zip(self._buffers, _leaves(self._row_state(c))):
+                    buffer[r : r + 1, :, :n, :] = held[..., :n, :]
         self.set_lengths(self.lengths + lengths)
 
     def remove_rows(self, keep: Sequence[int]) -> None:
@@ -162,14 +197,14 @@ class RaggedKVCache:
         if moves:
             dst = [j for j, _ in moves]
             src = mx.array([i for _, i in moves], dtype=mx.int32)
-            moved_keys, moved_values = mx.take(self.keys, src, axis=0), mx.take(self.values, src, axis=0)
+            moved = [mx.take(buffer, src, axis=0) for buffer in self._buffers]
             # Evaluated first, so the buffers have no other reader and the slice writes below
             # happen in place (MLX donates a buffer only to its last user; else a write copies it).
-            mx.eval(moved_keys, moved_values)
-            for k, j in enumerate(dst):
-                self.keys[j : j + 1] = moved_keys[k : k + 1]
-                self.values[j : j + 1] = moved_values[k : k + 1]
-        slots, capacity = self.keys.shape[0], self.keys.shape[2]
+            mx.eval(moved)
+            for buffer, rows in zip(self._buffers, moved):
+                for k, j in enumerate(dst):
+                    buffer[j : j + 1] = rows[k : k + 1]
+        slots, capacity = self._shape()
         needed = _round_up(max(self.lengths))
         if 4 * len(keep) <= slots or 2 * needed <= capacity:  # free what the batch no longer uses
             self._reallocate(max(len(keep), slots // 2), min(needed, capacity), self.keys, self.values)
@@ -186,6 +221,61 @@ class RaggedKVCache:
         return out
 
 
+class RaggedQuantizedKVCache(RaggedKVCache):
+    """`RaggedKVCache` over mlx-lm's QuantizedKVCache layout: keys and values are each a triple
+    (packed values, scales, biases) [slots, H, capacity, *]; ``bits`` and ``group_size`` make the
+    model's attention take mlx-lm's quantized path, as for a single-row QuantizedKVCache. A block
+    is quantized per position when written (`_encode`), so row r holds exactly what its own
+    QuantizedKVCache would, and keeping n positions is again setting its length."""
+
+    def __init__(self, group_size: int, bits: int):
+        super().__init__()
+        self.group_size = group_size
+        self.bits = bits
+
+    def _encode(self, keys: mx.array, values: mx.array) -> tuple:
+        def quantize(x: mx.array) -> tuple:
+            return tuple(mx.quantize(x, group_size=self.group_size, bits=self.bits))
+
+        return quantize(keys), quantize(values)
+
+    def _row_state(self, cache: Any) -> tuple:
+        if type(cache) is not QuantizedKVCache or (cache.group_size, cache.bits) != (
+            self.group_size,
+            self.bits,
+        ):
+            raise ValueError(
+                f"a row joining a {self.bits}-bit KV batch (groups of {self.group_size}) must hold the same "
+                f"quantized KV (got {type(cache).__name__})"
+            )
+        keys, values, *_ = cache.state
+        return keys, values
+
+    def extract(self, row: int) -> QuantizedKVCache:
+        """Row ``row`` as a fresh single-row QuantizedKVCache (its own copy)."""
+        out = QuantizedKVCache(group_size=self.group_size, bits=self.bits)
+        n = self.lengths[row]
+        if n and self.keys is not None:
+
+            def row_copy(a: mx.array) -> mx.array:
+                return mx.contiguous(a[row : row + 1, :, :n, :])
+
+            keys, values = _map(row_copy, self.keys), _map(row_copy, self.values)
+            out.state = (keys, values, n, self.group_size, self.bits)
+        return out
+
+
+def _leaves(pair: tuple) -> list[mx.array]:
+    """The arrays of a (keys, values) pair, keys' first: each part an array, or a tuple of arrays
+    (quantized: packed values, scales, biases)."""
+    return [a for part in pair for a in (part if isinstance(part, tuple) else (part,))]
+
+
+def _map(fn, part: Any) -> Any:
+    """``fn`` over one part of a (keys, values) pair, keeping its shape (array or tuple)."""
+    return tuple(fn(a) for a in part) if isinstance(part, tuple) else fn(part)
+
+
 def _round_up(positions: int) -> int:
     return max(_STEP, ((positions + _STEP - 1) // _STEP) * _STEP)
 
@@ -197,7 +287,13 @@ def check_batchable(single_row_cache: list, model: nn.Module | None = None) -> s
     """None if a model whose single-row cache looks like this can decode in a batch, else why not."""
     layers = cache_layers(model) if model is not None else None
     for i, c in enumerate(single_row_cache):
-        if type(c) is KVCache:
+        if type(c) is KVCache and getattr(c, kv_quant.PLAN_ATTR, None) is not None:
+            start = getattr(c, kv_quant.PLAN_ATTR).start
+            return (
+                f"cache of layer {i}: KV quantized from position {start} is decoded one request at a "
+                "time (each row converts at its own position; quantized_kv_start 0 batches)"
+            )
+        if type(c) in (KVCache, QuantizedKVCache):
             continue
         if type(c) is ArraysCache and len(arrays_slots(c)) == 2:
             if layers is not None and not is_supported_recurrent_layer(layers[i]):
@@ -270,16 +366,14 @@ class BatchCache:
         reason = check_batchable(template, model)
         if reason is not None:
             raise ValueError(reason)
-        self.layers: list[Any] = [
-            RaggedKVCache() if type(c) is KVCache else ArraysCache(len(arrays_slots(c))) for c in template
-        ]
+        self.layers: list[Any] = [_batch_layer(c) for c in template]
         self._conv_taps: dict[int, ConvInputTap] = {}
         if model is not None:
             owners = cache_layers(model)  # cache i's layer (Nemotron-H's MLP / MoE blocks have none)
             for i, c in enumerate(self.layers):
                 if type(c) is ArraysCache:
                     self._conv_taps[i] = ConvInputTap.on(owners[i])
-        self._attention = next((c for c in self.layers if type(c) is RaggedKVCache), None)
+        self._attention = next((c for c in self.layers if isinstance(c, RaggedKVCache)), None)
         if self._attention is None:
             raise ValueError("a batch needs at least one attention layer (its rows' lengths)")
 
@@ -292,7 +386,7 @@ class BatchCache:
         """Append sequences given as single-row caches (same layer kinds as the template)."""
         for i, layer in enumerate(self.layers):
             members = [row[i] for row in rows]
-            if type(layer) is RaggedKVCache:
+            if isinstance(layer, RaggedKVCache):
                 layer.add_rows(members)
             else:
                 joined = [arrays_slots(m) for m in members]
@@ -304,7 +398,7 @@ class BatchCache:
     def remove_rows(self, keep: Sequence[int]) -> None:
         index = mx.array(list(keep), dtype=mx.int32)
         for layer in self.layers:
-            if type(layer) is RaggedKVCache:
+            if isinstance(layer, RaggedKVCache):
                 layer.remove_rows(keep)
             else:
                 layer.cache = [
@@ -316,7 +410,7 @@ class BatchCache:
         """Row ``row`` as a single-row mlx-lm cache list (for the prompt cache)."""
         out: list = []
         for layer in self.layers:
-            if type(layer) is RaggedKVCache:
+            if isinstance(layer, RaggedKVCache):
                 out.append(layer.extract(row))
             else:
                 single = ArraysCache(len(layer.cache))
@@ -327,7 +421,7 @@ class BatchCache:
     def set_lengths(self, lengths: Sequence[int]) -> None:
         """Attention-only: move every row to its length (a head's catch-up keeps only true pairs)."""
         for layer in self.layers:
-            if type(layer) is not RaggedKVCache:
+            if not isinstance(layer, RaggedKVCache):
                 raise ValueError("set_lengths: a recurrent cache cannot be moved back")
             layer.set_lengths(lengths)
 
@@ -365,7 +459,7 @@ class BatchCache:
             raise
         lengths = [before + n for before, n in zip(block.lengths_before, num_keep)]
         for layer in self.layers:
-            if type(layer) is RaggedKVCache:
+            if isinstance(layer, RaggedKVCache):
                 layer.set_lengths(lengths)
 
     def abort_block(self, block: BatchBlock) -> None:
@@ -378,8 +472,17 @@ class BatchCache:
         for record in block.recurrent:
             record.abort()
         for layer in self.layers:
-            if type(layer) is RaggedKVCache:
+            if isinstance(layer, RaggedKVCache):
                 layer.set_lengths(block.lengths_before)
+
+
+def _batch_layer(template: Any) -> Any:
+    """The batch's cache for a layer whose single-row cache is ``template``."""
+    if type(template) is KVCache:
+        return RaggedKVCache()
+    if type(template) is QuantizedKVCache:
+        return RaggedQuantizedKVCache(template.group_size, template.bits)
+    return ArraysCache(len(arrays_slots(template)))
 
 
 def _kernel_rows(record: _RecurrentBlock) -> int:

@@ -6,13 +6,17 @@ than re-implementing every model's forward, the trunk's final norm is tapped
 (`mtplx.trunk.compat.tap_final_norm`: the norm's class becomes a recording subclass
 of itself; the parameter tree, and so loading, quantization and fingerprints,
 is unchanged).
+
+With a KV quantization plan (`kv_quant.KVQuantization`, ``Trunk.kv_quantization``) the trunk's
+fresh caches follow it, and a forward that crosses the plan's start runs as two forwards split
+there, the caches converted between them (`kv_quant`'s module docstring: why, and the invariant).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mtplx.trunk import compat
+from mtplx.trunk import compat, kv_quant
 from mtplx.trunk.compat_nemotron import embedding_of, final_norm_of
 
 import mlx.core as mx
@@ -35,6 +39,7 @@ class Trunk:
         self.inner = compat.find_inner_model(model)
         self._tap = compat.tap_final_norm(final_norm_of(self.inner))
         self._lm_head = compat.find_lm_head(model)
+        self.kv_quantization: kv_quant.KVQuantization | None = None  # None: float KV (`Engine.load`)
 
     @property
     def layers(self) -> list:
@@ -45,9 +50,26 @@ class Trunk:
         return embedding_of(self.inner).weight.shape[0]
 
     def make_cache(self) -> list:
-        return compat.make_prompt_cache(self.model)
+        return kv_quant.make_cache(compat.make_prompt_cache(self.model), self.kv_quantization)
 
     def __call__(self, tokens: mx.array, cache: list | None = None) -> TrunkOutput:
+        split = None if cache is None else kv_quant.conversion_split(cache, tokens.shape[1])
+        if split is None:
+            return self._forward(tokens, cache)
+        # The caches convert right before position `start` is written: the positions before it first.
+        if split == 0:
+            kv_quant.convert(cache)
+            return self._forward(tokens, cache)
+        before = self._forward(tokens[:, :split], cache)
+        kv_quant.convert(cache)
+        after = self._forward(tokens[:, split:], cache)
+        return TrunkOutput(
+            mx.concatenate([before.logits, after.logits], axis=1),
+            mx.concatenate([before.hidden_pre_norm, after.hidden_pre_norm], axis=1),
+            mx.concatenate([before.hidden_post_norm, after.hidden_post_norm], axis=1),
+        )
+
+    def _forward(self, tokens: mx.array, cache: list | None) -> TrunkOutput:
         logits = self.model(tokens, cache=cache)
         out = TrunkOutput(logits, self._tap.pre, self._tap.post)
         self._tap.pre = self._tap.post = None

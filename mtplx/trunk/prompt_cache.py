@@ -22,6 +22,10 @@ token i+1, so a prompt must agree with the entry on ``size + 1`` tokens when the
 head cache is reused, and at least one prompt token is always forwarded (its
 logits start the generation).
 
+Quantized KV (`kv_quant`) is stored as it is (a ``QuantizedKVCache`` is trimmable); an entry
+whose caches converted at ``quantized_kv_start`` is never trimmed below that start, where the
+same sequence's caches are float.
+
 Reusing never changes outputs: a cache prefilled in two parts holds the same
 positions as one prefilled at once (see tests/trunk/test_prompt_cache.py). mlx-lm's
 ``LRUPromptCache`` (mlx_lm/server.py) was read for the idea of trimming the
@@ -35,6 +39,7 @@ from dataclasses import dataclass
 
 from mtplx.errors import MtplxError
 from mtplx.trunk.compat import KVCache, QuantizedKVCache, cache_leaves, copy_cache
+from mtplx.trunk.kv_quant import reusable_from
 
 __all__ = [
     "DEFAULT_PROMPT_CACHE_BYTES",
@@ -127,6 +132,8 @@ class PromptCache:
         match = _common_prefix(entry.tokens, prompt)
         usable = min(entry.size, match - 1 if with_head else match, len(prompt) - 1)
         if not entry.trimmable and usable < entry.size:
+            return 0
+        if usable < reusable_from(entry.trunk_cache):  # quantized KV: float below its start
             return 0
         return max(usable, 0)
 

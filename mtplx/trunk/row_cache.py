@@ -9,14 +9,17 @@ requests run through the one cycle, one at a time. The row's caches are the call
 (never copied): what the cycle commits is what the caller's prompt-cache session holds.
 
 Invariant: between cycles ``layers`` holds exactly the row's committed positions; a block is
-rolled back with `rollback.begin_block` / `commit_block` / `abort_block` (one capture per cycle).
+rolled back with `rollback.begin_block` / `commit_block` / `abort_block` (one capture per cycle),
+or, for a block during which the caches convert to quantized KV (`kv_quant`: a plan whose start
+the block reaches), with `kv_quant.ConversionBlock` (back to the float caches when the row keeps
+fewer positions than the start).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mtplx.trunk import rollback
+from mtplx.trunk import kv_quant, rollback
 
 __all__ = ["SingleRowCache"]
 
@@ -69,19 +72,26 @@ class SingleRowCache:
         if drop:
             rollback.trim_kv(self.layers, drop)
 
-    def begin_block(self, block_len: int) -> rollback.BlockCapture | None:
+    def begin_block(self, block_len: int) -> rollback.BlockCapture | kv_quant.ConversionBlock | None:
         """A capture of the caches before a block of ``block_len`` positions; None for a one-position
-        block (a plain AR step is always kept whole, so caches rollback refuses still decode AR)."""
+        block (a plain AR step is always kept whole, so caches rollback refuses still decode AR)
+        unless the caches convert to quantized KV during it (undone with the block)."""
+        if kv_quant.conversion_split(self.layers, block_len) is not None:
+            return kv_quant.ConversionBlock(self.layers, block_len)
         return rollback.begin_block(self.layers, block_len) if block_len > 1 else None
 
-    def commit_block(self, capture: rollback.BlockCapture | None, num_keep: Sequence[int]) -> None:
+    def commit_block(self, capture, num_keep: Sequence[int]) -> None:
         (keep,) = num_keep
-        if capture is not None:
+        if isinstance(capture, kv_quant.ConversionBlock):
+            capture.commit(self.layers, keep)
+        elif capture is not None:
             rollback.commit_block(self.layers, capture, keep)
 
     def abort_block(self, capture: rollback.BlockCapture | None) -> None:
         """Back to the state before the block. A one-position block has no capture (as a plain AR
         loop keeps none): an interrupted AR step leaves the caches as the forward left them, and
         the row's request ends there (its caches are not stored)."""
-        if capture is not None:
+        if isinstance(capture, kv_quant.ConversionBlock):
+            capture.abort(self.layers)
+        elif capture is not None:
             rollback.abort_block(self.layers, capture)

@@ -30,7 +30,6 @@ from mtplx.heads import load_head
 from mtplx.heads.nemotron_h import NemotronHMTPHead, mtp_pattern
 from mtplx.sample import rejection
 from mtplx.sampling import SamplerConfig
-from mtplx.spec_decode import loop as decode
 from mtplx.trunk import batch_cache, compat, rollback
 from mtplx.trunk.model import Trunk
 
@@ -38,6 +37,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models import nemotron_h
+from support import decoding as decode
 from support.decoding import mtp_decode, take_steps, take_tokens
 from support.exactness import FALSE_FAILURE_RATE, exact_ar_joint, loop_p_value, sample_counts
 from support.models import randomize, scale_outputs

@@ -415,13 +415,14 @@ def mimo(
     quantize: dict | None = None,
     head_override_bits: int | None = None,
     mtp_layers: int = 1,
+    num_heads: int = 4,
 ) -> Tiny:
     """``quantize={"group_size": 32, "bits": 4}`` writes an mlx-format quantized checkpoint
     (``.scales``/``.biases``, a ``quantization`` block); ``head_override_bits`` adds a per-layer
-    override for the head's ``input_proj``."""
+    override for the head's ``input_proj``; ``num_heads`` as `mimo_config`."""
     from mlx_lm.models import mimo as m
 
-    config = mimo_config(vocab_size, mtp_layers)
+    config = mimo_config(vocab_size, mtp_layers, num_heads)
     args = m.ModelArgs.from_dict(config)
     model = m.Model(args)
     randomize(model, seed)

@@ -429,17 +429,18 @@ def glm4_moe_config(mtp_layers: int = 1, trunk_layers: int = 2, qk_norm: bool = 
     }
 
 
-def mimo_config(vocab_size: int = VOCAB, mtp_layers: int = 1) -> dict:
+def mimo_config(vocab_size: int = VOCAB, mtp_layers: int = 1, num_heads: int = 4) -> dict:
     """The Hugging Face config of a 2-layer MiMo (Qwen2-style attention with biases) declaring
-    ``mtp_layers`` MTP layers, context 256."""
+    ``mtp_layers`` MTP layers, context 256; ``num_heads`` attention heads (KV heads half as many,
+    one when one: ``num_heads=1`` gives head dimension 32, which quantized KV's groups need)."""
     return {
         "model_type": "mimo",
         "architectures": ["MiMoForCausalLM"],
         "hidden_size": HIDDEN,
         "num_hidden_layers": 2,
         "intermediate_size": 64,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": max(1, num_heads // 2),
         "rms_norm_eps": 1e-6,
         "vocab_size": vocab_size,
         "max_position_embeddings": 256,
@@ -608,6 +609,7 @@ def make_loop_pair(
     head_noise: float = 1.0,
     logit_scale: float = 0.5,
     family: str = "llama",
+    num_heads: int = 4,
 ) -> tuple[Trunk, Qwen3NextMTPHead]:
     """A tied-embedding trunk (``tiny_llama`` or ``tiny_qwen3_5``) and a Qwen3-Next-style MTP head
     whose agreement with it is controllable.
@@ -616,9 +618,11 @@ def make_loop_pair(
     ``context_strength``: the trunk is a bigram model plus a context-dependent part (so cache
     bugs change its distribution). The head's ``fc`` starts as [I, 0], reading mostly the next
     token's embedding, so it predicts the trunk's bigram part; ``head_noise`` makes it disagree.
+    ``num_heads`` (llama): attention heads, KV heads half as many (one when one: head dimension
+    32, which quantized KV's groups of 32 need).
     """
     if family == "llama":
-        model = tiny_llama(vocab_size, seed=seed)
+        model = tiny_llama(vocab_size, seed=seed, num_heads=num_heads, num_kv_heads=max(1, num_heads // 2))
         make_head_layer, eps = (lambda: llama.TransformerBlock(model.args)), model.args.rms_norm_eps
     elif family == "qwen3_5":
         model = tiny_qwen3_5(vocab_size, seed=seed, tie_word_embeddings=True)
