@@ -38,11 +38,9 @@ from mtplx.errors import MtplxError
 
 import mlx.core as mx
 
-Dtype = Literal["float32", "float16", "bfloat16", "q2", "q3", "q4", "q5", "q6", "q8"]
+Dtype = Literal["float32", "float16", "bfloat16", "q4"]
 FLOAT_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 DTYPES: tuple[str, ...] = (*FLOAT_DTYPES, "q4")
-# Qwen3.5 GGUFs requantize through mlx-lm's quantizer (``convert_hf``): any width it offers.
-QWEN35_DTYPES: tuple[str, ...] = (*FLOAT_DTYPES, "q2", "q3", "q4", "q5", "q6", "q8")
 # Bumped whenever the output of the converter changes, so cached conversions are redone.
 CONVERTER_VERSION = 2
 GROUP_SIZE = 32  # GGUF's Q4_0/Q4_1/Q8_0 block size, kept as the MLX group size
@@ -388,30 +386,18 @@ def write_tokenizer(gguf: GGUFFile, tokenizer: Any, out: Path, config: dict) -> 
     _write_json(out / "generation_config.json", gen)
 
 
-def write_qwen35_dir(
-    gguf: GGUFFile, out: Path, dtype: str, q_group_size: int = 64, head_bits: Any = None
-) -> None:
-    """A Qwen3.5 GGUF's model directory in ``out``: float (``gguf_qwen35.write_float_dir``), or
-    for ``q<bits>`` that float directory (bfloat16, as ``mlx_lm.convert`` casts a bf16
-    checkpoint) quantized by ``convert_hf``, the nextn head at its precision default."""
+def write_qwen35_dir(gguf: GGUFFile, out: Path, dtype: str) -> None:
+    """A Qwen3.5 GGUF's float model directory in ``out`` (``gguf_qwen35.write_float_dir``), with
+    the tokenizer from its metadata and the conversion mark."""
     tokenizer = build_tokenizer(gguf)  # before the weights: fail fast on an unsupported vocab
-    mark = {"converted_from": gguf.path.name, "converter_version": CONVERTER_VERSION, "dtype": dtype}
-
-    def write_float(target: Path, float_dtype: str) -> None:
-        config = gguf_qwen35.write_float_dir(gguf, target, float_dtype)
-        config["mtplx"] = dict(mark)
-        _write_json(target / "config.json", config)
-        write_tokenizer(gguf, tokenizer, target, config)
-
-    if dtype in FLOAT_DTYPES:
-        write_float(out, dtype)
-        return
-    gguf_qwen35.float_then_quantize(
-        lambda tmp: write_float(tmp, "bfloat16"), out, int(dtype[1:]), q_group_size, head_bits
-    )
-    config = json.loads((out / "config.json").read_text())
-    config["mtplx"].update(mark)  # convert_hf named the temporary float directory
+    config = gguf_qwen35.write_float_dir(gguf, out, dtype)
+    config["mtplx"] = {
+        "converted_from": gguf.path.name,
+        "converter_version": CONVERTER_VERSION,
+        "dtype": dtype,
+    }
     _write_json(out / "config.json", config)
+    write_tokenizer(gguf, tokenizer, out, config)
 
 
 def convert_gguf(
@@ -421,8 +407,6 @@ def convert_gguf(
     dtype: Dtype = "float32",
     overwrite: bool = False,
     on_tensor: Callable[[int, int], None] | None = None,
-    q_group_size: int = 64,
-    head_bits: Any = None,
 ) -> Path:
     """Convert a GGUF into an mlx-lm model directory; returns it.
 
@@ -430,25 +414,20 @@ def convert_gguf(
     keeps Q4_0/Q4_1 blocks packed as MLX 4-bit (and Q8_0 as 8-bit, both lossless) and quantizes
     float matrices to 4-bit. ``on_tensor(done, total)`` reports progress (see `convert_weights`).
     qwen35 / qwen35moe (``gguf_qwen35``; every type of ``gguf_quants``): every tensor dequantized
-    exactly; ``q<bits>`` requantizes with mlx-lm's quantizer at ``q_group_size``, the nextn head
-    at ``head_bits`` (None: ``mtplx.heads.precision``'s default, as ``convert_hf``).
+    exactly, in a float ``dtype`` (``gguf_requantize`` quantizes that directory).
     The output appears atomically (temp dir + rename); an existing ``out_dir`` is refused
     unless ``overwrite``.
     """
-    if dtype not in QWEN35_DTYPES:
-        raise MtplxError(f"unsupported dtype {dtype!r} (choose from {', '.join(QWEN35_DTYPES)})")
+    if dtype not in DTYPES:
+        raise MtplxError(f"unsupported dtype {dtype!r} (choose from {', '.join(DTYPES)})")
     out_dir = Path(out_dir)
     refuse_existing(out_dir, overwrite)
     gguf = read_gguf(gguf_path)
     check_architecture(gguf)
     if gguf.architecture in gguf_qwen35.ARCHITECTURES:
-        return write_dir_atomically(
-            out_dir, lambda tmp: write_qwen35_dir(gguf, tmp, dtype, q_group_size, head_bits)
-        )
-    if dtype not in DTYPES:
-        raise MtplxError(
-            f"{gguf.path}: dtype {dtype!r} is not offered for a {gguf.architecture} GGUF (choose from {', '.join(DTYPES)})"
-        )
+        if dtype not in FLOAT_DTYPES:
+            raise MtplxError(f"{gguf.path}: a {gguf.architecture} GGUF converts to a float dtype here")
+        return write_dir_atomically(out_dir, lambda tmp: write_qwen35_dir(gguf, tmp, dtype))
     return write_dir_atomically(out_dir, lambda tmp: write_model_dir(gguf, tmp, dtype, on_tensor))
 
 

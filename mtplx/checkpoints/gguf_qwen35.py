@@ -23,8 +23,8 @@ The mapping is the inverse of llama.cpp's converter and loader, read for this mo
   ``nextn.shared_head_norm`` falls back to ``output_norm``, ``nextn.embed_tokens`` /
   ``shared_head_head`` (optional) fall back to the trunk's (mtplx's head always shares them).
 
-Every tensor is dequantized exactly (``gguf_quants``) and written float; ``convert`` then
-quantizes through ``convert_hf`` (mlx-lm's quantizer, the head at ``mtplx.heads.precision``'s
+Every tensor is dequantized exactly (``gguf_quants``) and written float; ``gguf_requantize``
+then quantizes through ``convert_hf`` (mlx-lm's quantizer, the head at ``mtplx.heads.precision``'s
 default) when the user asks for bits. The one inexact step is ``A_log = log(-ssm_a)``: mlx-lm's
 layer computes ``-exp(A_log)`` itself, so the round trip can move ``A`` by an ulp.
 """
@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -337,23 +335,3 @@ def write_float_dir(gguf: GGUFFile, out: Path, dtype: str) -> dict[str, Any]:
     config["torch_dtype"] = dtype
     config["text_config"]["dtype"] = dtype
     return config
-
-
-def quantize_dir(float_dir: Path, out: Path, q_bits: int, q_group_size: int, head_bits: Any) -> Path:
-    """``convert_hf`` on the float directory: mlx-lm's quantizer, the head at its precision default."""
-    from mtplx.checkpoints.convert_hf import convert_hf
-
-    return convert_hf(
-        float_dir, out, q_bits=q_bits, q_group_size=q_group_size, head_bits=head_bits, overwrite=True
-    )
-
-
-def float_then_quantize(write_float: Any, out: Path, q_bits: int, q_group_size: int, head_bits: Any) -> None:
-    """Write the float directory beside ``out`` (``write_float(tmp)``), quantize it into ``out``
-    (which ``write_dir_atomically`` renames into place), then drop the float copy."""
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.float-", dir=out.parent))
-    try:
-        write_float(tmp)
-        quantize_dir(tmp, out, q_bits, q_group_size, head_bits)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)

@@ -37,9 +37,9 @@ def run(args: argparse.Namespace) -> int:
         else (args.head_bits if args.head_bits == "float" else int(args.head_bits))
     )
     if str(args.source).endswith(".gguf"):
-        from mtplx.checkpoints.convert_gguf import convert_gguf
+        from mtplx.checkpoints.gguf_requantize import convert_gguf_file
 
-        out = convert_gguf(
+        out = convert_gguf_file(
             args.source,
             args.out,
             dtype=args.dtype,

@@ -14,6 +14,7 @@ import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.checkpoints import gguf_quants, gguf_qwen35
 from mtplx.checkpoints.convert_gguf import build_tokenizer, convert_gguf
 from mtplx.checkpoints.gguf import read_gguf, read_tensor
+from mtplx.checkpoints.gguf_requantize import convert_gguf_file
 from mtplx.engine.engine import Engine
 from mtplx.errors import MtplxError
 from mtplx.sampling import SamplerConfig
@@ -138,7 +139,7 @@ def gguf_model(tmp_path_factory) -> dict:
         "written": written,
         "source": source,
         "float32": convert_gguf(gguf_path, root / "f32", dtype="float32"),
-        "q4": convert_gguf(gguf_path, root / "q4", dtype="q4", q_group_size=64),
+        "q4": convert_gguf_file(gguf_path, root / "q4", dtype="q4", q_group_size=64),
     }
 
 
