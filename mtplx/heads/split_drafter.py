@@ -52,6 +52,18 @@ def _qwen3_5_mtp(src: HeadSource, num_layers: int) -> MTPHead:
     return qwen3_next.build_split_head(src, num_layers)
 
 
+def _glm_moe_dsa_mtp(src: HeadSource, num_layers: int) -> MTPHead:
+    from mtplx.heads import deepseek
+
+    return deepseek.build_split_head(src, deepseek.GLM_MOE_DSA_SPLIT)
+
+
+def _glm4_moe_lite_mtp(src: HeadSource, num_layers: int) -> MTPHead:
+    from mtplx.heads import deepseek
+
+    return deepseek.build_split_head(src, deepseek.GLM4_MOE_LITE_SPLIT)
+
+
 SPLIT_FAMILIES: dict[str, SplitFamily] = {
     f.model_type: f
     for f in (
@@ -60,6 +72,19 @@ SPLIT_FAMILIES: dict[str, SplitFamily] = {
             target_types=("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"),
             layers_key="mtp_num_hidden_layers",
             build=_qwen3_5_mtp,
+        ),
+        # GLM-5 and GLM-4.7-Flash: one DeepSeek-layout module (mtplx.heads.deepseek.SplitNames).
+        SplitFamily(
+            model_type="glm_moe_dsa_mtp",
+            target_types=("glm_moe_dsa",),
+            layers_key="num_nextn_predict_layers",
+            build=_glm_moe_dsa_mtp,
+        ),
+        SplitFamily(
+            model_type="glm4_moe_lite_mtp",
+            target_types=("glm4_moe_lite",),
+            layers_key="num_nextn_predict_layers",
+            build=_glm4_moe_lite_mtp,
         ),
     )
 }
@@ -82,6 +107,13 @@ FIT_KEYS = (
     "layer_types",
     "full_attention_interval",
     "rms_norm_eps",
+    # MLA (the GLM drafters): latent ranks and head dimensions, routed experts
+    "kv_lora_rank",
+    "q_lora_rank",
+    "qk_rope_head_dim",
+    "qk_nope_head_dim",
+    "v_head_dim",
+    "n_routed_experts",
 )
 
 
