@@ -38,8 +38,12 @@ def convert_gguf_file(
     overwrite: bool = False,
     q_group_size: int = 64,
     head_bits: Any = None,
+    float_dtype: str = "bfloat16",
 ) -> Path:
-    """Convert any supported GGUF (see the module docstring); returns the output directory."""
+    """Convert any supported GGUF (see the module docstring); returns the output directory.
+    ``float_dtype``: the float directory a ``q<bits>`` conversion quantizes (and so the dtype of
+    the scales, biases and unquantized layers); bfloat16 as mlx-community's models, float32 where
+    bfloat16 arithmetic is slow (MLX on a CPU)."""
     offered = sorted(set(DTYPES) | set(QWEN35_DTYPES), key=lambda d: (d[0] == "q", d))
     if dtype not in offered:
         raise MtplxError(f"unsupported dtype {dtype!r} (choose from {', '.join(offered)})")
@@ -56,7 +60,7 @@ def convert_gguf_file(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.float-", dir=out_dir.parent))
     try:
-        float_dir = convert_gguf(gguf_path, tmp / "float", dtype="bfloat16")
+        float_dir = convert_gguf(gguf_path, tmp / "float", dtype=float_dtype)
         convert_hf(
             float_dir,
             out_dir,

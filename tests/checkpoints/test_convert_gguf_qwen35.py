@@ -139,7 +139,8 @@ def gguf_model(tmp_path_factory) -> dict:
         "written": written,
         "source": source,
         "float32": convert_gguf(gguf_path, root / "f32", dtype="float32"),
-        "q4": convert_gguf_file(gguf_path, root / "q4", dtype="q4", q_group_size=64),
+        # float32 scales: MLX's bfloat16 arithmetic on a CPU is ~100x slower (the CLI test: bf16)
+        "q4": convert_gguf_file(gguf_path, root / "q4", dtype="q4", q_group_size=64, float_dtype="float32"),
     }
 
 
@@ -230,6 +231,43 @@ def test_the_q4_config_records_the_gguf_and_the_head_precision(gguf_model):
     assert config["mtplx"]["converted_from"] == gguf_model["gguf"].name and config["mtplx"]["dtype"] == "q4"
     assert config["mtplx"]["head_precision"] == {"projection": 8, "attention": 8, "dense": 8}
     assert sorted(p.name for p in gguf_model["q4"].parent.iterdir() if p.name.startswith(".")) == []
+
+
+@pytest.fixture(scope="module")
+def moe_gguf_model(tmp_path_factory) -> dict:
+    """The Qwen3.5-MoE variant (``qwen35moe``: 4 routed experts + a shared expert per layer and in
+    the nextn block), converted float32."""
+    root = tmp_path_factory.mktemp("qwen35moe")
+    config, hf, written = tiny.qwen35_gguf(root / "moe.gguf", CONTEXT_STRENGTH, moe=True)
+    source = root / "source"
+    write_checkpoint(source, {k: mx.array(v) for k, v in hf.items()}, config)
+    word_level(source)
+    return {
+        "gguf": root / "moe.gguf",
+        "written": written,
+        "source": source,
+        "float32": convert_gguf(root / "moe.gguf", root / "f32", dtype="float32"),
+    }
+
+
+def test_a_moe_gguf_converts_its_experts_and_drafts_exactly(moe_gguf_model):
+    assert read_gguf(moe_gguf_model["gguf"]).architecture == "qwen35moe"
+    assert_trunk_matches_source(moe_gguf_model)
+    engine = Engine.load(str(moe_gguf_model["float32"]))
+    assert "switch_mlp" in dict(engine.head.layers[0].mlp.named_modules())
+    kept = 0
+    for prompt in PROMPTS[:2]:
+        ar = take_tokens(
+            decode.ar_decode(engine.trunk, prompt, decode.DecodeSettings(sampler=GREEDY), mx.random.key(0)),
+            14,
+        )
+        settings = decode.DecodeSettings(sampler=GREEDY, depth=2)
+        tokens, steps = take_steps(
+            mtp_decode(engine.trunk, engine.head, prompt, settings, mx.random.key(0)), 14
+        )
+        assert tokens == ar, prompt
+        kept += sum(s.num_accepted for s in steps if s.num_drafted)
+    assert kept > 0
 
 
 # ------------------------------------------------------------------ tokenizer and bad input

@@ -45,16 +45,36 @@ TYPES = {
     "ffn_up.weight": "Q4_K",
     "ffn_down.weight": "Q6_K",
     "nextn.eh_proj.weight": "BF16",
+    # qwen35moe: routed experts as a Q4_K_M file keeps them, router and shared-expert gate F32
+    "ffn_gate_exps.weight": "Q4_K",
+    "ffn_up_exps.weight": "Q4_K",
+    "ffn_down_exps.weight": "Q6_K",
+    "ffn_gate_shexp.weight": "Q8_0",
+    "ffn_up_shexp.weight": "Q8_0",
+    "ffn_down_shexp.weight": "Q8_0",
+}
+MOE = {
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 256,
+    "shared_expert_intermediate_size": 256,
 }
 # The nextn block: its decoder layer Q8_0 (as llama.cpp's quantizer keeps it) but its norms.
 NEXTN_LAYER_TYPE = "Q8_0"
 
 
-def replica(context_strength: float = 0.4, seed: int = 0) -> tuple[dict, dict[str, np.ndarray]]:
-    """(HF config, HF tensors as float32 numpy): a 4-layer Qwen3.5 at hidden 256 with one MTP layer."""
+def replica(
+    context_strength: float = 0.4, seed: int = 0, moe: bool = False
+) -> tuple[dict, dict[str, np.ndarray]]:
+    """(HF config, HF tensors as float32 numpy): a 4-layer Qwen3.5 at hidden 256 with one MTP
+    layer; ``moe``: Qwen3.5-MoE (every MLP 4 routed experts + a shared expert, stacked as
+    mlx-lm's ``switch_mlp``, which its loader reads as they are)."""
     from mlx_lm.models import qwen3_5 as q
 
     config = qwen3_5_config(VOCAB, hidden_size=HIDDEN, mtp_layers=1)
+    if moe:
+        config["model_type"], config["architectures"] = "qwen3_5_moe", ["Qwen3_5MoeForConditionalGeneration"]
+        config["text_config"].update(MOE, model_type="qwen3_5_moe_text")
     _, model = _random_replica(q, config, seed, context_strength)
     tensors: dict[str, mx.array] = {}
     for name, v in tree_flatten(model.parameters()):
@@ -132,7 +152,8 @@ def gguf_tensors(config: dict, hf: dict[str, np.ndarray]) -> dict[str, np.ndarra
 
     text = config["text_config"]
     n, nextn = text["num_hidden_layers"], text["mtp_num_hidden_layers"]
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35, n + nextn)
+    arch = gguf.MODEL_ARCH.QWEN35MOE if text.get("num_experts") else gguf.MODEL_ARCH.QWEN35
+    names = gguf.get_tensor_name_map(arch, n + nextn)
     # _Qwen35MtpMixin's remap (the HF-side name its modify_tensors passes on) and the tensor it becomes
     nextn_names = {
         "mtp.fc": ("eh_proj", gguf.MODEL_TENSOR.NEXTN_EH_PROJ),
@@ -142,7 +163,8 @@ def gguf_tensors(config: dict, hf: dict[str, np.ndarray]) -> dict[str, np.ndarra
     }
     out: dict[str, np.ndarray] = {}
     for hf_name, w in hf.items():
-        name = hf_name.replace("language_model.", "")
+        # Qwen2MoeModel merges the experts into model.layers.{bid}.mlp.experts.{proj} (stacked)
+        name = hf_name.replace("language_model.", "").replace(".mlp.switch_mlp.", ".mlp.experts.")
         stem = name[: -len(".weight")]
         if stem in nextn_names:
             remapped, tensor = nextn_names[stem]
@@ -182,6 +204,11 @@ SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 def _metadata(writer, text: dict) -> None:
     n, nextn, head_dim = text["num_hidden_layers"], text["mtp_num_hidden_layers"], text["head_dim"]
     writer.add_block_count(n + nextn)
+    if text.get("num_experts"):
+        writer.add_expert_count(text["num_experts"])
+        writer.add_expert_used_count(text["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(text["moe_intermediate_size"])
+        writer.add_expert_shared_feed_forward_length(text["shared_expert_intermediate_size"])
     writer.add_nextn_predict_layers(nextn)
     writer.add_context_length(text["max_position_embeddings"])
     writer.add_embedding_length(text["hidden_size"])
@@ -216,7 +243,7 @@ def write_gguf(path: Path, config: dict, tensors: dict[str, np.ndarray], types: 
     import gguf
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    writer = gguf.GGUFWriter(str(path), "qwen35")
+    writer = gguf.GGUFWriter(str(path), "qwen35moe" if config["text_config"].get("num_experts") else "qwen35")
     _metadata(writer, config["text_config"])
     for name, w in tensors.items():
         t = types[name]
@@ -231,9 +258,11 @@ def write_gguf(path: Path, config: dict, tensors: dict[str, np.ndarray], types: 
     return path
 
 
-def qwen35_gguf(path: Path, context_strength: float = 0.4, seed: int = 0) -> tuple[dict, dict, dict]:
+def qwen35_gguf(
+    path: Path, context_strength: float = 0.4, seed: int = 0, moe: bool = False
+) -> tuple[dict, dict, dict]:
     """Write the tiny GGUF; returns (HF config, HF tensors, {GGUF name: (type, float32 value written)})."""
-    config, hf = replica(context_strength, seed)
+    config, hf = replica(context_strength, seed, moe)
     tensors = gguf_tensors(config, hf)
     n = config["text_config"]["num_hidden_layers"]
     types = {name: ggml_type(name, n) for name in tensors}
