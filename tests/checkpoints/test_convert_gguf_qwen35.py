@@ -15,6 +15,7 @@ from mtplx.checkpoints import gguf_quants, gguf_qwen35
 from mtplx.checkpoints.convert_gguf import build_tokenizer, convert_gguf
 from mtplx.checkpoints.gguf import read_gguf, read_tensor
 from mtplx.checkpoints.gguf_requantize import convert_gguf_file
+from mtplx.checkpoints.inspect import inspect_model
 from mtplx.engine.engine import Engine
 from mtplx.errors import MtplxError
 from mtplx.sampling import SamplerConfig
@@ -195,6 +196,7 @@ def test_the_head_is_the_nextn_block(gguf_model):
     np.testing.assert_array_equal(head["mtp.fc.weight"], hf["mtp.fc.weight"])  # BF16 holds [I, 0]
     assert read_safetensors_metadata(out / "mtp.safetensors")["mtplx_head_norms"] == "plain"
     config = json.loads((out / "config.json").read_text())
+    assert inspect_model(str(out))["verdict"] == "MTP-ready"
     assert config["text_config"]["mtp_num_hidden_layers"] == 1
     assert config["text_config"]["num_hidden_layers"] == 4 and config["model_type"] == "qwen3_5"
 
