@@ -173,17 +173,17 @@ def test_greedy_mtp_equals_ar_with_drafts_kept(replica, kind):
 # The replica's distributions are nearly flat over 64 tokens; top-k 2 leaves each position two
 # cells that carry the mass (joint: 8 cells), so the per-position marginals have power
 # (support.exactness). Measured at 300 samples: the honest loop p = 0.32 to 1.0 over 5 seeds; the
-# control below makes 267-275 of 300 sequences AR gives probability 0 (refused outright), and on
-# the remaining ones alone p = 1e-22 for one of two seeds.
+# control below makes 267-275 of 300 sequences AR gives probability 0 (refused outright; it runs
+# 100 samples), and on the remaining ones alone p = 1e-22 for one of two seeds.
 CHI_SAMPLER = SamplerConfig(temperature=1.0, top_k=2)
 CHI_SAMPLES = 300
 
 
-def assert_sampled_matches_ar(engine: Engine, seed0: int) -> None:
+def assert_sampled_matches_ar(engine: Engine, seed0: int, samples: int = CHI_SAMPLES) -> None:
     """Sampled MTP with the split drafter (its default depth, 2) against the exact AR joint of
     the first three tokens (float64 enumeration): chi-square, Bonferroni over joint and positions."""
     expected = exact_ar_joint(engine.trunk, CHI_SAMPLER, VOCAB)
-    counts = sample_counts(engine.trunk, engine.head, CHI_SAMPLER, engine.depth, CHI_SAMPLES, VOCAB, seed0)
+    counts = sample_counts(engine.trunk, engine.head, CHI_SAMPLER, engine.depth, samples, VOCAB, seed0)
     p = loop_p_value(counts, expected)
     assert p > FALSE_FAILURE_RATE, f"p={p:.3g} (seed0={seed0})"
 
@@ -206,7 +206,7 @@ def test_the_chi_square_catches_a_loop_that_commits_the_rejected_draft(replica, 
 
     monkeypatch.setattr(rejection, "verify", commit_rejected_draft)
     with pytest.raises(AssertionError):
-        assert_sampled_matches_ar(Engine.load(str(replica["trunk"])), 1234)
+        assert_sampled_matches_ar(Engine.load(str(replica["trunk"])), 1234, samples=100)
 
 
 def test_a_wrong_norm_offset_lowers_acceptance(replica):
