@@ -36,8 +36,6 @@ TENSOR_TYPES: dict[int, tuple[str, int, int]] = dict(BLOCKS)
 # Names for a clear "unsupported type" message; not otherwise handled.
 _OTHER_TYPE_NAMES = {
     9: "Q8_1",
-    10: "Q2_K",
-    11: "Q3_K",
     15: "Q8_K",
     16: "IQ2_XXS",
     17: "IQ2_XS",

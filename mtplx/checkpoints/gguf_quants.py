@@ -26,6 +26,12 @@ BLOCKS: dict[int, tuple[str, int, int]] = {
     6: ("Q5_0", 32, 22),  # f16 d, 4 bytes of high bits, 16 bytes of nibbles
     7: ("Q5_1", 32, 24),  # f16 d, f16 m, 4 bytes of high bits, 16 bytes of nibbles
     8: ("Q8_0", 32, 34),  # f16 d, 32 int8
+    10: ("Q2_K", QK_K, 84),  # 16 bytes of 4-bit scale|min, 64 bytes of 2-bit quants, f16 d, f16 dmin
+    11: (
+        "Q3_K",
+        QK_K,
+        110,
+    ),  # 32 bytes of high bits, 64 bytes of 2-bit quants, 12 bytes of 6-bit scales, f16 d
     12: ("Q4_K", QK_K, 144),  # f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles
     13: ("Q5_K", QK_K, 176),  # as Q4_K + 32 bytes of high bits before the nibbles
     14: ("Q6_K", QK_K, 210),  # 128 bytes low nibbles, 64 bytes high 2-bits, 16 int8 scales, f16 d
@@ -128,6 +134,43 @@ def _q5_k(b: np.ndarray) -> np.ndarray:
     return _k_apply(_nibble_pairs(b[:, 48:176]) | high, b)
 
 
+def _two_bit_runs(qs: np.ndarray) -> np.ndarray:
+    """64 bytes -> [n, 2, 4, 2, 16] 2-bit quants in output order (half, shift pair j, run h, element):
+    each half's 32 bytes are two runs of 16, read at shifts 0, 2, 4, 6 in turn."""
+    runs = qs.reshape(-1, 2, 1, 2, 16)
+    return (runs >> (2 * np.arange(4, dtype=np.uint8))[None, None, :, None, None]) & 3
+
+
+def _q2_k(b: np.ndarray) -> np.ndarray:
+    """``d * (scale & 15) * q - dmin * (scale >> 4)`` per 16-element group (16 groups)."""
+    scales = b[:, 0:16].reshape(-1, 2, 4, 2, 1)  # group 8*half + 2*j + h
+    d, dmin = _f16(b[:, 80:82]), _f16(b[:, 82:84])
+    dl = d[:, None, None, None, None] * (scales & 0x0F).astype(np.float32)  # exact
+    ml = dmin[:, None, None, None, None] * (scales >> 4).astype(np.float32)
+    return (dl * _two_bit_runs(b[:, 16:80]).astype(np.float32) - ml).reshape(-1, QK_K)
+
+
+def _q3_k_scales(s: np.ndarray) -> np.ndarray:
+    """The 16 six-bit scales of a Q3_K block (12 bytes), minus 32: scale k's low nibble is byte
+    k % 8's low (k < 8) or high (k >= 8) nibble, its top two bits bits 2*(k // 4) of byte 8 + k % 4."""
+    k = np.arange(16)
+    low = (s[:, k % 8] >> (4 * (k // 8)).astype(np.uint8)) & 0x0F
+    high = (s[:, 8 + k % 4] >> (2 * (k // 4)).astype(np.uint8)) & 3
+    return (low | (high << 4)).astype(np.int16) - 32
+
+
+def _q3_k(b: np.ndarray) -> np.ndarray:
+    """``d * scale * (q - 4 * (high bit clear))`` per 16-element group; the high bits of element
+    (h, l) of shift pair j in half n are bit 4*n + j of hmask byte 16*h + l."""
+    hmask = b[:, 0:32].reshape(-1, 1, 1, 2, 16)
+    bit = (4 * np.arange(2)[:, None] + np.arange(4)[None, :]).astype(np.uint8)  # [half, j]
+    high = (hmask >> bit[None, :, :, None, None]) & 1
+    q = _two_bit_runs(b[:, 32:96]).astype(np.int16) - 4 * (1 - high.astype(np.int16))
+    d = _f16(b[:, 108:110])
+    dl = d[:, None, None, None, None] * _q3_k_scales(b[:, 96:108]).reshape(-1, 2, 4, 2, 1).astype(np.float32)
+    return (dl * q.astype(np.float32)).reshape(-1, QK_K)
+
+
 def _q6_k(b: np.ndarray) -> np.ndarray:
     ql = b[:, 0:128].reshape(-1, 2, 64)  # per 128-element half
     qh = b[:, 128:192].reshape(-1, 2, 32)
@@ -152,6 +195,8 @@ _DEQUANT = {
     6: _q5_0,
     7: _q5_1,
     8: _q8_0,
+    10: _q2_k,
+    11: _q3_k,
     12: _q4_k,
     13: _q5_k,
     14: _q6_k,

@@ -36,9 +36,34 @@ PROMPTS = ([3, 17, 42, 5, 60, 9, 11, 2, 33, 8], [1, 2, 3, 4, 5], [50, 40, 30, 20
 # Measured on this replica: 19/27 depth-1 drafts kept (q4), 29/40 at depth 2 (float32): drafts
 # are kept and rejected both; at 0.4 the hidden-256 head keeps almost none.
 CONTEXT_STRENGTH = 0.1
-TYPE_NAMES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+TYPE_NAMES = (
+    "F32",
+    "F16",
+    "BF16",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q8_0",
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+)
 # Where each type keeps its f16 scale fields (sane random values there; every other byte random).
-F16_FIELDS = {2: (0,), 3: (0, 2), 6: (0,), 7: (0, 2), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}
+F16_FIELDS = {
+    2: (0,),
+    3: (0, 2),
+    6: (0,),
+    7: (0, 2),
+    8: (0,),
+    10: (80, 82),
+    11: (108,),
+    12: (0, 2),
+    13: (0, 2),
+    14: (208,),
+}
 
 
 def random_blocks(t: int, n_blocks: int, seed: int) -> bytes:
@@ -68,7 +93,8 @@ def shape_of(t: int, rows: int = 3) -> tuple[int, int]:
 @pytest.mark.parametrize("name", TYPE_NAMES)
 def test_each_type_dequantizes_exactly_as_the_float64_reference(name, tmp_path):
     """Through a real file: one tensor of the type written by the gguf package, read back by
-    mtplx's reader; the float32 values equal the reference's float64 values rounded once."""
+    mtplx's reader; the float32 values equal the reference's float64 values rounded once, and
+    gguf-py's own dequantizer's."""
     import gguf
 
     t = ggml_blocks.TYPES[name]
@@ -88,6 +114,9 @@ def test_each_type_dequantizes_exactly_as_the_float64_reference(name, tmp_path):
     expected = ggml_blocks.reference_dequantize(raw, t, (rows, cols))
     assert got.dtype == np.float32
     np.testing.assert_array_equal(got, expected.astype(np.float32))
+    # and llama.cpp's own Python dequantizer (gguf-py) agrees
+    theirs = gguf.quants.dequantize(data, gguf.GGMLQuantizationType(t)).reshape(rows, cols)
+    np.testing.assert_array_equal(got, theirs.astype(np.float32))
 
 
 def test_the_reference_catches_a_wrong_k_scale_unpacking(monkeypatch):

@@ -10,9 +10,9 @@ import numpy as np
 
 QK_K = 256
 TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8}
-TYPES |= {"Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "BF16": 30}
+TYPES |= {"Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "BF16": 30}
 BLOCK = {0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34)}
-BLOCK |= {12: (QK_K, 144), 13: (QK_K, 176), 14: (QK_K, 210), 30: (1, 2)}
+BLOCK |= {10: (QK_K, 84), 11: (QK_K, 110), 12: (QK_K, 144), 13: (QK_K, 176), 14: (QK_K, 210), 30: (1, 2)}
 
 
 def _f16(b: bytes) -> float:
@@ -50,6 +50,10 @@ def _block_ref(t: int, b: bytes) -> list[float]:
     if t == 8:
         d = _f16(b[0:2])
         return [int(v) * d for v in np.frombuffer(b[2:34], dtype=np.int8)]
+    if t == 10:
+        return _q2_k_ref(b)
+    if t == 11:
+        return _q3_k_ref(b)
     if t in (12, 13):
         d, dmin, scales = _f16(b[0:2]), _f16(b[2:4]), b[4:16]
         qh = b[16:48] if t == 13 else None
@@ -83,6 +87,42 @@ def _block_ref(t: int, b: bytes) -> list[float]:
                 out[base + e + 96] = d * sc[8 * n + i + 6] * q4
         return out
     raise ValueError(t)
+
+
+def _q2_k_ref(b: bytes) -> list[float]:
+    scales, q, d, dmin = b[0:16], b[16:80], _f16(b[80:82]), _f16(b[82:84])
+    out, i = [], 0
+    for n in range(2):
+        for shift in (0, 2, 4, 6):
+            for run in range(2):
+                sc = scales[i]
+                i += 1
+                dl, ml = d * (sc & 0xF), dmin * (sc >> 4)
+                out += [dl * ((q[32 * n + 16 * run + e] >> shift) & 3) - ml for e in range(16)]
+    return out
+
+
+def _q3_k_ref(b: bytes) -> list[float]:
+    """As ggml: the 12 scale bytes read as three little-endian uint32 and re-packed with its masks."""
+    hm, q, d = b[0:32], b[32:96], _f16(b[108:110])
+    aux = [int.from_bytes(b[96 + 4 * w : 100 + 4 * w], "little") for w in range(3)] + [0]
+    kmask1, kmask2, tmp = 0x03030303, 0x0F0F0F0F, aux[2]
+    aux[2] = ((aux[0] >> 4) & kmask2) | (((tmp >> 4) & kmask1) << 4)
+    aux[3] = ((aux[1] >> 4) & kmask2) | (((tmp >> 6) & kmask1) << 4)
+    aux[0] = (aux[0] & kmask2) | (((tmp >> 0) & kmask1) << 4)
+    aux[1] = (aux[1] & kmask2) | (((tmp >> 2) & kmask1) << 4)
+    scales = np.frombuffer(b"".join(a.to_bytes(4, "little") for a in aux), dtype=np.int8).astype(int)
+    out, i, m = [], 0, 1
+    for n in range(2):
+        for shift in (0, 2, 4, 6):
+            for run in range(2):
+                dl = d * (scales[i] - 32)
+                i += 1
+                for e in range(16):
+                    at = 16 * run + e
+                    out.append(dl * (((q[32 * n + at] >> shift) & 3) - (0 if hm[at] & m else 4)))
+            m <<= 1
+    return out
 
 
 def reference_dequantize(raw: bytes, t: int, shape: tuple[int, ...]) -> np.ndarray:
