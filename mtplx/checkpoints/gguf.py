@@ -245,6 +245,14 @@ def _parse(r: _Reader, size: int) -> GGUFFile:
 
 
 def check_architecture(gguf: GGUFFile) -> None:
+    """A GGUF mtplx can convert: one whole file (not one part of llama.cpp's ``gguf-split``
+    output, whose tensors sit in its sibling files) of a supported architecture."""
+    parts = int(gguf.metadata.get("split.count", 1) or 1)
+    if parts > 1:
+        raise MtplxError(
+            f"{gguf.path}: one part of a {parts}-file split GGUF; merge it first "
+            "(llama.cpp: llama-gguf-split --merge FIRST-PART OUT.gguf)"
+        )
     arch = gguf.architecture
     if arch not in SUPPORTED_ARCHITECTURES:
         raise MtplxError(

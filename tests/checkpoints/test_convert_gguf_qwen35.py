@@ -355,3 +355,20 @@ def test_the_cli_converts_at_the_bits_asked_and_refuses_bad_input_in_one_line(gg
     assert main(["convert", str(gguf_model["gguf"]), str(tmp_path / "bad"), "--dtype", "q7"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "unsupported dtype 'q7'" in err and "Traceback" not in err
+
+
+def test_one_part_of_a_split_gguf_is_a_one_line_error(tmp_path):
+    import gguf
+
+    writer = gguf.GGUFWriter(str(tmp_path / "part-00001-of-00002.gguf"), "qwen35")
+    writer.add_uint16("split.no", 0)
+    writer.add_uint16("split.count", 2)
+    writer.add_tensor("x.weight", np.zeros((2, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(MtplxError) as e:
+        convert_gguf_file(tmp_path / "part-00001-of-00002.gguf", tmp_path / "out", dtype="q4")
+    message = str(e.value)
+    assert "\n" not in message and "2-file split GGUF" in message and "part-00001-of-00002.gguf" in message
