@@ -372,3 +372,19 @@ def test_one_part_of_a_split_gguf_is_a_one_line_error(tmp_path):
         convert_gguf_file(tmp_path / "part-00001-of-00002.gguf", tmp_path / "out", dtype="q4")
     message = str(e.value)
     assert "\n" not in message and "2-file split GGUF" in message and "part-00001-of-00002.gguf" in message
+
+
+def test_a_gguf_without_a_nextn_block_converts_to_a_plain_model(tmp_path, capsys):
+    """Most published GGUFs were converted without the MTP layer: no head, no declared MTP
+    layers, the model loads and decodes AR (no error, no missing-head note)."""
+    config, hf = tiny.replica(CONTEXT_STRENGTH)
+    config["text_config"]["mtp_num_hidden_layers"] = 0
+    hf = {k: v for k, v in hf.items() if not k.startswith("mtp.")}
+    tensors = tiny.gguf_tensors(config, hf)
+    types = {name: tiny.ggml_type(name, 4) for name in tensors}
+    out = convert_gguf(tiny.write_gguf(tmp_path / "plain.gguf", config, tensors, types), tmp_path / "out")
+    assert not (out / "mtp.safetensors").exists()
+    assert "mtp_num_hidden_layers" not in json.loads((out / "config.json").read_text())["text_config"]
+    capsys.readouterr()
+    engine = Engine.load(str(out))
+    assert engine.head is None and "missing" not in capsys.readouterr().err.lower()

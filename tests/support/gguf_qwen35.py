@@ -209,7 +209,8 @@ def _metadata(writer, text: dict) -> None:
         writer.add_expert_used_count(text["num_experts_per_tok"])
         writer.add_expert_feed_forward_length(text["moe_intermediate_size"])
         writer.add_expert_shared_feed_forward_length(text["shared_expert_intermediate_size"])
-    writer.add_nextn_predict_layers(nextn)
+    if nextn:  # _Qwen35MtpMixin writes the key only for a checkpoint with MTP layers
+        writer.add_nextn_predict_layers(nextn)
     writer.add_context_length(text["max_position_embeddings"])
     writer.add_embedding_length(text["hidden_size"])
     writer.add_feed_forward_length(text["intermediate_size"])
