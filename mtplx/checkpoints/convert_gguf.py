@@ -1,4 +1,5 @@
-"""Convert a llama-architecture GGUF file into an mlx-lm model directory
+"""Convert a GGUF file into an mlx-lm model directory: the llama family here, Qwen3.5 / 3.6
+(``qwen35``, ``qwen35moe``, the nextn block kept as the MTP head) in ``gguf_qwen35``
 (Hugging Face checkpoints that keep their MTP head: ``mtplx.checkpoints.convert_hf``).
 
 Output: ``model.safetensors``, ``config.json`` (with a ``quantization`` entry for
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
+from mtplx.checkpoints import gguf_qwen35
 from mtplx.checkpoints.gguf import (
     GGML_F16,
     GGML_F32,
@@ -37,7 +39,8 @@ from mtplx.errors import MtplxError
 import mlx.core as mx
 
 Dtype = Literal["float32", "float16", "bfloat16", "q4"]
-DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16", "q4")
+FLOAT_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
+DTYPES: tuple[str, ...] = (*FLOAT_DTYPES, "q4")
 # Bumped whenever the output of the converter changes, so cached conversions are redone.
 CONVERTER_VERSION = 2
 GROUP_SIZE = 32  # GGUF's Q4_0/Q4_1/Q8_0 block size, kept as the MLX group size
@@ -230,22 +233,45 @@ _GPT2_STYLE_PRE = {
     "starcoder": True,
     "refact": True,
 }
+# llama.cpp pre-tokenizer names -> the split regex of the model's own tokenizer.json (quoted in
+# llama.cpp's ``llama-vocab.cpp`` for LLAMA_VOCAB_PRE_TYPE_QWEN2 / QWEN35; Qwen3.5 adds \p{M}),
+# applied before a byte-level step without its own regex, after NFC, as Qwen's tokenizer.json does.
+_SPLIT_PRE = {
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "qwen35": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+}
+
+
+def _pre_tokenizer(gguf: GGUFFile, pre: str):
+    """The pre-tokenizer (and normalizer, or None) for llama.cpp's pre-tokenizer name ``pre``."""
+    from tokenizers import Regex, normalizers, pre_tokenizers
+
+    add_prefix = bool(gguf.metadata.get("tokenizer.ggml.add_space_prefix", False))
+    if pre in _SPLIT_PRE:
+        split = pre_tokenizers.Split(Regex(_SPLIT_PRE[pre]), behavior="isolated", invert=False)
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=add_prefix, use_regex=False)
+        return pre_tokenizers.Sequence([split, byte_level]), normalizers.NFC()
+    if pre not in _GPT2_STYLE_PRE:
+        supported = ", ".join([*_GPT2_STYLE_PRE, *_SPLIT_PRE])
+        raise MtplxError(f"{gguf.path}: unsupported pre-tokenizer {pre!r} (supported: {supported})")
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=add_prefix, use_regex=True)
+    if _GPT2_STYLE_PRE[pre]:
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level]), None
+    return byte_level, None
 
 
 def build_tokenizer(gguf: GGUFFile):
     """A byte-level BPE ``tokenizers.Tokenizer`` from the GGUF vocabulary, merges and special tokens."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, decoders, models
 
     md = gguf.metadata
     if md.get("tokenizer.ggml.model") != "gpt2":
         raise MtplxError(
             f"{gguf.path}: unsupported tokenizer model {md.get('tokenizer.ggml.model')!r} (only byte-level BPE 'gpt2')"
         )
-    pre = md.get("tokenizer.ggml.pre", "default")
-    if pre not in _GPT2_STYLE_PRE:
-        raise MtplxError(
-            f"{gguf.path}: unsupported pre-tokenizer {pre!r} (supported: {', '.join(_GPT2_STYLE_PRE)})"
-        )
+    pre_tokenizer, normalizer = _pre_tokenizer(gguf, md.get("tokenizer.ggml.pre", "default"))
     tokens: list[str] = md["tokenizer.ggml.tokens"]
     merges = [tuple(m.split(" ", 1)) for m in md.get("tokenizer.ggml.merges", [])]
     vocab = {tok: i for i, tok in enumerate(tokens)}
@@ -259,15 +285,9 @@ def build_tokenizer(gguf: GGUFFile):
             byte_fallback=False,
         )
     )
-    byte_level = pre_tokenizers.ByteLevel(
-        add_prefix_space=bool(md.get("tokenizer.ggml.add_space_prefix", False)), use_regex=True
-    )
-    if _GPT2_STYLE_PRE[pre]:
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), byte_level]
-        )
-    else:
-        tok.pre_tokenizer = byte_level
+    tok.pre_tokenizer = pre_tokenizer
+    if normalizer is not None:
+        tok.normalizer = normalizer
     tok.decoder = decoders.ByteLevel()
     # Control (3) and user-defined (4) tokens must never be split by BPE.
     types = md.get("tokenizer.ggml.token_type") or [1] * len(tokens)
@@ -354,11 +374,30 @@ def write_model_dir(
     }
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     _write_json(out / "config.json", config)
+    write_tokenizer(gguf, tokenizer, out, config)
+
+
+def write_tokenizer(gguf: GGUFFile, tokenizer: Any, out: Path, config: dict) -> None:
+    """tokenizer.json, its config files and generation_config.json (the config's token ids)."""
     tokenizer.save(str(out / "tokenizer.json"))
     for name, obj in tokenizer_files(gguf).items():
         _write_json(out / name, obj)
     gen = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
     _write_json(out / "generation_config.json", gen)
+
+
+def write_qwen35_dir(gguf: GGUFFile, out: Path, dtype: str) -> None:
+    """A Qwen3.5 GGUF's float model directory in ``out`` (``gguf_qwen35.write_float_dir``), with
+    the tokenizer from its metadata and the conversion mark."""
+    tokenizer = build_tokenizer(gguf)  # before the weights: fail fast on an unsupported vocab
+    config = gguf_qwen35.write_float_dir(gguf, out, dtype)
+    config["mtplx"] = {
+        "converted_from": gguf.path.name,
+        "converter_version": CONVERTER_VERSION,
+        "dtype": dtype,
+    }
+    _write_json(out / "config.json", config)
+    write_tokenizer(gguf, tokenizer, out, config)
 
 
 def convert_gguf(
@@ -369,12 +408,15 @@ def convert_gguf(
     overwrite: bool = False,
     on_tensor: Callable[[int, int], None] | None = None,
 ) -> Path:
-    """Convert a llama GGUF (Q4_0/Q4_1/Q8_0/F16/F32 tensors) into an mlx-lm model directory; returns it.
+    """Convert a GGUF into an mlx-lm model directory; returns it.
 
-    ``dtype``: a float dtype dequantizes everything; ``"q4"`` keeps Q4_0/Q4_1 blocks packed
-    as MLX 4-bit (and Q8_0 as 8-bit, both lossless) and quantizes float matrices to 4-bit.
+    llama (Q4_0/Q4_1/Q8_0/F16/F32 tensors): a float ``dtype`` dequantizes everything; ``"q4"``
+    keeps Q4_0/Q4_1 blocks packed as MLX 4-bit (and Q8_0 as 8-bit, both lossless) and quantizes
+    float matrices to 4-bit. ``on_tensor(done, total)`` reports progress (see `convert_weights`).
+    qwen35 / qwen35moe (``gguf_qwen35``; every type of ``gguf_quants``): every tensor dequantized
+    exactly, in a float ``dtype`` (``gguf_requantize`` quantizes that directory).
     The output appears atomically (temp dir + rename); an existing ``out_dir`` is refused
-    unless ``overwrite``. ``on_tensor(done, total)`` reports progress (see `convert_weights`).
+    unless ``overwrite``.
     """
     if dtype not in DTYPES:
         raise MtplxError(f"unsupported dtype {dtype!r} (choose from {', '.join(DTYPES)})")
@@ -382,6 +424,10 @@ def convert_gguf(
     refuse_existing(out_dir, overwrite)
     gguf = read_gguf(gguf_path)
     check_architecture(gguf)
+    if gguf.architecture in gguf_qwen35.ARCHITECTURES:
+        if dtype not in FLOAT_DTYPES:
+            raise MtplxError(f"{gguf.path}: a {gguf.architecture} GGUF converts to a float dtype here")
+        return write_dir_atomically(out_dir, lambda tmp: write_qwen35_dir(gguf, tmp, dtype))
     return write_dir_atomically(out_dir, lambda tmp: write_model_dir(gguf, tmp, dtype, on_tensor))
 
 

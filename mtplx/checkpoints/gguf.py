@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mtplx.checkpoints.gguf_quants import BLOCKS, dequantize
 from mtplx.errors import MtplxError
 from mtplx.io import atomic_write
 
@@ -26,26 +27,15 @@ GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 
-# ggml tensor type ids (ggml.h) for the types the converter handles.
+# ggml tensor type ids (ggml.h) MLX's own GGUF reader unpacks (the llama path reads through it).
 GGML_F32, GGML_F16, GGML_Q4_0, GGML_Q4_1, GGML_Q8_0 = 0, 1, 2, 3, 8
-# type id -> (name, elements per block, bytes per block)
-TENSOR_TYPES: dict[int, tuple[str, int, int]] = {
-    GGML_F32: ("F32", 1, 4),
-    GGML_F16: ("F16", 1, 2),
-    GGML_Q4_0: ("Q4_0", 32, 18),  # f16 scale + 16 bytes of nibbles
-    GGML_Q4_1: ("Q4_1", 32, 20),  # f16 scale + f16 min + 16 bytes of nibbles
-    GGML_Q8_0: ("Q8_0", 32, 34),  # f16 scale + 32 int8
-}
+GGML_BF16, GGML_Q4_K, GGML_Q5_K, GGML_Q6_K = 30, 12, 13, 14
+MLX_NATIVE_TYPES = (GGML_F32, GGML_F16, GGML_Q4_0, GGML_Q4_1, GGML_Q8_0)
+# type id -> (name, elements per block, bytes per block): every type `gguf_quants` dequantizes.
+TENSOR_TYPES: dict[int, tuple[str, int, int]] = dict(BLOCKS)
 # Names for a clear "unsupported type" message; not otherwise handled.
 _OTHER_TYPE_NAMES = {
-    6: "Q5_0",
-    7: "Q5_1",
     9: "Q8_1",
-    10: "Q2_K",
-    11: "Q3_K",
-    12: "Q4_K",
-    13: "Q5_K",
-    14: "Q6_K",
     15: "Q8_K",
     16: "IQ2_XXS",
     17: "IQ2_XS",
@@ -61,10 +51,12 @@ _OTHER_TYPE_NAMES = {
     27: "I64",
     28: "F64",
     29: "IQ1_M",
-    30: "BF16",
+    34: "TQ1_0",
+    35: "TQ2_0",
+    39: "MXFP4",
 }
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen35", "qwen35moe")
 
 # GGUF metadata value type ids -> struct format (scalars only).
 _SCALAR_FORMATS = {
@@ -253,6 +245,14 @@ def _parse(r: _Reader, size: int) -> GGUFFile:
 
 
 def check_architecture(gguf: GGUFFile) -> None:
+    """A GGUF mtplx can convert: one whole file (not one part of llama.cpp's ``gguf-split``
+    output, whose tensors sit in its sibling files) of a supported architecture."""
+    parts = int(gguf.metadata.get("split.count", 1) or 1)
+    if parts > 1:
+        raise MtplxError(
+            f"{gguf.path}: one part of a {parts}-file split GGUF; merge it first "
+            "(llama.cpp: llama-gguf-split --merge FIRST-PART OUT.gguf)"
+        )
     arch = gguf.architecture
     if arch not in SUPPORTED_ARCHITECTURES:
         raise MtplxError(
@@ -268,6 +268,13 @@ def load_tensors(gguf: GGUFFile) -> dict[str, Any]:
     """
     import mlx.core as mx
 
+    for info in gguf.tensors.values():
+        if info.ggml_type not in MLX_NATIVE_TYPES:
+            native = ", ".join(TENSOR_TYPES[t][0] for t in MLX_NATIVE_TYPES)
+            raise MtplxError(
+                f"{gguf.path}: tensor {info.name} has unsupported type {info.type_name} "
+                f"for a {gguf.architecture} GGUF (supported: {native})"
+            )
     try:
         arrays = mx.load(str(gguf.path))
     except Exception as e:  # MLX raises bare RuntimeError/ValueError; make it one line with the file name
@@ -275,6 +282,19 @@ def load_tensors(gguf: GGUFFile) -> dict[str, Any]:
             f"{gguf.path}: cannot read GGUF tensors ({str(e).splitlines()[0] if str(e) else e})"
         ) from None
     return arrays
+
+
+def read_tensor(gguf: GGUFFile, info: TensorInfo) -> np.ndarray:
+    """One tensor as float32 (numpy order), dequantized from the file's bytes (`gguf_quants`);
+    the header was validated by ``read_gguf``, so the bytes are in the file."""
+    count = int(np.prod(info.shape, dtype=np.int64)) if info.shape else 1
+    try:
+        raw = np.fromfile(gguf.path, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+    except OSError as e:
+        raise MtplxError(f"{gguf.path}: cannot read tensor {info.name} ({e.strerror or e})") from None
+    if raw.size != info.nbytes:
+        raise MtplxError(f"{gguf.path}: truncated GGUF (tensor {info.name} is cut short)")
+    return dequantize(raw, info.ggml_type, info.shape or (count,))
 
 
 # ---------------------------------------------------------------- writing (tiny files)

@@ -1,46 +1,55 @@
-"""`mtplx convert`: a llama GGUF, or a Hugging Face checkpoint (quantized, keeping its MTP head),
-to an mlx-lm directory, written atomically."""
+"""`mtplx convert`: a GGUF (llama; Qwen3.5/3.6 keeping its nextn block as the MTP head), or a Hugging
+Face checkpoint (quantized, keeping its MTP head), to an mlx-lm directory, written atomically."""
 
 from __future__ import annotations
 
 import argparse
 
-HELP = "a llama GGUF, or a Hugging Face checkpoint (quantized, keeping its MTP head), to an mlx-lm directory"
+HELP = "a GGUF (llama, Qwen3.5/3.6 with its nextn head), or a Hugging Face checkpoint (quantized, keeping its MTP head), to an mlx-lm directory"
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", help="a .gguf file, or a Hugging Face checkpoint directory or repo id")
     parser.add_argument("out", help="output directory (written atomically)")
     parser.add_argument(
-        "--dtype", default="float32", help="GGUF: float32 | float16 | bfloat16 | q4 (default float32)"
+        "--dtype",
+        default="float32",
+        help="GGUF: float32 | float16 | bfloat16 | q4; a Qwen3.5 GGUF also q2 | q3 | q5 | q6 | q8 (default float32)",
     )
     parser.add_argument("--q-bits", type=int, default=4, help="HF: trunk bits per weight (default 4)")
     parser.add_argument(
-        "--q-group-size", type=int, default=64, help="HF: quantization group size (default 64)"
+        "--q-group-size", type=int, default=64, help="HF, Qwen3.5 GGUF: quantization group size (default 64)"
     )
     parser.add_argument(
         "--head-bits",
         choices=["float", "2", "3", "4", "5", "6", "8"],
         default=None,
-        help="HF: the MTP head's bits, or float to keep it unquantized (default: attention, projection "
+        help="HF, Qwen3.5 GGUF: the MTP head's bits, or float to keep it unquantized (default: attention, projection "
         "and dense parts at max(q-bits, 8), routed experts at q-bits)",
     )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
 
 
 def run(args: argparse.Namespace) -> int:
+    head_bits = (
+        None
+        if args.head_bits is None
+        else (args.head_bits if args.head_bits == "float" else int(args.head_bits))
+    )
     if str(args.source).endswith(".gguf"):
-        from mtplx.checkpoints.convert_gguf import convert_gguf
+        from mtplx.checkpoints.gguf_requantize import convert_gguf_file
 
-        out = convert_gguf(args.source, args.out, dtype=args.dtype, overwrite=args.overwrite)
+        out = convert_gguf_file(
+            args.source,
+            args.out,
+            dtype=args.dtype,
+            overwrite=args.overwrite,
+            q_group_size=args.q_group_size,
+            head_bits=head_bits,
+        )
     else:
         from mtplx.checkpoints.convert_hf import convert_hf
 
-        head_bits = (
-            None
-            if args.head_bits is None
-            else (args.head_bits if args.head_bits == "float" else int(args.head_bits))
-        )
         out = convert_hf(
             args.source,
             args.out,

@@ -25,6 +25,7 @@ GLM-4.5's acceptance at position 2. ``max_depth`` is None: modules cycle, no lim
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from mtplx.errors import MtplxError
@@ -141,3 +142,100 @@ def build_head(src: HeadSource, num_layers: int, hidden_source: HiddenSource) ->
                 args.hidden_size, own["weight"].shape[0], bias=False
             )
     return head
+
+
+# --- split drafters (a GLM MTP layer published as its own directory) --------------------
+
+
+@dataclass(frozen=True)
+class SplitNames:
+    """Where a split drafter keeps one DeepSeek-layout module's tensors (names relative to the
+    in-checkpoint prefix ``model.layers.{n}.`` on the left, the drafter's names on the right).
+
+    mlx-vlm 0.7.10's splitters, read for this: ``glm_moe_dsa_mtp/split.py`` (GLM-5) prefixes the
+    layer's names with ``mtp.`` and renames ``shared_head.norm`` to ``shared_head_norm``;
+    ``glm4_moe_lite_mtp/split.py`` (GLM-4.7-Flash) puts ``enorm`` / ``hnorm`` / ``eh_proj`` /
+    ``shared_head_norm`` under ``model.``, the decoder block under ``model.mtp_block.``, the
+    embedding copy at ``model.embed_tokens`` and the LM-head copy at ``lm_head``. Both split MLA's
+    ``kv_b_proj`` into mlx-lm's ``embed_q`` / ``unembed_out`` and stack the experts already.
+    A split drafter shares the target's embedding and LM head (mlx-vlm's ``bind``): the copies
+    (``dropped``) are never read."""
+
+    prefixes: tuple[str, ...]
+    own: tuple[tuple[str, str], ...]  # (in-checkpoint local prefix, drafter prefix), own tensors
+    block_prefix: str
+    dropped: tuple[str, ...]
+
+    def to_split(self, local: str) -> str:
+        for mine, theirs in self.own:
+            if local == mine.rstrip("."):
+                return theirs.rstrip(".")
+            if local.startswith(mine):
+                return theirs + local[len(mine) :]
+        return self.block_prefix + local
+
+    def to_local(self, name: str) -> str | None:
+        if name.startswith(self.dropped):
+            return None
+        for mine, theirs in self.own:
+            if name.startswith(theirs):
+                return mine + name[len(theirs) :]
+        return name[len(self.block_prefix) :] if name.startswith(self.block_prefix) else None
+
+
+_OWN = ("enorm.", "hnorm.", "eh_proj.")
+GLM_MOE_DSA_SPLIT = SplitNames(
+    prefixes=("mtp.",),
+    own=(("shared_head.norm.", "mtp.shared_head_norm."), *((k, f"mtp.{k}") for k in _OWN)),
+    block_prefix="mtp.",
+    dropped=("mtp.embed_tokens.", "mtp.shared_head.head."),
+)
+GLM4_MOE_LITE_SPLIT = SplitNames(
+    prefixes=("model.",),
+    own=(("shared_head.norm.", "model.shared_head_norm."), *((k, f"model.{k}") for k in _OWN)),
+    block_prefix="model.mtp_block.",
+    dropped=("model.embed_tokens.", "lm_head."),
+)
+
+
+class SplitDeepSeekHead(DeepSeekMTPHead):
+    """One DeepSeek-layout module read from a split drafter's names (``SplitNames``); otherwise
+    the in-checkpoint head: same math, same cache, same hidden source (the target's post-norm
+    state, as mlx-vlm's GLM drafters are handed it)."""
+
+    def __init__(self, *args: Any, names: SplitNames, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._names = names  # a plain attribute: not a parameter
+
+    def checkpoint_prefixes(self) -> tuple[str, ...]:
+        return self._names.prefixes
+
+    def checkpoint_name(self, path: str) -> str:
+        name, prefix = super().checkpoint_name(path), self.module_prefix(0)
+        return self._names.to_split(name[len(prefix) :]) if name.startswith(prefix) else name
+
+    def sanitize(self, tensors: dict[str, mx.array], src: HeadSource) -> dict[str, mx.array]:
+        prefix = self.module_prefix(0)
+        local = {k: self._names.to_local(k) for k in tensors}
+        return super().sanitize({prefix + n: tensors[k] for k, n in local.items() if n is not None}, src)
+
+
+def build_split_head(src: HeadSource, names: SplitNames) -> SplitDeepSeekHead:
+    """An unloaded head for a GLM split drafter (``mtplx.heads.split_drafter``): one module, its
+    block built like the target's last layer at index ``num_hidden_layers`` (MoE there as in the
+    checkpoint), the target's embedding and LM head shared."""
+    args = model_args_of(src.trunk.model)
+    first = int(args.num_hidden_layers)
+    needed = names.to_split("eh_proj.weight")
+    if needed not in src.index:
+        raise MtplxError(f"{src.source}: a split MTP drafter of this layout needs {needed}; it has none")
+    return SplitDeepSeekHead(
+        [build_layer_like(src.trunk.layers[-1], args, first)],
+        args.hidden_size,
+        eps=args.rms_norm_eps,
+        first_layer=first,
+        trunk=src.trunk,
+        hidden_source=DEFAULT_HIDDEN_SOURCE,
+        cache_like=[len(src.trunk.layers) - 1],
+        names=names,
+    )

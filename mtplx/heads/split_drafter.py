@@ -58,6 +58,18 @@ def _nemotron_h_mtp(src: HeadSource, num_layers: int) -> MTPHead:
     return nemotron_h.build_split_head(src, num_layers)
 
 
+def _glm_moe_dsa_mtp(src: HeadSource, num_layers: int) -> MTPHead:
+    from mtplx.heads import deepseek
+
+    return deepseek.build_split_head(src, deepseek.GLM_MOE_DSA_SPLIT)
+
+
+def _glm4_moe_lite_mtp(src: HeadSource, num_layers: int) -> MTPHead:
+    from mtplx.heads import deepseek
+
+    return deepseek.build_split_head(src, deepseek.GLM4_MOE_LITE_SPLIT)
+
+
 SPLIT_FAMILIES: dict[str, SplitFamily] = {
     f.model_type: f
     for f in (
@@ -72,6 +84,19 @@ SPLIT_FAMILIES: dict[str, SplitFamily] = {
             target_types=("nemotron_h",),
             layers_key="num_nextn_predict_layers",
             build=_nemotron_h_mtp,
+        ),
+        # GLM-5 and GLM-4.7-Flash: one DeepSeek-layout module (mtplx.heads.deepseek.SplitNames).
+        SplitFamily(
+            model_type="glm_moe_dsa_mtp",
+            target_types=("glm_moe_dsa",),
+            layers_key="num_nextn_predict_layers",
+            build=_glm_moe_dsa_mtp,
+        ),
+        SplitFamily(
+            model_type="glm4_moe_lite_mtp",
+            target_types=("glm4_moe_lite",),
+            layers_key="num_nextn_predict_layers",
+            build=_glm4_moe_lite_mtp,
         ),
     )
 }
@@ -98,6 +123,12 @@ FIT_KEYS = (
     "hybrid_override_pattern",
     "mtp_hybrid_override_pattern",
     "layer_norm_epsilon",
+    # MLA (the GLM drafters): latent ranks and head dimensions, routed experts
+    "kv_lora_rank",
+    "q_lora_rank",
+    "qk_rope_head_dim",
+    "qk_nope_head_dim",
+    "v_head_dim",
     "n_routed_experts",
 )
 

@@ -413,11 +413,11 @@ def test_unsupported_architecture(tmp_path):
 
 
 def test_unsupported_tensor_type(tmp_path):
-    # Q4_K (ggml type 12) is a real llama.cpp type the converter does not handle.
-    write_tiny_gguf(tmp_path / "q4k.gguf", overrides={"blk.0.ffn_up": ((FFN, HIDDEN), 12)})
-    with pytest.raises(MtplxError, match="unsupported type Q4_K") as e:
-        convert_gguf(tmp_path / "q4k.gguf", tmp_path / "out")
-    _one_line_error_naming(e, "q4k.gguf")
+    # IQ4_NL (ggml type 20) is a real llama.cpp type the converter does not handle.
+    write_tiny_gguf(tmp_path / "iq4nl.gguf", overrides={"blk.0.ffn_up": ((FFN, HIDDEN), 20)})
+    with pytest.raises(MtplxError, match="unsupported type IQ4_NL") as e:
+        convert_gguf(tmp_path / "iq4nl.gguf", tmp_path / "out")
+    _one_line_error_naming(e, "iq4nl.gguf")
 
 
 def test_failure_mid_conversion_leaves_nothing(tmp_path):
@@ -448,7 +448,7 @@ def test_bad_dtype(tmp_path):
     "metadata, problem",
     [
         ({"tokenizer.ggml.model": "llama"}, "unsupported tokenizer model 'llama'"),
-        ({"tokenizer.ggml.pre": "qwen2"}, "unsupported pre-tokenizer 'qwen2'"),
+        ({"tokenizer.ggml.pre": "falcon"}, "unsupported pre-tokenizer 'falcon'"),
         ({"llama.block_count": None}, "lacks llama.block_count"),
     ],
     ids=["sentencepiece", "pre-tokenizer", "missing-key"],

@@ -207,6 +207,10 @@ def _deepseek_layer_class(model_type: str) -> type:
         from mlx_lm.models.deepseek_v3 import DeepseekV3DecoderLayer
 
         return DeepseekV3DecoderLayer
+    if model_type == "glm4_moe_lite":
+        from mlx_lm.models.glm4_moe_lite import Glm4MoeLiteDecoderLayer
+
+        return Glm4MoeLiteDecoderLayer
     from mlx_lm.models.deepseek_v32 import DeepseekV32DecoderLayer  # glm_moe_dsa builds these too
 
     return DeepseekV32DecoderLayer

@@ -332,6 +332,7 @@ DEEPSEEK_ARCHITECTURES = {
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "deepseek_v32": "DeepseekV32ForCausalLM",
     "glm_moe_dsa": "GlmMoeDsaForCausalLM",
+    "glm4_moe_lite": "Glm4MoeLiteForCausalLM",  # GLM-4.7-Flash: DeepSeek-V3's MLA + MoE, no indexer
 }
 INDEX_TOPK = 4  # the DSA replicas' indexer keeps 4 keys: below any test context, so it really selects
 
@@ -367,7 +368,7 @@ def deepseek_v3_config(
         "moe_layer_freq": 1,
         "tie_word_embeddings": False,
     }
-    if model_type != "deepseek_v3":
+    if model_type in ("deepseek_v32", "glm_moe_dsa"):
         cfg.update(index_head_dim=8, index_n_heads=2, index_topk=INDEX_TOPK)
     if model_type == "glm_moe_dsa":
         cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta")}
