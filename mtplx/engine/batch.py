@@ -189,7 +189,7 @@ class BatchScheduler:
                 self._reuse_prefix(job)
             try:
                 before = pending.remaining
-                ready = decoder.prefill(pending, budget)
+                ready = job.session.prefill(decoder, pending, budget)  # cut at cache boundaries
                 budget -= before - pending.remaining
                 if ready and self.num_decoding < (1 if decoder.single_row else self.max_rows):
                     job.row_id, first = decoder.admit(pending)
