@@ -29,7 +29,7 @@ from mtplx.trunk.compat import thinking_markers
 __all__ = ["ChatBoundaries", "find_pattern"]
 
 _PROBE_SYSTEM = "You answer briefly."
-_PROBE_USER = ("Hello there", "Goodbye now")
+_PROBE_USER = ("hello there", "goodbye now")  # lowercase: every tokenizer spells them
 
 
 def find_pattern(tokens: list[int], pattern: tuple[int, ...], start: int = 0) -> int:
@@ -63,7 +63,7 @@ def _user_opener(tokenizer: Any, first: list[int], second: list[int]) -> tuple[i
     part = next((i for i, (a, b) in enumerate(zip(first, second)) if a != b), min(len(first), len(second)))
     special = _special_ids(tokenizer)
     for k in range(part - 1, -1, -1):
-        if first[k] in special and "user" in tokenizer.decode(first[k:part]):
+        if first[k] in special and "user" in "".join(tokenizer.decode([t]) for t in first[k:part]):
             return tuple(first[k:part])
     return ()
 
