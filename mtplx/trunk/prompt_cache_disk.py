@@ -20,8 +20,8 @@ Invariants:
 - a damaged file (unreadable header, shorter than its header says, or failing to load) or one
   of another key is skipped with one log line, never served.
 
-The safetensors header (8-byte little-endian length, then JSON with ``__metadata__`` and each
-tensor's ``data_offsets``) is read without loading the tensors: https://github.com/huggingface/safetensors
+The index reads each file's safetensors header alone (`mtplx.checkpoints.headers`, which also
+notices a file shorter than its header says), never its tensors.
 """
 
 from __future__ import annotations
@@ -31,13 +31,13 @@ import json
 import logging
 import os
 import queue
-import struct
 import threading
 import time
 from dataclasses import dataclass
 from importlib import metadata as package_metadata
 from pathlib import Path
 
+from mtplx.checkpoints.headers import read_safetensors_metadata
 from mtplx.errors import MtplxError, first_line
 from mtplx.trunk.compat import (
     QuantizedKVCache,
@@ -52,9 +52,10 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-__all__ = ["FORMAT_VERSION", "DiskStats", "DiskTier", "cache_identity"]
+__all__ = ["DEFAULT_DISK_BYTES", "FORMAT_VERSION", "DiskStats", "DiskTier", "cache_identity"]
 
 FORMAT_VERSION = "1"
+DEFAULT_DISK_BYTES = 16 * 1024**3  # what `mtplx serve --prompt-cache-dir` keeps unless told otherwise
 MAX_QUEUED_WRITES = 8  # writes waiting beyond this are dropped (the entry stays in RAM)
 log = logging.getLogger("mtplx.prompt_cache")
 
@@ -132,22 +133,6 @@ class _Write:
     trimmable: bool
 
 
-def _read_header(path: Path) -> dict:
-    """The safetensors header; raises ValueError when it is unreadable or the file is truncated."""
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise ValueError("no header")
-        (length,) = struct.unpack("<Q", raw)
-        if length > 1 << 28:
-            raise ValueError("header length out of range")
-        header = json.loads(f.read(length))
-    data_end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
-    if path.stat().st_size < 8 + length + data_end:
-        raise ValueError("truncated")
-    return header
-
-
 class DiskTier:
     """Entries on disk for one model configuration (the module docstring). The index and the
     files are shared by the decode thread (lookups, queued writes) and the writer thread."""
@@ -190,14 +175,14 @@ class DiskTier:
             if path.name.startswith("."):
                 continue  # a write in progress (or one a crash left)
             try:
-                meta = prompt_cache_file_metadata(_read_header(path).get("__metadata__", {}))
+                meta = prompt_cache_file_metadata(read_safetensors_metadata(path))
                 if meta.get("mtplx_key") != self.key:
                     foreign += 1
                     continue
                 entry = _entry_from(path, meta)
-            except (OSError, ValueError, KeyError, TypeError) as err:
+            except (MtplxError, OSError, ValueError, KeyError, TypeError) as err:
                 self.stats.skipped_files += 1
-                log.warning("prompt cache: skipped %s: damaged (%s)", path, first_line(err))
+                log.warning("prompt cache: skipped %s: damaged (%s)", path.name, first_line(err))
                 continue
             self._entries[entry.name] = entry
         if foreign:
@@ -261,7 +246,7 @@ class DiskTier:
             with self._lock:
                 self._delete(entry)
             self.stats.skipped_files += 1
-            log.warning("prompt cache: skipped %s: cannot load (%s)", path, first_line(err))
+            log.warning("prompt cache: skipped %s: damaged, cannot load (%s)", path.name, first_line(err))
             return None
         self.stats.hits += 1
         self.stats.bytes_loaded += entry.nbytes
