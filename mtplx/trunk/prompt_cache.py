@@ -172,12 +172,17 @@ class PromptCache:
         self._entries.clear()
 
     def holds(self, tokens: list[int], size: int, with_head: bool) -> bool:
-        """True if an entry already serves exactly ``tokens[:size]`` (a snapshot there is held once)."""
+        """True if an entry already serves exactly ``tokens[:size]`` (a snapshot there is held once);
+        that entry counts as used now."""
         prompt = as_tokens(tokens[: size + 1])
-        return any(
-            reusable(e.tokens, e.size, e.has_head, e.trimmable, prompt, with_head) == size and e.size == size
-            for e in self._entries.values()
-        )
+        for entry_id, e in self._entries.items():
+            if (
+                e.size == size
+                and reusable(e.tokens, e.size, e.has_head, e.trimmable, prompt, with_head) == size
+            ):
+                self._entries.move_to_end(entry_id)
+                return True
+        return False
 
     def _best_in_ram(self, prompt: np.ndarray, with_head: bool, longer_than: int) -> tuple[int | None, int]:
         best_id, best = None, longer_than

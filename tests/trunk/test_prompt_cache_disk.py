@@ -203,3 +203,35 @@ def test_disk_budget_evicts_the_least_recently_used(pair, tokenizer, tmp_path):
     fresh = _engine(pair, tokenizer, tmp_path, budget=int(2.5 * one))
     served = [fresh.prompt_cache.disk.load_best(np.array(p), True) is not None for p in prompts]
     assert served == [True, False, True]
+
+
+def test_the_disk_tier_adds_no_host_sync(pair, tokenizer, tmp_path, monkeypatch):
+    """A request on an engine with a disk tier waits for MLX as often as one on a RAM cache alone
+    (its entries are queued with ``mx.async_eval`` and saved by the writer thread)."""
+    from mtplx.trunk.prompt_cache_disk import DiskTier
+
+    from mlx.utils import tree_flatten
+    from support.sync_counter import counting_syncs
+
+    prompt = _tokens(30, 50)
+
+    def syncs(engine: Engine) -> int:
+        with counting_syncs() as counter:
+            engine.generate(prompt, max_tokens=8, temperature=0.0)
+        assert engine.prompt_cache.disk is None or engine.prompt_cache.disk.flush()
+        return counter.syncs
+
+    _, trunk, head = pair
+    ram_only = Engine(trunk.model, tokenizer, {}, head=head, depth=3, prompt_cache_bytes=RAM)
+    expected = syncs(ram_only)
+    assert syncs(_engine(pair, tokenizer, tmp_path / "a")) == expected
+    # Negative control: a write that waits for the states on the decode thread is caught.
+    real_write = DiskTier.write
+
+    def waiting_write(self, entry):
+        caches = list(entry.trunk_cache) + list(entry.head_cache or [])
+        mx.eval([a for _, a in tree_flatten([c.state for c in caches]) if isinstance(a, mx.array)])
+        real_write(self, entry)
+
+    monkeypatch.setattr(DiskTier, "write", waiting_write)
+    assert syncs(_engine(pair, tokenizer, tmp_path / "b")) > expected
