@@ -13,14 +13,18 @@ Two kinds of entry, by what the caches allow:
   of them, trimmed to its common prefix with the entry.
 * Snapshot (recurrent ``ArraysCache`` or ``RotatingKVCache`` present: state that
   cannot be moved back): a copy taken when the caches hold all prompt positions
-  but the last (``decode.PromptPrefix``). A later prompt reuses it only if it
-  starts with exactly those tokens.
+  but the last (``decode.PromptPrefix``), and at the chat boundaries ``boundaries``
+  names (`mtplx.trunk.prompt_boundaries`: system prompt's end, generation prompt's
+  start), so a chat's next turn finds one. A later prompt reuses it only if it
+  starts with exactly those tokens; one prefix is held once (``holds``).
 
 In both, ``size`` positions are reused: the trunk's positions 0..size-1 and the
 head's (hidden i, token i+1) pairs for i < size. A head pair at i depends on
 token i+1, so a prompt must agree with the entry on ``size + 1`` tokens when the
 head cache is reused, and at least one prompt token is always forwarded (its
 logits start the generation).
+
+A disk tier (``disk``, `mtplx.trunk.prompt_cache_disk`) keeps entries across restarts.
 
 Reusing never changes outputs: a cache prefilled in two parts holds the same
 positions as one prefilled at once (see tests/trunk/test_prompt_cache.py). mlx-lm's
