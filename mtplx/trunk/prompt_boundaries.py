@@ -91,11 +91,12 @@ class ChatBoundaries:
             closed = _render(self.tokenizer, probes[0], False)
             opened = _render(self.tokenizer, probes[0], True)
             other = _render(self.tokenizer, probes[1], False)
+            opener = _user_opener(self.tokenizer, closed, other)
         except Exception:  # a template that refuses the probe (no system role, ...): no patterns
             return
         if len(opened) > len(closed) and opened[: len(closed)] == closed:
             self.generation_prompt = tuple(opened[len(closed) :])
-        self.user_opener = _user_opener(self.tokenizer, closed, other)
+        self.user_opener = opener
         markers = thinking_markers(self.tokenizer)
         if markers is not None and markers.start_ids:
             self.think_start = tuple(markers.start_ids)
