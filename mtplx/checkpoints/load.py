@@ -228,6 +228,7 @@ def check_adapter_dir(adapter_dir: Path) -> None:
 
 def apply_adapters(model: Any, adapter_dir: Path) -> None:
     """mlx-lm's ``load_adapters`` on a checked directory, its failures as one-line MtplxErrors."""
+    import mlx.core as mx
     from mlx_lm.tuner.utils import load_adapters
 
     check_adapter_dir(adapter_dir)
@@ -246,6 +247,9 @@ def apply_adapters(model: Any, adapter_dir: Path) -> None:
     except Exception as e:
         raise MtplxError(f"{adapter_dir}: cannot load adapters ({first_line(e)})") from None
     model.eval()  # LoRA dropout is for training
+    # Materialized here: MLX ties a lazy array to the thread that built it, and the server decodes
+    # on its own thread ("There is no Stream(cpu, 0) in current thread" otherwise).
+    mx.eval(model.parameters())
 
 
 def load_model(

@@ -64,6 +64,8 @@ def serve(
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="mtplx: %(message)s")
     if not _is_loopback(host) and settings.api_key is None:
         log.warning("WARNING: listening on %s without an API key: anyone who can reach it can use it", host)
+    if settings.prompt_cache_dir is not None:  # indexes what is there now: requests reuse it from the first
+        engine.use_disk_cache(settings.prompt_cache_dir, settings.prompt_cache_disk_bytes)
     worker = GenerationWorker(
         engine,
         settings.max_queue,
@@ -96,6 +98,18 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="bytes of caches kept for prompt reuse across requests (default 2 GiB; 0 turns it off)",
+    )
+    parser.add_argument(
+        "--prompt-cache-dir",
+        default=None,
+        help="keep prompt caches in this directory too, reused after a restart (default: RAM only)",
+    )
+    parser.add_argument(
+        "--prompt-cache-disk-bytes",
+        type=int,
+        default=None,
+        help="bytes of prompt caches kept in --prompt-cache-dir, least recently used dropped first "
+        "(default 16 GiB)",
     )
     parser.add_argument("--max-queue", type=int, default=64, help="requests waiting before 429 (default 64)")
     parser.add_argument(
@@ -153,11 +167,18 @@ def _check_server_flags(args: argparse.Namespace) -> None:
         raise MtplxError(f"--request-timeout: must be > 0, got {args.request_timeout}")
     if args.prompt_cache_bytes is not None and args.prompt_cache_bytes < 0:
         raise MtplxError(f"--prompt-cache-bytes: must be >= 0, got {args.prompt_cache_bytes}")
+    if args.prompt_cache_disk_bytes is not None and args.prompt_cache_disk_bytes <= 0:
+        raise MtplxError(f"--prompt-cache-disk-bytes: must be > 0, got {args.prompt_cache_disk_bytes}")
+    if args.prompt_cache_disk_bytes is not None and args.prompt_cache_dir is None:
+        raise MtplxError("--prompt-cache-disk-bytes: needs --prompt-cache-dir")
+    if args.prompt_cache_dir is not None and args.prompt_cache_bytes == 0:
+        raise MtplxError("--prompt-cache-dir: needs a prompt cache in RAM (--prompt-cache-bytes > 0)")
 
 
 def run(args: argparse.Namespace) -> int:
     from mtplx.checkpoints import load as loading
     from mtplx.trunk.prompt_cache import DEFAULT_PROMPT_CACHE_BYTES
+    from mtplx.trunk.prompt_cache_disk import DEFAULT_DISK_BYTES
 
     _check_server_flags(args)
     defaults = request_from_args(args)  # before loading: a typo costs no load time
@@ -165,6 +186,7 @@ def run(args: argparse.Namespace) -> int:
     api_key = args.api_key if args.api_key is not None else os.environ.get("MTPLX_API_KEY") or None
     origins = tuple(o.strip() for o in (args.allowed_origins or "").split(",") if o.strip())
     engine = load_engine(args, prompt_cache_bytes=cache_bytes)
+    disk_bytes = args.prompt_cache_disk_bytes or DEFAULT_DISK_BYTES
     settings = ServerSettings(
         model_id=args.model if args.model is not None else loading.DEFAULT_MODEL_NAME,
         defaults=defaults,
@@ -178,6 +200,8 @@ def run(args: argparse.Namespace) -> int:
         max_tokens_cap=args.max_tokens_cap,
         max_body_bytes=args.max_body_bytes,
         allowed_origins=origins,
+        prompt_cache_dir=args.prompt_cache_dir,
+        prompt_cache_disk_bytes=disk_bytes if args.prompt_cache_dir is not None else 0,
     )
     serve(engine, settings, host=args.host, port=args.port)
     return 0

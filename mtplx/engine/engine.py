@@ -37,6 +37,7 @@ from mtplx.spec_decode.drafting import (
 from mtplx.spec_decode.settings import DEFAULT_PREFILL_STEP, DecodeSettings
 from mtplx.trunk.kv_quant import KVQuantization, check_fit
 from mtplx.trunk.model import Trunk
+from mtplx.trunk.prompt_boundaries import ChatBoundaries
 from mtplx.trunk.prompt_cache import PromptCache
 
 import mlx.core as mx
@@ -75,6 +76,9 @@ class Engine:
         self.trunk = Trunk(model)
         # Caches of earlier prompts, reused for the longest common prefix (0 bytes: off).
         self.prompt_cache = PromptCache(prompt_cache_bytes)
+        # Where a hybrid model's requests snapshot their caches besides the prompt's end.
+        self.prompt_cache.boundaries = ChatBoundaries(tokenizer)
+        self.adapter_path: Path | None = None  # the mlx-lm adapters applied (`load`), for cache keys
         self.tokenizer = tokenizer
         self.config = config
         self.head = head
@@ -155,6 +159,7 @@ class Engine:
             verify_backend=verify_backend,
             prompt_cache_bytes=prompt_cache_bytes,
         )
+        engine.adapter_path = Path(adapter_path) if adapter_path is not None else None
         if mtp is not False:  # mtp=False: plain AR; no head is looked for, so a misfit one cannot fail
             engine.head = find_head(
                 loaded, engine.trunk, model=model, head=head, dtype=dtype, required=bool(mtp)
@@ -182,6 +187,28 @@ class Engine:
         only, never the output."""
         check_fit(self.trunk, self.head, plan)
         self.trunk.kv_quantization = plan
+
+    def use_disk_cache(self, directory: str | Path, max_bytes: int, kv: str = "") -> None:
+        """Keep prompt-cache entries in ``directory`` too, up to ``max_bytes``, and reuse the ones
+        there that this engine's model, adapters, dtype, head and KV quantization (``kv``; by
+        default the engine's ``--kv-bits`` plan) made (`mtplx.trunk.prompt_cache_disk`)."""
+        from mtplx.trunk.prompt_cache_disk import DiskTier, cache_identity
+
+        if self.distributed is not None:
+            raise MtplxError("prompt cache dir: not supported on a sharded engine")
+        if self.prompt_cache.max_bytes == 0:
+            raise MtplxError("prompt cache dir: needs a prompt cache in RAM (prompt cache bytes > 0)")
+        plan = self.trunk.kv_quantization
+        if not kv and plan is not None:  # the --kv-bits the caches on disk were made with
+            kv = f"kv{plan.bits}-g{plan.group_size}-from{plan.start}"
+        identity = cache_identity(
+            fingerprint=self.fingerprint,
+            trunk=self.trunk,
+            head=self.head,
+            adapter_path=self.adapter_path,
+            kv=kv,
+        )
+        self.prompt_cache.disk = DiskTier(directory, max_bytes, identity)
 
     def _load_draft_model(self, path: str | Path) -> None:
         from mtplx.checkpoints import load as loading

@@ -306,7 +306,7 @@ class BatchScheduler:
                 self._reuse_prefix(job)
             try:
                 before = pending.remaining
-                ready = decoder.prefill(pending, budget)
+                ready = job.session.prefill(decoder, pending, budget)  # cut at cache boundaries
                 budget -= before - pending.remaining
                 if ready and job.forks:
                     self._fork(job)

@@ -3,7 +3,10 @@ back into the prompt cache when the request ends.
 
 Invariant: what is stored is consistent with the tokens the loop has seen. Pure-KV caches are
 handed over at the end (trimmed on reuse); caches with recurrent or sliding-window state are
-snapshotted by the loop's `PromptPrefix` hook when they hold all prompt positions but the last.
+snapshotted by the loop's `PromptPrefix` hook when they hold all prompt positions but the last,
+and at the store's boundaries in the prompt (`mtplx.trunk.prompt_boundaries`: the system
+prompt's end, the generation prompt's start), where prefill chunks are cut (`prefill`). A
+snapshot the store already holds is not taken again.
 """
 
 from __future__ import annotations
@@ -36,11 +39,31 @@ class CacheSession:
         self.head_cache = head_cache
         self.trimmable = is_trimmable(trunk_cache) and (head_cache is None or is_trimmable(head_cache))
         self.tokens = list(prompt_tokens)  # every token the decode loop has seen
-        snapshot = None if self.trimmable or store.max_bytes == 0 else self._snapshot
-        self.prefix = PromptPrefix(start, snapshot)
+        snapshots = not self.trimmable and store.max_bytes > 0
+        self.prefix = PromptPrefix(start, self._snapshot if snapshots else None)
+        # Where prefill stops to snapshot (beyond the cached prefix, before the last prompt token).
+        marks = store.boundaries(prompt_tokens) if snapshots and store.boundaries is not None else []
+        self.marks = [p for p in marks if start < p < len(prompt_tokens) - 1]
 
     def _snapshot(self, size: int) -> None:
-        self.store.insert(self.prompt_tokens, size, self.trunk_cache, self.head_cache, copy=True)
+        self.snapshot(size, self.trunk_cache, self.head_cache)
+
+    def snapshot(self, size: int, trunk_cache: list, head_cache: list | None) -> None:
+        """Copies of caches holding the first ``size`` prompt positions go into the store (to disk
+        too), unless it holds that prefix already."""
+        head_cache = head_cache if self.head_cache is not None else None
+        if not self.store.holds(self.prompt_tokens, size, head_cache is not None):
+            self.store.insert(self.prompt_tokens, size, trunk_cache, head_cache, copy=True, persist=True)
+
+    def prefill(self, decoder, pending, budget: int) -> bool:
+        """`BatchDecoder.prefill` of up to ``budget`` prompt tokens, cut at the next boundary mark,
+        where the caches are snapshotted; True when only the last prompt token is left."""
+        mark = next((p for p in self.marks if p > pending.position), None)
+        step = budget if mark is None else min(budget, mark - pending.position)
+        ready = decoder.prefill(pending, step)
+        if pending.position == mark:
+            self.snapshot(mark, pending.trunk_cache, pending.head_cache)
+        return ready
 
     def record(self, tokens: list[int]) -> None:
         self.tokens.extend(tokens)
@@ -67,7 +90,7 @@ class CacheSession:
         if not self.trimmable or self.store.max_bytes == 0:
             return
         size = min(held_positions(self.trunk_cache, self.head_cache), len(self.tokens))
-        self.store.insert(self.tokens, size, self.trunk_cache, self.head_cache, copy=False)
+        self.store.insert(self.tokens, size, self.trunk_cache, self.head_cache, copy=False, persist=True)
 
 
 def open_session(store: PromptCache, trunk, head, prompt_tokens: list[int], with_head: bool) -> CacheSession:

@@ -9,7 +9,9 @@ counted when they finish (a finish reason, "stop" or "length"), from the same `G
 their usage reports, so the token counters equal the sum of the finished responses' usage;
 requests cancelled or timed out before their end are in ``mtplx_request_aborted_total`` only.
 The gauges (requests running and waiting, MLX's active memory, the prompt cache's bytes and
-limit) read what the worker's thread last saw between cycles.
+limit) read what the worker's thread last saw between cycles. With a disk tier
+(``--prompt-cache-dir``) its hits, bytes loaded, load time, writes and bytes on disk are read
+from its own counters (`mtplx.trunk.prompt_cache_disk.DiskStats`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 __all__ = ["CONTENT_TYPE", "ServerMetrics"]
 
@@ -45,12 +48,52 @@ class WorkerLoad(Protocol):
     def waiting(self) -> int: ...  # requests queued or prefilling
 
 
-class ServerMetrics:
-    """The server's metrics in a registry of their own (one per app, so tests can run several)."""
+class _DiskCollector:
+    """The prompt cache's disk tier, read at each scrape (`mtplx.trunk.prompt_cache_disk.DiskTier`)."""
 
-    def __init__(self, load: WorkerLoad):
+    def __init__(self, disk):
+        self.disk = disk
+
+    def collect(self):
+        stats, disk = self.disk.stats, self.disk
+        counters = (
+            ("mtplx_prompt_cache_disk_hits", "Prompt-cache lookups served from disk", stats.hits),
+            (
+                "mtplx_prompt_cache_disk_loaded_bytes",
+                "Bytes of prompt-cache entries loaded from disk",
+                stats.bytes_loaded,
+            ),
+            (
+                "mtplx_prompt_cache_disk_load_seconds",
+                "Time spent loading prompt-cache entries from disk",
+                stats.load_seconds,
+            ),
+            ("mtplx_prompt_cache_disk_writes", "Prompt-cache entries written to disk", stats.writes),
+            (
+                "mtplx_prompt_cache_disk_skipped_files",
+                "Damaged or foreign prompt-cache files skipped",
+                stats.skipped_files,
+            ),
+        )
+        for name, text, value in counters:
+            yield CounterMetricFamily(name, text, value=value)
+        yield GaugeMetricFamily(
+            "mtplx_prompt_cache_disk_bytes", "Bytes of prompt-cache entries on disk", value=disk.nbytes
+        )
+        yield GaugeMetricFamily(
+            "mtplx_prompt_cache_disk_capacity_bytes", "The prompt cache's disk budget", value=disk.max_bytes
+        )
+
+
+class ServerMetrics:
+    """The server's metrics in a registry of their own (one per app, so tests can run several).
+    ``disk``: the prompt cache's disk tier, if there is one."""
+
+    def __init__(self, load: WorkerLoad, disk=None):
         self.registry = CollectorRegistry()
         r = self.registry
+        if disk is not None:
+            r.register(_DiskCollector(disk))
         Gauge("mtplx_num_requests_running", "Requests decoding", registry=r).set_function(
             lambda: load.running
         )

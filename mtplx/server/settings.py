@@ -27,3 +27,6 @@ class ServerSettings:
     max_body_bytes: int = 10 * 1024 * 1024
     responses_store_size: int = 64  # conversations kept for previous_response_id (an LRU, in memory)
     allowed_origins: tuple[str, ...] = ()
+    # The prompt cache's disk tier (`mtplx.trunk.prompt_cache_disk`; None: RAM only) and its budget.
+    prompt_cache_dir: str | None = None
+    prompt_cache_disk_bytes: int = 0

@@ -103,7 +103,7 @@ class GenerationWorker:
         self.running = 0  # rows decoding
         self._prefilling = 0  # jobs in the batch still prefilling
         self.memory = (0, 0, engine.prompt_cache.max_bytes)  # MLX active bytes, prompt cache bytes, its limit
-        self.metrics = ServerMetrics(self)
+        self.metrics = ServerMetrics(self, engine.prompt_cache.disk)
 
     def start(self) -> None:
         self._thread.start()
@@ -120,6 +120,8 @@ class GenerationWorker:
                     job.cancel()
                     job.emit(Finished())
         self._thread.join(timeout=10)
+        if self.engine.prompt_cache.disk is not None:  # entries queued for the disk reach it
+            self.engine.prompt_cache.disk.flush(timeout=30)
 
     @property
     def queued(self) -> int:

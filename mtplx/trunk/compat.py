@@ -57,7 +57,9 @@ from mlx_lm.models.cache import (
     KVCache,
     QuantizedKVCache,
     RotatingKVCache,
+    load_prompt_cache,
     make_prompt_cache,
+    save_prompt_cache,
 )
 
 __all__ = [
@@ -87,8 +89,11 @@ __all__ = [
     "is_supported_recurrent_layer",
     "kv_state",
     "leading_cache",
+    "load_prompt_cache",
     "make_prompt_cache",
+    "prompt_cache_file_metadata",
     "rotating_state",
+    "save_prompt_cache",
     "set_arrays_slots",
     "set_kv_state",
     "set_rotating_state",
@@ -310,6 +315,13 @@ def copy_cache(cache: Sequence) -> list:
             new.__dict__.update({k: _detached(v) for k, v in vars(c).items()})
         out.append(new)
     return out
+
+
+def prompt_cache_file_metadata(header_metadata: dict[str, str]) -> dict[str, str]:
+    """The caller's metadata in a file ``save_prompt_cache`` wrote, from the safetensors header's
+    ``__metadata__``: mlx-lm flattens [metadata, classes, scalars], so the caller's keys (no dots)
+    are stored as ``0.<key>`` (mlx_lm/models/cache.py, ``save_prompt_cache``)."""
+    return {k[2:]: v for k, v in header_metadata.items() if k.startswith("0.") and "." not in k[2:]}
 
 
 # --------------------------------------------------------------------------- gated-delta hook

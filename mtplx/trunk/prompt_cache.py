@@ -13,8 +13,10 @@ Two kinds of entry, by what the caches allow:
   of them, trimmed to its common prefix with the entry.
 * Snapshot (recurrent ``ArraysCache`` or ``RotatingKVCache`` present: state that
   cannot be moved back): a copy taken when the caches hold all prompt positions
-  but the last (``decode.PromptPrefix``). A later prompt reuses it only if it
-  starts with exactly those tokens.
+  but the last (``decode.PromptPrefix``), and at the chat boundaries ``boundaries``
+  names (`mtplx.trunk.prompt_boundaries`: system prompt's end, generation prompt's
+  start), so a chat's next turn finds one. A later prompt reuses it only if it
+  starts with exactly those tokens; one prefix is held once (``holds``).
 
 In both, ``size`` positions are reused: the trunk's positions 0..size-1 and the
 head's (hidden i, token i+1) pairs for i < size. A head pair at i depends on
@@ -25,6 +27,7 @@ logits start the generation).
 Quantized KV (`kv_quant`) is stored as it is (a ``QuantizedKVCache`` is trimmable); an entry
 whose caches converted at ``quantized_kv_start`` is never trimmed below that start, where the
 same sequence's caches are float.
+A disk tier (``disk``, `mtplx.trunk.prompt_cache_disk`) keeps entries across restarts.
 
 Reusing never changes outputs: a cache prefilled in two parts holds the same
 positions as one prefilled at once (see tests/trunk/test_prompt_cache.py). mlx-lm's
@@ -35,20 +38,27 @@ longest-prefix entry; the data structure here is our own.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from mtplx.errors import MtplxError
 from mtplx.trunk.compat import KVCache, QuantizedKVCache, cache_leaves, copy_cache
 from mtplx.trunk.kv_quant import reusable_from
 
+import numpy as np
+
 __all__ = [
     "DEFAULT_PROMPT_CACHE_BYTES",
     "CacheHit",
     "PromptCache",
+    "as_tokens",
     "cache_nbytes",
+    "common_prefix",
     "copy_cache",
+    "covers",
     "held_positions",
     "is_trimmable",
+    "reusable",
 ]
 
 # What `mtplx serve` and `mtplx chat` keep unless told otherwise.
@@ -76,22 +86,67 @@ def _trim_to(cache: list, size: int) -> None:
         c.trim(c.offset - size)  # offset becomes size (KV caches only: is_trimmable)
 
 
-def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the common prefix of two token arrays (vectorized: a lookup compares every
+    entry's tokens, thousands each, so a Python loop over tokens was its cost)."""
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if differ.size else n
+
+
+def as_tokens(tokens) -> np.ndarray:
+    """Token ids as the int64 array entries and lookups compare."""
+    return np.asarray(tokens, dtype=np.int64).reshape(-1)
+
+
+def reusable(
+    tokens: np.ndarray,
+    size: int,
+    has_head: bool,
+    trimmable: bool,
+    prompt: np.ndarray,
+    with_head: bool,
+    floor: int = 0,
+) -> int:
+    """Positions of ``prompt`` that caches built from ``tokens`` (holding ``size`` positions) can
+    serve (the module docstring), 0 when none. ``floor``: the fewest positions they may be trimmed
+    to (KV quantized from a start: float below it, `kv_quant.reusable_from`)."""
+    if with_head and not has_head:
+        return 0
+    match = common_prefix(tokens, prompt)
+    usable = min(size, match - 1 if with_head else match, len(prompt) - 1)
+    if not trimmable and usable < size:
+        return 0
+    if usable < floor:
+        return 0
+    return max(usable, 0)
+
+
+def covers(new_tokens: np.ndarray, new_size: int, new_head: bool, new_trimmable: bool, old) -> bool:
+    """True if an entry (``new_*``) serves every prompt ``old`` serves (``old`` has ``tokens``,
+    ``size``, ``has_head``, ``trimmable``): a snapshot serves only prompts through its exact
+    boundary, so only an equal one covers it."""
+    same_prefix = common_prefix(old.tokens, new_tokens) >= min(len(old.tokens), old.size + 1)
+    return (
+        same_prefix
+        and (not old.has_head or new_head)
+        and (old.size == new_size or (new_trimmable and old.trimmable and old.size < new_size))
+    )
 
 
 @dataclass
 class _Entry:
-    tokens: tuple[int, ...]  # the sequence the caches were built from (may run past size)
+    tokens: np.ndarray  # the sequence the caches were built from (may run past size)
     size: int  # positions reusable (see the module docstring)
     trunk_cache: list
     head_cache: list | None  # None: built without a head (plain AR)
     trimmable: bool
     nbytes: int
+    floor: int = 0  # the fewest positions it may be trimmed to (`reusable`)
+
+    @property
+    def has_head(self) -> bool:
+        return self.head_cache is not None
 
 
 @dataclass
@@ -106,6 +161,12 @@ class CacheHit:
 class PromptCache:
     """Byte-bounded LRU store of caches keyed by the token sequences that built them.
 
+    ``disk`` (a `mtplx.trunk.prompt_cache_disk.DiskTier`, None: RAM only) keeps entries across
+    restarts: a lookup whose longest prefix is on disk loads it, and entries inserted with
+    ``persist`` are written there (off this thread). ``boundaries`` (prompt -> positions; None:
+    none) names where a request whose caches cannot be trimmed keeps snapshots besides its
+    prompt's end (`mtplx.trunk.prompt_boundaries`).
+
     Not thread-safe: one engine (one generation thread) owns it.
     """
 
@@ -115,6 +176,8 @@ class PromptCache:
         self.max_bytes = max_bytes
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
         self._next_id = 0
+        self.disk = None
+        self.boundaries: Callable[[list[int]], list[int]] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -126,36 +189,52 @@ class PromptCache:
     def clear(self) -> None:
         self._entries.clear()
 
-    def _usable(self, entry: _Entry, prompt: list[int], with_head: bool) -> int:
-        if with_head and entry.head_cache is None:
-            return 0
-        match = _common_prefix(entry.tokens, prompt)
-        usable = min(entry.size, match - 1 if with_head else match, len(prompt) - 1)
-        if not entry.trimmable and usable < entry.size:
-            return 0
-        if usable < reusable_from(entry.trunk_cache):  # quantized KV: float below its start
-            return 0
-        return max(usable, 0)
+    def holds(self, tokens: list[int], size: int, with_head: bool) -> bool:
+        """True if an entry already serves exactly ``tokens[:size]`` (a snapshot there is held once);
+        that entry counts as used now."""
+        prompt = as_tokens(tokens[: size + 1])
+        for entry_id, e in self._entries.items():
+            if (
+                e.size == size
+                and reusable(e.tokens, e.size, e.has_head, e.trimmable, prompt, with_head, e.floor) == size
+            ):
+                self._entries.move_to_end(entry_id)
+                return True
+        return False
+
+    def _best_in_ram(self, prompt: np.ndarray, with_head: bool, longer_than: int) -> tuple[int | None, int]:
+        best_id, best = None, longer_than
+        for entry_id, entry in self._entries.items():
+            usable = reusable(
+                entry.tokens, entry.size, entry.has_head, entry.trimmable, prompt, with_head, entry.floor
+            )
+            if usable > best:
+                best_id, best = entry_id, usable
+        return best_id, best
 
     def lookup(self, prompt: list[int], with_head: bool, longer_than: int = 0) -> CacheHit | None:
         """Copies of the caches of the longest reusable prefix of ``prompt`` if it holds more than
-        ``longer_than`` positions, else None (nothing copied)."""
-        best_id, best = None, longer_than
-        for entry_id, entry in self._entries.items():
-            usable = self._usable(entry, prompt, with_head)
-            if usable > best:
-                best_id, best = entry_id, usable
+        ``longer_than`` positions, else None (nothing copied). An entry on disk that serves more
+        than any in RAM is loaded (and kept in RAM)."""
+        ids = as_tokens(prompt)
+        best_id, best = self._best_in_ram(ids, with_head, longer_than)
+        if self.disk is not None:
+            loaded = self.disk.load_best(ids, with_head, longer_than=best)
+            if loaded is not None:
+                tokens, size, trunk_cache, head_cache = loaded
+                entry = _entry(tokens, size, trunk_cache, head_cache)
+                usable = reusable(
+                    entry.tokens, size, entry.has_head, entry.trimmable, ids, with_head, entry.floor
+                )
+                if usable > best:  # else (its quantized part starts later) the RAM entry serves
+                    best = usable
+                    best_id = self._add(entry)
+                    if best_id is None:  # larger than the RAM budget: served from the loaded caches once
+                        return _hit(entry, best, with_head)
         if best_id is None:
             return None
-        entry = self._entries[best_id]
         self._entries.move_to_end(best_id)
-        trunk_cache = copy_cache(entry.trunk_cache)
-        head_cache = copy_cache(entry.head_cache) if with_head else None
-        if entry.trimmable:
-            _trim_to(trunk_cache, best)
-            if head_cache is not None:
-                _trim_to(head_cache, best)
-        return CacheHit(trunk_cache, head_cache, best)
+        return _hit(self._entries[best_id], best, with_head)
 
     def insert(
         self,
@@ -165,30 +244,49 @@ class PromptCache:
         head_cache: list | None,
         *,
         copy: bool,
+        persist: bool = False,
     ) -> None:
-        """Store caches holding ``size`` positions of ``tokens``; ``copy=False`` takes ownership."""
+        """Store caches holding ``size`` positions of ``tokens``; ``copy=False`` takes ownership.
+        ``persist``: also write them to the disk tier, if there is one (a request's final caches
+        and its snapshots; not the prompt's caches `CacheSession.store_prompt` lends meanwhile)."""
         if self.max_bytes == 0 or size <= 0:
             return
-        trimmable = is_trimmable(trunk_cache) and (head_cache is None or is_trimmable(head_cache))
         if copy:
             trunk_cache = copy_cache(trunk_cache)
             head_cache = copy_cache(head_cache) if head_cache is not None else None
-        nbytes = cache_nbytes(trunk_cache) + (cache_nbytes(head_cache) if head_cache is not None else 0)
-        if nbytes > self.max_bytes:
-            return
-        entry = _Entry(tuple(tokens), size, trunk_cache, head_cache, trimmable, nbytes)
-        # Drop entries the new one makes redundant: every prompt they serve, it serves as well
-        # (a snapshot serves only prompts through its exact boundary, so only an equal one).
+        entry = _entry(tokens, size, trunk_cache, head_cache)
+        if self._add(entry) is not None and persist and self.disk is not None:
+            self.disk.write(entry)
+
+    def _add(self, entry: _Entry) -> int | None:
+        """Keep ``entry`` (its id), dropping the entries it covers and then the least recently
+        used ones over the budget; None (nothing kept) when it alone is over the budget."""
+        if entry.nbytes > self.max_bytes:
+            return None
         for entry_id, old in list(self._entries.items()):
-            same_prefix = _common_prefix(old.tokens, tokens) >= min(len(old.tokens), old.size + 1)
-            covered = (
-                same_prefix
-                and (old.head_cache is None or head_cache is not None)
-                and (old.size == size or (trimmable and old.trimmable and old.size < size))
-            )
-            if covered:
+            if covers(entry.tokens, entry.size, entry.has_head, entry.trimmable, old):
                 del self._entries[entry_id]
-        self._entries[self._next_id] = entry
+        entry_id = self._next_id
+        self._entries[entry_id] = entry
         self._next_id += 1
         while self.nbytes > self.max_bytes:
             self._entries.popitem(last=False)
+        return entry_id
+
+
+def _entry(tokens, size: int, trunk_cache: list, head_cache: list | None) -> _Entry:
+    trimmable = is_trimmable(trunk_cache) and (head_cache is None or is_trimmable(head_cache))
+    nbytes = cache_nbytes(trunk_cache) + (cache_nbytes(head_cache) if head_cache is not None else 0)
+    floor = reusable_from(trunk_cache)  # quantized KV: float below its start
+    return _Entry(as_tokens(tokens), size, trunk_cache, head_cache, trimmable, nbytes, floor)
+
+
+def _hit(entry, size: int, with_head: bool) -> CacheHit:
+    """Copies of ``entry``'s caches holding ``size`` positions."""
+    trunk_cache = copy_cache(entry.trunk_cache)
+    head_cache = copy_cache(entry.head_cache) if with_head else None
+    if entry.trimmable:
+        _trim_to(trunk_cache, size)
+        if head_cache is not None:
+            _trim_to(head_cache, size)
+    return CacheHit(trunk_cache, head_cache, size)

@@ -168,6 +168,18 @@ def test_generate_prompt_from_stdin_with_system_prompt_json_and_quiet_verbose(to
         (["chat", "-m", "0"], "mtplx: error: --max-tokens must be > 0 (got 0)"),
         (["chat", "--prompt-cache-bytes", "-1"], "mtplx: error: --prompt-cache-bytes must be >= 0 (got -1)"),
         (["inspect", "--head", "/no/such/head"], "/no/such/head"),
+        (
+            ["serve", "--prompt-cache-dir", "x", "--prompt-cache-disk-bytes", "0"],
+            "--prompt-cache-disk-bytes: must be > 0",
+        ),
+        (
+            ["serve", "--prompt-cache-disk-bytes", "100"],
+            "--prompt-cache-disk-bytes: needs --prompt-cache-dir",
+        ),
+        (
+            ["serve", "--prompt-cache-dir", "x", "--prompt-cache-bytes", "0"],
+            "--prompt-cache-dir: needs a prompt cache in RAM",
+        ),
     ],
 )
 def test_errors_name_the_flag_typed(args, expected):

@@ -79,3 +79,34 @@ class CharTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return [CHATML_CHARS.index(c) for c in text]
+
+
+THINKING_CHARS = [*CHATML_CHARS, "<think>", "</think>"]
+
+
+def chatml_thinking_chars(path: Path) -> int:
+    """``chatml_chars`` plus ``<think>`` / ``</think>`` (so mlx-lm sees a thinking model) and a
+    Qwen3-style thinking template: the generation prompt opens ``<think>\\n``, and past assistant
+    turns are rendered without it (a new turn rewrites the previous prompt's tail). Saved in
+    ``path``; returns the vocabulary size."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate(THINKING_CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()  # text decodes back to itself (no spaces between characters)
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>", "<think>", "</think>"])
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
+    )
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|im_end|>",
+        "unk_token": "<unk>",
+        "chat_template": template,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return len(vocab)

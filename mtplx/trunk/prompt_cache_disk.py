@@ -1,0 +1,345 @@
+"""The prompt cache's disk tier: entries that outlive the process (`mtplx serve --prompt-cache-dir`).
+
+Files: one per entry, in mlx-lm's prompt-cache format (``mlx_lm.models.cache.save_prompt_cache``:
+a safetensors file of the caches' states, their class names and string metadata), so
+``load_prompt_cache(path)[:trunk_layers]`` is the trunk's cache as mlx-lm builds it; the draft
+head's caches follow it. The metadata holds the key, the format version, the tokens, the
+reusable size and the layout (`_metadata`).
+
+Key: sha256 over the identity (`cache_identity`: model fingerprint, adapter identity, dtype, head
+identity, KV-cache quantization, mlx-lm minor version) and ``FORMAT_VERSION``: caches of another
+model, adapter, dtype, head or KV quantization would give wrong output, so a file with another
+key is never loaded (a model fingerprint ignores adapters: the adapter files are hashed).
+
+Invariants:
+- a file is written atomically: a hidden temporary name in the same directory, then a rename;
+  the decode thread only queues the write (``mx.async_eval`` of the states: no host sync), the
+  writer thread saves it;
+- the entries of this key on disk hold at most ``max_bytes``; the least recently used (a hit
+  touches the file) go first; an entry covered by a newer one is deleted (`prompt_cache.covers`);
+- a damaged file (unreadable header, shorter than its header says, or failing to load) or one
+  of another key is skipped with one log line, never served.
+
+The index reads each file's safetensors header alone (`mtplx.checkpoints.headers`, which also
+notices a file shorter than its header says), never its tensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from importlib import metadata as package_metadata
+from pathlib import Path
+
+from mtplx.checkpoints.headers import read_safetensors_metadata
+from mtplx.errors import MtplxError, first_line
+from mtplx.trunk.compat import (
+    QuantizedKVCache,
+    cache_leaves,
+    load_prompt_cache,
+    prompt_cache_file_metadata,
+    save_prompt_cache,
+)
+from mtplx.trunk.prompt_cache import as_tokens, covers, reusable
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+__all__ = ["DEFAULT_DISK_BYTES", "FORMAT_VERSION", "DiskStats", "DiskTier", "cache_identity"]
+
+FORMAT_VERSION = "1"
+DEFAULT_DISK_BYTES = 16 * 1024**3  # what `mtplx serve --prompt-cache-dir` keeps unless told otherwise
+MAX_QUEUED_WRITES = 8  # writes waiting beyond this are dropped (the entry stays in RAM)
+log = logging.getLogger("mtplx.prompt_cache")
+
+
+def _file_digest(paths: list[Path]) -> str:
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def kv_quantization(trunk) -> str:
+    """The KV-cache kinds a fresh trunk cache holds, quantization settings included."""
+    kinds = []
+    for c in cache_leaves(trunk.make_cache()):
+        name = type(c).__name__
+        if isinstance(c, QuantizedKVCache):
+            name += f"(bits={c.bits},group={c.group_size})"
+        kinds.append(name)
+    return ",".join(sorted(set(kinds)))
+
+
+def cache_identity(
+    *, fingerprint: str, trunk, head, adapter_path: str | Path | None = None, kv: str = ""
+) -> dict[str, str]:
+    """What caches on disk must agree on to be reused (the module docstring). ``kv`` names a KV
+    quantization applied while decoding (beside what the trunk's fresh caches show)."""
+    from mtplx.checkpoints.fingerprint import model_fingerprint
+
+    adapter = "none"
+    if adapter_path is not None:
+        adapter = _file_digest(sorted(p for p in Path(adapter_path).iterdir() if p.is_file()))
+    dtypes = sorted({str(v.dtype) for _, v in tree_flatten(trunk.model.parameters())})
+    major, minor = package_metadata.version("mlx-lm").split(".")[:2]
+    return {
+        "model": fingerprint or model_fingerprint(trunk.model),
+        "adapter": adapter,
+        "dtype": ",".join(dtypes),
+        "head": "none" if head is None else f"{type(head).__name__}:{model_fingerprint(head)}",
+        "kv": kv_quantization(trunk) + (f"+{kv}" if kv else ""),
+        "mlx_lm": f"{major}.{minor}",
+    }
+
+
+@dataclass
+class DiskStats:
+    """What the disk tier did since the process started (`/metrics`)."""
+
+    hits: int = 0  # lookups served from disk
+    bytes_loaded: int = 0
+    load_seconds: float = 0.0
+    writes: int = 0  # entries written
+    dropped_writes: int = 0  # queue full, or the write failed
+    skipped_files: int = 0  # damaged or of another key
+
+
+@dataclass
+class _DiskEntry:
+    name: str  # file name in the directory
+    tokens: np.ndarray
+    size: int
+    has_head: bool
+    trimmable: bool
+    trunk_layers: int
+    nbytes: int  # the file's size
+    last_use: float
+
+
+@dataclass
+class _Write:
+    tokens: np.ndarray
+    size: int
+    trunk_cache: list
+    head_cache: list | None
+    trimmable: bool
+
+
+class DiskTier:
+    """Entries on disk for one model configuration (the module docstring). The index and the
+    files are shared by the decode thread (lookups, queued writes) and the writer thread."""
+
+    def __init__(self, directory: str | Path, max_bytes: int, identity: dict[str, str]):
+        if max_bytes <= 0:
+            raise MtplxError(f"prompt cache disk budget: must be > 0 bytes, got {max_bytes}")
+        self.directory = Path(directory)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise MtplxError(
+                f"{self.directory}: cannot create the prompt cache directory ({err.strerror})"
+            ) from None
+        if not os.access(self.directory, os.W_OK):
+            raise MtplxError(f"{self.directory}: the prompt cache directory is not writable")
+        self.max_bytes = max_bytes
+        text = json.dumps({**identity, "format": FORMAT_VERSION}, sort_keys=True)
+        self.key = hashlib.sha256(text.encode()).hexdigest()
+        self.stats = DiskStats()
+        self._entries: dict[str, _DiskEntry] = {}
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[_Write] = queue.Queue(maxsize=MAX_QUEUED_WRITES)
+        self._writer: threading.Thread | None = None
+        self.index()
+
+    # ------------------------------------------------------------------ the index
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(e.nbytes for e in self._entries.values())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def index(self) -> None:
+        """Read every entry file's header (not its tensors); skip damaged and foreign ones."""
+        foreign = 0
+        for path in sorted(self.directory.glob("*.safetensors")):
+            if path.name.startswith("."):
+                continue  # a write in progress (or one a crash left)
+            try:
+                meta = prompt_cache_file_metadata(read_safetensors_metadata(path))
+                if meta.get("mtplx_key") != self.key:
+                    foreign += 1
+                    continue
+                entry = _entry_from(path, meta)
+            except (MtplxError, OSError, ValueError, KeyError, TypeError) as err:
+                self.stats.skipped_files += 1
+                log.warning("prompt cache: skipped %s: damaged (%s)", path.name, first_line(err))
+                continue
+            self._entries[entry.name] = entry
+        if foreign:
+            self.stats.skipped_files += foreign
+            log.info(
+                "prompt cache: skipped %d files in %s of another model or configuration",
+                foreign,
+                self.directory,
+            )
+        with self._lock:
+            self._evict()
+        log.info(
+            "prompt cache: %d entries (%d bytes) on disk in %s",
+            len(self._entries),
+            self.nbytes,
+            self.directory,
+        )
+
+    def _evict(self) -> None:
+        """Least recently used entries out until the budget holds (the lock held)."""
+        while sum(e.nbytes for e in self._entries.values()) > self.max_bytes:
+            oldest = min(self._entries.values(), key=lambda e: e.last_use)
+            self._delete(oldest)
+
+    def _delete(self, entry: _DiskEntry) -> None:
+        self._entries.pop(entry.name, None)
+        try:
+            (self.directory / entry.name).unlink()
+        except FileNotFoundError:
+            pass
+
+    # ------------------------------------------------------------------ reading
+    def load_best(
+        self, prompt: np.ndarray, with_head: bool, longer_than: int = 0
+    ) -> tuple[np.ndarray, int, list, list | None] | None:
+        """(tokens, size, trunk cache, head cache) of the entry serving the longest prefix of
+        ``prompt``, if longer than ``longer_than``; None when none does or it fails to load."""
+        with self._lock:
+            best, best_size = None, longer_than
+            for entry in self._entries.values():
+                usable = reusable(
+                    entry.tokens, entry.size, entry.has_head, entry.trimmable, prompt, with_head
+                )
+                if usable > best_size:
+                    best, best_size = entry, usable
+            if best is None:
+                return None
+            best.last_use = time.time()
+        return self._load(best)
+
+    def _load(self, entry: _DiskEntry) -> tuple[np.ndarray, int, list, list | None] | None:
+        path = self.directory / entry.name
+        started = time.perf_counter()
+        try:
+            caches, meta = load_prompt_cache(str(path), return_metadata=True)
+            if meta.get("mtplx_key") != self.key or len(caches) < entry.trunk_layers:
+                raise ValueError("its metadata changed since it was indexed")
+            mx.eval([a for _, a in tree_flatten([c.state for c in caches]) if isinstance(a, mx.array)])
+            os.utime(path)
+        except Exception as err:  # any failure to read a file is a damaged file: skip it, serve on
+            with self._lock:
+                self._delete(entry)
+            self.stats.skipped_files += 1
+            log.warning("prompt cache: skipped %s: damaged, cannot load (%s)", path.name, first_line(err))
+            return None
+        self.stats.hits += 1
+        self.stats.bytes_loaded += entry.nbytes
+        self.stats.load_seconds += time.perf_counter() - started
+        trunk_cache = caches[: entry.trunk_layers]
+        head_cache = caches[entry.trunk_layers :] if entry.has_head else None
+        return entry.tokens, entry.size, trunk_cache, head_cache
+
+    # ------------------------------------------------------------------ writing
+    def write(self, entry) -> None:
+        """Queue ``entry`` (a prompt-cache entry: tokens, size, caches) for the writer thread. Its
+        states are queued for evaluation here (no wait); the caches are never written to after."""
+        head = list(entry.head_cache) if entry.head_cache is not None else None
+        caches = list(entry.trunk_cache) + (head or [])
+        mx.async_eval([a for _, a in tree_flatten([c.state for c in caches]) if isinstance(a, mx.array)])
+        job = _Write(entry.tokens, entry.size, list(entry.trunk_cache), head, entry.trimmable)
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            self.stats.dropped_writes += 1
+            return
+        if self._writer is None:
+            self._writer = threading.Thread(
+                target=self._write_loop, name="mtplx-prompt-cache-writer", daemon=True
+            )
+            self._writer.start()
+
+    def flush(self, timeout: float = 60.0) -> bool:
+        """Wait until every queued write is on disk (tests, benchmarks, shutdown); False on timeout."""
+        deadline = time.monotonic() + timeout
+        while self._queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return not self._queue.unfinished_tasks
+
+    def _write_loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            try:
+                self._write_now(job)
+            except Exception as err:  # a full disk, a removed directory: the entry stays in RAM only
+                self.stats.dropped_writes += 1
+                log.warning(
+                    "prompt cache: could not write an entry to %s (%s)", self.directory, first_line(err)
+                )
+            finally:
+                self._queue.task_done()
+
+    def _write_now(self, job: _Write) -> None:
+        tokens = job.tokens.tolist()
+        digest = hashlib.sha256(json.dumps([tokens[: job.size + 1], job.head_cache is not None]).encode())
+        name = f"{self.key[:12]}-{digest.hexdigest()[:20]}-{job.size}.safetensors"
+        temp = self.directory / f".{name}.{os.getpid()}.tmp.safetensors"
+        caches = job.trunk_cache + (job.head_cache or [])
+        meta = {
+            "mtplx_key": self.key,
+            "mtplx_format": FORMAT_VERSION,
+            "mtplx_tokens": json.dumps(tokens),
+            "mtplx_size": str(job.size),
+            "mtplx_head": "1" if job.head_cache is not None else "0",
+            "mtplx_trimmable": "1" if job.trimmable else "0",
+            "mtplx_trunk_layers": str(len(job.trunk_cache)),
+        }
+        try:
+            save_prompt_cache(str(temp), caches, meta)
+            if temp.stat().st_size > self.max_bytes:
+                return  # larger than the whole budget: not kept
+            os.replace(temp, self.directory / name)
+        finally:
+            temp.unlink(missing_ok=True)
+        entry = _entry_from(self.directory / name, meta)
+        with self._lock:
+            for old in list(self._entries.values()):
+                if old.name != name and covers(
+                    entry.tokens, entry.size, entry.has_head, entry.trimmable, old
+                ):
+                    self._delete(old)
+            self._entries[name] = entry
+            self._evict()
+        self.stats.writes += 1
+
+
+def _entry_from(path: Path, meta: dict[str, str]) -> _DiskEntry:
+    """An index entry from a file's metadata (KeyError / ValueError when it lacks a field)."""
+    if meta["mtplx_format"] != FORMAT_VERSION:
+        raise ValueError(f"format {meta['mtplx_format']}, expected {FORMAT_VERSION}")
+    stat = path.stat()
+    return _DiskEntry(
+        name=path.name,
+        tokens=as_tokens(json.loads(meta["mtplx_tokens"])),
+        size=int(meta["mtplx_size"]),
+        has_head=meta["mtplx_head"] == "1",
+        trimmable=meta["mtplx_trimmable"] == "1",
+        trunk_layers=int(meta["mtplx_trunk_layers"]),
+        nbytes=stat.st_size,
+        last_use=stat.st_mtime,
+    )
