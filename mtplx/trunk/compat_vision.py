@@ -200,7 +200,7 @@ def _check_version(version: str) -> list[str]:
 
 def _check_modules() -> list[str]:
     problems = []
-    for model_type, name in VISION_MODEL_TYPES.items():
+    for name in VISION_MODEL_TYPES.values():
         module = importlib.import_module(name)
         for attr in ("ModelConfig", "VisionModel"):
             if not hasattr(module, attr):
