@@ -23,7 +23,7 @@ from mtplx.engine.output import GenerationChunk, GenerationResult, RequestOutput
 from mtplx.engine.request import GenerationRequest
 from mtplx.engine.session import CacheSession, open_session
 from mtplx.engine.stats import GenerationStats
-from mtplx.engine.text import encode_prompt
+from mtplx.engine.text import encode_prompt, with_image_parts
 from mtplx.errors import MtplxError
 from mtplx.heads.discovery import find_head, missing_head_message
 from mtplx.spec_decode import loop as decode
@@ -33,6 +33,7 @@ from mtplx.spec_decode.select import DEFAULT_DEPTH, DrafterChoice, build_propose
 from mtplx.spec_decode.settings import DEFAULT_PREFILL_STEP, DecodeSettings
 from mtplx.trunk.model import Trunk
 from mtplx.trunk.prompt_cache import PromptCache
+from mtplx.trunk.vision import attach_declared
 
 import mlx.core as mx
 
@@ -147,6 +148,7 @@ class Engine:
             verify_backend=verify_backend,
             prompt_cache_bytes=prompt_cache_bytes,
         )
+        attach_declared(engine.trunk, loaded.path, loaded.config)  # a vision-language checkpoint's tower
         if mtp is not False:  # mtp=False: plain AR; no head is looked for, so a misfit one cannot fail
             engine.head = find_head(
                 loaded, engine.trunk, model=model, head=head, dtype=dtype, required=bool(mtp)
@@ -330,7 +332,11 @@ class Engine:
     def plan(self, prompt: str | Sequence[dict] | Sequence[int], request: GenerationRequest) -> DecodePlan:
         """What decoding ``request`` takes here: prompt ids, drafter, loop settings (checked)."""
         choice = self._choose_drafter(request)
+        prompt, images = with_image_parts(prompt, request.images)
+        vision = self._vision() if images else None
         prompt_tokens = self.encode_prompt(prompt, request.chat)
+        if vision is not None:  # each image pad token becomes its image's tokens (mtplx.trunk.vision)
+            prompt_tokens = vision.expand(prompt_tokens, vision.prepare_all(images))
         self._check_fits(prompt_tokens, request.max_tokens)
         drafting = request.drafting
         threshold = drafting.adaptive_threshold or (self.adaptive_threshold if drafting.adaptive else 0.0)
@@ -343,6 +349,14 @@ class Engine:
             logprobs=request.logprobs,
         )
         return DecodePlan(prompt_tokens, choice, settings)
+
+    def _vision(self):
+        """The trunk's image side, for a request with images; refused in one line where there is none."""
+        if self.trunk.vision is None:
+            raise MtplxError("images: this model takes no images (its checkpoint has no vision tower)")
+        if self.distributed is not None:
+            raise MtplxError("images: not supported on a sharded engine")
+        return self.trunk.vision
 
     def compile_grammar(self, grammar) -> GrammarConstraint:
         """A fresh matcher for ``grammar`` (`mtplx.engine.grammar_spec.Grammar`) on this model's

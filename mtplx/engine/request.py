@@ -50,6 +50,9 @@ class GenerationRequest:
     chat: bool | None = None  # raw text through the chat template (None: no; message lists always)
     drafting: Drafting = field(default_factory=Drafting)
     grammar: Grammar | None = None  # the output must match it (response_format, tool calls)
+    # Images (paths, bytes, PIL images) placed before the text of the prompt's last user message
+    # (token-id prompts: one image pad token each); the model must have a vision tower.
+    images: tuple = ()
 
     def __post_init__(self) -> None:
         if integer_value("max_tokens", self.max_tokens) <= 0:
@@ -64,6 +67,13 @@ class GenerationRequest:
         if not all(isinstance(s, str) for s in stop):
             raise MtplxError(f"stop must be strings (got {self.stop!r})")
         object.__setattr__(self, "stop", stop)
+        images = tuple(str(i) if hasattr(i, "__fspath__") else i for i in self.images or ())
+        bad = next(
+            (i for i in images if not isinstance(i, (str, bytes, bytearray)) and not hasattr(i, "size")), None
+        )
+        if bad is not None:  # a PIL image has .size
+            raise MtplxError(f"images must be paths, bytes or PIL images (got {type(bad).__name__})")
+        object.__setattr__(self, "images", images)
 
     @classmethod
     def from_kwargs(
@@ -90,6 +100,7 @@ class GenerationRequest:
         adaptive: bool = False,
         adaptive_threshold: float | None = None,
         grammar: Grammar | None = None,
+        images: Sequence | None = None,
     ) -> GenerationRequest:
         """A request from `Engine.stream`'s flat keyword arguments (the names the API documents)."""
         sampler = SamplerConfig(
@@ -119,4 +130,5 @@ class GenerationRequest:
             chat=chat,
             drafting=drafting,
             grammar=grammar,
+            images=tuple(images or ()),
         )

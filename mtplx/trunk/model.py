@@ -50,7 +50,10 @@ class Trunk:
         attention layer's rope with the checkpoint's M-RoPE layout."""
         from mtplx.trunk import compat_vision
         from mtplx.trunk.image_positions import interleaved_selector
+        from mtplx.trunk.prompt_cache import is_trimmable
 
+        if is_trimmable(self.make_cache()):  # the prompt cache would trim keys reframed past an image
+            raise MtplxError("images: supported on hybrid (gated-delta) Qwen3.5 models only")
         ropes = compat_vision.hooked_ropes(self.model)
         if not ropes:
             raise MtplxError("images: this model has no attention layer the position hook knows")

@@ -22,8 +22,10 @@ measured in benchmarks/vision.py).
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import io
 import json
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +46,7 @@ __all__ = [
     "PromptImages",
     "VisionEncoder",
     "VisionImage",
+    "attach_declared",
     "bind",
     "bound",
     "is_vision_config",
@@ -69,6 +72,20 @@ _PROCESSOR_FIELDS = (
 def is_vision_config(config: dict) -> bool:
     """True when ``config`` (a checkpoint's config.json) declares a vision tower."""
     return isinstance(config.get("vision_config"), dict)
+
+
+def attach_declared(trunk, path: Path, config: dict) -> None:
+    """Give ``trunk`` its checkpoint's vision tower when config.json declares one; without mlx-vlm
+    installed, a note on stderr and the model stays text-only."""
+    if not is_vision_config(config):
+        return
+    if importlib.util.find_spec("mlx_vlm") is None:
+        print(
+            "mtplx: note: this checkpoint takes images; pip install 'mtplx[vision]' to use them",
+            file=sys.stderr,
+        )
+        return
+    trunk.attach_vision(VisionEncoder.load(path, config))
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 offline: config.json with ``text_config`` and ``vision_config``, Hugging Face tensor names
 (``model.language_model.*``, ``model.visual.*`` with the torch Conv3d layout, ``lm_head``,
 ``mtp.*``) or mlx-vlm's converted names (``language_model.*``, ``vision_tower.*``), a
-preprocessor_config.json, and a word-level tokenizer whose last ids are the vision specials.
+preprocessor_config.json, and a character tokenizer whose last ids are the vision specials.
 
 Sizes: text hidden 32, 4 layers (gated delta, attention, gated delta, attention), 2 attention
 heads of 16 with half of each rotated (8 rotary dims: 4 frequencies, M-RoPE sections [2, 1, 1]
@@ -32,7 +32,8 @@ SPECIALS = {
     IMAGE_PAD: "<|image_pad|>",
     VIDEO_PAD: "<|video_pad|>",
 }
-EOS = 1  # "w1"
+EOS = 1  # "a"
+CHARS = "!abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456"  # ids 0 .. VOCAB - 5
 PREPROCESSOR = {
     "patch_size": 4,
     "temporal_patch_size": 2,
@@ -148,24 +149,27 @@ def write_vlm(path: Path, *, layout: str = "hf", mtp_layers: int = 1, seed: int 
 
 
 def vision_tokenizer(path: Path) -> None:
-    """A word-level tokenizer over w0 .. w59 and the four vision specials, with a chat template
-    that writes an image part as ``<|vision_start|> <|image_pad|> <|vision_end|>``."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    """A byte-level BPE tokenizer with one token per character of ``CHARS`` (ids 0..59; "a" = 1
+    is the EOS) and the four vision specials, whose chat template writes an image part as
+    ``<|vision_start|><|image_pad|><|vision_end|>`` and ends a prompt with "Z". (A BPE one:
+    transformers loads a Qwen3.5 checkpoint's tokenizer as its own BPE class whatever the
+    tokenizer config says.)"""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    vocab = {f"w{i}": i for i in range(VISION_START)} | {text: i for i, text in SPECIALS.items()}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(CHARS)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(SPECIALS[i], special=True) for i in sorted(SPECIALS)])
     tok.save(str(path / "tokenizer.json"))
     template = (
-        "{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }} {% else %}"
+        "{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }}{% else %}"
         "{% for part in m['content'] %}{% if part['type'] in ('image', 'image_url') %}"
-        "<|vision_start|> <|image_pad|> <|vision_end|> {% elif part['type'] == 'text' %}{{ part['text'] }} "
-        "{% endif %}{% endfor %}{% endif %}{% endfor %}{% if add_generation_prompt %}w2 {% endif %}"
+        "<|vision_start|><|image_pad|><|vision_end|>{% elif part['type'] == 'text' %}{{ part['text'] }}"
+        "{% endif %}{% endfor %}{% endif %}{% endfor %}{% if add_generation_prompt %}Z{% endif %}"
     )
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": "w1",
-        "unk_token": "w0",
+        "eos_token": CHARS[EOS],
         "chat_template": template,
     }
     (path / "tokenizer_config.json").write_text(json.dumps(config))
