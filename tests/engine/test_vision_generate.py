@@ -147,3 +147,28 @@ def test_images_on_a_text_model_and_bad_images_are_refused_in_one_line(engine, d
     text = Engine.load(str(default_model_dir), mtp=False)
     with pytest.raises(MtplxError, match="this model takes no images"):
         text.generate("hi", max_tokens=2, images=[IMAGE_A], chat=True)
+
+
+def test_a_second_turn_about_the_same_image_reuses_the_prompt_cache(engine) -> None:
+    """The prompt cache keys image tokens on the image's pixels: a chat's second turn about the
+    same image starts from the first turn's snapshot; the same turn about another image of the
+    same size (the same token ids) reuses nothing. Reuse changes no token."""
+
+    def second_turn(image: bytes, reply: str) -> list[dict]:
+        return [
+            *image_messages(image),
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": "ijk"},
+        ]
+
+    kept, engine.prompt_cache = engine.prompt_cache, PromptCache(64 * 1024**2)
+    try:
+        first = engine.generate(image_messages(IMAGE_A), max_tokens=6)
+        again = engine.generate(second_turn(IMAGE_A, first.text), max_tokens=6)
+        other = engine.generate(second_turn(IMAGE_B, first.text), max_tokens=6)
+    finally:
+        engine.prompt_cache = kept
+    first_prompt = engine.plan(image_messages(IMAGE_A), _req()).prompt_tokens
+    assert again.stats.cached_tokens == len(first_prompt) - 1
+    assert other.stats.cached_tokens == 0
+    assert again.token_ids == engine.generate(second_turn(IMAGE_A, first.text), max_tokens=6).token_ids

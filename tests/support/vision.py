@@ -151,7 +151,7 @@ def write_vlm(path: Path, *, layout: str = "hf", mtp_layers: int = 1, seed: int 
 def vision_tokenizer(path: Path) -> None:
     """A byte-level BPE tokenizer with one token per character of ``CHARS`` (ids 0..59; "a" = 1
     is the EOS) and the four vision specials, whose chat template writes an image part as
-    ``<|vision_start|><|image_pad|><|vision_end|>`` and ends a prompt with "Z". (A BPE one:
+    ``<|vision_start|><|image_pad|><|vision_end|>`` and opens the assistant's turn with "Z". (A BPE one:
     transformers loads a Qwen3.5 checkpoint's tokenizer as its own BPE class whatever the
     tokenizer config says.)"""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
@@ -162,7 +162,8 @@ def vision_tokenizer(path: Path) -> None:
     tok.add_special_tokens([AddedToken(SPECIALS[i], special=True) for i in sorted(SPECIALS)])
     tok.save(str(path / "tokenizer.json"))
     template = (
-        "{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+        "{% for m in messages %}{% if m['role'] == 'assistant' %}Z{% endif %}"
+        "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
         "{% for part in m['content'] %}{% if part['type'] in ('image', 'image_url') %}"
         "<|vision_start|><|image_pad|><|vision_end|>{% elif part['type'] == 'text' %}{{ part['text'] }}"
         "{% endif %}{% endfor %}{% endif %}{% endfor %}{% if add_generation_prompt %}Z{% endif %}"

@@ -243,3 +243,24 @@ def test_a_chunk_inside_an_image_keeps_its_origin() -> None:
         shift += layout.shift if layout is not None else 0
     np.testing.assert_array_equal(np.concatenate(pieces, axis=1), whole)
     assert shift == lag == (3 - 6) + (2 - 4)
+
+
+def test_prompt_cache_shares_a_prefix_up_to_a_different_image_and_through_the_same(loaded) -> None:
+    """Keyed on token sequences, the prompt cache stops a shared prefix at the first token of a
+    different image of the same size (the same ids), and keeps it through the same image."""
+    from mtplx.trunk.compat import KVCache
+    from mtplx.trunk.prompt_cache import PromptCache
+
+    _, encoder = loaded
+    x, y = made_up_image(32, 24, seed=5), made_up_image(32, 24, seed=6)
+    text = [5, 7, VISION_START, IMAGE_PAD, VISION_END, 9, 11]
+    with_x = encoder.expand(text, [encoder.prepare(x)])
+    with_y = encoder.expand(text, [encoder.prepare(y)])
+    with_x_again = encoder.expand(text, [encoder.prepare(x)]) + [13]
+    assert [int(t) for t in with_x] == [int(t) for t in with_y]  # the same ids
+    kv = KVCache()
+    kv.update_and_fetch(mx.zeros((1, 1, len(with_x), 4)), mx.zeros((1, 1, len(with_x), 4)))
+    store = PromptCache(1 << 20)
+    store.insert(with_x, len(with_x), [kv], None, copy=True)
+    assert store.lookup(with_y, with_head=False).start == 3  # the image starts at index 3
+    assert store.lookup(with_x_again, with_head=False).start == len(with_x)
