@@ -133,6 +133,22 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--allowed-origins", default=None, help="comma-separated CORS origins (default: CORS off)"
     )
+    parser.add_argument(
+        "--image-dir",
+        default=None,
+        metavar="DIR",
+        help="local image files requests may name (file:// or path) must lie under DIR (default: data URLs only)",
+    )
+
+
+def _image_dir(value: str | None):
+    from pathlib import Path
+
+    if value is None:
+        return None
+    if not Path(value).is_dir():
+        raise MtplxError(f"--image-dir: {value} is not a directory")
+    return Path(value).resolve()
 
 
 def _check_server_flags(args: argparse.Namespace) -> None:
@@ -178,6 +194,7 @@ def run(args: argparse.Namespace) -> int:
         max_tokens_cap=args.max_tokens_cap,
         max_body_bytes=args.max_body_bytes,
         allowed_origins=origins,
+        image_dir=_image_dir(args.image_dir),
     )
     serve(engine, settings, host=args.host, port=args.port)
     return 0

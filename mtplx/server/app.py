@@ -27,6 +27,7 @@ from mtplx.server.anthropic import CountTokensRequest, MessagesFormat, MessagesR
 from mtplx.server.anthropic import error_body as anthropic_error
 from mtplx.server.chat import ChatPlan, plan_chat
 from mtplx.server.constraints import response_format_grammar
+from mtplx.server.images import expand_images
 from mtplx.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from mtplx.server.openai import APIError, ChatFormat, TextFormat, error_body
 from mtplx.server.responses import ResponsesFormat, ResponseStore
@@ -223,7 +224,9 @@ def _add_generation_routes(v1: APIRouter, worker: GenerationWorker, settings: Se
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
         plan = plan_chat(engine.tokenizer, body)
-        prompt_tokens = await _encode_chat(engine, plan)
+        prompt_tokens = await expand_images(
+            engine, body.messages, await _encode_chat(engine, plan), settings.image_dir
+        )
         max_tokens = body.max_completion_tokens or body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         job = _make_job(engine, body, prompt_tokens, max_tokens, logprobs, settings, plan.grammar)
@@ -250,7 +253,9 @@ def _add_generation_routes(v1: APIRouter, worker: GenerationWorker, settings: Se
         chat = _chat_of(body)
         _check_common(chat, settings)
         plan = plan_chat(engine.tokenizer, chat)
-        prompt_tokens = await _encode_chat(engine, plan)
+        prompt_tokens = await expand_images(
+            engine, chat.messages, await _encode_chat(engine, plan), settings.image_dir
+        )
         job = _make_job(engine, chat, prompt_tokens, chat.max_tokens, None, settings, plan.grammar)
         fmt = MessagesFormat(settings.model_id, plan.reader(), engine.tokenizer, body.stop_sequences)
         return await _respond(request, worker, job, settings, fmt, chat)
@@ -266,7 +271,8 @@ def _add_generation_routes(v1: APIRouter, worker: GenerationWorker, settings: Se
         chat = _chat_of(body)
         if chat.model is not None:
             _check_model(chat.model, settings)
-        return {"input_tokens": len(await _encode_chat(engine, plan_chat(engine.tokenizer, chat)))}
+        tokens = await _encode_chat(engine, plan_chat(engine.tokenizer, chat))
+        return {"input_tokens": len(await expand_images(engine, chat.messages, tokens, settings.image_dir))}
 
 
 def _install_middleware(app: FastAPI, settings: ServerSettings) -> None:

@@ -95,6 +95,23 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageURL(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    url: str  # a data URL, or a local file under the server's --image-dir (mtplx.server.images)
+    detail: str | None = None
+
+
+class ImagePart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+# Content parts this server refuses in one line (it reads text and images).
+REFUSED_PARTS = ("input_audio", "audio", "video", "video_url", "file", "input_file")
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
 class FunctionCall(BaseModel):
     model_config = ConfigDict(extra="ignore")
     name: Annotated[str, Field(pattern=FUNCTION_NAME)]
@@ -114,9 +131,19 @@ class Message(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_parts(cls, data: Any) -> Any:
+        content = data.get("content") if isinstance(data, dict) else None
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in REFUSED_PARTS:
+                raise ValueError(f"content: {kind} parts are not supported (text and images only)")
+        return data
 
     @model_validator(mode="after")
     def _turn_shape(self) -> Message:
@@ -131,7 +158,25 @@ class Message(BaseModel):
     def text(self) -> str:
         if self.content is None:
             return ""
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return (
+            self.content
+            if isinstance(self.content, str)
+            else "".join(p.text for p in self.content if isinstance(p, TextPart))
+        )
+
+    def template_content(self, text: str | None = None) -> str | list[dict]:
+        """What the chat template gets as this turn's content: its text (``text`` when given), or
+        with images the parts in order, an image as ``{"type": "image"}`` (its placeholder)."""
+        text = self.text() if text is None else text
+        if not isinstance(self.content, list) or not any(isinstance(p, ImagePart) for p in self.content):
+            return text
+        parts: list[dict] = [
+            {"type": "image"} if isinstance(p, ImagePart) else {"type": "text", "text": p.text}
+            for p in self.content
+        ]
+        return parts + (
+            [{"type": "text", "text": text[len(self.text()) :]}] if len(text) > len(self.text()) else []
+        )
 
 
 class FunctionDefinition(BaseModel):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from mtplx.engine.request import GenerationRequest
 from mtplx.sample.params import SamplerConfig
@@ -27,3 +28,4 @@ class ServerSettings:
     max_body_bytes: int = 10 * 1024 * 1024
     responses_store_size: int = 64  # conversations kept for previous_response_id (an LRU, in memory)
     allowed_origins: tuple[str, ...] = ()
+    image_dir: Path | None = None  # local image files requests may name (None: data URLs only)
