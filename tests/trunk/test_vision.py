@@ -264,3 +264,26 @@ def test_prompt_cache_shares_a_prefix_up_to_a_different_image_and_through_the_sa
     store.insert(with_x, len(with_x), [kv], None, copy=True)
     assert store.lookup(with_y, with_head=False).start == 3  # the image starts at index 3
     assert store.lookup(with_x_again, with_head=False).start == len(with_x)
+
+
+def test_compat_vision_check_passes_here_and_names_what_changed() -> None:
+    """The image path's assumptions about mlx-vlm / mlx-lm hold on the installed versions, and a
+    changed version or an attention class that no longer calls its rope at the cache offset is
+    reported in one error (negative controls)."""
+    from mtplx.trunk import compat_vision
+
+    compat_vision.check()
+    with pytest.raises(MtplxError, match="mlx-vlm 0.6.0 is outside the supported range"):
+        compat_vision.check(version="0.6.0")
+    with pytest.raises(MtplxError, match="no longer calls self.rope"):
+        compat_vision.check(attention_path="mlx_lm.models.qwen3_5.GatedDeltaNet")
+
+
+def test_a_pure_attention_model_is_refused_images(loaded) -> None:
+    """Images need caches the prompt cache snapshots (a trimmed KV cache would keep keys reframed
+    past an image): a pure-KV model is refused in one line."""
+    from support.models import tiny_llama
+
+    _, encoder = loaded
+    with pytest.raises(MtplxError, match="hybrid"):
+        Trunk(tiny_llama()).attach_vision(encoder)
