@@ -353,7 +353,8 @@ class Engine:
     def _vision(self):
         """The trunk's image side, for a request with images; refused in one line where there is none."""
         if self.trunk.vision is None:
-            raise MtplxError("images: this model takes no images (its checkpoint has no vision tower)")
+            reason = self.trunk.vision_refusal or "its checkpoint has no vision tower"
+            raise MtplxError(f"images: this model takes no images ({reason})")
         if self.distributed is not None:
             raise MtplxError("images: not supported on a sharded engine")
         return self.trunk.vision

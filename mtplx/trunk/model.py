@@ -42,6 +42,7 @@ class Trunk:
         self._tap = compat.tap_final_norm(self.inner.norm)
         self._lm_head = compat.find_lm_head(model)
         self.vision = None  # a mtplx.trunk.vision.VisionEncoder once `attach_vision` ran
+        self.vision_refusal: str | None = None  # why a checkpoint that declares a tower takes no images
         self._rope_switch = None  # the M-RoPE hook's switch (compat_vision.RopeSwitch)
         self._rope = None  # one hooked rope (dims, base, scale), for reframing keys
 

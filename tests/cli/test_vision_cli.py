@@ -82,3 +82,22 @@ def test_inspect_says_vision(checkpoint) -> None:
     assert "vision        images in the prompt (tower of" in out.stdout
     info = json.loads(_main("inspect", str(checkpoint), "--json").stdout)
     assert info["vision"]["takes_images"] and info["vision"]["merge_size"] == 2
+
+
+def test_chat_image_command_attaches_an_image_to_the_next_turn(checkpoint) -> None:
+    from mtplx.cli.chat import ChatSettings, run_chat
+    from mtplx.engine.request import GenerationRequest
+
+    cat = str(checkpoint / "cat.png")
+    engine = Engine.load(str(checkpoint))
+    request = GenerationRequest.from_kwargs(max_tokens=5)
+    stdin = io.StringIO(f"/image {cat}\nfgh\n/image /nonexistent.png\nijk\n")
+    stdout, stderr = io.StringIO(), io.StringIO()
+    assert run_chat(engine, ChatSettings(request), stdin=stdin, stdout=stdout, stderr=stderr) == 0
+    first_reply = stdout.getvalue().splitlines()[0]
+    with_image = [
+        {"role": "user", "content": [{"type": "image", "image": cat}, {"type": "text", "text": "fgh"}]}
+    ]
+    assert first_reply == engine.generate(with_image, request).text
+    assert "[image attached to your next turn" in stderr.getvalue()
+    assert "/image: /nonexistent.png is not a file" in stderr.getvalue()

@@ -287,3 +287,13 @@ def test_a_pure_attention_model_is_refused_images(loaded) -> None:
     _, encoder = loaded
     with pytest.raises(MtplxError, match="hybrid"):
         Trunk(tiny_llama()).attach_vision(encoder)
+
+
+def test_a_tower_of_another_family_leaves_the_model_text_only_with_a_reason(checkpoint) -> None:
+    """A Gemma 4 (or any non-Qwen3.5) checkpoint that declares a vision tower still loads, text
+    only; a request with images then gets the reason (`Engine` reads ``vision_refusal``)."""
+    from mtplx.trunk.vision import attach_declared
+
+    trunk = Trunk(load_mlx_model(checkpoint)[0])
+    attach_declared(trunk, checkpoint, {"model_type": "gemma4", "vision_config": {}})
+    assert trunk.vision is None and "not supported for gemma4" in trunk.vision_refusal
