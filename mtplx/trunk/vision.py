@@ -75,15 +75,20 @@ def is_vision_config(config: dict) -> bool:
 
 
 def attach_declared(trunk, path: Path, config: dict) -> None:
-    """Give ``trunk`` its checkpoint's vision tower when config.json declares one; without mlx-vlm
-    installed, a note on stderr and the model stays text-only."""
+    """Give ``trunk`` its checkpoint's vision tower when config.json declares one. A family the
+    image path does not cover (Gemma 4), or no mlx-vlm installed (a note on stderr), leaves the
+    model text-only with the reason in ``trunk.vision_refusal``."""
     if not is_vision_config(config):
         return
-    if importlib.util.find_spec("mlx_vlm") is None:
-        print(
-            "mtplx: note: this checkpoint takes images; pip install 'mtplx[vision]' to use them",
-            file=sys.stderr,
+    model_type = config.get("model_type")
+    if model_type not in compat_vision.VISION_MODEL_TYPES:  # Gemma 4 and others: text only, for now
+        trunk.vision_refusal = (
+            f"images are not supported for {model_type} checkpoints yet (Qwen3.5 / 3.6 only)"
         )
+        return
+    if importlib.util.find_spec("mlx_vlm") is None:
+        trunk.vision_refusal = "images need mlx-vlm: pip install 'mtplx[vision]'"
+        print(f"mtplx: note: this checkpoint takes images; {trunk.vision_refusal}", file=sys.stderr)
         return
     trunk.attach_vision(VisionEncoder.load(path, config))
 
