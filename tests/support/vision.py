@@ -44,7 +44,8 @@ PREPROCESSOR = {
 }
 
 
-def vlm_config(mtp_layers: int = 1) -> dict:
+def vlm_config(mtp_layers: int = 1, moe: bool = False) -> dict:
+    """The config.json; ``moe``: Qwen3.5-MoE's (4 routed experts, 2 per token, a shared expert)."""
     text = {
         "model_type": "qwen3_5_text",
         "hidden_size": HIDDEN,
@@ -74,8 +75,18 @@ def vlm_config(mtp_layers: int = 1) -> dict:
     }
     if mtp_layers:
         text["mtp_num_hidden_layers"] = mtp_layers
+    if moe:
+        text.update(
+            model_type="qwen3_5_moe_text",
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=16,
+            decoder_sparse_step=1,
+        )
+    family = "qwen3_5_moe" if moe else "qwen3_5"
     vision = {
-        "model_type": "qwen3_5",
+        "model_type": family,
         "depth": 1,
         "hidden_size": 16,
         "intermediate_size": 32,
@@ -89,8 +100,8 @@ def vlm_config(mtp_layers: int = 1) -> dict:
         "deepstack_visual_indexes": [],
     }
     return {
-        "model_type": "qwen3_5",
-        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": family,
+        "architectures": ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"],
         "text_config": text,
         "vision_config": vision,
         "image_token_id": IMAGE_PAD,
@@ -102,19 +113,41 @@ def vlm_config(mtp_layers: int = 1) -> dict:
 
 
 def _vision_tower(config: dict, seed: int):
-    from mlx_vlm.models import qwen3_5 as vlm
+    import importlib
+
+    vlm = importlib.import_module(f"mlx_vlm.models.{config['model_type']}")
 
     tower = vlm.VisionModel(vlm.ModelConfig.from_dict(json.loads(json.dumps(config))).vision_config)
     randomize(tower, seed)
     return tower
 
 
-def write_vlm(path: Path, *, layout: str = "hf", mtp_layers: int = 1, seed: int = 0) -> Tiny:
-    """The checkpoint in ``layout`` "hf" (published) or "mlx-vlm" (converted), with its
-    preprocessor config and tokenizer."""
-    from mlx_lm.models import qwen3_5 as q
+def _hf_experts(tensors: dict[str, mx.array]) -> dict[str, mx.array]:
+    """mlx-lm's stacked ``switch_mlp`` projections as Hugging Face's fused Qwen3.5-MoE experts
+    (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I])."""
+    out = {}
+    for name, v in tensors.items():
+        if ".switch_mlp.up_proj." in name or ".switch_mlp.down_proj." in name:
+            continue
+        if ".switch_mlp.gate_proj." in name:
+            prefix = name.split(".switch_mlp.")[0]
+            up = tensors[name.replace("gate_proj", "up_proj")]
+            out[f"{prefix}.experts.gate_up_proj"] = mx.concatenate([v, up], axis=-2)
+            out[f"{prefix}.experts.down_proj"] = tensors[name.replace("gate_proj", "down_proj")]
+            continue
+        out[name] = v
+    return out
 
-    config = vlm_config(mtp_layers)
+
+def write_vlm(
+    path: Path, *, layout: str = "hf", mtp_layers: int = 1, seed: int = 0, moe: bool = False
+) -> Tiny:
+    """The checkpoint in ``layout`` "hf" (published) or "mlx-vlm" (converted), with its
+    preprocessor config and tokenizer; ``moe``: Qwen3.5-MoE (no MTP head)."""
+    import importlib
+
+    config = vlm_config(0 if moe else mtp_layers, moe=moe)
+    q = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     model = q.Model(q.ModelArgs.from_dict(json.loads(json.dumps(config))))
     randomize(model, seed)
     tower = _vision_tower(config, seed + 2)
@@ -137,7 +170,9 @@ def write_vlm(path: Path, *, layout: str = "hf", mtp_layers: int = 1, seed: int 
             tensors["model.visual." + name] = (
                 v.transpose(0, 4, 1, 2, 3) if name == "patch_embed.proj.weight" else v
             )
-    if mtp_layers:
+    if moe and layout == "hf":
+        tensors = _hf_experts(tensors)
+    if mtp_layers and not moe:
         head = _qwen_next_head_module([qwen3_5_mtp_layer(model) for _ in range(mtp_layers)])
         randomize(head, seed + 1)
         for name, v in _prefixed(head, "mtp.").items():
@@ -191,14 +226,18 @@ def made_up_image(width: int, height: int, seed: int = 0, fmt: str = "PNG") -> b
 
 def reference_vlm(path: Path):
     """mlx-vlm's own Qwen3.5 model (tower and language model) loaded from the checkpoint at ``path``."""
-    from mlx_vlm.models import qwen3_5 as vlm
+    import importlib
 
     config = json.loads((path / "config.json").read_text())
+    vlm = importlib.import_module(f"mlx_vlm.models.{config['model_type']}")
     model = vlm.Model(vlm.ModelConfig.from_dict(config))
     weights = {}
     for file in sorted(path.glob("model*.safetensors")):
         weights.update(mx.load(str(file)))
-    weights = model.sanitize(weights)
+    weights = model.sanitize(weights)  # then each part's own, as mlx_vlm.utils.load_model does
+    weights = model.vision_tower.sanitize(weights)
+    if hasattr(model.language_model, "sanitize"):
+        weights = model.language_model.sanitize(weights)
     model.load_weights(list(weights.items()), strict=True)
     model.eval()
     mx.eval(model.parameters())

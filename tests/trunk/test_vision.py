@@ -148,6 +148,18 @@ def test_trunk_logits_match_mlx_vlm_for_text_image_text(loaded, reference, chunk
     assert max(gaps) < TOLERANCE, gaps
 
 
+def test_moe_trunk_logits_match_mlx_vlm(tmp_path) -> None:
+    """The same on a Qwen3.5-MoE replica (Hugging Face's fused expert tensors), chunks of 3."""
+    write_vlm(tmp_path / "moe", moe=True)
+    trunk, encoder = load_trunk(tmp_path / "moe")
+    reference = reference_vlm(tmp_path / "moe")
+    tokens, images = prompt_with(encoder, [(32, 24), (40, 16)])
+    ours, cache = trunk_prefill(trunk, tokens, 3)
+    theirs, ref_cache = reference_forward(reference, tokens, images)
+    assert max_gap(ours, theirs) < TOLERANCE
+    assert max(decode_gaps(trunk, cache, reference, ref_cache, int(mx.argmax(theirs[-1])))) < TOLERANCE
+
+
 def test_without_the_position_hook_the_logits_differ(loaded, reference, monkeypatch) -> None:
     """Negative control: merged embeddings at plain RoPE positions (no M-RoPE, no reframe) differ
     from mlx-vlm's far beyond the tolerance, so the test above would catch a missing hook."""
