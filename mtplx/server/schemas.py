@@ -164,19 +164,17 @@ class Message(BaseModel):
             else "".join(p.text for p in self.content if isinstance(p, TextPart))
         )
 
-    def template_content(self, text: str | None = None) -> str | list[dict]:
-        """What the chat template gets as this turn's content: its text (``text`` when given), or
-        with images the parts in order, an image as ``{"type": "image"}`` (its placeholder)."""
-        text = self.text() if text is None else text
+    def template_content(self, suffix: str = "") -> str | list[dict]:
+        """What the chat template gets as this turn's content: its text then ``suffix``, or, with
+        images, its parts in order (an image as ``{"type": "image"}``, its placeholder) then
+        ``suffix`` as a text part."""
         if not isinstance(self.content, list) or not any(isinstance(p, ImagePart) for p in self.content):
-            return text
-        parts: list[dict] = [
+            return self.text() + suffix
+        parts = [
             {"type": "image"} if isinstance(p, ImagePart) else {"type": "text", "text": p.text}
             for p in self.content
         ]
-        return parts + (
-            [{"type": "text", "text": text[len(self.text()) :]}] if len(text) > len(self.text()) else []
-        )
+        return parts + ([{"type": "text", "text": suffix}] if suffix else [])
 
 
 class FunctionDefinition(BaseModel):
