@@ -139,9 +139,23 @@ def test_sampled_first_tokens_after_an_image_match_the_exact_ar_joint(engine) ->
     assert loop_p_value(counts, text_only) < FALSE_FAILURE_RATE
 
 
+def decompression_bomb() -> bytes:
+    """A PNG of 25 M pixels in a few kilobytes."""
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("1", (5000, 5000)).save(out, format="PNG")
+    assert len(out.getvalue()) < 100_000
+    return out.getvalue()
+
+
 def test_images_on_a_text_model_and_bad_images_are_refused_in_one_line(engine, default_model_dir) -> None:
     with pytest.raises(MtplxError, match="image 1: not a readable image"):
         engine.generate(image_messages(b"not an image"), max_tokens=2)
+    with pytest.raises(MtplxError, match="image 1: 5000x5000 is over the limit of 16777216 pixels"):
+        engine.generate(image_messages(decompression_bomb()), max_tokens=2)  # refused before decoding
     with pytest.raises(MtplxError, match="video parts are not supported"):
         engine.generate([{"role": "user", "content": [{"type": "video", "video": "x.mp4"}]}], max_tokens=2)
     text = Engine.load(str(default_model_dir), mtp=False)
