@@ -23,7 +23,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from mtplx.trunk.compat import KVCache, cache_leaves, kv_state, set_kv_state
+from mtplx.errors import MtplxError
+from mtplx.trunk.compat import ArraysCache, KVCache, cache_leaves, kv_state, set_kv_state
 
 import mlx.core as mx
 import numpy as np
@@ -111,8 +112,10 @@ def reframe(cache: list, turn: int, rope) -> None:
     """Turn every key of the attention caches in ``cache`` (single-row mlx-lm ``KVCache``s) by
     ``turn`` positions with the layers' own RoPE (``rope``: dims, base, scale). Lazy."""
     for c in cache_leaves(cache):
-        if type(c) is not KVCache:
+        if type(c) is ArraysCache:  # recurrent state: no positions
             continue
+        if type(c) is not KVCache:
+            raise MtplxError(f"images: {type(c).__name__} caches are not supported (plain KV caches only)")
         state = kv_state(c)
         if state.keys is None:
             continue

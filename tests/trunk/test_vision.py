@@ -309,3 +309,11 @@ def test_a_tower_of_another_family_leaves_the_model_text_only_with_a_reason(chec
     trunk = Trunk(load_mlx_model(checkpoint)[0])
     attach_declared(trunk, checkpoint, {"model_type": "gemma4", "vision_config": {}})
     assert trunk.vision is None and "not supported for gemma4" in trunk.vision_refusal
+
+
+def test_reframe_refuses_caches_it_cannot_turn() -> None:
+    """A quantized KV cache holds keys the reframe cannot turn: refused, never left stale."""
+    from mtplx.trunk.compat import QuantizedKVCache
+
+    with pytest.raises(MtplxError, match="QuantizedKVCache caches are not supported"):
+        image_positions.reframe([QuantizedKVCache()], 3, None)
