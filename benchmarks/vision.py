@@ -1,6 +1,7 @@
 """Images in the prompt on the tiny Qwen3.5 vision-language replica (tests/support/vision.py):
 time to first token of an image turn with and without the prompt cache, and decode speed after
-an image with MTP vs AR (acceptance recorded, not asserted: the replica's head is random).
+an image with MTP vs AR, and the head's acceptance after an image against the same text without
+one (recorded, not asserted; the replica's head agrees with its trunk by ``--context-strength``).
 
 - TTFT cold: a new conversation about a new image (tower + prefill of every prompt token);
 - TTFT cached: the second turn about the same image (the first turn's snapshot is reused: only
@@ -57,20 +58,24 @@ def ttft(engine: Engine, repeats: int, width: int, height: int) -> dict:
 
 
 def decode(engine: Engine, repeats: int, max_tokens: int, width: int, height: int) -> dict:
+    """Decode speed and head acceptance after an image, and after the same text without one."""
     out = {}
-    for draft in ("none", "head"):
-        speeds, drafted, accepted = [], 0, 0
-        for r in range(repeats):
-            result = engine.generate(
-                turn(made_up_image(width, height, seed=r), "fgh"), max_tokens=max_tokens, draft=draft
-            )
-            speeds.append(result.stats.decode_tokens_per_sec)
-            head = result.stats.drafters.get("head", {})
-            drafted, accepted = drafted + head.get("drafted", 0), accepted + head.get("accepted", 0)
-        out[draft] = {
-            "decode_tokens_per_sec": statistics.median(speeds),
-            "acceptance": accepted / drafted if drafted else None,
-        }
+    for prompt_kind in ("image", "text"):
+        for draft in ("none", "head"):
+            speeds, drafted, accepted = [], 0, 0
+            for r in range(repeats):
+                image = made_up_image(width, height, seed=r)
+                prompt = (
+                    turn(image, "fgh") if prompt_kind == "image" else [{"role": "user", "content": f"fgh{r}"}]
+                )
+                result = engine.generate(prompt, max_tokens=max_tokens, draft=draft)
+                speeds.append(result.stats.decode_tokens_per_sec)
+                head = result.stats.drafters.get("head", {})
+                drafted, accepted = drafted + head.get("drafted", 0), accepted + head.get("accepted", 0)
+            out[f"{prompt_kind}/{'mtp' if draft == 'head' else 'ar'}"] = {
+                "decode_tokens_per_sec": statistics.median(speeds),
+                "acceptance": accepted / drafted if drafted else None,
+            }
     return out
 
 
@@ -81,11 +86,17 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=2)
     parser.add_argument("--width", type=int, default=48)
     parser.add_argument("--height", type=int, default=48)
+    parser.add_argument(
+        "--context-strength",
+        type=float,
+        default=0.5,
+        help="the replica's head agreement (support.vision.write_vlm)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "vision.json")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "tiny-vlm"
-        write_vlm(path, seed=3)
+        write_vlm(path, seed=3, context_strength=args.context_strength)
         engine = Engine.load(str(path), mtp=True, depth=args.depth)
         engine.generate(turn(made_up_image(16, 16), "fgh"), max_tokens=2)  # warm-up
         times = ttft(engine, args.repeats, args.width, args.height)
@@ -94,11 +105,9 @@ def main() -> None:
     print(
         f"TTFT of an image turn: cold {times['cold_s'] * 1e3:.1f} ms, second turn (prompt cache) {times['cached_s'] * 1e3:.1f} ms"
     )
-    for draft, row in speeds.items():
+    for name, row in speeds.items():
         acc = "" if row["acceptance"] is None else f", acceptance {row['acceptance']:.2f}"
-        print(
-            f"decode after the image, {'MTP' if draft == 'head' else 'AR'}: {row['decode_tokens_per_sec']:.1f} tok/s{acc}"
-        )
+        print(f"decode, {name}: {row['decode_tokens_per_sec']:.1f} tok/s{acc}")
     write_json(args.out, {**provenance(vars(args)), "ttft": times, "decode": speeds})
     print(f"wrote {args.out}")
 

@@ -23,7 +23,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from support.checkpoints import Tiny, _prefixed, _qwen35_offset, _qwen_next_head_module, write_checkpoint
-from support.models import HIDDEN, VOCAB, qwen3_5_mtp_layer, randomize
+from support.models import HIDDEN, VOCAB, qwen3_5_mtp_layer, randomize, scale_outputs
 
 VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = VOCAB - 4, VOCAB - 3, VOCAB - 2, VOCAB - 1
 SPECIALS = {
@@ -140,16 +140,28 @@ def _hf_experts(tensors: dict[str, mx.array]) -> dict[str, mx.array]:
 
 
 def write_vlm(
-    path: Path, *, layout: str = "hf", mtp_layers: int = 1, seed: int = 0, moe: bool = False
+    path: Path,
+    *,
+    layout: str = "hf",
+    mtp_layers: int = 1,
+    seed: int = 0,
+    moe: bool = False,
+    context_strength: float | None = None,
 ) -> Tiny:
     """The checkpoint in ``layout`` "hf" (published) or "mlx-vlm" (converted), with its
-    preprocessor config and tokenizer; ``moe``: Qwen3.5-MoE (no MTP head)."""
+    preprocessor config and tokenizer; ``moe``: Qwen3.5-MoE (no MTP head). ``context_strength``
+    as `support.checkpoints.qwen3_5`'s: a head that reads the next token's embedding, so it
+    agrees with the trunk's bigram part (drafts get kept), for acceptance measurements."""
     import importlib
 
     config = vlm_config(0 if moe else mtp_layers, moe=moe)
     q = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     model = q.Model(q.ModelArgs.from_dict(json.loads(json.dumps(config))))
     randomize(model, seed)
+    if context_strength is not None:
+        scale_outputs(model, context_strength)
+        embed = model.language_model.model.embed_tokens
+        embed.weight = embed.weight * embed.weight.shape[-1] ** 0.5
     tower = _vision_tower(config, seed + 2)
     tensors: dict[str, mx.array] = {}
     for name, v in tree_flatten(model.parameters()):
@@ -175,6 +187,11 @@ def write_vlm(
     if mtp_layers and not moe:
         head = _qwen_next_head_module([qwen3_5_mtp_layer(model) for _ in range(mtp_layers)])
         randomize(head, seed + 1)
+        if context_strength is not None:
+            scale_outputs(head, context_strength)
+            head.fc.weight = mx.concatenate([mx.eye(HIDDEN), mx.zeros((HIDDEN, HIDDEN))], axis=1)
+            head.pre_fc_norm_embedding.weight = mx.ones((HIDDEN,))
+            head.norm.weight = model.language_model.model.norm.weight
         for name, v in _prefixed(head, "mtp.").items():
             tensors[name] = _qwen35_offset(name, v) if layout == "hf" else v
     tiny = write_checkpoint(path, tensors, config)
