@@ -86,6 +86,9 @@ def attach_declared(trunk, path: Path, config: dict) -> None:
             f"images are not supported for {model_type} checkpoints yet (Qwen3.5 / 3.6 only)"
         )
         return
+    if not _tower_files(path):  # a text-only conversion that kept the config's vision_config
+        trunk.vision_refusal = "the checkpoint ships no vision tower weights"
+        return
     if importlib.util.find_spec("mlx_vlm") is None:
         trunk.vision_refusal = "images need mlx-vlm: pip install 'mtplx[vision]'"
         print(f"mtplx: note: this checkpoint takes images; {trunk.vision_refusal}", file=sys.stderr)
@@ -226,17 +229,24 @@ def _processor_settings(path: Path, spec: compat_vision.VisionSpec) -> dict:
     return {k: raw[k] for k in _PROCESSOR_FIELDS if k in raw}
 
 
-def _tower_weights(path: Path) -> dict[str, mx.array]:
-    """The checkpoint's tensors under a tower prefix (either layout), loaded lazily by file."""
+def _tower_files(path: Path) -> list[Path]:
+    """The checkpoint's safetensors files holding tower tensors (from their headers)."""
     from mtplx.checkpoints.headers import read_safetensors_header
 
+    return [
+        file
+        for file in sorted(Path(path).glob("*.safetensors"))
+        if any(n.startswith(compat_vision.TOWER_PREFIXES) for n in read_safetensors_header(file))
+    ]
+
+
+def _tower_weights(path: Path) -> dict[str, mx.array]:
+    """The checkpoint's tensors under a tower prefix (either layout), loaded lazily by file."""
     found: dict[str, mx.array] = {}
-    for file in sorted(path.glob("*.safetensors")):
-        names = read_safetensors_header(file)
-        if any(n.startswith(compat_vision.TOWER_PREFIXES) for n in names):
-            found.update(
-                {k: v for k, v in mx.load(str(file)).items() if k.startswith(compat_vision.TOWER_PREFIXES)}
-            )
+    for file in _tower_files(path):
+        found.update(
+            {k: v for k, v in mx.load(str(file)).items() if k.startswith(compat_vision.TOWER_PREFIXES)}
+        )
     return found
 
 

@@ -301,7 +301,7 @@ def test_a_pure_attention_model_is_refused_images(loaded) -> None:
         Trunk(tiny_llama()).attach_vision(encoder)
 
 
-def test_a_tower_of_another_family_leaves_the_model_text_only_with_a_reason(checkpoint) -> None:
+def test_a_tower_of_another_family_or_none_leaves_the_model_text_only_with_a_reason(checkpoint) -> None:
     """A Gemma 4 (or any non-Qwen3.5) checkpoint that declares a vision tower still loads, text
     only; a request with images then gets the reason (`Engine` reads ``vision_refusal``)."""
     from mtplx.trunk.vision import attach_declared
@@ -309,6 +309,9 @@ def test_a_tower_of_another_family_leaves_the_model_text_only_with_a_reason(chec
     trunk = Trunk(load_mlx_model(checkpoint)[0])
     attach_declared(trunk, checkpoint, {"model_type": "gemma4", "vision_config": {}})
     assert trunk.vision is None and "not supported for gemma4" in trunk.vision_refusal
+    # A text-only conversion that kept vision_config in its config.json loads text-only too.
+    attach_declared(trunk, checkpoint / "nowhere", {"model_type": "qwen3_5", "vision_config": {}})
+    assert trunk.vision is None and trunk.vision_refusal == "the checkpoint ships no vision tower weights"
 
 
 def test_reframe_refuses_caches_it_cannot_turn() -> None:
