@@ -25,7 +25,7 @@ import pytest
 from support.decoding import same_or_tie
 from support.exactness import FALSE_FAILURE_RATE, loop_p_value
 from support.models import VOCAB
-from support.vision import EOS, made_up_image, write_vlm
+from support.vision import CHARS, EOS, IMAGE_PAD, VISION_END, VISION_START, made_up_image, write_vlm
 
 _req = GenerationRequest.from_kwargs
 
@@ -58,10 +58,12 @@ def test_greedy_mtp_equals_ar_after_an_image(engine) -> None:
     assert other.token_ids != ar.token_ids  # the image is read: a different one changes the text
 
 
-def test_images_keyword_places_them_before_the_text(engine) -> None:
+def test_images_keyword_and_token_id_prompts_place_them_as_message_parts_do(engine) -> None:
     by_part = engine.generate(image_messages(IMAGE_A), max_tokens=8)
     by_keyword = engine.generate("fgh", max_tokens=8, images=[IMAGE_A], chat=True)
     assert by_keyword.token_ids == by_part.token_ids
+    ids = [VISION_START, IMAGE_PAD, VISION_END, *(CHARS.index(c) for c in "fghZ")]  # one pad per image
+    assert engine.generate(ids, max_tokens=8, images=[IMAGE_A]).token_ids == by_part.token_ids
 
 
 def test_image_rows_in_a_batch_give_the_tokens_they_give_alone(engine) -> None:
