@@ -66,8 +66,9 @@ def with_image_parts(
         if not images:
             return prompt, []
         prompt = [{"role": "user", "content": prompt}]
-    messages = [dict(m) for m in prompt]
-    if images:
+    messages = list(prompt)
+    if images:  # copies: the caller's messages stay as they were
+        messages = [dict(m) for m in messages]
         users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
         if not users:
             raise MtplxError("images: the prompt has no user message to put them in")
