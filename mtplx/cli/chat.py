@@ -12,6 +12,7 @@ Behaviour follows mlx_lm/chat.py (a REPL over `stream_generate` with a kept prom
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import TextIO
@@ -29,7 +30,11 @@ from mtplx.errors import MtplxError
 
 HELP = "interactive multi-turn chat (reads turns line by line; /reset, /stats, Ctrl-D quits)"
 
-COMMANDS = {"/reset": "forget the conversation", "/stats": "speed and acceptance of the last reply"}
+COMMANDS = {
+    "/reset": "forget the conversation",
+    "/stats": "speed and acceptance of the last reply",
+    "/image PATH": "attach an image to your next turn (a vision-language model)",
+}
 
 
 @dataclass
@@ -50,8 +55,12 @@ class Conversation:
     def reset(self) -> None:
         self.messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
 
-    def add(self, role: str, content: str) -> None:
-        self.messages.append({"role": role, "content": content})
+    def add(self, role: str, content: str, images: list[str] | None = None) -> None:
+        if images:  # image parts before the text, as `Engine.generate(images=...)` places them
+            parts = [{"type": "image", "image": path} for path in images]
+            self.messages.append({"role": role, "content": [*parts, {"type": "text", "text": content}]})
+        else:
+            self.messages.append({"role": role, "content": content})
 
 
 def _read_turn(stdin: TextIO, interactive: bool) -> str | None:
@@ -101,6 +110,7 @@ def run_chat(
     interactive = stdin.isatty()
     conversation = Conversation(settings.system_prompt)
     last_stats = None
+    images: list[str] = []  # attached with /image, sent with the next turn
     if interactive:
         mode = (
             f"MTP depth {engine.depth}"
@@ -133,7 +143,16 @@ def run_chat(
                 flush=True,
             )
             continue
-        conversation.add("user", line)
+        if command.startswith("/image "):
+            path = command[len("/image ") :].strip()
+            if os.path.isfile(path):
+                images.append(path)
+                print(f"[image attached to your next turn: {path}]", file=stderr, flush=True)
+            else:
+                print(f"mtplx: error: /image: {path} is not a file", file=stderr, flush=True)
+            continue
+        conversation.add("user", line, images)
+        images = []
         try:
             stats = _reply(engine, conversation, settings, stdout, stderr)
         except MtplxError as err:  # e.g. the conversation outgrew the context: say so, keep chatting

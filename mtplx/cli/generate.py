@@ -36,6 +36,13 @@ def add_args(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--prompt", "-p", default=None, help="the prompt, mlx-lm style ('-': standard input)")
     add_generation_args(gen, max_tokens=DEFAULT_MAX_TOKENS)
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    gen.add_argument(
+        "--image",
+        action="append",
+        default=None,
+        metavar="PATH",
+        help="an image before the prompt's text (repeatable; a vision-language model, chat template)",
+    )
     add_switch(
         gen,
         "chat",
@@ -85,13 +92,16 @@ def _use_chat_template(args: argparse.Namespace, engine) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    request = request_from_args(args, max_tokens=args.max_tokens, stop=args.stop or ())  # before loading
+    images = tuple(args.image or ())
+    request = request_from_args(args, max_tokens=args.max_tokens, stop=args.stop or (), images=images)
     prompt = _read_prompt(args)
     quiet = args.verbose is False or args.json
     engine = load_engine(args, quiet=quiet)
     # Under mlx.launch every rank runs the same loop; only rank 0 prints.
     silent = engine.distributed is not None and engine.distributed.rank != 0
     chat = _use_chat_template(args, engine)
+    if images and not chat:
+        raise MtplxError("--image needs the chat template (drop --raw / --ignore-chat-template)")
     if chat:
         system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
         prompt = [*system, {"role": "user", "content": prompt}]

@@ -147,6 +147,22 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--allowed-origins", default=None, help="comma-separated CORS origins (default: CORS off)"
     )
+    parser.add_argument(
+        "--image-dir",
+        default=None,
+        metavar="DIR",
+        help="local image files requests may name (file:// or path) must lie under DIR (default: data URLs only)",
+    )
+
+
+def _image_dir(value: str | None):
+    from pathlib import Path
+
+    if value is None:
+        return None
+    if not Path(value).is_dir():
+        raise MtplxError(f"--image-dir: {value} is not a directory")
+    return Path(value).resolve()
 
 
 def _check_server_flags(args: argparse.Namespace) -> None:
@@ -202,6 +218,7 @@ def run(args: argparse.Namespace) -> int:
         allowed_origins=origins,
         prompt_cache_dir=args.prompt_cache_dir,
         prompt_cache_disk_bytes=disk_bytes if args.prompt_cache_dir is not None else 0,
+        image_dir=_image_dir(args.image_dir),
     )
     serve(engine, settings, host=args.host, port=args.port)
     return 0

@@ -22,7 +22,7 @@ from mtplx.engine.output import GenerationChunk, GenerationResult
 from mtplx.engine.request import GenerationRequest
 from mtplx.engine.scheduler import BatchScheduler, run_to_completion, stream_of
 from mtplx.engine.stats import GenerationStats
-from mtplx.engine.text import encode_prompt
+from mtplx.engine.text import encode_prompt, with_image_parts
 from mtplx.errors import MtplxError
 from mtplx.heads.discovery import find_head, missing_head_message
 from mtplx.spec_decode.constraint import GrammarConstraint
@@ -39,6 +39,7 @@ from mtplx.trunk.kv_quant import KVQuantization, check_fit
 from mtplx.trunk.model import Trunk
 from mtplx.trunk.prompt_boundaries import ChatBoundaries
 from mtplx.trunk.prompt_cache import PromptCache
+from mtplx.trunk.vision import attach_declared
 
 import mlx.core as mx
 
@@ -137,15 +138,7 @@ class Engine:
 
         if dtype not in (None, *loading.VARIANTS):
             raise MtplxError(f"dtype must be one of {', '.join(loading.VARIANTS)} (got {dtype})")
-        if distributed:
-            from mtplx.engine import distributed as dist
-
-            dist.parse_mode(distributed)
-            if adapter_path is not None:
-                raise MtplxError(
-                    "adapter_path: not supported when sharded; merge the adapters first (mlx_lm.fuse)"
-                )
-            group = dist.launch_group()  # before the (long) load: refuse a process that runs alone
+        group = _launch_group(distributed, adapter_path) if distributed else None
         # Sharded: load lazily, so each rank only materializes the weights it keeps.
         loaded = loading.load_model(
             model, variant=dtype or "float32", lazy=bool(distributed), adapter_path=adapter_path
@@ -160,6 +153,7 @@ class Engine:
             prompt_cache_bytes=prompt_cache_bytes,
         )
         engine.adapter_path = Path(adapter_path) if adapter_path is not None else None
+        attach_declared(engine.trunk, loaded.path, loaded.config)  # a vision-language checkpoint's tower
         if mtp is not False:  # mtp=False: plain AR; no head is looked for, so a misfit one cannot fail
             engine.head = find_head(
                 loaded, engine.trunk, model=model, head=head, dtype=dtype, required=bool(mtp)
@@ -173,6 +167,8 @@ class Engine:
         if kv_plan is not None:
             engine._quantize_kv(kv_plan)
         if distributed:
+            from mtplx.engine import distributed as dist
+
             timeout = (
                 collective_timeout if collective_timeout is not None else dist.DEFAULT_COLLECTIVE_TIMEOUT
             )
@@ -336,7 +332,11 @@ class Engine:
     def plan(self, prompt: str | Sequence[dict] | Sequence[int], request: GenerationRequest) -> DecodePlan:
         """What decoding ``request`` takes here: prompt ids, drafter, loop settings (checked)."""
         choice = self._choose_drafter(request)
+        prompt, images = with_image_parts(prompt, request.images)
+        vision = self._vision() if images else None
         prompt_tokens = self.encode_prompt(prompt, request.chat)
+        if vision is not None:  # each image pad token becomes its image's tokens (mtplx.trunk.vision)
+            prompt_tokens = vision.expand(prompt_tokens, vision.prepare_all(images))
         self._check_fits(prompt_tokens, request.max_tokens)
         drafting = request.drafting
         threshold = drafting.adaptive_threshold or (self.adaptive_threshold if drafting.adaptive else 0.0)
@@ -349,6 +349,15 @@ class Engine:
             logprobs=request.logprobs,
         )
         return DecodePlan(prompt_tokens, choice, settings)
+
+    def _vision(self):
+        """The trunk's image side, for a request with images; refused in one line where there is none."""
+        if self.trunk.vision is None:
+            reason = self.trunk.vision_refusal or "its checkpoint has no vision tower"
+            raise MtplxError(f"images: this model takes no images ({reason})")
+        if self.distributed is not None:
+            raise MtplxError("images: not supported on a sharded engine")
+        return self.trunk.vision
 
     def compile_grammar(self, grammar) -> GrammarConstraint:
         """A fresh matcher for ``grammar`` (`mtplx.engine.grammar_spec.Grammar`) on this model's
@@ -493,3 +502,14 @@ def _kv_plan(
     if plan is not None and distributed:
         raise MtplxError("kv_bits: not supported when sharded")
     return plan
+
+
+def _launch_group(distributed: bool | str, adapter_path) -> object:
+    """The group of ranks a sharded engine runs over, checked before the (long) load: a process
+    that runs alone, an unknown mode or adapters (merge them first) are refused."""
+    from mtplx.engine import distributed as dist
+
+    dist.parse_mode(distributed)
+    if adapter_path is not None:
+        raise MtplxError("adapter_path: not supported when sharded; merge the adapters first (mlx_lm.fuse)")
+    return dist.launch_group()

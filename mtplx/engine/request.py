@@ -57,6 +57,9 @@ class GenerationRequest:
     n: int = 1  # choices from one prefill, each with its own key (the server's ``n``)
     ignore_eos: bool = False  # the tokenizer's EOS does not end the request (only stop_token_ids)
     detokenize: bool = True  # False: token ids only, no text (no stop strings then)
+    # Images (paths, bytes, PIL images) placed before the text of the prompt's last user message
+    # (token-id prompts: one image pad token each); the model must have a vision tower.
+    images: tuple = ()
 
     def __post_init__(self) -> None:
         if integer_value("max_tokens", self.max_tokens) <= 0:
@@ -79,6 +82,13 @@ class GenerationRequest:
         object.__setattr__(self, "stop_token_ids", ids)
         if stop and not self.detokenize:
             raise MtplxError("stop strings need the text: they cannot be used with detokenize=False")
+        images = tuple(str(i) if hasattr(i, "__fspath__") else i for i in self.images or ())
+        bad = next(
+            (i for i in images if not isinstance(i, (str, bytes, bytearray)) and not hasattr(i, "size")), None
+        )
+        if bad is not None:  # a PIL image has .size
+            raise MtplxError(f"images must be paths, bytes or PIL images (got {type(bad).__name__})")
+        object.__setattr__(self, "images", images)
 
     @classmethod
     def from_kwargs(
@@ -106,6 +116,7 @@ class GenerationRequest:
         adaptive_threshold: float | None = None,
         grammar: Grammar | None = None,
         n: int = 1,
+        images: Sequence | None = None,
     ) -> GenerationRequest:
         """A request from `Engine.stream`'s flat keyword arguments (the names the API documents)."""
         sampler = SamplerConfig(
@@ -136,4 +147,5 @@ class GenerationRequest:
             drafting=drafting,
             grammar=grammar,
             n=n,
+            images=tuple(images or ()),
         )

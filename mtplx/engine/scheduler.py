@@ -180,7 +180,7 @@ class BatchScheduler:
         constraint = engine.compile_grammar(request.grammar) if request.grammar is not None else None
         row_drafter = batch_drafter(plan.choice, decoder.single_row)
         with_head = plan.choice.model_drafter == "head" and row_drafter in ("head", "auto", "proposer")
-        if fresh:
+        if fresh:  # a fork: its caches become choice 0's, copied after its prefill (`_fork`)
             head_cache = engine.head.make_cache() if with_head else None
             session = CacheSession(
                 engine.prompt_cache, plan.prompt_tokens, engine.trunk.make_cache(), head_cache, 0
@@ -224,6 +224,7 @@ class BatchScheduler:
         for fork in job.forks:
             fork_pending = fork.pending
             fork_pending.trunk_cache = copy_cache(pending.trunk_cache)
+            self.engine.trunk.bind_prompt(fork_pending.trunk_cache, fork_pending.prompt_tokens)
             if pending.head_cache is not None:
                 fork_pending.head_cache = copy_cache(pending.head_cache)
             fork_pending.prefix = PromptPrefix(pending.position)
@@ -349,6 +350,7 @@ class BatchScheduler:
         if hit is None:
             return
         pending.trunk_cache = hit.trunk_cache
+        self.engine.trunk.bind_prompt(pending.trunk_cache, pending.prompt_tokens)  # its images (vision)
         if hit.head_cache is not None:
             pending.head_cache = hit.head_cache
         pending.prefix = PromptPrefix(hit.start)

@@ -102,4 +102,6 @@ def open_session(store: PromptCache, trunk, head, prompt_tokens: list[int], with
         start = 0
     else:
         trunk_cache, head_cache, start = hit.trunk_cache, hit.head_cache, hit.start
+    if hasattr(trunk, "bind_prompt"):  # a vision trunk reads the prompt's images off its caches
+        trunk.bind_prompt(trunk_cache, prompt_tokens)
     return CacheSession(store, prompt_tokens, trunk_cache, head_cache, start)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from mtplx.errors import MtplxError
 
-__all__ = ["TextAssembler", "encode_prompt"]
+__all__ = ["TextAssembler", "encode_prompt", "with_image_parts"]
 
 
 def encode_prompt(
@@ -47,6 +47,45 @@ def encode_prompt(
     if not tokens:
         raise MtplxError("prompt encodes to no tokens")
     return tokens
+
+
+# Content part types a prompt may hold besides text and images: refused in one line.
+_UNSUPPORTED_PARTS = {"video": "video", "video_url": "video", "input_audio": "audio", "audio": "audio"}
+
+
+def with_image_parts(
+    prompt: str | Sequence[dict] | Sequence[int], images: Sequence
+) -> tuple[str | Sequence[dict] | Sequence[int], list]:
+    """(prompt, every image of it in order): ``images`` go before the text of the last user
+    message as ``{"type": "image", "image": source}`` parts (a text prompt becomes that message;
+    a token-id prompt keeps its own image pad tokens, one per image); image parts already in the
+    messages count too. Video and audio parts are refused."""
+    if not isinstance(prompt, str) and prompt and all(isinstance(t, int) for t in prompt):
+        return prompt, list(images)
+    if isinstance(prompt, str):
+        if not images:
+            return prompt, []
+        prompt = [{"role": "user", "content": prompt}]
+    messages = list(prompt)
+    if images:  # copies: the caller's messages stay as they were
+        messages = [dict(m) for m in messages]
+        users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
+        if not users:
+            raise MtplxError("images: the prompt has no user message to put them in")
+        last = messages[users[-1]]
+        content = last.get("content")
+        text_parts = [{"type": "text", "text": content}] if isinstance(content, str) else list(content or [])
+        last["content"] = [{"type": "image", "image": source} for source in images] + text_parts
+    found = []
+    for message in messages:
+        content = message.get("content")
+        for part in content if isinstance(content, list) else []:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in _UNSUPPORTED_PARTS:
+                raise MtplxError(f"prompt: {_UNSUPPORTED_PARTS[kind]} parts are not supported (images only)")
+            if kind == "image":
+                found.append(part.get("image"))
+    return messages, found
 
 
 class TextAssembler:

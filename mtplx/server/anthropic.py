@@ -27,6 +27,7 @@ from typing import Annotated, Any, Literal
 
 from mtplx.engine.engine import GenerationChunk
 from mtplx.server.chat import ReplyReader
+from mtplx.server.images import anthropic_image_url
 from mtplx.server.openai import APIError
 from mtplx.server.schemas import FUNCTION_NAME, SpeculationFields
 from mtplx.server.tools import merge_calls
@@ -64,11 +65,21 @@ class ToolResultBlock(_Body):
         return self.content if isinstance(self.content, str) else "".join(b.text for b in self.content)
 
 
+class ImageBlock(_Body):
+    """An image: ``source`` {"type": "base64", "media_type", "data"} (or "url": refused unless a local
+    file under the server's --image-dir; `mtplx.server.images`)."""
+
+    type: Literal["image"]
+    source: dict[str, Any]
+
+
 class ThinkingBlock(_Body):
     type: Literal["thinking", "redacted_thinking"]
 
 
-Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")]
+Block = Annotated[
+    TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")
+]
 
 
 class InputMessage(_Body):
@@ -127,7 +138,10 @@ def _messages(body: MessagesRequest | CountTokensRequest) -> list[dict]:
                 if isinstance(b, ToolResultBlock):
                     content = b.text() if not b.is_error else f"Error: {b.text()}"
                     out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": content})
-            if text or not any(isinstance(b, ToolResultBlock) for b in blocks):
+            if any(isinstance(b, ImageBlock) for b in blocks):  # as OpenAI image_url parts, in order
+                parts = [_chat_part(b) for b in blocks if isinstance(b, (TextBlock, ImageBlock))]
+                out.append({"role": "user", "content": parts})
+            elif text or not any(isinstance(b, ToolResultBlock) for b in blocks):
                 out.append({"role": "user", "content": text})
             continue
         calls = [
@@ -139,6 +153,12 @@ def _messages(body: MessagesRequest | CountTokensRequest) -> list[dict]:
             {"role": "assistant", "content": text or (None if calls else ""), "tool_calls": calls or None}
         )
     return out
+
+
+def _chat_part(block: TextBlock | ImageBlock) -> dict:
+    if isinstance(block, TextBlock):
+        return {"type": "text", "text": block.text}
+    return {"type": "image_url", "image_url": {"url": anthropic_image_url(block.source)}}
 
 
 def _tool_choice(choice: ToolChoice | None) -> tuple[Any, bool | None]:

@@ -16,10 +16,9 @@ import hmac
 import logging
 import re
 import time
-from collections.abc import AsyncIterator
 from dataclasses import replace
 
-from mtplx.engine.engine import GenerationChunk, GenerationStats
+from mtplx.engine.engine import GenerationStats
 from mtplx.engine.grammar_spec import Grammar
 from mtplx.engine.request import GenerationRequest
 from mtplx.errors import MtplxError
@@ -27,14 +26,16 @@ from mtplx.server.anthropic import CountTokensRequest, MessagesFormat, MessagesR
 from mtplx.server.anthropic import error_body as anthropic_error
 from mtplx.server.chat import ChatPlan, plan_chat
 from mtplx.server.constraints import response_format_grammar
+from mtplx.server.images import expand_images
 from mtplx.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from mtplx.server.openai import APIError, ChatFormat, TextFormat, error_body
+from mtplx.server.respond import respond
 from mtplx.server.responses import ResponsesFormat, ResponseStore
 from mtplx.server.responses_input import responses_error
 from mtplx.server.responses_input import to_chat as responses_to_chat
 from mtplx.server.schemas import ChatCompletionRequest, CompletionRequest, ResponsesRequest
 from mtplx.server.settings import ServerSettings
-from mtplx.server.worker import Finished, GenerationWorker, Job, JobFailed, JobTimeout, QueueFull
+from mtplx.server.worker import GenerationWorker, Job
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -44,9 +45,6 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("mtplx.server")
-
-# How often a waiting handler checks for a departed client and its deadline.
-_POLL_SECONDS = 0.5
 
 
 class _BodyTooLarge(Exception):
@@ -223,12 +221,14 @@ def _add_generation_routes(v1: APIRouter, worker: GenerationWorker, settings: Se
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
         plan = plan_chat(engine.tokenizer, body)
-        prompt_tokens = await _encode_chat(engine, plan)
+        prompt_tokens = await expand_images(
+            engine, body.messages, await _encode_chat(engine, plan), settings.image_dir
+        )
         max_tokens = body.max_completion_tokens or body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         job = _make_job(engine, body, prompt_tokens, max_tokens, logprobs, settings, plan.grammar)
         fmt = ChatFormat(engine, settings.model_id, plan.reader, n=body.n or 1)
-        return await _respond(request, worker, job, settings, fmt, body)
+        return await respond(request, worker, job, settings, fmt, body)
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -244,17 +244,19 @@ def _add_generation_routes(v1: APIRouter, worker: GenerationWorker, settings: Se
         prompt_tokens = await _encode(engine, prompt, "prompt")
         job = _make_job(engine, body, prompt_tokens, body.max_tokens, body.logprobs, settings, grammar)
         fmt = TextFormat(engine, settings.model_id, n=body.n or 1)
-        return await _respond(request, worker, job, settings, fmt, body)
+        return await respond(request, worker, job, settings, fmt, body)
 
     @v1.post("/messages")
     async def messages(body: MessagesRequest, request: Request):
         chat = _chat_of(body)
         _check_common(chat, settings)
         plan = plan_chat(engine.tokenizer, chat)
-        prompt_tokens = await _encode_chat(engine, plan)
+        prompt_tokens = await expand_images(
+            engine, chat.messages, await _encode_chat(engine, plan), settings.image_dir
+        )
         job = _make_job(engine, chat, prompt_tokens, chat.max_tokens, None, settings, plan.grammar)
         fmt = MessagesFormat(settings.model_id, plan.reader(), engine.tokenizer, body.stop_sequences)
-        return await _respond(request, worker, job, settings, fmt, chat)
+        return await respond(request, worker, job, settings, fmt, chat)
 
     store = ResponseStore(settings.responses_store_size)
 
@@ -267,7 +269,8 @@ def _add_generation_routes(v1: APIRouter, worker: GenerationWorker, settings: Se
         chat = _chat_of(body)
         if chat.model is not None:
             _check_model(chat.model, settings)
-        return {"input_tokens": len(await _encode_chat(engine, plan_chat(engine.tokenizer, chat)))}
+        tokens = await _encode_chat(engine, plan_chat(engine.tokenizer, chat))
+        return {"input_tokens": len(await expand_images(engine, chat.messages, tokens, settings.image_dir))}
 
 
 def _install_middleware(app: FastAPI, settings: ServerSettings) -> None:
@@ -487,110 +490,4 @@ async def _responses(request: Request, body: ResponsesRequest, worker, settings,
         raise renamed from None
     kept = (store, turn.turns) if body.store else None
     fmt = ResponsesFormat(body, settings.model_id, plan.reader(), engine.tokenizer, kept)
-    return await _respond(request, worker, job, settings, fmt, chat)
-
-
-# ------------------------------------------------------------------ running a job
-
-
-async def _watch_disconnect(request: Request, job: Job) -> None:
-    """Cancel the job when the client goes away (the body is already read)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            job.cancel()
-            return
-
-
-async def _next_item(job: Job):
-    """The worker's next item, or JobTimeout once the deadline passes first."""
-    while True:
-        remaining = job.deadline - time.monotonic()
-        if remaining <= 0:
-            job.cancel()
-            return JobTimeout()
-        try:
-            return await asyncio.wait_for(job.chunks.get(), timeout=min(remaining, _POLL_SECONDS))
-        except asyncio.TimeoutError:
-            continue
-
-
-def _raise_for(item) -> None:
-    if isinstance(item, MtplxError):
-        raise APIError(400, str(item))
-    if isinstance(item, JobTimeout):
-        raise APIError(504, "request: ran past the server's request timeout", type="timeout", code="timeout")
-    if isinstance(item, JobFailed):
-        raise APIError(500, "internal server error (details in the server log)", type="server_error")
-
-
-async def _respond(request: Request, worker: GenerationWorker, job: Job, settings, fmt, body):
-    try:
-        worker.submit(job)
-    except QueueFull:
-        raise APIError(
-            429,
-            f"server busy: {settings.max_queue} requests are already queued; retry later",
-            type="rate_limit_error",
-            code="queue_full",
-            headers={"Retry-After": "1"},
-        ) from None
-    watcher = asyncio.create_task(_watch_disconnect(request, job))
-    try:
-        first = await _next_item(job)
-        _raise_for(first)
-    except BaseException:
-        job.cancel()
-        watcher.cancel()
-        raise
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(
-            _sse(request, job, first, fmt, include_usage, watcher),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
-    try:
-        chunks = []
-        item = first
-        while not isinstance(item, Finished):
-            _raise_for(item)
-            chunks.append(item)
-            item = await _next_item(job)
-    finally:
-        job.cancel()
-        watcher.cancel()
-    if not chunks:  # cancelled before the first token (client gone): nobody reads this
-        raise APIError(499, "request: cancelled")
-    request.state.mtplx_stats = chunks[-1].stats
-    return fmt.response(chunks)
-
-
-async def _sse(
-    request: Request, job: Job, first, fmt, include_usage: bool, watcher: asyncio.Task
-) -> AsyncIterator[str]:
-    """The stream's events; ``fmt`` spells them in its API (`sse_open`, `sse_chunk`, `sse_error`,
-    `sse_close`)."""
-    item = first
-    last: GenerationChunk | None = None
-    failed = False
-    try:
-        for event in fmt.sse_open():
-            yield event
-        while not isinstance(item, Finished):
-            try:
-                _raise_for(item)
-            except APIError as err:
-                yield fmt.sse_error(err)
-                failed = True
-                break
-            last = item
-            request.state.mtplx_stats = item.stats  # the log line counts what was generated, even if cut
-            for event in fmt.sse_chunk(item):
-                yield event
-            item = await _next_item(job)
-        for event in fmt.sse_close(last, include_usage, failed):
-            yield event
-    finally:
-        job.cancel()
-        watcher.cancel()
+    return await respond(request, worker, job, settings, fmt, chat)

@@ -96,6 +96,23 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageURL(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    url: str  # a data URL, or a local file under the server's --image-dir (mtplx.server.images)
+    detail: str | None = None
+
+
+class ImagePart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+# Content parts this server refuses in one line (it reads text and images).
+REFUSED_PARTS = ("input_audio", "audio", "video", "video_url", "file", "input_file")
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
 class FunctionCall(BaseModel):
     model_config = ConfigDict(extra="ignore")
     name: Annotated[str, Field(pattern=FUNCTION_NAME)]
@@ -115,9 +132,19 @@ class Message(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_parts(cls, data: Any) -> Any:
+        content = data.get("content") if isinstance(data, dict) else None
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in REFUSED_PARTS:
+                raise ValueError(f"content: {kind} parts are not supported (text and images only)")
+        return data
 
     @model_validator(mode="after")
     def _turn_shape(self) -> Message:
@@ -132,7 +159,23 @@ class Message(BaseModel):
     def text(self) -> str:
         if self.content is None:
             return ""
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return (
+            self.content
+            if isinstance(self.content, str)
+            else "".join(p.text for p in self.content if isinstance(p, TextPart))
+        )
+
+    def template_content(self, suffix: str = "") -> str | list[dict]:
+        """What the chat template gets as this turn's content: its text then ``suffix``, or, with
+        images, its parts in order (an image as ``{"type": "image"}``, its placeholder) then
+        ``suffix`` as a text part."""
+        if not isinstance(self.content, list) or not any(isinstance(p, ImagePart) for p in self.content):
+            return self.text() + suffix
+        parts = [
+            {"type": "image"} if isinstance(p, ImagePart) else {"type": "text", "text": p.text}
+            for p in self.content
+        ]
+        return parts + ([{"type": "text", "text": suffix}] if suffix else [])
 
 
 class FunctionDefinition(BaseModel):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from mtplx.engine.request import GenerationRequest
 from mtplx.sample.params import SamplerConfig
@@ -30,3 +31,4 @@ class ServerSettings:
     # The prompt cache's disk tier (`mtplx.trunk.prompt_cache_disk`; None: RAM only) and its budget.
     prompt_cache_dir: str | None = None
     prompt_cache_disk_bytes: int = 0
+    image_dir: Path | None = None  # local image files requests may name (None: data URLs only)

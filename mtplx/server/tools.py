@@ -103,7 +103,7 @@ def _arguments(text: str) -> Any:
 def _native_messages(messages: Sequence[Message]) -> list[dict]:
     out = []
     for m in messages:
-        turn: dict[str, Any] = {"role": m.role, "content": m.text()}
+        turn: dict[str, Any] = {"role": m.role, "content": m.template_content()}
         if m.tool_calls:
             # HF templates read arguments as a mapping (mlx-lm's server converts them the same way).
             turn["tool_calls"] = [
@@ -130,11 +130,11 @@ def _generic_messages(messages: Sequence[Message], tools: Sequence[Tool]) -> lis
             else:
                 out.append({"role": "user", "content": block, "_tool_results": True})
             continue
-        text = m.text()
+        calls = ""
         for c in m.tool_calls or ():
             call = {"name": c.function.name, "arguments": _arguments(c.function.arguments)}
-            text += f"<tool_call>{json.dumps(call, separators=(',', ':'))}</tool_call>"
-        out.append({"role": m.role, "content": text})
+            calls += f"<tool_call>{json.dumps(call, separators=(',', ':'))}</tool_call>"
+        out.append({"role": m.role, "content": m.template_content(calls)})
     if tools:
         lines = "\n".join(json.dumps(t.function.model_dump(exclude_none=True)) for t in tools)
         block = GENERIC_TOOLS_PROMPT.format(tools=lines)

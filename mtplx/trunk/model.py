@@ -10,12 +10,19 @@ is unchanged).
 With a KV quantization plan (`kv_quant.KVQuantization`, ``Trunk.kv_quantization``) the trunk's
 fresh caches follow it, and a forward that crosses the plan's start runs as two forwards split
 there, the caches converted between them (`kv_quant`'s module docstring: why, and the invariant).
+
+A vision-language checkpoint's trunk also takes images (`attach_vision`): a prompt's images are
+bound to its row's caches (`bind_prompt`), and a forward over prompt tokens that touch an image
+runs with the image features merged into the embeddings and M-RoPE positions
+(`mtplx.trunk.vision`, `mtplx.trunk.image_positions`). Every other forward, text-only prompts and
+every decode step included, is the plain one, bit for bit.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mtplx.errors import MtplxError
 from mtplx.trunk import compat, kv_quant
 from mtplx.trunk.compat_nemotron import embedding_of, final_norm_of
 
@@ -40,6 +47,34 @@ class Trunk:
         self._tap = compat.tap_final_norm(final_norm_of(self.inner))
         self._lm_head = compat.find_lm_head(model)
         self.kv_quantization: kv_quant.KVQuantization | None = None  # None: float KV (`Engine.load`)
+        self.vision = None  # a mtplx.trunk.vision.VisionEncoder once `attach_vision` ran
+        self.vision_refusal: str | None = None  # why a checkpoint that declares a tower takes no images
+        self._rope_switch = None  # the M-RoPE hook's switch (compat_vision.RopeSwitch)
+        self._rope = None  # one hooked rope (dims, base, scale), for reframing keys
+
+    def attach_vision(self, encoder) -> None:
+        """Take images through ``encoder`` (`mtplx.trunk.vision.VisionEncoder`): hooks every
+        attention layer's rope with the checkpoint's M-RoPE layout."""
+        from mtplx.trunk import compat_vision
+        from mtplx.trunk.image_positions import interleaved_selector
+        from mtplx.trunk.prompt_cache import is_trimmable
+
+        if is_trimmable(self.make_cache()):  # the prompt cache would trim keys reframed past an image
+            raise MtplxError("images: supported on hybrid (gated-delta) Qwen3.5 models only")
+        ropes = compat_vision.hooked_ropes(self.model)
+        if not ropes:
+            raise MtplxError("images: this model has no attention layer the position hook knows")
+        selector = interleaved_selector(encoder.spec.mrope_section, ropes[0].dims // 2)
+        self._rope_switch = compat_vision.hook_ropes(self.model, selector)
+        self._rope = ropes[0]
+        self.vision = encoder
+
+    def bind_prompt(self, cache: list, prompt_tokens: list[int]) -> None:
+        """Bind the images among ``prompt_tokens`` to the row's single-row ``cache`` (none: unbind)."""
+        if self.vision is not None:
+            from mtplx.trunk import vision
+
+            vision.bind(cache, vision.PromptImages.from_tokens(prompt_tokens))
 
     @property
     def layers(self) -> list:
@@ -70,9 +105,35 @@ class Trunk:
         )
 
     def _forward(self, tokens: mx.array, cache: list | None) -> TrunkOutput:
+        if self.vision is not None and cache is not None:
+            out = self._image_forward(tokens, cache)
+            if out is not None:
+                return out
         logits = self.model(tokens, cache=cache)
         out = TrunkOutput(logits, self._tap.pre, self._tap.post)
         self._tap.pre = self._tap.post = None
+        return out
+
+    def _image_forward(self, tokens: mx.array, cache: list) -> TrunkOutput | None:
+        """The forward of prompt tokens that touch a bound image; None when they touch none."""
+        from mtplx.trunk import image_positions, vision
+
+        prompt = vision.bound(cache)
+        if prompt is None:
+            return None
+        layout = image_positions.chunk_layout(prompt.spans, vision.cache_offset(cache), tokens.shape[1])
+        if layout is None:
+            return None
+        embedded = self.vision.merge(self.embed(tokens), prompt, layout.pieces)
+        self._rope_switch.positions = mx.array(layout.positions, dtype=mx.int32)[:, None, :]
+        try:
+            logits = self.model(tokens, cache=cache, input_embeddings=embedded)
+        finally:
+            self._rope_switch.positions = None
+        out = TrunkOutput(logits, self._tap.pre, self._tap.post)
+        self._tap.pre = self._tap.post = None
+        if layout.shift:
+            image_positions.reframe(cache, -layout.shift, self._rope)
         return out
 
     def embed(self, tokens: mx.array) -> mx.array:

@@ -95,8 +95,20 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 
 
 def as_tokens(tokens) -> np.ndarray:
-    """Token ids as the int64 array entries and lookups compare."""
-    return np.asarray(tokens, dtype=np.int64).reshape(-1)
+    """Token ids as the int64 array entries and lookups compare. A token standing for an image
+    patch (`mtplx.trunk.vision.ImageToken`: the image pad id, equal only to the same patch of the
+    same pixels) becomes a negative key from its image's digest and patch, so two same-size images
+    never share a prefix past the first patch (real ids are >= 0); on disk too."""
+    if isinstance(tokens, np.ndarray):
+        return tokens.astype(np.int64, copy=False).reshape(-1)
+    return np.asarray([_token_key(t) for t in tokens], dtype=np.int64).reshape(-1)
+
+
+def _token_key(token) -> int:
+    image = getattr(token, "image", None)
+    if image is None:
+        return int(token)
+    return -1 - ((int(image.digest[:15], 16) << 12 | token.patch % 4096) % (1 << 62))
 
 
 def reusable(
