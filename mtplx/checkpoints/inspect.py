@@ -213,33 +213,9 @@ def _sidecar_head(
     }
 
 
-def inspect_model(
-    spec_or_path: str | Path | None = None, *, head: str | Path | None = None, dtype: str | None = None
-) -> dict[str, Any]:
-    """Describe a model (a directory, an HF repo id, or None: the default model) and the head it drafts with.
-
-    ``head`` is a forged-head directory to check against the model (as ``generate --head`` uses it);
-    ``dtype`` picks the default model's build.
-    """
-    from mtplx.heads import declared_mtp_layers, detect_layout, split_drafter
-    from mtplx.heads.gemma4_assistant import is_assistant_config, read_assistant_config
-    from mtplx.heads.registry import FAMILIES
-    from mtplx.resources import shipped_head_dir
-
-    if dtype not in (None, *VARIANTS):
-        raise MtplxError(f"dtype must be one of {', '.join(VARIANTS)} (got {dtype})")
-    path = resolve_model(spec_or_path, variant=dtype or "float32")
-    default_variant = (dtype or "float32") if spec_or_path is None else default_model_variant(path)
-    config = read_config(path)
-    text = config.get("text_config") or {}
-    model_type = str(config["model_type"])
-    index = weight_index(path)
-    header = _headers(path, index)
-    q = quantization_config(config)
-
-    layout = detect_layout(index, config)
-    is_drafter = split_drafter.read_split_config(path) is not None
-    is_head = (lambda k: True) if is_drafter else _head_predicate(layout, config)
+def _count_parameters(header: dict[str, dict], is_head, q: dict | None) -> tuple[dict, dict, int]:
+    """({"trunk", "mtp_head"}: parameters, bytes by stored dtype, the head's bytes); a quantized
+    weight counts the parameters it packs, its scales and biases count none."""
     params = {"trunk": 0, "mtp_head": 0}
     bytes_by_dtype: dict[str, int] = {}
     head_bytes = 0
@@ -257,28 +233,14 @@ def inspect_model(
                 params[part] += numel
         bytes_by_dtype[dtype] = bytes_by_dtype.get(dtype, 0) + nbytes
         head_bytes += nbytes if part == "mtp_head" else 0
+    return params, bytes_by_dtype, head_bytes
 
-    if layout:  # a config may declare no count (Qwen3-Next as published): then the tensor names say
-        declared, count_source = FAMILIES[layout].layer_count(header, config)
-    else:
-        declared, count_source = declared_mtp_layers(config), "config"
-    head_tensors = sum(1 for k in header if is_head(k))
-    forged = _find_forged(path)
-    shipped = shipped_head_dir(DEFAULT_MODEL_NAME) if default_variant else None
-    sidecar = None
-    given_assistant = resolve_model(head) if head is not None else None
-    given_split = given_assistant if split_drafter.read_split_config(given_assistant) else None
-    if given_assistant is not None and (given_split or read_assistant_config(given_assistant) is None):
-        given_assistant = None
-    split = None if is_drafter else split_drafter.inspect_split(path, spec_or_path, config, given_split)
-    if head is not None and given_assistant is None and given_split is None:
-        sidecar = _sidecar_head(Path(head), "forged sidecar given with --head", path, default_variant)
-    elif not head_tensors and shipped is not None:
-        sidecar = _sidecar_head(shipped, "shipped by mtplx for this model", path, default_variant)
-    assistant = _gemma4_assistant(path, spec_or_path, config, given_assistant)
-    supported = _mlx_lm_supports(model_type)
-    qc = config.get("quantization_config") or text.get("quantization_config")
+
+def _quantization_summary(config: dict, text: dict, q: dict | None) -> dict | None:
+    """MLX quantization (group size, bits, mode, per-layer overrides) or a source checkpoint's own
+    (FP8 blocks ...); None for a float checkpoint."""
     quant = None
+    qc = config.get("quantization_config") or text.get("quantization_config")
     if q:
         quant = {"group_size": q.get("group_size"), "bits": q.get("bits"), "mode": q.get("mode", "affine")}
         overrides = {k: v for k, v in q.items() if isinstance(v, (dict, bool)) and k not in quant}
@@ -289,7 +251,32 @@ def inspect_model(
             "method": qc.get("quant_method"),
             **{k: qc[k] for k in ("weight_block_size", "fmt") if k in qc},
         }
+    return quant
 
+
+def _verdict(
+    config: dict,
+    path: Path,
+    *,
+    layout,
+    declared,
+    count_source: str,
+    head_tensors: int,
+    head_parameters: int,
+    head_bytes: int,
+    is_drafter: bool,
+    split,
+    given_split,
+    sidecar,
+    forged,
+    assistant,
+    supported: bool,
+) -> tuple[str, str, dict | None]:
+    """(verdict, reason, the head it drafts with): the first rule that applies, in order."""
+    from mtplx.heads import split_drafter
+    from mtplx.heads.gemma4_assistant import is_assistant_config
+
+    model_type = str(config["model_type"])
     if is_assistant_config(config):
         verdict = "drafter"
         reason = f"a Gemma 4 assistant for targets with hidden_size {config.get('backbone_hidden_size')}; use it with --head"
@@ -324,7 +311,7 @@ def inspect_model(
             "source": "in the checkpoint",
             "layout": layout,
             "layers": declared,
-            "parameters": params["mtp_head"],
+            "parameters": head_parameters,
             "bytes": head_bytes,
         }
     elif forged:
@@ -343,13 +330,109 @@ def inspect_model(
         )
     else:
         verdict, reason = "AR-only", "no MTP head in the checkpoint; run `mtplx forge` to train one"
+    return verdict, reason, sidecar
 
-    norms = split_drafter.SPLIT_NORMS_RULE if is_drafter or (sidecar or {}).get("split") else None
+
+def _heads_beside(
+    path: Path, spec_or_path, config: dict, head, head_tensors: int, is_drafter: bool, default_variant
+):
+    """The heads a model could draft with besides its own tensors: (a forged head attached, the
+    sidecar head given with ``head`` or shipped by mtplx, the split drafter given with ``head``,
+    the split drafter found beside it, the Gemma 4 assistant)."""
+    from mtplx.heads import split_drafter
+    from mtplx.heads.gemma4_assistant import read_assistant_config
+    from mtplx.resources import shipped_head_dir
+
+    forged = _find_forged(path)
+    shipped = shipped_head_dir(DEFAULT_MODEL_NAME) if default_variant else None
+    sidecar = None
+    given_assistant = resolve_model(head) if head is not None else None
+    given_split = given_assistant if split_drafter.read_split_config(given_assistant) else None
+    if given_assistant is not None and (given_split or read_assistant_config(given_assistant) is None):
+        given_assistant = None
+    split = None if is_drafter else split_drafter.inspect_split(path, spec_or_path, config, given_split)
+    if head is not None and given_assistant is None and given_split is None:
+        sidecar = _sidecar_head(Path(head), "forged sidecar given with --head", path, default_variant)
+    elif not head_tensors and shipped is not None:
+        sidecar = _sidecar_head(shipped, "shipped by mtplx for this model", path, default_variant)
+    assistant = _gemma4_assistant(path, spec_or_path, config, given_assistant)
+    return forged, sidecar, given_split, split, assistant
+
+
+def _norm_rule(config: dict, path: Path, index, header: dict, layout, is_head, split: bool) -> str | None:
+    """Which rule decides the head's norm convention (None: not a question for this head)."""
+    from mtplx.heads import split_drafter
+    from mtplx.heads.registry import FAMILIES
+
+    norms = split_drafter.SPLIT_NORMS_RULE if split else None
+    head_tensors = any(is_head(k) for k in header)
     if norms is None and layout and head_tensors and FAMILIES[layout].offset_norm_types:
         from mtplx.heads.weights import norm_rule
 
         names = [k for k in header if is_head(k)]
         norms = norm_rule(config, path, index, names, FAMILIES[layout].offset_norm_types).rule
+    return norms
+
+
+def inspect_model(
+    spec_or_path: str | Path | None = None, *, head: str | Path | None = None, dtype: str | None = None
+) -> dict[str, Any]:
+    """Describe a model (a directory, an HF repo id, or None: the default model) and the head it drafts with.
+
+    ``head`` is a forged-head directory to check against the model (as ``generate --head`` uses it);
+    ``dtype`` picks the default model's build.
+    """
+    from mtplx.heads import declared_mtp_layers, detect_layout, split_drafter
+    from mtplx.heads.registry import FAMILIES
+
+    if dtype not in (None, *VARIANTS):
+        raise MtplxError(f"dtype must be one of {', '.join(VARIANTS)} (got {dtype})")
+    path = resolve_model(spec_or_path, variant=dtype or "float32")
+    default_variant = (dtype or "float32") if spec_or_path is None else default_model_variant(path)
+    config = read_config(path)
+    text = config.get("text_config") or {}
+    model_type = str(config["model_type"])
+    index = weight_index(path)
+    header = _headers(path, index)
+    q = quantization_config(config)
+
+    layout = detect_layout(index, config)
+    is_drafter = split_drafter.read_split_config(path) is not None
+    is_head = (lambda k: True) if is_drafter else _head_predicate(layout, config)
+    params, bytes_by_dtype, head_bytes = _count_parameters(header, is_head, q)
+
+    if layout:  # a config may declare no count (Qwen3-Next as published): then the tensor names say
+        declared, count_source = FAMILIES[layout].layer_count(header, config)
+    else:
+        declared, count_source = declared_mtp_layers(config), "config"
+    head_tensors = sum(1 for k in header if is_head(k))
+    forged, sidecar, given_split, split, assistant = _heads_beside(
+        path, spec_or_path, config, head, head_tensors, is_drafter, default_variant
+    )
+    supported = _mlx_lm_supports(model_type)
+    quant = _quantization_summary(config, text, q)
+
+    verdict, reason, sidecar = _verdict(
+        config,
+        path,
+        layout=layout,
+        declared=declared,
+        count_source=count_source,
+        head_tensors=head_tensors,
+        head_parameters=params["mtp_head"],
+        head_bytes=head_bytes,
+        is_drafter=is_drafter,
+        split=split,
+        given_split=given_split,
+        sidecar=sidecar,
+        forged=forged,
+        assistant=assistant,
+        supported=supported,
+    )
+
+    norms = _norm_rule(
+        config, path, index, header, layout, is_head, is_drafter or (sidecar or {}).get("split")
+    )
     return {
         "path": str(path),
         "model_type": model_type,
@@ -420,15 +503,6 @@ def _vision(config: dict, header: dict[str, dict]) -> dict | None:
     }
 
 
-def _vision_line(vision: dict) -> str:
-    if not vision["takes_images"]:
-        return f"vision        declared, images off: {vision['problem']}"
-    return (
-        f"vision        images in the prompt (tower of {vision['tower_tensors']} tensors, patch "
-        f"{vision['patch_size']}, merge {vision['merge_size']}; M-RoPE positions), MTP drafts the text after them"
-    )
-
-
 def _split_verdict(split: dict, path: Path, config: dict) -> tuple[str, str, dict | None]:
     """Verdict, reason and head facts for a target with a split MTP drafter found or given."""
     from mtplx.heads import split_drafter
@@ -448,118 +522,3 @@ def _split_verdict(split: dict, path: Path, config: dict) -> tuple[str, str, dic
             info,
         )
     return "MTP-ready", f"drafts with the split MTP drafter {where}", info
-
-
-def _human(n: float, unit: str = "B") -> str:
-    """``1234567, "B"`` -> ``1.2 MB``; ``1234567, ""`` -> ``1.2M``."""
-    space = " " if unit else ""
-    for prefix in ("", "K", "M", "G", "T"):
-        if abs(n) < 1000 or prefix == "T":
-            return f"{n:.1f}{space}{prefix}{unit}" if prefix else f"{int(n)}{space}{unit}"
-        n /= 1000
-    return f"{n}{space}{unit}"
-
-
-def _acceptance_text(acceptance: dict[str, dict[str, float]]) -> str:
-    by_depth = []
-    for depth, by_temp in sorted(acceptance.items(), key=lambda kv: int(kv[0])):
-        temps = ", ".join(f"t={t} {a:.2f}" for t, a in sorted(by_temp.items(), key=lambda kv: float(kv[0])))
-        by_depth.append(f"depth {depth}: {temps}")
-    return "; ".join(by_depth)
-
-
-def _widths(bits: int | str) -> str:
-    """``8`` -> ``8-bit``; ``"4/8"`` -> ``4-bit/8-bit``; ``"float"`` stays."""
-    return "/".join(w if w == "float" else f"{w}-bit" for w in str(bits).split("/"))
-
-
-def _head_lines(info: dict[str, Any]) -> list[str]:
-    head, mtp = info["head"], info["mtp"]
-    if head is None:
-        if mtp["declared_layers"]:
-            return [f"MTP head      declared ({mtp['declared_layers']} layer(s)) but no tensors shipped"]
-        return ["MTP head      none"]
-    lines = [
-        f"MTP head      {head['source']}: {head['layout']} layout, {head['layers']} layer(s), "
-        f"{_human(head['parameters'], '')} parameters, {_human(head['bytes'])}"
-    ]
-    if mtp.get("norm_rule") and (head.get("source") == "in the checkpoint" or head.get("split")):
-        lines.append(f"head norms    {mtp['norm_rule']}")
-    prec = mtp.get("precision")
-    if prec and head.get("source") == "in the checkpoint":
-        groups = ", ".join(f"{g} {_widths(b)}" for g, b in prec["groups"].items())
-        chosen = {None: "", "default": " (mtplx convert's default)", "float": " (--head-bits float)"}
-        how = chosen.get(prec["converted_as"], f" (--head-bits {prec['converted_as']})")
-        lines.append(f"head bits     {groups}{how}")
-        if prec["below_8_bits"]:
-            lines.append(
-                f"warning       head {' and '.join(prec['below_8_bits'])} below 8 bits: drafts are "
-                "often rejected; reconvert with `mtplx convert` (default) or --head-bits 8"
-            )
-    if "dir" in head:
-        lines.append(f"head files    {head['dir']} (draft vocabulary {head['draft_vocab']})")
-    if head.get("split") and head.get("default_depth"):
-        lines.append(
-            f"depth         default {head['default_depth']}: the drafter's block_size less the pending token"
-            " (`mtplx tune` measures this machine)"
-        )
-    elif head.get("depth_trained") or head.get("default_depth"):
-        lines.append(
-            f"depth         trained at {head.get('depth_trained') or '?'}, default {head.get('default_depth') or '?'}"
-            " (`mtplx tune` measures this machine)"
-        )
-    if head.get("provenance"):
-        lines.append(f"provenance    {head['provenance']} (measured now)")
-    if head.get("acceptance"):
-        lines.append(f"acceptance    {_acceptance_text(head['acceptance'])} (measured when forged)")
-    if "fits" in head:
-        if head["fits"] == ["this model"]:
-            fits = f"this model's weights (trunk {head['trunk_fingerprint']})"
-        elif head["fits"]:
-            fits = " and ".join(head["fits"]) + f" builds (trunk {head['trunk_fingerprint']})"
-        else:
-            fits = f"not these weights (forged for trunk {head['trunk_fingerprint']}, model is {head['model_fingerprint']})"
-        lines.append(f"fits          {fits}")
-    return lines
-
-
-def format_inspection(info: dict[str, Any]) -> str:
-    """Human-readable text for ``mtplx inspect`` (``--json`` prints ``inspect_model``'s dict instead)."""
-    lines = [
-        f"model         {info['path']}"
-        + (f" (default model, {info['default_model_build']} build)" if info["default_model_build"] else ""),
-        f"architecture  {info['architecture']} (model_type {info['model_type']}, {info['num_hidden_layers']} layers, hidden {info['hidden_size']}, vocab {info['vocab_size']})",
-        f"parameters    {_human(info['parameters'], '')}"
-        + (
-            f" (MTP head {_human(info['parameters_by_part']['mtp_head'], '')} of them)"
-            if info["parameters_by_part"]["mtp_head"]
-            else ""
-        ),
-        f"memory        {_human(info['memory_bytes'])} in {info['shards']} shard(s): "
-        + ", ".join(f"{k} {_human(v)}" for k, v in info["memory_bytes_by_dtype"].items()),
-    ]
-    q = info["quantization"]
-    if q is None:
-        lines.append("quantization  none")
-    elif "bits" in q:
-        extra = f", {q['per_layer_overrides']} per-layer override(s)" if q.get("per_layer_overrides") else ""
-        lines.append(f"quantization  {q['bits']}-bit {q['mode']}, group size {q['group_size']}{extra}")
-    else:
-        lines.append(f"quantization  {q.get('method')}")
-    kv = info.get("kv_bytes_per_token") or {}
-    if any(kv.values()):
-        lines.append("kv cache      per token: " + ", ".join(f"{k} {_human(v)}" for k, v in kv.items()))
-    lines.extend(_head_lines(info))
-    if info["forged_head"] and info["head"] is None:
-        lines.append(f"forged head   {info['forged_head'].get('manifest')}")
-    split = info.get("split_drafter")
-    if split and not split.get("path"):
-        lines.append(f"split drafter none beside it ({split['looked_for']})")
-    assistant = info.get("assistant")
-    if assistant:
-        state = "pairs" if assistant["pairs"] else assistant["problem"]
-        lines.append(f"assistant     {assistant['name']} ({state})")
-    if info.get("vision"):
-        lines.append(_vision_line(info["vision"]))
-    lines.append(f"verdict       {info['verdict']}: {info['reason']}")
-    return "\n".join(lines)

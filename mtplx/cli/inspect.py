@@ -16,7 +16,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mtplx.checkpoints.inspect import format_inspection, inspect_model
+    from mtplx.checkpoints.inspect import inspect_model
+    from mtplx.checkpoints.inspect_report import format_inspection
 
     info = inspect_model(args.model, head=args.head, dtype=args.dtype)
     print(json.dumps(info, indent=2) if args.json else format_inspection(info))

@@ -6,7 +6,8 @@ import json
 import math
 
 import mtplx  # noqa: F401
-from mtplx.checkpoints.inspect import format_inspection, inspect_model
+from mtplx.checkpoints.inspect import inspect_model
+from mtplx.checkpoints.inspect_report import format_inspection
 from mtplx.errors import MtplxError
 
 import mlx.core as mx

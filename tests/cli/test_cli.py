@@ -253,7 +253,8 @@ def test_inspect_with_a_head_forged_for_other_weights_is_not_mtp_ready(tmp_path)
     manifest["trunk_fingerprint"] = "0123456789abcdef"
     (head / "manifest.json").write_text(json.dumps(manifest))
     (head / "head.safetensors").symlink_to(shipped / "head.safetensors")
-    from mtplx.checkpoints.inspect import format_inspection, inspect_model
+    from mtplx.checkpoints.inspect import inspect_model
+    from mtplx.checkpoints.inspect_report import format_inspection
 
     info = inspect_model(head=head)  # in-process: the CLI path is covered above; this is the negative control
     assert info["verdict"] == "AR-only" and info["head"]["fits"] == []

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx import cli
-from mtplx.checkpoints.inspect import format_inspection, inspect_model
+from mtplx.checkpoints.inspect import inspect_model
+from mtplx.checkpoints.inspect_report import format_inspection
 from mtplx.engine.engine import Engine
 from mtplx.heads import provenance
 from mtplx.sampling import SamplerConfig

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.checkpoints.convert_hf import convert_hf
-from mtplx.checkpoints.inspect import format_inspection, inspect_model
+from mtplx.checkpoints.inspect import inspect_model
+from mtplx.checkpoints.inspect_report import format_inspection
 from mtplx.heads import load_head
 from mtplx.sampling import SamplerConfig
 from mtplx.trunk.model import Trunk

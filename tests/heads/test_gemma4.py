@@ -505,7 +505,8 @@ def test_engine_loads_the_assistant_beside_a_gemma_target_and_refuses_forced_mtp
 
 
 def test_inspect_names_the_assistant_that_pairs_with_a_gemma_target(tmp_path):
-    from mtplx.checkpoints.inspect import format_inspection, inspect_model
+    from mtplx.checkpoints.inspect import inspect_model
+    from mtplx.checkpoints.inspect_report import format_inspection
 
     target = checkpoints.gemma4_target(tmp_path / "gemma-4-tiny")
     info = inspect_model(str(target.path))

@@ -11,7 +11,8 @@ import json
 from pathlib import Path
 
 import mtplx  # noqa: F401  (BLAS before mlx)
-from mtplx.checkpoints.inspect import format_inspection, inspect_model
+from mtplx.checkpoints.inspect import inspect_model
+from mtplx.checkpoints.inspect_report import format_inspection
 from mtplx.heads import Qwen3NextMTPHead, load_head
 from mtplx.heads.weights import stored_as_offset
 from mtplx.trunk.model import Trunk

@@ -17,7 +17,8 @@ import shutil
 from pathlib import Path
 
 import mtplx  # noqa: F401  (BLAS before mlx)
-from mtplx.checkpoints.inspect import format_inspection, inspect_model
+from mtplx.checkpoints.inspect import inspect_model
+from mtplx.checkpoints.inspect_report import format_inspection
 from mtplx.engine.engine import Engine
 from mtplx.errors import MtplxError
 from mtplx.heads import load_head
