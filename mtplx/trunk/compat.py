@@ -45,6 +45,7 @@ from typing import Any, NamedTuple
 
 from mtplx.errors import MtplxError
 from mtplx.trunk.compat_nemotron import INNER_PATH, INNER_SPELLINGS, SUPPORTED_SSM_MODULES, check_ssm
+from mtplx.trunk.compat_probe import check_hooked_function
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -500,20 +501,7 @@ def _check_arrays(arrays_cls: type) -> list[str]:
 
 
 def _check_gated_delta(update: Callable, module_names: Sequence[str]) -> list[str]:
-    problems = []
-    parameters = tuple(inspect.signature(update).parameters)[: len(_GATED_DELTA_PARAMETERS)]
-    if parameters != _GATED_DELTA_PARAMETERS:
-        problems.append(f"gated_delta_update takes {parameters}, expected {_GATED_DELTA_PARAMETERS} first")
-    for name in module_names:
-        try:
-            module = __import__(name, fromlist=["_"])
-        except ImportError:
-            problems.append(f"{name} is gone")
-            continue
-        bound = getattr(module, "gated_delta_update", None)
-        if bound is None:
-            problems.append(f"{name} no longer calls a module-level gated_delta_update")
-    return problems
+    return check_hooked_function("gated_delta_update", update, _GATED_DELTA_PARAMETERS, module_names)
 
 
 def _check_cache_list(cache_list_cls: type) -> list[str]:

@@ -22,9 +22,10 @@ runs ``check_ssm`` inside its ``check()``) because that module is at its line bu
 
 from __future__ import annotations
 
-import inspect
 import sys
 from collections.abc import Callable, Sequence
+
+from mtplx.trunk.compat_probe import check_hooked_function
 
 import mlx.nn as nn
 from mlx_lm.models import ssm as _ssm
@@ -99,18 +100,12 @@ def check_ssm(
     update: Callable = ORIGINAL_SSM_UPDATE, module_names: Sequence[str] = SUPPORTED_SSM_MODULES
 ) -> list[str]:
     """What the installed mlx-lm changed of the layout above (empty when nothing)."""
-    problems = []
-    parameters = tuple(inspect.signature(update).parameters)[: len(_SSM_PARAMETERS)]
-    if parameters != _SSM_PARAMETERS:
-        problems.append(f"ssm_update takes {parameters}, expected {_SSM_PARAMETERS} first")
+    problems = check_hooked_function("ssm_update", update, _SSM_PARAMETERS, module_names)
     for name in module_names:
         try:
             module = __import__(name, fromlist=["_"])
         except ImportError:
-            problems.append(f"{name} is gone")
-            continue
-        if getattr(module, "ssm_update", None) is None:
-            problems.append(f"{name} no longer calls a module-level ssm_update")
+            continue  # reported above
         problems += _check_structure(module)
     return problems
 
