@@ -28,7 +28,7 @@ from support import decoding as decode
 from support import ggml_blocks
 from support import gguf_qwen35 as tiny
 from support.checkpoints import write_checkpoint
-from support.decoding import mtp_decode, take_steps, take_tokens
+from support.decoding import assert_mtp_equals_ar_with_drafts_kept, mtp_decode, take_steps, take_tokens
 from support.tokenizer import word_level
 
 GREEDY = SamplerConfig(temperature=0.0)
@@ -238,22 +238,7 @@ def test_greedy_mtp_equals_ar_with_drafts_kept(gguf_model, kind):
     head_bits = {m.bits for _, m in engine.head.named_modules() if hasattr(m, "scales")}
     # q4: the trunk at 4 bits, the head at the head-precision default (8 bits)
     assert (trunk_bits, head_bits) == (({4}, {8}) if kind == "q4" else (set(), set()))
-    for depth in (1, 2):
-        kept = 0
-        for prompt in PROMPTS:
-            ar = take_tokens(
-                decode.ar_decode(
-                    engine.trunk, prompt, decode.DecodeSettings(sampler=GREEDY), mx.random.key(0)
-                ),
-                16,
-            )
-            settings = decode.DecodeSettings(sampler=GREEDY, depth=depth)
-            tokens, steps = take_steps(
-                mtp_decode(engine.trunk, engine.head, prompt, settings, mx.random.key(0)), 16
-            )
-            assert tokens == ar, (kind, depth, prompt)
-            kept += sum(s.num_accepted for s in steps if s.num_drafted)
-        assert kept > 0, (kind, depth)
+    assert_mtp_equals_ar_with_drafts_kept(engine.trunk, engine.head, PROMPTS, 16, label=kind)
 
 
 def test_the_q4_config_records_the_gguf_and_the_head_precision(gguf_model):

@@ -38,7 +38,7 @@ import numpy as np
 import pytest
 from mlx_lm.models import nemotron_h
 from support import decoding as decode
-from support.decoding import mtp_decode, take_steps, take_tokens
+from support.decoding import assert_mtp_equals_ar_with_drafts_kept, mtp_decode, take_steps
 from support.exactness import FALSE_FAILURE_RATE, exact_ar_joint, loop_p_value, sample_counts
 from support.models import randomize, scale_outputs
 from support.nemotron import nemotron_h_checkpoint, tiny_nemotron_h
@@ -334,20 +334,7 @@ def test_the_drafter_is_found_beside_the_4bit_trunk_equals_the_own_head_and_is_e
     split_out = head.logits(head(hidden, nxt, head.make_cache()))
     own_out = own.logits(own(hidden, nxt, own.make_cache()))
     assert mx.allclose(split_out, own_out, atol=1e-5).item()
-    for depth in (1, 2):
-        kept = 0
-        for prompt in PROMPTS[:2]:
-            ar = take_tokens(
-                decode.ar_decode(
-                    engine.trunk, prompt, decode.DecodeSettings(sampler=GREEDY), mx.random.key(0)
-                ),
-                16,
-            )
-            settings = decode.DecodeSettings(sampler=GREEDY, depth=depth)
-            tokens, steps = take_steps(mtp_decode(engine.trunk, head, prompt, settings, mx.random.key(0)), 16)
-            assert tokens == ar, (prompt, depth)
-            kept += sum(s.num_accepted for s in steps if s.num_drafted)
-        assert kept > 0, depth
+    assert_mtp_equals_ar_with_drafts_kept(engine.trunk, head, PROMPTS[:2], 16)
 
 
 # --------------------------------------------------------------------------- sampled distribution
@@ -403,15 +390,7 @@ def test_chi_square_rejects_a_loop_that_commits_the_rejected_draft(monkeypatch):
 
 
 def _exact_with_drafts_kept(engine: Engine, head) -> None:
-    for depth in (1, 2):
-        kept = 0
-        for prompt in PROMPTS[:2]:
-            settings = decode.DecodeSettings(sampler=GREEDY, depth=depth)
-            ar = take_tokens(decode.ar_decode(engine.trunk, prompt, settings, mx.random.key(0)), 16)
-            tokens, steps = take_steps(mtp_decode(engine.trunk, head, prompt, settings, mx.random.key(0)), 16)
-            assert tokens == ar, (prompt, depth)
-            kept += sum(s.num_accepted for s in steps if s.num_drafted)
-        assert kept > 0, depth
+    assert_mtp_equals_ar_with_drafts_kept(engine.trunk, head, PROMPTS[:2], 16)
 
 
 def test_an_8bit_drafter_beside_the_4bit_trunk_loads_quantized_and_is_exact(replica):

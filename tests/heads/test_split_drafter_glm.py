@@ -25,8 +25,7 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 from support import checkpoints
-from support import decoding as decode
-from support.decoding import mtp_decode, take_steps, take_tokens
+from support.decoding import assert_mtp_equals_ar_with_drafts_kept
 from support.tokenizer import word_level
 
 GREEDY = SamplerConfig(temperature=0.0)
@@ -93,22 +92,7 @@ def test_greedy_mtp_equals_ar_with_drafts_kept(replica, kind):
     engine = Engine.load(str(replica["trunk"]), head=str(replica[kind]))
     bits = {m.bits for _, m in engine.head.named_modules() if hasattr(m, "scales")}
     assert bits == ({8} if kind == "8bit" else set())
-    for depth in (1, 2):
-        kept = 0
-        for prompt in PROMPTS:
-            ar = take_tokens(
-                decode.ar_decode(
-                    engine.trunk, prompt, decode.DecodeSettings(sampler=GREEDY), mx.random.key(0)
-                ),
-                14,
-            )
-            settings = decode.DecodeSettings(sampler=GREEDY, depth=depth)
-            tokens, steps = take_steps(
-                mtp_decode(engine.trunk, engine.head, prompt, settings, mx.random.key(0)), 14
-            )
-            assert tokens == ar, (kind, depth, prompt)
-            kept += sum(s.num_accepted for s in steps if s.num_drafted)
-        assert kept > 0, (kind, depth)
+    assert_mtp_equals_ar_with_drafts_kept(engine.trunk, engine.head, PROMPTS, 14, label=kind)
 
 
 def test_a_drafter_with_other_mla_shapes_is_a_one_line_error(replica, tmp_path):

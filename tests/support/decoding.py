@@ -14,6 +14,7 @@ from collections.abc import Generator
 
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.errors import MtplxError
+from mtplx.sample.params import SamplerConfig
 from mtplx.spec_decode.constraint import GrammarConstraint
 from mtplx.spec_decode.head_proposer import HeadProposer
 from mtplx.spec_decode.loop import BatchDecoder
@@ -25,6 +26,8 @@ from mtplx.trunk import rollback as cache_ops
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
+
+_GREEDY = SamplerConfig(temperature=0.0)
 
 
 def decode_alone(
@@ -145,6 +148,21 @@ def mtp_decode(
 # only where the alone run's two best candidates are this close: probabilities within 1e-4 of
 # each other relative to the larger, i.e. log-probabilities (and logits) within about 1e-4.
 TIE_RELATIVE_GAP = 1e-4
+
+
+def assert_mtp_equals_ar_with_drafts_kept(trunk, head, prompts, n: int, depths=(1, 2), label=None) -> None:
+    """Greedy MTP with ``head`` gives the AR tokens (``n`` of each prompt, key 0) at each depth, and
+    at each depth some draft was kept (an MTP run that never keeps a draft would prove nothing)."""
+    for depth in depths:
+        kept = 0
+        for prompt in prompts:
+            ar_settings = DecodeSettings(sampler=_GREEDY)
+            ar = take_tokens(ar_decode(trunk, prompt, ar_settings, mx.random.key(0)), n)
+            settings = DecodeSettings(sampler=_GREEDY, depth=depth)
+            tokens, steps = take_steps(mtp_decode(trunk, head, prompt, settings, mx.random.key(0)), n)
+            assert tokens == ar, (label, depth, prompt)
+            kept += sum(s.num_accepted for s in steps if s.num_drafted)
+        assert kept > 0, (label, depth)
 
 
 def first_divergence(alone: list[int], got: list[int]) -> int | None:
