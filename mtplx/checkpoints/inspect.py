@@ -374,6 +374,31 @@ def _norm_rule(config: dict, path: Path, index, header: dict, layout, is_head, s
     return norms
 
 
+def _mtp_facts(config: dict, header: dict, q, is_head, layout, declared, count_source: str, norms) -> dict:
+    """The checkpoint's own MTP head as its tensors and config say."""
+    head_tensors = sum(1 for k in header if is_head(k))
+    return {
+        "layout": layout if (head_tensors or declared) else None,
+        "declared_layers": declared,
+        "layer_count_source": count_source,  # "config", or "tensor names" when it declares none
+        "tensors": head_tensors,
+        "norm_rule": norms,  # which rule decides the head's norm convention (None: not a question)
+        # {"groups": {group: bits or "float"}, "below_8_bits": [...], "converted_as": ...}
+        "precision": _head_precision(header, q, is_head, config) if head_tensors else None,
+    }
+
+
+def _declared_layers(layout, header: dict, config: dict) -> tuple[int, str]:
+    """(MTP layers, where the count came from): a config may declare no count (Qwen3-Next as
+    published), then the family's tensor names say."""
+    from mtplx.heads import declared_mtp_layers
+    from mtplx.heads.registry import FAMILIES
+
+    if layout:
+        return FAMILIES[layout].layer_count(header, config)
+    return declared_mtp_layers(config), "config"
+
+
 def inspect_model(
     spec_or_path: str | Path | None = None, *, head: str | Path | None = None, dtype: str | None = None
 ) -> dict[str, Any]:
@@ -382,8 +407,7 @@ def inspect_model(
     ``head`` is a forged-head directory to check against the model (as ``generate --head`` uses it);
     ``dtype`` picks the default model's build.
     """
-    from mtplx.heads import declared_mtp_layers, detect_layout, split_drafter
-    from mtplx.heads.registry import FAMILIES
+    from mtplx.heads import detect_layout, split_drafter
 
     if dtype not in (None, *VARIANTS):
         raise MtplxError(f"dtype must be one of {', '.join(VARIANTS)} (got {dtype})")
@@ -401,10 +425,7 @@ def inspect_model(
     is_head = (lambda k: True) if is_drafter else _head_predicate(layout, config)
     params, bytes_by_dtype, head_bytes = _count_parameters(header, is_head, q)
 
-    if layout:  # a config may declare no count (Qwen3-Next as published): then the tensor names say
-        declared, count_source = FAMILIES[layout].layer_count(header, config)
-    else:
-        declared, count_source = declared_mtp_layers(config), "config"
+    declared, count_source = _declared_layers(layout, header, config)
     head_tensors = sum(1 for k in header if is_head(k))
     forged, sidecar, given_split, split, assistant = _heads_beside(
         path, spec_or_path, config, head, head_tensors, is_drafter, default_variant
@@ -448,15 +469,7 @@ def inspect_model(
         "shards": len(set(index.values())),
         "quantization": quant,
         "kv_bytes_per_token": _kv_bytes(config, header),
-        "mtp": {
-            "layout": layout if (head_tensors or declared) else None,
-            "declared_layers": declared,
-            "layer_count_source": count_source,  # "config", or "tensor names" when it declares none
-            "tensors": head_tensors,
-            "norm_rule": norms,  # which rule decides the head's norm convention (None: not a question)
-            # {"groups": {group: bits or "float"}, "below_8_bits": [...], "converted_as": ...}
-            "precision": _head_precision(header, q, is_head, config) if head_tensors else None,
-        },
+        "mtp": _mtp_facts(config, header, q, is_head, layout, declared, count_source, norms),
         "forged_head": forged,
         "default_model_build": default_variant,
         "head": sidecar,
