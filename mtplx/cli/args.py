@@ -333,6 +333,9 @@ def load_engine(args: argparse.Namespace, *, quiet: bool = False, prompt_cache_b
     """The engine the model flags describe; a note on stderr (unless ``quiet``) when it has no drafter model."""
     from mtplx.engine.engine import Engine
 
+    for dest in ("kv_group_size", "quantized_kv_start"):
+        if getattr(args, dest, None) is not None and getattr(args, "kv_bits", None) is None:
+            raise MtplxError(f"{_flag_name(args, dest)} needs --kv-bits: it does nothing without it")
     engine = Engine.load(
         args.model,
         head=args.head,

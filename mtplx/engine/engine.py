@@ -183,6 +183,7 @@ class Engine:
         only, never the output."""
         check_fit(self.trunk, self.head, plan)
         self.trunk.kv_quantization = plan
+        print(f"mtplx: note: {KV_EXACTNESS_NOTE}", file=sys.stderr)
 
     def use_disk_cache(self, directory: str | Path, max_bytes: int, kv: str = "") -> None:
         """Keep prompt-cache entries in ``directory`` too, up to ``max_bytes``, and reuse the ones
@@ -492,6 +493,14 @@ def _one_choice(request: GenerationRequest, entry: str) -> None:
             f"n: {entry} returns one choice per request (got n={request.n}); submit to Engine.batch() "
             "(each chunk's index is its choice) or ask the server"
         )
+
+
+KV_EXACTNESS_NOTE = (
+    "kv_bits: tokens equal plain decoding's only for one request decoded alone on a fresh cache; "
+    "speculation, batched rows and prompt-cache reuse group positions into forwards differently, and "
+    "rounding to a few bits can turn those float-level differences into other tokens (README: "
+    "What is exact under --kv-bits)"
+)
 
 
 def _kv_plan(

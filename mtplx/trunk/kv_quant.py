@@ -22,6 +22,13 @@ rows batch (`batch_cache.RaggedQuantizedKVCache`). ``start > 0``: the float cach
 (attribute ``PLAN_ATTR``) and a row decodes on its own caches (`row_cache.SingleRowCache` rolls a
 converting block back exactly: `ConversionBlock`); the model must be attention-only (plain
 ``KVCache`` layers: a sliding-window or recurrent cache cannot take a block in two forwards).
+What this does not give: float results differ in their last bits with how positions are grouped
+into forwards (a matmul over 54 rows rounds unlike two over 30 and 24), and rounding to a few bits
+turns a value near a level boundary into a whole step, which grows through the layers; so a verify
+block, a batched row or a reused prompt-cache prefix can give other tokens than plain decoding of
+one request on a fresh cache (README "What is exact under --kv-bits"; `Engine.load` prints a note;
+tests/engine/test_kv_bits_grouping.py). Invariance would need batch-invariant matmul kernels.
+
 Only plain ``KVCache`` layers are quantized (mlx-lm cannot quantize a ``RotatingKVCache`` either);
 an MTP head's own cache stays float (`Engine._quantize_kv` says why).
 """
@@ -79,8 +86,12 @@ class KVQuantization:
     def from_flags(
         cls, kv_bits: int | None, kv_group_size: int | None = None, quantized_kv_start: int | None = None
     ) -> KVQuantization | None:
-        """None without ``kv_bits`` (float KV, as mlx-lm); the others default as in mlx-lm."""
+        """None without ``kv_bits`` (float KV, as mlx-lm); the others default as in mlx-lm, and are
+        refused without ``kv_bits`` (they would do nothing)."""
         if kv_bits is None:
+            for name, value in (("kv_group_size", kv_group_size), ("quantized_kv_start", quantized_kv_start)):
+                if value is not None:
+                    raise MtplxError(f"{name} needs kv_bits: it does nothing without it (got {value})")
             return None
         group = DEFAULT_KV_GROUP_SIZE if kv_group_size is None else kv_group_size
         start = DEFAULT_QUANTIZED_KV_START if quantized_kv_start is None else quantized_kv_start

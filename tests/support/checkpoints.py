@@ -392,12 +392,12 @@ def glm4_moe(
 # --------------------------------------------------------------------------- mimo
 
 
-def _mimo_head_module(block: nn.Module) -> nn.Module:
+def _mimo_head_module(block: nn.Module, hidden: int = HIDDEN) -> nn.Module:
     m = nn.Module()
-    m.token_layernorm, m.hidden_layernorm = nn.RMSNorm(HIDDEN), nn.RMSNorm(HIDDEN)
-    m.input_proj = nn.Linear(2 * HIDDEN, HIDDEN, bias=False)
+    m.token_layernorm, m.hidden_layernorm = nn.RMSNorm(hidden), nn.RMSNorm(hidden)
+    m.input_proj = nn.Linear(2 * hidden, hidden, bias=False)
     m.block = block
-    m.final_layernorm = nn.RMSNorm(HIDDEN)
+    m.final_layernorm = nn.RMSNorm(hidden)
     return m
 
 
@@ -420,17 +420,20 @@ def mimo(
     head_override_bits: int | None = None,
     mtp_layers: int = 1,
     num_heads: int = 4,
+    hidden_size: int = HIDDEN,
+    num_layers: int = 2,
 ) -> Tiny:
     """``quantize={"group_size": 32, "bits": 4}`` writes an mlx-format quantized checkpoint
     (``.scales``/``.biases``, a ``quantization`` block); ``head_override_bits`` adds a per-layer
-    override for the head's ``input_proj``; ``num_heads`` as `mimo_config`."""
+    override for the head's ``input_proj``; ``num_heads``, ``hidden_size`` and ``num_layers`` as
+    `mimo_config`."""
     from mlx_lm.models import mimo as m
 
-    config = mimo_config(vocab_size, mtp_layers, num_heads)
+    config = mimo_config(vocab_size, mtp_layers, num_heads, hidden_size, num_layers)
     args = m.ModelArgs.from_dict(config)
     model = m.Model(args)
     randomize(model, seed)
-    heads = [_mimo_head_module(m.TransformerBlock(args)) for _ in range(mtp_layers)]
+    heads = [_mimo_head_module(m.TransformerBlock(args), hidden_size) for _ in range(mtp_layers)]
     for i, head in enumerate(heads):
         randomize(head, seed + 1 + i)
     if quantize:

@@ -430,15 +430,22 @@ def glm4_moe_config(mtp_layers: int = 1, trunk_layers: int = 2, qk_norm: bool = 
     }
 
 
-def mimo_config(vocab_size: int = VOCAB, mtp_layers: int = 1, num_heads: int = 4) -> dict:
-    """The Hugging Face config of a 2-layer MiMo (Qwen2-style attention with biases) declaring
-    ``mtp_layers`` MTP layers, context 256; ``num_heads`` attention heads (KV heads half as many,
-    one when one: ``num_heads=1`` gives head dimension 32, which quantized KV's groups need)."""
+def mimo_config(
+    vocab_size: int = VOCAB,
+    mtp_layers: int = 1,
+    num_heads: int = 4,
+    hidden_size: int = HIDDEN,
+    num_layers: int = 2,
+) -> dict:
+    """The Hugging Face config of a ``num_layers``-layer MiMo (Qwen2-style attention with biases)
+    declaring ``mtp_layers`` MTP layers, context 256; ``num_heads`` attention heads (KV heads half
+    as many, one when one) over ``hidden_size``: quantized KV's groups need a head dimension of 32
+    or more (``num_heads=1``, or ``hidden_size=128`` with 4 heads)."""
     return {
         "model_type": "mimo",
         "architectures": ["MiMoForCausalLM"],
-        "hidden_size": HIDDEN,
-        "num_hidden_layers": 2,
+        "hidden_size": hidden_size,
+        "num_hidden_layers": num_layers,
         "intermediate_size": 64,
         "num_attention_heads": num_heads,
         "num_key_value_heads": max(1, num_heads // 2),

@@ -87,7 +87,11 @@ def assert_same_caches(got: list, want: list) -> None:
 
 
 def test_plan_defaults_and_bad_values_name_the_flag():
-    assert KVQuantization.from_flags(None, 32, 0) is None
+    assert KVQuantization.from_flags(None) is None
+    with pytest.raises(MtplxError, match=r"^kv_group_size needs kv_bits"):
+        KVQuantization.from_flags(None, 32)  # it would do nothing
+    with pytest.raises(MtplxError, match=r"^quantized_kv_start needs kv_bits"):
+        KVQuantization.from_flags(None, None, 0)
     assert KVQuantization.from_flags(8) == KVQuantization(8, 64, 5000)  # mlx-lm's defaults
     for args, field in [((7,), "kv_bits"), ((4, 48), "kv_group_size"), ((4, 64, -1), "quantized_kv_start")]:
         with pytest.raises(MtplxError, match=rf"^{field} must be"):
