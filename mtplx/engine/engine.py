@@ -183,6 +183,8 @@ class Engine:
         only, never the output."""
         check_fit(self.trunk, self.head, plan)
         self.trunk.kv_quantization = plan
+        if self.trunk.vision is not None:
+            self.trunk.vision.refuse_kv_bits()
         print(f"mtplx: note: {KV_EXACTNESS_NOTE}", file=sys.stderr)
 
     def use_disk_cache(self, directory: str | Path, max_bytes: int, kv: str = "") -> None:
@@ -254,10 +256,17 @@ class Engine:
 
     # --------------------------------------------------------------- prompting
     def encode_prompt(
-        self, prompt: str | Sequence[dict] | Sequence[int], chat: bool | None = None
+        self,
+        prompt: str | Sequence[dict] | Sequence[int],
+        chat: bool | None = None,
+        tools: list | None = None,
     ) -> list[int]:
-        """Token ids of ``prompt``: raw text, a chat message list, or token ids (taken as they are)."""
-        return encode_prompt(self.tokenizer, self.trunk.vocab_size, prompt, chat)
+        """Token ids of ``prompt``: raw text, a chat message list (``tools`` for the template's
+        ``tools=``), or token ids (taken as they are). In messages, a vision checkpoint's
+        placeholder text is the text it is, never an image placeholder (`text.encode_chat`)."""
+        vision = self.trunk.vision
+        literal = vision.placeholder_texts(self.tokenizer) if vision is not None else ()
+        return encode_prompt(self.tokenizer, self.trunk.vocab_size, prompt, chat, tools, literal)
 
     @property
     def context_length(self) -> int | None:

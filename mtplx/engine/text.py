@@ -8,18 +8,25 @@ string is never emitted, even in part.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from mtplx.errors import MtplxError
 
-__all__ = ["TextAssembler", "encode_prompt", "with_image_parts"]
+__all__ = ["TextAssembler", "encode_chat", "encode_prompt", "with_image_parts"]
 
 
 def encode_prompt(
-    tokenizer, vocab_size: int, prompt: str | Sequence[dict] | Sequence[int], chat: bool | None = None
+    tokenizer,
+    vocab_size: int,
+    prompt: str | Sequence[dict] | Sequence[int],
+    chat: bool | None = None,
+    tools: list | None = None,
+    literal: Sequence[str] = (),
 ) -> list[int]:
     """Token ids of ``prompt``: raw text (through the chat template when ``chat``), a chat message
-    list (always through the template), or token ids (checked against the vocabulary, taken as they are)."""
+    list (always through the template, with ``tools`` for its ``tools=``; `encode_chat` for
+    ``literal``), or token ids (checked against the vocabulary, taken as they are)."""
     if not isinstance(prompt, str) and prompt and all(isinstance(t, int) for t in prompt):
         bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
         if bad is not None:
@@ -38,15 +45,75 @@ def encode_prompt(
     if use_chat:
         if getattr(tokenizer, "chat_template", None) is None:
             raise MtplxError("prompt: this model's tokenizer has no chat template; pass raw text")
-        tokens = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
-        if isinstance(tokens, dict):
-            tokens = tokens["input_ids"]
+        tokens = encode_chat(tokenizer, list(prompt), tools, literal)
     else:
         tokens = tokenizer.encode(prompt)
     tokens = list(tokens)
     if not tokens:
         raise MtplxError("prompt encodes to no tokens")
     return tokens
+
+
+def encode_chat(
+    tokenizer, messages: list, tools: list | None = None, literal: Sequence[str] = ()
+) -> list[int]:
+    """The chat template's token ids for ``messages``, where the ``literal`` strings (special
+    tokens' text, such as a vision checkpoint's image placeholder) in the messages' own text are
+    encoded as the plain text they are, never as the special token: only the template makes those.
+    Messages without them encode exactly as the template does; with them, the template renders
+    each occurrence as a marker and the text between markers is encoded piece by piece."""
+    found = [s for s in literal if s and any(s in text for text in _message_texts(messages))]
+    if not found:
+        ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    marks = _unused_marks(messages, len(found))
+    escaped = [_replace_text(m, found, marks) for m in messages]
+    rendered = tokenizer.apply_chat_template(escaped, tools=tools, add_generation_prompt=True, tokenize=False)
+    tokens: list[int] = []
+    for piece in re.split("(" + "|".join(map(re.escape, marks)) + ")", rendered):
+        if piece in marks:
+            literal_text = found[marks.index(piece)]
+            tokens.extend(tokenizer.encode(literal_text, add_special_tokens=False, split_special_tokens=True))
+        elif piece:
+            tokens.extend(tokenizer.encode(piece, add_special_tokens=False))
+    return tokens
+
+
+def _message_texts(messages: list) -> list[str]:
+    texts = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            texts.append(content)
+        for part in content if isinstance(content, list) else []:
+            if isinstance(part, dict) and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+    return texts
+
+
+def _unused_marks(messages: list, count: int) -> list[str]:
+    """``count`` marker strings (private-use characters) that no message text contains."""
+    texts = "".join(_message_texts(messages))
+    base = next(c for c in range(0xE000, 0xF8FF) if chr(c) not in texts)
+    return [f"{chr(base)}{k}{chr(base)}" for k in range(count)]
+
+
+def _replace_text(message: dict, found: list[str], marks: list[str]) -> dict:
+    def swap(text: str) -> str:
+        for literal_text, mark in zip(found, marks):
+            text = text.replace(literal_text, mark)
+        return text
+
+    content = message.get("content")
+    if isinstance(content, str):
+        return {**message, "content": swap(content)}
+    if isinstance(content, list):
+        parts = [
+            {**p, "text": swap(p["text"])} if isinstance(p, dict) and isinstance(p.get("text"), str) else p
+            for p in content
+        ]
+        return {**message, "content": parts}
+    return message
 
 
 # Content part types a prompt may hold besides text and images: refused in one line.

@@ -356,10 +356,7 @@ async def _encode_chat(engine, plan: ChatPlan) -> list[int]:
         return await _encode(engine, plan.messages, "messages")
 
     def render() -> list[int]:
-        ids = engine.tokenizer.apply_chat_template(
-            plan.messages, tools=plan.template_tools, add_generation_prompt=True, tokenize=True
-        )
-        return engine.encode_prompt(list(ids["input_ids"] if isinstance(ids, dict) else ids))
+        return engine.encode_prompt(plan.messages, True, tools=plan.template_tools)
 
     try:
         return await run_in_threadpool(render)

@@ -97,12 +97,29 @@ def build_vision(config: dict) -> tuple[nn.Module, VisionSpec]:
 def sanitize_tower_weights(tower: nn.Module, weights: dict[str, mx.array]) -> dict[str, mx.array]:
     """The tower's own tensors of a checkpoint's ``weights`` (either layout), named as the tower's
     parameters and in its conv layout (mlx-vlm's ``VisionModel.sanitize``)."""
+    in_channels = tower.patch_embed.proj.weight.shape[-1]  # mlx's Conv3d: [out, T, P, P, in]
     own = {}
     for key, value in weights.items():
         prefix = next((p for p in TOWER_PREFIXES if key.startswith(p)), None)
-        if prefix is not None:
-            own[key[len(prefix) :]] = value
+        if prefix is None:
+            continue
+        key = key[len(prefix) :]
+        if key == "patch_embed.proj.weight" and value.ndim == 5:
+            value = _conv3d_to_mlx(value, in_channels, torch_named=prefix == TOWER_PREFIXES[0])
+        own[key] = value
     return tower.sanitize(own)
+
+
+def _conv3d_to_mlx(weight: mx.array, in_channels: int, torch_named: bool) -> mx.array:
+    """The patch embedding's Conv3d weight in mlx's layout [out, T, P, P, in], from torch's
+    [out, in, T, P, P] where it is in that one: by the channel axes (mlx-vlm's model-level
+    ``sanitize`` rule), and where both fit (T = P = in), by the names (Hugging Face's are torch's).
+    The tower's own ``sanitize`` guesses by shape and keeps a torch weight whose patch equals its
+    temporal size and is at most 3 as it is; after this it sees mlx's layout."""
+    torch_fits, mlx_fits = weight.shape[1] == in_channels, weight.shape[-1] == in_channels
+    if torch_fits and (not mlx_fits or torch_named):
+        return weight.transpose(0, 2, 3, 4, 1)
+    return weight
 
 
 def run_tower(tower: nn.Module, pixel_values: mx.array, grid_thw: mx.array) -> mx.array:

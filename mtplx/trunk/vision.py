@@ -250,6 +250,32 @@ def _tower_weights(path: Path) -> dict[str, mx.array]:
     return found
 
 
+def _open_bytes(data: bytes, what: str, limits: ImageLimits) -> Any:
+    """``data`` opened by PIL (header only), without PIL's own decompression-bomb warning (the
+    pixel limit is checked next, in one line) and with no Python object in a refusal."""
+    import warnings
+
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            return Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError:
+        raise MtplxError(f"{what}: over the limit of {limits.max_pixels} pixels") from None
+    except UnidentifiedImageError:
+        raise MtplxError(f"{what}: not a readable image (not a format PIL can identify)") from None
+    except (OSError, ValueError, SyntaxError) as e:  # a damaged header
+        raise MtplxError(f"{what}: not a readable image ({_without_objects(first_line(e))})") from None
+
+
+def _without_objects(message: str) -> str:
+    """``message`` without Python object reprs (``<_io.BytesIO object at 0x...>``)."""
+    import re
+
+    return re.sub(r"\s*<[^<>]* at 0x[0-9a-fA-F]+>", "", message).strip() or "damaged"
+
+
 class VisionEncoder:
     """A checkpoint's image side: processor, tower, image token ids, and the features of recent
     images (least recently used first out, ``max_cached`` of them)."""
@@ -266,6 +292,27 @@ class VisionEncoder:
         self.limits = limits or ImageLimits()
         self.max_cached = max_cached
         self._features: OrderedDict[str, mx.array] = OrderedDict()
+        self.refusal: str | None = None  # why this engine takes no images now (kv_bits: `refuse_kv_bits`)
+        self._placeholder_texts: tuple[str, ...] | None = None
+
+    def placeholder_texts(self, tokenizer) -> tuple[str, ...]:
+        """The text of the vision special tokens (image and video pads, vision start and end):
+        in a message's own text they are text, never placeholders (`mtplx.engine.text.encode_chat`)."""
+        if self._placeholder_texts is None:
+            s = self.spec
+            ids = (s.image_token_id, s.video_token_id, s.vision_start_token_id, s.vision_end_token_id)
+            self._placeholder_texts = tuple(t for t in (tokenizer.decode([i]) for i in ids) if t)
+        return self._placeholder_texts
+
+    def refuse_kv_bits(self) -> None:
+        """Images are refused on an engine whose KV cache is quantized: after an image the trunk
+        turns every cached key by the image's M-RoPE lag (`image_positions.reframe`), which
+        quantized keys cannot take without being rounded a second time."""
+        self.refusal = (
+            "not supported with kv_bits: after an image every cached key is turned by the image's "
+            "M-RoPE position lag, which quantized keys cannot take without a second rounding; "
+            "load without kv_bits for images"
+        )
 
     @classmethod
     def load(cls, path: Path, config: dict) -> VisionEncoder:
@@ -306,7 +353,7 @@ class VisionEncoder:
     def open(self, source: Any, what: str = "image") -> np.ndarray:
         """RGB pixels [C, H, W] uint8 of ``source`` (a path, bytes, or a PIL image), checked
         against the limits before anything is decoded."""
-        from PIL import Image, UnidentifiedImageError
+        from PIL import Image
 
         limits = self.limits
         if isinstance(source, (str, Path)):
@@ -319,10 +366,7 @@ class VisionEncoder:
         if isinstance(source, (bytes, bytearray)):
             if len(source) > limits.max_bytes:
                 raise MtplxError(f"{what}: over {limits.max_bytes} bytes")
-            try:
-                source = Image.open(io.BytesIO(source))
-            except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as e:
-                raise MtplxError(f"{what}: not a readable image ({first_line(e)})") from None
+            source = _open_bytes(source, what, limits)
         if not isinstance(source, Image.Image):
             raise MtplxError(f"{what}: expected a path, bytes or a PIL image (got {type(source).__name__})")
         width, height = source.size
@@ -330,8 +374,8 @@ class VisionEncoder:
             raise MtplxError(f"{what}: {width}x{height} is over the limit of {limits.max_pixels} pixels")
         try:
             rgb = np.asarray(source.convert("RGB"))
-        except (OSError, ValueError, Image.DecompressionBombError) as e:
-            raise MtplxError(f"{what}: cannot decode ({first_line(e)})") from None
+        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+            raise MtplxError(f"{what}: cannot decode ({_without_objects(first_line(e))})") from None
         return np.ascontiguousarray(rgb.transpose(2, 0, 1))
 
     def prepare(self, source: Any, what: str = "image") -> VisionImage:
@@ -347,6 +391,8 @@ class VisionEncoder:
         return VisionImage(values, grid, self.spec.spatial_merge_size, digest)
 
     def prepare_all(self, sources: list, what: str = "image") -> list[VisionImage]:
+        if self.refusal is not None:
+            raise MtplxError(f"images: {self.refusal}")
         if len(sources) > self.limits.max_images:
             raise MtplxError(f"{what}s: {len(sources)} images, over the limit of {self.limits.max_images}")
         return [self.prepare(s, f"{what} {i + 1}") for i, s in enumerate(sources)]

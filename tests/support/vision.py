@@ -44,8 +44,16 @@ PREPROCESSOR = {
 }
 
 
-def vlm_config(mtp_layers: int = 1, moe: bool = False) -> dict:
-    """The config.json; ``moe``: Qwen3.5-MoE's (4 routed experts, 2 per token, a shared expert)."""
+def vlm_config(
+    mtp_layers: int = 1,
+    moe: bool = False,
+    head_dim: int = 16,
+    patch_size: int = 4,
+    temporal_patch_size: int = 2,
+) -> dict:
+    """The config.json; ``moe``: Qwen3.5-MoE's (4 routed experts, 2 per token, a shared expert);
+    ``head_dim`` 32 fits quantized KV's groups (M-RoPE sections scaled with it); the tower's
+    ``patch_size`` and ``temporal_patch_size``."""
     text = {
         "model_type": "qwen3_5_text",
         "hidden_size": HIDDEN,
@@ -53,7 +61,7 @@ def vlm_config(mtp_layers: int = 1, moe: bool = False) -> dict:
         "num_hidden_layers": 4,
         "num_attention_heads": 2,
         "num_key_value_heads": 1,
-        "head_dim": 16,
+        "head_dim": head_dim,
         "rms_norm_eps": 1e-6,
         "vocab_size": VOCAB,
         "linear_num_value_heads": 4,
@@ -69,7 +77,7 @@ def vlm_config(mtp_layers: int = 1, moe: bool = False) -> dict:
             "rope_type": "default",
             "rope_theta": 10000.0,
             "partial_rotary_factor": 0.5,
-            "mrope_section": [2, 1, 1],
+            "mrope_section": [2 * head_dim // 16, head_dim // 16, head_dim // 16],
             "mrope_interleaved": True,
         },
     }
@@ -92,8 +100,8 @@ def vlm_config(mtp_layers: int = 1, moe: bool = False) -> dict:
         "intermediate_size": 32,
         "num_heads": 2,
         "out_hidden_size": HIDDEN,
-        "patch_size": 4,
-        "temporal_patch_size": 2,
+        "patch_size": patch_size,
+        "temporal_patch_size": temporal_patch_size,
         "spatial_merge_size": 2,
         "in_channels": 3,
         "num_position_embeddings": 16,
@@ -147,14 +155,18 @@ def write_vlm(
     seed: int = 0,
     moe: bool = False,
     context_strength: float | None = None,
+    head_dim: int = 16,
+    patch_size: int = 4,
+    temporal_patch_size: int = 2,
 ) -> Tiny:
     """The checkpoint in ``layout`` "hf" (published) or "mlx-vlm" (converted), with its
     preprocessor config and tokenizer; ``moe``: Qwen3.5-MoE (no MTP head). ``context_strength``
     as `support.checkpoints.qwen3_5`'s: a head that reads the next token's embedding, so it
-    agrees with the trunk's bigram part (drafts get kept), for acceptance measurements."""
+    agrees with the trunk's bigram part (drafts get kept), for acceptance measurements;
+    ``head_dim``, ``patch_size``, ``temporal_patch_size`` as `vlm_config`'s."""
     import importlib
 
-    config = vlm_config(0 if moe else mtp_layers, moe=moe)
+    config = vlm_config(0 if moe else mtp_layers, moe, head_dim, patch_size, temporal_patch_size)
     q = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     model = q.Model(q.ModelArgs.from_dict(json.loads(json.dumps(config))))
     randomize(model, seed)
@@ -195,7 +207,8 @@ def write_vlm(
         for name, v in _prefixed(head, "mtp.").items():
             tensors[name] = _qwen35_offset(name, v) if layout == "hf" else v
     tiny = write_checkpoint(path, tensors, config)
-    (path / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR))
+    preprocessor = {**PREPROCESSOR, "patch_size": patch_size, "temporal_patch_size": temporal_patch_size}
+    (path / "preprocessor_config.json").write_text(json.dumps(preprocessor))
     vision_tokenizer(path)
     return tiny
 
