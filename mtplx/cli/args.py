@@ -193,6 +193,41 @@ def add_kv_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_disk_cache_args(parser: argparse.ArgumentParser) -> None:
+    """The prompt cache's disk tier (`serve`, `chat`): `check_disk_cache_args`, `use_disk_cache`."""
+    parser.add_argument(
+        "--prompt-cache-dir",
+        default=None,
+        help="keep prompt caches in this directory too, reused after a restart (default: RAM only)",
+    )
+    parser.add_argument(
+        "--prompt-cache-disk-bytes",
+        type=int,
+        default=None,
+        help="bytes of prompt caches kept in --prompt-cache-dir, least recently used dropped first "
+        "(default 16 GiB)",
+    )
+
+
+def check_disk_cache_args(args: argparse.Namespace) -> None:
+    """The disk tier's flags, checked before the (long) load."""
+    if args.prompt_cache_disk_bytes is not None and args.prompt_cache_disk_bytes <= 0:
+        raise MtplxError(f"--prompt-cache-disk-bytes: must be > 0, got {args.prompt_cache_disk_bytes}")
+    if args.prompt_cache_disk_bytes is not None and args.prompt_cache_dir is None:
+        raise MtplxError("--prompt-cache-disk-bytes: needs --prompt-cache-dir")
+    if args.prompt_cache_dir is not None and args.prompt_cache_bytes == 0:
+        raise MtplxError("--prompt-cache-dir: needs a prompt cache in RAM (--prompt-cache-bytes > 0)")
+
+
+def disk_cache_bytes(args: argparse.Namespace) -> int:
+    """The disk tier's budget: --prompt-cache-disk-bytes, else the default; 0 without --prompt-cache-dir."""
+    from mtplx.trunk.prompt_cache_disk import DEFAULT_DISK_BYTES
+
+    if args.prompt_cache_dir is None:
+        return 0
+    return args.prompt_cache_disk_bytes or DEFAULT_DISK_BYTES
+
+
 def add_sampling_args(parser: argparse.ArgumentParser, defaults: SamplerConfig) -> None:
     """The sampler flags, with ``defaults`` (greedy for `generate`/`chat`, OpenAI's for `serve`)."""
     typed(

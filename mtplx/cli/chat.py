@@ -18,7 +18,10 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 from mtplx.cli.args import (
+    add_disk_cache_args,
     add_generation_args,
+    check_disk_cache_args,
+    disk_cache_bytes,
     load_engine,
     request_from_args,
     show_stats,
@@ -174,13 +177,21 @@ def add_args(chat: argparse.ArgumentParser) -> None:
         help="memory for the conversation's cached prompt, so a turn prefills only what is new "
         "(default 2 GiB; 0 turns it off)",
     )
+    add_disk_cache_args(chat)  # a conversation picked up again after a restart prefills only what is new
 
 
 def run(args: argparse.Namespace) -> int:
     from mtplx.trunk.prompt_cache import DEFAULT_PROMPT_CACHE_BYTES
 
     request = request_from_args(args, max_tokens=args.max_tokens)  # before loading: a typo costs no load time
+    check_disk_cache_args(args)
     # Each turn resends the conversation: the prompt cache makes it prefill only what is new.
     cache_bytes = DEFAULT_PROMPT_CACHE_BYTES if args.prompt_cache_bytes is None else args.prompt_cache_bytes
     engine = load_engine(args, prompt_cache_bytes=cache_bytes)
-    return run_chat(engine, ChatSettings(request, args.system_prompt, show_stats(args)))
+    if args.prompt_cache_dir is not None:
+        engine.use_disk_cache(args.prompt_cache_dir, disk_cache_bytes(args))
+    try:
+        return run_chat(engine, ChatSettings(request, args.system_prompt, show_stats(args)))
+    finally:
+        if engine.prompt_cache.disk is not None:  # the last turn's entry reaches the disk before exit
+            engine.prompt_cache.disk.flush(timeout=30)

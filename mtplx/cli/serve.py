@@ -14,9 +14,12 @@ import os
 import sys
 
 from mtplx.cli.args import (
+    add_disk_cache_args,
     add_drafting_args,
     add_model_args,
     add_sampling_args,
+    check_disk_cache_args,
+    disk_cache_bytes,
     load_engine,
     request_from_args,
 )
@@ -99,18 +102,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="bytes of caches kept for prompt reuse across requests (default 2 GiB; 0 turns it off)",
     )
-    parser.add_argument(
-        "--prompt-cache-dir",
-        default=None,
-        help="keep prompt caches in this directory too, reused after a restart (default: RAM only)",
-    )
-    parser.add_argument(
-        "--prompt-cache-disk-bytes",
-        type=int,
-        default=None,
-        help="bytes of prompt caches kept in --prompt-cache-dir, least recently used dropped first "
-        "(default 16 GiB)",
-    )
+    add_disk_cache_args(parser)
     parser.add_argument("--max-queue", type=int, default=64, help="requests waiting before 429 (default 64)")
     parser.add_argument(
         "--decode-concurrency",
@@ -183,18 +175,12 @@ def _check_server_flags(args: argparse.Namespace) -> None:
         raise MtplxError(f"--request-timeout: must be > 0, got {args.request_timeout}")
     if args.prompt_cache_bytes is not None and args.prompt_cache_bytes < 0:
         raise MtplxError(f"--prompt-cache-bytes: must be >= 0, got {args.prompt_cache_bytes}")
-    if args.prompt_cache_disk_bytes is not None and args.prompt_cache_disk_bytes <= 0:
-        raise MtplxError(f"--prompt-cache-disk-bytes: must be > 0, got {args.prompt_cache_disk_bytes}")
-    if args.prompt_cache_disk_bytes is not None and args.prompt_cache_dir is None:
-        raise MtplxError("--prompt-cache-disk-bytes: needs --prompt-cache-dir")
-    if args.prompt_cache_dir is not None and args.prompt_cache_bytes == 0:
-        raise MtplxError("--prompt-cache-dir: needs a prompt cache in RAM (--prompt-cache-bytes > 0)")
+    check_disk_cache_args(args)
 
 
 def run(args: argparse.Namespace) -> int:
     from mtplx.checkpoints import load as loading
     from mtplx.trunk.prompt_cache import DEFAULT_PROMPT_CACHE_BYTES
-    from mtplx.trunk.prompt_cache_disk import DEFAULT_DISK_BYTES
 
     _check_server_flags(args)
     defaults = request_from_args(args)  # before loading: a typo costs no load time
@@ -202,7 +188,6 @@ def run(args: argparse.Namespace) -> int:
     api_key = args.api_key if args.api_key is not None else os.environ.get("MTPLX_API_KEY") or None
     origins = tuple(o.strip() for o in (args.allowed_origins or "").split(",") if o.strip())
     engine = load_engine(args, prompt_cache_bytes=cache_bytes)
-    disk_bytes = args.prompt_cache_disk_bytes or DEFAULT_DISK_BYTES
     settings = ServerSettings(
         model_id=args.model if args.model is not None else loading.DEFAULT_MODEL_NAME,
         defaults=defaults,
@@ -217,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         allowed_origins=origins,
         prompt_cache_dir=args.prompt_cache_dir,
-        prompt_cache_disk_bytes=disk_bytes if args.prompt_cache_dir is not None else 0,
+        prompt_cache_disk_bytes=disk_cache_bytes(args),
         image_dir=_image_dir(args.image_dir),
     )
     serve(engine, settings, host=args.host, port=args.port)

@@ -26,11 +26,15 @@ logits start the generation).
 
 Quantized KV (`kv_quant`) is stored as it is (a ``QuantizedKVCache`` is trimmable); an entry
 whose caches converted at ``quantized_kv_start`` is never trimmed below that start, where the
-same sequence's caches are float.
+same sequence's caches are float. Images (`mtplx.trunk.vision`): a stored copy keeps no prompt
+images bound (the request that reuses it binds its own), so no preprocessed pixels sit outside
+the byte budget; caches handed over as they are count theirs.
 A disk tier (``disk``, `mtplx.trunk.prompt_cache_disk`) keeps entries across restarts.
 
-Reusing never changes outputs: a cache prefilled in two parts holds the same
-positions as one prefilled at once (see tests/trunk/test_prompt_cache.py). mlx-lm's
+Reusing never changes outputs beyond float rounding: a cache prefilled in two parts holds the
+same positions as one prefilled at once (see tests/trunk/test_prompt_cache.py); not under
+``kv_bits``, where rounding to a few bits can make those last-bit differences whole steps
+(README "What is exact under --kv-bits"). mlx-lm's
 ``LRUPromptCache`` (mlx_lm/server.py) was read for the idea of trimming the
 longest-prefix entry; the data structure here is our own.
 """
@@ -42,6 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from mtplx.errors import MtplxError
+from mtplx.trunk import vision
 from mtplx.trunk.compat import KVCache, QuantizedKVCache, cache_leaves, copy_cache
 from mtplx.trunk.kv_quant import reusable_from
 
@@ -266,6 +271,7 @@ class PromptCache:
         if copy:
             trunk_cache = copy_cache(trunk_cache)
             head_cache = copy_cache(head_cache) if head_cache is not None else None
+            vision.unbind(trunk_cache)  # the copy keeps no pixels: a request reusing it binds its own
         entry = _entry(tokens, size, trunk_cache, head_cache)
         if self._add(entry) is not None and persist and self.disk is not None:
             self.disk.write(entry)
@@ -289,6 +295,7 @@ class PromptCache:
 def _entry(tokens, size: int, trunk_cache: list, head_cache: list | None) -> _Entry:
     trimmable = is_trimmable(trunk_cache) and (head_cache is None or is_trimmable(head_cache))
     nbytes = cache_nbytes(trunk_cache) + (cache_nbytes(head_cache) if head_cache is not None else 0)
+    nbytes += vision.bound_nbytes(trunk_cache)  # caches handed over as they are keep their images' pixels
     floor = reusable_from(trunk_cache)  # quantized KV: float below its start
     return _Entry(as_tokens(tokens), size, trunk_cache, head_cache, trimmable, nbytes, floor)
 

@@ -49,7 +49,9 @@ __all__ = [
     "attach_declared",
     "bind",
     "bound",
+    "bound_nbytes",
     "is_vision_config",
+    "unbind",
 ]
 
 _BOUND = "_mtplx_images"  # the attribute of a row's first KVCache holding its prompt's images
@@ -195,6 +197,19 @@ def bind(cache: list, images: PromptImages | None) -> None:
             raise MtplxError("images: this model's caches have no attention layer to carry them")
         return
     setattr(holder, _BOUND, images)
+
+
+def unbind(cache: list) -> None:
+    """Drop the prompt images bound to ``cache`` (a stored copy: whoever reuses it binds its own)."""
+    holder = _first_attention_cache(cache)
+    if holder is not None and _BOUND in vars(holder):
+        delattr(holder, _BOUND)
+
+
+def bound_nbytes(cache: list) -> int:
+    """Bytes of the preprocessed pixels of the images bound to ``cache`` (0: none)."""
+    prompt = bound(cache)
+    return sum(image.pixels.nbytes for image in prompt.images) if prompt is not None else 0
 
 
 def bound(cache: list) -> PromptImages | None:

@@ -11,6 +11,7 @@ import warnings
 
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.engine import Engine
+from mtplx.engine.request import GenerationRequest
 from mtplx.errors import MtplxError
 from mtplx.trunk.vision import ImageLimits
 
@@ -140,3 +141,42 @@ def test_messages_without_placeholder_text_encode_exactly_as_the_template_does(e
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "fgh"}]}]
     want = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     assert engine.encode_prompt(messages) == list(want)
+
+
+# ------------------------------------------------------------------ the prompt cache's bytes
+
+
+def test_image_prompt_cache_entries_hold_no_pixels_outside_the_byte_budget(tmp_path):
+    """An image request's stored caches keep no preprocessed pixels (the request reusing them
+    binds its own), so an entry's bytes are its caches' bytes; a second turn about the image
+    reuses them and decodes as a fresh prefill does. Caches handed over with their images bound
+    count the pixels (the negative control: a binding left in place is visible in the bytes)."""
+    from mtplx.trunk import vision
+    from mtplx.trunk.prompt_cache import PromptCache, cache_nbytes
+
+    write_vlm(tmp_path / "hf", seed=3, mtp_layers=0)
+    engine = Engine.load(str(tmp_path / "hf"), mtp=False, prompt_cache_bytes=1 << 30)
+    first = [
+        {
+            "role": "user",
+            "content": [{"type": "image", "image": made_up_image(48, 48)}, {"type": "text", "text": "fgh"}],
+        }
+    ]
+    reply = engine.generate(first, max_tokens=4, temperature=0.0)
+    entries = list(engine.prompt_cache._entries.values())
+    assert entries and all(vision.bound(e.trunk_cache) is None for e in entries)
+    assert all(e.nbytes == cache_nbytes(e.trunk_cache) for e in entries)
+    second = [*first, {"role": "assistant", "content": reply.text}, {"role": "user", "content": "bcd"}]
+    cached = engine.generate(second, max_tokens=6, temperature=0.0)
+    assert cached.stats.cached_tokens > 0
+    engine.prompt_cache.clear()
+    assert engine.generate(second, max_tokens=6, temperature=0.0).token_ids == cached.token_ids
+
+    plan = engine.plan(first, GenerationRequest.from_kwargs(max_tokens=1))
+    caches = engine.trunk.make_cache()
+    engine.trunk.bind_prompt(caches, plan.prompt_tokens)
+    pixels = vision.bound_nbytes(caches)
+    assert pixels >= 48 * 48 * 3 * 4  # float32 patches of a 48 x 48 RGB image
+    store = PromptCache(1 << 30)
+    store.insert(plan.prompt_tokens, 1, caches, None, copy=False)
+    assert next(iter(store._entries.values())).nbytes == cache_nbytes(caches) + pixels
