@@ -107,6 +107,21 @@ def _head_precision(header: dict[str, dict], q: dict | None, is_head, config: di
     return {"groups": summary, "below_8_bits": precision.below_floor(summary), "converted_as": recorded}
 
 
+def trunk_layers(config: dict) -> int | None:
+    """The trunk's layer count: ``num_hidden_layers``, else the length of the layer pattern a
+    hybrid config states instead (Nemotron-H's ``hybrid_override_pattern``, ``layers_block_type``,
+    as mlx-lm's ``nemotron_h.ModelArgs`` counts them); None when the config says neither."""
+    text = config.get("text_config") or config
+    for source in (text, config):
+        if source.get("num_hidden_layers") is not None:
+            return int(source["num_hidden_layers"])
+    for source in (text, config):
+        for key in ("hybrid_override_pattern", "layers_block_type"):
+            if source.get(key):
+                return len(source[key])
+    return None
+
+
 def _head_predicate(layout: str | None, config: dict):
     text = config.get("text_config") or config
     if layout == "qwen3_next":
@@ -459,7 +474,7 @@ def inspect_model(
         "model_type": model_type,
         "architecture": (config.get("architectures") or [model_type])[0],
         "hidden_size": text.get("hidden_size", config.get("hidden_size")),
-        "num_hidden_layers": text.get("num_hidden_layers", config.get("num_hidden_layers")),
+        "num_hidden_layers": trunk_layers(config),
         "vocab_size": text.get("vocab_size", config.get("vocab_size")),
         "parameters": params["trunk"] + params["mtp_head"],
         "parameters_by_part": params,

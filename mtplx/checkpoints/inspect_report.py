@@ -95,7 +95,7 @@ def format_inspection(info: dict[str, Any]) -> str:
     lines = [
         f"model         {info['path']}"
         + (f" (default model, {info['default_model_build']} build)" if info["default_model_build"] else ""),
-        f"architecture  {info['architecture']} (model_type {info['model_type']}, {info['num_hidden_layers']} layers, hidden {info['hidden_size']}, vocab {info['vocab_size']})",
+        f"architecture  {info['architecture']} (model_type {info['model_type']}, {info['num_hidden_layers'] if info['num_hidden_layers'] is not None else 'unknown'} layers, hidden {info['hidden_size']}, vocab {info['vocab_size']})",
         f"parameters    {_human(info['parameters'], '')}"
         + (
             f" (MTP head {_human(info['parameters_by_part']['mtp_head'], '')} of them)"

@@ -5,7 +5,8 @@ Glossary (``tensor_group``, by checkpoint tensor name, any family):
 - ``projection``: the layer joining the token embedding and the trunk hidden state
   (``eh_proj`` DeepSeek / GLM / MiMo-V2-Flash, ``fc`` Qwen3-Next / forged, ``input_proj`` MiMo,
   ``mtp_linear_proj`` ERNIE-4.5);
-- ``attention``: the head block's attention (``self_attn.*``, MLA projections, DSA indexer);
+- ``attention``: the head block's attention (``self_attn.*``, Nemotron-H's ``mixer.{q,k,v,o}_proj``,
+  MLA projections, DSA indexer);
 - ``dense``: the dense MLP, the shared experts and the MoE router gates;
 - ``routed_experts``: the routed experts (``switch_mlp.*``, ``experts.{e}.*``);
 - ``lm_head``: the head's own LM-head / embedding copy (DeepSeek ``shared_head.head``, Step-3.5
@@ -33,7 +34,8 @@ FLOAT = "float"  # a group kept unquantized
 
 _PROJECTION = re.compile(r"(^|\.)(eh_proj|fc|input_proj|mtp_linear_proj)(\.|$)")
 _ROUTED = re.compile(r"(^|\.)(switch_mlp|experts\.\d+)(\.|$)|(^|\.)experts\.(gate_up_proj|down_proj)")
-_ATTENTION = re.compile(r"(^|\.)(self_attn|attn|attention)(\.|$)")
+# Nemotron-H's attention block names its projections under ``mixer`` (its Mamba and MoE blocks too).
+_ATTENTION = re.compile(r"(^|\.)(self_attn|attn|attention)(\.|$)|(^|\.)mixer\.[qkvo]_proj(\.|$)")
 _LM_HEAD = re.compile(r"(^|\.)(shared_head\.head|shared_head\.output|lm_head|embed_tokens)(\.|$)")
 
 

@@ -159,6 +159,11 @@ def test_inspect_warns_when_attention_or_projection_is_below_8_bits(converted, t
         ("mtp.layers.0.self_attn.q_proj", "attention"),
         ("model.layers.61.self_attn.kv_b_proj", "attention"),
         ("model.layers.78.self_attn.indexer.wk", "attention"),
+        ("mtp.layers.0.mixer.q_proj", "attention"),  # Nemotron-H's attention block
+        ("mtp.layers.0.mixer.o_proj", "attention"),
+        ("mtp.layers.1.mixer.shared_experts.up_proj", "dense"),
+        ("mtp.layers.1.mixer.gate", "dense"),
+        ("mtp.layers.1.mixer.experts.0.down_proj", "routed_experts"),
         ("mtp.layers.0.mlp.gate_proj", "dense"),
         ("mtp.layers.0.mlp.gate", "dense"),
         ("mtp.layers.0.mlp.shared_expert.up_proj", "dense"),

@@ -407,3 +407,17 @@ def test_mtplx_convert_keeps_the_head_beside_a_4bit_trunk(replica, tmp_path):
     engine = Engine.load(str(out), mtp=True)
     assert isinstance(engine.head, NemotronHMTPHead)
     _exact_with_drafts_kept(engine, engine.head)
+
+
+def test_inspect_counts_the_pattern_layers_and_the_mixer_attention(replica):
+    """Nemotron-H's config states its layers as a pattern (no ``num_hidden_layers``): inspect counts
+    them, and the head's ``mixer.{q,k,v,o}_proj`` are its attention, not dense layers."""
+    from mtplx.checkpoints.inspect import inspect_model
+    from mtplx.checkpoints.inspect_report import format_inspection
+
+    config = json.loads((replica["src"] / "config.json").read_text())
+    assert "num_hidden_layers" not in config
+    info = inspect_model(str(replica["src"]))
+    assert info["num_hidden_layers"] == len(config["hybrid_override_pattern"])
+    assert f"{len(config['hybrid_override_pattern'])} layers" in format_inspection(info)
+    assert set(info["mtp"]["precision"]["groups"]) == {"projection", "attention", "dense", "routed_experts"}
