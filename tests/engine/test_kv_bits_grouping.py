@@ -56,27 +56,21 @@ SENTENCE = (
 
 def test_quantized_kv_depends_on_how_positions_are_grouped_and_float_kv_does_not(default_model_dir):
     """SmolLM2-135M (nine heads, three KV heads, 30 layers), a 44-token sentence as one forward
-    and as two (split at 13, 30, 41): float KV agrees to 1e-3 every way; 5- and 8-bit KV differ by
-    more than 0.05 nats one way or another, and every way by less than the one-forward quantized
-    log-probabilities differ from float's (the README's bound)."""
+    and as two (30 + 14): float KV agrees to 1e-3; 5- and 8-bit KV differ by more than 0.05 nats
+    (0.94 and 0.17 here), and by less than the one-forward quantized log-probabilities differ from
+    float's (the README's bound)."""
     from transformers import AutoTokenizer
 
     model, _ = load_model(default_model_dir)
     ids = AutoTokenizer.from_pretrained(default_model_dir).encode(SENTENCE)
     tokens, n = mx.array(ids)[None], len(ids)
     float_one = _log_probs(model, tokens, [n], None)
-    for split in (13, 30, 41):
-        assert mx.abs(float_one - _log_probs(model, tokens, [split, n], None)).max().item() < 1e-3
+    assert mx.abs(float_one - _log_probs(model, tokens, [30, n], None)).max().item() < 1e-3
     for bits in (5, 8):
         quant_one = _log_probs(model, tokens, [n], bits)
-        grouping = [
-            mx.abs(quant_one - _log_probs(model, tokens, [k, n], bits)).max().item() for k in (13, 30, 41)
-        ]
-        assert max(grouping) > 0.05, (
-            bits,
-            grouping,
-        )  # the README's "not exact": fails if MLX became invariant
-        assert max(grouping) < mx.abs(quant_one - float_one).max().item(), bits
+        grouping = mx.abs(quant_one - _log_probs(model, tokens, [30, n], bits)).max().item()
+        assert grouping > 0.05, (bits, grouping)  # the README's "not exact": fails if MLX became invariant
+        assert grouping < mx.abs(quant_one - float_one).max().item(), bits
 
 
 @pytest.fixture(scope="module")
