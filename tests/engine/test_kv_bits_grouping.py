@@ -56,9 +56,11 @@ SENTENCE = (
 
 def test_quantized_kv_depends_on_how_positions_are_grouped_and_float_kv_does_not(default_model_dir):
     """SmolLM2-135M (nine heads, three KV heads, 30 layers), a 44-token sentence as one forward
-    and as two (30 + 14): float KV agrees to 1e-3; 5- and 8-bit KV differ by more than 0.05 nats
-    (0.94 and 0.17 here), and by less than the one-forward quantized log-probabilities differ from
-    float's (the README's bound)."""
+    and as two (split at 13 or 30): float KV agrees to 1e-3; 5- and 8-bit KV differ by more than
+    0.05 nats somewhere (which split and width shows it depends on the BLAS threads: with one,
+    5 bits split at 30 agrees to 1e-4 while split at 13 differs by 0.22, 8 bits by 0.15-0.18;
+    with two, 0.14-1.3 everywhere), and every way by less than the one-forward quantized
+    log-probabilities differ from float's (the README's bound)."""
     from transformers import AutoTokenizer
 
     model, _ = load_model(default_model_dir)
@@ -66,11 +68,16 @@ def test_quantized_kv_depends_on_how_positions_are_grouped_and_float_kv_does_not
     tokens, n = mx.array(ids)[None], len(ids)
     float_one = _log_probs(model, tokens, [n], None)
     assert mx.abs(float_one - _log_probs(model, tokens, [30, n], None)).max().item() < 1e-3
+    grouping = {}
     for bits in (5, 8):
         quant_one = _log_probs(model, tokens, [n], bits)
-        grouping = mx.abs(quant_one - _log_probs(model, tokens, [30, n], bits)).max().item()
-        assert grouping > 0.05, (bits, grouping)  # the README's "not exact": fails if MLX became invariant
-        assert grouping < mx.abs(quant_one - float_one).max().item(), bits
+        to_float = mx.abs(quant_one - float_one).max().item()
+        for split in (13, 30):
+            grouping[bits, split] = (
+                mx.abs(quant_one - _log_probs(model, tokens, [split, n], bits)).max().item()
+            )
+            assert grouping[bits, split] < to_float, (bits, split)
+    assert max(grouping.values()) > 0.05, grouping  # the README's "not exact": fails if MLX became invariant
 
 
 @pytest.fixture(scope="module")
