@@ -70,6 +70,9 @@ def hy_v4_config(mtp_layers: int = 1, layers: int = 3, hc_mult: int = 2) -> dict
         "hc_magnitude": 2.0,
         "num_nextn_predict_layers": mtp_layers,
         "tie_word_embeddings": False,
+        "bos_token_id": 0,
+        "eos_token_id": 1,  # support.tokenizer.word_level's EOS
+        "pad_token_id": 0,
         "quantization_config": {"quant_method": "modelopt", "quant_algo": "MXFP8"},
     }
 
