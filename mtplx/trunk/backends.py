@@ -29,13 +29,17 @@ __all__ = [
     "MLX_LM",
     "MLX_VLM",
     "MLX_VLM_INSTALL",
+    "MLX_VLM_REQUIREMENT",
     "MLX_VLM_TEXT_FAMILIES",
     "TrunkBackend",
     "backend_for",
     "package_version",
 ]
 
-MLX_VLM_INSTALL = 'pip install --no-deps "mlx-vlm==0.7.10"'
+MLX_VLM_REQUIREMENT = (
+    "mlx-vlm==0.7.10"  # the release the hosted families were checked on (pyproject: reference)
+)
+MLX_VLM_INSTALL = f'pip install --no-deps "{MLX_VLM_REQUIREMENT}"'
 
 
 @dataclass(frozen=True)
@@ -101,9 +105,11 @@ def _remapped(model_type: str) -> str:
     return MODEL_REMAPPING.get(model_type, model_type)
 
 
-def backend_for(config: dict, backends: tuple[TrunkBackend, ...] = BACKENDS) -> tuple[TrunkBackend, str]:
+def backend_for(config: dict, backends: tuple[TrunkBackend, ...] | None = None) -> tuple[TrunkBackend, str]:
     """The backend hosting a checkpoint with ``config`` (its config.json) and the model type it
-    hosts it as; MtplxError (one line) when none can. ``backends``: the rows to decide by."""
+    hosts it as; MtplxError (one line) when none can. ``backends``: the rows to decide by
+    (``BACKENDS`` unless given)."""
+    backends = BACKENDS if backends is None else backends
     types = _model_types(config)
     for backend in backends:
         for model_type in types:

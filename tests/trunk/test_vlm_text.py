@@ -179,3 +179,19 @@ def test_no_vision_module_and_mlx_lm_caches(trunk):
         type(c).__name__ == "CacheList" and type(c).__module__ == "mlx_lm.models.cache"
         for c in trunk.make_cache()
     )
+
+
+def test_inspect_shows_the_backend(checkpoint):
+    from importlib import metadata
+
+    from mtplx.checkpoints.inspect import inspect_model
+    from mtplx.checkpoints.inspect_report import format_inspection
+
+    info = inspect_model(checkpoint)
+    assert info["trunk_backend"] == {
+        "backend": "mlx-vlm",
+        "version": metadata.version("mlx-vlm"),
+        "problem": None,
+    }
+    assert info["verdict"] == "MTP-ready" and info["mtp"]["layout"] == "hy_v4"
+    assert f"trunk         mlx-vlm {metadata.version('mlx-vlm')}" in format_inspection(info).splitlines()
