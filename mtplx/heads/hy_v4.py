@@ -31,6 +31,12 @@ Tensors: the checkpoint's ``kv_b_proj`` is MXFP8 (``weight`` + ``weight_scale``)
 and split into the block's per-head ``embed_q`` / ``unembed_out`` (float: the head at safe
 precision); per-expert ``experts.{e}.{gate,up,down}_proj`` stacked, gate and up fused as
 mlx-vlm's ``FusedSwitchGLU`` holds them.
+
+Split drafter (``hy_v4_mtp``, mlx-vlm 0.7.10 ``speculative/drafters/hy_v4_mtp/split.py``): the
+layer's ``enorm`` / ``hnorm`` / ``eh_proj`` at the top, ``final_layernorm`` renamed ``norm``, the
+block under ``decoder.`` with ``kv_b_proj`` already split and packed MXFP8 (``embed_q`` /
+``unembed_out`` ``weight`` + ``scales``: loaded as packed), experts still per expert
+(``SPLIT_NAMES``, ``SplitHyV4Head``); the same math, the same hidden source and chain.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from typing import Any
 
 from mtplx.errors import MtplxError
 from mtplx.heads.base import HiddenSource, model_args_of
-from mtplx.heads.deepseek import DeepSeekMTPHead
+from mtplx.heads.deepseek import DeepSeekMTPHead, SplitDeepSeekHead, SplitNames
 from mtplx.heads.weights import HeadSource, MissingHeadError, stack_experts
 
 import mlx.core as mx
@@ -158,4 +164,38 @@ def build_head(src: HeadSource, num_layers: int, hidden_source: HiddenSource) ->
         trunk=src.trunk,
         hidden_source=hidden_source,
         cache_like=[_full_indexer_layer(args)] * num_layers,
+    )
+
+
+# mlx-vlm 0.7.10 ``hy_v4_mtp/split.py`` ``rename``: in-checkpoint local names -> the drafter's.
+SPLIT_NAMES = SplitNames(
+    prefixes=("enorm.", "hnorm.", "eh_proj.", "norm.", "decoder."),
+    own=(("final_layernorm.", "norm."), ("enorm.", "enorm."), ("hnorm.", "hnorm."), ("eh_proj.", "eh_proj.")),
+    block_prefix="decoder.",
+    dropped=(),
+)
+
+
+class SplitHyV4Head(SplitDeepSeekHead, HyV4MTPHead):
+    """The Hunyuan-V4 head read from a split drafter's names (``SPLIT_NAMES``)."""
+
+
+def build_split_head(src: HeadSource, num_layers: int) -> SplitHyV4Head:
+    """An unloaded head for a ``hy_v4_mtp`` split drafter beside a Hunyuan-V4 trunk (one module)."""
+    args = model_args_of(src.trunk.model)
+    if "eh_proj.weight" not in src.index:
+        raise MtplxError(f"{src.source}: a hy_v4_mtp split drafter needs eh_proj.weight; it has none")
+    if num_layers != 1:
+        raise MtplxError(
+            f"{src.source}: a hy_v4_mtp drafter holds one MTP layer, its config declares {num_layers}"
+        )
+    return SplitHyV4Head(
+        [_block(args)],
+        args.hidden_size,
+        eps=args.rms_norm_eps,
+        first_layer=0,
+        trunk=src.trunk,
+        hidden_source=DEFAULT_HIDDEN_SOURCE,
+        cache_like=[_full_indexer_layer(args)],
+        names=SPLIT_NAMES,
     )

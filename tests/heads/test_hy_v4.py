@@ -276,3 +276,41 @@ def test_chi_square_rejects_a_loop_that_commits_the_rejected_draft(monkeypatch):
     assert (
         loop_p_value(sample_counts(trunk, head, CHI, 2, 100, CHI_VOCAB, 1234), expected) < FALSE_FAILURE_RATE
     )
+
+
+# --------------------------------------------------------------------------- the split drafter
+
+
+@pytest.fixture(scope="module")
+def split_replica(checkpoint, tmp_path_factory) -> dict:
+    """mlx-vlm's splitter's ``hy_v4_mtp`` drafter of the replica, beside the same trunk without
+    its MTP tensors (as a conversion that dropped them leaves it)."""
+    from pathlib import Path
+
+    from mlx_vlm.split_mtp import split_mtp
+
+    root = tmp_path_factory.mktemp("hy_v4_split")
+    trunk = root / "Hunyuan-V4-Tiny-mxfp8"
+    hy_v4_checkpoint(trunk, context_strength=CONTEXT_STRENGTH, ship_mtp=False)
+    word_level(trunk, HY_V4_VOCAB)
+    drafter = Path(split_mtp(str(checkpoint), str(root / "Hunyuan-V4-Tiny-MTP-bf16")))
+    return {"trunk": trunk, "drafter": drafter}
+
+
+def test_the_split_drafter_is_found_beside_the_trunk_and_equals_the_checkpoints_head(split_replica, engine):
+    from mtplx.heads.hy_v4 import SplitHyV4Head
+
+    config = json.loads((split_replica["drafter"] / "config.json").read_text())
+    assert config["model_type"] == "hy_v4_mtp"
+    split = Engine.load(str(split_replica["trunk"]), depth=2)
+    head = split.head
+    assert isinstance(head, SplitHyV4Head) and head.hidden_source == "post_norm"
+    kinds = {type(m).__name__ for _, m in head.named_modules()}
+    assert "QuantizedMultiLinear" in kinds or any("Quantized" in k for k in kinds), kinds  # embed_q packed
+    prompt = PROMPTS[0]
+    hidden = split.trunk(mx.array([prompt])).hidden_post_norm
+    nxt = mx.array([prompt[1:] + [7]])
+    split_out = head.logits(head(hidden, nxt, head.make_cache()))
+    own_out = engine.head.logits(engine.head(hidden, nxt, engine.head.make_cache()))
+    assert mx.allclose(split_out, own_out, atol=1e-4).item()
+    assert_mtp_equals_ar_with_drafts_kept(split.trunk, head, PROMPTS[:2], 14)

@@ -130,11 +130,13 @@ def hy_v4(
     mtp_layers: int = 1,
     context_strength: float | None = None,
     hc_mult: int = 2,
+    ship_mtp: bool = True,
 ) -> Tiny:
     """A Hunyuan-V4 checkpoint (see the module docstring). ``context_strength``: the trunk's and
     the MTP layer's output projections scaled by it and the MTP layer started from reading the
     next token's embedding alone (``eh_proj`` = [I, 0]), so its drafts agree with the trunk's
-    bigram part and some are kept."""
+    bigram part and some are kept. ``ship_mtp`` off: the config still declares the MTP layers but
+    no tensor of theirs is written (as a conversion that dropped them leaves the trunk)."""
     from mlx_vlm.models.hy_v4.config import ModelConfig
     from mlx_vlm.models.hy_v4.language import LanguageModel
 
@@ -163,7 +165,8 @@ def hy_v4(
             block.eh_proj.weight = mx.concatenate([mx.eye(h), mx.zeros((h, h))], axis=1)
             block.enorm.weight = mx.ones((h,))
             block.final_layernorm.weight = model.model.norm.weight
-        tensors.update(_published_layer(f"model.mtp_layers.{m}.", block, args))
+        if ship_mtp:
+            tensors.update(_published_layer(f"model.mtp_layers.{m}.", block, args))
     return write_checkpoint(path, tensors, config)
 
 
