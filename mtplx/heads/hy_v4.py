@@ -116,12 +116,6 @@ class HyV4MTPHead(DeepSeekMTPHead):
     def module_prefix(self, i: int) -> str:
         return f"model.mtp_layers.{self.first_layer + i}."
 
-    def checkpoint_name(self, path: str) -> str:
-        name = super().checkpoint_name(path)
-        return name.replace(".switch_mlp.gate_up_proj", ".experts.gate_up_proj").replace(
-            ".switch_mlp.", ".experts."
-        )
-
     def _convert_module(self, i: int, tensors: dict[str, mx.array], src: HeadSource) -> dict[str, mx.array]:
         args = model_args_of(src.trunk.model)
         stack_experts(tensors, "mlp", int(args.n_routed_experts))
