@@ -331,3 +331,22 @@ def test_mtplx_convert_keeps_the_head_at_safe_precision_and_mlx_vlm_opens_the_ou
     assert bits["modules_.0.block.self_attn.q_a_proj"] == 8 and bits["modules_.0.eh_proj"] == 8
     assert bits["modules_.0.block.mlp.switch_mlp.gate_up_proj"] == 4  # routed experts at the trunk's bits
     assert_mtp_equals_ar_with_drafts_kept(converted.trunk, converted.head, PROMPTS[:2], 14)
+
+
+def test_the_prompt_cache_and_its_disk_tier_reuse_the_mlx_vlm_trunks_caches(checkpoint, tmp_path):
+    """A second request sharing a prefix starts from the cached trunk + head caches (in RAM, then
+    from disk in a new engine) and still gives the AR tokens."""
+    prompt = PROMPTS[0]
+    longer = prompt + [4, 4]
+    plain = Engine.load(str(checkpoint), depth=2)
+    ar = plain.generate(longer, _req(max_tokens=12, temperature=0.0, draft="none")).token_ids
+    first = Engine.load(str(checkpoint), depth=2, prompt_cache_bytes=1 << 26)
+    first.use_disk_cache(tmp_path, 1 << 26)
+    first.generate(prompt, _req(max_tokens=12, temperature=0.0, draft="head"))
+    again = first.generate(longer, _req(max_tokens=12, temperature=0.0, draft="head"))
+    assert again.token_ids == ar and again.stats.cached_tokens > 0
+    assert first.prompt_cache.disk.flush()  # the writer thread has written the entries
+    second = Engine.load(str(checkpoint), depth=2, prompt_cache_bytes=1 << 26)
+    second.use_disk_cache(tmp_path, 1 << 26)
+    from_disk = second.generate(longer, _req(max_tokens=12, temperature=0.0, draft="head"))
+    assert from_disk.token_ids == ar and from_disk.stats.cached_tokens > 0

@@ -9,6 +9,7 @@ kinds (a CacheList of the MLA KV and the DSA indexer's keys per layer) runs in
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import mtplx  # noqa: F401  (BLAS before mlx)
@@ -195,3 +196,18 @@ def test_inspect_shows_the_backend(checkpoint):
     }
     assert info["verdict"] == "MTP-ready" and info["mtp"]["layout"] == "hy_v4"
     assert f"trunk         mlx-vlm {metadata.version('mlx-vlm')}" in format_inspection(info).splitlines()
+
+
+@pytest.mark.parametrize("model_type", ["qwen4_exp", "deepseek_v4", "glm5_next", "minimax_m3", "inkling"])
+def test_families_mlx_vlm_has_but_mtplx_does_not_host_yet_are_one_line_errors(model_type):
+    """mlx-vlm 0.7.10 has a module for each, but mtplx has not checked its text path (caches it
+    cannot roll back yet): refused in one line naming the type and both versions, never loaded."""
+    from importlib import metadata
+
+    assert importlib.util.find_spec(f"mlx_vlm.models.{model_type}") is not None  # mlx-vlm really has it
+    with pytest.raises(MtplxError) as e:
+        backends.backend_for({"model_type": model_type})
+    message = str(e.value)
+    assert (
+        "\n" not in message and model_type in message and f"mlx-vlm {metadata.version('mlx-vlm')}" in message
+    )
