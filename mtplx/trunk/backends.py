@@ -10,6 +10,8 @@ text path; mtplx hosts that language model behind the same trunk contract
   (text paths this repository checks against mlx-vlm's own forward, ``tests/trunk/test_vlm_text.py``);
 * a family mlx-vlm would host but mlx-vlm is not installed: one line naming the type and the
   install command (`backend_for` raises it);
+* a family mlx-vlm has but mtplx does not host yet (``NOT_HOSTED_YET``): one line naming it, both
+  versions and what is missing;
 * a type neither knows: one line naming it and both packages' versions.
 
 Standard library only (``importlib.util.find_spec``): `mtplx inspect` and `mtplx doctor` decide
@@ -31,6 +33,7 @@ __all__ = [
     "MLX_VLM_INSTALL",
     "MLX_VLM_REQUIREMENT",
     "MLX_VLM_TEXT_FAMILIES",
+    "NOT_HOSTED_YET",
     "TrunkBackend",
     "backend_for",
     "package_version",
@@ -73,6 +76,19 @@ class TrunkBackend:
 # model type -> what its trunk brings that the trunk contract must respect.
 MLX_VLM_TEXT_FAMILIES: dict[str, str] = {
     "hy_v4": "Hunyuan-V4: DeepSeek-V3.2 MLA with the DSA indexer, hyper-connections (hc_mult streams)",
+}
+
+# Families mlx-vlm 0.7.10 has a module for that mtplx does not host yet: the model type -> what
+# is missing (the backend refuses them in one line with this reason, never loads them unchecked).
+NOT_HOSTED_YET: dict[str, str] = {
+    "qwen4_exp": "its gated-delta, PLE-conv and compressed QSA-indexer caches have no exact rollback here, "
+    "and its MTP head reads the hyper-connection streams, not a normed state",
+    "deepseek_v4": "its compressed PoolingCache has no exact rollback here, and its MTP head reads and "
+    "chains on the hyper-connection streams",
+    "glm5_next": "its recurrent ArraysCache and PoolingCache have no exact rollback here",
+    "minimax_m3": "its MiniMaxM3KVCache (KV + sparse-index keys) has no mlx-lm equivalent here",
+    "inkling": "its short-convolution ArraysCache has no exact rollback here, and its logits divide the "
+    "final norm's output by a width multiplier the trunk's LM head does not",
 }
 
 MLX_LM = TrunkBackend("mlx-lm", "mlx-lm", "mlx_lm.models", None, 'pip install "mlx-lm"')
@@ -123,6 +139,12 @@ def backend_for(config: dict, backends: tuple[TrunkBackend, ...] | None = None) 
                     f"model_type {model_type} is hosted through {backend.name}, which is not installed "
                     f"(install it with: {backend.install})"
                 )
-    shown = " / ".join(dict.fromkeys(types)) or "(none)"
     versions = " nor ".join(f"{b.package} {package_version(b.package)}" for b in backends)
+    for model_type in types:
+        if model_type in NOT_HOSTED_YET:
+            raise MtplxError(
+                f"unsupported architecture (model_type {model_type}: neither {versions} hosts it for mtplx yet; "
+                f"{NOT_HOSTED_YET[model_type]})"
+            )
+    shown = " / ".join(dict.fromkeys(types)) or "(none)"
     raise MtplxError(f"unsupported architecture (model_type {shown}: neither {versions} has a model for it)")

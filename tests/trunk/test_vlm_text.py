@@ -211,3 +211,6 @@ def test_families_mlx_vlm_has_but_mtplx_does_not_host_yet_are_one_line_errors(mo
     assert (
         "\n" not in message and model_type in message and f"mlx-vlm {metadata.version('mlx-vlm')}" in message
     )
+    assert (
+        f"mlx-lm {metadata.version('mlx-lm')}" in message and backends.NOT_HOSTED_YET[model_type] in message
+    )
