@@ -70,6 +70,7 @@ _QWEN_NORM = ((_QWEN, "h = self.pre_fc_norm_hidden(hidden)", "h = hidden"),)
 _NEMOTRON = "mtplx/heads/nemotron_h.py"
 _NEMOTRON_CONCAT = "mx.concatenate([e, first.hnorm(hidden).astype(e.dtype)], axis=-1)"
 
+_HY = "mtplx/heads/hy_v4.py"
 _GEMMA = "mtplx/heads/gemma4_assistant.py"
 _GEMMA_EMBED = "self._embed(next_tokens[:, -1:])"
 _GEMMA_CONCAT = f"mx.concatenate([{_GEMMA_EMBED}, hidden[:, -1:]], axis=-1)"
@@ -256,6 +257,31 @@ PLANTS: dict[str, tuple[Plant, ...]] = {
             ((_NEMOTRON, "                x = block(x)\n", "                pass\n"),),
         ),
     ),
+    "hy_v4": (
+        Plant(
+            MUTATIONS[0],
+            "position 0's embedding zeroed",
+            ((_HY, "    zero_position_zero = False", "    zero_position_zero = True"),),
+        ),
+        # Its module forward is DeepSeek's (inherited): the swap is planted there.
+        Plant(MUTATIONS[1], "[hidden, embedding]", (("mtplx/heads/deepseek.py", _EMB_FIRST, _EMB_SWAPPED),)),
+        Plant(
+            MUTATIONS[2],
+            "final_layernorm dropped",
+            ((_HY, "return m.final_layernorm", "return nn.Identity()"),),
+        ),
+        Plant(
+            MUTATIONS[3],
+            "hidden-stream choice: the pre-norm hyper-connection collapse",
+            (
+                (
+                    _HY,
+                    'DEFAULT_HIDDEN_SOURCE: HiddenSource = "post_norm"',
+                    'DEFAULT_HIDDEN_SOURCE: HiddenSource = "pre_norm"',
+                ),
+            ),
+        ),
+    ),
     "gemma4_assistant": (
         # It drafts one row at the target's position (> 0): the flip treats that row as position 0.
         Plant(
@@ -301,6 +327,7 @@ REFERENCE_TESTS: dict[str, tuple[str, ...]] = {
     "longcat": (_REFS, "-k", "longcat"),
     "ernie": (_REFS, "-k", "ernie"),
     "nemotron_h": ("tests/heads/test_nemotron_h.py", "-k", "reference or chain"),
+    "hy_v4": ("tests/heads/test_hy_v4.py", "-k", "reference or chain"),
     "gemma4_assistant": (
         "tests/heads/test_gemma4.py",
         "-k",

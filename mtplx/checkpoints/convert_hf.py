@@ -241,7 +241,11 @@ def convert_hf(
         _cast(head, dtype, getattr(model, "cast_predicate", None))
 
     trunk_predicate = getattr(model, "quant_predicate", None)
+    prequantized = _prequantized_layers(model)
     model, qconfig = quantize_model(model, config, q_group_size, q_bits)
+    for section in ("quantization", "quantization_config"):
+        if isinstance(qconfig.get(section), dict):
+            qconfig[section].update(prequantized)
     summary = None
     if head is not None:
         quantize_head(head, head_bits, q_bits, q_group_size, trunk_predicate)
@@ -267,6 +271,18 @@ def convert_hf(
         _copy_aux_files(src, tmp)
 
     return write_dir_atomically(out_dir, write)
+
+
+def _prequantized_layers(model: nn.Module) -> dict[str, dict]:
+    """The layers the loaded model already holds quantized (a Hunyuan-V4 trunk through mlx-vlm
+    packs its MXFP8 ``kv_b_proj`` as ``embed_q`` / ``unembed_out`` on load), each with its own
+    setting: ``quantize_model`` leaves them as they are and records only what it quantized, so
+    without these entries a reader would take them for the trunk's bits and mode."""
+    return {
+        path: {"group_size": m.group_size, "bits": m.bits, "mode": getattr(m, "mode", "affine")}
+        for path, m in model.named_modules()
+        if path and hasattr(m, "scales") and hasattr(m, "bits")
+    }
 
 
 def _declare_head_layers(out_config: dict, config: dict, index: dict[str, str], layout: str) -> None:

@@ -49,13 +49,16 @@ _SAFETENSORS_BYTES = {
 }
 
 
-def _mlx_lm_supports(model_type: str) -> bool:
+def _trunk_backend(config: dict) -> dict[str, str | None]:
+    """Which package hosts the trunk (`mtplx.trunk.backends`, the one place that decides): its
+    name and version, or the one-line reason none can (then ``backend`` is None)."""
+    from mtplx.trunk import backends
+
     try:
-        from mlx_lm.utils import MODEL_REMAPPING
-    except ImportError:
-        MODEL_REMAPPING = {}
-    mt = MODEL_REMAPPING.get(model_type, model_type).replace("-", "_")
-    return importlib.util.find_spec(f"mlx_lm.models.{mt}") is not None
+        backend, model_type = backends.backend_for(config)
+    except MtplxError as e:
+        return {"backend": None, "version": None, "problem": str(e)}
+    return {"backend": backend.name, "version": backends.package_version(backend.package), "problem": None}
 
 
 def _headers(path: Path, index: dict[str, str]) -> dict[str, dict]:
@@ -182,10 +185,9 @@ def _gemma4_assistant(path: Path, spec: str | Path | None, config: dict, given: 
 
 def _trunk_fingerprint(path: Path) -> str:
     from mtplx.checkpoints.fingerprint import model_fingerprint
+    from mtplx.checkpoints.load import load_mlx_model
 
-    from mlx_lm.utils import load_model
-
-    model, _ = load_model(path, lazy=True)
+    model, _ = load_mlx_model(path, lazy=True)  # through the backend that hosts it
     return model_fingerprint(model)
 
 
@@ -286,6 +288,7 @@ def _verdict(
     forged,
     assistant,
     supported: bool,
+    unsupported_reason: str | None = None,
 ) -> tuple[str, str, dict | None]:
     """(verdict, reason, the head it drafts with): the first rule that applies, in order."""
     from mtplx.heads import split_drafter
@@ -301,7 +304,7 @@ def _verdict(
     elif split and split["path"] and (given_split is not None or not head_tensors):
         verdict, reason, sidecar = _split_verdict(split, path, config)
     elif not supported:
-        verdict, reason = "unsupported", f"mlx-lm has no model class for model_type {model_type!r}"
+        verdict, reason = "unsupported", unsupported_reason or f"no backend hosts model_type {model_type!r}"
     elif sidecar is not None and not sidecar["fits"]:
         verdict, reason = (
             "AR-only",
@@ -445,7 +448,8 @@ def inspect_model(
     forged, sidecar, given_split, split, assistant = _heads_beside(
         path, spec_or_path, config, head, head_tensors, is_drafter, default_variant
     )
-    supported = _mlx_lm_supports(model_type)
+    backend = _trunk_backend(config)
+    supported = backend["backend"] is not None
     quant = _quantization_summary(config, text, q)
 
     verdict, reason, sidecar = _verdict(
@@ -464,6 +468,7 @@ def inspect_model(
         forged=forged,
         assistant=assistant,
         supported=supported,
+        unsupported_reason=backend["problem"],
     )
 
     norms = _norm_rule(
@@ -473,6 +478,7 @@ def inspect_model(
         "path": str(path),
         "model_type": model_type,
         "architecture": (config.get("architectures") or [model_type])[0],
+        "trunk_backend": backend,
         "hidden_size": text.get("hidden_size", config.get("hidden_size")),
         "num_hidden_layers": trunk_layers(config),
         "vocab_size": text.get("vocab_size", config.get("vocab_size")),

@@ -96,6 +96,7 @@ def format_inspection(info: dict[str, Any]) -> str:
         f"model         {info['path']}"
         + (f" (default model, {info['default_model_build']} build)" if info["default_model_build"] else ""),
         f"architecture  {info['architecture']} (model_type {info['model_type']}, {info['num_hidden_layers'] if info['num_hidden_layers'] is not None else 'unknown'} layers, hidden {info['hidden_size']}, vocab {info['vocab_size']})",
+        _backend_line(info.get("trunk_backend") or {}),
         f"parameters    {_human(info['parameters'], '')}"
         + (
             f" (MTP head {_human(info['parameters_by_part']['mtp_head'], '')} of them)"
@@ -130,3 +131,10 @@ def format_inspection(info: dict[str, Any]) -> str:
         lines.append(_vision_line(info["vision"]))
     lines.append(f"verdict       {info['verdict']}: {info['reason']}")
     return "\n".join(lines)
+
+
+def _backend_line(backend: dict) -> str:
+    """Which package hosts the trunk (``mtplx.trunk.backends``), or why none can."""
+    if backend.get("backend"):
+        return f"trunk         {backend['backend']} {backend['version']}"
+    return f"trunk         none ({backend.get('problem')})"

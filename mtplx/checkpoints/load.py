@@ -198,10 +198,21 @@ def check_model_dir(path: Path) -> dict[str, Any]:
 
 
 def load_mlx_model(path: Path, *, lazy: bool = False) -> tuple[Any, dict[str, Any]]:
-    """mlx-lm's ``load_model`` on a checked directory, its failures as one-line MtplxErrors."""
+    """mlx-lm's ``load_model`` on a checked directory, its failures as one-line MtplxErrors; a
+    family mlx-lm lacks through mlx-vlm's language model (`mtplx.trunk.backends` decides)."""
+    from mtplx.trunk import backends
+
     from mlx_lm.utils import load_model as mlx_load_model
 
-    check_model_dir(path)
+    config = check_model_dir(path)
+    try:
+        backend, model_type = backends.backend_for(config)
+    except MtplxError as e:
+        raise MtplxError(f"{path}: {e}") from None
+    if backend is backends.MLX_VLM:
+        from mtplx.trunk import vlm_text
+
+        return vlm_text.load(path, model_type, config, lazy=lazy)
     try:
         return mlx_load_model(path, lazy=lazy)
     except MtplxError:

@@ -313,7 +313,37 @@ def check_tuned_depths() -> Check:
     return Check("tuned depths", "; ".join(parts), data={k: e.get("depth") for k, e in mine.items()})
 
 
-def diagnose(*, gflops: bool = True) -> Report:
+def check_trunk_backend(model: str | None = None) -> Check:
+    """mlx-vlm's version and the families it hosts for mtplx (`mtplx.trunk.backends`); with
+    ``model`` (a checkpoint directory), the package that model's trunk needs: a problem, with the
+    install command, when that is mlx-vlm and it is missing, or when no package hosts it."""
+    from mtplx.checkpoints.load import read_config
+    from mtplx.trunk import backends
+
+    vlm = backends.MLX_VLM
+    version = backends.package_version(vlm.package)
+    families = ", ".join(sorted(backends.MLX_VLM_TEXT_FAMILIES))
+    data = {"mlx_vlm": version, "mlx_vlm_families": sorted(backends.MLX_VLM_TEXT_FAMILIES)}
+    info = f"mlx-vlm {version} (hosts {families})"
+    if model is None:
+        return Check("trunk backends", info, data=data)
+    config = read_config(Path(model))
+    try:
+        backend, model_type = backends.backend_for(config)
+    except MtplxError as err:
+        missing = vlm.install in str(err)  # hosted through mlx-vlm, which is not installed
+        fix = (
+            _pip_install("--no-deps", backends.MLX_VLM_REQUIREMENT)
+            if missing
+            else _pip_install("--upgrade", "mlx-lm")
+        )
+        return Check("trunk backends", f"{model}: no backend", problem=str(err), fix=fix, data=data)
+    used = backends.package_version(backend.package)
+    data.update(model=model, backend=backend.name, model_type=model_type)
+    return Check("trunk backends", f"{info}; {model} ({model_type}) runs on {backend.name} {used}", data=data)
+
+
+def diagnose(*, gflops: bool = True, model: str | None = None) -> Report:
     return Report(
         [
             *check_platform(),
@@ -323,6 +353,7 @@ def diagnose(*, gflops: bool = True) -> Report:
             check_default_model(),
             check_kv_cache(),
             check_tuned_depths(),
+            check_trunk_backend(model),
         ]
     )
 
@@ -346,9 +377,14 @@ HELP = "check the environment: MLX backend, BLAS, kernels, caches, model"
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.add_argument("--no-gflops", action="store_true", help="skip the matmul speed measurement")
+    parser.add_argument(
+        "--model",
+        metavar="DIR",
+        help="also check the package this checkpoint's trunk needs (mlx-lm or mlx-vlm)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    report = diagnose(gflops=not args.no_gflops)
+    report = diagnose(gflops=not args.no_gflops, model=args.model)
     print(json.dumps(report.as_dict(), indent=2) if args.json else format_report(report))
     return 0 if report.healthy else 1

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mtplx.heads import deepseek, ernie, longcat, mimo, mimo_v2_flash, nemotron_h, qwen3_next, step3p5
+from mtplx.heads import deepseek, ernie, hy_v4, longcat, mimo, mimo_v2_flash, nemotron_h, qwen3_next, step3p5
 from mtplx.heads.base import HiddenSource, MTPHead
 from mtplx.heads.weights import HeadSource, MissingHeadError, load_head_weights, weight_index
 
@@ -103,6 +103,17 @@ FAMILIES: dict[str, HeadFamily] = {
             layer_names=r"model\.mtp_layers\.(\d+)\..+",
             default_hidden_source=mimo.DEFAULT_HIDDEN_SOURCE,
             build=mimo.build_head,
+        ),
+        HeadFamily(
+            name=hy_v4.LAYOUT,
+            model_types=("hy_v4",),
+            # eh_proj under model.mtp_layers: MiMo's list has input_proj there, Nemotron-H's
+            # eh_proj sits under (language_model.)mtp.layers.
+            marker=r"model\.mtp_layers\.\d+\.eh_proj\.weight",
+            count_keys=("num_nextn_predict_layers",),
+            layer_names=r"model\.mtp_layers\.(\d+)\.eh_proj\.weight",
+            default_hidden_source=hy_v4.DEFAULT_HIDDEN_SOURCE,
+            build=hy_v4.build_head,
         ),
         HeadFamily(
             name=mimo_v2_flash.LAYOUT,

@@ -70,6 +70,12 @@ def _glm4_moe_lite_mtp(src: HeadSource, num_layers: int) -> MTPHead:
     return deepseek.build_split_head(src, deepseek.GLM4_MOE_LITE_SPLIT)
 
 
+def _hy_v4_mtp(src: HeadSource, num_layers: int) -> MTPHead:
+    from mtplx.heads import hy_v4
+
+    return hy_v4.build_split_head(src, num_layers)
+
+
 SPLIT_FAMILIES: dict[str, SplitFamily] = {
     f.model_type: f
     for f in (
@@ -97,6 +103,13 @@ SPLIT_FAMILIES: dict[str, SplitFamily] = {
             target_types=("glm4_moe_lite",),
             layers_key="num_nextn_predict_layers",
             build=_glm4_moe_lite_mtp,
+        ),
+        # Hunyuan-V4 (its trunk hosted through mlx-vlm): mtplx.heads.hy_v4.SPLIT_NAMES.
+        SplitFamily(
+            model_type="hy_v4_mtp",
+            target_types=("hy_v4",),
+            layers_key="num_nextn_predict_layers",
+            build=_hy_v4_mtp,
         ),
     )
 }

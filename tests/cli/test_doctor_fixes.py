@@ -32,7 +32,14 @@ from support.paths import REPO
 
 SHELL_BUILTINS = {"export"}
 # The places in doctor.py that raise a problem, each covered by a test below (a new one needs a test).
-PROBLEM_SITES = {"blas", "caches", "default model (missing or damaged)", "shipped head", "tuned depths"}
+PROBLEM_SITES = {
+    "blas",
+    "caches",
+    "default model (missing or damaged)",
+    "shipped head",
+    "tuned depths",
+    "trunk backend",
+}
 
 
 def _fix_argv(check: doctor.Check) -> list[str]:
@@ -166,3 +173,31 @@ def test_damaged_tune_config_fix_removes_it(tmp_path, monkeypatch):
 def test_a_problem_without_a_fix_is_refused():
     with pytest.raises(ValueError, match="'x': a problem needs a fix command"):
         doctor.Check("x", "info", problem="broken")
+
+
+def test_a_model_that_needs_a_missing_mlx_vlm_fix_installs_the_pinned_release(tmp_path, monkeypatch):
+    """A Hunyuan-V4 checkpoint (hosted through mlx-vlm) where mlx-vlm is absent: the backend table
+    as an environment without it decides (its mlx-vlm row naming a package that is not there)."""
+    import json
+
+    from mtplx.trunk import backends
+
+    import tomllib
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "hy_v4"}))
+    absent = backends.TrunkBackend(
+        "mlx-vlm", "mlx-vlm", "no_such_mlx_vlm.models", backends.MLX_VLM.families, backends.MLX_VLM.install
+    )
+    monkeypatch.setattr(backends, "BACKENDS", (backends.MLX_LM, absent))
+    check = doctor.check_trunk_backend(str(tmp_path))
+    assert "hy_v4" in check.problem
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    (pinned,) = [
+        r for r in pyproject["project"]["optional-dependencies"]["reference"] if r.startswith("mlx-vlm")
+    ]
+    assert _fix_argv(check) == _pip_install("--no-deps", pinned)
+    # with mlx-vlm present the same model reports the version it runs on, no problem
+    monkeypatch.undo()
+    check = doctor.check_trunk_backend(str(tmp_path))
+    version = importlib.metadata.version("mlx-vlm")
+    assert check.problem is None and f"runs on mlx-vlm {version}" in check.info

@@ -3,11 +3,10 @@ that family and match no other family's marker.
 
 The names come from the tiny HF-layout replicas ``support.checkpoints`` writes (the published
 names, written independently of the registry), with no config given, so the tensor markers alone
-decide. Two neighbours without a family are checked to match none: a Hunyuan-V4-style checkpoint
-(``model.mtp_layers.0.{enorm,hnorm,eh_proj,...,final_layernorm}``, as mlx-vlm 0.7.10's
-``hy_v4_mtp/split.py`` selects and renames them: MiMo's list name with DeepSeek's module names),
-and a split MTP drafter (the Qwen3.5 head without ``mtp.``: found by its ``model_type``, never as
-an in-checkpoint head).
+decide. Hunyuan-V4 (``model.mtp_layers.0.{enorm,hnorm,eh_proj,...,final_layernorm}``, as mlx-vlm
+0.7.10's ``hy_v4_mtp/split.py`` selects and renames them: MiMo's list name with DeepSeek's module
+names) is its own family, never MiMo's; a split MTP drafter (the Qwen3.5 head without ``mtp.``:
+found by its ``model_type``, never as an in-checkpoint head) matches none.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ from mtplx.heads.weights import weight_index
 import pytest
 from support import checkpoints
 from support.nemotron import nemotron_h_checkpoint
+from support.vlm_families import hy_v4
 
 # family row -> (replica builder, MTP layers it ships)
 REPLICAS = {
@@ -36,6 +36,7 @@ REPLICAS = {
     "longcat_flash": ("longcat", lambda p: checkpoints.longcat_flash(p), 1),
     "ernie4_5_moe": ("ernie", lambda p: checkpoints.ernie4_5_moe(p), 1),
     "nemotron_h": ("nemotron_h", lambda p: nemotron_h_checkpoint(p), 1),
+    "hy_v4": ("hy_v4", lambda p: hy_v4(p), 1),
 }
 
 
@@ -87,12 +88,11 @@ def hunyuan_v4_names() -> dict[str, str]:
 
 
 def test_a_hunyuan_v4_checkpoint_is_not_taken_for_mimo():
-    """Its MTP list is named as MiMo's (``model.mtp_layers``) with other modules inside: no
-    family reads it, so it must match no marker (a config declaring it then says "a layout mtplx
-    does not know" instead of loading MiMo's math on it)."""
+    """Its MTP list is named as MiMo's (``model.mtp_layers``) with DeepSeek-style modules inside:
+    the names alone (a dense layer, no config) are Hunyuan-V4's, never MiMo's math."""
     index = hunyuan_v4_names()
-    assert matching_families(index) == []
-    assert detect_layout(index, {"model_type": "hy_v4", "num_nextn_predict_layers": 1}) is None
+    assert matching_families(index) == ["hy_v4"]
+    assert detect_layout(index, {"model_type": "mimo"}) == "hy_v4"
 
 
 @pytest.mark.parametrize(

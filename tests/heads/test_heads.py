@@ -49,6 +49,7 @@ from support.numpy_heads import (
 )
 from support.seeds import SEEDS, resolve
 from support.tokenizer import word_level
+from support.vlm_families import hy_v4 as hy_v4_checkpoint
 
 # The registry rows whose float64 reference is in this module (read by ``test_reference_coverage.py``).
 REFERENCE_LAYOUTS = ("qwen3_next", "deepseek", "mimo")
@@ -399,6 +400,7 @@ def test_default_hidden_sources_are_explicit():
         "step3p5": "post_norm",
         "longcat": "post_norm",
         "nemotron_h": "post_norm",
+        "hy_v4": "post_norm",
     }
 
 
@@ -415,6 +417,7 @@ def test_each_registry_row_recognises_its_own_checkpoint_and_no_other(tmp_path):
         "mimo_v2_flash": checkpoints.mimo_v2_flash(tmp_path / "mv2", mtp_layers=2),
         "ernie": checkpoints.ernie4_5_moe(tmp_path / "e", mtp_layers=2),
         "step3p5": checkpoints.step3p5(tmp_path / "s", mtp_layers=2),
+        "hy_v4": hy_v4_checkpoint(tmp_path / "h", mtp_layers=2),
     }
     # LongCat-Flash ships one MTP layer and its config declares none: counted from tensor names.
     longcat = checkpoints.longcat_flash(tmp_path / "l")

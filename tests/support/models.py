@@ -206,7 +206,9 @@ def rollback_model(family: str, *, seed: int = 0) -> nn.Module:
     """One model per cache kind the rollback code handles, hidden 64, ``ROLLBACK_VOCAB`` tokens:
     ``llama`` (KVCache; head_dim 32, so a ``quantized_kv_cache`` fits), ``qwen3_5`` and
     ``qwen3_next`` (gated-delta ArraysCache + KVCache), ``gemma3`` (RotatingKVCache + KVCache),
-    ``nemotron_h`` (Mamba2 ArraysCache + KVCache, hidden 32: ``support.nemotron``)."""
+    ``nemotron_h`` (Mamba2 ArraysCache + KVCache, hidden 32: ``support.nemotron``), ``hy_v4``
+    (Hunyuan-V4 through mlx-vlm: a CacheList of MLA KV + DSA indexer KV per layer, hyper-connections;
+    ``support.vlm_families``)."""
     if family == "llama":
         return tiny_llama(ROLLBACK_VOCAB, seed=seed, hidden_size=64, num_heads=2, num_kv_heads=1)
     if family == "qwen3_5":
@@ -219,6 +221,10 @@ def rollback_model(family: str, *, seed: int = 0) -> nn.Module:
         from support.nemotron import tiny_nemotron_h
 
         return tiny_nemotron_h(ROLLBACK_VOCAB, seed=seed)
+    if family == "hy_v4":
+        from support.vlm_families import tiny_hy_v4
+
+        return tiny_hy_v4(ROLLBACK_VOCAB, seed=seed)
     raise ValueError(family)
 
 

@@ -1,0 +1,169 @@
+"""mlx-vlm's language model of a family mlx-lm lacks, as an mlx-lm-shaped model the `Trunk` wraps.
+
+`mtplx.trunk.backends` decides that mlx-vlm hosts a checkpoint; ``load`` builds mlx-vlm's own
+model with mlx-vlm's own loader (``mlx_vlm.utils.load_model``: its config classes, sanitize and
+quantization), lazily, and keeps only ``language_model``: the vision tower's lazy arrays are
+dropped unevaluated, so no tower is loaded (text path only).
+
+`VlmTextModel` is the one adapter between the two packages' conventions, everything else of the
+trunk contract is unchanged:
+
+* mlx-vlm's ``LanguageModel.__call__`` returns a ``LanguageModelOutput``; the adapter returns its
+  logits, as an mlx-lm model does (the final-norm tap records the hidden states as for mlx-lm);
+* the parameter tree is ``language_model.model.{embed_tokens, layers, norm}`` + ``language_model.lm_head``,
+  a layout `compat.find_inner_model` / `compat.find_lm_head` already know;
+* caches: mlx-vlm's cache classes are its own (not mlx-lm's), so ``make_cache`` builds mlx-lm's
+  equivalent of each one mlx-vlm's ``make_cache`` returns (``CACHE_EQUIVALENTS``), and
+  `rollback`, `row_cache`, the prompt cache and ``--kv-bits`` work on them as on any mlx-lm
+  model's. mlx-vlm's language code reads only the methods both share (``offset``,
+  ``update_and_fetch``, ``keys`` / ``values``, ``make_mask``); the equivalence is checked by
+  comparing logits with mlx-vlm's own forward on its own caches (``tests/trunk/test_vlm_text.py``);
+* exactness hooks (``EXACTNESS_HOOKS``): where mlx-vlm's forward is not the same function of the
+  tokens at every context length, the module-level function responsible is replaced by the same
+  math done exactly (Hunyuan-V4's indexer top-k: `_exact_partition_scores` says why).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from mtplx.errors import MtplxError, first_line
+
+import mlx.core as mx
+import mlx.nn as nn
+
+__all__ = [
+    "CACHE_EQUIVALENTS",
+    "EXACTNESS_HOOKS",
+    "VlmTextModel",
+    "install_exactness_hooks",
+    "load",
+    "lm_cache_like",
+]
+
+
+def _kv(cache: Any):
+    from mlx_lm.models.cache import KVCache
+
+    return KVCache()
+
+
+def _cache_list(cache: Any):
+    from mlx_lm.models.cache import CacheList
+
+    return CacheList(*(lm_cache_like(c) for c in cache.caches))
+
+
+def _rotating(cache: Any):
+    from mlx_lm.models.cache import RotatingKVCache
+
+    return RotatingKVCache(max_size=cache.max_size, keep=cache.keep)
+
+
+# mlx-vlm cache class (by its base's name in mlx_vlm.models.cache, a family's subclass included:
+# hy_v4's HyV4KVCache only sizes its buffer differently) -> mlx-lm's equivalent.
+CACHE_EQUIVALENTS = {"KVCache": _kv, "CacheList": _cache_list, "RotatingKVCache": _rotating}
+
+
+def lm_cache_like(cache: Any):
+    """mlx-lm's cache equivalent to an empty mlx-vlm ``cache`` (MtplxError for a kind with none)."""
+    for klass in type(cache).__mro__:
+        if klass.__module__ == "mlx_vlm.models.cache" and klass.__name__ in CACHE_EQUIVALENTS:
+            return CACHE_EQUIVALENTS[klass.__name__](cache)
+    raise MtplxError(f"mlx-vlm cache {type(cache).__name__}: mtplx has no mlx-lm equivalent for it")
+
+
+# --------------------------------------------------------------------------- exactness hooks
+
+
+def _exact_partition_scores(top_k: int, masked: bool):
+    """mlx-vlm 0.7.10 ``models/hy_v4/indexer.py``'s ``_partition_scores``, the same math, eager.
+
+    mlx-vlm wraps it in ``mx.compile(shapeless=True)``: the first trace fixes ``argpartition``'s
+    ``kth=-top_k`` as a position in the length it was traced at, so at any other context length the
+    last ``top_k`` entries are no longer the ``top_k`` best keys (a block after a prefill, and every
+    decode step after the first, attend to other keys than a from-scratch forward does; mlx-vlm's
+    own drafting verifies one token at a time around it). Uncompiled, every forward selects
+    the same keys a from-scratch forward would (``tests/trunk/test_vlm_text.py``, with a control
+    that keeps the compiled one)."""
+
+    def partition(q, k, weights, mask=None):
+        scores = mx.maximum(q @ k.swapaxes(-1, -2), 0)
+        scores = (scores * weights.swapaxes(-1, -2)[..., None]).sum(axis=1, keepdims=True)
+        if masked:
+            scores = mx.where(mask, scores, -float("inf"))
+        return mx.argpartition(scores, kth=-top_k, axis=-1)
+
+    return partition
+
+
+# model type -> (module, the module-level function its forward calls, mtplx's exact replacement)
+EXACTNESS_HOOKS = {
+    "hy_v4": ("mlx_vlm.models.hy_v4.indexer", "_partition_scores", _exact_partition_scores),
+}
+ORIGINALS: dict[tuple[str, str], Any] = {}  # what each hook replaced (a test restores it as a control)
+
+
+def install_exactness_hooks(model_type: str) -> None:
+    """Replace the functions ``EXACTNESS_HOOKS`` names for ``model_type`` (idempotent; MtplxError,
+    one line, when the installed mlx-vlm no longer has one)."""
+    import importlib
+
+    if model_type not in EXACTNESS_HOOKS:
+        return
+    module_name, name, replacement = EXACTNESS_HOOKS[model_type]
+    module = importlib.import_module(module_name)
+    current = getattr(module, name, None)
+    if current is None:
+        raise MtplxError(
+            f"mlx-vlm changed: {module_name} no longer has {name} (mtplx hooks it for {model_type})"
+        )
+    if current is not replacement:
+        ORIGINALS.setdefault((module_name, name), current)
+        setattr(module, name, replacement)
+
+
+# --------------------------------------------------------------------------- the adapter
+
+
+class VlmTextModel(nn.Module):
+    """mlx-vlm's ``LanguageModel`` behind mlx-lm's model interface (logits out, mlx-lm caches)."""
+
+    def __init__(self, language_model: nn.Module, model_type: str):
+        super().__init__()
+        install_exactness_hooks(model_type)
+        self.language_model = language_model
+        self.model_type = model_type
+        self.args = getattr(language_model, "args", None)
+
+    def __call__(self, inputs: mx.array, cache: list | None = None, input_embeddings: mx.array | None = None):
+        return self.language_model(inputs, cache=cache, inputs_embeds=input_embeddings).logits
+
+    @property
+    def layers(self) -> list:
+        return self.language_model.model.layers
+
+    def make_cache(self) -> list:
+        return [lm_cache_like(c) for c in self.language_model.make_cache()]
+
+
+def load(path: Path, model_type: str, config: dict, *, lazy: bool = False) -> tuple[VlmTextModel, dict]:
+    """mlx-vlm's language model of the checkpoint at ``path`` (``config``: its config.json) and the
+    config, as mlx-lm's ``load_model`` returns them; errors as one-line MtplxErrors."""
+    from mlx_vlm.utils import load_model
+
+    try:
+        full = load_model(Path(path), lazy=True)
+    except FileNotFoundError as e:
+        raise MtplxError(f"{path}: {first_line(e)}") from None
+    except ValueError as e:
+        raise MtplxError(f"{path}: weights do not match config.json ({first_line(e)})") from None
+    except Exception as e:
+        raise MtplxError(f"{path}: mlx-vlm cannot load {model_type} ({first_line(e)})") from None
+    model = VlmTextModel(full.language_model, model_type)
+    del full  # the vision tower's arrays were never evaluated; they go with it
+    if not lazy:
+        mx.eval(model.parameters())
+    model.eval()
+    return model, config

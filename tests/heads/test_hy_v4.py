@@ -1,0 +1,352 @@
+"""Hunyuan-V4 (``hy_v4``): the MTP head beside a hyper-connection trunk hosted through mlx-vlm.
+
+The replica is ``support.vlm_families.hy_v4`` (the published layout; ``context_strength`` so that
+drafts are kept). The reference is NumPy float64 from the checkpoint's tensors, MXFP8
+``kv_b_proj`` decoded from its bytes, with the hidden state mlx-vlm's own forward hands a drafter
+(``return_hidden``): so the head's choice of trunk state (the hyper-connection convention,
+``mtplx/heads/hy_v4.py``) is checked, not only its math. Sources of the math: mlx-vlm 0.7.10
+``models/hy_v4/language.py`` (``HyV4Attention``: output gate, sinks, the DSA top-k),
+``models/deepseek_v32/language.py`` (the indexer, MLA, the sigmoid router),
+``speculative/drafters/hy_v4_mtp/hy_v4_mtp.py`` (the MTP module).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import mtplx  # noqa: F401  (BLAS before mlx)
+from mtplx.engine.engine import Engine
+from mtplx.engine.request import GenerationRequest
+from mtplx.heads.hy_v4 import HyV4MTPHead, _block
+from mtplx.sample import rejection
+from mtplx.sampling import SamplerConfig
+from mtplx.trunk.model import Trunk
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from support.decoding import assert_mtp_equals_ar_with_drafts_kept
+from support.exactness import FALSE_FAILURE_RATE, exact_ar_joint, loop_p_value, sample_counts
+from support.models import randomize
+from support.numpy_heads import causal_mask, read_tensors, rms, rope, sigmoid_moe, softmax_attention
+from support.seeds import SEEDS, resolve
+from support.tokenizer import word_level
+from support.vlm_families import HY_V4_VOCAB, tiny_hy_v4
+from support.vlm_families import hy_v4 as hy_v4_checkpoint
+
+REFERENCE_LAYOUTS = ("hy_v4",)
+PROMPTS = ([3, 17, 42, 5, 60, 9, 11, 2, 33, 8], [50, 40, 30, 20, 10, 5], [7, 7, 12, 90, 4, 4, 31])
+CONTEXT_STRENGTH = 0.2
+LENGTH = 10  # reference positions: over the indexer's 4 kept keys, so the selection matters
+_req = GenerationRequest.from_kwargs
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hy_v4") / "Hunyuan-V4-Tiny"
+    hy_v4_checkpoint(path, context_strength=CONTEXT_STRENGTH)
+    word_level(path, HY_V4_VOCAB)
+    return path
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint) -> Engine:
+    return Engine.load(str(checkpoint), depth=2)
+
+
+@pytest.fixture(scope="module")
+def random_checkpoint(tmp_path_factory):
+    """Every weight random (no predictive construction): the reference's checkpoint."""
+    path = tmp_path_factory.mktemp("hy_v4_random") / "r"
+    hy_v4_checkpoint(path, seed=11)
+    word_level(path, HY_V4_VOCAB)
+    return path
+
+
+@pytest.fixture(scope="module")
+def random_engine(random_checkpoint) -> Engine:
+    return Engine.load(str(random_checkpoint))
+
+
+# --------------------------------------------------------------------------- float64 reference
+
+
+def e4m3(byte: np.ndarray) -> np.ndarray:
+    """OCP FP8 E4M3FN bytes -> float64: sign, 4 exponent bits (bias 7), 3 mantissa bits;
+    exponent 0 is subnormal (m / 8 * 2^-6)."""
+    b = byte.astype(np.int64)
+    sign = np.where(b >> 7, -1.0, 1.0)
+    exponent, mantissa = (b >> 3) & 0xF, b & 7
+    normal = (1 + mantissa / 8) * 2.0 ** (exponent - 7)
+    return sign * np.where(exponent == 0, mantissa / 8 * 2.0**-6, normal)
+
+
+def mxfp8_weight(t: dict[str, np.ndarray], key: str) -> np.ndarray:
+    """``key`` (e4m3 bytes [out, in]) times its ``_scale`` (e8m0 bytes: 2^(s - 127) per 32 inputs)."""
+    scale = 2.0 ** (t[key + "_scale"] - 127)
+    return e4m3(t[key]) * np.repeat(scale, 32, axis=-1)
+
+
+def layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float = 1e-5) -> np.ndarray:
+    mu = x.mean(-1, keepdims=True)
+    return (x - mu) / np.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + eps) * w + b
+
+
+def dsa_keys(x: np.ndarray, qr: np.ndarray, t: dict, p: str, cfg: dict) -> tuple[np.ndarray, float]:
+    """The DSA indexer's choice [T, T] (True: row i attends to key j) and the smallest gap between
+    a kept and a dropped key's index score (a float32 run may choose otherwise only near a tie).
+    Every key when there are at most ``index_topk``."""
+    T, k_top = x.shape[0], cfg["index_topk"]
+    if T <= k_top:
+        return np.ones((T, T), bool), np.inf
+    nh, hd, rd = cfg["index_n_heads"], cfg["index_head_dim"], cfg["qk_rope_head_dim"]
+    q = rope((qr @ t[p + "wq_b.weight"].T).reshape(T, nh, hd), rd, cfg["rope_theta"], True)
+    k = layer_norm(x @ t[p + "wk.weight"].T, t[p + "k_norm.weight"], t[p + "k_norm.bias"])
+    k = rope(k.reshape(T, 1, hd), rd, cfg["rope_theta"], True)[:, 0]
+    w = (x @ t[p + "weights_proj.weight"].T) * nh**-0.5 * hd**-0.5  # [T, nh]
+    scores = (np.maximum(np.einsum("qhd,kd->qhk", q, k), 0) * w[:, :, None]).sum(1)
+    scores = np.where(causal_mask(T), scores, -np.inf)
+    chosen, gap = np.zeros((T, T), bool), np.inf
+    for i in range(T):
+        order = np.argsort(-scores[i], kind="stable")
+        chosen[i, order[:k_top]] = True
+        if i + 1 > k_top:
+            gap = min(gap, scores[i, order[k_top - 1]] - scores[i, order[k_top]])
+    return chosen & causal_mask(T), gap
+
+
+def hy_v4_attention(x: np.ndarray, t: dict, p: str, cfg: dict) -> tuple[np.ndarray, float]:
+    """Hunyuan-V4's attention, positions 0..T-1: MLA (latent norms eps 1e-6, rope on adjacent pairs)
+    over the DSA-chosen keys, one sink logit per head, the output gated by sigmoid(linear_gate(x))."""
+    nh, nope, rd, vd, rank = (
+        cfg[k]
+        for k in ("num_attention_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank")
+    )
+    T = x.shape[0]
+    qr = rms(x @ t[p + "q_a_proj.weight"].T, t[p + "q_a_layernorm.weight"], 1e-6)
+    q = (qr @ t[p + "q_b_proj.weight"].T).reshape(T, nh, nope + rd)
+    kv = x @ t[p + "kv_a_proj_with_mqa.weight"].T
+    latent = rms(kv[:, :rank], t[p + "kv_a_layernorm.weight"], 1e-6)
+    kvb = (latent @ mxfp8_weight(t, p + "kv_b_proj.weight").T).reshape(T, nh, nope + vd)
+    q_pe = rope(q[..., nope:], rd, cfg["rope_theta"], True)
+    k_pe = rope(kv[:, rank:].reshape(T, 1, rd), rd, cfg["rope_theta"], True)[:, 0]
+    scores = np.einsum("qhd,khd->hqk", q[..., :nope], kvb[..., :nope]) + np.einsum("qhd,kd->hqk", q_pe, k_pe)
+    allowed, gap = dsa_keys(x, qr, t, p + "indexer.", cfg)
+    out = softmax_attention(
+        scores * (nope + rd) ** -0.5, kvb[..., nope:], allowed, t[p + "learnable_sink_param"]
+    )
+    gate = 1.0 / (1.0 + np.exp(-(x @ t[p + "linear_gate.weight"].T)))
+    return (out * gate) @ t[p + "o_proj.weight"].T, gap
+
+
+def mtp_logits(t: dict, cfg: dict, hidden: np.ndarray, tokens: np.ndarray) -> tuple[np.ndarray, float]:
+    """The MTP module at ``model.mtp_layers.0.`` on (trunk hidden, next token) rows: logits [T, V]."""
+    p, eps = "model.mtp_layers.0.", cfg["rms_norm_eps"]
+    e = t["model.embed_tokens.weight"][tokens]
+    x = np.concatenate([rms(e, t[p + "enorm.weight"], eps), rms(hidden, t[p + "hnorm.weight"], eps)], -1)
+    x = x @ t[p + "eh_proj.weight"].T
+    attn, gap = hy_v4_attention(rms(x, t[p + "input_layernorm.weight"], eps), t, p + "self_attn.", cfg)
+    h = x + attn
+    h = h + sigmoid_moe(rms(h, t[p + "post_attention_layernorm.weight"], eps), t, p + "mlp.", cfg)
+    return rms(h, t[p + "final_layernorm.weight"], eps) @ t["lm_head.weight"].T, gap
+
+
+def _published_hidden(checkpoint, tokens: list[int]) -> np.ndarray:
+    """The trunk state mlx-vlm hands its Hunyuan-V4 drafter: ``return_hidden`` of its own forward."""
+    from mlx_vlm.utils import load_model
+
+    lm = load_model(checkpoint).language_model
+    out = lm(mx.array([tokens]), cache=lm.make_cache(), return_hidden=True)
+    return np.asarray(out.hidden_states[0][0], dtype=np.float64)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_head_logits_match_the_float64_reference_at_every_position(random_engine, random_checkpoint, seed):
+    seed = resolve(seed)
+    rng = np.random.default_rng(seed)
+    t = read_tensors(random_checkpoint)
+    cfg = json.loads((random_checkpoint / "config.json").read_text())
+    # The indexer's ReLU scores tie exactly (at 0) now and then; where a tie straddles the kept
+    # set, which key a float32 run keeps is arbitrary: such a draw is replaced by the next one.
+    for _ in range(20):
+        tokens = rng.integers(0, HY_V4_VOCAB, size=LENGTH + 1).tolist()
+        want, gap = mtp_logits(
+            t, cfg, _published_hidden(random_checkpoint, tokens[:-1]), np.array(tokens[1:])
+        )
+        if gap > 1e-4:
+            break
+    assert gap > 1e-4, f"seed {seed}: every draw's indexer choice is near a tie"
+    head, trunk = random_engine.head, random_engine.trunk
+    out = trunk(mx.array([tokens[:-1]]), trunk.make_cache())
+    hidden = getattr(out, f"hidden_{head.hidden_source}")
+    got = np.asarray(
+        head.logits(head(hidden, mx.array([tokens[1:]]), head.make_cache()))[0], dtype=np.float64
+    )
+    assert np.abs(got - want).max() < 1e-4 * np.abs(want).max(), f"seed {seed}"
+
+
+def test_the_head_chains_on_its_normed_output(random_engine):
+    """Depth 2 reads the first draft step's post-``final_layernorm`` output (the hyper-connection
+    convention's chain, ``mtplx/heads/hy_v4.py``); the pre-norm state would give other logits."""
+    head = random_engine.head
+    assert (head.hidden_source, head.chain_source) == ("post_norm", "post_norm")
+    hidden = mx.array(np.random.default_rng(2).standard_normal((1, 1, 64)).astype(np.float32))
+    cache = head.make_cache()
+    first = head(hidden, mx.array([[5]]), cache)
+    chained = head.chain_input(first)
+    assert mx.array_equal(chained, first[:, -1:]).item()
+    assert not mx.allclose(head.last_pre_norm[:, -1:], chained, atol=1e-3).item()
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+def _kept_and_rejected(stats) -> tuple[int, int]:
+    made = sum(stats.drafted_per_position)
+    kept = round(sum(a * d for a, d in zip(stats.acceptance_per_position, stats.drafted_per_position)))
+    return kept, made - kept
+
+
+def test_the_engine_finds_the_head_beside_the_mlx_vlm_trunk(engine):
+    assert isinstance(engine.head, HyV4MTPHead) and type(engine.trunk.model).__name__ == "VlmTextModel"
+    assert engine.head.hidden_source == "post_norm"
+
+
+def test_greedy_mtp_equals_ar_with_drafts_kept_at_depths_1_and_2(engine):
+    assert_mtp_equals_ar_with_drafts_kept(engine.trunk, engine.head, PROMPTS[:2], 14)
+
+
+def test_rows_in_a_batch_equal_ar_with_rejections(engine):
+    def ar(prompt):
+        return engine.generate(prompt, _req(max_tokens=16, temperature=0.0, draft="none")).token_ids
+
+    want = [ar(p) for p in PROMPTS]
+    requests = [_req(max_tokens=16, temperature=0.0, draft="head", depth=2) for _ in PROMPTS]
+    batched = engine.generate_batch(list(PROMPTS), requests, max_rows=3, draft_policy="fixed")
+    assert [b.token_ids for b in batched] == want
+    kept, rejected = map(sum, zip(*(_kept_and_rejected(b.stats) for b in batched)))
+    assert kept > 0 and rejected > 0, (kept, rejected)
+
+
+# --------------------------------------------------------------------------- sampled distribution
+
+CHI_VOCAB = 5
+CHI = SamplerConfig(temperature=0.7)
+
+
+def chi_pair() -> tuple[Trunk, HyV4MTPHead]:
+    """A 5-token Hunyuan-V4 trunk (2 hyper-connection streams) with peaked, context-dependent
+    distributions (embeddings x8, logits x3) and a random MTP module beside it."""
+    model = tiny_hy_v4(CHI_VOCAB, seed=3)
+    inner = model.language_model
+    inner.model.embed_tokens.weight = inner.model.embed_tokens.weight * 8
+    inner.lm_head.weight = inner.lm_head.weight * 3
+    trunk = Trunk(model)
+    args = inner.args
+    head = HyV4MTPHead(
+        [_block(args)], args.hidden_size, eps=args.rms_norm_eps, first_layer=0, trunk=trunk, cache_like=[0]
+    )
+    randomize(head, 5)
+    return trunk, head
+
+
+def test_sampled_mtp_matches_the_exact_ar_distribution_at_t_0_7():
+    """Depth 2: the first three tokens' joint and marginals against the float64 enumeration of AR
+    sampling; 100 samples, the count with which the control below catches a wrong loop."""
+    trunk, head = chi_pair()
+    expected = exact_ar_joint(trunk, CHI, CHI_VOCAB)
+    seed0 = int.from_bytes(os.urandom(4), "little")
+    p = loop_p_value(sample_counts(trunk, head, CHI, 2, 100, CHI_VOCAB, seed0), expected)
+    assert p > FALSE_FAILURE_RATE, f"p={p:.3g} (seed0={seed0})"
+
+
+def test_chi_square_rejects_a_loop_that_commits_the_rejected_draft(monkeypatch):
+    honest = rejection.verify
+
+    def commit_rejected_draft(target_logits, draft_tokens, *args, **kwargs):
+        result = honest(target_logits, draft_tokens, *args, **kwargs)
+        k = draft_tokens.shape[1]
+        rejected = draft_tokens[0, mx.minimum(result.num_accepted, k - 1)]
+        return result._replace(next_token=mx.where(result.num_accepted < k, rejected, result.next_token))
+
+    monkeypatch.setattr(rejection, "verify", commit_rejected_draft)
+    trunk, head = chi_pair()
+    expected = exact_ar_joint(trunk, CHI, CHI_VOCAB)
+    assert (
+        loop_p_value(sample_counts(trunk, head, CHI, 2, 100, CHI_VOCAB, 1234), expected) < FALSE_FAILURE_RATE
+    )
+
+
+# --------------------------------------------------------------------------- the split drafter
+
+
+@pytest.fixture(scope="module")
+def split_replica(checkpoint, tmp_path_factory) -> dict:
+    """mlx-vlm's splitter's ``hy_v4_mtp`` drafter of the replica, beside the same trunk without
+    its MTP tensors (as a conversion that dropped them leaves it)."""
+    from pathlib import Path
+
+    from mlx_vlm.split_mtp import split_mtp
+
+    root = tmp_path_factory.mktemp("hy_v4_split")
+    trunk = root / "Hunyuan-V4-Tiny-mxfp8"
+    hy_v4_checkpoint(trunk, context_strength=CONTEXT_STRENGTH, ship_mtp=False)
+    word_level(trunk, HY_V4_VOCAB)
+    drafter = Path(split_mtp(str(checkpoint), str(root / "Hunyuan-V4-Tiny-MTP-bf16")))
+    return {"trunk": trunk, "drafter": drafter}
+
+
+def test_the_split_drafter_is_found_beside_the_trunk_and_equals_the_checkpoints_head(split_replica, engine):
+    from mtplx.heads.hy_v4 import SplitHyV4Head
+
+    config = json.loads((split_replica["drafter"] / "config.json").read_text())
+    assert config["model_type"] == "hy_v4_mtp"
+    split = Engine.load(str(split_replica["trunk"]), depth=2)
+    head = split.head
+    assert isinstance(head, SplitHyV4Head) and head.hidden_source == "post_norm"
+    kinds = {type(m).__name__ for _, m in head.named_modules()}
+    assert "QuantizedMultiLinear" in kinds or any("Quantized" in k for k in kinds), kinds  # embed_q packed
+    prompt = PROMPTS[0]
+    hidden = split.trunk(mx.array([prompt])).hidden_post_norm
+    nxt = mx.array([prompt[1:] + [7]])
+    split_out = head.logits(head(hidden, nxt, head.make_cache()))
+    own_out = engine.head.logits(engine.head(hidden, nxt, engine.head.make_cache()))
+    assert mx.allclose(split_out, own_out, atol=1e-4).item()
+    assert_mtp_equals_ar_with_drafts_kept(split.trunk, head, PROMPTS[:2], 14)
+
+
+# --------------------------------------------------------------------------- conversion
+
+
+def test_mtplx_convert_keeps_the_head_at_safe_precision_and_mlx_vlm_opens_the_output(checkpoint, tmp_path):
+    from mtplx.checkpoints.convert_hf import convert_hf
+
+    from mlx_vlm.utils import load_model
+
+    out = convert_hf(checkpoint, tmp_path / "Hunyuan-V4-Tiny-4bit", q_bits=4, q_group_size=32)
+    assert type(load_model(out)).__module__ == "mlx_vlm.models.hy_v4.hy_v4"  # opens in mlx-vlm
+    converted = Engine.load(str(out), depth=2)
+    bits = {path: m.bits for path, m in converted.head.named_modules() if hasattr(m, "scales")}
+    assert bits["modules_.0.block.self_attn.q_a_proj"] == 8 and bits["modules_.0.eh_proj"] == 8
+    assert bits["modules_.0.block.mlp.switch_mlp.gate_up_proj"] == 4  # routed experts at the trunk's bits
+    assert_mtp_equals_ar_with_drafts_kept(converted.trunk, converted.head, PROMPTS[:2], 14)
+
+
+def test_the_prompt_cache_and_its_disk_tier_reuse_the_mlx_vlm_trunks_caches(checkpoint, tmp_path):
+    """A second request sharing a prefix starts from the cached trunk + head caches (in RAM, then
+    from disk in a new engine) and still gives the AR tokens."""
+    prompt = PROMPTS[0]
+    longer = prompt + [4, 4]
+    plain = Engine.load(str(checkpoint), depth=2)
+    ar = plain.generate(longer, _req(max_tokens=12, temperature=0.0, draft="none")).token_ids
+    first = Engine.load(str(checkpoint), depth=2, prompt_cache_bytes=1 << 26)
+    first.use_disk_cache(tmp_path, 1 << 26)
+    first.generate(prompt, _req(max_tokens=12, temperature=0.0, draft="head"))
+    again = first.generate(longer, _req(max_tokens=12, temperature=0.0, draft="head"))
+    assert again.token_ids == ar and again.stats.cached_tokens > 0
+    assert first.prompt_cache.disk.flush()  # the writer thread has written the entries
+    second = Engine.load(str(checkpoint), depth=2, prompt_cache_bytes=1 << 26)
+    second.use_disk_cache(tmp_path, 1 << 26)
+    from_disk = second.generate(longer, _req(max_tokens=12, temperature=0.0, draft="head"))
+    assert from_disk.token_ids == ar and from_disk.stats.cached_tokens > 0

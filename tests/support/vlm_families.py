@@ -1,0 +1,186 @@
+"""Tiny checkpoints of the families mtplx hosts through mlx-vlm's language models
+(`mtplx.trunk.backends.MLX_VLM_TEXT_FAMILIES`), written as the published checkpoints are.
+
+``hy_v4`` (Hunyuan-V4): the config's keys are mlx-vlm 0.7.10's ``models/hy_v4/config.py``
+``ModelConfig`` fields; the tensors are the reverse of its ``Model.sanitize``: per-expert
+``mlp.experts.{e}.{gate,up,down}_proj.weight``, the attention's fused ``kv_b_proj`` as MXFP8
+(``weight`` e4m3 bytes + ``weight_scale`` e8m0 bytes per 32, the only form that sanitize
+reads), hyper-connection parameters ``hc_{attn,mlp}_layer.hc_pre.*`` and ``model.hc_head.*``
+in float32 (its cast predicate keeps them so), the MTP layer under ``model.mtp_layers.0.``
+with its own ``enorm`` / ``hnorm`` / ``eh_proj`` / ``final_layernorm`` (mlx-vlm's
+``speculative/drafters/hy_v4_mtp/split.py`` reads these names). The other linear weights are
+written float32 (published: MXFP8 too), so the NumPy float64 references compare tightly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import mtplx  # noqa: F401  (BLAS before mlx)
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from support.checkpoints import Tiny, write_checkpoint
+from support.models import randomize, scale_outputs
+
+HY_V4_VOCAB = 96
+HY_V4_HIDDEN = 64  # a multiple of MXFP8's group of 32
+
+
+def hy_v4_config(mtp_layers: int = 1, layers: int = 3, hc_mult: int = 2) -> dict:
+    """Hunyuan-V4's config shrunk: MLA with the DSA indexer (keeping 4 keys, so it selects at
+    test lengths), indexer layers "full" at 0 and 1 and "shared" at 2 (the published rule),
+    a dense first layer and 4-expert MoE after, ``hc_mult`` hyper-connection streams."""
+    return {
+        "model_type": "hy_v4",
+        "architectures": ["HYV4ForCausalLM"],
+        "vocab_size": HY_V4_VOCAB,
+        "hidden_size": HY_V4_HIDDEN,
+        "intermediate_size": 96,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "n_shared_experts": 1,
+        "n_routed_experts": 4,
+        "routed_scaling_factor": 2.0,
+        "kv_lora_rank": 32,
+        "q_lora_rank": 32,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 32,
+        "qk_nope_head_dim": 32,
+        "index_head_dim": 16,
+        "index_n_heads": 2,
+        "index_topk": 4,
+        "topk_method": "noaux_tc",
+        "norm_topk_prob": True,
+        "n_group": 1,
+        "topk_group": 1,
+        "num_experts_per_tok": 2,
+        "moe_layer_freq": 1,
+        "first_k_dense_replace": 1,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "hc_mult": hc_mult,
+        "hc_eps": 1e-6,
+        "hc_magnitude": 2.0,
+        "num_nextn_predict_layers": mtp_layers,
+        "tie_word_embeddings": False,
+        "bos_token_id": 0,
+        "eos_token_id": 1,  # support.tokenizer.word_level's EOS
+        "pad_token_id": 0,
+        "quantization_config": {"quant_method": "modelopt", "quant_algo": "MXFP8"},
+    }
+
+
+def mxfp8(weight: mx.array) -> tuple[mx.array, mx.array]:
+    """``weight`` [out, in] as MXFP8 as published: e4m3 bytes [out, in] and e8m0 scales [out, in / 32]."""
+    packed, scales = mx.quantize(weight, group_size=32, bits=8, mode="mxfp8")
+    return packed.view(mx.uint8).reshape(weight.shape), scales
+
+
+def _published_layer(prefix: str, layer: nn.Module, args) -> dict[str, mx.array]:
+    """One mlx-vlm HyV4 decoder layer's parameters under the published names."""
+    out = {}
+    for name, v in tree_flatten(layer.parameters()):
+        if name.endswith(("embed_q.weight", "unembed_out.weight")):
+            continue
+        if ".switch_mlp." in name:
+            if name.endswith("gate_up_proj.weight"):
+                half = v.shape[1] // 2
+                for e in range(v.shape[0]):
+                    out[f"{prefix}mlp.experts.{e}.gate_proj.weight"] = v[e, :half]
+                    out[f"{prefix}mlp.experts.{e}.up_proj.weight"] = v[e, half:]
+            else:
+                for e in range(v.shape[0]):
+                    out[f"{prefix}mlp.experts.{e}.down_proj.weight"] = v[e]
+            continue
+        out[prefix + name] = v
+    attn = layer.self_attn
+    kv_b = mx.concatenate([attn.embed_q.weight.swapaxes(-1, -2), attn.unembed_out.weight], axis=1)
+    weight, scale = mxfp8(kv_b.reshape(-1, args.kv_lora_rank))
+    out[prefix + "self_attn.kv_b_proj.weight"] = weight
+    out[prefix + "self_attn.kv_b_proj.weight_scale"] = scale
+    return out
+
+
+def hy_v4_mtp_modules(args) -> nn.Module:
+    """The MTP layer's modules as the published checkpoint nests them under ``model.mtp_layers.0.``."""
+    from mlx_vlm.speculative.drafters.hy_v4_mtp.hy_v4_mtp import HyV4MTPDecoderLayer
+
+    layer_args = replace(
+        args, num_hidden_layers=1, first_k_dense_replace=0, moe_layer_freq=1, indexer_types=["full"]
+    )
+    block = HyV4MTPDecoderLayer(layer_args, layer_idx=0)
+    block.enorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+    block.hnorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+    block.eh_proj = nn.Linear(2 * args.hidden_size, args.hidden_size, bias=False)
+    block.final_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+    return block
+
+
+def hy_v4(
+    path: Path,
+    *,
+    seed: int = 0,
+    mtp_layers: int = 1,
+    context_strength: float | None = None,
+    hc_mult: int = 2,
+    ship_mtp: bool = True,
+) -> Tiny:
+    """A Hunyuan-V4 checkpoint (see the module docstring). ``context_strength``: the trunk's and
+    the MTP layer's output projections scaled by it and the MTP layer started from reading the
+    next token's embedding alone (``eh_proj`` = [I, 0]), so its drafts agree with the trunk's
+    bigram part and some are kept. ``ship_mtp`` off: the config still declares the MTP layers but
+    no tensor of theirs is written (as a conversion that dropped them leaves the trunk)."""
+    from mlx_vlm.models.hy_v4.config import ModelConfig
+    from mlx_vlm.models.hy_v4.language import LanguageModel
+
+    config = hy_v4_config(mtp_layers, hc_mult=hc_mult)
+    args = ModelConfig.from_dict(config)
+    model = LanguageModel(args)
+    randomize(model, seed)
+    if context_strength is not None:
+        scale_outputs(model, context_strength)
+        embed = model.model.embed_tokens
+        embed.weight = embed.weight * embed.weight.shape[-1] ** 0.5
+    tensors = {
+        "model.embed_tokens.weight": model.model.embed_tokens.weight,
+        "model.norm.weight": model.model.norm.weight,
+        "lm_head.weight": model.lm_head.weight,
+    }
+    tensors.update({f"model.hc_head.{k}": v for k, v in tree_flatten(model.model.hc_head.parameters())})
+    for i, layer in enumerate(model.model.layers):
+        tensors.update(_published_layer(f"model.layers.{i}.", layer, args))
+    for m in range(mtp_layers):
+        block = hy_v4_mtp_modules(args)
+        randomize(block, seed + 1 + m)
+        if context_strength is not None:
+            scale_outputs(block, context_strength)
+            h = args.hidden_size
+            block.eh_proj.weight = mx.concatenate([mx.eye(h), mx.zeros((h, h))], axis=1)
+            block.enorm.weight = mx.ones((h,))
+            block.final_layernorm.weight = model.model.norm.weight
+        if ship_mtp:
+            tensors.update(_published_layer(f"model.mtp_layers.{m}.", block, args))
+    return write_checkpoint(path, tensors, config)
+
+
+def tiny_hy_v4(vocab_size: int = HY_V4_VOCAB, *, seed: int = 0, hc_mult: int = 2):
+    """An in-memory Hunyuan-V4 trunk as mtplx hosts it (`mtplx.trunk.vlm_text.VlmTextModel` over
+    mlx-vlm's language model, float32, random weights): for the rollback tests' cache kinds."""
+    from mtplx.trunk.vlm_text import VlmTextModel
+
+    from mlx_vlm.models.hy_v4.config import ModelConfig
+    from mlx_vlm.models.hy_v4.language import LanguageModel
+
+    config = {**hy_v4_config(hc_mult=hc_mult), "vocab_size": vocab_size}
+    model = LanguageModel(ModelConfig.from_dict(config))
+    randomize(model, seed)
+    wrapped = VlmTextModel(model, "hy_v4")
+    wrapped.eval()
+    return wrapped
