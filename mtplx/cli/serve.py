@@ -185,6 +185,10 @@ def _check_server_flags(args: argparse.Namespace) -> None:
         raise MtplxError(f"--prompt-cache-bytes: must be >= 0, got {args.prompt_cache_bytes}")
     if args.prompt_cache_disk_bytes is not None and args.prompt_cache_disk_bytes <= 0:
         raise MtplxError(f"--prompt-cache-disk-bytes: must be > 0, got {args.prompt_cache_disk_bytes}")
+    if args.prompt_cache_dir is not None and not args.prompt_cache_dir.strip():
+        raise MtplxError(
+            "--prompt-cache-dir: empty path (name a directory, or leave the flag out for RAM only)"
+        )
     if args.prompt_cache_disk_bytes is not None and args.prompt_cache_dir is None:
         raise MtplxError("--prompt-cache-disk-bytes: needs --prompt-cache-dir")
     if args.prompt_cache_dir is not None and args.prompt_cache_bytes == 0:
