@@ -4,8 +4,8 @@ Face checkpoint (quantized, keeping its MTP head), to an mlx-lm directory, writt
 from __future__ import annotations
 
 import argparse
-import signal
-import sys
+
+from mtplx.cli.signals import terminate_as_exit
 
 HELP = "a GGUF (llama, Qwen3.5/3.6 with its nextn head), or a Hugging Face checkpoint (quantized, keeping its MTP head), to an mlx-lm directory"
 
@@ -32,18 +32,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
 
 
-def _terminated(signum: int, frame: object) -> None:
-    """SIGTERM as Ctrl-C is: unwind, so the converters' ``finally`` blocks remove their temp directories."""
-    print("mtplx: terminated", file=sys.stderr)
-    raise SystemExit(128 + signum)
-
-
 def run(args: argparse.Namespace) -> int:
-    previous = signal.signal(signal.SIGTERM, _terminated)
-    try:
+    with terminate_as_exit():  # the converters' ``finally`` blocks remove their temp directories
         return _convert(args)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _convert(args: argparse.Namespace) -> int:
