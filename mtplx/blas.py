@@ -6,10 +6,22 @@ MLX's Linux CPU wheel links the reference netlib BLAS (about 6 GFLOP/s for a
 with ``RTLD_GLOBAL`` before ``mlx.core`` is first imported takes precedence
 (about 330 GFLOP/s with Debian's OpenBLAS). This must run before anything
 imports ``mlx``: ``mtplx/__init__.py`` calls it first thing.
+
+Exit: OpenBLAS's pthread build shuts its worker pool down in a library destructor
+(``gotoblas_quit -> blas_thread_shutdown_``): it marks each worker's queue "exit" (-1) and
+joins it. A worker that is running a job at that moment stores "idle" (0) over that mark when the
+job ends (``blas_server.c``, 0.3.21 and later alike), then sleeps on its condition variable, and
+the join never returns: the process hangs after its work, at 0% CPU. MLX's stream thread runs BLAS
+jobs asynchronously, so work still in flight when the interpreter exits (an ``mx.async_eval``
+nobody waited for) triggers it. `quiesce_at_exit` (an ``atexit`` handler, so every process that
+imports mtplx has it) stops the pool while the interpreter is healthy: one thread from then on (no
+job goes to a worker), MLX's queued work finished, then the pool shut down with every worker idle;
+the destructor then has nothing to join.
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import ctypes.util
 import glob
@@ -78,6 +90,7 @@ def load_optimized_blas() -> BlasStatus:
             continue
         if _exports_sgemm(lib):
             _status = BlasStatus(path, f"loaded {path}")
+            atexit.register(quiesce_at_exit, lib)
             return _status
     _status = BlasStatus(
         None,
@@ -86,6 +99,23 @@ def load_optimized_blas() -> BlasStatus:
     )
     warnings.warn(f"mtplx: {_status.reason}", RuntimeWarning, stacklevel=3)
     return _status
+
+
+def quiesce_at_exit(lib: ctypes.CDLL) -> None:
+    """Stop an OpenBLAS worker pool with no job running (the module docstring); a no-op for a
+    library without one (BLIS, an OpenMP build's pool is not joined at exit)."""
+    set_threads = getattr(lib, "openblas_set_num_threads", None)
+    shutdown = getattr(lib, "blas_thread_shutdown_", None)
+    if set_threads is None or shutdown is None:
+        return
+    set_threads(1)  # from here on every BLAS call runs in its caller's thread: no new worker job
+    mlx = sys.modules.get("mlx.core")
+    if mlx is not None:
+        try:
+            mlx.synchronize()  # the work MLX queued (its BLAS calls with it) ends
+        except Exception:  # noqa: BLE001 - exiting anyway: never turn an exit into a traceback
+            pass
+    shutdown()
 
 
 def resolved_sgemm_library() -> str | None:

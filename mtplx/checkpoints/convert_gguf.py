@@ -13,10 +13,7 @@ leaves a half-written model behind.
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
@@ -34,6 +31,7 @@ from mtplx.checkpoints.gguf import (
     load_tensors,
     read_gguf,
 )
+from mtplx.checkpoints.output_dir import check_output_dir, write_dir_atomically
 from mtplx.errors import MtplxError
 
 import mlx.core as mx
@@ -420,8 +418,7 @@ def convert_gguf(
     """
     if dtype not in DTYPES:
         raise MtplxError(f"unsupported dtype {dtype!r} (choose from {', '.join(DTYPES)})")
-    out_dir = Path(out_dir)
-    refuse_existing(out_dir, overwrite)
+    out_dir = check_output_dir(out_dir, overwrite, inputs=[gguf_path])
     gguf = read_gguf(gguf_path)
     check_architecture(gguf)
     if gguf.architecture in gguf_qwen35.ARCHITECTURES:
@@ -429,29 +426,3 @@ def convert_gguf(
             raise MtplxError(f"{gguf.path}: a {gguf.architecture} GGUF converts to a float dtype here")
         return write_dir_atomically(out_dir, lambda tmp: write_qwen35_dir(gguf, tmp, dtype))
     return write_dir_atomically(out_dir, lambda tmp: write_model_dir(gguf, tmp, dtype, on_tensor))
-
-
-def refuse_existing(out_dir: Path, overwrite: bool) -> None:
-    if out_dir.exists() and not overwrite:
-        raise MtplxError(f"{out_dir}: output already exists (pass overwrite to replace it)")
-
-
-def write_dir_atomically(out_dir: Path, write: Callable[[Path], None]) -> Path:
-    """Run ``write(tmp)`` on a fresh sibling temp directory, then rename it to ``out_dir``
-    (replacing an existing one); a failure or interruption leaves nothing behind."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only; a model dir is ordinary readable data
-        if out_dir.exists():  # overwrite: move the old one aside first so the swap is quick
-            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-            os.rename(out_dir, old / "x")
-            os.rename(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir

@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any, Literal
 
-from mtplx.checkpoints.convert_gguf import refuse_existing, write_dir_atomically
+from mtplx.checkpoints.output_dir import check_output_dir, write_dir_atomically
 from mtplx.errors import MtplxError
 from mtplx.heads import precision
 
@@ -220,9 +220,9 @@ def convert_hf(
         raise MtplxError(f"q_group_size: must be 32, 64 or 128, got {q_group_size}")
     if head_bits not in (None, "float", 2, 3, 4, 5, 6, 8):
         raise MtplxError(f"head_bits: must be 'float' or one of 2, 3, 4, 5, 6, 8, got {head_bits!r}")
-    out_dir = Path(out_dir)
-    refuse_existing(out_dir, overwrite)
+    check_output_dir(out_dir, overwrite)  # before a download
     src = resolve_source(source, hub_cache)
+    out_dir = check_output_dir(out_dir, overwrite, inputs=[src])
     model, config = loading.load_mlx_model(src, lazy=True)
     if quantization_config(config):
         raise MtplxError(f"{src / 'config.json'}: already quantized; convert from the float checkpoint")

@@ -26,6 +26,11 @@ import numpy as np
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
+# Real GGUFs hold thousands of tensors and metadata entries; far more is a damaged header, while
+# counts that merely cannot fit in the file's bytes mean the file was cut short.
+PLAUSIBLE_COUNT = 1 << 24
+MIN_METADATA_BYTES = 13  # key length (8) + type (4) + the smallest value (1)
+MIN_TENSOR_INFO_BYTES = 24  # name length (8) + dimension count (4) + type (4) + offset (8)
 
 # ggml tensor type ids (ggml.h) MLX's own GGUF reader unpacks (the llama path reads through it).
 GGML_F32, GGML_F16, GGML_Q4_0, GGML_Q4_1, GGML_Q8_0 = 0, 1, 2, 3, 8
@@ -212,8 +217,12 @@ def _parse(r: _Reader, size: int) -> GGUFFile:
         raise r.fail(f"unsupported GGUF version {version} (supported: 2, 3)")
     n_tensors = r.scalar("<Q", "tensor count")
     n_kv = r.scalar("<Q", "metadata count")
-    if n_tensors > size or n_kv > size:
+    if n_tensors > PLAUSIBLE_COUNT or n_kv > PLAUSIBLE_COUNT:
         raise r.fail(f"corrupt GGUF (implausible counts: {n_tensors} tensors, {n_kv} metadata entries)")
+    if r.pos + MIN_TENSOR_INFO_BYTES * n_tensors + MIN_METADATA_BYTES * n_kv > size:
+        raise r.fail(
+            f"truncated GGUF ({n_tensors} tensors and {n_kv} metadata entries cannot fit in its {size} bytes)"
+        )
     metadata: dict[str, Any] = {}
     for _ in range(n_kv):
         key = r.string("metadata key")

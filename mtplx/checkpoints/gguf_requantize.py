@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from mtplx.checkpoints import gguf_qwen35
-from mtplx.checkpoints.convert_gguf import DTYPES, FLOAT_DTYPES, convert_gguf, refuse_existing
+from mtplx.checkpoints.convert_gguf import DTYPES, FLOAT_DTYPES, convert_gguf
 from mtplx.checkpoints.convert_hf import convert_hf
 from mtplx.checkpoints.gguf import check_architecture, read_gguf
+from mtplx.checkpoints.output_dir import check_output_dir
 from mtplx.errors import MtplxError
 from mtplx.io import atomic_write
 
@@ -47,8 +48,7 @@ def convert_gguf_file(
     offered = sorted(set(DTYPES) | set(QWEN35_DTYPES), key=lambda d: (d[0] == "q", d))
     if dtype not in offered:
         raise MtplxError(f"unsupported dtype {dtype!r} (choose from {', '.join(offered)})")
-    out_dir = Path(out_dir)
-    refuse_existing(out_dir, overwrite)
+    out_dir = check_output_dir(out_dir, overwrite, inputs=[gguf_path])
     gguf = read_gguf(gguf_path)
     check_architecture(gguf)
     if gguf.architecture not in gguf_qwen35.ARCHITECTURES or dtype in FLOAT_DTYPES:

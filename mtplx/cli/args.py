@@ -213,6 +213,10 @@ def check_disk_cache_args(args: argparse.Namespace) -> None:
     """The disk tier's flags, checked before the (long) load."""
     if args.prompt_cache_disk_bytes is not None and args.prompt_cache_disk_bytes <= 0:
         raise MtplxError(f"--prompt-cache-disk-bytes: must be > 0, got {args.prompt_cache_disk_bytes}")
+    if args.prompt_cache_dir is not None and not args.prompt_cache_dir.strip():
+        raise MtplxError(
+            "--prompt-cache-dir: empty path (name a directory, or leave the flag out for RAM only)"
+        )
     if args.prompt_cache_disk_bytes is not None and args.prompt_cache_dir is None:
         raise MtplxError("--prompt-cache-disk-bytes: needs --prompt-cache-dir")
     if args.prompt_cache_dir is not None and args.prompt_cache_bytes == 0:

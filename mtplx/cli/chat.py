@@ -194,4 +194,4 @@ def run(args: argparse.Namespace) -> int:
         return run_chat(engine, ChatSettings(request, args.system_prompt, show_stats(args)))
     finally:
         if engine.prompt_cache.disk is not None:  # the last turn's entry reaches the disk before exit
-            engine.prompt_cache.disk.flush(timeout=30)
+            engine.prompt_cache.disk.close()

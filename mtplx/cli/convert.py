@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from mtplx.cli.signals import terminate_as_exit
+
 HELP = "a GGUF (llama, Qwen3.5/3.6 with its nextn head), or a Hugging Face checkpoint (quantized, keeping its MTP head), to an mlx-lm directory"
 
 
@@ -31,6 +33,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    with terminate_as_exit():  # the converters' ``finally`` blocks remove their temp directories
+        return _convert(args)
+
+
+def _convert(args: argparse.Namespace) -> int:
     head_bits = (
         None
         if args.head_bits is None

@@ -23,6 +23,7 @@ from mtplx.cli.args import (
     load_engine,
     request_from_args,
 )
+from mtplx.cli.signals import terminate_as_exit
 from mtplx.errors import MtplxError
 from mtplx.sample.params import SamplerConfig
 from mtplx.server.settings import ServerSettings
@@ -80,10 +81,13 @@ def serve(
     app = create_app(worker, settings)
     worker.start()
     log.info("serving %s on http://%s:%d/v1", settings.model_id, host, port)
-    try:
-        uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
-    finally:
-        worker.stop()
+    # uvicorn raises SIGTERM again once it has shut down, under the handler it found: with this one
+    # the ``finally`` runs, and the prompt-cache writes still queued reach the disk (bounded).
+    with terminate_as_exit():
+        try:
+            uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+        finally:
+            worker.stop()
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:

@@ -74,6 +74,16 @@ class _DiskCollector:
                 "Damaged or foreign prompt-cache files skipped",
                 stats.skipped_files,
             ),
+            (
+                "mtplx_prompt_cache_disk_dropped_writes",
+                "Prompt-cache entries not written to disk (queue full, over the budget, failed, unfinished at shutdown)",
+                stats.dropped_writes,
+            ),
+            (
+                "mtplx_prompt_cache_disk_removed_files",
+                "Damaged prompt-cache files and a stopped writer's unfinished files deleted",
+                stats.removed_files,
+            ),
         )
         for name, text, value in counters:
             yield CounterMetricFamily(name, text, value=value)

@@ -33,6 +33,8 @@ from mtplx.spec_decode.settings import DEFAULT_PREFILL_STEP
 
 import mlx.core as mx
 
+DISK_DRAIN_SECONDS = 30.0  # at shutdown, how long queued prompt-cache writes may take to reach the disk
+
 log = logging.getLogger("mtplx.server")
 
 
@@ -120,8 +122,8 @@ class GenerationWorker:
                     job.cancel()
                     job.emit(Finished())
         self._thread.join(timeout=10)
-        if self.engine.prompt_cache.disk is not None:  # entries queued for the disk reach it
-            self.engine.prompt_cache.disk.flush(timeout=30)
+        if self.engine.prompt_cache.disk is not None:  # entries queued for the disk reach it (bounded)
+            self.engine.prompt_cache.disk.close(timeout=DISK_DRAIN_SECONDS)
 
     @property
     def queued(self) -> int:

@@ -17,8 +17,17 @@ Invariants:
   writer thread saves it;
 - the entries of this key on disk hold at most ``max_bytes``; the least recently used (a hit
   touches the file) go first; an entry covered by a newer one is deleted (`prompt_cache.covers`);
-- a damaged file (unreadable header, shorter than its header says, or failing to load) or one
-  of another key is skipped with one log line, never served.
+- every file carries a digest of all its bytes (`mtplx.trunk.prompt_cache_file`: the tensors and
+  the key, the tokens, the size), computed by the writer thread and checked before the file is
+  loaded; a damaged file (unreadable header, shorter than its header says, a digest that does not
+  match, failing to load) is deleted with one log line and counted, never served (so never
+  written back either); a file of another key is skipped (left for its own configuration);
+- one process writes a directory: `DiskTier` holds an exclusive lock on ``.lock`` in it for
+  the process's life (released by the kernel when the process dies); a second process is refused
+  with one line (two writers would evict each other's files under budgets neither sees). Holding
+  the lock, start-up removes the hidden temporary files a killed writer left;
+- `close` (shutdown) waits a bounded time for the queued writes and logs how many entries were
+  written and dropped.
 
 The index reads each file's safetensors header alone (`mtplx.checkpoints.headers`, which also
 notices a file shorter than its header says), never its tensors.
@@ -26,6 +35,7 @@ notices a file shorter than its header says), never its tensors.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -47,6 +57,7 @@ from mtplx.trunk.compat import (
     save_prompt_cache,
 )
 from mtplx.trunk.prompt_cache import as_tokens, covers, reusable
+from mtplx.trunk.prompt_cache_file import DIGEST_FIELD, PLACEHOLDER, stamp, verify
 
 import mlx.core as mx
 import numpy as np
@@ -54,10 +65,38 @@ from mlx.utils import tree_flatten
 
 __all__ = ["DEFAULT_DISK_BYTES", "FORMAT_VERSION", "DiskStats", "DiskTier", "cache_identity"]
 
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"  # 2: every file carries its digest
 DEFAULT_DISK_BYTES = 16 * 1024**3  # what `mtplx serve --prompt-cache-dir` keeps unless told otherwise
 MAX_QUEUED_WRITES = 8  # writes waiting beyond this are dropped (the entry stays in RAM)
+LOCK_FILE = ".lock"
+TEMP_SUFFIX = ".tmp.safetensors"
 log = logging.getLogger("mtplx.prompt_cache")
+# This process's lock on each directory it writes: (resolved directory) -> the open lock file.
+# DiskTiers of one process share it (an engine restarted in-process, as the tests do).
+_held_locks: dict[Path, int] = {}
+_held_locks_guard = threading.Lock()
+
+
+def lock_directory(directory: Path) -> None:
+    """Take the directory's writer lock for this process (kept until it exits); `MtplxError`
+    naming the other process when one holds it."""
+    where = directory.resolve()
+    with _held_locks_guard:
+        if where in _held_locks:
+            return
+        fd = os.open(where / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise MtplxError(
+                f"{directory}: the prompt cache directory is in use by another process (pid {holder}); "
+                "give each server its own directory"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        _held_locks[where] = fd
 
 
 def _file_digest(paths: list[Path]) -> str:
@@ -108,8 +147,9 @@ class DiskStats:
     bytes_loaded: int = 0
     load_seconds: float = 0.0
     writes: int = 0  # entries written
-    dropped_writes: int = 0  # queue full, or the write failed
+    dropped_writes: int = 0  # queue full, larger than the budget, the write failed, or unfinished at close
     skipped_files: int = 0  # damaged or of another key
+    removed_files: int = 0  # damaged files and a killed writer's temporary files, deleted
 
 
 @dataclass
@@ -140,6 +180,8 @@ class DiskTier:
     def __init__(self, directory: str | Path, max_bytes: int, identity: dict[str, str]):
         if max_bytes <= 0:
             raise MtplxError(f"prompt cache disk budget: must be > 0 bytes, got {max_bytes}")
+        if not str(directory).strip():
+            raise MtplxError("prompt cache directory: empty path")
         self.directory = Path(directory)
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -149,15 +191,24 @@ class DiskTier:
             ) from None
         if not os.access(self.directory, os.W_OK):
             raise MtplxError(f"{self.directory}: the prompt cache directory is not writable")
+        lock_directory(self.directory)
         self.max_bytes = max_bytes
-        text = json.dumps({**identity, "format": FORMAT_VERSION}, sort_keys=True)
-        self.key = hashlib.sha256(text.encode()).hexdigest()
+        self.key = self.key_of(identity)
         self.stats = DiskStats()
         self._entries: dict[str, _DiskEntry] = {}
         self._lock = threading.Lock()
         self._queue: queue.Queue[_Write] = queue.Queue(maxsize=MAX_QUEUED_WRITES)
         self._writer: threading.Thread | None = None
+        self._closed = False
+        self._warned_budget = False
+        self._remove_temp_files()
         self.index()
+
+    @staticmethod
+    def key_of(identity: dict[str, str]) -> str:
+        """The key of the files an ``identity`` (`cache_identity`) reads and writes."""
+        text = json.dumps({**identity, "format": FORMAT_VERSION}, sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()
 
     # ------------------------------------------------------------------ the index
     @property
@@ -168,12 +219,32 @@ class DiskTier:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def _remove_temp_files(self) -> None:
+        """Temporary files a killed writer left (this process holds the lock: no other writes)."""
+        ours = f".{os.getpid()}{TEMP_SUFFIX}"
+        left = [p for p in self.directory.glob(f".*{TEMP_SUFFIX}") if not p.name.endswith(ours)]
+        for path in left:
+            path.unlink(missing_ok=True)
+        if left:
+            self.stats.removed_files += len(left)
+            log.warning(
+                "prompt cache: removed %d unfinished files a stopped writer left in %s",
+                len(left),
+                self.directory,
+            )
+
+    def _remove_damaged(self, path: Path, err: BaseException) -> None:
+        path.unlink(missing_ok=True)
+        self.stats.skipped_files += 1
+        self.stats.removed_files += 1
+        log.warning("prompt cache: skipped %s: damaged, removed (%s)", path.name, first_line(err))
+
     def index(self) -> None:
-        """Read every entry file's header (not its tensors); skip damaged and foreign ones."""
+        """Read every entry file's header (not its tensors); remove damaged ones, skip foreign ones."""
         foreign = 0
         for path in sorted(self.directory.glob("*.safetensors")):
             if path.name.startswith("."):
-                continue  # a write in progress (or one a crash left)
+                continue  # a write in progress
             try:
                 meta = prompt_cache_file_metadata(read_safetensors_metadata(path))
                 if meta.get("mtplx_key") != self.key:
@@ -181,8 +252,7 @@ class DiskTier:
                     continue
                 entry = _entry_from(path, meta)
             except (MtplxError, OSError, ValueError, KeyError, TypeError) as err:
-                self.stats.skipped_files += 1
-                log.warning("prompt cache: skipped %s: damaged (%s)", path.name, first_line(err))
+                self._remove_damaged(path, err)
                 continue
             self._entries[entry.name] = entry
         if foreign:
@@ -237,16 +307,18 @@ class DiskTier:
         path = self.directory / entry.name
         started = time.perf_counter()
         try:
+            verify(path)  # every byte as written: the tensors and the key, tokens and size indexed
             caches, meta = load_prompt_cache(str(path), return_metadata=True)
             if meta.get("mtplx_key") != self.key or len(caches) < entry.trunk_layers:
                 raise ValueError("its metadata changed since it was indexed")
+            if as_tokens(json.loads(meta["mtplx_tokens"])).tolist() != entry.tokens.tolist():
+                raise ValueError("its tokens changed since it was indexed")
             mx.eval([a for _, a in tree_flatten([c.state for c in caches]) if isinstance(a, mx.array)])
             os.utime(path)
-        except Exception as err:  # any failure to read a file is a damaged file: skip it, serve on
+        except Exception as err:  # any failure to read a file is a damaged file: remove it, serve on
             with self._lock:
-                self._delete(entry)
-            self.stats.skipped_files += 1
-            log.warning("prompt cache: skipped %s: damaged, cannot load (%s)", path.name, first_line(err))
+                self._entries.pop(entry.name, None)
+            self._remove_damaged(path, err)
             return None
         self.stats.hits += 1
         self.stats.bytes_loaded += entry.nbytes
@@ -259,6 +331,9 @@ class DiskTier:
     def write(self, entry) -> None:
         """Queue ``entry`` (a prompt-cache entry: tokens, size, caches) for the writer thread. Its
         states are queued for evaluation here (no wait); the caches are never written to after."""
+        if self._closed:
+            self.stats.dropped_writes += 1
+            return
         head = list(entry.head_cache) if entry.head_cache is not None else None
         caches = list(entry.trunk_cache) + (head or [])
         mx.async_eval([a for _, a in tree_flatten([c.state for c in caches]) if isinstance(a, mx.array)])
@@ -281,6 +356,22 @@ class DiskTier:
             time.sleep(0.01)
         return not self._queue.unfinished_tasks
 
+    def close(self, timeout: float = 30.0) -> None:
+        """Shutdown: take no more writes, wait up to ``timeout`` s for the queued ones, and log how
+        many entries were written and dropped since start (the unfinished ones count as dropped)."""
+        self._closed = True
+        started = time.monotonic()
+        unfinished = 0 if self.flush(timeout) else self._queue.unfinished_tasks
+        self.stats.dropped_writes += unfinished
+        log.info(
+            "prompt cache: shutdown: %d entries written to %s, %d dropped%s (%.1f s)",
+            self.stats.writes,
+            self.directory,
+            self.stats.dropped_writes,
+            f" ({unfinished} still queued after {timeout:g} s)" if unfinished else "",
+            time.monotonic() - started,
+        )
+
     def _write_loop(self) -> None:
         while True:
             job = self._queue.get()
@@ -298,7 +389,7 @@ class DiskTier:
         tokens = job.tokens.tolist()
         digest = hashlib.sha256(json.dumps([tokens[: job.size + 1], job.head_cache is not None]).encode())
         name = f"{self.key[:12]}-{digest.hexdigest()[:20]}-{job.size}.safetensors"
-        temp = self.directory / f".{name}.{os.getpid()}.tmp.safetensors"
+        temp = self.directory / f".{name}.{os.getpid()}{TEMP_SUFFIX}"
         caches = job.trunk_cache + (job.head_cache or [])
         meta = {
             "mtplx_key": self.key,
@@ -308,11 +399,14 @@ class DiskTier:
             "mtplx_head": "1" if job.head_cache is not None else "0",
             "mtplx_trimmable": "1" if job.trimmable else "0",
             "mtplx_trunk_layers": str(len(job.trunk_cache)),
+            DIGEST_FIELD: PLACEHOLDER,
         }
         try:
             save_prompt_cache(str(temp), caches, meta)
             if temp.stat().st_size > self.max_bytes:
-                return  # larger than the whole budget: not kept
+                self._over_budget(temp.stat().st_size)
+                return
+            meta[DIGEST_FIELD] = stamp(temp)
             os.replace(temp, self.directory / name)
         finally:
             temp.unlink(missing_ok=True)
@@ -327,11 +421,25 @@ class DiskTier:
             self._evict()
         self.stats.writes += 1
 
+    def _over_budget(self, nbytes: int) -> None:
+        """An entry larger than the whole budget is not kept: counted, and said once."""
+        self.stats.dropped_writes += 1
+        if not self._warned_budget:
+            self._warned_budget = True
+            log.warning(
+                "prompt cache: an entry of %d bytes is larger than the disk budget of %d bytes: "
+                "such entries are not written (raise the disk budget)",
+                nbytes,
+                self.max_bytes,
+            )
+
 
 def _entry_from(path: Path, meta: dict[str, str]) -> _DiskEntry:
     """An index entry from a file's metadata (KeyError / ValueError when it lacks a field)."""
     if meta["mtplx_format"] != FORMAT_VERSION:
         raise ValueError(f"format {meta['mtplx_format']}, expected {FORMAT_VERSION}")
+    if len(meta[DIGEST_FIELD]) != len(PLACEHOLDER) or meta[DIGEST_FIELD] == PLACEHOLDER:
+        raise ValueError("it has no digest")
     stat = path.stat()
     return _DiskEntry(
         name=path.name,

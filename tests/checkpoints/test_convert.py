@@ -459,3 +459,169 @@ def test_unsupported_metadata(tmp_path, metadata, problem):
         convert_gguf(tmp_path / "meta.gguf", tmp_path / "out")
     _one_line_error_naming(e, "meta.gguf")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["meta.gguf"]
+
+
+# ---------------------------------------------------------------- where the output may go (issue 49 items 1, 8, 13)
+
+
+def _convert_cli(*args: str, cwd: Path | None = None) -> tuple[int, str]:
+    """`mtplx convert ARGS` through the CLI's entry point in this process: (exit code, stderr)."""
+    import contextlib
+    import io
+    import os
+
+    from mtplx.cli.main import main
+
+    stderr = io.StringIO()
+    here = Path.cwd()
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+            code = main(["convert", *args])
+    finally:
+        os.chdir(here)
+    return code, stderr.getvalue()
+
+
+def _refused(code: int, stderr: str, *words: str) -> None:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in stderr, stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+def _tree(root: Path) -> dict[str, bytes | None]:
+    return {
+        str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))
+    }
+
+
+@pytest.mark.parametrize(
+    "layout, out, problem",
+    [
+        ("model.gguf", "model.gguf", "the output is the input"),
+        ("holder/model.gguf", "holder", "contains the input"),
+        ("model.gguf", "model.gguf/inside", "lies inside the input"),
+        ("holder/model.gguf", ".", "contains the input"),
+    ],
+    ids=["is-the-input", "contains-the-input", "inside-the-input", "dot-contains-the-input"],
+)
+def test_output_that_is_contains_or_lies_in_the_input_is_refused_untouched(tmp_path, layout, out, problem):
+    gguf = tmp_path / layout
+    gguf.parent.mkdir(parents=True, exist_ok=True)
+    write_tiny_gguf(gguf)
+    (gguf.parent / "unrelated.txt").write_text("keep me")
+    before = _tree(tmp_path)
+    cwd = gguf.parent if out == "." else tmp_path
+    _refused(*_convert_cli(str(gguf), out, "--overwrite", cwd=cwd), problem)
+    assert _tree(tmp_path) == before
+
+
+def test_output_dot_elsewhere_is_refused_as_the_current_directory(tmp_path):
+    write_tiny_gguf(tmp_path / "model.gguf")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "notes.txt").write_text("keep me")
+    before = _tree(tmp_path)
+    _refused(*_convert_cli(str(tmp_path / "model.gguf"), ".", "--overwrite", cwd=work), "current directory")
+    assert _tree(tmp_path) == before
+
+
+def test_output_under_a_regular_file_or_onto_one_is_one_line(tmp_path):
+    write_tiny_gguf(tmp_path / "model.gguf")
+    (tmp_path / "plain.txt").write_text("x")
+    _refused(*_convert_cli(str(tmp_path / "model.gguf"), str(tmp_path / "plain.txt" / "out")), "is a file")
+    _refused(
+        *_convert_cli(str(tmp_path / "model.gguf"), str(tmp_path / "plain.txt"), "--overwrite"),
+        "not a directory",
+    )
+    assert (tmp_path / "plain.txt").read_text() == "x"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf", "plain.txt"]
+
+
+def test_existing_output_names_the_flag(tmp_path):
+    write_tiny_gguf(tmp_path / "model.gguf")
+    (tmp_path / "out").mkdir()
+    _refused(*_convert_cli(str(tmp_path / "model.gguf"), str(tmp_path / "out")), "pass --overwrite")
+
+
+def test_truncated_100_byte_gguf_is_called_truncated(tmp_path):
+    write_tiny_gguf(tmp_path / "model.gguf")
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes((tmp_path / "model.gguf").read_bytes()[:100])
+    _refused(*_convert_cli(str(cut), str(tmp_path / "out")), "cut.gguf", "truncated GGUF")
+    assert not (tmp_path / "out").exists()
+
+
+def _read_only_argv(directory: Path, argv: list[str]) -> list[str]:
+    """``argv`` run with ``directory`` read-only: a read-only bind mount in a private mount
+    namespace as root (root writes through a chmod), a chmod otherwise."""
+    import os
+
+    if os.geteuid() != 0:
+        directory.chmod(0o555)
+        return argv
+    mount = f"mount --bind {directory} {directory} && mount -o remount,ro,bind {directory}"
+    return ["unshare", "-m", "sh", "-c", f'{mount} && exec "$@"', "sh", *argv]
+
+
+def test_output_on_a_read_only_filesystem_is_one_line(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from support.paths import REPO
+
+    write_tiny_gguf(tmp_path / "model.gguf")
+    (tmp_path / "locked").mkdir()
+    argv = [
+        sys.executable,
+        "-m",
+        "mtplx",
+        "convert",
+        str(tmp_path / "model.gguf"),
+        str(tmp_path / "locked" / "out"),
+    ]
+    try:
+        out = subprocess.run(
+            _read_only_argv(tmp_path / "locked", argv),
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
+    finally:
+        (tmp_path / "locked").chmod(0o755)
+    _refused(out.returncode, out.stderr, "cannot write in", "locked")
+    assert list((tmp_path / "locked").iterdir()) == []
+
+
+def test_sigterm_mid_convert_leaves_no_temp_folder(tmp_path, smollm_gguf):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from support.paths import REPO
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mtplx", "convert", str(smollm_gguf), str(tmp_path / "out")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not any(p.name.startswith(".out.tmp-") for p in tmp_path.iterdir()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in stderr, stderr
+    assert list(tmp_path.iterdir()) == []

@@ -180,6 +180,7 @@ def test_generate_prompt_from_stdin_with_system_prompt_json_and_quiet_verbose(to
             ["serve", "--prompt-cache-dir", "x", "--prompt-cache-bytes", "0"],
             "--prompt-cache-dir: needs a prompt cache in RAM",
         ),
+        (["serve", "--prompt-cache-dir", ""], "--prompt-cache-dir: empty path"),
     ],
 )
 def test_errors_name_the_flag_typed(args, expected):

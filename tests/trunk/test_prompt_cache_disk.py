@@ -235,3 +235,103 @@ def test_the_disk_tier_adds_no_host_sync(pair, tokenizer, tmp_path, monkeypatch)
 
     monkeypatch.setattr(DiskTier, "write", waiting_write)
     assert syncs(_engine(pair, tokenizer, tmp_path / "b")) > expected
+
+
+# ---------------------------------------------------------------- operations (issue 49 items 4, 5, 10)
+
+
+def test_an_entry_larger_than_the_budget_is_said_once_and_counted(pair, tokenizer, tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="mtplx.prompt_cache"):
+        engine = _engine(pair, tokenizer, tmp_path, budget=1000)
+        for seed in (40, 41):
+            engine.generate(_tokens(seed, 40), max_tokens=2, temperature=0.0)
+            assert engine.prompt_cache.disk.flush()
+    assert _files(tmp_path) == []
+    lines = [r.getMessage() for r in caplog.records if "larger than the disk budget" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert engine.prompt_cache.disk.stats.dropped_writes >= 2
+
+
+def test_a_stopped_writers_unfinished_files_are_removed_and_counted(pair, tokenizer, tmp_path, caplog):
+    prompt = _tokens(42, 50)
+    _first_turn(pair, tokenizer, tmp_path, prompt)
+    # What a writer killed mid-save leaves: a hidden temporary name with its (now dead) pid.
+    entry = _files(tmp_path)[0]
+    left = tmp_path / f".{entry.name}.999999999.tmp.safetensors"
+    left.write_bytes(entry.read_bytes()[:1000])
+    with caplog.at_level(logging.INFO, logger="mtplx.prompt_cache"):
+        engine = _engine(pair, tokenizer, tmp_path)
+    assert not left.exists() and entry.exists()
+    assert engine.prompt_cache.disk.stats.removed_files == 1
+    assert any("unfinished" in r.getMessage() for r in caplog.records)
+
+
+def test_a_second_process_on_the_directory_is_refused_in_one_line(tmp_path):
+    """One writer per directory: another process's tier holds the lock, this one is refused."""
+    import subprocess
+    import sys
+
+    from mtplx.errors import MtplxError
+
+    from support.paths import REPO
+
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, mtplx\n"
+            "from mtplx.trunk.prompt_cache_disk import DiskTier\n"
+            "DiskTier(sys.argv[1], 1 << 20, {'model': 'other'})\n"
+            "print('ready', flush=True)\n"
+            "sys.stdin.read()\n",
+            str(tmp_path),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**__import__("os").environ, "PYTHONPATH": str(REPO)},
+    )
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        with pytest.raises(MtplxError) as err:
+            DiskTier(tmp_path, DISK, {"model": "mine"})
+        message = str(err.value)
+        assert "\n" not in message and str(tmp_path) in message and f"pid {holder.pid}" in message, message
+    finally:
+        holder.communicate(input="", timeout=60)
+    # The lock goes with the process: now this one may write here.
+    assert len(DiskTier(tmp_path, DISK, {"model": "mine"})) == 0
+
+
+def test_close_waits_a_bounded_time_and_logs_written_and_dropped(
+    pair, tokenizer, tmp_path, monkeypatch, caplog
+):
+    """A write that cannot finish (a stuck disk) does not hold shutdown past its bound; it is
+    counted as dropped; the entries that did reach the disk are counted as written."""
+    import threading
+
+    from mtplx.trunk import prompt_cache_disk
+
+    engine = _engine(pair, tokenizer, tmp_path)
+    engine.generate(_tokens(43, 40), max_tokens=2, temperature=0.0)
+    assert engine.prompt_cache.disk.flush()
+    written = engine.prompt_cache.disk.stats.writes
+    assert written >= 1
+    stuck = threading.Event()
+    real_save = prompt_cache_disk.save_prompt_cache
+
+    def stuck_save(*args, **kwargs):
+        stuck.wait(60)
+        real_save(*args, **kwargs)
+
+    monkeypatch.setattr(prompt_cache_disk, "save_prompt_cache", stuck_save)
+    engine.generate(_tokens(44, 40), max_tokens=2, temperature=0.0)
+    try:
+        with caplog.at_level(logging.INFO, logger="mtplx.prompt_cache"):
+            engine.prompt_cache.disk.close(timeout=0.5)
+    finally:
+        stuck.set()
+    lines = [r.getMessage() for r in caplog.records if "shutdown" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert f"{written} entries written" in lines[0] and "still queued" in lines[0], lines
+    assert engine.prompt_cache.disk.stats.dropped_writes >= 1
