@@ -23,6 +23,7 @@ from support import checkpoints
 from support.server import KEY, running_server, wait_for
 
 CONTEXT = 4096
+FIXTURES = Path(__file__).parent / "fixtures" / "agents"
 BILLING = "x-anthropic-billing-header: cc_version=2.1.197.a1b; cc_entrypoint=sdk-cli; cch={};"
 
 
@@ -167,6 +168,24 @@ def test_vacuous_property_names_compile_with_a_warning_and_a_constraining_one_is
         claude.messages.create(model="m", max_tokens=8, messages=_ask("x"), tools=[strict])
     assert caught.value.body["error"]["message"].startswith("tools[0].function.parameters: ")
     assert "propertyNames" in caught.value.body["error"]["message"]
+
+
+def test_claude_codes_default_tool_request_is_counted_and_gets_the_context_error(claude, server):
+    """Claude Code's recorded first request with its default tools (24, two with propertyNames):
+    count_tokens answers for it whole, and /messages refuses it with Anthropic's error (not a
+    schema error: its propertyNames compile)."""
+    record = json.loads((FIXTURES / "claude_code_default_tools.json").read_text())["body"]
+    counted = claude.messages.count_tokens(
+        model=record["model"], system=record["system"], messages=record["messages"], tools=record["tools"]
+    )
+    assert counted.input_tokens > CONTEXT
+    reply = httpx.post(server[0] + "/v1/messages", json=record, headers={"x-api-key": KEY}, timeout=120)
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert error == {
+        "type": "invalid_request_error",
+        "message": f"prompt is too long: {counted.input_tokens} tokens > {CONTEXT - 1} maximum",
+    }
 
 
 def test_count_tokens_builds_no_grammar(claude):
