@@ -162,7 +162,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--keepalive-interval",
         type=float,
         default=5.0,
-        help="seconds between keep-alive events while a stream waits for its first token (default 5)",
+        help="seconds without an event after which a stream sends a keep-alive (default 5)",
     )
     parser.add_argument("--max-body-bytes", type=int, default=10 * 1024 * 1024, help="request body limit")
     parser.add_argument(

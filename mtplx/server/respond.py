@@ -6,8 +6,8 @@ events in the route's API (``fmt``: `ChatFormat`, `TextFormat`, `MessagesFormat`
 A stream opens when the worker admits its job into the batch (`Admitted`, before the prefill):
 the headers and the opening events (``fmt.sse_open``) go out at once, then a keep-alive
 (``fmt.sse_keepalive``: Anthropic's ``ping``, an SSE comment on the OpenAI routes) every
-``--keepalive-interval`` seconds until the first token, so a prefill of minutes never looks like
-a dead connection. An error before admission is still an HTTP error; after it, an event.
+``--keepalive-interval`` seconds without an event (during the prefill, and while other requests'
+prefill chunks hold the batch), so a prefill of minutes never looks like a dead connection. An error before admission is still an HTTP error; after it, an event.
 
 How a request ended early is left in ``request.state.mtplx_outcome`` for the log line
 ("cancelled" when the client went away, "timeout", "error: <message>"): a stream's status is
@@ -161,7 +161,7 @@ async def _sse(
         while not isinstance(item, Finished):
             if isinstance(item, KeepAlive):
                 yield fmt.sse_keepalive()
-                item = await _next_item(job, keepalive if last is None else None)
+                item = await _next_item(job, keepalive)
                 continue
             try:
                 _raise_for(item)
@@ -174,7 +174,7 @@ async def _sse(
             request.state.mtplx_stats = item.stats  # the log line counts what was generated, even if cut
             for event in fmt.sse_chunk(item):
                 yield event
-            item = await _next_item(job)
+            item = await _next_item(job, keepalive)
         for event in fmt.sse_close(last, include_usage, failed):
             yield event
         ended = True
