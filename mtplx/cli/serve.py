@@ -139,6 +139,27 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--request-timeout", type=float, default=600.0, help="seconds per request (default 600)"
     )
     parser.add_argument("--max-tokens-cap", type=int, default=8192, help="largest max_tokens accepted")
+    parser.add_argument(
+        "--responses-max-tokens",
+        type=int,
+        default=4096,
+        help="max_output_tokens of a /v1/responses request that sends none, as Codex does "
+        "(default 4096; never more than the context leaves or --max-tokens-cap)",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="a name requests may ask for (repeat for aliases; the first is reported); "
+        "default: any model name is served by the loaded model",
+    )
+    parser.add_argument(
+        "--keepalive-interval",
+        type=float,
+        default=5.0,
+        help="seconds without an event after which a stream sends a keep-alive (default 5)",
+    )
     parser.add_argument("--max-body-bytes", type=int, default=10 * 1024 * 1024, help="request body limit")
     parser.add_argument(
         "--allowed-origins", default=None, help="comma-separated CORS origins (default: CORS off)"
@@ -170,13 +191,17 @@ def _check_server_flags(args: argparse.Namespace) -> None:
         "decode_concurrency",
         "prompt_concurrency",
         "prefill_step_size",
+        "responses_max_tokens",
     ):
         if getattr(args, name) <= 0:
             raise MtplxError(f"--{name.replace('_', '-')}: must be > 0, got {getattr(args, name)}")
     if args.port > 65535:
         raise MtplxError(f"--port: must be <= 65535, got {args.port}")
-    if args.request_timeout <= 0:
-        raise MtplxError(f"--request-timeout: must be > 0, got {args.request_timeout}")
+    for name in ("request_timeout", "keepalive_interval"):
+        if getattr(args, name) <= 0:
+            raise MtplxError(f"--{name.replace('_', '-')}: must be > 0, got {getattr(args, name)}")
+    if args.served_model_name is not None and not all(n.strip() for n in args.served_model_name):
+        raise MtplxError("--served-model-name: must not be empty")
     if args.prompt_cache_bytes is not None and args.prompt_cache_bytes < 0:
         raise MtplxError(f"--prompt-cache-bytes: must be >= 0, got {args.prompt_cache_bytes}")
     check_disk_cache_args(args)
@@ -192,8 +217,16 @@ def run(args: argparse.Namespace) -> int:
     api_key = args.api_key if args.api_key is not None else os.environ.get("MTPLX_API_KEY") or None
     origins = tuple(o.strip() for o in (args.allowed_origins or "").split(",") if o.strip())
     engine = load_engine(args, prompt_cache_bytes=cache_bytes)
+    served = tuple(args.served_model_name or ())
     settings = ServerSettings(
-        model_id=args.model if args.model is not None else loading.DEFAULT_MODEL_NAME,
+        model_id=served[0]
+        if served
+        else args.model
+        if args.model is not None
+        else loading.DEFAULT_MODEL_NAME,
+        served_names=served,
+        keepalive_interval=args.keepalive_interval,
+        responses_default_max_tokens=args.responses_max_tokens,
         defaults=defaults,
         api_key=api_key,
         max_queue=args.max_queue,

@@ -5,13 +5,27 @@ Shapes follow Anthropic's API reference (Messages, streaming messages, errors). 
 translated into the OpenAI chat request the other route takes (`to_chat`), so both APIs share
 the prompt rendering, the tool grammars and the call reading (`mtplx.server.chat`):
 
-- ``system`` -> a system message; ``tool_use`` blocks of an assistant turn -> its ``tool_calls``
+- ``system`` -> a system message; ``role: "system"`` entries in ``messages`` (Claude Code's
+  mid-conversation system messages): the leading ones join the system prompt, a later one is
+  folded into the adjacent user turn (the one before it, else the one after it, else a user turn
+  of its own), as Claude Code itself does when a server refuses them, since most chat templates
+  allow a system message only first. ``tool_use`` blocks of an assistant turn -> its ``tool_calls``
   (``input`` as the JSON arguments); ``tool_result`` blocks of a user turn -> ``tool`` messages,
   before the turn's text; ``thinking`` blocks of earlier turns are dropped (chat templates drop
   earlier reasoning too).
 - ``tools[].input_schema`` -> the function's parameters; ``tool_choice`` auto / any / tool / none
   -> auto / required / the named function / none; ``disable_parallel_tool_use`` -> one call.
-- ``stop_sequences`` -> ``stop``; ``max_tokens`` is required, as in Anthropic's API.
+- ``stop_sequences`` -> ``stop``; ``max_tokens`` is required, as in Anthropic's API, and is a
+  bound: the route lowers it to what ``--max-tokens-cap`` and the context leave; a prompt that
+  alone fills the context is Anthropic's ``prompt is too long: P tokens > C maximum``.
+- Per-request noise is dropped before the prompt is rendered, so an agent's prompts share their
+  cached prefix (docs in README "Claude Code"): Claude Code's ``x-anthropic-billing-header:`` system
+  block (its ``cch=`` hash changes every request; it carries nothing for the model).
+
+Usage follows Anthropic's split: ``input_tokens`` (the prompt tokens prefilled) +
+``cache_read_input_tokens`` (read from the prompt cache) = the prompt; ``cache_creation_input_tokens``
+is 0 (entries are written without a charge). ``message_start`` goes out before the prefill, so
+it counts the whole prompt as ``input_tokens``; the final ``message_delta`` has the split.
 
 Replies: a thinking model's reasoning is a ``thinking`` block (empty signature: nothing is
 signed here) before the text; ``stop_reason`` is ``tool_use`` after a call, ``max_tokens`` when
@@ -25,7 +39,7 @@ import json
 import uuid
 from typing import Annotated, Any, Literal
 
-from mtplx.engine.engine import GenerationChunk
+from mtplx.engine.engine import GenerationChunk, GenerationStats
 from mtplx.server.chat import ReplyReader
 from mtplx.server.images import anthropic_image_url
 from mtplx.server.openai import APIError
@@ -34,7 +48,18 @@ from mtplx.server.tools import merge_calls
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
-__all__ = ["MessagesFormat", "MessagesRequest", "error_body", "error_type", "to_chat"]
+__all__ = [
+    "BILLING_HEADER",
+    "MessagesFormat",
+    "MessagesRequest",
+    "error_body",
+    "error_type",
+    "prompt_too_long",
+    "to_chat",
+]
+
+# The start of Claude Code's per-request system block (dropped: module docstring).
+BILLING_HEADER = "x-anthropic-billing-header:"
 
 
 class _Body(BaseModel):
@@ -83,7 +108,7 @@ Block = Annotated[
 
 
 class InputMessage(_Body):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]
     content: str | list[Block]
 
 
@@ -125,15 +150,62 @@ def _blocks(content: str | list) -> list:
     return [TextBlock(type="text", text=content)] if isinstance(content, str) else content
 
 
+def _text(content: str | list) -> str:
+    return "".join(b.text for b in _blocks(content) if isinstance(b, TextBlock))
+
+
+def _system_prompt(body: MessagesRequest | CountTokensRequest) -> str:
+    """``system`` without the billing block, and the leading ``role: "system"`` entries."""
+    blocks = _blocks(body.system or "")
+    parts = ["".join(b.text for b in blocks if not b.text.startswith(BILLING_HEADER))]
+    for turn in body.messages:
+        if turn.role != "system":
+            break
+        parts.append(_text(turn.content))
+    return "\n\n".join(p for p in parts if p)
+
+
+def _fold_system(turns: list[InputMessage]) -> list[tuple[str, list]]:
+    """(role, blocks) of each user and assistant turn, a later system entry folded into the user
+    turn just before it, else the one just after it, else a user turn of its own."""
+    start = next((i for i, t in enumerate(turns) if t.role != "system"), len(turns))
+    out: list[tuple[str, list]] = []
+    pending: list[str] = []  # system text waiting for the next user turn
+    for turn in turns[start:]:
+        blocks = list(_blocks(turn.content))
+        if turn.role == "system":
+            text = _text(turn.content)
+            if out and out[-1][0] == "user" and not pending:
+                out[-1][1].append(TextBlock(type="text", text="\n\n" + text))
+            else:
+                pending.append(text)
+            continue
+        if pending and turn.role == "user":
+            has_text = any(isinstance(b, TextBlock) for b in blocks)
+            note = "\n\n".join(pending) + ("\n\n" if has_text else "")
+            blocks.insert(_after_results(blocks), TextBlock(type="text", text=note))
+        elif pending:
+            out.append(("user", [TextBlock(type="text", text="\n\n".join(pending))]))
+        pending = []
+        out.append((turn.role, blocks))
+    if pending:
+        out.append(("user", [TextBlock(type="text", text="\n\n".join(pending))]))
+    return out
+
+
+def _after_results(blocks: list) -> int:
+    """Where a user turn's own text starts: after its tool results (they render first)."""
+    return sum(1 for b in blocks if isinstance(b, ToolResultBlock))
+
+
 def _messages(body: MessagesRequest | CountTokensRequest) -> list[dict]:
     out: list[dict] = []
-    if body.system:
-        system = body.system if isinstance(body.system, str) else "".join(b.text for b in body.system)
+    system = _system_prompt(body)
+    if system:
         out.append({"role": "system", "content": system})
-    for turn in body.messages:
-        blocks = _blocks(turn.content)
+    for role, blocks in _fold_system(body.messages):
         text = "".join(b.text for b in blocks if isinstance(b, TextBlock))
-        if turn.role == "user":
+        if role == "user":
             for b in blocks:
                 if isinstance(b, ToolResultBlock):
                     content = b.text() if not b.is_error else f"Error: {b.text()}"
@@ -172,9 +244,14 @@ def _tool_choice(choice: ToolChoice | None) -> tuple[Any, bool | None]:
     return {"auto": "auto", "any": "required", "none": "none"}[choice.type], parallel
 
 
-def to_chat(body: MessagesRequest | CountTokensRequest) -> dict:
-    """The OpenAI chat completion body that asks for what ``body`` asks (module docstring)."""
+def to_chat(body: MessagesRequest | CountTokensRequest, max_tokens_cap: int | None = None) -> dict:
+    """The OpenAI chat completion body that asks for what ``body`` asks (module docstring);
+    ``max_tokens`` at most ``max_tokens_cap``."""
     choice, parallel = _tool_choice(body.tool_choice)
+    if all(turn.role == "system" for turn in body.messages):
+        raise APIError(
+            400, "messages: needs a user or assistant message, not only system ones", param="messages"
+        )
     chat: dict[str, Any] = {"model": body.model, "messages": _messages(body)}
     if body.tools:
         chat["tools"] = [
@@ -190,7 +267,7 @@ def to_chat(body: MessagesRequest | CountTokensRequest) -> dict:
         chat["parallel_tool_calls"] = parallel
     if isinstance(body, MessagesRequest):
         chat.update(
-            max_tokens=body.max_tokens,
+            max_tokens=min(body.max_tokens, max_tokens_cap or body.max_tokens),
             temperature=body.temperature,
             top_p=body.top_p,
             top_k=body.top_k,
@@ -222,6 +299,21 @@ def error_body(status: int, message: str) -> dict:
     return {"type": "error", "error": {"type": error_type(status), "message": message}}
 
 
+def prompt_too_long(prompt_tokens: int, context: int) -> str:
+    """Anthropic's wording for a prompt that leaves no room to reply (Claude Code recognises it)."""
+    return f"prompt is too long: {prompt_tokens} tokens > {context - 1} maximum"
+
+
+def usage_of(stats: GenerationStats) -> dict:
+    """Anthropic's usage split of ``stats`` (module docstring)."""
+    return {
+        "input_tokens": stats.prompt_tokens - stats.cached_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": stats.cached_tokens,
+        "output_tokens": stats.generated_tokens,
+    }
+
+
 # ------------------------------------------------------------------ replies
 
 
@@ -240,8 +332,16 @@ def _input(arguments: str) -> dict:
 class MessagesFormat:
     """A reply as an Anthropic message, whole or as a stream of events (content blocks in order)."""
 
-    def __init__(self, model_id: str, reader: ReplyReader, tokenizer: Any, stop_sequences: list[str] | None):
+    def __init__(
+        self,
+        model_id: str,
+        reader: ReplyReader,
+        tokenizer: Any,
+        stop_sequences: list[str] | None,
+        prompt_tokens: int = 0,
+    ):
         self.model_id = model_id
+        self.prompt_tokens = prompt_tokens  # message_start's input_tokens (sent before the prefill)
         self.reader = reader
         self.tokenizer = tokenizer
         self.stop_sequences = stop_sequences or []
@@ -250,7 +350,6 @@ class MessagesFormat:
         self.id = f"msg_{uuid.uuid4().hex}"
         self._block = -1  # index of the open content block, -1 before the first
         self._open: str | None = None  # "text" / "tool_use" / None
-        self._started = False
 
     def _ending(self, finish: str | None) -> dict:
         """``stop_reason`` and ``stop_sequence`` of the reply that ended with ``finish``."""
@@ -305,13 +404,21 @@ class MessagesFormat:
                     "input": _input(fn["arguments"]),
                 }
             )
-        stats = chunks[-1].stats
-        usage = {"input_tokens": stats.prompt_tokens, "output_tokens": stats.generated_tokens}
-        return self._message(blocks, self._ending(chunks[-1].finish_reason), usage)
+        return self._message(blocks, self._ending(chunks[-1].finish_reason), usage_of(chunks[-1].stats))
 
     # ---------------------------------------------------------------- streaming
     def sse_open(self) -> list[str]:
-        return []  # message_start waits for the first chunk: it carries the prompt's token count
+        usage = {
+            "input_tokens": self.prompt_tokens,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": 0,
+            "output_tokens": 0,
+        }
+        message = self._message([], {"stop_reason": None, "stop_sequence": None}, usage)
+        return [_event("message_start", {"message": message}), self.sse_keepalive()]
+
+    def sse_keepalive(self) -> str:
+        return _event("ping", {})
 
     def _switch(self, kind: str, start: dict) -> list[str]:
         out = self._close_block()
@@ -327,11 +434,6 @@ class MessagesFormat:
 
     def sse_chunk(self, chunk: GenerationChunk) -> list[str]:
         out = []
-        if not self._started:
-            self._started = True
-            usage = {"input_tokens": chunk.stats.prompt_tokens, "output_tokens": 0}
-            message = self._message([], {"stop_reason": None, "stop_sequence": None}, usage)
-            out += [_event("message_start", {"message": message}), _event("ping", {})]
         self._text += chunk.text
         self._ids += chunk.token_ids
         reasoning, content, deltas = self.reader.feed(chunk.text, final=chunk.finish_reason is not None)
@@ -355,8 +457,8 @@ class MessagesFormat:
         if chunk.finish_reason is not None:
             out += self._close_block()
             delta = self._ending(chunk.finish_reason)
-            usage = {"output_tokens": chunk.stats.generated_tokens}
-            out += [_event("message_delta", {"delta": delta, "usage": usage}), _event("message_stop", {})]
+            totals = usage_of(chunk.stats)
+            out += [_event("message_delta", {"delta": delta, "usage": totals}), _event("message_stop", {})]
         return out
 
     def sse_error(self, err: APIError) -> str:

@@ -22,7 +22,13 @@ from mtplx.engine.engine import GenerationStats
 from mtplx.engine.grammar_spec import Grammar
 from mtplx.engine.request import GenerationRequest
 from mtplx.errors import MtplxError
-from mtplx.server.anthropic import CountTokensRequest, MessagesFormat, MessagesRequest, to_chat
+from mtplx.server.anthropic import (
+    CountTokensRequest,
+    MessagesFormat,
+    MessagesRequest,
+    prompt_too_long,
+    to_chat,
+)
 from mtplx.server.anthropic import error_body as anthropic_error
 from mtplx.server.chat import ChatPlan, plan_chat
 from mtplx.server.constraints import response_format_grammar
@@ -102,8 +108,11 @@ class LimitsAndLogMiddleware:
 
 
 def _log_request(scope, status: int, seconds: float) -> None:
-    stats: GenerationStats | None = (scope.get("state") or {}).get("mtplx_stats")
+    state = scope.get("state") or {}
+    stats: GenerationStats | None = state.get("mtplx_stats")
     line = f"{scope.get('method', '')} {scope.get('path', '')} {status} {seconds:.2f}s"
+    if state.get("mtplx_outcome"):  # a stream's status is 200 once it opened; how it really ended
+        line += f" ({state['mtplx_outcome']})"
     if stats is not None:
         line += (
             f" prompt={stats.prompt_tokens} cached={stats.cached_tokens} completion={stats.generated_tokens}"
@@ -191,9 +200,22 @@ def _add_service_routes(
     """/health, /metrics and the model list."""
     created = int(time.time())
 
+    @app.api_route("/", methods=["GET", "HEAD"])
+    async def root():
+        """Claude Code probes ``HEAD /`` before its first request."""
+        return {"status": "ok", "model": settings.model_id}
+
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": settings.model_id, "queued": worker.queued, "busy": worker.busy}
+        """``busy``: a request is queued or in flight now; ``prefilling``: admitted, no token yet."""
+        return {
+            "status": "ok",
+            "model": settings.model_id,
+            "queued": worker.queued,
+            "busy": worker.busy,
+            "prefilling": worker.prefilling,
+            "running": worker.running,
+        }
 
     @app.get("/metrics", dependencies=[Depends(check_key)])
     async def metrics():
@@ -248,14 +270,17 @@ def _add_generation_routes(v1: APIRouter, worker: GenerationWorker, settings: Se
 
     @v1.post("/messages")
     async def messages(body: MessagesRequest, request: Request):
-        chat = _chat_of(body)
+        chat = _chat_of(body, settings.max_tokens_cap)
         _check_common(chat, settings)
         plan = plan_chat(engine.tokenizer, chat)
         prompt_tokens = await expand_images(
             engine, chat.messages, await _encode_chat(engine, plan), settings.image_dir
         )
-        job = _make_job(engine, chat, prompt_tokens, chat.max_tokens, None, settings, plan.grammar)
-        fmt = MessagesFormat(settings.model_id, plan.reader(), engine.tokenizer, body.stop_sequences)
+        max_tokens = _messages_max_tokens(engine, chat.max_tokens, len(prompt_tokens))
+        job = _make_job(engine, chat, prompt_tokens, max_tokens, None, settings, plan.grammar)
+        fmt = MessagesFormat(
+            settings.model_id, plan.reader(), engine.tokenizer, body.stop_sequences, len(prompt_tokens)
+        )
         return await respond(request, worker, job, settings, fmt, chat)
 
     store = ResponseStore(settings.responses_store_size)
@@ -269,7 +294,7 @@ def _add_generation_routes(v1: APIRouter, worker: GenerationWorker, settings: Se
         chat = _chat_of(body)
         if chat.model is not None:
             _check_model(chat.model, settings)
-        tokens = await _encode_chat(engine, plan_chat(engine.tokenizer, chat))
+        tokens = await _encode_chat(engine, plan_chat(engine.tokenizer, chat, constrain=False))
         return {"input_tokens": len(await expand_images(engine, chat.messages, tokens, settings.image_dir))}
 
 
@@ -293,10 +318,12 @@ def _error_response(request: Request, err: APIError) -> JSONResponse:
     return err.response()
 
 
-def _chat_of(body: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:
+def _chat_of(
+    body: MessagesRequest | CountTokensRequest, max_tokens_cap: int | None = None
+) -> ChatCompletionRequest:
     """An Anthropic body as the chat completion it asks for (`mtplx.server.anthropic.to_chat`)."""
     try:
-        return ChatCompletionRequest.model_validate(to_chat(body))
+        return ChatCompletionRequest.model_validate(to_chat(body, max_tokens_cap))
     except ValidationError as err:
         first = err.errors()[0]
         where = ".".join(str(p) for p in first.get("loc", ()))
@@ -317,11 +344,13 @@ def _model_card(model_id: str, created: int) -> dict:
 
 
 def _check_model(name: str, settings: ServerSettings) -> None:
-    # The name is compared, never resolved: a request cannot make the server load or read anything.
-    if name != settings.model_id:
+    """Any name is the loaded model unless ``--served-model-name`` lists the names it answers to.
+    The name is compared, never resolved: a request cannot make the server load or read anything."""
+    if settings.served_names and name not in settings.served_names:
+        names = ", ".join(repr(n) for n in settings.served_names)
         raise APIError(
             404,
-            f"model: {name!r} is not served here (this server serves {settings.model_id!r})",
+            f"model: {name!r} is not served here (this server serves {names})",
             param="model",
             code="model_not_found",
         )
@@ -437,12 +466,25 @@ def _request(
 
 
 def _agent_max_tokens(engine, settings: ServerSettings, prompt_length: int) -> int:
-    """``max_output_tokens`` when the body leaves it out: what is left of the context, at most
-    ``--max-tokens-cap``. A coding agent (Codex) never sends it and writes whole files in one
-    call; chat's 512 would cut such a reply mid-call."""
+    """``max_output_tokens`` when the body leaves it out: ``--responses-max-tokens`` (4096), at
+    most ``--max-tokens-cap`` and what is left of the context. A coding agent (Codex) never sends
+    it and writes whole files in one call, so chat's 512 would cut such a reply mid-call; the rest
+    of the context would let one reply run past ``--request-timeout`` on a slow machine."""
     context = engine.context_length
-    cap = settings.max_tokens_cap
+    cap = min(settings.max_tokens_cap, settings.responses_default_max_tokens)
     return cap if context is None else min(cap, context - prompt_length)
+
+
+def _messages_max_tokens(engine, max_tokens: int, prompt_length: int) -> int:
+    """An Anthropic ``max_tokens`` (already at most ``--max-tokens-cap``) lowered to what the
+    context leaves: a bound, not a demand (Claude Code asks for 32k-64k whatever the model). A
+    prompt that alone fills the context is Anthropic's own error, which clients recognise."""
+    context = engine.context_length
+    if context is None:
+        return max_tokens
+    if prompt_length >= context:
+        raise APIError(400, prompt_too_long(prompt_length, context), param="messages")
+    return min(max_tokens, context - prompt_length)
 
 
 async def _responses(request: Request, body: ResponsesRequest, worker, settings, store: ResponseStore):

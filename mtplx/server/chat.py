@@ -86,8 +86,9 @@ def _reasoning(tokenizer: Any, messages: list[dict], template_tools: list[dict] 
     return (markers.start, markers.end, opened, markers.start_ids, markers.end_ids)
 
 
-def plan_chat(tokenizer: Any, body: ChatCompletionRequest) -> ChatPlan:
-    """What ``body`` asks the model to do (see the module docstring)."""
+def plan_chat(tokenizer: Any, body: ChatCompletionRequest, constrain: bool = True) -> ChatPlan:
+    """What ``body`` asks the model to do (see the module docstring); ``constrain=False`` builds
+    no grammar (counting the prompt's tokens needs none, and a schema cannot fail it)."""
     tools = list(body.tools or ())
     choice = body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none")
     if choice != "none" and not tools:
@@ -96,6 +97,8 @@ def plan_chat(tokenizer: Any, body: ChatCompletionRequest) -> ChatPlan:
     shown = tools if choice != "none" else []
     messages, template_tools = render_chat(tokenizer, body.messages, shown, syntax)
     reasoning = _reasoning(tokenizer, messages, template_tools)
+    if not constrain:
+        return ChatPlan(messages, template_tools, None, None, [], reasoning)
     text_grammar = response_format_grammar(body.response_format, reasoning)
     if choice == "none":
         return ChatPlan(messages, template_tools, text_grammar, None, [], reasoning)

@@ -23,11 +23,18 @@ What each choice allows:
 
 A thinking model's reasoning span goes first, unconstrained (`mtplx.server.reasoning.wrap_grammar`);
 the rules above then start from ``answer`` rather than ``start``.
+
+Leniency: a keyword llguidance does not implement is dropped, with one warning in the server log,
+only where every JSON value already satisfies it, so dropping it cannot let an invalid reply
+through: ``propertyNames`` of ``{}``, ``true`` or ``{"type": "string"}`` (every JSON key is a
+string; Claude Code's tools send it). Any other unimplemented keyword is still refused, naming
+the field, since ignoring it would change which replies are valid.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,7 +44,54 @@ from mtplx.server.reasoning import Reasoning, lark_marker, regex_literal, wrap_g
 from mtplx.server.schemas import NamedToolChoice, ResponseFormat, Tool
 from mtplx.server.tools import CallSyntax
 
-__all__ = ["call_schema", "response_format_grammar", "response_format_schema", "tool_grammar"]
+__all__ = ["call_schema", "drop_vacuous", "response_format_grammar", "response_format_schema", "tool_grammar"]
+
+log = logging.getLogger("mtplx.server")
+
+# Keywords whose value maps names to subschemas, hold a list of subschemas, or hold one subschema.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
+_SCHEMA_ONE = ("items", "additionalProperties", "not", "contains", "if", "then", "else", "propertyNames")
+# A ``propertyNames`` every key satisfies (JSON keys are strings).
+_VACUOUS_NAMES = ({}, True, {"type": "string"})
+
+
+def drop_vacuous(schema: Any, where: str = "") -> tuple[Any, list[str]]:
+    """``schema`` without the keywords that hold for every value (module docstring), and where
+    each was (JSON-pointer-like paths); the schema itself is not changed."""
+    if not isinstance(schema, dict):
+        return schema, []
+    dropped: list[str] = []
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "propertyNames" and any(value == v and type(value) is type(v) for v in _VACUOUS_NAMES):
+            dropped.append(f"{where}/propertyNames")
+            continue
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            value = {name: _collect(sub, f"{where}/{key}/{name}", dropped) for name, sub in value.items()}
+        elif key in _SCHEMA_LISTS and isinstance(value, list):
+            value = [_collect(sub, f"{where}/{key}/{i}", dropped) for i, sub in enumerate(value)]
+        elif key in _SCHEMA_ONE:
+            value = _collect(value, f"{where}/{key}", dropped)
+        out[key] = value
+    return out, dropped
+
+
+def _collect(schema: Any, where: str, dropped: list[str]) -> Any:
+    relaxed, found = drop_vacuous(schema, where)
+    dropped += found
+    return relaxed
+
+
+def _lenient(schema: Any, field: str) -> Any:
+    """``schema`` as llguidance compiles it: vacuous keywords dropped, each dropped one logged."""
+    relaxed, dropped = drop_vacuous(schema)
+    if dropped:
+        log.warning(
+            "%s: ignored keywords every value satisfies: %s", field, ", ".join(p or "/" for p in dropped)
+        )
+    return relaxed
+
 
 # A tool declared without parameters takes an empty object.
 NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -49,7 +103,7 @@ def response_format_schema(fmt: ResponseFormat | None) -> dict[str, Any] | None:
         return None
     if fmt.type == "json_object" or fmt.json_schema is None or fmt.json_schema.json_schema is None:
         return {"type": "object"}
-    return fmt.json_schema.json_schema
+    return _lenient(fmt.json_schema.json_schema, "response_format")
 
 
 def response_format_grammar(fmt: ResponseFormat | None, reasoning: Reasoning | None = None) -> Grammar | None:
@@ -68,7 +122,7 @@ def response_format_grammar(fmt: ResponseFormat | None, reasoning: Reasoning | N
 
 def call_schema(tool: Tool) -> dict[str, Any]:
     """The JSON schema of one call of ``tool`` (see the glossary)."""
-    parameters = tool.function.parameters or NO_ARGUMENTS
+    parameters = _lenient(tool.function.parameters, f"tools: {tool.function.name}") or NO_ARGUMENTS
     return {
         "type": "object",
         "properties": {"name": {"const": tool.function.name}, "arguments": parameters},
@@ -77,10 +131,13 @@ def call_schema(tool: Tool) -> dict[str, Any]:
     }
 
 
-def _check_parameters(tools: Sequence[Tool]) -> None:
-    """Each tool's parameters compile (a bad one is ``tools[i].function.parameters: <message>``)."""
-    for i, tool in enumerate(tools):
-        Grammar.json_schema(call_schema(tool), field=f"tools[{i}].function.parameters")
+def _checked_call_schemas(tools: Sequence[Tool]) -> list[dict[str, Any]]:
+    """Each tool's call schema, once its parameters compile (a bad one is
+    ``tools[i].function.parameters: <message>``)."""
+    schemas = [call_schema(tool) for tool in tools]
+    for i, schema in enumerate(schemas):
+        Grammar.json_schema(schema, field=f"tools[{i}].function.parameters")
+    return schemas
 
 
 def _lark_json(schema: dict[str, Any]) -> str:
@@ -99,14 +156,14 @@ def tool_grammar(
     """The grammar of a reply under ``tools`` and ``choice`` (not "none"), calls written in
     ``syntax`` (its markers as tokens where each is one token, else as text); ``text_schema`` (from ``response_format``) replaces free text; a
     thinking model's reasoning span comes first, unconstrained (`mtplx.server.reasoning`)."""
-    _check_parameters(tools)
+    checked, all_tools = _checked_call_schemas(tools), list(tools)
     if isinstance(choice, NamedToolChoice):
         chosen = [t for t in tools if t.function.name == choice.function.name]
         if not chosen:
             names = ", ".join(t.function.name for t in tools)
             raise MtplxError(f"tool_choice: no tool named {choice.function.name!r} (tools: {names})")
         tools, parallel = chosen, False
-    schemas = [call_schema(t) for t in tools]
+    schemas = [schema for tool, schema in zip(all_tools, checked) if tool in tools]
     call_json = _lark_json(schemas[0] if len(schemas) == 1 else {"anyOf": schemas})
     more = "(SEP call)*" if parallel else ""
     start, end = lark_marker(syntax.start, syntax.start_ids), lark_marker(syntax.end, syntax.end_ids)

@@ -143,6 +143,9 @@ class _Format:
         openings = [self.opening_chunk(index) for index in range(self.n)]
         return [sse_data(opening) for opening in openings if opening is not None]
 
+    def sse_keepalive(self) -> str:
+        return ": keep-alive\n\n"  # an SSE comment: clients skip it
+
     def sse_chunk(self, chunk: GenerationChunk) -> list[str]:
         self._final[chunk.index] = chunk.stats
         return [sse_data(self.chunk(chunk))]

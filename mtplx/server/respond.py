@@ -1,7 +1,17 @@
 """Running one job for a route: submit it to the worker (429 when the queue is full), cancel it
 when the client goes away or its deadline passes, and answer its chunks whole or as server-sent
 events in the route's API (``fmt``: `ChatFormat`, `TextFormat`, `MessagesFormat`,
-`ResponsesFormat`). Routes live in `mtplx.server.app`."""
+`ResponsesFormat`). Routes live in `mtplx.server.app`.
+
+A stream opens when the worker admits its job into the batch (`Admitted`, before the prefill):
+the headers and the opening events (``fmt.sse_open``) go out at once, then a keep-alive
+(``fmt.sse_keepalive``: Anthropic's ``ping``, an SSE comment on the OpenAI routes) every
+``--keepalive-interval`` seconds without an event (during the prefill, and while other requests'
+prefill chunks hold the batch), so a prefill of minutes never looks like a dead connection. An error before admission is still an HTTP error; after it, an event.
+
+How a request ended early is left in ``request.state.mtplx_outcome`` for the log line
+("cancelled" when the client went away, "timeout", "error: <message>"): a stream's status is
+200 once its headers are out, whatever happens after."""
 
 from __future__ import annotations
 
@@ -12,7 +22,7 @@ from collections.abc import AsyncIterator
 from mtplx.engine.engine import GenerationChunk
 from mtplx.errors import MtplxError
 from mtplx.server.openai import APIError
-from mtplx.server.worker import Finished, GenerationWorker, Job, JobFailed, JobTimeout, QueueFull
+from mtplx.server.worker import Admitted, Finished, GenerationWorker, Job, JobFailed, JobTimeout, QueueFull
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -31,17 +41,31 @@ async def _watch_disconnect(request: Request, job: Job) -> None:
             return
 
 
-async def _next_item(job: Job):
-    """The worker's next item, or JobTimeout once the deadline passes first."""
+class KeepAlive:
+    """No item came within the keep-alive interval."""
+
+
+async def _next_item(job: Job, keepalive: float | None = None):
+    """The worker's next item (`Admitted` skipped), JobTimeout once the deadline passes first, or
+    `KeepAlive` when ``keepalive`` seconds pass without one."""
+    started = time.monotonic()
     while True:
-        remaining = job.deadline - time.monotonic()
+        now = time.monotonic()
+        remaining = job.deadline - now
         if remaining <= 0:
             job.cancel()
             return JobTimeout()
+        wait = min(remaining, _POLL_SECONDS)
+        if keepalive is not None:
+            if now - started >= keepalive:
+                return KeepAlive()
+            wait = min(wait, keepalive - (now - started))
         try:
-            return await asyncio.wait_for(job.chunks.get(), timeout=min(remaining, _POLL_SECONDS))
+            item = await asyncio.wait_for(job.chunks.get(), timeout=wait)
         except asyncio.TimeoutError:
             continue
+        if not isinstance(item, Admitted):
+            return item
 
 
 def _raise_for(item) -> None:
@@ -66,16 +90,19 @@ async def respond(request: Request, worker: GenerationWorker, job: Job, settings
         ) from None
     watcher = asyncio.create_task(_watch_disconnect(request, job))
     try:
-        first = await _next_item(job)
+        first = await (_admission(job) if body.stream else _next_item(job))
         _raise_for(first)
-    except BaseException:
+        if isinstance(first, Finished) and body.stream:  # cancelled while queued (client gone)
+            raise APIError(499, "request: cancelled")
+    except BaseException as err:
         job.cancel()
         watcher.cancel()
+        _note_outcome(request, job, err)
         raise
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
-            _sse(request, job, first, fmt, include_usage, watcher),
+            _sse(request, job, fmt, include_usage, watcher, settings.keepalive_interval),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -95,21 +122,51 @@ async def respond(request: Request, worker: GenerationWorker, job: Job, settings
     return fmt.response(chunks)
 
 
+async def _admission(job: Job):
+    """`Admitted` once the worker takes the job into the batch, or what ended it before that."""
+    while True:
+        remaining = job.deadline - time.monotonic()
+        if remaining <= 0:
+            job.cancel()
+            return JobTimeout()
+        try:
+            return await asyncio.wait_for(job.chunks.get(), timeout=min(remaining, _POLL_SECONDS))
+        except asyncio.TimeoutError:
+            continue
+
+
+def _note_outcome(request: Request, job: Job, err: BaseException | None) -> None:
+    """Why the request ended early, for its log line (module docstring); nothing when it did not."""
+    if isinstance(err, APIError):
+        outcome = "timeout" if err.code == "timeout" else f"error: {err.message}"
+    elif job.cancelled.is_set() or isinstance(err, asyncio.CancelledError):
+        outcome = job.abort_reason()
+    else:
+        return
+    request.state.mtplx_outcome = outcome
+
+
 async def _sse(
-    request: Request, job: Job, first, fmt, include_usage: bool, watcher: asyncio.Task
+    request: Request, job: Job, fmt, include_usage: bool, watcher: asyncio.Task, keepalive: float
 ) -> AsyncIterator[str]:
-    """The stream's events; ``fmt`` spells them in its API (`sse_open`, `sse_chunk`, `sse_error`,
-    `sse_close`)."""
-    item = first
+    """The stream's events; ``fmt`` spells them in its API (`sse_open`, `sse_keepalive`,
+    `sse_chunk`, `sse_error`, `sse_close`)."""
     last: GenerationChunk | None = None
     failed = False
+    ended = False
     try:
         for event in fmt.sse_open():
             yield event
+        item = await _next_item(job, keepalive)
         while not isinstance(item, Finished):
+            if isinstance(item, KeepAlive):
+                yield fmt.sse_keepalive()
+                item = await _next_item(job, keepalive)
+                continue
             try:
                 _raise_for(item)
             except APIError as err:
+                _note_outcome(request, job, err)
                 yield fmt.sse_error(err)
                 failed = True
                 break
@@ -117,9 +174,14 @@ async def _sse(
             request.state.mtplx_stats = item.stats  # the log line counts what was generated, even if cut
             for event in fmt.sse_chunk(item):
                 yield event
-            item = await _next_item(job)
+            item = await _next_item(job, keepalive)
         for event in fmt.sse_close(last, include_usage, failed):
             yield event
+        ended = True
     finally:
+        if not failed and (
+            not ended or job.cancelled.is_set()
+        ):  # the client went away, or the deadline passed
+            _note_outcome(request, job, asyncio.CancelledError())
         job.cancel()
         watcher.cancel()

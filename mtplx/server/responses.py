@@ -18,7 +18,12 @@ its part's ``response.content_part.added``, the deltas (``response.output_text.d
 then the ``.done`` events in reverse order; last ``response.completed`` (``usage``, the ``mtplx``
 stats), or ``response.incomplete`` (``incomplete_details.reason`` = ``max_output_tokens``) when
 cut by length, or ``response.failed`` (``response.error.code``: Codex compacts its history on
-``context_length_exceeded``). ``sequence_number`` rises by one from 0.
+``context_length_exceeded``). A stream that ``--request-timeout`` cuts after its output began
+ends ``response.incomplete`` too, with the partial output (``incomplete_details.reason``
+``max_output_tokens``, the only budget reason the API has; ``mtplx.stopped`` says ``timeout``):
+Codex retries a failed stream from scratch (up to five times) but reports an incomplete one
+and stops. While the prompt prefills, SSE comments keep the connection alive.
+``sequence_number`` rises by one from 0.
 
 Invariant: the streamed events and the whole response of the same reply agree (the same reply
 reader reads both; a delta sent is never taken back).
@@ -30,6 +35,7 @@ import json
 import time
 import uuid
 from collections import OrderedDict
+from dataclasses import replace
 from typing import Any
 
 from mtplx.engine.engine import GenerationChunk, GenerationStats
@@ -99,6 +105,7 @@ class ResponsesFormat:
         self._open: str | None = None  # "reasoning" / "message" / "function_call" / None
         self._reasoning = ""
         self._calls: list[dict] = []  # the calls, in chat's shape (for the stored history)
+        self._last: GenerationChunk | None = None  # the latest streamed chunk
 
     # ---------------------------------------------------------------- the response object
     def _envelope(self, status: str) -> dict:
@@ -306,7 +313,11 @@ class ResponsesFormat:
             self._event("response.in_progress", response=response),
         ]
 
+    def sse_keepalive(self) -> str:
+        return ": keep-alive\n\n"
+
     def sse_chunk(self, chunk: GenerationChunk) -> list[str]:
+        self._last = chunk
         out: list[str] = []
         for kind, piece in self._read(chunk.text, final=chunk.finish_reason is not None):
             item_kind = "function_call" if kind == "call" else kind
@@ -321,7 +332,17 @@ class ResponsesFormat:
         return out
 
     def sse_error(self, err: APIError) -> str:
+        if err.code == "timeout" and self._last is not None:  # output began: keep it (module docstring)
+            return "".join(self._cut_events(self._last))
         return self._event("response.failed", response=self.failed(err))
+
+    def _cut_events(self, last: GenerationChunk) -> list[str]:
+        """The end of a stream the timeout cut: the open item incomplete, then ``response.incomplete``."""
+        out = self._done_events("incomplete")
+        self._finish_items(cut=True)
+        response = self._final(replace(last, finish_reason="length"))
+        response["mtplx"]["stopped"] = "timeout"
+        return [*out, self._event("response.incomplete", response=response)]
 
     def failed(self, err: APIError) -> dict:
         """The response object of a reply that failed with ``err``."""

@@ -12,7 +12,10 @@ from mtplx.spec_decode.settings import DEFAULT_PREFILL_STEP
 
 @dataclass(frozen=True)
 class ServerSettings:
-    model_id: str  # the name the served model answers to (`model` may also be omitted)
+    model_id: str  # the name replies report (the first --served-model-name, else the model given)
+    # The names a request's `model` may use (`--served-model-name`); empty: any name (or none)
+    # is the one loaded model, as llama.cpp and LM Studio do (Claude Code sends its own names).
+    served_names: tuple[str, ...] = ()
     # What a request body leaves out: the sampler (OpenAI's defaults unless `serve` flags set
     # them), the seed and the drafting (`--draft`, `--depth`, ...). `max_tokens` is `default_max_tokens`.
     defaults: GenerationRequest = field(default_factory=lambda: GenerationRequest(sampler=SamplerConfig()))
@@ -23,8 +26,14 @@ class ServerSettings:
     prefill_step_size: int = DEFAULT_PREFILL_STEP  # prompt tokens per cycle, all prefilling requests together
     draft_policy: str = "auto"  # each batched cycle's draft length (mtplx.spec_decode.draft_policy)
     request_timeout: float = 600.0
+    keepalive_interval: float = (
+        5.0  # seconds between keep-alive events while a stream waits for its first token
+    )
     default_max_tokens: int = 512
     max_tokens_cap: int = 8192
+    # max_output_tokens of a Responses request that gives none (Codex never does): at most this,
+    # and at most what the context leaves (`mtplx.server.app._agent_max_tokens`).
+    responses_default_max_tokens: int = 4096
     max_body_bytes: int = 10 * 1024 * 1024
     responses_store_size: int = 64  # conversations kept for previous_response_id (an LRU, in memory)
     allowed_origins: tuple[str, ...] = ()

@@ -54,6 +54,11 @@ class Finished:
     """Sentinel: the job has emitted everything it will."""
 
 
+class Admitted:
+    """Sentinel: the job joined the batch (its prefill starts with the next cycle); a stream
+    opens here, before the first token."""
+
+
 @dataclass
 class Job:
     prompt_tokens: list[int]
@@ -100,7 +105,6 @@ class GenerationWorker:
         self._thread = threading.Thread(target=self._run, name="mtplx-generation", daemon=True)
         self._active: dict[int, Job] = {}  # scheduler handle -> job, in flight
         self._choices_left: dict[int, int] = {}  # scheduler handle -> its choices not ended yet
-        self.busy = False
         # Load, as the generation thread last saw it between cycles (/metrics reads it from others).
         self.running = 0  # rows decoding
         self._prefilling = 0  # jobs in the batch still prefilling
@@ -133,6 +137,15 @@ class GenerationWorker:
     def waiting(self) -> int:
         return self.queued + self._prefilling
 
+    @property
+    def prefilling(self) -> int:
+        return self._prefilling
+
+    @property
+    def busy(self) -> bool:
+        """Whether any request is queued or in flight now (read from other threads)."""
+        return bool(self._active) or self.queued > 0
+
     def _note_load(self, scheduler) -> None:
         """Publish the load for /metrics (the prompt cache is not thread-safe: read it here)."""
         self.running, self._prefilling = scheduler.num_decoding, scheduler.num_waiting
@@ -154,7 +167,6 @@ class GenerationWorker:
             while True:
                 if not self._take_jobs(scheduler):
                     return
-                self.busy = bool(self._active)
                 if self._active:
                     self._step(scheduler)
         finally:
@@ -170,7 +182,7 @@ class GenerationWorker:
             try:
                 job = self._queue.get(block=not self._active)
             except queue.Empty:
-                return True
+                break
             if job is None:
                 return False
             if job.cancelled.is_set():
@@ -191,6 +203,7 @@ class GenerationWorker:
                 continue
             self._active[handle] = job
             self._choices_left[handle] = job.request.n
+            job.emit(Admitted())
         self._note_load(scheduler)
         return True
 

@@ -181,6 +181,9 @@ def test_generate_prompt_from_stdin_with_system_prompt_json_and_quiet_verbose(to
             "--prompt-cache-dir: needs a prompt cache in RAM",
         ),
         (["serve", "--prompt-cache-dir", ""], "--prompt-cache-dir: empty path"),
+        (["serve", "--keepalive-interval", "0"], "--keepalive-interval: must be > 0, got 0.0"),
+        (["serve", "--responses-max-tokens", "0"], "--responses-max-tokens: must be > 0, got 0"),
+        (["serve", "--served-model-name", " "], "--served-model-name: must not be empty"),
     ],
 )
 def test_errors_name_the_flag_typed(args, expected):
