@@ -1,0 +1,160 @@
+"""Which published drafter layout a ``config.json`` is, and the DFlash facts read from it.
+
+Standard library only (the CLI's ``inspect`` and discovery read configs before MLX loads). The
+rules are mlx-vlm 0.7.10's (``mlx_vlm/utils.py:get_model_type``, ``speculative/drafters/
+__init__.py``, ``qwen3_dflash/config.py``, ``gemma4_dflash/__init__.py``):
+
+- ``architectures`` holding ``DFlash2DraftModel``: DFlash2; ``Gemma4DSparkModel``: DSpark;
+- a ``dflash_config`` whose ``projector_type`` is ``dspark`` or with a ``markov_rank`` > 0: DSpark;
+  any other ``dflash_config``: DFlash (z-lab's format; ``<model_type>_dflash``);
+- ``model_type`` (or ``speculators_model_type``) ``eagle3``: EAGLE-3; ``dspark``, ``qwen3_dspark``,
+  ``gemma4_dspark``, ``deepseek_v4_dspark``: DSpark.
+
+DFlash keys: ``dflash_config.{mask_token_id, target_layer_ids, num_target_layers, causal,
+attention_sink_bias, runtime_block_size, draft_window_size}`` (each also read at the top level,
+``dflash_query_causal`` the older spelling of ``causal``), ``block_size``, ``rope_parameters``
+(its ``rope_theta`` lifted out), and the Qwen3 decoder keys. Gemma 4 DFlash drafters default
+``mask_token_id`` to 4; elsewhere it must be given (a missing one is an error naming it, where
+mlx-vlm would assume Qwen3.5's 248070).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from mtplx.errors import MtplxError
+
+DSPARK_MODEL_TYPES = ("dspark", "qwen3_dspark", "gemma4_dspark", "deepseek_v4_dspark")
+GEMMA4_DFLASH_MASK_TOKEN = 4
+
+
+def drafter_layout(config: Mapping[str, Any]) -> str | None:
+    """``dflash``, ``dflash2``, ``dspark`` or ``eagle3``; None when ``config`` is none of them."""
+    model_type = str(config.get("model_type") or config.get("speculators_model_type") or "").lower()
+    architectures = set(config.get("architectures") or ())
+    dflash_config = config.get("dflash_config")
+    if "DFlash2DraftModel" in architectures:
+        return "dflash2"
+    if "Gemma4DSparkModel" in architectures or model_type in DSPARK_MODEL_TYPES:
+        return "dspark"
+    if isinstance(dflash_config, Mapping):
+        rank = config.get("markov_rank") or dflash_config.get("markov_rank") or 0
+        return "dspark" if dflash_config.get("projector_type") == "dspark" or int(rank) > 0 else "dflash"
+    if model_type == "eagle3":
+        return "eagle3"
+    return None
+
+
+@dataclass(frozen=True)
+class DFlashSpec:
+    """A DFlash drafter's shape and block facts (z-lab's format, as mlx-vlm 0.7.10 reads it)."""
+
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    vocab_size: int
+    rope_theta: float
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int
+    is_causal: bool
+    tie_word_embeddings: bool
+    final_logit_softcapping: float | None
+    draft_window_size: int | None  # mlx-vlm bounds the drafter's context cache with it; not yet here
+
+    @property
+    def concat_dim(self) -> int:
+        return len(self.target_layer_ids) * self.hidden_size
+
+
+def _field(config: Mapping[str, Any], dflash: Mapping[str, Any], key: str, default: Any = None) -> Any:
+    return dflash[key] if key in dflash else config.get(key, default)
+
+
+def _int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise MtplxError(f"DFlash config: {name} must be an integer, got {value!r}")
+    return value
+
+
+def _rope_theta(config: Mapping[str, Any]) -> float:
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, Mapping) else None
+    if kind not in ("default", None):
+        raise MtplxError(f"DFlash config: rope type {kind!r} is not supported (default rope only)")
+    theta = rope.get("rope_theta") if isinstance(rope, Mapping) else None
+    return float(theta if theta is not None else config.get("rope_theta", 10000.0))
+
+
+def _unsupported(config: Mapping[str, Any], dflash: Mapping[str, Any]) -> None:
+    types = set(config.get("layer_types") or ["full_attention"])
+    if types != {"full_attention"}:
+        raise MtplxError(f"DFlash config: layer_types {sorted(types)} not supported (full attention only)")
+    if _field(config, dflash, "attention_sink_bias", False):
+        raise MtplxError("DFlash config: dflash_config.attention_sink_bias is not supported")
+
+
+def dflash_spec(config: Mapping[str, Any]) -> DFlashSpec:
+    """Read a DFlash ``config.json``; a missing or malformed field is a one-line error naming it."""
+    dflash = config.get("dflash_config") or {}
+    model_type = str(config.get("model_type", "")).lower()
+    _unsupported(config, dflash)
+    mask = _field(config, dflash, "mask_token_id")
+    if mask is None and model_type.startswith("gemma4"):
+        mask = GEMMA4_DFLASH_MASK_TOKEN
+    if mask is None:
+        raise MtplxError("DFlash config: dflash_config.mask_token_id is missing")
+    layer_ids = _field(config, dflash, "target_layer_ids")
+    if not layer_ids or not all(isinstance(i, int) and i >= 0 for i in layer_ids):
+        raise MtplxError(
+            f"DFlash config: dflash_config.target_layer_ids must be layer indices, got {layer_ids!r}"
+        )
+    causal = dflash.get("causal", config.get("dflash_query_causal", False))
+    required = {}
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        if key not in config:
+            raise MtplxError(f"DFlash config: {key} is missing")
+        required[key] = _int(config[key], key)
+    heads = required["num_attention_heads"]
+    window = _field(config, dflash, "draft_window_size")
+    return DFlashSpec(
+        model_type=model_type,
+        **required,
+        num_key_value_heads=_int(config.get("num_key_value_heads", heads), "num_key_value_heads"),
+        head_dim=_int(config.get("head_dim", required["hidden_size"] // heads), "head_dim"),
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope_theta=_rope_theta(config),
+        block_size=_int(config.get("block_size", 16), "block_size"),
+        mask_token_id=_int(mask, "dflash_config.mask_token_id"),
+        target_layer_ids=tuple(layer_ids),
+        num_target_layers=_int(
+            _field(config, dflash, "num_target_layers", max(layer_ids) + 1), "num_target_layers"
+        ),
+        is_causal=bool(causal),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
+        final_logit_softcapping=config.get("final_logit_softcapping"),
+        draft_window_size=None if window is None else _int(window, "dflash_config.draft_window_size"),
+    )
+
+
+def dflash_fit_problem(spec: DFlashSpec, hidden_size: int, num_layers: int, vocab_size: int) -> str | None:
+    """Why a DFlash drafter does not fit a trunk (one line naming the field), or None."""
+    if spec.hidden_size != hidden_size:
+        return f"hidden_size {spec.hidden_size} != the trunk's {hidden_size}"
+    if spec.num_target_layers != num_layers:
+        return f"dflash_config.num_target_layers {spec.num_target_layers} != the trunk's {num_layers} layers"
+    if max(spec.target_layer_ids) >= num_layers:
+        return f"dflash_config.target_layer_ids names layer {max(spec.target_layer_ids)} of a {num_layers}-layer trunk"
+    if spec.vocab_size != vocab_size:
+        return f"vocab_size {spec.vocab_size} != the trunk's {vocab_size}"
+    if not 0 <= spec.mask_token_id < vocab_size:
+        return f"dflash_config.mask_token_id {spec.mask_token_id} is outside the vocabulary ({vocab_size})"
+    return None

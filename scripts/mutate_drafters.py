@@ -1,0 +1,103 @@
+"""Plant known drafter bugs in a scratch copy of the repository and check each drafter family's
+reference test fails (``scripts/mutate_heads.py``'s machinery, with the drafters' own plants).
+
+Exact verification keeps the trunk's tokens whatever a drafter proposes, so only the drafter's
+reference test (mtplx == mlx-vlm 0.7.10 == the float64 oracle) can catch a wrong drafter. Per
+family, one at a time: the wrong target layer, the mask token or position offset, a dropped norm.
+
+    python scripts/mutate_drafters.py [--families dflash]
+
+Prints family x mutation -> caught / MISSED / error; exit status 1 unless every plant is caught.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mutate_heads import Plant, check_family, scratch_copy  # noqa: E402
+
+_LAYOUTS = "mtplx/drafters/layouts.py"
+_DFLASH = "mtplx/drafters/dflash.py"
+
+PLANTS: dict[str, tuple[Plant, ...]] = {
+    "dflash": (
+        Plant(
+            "wrong target layer",
+            "target_layer_ids shifted by one",
+            (
+                (
+                    _LAYOUTS,
+                    "target_layer_ids=tuple(layer_ids),",
+                    "target_layer_ids=tuple(i + 1 for i in layer_ids),",
+                ),
+            ),
+        ),
+        Plant(
+            "mask token",
+            "mask_token_id + 1 in the block",
+            (
+                (
+                    _DFLASH,
+                    "self.spec.mask_token_id, dtype=mx.int32)",
+                    "self.spec.mask_token_id + 1, dtype=mx.int32)",
+                ),
+            ),
+        ),
+        Plant(
+            "position offset",
+            "the block one position early",
+            (
+                (
+                    _DFLASH,
+                    "start = cache.offset + context.shape[1]",
+                    "start = cache.offset + context.shape[1] - 1",
+                ),
+            ),
+        ),
+        Plant(
+            "norm dropped",
+            "hidden_norm of the context dropped",
+            ((_DFLASH, "context = self.hidden_norm(self.fc(", "context = (self.fc("),),
+        ),
+        Plant(
+            "norm dropped",
+            "context keys normed by input_layernorm",
+            (
+                (
+                    _DFLASH,
+                    "h = h + self.self_attn(self.input_layernorm(h), context,",
+                    "h = h + self.self_attn(self.input_layernorm(h), self.input_layernorm(context),",
+                ),
+            ),
+        ),
+    ),
+}
+
+REFERENCE_TESTS: dict[str, tuple[str, ...]] = {
+    "dflash": ("tests/drafters/test_dflash.py", "-k", "oracle"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--families", default=",".join(PLANTS), help="comma-separated (default: all)")
+    families = [f.strip() for f in parser.parse_args(argv).families.split(",") if f.strip()]
+    unknown = [f for f in families if f not in PLANTS]
+    if unknown:
+        parser.error(f"unknown families {unknown}; known: {', '.join(PLANTS)}")
+    all_caught = True
+    with tempfile.TemporaryDirectory(prefix="mtplx-drafter-mutants-") as tmp:
+        root = scratch_copy(Path(tmp))
+        for family in families:
+            row = check_family(root, family, PLANTS, REFERENCE_TESTS)
+            all_caught &= row[0] == "passes" and all(cell.startswith("caught") for cell in row[1:])
+            print(f"| {family} | " + " | ".join(row) + " |", flush=True)
+    return 0 if all_caught else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
