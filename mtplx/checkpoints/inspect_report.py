@@ -126,6 +126,12 @@ def format_inspection(info: dict[str, Any]) -> str:
     if assistant:
         state = "pairs" if assistant["pairs"] else assistant["problem"]
         lines.append(f"assistant     {assistant['name']} ({state})")
+    block = info.get("block_drafter")
+    if block:
+        state = "fits" if block["fits"] else f"does not fit: {block['problem']}"
+        lines.append(
+            f"block drafter {block['layout']} {block['path']} ({block['why']}; {state}; {block['note']})"
+        )
     if info.get("vision"):
         lines.append(_vision_line(info["vision"]))
     lines.append(f"verdict       {info['verdict']}: {info['reason']}")
