@@ -3,7 +3,9 @@ reference test fails (``scripts/mutate_heads.py``'s machinery, with the drafters
 
 Exact verification keeps the trunk's tokens whatever a drafter proposes, so only the drafter's
 reference test (mtplx == mlx-vlm 0.7.10 == the float64 oracle) can catch a wrong drafter. Per
-family, one at a time: the wrong target layer, the mask token or position offset, a dropped norm.
+family, one at a time: the wrong target layer, the mask token or position offset (DFlash), ``d2t``
+off by one (EAGLE-3), a dropped norm, and more of the family's own. The last run's table is in
+``tests/drafters/README.md``.
 
     python scripts/mutate_drafters.py [--families dflash]
 
@@ -22,6 +24,7 @@ from mutate_heads import Plant, check_family, scratch_copy  # noqa: E402
 
 _LAYOUTS = "mtplx/drafters/layouts.py"
 _DFLASH = "mtplx/drafters/dflash.py"
+_EAGLE3 = "mtplx/drafters/eagle3.py"
 
 PLANTS: dict[str, tuple[Plant, ...]] = {
     "dflash": (
@@ -75,10 +78,62 @@ PLANTS: dict[str, tuple[Plant, ...]] = {
             ),
         ),
     ),
+    "eagle3": (
+        Plant(
+            "wrong target layer",
+            "hidden_states index read as layer i - 2",
+            (
+                (
+                    _LAYOUTS,
+                    "return tuple(max(int(i) - 1, 0) for i in ids)",
+                    "return tuple(max(int(i) - 2, 0) for i in ids)",
+                ),
+            ),
+        ),
+        Plant(
+            "d2t off by one",
+            "draft id i -> i + d2t[i] + 1",
+            (
+                (
+                    _EAGLE3,
+                    'return ids + self.d2t[ids] if "d2t" in self',
+                    'return ids + self.d2t[ids] + 1 if "d2t" in self',
+                ),
+            ),
+        ),
+        Plant(
+            "norm dropped",
+            "hidden_norm of the first layer dropped",
+            ((_EAGLE3, "normed = self.hidden_norm(h)", "normed = h"),),
+        ),
+        Plant(
+            "norm dropped",
+            "the embedding not normed by input_layernorm",
+            (
+                (
+                    _EAGLE3,
+                    "mx.concatenate([self.input_layernorm(embeds), normed]",
+                    "mx.concatenate([embeds, normed]",
+                ),
+            ),
+        ),
+        Plant(
+            "residual",
+            "norm_before_residual read the other way",
+            (
+                (
+                    _EAGLE3,
+                    "residual = normed if self.norm_before_residual else h",
+                    "residual = h if self.norm_before_residual else normed",
+                ),
+            ),
+        ),
+    ),
 }
 
 REFERENCE_TESTS: dict[str, tuple[str, ...]] = {
     "dflash": ("tests/drafters/test_dflash.py", "-k", "oracle"),
+    "eagle3": ("tests/drafters/test_eagle3.py", "-k", "oracle"),
 }
 
 

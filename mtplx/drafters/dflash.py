@@ -23,10 +23,10 @@ Tensor names (``model.`` prefix optional): ``fc.weight``, ``hidden_norm.weight``
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from mtplx.drafters.files import load_checked, published_weights, read_config
 from mtplx.drafters.layouts import DFlashSpec, dflash_spec, drafter_layout
 from mtplx.errors import MtplxError
 from mtplx.trunk.compat import KVCache
@@ -162,49 +162,15 @@ def dflash_block_logits(
     return drafter.logits(h, lm_head)
 
 
-def _published_weights(path: Path) -> dict[str, mx.array]:
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise MtplxError(f"DFlash drafter {path}: no .safetensors file")
-    weights: dict[str, mx.array] = {}
-    for file in files:
-        weights.update(mx.load(str(file)))
-    return {k.removeprefix("model."): v for k, v in weights.items()}
-
-
 def load_dflash(path: str | Path) -> DFlashDrafter:
     """Load a DFlash drafter directory (``config.json`` + safetensors, z-lab's or mlx-vlm's layout);
     a misfit (missing or extra tensor, wrong shape, unsupported field) is a one-line error."""
     path = Path(path)
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError) as err:
-        raise MtplxError(f"DFlash drafter {path}: unreadable config.json ({err})") from None
+    config = read_config(path, "DFlash drafter")
     if drafter_layout(config) != "dflash":
         raise MtplxError(f"{path}: not a DFlash drafter (no dflash_config, or a DSpark / DFlash2 layout)")
-    if config.get("quantization"):
-        raise MtplxError(f"DFlash drafter {path}: quantization is not supported yet")
     spec = dflash_spec(config)
-    weights = _published_weights(path)
+    weights = published_weights(path, "DFlash drafter")
     drafter = DFlashDrafter(spec, "embed_tokens.weight" in weights, "lm_head.weight" in weights)
-    expected = dict(_flat_shapes(drafter))
-    missing = sorted(set(expected) - set(weights))
-    extra = sorted(set(weights) - set(expected))
-    if missing or extra:
-        name = missing[0] if missing else extra[0]
-        raise MtplxError(f"DFlash drafter {path}: tensor {name} {'missing' if missing else 'unexpected'}")
-    for name, shape in expected.items():
-        if tuple(weights[name].shape) != shape:
-            raise MtplxError(
-                f"DFlash drafter {path}: {name} has shape {tuple(weights[name].shape)}, expected {shape}"
-            )
-    drafter.load_weights(list(weights.items()))
-    drafter.eval()
-    mx.eval(drafter.parameters())
+    load_checked(drafter, weights, path, "DFlash drafter")
     return drafter
-
-
-def _flat_shapes(module: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
-    from mlx.utils import tree_flatten
-
-    return [(name, tuple(v.shape)) for name, v in tree_flatten(module.parameters())]

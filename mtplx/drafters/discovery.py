@@ -19,11 +19,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mtplx.drafters.layouts import dflash_fit_problem, dflash_spec, drafter_layout
+from mtplx.drafters.layouts import (
+    dflash_fit_problem,
+    dflash_spec,
+    drafter_layout,
+    eagle3_fit_problem,
+    eagle3_spec,
+)
 from mtplx.errors import MtplxError
 
 LAYOUT_NAMES = {"dflash": "DFlash", "dflash2": "DFlash2", "dspark": "DSpark", "eagle3": "EAGLE-3"}
-LOADABLE = ("dflash",)  # the layouts whose loaders and references have landed
+LOADABLE = ("dflash", "eagle3")  # the layouts whose loaders and references have landed
 _NAME = re.compile(r"(?i)^[-_](dflash2|dflash|dspark|eagle-?3)([-_].*)?$")
 NOT_DRAFTING = "block drafters load but do not draft yet (the proposers land with the drafter contract)"
 
@@ -59,16 +65,17 @@ def fit_problem(drafter_config: dict, target_config: dict) -> str | None:
     if layout not in LOADABLE:
         return f"{LAYOUT_NAMES[layout]} drafters are recognised but not loaded yet"
     text = _text(target_config)
-    try:
-        spec = dflash_spec(drafter_config)
-    except MtplxError as err:
-        return str(err)
-    return dflash_fit_problem(
-        spec,
+    shape = (
         int(text.get("hidden_size", 0)),
         int(text.get("num_hidden_layers", 0)),
         int(text.get("vocab_size", 0)),
     )
+    try:
+        if layout == "eagle3":
+            return eagle3_fit_problem(eagle3_spec(drafter_config), *shape)
+        return dflash_fit_problem(dflash_spec(drafter_config), *shape)
+    except MtplxError as err:
+        return str(err)
 
 
 @dataclass(frozen=True)
@@ -124,12 +131,16 @@ def find_block_drafter(
 
 
 def load_block_drafter(candidate: BlockCandidate) -> Any:
-    """Load a fitting candidate (`mtplx.drafters.dflash.load_dflash` for DFlash); a misfit or a
+    """Load a fitting candidate (`dflash.load_dflash`, `eagle3.load_eagle3`); a misfit or a
     layout not loaded yet is a one-line error naming it."""
     if candidate.problem is not None:
         raise MtplxError(
             f"{candidate.path}: {LAYOUT_NAMES[candidate.layout]} drafter does not fit: {candidate.problem}"
         )
+    if candidate.layout == "eagle3":
+        from mtplx.drafters.eagle3 import load_eagle3
+
+        return load_eagle3(candidate.path)
     from mtplx.drafters.dflash import load_dflash
 
     return load_dflash(candidate.path)

@@ -158,3 +158,103 @@ def dflash_fit_problem(spec: DFlashSpec, hidden_size: int, num_layers: int, voca
     if not 0 <= spec.mask_token_id < vocab_size:
         return f"dflash_config.mask_token_id {spec.mask_token_id} is outside the vocabulary ({vocab_size})"
     return None
+
+
+@dataclass(frozen=True)
+class Eagle3Spec:
+    """An EAGLE-3 drafter (mlx-vlm 0.7.10's ``eagle3`` and the speculators format): one first
+    layer over [embedding, hidden] (attention input 2H), more plain decoder layers, a reduced
+    draft vocabulary mapped to the target's by ``d2t`` (target id = draft id + d2t[draft id])."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_traditional: bool
+    attention_bias: bool
+    vocab_size: int  # the target's
+    draft_vocab_size: int
+    target_hidden_size: int
+    aux_layer_ids: tuple[int, ...] | None  # eagle_aux_hidden_state_layer_ids (hidden_states indices)
+    norm_before_residual: bool
+    norm_before_fc: bool
+    tie_word_embeddings: bool
+    block_size: int
+
+    @property
+    def uses_draft_vocab(self) -> bool:
+        return self.draft_vocab_size != self.vocab_size
+
+    def tapped_layers(self, target_layers: int) -> tuple[int, ...]:
+        """The trunk layers whose outputs feed the drafter, in order. The ids are indices into
+        Hugging Face's ``hidden_states`` (entry i = layer i - 1's output), so layer ``max(i - 1, 0)``
+        as mlx-vlm 0.7.10 captures them; without ids, EAGLE-3's low / middle / high default
+        ``[2, n // 2, n - 3]`` of the target's ``n`` layers (mlx-vlm takes ``n`` from the drafter's own
+        config, which names one layer: a default that cannot be meant)."""
+        ids = self.aux_layer_ids or (2, target_layers // 2, max(target_layers - 3, 0))
+        return tuple(max(int(i) - 1, 0) for i in ids)
+
+
+def eagle3_spec(config: Mapping[str, Any]) -> Eagle3Spec:
+    """Read an EAGLE-3 ``config.json``; a missing or malformed field is a one-line error naming it."""
+    layer = config.get("transformer_layer_config")
+    if not isinstance(layer, Mapping):
+        raise MtplxError("EAGLE-3 config: transformer_layer_config is missing")
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"):
+        if key not in layer:
+            raise MtplxError(f"EAGLE-3 config: transformer_layer_config.{key} is missing")
+    hidden, heads = (
+        _int(layer["hidden_size"], "hidden_size"),
+        _int(layer["num_attention_heads"], "num_attention_heads"),
+    )
+    rope = layer.get("rope_parameters") or {}
+    if (
+        rope.get("rope_type", "default") != "default"
+        or (layer.get("rope_scaling") or {}).get("rope_type", "default") != "default"
+    ):
+        raise MtplxError(
+            "EAGLE-3 config: transformer_layer_config.rope_scaling is not supported (default rope only)"
+        )
+    ids = config.get("eagle_aux_hidden_state_layer_ids")
+    if ids is not None and (len(ids) != 3 or not all(isinstance(i, int) and i >= 0 for i in ids)):
+        raise MtplxError(
+            f"EAGLE-3 config: eagle_aux_hidden_state_layer_ids must be 3 layer indices, got {ids!r}"
+        )
+    methods = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
+    tokens = methods[0].get("speculative_tokens")
+    vocab = _int(layer["vocab_size"], "transformer_layer_config.vocab_size")
+    return Eagle3Spec(
+        hidden_size=hidden,
+        intermediate_size=_int(layer["intermediate_size"], "intermediate_size"),
+        num_hidden_layers=_int(layer.get("num_hidden_layers", 1), "num_hidden_layers"),
+        num_attention_heads=heads,
+        num_key_value_heads=_int(layer.get("num_key_value_heads", heads), "num_key_value_heads"),
+        head_dim=_int(layer.get("head_dim") or hidden // heads, "head_dim"),
+        rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope.get("rope_theta", layer.get("rope_theta", 10000.0))),
+        rope_traditional=bool(layer.get("rope_traditional", False)),
+        attention_bias=bool(layer.get("attention_bias", False)),
+        vocab_size=vocab,
+        draft_vocab_size=_int(config.get("draft_vocab_size", vocab), "draft_vocab_size"),
+        target_hidden_size=_int(config.get("target_hidden_size") or hidden, "target_hidden_size"),
+        aux_layer_ids=None if ids is None else tuple(ids),
+        norm_before_residual=bool(config.get("norm_before_residual", False)),
+        norm_before_fc=bool(config.get("norm_before_fc", False)),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        block_size=_int(config.get("block_size", int(tokens) + 2 if tokens is not None else 5), "block_size"),
+    )
+
+
+def eagle3_fit_problem(spec: Eagle3Spec, hidden_size: int, num_layers: int, vocab_size: int) -> str | None:
+    """Why an EAGLE-3 drafter does not fit a trunk (one line naming the field), or None."""
+    if spec.target_hidden_size != hidden_size:
+        return f"target_hidden_size {spec.target_hidden_size} != the trunk's {hidden_size}"
+    if spec.vocab_size != vocab_size:
+        return f"transformer_layer_config.vocab_size {spec.vocab_size} != the trunk's {vocab_size}"
+    if max(spec.tapped_layers(num_layers)) >= num_layers:
+        return f"eagle_aux_hidden_state_layer_ids {list(spec.aux_layer_ids or ())} name a layer past the trunk's {num_layers}"
+    return None

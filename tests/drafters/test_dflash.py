@@ -17,57 +17,13 @@ import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.drafters.dflash import dflash_block_logits, load_dflash
 from mtplx.drafters.layouts import dflash_fit_problem, drafter_layout
 from mtplx.errors import MtplxError
-from mtplx.trunk.model import Trunk
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten, tree_unflatten
-from mlx_lm.models import llama
 from support import drafters
 
 VOCAB, TRUNK_LAYERS, PROMPT, MORE = 64, 4, 6, 3
-
-
-def _trunk(seed: int) -> Trunk:
-    args = llama.ModelArgs(
-        model_type="llama",
-        hidden_size=drafters.DFLASH_HIDDEN,
-        num_hidden_layers=TRUNK_LAYERS,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rms_norm_eps=1e-5,
-        vocab_size=VOCAB,
-        tie_word_embeddings=False,
-        rope_theta=10000.0,
-    )
-    mx.random.seed(seed)
-    model = llama.Model(args)
-    model.eval()
-    mx.eval(model.parameters())
-    return Trunk(model)
-
-
-def _reference_taps(trunk: Trunk, tokens: mx.array, layer_ids: list[int]) -> list[np.ndarray]:
-    """Per id, layer ``i``'s output over ``tokens`` [B, T]: the trunk with layers > i silenced."""
-    saved = tree_flatten(trunk.model.parameters())
-    taps = []
-    for index in layer_ids:
-        for later in trunk.layers[index + 1 :]:
-            names = ("o_proj", "down_proj")
-            later.update(
-                tree_unflatten(
-                    [
-                        (n, mx.zeros_like(v))
-                        for n, v in tree_flatten(later.parameters())
-                        if n.split(".")[-2] in names
-                    ]
-                )
-            )
-        taps.append(np.array(trunk(tokens, trunk.make_cache()).hidden_pre_norm).astype(np.float64))
-        trunk.model.update(tree_unflatten(saved))
-    return taps
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +34,7 @@ def replica(tmp_path_factory):
     )
 
 
-def _mlx_vlm_drafter(path, trunk: Trunk):
+def _mlx_vlm_drafter(path, trunk):
     from mlx_vlm.speculative.drafters.qwen3_dflash import DFlashDraftModel, ModelConfig
 
     config = json.loads((path / "config.json").read_text())
@@ -94,7 +50,7 @@ def test_dflash_logits_equal_mlx_vlm_and_the_float64_oracle(replica, seed):
     config = json.loads((replica / "config.json").read_text())
     ids, mask = config["dflash_config"]["target_layer_ids"], config["dflash_config"]["mask_token_id"]
     block_size = config["block_size"]
-    trunk = _trunk(seed)
+    trunk = drafters.tiny_target(seed, TRUNK_LAYERS, VOCAB)
     tokens = mx.array(
         np.random.default_rng(seed).integers(0, VOCAB - 1, (2, PROMPT + MORE + 1)), dtype=mx.int32
     )
@@ -105,7 +61,7 @@ def test_dflash_logits_equal_mlx_vlm_and_the_float64_oracle(replica, seed):
     trunk_cache, cache = trunk.make_cache(), drafter.make_cache()
     reference = _mlx_vlm_drafter(replica, trunk)
     ref_cache = reference.make_cache()
-    taps_all = np.concatenate(_reference_taps(trunk, tokens[:, :-1], ids), axis=-1)
+    taps_all = np.concatenate(drafters.silenced_taps(trunk, tokens[:, :-1], ids), axis=-1)
     weights = drafters.published_float64(replica)
     embed = np.array(trunk.model.model.embed_tokens.weight).astype(np.float64)
     head = np.array(trunk.model.lm_head.weight).astype(np.float64)

@@ -83,7 +83,7 @@ def test_a_model_without_one_has_none(tmp_path):
 @pytest.mark.parametrize("how", ["head", "draft_model"])
 def test_naming_a_block_drafter_to_draft_is_a_one_line_error(family, how):
     with pytest.raises(
-        MtplxError, match="a DFlash drafter that fits this model; block drafters load but do not draft yet"
+        MtplxError, match="DFlash drafter that fits this model; block drafters load but do not draft yet"
     ):
         Engine.load(str(family["Tiny-Llama-4bit"]), **{how: str(family["drafter"])})
     with pytest.raises(MtplxError, match="does not fit: dflash_config.num_target_layers 3") as err:
@@ -106,3 +106,19 @@ def test_cli_inspect_and_generate(family):
     done = subprocess.run([*run, *args], capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "Traceback" not in done.stderr
     assert "num_target_layers 3 != the trunk's 2 layers" in done.stderr
+
+
+def test_an_eagle3_drafter_beside_the_model_is_found_and_checked(tmp_path):
+    target = checkpoints.save_model(
+        tmp_path / "Tiny-4bit", models.tiny_llama(), architectures=["LlamaForCausalLM"]
+    ).path
+    word_level(target)
+    config = drafters.eagle3_config(models.VOCAB, 40, [1, 1, 2])
+    drafters.write_eagle3(tmp_path / "Tiny-EAGLE3", config, drafters.eagle3_tensors(config))
+    block = inspect_model(str(target))["block_drafter"]
+    assert block["layout"] == "eagle3" and block["fits"], block
+    with pytest.raises(MtplxError, match="EAGLE-3 drafter that fits this model"):
+        Engine.load(str(target), head=str(tmp_path / "Tiny-EAGLE3"))
+    config["eagle_aux_hidden_state_layer_ids"] = [1, 2, 3]
+    drafters.write_eagle3(tmp_path / "Tiny-EAGLE3", config, drafters.eagle3_tensors(config))
+    assert "name a layer past the trunk's 2" in inspect_model(str(target))["block_drafter"]["problem"]

@@ -15,10 +15,53 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from mtplx.trunk.model import Trunk
+
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.models import llama
 
 DFLASH_HIDDEN, DFLASH_HEADS, DFLASH_KV_HEADS, DFLASH_HEAD_DIM = 32, 4, 2, 8
+
+
+def tiny_target(seed: int, layers: int, vocab_size: int) -> Trunk:
+    """A llama trunk of ``layers`` layers at the drafters' hidden size (mlx-lm's initialisation)."""
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=DFLASH_HIDDEN,
+        num_hidden_layers=layers,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=vocab_size,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+    )
+    mx.random.seed(seed)
+    model = llama.Model(args)
+    model.eval()
+    mx.eval(model.parameters())
+    return Trunk(model)
+
+
+def silenced_taps(trunk: Trunk, tokens: mx.array, layer_ids: list[int]) -> list[np.ndarray]:
+    """Per id, layer ``i``'s output over ``tokens`` [B, T], independent of the layer tap: the
+    final norm's input of the trunk with every later layer's output projections zeroed."""
+    saved = tree_flatten(trunk.model.parameters())
+    taps = []
+    for index in layer_ids:
+        for later in trunk.layers[index + 1 :]:
+            zeroed = [
+                (n, mx.zeros_like(v))
+                for n, v in tree_flatten(later.parameters())
+                if n.split(".")[-2] in ("o_proj", "down_proj")
+            ]
+            later.update(tree_unflatten(zeroed))
+        taps.append(np.array(trunk(tokens, trunk.make_cache()).hidden_pre_norm).astype(np.float64))
+        trunk.model.update(tree_unflatten(saved))
+    return taps
 
 
 def dflash_config(vocab_size: int, target_layer_ids: list[int], num_target_layers: int, **overrides) -> dict:
@@ -97,11 +140,14 @@ def write_dflash(path: Path, config: dict, tensors: dict[str, np.ndarray], prefi
 
 
 def published_float64(path: Path) -> dict[str, np.ndarray]:
-    """The tensors of a written replica as float64 (the bfloat16 values exactly)."""
-    return {
-        k.removeprefix("model."): np.array(v.astype(mx.float32)).astype(np.float64)
-        for k, v in mx.load(str(path / "model.safetensors")).items()
-    }
+    """The tensors of a written replica as float64 (the bfloat16 values exactly; integer maps kept)."""
+    out = {}
+    for k, v in mx.load(str(path / "model.safetensors")).items():
+        floating = mx.issubdtype(v.dtype, mx.floating)
+        out[k.removeprefix("model.")] = (
+            np.array(v.astype(mx.float32)).astype(np.float64) if floating else np.array(v)
+        )
+    return out
 
 
 # --------------------------------------------------------------------------- float64 oracle
@@ -172,3 +218,176 @@ def dflash_logits(
         gate, up = y @ w["mlp.gate_proj.weight"].T, y @ w["mlp.up_proj.weight"].T
         h = h + (gate / (1.0 + np.exp(-gate)) * up) @ w["mlp.down_proj.weight"].T
     return _rms(h, weights["norm.weight"], eps) @ lm_head.T
+
+
+# --------------------------------------------------------------------------- EAGLE-3
+
+EAGLE3_HIDDEN = 32
+
+
+def eagle3_config(
+    vocab_size: int, draft_vocab: int, aux_ids: list[int] | None, *, speculators: bool = True, layers: int = 1
+) -> dict:
+    """The speculators format (``Eagle3Speculator``, ``speculators_model_type``, its
+    ``speculators_config``) or, with ``speculators=False``, mlx-vlm's own ``eagle3`` config."""
+    layer = {
+        "model_type": "llama",
+        "hidden_size": EAGLE3_HIDDEN,
+        "intermediate_size": 2 * EAGLE3_HIDDEN,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": vocab_size,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 4096,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+    }
+    config = {
+        "transformer_layer_config": layer,
+        "draft_vocab_size": draft_vocab,
+        "target_hidden_size": EAGLE3_HIDDEN,
+        "norm_before_residual": speculators,
+        "norm_before_fc": not speculators,
+        "torch_dtype": "bfloat16",
+    }
+    if aux_ids is not None:
+        config["eagle_aux_hidden_state_layer_ids"] = aux_ids
+    if speculators:
+        method = {"proposal_type": "greedy", "speculative_tokens": 3}
+        verifier = {"name_or_path": "tiny-llama", "architectures": ["LlamaForCausalLM"]}
+        config |= {
+            "architectures": ["Eagle3Speculator"],
+            "speculators_model_type": "eagle3",
+            "speculators_version": "0.1.0",
+            "speculators_config": {"algorithm": "eagle3", "proposal_methods": [method], "verifier": verifier},
+        }
+    else:
+        config |= {"model_type": "eagle3", "block_size": 4}
+    return config
+
+
+def eagle3_tensors(config: dict, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random weights under the published names; ``d2t`` (int64) and ``t2d`` (bool) for a draft
+    vocabulary of every other target id from a random offset (so ``d2t`` is not constant)."""
+    rng = np.random.default_rng(seed)
+    layer = config["transformer_layer_config"]
+    h, inter, vocab, draft = (
+        layer["hidden_size"],
+        layer["intermediate_size"],
+        layer["vocab_size"],
+        config["draft_vocab_size"],
+    )
+    q, kv = layer["num_attention_heads"] * layer["head_dim"], layer["num_key_value_heads"] * layer["head_dim"]
+
+    def dense(out: int, inp: int) -> np.ndarray:
+        return rng.standard_normal((out, inp)) / np.sqrt(inp)
+
+    def norm(n: int) -> np.ndarray:
+        return 1.0 + 0.3 * rng.standard_normal(n)
+
+    t = {
+        "embed_tokens.weight": rng.standard_normal((vocab, h)),
+        "fc.weight": dense(h, 3 * h),
+        "norm.weight": norm(h),
+        "lm_head.weight": dense(draft, h),
+    }
+    if config.get("norm_before_fc"):
+        t["input_norm.weight"] = norm(3 * h)
+    for i in range(layer["num_hidden_layers"]):
+        p, width = f"layers.{i}.", 2 * h if i == 0 else h
+        t |= {p + "input_layernorm.weight": norm(h), p + "post_attention_layernorm.weight": norm(h)}
+        if i == 0:
+            t[p + "hidden_norm.weight"] = norm(h)
+        t |= {
+            p + "self_attn.q_proj.weight": dense(q, width),
+            p + "self_attn.k_proj.weight": dense(kv, width),
+            p + "self_attn.v_proj.weight": dense(kv, width),
+            p + "self_attn.o_proj.weight": dense(h, q),
+            p + "mlp.gate_proj.weight": dense(inter, h),
+            p + "mlp.up_proj.weight": dense(inter, h),
+            p + "mlp.down_proj.weight": dense(h, inter),
+        }
+    out = {k: v.astype(np.float32) for k, v in t.items()}
+    if draft != vocab:
+        targets = np.sort(rng.choice(vocab, draft, replace=False))
+        out["d2t"] = (targets - np.arange(draft)).astype(np.int64)
+        held = np.zeros(vocab, dtype=bool)
+        held[targets] = True
+        out["t2d"] = held
+    return out
+
+
+def write_eagle3(path: Path, config: dict, tensors: dict[str, np.ndarray]) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    arrays = {
+        k: mx.array(v) if v.dtype != np.float32 else mx.array(v).astype(mx.bfloat16)
+        for k, v in tensors.items()
+    }
+    mx.save_safetensors(str(path / "model.safetensors"), arrays, metadata={"format": "pt"})
+    return path
+
+
+def _causal_attention(x: np.ndarray, w: dict, layer: dict, positions: np.ndarray) -> np.ndarray:
+    nh, nkv = layer["num_attention_heads"], layer["num_key_value_heads"]
+    q = _rope(_heads(x @ w["self_attn.q_proj.weight"].T, nh), positions, layer["rope_theta"])
+    k = _rope(_heads(x @ w["self_attn.k_proj.weight"].T, nkv), positions, layer["rope_theta"])
+    v = _heads(x @ w["self_attn.v_proj.weight"].T, nkv)
+    k, v = np.repeat(k, nh // nkv, axis=0), np.repeat(v, nh // nkv, axis=0)
+    scores = q @ k.transpose(0, 2, 1) / np.sqrt(q.shape[-1])
+    n = x.shape[0]
+    scores = np.where(np.tril(np.ones((n, n), dtype=bool)), scores, -np.inf)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    return ((p / p.sum(-1, keepdims=True)) @ v).transpose(1, 0, 2).reshape(n, -1) @ w[
+        "self_attn.o_proj.weight"
+    ].T
+
+
+def eagle3_hidden(
+    weights: dict,
+    config: dict,
+    tokens: np.ndarray,
+    hidden_in: np.ndarray,
+    first_position: int,
+    embed: np.ndarray,
+) -> np.ndarray:
+    """One row, no cache: the drafter's hidden [T, H] for ``tokens`` [T] paired with ``hidden_in``
+    [T, H] (already through ``fc``), causal over the whole sequence, positions from ``first_position``."""
+    layer = config["transformer_layer_config"]
+    eps = layer["rms_norm_eps"]
+    positions = np.arange(first_position, first_position + len(tokens), dtype=np.float64)
+    h = hidden_in
+    for i in range(layer["num_hidden_layers"]):
+        w = {k.removeprefix(f"layers.{i}."): v for k, v in weights.items() if k.startswith(f"layers.{i}.")}
+        if i == 0:
+            g = _rms(h, w["hidden_norm.weight"], eps)
+            residual = g if config["norm_before_residual"] else h
+            x = np.concatenate([_rms(embed[tokens], w["input_layernorm.weight"], eps), g], axis=-1)
+        else:
+            residual, x = h, _rms(h, w["input_layernorm.weight"], eps)
+        h = residual + _causal_attention(x, w, layer, positions)
+        y = _rms(h, w["post_attention_layernorm.weight"], eps)
+        gate, up = y @ w["mlp.gate_proj.weight"].T, y @ w["mlp.up_proj.weight"].T
+        h = h + (gate / (1.0 + np.exp(-gate)) * up) @ w["mlp.down_proj.weight"].T
+    return h
+
+
+def eagle3_project(weights: dict, config: dict, taps: np.ndarray) -> np.ndarray:
+    """The joined target taps [T, 3 Ht] through ``input_norm`` (with ``norm_before_fc``) and ``fc``."""
+    if config.get("norm_before_fc"):
+        taps = _rms(taps, weights["input_norm.weight"], config["transformer_layer_config"]["rms_norm_eps"])
+    return taps @ weights["fc.weight"].T
+
+
+def eagle3_target_logits(weights: dict, config: dict, hidden: np.ndarray) -> np.ndarray:
+    """Logits [T, V] on the target vocabulary (-inf off the draft vocabulary), through ``d2t``."""
+    eps = config["transformer_layer_config"]["rms_norm_eps"]
+    draft = _rms(hidden, weights["norm.weight"], eps) @ weights["lm_head.weight"].T
+    if "d2t" not in weights:
+        return draft
+    out = np.full((hidden.shape[0], config["transformer_layer_config"]["vocab_size"]), -np.inf)
+    out[:, np.arange(draft.shape[1]) + weights["d2t"].astype(np.int64)] = draft
+    return out
