@@ -25,59 +25,69 @@ from mutate_heads import Plant, check_family, scratch_copy  # noqa: E402
 _LAYOUTS = "mtplx/drafters/layouts.py"
 _DFLASH = "mtplx/drafters/dflash.py"
 _EAGLE3 = "mtplx/drafters/eagle3.py"
+_DSPARK = "mtplx/drafters/dspark.py"
 
-PLANTS: dict[str, tuple[Plant, ...]] = {
-    "dflash": (
-        Plant(
-            "wrong target layer",
-            "target_layer_ids shifted by one",
+PLANTS_DFLASH: tuple[Plant, ...] = (
+    Plant(
+        "wrong target layer",
+        "target_layer_ids shifted by one",
+        (
             (
-                (
-                    _LAYOUTS,
-                    "target_layer_ids=tuple(layer_ids),",
-                    "target_layer_ids=tuple(i + 1 for i in layer_ids),",
-                ),
-            ),
-        ),
-        Plant(
-            "mask token",
-            "mask_token_id + 1 in the block",
-            (
-                (
-                    _DFLASH,
-                    "self.spec.mask_token_id, dtype=mx.int32)",
-                    "self.spec.mask_token_id + 1, dtype=mx.int32)",
-                ),
-            ),
-        ),
-        Plant(
-            "position offset",
-            "the block one position early",
-            (
-                (
-                    _DFLASH,
-                    "start = cache.offset + context.shape[1]",
-                    "start = cache.offset + context.shape[1] - 1",
-                ),
-            ),
-        ),
-        Plant(
-            "norm dropped",
-            "hidden_norm of the context dropped",
-            ((_DFLASH, "context = self.hidden_norm(self.fc(", "context = (self.fc("),),
-        ),
-        Plant(
-            "norm dropped",
-            "context keys normed by input_layernorm",
-            (
-                (
-                    _DFLASH,
-                    "h = h + self.self_attn(self.input_layernorm(h), context,",
-                    "h = h + self.self_attn(self.input_layernorm(h), self.input_layernorm(context),",
-                ),
+                _LAYOUTS,
+                "target_layer_ids=tuple(layer_ids),",
+                "target_layer_ids=tuple(i + 1 for i in layer_ids),",
             ),
         ),
     ),
+    Plant(
+        "mask token",
+        "mask_token_id + 1 in the block",
+        (
+            (
+                _DFLASH,
+                "self.spec.mask_token_id, dtype=mx.int32)",
+                "self.spec.mask_token_id + 1, dtype=mx.int32)",
+            ),
+        ),
+    ),
+    Plant(
+        "position offset",
+        "the block one position early",
+        (
+            (
+                _DFLASH,
+                "start = cache.offset + context.shape[1]",
+                "start = cache.offset + context.shape[1] - 1",
+            ),
+        ),
+    ),
+    Plant(
+        "norm dropped",
+        "hidden_norm of the context dropped",
+        ((_DFLASH, "context = self.hidden_norm(self.fc(", "context = (self.fc("),),
+    ),
+    Plant(
+        "norm dropped",
+        "context keys normed by input_layernorm",
+        (
+            (
+                _DFLASH,
+                "h = h + self.self_attn(self.input_layernorm(h), context,",
+                "h = h + self.self_attn(self.input_layernorm(h), self.input_layernorm(context),",
+            ),
+        ),
+    ),
+)
+
+# The DFlash backbone's plants that DSpark (a DFlash backbone) must catch too.
+_SHARED_WITH_DSPARK = (
+    "target_layer_ids shifted by one",
+    "mask_token_id + 1 in the block",
+    "hidden_norm of the context dropped",
+)
+
+PLANTS: dict[str, tuple[Plant, ...]] = {
+    "dflash": PLANTS_DFLASH,
     "eagle3": (
         Plant(
             "wrong target layer",
@@ -129,11 +139,26 @@ PLANTS: dict[str, tuple[Plant, ...]] = {
             ),
         ),
     ),
+    "dspark": (
+        *(p for p in PLANTS_DFLASH if p.what in _SHARED_WITH_DSPARK),
+        Plant(
+            "previous token offset",
+            "the Markov term by each draft's own token, not the one before",
+            (
+                (
+                    _DSPARK,
+                    "return mx.concatenate([anchor.reshape(-1, 1).astype(drafts.dtype), drafts[:, :-1]], axis=1)",
+                    "return drafts",
+                ),
+            ),
+        ),
+    ),
 }
 
 REFERENCE_TESTS: dict[str, tuple[str, ...]] = {
     "dflash": ("tests/drafters/test_dflash.py", "-k", "oracle"),
     "eagle3": ("tests/drafters/test_eagle3.py", "-k", "oracle"),
+    "dspark": ("tests/drafters/test_dspark.py", "-k", "oracle"),
 }
 
 

@@ -108,7 +108,7 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = nn.RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         self.layers = [DFlashLayer(spec) for _ in range(spec.num_hidden_layers)]
         self.norm = nn.RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
-        self._rope = nn.RoPE(spec.head_dim, traditional=False, base=spec.rope_theta)
+        self._rope = nn.RoPE(spec.head_dim, traditional=spec.rope_traditional, base=spec.rope_theta)
         if own_embedding:
             self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         if own_lm_head:

@@ -23,13 +23,14 @@ from mtplx.drafters.layouts import (
     dflash_fit_problem,
     dflash_spec,
     drafter_layout,
+    dspark_spec,
     eagle3_fit_problem,
     eagle3_spec,
 )
 from mtplx.errors import MtplxError
 
 LAYOUT_NAMES = {"dflash": "DFlash", "dflash2": "DFlash2", "dspark": "DSpark", "eagle3": "EAGLE-3"}
-LOADABLE = ("dflash", "eagle3")  # the layouts whose loaders and references have landed
+LOADABLE = ("dflash", "dspark", "eagle3")  # the layouts whose loaders and references have landed
 _NAME = re.compile(r"(?i)^[-_](dflash2|dflash|dspark|eagle-?3)([-_].*)?$")
 NOT_DRAFTING = "block drafters load but do not draft yet (the proposers land with the drafter contract)"
 
@@ -73,6 +74,8 @@ def fit_problem(drafter_config: dict, target_config: dict) -> str | None:
     try:
         if layout == "eagle3":
             return eagle3_fit_problem(eagle3_spec(drafter_config), *shape)
+        if layout == "dspark":
+            return dflash_fit_problem(dspark_spec(drafter_config).backbone, *shape)
         return dflash_fit_problem(dflash_spec(drafter_config), *shape)
     except MtplxError as err:
         return str(err)
@@ -131,7 +134,7 @@ def find_block_drafter(
 
 
 def load_block_drafter(candidate: BlockCandidate) -> Any:
-    """Load a fitting candidate (`dflash.load_dflash`, `eagle3.load_eagle3`); a misfit or a
+    """Load a fitting candidate (`dflash.load_dflash`, `dspark.load_dspark`, `eagle3.load_eagle3`); a misfit or a
     layout not loaded yet is a one-line error naming it."""
     if candidate.problem is not None:
         raise MtplxError(
@@ -141,6 +144,10 @@ def load_block_drafter(candidate: BlockCandidate) -> Any:
         from mtplx.drafters.eagle3 import load_eagle3
 
         return load_eagle3(candidate.path)
+    if candidate.layout == "dspark":
+        from mtplx.drafters.dspark import load_dspark
+
+        return load_dspark(candidate.path)
     from mtplx.drafters.dflash import load_dflash
 
     return load_dflash(candidate.path)

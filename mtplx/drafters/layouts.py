@@ -61,6 +61,7 @@ class DFlashSpec:
     rms_norm_eps: float
     vocab_size: int
     rope_theta: float
+    rope_traditional: bool  # not ``rope_is_neox_style`` (mlx-vlm's ``_build_rope``)
     block_size: int
     mask_token_id: int
     target_layer_ids: tuple[int, ...]
@@ -132,6 +133,7 @@ def dflash_spec(config: Mapping[str, Any]) -> DFlashSpec:
         head_dim=_int(config.get("head_dim", required["hidden_size"] // heads), "head_dim"),
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         rope_theta=_rope_theta(config),
+        rope_traditional=not bool(config.get("rope_is_neox_style", True)),
         block_size=_int(config.get("block_size", 16), "block_size"),
         mask_token_id=_int(mask, "dflash_config.mask_token_id"),
         target_layer_ids=tuple(layer_ids),
@@ -258,3 +260,48 @@ def eagle3_fit_problem(spec: Eagle3Spec, hidden_size: int, num_layers: int, voca
     if max(spec.tapped_layers(num_layers)) >= num_layers:
         return f"eagle_aux_hidden_state_layer_ids {list(spec.aux_layer_ids or ())} name a layer past the trunk's {num_layers}"
     return None
+
+
+@dataclass(frozen=True)
+class DSparkSpec:
+    """A DSpark drafter (mlx-vlm 0.7.10 ``drafters/dspark``): a DFlash backbone, a low-rank Markov
+    correction of each position's logits by the previous token, and an optional confidence head.
+    ``backbone.block_size`` is the verification width (anchor + ``proposal_length`` drafts): the
+    checkpoint's ``block_size`` plus one unless ``dspark_bonus_anchor`` says it counts the anchor."""
+
+    backbone: DFlashSpec
+    proposal_length: int
+    sample_from_anchor: bool
+    markov_rank: int
+    confidence_head: bool
+    confidence_with_markov: bool
+
+
+def dspark_spec(config: Mapping[str, Any]) -> DSparkSpec:
+    """Read a DSpark ``config.json`` (``dflash_config`` with ``projector_type`` ``dspark`` or a
+    ``markov_rank``); a missing or unsupported field is a one-line error naming it."""
+    dflash = config.get("dflash_config")
+    if not isinstance(dflash, Mapping):
+        raise MtplxError("DSpark config: dflash_config is missing")
+    if dflash.get("projector_type") not in (None, "dspark"):
+        raise MtplxError(
+            f"DSpark config: dflash_config.projector_type {dflash.get('projector_type')!r} is not dspark"
+        )
+    if dflash.get("markov_head_type", "vanilla") != "vanilla":
+        raise MtplxError("DSpark config: dflash_config.markov_head_type must be vanilla")
+    if config.get("hidden_act", "silu") != "silu":
+        raise MtplxError("DSpark config: hidden_act must be silu")
+    raw = dflash.get("block_size", config.get("block_size"))
+    if raw is None:
+        raise MtplxError("DSpark config: dflash_config.block_size is missing")
+    width = _int(raw, "dflash_config.block_size") + (0 if config.get("dspark_bonus_anchor") else 1)
+    backbone = dflash_spec({**config, "block_size": width})
+    rank = dflash.get("markov_rank", config.get("markov_rank", 256))
+    return DSparkSpec(
+        backbone=backbone,
+        proposal_length=width - 1,
+        sample_from_anchor=bool(dflash.get("sample_from_anchor", True)),
+        markov_rank=_int(rank, "dflash_config.markov_rank"),
+        confidence_head=bool(dflash.get("enable_confidence_head", False)),
+        confidence_with_markov=bool(dflash.get("confidence_head_with_markov", True)),
+    )

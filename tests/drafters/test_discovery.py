@@ -122,3 +122,23 @@ def test_an_eagle3_drafter_beside_the_model_is_found_and_checked(tmp_path):
     config["eagle_aux_hidden_state_layer_ids"] = [1, 2, 3]
     drafters.write_eagle3(tmp_path / "Tiny-EAGLE3", config, drafters.eagle3_tensors(config))
     assert "name a layer past the trunk's 2" in inspect_model(str(target))["block_drafter"]["problem"]
+
+
+def test_a_dspark_drafter_beside_the_model_is_found_and_a_dflash2_one_is_named_not_loaded(tmp_path):
+    target = checkpoints.save_model(
+        tmp_path / "Tiny-bf16", models.tiny_llama(), architectures=["LlamaForCausalLM"]
+    ).path
+    word_level(target)
+    config = drafters.dspark_config(models.VOCAB, [0, 1], LAYERS)
+    drafters.write_dflash(tmp_path / "Tiny-DSpark", config, drafters.dspark_tensors(config))
+    block = inspect_model(str(target))["block_drafter"]
+    assert block["layout"] == "dspark" and block["fits"], block
+    with pytest.raises(MtplxError, match="DSpark drafter that fits this model"):
+        Engine.load(str(target), head=str(tmp_path / "Tiny-DSpark"))
+    config = {**drafters.dflash_config(models.VOCAB, [0, 1], LAYERS), "architectures": ["DFlash2DraftModel"]}
+    drafters.write_dflash(tmp_path / "Tiny-DFlash2", config, drafters.dflash_tensors(config))
+    block = inspect_model(str(target), head=str(tmp_path / "Tiny-DFlash2"))["block_drafter"]
+    assert (
+        block["layout"] == "dflash2"
+        and block["problem"] == "DFlash2 drafters are recognised but not loaded yet"
+    )

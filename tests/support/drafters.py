@@ -186,6 +186,13 @@ def dflash_logits(
 ) -> np.ndarray:
     """One row: ``taps`` [S, n_taps * H] for every context position so far (in target_layer_ids
     order), ``block`` [L] tokens placed at positions S..; returns logits [L, V]."""
+    return dflash_hidden(weights, config, taps, block, embed) @ lm_head.T
+
+
+def dflash_hidden(
+    weights: dict[str, np.ndarray], config: dict, taps: np.ndarray, block: np.ndarray, embed: np.ndarray
+) -> np.ndarray:
+    """``dflash_logits``' final hidden [L, H] (after the drafter's ``norm``)."""
     eps, base = config["rms_norm_eps"], config["rope_theta"]
     nh, nkv = config["num_attention_heads"], config["num_key_value_heads"]
     causal = bool(config["dflash_config"].get("causal", False))
@@ -217,7 +224,7 @@ def dflash_logits(
         y = _rms(h, w["post_attention_layernorm.weight"], eps)
         gate, up = y @ w["mlp.gate_proj.weight"].T, y @ w["mlp.up_proj.weight"].T
         h = h + (gate / (1.0 + np.exp(-gate)) * up) @ w["mlp.down_proj.weight"].T
-    return _rms(h, weights["norm.weight"], eps) @ lm_head.T
+    return _rms(h, weights["norm.weight"], eps)
 
 
 # --------------------------------------------------------------------------- EAGLE-3
@@ -391,3 +398,59 @@ def eagle3_target_logits(weights: dict, config: dict, hidden: np.ndarray) -> np.
     out = np.full((hidden.shape[0], config["transformer_layer_config"]["vocab_size"]), -np.inf)
     out[:, np.arange(draft.shape[1]) + weights["d2t"].astype(np.int64)] = draft
     return out
+
+
+# --------------------------------------------------------------------------- DSpark
+
+DSPARK_RANK = 8
+
+
+def dspark_config(
+    vocab_size: int, target_layer_ids: list[int], num_target_layers: int, *, sample_from_anchor: bool = True
+) -> dict:
+    """A canonical DSpark config: the DFlash keys plus ``projector_type`` dspark, the Markov rank,
+    the confidence head; ``block_size`` 3 proposals (mlx-vlm's verification width 4)."""
+    config = dflash_config(
+        vocab_size, target_layer_ids, num_target_layers, architectures=["DSparkDraftModel"]
+    )
+    config.pop("block_size")
+    config["dflash_config"] |= {
+        "projector_type": "dspark",
+        "block_size": 3,
+        "num_target_layers": num_target_layers,
+        "markov_rank": DSPARK_RANK,
+        "markov_head_type": "vanilla",
+        "enable_confidence_head": True,
+        "confidence_head_with_markov": True,
+        "sample_from_anchor": sample_from_anchor,
+    }
+    return config
+
+
+def dspark_tensors(config: dict, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed + 1000)
+    h, vocab = config["hidden_size"], config["vocab_size"]
+    out = dflash_tensors(config, seed)
+    out["markov_head.markov_w1.weight"] = rng.standard_normal((vocab, DSPARK_RANK)).astype(np.float32)
+    out["markov_head.markov_w2.weight"] = (
+        rng.standard_normal((vocab, DSPARK_RANK)) / np.sqrt(DSPARK_RANK)
+    ).astype(np.float32)
+    out["confidence_head.proj.weight"] = (rng.standard_normal((1, h + DSPARK_RANK)) / np.sqrt(h)).astype(
+        np.float32
+    )
+    out["confidence_head.proj.bias"] = rng.standard_normal(1).astype(np.float32)
+    return out
+
+
+def dspark_step(
+    weights: dict[str, np.ndarray], hidden: np.ndarray, lm_head: np.ndarray, previous: np.ndarray
+) -> tuple:
+    """One row's draft logits [P, V] and confidence [P] from the block's final hidden [P, H] and
+    each draft's previous token [P]."""
+    prev = weights["markov_head.markov_w1.weight"][previous]
+    logits = hidden @ lm_head.T + prev @ weights["markov_head.markov_w2.weight"].T
+    z = (
+        np.concatenate([hidden, prev], axis=-1) @ weights["confidence_head.proj.weight"].T
+        + weights["confidence_head.proj.bias"]
+    )
+    return logits, 1.0 / (1.0 + np.exp(-z[:, 0]))
