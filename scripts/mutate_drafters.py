@@ -26,6 +26,7 @@ _LAYOUTS = "mtplx/drafters/layouts.py"
 _DFLASH = "mtplx/drafters/dflash.py"
 _EAGLE3 = "mtplx/drafters/eagle3.py"
 _DSPARK = "mtplx/drafters/dspark.py"
+_DFLASH2 = "mtplx/drafters/dflash2.py"
 
 PLANTS_DFLASH: tuple[Plant, ...] = (
     Plant(
@@ -153,12 +154,37 @@ PLANTS: dict[str, tuple[Plant, ...]] = {
             ),
         ),
     ),
+    "dflash2": (
+        *(p for p in PLANTS_DFLASH if p.what in _SHARED_WITH_DSPARK),
+        Plant(
+            "convolution",
+            "the convolution not causal (the shift one position the other way)",
+            ((_DFLASH2, "blocks[:, :-offset]], axis=1)", "blocks[:, offset:]], axis=1)"),),
+        ),
+        Plant(
+            "selector",
+            "the selector's edge by the draft's own candidate as predecessor",
+            (
+                (
+                    _DFLASH2,
+                    "selector.predecessor_codebook(previous)[:, :, None]",
+                    "selector.predecessor_codebook(candidates)",
+                ),
+            ),
+        ),
+        Plant(
+            "scale dropped",
+            "input_embedding_scale dropped",
+            ((_DFLASH2, " * embed_scale * drafter.dflash2.input_embedding_scale", " * embed_scale"),),
+        ),
+    ),
 }
 
 REFERENCE_TESTS: dict[str, tuple[str, ...]] = {
     "dflash": ("tests/drafters/test_dflash.py", "-k", "oracle"),
     "eagle3": ("tests/drafters/test_eagle3.py", "-k", "oracle"),
     "dspark": ("tests/drafters/test_dspark.py", "-k", "oracle"),
+    "dflash2": ("tests/drafters/test_dflash2.py", "-k", "oracle"),
 }
 
 

@@ -352,7 +352,7 @@ def _heads_beside(
     if given_assistant is not None and (given_split or read_assistant_config(given_assistant) is None):
         given_assistant = None
     split = None if is_drafter else split_drafter.inspect_split(path, spec_or_path, config, given_split)
-    given_block = read_block_drafter_config(resolve_model(head)) if head is not None else None
+    given_block = read_block_drafter_config(head)  # a directory (block drafters are not looked up by repo id)
     if head is not None and given_assistant is None and given_split is None and given_block is None:
         sidecar = _sidecar_head(Path(head), "forged sidecar given with --head", path, default_variant)
     elif not head_tensors and shipped is not None:
@@ -364,9 +364,10 @@ def _heads_beside(
 def _block_drafter(path: Path, config: dict, head) -> dict[str, Any] | None:
     """The block drafter (DFlash, DFlash2, DSpark, EAGLE-3) given with ``head`` or found beside the
     model (`mtplx.drafters.discovery`), with why and whether it fits; None when there is none."""
-    from mtplx.drafters.discovery import find_block_drafter
+    from mtplx.drafters.discovery import find_block_drafter, read_block_drafter_config
 
-    found = find_block_drafter(path, resolve_model(head) if head is not None else None, config)
+    given = Path(head) if head is not None and read_block_drafter_config(head) is not None else None
+    found = find_block_drafter(path, given, config)
     return None if found is None else found.describe()
 
 

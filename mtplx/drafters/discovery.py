@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from mtplx.drafters.layouts import (
+    dflash2_spec,
     dflash_fit_problem,
     dflash_spec,
     drafter_layout,
@@ -30,7 +31,13 @@ from mtplx.drafters.layouts import (
 from mtplx.errors import MtplxError
 
 LAYOUT_NAMES = {"dflash": "DFlash", "dflash2": "DFlash2", "dspark": "DSpark", "eagle3": "EAGLE-3"}
-LOADABLE = ("dflash", "dspark", "eagle3")  # the layouts whose loaders and references have landed
+LOADABLE = ("dflash", "dflash2", "dspark", "eagle3")
+# DSpark layouts with their own architectures (mlx-vlm's gemma4_dspark, deepseek_v4_dspark): named, not loaded yet.
+OWN_DSPARK = (
+    "gemma4_dspark",
+    "deepseek_v4_dspark",
+    "Gemma4DSparkModel",
+)  # the layouts whose loaders and references have landed
 _NAME = re.compile(r"(?i)^[-_](dflash2|dflash|dspark|eagle-?3)([-_].*)?$")
 NOT_DRAFTING = "block drafters load but do not draft yet (the proposers land with the drafter contract)"
 
@@ -65,6 +72,11 @@ def fit_problem(drafter_config: dict, target_config: dict) -> str | None:
     layout = drafter_layout(drafter_config)
     if layout not in LOADABLE:
         return f"{LAYOUT_NAMES[layout]} drafters are recognised but not loaded yet"
+    own = {str(drafter_config.get("model_type")), *(drafter_config.get("architectures") or ())} & set(
+        OWN_DSPARK
+    )
+    if layout == "dspark" and own:
+        return f"the {sorted(own)[0]} DSpark layout is recognised but not loaded yet"
     text = _text(target_config)
     shape = (
         int(text.get("hidden_size", 0)),
@@ -76,6 +88,8 @@ def fit_problem(drafter_config: dict, target_config: dict) -> str | None:
             return eagle3_fit_problem(eagle3_spec(drafter_config), *shape)
         if layout == "dspark":
             return dflash_fit_problem(dspark_spec(drafter_config).backbone, *shape)
+        if layout == "dflash2":
+            return dflash_fit_problem(dflash2_spec(drafter_config).backbone, *shape)
         return dflash_fit_problem(dflash_spec(drafter_config), *shape)
     except MtplxError as err:
         return str(err)
@@ -134,7 +148,7 @@ def find_block_drafter(
 
 
 def load_block_drafter(candidate: BlockCandidate) -> Any:
-    """Load a fitting candidate (`dflash.load_dflash`, `dspark.load_dspark`, `eagle3.load_eagle3`); a misfit or a
+    """Load a fitting candidate (`load_dflash`, `load_dflash2`, `load_dspark`, `load_eagle3`); a misfit or a
     layout not loaded yet is a one-line error naming it."""
     if candidate.problem is not None:
         raise MtplxError(
@@ -148,6 +162,10 @@ def load_block_drafter(candidate: BlockCandidate) -> Any:
         from mtplx.drafters.dspark import load_dspark
 
         return load_dspark(candidate.path)
+    if candidate.layout == "dflash2":
+        from mtplx.drafters.dflash2 import load_dflash2
+
+        return load_dflash2(candidate.path)
     from mtplx.drafters.dflash import load_dflash
 
     return load_dflash(candidate.path)

@@ -305,3 +305,49 @@ def dspark_spec(config: Mapping[str, Any]) -> DSparkSpec:
         confidence_head=bool(dflash.get("enable_confidence_head", False)),
         confidence_with_markov=bool(dflash.get("confidence_head_with_markov", True)),
     )
+
+
+@dataclass(frozen=True)
+class DFlash2Spec:
+    """A DFlash2 drafter (mlx-vlm 0.7.10 ``drafters/dflash2``; ``architectures`` DFlash2DraftModel):
+    a DFlash backbone whose layers wrap attention and MLP in grouped dynamic causal convolutions,
+    scaled embeddings and logits, and a candidate selector (top-k of each position's logits
+    rescored by a low-rank predecessor x hidden x successor term). ``backbone.block_size`` is
+    ``dflash_config.block_size`` (anchor + drafts)."""
+
+    backbone: DFlashSpec
+    conv_kernel_size: int
+    conv_group_size: int
+    selector_rank: int
+    selector_top_k: int
+    input_embedding_scale: float
+    output_multiplier: float
+
+
+def dflash2_spec(config: Mapping[str, Any]) -> DFlash2Spec:
+    """Read a DFlash2 ``config.json``; a missing or malformed field is a one-line error naming it."""
+    dflash = config.get("dflash_config")
+    if not isinstance(dflash, Mapping):
+        raise MtplxError("DFlash2 config: dflash_config is missing")
+    sizes = {}
+    for key in ("block_size", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+        value = dflash.get(key, config.get(key))
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise MtplxError(f"DFlash2 config: dflash_config.{key} must be a positive integer, got {value!r}")
+        sizes[key] = value
+    if dflash.get("causal") or config.get("dflash_query_causal"):
+        raise MtplxError("DFlash2 config: dflash_config.causal is not supported")
+    flat = {**config, "block_size": sizes.pop("block_size"), "dflash_config": {**dflash, "causal": False}}
+    if "final_logit_softcapping" in dflash:
+        flat["final_logit_softcapping"] = dflash["final_logit_softcapping"]
+    backbone = dflash_spec(flat)
+    if backbone.hidden_size % sizes["conv_group_size"]:
+        raise MtplxError("DFlash2 config: hidden_size must be a multiple of dflash_config.conv_group_size")
+    if sizes["selector_top_k"] > backbone.vocab_size:
+        raise MtplxError("DFlash2 config: dflash_config.selector_top_k exceeds the vocabulary")
+    return DFlash2Spec(
+        backbone=backbone,
+        **sizes,
+        input_embedding_scale=float(dflash.get("input_embedding_scale", 1.0)),
+        output_multiplier=float(dflash.get("output_multiplier", 1.0)),
+    )

@@ -124,7 +124,7 @@ def test_an_eagle3_drafter_beside_the_model_is_found_and_checked(tmp_path):
     assert "name a layer past the trunk's 2" in inspect_model(str(target))["block_drafter"]["problem"]
 
 
-def test_a_dspark_drafter_beside_the_model_is_found_and_a_dflash2_one_is_named_not_loaded(tmp_path):
+def test_dspark_and_dflash2_drafters_are_found_and_the_own_dspark_layouts_named_not_loaded(tmp_path):
     target = checkpoints.save_model(
         tmp_path / "Tiny-bf16", models.tiny_llama(), architectures=["LlamaForCausalLM"]
     ).path
@@ -135,10 +135,13 @@ def test_a_dspark_drafter_beside_the_model_is_found_and_a_dflash2_one_is_named_n
     assert block["layout"] == "dspark" and block["fits"], block
     with pytest.raises(MtplxError, match="DSpark drafter that fits this model"):
         Engine.load(str(target), head=str(tmp_path / "Tiny-DSpark"))
-    config = {**drafters.dflash_config(models.VOCAB, [0, 1], LAYERS), "architectures": ["DFlash2DraftModel"]}
-    drafters.write_dflash(tmp_path / "Tiny-DFlash2", config, drafters.dflash_tensors(config))
+    config = drafters.dflash2_config(models.VOCAB, [0, 1], LAYERS)
+    drafters.write_dflash(tmp_path / "Tiny-DFlash2", config, drafters.dflash2_tensors(config))
     block = inspect_model(str(target), head=str(tmp_path / "Tiny-DFlash2"))["block_drafter"]
-    assert (
-        block["layout"] == "dflash2"
-        and block["problem"] == "DFlash2 drafters are recognised but not loaded yet"
-    )
+    assert block["layout"] == "dflash2" and block["fits"], block
+    with pytest.raises(MtplxError, match="DFlash2 drafter that fits this model"):
+        Engine.load(str(target), draft_model=str(tmp_path / "Tiny-DFlash2"))
+    config = {**drafters.dspark_config(models.VOCAB, [0, 1], LAYERS), "model_type": "deepseek_v4_dspark"}
+    drafters.write_dflash(tmp_path / "Tiny-DSpark-V4", config, drafters.dspark_tensors(config))
+    block = inspect_model(str(target), head=str(tmp_path / "Tiny-DSpark-V4"))["block_drafter"]
+    assert block["problem"] == "the deepseek_v4_dspark DSpark layout is recognised but not loaded yet"

@@ -189,10 +189,27 @@ def dflash_logits(
     return dflash_hidden(weights, config, taps, block, embed) @ lm_head.T
 
 
+def _grouped_conv(h: np.ndarray, dynamic: np.ndarray, base: np.ndarray, group_size: int) -> np.ndarray:
+    """out[t, c] = sum over o < K, t - o >= 0 of (base[o, c] + dynamic[t, o, c // group_size]) * h[t - o, c]."""
+    out = np.zeros_like(h)
+    for t in range(h.shape[0]):
+        for o in range(min(base.shape[0], t + 1)):
+            out[t] += (base[o] + np.repeat(dynamic[t, o], group_size)) * h[t - o]
+    return out
+
+
+def _conv_prepare(w: dict, name: str, x: np.ndarray, kernel: int, group_size: int) -> tuple:
+    dynamic = (x @ w[f"{name}.kernel_projection.weight"].T).reshape(x.shape[0], 2, kernel, -1)
+    return _grouped_conv(x, dynamic[:, 0], w[f"{name}.base_kernel"][0], group_size), dynamic[:, 1]
+
+
 def dflash_hidden(
     weights: dict[str, np.ndarray], config: dict, taps: np.ndarray, block: np.ndarray, embed: np.ndarray
 ) -> np.ndarray:
-    """``dflash_logits``' final hidden [L, H] (after the drafter's ``norm``)."""
+    """``dflash_logits``' final hidden [L, H] (after the drafter's ``norm``); a DFlash2 config
+    (``dflash_config.conv_kernel_size``) wraps attention and MLP in its grouped dynamic convolutions."""
+    conv = config["dflash_config"].get("conv_kernel_size")
+    group = config["dflash_config"].get("conv_group_size")
     eps, base = config["rms_norm_eps"], config["rope_theta"]
     nh, nkv = config["num_attention_heads"], config["num_key_value_heads"]
     causal = bool(config["dflash_config"].get("causal", False))
@@ -203,6 +220,8 @@ def dflash_hidden(
     for i in range(config["num_hidden_layers"]):
         w = {k.removeprefix(f"layers.{i}."): v for k, v in weights.items() if k.startswith(f"layers.{i}.")}
         x = _rms(h, w["input_layernorm.weight"], eps)
+        if conv:
+            x, after = _conv_prepare(w, "attention_conv", x, conv, group)
         q = _rope(
             _rms(_heads(x @ w["self_attn.q_proj.weight"].T, nh), w["self_attn.q_norm.weight"], eps),
             blk_pos,
@@ -220,10 +239,14 @@ def dflash_hidden(
             scores = np.where(np.arange(S + L)[None, :] <= S + np.arange(L)[:, None], scores, -np.inf)
         p = np.exp(scores - scores.max(-1, keepdims=True))
         att = (p / p.sum(-1, keepdims=True)) @ v
-        h = h + att.transpose(1, 0, 2).reshape(L, -1) @ w["self_attn.o_proj.weight"].T
+        att = att.transpose(1, 0, 2).reshape(L, -1) @ w["self_attn.o_proj.weight"].T
+        h = h + (_grouped_conv(att, after, w["attention_conv.base_kernel"][1], group) if conv else att)
         y = _rms(h, w["post_attention_layernorm.weight"], eps)
+        if conv:
+            y, after = _conv_prepare(w, "mlp_conv", y, conv, group)
         gate, up = y @ w["mlp.gate_proj.weight"].T, y @ w["mlp.up_proj.weight"].T
-        h = h + (gate / (1.0 + np.exp(-gate)) * up) @ w["mlp.down_proj.weight"].T
+        mlp = (gate / (1.0 + np.exp(-gate)) * up) @ w["mlp.down_proj.weight"].T
+        h = h + (_grouped_conv(mlp, after, w["mlp_conv.base_kernel"][1], group) if conv else mlp)
     return _rms(h, weights["norm.weight"], eps)
 
 
@@ -454,3 +477,57 @@ def dspark_step(
         + weights["confidence_head.proj.bias"]
     )
     return logits, 1.0 / (1.0 + np.exp(-z[:, 0]))
+
+
+# --------------------------------------------------------------------------- DFlash2
+
+DFLASH2 = {"conv_kernel_size": 3, "conv_group_size": 8, "selector_rank": 8, "selector_top_k": 6}
+
+
+def dflash2_config(vocab_size: int, target_layer_ids: list[int], num_target_layers: int) -> dict:
+    """A DFlash2 config as published (``architectures`` DFlash2DraftModel, the sizes in ``dflash_config``)."""
+    config = dflash_config(
+        vocab_size, target_layer_ids, num_target_layers, architectures=["DFlash2DraftModel"]
+    )
+    config.pop("block_size")
+    config["dflash_config"] |= {
+        "block_size": 4,
+        "input_embedding_scale": 1.5,
+        "output_multiplier": 0.75,
+        **DFLASH2,
+    }
+    return config
+
+
+def dflash2_tensors(config: dict, seed: int = 0) -> dict[str, np.ndarray]:
+    """DFlash's tensors plus the convolutions and the selector (its codebooks without ``.weight``)."""
+    rng = np.random.default_rng(seed + 2000)
+    h, vocab = config["hidden_size"], config["vocab_size"]
+    k, g, r = DFLASH2["conv_kernel_size"], h // DFLASH2["conv_group_size"], DFLASH2["selector_rank"]
+    out = dflash_tensors(config, seed)
+    for i in range(config["num_hidden_layers"]):
+        for name in ("attention_conv", "mlp_conv"):
+            out[f"layers.{i}.{name}.base_kernel"] = (rng.standard_normal((2, k, h)) * 0.5).astype(np.float32)
+            out[f"layers.{i}.{name}.kernel_projection.weight"] = (
+                rng.standard_normal((2 * k * g, h)) * 0.1
+            ).astype(np.float32)
+    out["candidate_selector.predecessor_codebook"] = rng.standard_normal((vocab, r)).astype(np.float32)
+    out["candidate_selector.successor_codebook"] = rng.standard_normal((vocab, r)).astype(np.float32)
+    out["candidate_selector.hidden_projection.weight"] = (rng.standard_normal((r, h)) / np.sqrt(h)).astype(
+        np.float32
+    )
+    return out
+
+
+def dflash2_scores(
+    weights: dict, logits: np.ndarray, hidden: np.ndarray, previous: np.ndarray, top_k: int
+) -> np.ndarray:
+    """One row's selector scores [P, V]: logit + edge on each position's top-k tokens, -inf elsewhere."""
+    out = np.full(logits.shape, -np.inf)
+    projected = hidden @ weights["candidate_selector.hidden_projection.weight"].T
+    for p in range(logits.shape[0]):
+        top = np.argsort(logits[p])[-top_k:]
+        pred = weights["candidate_selector.predecessor_codebook"][previous[p]]
+        succ = weights["candidate_selector.successor_codebook"][top]
+        out[p, top] = logits[p, top] + succ @ (pred * projected[p])
+    return out
