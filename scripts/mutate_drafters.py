@@ -30,6 +30,11 @@ _DFLASH2 = "mtplx/drafters/dflash2.py"
 
 PLANTS_DFLASH: tuple[Plant, ...] = (
     Plant(
+        "causal",
+        "dflash_config.causal ignored (the block always bidirectional)",
+        ((_DFLASH, 'mask = "causal" if self.is_causal else None', "mask = None"),),
+    ),
+    Plant(
         "wrong target layer",
         "target_layer_ids shifted by one",
         (

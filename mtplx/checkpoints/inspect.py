@@ -424,6 +424,11 @@ def inspect_model(
     if dtype not in (None, *VARIANTS):
         raise MtplxError(f"dtype must be one of {', '.join(VARIANTS)} (got {dtype})")
     path = resolve_model(spec_or_path, variant=dtype or "float32")
+    from mtplx.drafters.discovery import describe_drafter_dir, read_block_drafter_config
+
+    block_config = read_block_drafter_config(path)
+    if block_config is not None:  # a DFlash / DSpark / EAGLE-3 directory itself
+        return describe_drafter_dir(path, block_config)
     default_variant = (dtype or "float32") if spec_or_path is None else default_model_variant(path)
     config = read_config(path)
     text = config.get("text_config") or {}

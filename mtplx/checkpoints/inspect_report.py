@@ -92,6 +92,15 @@ def _head_lines(info: dict[str, Any]) -> list[str]:
 
 def format_inspection(info: dict[str, Any]) -> str:
     """Human-readable text for ``mtplx inspect`` (``--json`` prints ``inspect_model``'s dict instead)."""
+    if info.get("kind") == "block_drafter":
+        shown = {k: v for k, v in info.items() if k not in ("path", "kind", "verdict", "reason", "problem")}
+        return "\n".join(
+            [
+                f"drafter       {info['path']}",
+                "facts         " + ", ".join(f"{k} {v}" for k, v in shown.items()),
+            ]
+            + [f"verdict       {info['verdict']}: {info['reason']}"]
+        )
     lines = [
         f"model         {info['path']}"
         + (f" (default model, {info['default_model_build']} build)" if info["default_model_build"] else ""),

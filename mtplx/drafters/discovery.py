@@ -147,6 +147,44 @@ def find_block_drafter(
     return found[0] if found else None
 
 
+def describe_drafter_dir(path: Path, config: dict) -> dict[str, Any]:
+    """``mtplx inspect`` of a block drafter directory itself: its layout and the facts a target
+    must match (a malformed config: the one-line problem instead)."""
+    layout = drafter_layout(config)
+    facts: dict[str, Any] = {"path": str(path), "kind": "block_drafter", "layout": layout}
+    try:
+        if layout == "eagle3":
+            spec = eagle3_spec(config)
+            ids = list(spec.aux_layer_ids) if spec.aux_layer_ids else "low / middle / high of the target"
+            facts |= {
+                "hidden_size": spec.target_hidden_size,
+                "vocab_size": spec.vocab_size,
+                "target_layers": ids,
+            }
+            facts |= {"draft_vocab_size": spec.draft_vocab_size, "block_size": spec.block_size}
+        elif layout in ("dflash", "dflash2", "dspark"):
+            read = {
+                "dflash": dflash_spec,
+                "dflash2": lambda c: dflash2_spec(c).backbone,
+                "dspark": lambda c: dspark_spec(c).backbone,
+            }
+            spec = read[layout](config)
+            facts |= {
+                "hidden_size": spec.hidden_size,
+                "vocab_size": spec.vocab_size,
+                "target_layers": list(spec.target_layer_ids),
+            }
+            facts |= {
+                "num_target_layers": spec.num_target_layers,
+                "block_size": spec.block_size,
+                "mask_token_id": spec.mask_token_id,
+            }
+        problem = None
+    except MtplxError as err:
+        problem = str(err)
+    return facts | {"problem": problem, "verdict": "block drafter", "reason": problem or NOT_DRAFTING}
+
+
 def load_block_drafter(candidate: BlockCandidate) -> Any:
     """Load a fitting candidate (`load_dflash`, `load_dflash2`, `load_dspark`, `load_eagle3`); a misfit or a
     layout not loaded yet is a one-line error naming it."""

@@ -26,9 +26,11 @@ from support import drafters
 VOCAB, TRUNK_LAYERS, PROMPT, MORE = 64, 4, 6, 3
 
 
-@pytest.fixture(scope="module")
-def replica(tmp_path_factory):
+@pytest.fixture(scope="module", params=[False, True], ids=["bidirectional", "causal"])
+def replica(request, tmp_path_factory):
+    """z-lab's default (the block attends to itself both ways) and ``dflash_config.causal``."""
     config = drafters.dflash_config(VOCAB, [0, 2], TRUNK_LAYERS)
+    config["dflash_config"]["causal"] = request.param
     return drafters.write_dflash(
         tmp_path_factory.mktemp("dflash"), config, drafters.dflash_tensors(config, seed=3)
     )

@@ -145,3 +145,19 @@ def test_dspark_and_dflash2_drafters_are_found_and_the_own_dspark_layouts_named_
     drafters.write_dflash(tmp_path / "Tiny-DSpark-V4", config, drafters.dspark_tensors(config))
     block = inspect_model(str(target), head=str(tmp_path / "Tiny-DSpark-V4"))["block_drafter"]
     assert block["problem"] == "the deepseek_v4_dspark DSpark layout is recognised but not loaded yet"
+
+
+@pytest.mark.parametrize("layout", ["dflash", "eagle3"])
+def test_inspect_of_a_drafter_directory_says_what_it_is(tmp_path, layout):
+    if layout == "dflash":
+        config = drafters.dflash_config(models.VOCAB, [0, 1], LAYERS)
+        path = drafters.write_dflash(tmp_path / "d", config, drafters.dflash_tensors(config))
+    else:
+        config = drafters.eagle3_config(models.VOCAB, 40, None)
+        path = drafters.write_eagle3(tmp_path / "e", config, drafters.eagle3_tensors(config))
+    info = inspect_model(str(path))
+    assert info["layout"] == layout and info["verdict"] == "block drafter" and info["problem"] is None
+    expected = [0, 1] if layout == "dflash" else "low / middle / high of the target"
+    assert info["target_layers"] == expected
+    text = format_inspection(info)
+    assert f"layout {layout}" in text and "do not draft yet" in text
