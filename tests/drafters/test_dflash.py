@@ -21,7 +21,8 @@ from mtplx.errors import MtplxError
 import mlx.core as mx
 import numpy as np
 import pytest
-from support import drafters
+from support import drafters, seeds
+from support.seeds import SEEDS
 
 VOCAB, TRUNK_LAYERS, PROMPT, MORE = 64, 4, 6, 3
 
@@ -47,8 +48,9 @@ def _mlx_vlm_drafter(path, trunk):
     return model
 
 
-@pytest.mark.parametrize("seed", [0, int(np.random.default_rng().integers(1 << 16))])
+@pytest.mark.parametrize("seed", [SEEDS[0], SEEDS[2]])
 def test_dflash_logits_equal_mlx_vlm_and_the_float64_oracle(replica, seed):
+    seed = seeds.resolve(seed)
     config = json.loads((replica / "config.json").read_text())
     ids, mask = config["dflash_config"]["target_layer_ids"], config["dflash_config"]["mask_token_id"]
     block_size = config["block_size"]

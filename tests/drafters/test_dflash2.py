@@ -18,7 +18,8 @@ from mtplx.errors import MtplxError
 import mlx.core as mx
 import numpy as np
 import pytest
-from support import drafters
+from support import drafters, seeds
+from support.seeds import SEEDS
 
 VOCAB, TRUNK_LAYERS, PROMPT = 64, 4, 6
 
@@ -57,8 +58,9 @@ def _mlx_vlm_drafter(path, trunk):
     return model
 
 
-@pytest.mark.parametrize("seed", [0, int(np.random.default_rng().integers(1 << 16))])
+@pytest.mark.parametrize("seed", [SEEDS[0], SEEDS[2]])
 def test_dflash2_logits_and_selector_scores_equal_mlx_vlm_and_the_float64_oracle(replica, seed):
+    seed = seeds.resolve(seed)
     config = json.loads((replica / "config.json").read_text())
     dflash = config["dflash_config"]
     top_k, mask = dflash["selector_top_k"], dflash["mask_token_id"]

@@ -25,7 +25,8 @@ from mtplx.errors import MtplxError
 import mlx.core as mx
 import numpy as np
 import pytest
-from support import drafters
+from support import drafters, seeds
+from support.seeds import SEEDS
 
 VOCAB, TRUNK_LAYERS, PROMPT = 64, 4, 6
 
@@ -49,8 +50,9 @@ def _mlx_vlm_drafter(path, trunk):
     return model
 
 
-@pytest.mark.parametrize("seed", [0, int(np.random.default_rng().integers(1 << 16))])
+@pytest.mark.parametrize("seed", [SEEDS[0], SEEDS[2]])
 def test_dspark_logits_and_confidence_equal_mlx_vlm_and_the_float64_oracle(replica, seed):
+    seed = seeds.resolve(seed)
     config = json.loads((replica / "config.json").read_text())
     dflash = config["dflash_config"]
     ids, mask, proposals = dflash["target_layer_ids"], dflash["mask_token_id"], dflash["block_size"]

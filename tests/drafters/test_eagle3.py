@@ -21,7 +21,8 @@ from mtplx.errors import MtplxError
 import mlx.core as mx
 import numpy as np
 import pytest
-from support import drafters
+from support import drafters, seeds
+from support.seeds import SEEDS
 
 VOCAB, TRUNK_LAYERS, STEPS = 64, 5, 5
 LAYOUTS = {
@@ -50,8 +51,9 @@ def _mlx_vlm_drafter(path, trunk):
     return model
 
 
-@pytest.mark.parametrize("seed", [0, int(np.random.default_rng().integers(1 << 16))])
+@pytest.mark.parametrize("seed", [SEEDS[0], SEEDS[2]])
 def test_eagle3_logits_equal_mlx_vlm_and_the_float64_oracle(replica, seed):
+    seed = seeds.resolve(seed)
     config = json.loads((replica / "config.json").read_text())
     layers = [max(i - 1, 0) for i in config["eagle_aux_hidden_state_layer_ids"]]
     trunk = drafters.tiny_target(seed, TRUNK_LAYERS, VOCAB)
