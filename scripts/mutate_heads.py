@@ -365,13 +365,13 @@ def apply(root: Path, plant: Plant) -> dict[Path, str]:
 _RAISED = re.compile(r"^E\s+(?:[\w.]+\.)?(\w+(?:Error|Exception))\b")
 
 
-def run_tests(root: Path, family: str) -> str:
+def run_tests(root: Path, family: str, tests: dict[str, tuple[str, ...]] = REFERENCE_TESTS) -> str:
     """``family``'s reference tests in the copy: "passed", "failed" (only assertions failed), or
     "error: ..." (an exception other than an assertion, or a collection / fixture error: the plant
     broke the code, which proves nothing about the reference)."""
     env = {**os.environ, "PYTHONPATH": str(root)}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist"]
-    done = subprocess.run([*cmd, *REFERENCE_TESTS[family]], cwd=root, env=env, capture_output=True, text=True)
+    done = subprocess.run([*cmd, *tests[family]], cwd=root, env=env, capture_output=True, text=True)
     lines = done.stdout.strip().splitlines()
     summary = lines[-1] if lines else done.stderr.strip()[-200:]
     if done.returncode == 0:
@@ -388,16 +388,22 @@ def verdict(outcome: str) -> str:
     return {"passed": "MISSED", "failed": "caught"}.get(outcome, outcome)
 
 
-def check_family(root: Path, family: str) -> list[str]:
-    """The clean run's verdict, then one verdict per planted bug (in ``MUTATIONS`` order)."""
-    clean = run_tests(root, family)
+def check_family(
+    root: Path,
+    family: str,
+    plants: dict[str, tuple[Plant, ...]] = PLANTS,
+    tests: dict[str, tuple[str, ...]] = REFERENCE_TESTS,
+) -> list[str]:
+    """The clean run's verdict, then one verdict per planted bug (in ``plants[family]``'s order;
+    ``scripts/mutate_drafters.py`` passes its own plants and tests)."""
+    clean = run_tests(root, family, tests)
     if clean != "passed":
-        return [f"fails clean ({clean})"] + ["-"] * len(PLANTS[family])
+        return [f"fails clean ({clean})"] + ["-"] * len(plants[family])
     row = ["passes"]
-    for plant in PLANTS[family]:
+    for plant in plants[family]:
         originals = apply(root, plant)
         try:
-            row.append(f"{verdict(run_tests(root, family))}: {plant.what}")
+            row.append(f"{verdict(run_tests(root, family, tests))}: {plant.what}")
         finally:
             for path, text in originals.items():
                 path.write_text(text)

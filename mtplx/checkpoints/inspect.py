@@ -357,6 +357,7 @@ def _heads_beside(
     """The heads a model could draft with besides its own tensors: (a forged head attached, the
     sidecar head given with ``head`` or shipped by mtplx, the split drafter given with ``head``,
     the split drafter found beside it, the Gemma 4 assistant)."""
+    from mtplx.drafters.discovery import read_block_drafter_config
     from mtplx.heads import split_drafter
     from mtplx.heads.gemma4_assistant import read_assistant_config
     from mtplx.resources import shipped_head_dir
@@ -369,12 +370,23 @@ def _heads_beside(
     if given_assistant is not None and (given_split or read_assistant_config(given_assistant) is None):
         given_assistant = None
     split = None if is_drafter else split_drafter.inspect_split(path, spec_or_path, config, given_split)
-    if head is not None and given_assistant is None and given_split is None:
+    given_block = read_block_drafter_config(head)  # a directory (block drafters are not looked up by repo id)
+    if head is not None and given_assistant is None and given_split is None and given_block is None:
         sidecar = _sidecar_head(Path(head), "forged sidecar given with --head", path, default_variant)
     elif not head_tensors and shipped is not None:
         sidecar = _sidecar_head(shipped, "shipped by mtplx for this model", path, default_variant)
     assistant = _gemma4_assistant(path, spec_or_path, config, given_assistant)
     return forged, sidecar, given_split, split, assistant
+
+
+def _block_drafter(path: Path, config: dict, head) -> dict[str, Any] | None:
+    """The block drafter (DFlash, DFlash2, DSpark, EAGLE-3) given with ``head`` or found beside the
+    model (`mtplx.drafters.discovery`), with why and whether it fits; None when there is none."""
+    from mtplx.drafters.discovery import find_block_drafter, read_block_drafter_config
+
+    given = Path(head) if head is not None and read_block_drafter_config(head) is not None else None
+    found = find_block_drafter(path, given, config)
+    return None if found is None else found.describe()
 
 
 def _norm_rule(config: dict, path: Path, index, header: dict, layout, is_head, split: bool) -> str | None:
@@ -430,6 +442,11 @@ def inspect_model(
     if dtype not in (None, *VARIANTS):
         raise MtplxError(f"dtype must be one of {', '.join(VARIANTS)} (got {dtype})")
     path = resolve_model(spec_or_path, variant=dtype or "float32")
+    from mtplx.drafters.discovery import describe_drafter_dir, read_block_drafter_config
+
+    block_config = read_block_drafter_config(path)
+    if block_config is not None:  # a DFlash / DSpark / EAGLE-3 directory itself
+        return describe_drafter_dir(path, block_config)
     default_variant = (dtype or "float32") if spec_or_path is None else default_model_variant(path)
     config = read_config(path)
     text = config.get("text_config") or {}
@@ -496,6 +513,7 @@ def inspect_model(
         "head": sidecar,
         "assistant": assistant,
         "split_drafter": split,
+        "block_drafter": _block_drafter(path, config, head),
         "vision": _vision(config, header),
         "verdict": verdict,
         "reason": reason,

@@ -92,6 +92,15 @@ def _head_lines(info: dict[str, Any]) -> list[str]:
 
 def format_inspection(info: dict[str, Any]) -> str:
     """Human-readable text for ``mtplx inspect`` (``--json`` prints ``inspect_model``'s dict instead)."""
+    if info.get("kind") == "block_drafter":
+        shown = {k: v for k, v in info.items() if k not in ("path", "kind", "verdict", "reason", "problem")}
+        return "\n".join(
+            [
+                f"drafter       {info['path']}",
+                "facts         " + ", ".join(f"{k} {v}" for k, v in shown.items()),
+            ]
+            + [f"verdict       {info['verdict']}: {info['reason']}"]
+        )
     lines = [
         f"model         {info['path']}"
         + (f" (default model, {info['default_model_build']} build)" if info["default_model_build"] else ""),
@@ -127,6 +136,12 @@ def format_inspection(info: dict[str, Any]) -> str:
     if assistant:
         state = "pairs" if assistant["pairs"] else assistant["problem"]
         lines.append(f"assistant     {assistant['name']} ({state})")
+    block = info.get("block_drafter")
+    if block:
+        state = "fits" if block["fits"] else f"does not fit: {block['problem']}"
+        lines.append(
+            f"block drafter {block['layout']} {block['path']} ({block['why']}; {state}; {block['note']})"
+        )
     if info.get("vision"):
         lines.append(_vision_line(info["vision"]))
     lines.append(f"verdict       {info['verdict']}: {info['reason']}")

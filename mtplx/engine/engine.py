@@ -211,8 +211,12 @@ class Engine:
 
     def _load_draft_model(self, path: str | Path) -> None:
         from mtplx.checkpoints import load as loading
+        from mtplx.drafters import discovery
         from mtplx.spec_decode.draft_model_proposer import check_compatible, embedding_rows
 
+        block = discovery.find_block_drafter(Path(self.model_path or "."), path, self.config)
+        if block is not None:  # a DFlash / DSpark / EAGLE-3 directory, not an mlx-lm model
+            discovery.refuse_block_drafter(block)
         try:
             loaded = loading.load_model(path)
         except MtplxError as e:

@@ -19,6 +19,7 @@ from typing import Any
 
 from mtplx import resources
 from mtplx.checkpoints import load as loading
+from mtplx.drafters.discovery import find_block_drafter, read_block_drafter_config, refuse_block_drafter
 from mtplx.heads import forged, gemma4_assistant, provenance, split_drafter
 from mtplx.heads.base import MTPHead
 from mtplx.heads.registry import load_head
@@ -68,6 +69,8 @@ def find_head(
             return None
     if split_drafter.read_split_config(head_dir) is not None:
         return _split_drafter(head_dir, loaded, trunk)
+    if read_block_drafter_config(head_dir) is not None:  # DFlash, DSpark, EAGLE-3: load, then refuse
+        refuse_block_drafter(find_block_drafter(loaded.path, head_dir, loaded.config))
     if gemma4_assistant.read_assistant_config(head_dir) is not None:
         return gemma4_assistant.load_gemma4_assistant(head_dir, trunk, loaded.config)
     return forged.load_forged_head(head_dir, trunk, _forged_for(loaded, default_variant))

@@ -20,11 +20,13 @@ every decode step included, is the plain one, bit for bit.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mtplx.errors import MtplxError
 from mtplx.trunk import compat, kv_quant
 from mtplx.trunk.compat_nemotron import embedding_of, final_norm_of
+from mtplx.trunk.layer_taps import LayerTaps
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -35,6 +37,7 @@ class TrunkOutput:
     logits: mx.array  # [B, T, V]
     hidden_pre_norm: mx.array  # [B, T, H]: input of the final norm
     hidden_post_norm: mx.array  # [B, T, H]: what the LM head reads
+    layer_hidden: tuple[mx.array, ...] | None = None  # [B, T, H] per tapped layer (`tap_layers`); else None
 
 
 class Trunk:
@@ -51,6 +54,21 @@ class Trunk:
         self.vision_refusal: str | None = None  # why a checkpoint that declares a tower takes no images
         self._rope_switch = None  # the M-RoPE hook's switch (compat_vision.RopeSwitch)
         self._rope = None  # one hooked rope (dims, base, scale), for reframing keys
+        self._layer_taps: LayerTaps | None = None  # decoder layers a drafter reads (`tap_layers`)
+
+    def tap_layers(self, layer_ids: Sequence[int] | None) -> None:
+        """Return the outputs of decoder layers ``layer_ids`` (0-based) in every forward's
+        ``layer_hidden``, in that order; None or empty removes the taps (the forward is then
+        mlx-lm's own again: `mtplx.trunk.layer_taps`)."""
+        if self._layer_taps is not None:
+            self._layer_taps.remove()
+            self._layer_taps = None
+        if layer_ids:
+            self._layer_taps = LayerTaps(self.layers, layer_ids)
+
+    @property
+    def tapped_layers(self) -> tuple[int, ...]:
+        return () if self._layer_taps is None else self._layer_taps.layer_ids
 
     def attach_vision(self, encoder) -> None:
         """Take images through ``encoder`` (`mtplx.trunk.vision.VisionEncoder`): hooks every
@@ -102,17 +120,24 @@ class Trunk:
             mx.concatenate([before.logits, after.logits], axis=1),
             mx.concatenate([before.hidden_pre_norm, after.hidden_pre_norm], axis=1),
             mx.concatenate([before.hidden_post_norm, after.hidden_post_norm], axis=1),
+            None
+            if before.layer_hidden is None
+            else tuple(mx.concatenate(pair, axis=1) for pair in zip(before.layer_hidden, after.layer_hidden)),
         )
+
+    def _output(self, logits: mx.array) -> TrunkOutput:
+        """The forward's logits with what the taps recorded; clears the taps for the next one."""
+        layers = None if self._layer_taps is None else self._layer_taps.take()
+        out = TrunkOutput(logits, self._tap.pre, self._tap.post, layers)
+        self._tap.pre = self._tap.post = None
+        return out
 
     def _forward(self, tokens: mx.array, cache: list | None) -> TrunkOutput:
         if self.vision is not None and cache is not None:
             out = self._image_forward(tokens, cache)
             if out is not None:
                 return out
-        logits = self.model(tokens, cache=cache)
-        out = TrunkOutput(logits, self._tap.pre, self._tap.post)
-        self._tap.pre = self._tap.post = None
-        return out
+        return self._output(self.model(tokens, cache=cache))
 
     def _image_forward(self, tokens: mx.array, cache: list) -> TrunkOutput | None:
         """The forward of prompt tokens that touch a bound image; None when they touch none."""
@@ -130,8 +155,7 @@ class Trunk:
             logits = self.model(tokens, cache=cache, input_embeddings=embedded)
         finally:
             self._rope_switch.positions = None
-        out = TrunkOutput(logits, self._tap.pre, self._tap.post)
-        self._tap.pre = self._tap.post = None
+        out = self._output(logits)
         if layout.shift:
             image_positions.reframe(cache, -layout.shift, self._rope)
         return out
