@@ -26,7 +26,7 @@ import uuid
 from typing import Annotated, Any, Literal
 
 from mtplx.engine.engine import GenerationChunk
-from mtplx.server.chat import ReplyReader
+from mtplx.server.chat import ReplyReader, unique_tool_names
 from mtplx.server.images import anthropic_image_url
 from mtplx.server.openai import APIError
 from mtplx.server.schemas import FUNCTION_NAME, SpeculationFields
@@ -176,6 +176,7 @@ def to_chat(body: MessagesRequest | CountTokensRequest) -> dict:
     """The OpenAI chat completion body that asks for what ``body`` asks (module docstring)."""
     choice, parallel = _tool_choice(body.tool_choice)
     chat: dict[str, Any] = {"model": body.model, "messages": _messages(body)}
+    unique_tool_names([(i, t.name) for i, t in enumerate(body.tools or ())], "tools[{}].name")
     if body.tools:
         chat["tools"] = [
             {
