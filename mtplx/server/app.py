@@ -157,6 +157,9 @@ def _install_error_handlers(app: FastAPI) -> None:
         if err.status_code == 404:
             message = f"route: {request.url.path} does not exist"
             return _error_response(request, APIError(404, message, code="not_found"))
+        if err.status_code == 400:  # FastAPI's "There was an error parsing the body": bytes, not JSON
+            message = "request body: not valid JSON (UTF-8 text, nested at most about a thousand deep)"
+            return _error_response(request, APIError(400, message))
         return _error_response(request, APIError(err.status_code, str(err.detail)))
 
     @app.exception_handler(Exception)

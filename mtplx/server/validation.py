@@ -77,8 +77,9 @@ def first_problem(errors: Sequence[dict], body: Any, prefix: str = "") -> tuple[
     return best[1] or None, best[2]
 
 
-# A JSON escape of a UTF-16 surrogate (paired ones, an emoji escaped, are fine: `unpaired_surrogate`).
-SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+# A JSON escape of a UTF-16 surrogate (paired ones, an emoji escaped, are fine: `unpaired_surrogate`),
+# or one encoded as UTF-8 bytes (not UTF-8, but Python's json decodes bytes with "surrogatepass").
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}|\xed[\xa0-\xbf]")
 _UNPAIRED = re.compile("[\ud800-\udfff]")
 
 

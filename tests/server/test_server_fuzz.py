@@ -1,7 +1,7 @@
 """A property-based fuzz of the server: bodies built from each generation route's own schema (chat,
 completions, messages, count_tokens, responses) with wrong types, missing and unknown fields, huge
-and negative numbers, unicode and NUL, nested and unknown content parts (`support.fuzz`), sent to a
-started `mtplx serve`. The invariant: a 4xx in the route's API's own error shape whose one-line
+and negative numbers, unicode and NUL, nested and unknown content parts, and one in five with bytes
+put into its JSON text (`support.fuzz`), sent to a started `mtplx serve`. The invariant: a 4xx in the route's API's own error shape whose one-line
 message starts with the field it is about, or a valid reply (a stream that ends as its API's do),
 never a 5xx; the log holds no traceback, and the server keeps serving (/health and a good request
 after the fuzz).
@@ -32,7 +32,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 from support import checkpoints
-from support.fuzz import ANTHROPIC, SchemaBodies, check, responses_overrides
+from support.fuzz import ANTHROPIC, SchemaBodies, check, raw_bodies, responses_overrides
 from support.server import KEY, running_server
 
 CAP = 8  # --max-tokens-cap: every valid reply is at most this long
@@ -93,9 +93,9 @@ def run_fuzz(
             print_blob=False,
             phases=[Phase.generate, Phase.shrink] if shrink else [Phase.generate],
         )
-        @given(bodies(route, model_id))
-        def fuzz(body):
-            check(client, route, body, fields)
+        @given(raw_bodies(bodies(route, model_id)))
+        def fuzz(content):
+            check(client, route, content, fields)
 
         fuzz()
 
@@ -205,7 +205,11 @@ def _planted_server(bug):
 
     async def handler(request):
         raw = await request.body()
-        if bug(raw, json.loads(raw)):
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = None
+        if bug(raw, body):
             raise RuntimeError("planted")
         if request.url.path in ANTHROPIC:
             return JSONResponse(
@@ -438,3 +442,21 @@ def test_a_body_without_max_tokens_gets_the_default_within_the_cap(server):
     """Chat's default of 512 was not bounded by --max-tokens-cap (here 8)."""
     reply = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
     assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] <= CAP, reply.text
+
+
+@pytest.mark.parametrize(
+    ("inside", "message"),
+    [
+        (b"\xed\xa0\x80", "messages[0].content: holds an unpaired UTF-16 surrogate (not Unicode text)"),
+        (b"\xff", "request body: not valid JSON (UTF-8 text, nested at most about a thousand deep)"),
+    ],
+)
+def test_bytes_that_are_not_utf8_are_a_400_naming_the_body_or_the_field(server, inside, message):
+    """Found by the fuzz's byte mutations: a surrogate encoded as UTF-8 bytes (Python's json decodes
+    it) was the tokenizer's 500; other bytes that are not UTF-8 were FastAPI's "There was an error
+    parsing the body", which names nothing."""
+    route = "/v1/chat/completions"
+    content = b'{"messages": [{"role": "user", "content": "a' + inside + b'b"}], "max_tokens": 2}'
+    headers = {**_auth(route), "Content-Type": "application/json"}
+    reply = httpx.post(server[0] + route, content=content, headers=headers, timeout=120)
+    assert _error(reply, route) == message

@@ -345,12 +345,25 @@ def _check_reply(route: str, payload: Any) -> None:
         )
 
 
-def check(client: httpx.Client, route: str, body: Any, fields: set[str]) -> None:
-    """Send ``body`` to ``route``; assert the invariant (module docstring)."""
-    try:
-        content = json.dumps(body).encode()
-    except (ValueError, TypeError):  # what json cannot write (never drawn, but be exact about it)
-        return
+# Bytes put into a body's JSON text (in a string, or anywhere): not UTF-8, a surrogate encoded as
+# UTF-8 (Python's json decodes it), NUL, escapes, nesting past the parser's depth; b"": cut there.
+BYTE_MUTATIONS = [b"\xff", b"\xed\xa0\x80", b"\xc0\xaf", b"\x00", b"\\u0000", b"\\udc00", b"[" * 3000, b""]
+
+
+@st.composite
+def raw_bodies(draw, bodies: st.SearchStrategy) -> bytes:
+    """A body's JSON text; one in five with bytes put in (after a quote: inside a string, mostly)."""
+    raw = json.dumps(draw(bodies)).encode()
+    if draw(st.integers(0, 4)) > 0:
+        return raw
+    quotes = [i + 1 for i, byte in enumerate(raw) if byte == ord('"')] or [0]
+    at = draw(st.sampled_from(quotes) | st.integers(0, len(raw)))
+    mutation = draw(st.sampled_from(BYTE_MUTATIONS))
+    return raw[:at] + mutation + raw[at:] if mutation else raw[:at]
+
+
+def check(client: httpx.Client, route: str, content: bytes, fields: set[str]) -> None:
+    """Send the body ``content`` to ``route``; assert the invariant (module docstring)."""
     reply = client.post(route, content=content, headers={"Content-Type": "application/json"})
     assert reply.status_code < 500, f"{reply.status_code} for {content[:2000]!r}: {reply.text[:500]}"
     if reply.status_code >= 400:
