@@ -257,6 +257,13 @@ def _error(reply: httpx.Response, route: str) -> str:
     """The 400's message, after checking the route's error shape."""
     assert reply.status_code == 400, reply.text
     payload = reply.json()
+    if route in ANTHROPIC:
+        assert payload["type"] == "error" and payload["error"]["type"] == "invalid_request_error", payload
+    else:
+        assert payload["error"]["type"] == "invalid_request_error", payload
+        assert payload["error"]["param"] is None or payload["error"]["message"].startswith(
+            payload["error"]["param"] + ":"
+        )
     return payload["error"]["message"]
 
 
