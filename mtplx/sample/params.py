@@ -18,7 +18,7 @@ from types import MappingProxyType
 
 from mtplx.errors import MtplxError
 
-__all__ = ["SamplerConfig", "Setting", "integer_value", "real_value"]
+__all__ = ["REPETITION_PENALTY_RANGE", "SamplerConfig", "Setting", "integer_value", "real_value"]
 
 
 def real_value(name: str, value: object) -> float:
@@ -36,6 +36,11 @@ def integer_value(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise MtplxError(f"{name} must be an integer (got {value!r})")
     return int(value)
+
+
+# The penalised logits are z / p and z * p in float32: a penalty much further from 1 overflows
+# them (a denormal p made every logit inf) and is a ban, not a penalty, long before that.
+REPETITION_PENALTY_RANGE = (1e-6, 1e6)
 
 
 @dataclass(frozen=True)
@@ -67,8 +72,11 @@ class SamplerConfig:
         if not 0.0 <= min_p < 1.0:
             raise MtplxError(f"min_p must be in [0, 1) (got {self.min_p!r})")
         repetition_penalty = real_value("repetition_penalty", self.repetition_penalty)
-        if repetition_penalty <= 0:
-            raise MtplxError(f"repetition_penalty must be > 0 (got {self.repetition_penalty!r})")
+        if not REPETITION_PENALTY_RANGE[0] <= repetition_penalty <= REPETITION_PENALTY_RANGE[1]:
+            low, high = REPETITION_PENALTY_RANGE
+            raise MtplxError(
+                f"repetition_penalty must be in [{low:g}, {high:g}] (got {self.repetition_penalty!r})"
+            )
         repetition_context_size = integer_value("repetition_context_size", self.repetition_context_size)
         if repetition_context_size < 0:
             raise MtplxError(f"repetition_context_size must be >= 0 (got {self.repetition_context_size!r})")

@@ -40,7 +40,7 @@ import uuid
 from typing import Annotated, Any, Literal
 
 from mtplx.engine.engine import GenerationChunk, GenerationStats
-from mtplx.server.chat import ReplyReader
+from mtplx.server.chat import ReplyReader, unique_tool_names
 from mtplx.server.images import anthropic_image_url
 from mtplx.server.openai import APIError
 from mtplx.server.schemas import FUNCTION_NAME, SpeculationFields
@@ -253,6 +253,7 @@ def to_chat(body: MessagesRequest | CountTokensRequest, max_tokens_cap: int | No
             400, "messages: needs a user or assistant message, not only system ones", param="messages"
         )
     chat: dict[str, Any] = {"model": body.model, "messages": _messages(body)}
+    unique_tool_names([(i, t.name) for i, t in enumerate(body.tools or ())], "tools[{}].name")
     if body.tools:
         chat["tools"] = [
             {

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import re
 import time
@@ -32,7 +33,7 @@ from mtplx.server.anthropic import (
 from mtplx.server.anthropic import error_body as anthropic_error
 from mtplx.server.chat import ChatPlan, plan_chat
 from mtplx.server.constraints import response_format_grammar
-from mtplx.server.images import expand_images
+from mtplx.server.images import check_images, expand_images
 from mtplx.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from mtplx.server.openai import APIError, ChatFormat, TextFormat, error_body
 from mtplx.server.respond import respond
@@ -41,12 +42,13 @@ from mtplx.server.responses_input import responses_error
 from mtplx.server.responses_input import to_chat as responses_to_chat
 from mtplx.server.schemas import ChatCompletionRequest, CompletionRequest, ResponsesRequest
 from mtplx.server.settings import ServerSettings
+from mtplx.server.validation import SURROGATE_ESCAPE, first_problem, unpaired_surrogate
 from mtplx.server.worker import GenerationWorker, Job
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -152,21 +154,21 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, err: RequestValidationError):
-        first = err.errors()[0]
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
-        if first.get("type") == "json_invalid":
-            message = "request body: not valid JSON"
-        else:
-            detail = first.get("msg", "invalid value").removeprefix("Value error, ")
-            message = f"{param or 'request body'}: {detail}"
-        return _error_response(request, APIError(400, message, param=param))
+        errors = err.errors()
+        if any(e.get("type") == "json_invalid" for e in errors):
+            return _error_response(request, APIError(400, "request body: not valid JSON"))
+        located = [{**e, "loc": tuple(e.get("loc", ()))[1:]} for e in errors]  # less FastAPI's "body"
+        param, reason = first_problem(located, err.body)
+        return _error_response(request, APIError(400, f"{param or 'request body'}: {reason}", param=param))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, err: StarletteHTTPException):
         if err.status_code == 404:
             message = f"route: {request.url.path} does not exist"
             return _error_response(request, APIError(404, message, code="not_found"))
+        if err.status_code == 400:  # FastAPI's "There was an error parsing the body": bytes, not JSON
+            message = "request body: not valid JSON (UTF-8 text, nested at most about a thousand deep)"
+            return _error_response(request, APIError(400, message))
         return _error_response(request, APIError(err.status_code, str(err.detail)))
 
     @app.exception_handler(Exception)
@@ -174,6 +176,30 @@ def _install_error_handlers(app: FastAPI) -> None:
         log.error("internal error on %s", request.url.path, exc_info=err)
         message = "internal server error (details in the server log)"
         return _error_response(request, APIError(500, message, type="server_error"))
+
+
+def _unicode_text(model: type[BaseModel]):
+    """A route dependency: a 400 naming the field (of ``model``: unknown fields are ignored anyway)
+    whose string holds an unpaired UTF-16 surrogate. JSON can escape one (``"\\ud800"``), but it
+    is no Unicode text, and the tokenizer cannot encode it."""
+    fields = {info.alias or name for name, info in model.model_fields.items()}
+
+    async def check(request: Request) -> None:
+        raw = await request.body()
+        if not SURROGATE_ESCAPE.search(raw):  # the usual case: no surrogate escape at all
+            return
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            return  # not JSON: the body's validation says so
+        if not isinstance(body, dict):
+            return
+        where = unpaired_surrogate({k: v for k, v in body.items() if k in fields})
+        if where is not None:
+            message = f"{where}: holds an unpaired UTF-16 surrogate (not Unicode text)"
+            raise APIError(400, message, param=where)
+
+    return [Depends(check)]
 
 
 def _key_check(settings: ServerSettings):
@@ -237,11 +263,12 @@ def _add_generation_routes(v1: APIRouter, worker: GenerationWorker, settings: Se
     plans a chat or text prompt and queues one job on the worker."""
     engine = worker.engine
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", dependencies=_unicode_text(ChatCompletionRequest))
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         _check_common(body, settings)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
+        check_images(engine, body.messages)
         plan = plan_chat(engine.tokenizer, body)
         prompt_tokens = await expand_images(
             engine, body.messages, await _encode_chat(engine, plan), settings.image_dir
@@ -252,7 +279,7 @@ def _add_generation_routes(v1: APIRouter, worker: GenerationWorker, settings: Se
         fmt = ChatFormat(engine, settings.model_id, plan.reader, n=body.n or 1)
         return await respond(request, worker, job, settings, fmt, body)
 
-    @v1.post("/completions")
+    @v1.post("/completions", dependencies=_unicode_text(CompletionRequest))
     async def completions(body: CompletionRequest, request: Request):
         _check_common(body, settings)
         prompt = body.prompt
@@ -268,10 +295,11 @@ def _add_generation_routes(v1: APIRouter, worker: GenerationWorker, settings: Se
         fmt = TextFormat(engine, settings.model_id, n=body.n or 1)
         return await respond(request, worker, job, settings, fmt, body)
 
-    @v1.post("/messages")
+    @v1.post("/messages", dependencies=_unicode_text(MessagesRequest))
     async def messages(body: MessagesRequest, request: Request):
         chat = _chat_of(body, settings.max_tokens_cap)
         _check_common(chat, settings)
+        check_images(engine, chat.messages)
         plan = plan_chat(engine.tokenizer, chat)
         prompt_tokens = await expand_images(
             engine, chat.messages, await _encode_chat(engine, plan), settings.image_dir
@@ -285,15 +313,16 @@ def _add_generation_routes(v1: APIRouter, worker: GenerationWorker, settings: Se
 
     store = ResponseStore(settings.responses_store_size)
 
-    @v1.post("/responses")
+    @v1.post("/responses", dependencies=_unicode_text(ResponsesRequest))
     async def responses(body: ResponsesRequest, request: Request):
         return await _responses(request, body, worker, settings, store)
 
-    @v1.post("/messages/count_tokens")
+    @v1.post("/messages/count_tokens", dependencies=_unicode_text(CountTokensRequest))
     async def count_tokens(body: CountTokensRequest):
         chat = _chat_of(body)
         if chat.model is not None:
             _check_model(chat.model, settings)
+        check_images(engine, chat.messages)
         tokens = await _encode_chat(engine, plan_chat(engine.tokenizer, chat, constrain=False))
         return {"input_tokens": len(await expand_images(engine, chat.messages, tokens, settings.image_dir))}
 
@@ -322,12 +351,12 @@ def _chat_of(
     body: MessagesRequest | CountTokensRequest, max_tokens_cap: int | None = None
 ) -> ChatCompletionRequest:
     """An Anthropic body as the chat completion it asks for (`mtplx.server.anthropic.to_chat`)."""
+    chat = to_chat(body, max_tokens_cap)
     try:
-        return ChatCompletionRequest.model_validate(to_chat(body, max_tokens_cap))
+        return ChatCompletionRequest.model_validate(chat)
     except ValidationError as err:
-        first = err.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ()))
-        raise APIError(400, f"{where or 'request body'}: {first.get('msg', 'invalid value')}") from None
+        where, reason = first_problem(err.errors(), chat)
+        raise APIError(400, f"{where or 'request body'}: {reason}", param=where) from None
 
 
 _FIELD = re.compile(r"^([a-z_][\w.\[\]]*): ")
@@ -403,16 +432,17 @@ def _make_job(
     grammar: Grammar | None = None,
 ) -> Job:
     context = engine.context_length
-    if max_tokens is None:
-        max_tokens = settings.default_max_tokens
+    if max_tokens is None:  # the default, never past the operator's cap
+        max_tokens = min(settings.default_max_tokens, settings.max_tokens_cap)
         if context is not None:
             max_tokens = min(max_tokens, context - len(prompt_tokens))
     if context is not None and (max_tokens < 1 or len(prompt_tokens) + max_tokens > context):
+        field = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
         raise APIError(
             400,
-            f"prompt: {len(prompt_tokens)} tokens + max_tokens {max_tokens} exceed the model's "
+            f"{field}: {len(prompt_tokens)} tokens + max_tokens {max_tokens} exceed the model's "
             f"context of {context} tokens",
-            param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+            param=field,
             code="context_length_exceeded",
         )
     bias = None
@@ -460,9 +490,10 @@ def _request(
             n=getattr(body, "n", None) or 1,
         )
     except MtplxError as err:
-        field = str(err).split(" ", 1)[0]  # the messages start with the field's API name
-        known = field in _SAMPLER_FIELDS or field in ("seed", "logit_bias", "stop")
-        raise APIError(400, str(err), param=field if known else None) from None
+        field, _, rest = str(err).partition(" ")  # the messages start with the field's API name
+        if field in _SAMPLER_FIELDS or field in ("seed", "logit_bias", "stop", "max_tokens", "n", "logprobs"):
+            raise APIError(400, f"{field}: {rest}", param=field) from None
+        raise APIError(400, str(err)) from None
 
 
 def _agent_max_tokens(engine, settings: ServerSettings, prompt_length: int) -> int:

@@ -28,7 +28,7 @@ from mtplx.server.schemas import ChatCompletionRequest
 from mtplx.server.tools import CallDelta, CallExtractor, CallSyntax, render_chat, syntax_for
 from mtplx.trunk.compat import thinking_markers
 
-__all__ = ["ChatPlan", "ReplyReader", "plan_chat"]
+__all__ = ["ChatPlan", "ReplyReader", "plan_chat", "unique_tool_names"]
 
 
 @dataclass
@@ -86,10 +86,24 @@ def _reasoning(tokenizer: Any, messages: list[dict], template_tools: list[dict] 
     return (markers.start, markers.end, opened, markers.start_ids, markers.end_ids)
 
 
+def unique_tool_names(named: list[tuple[int, str]], field: str) -> None:
+    """A 400 naming the second of two tools with one name (a call names its tool: two are
+    ambiguous); ``named``: (the body's index, name) of each tool, ``field``: the name's path with
+    ``{}`` for the index (``tools[{}].function.name`` on chat)."""
+    first: dict[str, int] = {}
+    for i, name in named:
+        if name in first:
+            raise MtplxError(
+                f"{field.format(i)}: {name!r} is also the name of tools[{first[name]}] (tool names must be unique)"
+            )
+        first[name] = i
+
+
 def plan_chat(tokenizer: Any, body: ChatCompletionRequest, constrain: bool = True) -> ChatPlan:
     """What ``body`` asks the model to do (see the module docstring); ``constrain=False`` builds
     no grammar (counting the prompt's tokens needs none, and a schema cannot fail it)."""
     tools = list(body.tools or ())
+    unique_tool_names([(i, t.function.name) for i, t in enumerate(tools)], "tools[{}].function.name")
     choice = body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none")
     if choice != "none" and not tools:
         raise MtplxError("tool_choice: needs tools")

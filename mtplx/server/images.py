@@ -25,7 +25,7 @@ from mtplx.server.schemas import ImagePart, Message
 
 from starlette.concurrency import run_in_threadpool
 
-__all__ = ["anthropic_image_url", "expand_images", "image_sources", "read_image_url"]
+__all__ = ["anthropic_image_url", "check_images", "expand_images", "image_sources", "read_image_url"]
 
 _DATA_URL = re.compile(r"^data:(image/[\w.+-]+)?(;[\w=.+-]+)*;base64,(.*)$", re.DOTALL)
 
@@ -61,9 +61,14 @@ def _local_file(url: str, image_dir: Path | None) -> Path:
             "local files are off on this server (send a data URL; the operator can allow a directory with --image-dir)"
         )
     raw = unquote(urlparse(url).path) if url.startswith("file://") else url
+    if "\x00" in raw:  # the OS cannot take it (Path.resolve raises ValueError)
+        raise MtplxError("its path holds a NUL byte")
     path = Path(raw)
     root = image_dir.resolve()
-    resolved = (root / path).resolve() if not path.is_absolute() else path.resolve()
+    try:
+        resolved = (root / path).resolve() if not path.is_absolute() else path.resolve()
+    except (OSError, RuntimeError) as err:  # a symlink loop, a name too long
+        raise MtplxError(f"its path cannot be resolved ({type(err).__name__})") from None
     if not resolved.is_relative_to(root):
         raise MtplxError(f"{raw} is outside the image directory this server allows")
     return resolved
@@ -93,14 +98,12 @@ def image_sources(messages: Sequence[Message]) -> list[str]:
     ]
 
 
-async def expand_images(
-    engine, messages: Sequence[Message], prompt_tokens: list[int], image_dir
-) -> list[int]:
-    """``prompt_tokens`` with each image placeholder expanded into its image's tokens (unchanged
-    without images). A 400 for a model without a vision tower, a bad or disallowed image."""
+def check_images(engine, messages: Sequence[Message]) -> list[str]:
+    """The chat's image URLs, or a 400 when the model takes none or there are too many. Routes call
+    it before the chat template: a text-only template cannot render image parts at all."""
     urls = image_sources(messages)
     if not urls:
-        return prompt_tokens
+        return urls
     vision = engine.trunk.vision
     if vision is None:
         raise APIError(
@@ -112,6 +115,19 @@ async def expand_images(
             f"messages: {len(urls)} images, over this server's limit of {vision.limits.max_images}",
             param="messages",
         )
+    return urls
+
+
+async def expand_images(
+    engine, messages: Sequence[Message], prompt_tokens: list[int], image_dir
+) -> list[int]:
+    """``prompt_tokens`` with each image placeholder expanded into its image's tokens (unchanged
+    without images). A 400 for a model without a vision tower (`check_images`), a bad or
+    disallowed image."""
+    urls = check_images(engine, messages)
+    if not urls:
+        return prompt_tokens
+    vision = engine.trunk.vision
 
     def expand() -> list[int]:
         sources = []

@@ -23,7 +23,8 @@ __all__ = ["APIError", "ChatFormat", "TextFormat", "decode_stats", "error_body",
 
 
 class APIError(Exception):
-    """An error answered in the OpenAI shape."""
+    """An error answered in the OpenAI shape; its message is one line (a client's value quoted in it
+    may hold line breaks: they become spaces)."""
 
     def __init__(
         self,
@@ -35,6 +36,7 @@ class APIError(Exception):
         code: str | None = None,
         headers: dict[str, str] | None = None,
     ):
+        message = " ".join(message.splitlines())  # one line, whatever a client's value held
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers

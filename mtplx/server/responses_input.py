@@ -33,8 +33,10 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from mtplx.errors import MtplxError
+from mtplx.server.chat import unique_tool_names
 from mtplx.server.openai import APIError
 from mtplx.server.schemas import FUNCTION_NAME, ResponsesRequest
+from mtplx.server.validation import first_problem
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
@@ -111,10 +113,8 @@ def _checked(model: type[_Item], value: Any, where: str) -> Any:
     try:
         return model.model_validate(value)
     except ValidationError as err:
-        first = err.errors()[0]
-        loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first.get("loc", ()))
-        param = where + loc
-        raise APIError(400, f"{param}: {first.get('msg', 'invalid value')}", param=param) from None
+        param, reason = first_problem(err.errors(), value, where)
+        raise APIError(400, f"{param}: {reason}", param=param) from None
 
 
 def _text(parts: str | list[_Part], where: str) -> str:
@@ -146,11 +146,20 @@ def _add_call(turns: list[dict], call: _FunctionCallItem) -> None:
     turns.append({"role": "assistant", "content": None, "tool_calls": [wire]})
 
 
-def conversation(items: str | list[dict[str, Any]]) -> list[dict]:
-    """``input`` -> chat turns (roles user, assistant, system, tool), without ``instructions``."""
+def _history_calls(history: list[dict]) -> set[str]:
+    """The call ids of a stored conversation's assistant turns."""
+    return {call["id"] for turn in history for call in turn.get("tool_calls") or ()}
+
+
+def conversation(items: str | list[dict[str, Any]], history: list[dict] = ()) -> list[dict]:
+    """``input`` -> chat turns (roles user, assistant, system, tool), without ``instructions``, after
+    ``history`` (a stored conversation: its calls may be answered here). A ``function_call_output``
+    must answer a call made before it (a ``function_call``, or a hosted tool's call, whose item is
+    dropped but whose output Codex sends as a ``function_call_output``)."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     turns: list[dict] = []
+    calls = _history_calls(list(history))
     for i, item in enumerate(items):
         where = f"input[{i}]"
         kind = item.get("type", "message" if "role" in item else None)
@@ -161,12 +170,20 @@ def conversation(items: str | list[dict[str, Any]]) -> list[dict]:
             role = "system" if message.role == "developer" else message.role
             turns.append({"role": role, "content": _text(message.content, where + ".content")})
         elif kind == "function_call":
-            _add_call(turns, _checked(_FunctionCallItem, item, where))
+            call = _checked(_FunctionCallItem, item, where)
+            calls.add(call.call_id)
+            _add_call(turns, call)
         elif kind == "function_call_output":
             result = _checked(_FunctionCallOutputItem, item, where)
+            if result.call_id not in calls:
+                param = f"{where}.call_id"
+                message = f"{param}: no function_call with call_id {result.call_id!r} comes before it"
+                raise APIError(400, message, param=param)
             content = _text(result.output, where + ".output")
             turns.append({"role": "tool", "tool_call_id": result.call_id, "content": content})
         elif kind == "reasoning" or kind in HOSTED_ITEMS:
+            if isinstance(item.get("call_id"), str):
+                calls.add(item["call_id"])
             continue
         else:
             param = f"{where}.type"
@@ -207,6 +224,7 @@ def _function_tools(tools: list[dict[str, Any]] | None) -> tuple[list[dict], lis
         }
         chat_tools.append({"type": "function", "function": {k: v for k, v in spec.items() if v is not None}})
         index.append(i)
+    unique_tool_names([(i, tool["function"]["name"]) for i, tool in zip(index, chat_tools)], "tools[{}].name")
     if dropped and frozenset(dropped) not in _logged_drops and len(_logged_drops) < 64:
         _logged_drops.add(frozenset(dropped))
         log.info("responses: dropped hosted tools (only function tools are served): %s", ", ".join(dropped))
@@ -248,7 +266,9 @@ class ChatTurn:
 
 def to_chat(body: ResponsesRequest, history: list[dict], max_tokens: int | None) -> ChatTurn:
     """The chat body asking for what ``body`` asks after ``history`` (a stored conversation)."""
-    turns = history + conversation(body.input)
+    if body.input == "":
+        raise APIError(400, "input: is empty", param="input")
+    turns = history + conversation(body.input, history)
     messages = assemble(body.instructions, turns)
     if not messages:
         raise APIError(400, "input: is empty", param="input")
@@ -277,11 +297,11 @@ _RENAMES = (
     (re.compile(r"^(messages|prompt)\b"), "input"),
     (re.compile(r"\bmax_tokens\b"), "max_output_tokens"),
 )
-_TOOL_PARAMETERS = re.compile(r"^tools\[(\d+)\]\.function\.parameters")
+_TOOL_FIELD = re.compile(r"\btools\[(\d+)\]\.function\.")
 
 
 def _rename(text: str, tool_index: list[int]) -> str:
-    text = _TOOL_PARAMETERS.sub(lambda m: f"tools[{tool_index[int(m.group(1))]}].parameters", text)
+    text = _TOOL_FIELD.sub(lambda m: f"tools[{tool_index[int(m.group(1))]}].", text)
     for pattern, name in _RENAMES:
         text = pattern.sub(name, text)
     return text

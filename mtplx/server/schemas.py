@@ -345,6 +345,17 @@ class ResponsesRequest(SpeculationFields):
     reasoning: dict[str, Any] | None = None
     truncation: str | None = None
     service_tier: str | None = None
+    # Not a Responses API field; chat's clients may send it: refused unless 1, never ignored.
+    n: Any = None
+
+    @field_validator("n")
+    @classmethod
+    def _one_output(cls, value: Any) -> Any:
+        if value is None or (type(value) is int and value == 1):
+            return value
+        raise ValueError(
+            "a response has one output: 1 or leave it out (several: /v1/chat/completions with n)"
+        )
 
     @field_validator("input")
     @classmethod

@@ -154,7 +154,10 @@ def test_generate_prompt_from_stdin_with_system_prompt_json_and_quiet_verbose(to
         (["generate", "hi", "--top-p", "1.5"], "mtplx: error: --top-p must be in (0, 1] (got 1.5)"),
         (["generate", "hi", "--top-k", "-2"], "--top-k must be >= 0"),
         (["generate", "hi", "--min-p", "1"], "--min-p must be in [0, 1) (got 1)"),
-        (["generate", "hi", "--repetition-penalty", "0"], "--repetition-penalty must be > 0 (got 0)"),
+        (
+            ["generate", "hi", "--repetition-penalty", "0"],
+            "--repetition-penalty must be in [1e-06, 1e+06] (got 0)",
+        ),
         (["generate", "hi", "-m", "0"], "mtplx: error: --max-tokens must be > 0 (got 0)"),
         (["generate", "hi", "--max-tokens", "-3"], "mtplx: error: --max-tokens must be > 0 (got -3)"),
         (

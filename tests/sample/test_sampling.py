@@ -311,6 +311,8 @@ def test_negative_inf_is_a_masked_token_but_all_masked_raises() -> None:
         ("repetition_penalty", 0.0),
         ("repetition_penalty", -1.0),
         ("repetition_penalty", float("inf")),
+        ("repetition_penalty", 5e-324),  # a denormal: every penalised logit overflowed to inf (server fuzz)
+        ("repetition_penalty", 1e7),
         ("repetition_context_size", -1),
         ("repetition_context_size", 1.5),
         ("presence_penalty", float("nan")),

@@ -473,10 +473,10 @@ OPENAI_BAD = [
     ({"tool_choice": "required"}, "tool_choice", "tool_choice: needs tools"),
     (
         {"messages": [*_ask("hi"), {"role": "tool", "content": "x"}]},
-        "messages.1",
-        "messages.1: a tool message needs the tool_call_id",
+        "messages[1]",
+        "messages[1]: a tool message needs the tool_call_id",
     ),
-    ({"messages": [{"role": "user", "content": None}]}, "messages.0", "messages.0: content is required"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages[0]", "messages[0]: content is required"),
 ]
 
 

@@ -77,6 +77,7 @@ def test_openai_image_url_data_url_and_allowed_file(served, expected) -> None:
         ("{allowed}/../outside.png", "is outside the image directory"),
         ("data:image/png;base64,bm90IGFuIGltYWdl", "not a readable image"),
         ("data:image/png;base64,###", "does not decode"),
+        ("cat\x00.png", "its path holds a NUL byte"),  # was a 500 (Path.resolve: embedded null byte)
     ],
 )
 def test_openai_bad_images_are_400s(served, url, message) -> None:
