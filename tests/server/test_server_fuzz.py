@@ -32,7 +32,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 from support import checkpoints
-from support.fuzz import ANTHROPIC, SchemaBodies, check, raw_bodies, responses_overrides
+from support.fuzz import ANTHROPIC, PART_TYPES, SchemaBodies, check, raw_bodies, responses_overrides
 from support.server import KEY, running_server
 
 CAP = 8  # --max-tokens-cap: every valid reply is at most this long
@@ -180,11 +180,10 @@ KNOWN_PARTS = {"text", "image_url", "image", "tool_use", "tool_result", "thinkin
 
 
 def _unknown_part(body) -> bool:
-    """A content part of ``messages`` whose type is none of chat's or Anthropic's."""
-    turns = body.get("messages") if isinstance(body, dict) else None
-    contents = [t.get("content") for t in turns if isinstance(t, dict)] if isinstance(turns, list) else []
-    parts = [p for c in contents if isinstance(c, list) for p in c if isinstance(p, dict)]
-    return any(str(p.get("type")) not in KNOWN_PARTS for p in parts)
+    """A content part (anywhere in the body: a hostile value may stand for any) of a type that is
+    none of chat's or Anthropic's."""
+    unknown = set(PART_TYPES) - KNOWN_PARTS
+    return any(isinstance(v, dict) and v.get("type") in unknown for v in _walk(body))
 
 
 PLANTED = {
@@ -238,7 +237,7 @@ def test_the_fuzz_reports_a_planted_500(planted):
     try:
         route = "/v1/chat/completions" if planted != "an unknown content part" else "/v1/messages"
         with pytest.raises(AssertionError, match=r"^500 for "):
-            run_fuzz(base, route, "served", 150, FIXED_SEED, {}, shrink=False)
+            run_fuzz(base, route, "served", 400, FIXED_SEED, {}, shrink=False)
     finally:
         server.should_exit = True
         thread.join(timeout=10)
