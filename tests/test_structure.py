@@ -391,3 +391,70 @@ def test_function_limit_check_catches_a_long_function(tmp_path: Path) -> None:
     (tmp_path / "engine" / "a.py").write_text("def short():\n" + body[: -len("    x = 1\n")] + "\n")
     (tmp_path / "spec_decode" / "b.py").write_text("def long():\n" + body)
     assert long_functions(tmp_path) == {"spec_decode/b.py:long": MAX_FUNCTION_LINES + 1}
+
+
+# ------------------------------------------------------------------ the drafter contract (issue 51)
+def drafter_classes(package_dir: Path) -> dict[str, str]:
+    """{"module.py:Class": its source} for every class under ``spec_decode/`` with a ``propose``
+    method: the drafters (`draft_block.Drafter`). Source: the ``source = Source.X`` class attribute
+    ("" without one)."""
+    found = {}
+    for path in sorted((package_dir / "spec_decode").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ClassDef) or "Protocol" in {ast.unparse(b) for b in node.bases}:
+                continue
+            methods = {n.name for n in node.body if isinstance(n, ast.FunctionDef)}
+            if "propose" not in methods:
+                continue
+            source = ""
+            for item in node.body:
+                if isinstance(item, ast.Assign) and [ast.unparse(t) for t in item.targets] == ["source"]:
+                    source = ast.unparse(item.value)
+            found[f"{path.name}:{node.name}"] = source
+    return found
+
+
+def block_importers(package_dir: Path) -> list[str]:
+    """Drafter modules (`drafter_classes`) that import the cycle's own data (`spec_decode.block`)
+    or the loop: drafters return data and the loop merges it; none writes into the cycle's block."""
+    drafters = {name.split(":")[0] for name in drafter_classes(package_dir)}
+    graph = import_graph(package_dir)
+    root = package_dir.name
+    cycle_modules = {f"{root}.spec_decode.block", f"{root}.spec_decode.loop"}
+    return sorted(m for m in drafters if graph[f"{root}.spec_decode.{m[:-3]}"] & cycle_modules)
+
+
+def test_drafters_return_data_and_import_no_cycle_module() -> None:
+    classes = drafter_classes(PACKAGE)
+    assert classes == {
+        "constraint.py:ForcedDrafter": "Source.GRAMMAR",
+        "draft_model_proposer.py:ModelDrafter": "Source.MODEL",
+        "head_chain.py:HeadChain": "Source.HEAD",
+        "lookup_proposer.py:LookupDrafter": "Source.LOOKUP",
+    }
+    assert block_importers(PACKAGE) == []
+
+
+def test_one_head_drafter_class() -> None:
+    """One head drafter for one row or many (the single-row `HeadProposer` is gone)."""
+    heads = [name for name, source in drafter_classes(PACKAGE).items() if source == "Source.HEAD"]
+    assert heads == ["head_chain.py:HeadChain"]
+    assert not (PACKAGE / "spec_decode" / "head_proposer.py").exists()
+    assert not (PACKAGE / "spec_decode" / "auto_proposer.py").exists()
+
+
+def test_the_drafter_checks_see_a_block_import_and_a_second_head_drafter(tmp_path: Path) -> None:
+    package = tmp_path / "pkg"
+    (package / "spec_decode").mkdir(parents=True)
+    for name in ("__init__.py", "spec_decode/__init__.py", "spec_decode/block.py"):
+        (package / name).write_text("")
+    (package / "spec_decode" / "head_chain.py").write_text(
+        "class HeadChain:\n    source = Source.HEAD\n    def propose(self): ...\n"
+    )
+    (package / "spec_decode" / "single.py").write_text(
+        "from pkg.spec_decode.block import Block\n\n"
+        "class HeadProposer:\n    source = Source.HEAD\n    def propose(self): ...\n"
+    )
+    assert block_importers(package) == ["single.py"]
+    heads = [name for name, source in drafter_classes(package).items() if source == "Source.HEAD"]
+    assert heads == ["head_chain.py:HeadChain", "single.py:HeadProposer"]

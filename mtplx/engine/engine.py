@@ -371,16 +371,11 @@ class Engine:
         """The random key a request decodes from: its seed's, else a fresh one."""
         return mx.random.key(seed if seed is not None else int(time.time_ns() % (2**63)))
 
-    def row_proposer(self, plan: DecodePlan, request: GenerationRequest, head_cache: list | None):
-        """The single-row proposer a batch row with drafter "proposer" drafts with, built as a
-        sharded stream builds it (a draft model with its own cache, lookup in front under "auto";
-        on a single-row decoder any drafter, the head on the request's ``head_cache``)."""
+    def row_proposer(self, plan: DecodePlan):
+        """A draft model row's own draft model state (its cache; None for any other row)."""
         return build_proposer(
             plan.choice,
-            request.drafting,
             plan.settings,
-            head=self.head,
-            head_cache=head_cache,
             draft_model=self.draft_model,
             target_vocab_size=int(self.trunk.vocab_size),
             draft_vocab_size=self.draft_vocab_size,

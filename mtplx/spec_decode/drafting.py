@@ -13,18 +13,20 @@ The rules, in order:
 3. depth: the request's, else the engine's (tuned, else the head's default), else the head's
    own default when tuning chose AR but a drafter was asked for explicitly. A draft model drafts
    the request's depth or `DEFAULT_DEPTH`: the head's tuning says nothing about it.
-4. the batched loop's drafter for the row (`batch_drafter`, the table below): the head batched
-   across rows (`head_proposer.HeadChain`), lookup on the host, or the row's own proposer (a draft
-   model always; any drafter on a single-row decoder, built by `build_proposer`).
+4. the cycle's drafters for the row in priority order (`row_sources`, the table below), the same
+   in a batch and on a single-row decoder (a stream): the head chain (`head_chain.HeadChain`),
+   lookup on the host, a draft model on the row's own cache (`build_proposer`). A grammar row's
+   forced tokens come before any of them.
 
-| kind  | model drafter | batch row drafter (rows share a batch) | single-row decoder |
-|-------|---------------|----------------------------------------|--------------------|
-| none  | -             | none                                   | none               |
-| lookup| -             | lookup                                 | lookup             |
-| head  | head          | head                                   | proposer           |
-| auto  | head          | auto (lookup where it matches, else the head) | proposer    |
-| auto  | none          | lookup                                 | lookup             |
-| model / auto | model  | proposer                               | proposer           |
+| kind  | model drafter | sources (first match wins)        |
+|-------|---------------|-----------------------------------|
+| none  | -             | (plain AR)                        |
+| lookup| -             | lookup                            |
+| head  | head          | head                              |
+| auto  | head          | lookup, head                      |
+| auto  | none          | lookup                            |
+| auto  | model         | lookup, model (continues a short match) |
+| model | model         | model                             |
 
 Exactness never depends on these choices (any proposer is exact, `proposer.py`); speed does.
 """
@@ -33,21 +35,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mtplx.spec_decode.auto_proposer import AutoProposer
 from mtplx.spec_decode.draft_model_proposer import DraftModelProposer
-from mtplx.spec_decode.head_proposer import HeadProposer
-from mtplx.spec_decode.lookup_proposer import LookupProposer
-from mtplx.spec_decode.proposer import Proposer
 from mtplx.spec_decode.settings import DecodeSettings, Drafting
+from mtplx.spec_decode.sources import Source
 
 __all__ = [
     "DEFAULT_ADAPTIVE_THRESHOLD",
     "DEFAULT_DEPTH",
     "DrafterChoice",
-    "batch_drafter",
     "build_proposer",
     "choose_drafter",
     "head_depth",
+    "row_sources",
 ]
 
 DEFAULT_DEPTH = 3  # drafts per cycle when neither the head, tuning nor the request says
@@ -96,46 +95,34 @@ def choose_drafter(
     )
 
 
-def batch_drafter(choice: DrafterChoice, single_row: bool) -> str:
-    """The cycle's drafter for a row (`loop.BATCH_DRAFTERS`; the module docstring's table)."""
+def row_sources(choice: DrafterChoice) -> tuple[Source, ...]:
+    """The cycle's drafters for a request's rows, in priority order (the module docstring's
+    table): the same on a batch and on a single-row decoder (a stream is a batch of one)."""
     kind = choice.kind
-    if kind == "auto" and choice.model_drafter is None:
-        return "lookup"
-    if kind in ("none", "lookup"):
-        return kind
-    if single_row or choice.model_drafter == "model":
-        return "proposer"  # the row's own proposer (`build_proposer`)
-    return kind  # "head" or "auto" (lookup, else the head chain)
+    if kind == "none":
+        return ()
+    if kind == "lookup":
+        return (Source.LOOKUP,)
+    model = {"model": (Source.MODEL,), "head": (Source.HEAD,), None: ()}[choice.model_drafter]
+    return ((Source.LOOKUP,) if kind == "auto" else ()) + model
 
 
 def build_proposer(
     choice: DrafterChoice,
-    drafting: Drafting,
     settings: DecodeSettings,
     *,
-    head=None,
-    head_cache: list | None = None,
     draft_model=None,
     target_vocab_size: int = 0,
     draft_vocab_size: int = 0,
-) -> Proposer | None:
-    """A fresh proposer for one request (None: plain AR). Its state lives and dies with the
-    request, except the head's cache, which comes from the request's prompt-cache session."""
-    if choice.kind == "none":
+) -> DraftModelProposer | None:
+    """A draft model row's own draft model state (None for any other row): its cache lives and
+    dies with the request."""
+    if Source.MODEL not in row_sources(choice):
         return None
-    if choice.kind == "lookup":
-        return LookupProposer(drafting.lookup)
-    drafter: Proposer | None = None
-    if choice.model_drafter == "model":
-        drafter = DraftModelProposer(
-            draft_model,
-            settings,
-            target_vocab_size=target_vocab_size,
-            real_vocab_size=draft_vocab_size,
-            depth=choice.model_depth,
-        )
-    elif choice.model_drafter == "head":
-        drafter = HeadProposer(head, settings, head_cache)
-    if choice.kind == "auto":
-        return AutoProposer(LookupProposer(drafting.lookup), drafter)
-    return drafter
+    return DraftModelProposer(
+        draft_model,
+        settings,
+        target_vocab_size=target_vocab_size,
+        real_vocab_size=draft_vocab_size,
+        depth=choice.model_depth,
+    )
