@@ -458,3 +458,56 @@ def test_the_drafter_checks_see_a_block_import_and_a_second_head_drafter(tmp_pat
     assert block_importers(package) == ["single.py"]
     heads = [name for name, source in drafter_classes(package).items() if source == "Source.HEAD"]
     assert heads == ["head_chain.py:HeadChain", "single.py:HeadProposer"]
+
+
+# The drafter names of the request and the cycle: compared only in spec_decode/drafting.py.
+DRAFTER_NAMES = {"auto", "head", "lookup", "model", "none", "proposer", "grammar"}
+
+
+def drafter_name_comparisons(package_dir: Path) -> list[str]:
+    """ "module:line" of every comparison of a drafter's name as a string (``kind == "head"``,
+    ``draft in ("lookup", "auto")``) outside ``spec_decode/drafting.py``: a comparison whose one
+    side is such a string (or a tuple of them) and whose other side names a drafter (an
+    expression mentioning draft, kind or source; not draft_vocab / draft_policy, other settings)."""
+    import re
+
+    drafter_ish = re.compile(r"draft(?!_vocab|_policy)|kind|source")
+    found = []
+    for path in sorted(package_dir.rglob("*.py")):
+        relative = str(path.relative_to(package_dir))
+        if relative == "spec_decode/drafting.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Compare):
+                continue
+            sides = [node.left, *node.comparators]
+            names = [s for s in sides if _is_drafter_name(s)]
+            others = [ast.unparse(s) for s in sides if not _is_drafter_name(s)]
+            if names and any(drafter_ish.search(o) for o in others):
+                found.append(f"{relative}:{node.lineno}")
+    return found
+
+
+def _is_drafter_name(node: ast.expr) -> bool:
+    if isinstance(node, ast.Constant):
+        return node.value in DRAFTER_NAMES
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return any(isinstance(e, ast.Constant) and e.value in DRAFTER_NAMES for e in node.elts)
+    return False
+
+
+def test_no_module_outside_drafting_compares_a_drafter_name() -> None:
+    assert drafter_name_comparisons(PACKAGE) == []
+
+
+def test_the_drafter_name_check_sees_a_string_comparison(tmp_path: Path) -> None:
+    (tmp_path / "spec_decode").mkdir()
+    (tmp_path / "spec_decode" / "drafting.py").write_text("ok = kind == 'head'\n")
+    (tmp_path / "loop.py").write_text(
+        "a = row.spec.drafter == 'head'\n"
+        "b = kind in ('lookup', 'auto')\n"
+        "c = kind is DrafterKind.HEAD\n"
+        "d = state == 'head'\n"
+        "e = cfg.draft_vocab == 'auto'\n"
+    )
+    assert drafter_name_comparisons(tmp_path) == ["loop.py:1", "loop.py:2"]

@@ -32,9 +32,11 @@ from mtplx.spec_decode.drafting import (
     DrafterChoice,
     build_proposer,
     choose_drafter,
+    drafter_refusal,
     head_depth,
 )
 from mtplx.spec_decode.settings import DEFAULT_PREFILL_STEP, DecodeSettings
+from mtplx.spec_decode.sources import Source
 from mtplx.trunk.kv_quant import KVQuantization, check_fit
 from mtplx.trunk.model import Trunk
 from mtplx.trunk.prompt_boundaries import ChatBoundaries
@@ -303,13 +305,11 @@ class Engine:
 
     def _choose_drafter(self, request: GenerationRequest) -> DrafterChoice:
         """The request's drafter, refused with a one-line error when this engine cannot serve it."""
-        kind = request.drafting.kind
-        if kind == "head" and self.head is None:
-            raise MtplxError(missing_head_message(self.config))
-        if kind == "model" and self.draft_model is None:
-            raise MtplxError(
-                "draft: 'model' needs a draft model (--draft-model PATH, Engine.load(draft_model=...))"
-            )
+        refusal = drafter_refusal(
+            request.drafting, has_head=self.head is not None, has_draft_model=self.draft_model is not None
+        )
+        if refusal is not None:
+            raise MtplxError(refusal or missing_head_message(self.config))
         choice = choose_drafter(
             request.drafting,
             has_head=self.head is not None,
@@ -317,7 +317,7 @@ class Engine:
             engine_depth=self.depth or 0,
             head_depth=head_depth(self.head),
         )
-        if choice.model_drafter == "head":
+        if choice.model_drafter is Source.HEAD:
             self._warn_if_deeper_than_trained(choice.depth)
         return choice
 

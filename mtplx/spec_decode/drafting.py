@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from mtplx.spec_decode.draft_model_proposer import DraftModelProposer
 from mtplx.spec_decode.settings import DecodeSettings, Drafting
-from mtplx.spec_decode.sources import Source
+from mtplx.spec_decode.sources import DrafterKind, Source
 
 __all__ = [
     "DEFAULT_ADAPTIVE_THRESHOLD",
@@ -45,6 +45,7 @@ __all__ = [
     "DrafterChoice",
     "build_proposer",
     "choose_drafter",
+    "drafter_refusal",
     "head_depth",
     "row_sources",
 ]
@@ -62,14 +63,14 @@ def head_depth(head) -> int:
 
 @dataclass(frozen=True)
 class DrafterChoice:
-    kind: str  # the drafter asked for (settings.DRAFT_KINDS)
-    model_drafter: str | None  # "head" | "model" | None: the model drafter behind kind
+    kind: DrafterKind  # the drafter asked for
+    model_drafter: Source | None  # Source.HEAD | Source.MODEL | None: the model drafter behind kind
     depth: int  # the head's drafts per cycle (and the depth stats report)
     model_depth: int  # a draft model's drafts per cycle
 
     @property
     def speculative(self) -> bool:
-        return self.kind != "none"
+        return self.kind is not DrafterKind.NONE
 
 
 def choose_drafter(
@@ -80,11 +81,12 @@ def choose_drafter(
     ``engine_depth`` is the engine's default depth (0: tuning found plain AR fastest);
     ``head_depth`` the head's own default.
     """
-    kind, asked_depth = drafting.kind, drafting.depth
-    if kind == "model" or (kind == "auto" and has_draft_model):
-        model_drafter = "model"
-    elif kind == "head" or (kind == "auto" and has_head and not (asked_depth is None and not engine_depth)):
-        model_drafter = "head"
+    kind, asked_depth = DrafterKind(drafting.kind), drafting.depth
+    auto = kind is DrafterKind.AUTO
+    if kind is DrafterKind.MODEL or (auto and has_draft_model):
+        model_drafter = Source.MODEL
+    elif kind is DrafterKind.HEAD or (auto and has_head and not (asked_depth is None and not engine_depth)):
+        model_drafter = Source.HEAD
     else:
         model_drafter = None
     return DrafterChoice(
@@ -95,16 +97,30 @@ def choose_drafter(
     )
 
 
+def drafter_refusal(drafting: Drafting, *, has_head: bool, has_draft_model: bool) -> str | None:
+    """Why this engine cannot serve the drafter a request names, one line naming the request's
+    field (`Drafting.field`); "" for a missing head (the engine words that one); None if it can."""
+    kind = DrafterKind(drafting.kind)
+    if kind is DrafterKind.HEAD and not has_head:
+        return ""
+    if kind is DrafterKind.MODEL and not has_draft_model:
+        return (
+            f"{drafting.field}: 'model' needs a draft model and none is loaded "
+            "(start with --draft-model PATH; Engine.load(draft_model=...))"
+        )
+    return None
+
+
 def row_sources(choice: DrafterChoice) -> tuple[Source, ...]:
     """The cycle's drafters for a request's rows, in priority order (the module docstring's
     table): the same on a batch and on a single-row decoder (a stream is a batch of one)."""
-    kind = choice.kind
-    if kind == "none":
+    kind = DrafterKind(choice.kind)
+    if kind is DrafterKind.NONE:
         return ()
-    if kind == "lookup":
+    if kind is DrafterKind.LOOKUP:
         return (Source.LOOKUP,)
-    model = {"model": (Source.MODEL,), "head": (Source.HEAD,), None: ()}[choice.model_drafter]
-    return ((Source.LOOKUP,) if kind == "auto" else ()) + model
+    model = () if choice.model_drafter is None else (Source(choice.model_drafter),)
+    return ((Source.LOOKUP,) if kind is DrafterKind.AUTO else ()) + model
 
 
 def build_proposer(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from enum import Enum
 
-__all__ = ["Source"]
+__all__ = ["DrafterKind", "Source"]
 
 
 class Source(str, Enum):
@@ -17,6 +17,21 @@ class Source(str, Enum):
     LOOKUP = "lookup"
     MODEL = "model"
     HEAD = "head"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class DrafterKind(str, Enum):
+    """The drafter a request asks for (the CLI's --draft, the API's ``draft`` / ``speculative.drafter``):
+    "auto" (lookup where the text recurs, else the draft model or the head), "head", "lookup",
+    "model" (a draft model) or "none" (plain AR). `drafting` resolves it into the row's `Source`s."""
+
+    AUTO = "auto"
+    HEAD = "head"
+    LOOKUP = "lookup"
+    MODEL = "model"
+    NONE = "none"
 
     def __str__(self) -> str:
         return self.value
