@@ -359,6 +359,8 @@ class BatchScheduler:
             pending.head_cache = hit.head_cache
         pending.prefix = PromptPrefix(hit.start)
         pending.position = hit.start
+        # A single-row decoder decodes in these caches and its row stores them at the end (`_finish`).
+        job.session.trunk_cache, job.session.head_cache = pending.trunk_cache, pending.head_cache
         job.output.prefix_reused(hit.start)
 
     def _feed(self, job: _Job, step) -> StepResult:
