@@ -112,6 +112,12 @@ class Block:
     def merge(self, pending: mx.array) -> None:
         """``drafts`` [B, K] and ``tokens`` [B, K+1] from each row's chosen part (``pending`` [B, 1])."""
         self.width = width = max(self.lengths, default=0)
+        only = {c for c in self.chosen}
+        if len(only) == 1 and None not in only and all(d is None for d in self.host_drafts):
+            part = self.parts[only.pop()]  # every row from one lazy drafter (a stream's head): as it is
+            self.drafts = pad_time(part.tokens, width)
+            self.tokens = mx.concatenate([pending, self.drafts], axis=1)
+            return
         on_host = [
             d if d is not None and self.chosen[i] is not None else [] for i, d in enumerate(self.host_drafts)
         ]
