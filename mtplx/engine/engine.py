@@ -295,7 +295,7 @@ class Engine:
     def _stream_as_a_batch_of_one(self, prompt, request: GenerationRequest) -> Iterator[GenerationChunk]:
         """A stream is a batch of one: the one scheduler and the one cycle (`mtplx.engine.scheduler`),
         on a single-row decoder (the row's own mlx-lm caches, no ragged batch buffers or masks;
-        its drafter its own proposer), drafting its own depth every cycle (no cost policy: a
+        the same drafters as a batch's rows), drafting its own depth every cycle (no cost policy: a
         stream pays no profile measurement). A sharded engine's too: every rank steps the same
         row, with rank 0's seed and a check that the ranks agree (`BatchScheduler`). The request
         is planned and refused here, before the first chunk."""

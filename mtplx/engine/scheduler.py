@@ -49,7 +49,7 @@ __all__ = ["BatchScheduler", "DecodeCore", "StepTiming", "run_to_completion", "s
 
 class DecodeCore(Protocol):
     """What the scheduler needs of an engine (`mtplx.engine.Engine` is one): the models, the
-    prompt cache, and the request set-up (plan, grammar, key, a row's own proposer)."""
+    prompt cache, and the request set-up (plan, grammar, key, a draft model row's own draft model state)."""
 
     trunk: Any  # mtplx.trunk.model.Trunk
     head: Any  # the MTP head, or None
@@ -166,7 +166,7 @@ class BatchScheduler:
         first = self._new_job(handle, 0, plan, request, keys[0], decoder, trunk_tap, fresh=False)
         for choice in range(1, request.n):
             fork = self._new_job(handle, choice, plan, request, keys[choice], decoder, trunk_tap, fresh=True)
-            # A row with its own proposer (whose state follows the prefill) prefills on its own.
+            # A draft model row (its draft model's cache of its own) prefills on its own.
             fork.waits = first.pending.proposer is None
             if fork.waits:
                 first.forks.append(fork)

@@ -46,7 +46,7 @@ class Group:
 
 @dataclass
 class CycleKeys:
-    """A row's keys for one cycle, split as the single-row loops split theirs: (key, draft, accept,
+    """A row's keys for one cycle, split the same in a batch and alone: (key, draft, accept,
     sample) for a drafting row, (key, step) for a plain AR row (no draft or accept key)."""
 
     draft: mx.array | None

@@ -1,6 +1,6 @@
 """Drafting, decided in one module: which drafter a request decodes with, how deep it drafts
 (every depth default), the adaptive gate's default threshold, the cycle's per-row drafter table,
-and building a row's own proposer. Each cycle's draft length per row is the draft-length policy's
+and building a draft model row's state. Each cycle's draft length per row is the draft-length policy's
 (`draft_policy.row_caps`: a pinned length, the fixed depth, or the cost model; the adaptive gate
 then cuts an adaptive row's block after its first unsure draft).
 
