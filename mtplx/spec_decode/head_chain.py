@@ -42,7 +42,9 @@ from mtplx.spec_decode.draft_block import (
 )
 from mtplx.spec_decode.proposer import masked_draft_logits
 from mtplx.spec_decode.settings import DecodeSettings
+from mtplx.trunk import rollback
 from mtplx.trunk.model import TrunkOutput
+from mtplx.trunk.row_cache import SingleRowCache
 
 import mlx.core as mx
 
@@ -140,9 +142,17 @@ class HeadChain:
             )
         return self.head(hidden, tokens, self.cache.layers, step=step)
 
-    def _set_lengths(self, lengths: list[int]) -> None:
-        if self.cache.layers:  # a head without a cache of its own keeps nothing to trim
-            self.cache.set_lengths(lengths)
+    def _set_lengths(self, lengths: list[int], chained: int = 0) -> None:
+        """Every row back to its true length: in a batch by ``lengths`` (rows were padded); one
+        row's own caches (nothing padded) drop the ``chained`` entries the chain made, as any
+        cache kind's trim takes them (a DSA head's latent and indexer caches)."""
+        if not self.cache.layers:  # a head without a cache of its own keeps nothing to trim
+            return
+        if isinstance(self.cache, SingleRowCache):
+            if chained:
+                rollback.trim_kv(self.cache.layers, chained)
+            return
+        self.cache.set_lengths(lengths)
 
     def draft(
         self,
@@ -203,7 +213,7 @@ class HeadChain:
             if any_q:
                 draft_probs.append(q)
             flags.append(invalid)
-        self._set_lengths(true_lengths)
+        self._set_lengths(true_lengths, chained=depth - 1)
         invalid = flags[0]
         for flag in flags[1:]:
             invalid = invalid | flag
