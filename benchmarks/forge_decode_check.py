@@ -5,7 +5,7 @@ same head at exactly the same position of the same text.
 For each prompt of ``benchmarks/prompts/suite.jsonl`` and each run (greedy at depth 1 and 3; t 0.7
 without top-p at depth 1, so the trunk's p is its softmax at 0.7 in both measures), the engine
 generates ``--tokens`` tokens with the head (`Engine.generate`, `mtplx generate`'s path: prompt
-cache session, the one scheduler and cycle as a batch of one, `HeadProposer`), and every cycle's outcome is taken from the
+cache session, the one scheduler and cycle as a batch of one, `HeadChain`), and every cycle's outcome is taken from the
 loop's own `Step`s: where it drafted (the first draft of a cycle that starts with n generated tokens
 is a draft of token n, scored by the trunk at position P + n - 1), whether the first draft was
 kept, and its min(1, p/q). The decode's text is then scored teacher-forced as `mtplx forge`

@@ -391,3 +391,123 @@ def test_function_limit_check_catches_a_long_function(tmp_path: Path) -> None:
     (tmp_path / "engine" / "a.py").write_text("def short():\n" + body[: -len("    x = 1\n")] + "\n")
     (tmp_path / "spec_decode" / "b.py").write_text("def long():\n" + body)
     assert long_functions(tmp_path) == {"spec_decode/b.py:long": MAX_FUNCTION_LINES + 1}
+
+
+# ------------------------------------------------------------------ the drafter contract (issue 51)
+def drafter_classes(package_dir: Path) -> dict[str, str]:
+    """{"module.py:Class": its source} for every class under ``spec_decode/`` with a ``propose``
+    method: the drafters (`draft_block.Drafter`). Source: the ``source = Source.X`` class attribute
+    ("" without one)."""
+    found = {}
+    for path in sorted((package_dir / "spec_decode").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ClassDef) or "Protocol" in {ast.unparse(b) for b in node.bases}:
+                continue
+            methods = {n.name for n in node.body if isinstance(n, ast.FunctionDef)}
+            if "propose" not in methods:
+                continue
+            source = ""
+            for item in node.body:
+                if isinstance(item, ast.Assign) and [ast.unparse(t) for t in item.targets] == ["source"]:
+                    source = ast.unparse(item.value)
+            found[f"{path.name}:{node.name}"] = source
+    return found
+
+
+def block_importers(package_dir: Path) -> list[str]:
+    """Drafter modules (`drafter_classes`) that import the cycle's own data (`spec_decode.block`)
+    or the loop: drafters return data and the loop merges it; none writes into the cycle's block."""
+    drafters = {name.split(":")[0] for name in drafter_classes(package_dir)}
+    graph = import_graph(package_dir)
+    root = package_dir.name
+    cycle_modules = {f"{root}.spec_decode.block", f"{root}.spec_decode.loop"}
+    return sorted(m for m in drafters if graph[f"{root}.spec_decode.{m[:-3]}"] & cycle_modules)
+
+
+def test_drafters_return_data_and_import_no_cycle_module() -> None:
+    classes = drafter_classes(PACKAGE)
+    assert classes == {
+        "constraint.py:ForcedDrafter": "Source.GRAMMAR",
+        "draft_model_proposer.py:ModelDrafter": "Source.MODEL",
+        "head_chain.py:HeadChain": "Source.HEAD",
+        "lookup_proposer.py:LookupDrafter": "Source.LOOKUP",
+    }
+    assert block_importers(PACKAGE) == []
+
+
+def test_one_head_drafter_class() -> None:
+    """One head drafter for one row or many (the single-row `HeadProposer` is gone)."""
+    heads = [name for name, source in drafter_classes(PACKAGE).items() if source == "Source.HEAD"]
+    assert heads == ["head_chain.py:HeadChain"]
+    assert not (PACKAGE / "spec_decode" / "head_proposer.py").exists()
+    assert not (PACKAGE / "spec_decode" / "auto_proposer.py").exists()
+
+
+def test_the_drafter_checks_see_a_block_import_and_a_second_head_drafter(tmp_path: Path) -> None:
+    package = tmp_path / "pkg"
+    (package / "spec_decode").mkdir(parents=True)
+    for name in ("__init__.py", "spec_decode/__init__.py", "spec_decode/block.py"):
+        (package / name).write_text("")
+    (package / "spec_decode" / "head_chain.py").write_text(
+        "class HeadChain:\n    source = Source.HEAD\n    def propose(self): ...\n"
+    )
+    (package / "spec_decode" / "single.py").write_text(
+        "from pkg.spec_decode.block import Block\n\n"
+        "class HeadProposer:\n    source = Source.HEAD\n    def propose(self): ...\n"
+    )
+    assert block_importers(package) == ["single.py"]
+    heads = [name for name, source in drafter_classes(package).items() if source == "Source.HEAD"]
+    assert heads == ["head_chain.py:HeadChain", "single.py:HeadProposer"]
+
+
+# The drafter names of the request and the cycle: compared only in spec_decode/drafting.py.
+DRAFTER_NAMES = {"auto", "head", "lookup", "model", "none", "proposer", "grammar"}
+
+
+def drafter_name_comparisons(package_dir: Path) -> list[str]:
+    """ "module:line" of every comparison of a drafter's name as a string (``kind == "head"``,
+    ``draft in ("lookup", "auto")``) outside ``spec_decode/drafting.py``: a comparison whose one
+    side is such a string (or a tuple of them) and whose other side names a drafter (an
+    expression mentioning draft, kind or source; not draft_vocab / draft_policy, other settings)."""
+    import re
+
+    drafter_ish = re.compile(r"draft(?!_vocab|_policy)|kind|source")
+    found = []
+    for path in sorted(package_dir.rglob("*.py")):
+        relative = str(path.relative_to(package_dir))
+        if relative == "spec_decode/drafting.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Compare):
+                continue
+            sides = [node.left, *node.comparators]
+            names = [s for s in sides if _is_drafter_name(s)]
+            others = [ast.unparse(s) for s in sides if not _is_drafter_name(s)]
+            if names and any(drafter_ish.search(o) for o in others):
+                found.append(f"{relative}:{node.lineno}")
+    return found
+
+
+def _is_drafter_name(node: ast.expr) -> bool:
+    if isinstance(node, ast.Constant):
+        return node.value in DRAFTER_NAMES
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return any(isinstance(e, ast.Constant) and e.value in DRAFTER_NAMES for e in node.elts)
+    return False
+
+
+def test_no_module_outside_drafting_compares_a_drafter_name() -> None:
+    assert drafter_name_comparisons(PACKAGE) == []
+
+
+def test_the_drafter_name_check_sees_a_string_comparison(tmp_path: Path) -> None:
+    (tmp_path / "spec_decode").mkdir()
+    (tmp_path / "spec_decode" / "drafting.py").write_text("ok = kind == 'head'\n")
+    (tmp_path / "loop.py").write_text(
+        "a = row.spec.drafter == 'head'\n"
+        "b = kind in ('lookup', 'auto')\n"
+        "c = kind is DrafterKind.HEAD\n"
+        "d = state == 'head'\n"
+        "e = cfg.draft_vocab == 'auto'\n"
+    )
+    assert drafter_name_comparisons(tmp_path) == ["loop.py:1", "loop.py:2"]

@@ -39,8 +39,8 @@ from mtplx.bench.runners import ban_bias
 from mtplx.bench.suite import load_prompts
 from mtplx.engine.engine import Engine
 from mtplx.io import atomic_write
-from mtplx.spec_decode.lookup_proposer import LookupConfig, LookupProposer, point_mass_draft
-from mtplx.spec_decode.proposer import CycleOutcome
+from mtplx.spec_decode.lookup_proposer import LookupConfig, LookupProposer
+from mtplx.spec_decode.sources import Source
 
 import mlx.core as mx
 import numpy as np
@@ -118,8 +118,7 @@ class LookupReplay:
 
     def kept(self, num_accepted: int) -> None:
         if self.last_block:
-            draft = point_mass_draft(self.last_block, self.proposer.name)
-            self.proposer.commit(CycleOutcome(None, num_accepted, [], draft))
+            self.proposer.adapt(((Source.LOOKUP, len(self.last_block)),), num_accepted)
         self.last_block = []
 
 

@@ -22,6 +22,7 @@ from mtplx.bench.sweep import RunRecord, SweepPlan
 from mtplx.engine.tuned import machine_info
 from mtplx.errors import MtplxError
 from mtplx.io import atomic_write
+from mtplx.spec_decode.sources import DrafterKind
 
 
 def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
@@ -37,7 +38,7 @@ def markdown_table(summaries: Sequence[Summary]) -> str:
     """The results table; with a kind column when the summaries are per prompt kind, and a
     drafters column (accepted/drafted per drafter) when a sweep compares drafters."""
     by_kind = any(s.kind != "all" for s in summaries)
-    drafters = any(s.draft != "head" for s in summaries if s.mode == "mtp")
+    drafters = any(s.draft != DrafterKind.HEAD for s in summaries if s.mode == "mtp")
     header = (
         ("| kind " if by_kind else "")
         + "| setting | variant | decode tok/s (median [min-max]) | prefill tok/s | x stock (paired) "
@@ -190,7 +191,9 @@ def write_plot(path: str | Path, summaries: Sequence[Summary], title: str = "") 
     try:
         settings = list(dict.fromkeys(s.setting for s in summaries))
         # The depth axis is the head's; lookup/auto rows are in the tables, not the plot.
-        summaries = [s for s in summaries if s.mode != "mtp" or (s.draft == "head" and s.threshold == 0)]
+        summaries = [
+            s for s in summaries if s.mode != "mtp" or (s.draft == DrafterKind.HEAD and s.threshold == 0)
+        ]
         depths = sorted({s.depth for s in summaries if s.mode in ("ar", "mtp")}) or [0]
         for index, setting in enumerate(settings):
             rows = [s for s in summaries if s.setting == setting]

@@ -56,6 +56,7 @@ from mtplx.bench.sweep import (
     run_sweep,
 )
 from mtplx.errors import MtplxError
+from mtplx.spec_decode.sources import DrafterKind
 
 
 def _progress(total: int, enabled: bool, desc: str):
@@ -89,7 +90,7 @@ def run_benchmark(
         raise MtplxError(f"warmup_tokens: must be >= 0, got {warmup_tokens}")
     depths = parse_depths(list(depths))
     drafts = parse_drafts(list(drafts))
-    if any(d != "lookup" for d in drafts):  # lookup alone needs no head
+    if any(d != DrafterKind.LOOKUP for d in drafts):  # lookup alone needs no head
         check_depths_servable(engine, depths)
     prompts = list(prompts) if prompts is not None else load_prompts()
     if not prompts:

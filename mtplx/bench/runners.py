@@ -25,6 +25,7 @@ from mtplx.bench.sweep import RunRecord, Variant
 from mtplx.engine.request import GenerationRequest
 from mtplx.sample.params import SamplerConfig, Setting
 from mtplx.spec_decode.settings import Drafting
+from mtplx.spec_decode.sources import DrafterKind
 
 # Large but finite: -inf can turn into NaN in the filter pipeline (inf - inf).
 BAN_BIAS = -1e9
@@ -194,7 +195,7 @@ def _add_cycle_counts(record: RunRecord, variant: Variant, stats: Any) -> None:
     record.cycles = int(stats.cycles)
     record.tokens_in_cycles = round(stats.tokens_per_cycle * stats.cycles)
     record.drafters = {name: dict(counts) for name, counts in stats.drafters.items()}
-    if variant.draft == "head" and variant.threshold == 0:  # fixed-length blocks only
+    if variant.draft == DrafterKind.HEAD and variant.threshold == 0:  # fixed-length blocks only
         record.accepted_per_position = accepted_counts(
             stats.acceptance_per_position, stats.cycles, variant.depth
         )

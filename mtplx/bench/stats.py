@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from mtplx.bench.sweep import RunRecord
+from mtplx.spec_decode.sources import DrafterKind
 
 
 def conditional_acceptance(cumulative: Sequence[float]) -> list[float]:
@@ -108,7 +109,7 @@ def summarize_group(records: Sequence[RunRecord]) -> Summary:
     cycles = sum(r.cycles for r in records)
     if first.mode == "mtp" and cycles > 0:
         summary.tau = sum(r.tokens_in_cycles for r in records) / cycles
-    if first.mode == "mtp" and cycles > 0 and first.draft == "head" and first.threshold == 0:
+    if first.mode == "mtp" and cycles > 0 and first.draft == DrafterKind.HEAD and first.threshold == 0:
         accepted = [sum(r.accepted_per_position[i] for r in records) for i in range(first.depth)]
         summary.acceptance_cumulative = [a / cycles for a in accepted]
         summary.acceptance = conditional_acceptance(summary.acceptance_cumulative)

@@ -21,6 +21,7 @@ from mtplx.bench.suite import Prompt
 from mtplx.errors import MtplxError
 from mtplx.sample.params import Setting
 from mtplx.spec_decode.settings import MAX_DEPTH
+from mtplx.spec_decode.sources import DrafterKind
 
 DRAFTS = ("head", "lookup", "auto")  # the drafters a sweep can compare (`mtplx.spec_decode`)
 DEFAULT_DEPTHS = (1, 2, 3, 4)
@@ -43,10 +44,10 @@ class Variant:
     @property
     def name(self) -> str:
         if self.mode == "mtp":
-            if self.draft == "lookup":
+            if self.draft == DrafterKind.LOOKUP:
                 return "mtplx lookup"
             adaptive = f" adaptive {self.threshold:g}" if self.threshold > 0 else ""
-            return f"mtplx {'MTP' if self.draft == 'head' else self.draft} d={self.depth}{adaptive}"
+            return f"mtplx {'MTP' if self.draft == DrafterKind.HEAD else self.draft} d={self.depth}{adaptive}"
         return "mlx-lm stock" if self.mode == "stock" else "mtplx AR"
 
 
@@ -204,7 +205,7 @@ def make_variants(
     with ``thresholds``, adaptive head drafting up to the largest depth, one per threshold."""
     speculative = []
     for draft in drafts:
-        if draft == "lookup":
+        if draft == DrafterKind.LOOKUP:
             speculative.append(Variant("mtp", 0, "lookup"))
         else:
             speculative += [Variant("mtp", d, draft) for d in depths]

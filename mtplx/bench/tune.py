@@ -28,6 +28,7 @@ from mtplx.bench.suite import load_prompts
 from mtplx.bench.sweep import DEFAULT_TEMPS, DEFAULT_TOP_P, SweepPlan, check_counts, parse_depths
 from mtplx.engine.tuned import config_file, machine_info, machine_key, read_config, save_entry, saved_entry
 from mtplx.errors import MtplxError
+from mtplx.spec_decode.sources import DrafterKind
 
 TUNE_TOKENS = 64
 TUNE_REPEATS = 3
@@ -49,7 +50,7 @@ def choose_depth(summaries: Sequence[Summary]) -> tuple[int, float, float]:
     ar = {s.setting: s for s in summaries if s.mode == "ar"}
     if set(ar) != set(settings):
         raise MtplxError("tune: every setting needs an AR measurement")
-    fixed = [s for s in summaries if s.mode == "mtp" and s.draft == "head" and s.threshold == 0]
+    fixed = [s for s in summaries if s.mode == "mtp" and s.draft == DrafterKind.HEAD and s.threshold == 0]
     best_depth, best_score = 0, 1.0
     for depth in sorted({s.depth for s in fixed}):
         rows = {s.setting: s for s in fixed if s.depth == depth}
@@ -81,7 +82,7 @@ def choose_threshold(summaries: Sequence[Summary]) -> tuple[float | None, float]
     geometric-mean speed-up over AR, and how it compares with the fastest fixed depth
     (> 1 = adaptive faster). (None, 0.0) when the sweep measured no adaptive variant."""
     ar = {s.setting: s for s in summaries if s.mode == "ar"}
-    head = [s for s in summaries if s.mode == "mtp" and s.draft == "head"]
+    head = [s for s in summaries if s.mode == "mtp" and s.draft == DrafterKind.HEAD]
     best_fixed = max(
         (
             score

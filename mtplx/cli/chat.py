@@ -30,6 +30,7 @@ from mtplx.cli.args import (
 from mtplx.cli.report import format_stats
 from mtplx.engine.request import GenerationRequest
 from mtplx.errors import MtplxError
+from mtplx.spec_decode.sources import DrafterKind
 
 HELP = "interactive multi-turn chat (reads turns line by line; /reset, /stats, Ctrl-D quits)"
 
@@ -117,7 +118,7 @@ def run_chat(
     if interactive:
         mode = (
             f"MTP depth {engine.depth}"
-            if engine.has_head and settings.request.drafting.kind != "none"
+            if engine.has_head and settings.request.drafting.kind is not DrafterKind.NONE
             else "autoregressive"
         )
         commands = ", ".join(COMMANDS)

@@ -411,16 +411,6 @@ class Distributed:
                     "or the network dropped"
                 ) from None
 
-    def guard_steps(self, steps: Iterator) -> Iterator:
-        """``steps`` with every step (each ends in collectives) under `guarded`."""
-        try:
-            while True:
-                with self.guarded("a decode step"):
-                    step = next(steps)
-                yield step
-        finally:
-            steps.close()
-
 
 # --------------------------------------------------------------------------- set-up
 

@@ -32,9 +32,11 @@ from mtplx.spec_decode.drafting import (
     DrafterChoice,
     build_proposer,
     choose_drafter,
+    drafter_refusal,
     head_depth,
 )
 from mtplx.spec_decode.settings import DEFAULT_PREFILL_STEP, DecodeSettings
+from mtplx.spec_decode.sources import Source
 from mtplx.trunk.kv_quant import KVQuantization, check_fit
 from mtplx.trunk.model import Trunk
 from mtplx.trunk.prompt_boundaries import ChatBoundaries
@@ -307,7 +309,7 @@ class Engine:
     def _stream_as_a_batch_of_one(self, prompt, request: GenerationRequest) -> Iterator[GenerationChunk]:
         """A stream is a batch of one: the one scheduler and the one cycle (`mtplx.engine.scheduler`),
         on a single-row decoder (the row's own mlx-lm caches, no ragged batch buffers or masks;
-        its drafter its own proposer), drafting its own depth every cycle (no cost policy: a
+        the same drafters as a batch's rows), drafting its own depth every cycle (no cost policy: a
         stream pays no profile measurement). A sharded engine's too: every rank steps the same
         row, with rank 0's seed and a check that the ranks agree (`BatchScheduler`). The request
         is planned and refused here, before the first chunk."""
@@ -317,13 +319,11 @@ class Engine:
 
     def _choose_drafter(self, request: GenerationRequest) -> DrafterChoice:
         """The request's drafter, refused with a one-line error when this engine cannot serve it."""
-        kind = request.drafting.kind
-        if kind == "head" and self.head is None:
-            raise MtplxError(missing_head_message(self.config))
-        if kind == "model" and self.draft_model is None:
-            raise MtplxError(
-                "draft: 'model' needs a draft model (--draft-model PATH, Engine.load(draft_model=...))"
-            )
+        refusal = drafter_refusal(
+            request.drafting, has_head=self.head is not None, has_draft_model=self.draft_model is not None
+        )
+        if refusal is not None:
+            raise MtplxError(refusal or missing_head_message(self.config))
         choice = choose_drafter(
             request.drafting,
             has_head=self.head is not None,
@@ -331,7 +331,7 @@ class Engine:
             engine_depth=self.depth or 0,
             head_depth=head_depth(self.head),
         )
-        if choice.model_drafter == "head":
+        if choice.model_drafter is Source.HEAD:
             self._warn_if_deeper_than_trained(choice.depth)
         return choice
 
@@ -385,16 +385,11 @@ class Engine:
         """The random key a request decodes from: its seed's, else a fresh one."""
         return mx.random.key(seed if seed is not None else int(time.time_ns() % (2**63)))
 
-    def row_proposer(self, plan: DecodePlan, request: GenerationRequest, head_cache: list | None):
-        """The single-row proposer a batch row with drafter "proposer" drafts with, built as a
-        sharded stream builds it (a draft model with its own cache, lookup in front under "auto";
-        on a single-row decoder any drafter, the head on the request's ``head_cache``)."""
+    def row_proposer(self, plan: DecodePlan):
+        """A draft model row's own draft model state (its cache; None for any other row)."""
         return build_proposer(
             plan.choice,
-            request.drafting,
             plan.settings,
-            head=self.head,
-            head_cache=head_cache,
             draft_model=self.draft_model,
             target_vocab_size=int(self.trunk.vocab_size),
             draft_vocab_size=self.draft_vocab_size,

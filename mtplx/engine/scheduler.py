@@ -14,7 +14,7 @@ max_tokens). Requests that end or are cancelled leave before the next cycle, the
 to the prompt cache.
 
 Every request joins: grammar rows speculate under their grammar (`mtplx.spec_decode.loop`,
-"Grammar rows"), adaptive and draft-model rows with their own proposers. ``single_row`` (a
+"Grammar rows"), adaptive, lookup, head and draft-model rows alike. ``single_row`` (a
 stream; a model whose caches do not batch: sliding-window, quantized KV, heads that read the
 trunk's KV; a sharded engine) decodes one row at a time on its own caches, the next prefilling
 meanwhile. On a sharded engine every rank runs the same scheduler: each request decodes with
@@ -35,9 +35,10 @@ from mtplx.engine.request import GenerationRequest
 from mtplx.engine.session import CacheSession, open_session
 from mtplx.errors import MtplxError
 from mtplx.spec_decode.draft_policy import DraftPolicy
-from mtplx.spec_decode.drafting import batch_drafter
+from mtplx.spec_decode.drafting import row_sources
 from mtplx.spec_decode.loop import BatchDecoder, PendingRow, RowsFailed, RowSpec, TrunkTap
 from mtplx.spec_decode.settings import DEFAULT_PREFILL_STEP
+from mtplx.spec_decode.sources import Source
 from mtplx.spec_decode.step import PromptPrefix
 from mtplx.trunk.compat import copy_cache
 
@@ -48,7 +49,7 @@ __all__ = ["BatchScheduler", "DecodeCore", "StepTiming", "run_to_completion", "s
 
 class DecodeCore(Protocol):
     """What the scheduler needs of an engine (`mtplx.engine.Engine` is one): the models, the
-    prompt cache, and the request set-up (plan, grammar, key, a row's own proposer)."""
+    prompt cache, and the request set-up (plan, grammar, key, a draft model row's own draft model state)."""
 
     trunk: Any  # mtplx.trunk.model.Trunk
     head: Any  # the MTP head, or None
@@ -62,7 +63,7 @@ class DecodeCore(Protocol):
 
     def request_key(self, seed: int | None) -> Any: ...  # mx.array
 
-    def row_proposer(self, plan, request: GenerationRequest, head_cache: list | None) -> Any: ...
+    def row_proposer(self, plan) -> Any: ...
 
 
 def choice_keys(key: mx.array, n: int) -> list[mx.array]:
@@ -165,7 +166,7 @@ class BatchScheduler:
         first = self._new_job(handle, 0, plan, request, keys[0], decoder, trunk_tap, fresh=False)
         for choice in range(1, request.n):
             fork = self._new_job(handle, choice, plan, request, keys[choice], decoder, trunk_tap, fresh=True)
-            # A row with its own proposer (whose state follows the prefill) prefills on its own.
+            # A draft model row (its draft model's cache of its own) prefills on its own.
             fork.waits = first.pending.proposer is None
             if fork.waits:
                 first.forks.append(fork)
@@ -178,8 +179,8 @@ class BatchScheduler:
         # A grammar row speculates in the batch like any other (`BatchDecoder`, "Grammar rows").
         # Compiled before any cache is taken: a grammar this tokenizer cannot serve fails here.
         constraint = engine.compile_grammar(request.grammar) if request.grammar is not None else None
-        row_drafter = batch_drafter(plan.choice, decoder.single_row)
-        with_head = plan.choice.model_drafter == "head" and row_drafter in ("head", "auto", "proposer")
+        sources = row_sources(plan.choice)
+        with_head = Source.HEAD in sources
         if fresh:  # a fork: its caches become choice 0's, copied after its prefill (`_fork`)
             head_cache = engine.head.make_cache() if with_head else None
             session = CacheSession(
@@ -191,7 +192,12 @@ class BatchScheduler:
             )
         pending = decoder.start(
             plan.prompt_tokens,
-            RowSpec(plan.settings, row_drafter, request.drafting.lookup),
+            RowSpec(
+                plan.settings,
+                sources,
+                request.drafting.lookup,
+                max_drafts=plan.settings.depth if request.drafting.pinned else None,
+            ),
             key,
             trunk_cache=session.trunk_cache,
             head_cache=session.head_cache,
@@ -201,11 +207,9 @@ class BatchScheduler:
             draft_length=plan.settings.depth if request.seed is not None or request.drafting.pinned else None,
             trunk_tap=trunk_tap,
             constraint=constraint,
-            proposer=engine.row_proposer(plan, request, session.head_cache)
-            if row_drafter == "proposer"
-            else None,
+            proposer=engine.row_proposer(plan),
         )
-        mode, depth = ("mtp", plan.choice.depth) if row_drafter != "none" else ("ar", 0)
+        mode, depth = ("mtp", plan.choice.depth) if sources else ("ar", 0)
         output = RequestOutput(
             engine.tokenizer, request, len(plan.prompt_tokens), session.prefix.start, mode, depth, engine.head
         )
@@ -355,6 +359,8 @@ class BatchScheduler:
             pending.head_cache = hit.head_cache
         pending.prefix = PromptPrefix(hit.start)
         pending.position = hit.start
+        # A single-row decoder decodes in these caches and its row stores them at the end (`_finish`).
+        job.session.trunk_cache, job.session.head_cache = pending.trunk_cache, pending.head_cache
         job.output.prefix_reused(hit.start)
 
     def _feed(self, job: _Job, step) -> StepResult:

@@ -17,7 +17,8 @@ from dataclasses import replace
 from typing import Annotated, Any, Literal
 
 from mtplx.engine.request import MAX_CHOICES
-from mtplx.spec_decode.settings import MAX_DEPTH, Drafting
+from mtplx.spec_decode.settings import DRAFT_KINDS, MAX_DEPTH, Drafting
+from mtplx.spec_decode.sources import DrafterKind
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
@@ -36,12 +37,13 @@ class StreamOptions(BaseModel):
 class Speculative(BaseModel):
     """A request's own speculation, with llama-server's names: ``n_max`` the most drafts per cycle
     (0: none), ``n_min`` > 0 keeps the row drafting ``n_max`` every cycle (the cost policy may not
-    take it to K = 0), ``drafter`` one of the engine's drafter kinds ("none": plain AR)."""
+    take it to K = 0; without ``n_max``, ``n_min`` drafts every cycle), ``drafter`` one of the
+    engine's drafter kinds ("none": plain AR)."""
 
     model_config = ConfigDict(extra="ignore")
     n_max: Annotated[StrictInt, Field(ge=0, le=MAX_DEPTH)] | None = None
     n_min: Annotated[StrictInt, Field(ge=0, le=MAX_DEPTH)] | None = None
-    drafter: Literal["auto", "head", "lookup", "model", "none"] | None = None
+    drafter: Literal[DRAFT_KINDS] | None = None
 
     @model_validator(mode="after")
     def _ordered(self) -> Speculative:
@@ -64,6 +66,12 @@ class SpeculationFields(BaseModel):
             raise ValueError(
                 f"num_draft_tokens ({self.num_draft_tokens}) contradicts speculative.n_max ({n_max})"
             )
+        drafter = self.speculative.drafter if self.speculative is not None else None
+        count = self.num_draft_tokens if self.num_draft_tokens is not None else n_max
+        conflict = Drafting.count_conflict(drafter, count)
+        if conflict is not None:
+            name = "num_draft_tokens" if self.num_draft_tokens is not None else "speculative.n_max"
+            raise ValueError(f"{name}: {conflict} (speculative.drafter)")
         return self
 
     def drafting(self, served: Drafting) -> Drafting:
@@ -74,11 +82,16 @@ class SpeculationFields(BaseModel):
         if spec is None and count is None:
             return served
         n_max = count if count is not None else spec.n_max
-        kind = spec.drafter if spec is not None and spec.drafter is not None else served.kind
+        if n_max is None and spec is not None and spec.n_min:
+            n_max = spec.n_min  # n_min alone: draft at least that many, every cycle
+        named = spec is not None and spec.drafter is not None
+        kind = spec.drafter if named else served.kind
+        field = "speculative.drafter" if named else served.field
         if n_max == 0:
-            return replace(served, kind="none", depth=None, pinned=False)
+            return replace(served, kind=DrafterKind.NONE, depth=None, pinned=False, field=field)
         pinned = n_max is not None and (count is not None or bool(spec.n_min))
-        return replace(served, kind=kind, depth=n_max if n_max is not None else served.depth, pinned=pinned)
+        depth = n_max if n_max is not None else served.depth
+        return replace(served, kind=kind, depth=depth, pinned=pinned, field=field)
 
     def speculation(self) -> dict:
         """These fields as a chat completion body carries them (the ones given)."""

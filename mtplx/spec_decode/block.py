@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from mtplx.sample import ops as sample_ops
+from mtplx.spec_decode.draft_block import DraftBlock, Source, pad_time
 from mtplx.spec_decode.draft_policy import DraftOffer
-from mtplx.spec_decode.proposer import Draft, cut_draft
 from mtplx.spec_decode.rows import BatchRow, RowsFailed
 from mtplx.spec_decode.step import split_key
 from mtplx.trunk.model import TrunkOutput
@@ -24,14 +24,9 @@ __all__ = [
     "Cycle",
     "CycleKeys",
     "Group",
-    "SourceOnly",
     "Verdicts",
     "adaptive_length",
-    "gather_positions",
-    "groups_by",
-    "pad_time",
-    "padded_uniforms",
-    "cut_to_legal",
+    "cut_sources",
     "cycle_keys",
     "group_masks",
     "padded_masks",
@@ -51,7 +46,7 @@ class Group:
 
 @dataclass
 class CycleKeys:
-    """A row's keys for one cycle, split as the single-row loops split theirs: (key, draft, accept,
+    """A row's keys for one cycle, split the same in a batch and alone: (key, draft, accept,
     sample) for a drafting row, (key, step) for a plain AR row (no draft or accept key)."""
 
     draft: mx.array | None
@@ -61,7 +56,7 @@ class CycleKeys:
 
 def cycle_keys(row: BatchRow) -> CycleKeys:
     """Advance ``row``'s key by one cycle and return the cycle's keys."""
-    if row.spec.drafter == "none":
+    if not row.spec.sources:
         row.key, sample_key = split_key(row.key)
         return CycleKeys(None, None, sample_key)
     row.key, draft_key, accept_key, sample_key = mx.random.split(row.key, 4)
@@ -70,36 +65,88 @@ def cycle_keys(row: BatchRow) -> CycleKeys:
 
 @dataclass
 class Block:
-    """One cycle's drafts for every row. ``kinds[r]``: "head", "lookup", "grammar" (forced tokens)
-    or "" (no drafts); ``lengths[r]`` = k_r; ``width`` = K = max k_r."""
+    """One cycle's drafts for every row, merged from the drafters' blocks (`DraftBlock`s, the
+    drafter contract): row r drafts from ``parts[chosen[r]]`` (None: no drafts), the first
+    ``lengths[r]`` = k_r of them; ``width`` = K = max k_r. ``kinds[r]``: the chosen drafter's
+    source (its acceptance record); ``sources[r]``: the (source, count) segments verified."""
 
-    kinds: list[str]
+    parts: list[DraftBlock]
+    chosen: list[int | None]
     lengths: list[int]
-    host_drafts: list[list[int]]  # drafts known on the host (lookup, forced; head ones once read)
+    host_drafts: list[list[int] | None]  # drafts on the host (lookup, forced; lazy ones once read)
     offers: list[DraftOffer | None]  # what each row offered the draft policy
-    width: int
-    drafts: mx.array  # [B, K] int32 (lazy where the head drew them)
+    width: int = 0
+    drafts: mx.array | None = None  # [B, K] int32 (lazy where a model drew them)
     tokens: mx.array | None = None  # [B, K+1]: [pending_r, d_r1..d_rk, padding]
-    head_probs: mx.array | None = None  # [B, D, V] q of the head's drafts, D <= K (None: argmax drafts)
-    confidence: mx.array | None = None  # [B, D] the head's confidence in each draft (adaptive rows)
-    flags: list[mx.array] = field(default_factory=list)  # the head's lazy validity flags
-    row_drafts: list[Draft | None] = field(default_factory=list)  # drafter "proposer" rows' own Drafts
     grammar_reads: list[int] = field(init=False)  # host reads of drafts a row's masks needed
 
     def __post_init__(self) -> None:
-        self.grammar_reads = [0] * len(self.kinds)
+        self.grammar_reads = [0] * len(self.chosen)
+
+    def part(self, i: int) -> DraftBlock | None:
+        return self.parts[self.chosen[i]] if self.chosen[i] is not None and self.lengths[i] else None
+
+    def kind(self, i: int) -> Source | None:
+        """The source of row i's chosen drafter (the first segment of its block)."""
+        part = self.part(i)
+        return part.sources[i][0][0] if part is not None else None
+
+    def sources(self, i: int) -> tuple[tuple[Source, int], ...]:
+        """Row i's (source, count) segments, cut to its length."""
+        part = self.part(i)
+        return cut_sources(part.sources[i], self.lengths[i]) if part is not None else ()
 
     def has_q(self, i: int) -> bool:
         """Whether row i's drafts come with the distribution they were drawn from (else point masses)."""
-        if self.kinds[i] == "head":
-            return self.head_probs is not None
-        return self.kinds[i] == "proposer" and self.row_drafts[i].probs is not None
+        part = self.part(i)
+        return part is not None and part.q is not None
 
     def q(self, i: int, k: int) -> mx.array:
         """Row i's q over its k drafts, [1, k, V] (`has_q`)."""
-        if self.kinds[i] == "head":
-            return self.head_probs[i : i + 1, :k]
-        return self.row_drafts[i].probs[:, :k]
+        return self.part(i).q[i : i + 1, :k]
+
+    def flags(self) -> list[tuple[mx.array, list[int]]]:
+        """Each part's lazy validity flag with the batch rows it drafted for."""
+        return [(p.invalid, p.drafted_rows()) for p in self.parts if p.invalid is not None]
+
+    def merge(self, pending: mx.array) -> None:
+        """``drafts`` [B, K] and ``tokens`` [B, K+1] from each row's chosen part (``pending`` [B, 1])."""
+        self.width = width = max(self.lengths, default=0)
+        only = {c for c in self.chosen}
+        if len(only) == 1 and None not in only and all(d is None for d in self.host_drafts):
+            part = self.parts[only.pop()]  # every row from one lazy drafter (a stream's head): as it is
+            self.drafts = pad_time(part.tokens, width)
+            self.tokens = mx.concatenate([pending, self.drafts], axis=1)
+            return
+        on_host = [
+            d if d is not None and self.chosen[i] is not None else [] for i, d in enumerate(self.host_drafts)
+        ]
+        drafts = mx.array([d[:width] + [0] * (width - len(d[:width])) for d in on_host], dtype=mx.int32)
+        drafts = drafts.reshape(len(self.chosen), width)
+        for j, part in enumerate(self.parts):
+            lazy = [c == j and self.host_drafts[i] is None for i, c in enumerate(self.chosen)]
+            if any(lazy) and width:
+                drafts = mx.where(mx.array(lazy)[:, None], pad_time(part.tokens, width), drafts)
+        self.drafts = drafts
+        self.tokens = mx.concatenate([pending, drafts], axis=1)
+
+    def cut(self, i: int, keep: int) -> None:
+        """Row i keeps its first ``keep`` drafts (none: no drafter)."""
+        self.lengths[i] = min(self.lengths[i], keep)
+        if self.host_drafts[i] is not None:
+            self.host_drafts[i] = self.host_drafts[i][: self.lengths[i]]
+        if not self.lengths[i]:
+            self.chosen[i] = None
+
+
+def cut_sources(sources: tuple[tuple[Source, int], ...], keep: int) -> tuple[tuple[Source, int], ...]:
+    """The (source, count) segments of a block's first ``keep`` drafts."""
+    out, left = [], keep
+    for source, count in sources:
+        if left > 0:
+            out.append((source, min(count, left)))
+        left -= count
+    return tuple(out)
 
 
 @dataclass
@@ -159,38 +206,16 @@ def row_positions(output: TrunkOutput, row: int, count: int) -> TrunkOutput:
     )
 
 
-@dataclass
-class SourceOnly:
-    """The part of a Draft that LookupProposer.commit reads (its source segments)."""
-
-    sources: tuple[tuple[str, int], ...]
-
-
-def cut_to_legal(block: Block, i: int, constraint) -> None:
-    """Row i's own proposer's drafts under its grammar (``constraint``), read to the host: point
-    masses cut to their legal prefix (exact: an illegal point mass has p = 0, verify would reject
-    it and sample p itself); sampled drafts are verified as they are. The proposer's own reads (a
-    head masking each draft) count with the row's."""
-    draft = block.row_drafts[i]
-    block.grammar_reads[i] += draft.host_reads
-    if draft.probs is None:
-        legal = constraint.legal_prefix(block.host_drafts[i])
-        block.row_drafts[i] = cut_draft(draft, legal)
-        block.host_drafts[i] = block.host_drafts[i][:legal]
-        block.lengths[i] = legal
-        if block.row_drafts[i] is None:
-            block.kinds[i] = ""
-
-
-def raise_if_invalid(rows: Sequence[BatchRow], groups: list[Group], flags: list[mx.array]) -> None:
-    """Raise `RowsFailed` naming the rows whose cycle made invalid values (the head's draws: every
-    head row; a verify group's: its rows)."""
-    if any(int(f.item()) for f in flags):  # the head's draws: not attributable to one group
+def raise_if_invalid(
+    rows: Sequence[BatchRow], groups: list[Group], flags: list[tuple[mx.array, list[int]]]
+) -> None:
+    """Raise `RowsFailed` naming the rows whose cycle made invalid values (a drafter's draws: the
+    rows it drafted for; a verify group's: its rows)."""
+    for flag, index in flags:
         try:
-            for f in flags:
-                sample_ops.raise_if_invalid(f)
+            sample_ops.raise_if_invalid(flag)
         except ValueError as err:
-            raise RowsFailed([r.row_id for r in rows if r.uses_head], str(err)) from None
+            raise RowsFailed([rows[i].row_id for i in index], str(err)) from None
     for g in groups:
         try:
             sample_ops.raise_if_invalid(g.invalid)
@@ -214,34 +239,3 @@ class Cycle:
 
     def verdict_arrays(self) -> list[tuple[mx.array, ...]]:
         return [(g.num_accepted, g.next_token, g.accept_probs, g.invalid) for g in self.groups]
-
-
-# ------------------------------------------------------------------ array helpers
-def gather_positions(x: mx.array, index: Sequence[int]) -> mx.array:
-    """x[r, index[r]] for each row: [B, T, ...] -> [B, 1, ...]."""
-    idx = mx.array(list(index), dtype=mx.int32).reshape(-1, 1, *([1] * (x.ndim - 2)))
-    return mx.take_along_axis(x, idx, axis=1)
-
-
-def pad_time(x: mx.array, width: int) -> mx.array:
-    if x.shape[1] == width:
-        return x
-    return mx.concatenate([x, mx.zeros((x.shape[0], width - x.shape[1], *x.shape[2:]), x.dtype)], axis=1)
-
-
-def groups_by(items: Sequence, key) -> dict:
-    out: dict = {}
-    for i, item in enumerate(items):
-        out.setdefault(key(item), []).append(i)
-    return out
-
-
-def padded_uniforms(count: int, width: int, key: mx.array | None) -> mx.array:
-    """A row's draft uniforms, drawn as the single-row head proposer draws them (``count`` from
-    its key), padded with ones to the chain's ``width``; rows without a key get ones."""
-    if key is None or count == 0:
-        return mx.ones((width,), dtype=mx.float32)
-    uniforms = sample_ops.draw_uniforms((count,), key)
-    if count >= width:
-        return uniforms[:width]
-    return mx.concatenate([uniforms, mx.ones((width - count,), dtype=mx.float32)])

@@ -33,11 +33,12 @@ import time
 from collections.abc import Sequence
 
 from mtplx.errors import MtplxError
+from mtplx.spec_decode.draft_block import DraftBlock, Source, host_block
 
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["GrammarConstraint", "matcher_message"]
+__all__ = ["ForcedDrafter", "GrammarConstraint", "matcher_message"]
 
 
 def matcher_message(error: str) -> str:
@@ -146,3 +147,18 @@ class GrammarConstraint:
         self.masks_computed += 1
         self.mask_seconds += time.perf_counter() - start
         return mx.array(allowed)
+
+
+class ForcedDrafter:
+    """The tokens each grammar row's grammar forces after its committed text, drafted first as
+    point masses (`GrammarConstraint.forced_tokens`), on the host."""
+
+    source = Source.GRAMMAR
+
+    def propose(self, rows: Sequence, keys: Sequence, most: Sequence[int]) -> DraftBlock:
+        return host_block(
+            [row.constraint.forced_tokens(n) if n else [] for row, n in zip(rows, most)], self.source
+        )
+
+    def commit(self, rows: Sequence, outcome) -> None:
+        return None  # the loop advances each row's matcher by what it committed (`grammar_step`)

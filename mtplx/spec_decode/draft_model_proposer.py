@@ -19,12 +19,11 @@ from typing import Any
 
 from mtplx.errors import MtplxError
 from mtplx.sample import ops as sample_ops
-from mtplx.spec_decode.lookup_proposer import point_mass_draft
-from mtplx.spec_decode.proposer import CycleOutcome, Draft, draw_draft_token, join_drafts, stacked_draft
+from mtplx.spec_decode.draft_block import DraftBlock, Outcome, Source, pad_time
+from mtplx.spec_decode.proposer import Draft, draw_draft_token, join_drafts, point_mass_draft, stacked_draft
 from mtplx.spec_decode.settings import DecodeSettings
 from mtplx.trunk import compat
 from mtplx.trunk import rollback as cache_ops
-from mtplx.trunk.model import TrunkOutput
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -70,7 +69,9 @@ def check_compatible(
 
 
 class DraftModelProposer:
-    name = "model"
+    """One row's draft model state: its own cache, rolled back after every cycle."""
+
+    name = Source.MODEL
 
     def __init__(
         self,
@@ -92,9 +93,6 @@ class DraftModelProposer:
         self.cache = cache if cache is not None else compat.make_prompt_cache(model)
         self._fed = 0  # history tokens forwarded through the draft model
         self._checkpoint: cache_ops.BlockCapture | None = None
-
-    def observe_prefill(self, output: TrunkOutput, start: int, end: int, prompt_tokens: list[int]) -> None:
-        return None  # the prompt is forwarded at the first proposal
 
     def _forward(self, tokens: Sequence[int] | mx.array) -> mx.array:
         if not isinstance(tokens, mx.array):
@@ -125,21 +123,15 @@ class DraftModelProposer:
             logits = mx.where(ids < self.real_vocab_size, logits, -mx.inf)
         return logits
 
-    def propose(
-        self,
-        history: list[int],
-        key: mx.array,
-        trunk_cache: list,
-        forced: Sequence[int] = (),
-        constraint=None,
-    ) -> Draft | None:
+    def draft(self, history: list[int], key: mx.array, forced: Sequence[int] = ()) -> Draft | None:
         """Draft up to ``depth`` tokens; after ``forced`` point-mass tokens (a lookup block) when
         given, conditioned on them, filling the block up to ``depth``. Drafts are not masked by a
-        grammar (``constraint``): the loop cuts argmax drafts to their legal prefix and verify
-        rejects an illegal sampled one (p = 0), so the output stays exact."""
+        grammar: the loop cuts argmax drafts to their legal prefix and verify rejects an illegal
+        sampled one (p = 0), so the output stays exact. The prompt is forwarded at the first
+        proposal (the draft model sees no trunk state)."""
         logits = self._catch_up(history)
         self._checkpoint = cache_ops.checkpoint(self.cache)
-        prefix = [point_mass_draft(list(forced), "lookup")] if forced else []
+        prefix = [point_mass_draft(list(forced), Source.LOOKUP)] if forced else []
         if forced:
             logits = self._forward(forced)
         count = self.depth - len(forced)
@@ -164,7 +156,63 @@ class DraftModelProposer:
             flags.append(invalid)
         return join_drafts(prefix + [stacked_draft(tokens, probs, flags, self.name)])
 
-    def commit(self, outcome: CycleOutcome) -> None:
+    def rollback(self) -> None:
+        """Back to the committed text (the drafts' entries dropped; re-fed at the next proposal)."""
         if self._checkpoint is not None:
             cache_ops.abort_block(self.cache, self._checkpoint)
             self._checkpoint = None
+
+
+class ModelDrafter:
+    """A draft model for every row that asks, each on its own cache (``row.proposer``, a
+    `DraftModelProposer`: a small model drafts one row at a time). Composition with lookup: a
+    row's lookup match shorter than its depth is continued by the draft model, conditioned on it
+    (``prefixes``); a match as long as its depth is drafted as it is (by the lookup drafter)."""
+
+    source = Source.MODEL
+
+    def propose(
+        self, rows: Sequence, keys: Sequence, most: Sequence[int], prefixes: Sequence[list[int]] = ()
+    ) -> DraftBlock:
+        drafts: list[Draft | None] = []
+        for i, (row, n) in enumerate(zip(rows, most)):
+            prefix = prefixes[i] if prefixes else []
+            drafts.append(row.proposer.draft(row.history, keys[i].draft, forced=prefix) if n else None)
+        return stacked_block(drafts)
+
+    def commit(self, rows: Sequence, outcome: Outcome) -> None:
+        for row in rows:
+            if row.proposer is not None:
+                row.proposer.rollback()
+
+
+def stacked_block(drafts: Sequence[Draft | None]) -> DraftBlock:
+    """One block from one-row `Draft`s (None: no drafts for that row); point-mass rows get one-hot
+    q rows where another row carries a real q (a block holds one q tensor)."""
+    lengths = [d.num_tokens if d is not None else 0 for d in drafts]
+    width = max(lengths)
+    zeros = mx.zeros((1, width), dtype=mx.int32)
+    tokens = mx.concatenate([pad_time(d.tokens, width) if d is not None else zeros for d in drafts])
+    q = None
+    with_q = [d.probs for d in drafts if d is not None and d.probs is not None]
+    if with_q:
+        vocab_size = with_q[0].shape[-1]
+        ids = mx.arange(vocab_size, dtype=mx.int32)
+        q = mx.concatenate(
+            [
+                pad_time(
+                    d.probs if d.probs is not None else (ids == d.tokens[..., None]).astype(mx.float32), width
+                )
+                if d is not None
+                else mx.zeros((1, width, vocab_size), dtype=mx.float32)
+                for d in drafts
+            ]
+        )
+    invalid = None
+    for d in drafts:
+        if d is not None and d.invalid is not None:
+            invalid = d.invalid if invalid is None else invalid | d.invalid
+    sources = [
+        tuple((Source(name), count) for name, count in d.sources) if d is not None else () for d in drafts
+    ]
+    return DraftBlock(tokens, lengths, sources, q=q, invalid=invalid)

@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from mtplx.spec_decode.settings import MAX_DEPTH
+from mtplx.spec_decode.sources import Source
 
 __all__ = [
     "DRAFT_POLICIES",
@@ -189,9 +190,9 @@ class RowAcceptance:
 def drafter_records() -> dict[str, RowAcceptance]:
     """A new row's records, one per drafter that can offer it drafts."""
     return {
-        "head": RowAcceptance(),
-        "lookup": RowAcceptance(LOOKUP_PRIOR_ACCEPTANCE),
-        "grammar": RowAcceptance(FORCED_PRIOR_ACCEPTANCE),
+        Source.HEAD: RowAcceptance(),
+        Source.LOOKUP: RowAcceptance(LOOKUP_PRIOR_ACCEPTANCE),
+        Source.GRAMMAR: RowAcceptance(FORCED_PRIOR_ACCEPTANCE),
     }
 
 
@@ -348,33 +349,37 @@ def _powers_of_two(limit: int) -> list[int]:
 def row_caps(
     policy: DraftPolicy | None,
     rows: Sequence,
-    found: Sequence[list[int]],
-    forced: Sequence[list[int]],
+    found: Sequence[int],
+    forced: Sequence[int],
     has_chain: bool,
     timed: bool,
 ) -> tuple[list[int], list[DraftOffer | None]]:
-    """Each batch row's most drafts this cycle (`mtplx.spec_decode.rows.BatchRow`s, their lookup
-    matches ``found`` and grammar-forced tokens ``forced``): the policy's K for rows without a
-    pinned length (``timed``: this cycle's seconds will calibrate it), no cap for pinned rows or
-    without a policy; and what each row offered the policy (None: nothing, or no policy; a row
-    with its own proposer offers nothing: its drafts are not the policy's). Forced tokens are
-    offered like any drafts (record "grammar", kept nearly always), so they widen the block only
-    where the cost model says the extra positions pay. ``has_chain``: the head chain drafts."""
-    unlimited = [MAX_DEPTH + 64] * len(rows)
+    """Each batch row's most drafts this cycle, whatever proposes them
+    (`mtplx.spec_decode.rows.BatchRow`s, the lengths of their lookup matches ``found`` and of their
+    grammar-forced tokens ``forced``): a request's own count (``spec.max_drafts``) where it set
+    one, else the policy's K for rows without a pinned length (``timed``: this cycle's seconds
+    will calibrate it), no cap for pinned rows, draft model rows or without a policy; and what
+    each row offered the policy (None: nothing, or no policy; a draft model row offers nothing:
+    its drafts are not the policy's). Forced tokens are offered like any drafts (record
+    "grammar", kept nearly always), so they widen the block only where the cost model says the
+    extra positions pay. ``has_chain``: the head chain drafts."""
+    unlimited = MAX_DEPTH + 64
+    asked = [r.spec.max_drafts for r in rows]
     if policy is None:
-        return unlimited, [None] * len(rows)
-    free = [r.draft_length is None for r in rows]
+        return [a if a is not None else unlimited for a in asked], [None] * len(rows)
+    free = [r.draft_length is None and not r.uses_model for r in rows]
     offers: list[DraftOffer | None] = []
     for row, f, g, is_free in zip(rows, found, forced, free):
-        if not is_free or row.spec.drafter == "proposer":
+        if not is_free:
             offers.append(None)
         elif g:
-            offers.append(DraftOffer(row.acceptance["grammar"], len(g)))
+            offers.append(DraftOffer(row.acceptance[Source.GRAMMAR], g))
         elif f:
-            offers.append(DraftOffer(row.acceptance["lookup"], len(f)))
+            offers.append(DraftOffer(row.acceptance[Source.LOOKUP], f))
         elif has_chain and row.uses_head:
-            offers.append(DraftOffer(row.acceptance["head"], row.head_length))
+            offers.append(DraftOffer(row.acceptance[Source.HEAD], row.head_length))
         else:
             offers.append(None)
     k = policy.choose(offers, timed=timed)
-    return [k if is_free else cap for is_free, cap in zip(free, unlimited)], offers
+    caps = [k if is_free else unlimited for is_free in free]
+    return [a if a is not None else cap for a, cap in zip(asked, caps)], offers

@@ -1,6 +1,6 @@
 """Drafting, decided in one module: which drafter a request decodes with, how deep it drafts
 (every depth default), the adaptive gate's default threshold, the cycle's per-row drafter table,
-and building a row's own proposer. Each cycle's draft length per row is the draft-length policy's
+and building a draft model row's state. Each cycle's draft length per row is the draft-length policy's
 (`draft_policy.row_caps`: a pinned length, the fixed depth, or the cost model; the adaptive gate
 then cuts an adaptive row's block after its first unsure draft).
 
@@ -13,18 +13,20 @@ The rules, in order:
 3. depth: the request's, else the engine's (tuned, else the head's default), else the head's
    own default when tuning chose AR but a drafter was asked for explicitly. A draft model drafts
    the request's depth or `DEFAULT_DEPTH`: the head's tuning says nothing about it.
-4. the batched loop's drafter for the row (`batch_drafter`, the table below): the head batched
-   across rows (`head_proposer.HeadChain`), lookup on the host, or the row's own proposer (a draft
-   model always; any drafter on a single-row decoder, built by `build_proposer`).
+4. the cycle's drafters for the row in priority order (`row_sources`, the table below), the same
+   in a batch and on a single-row decoder (a stream): the head chain (`head_chain.HeadChain`),
+   lookup on the host, a draft model on the row's own cache (`build_proposer`). A grammar row's
+   forced tokens come before any of them.
 
-| kind  | model drafter | batch row drafter (rows share a batch) | single-row decoder |
-|-------|---------------|----------------------------------------|--------------------|
-| none  | -             | none                                   | none               |
-| lookup| -             | lookup                                 | lookup             |
-| head  | head          | head                                   | proposer           |
-| auto  | head          | auto (lookup where it matches, else the head) | proposer    |
-| auto  | none          | lookup                                 | lookup             |
-| model / auto | model  | proposer                               | proposer           |
+| kind  | model drafter | sources (first match wins)        |
+|-------|---------------|-----------------------------------|
+| none  | -             | (plain AR)                        |
+| lookup| -             | lookup                            |
+| head  | head          | head                              |
+| auto  | head          | lookup, head                      |
+| auto  | none          | lookup                            |
+| auto  | model         | lookup, model (continues a short match) |
+| model | model         | model                             |
 
 Exactness never depends on these choices (any proposer is exact, `proposer.py`); speed does.
 """
@@ -33,21 +35,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mtplx.spec_decode.auto_proposer import AutoProposer
 from mtplx.spec_decode.draft_model_proposer import DraftModelProposer
-from mtplx.spec_decode.head_proposer import HeadProposer
-from mtplx.spec_decode.lookup_proposer import LookupProposer
-from mtplx.spec_decode.proposer import Proposer
 from mtplx.spec_decode.settings import DecodeSettings, Drafting
+from mtplx.spec_decode.sources import DrafterKind, Source
 
 __all__ = [
     "DEFAULT_ADAPTIVE_THRESHOLD",
     "DEFAULT_DEPTH",
     "DrafterChoice",
-    "batch_drafter",
     "build_proposer",
     "choose_drafter",
+    "drafter_refusal",
     "head_depth",
+    "row_sources",
 ]
 
 DEFAULT_DEPTH = 3  # drafts per cycle when neither the head, tuning nor the request says
@@ -63,14 +63,14 @@ def head_depth(head) -> int:
 
 @dataclass(frozen=True)
 class DrafterChoice:
-    kind: str  # the drafter asked for (settings.DRAFT_KINDS)
-    model_drafter: str | None  # "head" | "model" | None: the model drafter behind kind
+    kind: DrafterKind  # the drafter asked for
+    model_drafter: Source | None  # Source.HEAD | Source.MODEL | None: the model drafter behind kind
     depth: int  # the head's drafts per cycle (and the depth stats report)
     model_depth: int  # a draft model's drafts per cycle
 
     @property
     def speculative(self) -> bool:
-        return self.kind != "none"
+        return self.kind is not DrafterKind.NONE
 
 
 def choose_drafter(
@@ -81,11 +81,12 @@ def choose_drafter(
     ``engine_depth`` is the engine's default depth (0: tuning found plain AR fastest);
     ``head_depth`` the head's own default.
     """
-    kind, asked_depth = drafting.kind, drafting.depth
-    if kind == "model" or (kind == "auto" and has_draft_model):
-        model_drafter = "model"
-    elif kind == "head" or (kind == "auto" and has_head and not (asked_depth is None and not engine_depth)):
-        model_drafter = "head"
+    kind, asked_depth = DrafterKind(drafting.kind), drafting.depth
+    auto = kind is DrafterKind.AUTO
+    if kind is DrafterKind.MODEL or (auto and has_draft_model):
+        model_drafter = Source.MODEL
+    elif kind is DrafterKind.HEAD or (auto and has_head and not (asked_depth is None and not engine_depth)):
+        model_drafter = Source.HEAD
     else:
         model_drafter = None
     return DrafterChoice(
@@ -96,46 +97,48 @@ def choose_drafter(
     )
 
 
-def batch_drafter(choice: DrafterChoice, single_row: bool) -> str:
-    """The cycle's drafter for a row (`loop.BATCH_DRAFTERS`; the module docstring's table)."""
-    kind = choice.kind
-    if kind == "auto" and choice.model_drafter is None:
-        return "lookup"
-    if kind in ("none", "lookup"):
-        return kind
-    if single_row or choice.model_drafter == "model":
-        return "proposer"  # the row's own proposer (`build_proposer`)
-    return kind  # "head" or "auto" (lookup, else the head chain)
+def drafter_refusal(drafting: Drafting, *, has_head: bool, has_draft_model: bool) -> str | None:
+    """Why this engine cannot serve the drafter a request names, one line naming the request's
+    field (`Drafting.field`); "" for a missing head (the engine words that one); None if it can."""
+    kind = DrafterKind(drafting.kind)
+    if kind is DrafterKind.HEAD and not has_head:
+        return ""
+    if kind is DrafterKind.MODEL and not has_draft_model:
+        return (
+            f"{drafting.field}: 'model' needs a draft model and none is loaded "
+            "(start with --draft-model PATH; Engine.load(draft_model=...))"
+        )
+    return None
+
+
+def row_sources(choice: DrafterChoice) -> tuple[Source, ...]:
+    """The cycle's drafters for a request's rows, in priority order (the module docstring's
+    table): the same on a batch and on a single-row decoder (a stream is a batch of one)."""
+    kind = DrafterKind(choice.kind)
+    if kind is DrafterKind.NONE:
+        return ()
+    if kind is DrafterKind.LOOKUP:
+        return (Source.LOOKUP,)
+    model = () if choice.model_drafter is None else (Source(choice.model_drafter),)
+    return ((Source.LOOKUP,) if kind is DrafterKind.AUTO else ()) + model
 
 
 def build_proposer(
     choice: DrafterChoice,
-    drafting: Drafting,
     settings: DecodeSettings,
     *,
-    head=None,
-    head_cache: list | None = None,
     draft_model=None,
     target_vocab_size: int = 0,
     draft_vocab_size: int = 0,
-) -> Proposer | None:
-    """A fresh proposer for one request (None: plain AR). Its state lives and dies with the
-    request, except the head's cache, which comes from the request's prompt-cache session."""
-    if choice.kind == "none":
+) -> DraftModelProposer | None:
+    """A draft model row's own draft model state (None for any other row): its cache lives and
+    dies with the request."""
+    if Source.MODEL not in row_sources(choice):
         return None
-    if choice.kind == "lookup":
-        return LookupProposer(drafting.lookup)
-    drafter: Proposer | None = None
-    if choice.model_drafter == "model":
-        drafter = DraftModelProposer(
-            draft_model,
-            settings,
-            target_vocab_size=target_vocab_size,
-            real_vocab_size=draft_vocab_size,
-            depth=choice.model_depth,
-        )
-    elif choice.model_drafter == "head":
-        drafter = HeadProposer(head, settings, head_cache)
-    if choice.kind == "auto":
-        return AutoProposer(LookupProposer(drafting.lookup), drafter)
-    return drafter
+    return DraftModelProposer(
+        draft_model,
+        settings,
+        target_vocab_size=target_vocab_size,
+        real_vocab_size=draft_vocab_size,
+        depth=choice.model_depth,
+    )

@@ -17,16 +17,15 @@ transformers/generation/candidate_generator.py): +2 after a block that was kept 
 -1 after one that was cut, within [1, ``max_tokens``]. A rejected lookup token costs a
 verify position; on a CPU that is ~0.1-0.15 of a decode step (benchmarks/RESULTS.md), so
 long blocks the model does not copy cost more than they return. The length depends only on
-earlier cycles' outcomes, so exactness does not depend on it (drafters/base.py).
+earlier cycles' outcomes, so exactness does not depend on it (`draft_block`).
 """
 
 from __future__ import annotations
 
-from mtplx.spec_decode.proposer import CycleOutcome, Draft
-from mtplx.spec_decode.settings import LookupConfig
-from mtplx.trunk.model import TrunkOutput
+from collections.abc import Sequence
 
-import mlx.core as mx
+from mtplx.spec_decode.draft_block import DraftBlock, Outcome, Source, host_block
+from mtplx.spec_decode.settings import LookupConfig
 
 
 class NgramIndex:
@@ -74,6 +73,8 @@ def _copy_forward(tokens: list[int], start: int, count: int) -> list[int]:
 
 
 class LookupProposer:
+    """One row's matcher: its n-gram index over the row's text and its next block's length."""
+
     name = "lookup"
 
     def __init__(self, config: LookupConfig):
@@ -81,29 +82,31 @@ class LookupProposer:
         self.index = NgramIndex(config.min_ngram, config.max_ngram)
         self.block_tokens = config.max_tokens  # the next block's length
 
-    def observe_prefill(self, output: TrunkOutput, start: int, end: int, prompt_tokens: list[int]) -> None:
-        return None
-
     def find(self, history: list[int]) -> list[int]:
         """Host-side continuation after ``history`` ([] when nothing matches)."""
         self.index.extend(history[len(self.index.tokens) :])
         return self.index.match(self.block_tokens)
 
-    def propose(self, history: list[int], key: mx.array, trunk_cache: list, constraint=None) -> Draft | None:
-        found = self.find(history)
-        return point_mass_draft(found, self.name) if found else None
-
-    def commit(self, outcome: CycleOutcome) -> None:
+    def adapt(self, sources: tuple[tuple[Source, int], ...], num_accepted: int) -> None:
+        """The next block's length after a cycle that verified ``sources`` (its segments)."""
         # The index catches up from the history at the next proposal; only the length adapts.
-        if not self.config.adaptive_length or outcome.draft is None:
-            return
-        source, drafted = outcome.draft.sources[0]
-        if source != self.name:
+        if not self.config.adaptive_length or not sources or sources[0][0] is not Source.LOOKUP:
             return  # a cycle another drafter proposed for says nothing about lookup blocks
-        kept_whole = outcome.num_accepted >= drafted
+        kept_whole = num_accepted >= sources[0][1]
         step = 2 if kept_whole else -1
         self.block_tokens = min(self.config.max_tokens, max(1, self.block_tokens + step))
 
 
-def point_mass_draft(tokens: list[int], name: str) -> Draft:
-    return Draft(mx.array(tokens, dtype=mx.int32)[None], None, ((name, len(tokens)),))
+class LookupDrafter:
+    """Prompt lookup for every row that asks, on the host: each row's own matcher (``row.lookup``)."""
+
+    source = Source.LOOKUP
+
+    def propose(self, rows: Sequence, keys: Sequence, most: Sequence[int]) -> DraftBlock:
+        found = [row.lookup.find(row.history)[:n] if n else [] for row, n in zip(rows, most)]
+        return host_block(found, Source.LOOKUP)
+
+    def commit(self, rows: Sequence, outcome: Outcome) -> None:
+        for row, sources, n in zip(rows, outcome.sources, outcome.num_accepted):
+            if row.lookup is not None:
+                row.lookup.adapt(sources, n)

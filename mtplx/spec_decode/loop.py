@@ -5,36 +5,43 @@ Glossary: a *row* is one sequence (`rows.BatchRow`); rows *join* after their own
 and *leave* between cycles (`leave`); ``k_r`` is row r's draft length this cycle, K = max k_r.
 
 One cycle (`BatchDecoder.step`), for all rows at once:
-  1. draft: tokens a row's grammar forces, prompt lookup on the host (its own history), the MTP
-     head chain batched (one head forward per depth for every row, `head_proposer.HeadChain`), or a
-     row's own proposer (drafter "proposer": a draft model, or any drafter on a single-row decoder);
+  1. draft: each drafter proposes for the rows that ask it, batch-first, and returns its data
+     (`draft_block.DraftBlock`: tokens, lengths, q, confidence); the loop merges the blocks per
+     row by the row's sources (`RowSpec.sources`, resolved per request by `drafting`), first
+     match wins: tokens the row's grammar forces (`constraint.ForcedDrafter`), prompt lookup on
+     the host (`lookup_proposer.LookupDrafter`), a draft model on the row's own cache
+     (`draft_model_proposer.ModelDrafter`) or the MTP head chain, one head forward per depth for
+     every row (`head_chain.HeadChain`); each cut to the row's cap (`draft_policy.row_caps`);
   2. one trunk forward over the block [B, K+1] = [pending_r, d_r1..d_rk_r, padding]; padding sits
      after a row's last real position, so causality keeps it out of every row's logits;
   3. verify (`rejection.verify`, k = 0 a plain AR step) per group of rows sharing (sampler, k_r,
      q or point masses): one `SamplerConfig` per call keeps the oracle, the kernel emulation and
      the fused kernels unchanged and exact; a server's rows mostly share a few settings;
-  4. one host sync for every verdict and validity flag; then per row: caches keep n_r + 1
-     positions (`commit_block`), the head its true pairs, proposers roll back.
+  4. one host sync for every verdict and validity flag; then caches keep n_r + 1 positions per
+     row (`commit_block`) and each drafter follows what its rows committed (`Drafter.commit`:
+     the head its true pairs, lookup its block length, a draft model rolls back).
 
 Grammar rows speculate (docs/sampling.md, "Grammar mask": each verified position masked, any q exact):
   - tokens the grammar forces after the committed text (llguidance's fast-forward tokens) are
     drafted first, as point masses: where the mask allows only that token its masked target
     probability is 1, so verify keeps it (JSON keys, braces, tool-call syntax in one cycle);
   - else a lookup match, cut to its legal prefix (exact for point masses);
-  - else the head chain: the first draft from the head's masked distribution (its mask is computed
-    between cycles), later drafts unmasked (an illegal one has p = 0 and is rejected, exactly).
-    The verify masks need the drafts on the host: one extra read per cycle, taken after the trunk
-    forward is queued so llguidance computes the masks while it runs (`Step.grammar_reads`).
+  - else the model drafter: the head's first draft from its masked distribution (its mask is
+    computed between cycles), later drafts unmasked (an illegal one has p = 0 and is rejected,
+    exactly); a draft model's argmax drafts cut to their legal prefix.
+    The verify masks need lazy drafts on the host: one extra read per cycle, taken after the
+    trunk forward is queued so llguidance computes the masks while it runs (`Step.grammar_reads`).
 Adaptive head rows (``adaptive_threshold`` > 0) draft the full depth in the chain; the same read
-(the head's confidences) cuts each such row's block after its first unsure draft: the drafts
-`HeadProposer` stops at, without a host read per draft step stalling every row.
+(the head's confidences) cuts each such row's block after its first unsure draft, without a host
+read per draft step stalling every row (a drafter returning ``confidence`` gets the same cut).
 
 Keys split per row per cycle (`block.cycle_keys`): a seeded row with its draft length pinned
 draws the same tokens in a batch as alone, up to float rounding of batched matmuls. Where every
 row is plain AR the next cycle is queued before the caller reads this one (`_launch_ahead`).
 
 ``single_row``: sliding-window and quantized KV caches, heads that read the trunk's KV (Gemma 4
-assistants), and every stream decode one row at a time on its own caches (`SingleRowCache`).
+assistants), and every stream decode one row at a time on its own caches (`SingleRowCache`),
+through the same drafters (the head chain over the row's own head cache).
 """
 
 from __future__ import annotations
@@ -50,22 +57,19 @@ from mtplx.spec_decode.block import (
     Cycle,
     CycleKeys,
     Group,
-    SourceOnly,
     Verdicts,
     adaptive_length,
-    cut_to_legal,
     cycle_keys,
     group_masks,
-    groups_by,
-    pad_time,
     raise_if_invalid,
     row_positions,
 )
-from mtplx.spec_decode.constraint import GrammarConstraint
+from mtplx.spec_decode.constraint import ForcedDrafter, GrammarConstraint
+from mtplx.spec_decode.draft_block import Outcome, Source, groups_by
+from mtplx.spec_decode.draft_model_proposer import DraftModelProposer, ModelDrafter
 from mtplx.spec_decode.draft_policy import DraftPolicy, row_caps
-from mtplx.spec_decode.head_proposer import HeadChain, trunk_hidden
-from mtplx.spec_decode.lookup_proposer import LookupProposer
-from mtplx.spec_decode.proposer import CycleOutcome, Proposer
+from mtplx.spec_decode.head_chain import HeadChain, trunk_hidden
+from mtplx.spec_decode.lookup_proposer import LookupDrafter, LookupProposer
 from mtplx.spec_decode.rows import (
     BatchRow,
     PendingRow,
@@ -91,12 +95,12 @@ from mtplx.trunk.row_cache import SingleRowCache
 
 import mlx.core as mx
 
-__all__ = ["BATCH_DRAFTERS", "BatchDecoder", "BatchRow", "PendingRow", "RowSpec", "RowsFailed", "TrunkTap"]
+__all__ = ["BatchDecoder", "BatchRow", "PendingRow", "RowSpec", "RowsFailed", "TrunkTap"]
 
-# "auto": lookup where it matches, else the head; "proposer": the row's own (`drafting.batch_drafter`).
-BATCH_DRAFTERS = ("none", "lookup", "head", "auto", "proposer")
 # Most grammar-forced tokens looked up per row per cycle (the draft policy then cuts them to its K).
 MAX_FORCED = 8
+# Most tokens a lookup match offers (its own adaptive block length is at most this).
+MAX_LOOKUP = 64
 
 
 class BatchDecoder:
@@ -109,17 +113,19 @@ class BatchDecoder:
         every row drafts its spec's depth (or its lookup match) every cycle.
 
         ``single_row`` (or a model whose caches do not batch, `check_batch_support`): at most one
-        row, on its own caches (`SingleRowCache`, every cache kind rollback supports), drafting
-        with its own proposer (drafter "proposer") or lookup: the same cycle, one row at a time."""
+        row, on its own caches (`SingleRowCache`, every cache kind rollback supports; the head's
+        too): the same cycle and the same drafters, one row at a time."""
         self.single_row = single_row or check_batch_support(trunk, head) is not None
         self.trunk = trunk
         self.head = head
         if self.single_row:
             self.cache: BatchCache | SingleRowCache = SingleRowCache()
-            self.chain = None
+            head_cache = SingleRowCache()
         else:
             self.cache = BatchCache(trunk.make_cache(), trunk.model)
-            self.chain = HeadChain(head, head.make_cache()) if head is not None else None
+            head_cache = BatchCache(head.make_cache()) if head is not None else None
+        self.chain = HeadChain(head, head_cache, self.cache) if head is not None else None
+        self.forced, self.lookup, self.model = ForcedDrafter(), LookupDrafter(), ModelDrafter()
         self.rows: list[BatchRow] = []
         self._next_id = 0
         self.policy = policy
@@ -144,7 +150,7 @@ class BatchDecoder:
         draft_length: int | None = None,
         trunk_tap: TrunkTap | None = None,
         constraint: GrammarConstraint | None = None,
-        proposer: Proposer | None = None,
+        proposer: DraftModelProposer | None = None,
     ) -> PendingRow:
         """A sequence to prefill on its own (`prefill`, chunk by chunk) before it joins (`admit`).
 
@@ -160,21 +166,14 @@ class BatchDecoder:
         (``mx.async_eval``) and reads it back after a later sync; it must not evaluate it at once.
 
         ``constraint``: the row's grammar (a fresh `GrammarConstraint`). Such a row speculates
-        like any other (the module docstring, "Grammar rows"); with drafter "none" it decodes as
+        like any other (the module docstring, "Grammar rows"); without drafters it decodes as
         constrained AR. A complete grammar ends the row's tokens (`Step.grammar_done`).
+        ``proposer``: a draft model row's own draft model state (its source MODEL, and only it).
         """
-        if spec.drafter not in BATCH_DRAFTERS:
-            raise MtplxError(
-                f"batched decoding: drafter must be one of {', '.join(BATCH_DRAFTERS)} (got {spec.drafter!r})"
-            )
-        if spec.drafter in ("head", "auto") and self.chain is None:
-            raise MtplxError(
-                f"batched decoding: drafter {spec.drafter!r} needs an MTP head on a decoder that batches rows"
-            )
-        if (spec.drafter == "proposer") != (proposer is not None):
-            raise MtplxError(
-                "batched decoding: drafter 'proposer' takes the row's proposer (and only it does)"
-            )
+        if Source.HEAD in spec.sources and self.chain is None:
+            raise MtplxError("batched decoding: the head drafter needs a decoder with an MTP head")
+        if (Source.MODEL in spec.sources) != (proposer is not None):
+            raise MtplxError("batched decoding: a draft model row takes its draft model (and only it does)")
         prefix = prefix if prefix is not None else PromptPrefix()
         if not 0 <= prefix.start < len(prompt_tokens):
             raise MtplxError(
@@ -239,7 +238,7 @@ class BatchDecoder:
         mx.eval(first.tokens, first.invalid, [c.state for c in trunk_cache])
         token = int(first.checked().tokens.item())
         spec = pending.spec
-        lookup = LookupProposer(spec.lookup) if spec.drafter in ("lookup", "auto") else None
+        lookup = LookupProposer(spec.lookup) if Source.LOOKUP in spec.sources else None
         row = BatchRow(
             self._next_id,
             spec,
@@ -251,8 +250,6 @@ class BatchDecoder:
             constraint=constraint,
             proposer=pending.proposer,
         )
-        if row.proposer is not None:  # as the single-row loop tells its proposer the first token
-            row.proposer.commit(CycleOutcome(output, 0, [token], None))
         if self.chain is not None:
             row.pending_hidden = [trunk_hidden(output, head)[:, :1]]
             row.pending_tokens = [token]
@@ -273,17 +270,14 @@ class BatchDecoder:
 
     def _observer(self, pending: PendingRow):
         """What sees each prefill forward: the row's trunk tap, and the head's own prefill."""
-        head_observer, tap, proposer = self._head_observer(pending), pending.trunk_tap, pending.proposer
-        if tap is None and proposer is None:
+        head_observer, tap = self._head_observer(pending), pending.trunk_tap
+        if tap is None:
             return head_observer
 
         def observe(output, start: int, end: int) -> None:
             if head_observer is not None:
                 head_observer(output, start, end)
-            if proposer is not None:
-                proposer.observe_prefill(output, start, end, pending.prompt_tokens)
-            if tap is not None:
-                tap(output)
+            tap(output)
 
         return observe
 
@@ -336,8 +330,9 @@ class BatchDecoder:
             return {}
         cycle, self._ahead = self._ahead or self._launch(rows), None
         try:
-            mx.eval(cycle.block.tokens, cycle.verdict_arrays(), cycle.block.flags)  # the cycle's one sync
-            raise_if_invalid(rows, cycle.groups, cycle.block.flags)
+            flags = cycle.block.flags()
+            mx.eval(cycle.block.tokens, cycle.verdict_arrays(), [f for f, _ in flags])  # the cycle's one sync
+            raise_if_invalid(rows, cycle.groups, flags)
         except BaseException:
             self.cache.abort_block(cycle.capture)
             raise
@@ -372,7 +367,7 @@ class BatchDecoder:
         now (`mx.async_eval`), so the caller's work on this cycle's tokens (text, stop strings,
         the wire) overlaps the compute, as a plain AR loop does. A join, a leave or an extract
         first undoes it (`_drop_ahead`), keys included."""
-        if not all(row.spec.drafter == "none" and row.constraint is None for row in self.rows):
+        if not all(not row.spec.speculative and row.constraint is None for row in self.rows):
             return
         self._ahead = self._launch(self.rows)
         mx.async_eval(self._ahead.verdict_arrays())
@@ -387,99 +382,110 @@ class BatchDecoder:
 
     # ------------------------------------------------------------------ the cycle's stages
     def _draft(self, rows: Sequence[BatchRow], keys: Sequence[CycleKeys], timed: bool) -> Block:
-        """Every row's drafts for this cycle (lazy where the head draws them).
-
-        Per row, first match wins: tokens its grammar forces (point masses), a prompt-lookup match
-        (for a grammar row cut to its legal prefix: exact for point masses), else the head chain up
-        to its length; each cut to the row's cap (the draft policy's K, `row_caps`)."""
-        forced = [
-            row.constraint.forced_tokens(MAX_FORCED)
-            if row.constraint is not None and row.spec.drafter != "none"
-            else []
-            for row in rows
-        ]
-        found = [
-            row.lookup.find(row.history) if row.lookup is not None and not g else []
-            for row, g in zip(rows, forced)
-        ]
-        caps, offers = row_caps(self.policy, rows, found, forced, self.chain is not None, timed)
-        forced = [g[:cap] for g, cap in zip(forced, caps)]
-        found = [f[:cap] for f, cap in zip(found, caps)]
-        found = [
-            f[: row.constraint.legal_prefix(f)] if row.constraint is not None and f else f
-            for row, f in zip(rows, found)
-        ]
-        kinds, host_drafts, lengths, row_drafts = [], [], [], [None] * len(rows)
-        for i, (row, g, f, cap) in enumerate(zip(rows, forced, found, caps)):
-            if g or f:
-                kinds.append("grammar" if g else "lookup")
-                host_drafts.append(g or f)
-                lengths.append(len(g or f))
-            elif row.proposer is not None:  # its own drafts, lazy (a draft model's chain)
-                row_drafts[i] = row.proposer.propose(
-                    row.history, keys[i].draft, self.cache.layers, constraint=row.constraint
-                )
-                kinds.append("proposer" if row_drafts[i] is not None else "")
-                host_drafts.append([])
-                lengths.append(row_drafts[i].num_tokens if row_drafts[i] is not None else 0)
-            elif self.chain is not None and row.uses_head and cap > 0:
-                kinds.append("head")
-                host_drafts.append([])
-                lengths.append(min(row.head_length, cap))
-            else:
-                kinds.append("")
-                host_drafts.append([])
-                lengths.append(0)
-        width = max(lengths)
-        draft_tokens = mx.array([d + [0] * (width - len(d)) for d in host_drafts], dtype=mx.int32)
-        draft_tokens = draft_tokens.reshape(len(rows), width)
-        if any(d is not None for d in row_drafts):
-            draft_tokens = mx.concatenate(
-                [
-                    pad_time(d.tokens, width) if d is not None else draft_tokens[i : i + 1]
-                    for i, d in enumerate(row_drafts)
+        """Every row's drafts for this cycle (lazy where a model draws them), merged from the
+        drafters' blocks by each row's sources, first match wins: tokens its grammar forces, a
+        prompt-lookup match (for a grammar row cut to its legal prefix: exact for point masses),
+        then its model drafter (a draft model, continuing a shorter lookup match; or the head
+        chain); each cut to the row's cap (`row_caps`: the draft policy's K, or its own count)."""
+        forced = self.forced.propose(
+            rows,
+            keys,
+            [MAX_FORCED if row.constraint is not None and row.spec.speculative else 0 for row in rows],
+        )
+        found = self.lookup.propose(
+            rows,
+            keys,
+            [MAX_LOOKUP if row.lookup is not None and not g else 0 for row, g in zip(rows, forced.lengths)],
+        )
+        caps, offers = row_caps(
+            self.policy, rows, found.lengths, forced.lengths, self.chain is not None, timed
+        )
+        for i, (row, cap) in enumerate(zip(rows, caps)):
+            for part in (forced, found):
+                part.host_tokens[i] = part.host_tokens[i][:cap]
+            if row.constraint is not None and found.host_tokens[i]:
+                found.host_tokens[i] = found.host_tokens[i][
+                    : row.constraint.legal_prefix(found.host_tokens[i])
                 ]
-            )
-        block = Block(kinds, lengths, host_drafts, offers, width, draft_tokens, row_drafts=row_drafts)
-        if "head" in kinds:
-            self.chain.propose(rows, keys, block)
-        pending = mx.array([[row.pending] for row in rows], dtype=mx.int32)
-        block.tokens = mx.concatenate([pending, block.drafts], axis=1)
+            forced.lengths[i], found.lengths[i] = len(forced.host_tokens[i]), len(found.host_tokens[i])
+        parts, chosen = (
+            [forced, found],
+            [0 if g else (1 if f else None) for g, f in zip(forced.lengths, found.lengths)],
+        )
+        model_rows = [
+            int(row.uses_model and not g and f < row.proposer.depth and cap > 0)
+            for row, g, f, cap in zip(rows, forced.lengths, found.lengths, caps)
+        ]
+        if any(model_rows):
+            parts.append(self.model.propose(rows, keys, model_rows, found.host_tokens))
+            chosen = [len(parts) - 1 if m else c for m, c in zip(model_rows, chosen)]
+        head_rows = [
+            min(row.head_length, cap) if row.uses_head and c is None else 0
+            for row, c, cap in zip(rows, chosen, caps)
+        ]
+        if self.chain is not None and any(head_rows):
+            parts.append(self.chain.propose(rows, keys, head_rows))
+            chosen = [len(parts) - 1 if h else c for h, c in zip(head_rows, chosen)]
+        lengths = [
+            min(parts[c].lengths[i], cap) if c is not None else 0
+            for i, (c, cap) in enumerate(zip(chosen, caps))
+        ]
+        host = [
+            ([] if c is None else parts[c].host_tokens[i] if parts[c].host_tokens else None)
+            for i, c in enumerate(chosen)
+        ]
+        block = Block(parts, chosen, lengths, host, offers)
+        block.merge(mx.array([[row.pending] for row in rows], dtype=mx.int32))
         return block
 
     def _verify_masks(self, rows: Sequence[BatchRow], block: Block, output: TrunkOutput) -> list | None:
         """Each row's grammar masks over its verify positions, bool [k_r + 1, V] (None for a free
         row); None when no row has a grammar. Before them, the cycle's one extra host read where a
-        row needs its head drafts on the host, taken after the trunk forward is queued (it runs
-        meanwhile): a grammar row's drafts, for its masks (`Step.grammar_reads`), and an adaptive
-        row's confidences, which cut its block after the first draft the head gave less than the
-        row's threshold (`HeadProposer`'s early stop, taken after the chain: the same drafts, the
-        rest forwarded but never verified; exact, as the cut reads only the drafts and q)."""
+        row needs its lazy drafts on the host, taken after the trunk forward is queued (it runs
+        meanwhile): a grammar row's drafts, for its masks (`Step.grammar_reads`; point masses cut
+        to their legal prefix: an illegal one has p = 0, verify would reject it), and a row's
+        drafter confidences where its length policy cuts (the adaptive head: after the first
+        draft the head gave less than the row's threshold; the rest forwarded but never
+        verified; exact, as the cut reads only the drafts and q)."""
         adaptive = [
-            kind == "head" and row.spec.settings.adaptive_threshold > 0
-            for row, kind in zip(rows, block.kinds)
+            block.part(i) is not None
+            and block.part(i).confidence is not None
+            and row.spec.settings.adaptive_threshold > 0
+            for i, row in enumerate(rows)
         ]
         reads = [
-            a or (kind in ("head", "proposer") and row.constraint is not None)
-            for row, kind, a in zip(rows, block.kinds, adaptive)
+            a or (block.part(i) is not None and block.host_drafts[i] is None and row.constraint is not None)
+            for i, (row, a) in enumerate(zip(rows, adaptive))
         ]
         if any(reads):
             mx.async_eval(output.logits)
+            confidences = {
+                id(p.confidence): p.confidence for i, p in enumerate(block.parts) if p.confidence is not None
+            }
+            mx.eval(block.drafts, list(confidences.values()))
             on_host = block.drafts.tolist()
-            confidence = block.confidence.tolist() if any(adaptive) else None
             for i, row in enumerate(rows):
                 if adaptive[i]:
-                    block.lengths[i] = adaptive_length(
-                        confidence[i][: block.lengths[i]], row.spec.settings.adaptive_threshold
-                    )
+                    sure = block.part(i).confidence[i, : block.lengths[i]].tolist()
+                    block.cut(i, adaptive_length(sure, row.spec.settings.adaptive_threshold))
                 if reads[i]:
-                    block.host_drafts[i] = on_host[i][: block.lengths[i]]
-                    block.grammar_reads[i] = int(row.constraint is not None)
-                if reads[i] and block.kinds[i] == "proposer":
-                    cut_to_legal(block, i, row.constraint)
+                    self._read_drafts(block, i, on_host[i], row.constraint)
         if all(row.constraint is None for row in rows):
             return None
         return _grammar_masks(rows, block.host_drafts)
+
+    @staticmethod
+    def _read_drafts(block: Block, i: int, on_host: list[int], constraint: GrammarConstraint | None) -> None:
+        """Row i's lazy drafts, read: on the host for its grammar's masks, point masses cut to
+        their legal prefix (sampled drafts are verified as they are); a drafter's own reads
+        (drafting under a mask) count with the row's."""
+        part = block.part(i)
+        block.host_drafts[i] = on_host[: block.lengths[i]]
+        if constraint is None or part is None:
+            return
+        block.grammar_reads[i] = 1 + part.host_reads[i]
+        if part.q is None:
+            block.cut(i, constraint.legal_prefix(block.host_drafts[i]))
 
     def _verify(
         self,
@@ -513,12 +519,9 @@ class BatchDecoder:
                 else mx.zeros((len(index), 0), dtype=mx.float32)
             )
             result = rejection.verify(logits, drafts, probs, cfg, accept_u, sample_u, backend=backend)
-            invalid = result.invalid
-            for i in index:  # a row proposer's draw flags (the head's are the chain's, `block.flags`)
-                draft = block.row_drafts[i]
-                if draft is not None and draft.invalid is not None:
-                    invalid = invalid | draft.invalid
-            groups.append(Group(index, result.num_accepted, result.next_token, result.accept_probs, invalid))
+            groups.append(
+                Group(index, result.num_accepted, result.next_token, result.accept_probs, result.invalid)
+            )
         return groups
 
     def _commit(
@@ -532,38 +535,37 @@ class BatchDecoder:
         """Per row, after the sync: its committed tokens, the head's true pairs, lookup's length,
         the acceptance records, the tap, logprobs and the grammar's advance, as its Step."""
         block_rows = block.tokens.tolist()
-        hidden = trunk_hidden(output, self.head) if self.chain is not None else None
+        committed = [
+            block_rows[i][1 : n + 1] + [t]
+            for i, (n, t) in enumerate(zip(verdicts.num_accepted, verdicts.next_token))
+        ]
+        outcome = Outcome(
+            output, verdicts.num_accepted, committed, [block.sources(i) for i in range(len(rows))]
+        )
+        for drafter in (self.chain, self.lookup, self.model):  # each follows what its rows committed
+            if drafter is not None:
+                drafter.commit(rows, outcome)
         steps: dict[int, Step] = {}
         for i, row in enumerate(rows):
-            n, k, kind = verdicts.num_accepted[i], block.lengths[i], block.kinds[i]
-            committed = block_rows[i][1 : n + 1] + [verdicts.next_token[i]]
-            draft = block.row_drafts[i]
-            source = () if k == 0 else (draft.sources if draft is not None else ((kind, k),))
-            if hidden is not None:
-                row.pending_hidden.append(hidden[i : i + 1, : n + 1])
-                row.pending_tokens.extend(committed)
-            if row.lookup is not None and k:
-                row.lookup.commit(CycleOutcome(output, n, committed, SourceOnly(source)))
-            if row.proposer is not None:  # rolls its own state back (a draft model's cache)
-                row.proposer.commit(CycleOutcome(row_positions(output, i, k + 1), n, committed, draft))
-            row.history.extend(committed)
+            n, k, kind = verdicts.num_accepted[i], block.lengths[i], block.kind(i)
+            row.history.extend(committed[i])
             if row.trunk_tap is not None:
                 row.trunk_tap(row_positions(output, i, n + 1))
             logprobs = None
             if row.spec.settings.logprobs is not None:
-                logprobs = token_logprobs(output.logits[i, : n + 1], committed, row.spec.settings.logprobs)
+                logprobs = token_logprobs(output.logits[i, : n + 1], committed[i], row.spec.settings.logprobs)
             if k and kind in row.acceptance:
                 row.acceptance[kind].observe(k, n)
             elif block.offers[i] is not None:
                 block.offers[i].acceptance.skip()
-            committed, grammar = grammar_step(row.constraint, committed, mask_marks[i])
+            tokens, grammar = grammar_step(row.constraint, committed[i], mask_marks[i])
             steps[row.row_id] = Step(
-                committed,
+                tokens,
                 k,
                 n,
                 verdicts.accept_probs[i],
                 logprobs,
-                source,
+                tuple((source.value, count) for source, count in outcome.sources[i]),
                 grammar_reads=block.grammar_reads[i],
                 **grammar,
             )

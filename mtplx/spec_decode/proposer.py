@@ -1,4 +1,6 @@
-"""What every drafter (proposer) gives the speculative loop, and what the loop tells it back.
+"""A single-row drafter's block (`Draft`, what a draft model returns for one row before
+`draft_model_proposer.stacked_block` stacks the rows) and the draws model drafters share
+(`draw_draft_token`, `masked_draft_logits`). The batch-first contract is `draft_block`.
 
 The shape follows vLLM's spec_decode (vllm/v1/spec_decode/{ngram_proposer,eagle}.py
 beside vllm/v1/sample/rejection_sampler.py): proposers only propose; one
@@ -18,12 +20,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from mtplx.sample import ops as sample_ops
-from mtplx.spec_decode.constraint import GrammarConstraint
 from mtplx.spec_decode.settings import DecodeSettings
-from mtplx.trunk.model import TrunkOutput
 
 import mlx.core as mx
 
@@ -41,42 +40,6 @@ class Draft:
     @property
     def num_tokens(self) -> int:
         return int(self.tokens.shape[1])
-
-
-@dataclass
-class CycleOutcome:
-    """What the loop committed in one cycle; every proposer sees every cycle."""
-
-    output: TrunkOutput  # the trunk forward over [pending, drafts] (prefill: the last prompt row)
-    num_accepted: int
-    committed: list[int]  # accepted drafts + the next token
-    draft: Draft | None  # the block that was verified (None: a cycle without drafts)
-
-
-class Proposer(Protocol):
-    """A drafter. ``propose`` is called once per cycle; ``commit`` after every cycle,
-    including those another drafter (or nobody) proposed for, so the proposer can
-    roll its own state back to, or catch it up with, the committed text."""
-
-    name: str
-
-    def observe_prefill(self, output: TrunkOutput, start: int, end: int, prompt_tokens: list[int]) -> None:
-        """Sees the trunk's output for prompt positions [start, end) during prefill."""
-        ...
-
-    def propose(
-        self,
-        history: list[int],
-        key: mx.array,
-        trunk_cache: list,
-        constraint: GrammarConstraint | None = None,
-    ) -> Draft | None:
-        """Drafts after ``history`` (prompt + committed tokens; the last one is not yet forwarded).
-        ``constraint``: the request's grammar; a drafter that samples may draw from its masked
-        distribution (the head does), else the loop cuts or verifies what it proposes."""
-        ...
-
-    def commit(self, outcome: CycleOutcome) -> None: ...
 
 
 def join_drafts(parts: Sequence[Draft]) -> Draft:
@@ -164,3 +127,7 @@ def cut_draft(draft: Draft, keep: int) -> Draft | None:
             sources.append((name, min(count, left)))
         left -= count
     return Draft(draft.tokens[:, :keep], None, tuple(sources), draft.invalid)
+
+
+def point_mass_draft(tokens: list[int], name: str) -> Draft:
+    return Draft(mx.array(tokens, dtype=mx.int32)[None], None, ((name, len(tokens)),))

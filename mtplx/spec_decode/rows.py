@@ -8,10 +8,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mtplx.spec_decode.constraint import GrammarConstraint
+from mtplx.spec_decode.draft_model_proposer import DraftModelProposer
 from mtplx.spec_decode.draft_policy import RowAcceptance, drafter_records
 from mtplx.spec_decode.lookup_proposer import LookupProposer
-from mtplx.spec_decode.proposer import Proposer
 from mtplx.spec_decode.settings import DecodeSettings, LookupConfig
+from mtplx.spec_decode.sources import Source
 from mtplx.spec_decode.step import PromptPrefix
 from mtplx.trunk.batch_cache import check_batchable
 from mtplx.trunk.model import Trunk, TrunkOutput
@@ -26,12 +27,19 @@ TrunkTap = Callable[[TrunkOutput], None]
 
 @dataclass(frozen=True)
 class RowSpec:
-    """How one row decodes: its settings (sampler, depth = most drafts per cycle, greedy drafts,
-    logprobs, verify backend), its drafter and its lookup matcher."""
+    """How one row decodes: its settings (sampler, depth = the head's drafts per cycle, greedy
+    drafts, logprobs, verify backend), its drafters in priority order (`Source`s; none: plain AR;
+    `drafting.RowDrafting.sources` resolves them per request), its lookup matcher, and
+    ``max_drafts``: the most drafts per cycle whatever proposes them (a request's pinned count)."""
 
     settings: DecodeSettings
-    drafter: str = "auto"
+    sources: tuple[Source, ...] = ()
     lookup: LookupConfig = field(default_factory=LookupConfig)
+    max_drafts: int | None = None
+
+    @property
+    def speculative(self) -> bool:
+        return bool(self.sources)
 
 
 @dataclass
@@ -48,7 +56,7 @@ class PendingRow:
     position: int = -1  # prompt tokens forwarded so far (set from prefix.start)
     trunk_tap: TrunkTap | None = None
     constraint: GrammarConstraint | None = None  # the row's grammar
-    proposer: Proposer | None = None  # drafter "proposer": the row's own single-row proposer
+    proposer: DraftModelProposer | None = None  # a draft model row's own draft model state
 
     def __post_init__(self) -> None:
         if self.position < 0:
@@ -72,11 +80,11 @@ class BatchRow:
     pending_hidden: list[mx.array] = field(default_factory=list)  # true (hidden [1, n, H], next token) pairs
     pending_tokens: list[int] = field(default_factory=list)  # the head has not consumed yet
     draft_length: int | None = None  # pinned draft length for the head (None: the spec's depth)
-    # What the draft policy reads: one record per drafter ("head", "lookup").
-    acceptance: dict[str, RowAcceptance] = field(default_factory=drafter_records)
+    # What the draft policy reads: one record per drafter it offers (head, lookup, grammar).
+    acceptance: dict[Source, RowAcceptance] = field(default_factory=drafter_records)
     trunk_tap: TrunkTap | None = None
     constraint: GrammarConstraint | None = None  # the row's grammar matcher, at its committed text
-    proposer: Proposer | None = None  # drafter "proposer": its proposer (state of its own, per row)
+    proposer: DraftModelProposer | None = None  # a draft model row's own draft model state
 
     @property
     def pending(self) -> int:
@@ -89,7 +97,11 @@ class BatchRow:
 
     @property
     def uses_head(self) -> bool:
-        return self.spec.drafter in ("head", "auto")
+        return Source.HEAD in self.spec.sources
+
+    @property
+    def uses_model(self) -> bool:
+        return Source.MODEL in self.spec.sources
 
 
 def check_batch_support(trunk: Trunk, head=None) -> str | None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from mtplx.errors import MtplxError
 from mtplx.sample.params import SamplerConfig, integer_value
+from mtplx.spec_decode.sources import DrafterKind
 
 # Prompt tokens per prefill forward (a single stream's chunk; a batch's per-cycle budget over
 # all prefilling requests, `mtplx serve --prefill-step-size`): mlx-lm's default. A smaller step
@@ -27,8 +28,8 @@ __all__ = [
     "LookupConfig",
 ]
 
-# The drafters a request can ask for (`mtplx.spec_decode.drafting` builds them); "none" is plain AR.
-DRAFT_KINDS = ("auto", "head", "lookup", "model", "none")
+# The drafters a request can ask for (`DrafterKind`; `mtplx.spec_decode.drafting` resolves them).
+DRAFT_KINDS = tuple(kind.value for kind in DrafterKind)
 MAX_DEPTH = 16  # drafts per cycle mtplx serves: no head layout chains usefully beyond this; a typo guard
 MAX_NGRAM_LIMIT = 64
 MAX_TOKENS_LIMIT = 64
@@ -76,17 +77,19 @@ class LookupConfig:
 class Drafting:
     """How a request drafts. The batched loop's per-row pins (a fixed draft length) join here."""
 
-    kind: str = "auto"  # one of DRAFT_KINDS; "none" is plain AR
+    kind: DrafterKind = DrafterKind.AUTO  # a DrafterKind (its value is accepted); NONE is plain AR
     depth: int | None = None  # most drafts per cycle for a model drafter; None: tuned, else the head's
     greedy_draft: bool = False  # draft the head's argmax (q one-hot; still exact)
     adaptive: bool = False  # stop head drafting early when the head is unsure
     adaptive_threshold: float | None = None  # that threshold (implies adaptive); None: tuned, else default
     lookup: LookupConfig = field(default_factory=LookupConfig)
-    pinned: bool = False  # draft ``depth`` every cycle in a batch (the cost policy does not choose)
+    pinned: bool = False  # draft ``depth`` every cycle, whatever drafts (the cost policy does not choose)
+    field: str = "draft"  # the API field that named ``kind`` (an error about it names this field)
 
     def __post_init__(self) -> None:
         if self.kind not in DRAFT_KINDS:
-            raise MtplxError(f"draft: must be one of {', '.join(DRAFT_KINDS)}, got {self.kind!r}")
+            raise MtplxError(f"{self.field}: must be one of {', '.join(DRAFT_KINDS)}, got {self.kind!r}")
+        object.__setattr__(self, "kind", DrafterKind(self.kind))
         if self.depth is not None and integer_value("depth", self.depth) < 1:
             raise MtplxError(f"depth must be >= 1 (got {self.depth})")
         threshold = self.adaptive_threshold
@@ -95,11 +98,24 @@ class Drafting:
         self.lookup.validate()
 
     @staticmethod
-    def kind_from(draft: str | None, mtp: bool | None) -> str:
+    def kind_from(draft: str | None, mtp: bool | None) -> DrafterKind:
         """The drafter kind from ``draft`` and its older alias ``mtp`` (True = "head", False = "none")."""
         if draft is not None and draft not in DRAFT_KINDS:
             raise MtplxError(f"draft: must be one of {', '.join(DRAFT_KINDS)}, got {draft!r}")
-        alias = None if mtp is None else ("head" if mtp else "none")
-        if draft is not None and alias is not None and draft != alias:
-            raise MtplxError(f"draft: {draft!r} contradicts mtp={mtp} (an alias of draft={alias!r})")
-        return draft or alias or "auto"
+        alias = None if mtp is None else (DrafterKind.HEAD if mtp else DrafterKind.NONE)
+        if draft is not None and alias is not None and DrafterKind(draft) is not alias:
+            raise MtplxError(f"draft: {draft!r} contradicts mtp={mtp} (an alias of draft={alias.value!r})")
+        return DrafterKind(draft or alias or DrafterKind.AUTO)
+
+    @staticmethod
+    def count_conflict(kind: str | None, count: int | None) -> str | None:
+        """Why a request's draft count contradicts its drafter (None if it does not): drafts with
+        drafter "none", or none with a drafter named (only "auto" and "none" may draft nothing)."""
+        if kind is None or count is None:
+            return None
+        named = DrafterKind(kind)
+        if named is DrafterKind.NONE and count > 0:
+            return f"{count} drafts per cycle contradicts drafter 'none' (plain AR)"
+        if count == 0 and named not in (DrafterKind.NONE, DrafterKind.AUTO):
+            return f"0 drafts per cycle contradicts drafter {named.value!r} (use 'none' for plain AR)"
+        return None

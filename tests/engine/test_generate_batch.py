@@ -271,6 +271,27 @@ def test_a_request_arriving_while_another_decodes_starts_from_its_prompt(mimo_di
     assert stats[first].cached_tokens == 0 and stats[late].cached_tokens == 89
 
 
+def test_a_prefix_reused_on_a_single_row_decoder_stores_the_caches_it_decoded_on(mimo_dir):
+    """A single-row decoder decodes in the request's own caches, so the request's store at its end
+    must be of the caches its prefill reuse (`BatchScheduler._reuse_prefix`) switched it to. Three
+    requests, one row at a time: C is planned before A ends (nothing cached yet) and starts its
+    prefill after A stored, from A's prefix; then C's whole text asked again is cached nearly
+    whole (C's own store), not just the prefix it shares with A."""
+    from mtplx.engine.scheduler import BatchScheduler, run_to_completion
+
+    shared = [(5 * i) % 13 + 1 for i in range(40)]
+    prompts = [shared + [3, 9], shared + [7, 2], shared + [11, 12, 4]]
+    request = _req(max_tokens=8, temperature=0.0, draft="head")
+    engine = Engine.load(str(mimo_dir), mtp=True, depth=2, prompt_cache_bytes=1 << 30)
+    scheduler = BatchScheduler(engine, max_rows=1, prompt_concurrency=1, single_row=True)
+    chunks = run_to_completion(scheduler, prompts, [request] * 3)
+    last = chunks[2][-1].stats
+    assert last.cached_tokens >= len(shared) - 1  # C started from A's prefix
+    whole = prompts[2] + [t for c in chunks[2] for t in c.token_ids]
+    again = engine.generate(whole, dataclasses.replace(request, max_tokens=2))
+    assert again.stats.cached_tokens >= len(whole) - 2, (again.stats.cached_tokens, len(whole))
+
+
 def test_a_cancelled_request_leaves_and_the_others_are_undisturbed(tiny_engine):
     requests = _mixed_requests(random.randrange(10_000))[:3]
     scheduler = tiny_engine.batch()

@@ -552,13 +552,19 @@ def test_a_request_turns_drafting_off_while_others_keep_drafting(client, model_i
 
 
 @pytest.mark.parametrize(
-    "extra", [{"num_draft_tokens": 1}, {"speculative": {"n_max": 3, "n_min": 3, "drafter": "head"}}]
+    "extra",
+    [
+        {"num_draft_tokens": 1},
+        {"speculative": {"n_max": 3, "n_min": 3, "drafter": "head"}},
+        {"speculative": {"n_min": 2}},  # n_min alone: at least that many, every cycle
+    ],
 )
 def test_a_pinned_draft_count_is_drafted_every_cycle(client, model_id, extra):
-    """``num_draft_tokens`` (mlx-lm's spelling) and ``speculative.n_max`` with ``n_min`` pin the
-    head's drafts per cycle: the reply's depth is the count, and every cycle but the prefill's
-    drafted exactly that many (the cost policy took none of them to K = 0)."""
-    count = extra.get("num_draft_tokens") or extra["speculative"]["n_max"]
+    """``num_draft_tokens`` (mlx-lm's spelling), ``speculative.n_max`` with ``n_min``, and ``n_min``
+    alone pin the head's drafts per cycle: the reply's depth is the count, and every cycle but the
+    prefill's drafted exactly that many (the cost policy took none of them to K = 0)."""
+    spec = extra.get("speculative", {})
+    count = extra.get("num_draft_tokens") or spec.get("n_max") or spec["n_min"]
     reply = client.chat.completions.create(
         model=model_id,
         messages=_ask("Write a long list of fruit."),
@@ -580,6 +586,8 @@ def test_a_pinned_draft_count_is_drafted_every_cycle(client, model_id, extra):
         ({"speculative": {"n_max": 2, "n_min": 3}}, "speculative"),
         ({"speculative": {"drafter": "bogus"}}, "speculative.drafter"),
         ({"num_draft_tokens": 2, "speculative": {"n_max": 3}}, None),
+        ({"num_draft_tokens": 3, "speculative": {"drafter": "none"}}, None),  # drafts with plain AR
+        ({"speculative": {"n_max": 0, "drafter": "head"}}, None),  # no drafts with a drafter named
     ],
 )
 def test_bad_speculation_fields_are_400s_naming_the_field(server, extra, param):
@@ -593,6 +601,35 @@ def test_bad_speculation_fields_are_400s_naming_the_field(server, extra, param):
     if param is not None:
         assert error["param"] == param, error
     assert ("num_draft_tokens" in error["message"]) or ("speculative" in error["message"]), error
+
+
+def test_a_draft_count_bounds_lookup_as_it_bounds_the_head(client, model_id):
+    """``num_draft_tokens`` is the most drafts per cycle whatever proposes them (mlx-lm's and
+    llama-server's meaning): a lookup row on repeated text drafts blocks of 1, not its own 10."""
+    text = "alpha beta gamma delta epsilon " * 8
+    reply = client.chat.completions.create(
+        model=model_id,
+        messages=_ask(f"Repeat this text exactly: {text}"),
+        max_tokens=40,
+        temperature=0,
+        extra_body={"num_draft_tokens": 1, "speculative": {"drafter": "lookup"}},
+    )
+    stats = reply.model_extra["mtplx"]
+    assert stats["drafters"]["lookup"]["drafted"] > 0, stats
+    assert len(stats["drafted_per_position"]) == 1, stats  # no cycle drafted 2 or more
+
+
+def test_a_draft_model_request_without_one_names_the_request_field(client, model_id):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model=model_id,
+            messages=_ask("hi"),
+            max_tokens=4,
+            extra_body={"speculative": {"drafter": "model"}},
+        )
+    message = err.value.body["message"] if isinstance(err.value.body, dict) else str(err.value)
+    assert message.startswith("speculative.drafter: 'model' needs a draft model"), message
+    assert "\n" not in message
 
 
 def test_the_messages_route_carries_the_speculation_fields(claude, model_id):

@@ -25,7 +25,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from support import decoding as decode
-from support.decoding import mtp_decode, take_tokens
+from support.decoding import SOURCES, mtp_decode, take_tokens
 from support.exactness import FALSE_FAILURE_RATE, NUM_OUTPUT_TOKENS, PROMPT, exact_ar_joint, loop_p_value
 from support.models import make_loop_pair, tiny_gemma3, tiny_llama, tiny_qwen3_5, tiny_qwen3_next
 
@@ -118,7 +118,7 @@ def test_an_extracted_row_does_not_keep_the_batch_alive():
     trunk = Trunk(tiny_llama())
     base = mx.get_active_memory()
     decoder = BatchDecoder(trunk)
-    spec = RowSpec(DecodeSettings(sampler=SamplerConfig(temperature=0.0)), "none")
+    spec = RowSpec(DecodeSettings(sampler=SamplerConfig(temperature=0.0)), SOURCES["none"])
     rows = [decoder.join(PROMPT, spec, mx.random.key(seed))[0] for seed in range(8)]
     for _ in range(3):
         decoder.step()
@@ -139,7 +139,7 @@ def test_cycles_after_rows_move_do_not_calibrate_the_policy():
     trunk = Trunk(tiny_llama())
     policy = DraftPolicy(CostProfile((1, 64), (0.01, 0.64)))
     decoder = BatchDecoder(trunk, None, policy)
-    spec = RowSpec(DecodeSettings(sampler=SamplerConfig(temperature=0.0)), "none")
+    spec = RowSpec(DecodeSettings(sampler=SamplerConfig(temperature=0.0)), SOURCES["none"])
     rows = [decoder.join(PROMPT, spec, mx.random.key(seed))[0] for seed in range(3)]
     decoder.step()  # right after the joins: not timed
     assert policy.calibration == {}
@@ -160,7 +160,7 @@ def test_sliding_window_models_decode_one_row_at_a_time_with_a_reason():
     assert "sliding-window" in check_batch_support(trunk)
     decoder = BatchDecoder(trunk)
     assert decoder.single_row
-    spec = RowSpec(DecodeSettings(sampler=SamplerConfig(temperature=0.0)), "none")
+    spec = RowSpec(DecodeSettings(sampler=SamplerConfig(temperature=0.0)), SOURCES["none"])
     decoder.join(PROMPT, spec, mx.random.key(0))
     with pytest.raises(MtplxError, match="one row at a time") as err:
         decoder.join(PROMPT, spec, mx.random.key(1))
@@ -173,7 +173,7 @@ def test_sliding_window_models_decode_one_row_at_a_time_with_a_reason():
 
 def _alone(trunk, head, spec: RowSpec, seed: int, n: int) -> list[int]:
     key = mx.random.key(seed)
-    if spec.drafter == "none":
+    if not spec.sources:
         return take_tokens(decode.ar_decode(trunk, PROMPT, spec.settings, key), n)
     return take_tokens(mtp_decode(trunk, head, PROMPT, spec.settings, key), n)
 
@@ -191,17 +191,19 @@ def _batched(decoder: BatchDecoder, specs_and_seeds, n: int) -> list[list[int]]:
 
 def _specs():
     head = [
-        RowSpec(DecodeSettings(sampler=SamplerConfig(temperature=0.0), depth=2), "head"),
-        RowSpec(DecodeSettings(sampler=SamplerConfig(temperature=1.0), depth=3), "head"),
-        RowSpec(DecodeSettings(sampler=SamplerConfig(temperature=0.7, top_k=3), depth=1), "head"),
+        RowSpec(DecodeSettings(sampler=SamplerConfig(temperature=0.0), depth=2), SOURCES["head"]),
+        RowSpec(DecodeSettings(sampler=SamplerConfig(temperature=1.0), depth=3), SOURCES["head"]),
+        RowSpec(DecodeSettings(sampler=SamplerConfig(temperature=0.7, top_k=3), depth=1), SOURCES["head"]),
         RowSpec(
             DecodeSettings(sampler=SamplerConfig(temperature=1.0, top_p=0.8), depth=2, greedy_draft=True),
-            "head",
+            SOURCES["head"],
         ),
     ]
     other = [
-        RowSpec(DecodeSettings(sampler=SamplerConfig(temperature=1.0)), "none"),
-        RowSpec(DecodeSettings(sampler=SamplerConfig(temperature=0.9, repetition_penalty=1.3)), "none"),
+        RowSpec(DecodeSettings(sampler=SamplerConfig(temperature=1.0)), SOURCES["none"]),
+        RowSpec(
+            DecodeSettings(sampler=SamplerConfig(temperature=0.9, repetition_penalty=1.3)), SOURCES["none"]
+        ),
     ]
     return head, other
 
@@ -256,7 +258,8 @@ def _sample_batch(trunk, head, seed0: int, bug=None, policy=None) -> list[np.nda
     counts_by_case = [np.zeros([VOCAB] * NUM_OUTPUT_TOKENS, dtype=np.int64) for _ in EXACTNESS_CASES]
     rows: dict[int, tuple[int, list[int]]] = {}
     specs = [
-        RowSpec(DecodeSettings(sampler=cfg, depth=depth), drafter) for cfg, drafter, depth in EXACTNESS_CASES
+        RowSpec(DecodeSettings(sampler=cfg, depth=depth), SOURCES[drafter])
+        for cfg, drafter, depth in EXACTNESS_CASES
     ]
     for i in range(SAMPLES_PER_CASE):  # round robin: neighbouring rows have different settings
         for c, spec in enumerate(specs):
@@ -272,7 +275,7 @@ def _sample_batch(trunk, head, seed0: int, bug=None, policy=None) -> list[np.nda
         decoder.leave(done + visitors[:2])
         visitors = visitors[2:]
         if cycle == 0:  # visitors with another prompt and setting join mid-run
-            spec = RowSpec(DecodeSettings(sampler=SamplerConfig(temperature=2.0), depth=2), "head")
+            spec = RowSpec(DecodeSettings(sampler=SamplerConfig(temperature=2.0), depth=2), SOURCES["head"])
             for v in range(4):
                 visitors.append(decoder.join([2, 2, 1], spec, mx.random.key(seed0 - 1 - v))[0])
         cycle += 1

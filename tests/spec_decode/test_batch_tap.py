@@ -16,13 +16,14 @@ from mtplx.trunk.model import TrunkOutput
 import mlx.core as mx
 import numpy as np
 import pytest
+from support.decoding import SOURCES
 from support.models import make_loop_pair
 
 VOCAB = 16
 SPECS = [
-    RowSpec(DecodeSettings(sampler=SamplerConfig(temperature=1.0), depth=3), "head"),
-    RowSpec(DecodeSettings(sampler=SamplerConfig(temperature=0.0), depth=2), "head"),
-    RowSpec(DecodeSettings(sampler=SamplerConfig(temperature=1.0, top_p=0.9)), "none"),
+    RowSpec(DecodeSettings(sampler=SamplerConfig(temperature=1.0), depth=3), SOURCES["head"]),
+    RowSpec(DecodeSettings(sampler=SamplerConfig(temperature=0.0), depth=2), SOURCES["head"]),
+    RowSpec(DecodeSettings(sampler=SamplerConfig(temperature=1.0, top_p=0.9)), SOURCES["none"]),
 ]
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2], [6, 5], [3, 5, 8, 9, 7]]
 

@@ -13,11 +13,10 @@ from mtplx.sample import ops as sample_ops
 from mtplx.sample import rejection
 from mtplx.sampling import SamplerConfig
 from mtplx.spec_decode import draft_model_proposer as draft_model_module
-from mtplx.spec_decode.auto_proposer import AutoProposer
 from mtplx.spec_decode.draft_model_proposer import DraftModelProposer
-from mtplx.spec_decode.head_proposer import HeadProposer
-from mtplx.spec_decode.lookup_proposer import LookupConfig, LookupProposer, NgramIndex
+from mtplx.spec_decode.lookup_proposer import LookupConfig, NgramIndex
 from mtplx.spec_decode.settings import DecodeSettings
+from mtplx.spec_decode.sources import Source
 
 import mlx.core as mx
 import numpy as np
@@ -100,7 +99,7 @@ def test_brute_force_comparison_catches_an_index_that_keeps_the_earliest_occurre
 )
 def test_lookup_parameters_out_of_range_are_one_line_errors(kwargs):
     with pytest.raises(MtplxError) as error:
-        LookupProposer(LookupConfig(**kwargs))
+        LookupConfig(**kwargs).validate()
     assert "\n" not in str(error.value) and "lookup" in str(error.value)
 
 
@@ -125,6 +124,7 @@ def weaker_sibling(model_spec: dict):
 
 
 def make_proposer(kind, trunk, head, cfg, *, draft=None, real_vocab=None, lookup=None, depth=DEPTH):
+    """The row's drafters for ``kind`` (`decode.Drafters`), as `drafting` resolves them."""
     lookup_cfg = lookup or LookupConfig(min_ngram=1, max_ngram=3, max_tokens=4)
     target_vocab = trunk.inner.embed_tokens.weight.shape[0]
 
@@ -137,24 +137,21 @@ def make_proposer(kind, trunk, head, cfg, *, draft=None, real_vocab=None, lookup
         )
 
     if kind == "lookup":
-        return LookupProposer(lookup_cfg)
+        return decode.Drafters((Source.LOOKUP,), lookup=lookup_cfg)
     if kind == "head":
-        return HeadProposer(head, DecodeSettings(sampler=cfg, depth=depth))
+        return decode.Drafters((Source.HEAD,), head=head)
     if kind == "model":
-        return model_drafter()
+        return decode.Drafters((Source.MODEL,), proposer=model_drafter())
     if kind == "auto-head":
-        return AutoProposer(
-            LookupProposer(lookup_cfg), HeadProposer(head, DecodeSettings(sampler=cfg, depth=depth))
-        )
+        return decode.Drafters((Source.LOOKUP, Source.HEAD), head=head, lookup=lookup_cfg)
     if kind == "auto-model":
-        return AutoProposer(LookupProposer(lookup_cfg), model_drafter())
+        return decode.Drafters((Source.LOOKUP, Source.MODEL), proposer=model_drafter(), lookup=lookup_cfg)
     raise ValueError(kind)
 
 
-def run_steps(trunk, proposer, cfg, n: int, seed: int = 0, trunk_cache=None):
-    steps = decode.speculative_decode(
-        trunk, proposer, PROMPT, decode.DecodeSettings(sampler=cfg), mx.random.key(seed), trunk_cache
-    )
+def run_steps(trunk, drafters, cfg, n: int, seed: int = 0, trunk_cache=None, settings=None):
+    settings = settings or decode.DecodeSettings(sampler=cfg, depth=DEPTH)
+    steps = decode.speculative_decode(trunk, drafters, PROMPT, settings, mx.random.key(seed), trunk_cache)
     return take_steps(steps, n)
 
 
@@ -233,8 +230,8 @@ def test_schedule_check_sees_fixed_length_blocks():
 def test_adaptive_head_drafting_stops_early_and_stays_exact_at_greedy(temperature, threshold):
     trunk, head = make_loop_pair(**GREEDY_CASES["llama"])
     cfg = SamplerConfig(temperature=temperature)
-    proposer = HeadProposer(head, DecodeSettings(sampler=cfg, depth=4, adaptive_threshold=threshold))
-    tokens, steps = run_steps(trunk, proposer, cfg, 60)
+    settings = DecodeSettings(sampler=cfg, depth=4, adaptive_threshold=threshold)
+    tokens, steps = run_steps(trunk, make_proposer("head", trunk, head, cfg), cfg, 60, settings=settings)
     lengths = {s.num_drafted for s in steps[1:]}
     assert len(lengths) >= 2 and lengths <= {1, 2, 3, 4}, lengths  # early stops and full blocks
     if temperature == 0.0:
@@ -338,7 +335,7 @@ def assert_draft_cache_matches_a_from_scratch_run(family: str, kind: str = "mode
     draft = draft_model_for(16, family, seed=8)
     cfg = SamplerConfig(temperature=1.0)
     proposer = make_proposer(kind, trunk, head, cfg, draft=draft)
-    model_drafter = proposer.model if kind.startswith("auto") else proposer
+    model_drafter = proposer.proposer
     _, steps = run_steps(trunk, proposer, cfg, 40, seed=3)
     patterns = {s.num_accepted for s in steps if s.num_drafted}
     assert len(patterns) >= 2, patterns  # random accept patterns happened
@@ -488,7 +485,7 @@ def test_one_host_sync_per_cycle_with_every_drafter(kind, temperature):
         kind, trunk, head, cfg, draft=weaker_sibling(GREEDY_CASES["llama"]), lookup=lookup
     )
     steps = decode.speculative_decode(
-        trunk, proposer, PROMPT, decode.DecodeSettings(sampler=cfg), mx.random.key(0)
+        trunk, proposer, PROMPT, decode.DecodeSettings(sampler=cfg, depth=DEPTH), mx.random.key(0)
     )
     assert syncs_after_prefill(steps, 6) == 6
 
@@ -537,21 +534,20 @@ def test_checkpoint_comparison_catches_a_cache_that_was_not_restored():
 
 
 @pytest.mark.parametrize(
-    ("kind", "model_drafter", "batched", "single"),
+    ("kind", "model_drafter", "sources"),
     [
-        ("none", None, "none", "none"),
-        ("lookup", None, "lookup", "lookup"),
-        ("head", "head", "head", "proposer"),
-        ("auto", "head", "auto", "proposer"),
-        ("auto", None, "lookup", "lookup"),
-        ("auto", "model", "proposer", "proposer"),
-        ("model", "model", "proposer", "proposer"),
+        ("none", None, ()),
+        ("lookup", None, (Source.LOOKUP,)),
+        ("head", "head", (Source.HEAD,)),
+        ("auto", "head", (Source.LOOKUP, Source.HEAD)),
+        ("auto", None, (Source.LOOKUP,)),
+        ("auto", "model", (Source.LOOKUP, Source.MODEL)),
+        ("model", "model", (Source.MODEL,)),
     ],
 )
-def test_each_drafter_kind_has_one_batched_loop_drafter(kind, model_drafter, batched, single):
-    """`drafting.batch_drafter`: the table in drafting.py's docstring, row by row."""
-    from mtplx.spec_decode.drafting import DrafterChoice, batch_drafter
+def test_each_drafter_kind_has_its_sources_in_priority_order(kind, model_drafter, sources):
+    """`drafting.row_sources`: the table in drafting.py's docstring, row by row (the same for a
+    batch and a stream)."""
+    from mtplx.spec_decode.drafting import DrafterChoice, row_sources
 
-    choice = DrafterChoice(kind, model_drafter, depth=2, model_depth=3)
-    assert batch_drafter(choice, single_row=False) == batched
-    assert batch_drafter(choice, single_row=True) == single
+    assert row_sources(DrafterChoice(kind, model_drafter, depth=2, model_depth=3)) == sources

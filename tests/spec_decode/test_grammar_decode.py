@@ -17,18 +17,16 @@ from mtplx.engine.grammar import GrammarCompiler
 from mtplx.engine.grammar_spec import Grammar
 from mtplx.errors import MtplxError
 from mtplx.sampling import SamplerConfig, distribution_from_logits
-from mtplx.spec_decode import head_proposer as head_module
+from mtplx.spec_decode import head_chain as head_module
 from mtplx.spec_decode import loop as loop_module
-from mtplx.spec_decode.auto_proposer import AutoProposer
-from mtplx.spec_decode.block import Block, cut_to_legal
+from mtplx.spec_decode.block import Block
 from mtplx.spec_decode.constraint import GrammarConstraint
+from mtplx.spec_decode.draft_block import DraftBlock
 from mtplx.spec_decode.draft_model_proposer import DraftModelProposer
 from mtplx.spec_decode.draft_policy import CostProfile, DraftPolicy
-from mtplx.spec_decode.head_proposer import HeadProposer
-from mtplx.spec_decode.lookup_proposer import LookupProposer
 from mtplx.spec_decode.loop import BatchDecoder, RowSpec
-from mtplx.spec_decode.proposer import Draft
 from mtplx.spec_decode.settings import DecodeSettings, LookupConfig
+from mtplx.spec_decode.sources import Source
 
 import llguidance
 import llguidance.numpy as llg_numpy
@@ -37,7 +35,7 @@ import numpy as np
 import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 from support import decoding as decode
-from support.decoding import take_steps
+from support.decoding import SOURCES, Drafters, take_steps
 from support.exactness import FALSE_FAILURE_RATE, loop_p_value
 from support.models import make_loop_pair
 from support.tokenizer import CHATML_CHARS, chatml_chars
@@ -121,14 +119,19 @@ def constrained_ar_joint(trunk, compiler: GrammarCompiler, grammar: str, cfg: Sa
 def head_run(trunk, head, constraint, cfg, depth, seed, **settings):
     s = DecodeSettings(sampler=cfg, depth=depth, **settings)
     return decode.speculative_decode(
-        trunk, HeadProposer(head, s), GRAMMAR_PROMPT, s, mx.random.key(seed), constraint=constraint
+        trunk,
+        Drafters(SOURCES["head"], head=head),
+        GRAMMAR_PROMPT,
+        s,
+        mx.random.key(seed),
+        constraint=constraint,
     )
 
 
 def lookup_run(trunk, head, constraint, cfg, depth, seed):
     s = DecodeSettings(sampler=cfg, depth=depth)
-    lookup = LookupProposer(LookupConfig(min_ngram=1, max_ngram=2, max_tokens=4, adaptive_length=False))
-    proposer = lookup if head is None else AutoProposer(lookup, HeadProposer(head, s))
+    lookup = LookupConfig(min_ngram=1, max_ngram=2, max_tokens=4, adaptive_length=False)
+    proposer = Drafters(SOURCES["lookup" if head is None else "auto"], head=head, lookup=lookup)
     return decode.speculative_decode(
         trunk, proposer, GRAMMAR_PROMPT, s, mx.random.key(seed), constraint=constraint
     )
@@ -143,7 +146,10 @@ def draft_model_for(spec: dict):
 def model_run(trunk, head, constraint, cfg, depth, seed, draft_model=None, **settings):
     s = DecodeSettings(sampler=cfg, depth=depth, **settings)
     model = draft_model if draft_model is not None else draft_model_for(MODEL)
-    proposer = DraftModelProposer(model, s, target_vocab_size=VOCAB, real_vocab_size=VOCAB)
+    proposer = Drafters(
+        SOURCES["proposer"],
+        proposer=DraftModelProposer(model, s, target_vocab_size=VOCAB, real_vocab_size=VOCAB),
+    )
     return decode.speculative_decode(
         trunk, proposer, GRAMMAR_PROMPT, s, mx.random.key(seed), constraint=constraint
     )
@@ -270,15 +276,15 @@ def test_chi_square_catches_the_first_mask_reused_at_later_positions(compiler, m
 # The grammar rows of one batch: head drafting (the first draft masked, later ones unmasked and
 # the verify positions masked after one read), prompt lookup cut to its legal prefix, and AR.
 BATCH_GRAMMAR_SPECS = {
-    "head": lambda cfg: RowSpec(DecodeSettings(sampler=cfg, depth=2), "head"),
+    "head": lambda cfg: RowSpec(DecodeSettings(sampler=cfg, depth=2), SOURCES["head"]),
     "lookup": lambda cfg: RowSpec(
         DecodeSettings(sampler=cfg, depth=2),
-        "auto",
+        SOURCES["auto"],
         LookupConfig(min_ngram=1, max_ngram=2, max_tokens=4, adaptive_length=False),
     ),
-    "ar": lambda cfg: RowSpec(DecodeSettings(sampler=cfg), "none"),
+    "ar": lambda cfg: RowSpec(DecodeSettings(sampler=cfg), SOURCES["none"]),
     # The row's own proposer: a draft model (with its own cache), verified with the others.
-    "draft": lambda cfg: RowSpec(DecodeSettings(sampler=cfg, depth=2), "proposer"),
+    "draft": lambda cfg: RowSpec(DecodeSettings(sampler=cfg, depth=2), SOURCES["proposer"]),
 }
 
 
@@ -299,7 +305,7 @@ def batch_counts(
     each kind verified (a kind that never drafts would test nothing)."""
     decoder = BatchDecoder(trunk, head)
     grammar = Grammar.lark(grammar_source)
-    free = RowSpec(DecodeSettings(sampler=SamplerConfig(temperature=1.0), depth=2), "head")
+    free = RowSpec(DecodeSettings(sampler=SamplerConfig(temperature=1.0), depth=2), SOURCES["head"])
     kinds = list(BATCH_GRAMMAR_SPECS)
     counts = {kind: np.zeros([VOCAB] * NUM_OUTPUT_TOKENS, dtype=np.int64) for kind in kinds}
     drafted = dict.fromkeys([*kinds, "forced", "forced_accepted"], 0)
@@ -416,7 +422,7 @@ def test_forced_tokens_are_offered_to_the_draft_policy_and_cut_to_its_length(com
     trunk, head = make_loop_pair(**MODEL)
     policy = OneDraftPolicy()
     decoder = BatchDecoder(trunk, head, policy)
-    spec = RowSpec(DecodeSettings(sampler=SamplerConfig(temperature=1.0), depth=2), "head")
+    spec = RowSpec(DecodeSettings(sampler=SamplerConfig(temperature=1.0), depth=2), SOURCES["head"])
     row_id, _ = decoder.join(
         GRAMMAR_PROMPT,
         spec,
@@ -476,14 +482,14 @@ def test_chi_square_catches_a_forced_draft_accepted_where_two_tokens_were_allowe
 def test_chi_square_catches_an_unmasked_q_in_the_acceptance_ratio(compiler, monkeypatch):
     """Negative control (b): drafts sampled from the head's masked distribution, but the q
     verify divides by is the unmasked one."""
-    honest = head_module.draw_draft_token
+    honest = head_module.HeadChain._draw
 
-    def unmasked_q(logits, context, settings, uniform, allowed=None):
-        token, _, invalid = honest(logits, context, settings, uniform, allowed)
-        _, q_unmasked, _ = honest(logits, context, settings, uniform, None)
-        return token, q_unmasked, invalid
+    def unmasked_q(self, rows, logits, earlier, uniforms, allowed):
+        token, _, invalid, sure = honest(self, rows, logits, earlier, uniforms, allowed)
+        _, q_unmasked, _, _ = honest(self, rows, logits, earlier, uniforms, None)
+        return token, q_unmasked, invalid, sure
 
-    monkeypatch.setattr(head_module, "draw_draft_token", unmasked_q)
+    monkeypatch.setattr(head_module.HeadChain, "_draw", unmasked_q)
     assert _check_exactness(compiler, depth=1) < FALSE_FAILURE_RATE
 
 
@@ -500,7 +506,7 @@ def test_greedy_constrained_speculation_equals_constrained_ar(depth, greedy_draf
     steps = list(head_run(trunk, head, compiler.compile(grammar), cfg, depth, 0, greedy_draft=greedy_draft))
     spec = [t for s in steps for t in s.tokens]
     assert spec == ar and len(ar) == 49 and steps[-1].grammar_done
-    assert steps[1].grammar_reads == depth  # the drafts read once per head step, and once for the block
+    assert steps[1].grammar_reads == 1  # the drafts read once for the block (the chain reads none)
     accepted = [s.num_accepted for s in steps if s.num_drafted]
     assert any(a > 0 for a in accepted) and any(a < depth for a in accepted), accepted
     free, _ = take_steps(ar_run(trunk, head, None, cfg, 0, 0), 49)
@@ -518,30 +524,28 @@ def test_greedy_constrained_lookup_equals_constrained_ar(drafter, compiler):
     assert any(s.num_drafted == 4 and s.num_accepted == 4 for s in steps)  # lookup blocks were kept
 
 
-def _one_row_block(draft: Draft, host: list[int]) -> Block:
-    """A cycle's block holding one row drafted by its own proposer, its drafts read to the host."""
-    block = Block(["proposer"], [draft.num_tokens], [host], [None], draft.num_tokens, draft.tokens)
-    block.row_drafts = [draft]
-    return block
+def _one_row_block(tokens: mx.array, source: Source, q: mx.array | None = None) -> Block:
+    """A cycle's block holding one row with lazy drafts from one drafter (not yet on the host)."""
+    k = tokens.shape[1]
+    return Block([DraftBlock(tokens, [k], [((source, k),)], q=q)], [0], [k], [None], [None])
 
 
 def test_point_mass_drafts_are_cut_and_sampled_drafts_kept(compiler):
-    """Point masses are cut to their legal prefix; a sampled block keeps its refused draft (verify
-    rejects it: p = 0), and the rows after it are all-allowed, never used."""
+    """Point masses are cut to their legal prefix when read; a sampled block keeps its refused
+    draft (verify rejects it: p = 0), and the rows after it are all-allowed, never used."""
     constraint = compiler.compile(Grammar.lark(LOOP_GRAMMAR))
     tokens = mx.array([encode("abd,")], dtype=mx.int32)
-    block = _one_row_block(Draft(tokens, None, (("lookup", 4),)), encode("abd,"))
-    cut_to_legal(block, 0, constraint)
-    cut = block.row_drafts[0]
-    assert cut.tokens.tolist() == [encode("abd")] and cut.sources == (("lookup", 3),)
-    assert block.lengths == [3] and block.host_drafts == [encode("abd")] and block.kinds == ["proposer"]
-    refused = _one_row_block(Draft(tokens[:, 2:], None, (("lookup", 2),)), encode("d,"))
-    cut_to_legal(refused, 0, constraint)
-    assert refused.row_drafts == [None] and refused.lengths == [0] and refused.kinds == [""]
+    block = _one_row_block(tokens, Source.MODEL)
+    BatchDecoder._read_drafts(block, 0, encode("abd,"), constraint)
+    assert block.sources(0) == ((Source.MODEL, 3),) and block.grammar_reads == [1]
+    assert block.lengths == [3] and block.host_drafts == [encode("abd")] and block.kind(0) is Source.MODEL
+    refused = _one_row_block(tokens[:, 2:], Source.MODEL)
+    BatchDecoder._read_drafts(refused, 0, encode("d,"), constraint)
+    assert refused.chosen == [None] and refused.lengths == [0] and refused.kind(0) is None
     q = mx.full((1, 4, VOCAB), 1.0 / VOCAB)
-    sampled = _one_row_block(Draft(tokens, q, (("model", 4),)), encode("abd,"))
-    cut_to_legal(sampled, 0, constraint)
-    assert sampled.lengths == [4] and sampled.row_drafts[0].num_tokens == 4
+    sampled = _one_row_block(tokens, Source.MODEL, q)
+    BatchDecoder._read_drafts(sampled, 0, encode("abd,"), constraint)
+    assert sampled.lengths == [4] and sampled.has_q(0)
     rows = np.array(constraint.block_masks(sampled.host_drafts[0]))
     assert rows.shape == (5, VOCAB)
     assert not rows[3, encode(",")[0]] and rows[4].all()  # "," refused at position 4; after it: anything

@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Generator
+from dataclasses import dataclass, field
 
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.errors import MtplxError
 from mtplx.sample.params import SamplerConfig
 from mtplx.spec_decode.constraint import GrammarConstraint
-from mtplx.spec_decode.head_proposer import HeadProposer
+from mtplx.spec_decode.draft_model_proposer import DraftModelProposer
 from mtplx.spec_decode.loop import BatchDecoder
-from mtplx.spec_decode.proposer import Proposer
 from mtplx.spec_decode.rows import RowsFailed, RowSpec
 from mtplx.spec_decode.settings import DecodeSettings, LookupConfig  # noqa: F401  (tests name them here)
+from mtplx.spec_decode.sources import Source
 from mtplx.spec_decode.step import PromptPrefix, Step, TokenLogprobs, prefill  # noqa: F401
 from mtplx.trunk import rollback as cache_ops
 
@@ -29,30 +30,53 @@ from mlx_lm.models.cache import ArraysCache
 
 _GREEDY = SamplerConfig(temperature=0.0)
 
+# A row's sources by the names tests use ("proposer": a draft model on the row's own cache).
+SOURCES = {
+    "none": (),
+    "lookup": (Source.LOOKUP,),
+    "head": (Source.HEAD,),
+    "auto": (Source.LOOKUP, Source.HEAD),
+    "proposer": (Source.MODEL,),
+}
+
+
+@dataclass
+class Drafters:
+    """A row's drafters for `decode_alone`: its sources in priority order and what they need (the
+    MTP head and its cache, a draft model's state, lookup's matcher), as `drafting` resolves them."""
+
+    sources: tuple[Source, ...]
+    head: object = None
+    head_cache: list | None = None
+    proposer: DraftModelProposer | None = None
+    lookup: LookupConfig = field(default_factory=LookupConfig)
+
 
 def decode_alone(
     trunk,
     prompt_tokens: list[int],
     settings: DecodeSettings,
     key: mx.array,
-    proposer: Proposer | None = None,
+    drafters: Drafters | None = None,
     trunk_cache: list | None = None,
     prefix: PromptPrefix | None = None,
     constraint: GrammarConstraint | None = None,
 ) -> Generator[Step, None, None]:
     """One request on its own caches (``trunk_cache``, used in place; a fresh one when None)
     through the one cycle as a batch of one: the Step of its first token, then one per cycle.
-    ``proposer``: its drafter (None: plain AR)."""
-    decoder = BatchDecoder(trunk, single_row=True)
-    spec = RowSpec(settings, "proposer" if proposer is not None else "none")
+    ``drafters``: its drafters (None: plain AR)."""
+    drafters = drafters if drafters is not None else Drafters(())
+    decoder = BatchDecoder(trunk, drafters.head, single_row=True)
+    spec = RowSpec(settings, drafters.sources, drafters.lookup)
     row_id, step = decoder.join(
         prompt_tokens,
         spec,
         key,
         trunk_cache=trunk_cache,
+        head_cache=drafters.head_cache,
         prefix=prefix,
         constraint=constraint,
-        proposer=proposer,
+        proposer=drafters.proposer,
     )
     yield step
     while not step.grammar_done:
@@ -69,15 +93,15 @@ def ar_decode(trunk, prompt_tokens, settings, key, trunk_cache=None, prefix=None
 
 
 def speculative_decode(
-    trunk, proposer, prompt_tokens, settings, key, trunk_cache=None, prefix=None, constraint=None
+    trunk, drafters, prompt_tokens, settings, key, trunk_cache=None, prefix=None, constraint=None
 ):
-    """``proposer`` drafting through the one cycle (`decode_alone`); a model whose caches cannot
-    roll back is refused as the engine refuses it."""
+    """``drafters`` (`Drafters`) drafting through the one cycle (`decode_alone`); a model whose
+    caches cannot roll back is refused as the engine refuses it."""
     trunk_cache = trunk_cache if trunk_cache is not None else trunk.make_cache()
     reason = cache_ops.check_rollback_support(trunk_cache, trunk.model)
     if reason is not None:
         raise MtplxError(f"speculative decoding cannot run on this model: {reason}")
-    return decode_alone(trunk, prompt_tokens, settings, key, proposer, trunk_cache, prefix, constraint)
+    return decode_alone(trunk, prompt_tokens, settings, key, drafters, trunk_cache, prefix, constraint)
 
 
 def take_steps(steps: Generator[Step, None, None], n: int) -> tuple[list[int], list[Step]]:
@@ -138,9 +162,9 @@ def mtp_decode(
     prefix=None,
 ) -> Generator[Step, None, None]:
     """The loop with the MTP head as its drafter, without an engine: what `spec_decode.drafting`
-    builds for ``draft="head"``."""
-    proposer = HeadProposer(head, settings, head_cache)
-    return speculative_decode(trunk, proposer, prompt_tokens, settings, key, trunk_cache, prefix)
+    resolves for ``draft="head"``."""
+    drafters = Drafters((Source.HEAD,), head=head, head_cache=head_cache)
+    return speculative_decode(trunk, drafters, prompt_tokens, settings, key, trunk_cache, prefix)
 
 
 # A rounding tie: with OpenBLAS a row's float32 matmul can change in its last bits when more
