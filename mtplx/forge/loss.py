@@ -4,7 +4,7 @@ The head at position t gets the trunk's hidden state at t and token t+1 and must
 the trunk's recorded distribution at t+1: KL(p_trunk || q_head), on response positions
 only (acceptance of a draft is 1 - TV(p, q), so matching the trunk is what pays).
 
-The chain is unrolled exactly as the decode loop runs it (`spec_decode.head_proposer`): step k feeds the head its
+The chain is unrolled exactly as the decode loop runs it (`spec_decode.head_chain`): step k feeds the head its
 own previous output (``chain_input``) and the next token, and attends to the true-state
 entries up to its origin plus its own chain entries (``UnrollCache``), so positions 2 and
 3 are trained, not extrapolated (the training-time unrolling of HASS / EAGLE-3, whose

@@ -41,6 +41,8 @@ def integer_value(name: str, value: object) -> int:
 # The penalised logits are z / p and z * p in float32: a penalty much further from 1 overflows
 # them (a denormal p made every logit inf) and is a ban, not a penalty, long before that.
 REPETITION_PENALTY_RANGE = (1e-6, 1e6)
+# Temperatures below / above these overflow float32 logits (0 is greedy): inf - inf draws NaN tokens.
+TEMPERATURE_RANGE = (1e-6, 1e6)
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,11 @@ class SamplerConfig:
         temperature = real_value("temperature", self.temperature)
         if temperature < 0:
             raise MtplxError(f"temperature must be >= 0 (got {self.temperature!r})")
+        if temperature != 0 and not TEMPERATURE_RANGE[0] <= temperature <= TEMPERATURE_RANGE[1]:
+            low, high = TEMPERATURE_RANGE
+            raise MtplxError(
+                f"temperature must be 0 (greedy) or in [{low:g}, {high:g}] (got {self.temperature!r})"
+            )
         top_p = real_value("top_p", self.top_p)
         if not 0.0 < top_p <= 1.0:
             raise MtplxError(f"top_p must be in (0, 1] (got {self.top_p!r})")

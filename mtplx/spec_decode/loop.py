@@ -237,6 +237,8 @@ class BatchDecoder:
         first = sample_last_row(output.logits, prompt_tokens, settings, step_key, allowed)
         mx.eval(first.tokens, first.invalid, [c.state for c in trunk_cache])
         token = int(first.checked().tokens.item())
+        # The grammar takes the token before the row joins: a refusal leaves nothing in the batch.
+        tokens, grammar = grammar_step(constraint, [token], mask_mark)
         spec = pending.spec
         lookup = LookupProposer(spec.lookup) if Source.LOOKUP in spec.sources else None
         row = BatchRow(
@@ -261,7 +263,6 @@ class BatchDecoder:
         logprobs = None
         if settings.logprobs is not None:
             logprobs = token_logprobs(output.logits[0, -1:], [token], settings.logprobs)
-        tokens, grammar = grammar_step(constraint, [token], mask_mark)
         return row.row_id, Step(tokens, logprobs=logprobs, **grammar)
 
     def join(self, prompt_tokens: list[int], spec: RowSpec, key: mx.array, **options) -> tuple[int, Step]:

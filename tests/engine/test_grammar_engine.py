@@ -103,3 +103,40 @@ def test_bad_grammars_are_one_line_errors_and_the_engine_keeps_working(engine):
 def _token_id(tokenizer, text: str) -> int:
     (token,) = tokenizer.encode(text, add_special_tokens=False)
     return token
+
+
+def test_a_grammar_refusing_a_rows_first_token_leaves_nothing_in_the_batch(engine, monkeypatch):
+    """The server fuzz (merged tree) found a request whose grammar refused its first token (a NaN
+    draw) failed, but its row stayed in the batch and every later cycle raised: all later requests
+    were 500s. The refusal is planted here; the next request on the same scheduler must decode as
+    it does alone."""
+    from mtplx.engine.request import GenerationRequest
+    from mtplx.spec_decode import loop
+
+    def refuse(constraint, tokens, mask_mark):
+        raise MtplxError("grammar: planted refusal of the first token")
+
+    scheduler = engine.batch(draft_policy="fixed")
+    plain = GenerationRequest.from_kwargs(max_tokens=8)
+    try:
+        monkeypatch.setattr(loop, "grammar_step", refuse)
+        handle = scheduler.submit(
+            MESSAGES, GenerationRequest.from_kwargs(max_tokens=8, grammar=Grammar.json_object())
+        )
+        results = []
+        while not scheduler.idle:
+            results += scheduler.step()
+        assert [str(r.error) for r in results if r.handle == handle] == [
+            "grammar: planted refusal of the first token"
+        ]
+        assert len(scheduler._decoder) == 0
+        monkeypatch.undo()
+        handle = scheduler.submit(MESSAGES, plain)
+        tokens = []
+        while not scheduler.idle:
+            for result in scheduler.step():
+                assert result.error is None
+                tokens += result.chunk.token_ids
+    finally:
+        scheduler.close()
+    assert tokens == engine.generate(MESSAGES, max_tokens=8).token_ids

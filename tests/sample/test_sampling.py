@@ -313,6 +313,9 @@ def test_negative_inf_is_a_masked_token_but_all_masked_raises() -> None:
         ("repetition_penalty", float("inf")),
         ("repetition_penalty", 5e-324),  # a denormal: every penalised logit overflowed to inf (server fuzz)
         ("repetition_penalty", 1e7),
+        ("temperature", 2.5e-139),  # 0 in float32: logits / 0 drew a NaN token (server fuzz)
+        ("temperature", 1e-7),
+        ("temperature", 1e7),
         ("repetition_context_size", -1),
         ("repetition_context_size", 1.5),
         ("presence_penalty", float("nan")),
@@ -332,6 +335,11 @@ def test_config_errors_name_the_field_as_the_api_spells_it() -> None:
     with pytest.raises(MtplxError) as raised:
         SamplerConfig(temperature=-1.0)
     assert str(raised.value) == "temperature must be >= 0 (got -1.0)"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1e-6, 0.7, 1e6])
+def test_greedy_and_temperatures_inside_the_float32_range_are_taken(temperature: float) -> None:
+    assert SamplerConfig(temperature=temperature).temperature == temperature
 
 
 def test_sampling_reexports_the_runtime_config() -> None:

@@ -466,3 +466,26 @@ def test_bytes_that_are_not_utf8_are_a_400_naming_the_body_or_the_field(server, 
     headers = {**_auth(route), "Content-Type": "application/json"}
     reply = httpx.post(server[0] + route, content=content, headers=headers, timeout=120)
     assert _error(reply, route) == message
+
+
+@pytest.mark.parametrize(("temperature", "status"), [(2.5e-139, 400), (1e-7, 400), (1e-6, 200)])
+def test_a_temperature_that_overflows_the_logits_is_refused_and_the_server_goes_on(
+    server, model_id, temperature, status
+):
+    """Found by the fuzz of the merged tree: a Messages request with a tool and temperature 2.5e-139
+    (0 in float32: logits / 0 drew a NaN token the grammar then refused) left its row in the batch,
+    and every later request was a 500. The range is now 0 or [1e-6, 1e6]; a grammar refusing a
+    row's first token no longer leaves the row behind (`BatchDecoder.admit`)."""
+    body = {
+        "max_tokens": 2,
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"name": "f", "input_schema": {}}],
+        "temperature": temperature,
+    }
+    reply = _post(server, "/v1/messages", body)
+    assert reply.status_code == status, reply.text
+    if status == 400:
+        assert reply.json()["error"]["message"].startswith(
+            "temperature: must be 0 (greedy) or in [1e-06, 1e+06]"
+        )
+    _still_serving(server, model_id)
