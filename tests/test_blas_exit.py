@@ -163,9 +163,11 @@ def test_processes_with_blas_work_in_flight_exit_under_load():
         assert _probes(count=12, at_once=6) == []
 
 
+@pytest.mark.slow
 def test_without_the_fix_the_stress_sees_the_hang():
     """Negative control: the probe with `quiesce_at_exit` unregistered hangs at least once in 6
-    (13 of 16 did on a 2-core machine before the fix)."""
+    (13 of 16 did on a 2-core machine at load average ~27 before the fix). Under `slow`: in a full
+    `make test` on a quieter machine 0 of 6 hung, so in the default suite it failed by chance."""
     with _cpu_load():
         hangs = _probes(count=6, at_once=6, variant="unfixed")
     assert hangs, "no hang without the fix: the stress cannot see the bug"
