@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -68,10 +69,14 @@ def write_dir_atomically(out_dir: Path, write: Callable[[Path], None]) -> Path:
     out_dir = Path(out_dir).resolve()
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     except OSError as e:
         raise MtplxError(f"{out_dir}: cannot write the output ({e.strerror or e})") from None
+    tmp: Path | None = None
     try:
+        try:  # inside the cleanup's reach: a SIGTERM right after the folder appears removes it too
+            tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+        except OSError as e:
+            raise MtplxError(f"{out_dir}: cannot write the output ({e.strerror or e})") from None
         write(tmp)
         os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only; a model dir is ordinary readable data
         if out_dir.exists():  # overwrite: move the old one aside first so the swap is quick
@@ -82,10 +87,19 @@ def write_dir_atomically(out_dir: Path, write: Callable[[Path], None]) -> Path:
         else:
             os.rename(tmp, out_dir)
     except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove(tmp)
         where = f": {e.filename}" if e.filename else ""
         raise MtplxError(f"{out_dir}: conversion failed ({e.strerror or e}{where})") from None
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove(tmp)
         raise
     return out_dir
+
+
+def _remove(tmp: Path | None, attempts: int = 50) -> None:
+    """Remove a temp folder, again while a file still being closed in it makes a pass fail."""
+    for _ in range(attempts if tmp is not None else 0):
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not tmp.exists():
+            return
+        time.sleep(0.1)
