@@ -214,12 +214,7 @@ def convert_hf(
 
     from mlx_lm.utils import quantize_model, save_config, save_model
 
-    if q_bits not in (2, 3, 4, 5, 6, 8):
-        raise MtplxError(f"q_bits: must be one of 2, 3, 4, 5, 6, 8, got {q_bits}")
-    if q_group_size not in (32, 64, 128):
-        raise MtplxError(f"q_group_size: must be 32, 64 or 128, got {q_group_size}")
-    if head_bits not in (None, "float", 2, 3, 4, 5, 6, 8):
-        raise MtplxError(f"head_bits: must be 'float' or one of 2, 3, 4, 5, 6, 8, got {head_bits!r}")
+    _check_widths(q_bits, q_group_size, head_bits)
     check_output_dir(out_dir, overwrite)  # before a download
     src = resolve_source(source, hub_cache)
     out_dir = check_output_dir(out_dir, overwrite, inputs=[src])
@@ -271,6 +266,15 @@ def convert_hf(
         _copy_aux_files(src, tmp)
 
     return write_dir_atomically(out_dir, write)
+
+
+def _check_widths(q_bits: int, q_group_size: int, head_bits: HeadBits) -> None:
+    if q_bits not in (2, 3, 4, 5, 6, 8):
+        raise MtplxError(f"q_bits: must be one of 2, 3, 4, 5, 6, 8, got {q_bits}")
+    if q_group_size not in (32, 64, 128):
+        raise MtplxError(f"q_group_size: must be 32, 64 or 128, got {q_group_size}")
+    if head_bits not in (None, "float", 2, 3, 4, 5, 6, 8):
+        raise MtplxError(f"head_bits: must be 'float' or one of 2, 3, 4, 5, 6, 8, got {head_bits!r}")
 
 
 def _prequantized_layers(model: nn.Module) -> dict[str, dict]:

@@ -439,18 +439,12 @@ def inspect_model(
     """
     from mtplx.heads import detect_layout, split_drafter
 
-    if dtype not in (None, *VARIANTS):
-        raise MtplxError(f"dtype must be one of {', '.join(VARIANTS)} (got {dtype})")
-    path = resolve_model(spec_or_path, variant=dtype or "float32")
-    from mtplx.drafters.discovery import describe_drafter_dir, read_block_drafter_config
-
-    block_config = read_block_drafter_config(path)
-    if block_config is not None:  # a DFlash / DSpark / EAGLE-3 directory itself
-        return describe_drafter_dir(path, block_config)
+    path, drafter_report = _inspected_dir(spec_or_path, dtype)
+    if drafter_report is not None:  # a DFlash / DSpark / EAGLE-3 directory itself
+        return drafter_report
     default_variant = (dtype or "float32") if spec_or_path is None else default_model_variant(path)
     config = read_config(path)
     text = config.get("text_config") or {}
-    model_type = str(config["model_type"])
     index = weight_index(path)
     header = _headers(path, index)
     q = quantization_config(config)
@@ -493,12 +487,7 @@ def inspect_model(
     )
     return {
         "path": str(path),
-        "model_type": model_type,
-        "architecture": (config.get("architectures") or [model_type])[0],
-        "trunk_backend": backend,
-        "hidden_size": text.get("hidden_size", config.get("hidden_size")),
-        "num_hidden_layers": trunk_layers(config),
-        "vocab_size": text.get("vocab_size", config.get("vocab_size")),
+        **_trunk_facts(config, backend),
         "parameters": params["trunk"] + params["mtp_head"],
         "parameters_by_part": params,
         "memory_bytes": sum(bytes_by_dtype.values()),
@@ -517,6 +506,31 @@ def inspect_model(
         "vision": _vision(config, header),
         "verdict": verdict,
         "reason": reason,
+    }
+
+
+def _inspected_dir(spec_or_path: str | Path | None, dtype: str | None) -> tuple[Path, dict | None]:
+    """The model directory, and the report when it is a block drafter's own directory."""
+    from mtplx.drafters.discovery import describe_drafter_dir, read_block_drafter_config
+
+    if dtype not in (None, *VARIANTS):
+        raise MtplxError(f"dtype must be one of {', '.join(VARIANTS)} (got {dtype})")
+    path = resolve_model(spec_or_path, variant=dtype or "float32")
+    block_config = read_block_drafter_config(path)
+    return path, (describe_drafter_dir(path, block_config) if block_config is not None else None)
+
+
+def _trunk_facts(config: dict, backend: dict) -> dict[str, Any]:
+    """The trunk's type, backend and sizes (a VLM's from its text config)."""
+    text = config.get("text_config") or {}
+    model_type = str(config["model_type"])
+    return {
+        "model_type": model_type,
+        "architecture": (config.get("architectures") or [model_type])[0],
+        "trunk_backend": backend,
+        "hidden_size": text.get("hidden_size", config.get("hidden_size")),
+        "num_hidden_layers": trunk_layers(config),
+        "vocab_size": text.get("vocab_size", config.get("vocab_size")),
     }
 
 
