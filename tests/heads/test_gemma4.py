@@ -16,7 +16,6 @@ from pathlib import Path
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.errors import MtplxError
 from mtplx.heads import gemma4_assistant as ga
-from mtplx.sample import rejection
 from mtplx.sampling import SamplerConfig
 from mtplx.spec_decode import settings as decode
 from mtplx.trunk import rollback as cache_ops
@@ -34,6 +33,7 @@ from support.exactness import (
     PROMPT,
     exact_ar_joint,
     loop_p_value,
+    plant_commit_rejected_draft,
     run_loop,
     run_mtp_steps,
     sample_counts,
@@ -343,15 +343,7 @@ def test_mtp_sampled_distribution_matches_ar(tmp_path, fill, depth, num_samples)
 
 
 def test_chi_square_rejects_a_loop_that_commits_the_rejected_draft(tmp_path, monkeypatch):
-    honest = rejection.verify
-
-    def commit_rejected_draft(target_logits, draft_tokens, *args, **kwargs):
-        result = honest(target_logits, draft_tokens, *args, **kwargs)
-        k = draft_tokens.shape[1]
-        rejected = draft_tokens[0, mx.minimum(result.num_accepted, k - 1)]
-        return result._replace(next_token=mx.where(result.num_accepted < k, rejected, result.next_token))
-
-    monkeypatch.setattr(rejection, "verify", commit_rejected_draft)
+    plant_commit_rejected_draft(monkeypatch)
     trunk, head, *_ = build_pair(tmp_path, ordered=True, **CHI)
     cfg = SamplerConfig(temperature=1.0)
     expected = exact_ar_joint(trunk, cfg, CHI["vocab_size"])

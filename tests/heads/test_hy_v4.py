@@ -19,7 +19,6 @@ import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.engine.engine import Engine
 from mtplx.engine.request import GenerationRequest
 from mtplx.heads.hy_v4 import HyV4MTPHead, _block
-from mtplx.sample import rejection
 from mtplx.sampling import SamplerConfig
 from mtplx.trunk.model import Trunk
 
@@ -27,7 +26,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from support.decoding import assert_mtp_equals_ar_with_drafts_kept
-from support.exactness import FALSE_FAILURE_RATE, exact_ar_joint, loop_p_value, sample_counts
+from support.exactness import (
+    FALSE_FAILURE_RATE,
+    exact_ar_joint,
+    loop_p_value,
+    plant_commit_rejected_draft,
+    sample_counts,
+)
 from support.models import randomize
 from support.numpy_heads import causal_mask, read_tensors, rms, rope, sigmoid_moe, softmax_attention
 from support.seeds import SEEDS, resolve
@@ -262,15 +267,7 @@ def test_sampled_mtp_matches_the_exact_ar_distribution_at_t_0_7():
 
 
 def test_chi_square_rejects_a_loop_that_commits_the_rejected_draft(monkeypatch):
-    honest = rejection.verify
-
-    def commit_rejected_draft(target_logits, draft_tokens, *args, **kwargs):
-        result = honest(target_logits, draft_tokens, *args, **kwargs)
-        k = draft_tokens.shape[1]
-        rejected = draft_tokens[0, mx.minimum(result.num_accepted, k - 1)]
-        return result._replace(next_token=mx.where(result.num_accepted < k, rejected, result.next_token))
-
-    monkeypatch.setattr(rejection, "verify", commit_rejected_draft)
+    plant_commit_rejected_draft(monkeypatch)
     trunk, head = chi_pair()
     expected = exact_ar_joint(trunk, CHI, CHI_VOCAB)
     assert (

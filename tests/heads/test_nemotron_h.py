@@ -28,7 +28,6 @@ from mtplx.engine import Engine
 from mtplx.engine.request import GenerationRequest
 from mtplx.heads import load_head
 from mtplx.heads.nemotron_h import NemotronHMTPHead, mtp_pattern
-from mtplx.sample import rejection
 from mtplx.sampling import SamplerConfig
 from mtplx.trunk import batch_cache, compat, rollback
 from mtplx.trunk.model import Trunk
@@ -39,7 +38,13 @@ import pytest
 from mlx_lm.models import nemotron_h
 from support import decoding as decode
 from support.decoding import assert_mtp_equals_ar_with_drafts_kept, mtp_decode, take_steps
-from support.exactness import FALSE_FAILURE_RATE, exact_ar_joint, loop_p_value, sample_counts
+from support.exactness import (
+    FALSE_FAILURE_RATE,
+    exact_ar_joint,
+    loop_p_value,
+    plant_commit_rejected_draft,
+    sample_counts,
+)
 from support.models import randomize, scale_outputs
 from support.nemotron import nemotron_h_checkpoint, tiny_nemotron_h
 from support.numpy_heads import causal_mask, gqa_attention, read_tensors, rms
@@ -369,15 +374,7 @@ def test_sampled_mtp_matches_the_exact_ar_distribution():
 
 
 def test_chi_square_rejects_a_loop_that_commits_the_rejected_draft(monkeypatch):
-    honest = rejection.verify
-
-    def commit_rejected_draft(target_logits, draft_tokens, *args, **kwargs):
-        result = honest(target_logits, draft_tokens, *args, **kwargs)
-        k = draft_tokens.shape[1]
-        rejected = draft_tokens[0, mx.minimum(result.num_accepted, k - 1)]
-        return result._replace(next_token=mx.where(result.num_accepted < k, rejected, result.next_token))
-
-    monkeypatch.setattr(rejection, "verify", commit_rejected_draft)
+    plant_commit_rejected_draft(monkeypatch)
     trunk, head = chi_pair()
     cfg = SamplerConfig(temperature=1.0)
     expected = exact_ar_joint(trunk, cfg, CHI_VOCAB)

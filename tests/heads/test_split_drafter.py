@@ -24,7 +24,6 @@ from mtplx.errors import MtplxError
 from mtplx.heads import load_head
 from mtplx.heads.qwen3_next import Qwen3NextMTPHead
 from mtplx.heads.split_drafter import drafter_rank, find_split_drafter, target_stems
-from mtplx.sample import rejection
 from mtplx.sampling import SamplerConfig
 
 import mlx.core as mx
@@ -34,7 +33,13 @@ from mlx.utils import tree_flatten, tree_unflatten
 from support import checkpoints
 from support import decoding as decode
 from support.decoding import mtp_decode, take_steps, take_tokens
-from support.exactness import FALSE_FAILURE_RATE, exact_ar_joint, loop_p_value, sample_counts
+from support.exactness import (
+    FALSE_FAILURE_RATE,
+    exact_ar_joint,
+    loop_p_value,
+    plant_commit_rejected_draft,
+    sample_counts,
+)
 from support.hub import cache_layout
 from support.models import HIDDEN, VOCAB
 from support.tokenizer import word_level
@@ -197,15 +202,7 @@ def test_sampled_mtp_with_the_split_drafter_matches_ar(replica):
 
 def test_the_chi_square_catches_a_loop_that_commits_the_rejected_draft(replica, monkeypatch):
     """Negative control: the rejected draft committed in place of the correction token."""
-    honest = rejection.verify
-
-    def commit_rejected_draft(target_logits, draft_tokens, *args, **kwargs):
-        result = honest(target_logits, draft_tokens, *args, **kwargs)
-        k = draft_tokens.shape[1]
-        rejected = draft_tokens[0, mx.minimum(result.num_accepted, k - 1)]
-        return result._replace(next_token=mx.where(result.num_accepted < k, rejected, result.next_token))
-
-    monkeypatch.setattr(rejection, "verify", commit_rejected_draft)
+    plant_commit_rejected_draft(monkeypatch)
     with pytest.raises(AssertionError):
         assert_sampled_matches_ar(Engine.load(str(replica["trunk"])), 1234, samples=100)
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 
 import mtplx  # noqa: F401  (BLAS before mlx)
-from mtplx.sample import rejection
 from mtplx.sampling import SamplerConfig
 from mtplx.spec_decode import settings as decode
 from mtplx.trunk import rollback as cache_ops
@@ -20,6 +19,7 @@ from support.exactness import (
     assert_same_caches,
     exact_ar_joint,
     loop_p_value,
+    plant_commit_rejected_draft,
     run_loop,
     run_mtp_steps,
     sample_counts,
@@ -151,15 +151,7 @@ def test_chi_square_rejects_a_loop_that_commits_the_rejected_draft(monkeypatch):
     i.e. the rejected draft kept instead of the correction token) must be caught by
     the same test. (A stale head cache cannot be caught this way: any q keeps the
     output exact; the cache tests above catch that one.)"""
-    honest_verify = rejection.verify
-
-    def commit_rejected_draft(target_logits, draft_tokens, *args, **kwargs):
-        result = honest_verify(target_logits, draft_tokens, *args, **kwargs)
-        k = draft_tokens.shape[1]
-        rejected = draft_tokens[0, mx.minimum(result.num_accepted, k - 1)]
-        return result._replace(next_token=mx.where(result.num_accepted < k, rejected, result.next_token))
-
-    monkeypatch.setattr(rejection, "verify", commit_rejected_draft)
+    plant_commit_rejected_draft(monkeypatch)
     trunk, head = make_loop_pair(**CHI_SQUARE_MODEL)
     cfg = SamplerConfig(temperature=1.0)
     expected = exact_ar_joint(trunk, cfg, CHI_SQUARE_MODEL["vocab_size"])

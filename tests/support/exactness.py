@@ -104,3 +104,19 @@ def sample_counts(trunk, head, cfg, depth, num_samples, vocab_size, seed0) -> np
         tokens = run_loop(trunk, head, cfg, depth, NUM_OUTPUT_TOKENS, seed=seed0 + i)
         counts[tuple(tokens)] += 1
     return counts
+
+
+def plant_commit_rejected_draft(monkeypatch) -> None:
+    """The negative control the chi-square tests share: verification commits the rejected draft in
+    place of the correction token (the output stays plausible text, its distribution is wrong)."""
+    from mtplx.sample import rejection
+
+    honest = rejection.verify
+
+    def commit_rejected_draft(target_logits, draft_tokens, *args, **kwargs):
+        result = honest(target_logits, draft_tokens, *args, **kwargs)
+        k = draft_tokens.shape[1]
+        rejected = draft_tokens[0, mx.minimum(result.num_accepted, k - 1)]
+        return result._replace(next_token=mx.where(result.num_accepted < k, rejected, result.next_token))
+
+    monkeypatch.setattr(rejection, "verify", commit_rejected_draft)
