@@ -60,6 +60,15 @@ def _long_text(words: int, salt: str = "item") -> str:
     return " ".join(f"{salt}{i % 97} is number {i}." for i in range(words // 5))
 
 
+def _eos_ban(model_dir: Path) -> dict[str, float]:
+    """An OpenAI logit_bias that rules out every end-of-sequence token of the served tokenizer."""
+    from mlx_lm.tokenizer_utils import load
+
+    eos_ids = load(model_dir).eos_token_ids
+    assert eos_ids
+    return {str(token): -100.0 for token in eos_ids}
+
+
 def _events(lines) -> list[tuple[str, dict]]:
     """(event name, data) of each Anthropic SSE event in ``lines``."""
     out, name = [], None
@@ -338,9 +347,15 @@ def test_a_responses_stream_cut_by_the_timeout_ends_incomplete_with_its_output(m
             ).is_success
 
         wait_for(warmed, timeout=300)
+        # The random model may sample an end-of-sequence token before the timeout (one CI run
+        # ended `completed` so): the tokenizer's EOS ids are banned, so only the timeout ends it.
         events = list(
             client.responses.create(
-                model="gpt-5-codex", input="Write a very long story.", stream=True, temperature=0.8
+                model="gpt-5-codex",
+                input="Write a very long story.",
+                stream=True,
+                temperature=0.8,
+                extra_body={"logit_bias": _eos_ban(model_dir)},
             )
         )
         kinds = [e.type for e in events]
