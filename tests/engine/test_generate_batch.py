@@ -330,6 +330,7 @@ def test_requests_the_batch_cannot_serve_are_refused_in_one_line(tiny_engine):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.slow  # 30 s; the tiny-model batch == alone tests above cover the rule in the default suite
 def test_generate_batch_on_the_default_model_equals_alone_up_to_rounding_ties():
     """Greedy rows of the default model with its shipped head, in one batch, against each alone;
     the first mismatch must be a rounding tie of the alone run (support.decoding); a row compared
