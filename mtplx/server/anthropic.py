@@ -20,7 +20,11 @@ the prompt rendering, the tool grammars and the call reading (`mtplx.server.chat
   alone fills the context is Anthropic's ``prompt is too long: P tokens > C maximum``.
 - Per-request noise is dropped before the prompt is rendered, so an agent's prompts share their
   cached prefix (docs in README "Claude Code"): Claude Code's ``x-anthropic-billing-header:`` system
-  block (its ``cch=`` hash changes every request; it carries nothing for the model).
+  block (its ``cch=`` hash changes every request; it carries nothing for the model), and its
+  "tokens left" notes, ``role: "system"`` entries holding only ``<total_tokens>N tokens
+  left</total_tokens>`` (sent after tool results and user turns since Claude Code 2.1.233: N
+  counts down the context Claude Code assumes for a Claude model, not the served model's, and it
+  changes every request, so kept it would cut the cached prefix at the newest one).
 
 Usage follows Anthropic's split: ``input_tokens`` (the prompt tokens prefilled) +
 ``cache_read_input_tokens`` (read from the prompt cache) = the prompt; ``cache_creation_input_tokens``
@@ -36,6 +40,7 @@ cut, ``stop_sequence`` (with ``stop_sequence`` set) when one of them ended the r
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from typing import Annotated, Any, Literal
 
@@ -60,6 +65,8 @@ __all__ = [
 
 # The start of Claude Code's per-request system block (dropped: module docstring).
 BILLING_HEADER = "x-anthropic-billing-header:"
+# The whole text of Claude Code's "tokens left" system entries (dropped: module docstring).
+TOKENS_LEFT_NOTE = re.compile(r"\s*<total_tokens>[^<]*</total_tokens>\s*")
 
 
 class _Body(BaseModel):
@@ -155,13 +162,15 @@ def _text(content: str | list) -> str:
 
 
 def _system_prompt(body: MessagesRequest | CountTokensRequest) -> str:
-    """``system`` without the billing block, and the leading ``role: "system"`` entries."""
+    """``system`` without the billing block, and the leading ``role: "system"`` entries but the
+    "tokens left" notes."""
     blocks = _blocks(body.system or "")
     parts = ["".join(b.text for b in blocks if not b.text.startswith(BILLING_HEADER))]
     for turn in body.messages:
         if turn.role != "system":
             break
-        parts.append(_text(turn.content))
+        if not TOKENS_LEFT_NOTE.fullmatch(_text(turn.content)):
+            parts.append(_text(turn.content))
     return "\n\n".join(p for p in parts if p)
 
 
@@ -175,6 +184,8 @@ def _fold_system(turns: list[InputMessage]) -> list[tuple[str, list]]:
         blocks = list(_blocks(turn.content))
         if turn.role == "system":
             text = _text(turn.content)
+            if TOKENS_LEFT_NOTE.fullmatch(text):
+                continue
             if out and out[-1][0] == "user" and not pending:
                 out[-1][1].append(TextBlock(type="text", text="\n\n" + text))
             else:

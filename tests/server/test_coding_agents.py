@@ -24,6 +24,7 @@ from support.server import KEY, running_server, wait_for
 
 CONTEXT = 4096
 FIXTURES = Path(__file__).parent / "fixtures" / "agents"
+TOKENS_LEFT = "<total_tokens>{} tokens left</total_tokens>"
 BILLING = "x-anthropic-billing-header: cc_version=2.1.197.a1b; cc_entrypoint=sdk-cli; cch={};"
 
 
@@ -231,6 +232,51 @@ def test_billing_block_is_normalised_away_and_turn_two_reads_the_cache(claude):
         assert reply.usage.cache_creation_input_tokens == 0
     assert second.usage.cache_read_input_tokens >= 0.9 * counted
     assert second.content[0].text == first.content[0].text == ask(None).content[0].text
+
+
+def test_tokens_left_notes_are_dropped_and_turn_two_reads_the_cache(claude):
+    """Claude Code's "tokens left" system entries (a new count every request): dropped wherever
+    they stand, so a second turn reads the first's prompt and reply from the cache and both
+    serve the prompt without the notes (count, greedy reply); other system entries stay."""
+    kept = to_chat(
+        MessagesRequest.model_validate(
+            {
+                "max_tokens": 4,
+                "messages": [
+                    {"role": "system", "content": TOKENS_LEFT.format(199000)},
+                    *_ask("One."),
+                    {"role": "system", "content": "Keep me."},
+                    {"role": "system", "content": [{"type": "text", "text": TOKENS_LEFT.format(198500)}]},
+                ],
+            }
+        )
+    )["messages"]
+    assert kept == [{"role": "user", "content": "One.\n\nKeep me."}]
+    system = "You are a careful coding agent. " + _long_text(400)
+    turn1 = _ask("List three prime numbers.")
+    first = claude.messages.create(
+        model="m",
+        max_tokens=6,
+        system=system,
+        messages=[*turn1, {"role": "system", "content": TOKENS_LEFT.format(180000)}],
+        extra_body={"temperature": 0},
+    )
+    turn2 = [*turn1, {"role": "assistant", "content": first.content[0].text}, *_ask("And two more.")]
+    counted = claude.messages.count_tokens(model="m", system=system, messages=turn2).input_tokens
+    noted = [turn2[0], {"role": "system", "content": TOKENS_LEFT.format(180000)}, *turn2[1:]]
+    second = claude.messages.create(
+        model="m",
+        max_tokens=6,
+        system=system,
+        messages=[*noted, {"role": "system", "content": TOKENS_LEFT.format(179000)}],
+        extra_body={"temperature": 0},
+    )
+    assert second.usage.input_tokens + second.usage.cache_read_input_tokens == counted
+    assert second.usage.cache_read_input_tokens >= 0.9 * counted
+    plain = claude.messages.create(
+        model="m", max_tokens=6, system=system, messages=turn2, extra_body={"temperature": 0}
+    )
+    assert second.content[0].text == plain.content[0].text
 
 
 def test_tool_argument_key_order_is_kept_when_earlier_turns_are_rendered():
