@@ -169,7 +169,7 @@ def gguf_model(tmp_path_factory) -> dict:
         "written": written,
         "source": source,
         "float32": convert_gguf(gguf_path, root / "f32", dtype="float32"),
-        # float32 scales: MLX's bfloat16 arithmetic on a CPU is ~9x slower (ARCHITECTURE.md; the CLI test: bf16)
+        # float32 scales: MLX's bfloat16 arithmetic on a CPU is ~9x slower (docs/DECISIONS.md; the CLI test: bf16)
         "q4": convert_gguf_file(gguf_path, root / "q4", dtype="q4", q_group_size=64, float_dtype="float32"),
     }
 
