@@ -1,7 +1,7 @@
 """compat's Nemotron-H part: mtplx's contacts with mlx-lm's Nemotron-H internals (mlx-lm 0.32.2
-``mlx_lm/models/nemotron_h.py`` and ``mlx_lm/models/ssm.py``), kept beside ``compat.py`` (which
-runs ``check_ssm`` inside its ``check()``) because that module is at its line budget. With
-``compat.py`` it is the only module that touches mlx-lm internals.
+``mlx_lm/models/nemotron_h.py`` and ``mlx_lm/models/ssm.py``), kept beside ``compat.py``;
+``compat_check.check()`` runs its probes (``check_ssm``). With ``compat.py`` it is the only module
+that touches mlx-lm internals.
 
 * Names: Nemotron-H's inner model is ``model.backbone`` with ``embeddings``, ``layers`` and
   ``norm_f`` where the other families have ``model.model`` with ``embed_tokens``, ``layers``,
