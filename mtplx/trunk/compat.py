@@ -14,7 +14,7 @@ are done here, against layouts read from its source
 * recurrent-state capture: the gated-delta layers of the modules in
   ``SUPPORTED_RECURRENT_MODULES`` call their module-level name
   ``gated_delta_update``, which ``install_gated_delta_hook`` rebinds to a
-  wrapper (``mtplx.trunk.rollback`` owns the wrapper's logic);
+  wrapper (``mtplx.trunk.recurrent_capture`` owns the wrapper's logic);
 * cache state layouts: ``KVCache.state`` = (keys, values, offset),
   ``RotatingKVCache.state`` = (keys, values, offset, keep, max_size, _idx),
   ``ArraysCache.state`` = (slots, left_padding, lengths), with a gated-delta

@@ -11,7 +11,7 @@ that touches mlx-lm internals.
   module-level name ``ssm_update(hidden_states, A_log, B, C, D, dt, dt_bias, state,
   time_step_limit, mask)`` with the state read from cache slot 1 unchanged, and store what it
   returns there; ``install_ssm_hook`` rebinds that name to a wrapper
-  (``mtplx.trunk.rollback.capturing_ssm_update``), as ``compat.install_gated_delta_hook`` does
+  (``mtplx.trunk.recurrent_capture.capturing_ssm_update``), as ``compat.install_gated_delta_hook`` does
   for the gated-delta layers. The conv state (slot 0) honours ``cache.lengths`` exactly as the
   gated-delta layers do (rows ``[len, len + kernel - 1)`` of ``[conv state, block]``), so the
   existing conv capture serves.
