@@ -33,7 +33,7 @@ import mlx.core as mx
 
 OUT = "benchmarks/results/kv-bits.json"
 REPO = Path(__file__).resolve().parent.parent
-SOURCES = ["docs/ARCHITECTURE.md", "README.md", "docs/sampling.md"]
+SOURCES = ["docs/ARCHITECTURE.md", "docs/DECISIONS.md", "README.md", "docs/sampling.md"]
 SETTINGS = [None, 8, 4]  # --kv-bits
 
 

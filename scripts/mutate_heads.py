@@ -48,7 +48,14 @@ def _stack_mask(path: str, after: str, value: bool) -> tuple[str, str, str]:
 
 _EMB_FIRST = "mx.concatenate([e, m.hnorm(hidden).astype(e.dtype)], axis=-1)"
 _EMB_SWAPPED = "mx.concatenate([m.hnorm(hidden).astype(e.dtype), e], axis=-1)"
-_OWN_HEAD = 'return sh["head"](head_hidden) if "head" in sh else self._shared_lm_head(head_hidden)'
+_OWN_HEAD = 'return m["lm_head"](head_hidden) if "lm_head" in m else self._shared_lm_head(head_hidden)'
+# The DeepSeek-style module's math, shared by deepseek, step3p5, mimo_v2_flash, longcat and hy_v4:
+# the bugs in it are planted there, and each of those families' references must catch them.
+_EH = "mtplx/heads/eh_proj.py"
+_EH_SWAP = ((_EH, _EMB_FIRST, _EMB_SWAPPED),)
+_EH_HNORM = ((_EH, "m.hnorm(hidden).astype", "hidden.astype"),)
+_EH_FINAL_NORM = ((_EH, "return m.final_layernorm", "return nn.Identity()"),)
+_EH_OWN_HEAD = ((_EH, _OWN_HEAD, "return self._shared_lm_head(head_hidden)"),)
 _QWEN = "mtplx/heads/qwen3_next.py"
 _QWEN_MASK = (
     (
@@ -100,19 +107,11 @@ PLANTS: dict[str, tuple[Plant, ...]] = {
         Plant(
             MUTATIONS[0],
             "position-0 mask dropped",
-            (_stack_mask("mtplx/heads/deepseek.py", "    module_class = DeepSeekMTPModule", False),),
+            (("mtplx/heads/deepseek.py", "zero_position_zero = True", "zero_position_zero = False"),),
         ),
-        Plant(MUTATIONS[1], "[hidden, embedding]", (("mtplx/heads/deepseek.py", _EMB_FIRST, _EMB_SWAPPED),)),
-        Plant(
-            MUTATIONS[2],
-            "hnorm dropped",
-            (("mtplx/heads/deepseek.py", "m.hnorm(hidden).astype", "hidden.astype"),),
-        ),
-        Plant(
-            MUTATIONS[3],
-            "the module's own shared_head.head ignored",
-            (("mtplx/heads/deepseek.py", _OWN_HEAD, "return self._shared_lm_head(head_hidden)"),),
-        ),
+        Plant(MUTATIONS[1], "[hidden, embedding]", _EH_SWAP),
+        Plant(MUTATIONS[2], "hnorm dropped", _EH_HNORM),
+        Plant(MUTATIONS[3], "the module's own shared_head.head ignored", _EH_OWN_HEAD),
     ),
     "mimo": (
         Plant(
@@ -148,14 +147,8 @@ PLANTS: dict[str, tuple[Plant, ...]] = {
             "position 0's embedding zeroed",
             (("mtplx/heads/mimo_v2_flash.py", "zero_position_zero = False", "zero_position_zero = True"),),
         ),
-        Plant(
-            MUTATIONS[1], "[hidden, embedding]", (("mtplx/heads/mimo_v2_flash.py", _EMB_FIRST, _EMB_SWAPPED),)
-        ),
-        Plant(
-            MUTATIONS[2],
-            "hnorm dropped",
-            (("mtplx/heads/mimo_v2_flash.py", "m.hnorm(hidden).astype", "hidden.astype"),),
-        ),
+        Plant(MUTATIONS[1], "[hidden, embedding]", _EH_SWAP),
+        Plant(MUTATIONS[2], "hnorm dropped", _EH_HNORM),
         Plant(
             MUTATIONS[3],
             "plain KV cache: no sliding window",
@@ -168,17 +161,9 @@ PLANTS: dict[str, tuple[Plant, ...]] = {
             "position 0's embedding zeroed",
             (("mtplx/heads/step3p5.py", "zero_position_zero = False", "zero_position_zero = True"),),
         ),
-        Plant(MUTATIONS[1], "[hidden, embedding]", (("mtplx/heads/step3p5.py", _EMB_FIRST, _EMB_SWAPPED),)),
-        Plant(
-            MUTATIONS[2],
-            "hnorm dropped",
-            (("mtplx/heads/step3p5.py", "m.hnorm(hidden).astype", "hidden.astype"),),
-        ),
-        Plant(
-            MUTATIONS[3],
-            "the layer's own shared_head.output ignored",
-            (("mtplx/heads/step3p5.py", _OWN_HEAD, "return self._shared_lm_head(head_hidden)"),),
-        ),
+        Plant(MUTATIONS[1], "[hidden, embedding]", _EH_SWAP),
+        Plant(MUTATIONS[2], "hnorm dropped", _EH_HNORM),
+        Plant(MUTATIONS[3], "the layer's own shared_head.output ignored", _EH_OWN_HEAD),
     ),
     "longcat": (
         Plant(
@@ -186,17 +171,13 @@ PLANTS: dict[str, tuple[Plant, ...]] = {
             "position 0's embedding zeroed",
             (("mtplx/heads/longcat.py", "zero_position_zero = False", "zero_position_zero = True"),),
         ),
-        Plant(MUTATIONS[1], "[hidden, embedding]", (("mtplx/heads/longcat.py", _EMB_FIRST, _EMB_SWAPPED),)),
+        Plant(MUTATIONS[1], "[hidden, embedding]", _EH_SWAP),
         Plant(
             MUTATIONS[2],
             "post_attention_layernorm dropped",
             (("mtplx/heads/longcat.py", "self.mlp(self.post_attention_layernorm(h))", "self.mlp(h)"),),
         ),
-        Plant(
-            MUTATIONS[3],
-            "model.mtp.norm not applied",
-            (("mtplx/heads/longcat.py", "return m.final_layernorm", "return nn.Identity()"),),
-        ),
+        Plant(MUTATIONS[3], "model.mtp.norm not applied", _EH_FINAL_NORM),
     ),
     "ernie": (
         Plant(
@@ -263,13 +244,8 @@ PLANTS: dict[str, tuple[Plant, ...]] = {
             "position 0's embedding zeroed",
             ((_HY, "    zero_position_zero = False", "    zero_position_zero = True"),),
         ),
-        # Its module forward is DeepSeek's (inherited): the swap is planted there.
-        Plant(MUTATIONS[1], "[hidden, embedding]", (("mtplx/heads/deepseek.py", _EMB_FIRST, _EMB_SWAPPED),)),
-        Plant(
-            MUTATIONS[2],
-            "final_layernorm dropped",
-            ((_HY, "return m.final_layernorm", "return nn.Identity()"),),
-        ),
+        Plant(MUTATIONS[1], "[hidden, embedding]", _EH_SWAP),
+        Plant(MUTATIONS[2], "final_layernorm dropped", _EH_FINAL_NORM),
         Plant(
             MUTATIONS[3],
             "hidden-stream choice: the pre-norm hyper-connection collapse",

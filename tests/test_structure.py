@@ -241,6 +241,49 @@ def test_family_import_check_catches_an_engine_importing_a_family(tmp_path: Path
     }
 
 
+# The ground floor for model files (safetensors headers, fingerprints, hub ids) and what it may read.
+GROUND_FLOOR = "mtplx.model_files"
+GROUND_FLOOR_READS = {"mtplx", "mtplx.errors"}
+
+
+def ground_floor_violations(graph: dict[str, set[str]]) -> dict[str, list[str]]:
+    """Upward imports around the ground floor: its modules reading anything of mtplx but
+    ``GROUND_FLOOR_READS``, and the trunk / heads / engine reading the checkpoint tools'
+    package for what the ground floor holds (``mtplx.checkpoints`` minus ``load``, which the
+    heads' discovery and the engine call to load a model)."""
+    inside = {n for n in graph if n == GROUND_FLOOR or n.startswith(GROUND_FLOOR + ".")}
+    found = {n: sorted(graph[n] - inside - GROUND_FLOOR_READS) for n in inside}
+    tools = {n for n in graph if n.startswith("mtplx.checkpoints.") and n != "mtplx.checkpoints.load"}
+    for lower in ("mtplx.trunk", "mtplx.heads", "mtplx.engine"):
+        found.update(imports_into(graph, lower, tools))
+    return {n: bad for n, bad in found.items() if bad}
+
+
+def test_nothing_imports_upward_around_the_model_files_floor() -> None:
+    graph = import_graph(PACKAGE)
+    assert {"mtplx.model_files.headers", "mtplx.model_files.hub"} <= set(graph)  # the walk saw them
+    assert ground_floor_violations(graph) == {}
+
+
+def test_ground_floor_check_catches_upward_imports(tmp_path: Path) -> None:
+    """Negative control: the floor reading the trunk, and the trunk reading a checkpoint tool, are reported."""
+    package = tmp_path / "mtplx"
+    for folder in ("model_files", "trunk", "checkpoints"):
+        (package / folder).mkdir(parents=True)
+        (package / folder / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "errors.py").write_text("")
+    (package / "checkpoints" / "gguf.py").write_text("")
+    (package / "model_files" / "headers.py").write_text(
+        "from mtplx import errors\nfrom mtplx.trunk import x\n"
+    )
+    (package / "trunk" / "x.py").write_text("def f():\n    from mtplx.checkpoints import gguf\n")
+    assert ground_floor_violations(import_graph(package)) == {
+        "mtplx.model_files.headers": ["mtplx.trunk", "mtplx.trunk.x"],
+        "mtplx.trunk.x": ["mtplx.checkpoints.gguf"],
+    }
+
+
 _PARSER_CALLS = (
     "add_argument",
     "add_parser",

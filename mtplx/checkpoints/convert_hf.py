@@ -56,7 +56,7 @@ _DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.py", "*.model", "*.tiktoken"
 def resolve_source(source: str | Path, hub_cache: str | Path | None = None) -> Path:
     """A local checkpoint directory for ``source``: a directory, or a Hugging Face repo id
     (taken from the hub cache when it is there, else downloaded with ``snapshot_download``)."""
-    from mtplx.checkpoints.hub import is_repo_id
+    from mtplx.model_files.hub import is_repo_id
 
     path = Path(source).expanduser()
     if path.is_dir():
@@ -208,8 +208,8 @@ def convert_hf(
     """
     from mtplx import heads
     from mtplx.checkpoints import load as loading
-    from mtplx.checkpoints.headers import quantization_config
     from mtplx.heads.weights import PLAIN_NORMS_MARK, weight_index
+    from mtplx.model_files.headers import quantization_config
     from mtplx.trunk.model import Trunk
 
     from mlx_lm.utils import quantize_model, save_config, save_model

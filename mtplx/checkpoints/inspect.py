@@ -20,7 +20,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-from mtplx.checkpoints.headers import quantization_config, read_safetensors_header
 from mtplx.checkpoints.load import (
     DEFAULT_MODEL_NAME,
     VARIANTS,
@@ -30,6 +29,7 @@ from mtplx.checkpoints.load import (
 )
 from mtplx.errors import MtplxError
 from mtplx.heads.weights import weight_index
+from mtplx.model_files.headers import quantization_config, read_safetensors_header
 
 _SAFETENSORS_BYTES = {
     "F64": 8,
@@ -184,8 +184,8 @@ def _gemma4_assistant(path: Path, spec: str | Path | None, config: dict, given: 
 
 
 def _trunk_fingerprint(path: Path) -> str:
-    from mtplx.checkpoints.fingerprint import model_fingerprint
     from mtplx.checkpoints.load import load_mlx_model
+    from mtplx.model_files.fingerprint import model_fingerprint
 
     model, _ = load_mlx_model(path, lazy=True)  # through the backend that hosts it
     return model_fingerprint(model)

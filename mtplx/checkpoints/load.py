@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from mtplx.checkpoints.headers import read_safetensors_header
-from mtplx.checkpoints.hub import is_repo_id, snapshot_dir
 from mtplx.errors import MtplxError, first_line
+from mtplx.model_files.headers import read_safetensors_header
+from mtplx.model_files.hub import is_repo_id, snapshot_dir
 from mtplx.resources import cache_root
 
 Variant = Literal["float32", "q4"]
@@ -278,7 +278,7 @@ def load_model(
     full fine-tune of the last layers). The fingerprint stays the base model's: a head forged for
     the base drafts for the adapted model too, and verification against the adapted model keeps
     the output exact, whatever the adapter did to acceptance."""
-    from mtplx.checkpoints.fingerprint import model_fingerprint, streamed_fingerprint
+    from mtplx.model_files.fingerprint import model_fingerprint, streamed_fingerprint
 
     from mlx_lm.utils import load_tokenizer
 

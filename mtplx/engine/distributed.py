@@ -45,8 +45,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from mtplx.checkpoints.fingerprint import weights_fingerprint
 from mtplx.errors import MtplxError
+from mtplx.model_files.fingerprint import weights_fingerprint
 
 import mlx.core as mx
 import mlx.nn as nn

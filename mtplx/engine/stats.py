@@ -47,7 +47,7 @@ class GenerationStats:
     # {"head": {"drafted": 40, "accepted": 22}, "lookup": {...}, "model": {...}}.
     drafters: dict[str, dict[str, int]] = field(default_factory=dict)
     # Grammar-constrained requests: host reads of drafts the masks needed, and the host seconds
-    # spent computing masks (llguidance), over the whole generation (see docs/ARCHITECTURE.md).
+    # spent computing masks (llguidance), over the whole generation (see docs/DECISIONS.md, "Grammar rows and the head cache").
     grammar_reads: int = 0
     grammar_mask_seconds: float = 0.0
     # Sharded runs: mode, ranks, collectives and payload bytes per cycle (see mtplx/engine/distributed.py).

@@ -1,8 +1,9 @@
 """Draft heads: the MTP heads checkpoints ship, Gemma 4 assistants and forged heads.
 
 - ``base``: the head protocol (``DraftHead``) and the module classes the families share
+- ``eh_proj``: the DeepSeek-style module (enorm, hnorm, eh_proj, block, final norm) five layouts ship
 - ``weights``: reading a head out of a checkpoint (the one loader template)
-- ``qwen3_next`` / ``deepseek`` / ``mimo`` / ``mimo_v2_flash``: one file per checkpoint layout, its math and key renaming
+- ``qwen3_next`` / ``deepseek`` / ``mimo`` / ``step3p5`` / ...: one file per checkpoint layout, its math and key renaming
 - ``registry``: one row per layout; ``load_head`` detects which one a checkpoint ships
 - ``gemma4_assistant``: Google's separate drafter checkpoints; ``forged``: heads ``mtplx forge`` trains
 - ``split_drafter``: heads split out by mlx-vlm (``qwen3_5_mtp``) beside stripped trunks; ``provenance``: their check at load

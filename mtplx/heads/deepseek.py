@@ -21,90 +21,40 @@ acceptance. Chaining (step >= 1) feeds back the module output *after* ``shared_h
 (``chain_source = "post_norm"``): SGLang's ``deepseek_nextn.py`` always returned the normed
 state, and vLLM's ``deepseek_mtp.py`` moved to it after measuring pre-norm feedback collapse
 GLM-4.5's acceptance at position 2. ``max_depth`` is None: modules cycle, no limit is known.
+
+The module and its math are ``heads/eh_proj.py``'s (``shared_head.norm`` is its ``final_layernorm``,
+``shared_head.head`` its ``lm_head``); this file keeps the names, the mask and the block's tensors.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 from mtplx.errors import MtplxError
-from mtplx.heads.base import HiddenSource, ModuleStackHead, build_layer_like, model_args_of
-from mtplx.heads.weights import (
-    HeadSource,
-    MissingHeadError,
-    keys_with_prefix,
-    load_tensors,
-    same_as_trunk_lm_head,
-    split_mla_kv_b_proj,
-    stack_experts,
-)
+from mtplx.heads.base import HiddenSource, build_layer_like, model_args_of
+from mtplx.heads.eh_proj import EhProjHead, SplitNames, SplitNamesHead
+from mtplx.heads.weights import HeadSource, MissingHeadError, split_mla_kv_b_proj, stack_experts
 
 import mlx.core as mx
-import mlx.nn as nn
 
 LAYOUT = "deepseek"
 DEFAULT_HIDDEN_SOURCE: HiddenSource = "post_norm"
-OWN_HEAD = "shared_head.head."  # the module's copy of the LM head
+__all__ = ["DeepSeekMTPHead", "SplitDeepSeekHead", "SplitNames", "build_head", "build_split_head"]
 
 
-class SharedHead(nn.Module):
-    def __init__(self, hidden_size: int, eps: float):
-        super().__init__()
-        self.norm = nn.RMSNorm(hidden_size, eps=eps)
-
-
-class DeepSeekMTPModule(nn.Module):
-    def __init__(self, block: nn.Module, hidden_size: int, eps: float):
-        super().__init__()
-        self.enorm = nn.RMSNorm(hidden_size, eps=eps)
-        self.hnorm = nn.RMSNorm(hidden_size, eps=eps)
-        self.eh_proj = nn.Linear(2 * hidden_size, hidden_size, bias=False)
-        self.block = block
-        self.shared_head = SharedHead(hidden_size, eps)
-
-
-class DeepSeekMTPHead(ModuleStackHead):
+class DeepSeekMTPHead(EhProjHead):
     layout = LAYOUT
     hidden_source: HiddenSource = DEFAULT_HIDDEN_SOURCE
     chain_source: HiddenSource = "post_norm"
+    zero_position_zero = True  # vLLM / SGLang zero position 0's embedding
     mask_as_array = True  # mlx-lm's MLA attention applies the mask with mx.where
-    module_class = DeepSeekMTPModule
-    own_keys = ("enorm", "hnorm", "eh_proj", "shared_head")  # everything else at the prefix is the block
+    renames = (("shared_head.head.", "lm_head."), ("shared_head.norm.", "final_layernorm."))
     # Split per attention head by split_mla_kv_b_proj (16.8 M parameters in V3: 34 MB as bfloat16).
     fp8_dequantized = ("kv_b_proj",)
 
-    def __init__(self, *args: Any, first_layer: int, **kwargs: Any):
-        """``ModuleStackHead``'s arguments; module ``i`` is checkpoint layer ``first_layer + i``."""
-        super().__init__(*args, **kwargs)
-        self.first_layer = first_layer
-
-    def _module_forward(self, m: nn.Module, hidden: mx.array, embedded: mx.array, cache: Any) -> mx.array:
-        e = m.enorm(embedded)
-        x = m.eh_proj(mx.concatenate([e, m.hnorm(hidden).astype(e.dtype)], axis=-1))
-        return self._run_layers(x, [m.block], [cache])
-
-    def _module_final_norm(self, m: nn.Module) -> nn.Module:
-        return m.shared_head.norm
-
-    def logits(self, head_hidden: mx.array, step: int = 0) -> mx.array:
-        sh = self.modules_[step % self.num_modules].shared_head
-        return sh["head"](head_hidden) if "head" in sh else self._shared_lm_head(head_hidden)
-
-    # --- checkpoint naming ---------------------------------------------------------------
     def module_prefix(self, i: int) -> str:
         return f"model.layers.{self.first_layer + i}."
 
-    def _convert_module(self, i: int, tensors: dict[str, mx.array], src: HeadSource) -> dict[str, mx.array]:
-        """The trunk's embedding serves (the module's ``embed_tokens`` copy is dropped), and so
-        does its LM head unless the module has its own; HF experts and MLA ``kv_b_proj`` become
-        mlx-lm's stacked experts and per-head projections."""
-        own_head = "head" in self.modules_[i].shared_head
-        tensors = {
-            k: v
-            for k, v in tensors.items()
-            if not k.startswith("embed_tokens.") and (own_head or not k.startswith(OWN_HEAD))
-        }
+    def _convert_block(self, i: int, tensors: dict[str, mx.array], src: HeadSource) -> dict[str, mx.array]:
+        """HF experts and MLA ``kv_b_proj`` as mlx-lm's stacked experts and per-head projections."""
         args = model_args_of(src.trunk.model)
         stack_experts(tensors, "mlp", int(getattr(args, "n_routed_experts", 0) or 0))
         split_mla_kv_b_proj(tensors, "self_attn", args, src.config)
@@ -132,57 +82,20 @@ def build_head(src: HeadSource, num_layers: int, hidden_source: HiddenSource) ->
         hidden_source=hidden_source,
         cache_like=[len(src.trunk.layers) - 1] * num_layers,
     )
-    for i in range(num_layers):
-        prefix = head.module_prefix(i) + OWN_HEAD
-        own = load_tensors(src.model_dir, src.index, keys_with_prefix(src.index, prefix))
-        own = {k[len(prefix) :]: v for k, v in own.items()}
-        if own and not same_as_trunk_lm_head(own, src.trunk):
-            # Filled when the weights load, and quantized as the checkpoint stores it.
-            head.modules_[i].shared_head.head = nn.Linear(
-                args.hidden_size, own["weight"].shape[0], bias=False
-            )
+    head.attach_own_lm_heads(src, args.hidden_size)
     return head
 
 
 # --- split drafters (a GLM MTP layer published as its own directory) --------------------
 
 
-@dataclass(frozen=True)
-class SplitNames:
-    """Where a split drafter keeps one DeepSeek-layout module's tensors (names relative to the
-    in-checkpoint prefix ``model.layers.{n}.`` on the left, the drafter's names on the right).
-
-    mlx-vlm 0.7.10's splitters, read for this: ``glm_moe_dsa_mtp/split.py`` (GLM-5) prefixes the
-    layer's names with ``mtp.`` and renames ``shared_head.norm`` to ``shared_head_norm``;
-    ``glm4_moe_lite_mtp/split.py`` (GLM-4.7-Flash) puts ``enorm`` / ``hnorm`` / ``eh_proj`` /
-    ``shared_head_norm`` under ``model.``, the decoder block under ``model.mtp_block.``, the
-    embedding copy at ``model.embed_tokens`` and the LM-head copy at ``lm_head``. Both split MLA's
-    ``kv_b_proj`` into mlx-lm's ``embed_q`` / ``unembed_out`` and stack the experts already.
-    A split drafter shares the target's embedding and LM head (mlx-vlm's ``bind``): the copies
-    (``dropped``) are never read."""
-
-    prefixes: tuple[str, ...]
-    own: tuple[tuple[str, str], ...]  # (in-checkpoint local prefix, drafter prefix), own tensors
-    block_prefix: str
-    dropped: tuple[str, ...]
-
-    def to_split(self, local: str) -> str:
-        for mine, theirs in self.own:
-            if local == mine.rstrip("."):
-                return theirs.rstrip(".")
-            if local.startswith(mine):
-                return theirs + local[len(mine) :]
-        return self.block_prefix + local
-
-    def to_local(self, name: str) -> str | None:
-        if name.startswith(self.dropped):
-            return None
-        for mine, theirs in self.own:
-            if name.startswith(theirs):
-                return mine + name[len(theirs) :]
-        return name[len(self.block_prefix) :] if name.startswith(self.block_prefix) else None
-
-
+# mlx-vlm 0.7.10's splitters, read for this: ``glm_moe_dsa_mtp/split.py`` (GLM-5) prefixes the
+# layer's names with ``mtp.`` and renames ``shared_head.norm`` to ``shared_head_norm``;
+# ``glm4_moe_lite_mtp/split.py`` (GLM-4.7-Flash) puts ``enorm`` / ``hnorm`` / ``eh_proj`` /
+# ``shared_head_norm`` under ``model.``, the decoder block under ``model.mtp_block.``, the
+# embedding copy at ``model.embed_tokens`` and the LM-head copy at ``lm_head``. Both split MLA's
+# ``kv_b_proj`` into mlx-lm's ``embed_q`` / ``unembed_out`` and stack the experts already. A split
+# drafter shares the target's embedding and LM head (mlx-vlm's ``bind``): the copies are never read.
 _OWN = ("enorm.", "hnorm.", "eh_proj.")
 GLM_MOE_DSA_SPLIT = SplitNames(
     prefixes=("mtp.",),
@@ -198,26 +111,10 @@ GLM4_MOE_LITE_SPLIT = SplitNames(
 )
 
 
-class SplitDeepSeekHead(DeepSeekMTPHead):
+class SplitDeepSeekHead(SplitNamesHead, DeepSeekMTPHead):
     """One DeepSeek-layout module read from a split drafter's names (``SplitNames``); otherwise
     the in-checkpoint head: same math, same cache, same hidden source (the target's post-norm
     state, as mlx-vlm's GLM drafters are handed it)."""
-
-    def __init__(self, *args: Any, names: SplitNames, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self._names = names  # a plain attribute: not a parameter
-
-    def checkpoint_prefixes(self) -> tuple[str, ...]:
-        return self._names.prefixes
-
-    def checkpoint_name(self, path: str) -> str:
-        name, prefix = super().checkpoint_name(path), self.module_prefix(0)
-        return self._names.to_split(name[len(prefix) :]) if name.startswith(prefix) else name
-
-    def sanitize(self, tensors: dict[str, mx.array], src: HeadSource) -> dict[str, mx.array]:
-        prefix = self.module_prefix(0)
-        local = {k: self._names.to_local(k) for k in tensors}
-        return super().sanitize({prefix + n: tensors[k] for k, n in local.items() if n is not None}, src)
 
 
 def build_split_head(src: HeadSource, names: SplitNames) -> SplitDeepSeekHead:

@@ -46,7 +46,7 @@ from typing import Any
 
 from mtplx.errors import MtplxError
 from mtplx.heads.base import HiddenSource, model_args_of
-from mtplx.heads.deepseek import DeepSeekMTPHead, SplitDeepSeekHead, SplitNames
+from mtplx.heads.eh_proj import EhProjHead, SplitNames, SplitNamesHead
 from mtplx.heads.weights import HeadSource, MissingHeadError, stack_experts
 
 import mlx.core as mx
@@ -55,16 +55,6 @@ import mlx.nn as nn
 LAYOUT = "hy_v4"
 DEFAULT_HIDDEN_SOURCE: HiddenSource = "post_norm"
 MXFP8_GROUP = 32
-
-
-class HyV4MTPModule(nn.Module):
-    def __init__(self, block: nn.Module, hidden_size: int, eps: float):
-        super().__init__()
-        self.enorm = nn.RMSNorm(hidden_size, eps=eps)
-        self.hnorm = nn.RMSNorm(hidden_size, eps=eps)
-        self.eh_proj = nn.Linear(2 * hidden_size, hidden_size, bias=False)
-        self.block = block
-        self.final_layernorm = nn.RMSNorm(hidden_size, eps=eps)
 
 
 def dequantize_mxfp8(weight: mx.array, scale: mx.array) -> mx.array:
@@ -98,25 +88,17 @@ def fuse_gate_up(tensors: dict[str, mx.array], mlp: str = "mlp") -> None:
         )
 
 
-class HyV4MTPHead(DeepSeekMTPHead):
+class HyV4MTPHead(EhProjHead):
     layout = LAYOUT
     hidden_source: HiddenSource = DEFAULT_HIDDEN_SOURCE
     chain_source: HiddenSource = "post_norm"
-    module_class = HyV4MTPModule
-    own_keys = ("enorm", "hnorm", "eh_proj", "final_layernorm")
+    mask_as_array = True  # the MLA attention applies the mask with mx.where
     zero_position_zero = False
-    fp8_dequantized = ()
-
-    def _module_final_norm(self, m: nn.Module) -> nn.Module:
-        return m.final_layernorm
-
-    def logits(self, head_hidden: mx.array, step: int = 0) -> mx.array:
-        return self._shared_lm_head(head_hidden)
 
     def module_prefix(self, i: int) -> str:
         return f"model.mtp_layers.{self.first_layer + i}."
 
-    def _convert_module(self, i: int, tensors: dict[str, mx.array], src: HeadSource) -> dict[str, mx.array]:
+    def _convert_block(self, i: int, tensors: dict[str, mx.array], src: HeadSource) -> dict[str, mx.array]:
         args = model_args_of(src.trunk.model)
         stack_experts(tensors, "mlp", int(args.n_routed_experts))
         fuse_gate_up(tensors)
@@ -170,7 +152,7 @@ SPLIT_NAMES = SplitNames(
 )
 
 
-class SplitHyV4Head(SplitDeepSeekHead, HyV4MTPHead):
+class SplitHyV4Head(SplitNamesHead, HyV4MTPHead):
     """The Hunyuan-V4 head read from a split drafter's names (``SPLIT_NAMES``)."""
 
 

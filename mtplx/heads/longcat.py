@@ -18,7 +18,8 @@ The block is built from the trunk's own classes (its ``LongcatFlashMLA`` and the
 ``LongcatFlashMLP``), as mlx-lm has no single-attention LongCat layer. The trunk's layers pair
 two attentions and cache each in a ``CacheList(KVCache, KVCache)``; the MTP block has one, so
 its cache is one ``KVCache`` (``cache_like`` is left unset on purpose). hidden_source
-"post_norm": vLLM hands the layer the target's returned (post-norm) hidden state.
+"post_norm": vLLM hands the layer the target's returned (post-norm) hidden state. The module and
+its math are ``heads/eh_proj.py``'s.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ import re
 from typing import Any
 
 from mtplx.errors import MtplxError
-from mtplx.heads.base import HiddenSource, ModuleStackHead, model_args_of
+from mtplx.heads.base import HiddenSource, model_args_of
+from mtplx.heads.eh_proj import EhProjHead
 from mtplx.heads.weights import HeadSource, MissingHeadError, split_mla_kv_b_proj
 
 import mlx.core as mx
@@ -55,33 +57,13 @@ class LongCatMTPBlock(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class LongCatMTPModule(nn.Module):
-    def __init__(self, block: nn.Module, hidden_size: int, eps: float):
-        super().__init__()
-        self.enorm = nn.RMSNorm(hidden_size, eps=eps)
-        self.hnorm = nn.RMSNorm(hidden_size, eps=eps)
-        self.eh_proj = nn.Linear(2 * hidden_size, hidden_size, bias=False)
-        self.block = block
-        self.final_layernorm = nn.RMSNorm(hidden_size, eps=eps)
-
-
-class LongCatMTPHead(ModuleStackHead):
+class LongCatMTPHead(EhProjHead):
     layout = LAYOUT
     hidden_source: HiddenSource = DEFAULT_HIDDEN_SOURCE
     mask_as_array = True  # the MLA attention applies the mask with mx.where
-    module_class = LongCatMTPModule
-    own_keys = ("enorm", "hnorm", "eh_proj", "final_layernorm")
     zero_position_zero = False
+    renames = (("enorm.m.", "enorm."), ("hnorm.m.", "hnorm."), ("transformer_layer.mlp.", "mlp."))
 
-    def _module_forward(self, m: nn.Module, hidden: mx.array, embedded: mx.array, cache: Any) -> mx.array:
-        e = m.enorm(embedded)
-        x = m.eh_proj(mx.concatenate([e, m.hnorm(hidden).astype(e.dtype)], axis=-1))
-        return self._run_layers(x, [m.block], [cache])
-
-    def _module_final_norm(self, m: nn.Module) -> nn.Module:
-        return m.final_layernorm
-
-    # --- checkpoint naming ---------------------------------------------------------------
     def module_prefix(self, i: int) -> str:
         return f"{PREFIX}{i}."
 
@@ -89,17 +71,10 @@ class LongCatMTPHead(ModuleStackHead):
         return (*super().checkpoint_prefixes(), FINAL_NORM)
 
     def checkpoint_name(self, path: str) -> str:
-        """``final_layernorm`` -> ``model.mtp.norm``; ``{e,h}norm`` -> ``{e,h}norm.m``;
-        ``block.mlp`` -> ``transformer_layer.mlp``; the rest at the layer prefix."""
+        """``final_layernorm`` -> the one ``model.mtp.norm``; the rest by ``renames`` at the layer prefix."""
         parts = path.split(".")
-        if parts[0] == "modules_" and len(parts) > 2:
-            rest = parts[3:]
-            if parts[2] == "final_layernorm":
-                return ".".join(["model.mtp.norm", *rest])
-            if parts[2] in ("enorm", "hnorm"):
-                return ".".join([self.module_prefix(int(parts[1])) + parts[2], "m", *rest])
-            if parts[2] == "block" and rest[:1] == ["mlp"]:
-                return ".".join([self.module_prefix(int(parts[1])) + "transformer_layer", *rest])
+        if parts[0] == "modules_" and parts[2:3] == ["final_layernorm"]:
+            return ".".join(["model.mtp.norm", *parts[3:]])
         return super().checkpoint_name(path)
 
     def sanitize(self, tensors: dict[str, mx.array], src: HeadSource) -> dict[str, mx.array]:
@@ -114,15 +89,9 @@ class LongCatMTPHead(ModuleStackHead):
             )
         return super().sanitize({k: v for k, v in tensors.items() if not k.startswith(FINAL_NORM)}, src)
 
-    def _convert_module(self, i: int, tensors: dict[str, mx.array], src: HeadSource) -> dict[str, mx.array]:
-        out = {}
-        for k, v in tensors.items():
-            if k.startswith("embed_tokens.") or "rotary_emb." in k:
-                continue
-            k = re.sub(r"^([eh]norm)\.m\.", r"\1.", k)
-            out[k.replace("transformer_layer.mlp.", "mlp.", 1)] = v
-        split_mla_kv_b_proj(out, "self_attn", model_args_of(src.trunk.model), src.config)
-        return out
+    def _convert_block(self, i: int, tensors: dict[str, mx.array], src: HeadSource) -> dict[str, mx.array]:
+        split_mla_kv_b_proj(tensors, "self_attn", model_args_of(src.trunk.model), src.config)
+        return tensors
 
 
 def build_head(src: HeadSource, num_layers: int, hidden_source: HiddenSource) -> LongCatMTPHead:

@@ -20,6 +20,7 @@ into one layer (its comment: "the last checkpoint loaded wins"), which mtplx doe
 
 hidden_source default "post_norm": vLLM's ``mimo_v2_flash.py`` returns the hidden state after
 the trunk's final norm to the drafter, and the head's own output (chained) is post-norm too.
+The module and its math are ``heads/eh_proj.py``'s.
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ from __future__ import annotations
 from typing import Any
 
 from mtplx.errors import MtplxError
-from mtplx.heads.base import HiddenSource, ModuleStackHead, model_args_of
+from mtplx.heads.base import HiddenSource, model_args_of
+from mtplx.heads.eh_proj import EhProjHead
 from mtplx.heads.weights import HeadSource, MissingHeadError
 
-import mlx.core as mx
 import mlx.nn as nn
 
 LAYOUT = "mimo_v2_flash"
@@ -38,41 +39,14 @@ DEFAULT_HIDDEN_SOURCE: HiddenSource = "post_norm"
 PREFIX = "model.mtp.layers."
 
 
-class MiMoV2FlashMTPModule(nn.Module):
-    def __init__(self, block: nn.Module, hidden_size: int, eps: float):
-        super().__init__()
-        self.enorm = nn.RMSNorm(hidden_size, eps=eps)
-        self.hnorm = nn.RMSNorm(hidden_size, eps=eps)
-        self.eh_proj = nn.Linear(2 * hidden_size, hidden_size, bias=False)
-        self.block = block
-        self.final_layernorm = nn.RMSNorm(hidden_size, eps=eps)
-
-
-class MiMoV2FlashMTPHead(ModuleStackHead):
+class MiMoV2FlashMTPHead(EhProjHead):
     layout = LAYOUT
     hidden_source: HiddenSource = DEFAULT_HIDDEN_SOURCE
-    module_class = MiMoV2FlashMTPModule
-    own_keys = ("enorm", "hnorm", "eh_proj", "final_layernorm")
     zero_position_zero = False
+    renames = (("pre_mlp_layernorm.", "post_attention_layernorm."),)
 
-    def _module_forward(self, m: nn.Module, hidden: mx.array, embedded: mx.array, cache: Any) -> mx.array:
-        e = m.enorm(embedded)
-        x = m.eh_proj(mx.concatenate([e, m.hnorm(hidden).astype(e.dtype)], axis=-1))
-        return self._run_layers(x, [m.block], [cache])
-
-    def _module_final_norm(self, m: nn.Module) -> nn.Module:
-        return m.final_layernorm
-
-    # --- checkpoint naming ---------------------------------------------------------------
     def module_prefix(self, i: int) -> str:
         return f"{PREFIX}{i}."
-
-    def _convert_module(self, i: int, tensors: dict[str, mx.array], src: HeadSource) -> dict[str, mx.array]:
-        return {
-            k.replace("pre_mlp_layernorm.", "post_attention_layernorm."): v
-            for k, v in tensors.items()
-            if "rotary_emb." not in k
-        }
 
 
 def _sliding_template(trunk: Any) -> tuple[nn.Module, int]:

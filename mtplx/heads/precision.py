@@ -14,7 +14,7 @@ Glossary (``tensor_group``, by checkpoint tensor name, any family):
 - norms and biases are never quantized (mlx-lm quantizes only ``to_quantized`` layers).
 
 Default (``default_bits``): every group at max(trunk bits, 8) but the routed experts, at the
-trunk's bits. Why: on the default model's head (docs/ARCHITECTURE.md, "Head precision") 8 bits
+trunk's bits. Why: on the default model's head (docs/DECISIONS.md, "Head precision") 8 bits
 cost no measurable acceptance in any group while 4 bits cost 0.15 (projection) to 1.6 (the
 output / embedding matrix) points each and 2.7 all together; users report int4 heads keeping
 0-4% of drafts where int8 keeps 39-59%. The routed experts are most of a MoE head's bytes (see

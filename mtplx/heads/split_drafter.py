@@ -301,7 +301,7 @@ def drafter_candidates(
 ) -> list[Candidate]:
     """Every split drafter named like the target's, best first: siblings of ``model_path``, then
     for a repo id ``spec`` the Hugging Face cache. Each is checked against ``target_config``."""
-    from mtplx.checkpoints.hub import is_repo_id
+    from mtplx.model_files.hub import is_repo_id
 
     target = Path(model_path).name
     places = _sibling_dirs(model_path)
@@ -343,7 +343,7 @@ def find_split_drafter(
 
 def looked_for(model_path: Path, spec: str | Path | None) -> str:
     """The names a drafter of the target would have, for the note when none is found."""
-    from mtplx.checkpoints.hub import is_repo_id
+    from mtplx.model_files.hub import is_repo_id
 
     is_repo = isinstance(spec, str) and not Path(spec).expanduser().exists() and is_repo_id(spec)
     target = spec.split("/")[-1] if is_repo else Path(model_path).name
@@ -372,7 +372,7 @@ def describe_drafter(config: dict) -> str:
 def head_info(drafter_dir: Path, config: dict, source: str) -> dict:
     """The head facts ``inspect`` prints for a split drafter: layers, parameters (packed weights
     at their real width), bytes, default depth; ``split`` marks it for the norm-rule line."""
-    from mtplx.checkpoints.headers import read_safetensors_header
+    from mtplx.model_files.headers import read_safetensors_header
 
     index = weight_index(drafter_dir)
     header: dict[str, dict] = {}

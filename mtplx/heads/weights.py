@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from mtplx.checkpoints.headers import quantization_config, read_safetensors_header, read_safetensors_metadata
 from mtplx.errors import MtplxError
+from mtplx.model_files.headers import quantization_config, read_safetensors_header, read_safetensors_metadata
 
 import mlx.core as mx
 import mlx.nn as nn

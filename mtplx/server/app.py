@@ -11,17 +11,13 @@ handlers only validate, tokenize, queue and format.
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
 import logging
 import re
 import time
-from dataclasses import replace
 
 from mtplx.engine.engine import GenerationStats
-from mtplx.engine.grammar_spec import Grammar
-from mtplx.engine.request import GenerationRequest
 from mtplx.errors import MtplxError
 from mtplx.server.anthropic import (
     CountTokensRequest,
@@ -31,11 +27,10 @@ from mtplx.server.anthropic import (
     to_chat,
 )
 from mtplx.server.anthropic import error_body as anthropic_error
-from mtplx.server.chat import ChatPlan, plan_chat
 from mtplx.server.constraints import response_format_grammar
-from mtplx.server.images import check_images, expand_images
 from mtplx.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from mtplx.server.openai import APIError, ChatFormat, TextFormat, error_body
+from mtplx.server.pipeline import chat_prompt, check_common, check_model, encode, generate, make_job
 from mtplx.server.respond import respond
 from mtplx.server.responses import ResponsesFormat, ResponseStore
 from mtplx.server.responses_input import responses_error
@@ -43,13 +38,12 @@ from mtplx.server.responses_input import to_chat as responses_to_chat
 from mtplx.server.schemas import ChatCompletionRequest, CompletionRequest, ResponsesRequest
 from mtplx.server.settings import ServerSettings
 from mtplx.server.validation import SURROGATE_ESCAPE, first_problem, unpaired_surrogate
-from mtplx.server.worker import GenerationWorker, Job
+from mtplx.server.worker import GenerationWorker
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
-from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("mtplx.server")
@@ -254,7 +248,7 @@ def _add_service_routes(
 
     @v1.get("/models/{model_id:path}")
     async def model(model_id: str):
-        _check_model(model_id, settings)
+        check_model(model_id, settings)
         return _model_card(settings.model_id, created)
 
 
@@ -265,23 +259,20 @@ def _add_generation_routes(v1: APIRouter, worker: GenerationWorker, settings: Se
 
     @v1.post("/chat/completions", dependencies=_unicode_text(ChatCompletionRequest))
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        _check_common(body, settings)
+        check_common(body, settings)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
-        check_images(engine, body.messages)
-        plan = plan_chat(engine.tokenizer, body)
-        prompt_tokens = await expand_images(
-            engine, body.messages, await _encode_chat(engine, plan), settings.image_dir
-        )
+        plan, prompt_tokens = await chat_prompt(engine, body, settings)
         max_tokens = body.max_completion_tokens or body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        job = _make_job(engine, body, prompt_tokens, max_tokens, logprobs, settings, plan.grammar)
         fmt = ChatFormat(engine, settings.model_id, plan.reader, n=body.n or 1)
-        return await respond(request, worker, job, settings, fmt, body)
+        return await generate(
+            request, worker, settings, body, prompt_tokens, max_tokens, logprobs, plan.grammar, fmt
+        )
 
     @v1.post("/completions", dependencies=_unicode_text(CompletionRequest))
     async def completions(body: CompletionRequest, request: Request):
-        _check_common(body, settings)
+        check_common(body, settings)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
@@ -290,26 +281,24 @@ def _add_generation_routes(v1: APIRouter, worker: GenerationWorker, settings: Se
         if isinstance(prompt, str) and not prompt:
             raise APIError(400, "prompt: is empty", param="prompt")
         grammar = response_format_grammar(body.response_format)
-        prompt_tokens = await _encode(engine, prompt, "prompt")
-        job = _make_job(engine, body, prompt_tokens, body.max_tokens, body.logprobs, settings, grammar)
+        prompt_tokens = await encode(engine, prompt, "prompt")
         fmt = TextFormat(engine, settings.model_id, n=body.n or 1)
-        return await respond(request, worker, job, settings, fmt, body)
+        return await generate(
+            request, worker, settings, body, prompt_tokens, body.max_tokens, body.logprobs, grammar, fmt
+        )
 
     @v1.post("/messages", dependencies=_unicode_text(MessagesRequest))
     async def messages(body: MessagesRequest, request: Request):
         chat = _chat_of(body, settings.max_tokens_cap)
-        _check_common(chat, settings)
-        check_images(engine, chat.messages)
-        plan = plan_chat(engine.tokenizer, chat)
-        prompt_tokens = await expand_images(
-            engine, chat.messages, await _encode_chat(engine, plan), settings.image_dir
-        )
+        check_common(chat, settings)
+        plan, prompt_tokens = await chat_prompt(engine, chat, settings)
         max_tokens = _messages_max_tokens(engine, chat.max_tokens, len(prompt_tokens))
-        job = _make_job(engine, chat, prompt_tokens, max_tokens, None, settings, plan.grammar)
         fmt = MessagesFormat(
             settings.model_id, plan.reader(), engine.tokenizer, body.stop_sequences, len(prompt_tokens)
         )
-        return await respond(request, worker, job, settings, fmt, chat)
+        return await generate(
+            request, worker, settings, chat, prompt_tokens, max_tokens, None, plan.grammar, fmt
+        )
 
     store = ResponseStore(settings.responses_store_size)
 
@@ -321,10 +310,9 @@ def _add_generation_routes(v1: APIRouter, worker: GenerationWorker, settings: Se
     async def count_tokens(body: CountTokensRequest):
         chat = _chat_of(body)
         if chat.model is not None:
-            _check_model(chat.model, settings)
-        check_images(engine, chat.messages)
-        tokens = await _encode_chat(engine, plan_chat(engine.tokenizer, chat, constrain=False))
-        return {"input_tokens": len(await expand_images(engine, chat.messages, tokens, settings.image_dir))}
+            check_model(chat.model, settings)
+        _, tokens = await chat_prompt(engine, chat, settings, constrain=False)
+        return {"input_tokens": len(tokens)}
 
 
 def _install_middleware(app: FastAPI, settings: ServerSettings) -> None:
@@ -372,130 +360,6 @@ def _model_card(model_id: str, created: int) -> dict:
     return {"id": model_id, "object": "model", "created": created, "owned_by": "mtplx"}
 
 
-def _check_model(name: str, settings: ServerSettings) -> None:
-    """Any name is the loaded model unless ``--served-model-name`` lists the names it answers to.
-    The name is compared, never resolved: a request cannot make the server load or read anything."""
-    if settings.served_names and name not in settings.served_names:
-        names = ", ".join(repr(n) for n in settings.served_names)
-        raise APIError(
-            404,
-            f"model: {name!r} is not served here (this server serves {names})",
-            param="model",
-            code="model_not_found",
-        )
-
-
-def _check_common(body, settings: ServerSettings) -> None:
-    if body.model is not None:  # omitted: the served model answers (as mlx_lm.server, llama-server)
-        _check_model(body.model, settings)
-    best_of = getattr(body, "best_of", None)
-    if best_of is not None and best_of != (body.n or 1):
-        message = f"best_of: not supported (got {best_of}); n returns every choice as sampled"
-        raise APIError(400, message, param="best_of")
-    requested = getattr(body, "max_completion_tokens", None) or body.max_tokens
-    if requested is not None and requested > settings.max_tokens_cap:
-        raise APIError(
-            400,
-            f"max_tokens: {requested} exceeds this server's cap of {settings.max_tokens_cap}",
-            param="max_tokens",
-        )
-
-
-async def _encode(engine, prompt, param: str) -> list[int]:
-    try:
-        return await run_in_threadpool(engine.encode_prompt, prompt, isinstance(prompt, list))
-    except MtplxError as err:
-        raise APIError(400, str(err), param=param) from None
-
-
-async def _encode_chat(engine, plan: ChatPlan) -> list[int]:
-    """The chat's prompt ids; tools go through the template's own ``tools=`` when it has one."""
-    if plan.template_tools is None:
-        return await _encode(engine, plan.messages, "messages")
-
-    def render() -> list[int]:
-        return engine.encode_prompt(plan.messages, True, tools=plan.template_tools)
-
-    try:
-        return await run_in_threadpool(render)
-    except MtplxError as err:
-        raise APIError(400, str(err), param="messages") from None
-
-
-def _make_job(
-    engine,
-    body,
-    prompt_tokens: list[int],
-    max_tokens: int | None,
-    logprobs: int | None,
-    settings,
-    grammar: Grammar | None = None,
-) -> Job:
-    context = engine.context_length
-    if max_tokens is None:  # the default, never past the operator's cap
-        max_tokens = min(settings.default_max_tokens, settings.max_tokens_cap)
-        if context is not None:
-            max_tokens = min(max_tokens, context - len(prompt_tokens))
-    if context is not None and (max_tokens < 1 or len(prompt_tokens) + max_tokens > context):
-        field = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
-        raise APIError(
-            400,
-            f"{field}: {len(prompt_tokens)} tokens + max_tokens {max_tokens} exceed the model's "
-            f"context of {context} tokens",
-            param=field,
-            code="context_length_exceeded",
-        )
-    bias = None
-    if body.logit_bias:
-        vocab = engine.trunk.vocab_size
-        bias = {int(k): v for k, v in body.logit_bias.items()}
-        outside = [k for k in bias if k >= vocab]
-        if outside:
-            raise APIError(
-                400,
-                f"logit_bias: token id {outside[0]} is outside the vocabulary of {vocab}",
-                param="logit_bias",
-            )
-    request = replace(_request(body, settings.defaults, max_tokens, logprobs, bias), grammar=grammar)
-    deadline = time.monotonic() + settings.request_timeout
-    return Job(prompt_tokens, request, deadline, asyncio.get_running_loop())
-
-
-_SAMPLER_FIELDS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-)
-
-
-def _request(
-    body, defaults: GenerationRequest, max_tokens: int, logprobs: int | None, bias: dict[int, float] | None
-) -> GenerationRequest:
-    """The body's fields over the served defaults; a bad combination is a 400 now, not after queueing."""
-    given = {name: getattr(body, name) for name in _SAMPLER_FIELDS if getattr(body, name) is not None}
-    try:
-        sampler = replace(defaults.sampler, **given, logit_bias=bias)
-        return replace(
-            defaults,
-            sampler=sampler,
-            max_tokens=max_tokens,
-            seed=body.seed if body.seed is not None else defaults.seed,
-            stop=body.stop or (),
-            logprobs=logprobs,
-            drafting=body.drafting(defaults.drafting),
-            n=getattr(body, "n", None) or 1,
-        )
-    except MtplxError as err:
-        field, _, rest = str(err).partition(" ")  # the messages start with the field's API name
-        if field in _SAMPLER_FIELDS or field in ("seed", "logit_bias", "stop", "max_tokens", "n", "logprobs"):
-            raise APIError(400, f"{field}: {rest}", param=field) from None
-        raise APIError(400, str(err)) from None
-
-
 def _agent_max_tokens(engine, settings: ServerSettings, prompt_length: int) -> int:
     """``max_output_tokens`` when the body leaves it out: ``--responses-max-tokens`` (4096), at
     most ``--max-tokens-cap`` and what is left of the context. A coding agent (Codex) never sends
@@ -523,7 +387,7 @@ async def _responses(request: Request, body: ResponsesRequest, worker, settings,
     chat path; a prompt that does not fit a streamed request is a ``response.failed`` stream."""
     engine = worker.engine
     if body.model is not None:
-        _check_model(body.model, settings)
+        check_model(body.model, settings)
     requested, cap = body.max_output_tokens, settings.max_tokens_cap
     if requested is not None and requested > cap:
         message = f"max_output_tokens: {requested} exceeds this server's cap of {cap}"
@@ -541,14 +405,13 @@ async def _responses(request: Request, body: ResponsesRequest, worker, settings,
     turn = responses_to_chat(body, history, requested)
     try:
         chat = ChatCompletionRequest.model_validate(turn.chat)
-        plan = plan_chat(engine.tokenizer, chat)
-        prompt_tokens = await _encode_chat(engine, plan)
+        plan, prompt_tokens = await chat_prompt(engine, chat, settings)
         context = engine.context_length
         if requested is None and context is not None and len(prompt_tokens) >= context:
             message = f"input: {len(prompt_tokens)} tokens leave no room in the model's context of {context}"
             raise APIError(400, message, param="input", code="context_length_exceeded")
         max_tokens = requested or _agent_max_tokens(engine, settings, len(prompt_tokens))
-        job = _make_job(engine, chat, prompt_tokens, max_tokens, None, settings, plan.grammar)
+        job = make_job(engine, chat, prompt_tokens, max_tokens, None, settings, plan.grammar)
     except (APIError, MtplxError, ValidationError) as err:
         renamed = responses_error(err, turn.tool_index)
         if body.stream and renamed.code == "context_length_exceeded":

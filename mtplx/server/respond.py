@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from typing import Protocol, runtime_checkable
 
 from mtplx.engine.engine import GenerationChunk
 from mtplx.errors import MtplxError
@@ -27,7 +28,39 @@ from mtplx.server.worker import Admitted, Finished, GenerationWorker, Job, JobFa
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-__all__ = ["respond"]
+__all__ = ["ResponseFormat", "respond"]
+
+
+@runtime_checkable
+class ResponseFormat(Protocol):
+    """A route's API spelling of one job's chunks, whole or as server-sent events: `ChatFormat`,
+    `TextFormat` (`mtplx.server.openai`), `MessagesFormat` (`mtplx.server.anthropic`),
+    `ResponsesFormat` (`mtplx.server.responses`). ``respond`` calls nothing else on it."""
+
+    def response(self, chunks: list[GenerationChunk]) -> dict:
+        """The whole reply (a non-streamed request), from every chunk the job produced."""
+        ...
+
+    def sse_open(self) -> list[str]:
+        """The events sent when the worker admits the job (before the prefill)."""
+        ...
+
+    def sse_keepalive(self) -> str:
+        """The event sent after ``--keepalive-interval`` seconds without one."""
+        ...
+
+    def sse_chunk(self, chunk: GenerationChunk) -> list[str]:
+        """The events for one chunk of tokens."""
+        ...
+
+    def sse_error(self, err: APIError) -> str:
+        """The event for an error after the stream opened."""
+        ...
+
+    def sse_close(self, last: GenerationChunk | None, include_usage: bool, failed: bool) -> list[str]:
+        """The closing events (usage where asked, the API's end marker)."""
+        ...
+
 
 _POLL_SECONDS = 0.5  # how often a waiting handler checks its job's deadline
 
@@ -77,7 +110,8 @@ def _raise_for(item) -> None:
         raise APIError(500, "internal server error (details in the server log)", type="server_error")
 
 
-async def respond(request: Request, worker: GenerationWorker, job: Job, settings, fmt, body):
+async def respond(request: Request, worker: GenerationWorker, job: Job, settings, fmt: ResponseFormat, body):
+    """``job``'s reply in ``fmt``'s API: whole, or streamed when ``body.stream`` (module docstring)."""
     try:
         worker.submit(job)
     except QueueFull:
@@ -147,7 +181,12 @@ def _note_outcome(request: Request, job: Job, err: BaseException | None) -> None
 
 
 async def _sse(
-    request: Request, job: Job, fmt, include_usage: bool, watcher: asyncio.Task, keepalive: float
+    request: Request,
+    job: Job,
+    fmt: ResponseFormat,
+    include_usage: bool,
+    watcher: asyncio.Task,
+    keepalive: float,
 ) -> AsyncIterator[str]:
     """The stream's events; ``fmt`` spells them in its API (`sse_open`, `sse_keepalive`,
     `sse_chunk`, `sse_error`, `sse_close`)."""

@@ -83,7 +83,7 @@ def _reply_turn(content: str, calls: list[dict]) -> dict:
 
 class ResponsesFormat:
     """A reply as a Responses API response, whole (`response`) or as events (`sse_open`,
-    `sse_chunk`, `sse_error`, `sse_close`: the interface `mtplx.server.app._sse` drives)."""
+    `sse_chunk`, `sse_error`, `sse_close`: `mtplx.server.respond.ResponseFormat`)."""
 
     def __init__(
         self,

@@ -283,7 +283,7 @@ class CompletionRequest(_SamplingRequest):
     # A string, a list of token ids, or a one-element list of strings (n prompts is a batch: refused).
     prompt: str | Annotated[list[StrictInt], Field(min_length=1)] | Annotated[list[str], Field(min_length=1)]
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    best_of: StrictInt | None = None  # refused unless it equals n (`app._check_common`)
+    best_of: StrictInt | None = None  # refused unless it equals n (`pipeline.check_common`)
 
 
 # ------------------------------------------------------------------ the Responses API (/v1/responses)

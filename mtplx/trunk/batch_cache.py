@@ -12,7 +12,7 @@ number of positions per row each cycle, so here every row has its own length:
   Keeping n of the T positions is setting lengths[r] = before[r] + n: no copy of the context.
 * Gated-delta layers (Qwen3.5 / Qwen3-Next): an mlx-lm ``ArraysCache`` holding B rows. A verify
   block records the recurrent state after every position (the same hook as single-row
-  rollback, `mtplx.trunk.rollback`) and the conv layer's input (`compat.ConvInputTap`), so a
+  rollback, `mtplx.trunk.recurrent_capture`) and the conv layer's input (`compat.ConvInputTap`), so a
   row keeping n positions takes the state recorded after its position n and the conv rows
   [n, n + kernel - 1) of that input. Nemotron-H's Mamba2 blocks the same (their SSM-state hook,
   `compat_nemotron`); its cache list skips the MLP / MoE blocks (`compat_nemotron.cache_layers`).
@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mtplx.trunk import kv_quant, rollback
+from mtplx.trunk import kv_quant, recurrent_capture
 from mtplx.trunk.compat import (
     CONV_SLOT,
     STATE_SLOT,
@@ -336,11 +336,11 @@ class _RecurrentBlock:
         # conv_input is [B, kernel - 1 + T, C]: the conv state after n positions is its rows [n, n + kernel - 1).
         positions = keep[:, None] + mx.arange(kernel_rows)[None]
         self.cache[CONV_SLOT] = mx.take_along_axis(conv_input, positions[..., None], axis=1)
-        rollback.release_recorder(self.slots_before[STATE_SLOT])
+        recurrent_capture.release_recorder(self.slots_before[STATE_SLOT])
 
     def abort(self) -> None:
         self.tap.take()
-        rollback.release_recorder(self.slots_before[STATE_SLOT])
+        recurrent_capture.release_recorder(self.slots_before[STATE_SLOT])
         self.cache.cache = list(self.slots_before)
 
 
@@ -431,12 +431,12 @@ class BatchCache:
         recurrent: list[_RecurrentBlock] = []
         for i, layer in enumerate(self.layers):
             if type(layer) is ArraysCache:
-                rollback.install_recurrent_hooks()
+                recurrent_capture.install_recurrent_hooks()
                 tap = self._conv_taps.get(i)
                 if tap is None:
                     raise ValueError("BatchCache of a hybrid model needs the model (pass model=)")
                 record = _RecurrentBlock(layer, tap, list(layer.cache))
-                rollback.register_recorder(record)
+                recurrent_capture.register_recorder(record)
                 tap.arm()
                 recurrent.append(record)
         return BatchBlock(list(self.lengths), block_len, recurrent)

@@ -1,7 +1,7 @@
 """compat's Nemotron-H part: mtplx's contacts with mlx-lm's Nemotron-H internals (mlx-lm 0.32.2
-``mlx_lm/models/nemotron_h.py`` and ``mlx_lm/models/ssm.py``), kept beside ``compat.py`` (which
-runs ``check_ssm`` inside its ``check()``) because that module is at its line budget. With
-``compat.py`` it is the only module that touches mlx-lm internals.
+``mlx_lm/models/nemotron_h.py`` and ``mlx_lm/models/ssm.py``), kept beside ``compat.py``;
+``compat_check.check()`` runs its probes (``check_ssm``). With ``compat.py`` it is the only module
+that touches mlx-lm internals.
 
 * Names: Nemotron-H's inner model is ``model.backbone`` with ``embeddings``, ``layers`` and
   ``norm_f`` where the other families have ``model.model`` with ``embed_tokens``, ``layers``,
@@ -11,7 +11,7 @@ runs ``check_ssm`` inside its ``check()``) because that module is at its line bu
   module-level name ``ssm_update(hidden_states, A_log, B, C, D, dt, dt_bias, state,
   time_step_limit, mask)`` with the state read from cache slot 1 unchanged, and store what it
   returns there; ``install_ssm_hook`` rebinds that name to a wrapper
-  (``mtplx.trunk.rollback.capturing_ssm_update``), as ``compat.install_gated_delta_hook`` does
+  (``mtplx.trunk.recurrent_capture.capturing_ssm_update``), as ``compat.install_gated_delta_hook`` does
   for the gated-delta layers. The conv state (slot 0) honours ``cache.lengths`` exactly as the
   gated-delta layers do (rows ``[len, len + kernel - 1)`` of ``[conv state, block]``), so the
   existing conv capture serves.

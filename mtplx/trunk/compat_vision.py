@@ -23,11 +23,11 @@ import copy
 import functools
 import importlib
 import inspect
-from collections.abc import Callable
 from importlib import metadata
 from typing import Any
 
 from mtplx.errors import MtplxError
+from mtplx.trunk.compat_probe import format_version, guarded, parse_version
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -207,11 +207,11 @@ def hooked_ropes(model: nn.Module) -> list[nn.Module]:
 
 
 def _check_version(version: str) -> list[str]:
-    from mtplx.trunk.compat import _fmt, _parse_version
-
     low, high = SUPPORTED_MLX_VLM
-    if not low <= _parse_version(version) < high:
-        return [f"mlx-vlm {version} is outside the supported range >={_fmt(low)},<{_fmt(high)}"]
+    if not low <= parse_version(version) < high:
+        return [
+            f"mlx-vlm {version} is outside the supported range >={format_version(low)},<{format_version(high)}"
+        ]
     return []
 
 
@@ -235,13 +235,6 @@ def _check_rope_call(attention_path: str = _HOOKED_ATTENTION[0]) -> list[str]:
     return []
 
 
-def _guarded(what: str, fn: Callable, *args) -> list[str]:
-    try:
-        return fn(*args)
-    except Exception as e:  # any breakage becomes one line
-        return [f"{what} failed ({type(e).__name__}: {e})"]
-
-
 def check(*, version: str | None = None, attention_path: str = _HOOKED_ATTENTION[0]) -> None:
     """Raise one MtplxError naming every assumption the installed mlx-vlm / mlx-lm breaks."""
     try:
@@ -249,8 +242,8 @@ def check(*, version: str | None = None, attention_path: str = _HOOKED_ATTENTION
     except metadata.PackageNotFoundError:
         raise MtplxError("images need mlx-vlm: pip install 'mtplx[vision]'") from None
     problems = _check_version(installed)
-    problems += _guarded("probing mlx-vlm's Qwen3.5 modules", _check_modules)
-    problems += _guarded("probing the attention's rope call", _check_rope_call, attention_path)
+    problems += guarded("probing mlx-vlm's Qwen3.5 modules", _check_modules)
+    problems += guarded("probing the attention's rope call", _check_rope_call, attention_path)
     if problems:
         raise MtplxError(
             "the installed mlx-vlm / mlx-lm changed what mtplx's image path relies on "

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mtplx.errors import MtplxError
-from mtplx.trunk import compat, kv_quant
+from mtplx.trunk import compat, compat_check, kv_quant
 from mtplx.trunk.compat_nemotron import embedding_of, final_norm_of
 from mtplx.trunk.layer_taps import LayerTaps
 
@@ -44,7 +44,7 @@ class Trunk:
     """Wraps an mlx-lm model: logits plus the hidden states MTP heads consume."""
 
     def __init__(self, model: nn.Module):
-        compat.check_once()  # a changed mlx-lm fails here, with a clear message, not mid-decode
+        compat_check.check_once()  # a changed mlx-lm fails here, with a clear message, not mid-decode
         self.model = model
         self.inner = compat.find_inner_model(model)
         self._tap = compat.tap_final_norm(final_norm_of(self.inner))

@@ -29,7 +29,7 @@ Invariants:
 - `close` (shutdown) waits a bounded time for the queued writes and logs how many entries were
   written and dropped.
 
-The index reads each file's safetensors header alone (`mtplx.checkpoints.headers`, which also
+The index reads each file's safetensors header alone (`mtplx.model_files.headers`, which also
 notices a file shorter than its header says), never its tensors.
 """
 
@@ -47,8 +47,8 @@ from dataclasses import dataclass
 from importlib import metadata as package_metadata
 from pathlib import Path
 
-from mtplx.checkpoints.headers import read_safetensors_metadata
 from mtplx.errors import MtplxError, first_line
+from mtplx.model_files.headers import read_safetensors_metadata
 from mtplx.trunk.compat import (
     QuantizedKVCache,
     cache_leaves,
@@ -122,7 +122,7 @@ def cache_identity(
 ) -> dict[str, str]:
     """What caches on disk must agree on to be reused (the module docstring). ``kv`` names a KV
     quantization applied while decoding (beside what the trunk's fresh caches show)."""
-    from mtplx.checkpoints.fingerprint import model_fingerprint
+    from mtplx.model_files.fingerprint import model_fingerprint
 
     adapter = "none"
     if adapter_path is not None:

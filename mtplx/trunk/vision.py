@@ -246,7 +246,7 @@ def _processor_settings(path: Path, spec: compat_vision.VisionSpec) -> dict:
 
 def _tower_files(path: Path) -> list[Path]:
     """The checkpoint's safetensors files holding tower tensors (from their headers)."""
-    from mtplx.checkpoints.headers import read_safetensors_header
+    from mtplx.model_files.headers import read_safetensors_header
 
     return [
         file

@@ -169,7 +169,7 @@ def gguf_model(tmp_path_factory) -> dict:
         "written": written,
         "source": source,
         "float32": convert_gguf(gguf_path, root / "f32", dtype="float32"),
-        # float32 scales: MLX's bfloat16 arithmetic on a CPU is ~9x slower (ARCHITECTURE.md; the CLI test: bf16)
+        # float32 scales: MLX's bfloat16 arithmetic on a CPU is ~9x slower (docs/DECISIONS.md; the CLI test: bf16)
         "q4": convert_gguf_file(gguf_path, root / "q4", dtype="q4", q_group_size=64, float_dtype="float32"),
     }
 
@@ -214,7 +214,7 @@ def test_the_comparison_catches_value_heads_left_tiled(gguf_model, tmp_path, mon
 def test_the_head_is_the_nextn_block(gguf_model):
     """``mtp.safetensors`` holds the nextn block under the head's names, norms as plain scales
     (the replica's offsets + 1), marked so; the config declares one MTP layer."""
-    from mtplx.checkpoints.headers import read_safetensors_metadata
+    from mtplx.model_files.headers import read_safetensors_metadata
 
     out = gguf_model["float32"]
     head = {k: np.array(v) for k, v in mx.load(str(out / "mtp.safetensors")).items()}

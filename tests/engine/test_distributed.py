@@ -32,10 +32,10 @@ from pathlib import Path
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx import MtplxError
 from mtplx.checkpoints import load as loading
-from mtplx.checkpoints.fingerprint import model_fingerprint
 from mtplx.engine import distributed
 from mtplx.engine.engine import Engine
 from mtplx.heads.forged import build_forged_head, save_forged_head
+from mtplx.model_files.fingerprint import model_fingerprint
 
 import mlx.core as mx
 import numpy as np

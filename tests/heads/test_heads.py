@@ -280,7 +280,7 @@ def test_deepseek_own_lm_head_copy_that_differs_is_kept_and_drafts(tmp_path):
     arrays[key] = arrays[key] * 0.5 + 0.01
     mx.save_safetensors(str(tiny.path / "model.safetensors"), arrays, {"format": "pt"})
     trunk, _, head = load(tiny.path)
-    assert head.checkpoint_keys()["modules_.0.shared_head.head.weight"] == key
+    assert head.checkpoint_keys()["modules_.0.lm_head.weight"] == key
     hidden, nxt = head_inputs(trunk, head)
     out = head(hidden, nxt, head.make_cache())
     args = (read_tensors(tiny.path), np.array(hidden[0], np.float64), np.array(nxt[0]), tiny.config)

@@ -29,7 +29,7 @@ from mtplx.engine.request import GenerationRequest
 from mtplx.heads import load_head
 from mtplx.heads.nemotron_h import NemotronHMTPHead, mtp_pattern
 from mtplx.sampling import SamplerConfig
-from mtplx.trunk import batch_cache, compat, rollback
+from mtplx.trunk import batch_cache, compat, recurrent_capture
 from mtplx.trunk.model import Trunk
 
 import mlx.core as mx
@@ -259,7 +259,7 @@ def test_rows_in_a_batch_equal_ar(engine):
 
 def _skip_ssm_rollback(monkeypatch) -> None:
     """Both commit paths roll the conv state back but leave the SSM state as the block left it."""
-    single, batched = rollback._RecurrentRecord.commit, batch_cache._RecurrentBlock.commit
+    single, batched = recurrent_capture.RecurrentRecord.commit, batch_cache._RecurrentBlock.commit
 
     def single_without(self, num_keep):
         final = self.states[-1]
@@ -271,7 +271,7 @@ def _skip_ssm_rollback(monkeypatch) -> None:
         batched(self, num_keep, kernel_rows)
         self.cache[compat.STATE_SLOT] = final
 
-    monkeypatch.setattr(rollback._RecurrentRecord, "commit", single_without)
+    monkeypatch.setattr(recurrent_capture.RecurrentRecord, "commit", single_without)
     monkeypatch.setattr(batch_cache._RecurrentBlock, "commit", batched_without)
 
 

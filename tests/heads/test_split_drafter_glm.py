@@ -84,7 +84,7 @@ def test_the_engine_finds_the_drafter_and_it_is_the_checkpoints_own_layer(replic
     split_out = head(hidden, nxt, head.make_cache())
     own_out = own(hidden, nxt, own.make_cache())
     assert mx.array_equal(split_out, own_out).item()
-    assert "head" not in head.modules_[0].shared_head  # the target's LM head serves, not a copy
+    assert not head.has_own_lm_head(0)  # the target's LM head serves, not a copy
 
 
 @pytest.mark.parametrize("kind", ["bf16", "8bit"])

@@ -67,7 +67,9 @@ def test_step3p5_checkpoint_loads_its_head(step):
     caches = head.make_cache()
     assert [type(c).__name__ for c in caches] == ["RotatingKVCache"] * 3
     assert all(c.max_size == config["sliding_window"] for c in caches)
-    assert all("head" in m.shared_head for m in head.modules_)  # its own LM head differs from the trunk's
+    assert all(
+        head.has_own_lm_head(i) for i in range(head.num_modules)
+    )  # its own LM head differs from the trunk's
     block = head.modules_[0].block
     assert block.is_sliding and type(block.mlp).__name__ == "Step3p5MLP"  # sliding, dense
     w = tiny.tensors[P + "self_attn.q_norm.weight"]  # stored as an offset from 1
@@ -101,6 +103,8 @@ def test_step3p5_inspects_and_converts_with_its_head(step, tmp_path):
     assert converted["mtp"]["precision"]["groups"]["attention"] == 8
     trunk, _, head = load(out)
     assert (
-        head is not None and head.layout == "step3p5" and all("head" in m.shared_head for m in head.modules_)
+        head is not None
+        and head.layout == "step3p5"
+        and all(head.has_own_lm_head(i) for i in range(head.num_modules))
     )
     assert_greedy_mtp_equals_ar(trunk, head)

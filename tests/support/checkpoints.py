@@ -118,6 +118,55 @@ def _write_with_head(path: Path, trunk: dict, head: dict, config: dict, shards: 
     return tiny
 
 
+def _unstack_experts(params: dict[str, mx.array]) -> dict[str, mx.array]:
+    """mlx-lm's stacked ``mlp.switch_mlp.{proj}`` -> HF's per-expert ``mlp.experts.{e}.{proj}``."""
+    out = {}
+    for name, v in params.items():
+        if ".mlp.switch_mlp." in name:
+            layer, proj = name.split(".mlp.switch_mlp.")
+            for e in range(v.shape[0]):
+                out[f"{layer}.mlp.experts.{e}.{proj}"] = v[e]
+        else:
+            out[name] = v
+    return out
+
+
+def reads_next_embedding(eh_proj: nn.Linear, enorm: nn.RMSNorm) -> None:
+    """Start an MTP module from reading the next token's embedding alone (``eh_proj`` = [I, 0],
+    ``enorm`` = 1): with the trunk's final norm after it, the head predicts the trunk's bigram
+    part and some drafts are kept (the ``context_strength`` factories)."""
+    h = eh_proj.weight.shape[0]
+    eh_proj.weight = mx.concatenate([mx.eye(h), mx.zeros((h, h))], axis=1)
+    enorm.weight = mx.ones((h,))
+
+
+def eh_proj_module(
+    prefix: str,
+    hidden: int,
+    seed: int,
+    *,
+    context_strength: float | None,
+    trunk_norm: mx.array,
+    renames: tuple[tuple[str, str], ...] = (),
+) -> dict[str, mx.array]:
+    """A DeepSeek-style MTP module's own tensors (``enorm``, ``hnorm``, ``eh_proj``,
+    ``final_layernorm``) under ``prefix``, random from ``seed``; ``renames`` (our name, the
+    family's, first match) spell them as the family publishes them. With ``context_strength`` the
+    module reads the next token's embedding alone and its final norm is the trunk's."""
+    mod = nn.Module()
+    mod.enorm, mod.hnorm = nn.RMSNorm(hidden), nn.RMSNorm(hidden)
+    mod.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
+    mod.final_layernorm = nn.RMSNorm(hidden)
+    randomize(mod, seed)
+    if context_strength is not None:
+        reads_next_embedding(mod.eh_proj, mod.enorm)
+        mod.final_layernorm.weight = trunk_norm
+    out = {}
+    for name, v in tree_flatten(mod.parameters()):
+        out[prefix + next((new + name[len(old) :] for old, new in renames if name.startswith(old)), name)] = v
+    return out
+
+
 # --------------------------------------------------------------------------- qwen3_5
 
 
@@ -216,6 +265,7 @@ def _deepseek_layer_class(model_type: str) -> type:
     return DeepseekV32DecoderLayer
 
 
+DEEPSEEK_NAMES = (("final_layernorm.", "shared_head.norm."),)  # eh_proj_module's names as DeepSeek's
 FP8_BLOCK = 128
 FP8_MAX = 448.0  # largest finite e4m3
 
@@ -298,17 +348,16 @@ def deepseek_v3(
             scale_outputs(block, context_strength)
         p = f"model.layers.{L}."
         head.update(_deepseek_hf_layer(p, block, args))
-        extra = nn.Module()
-        extra.enorm, extra.hnorm = nn.RMSNorm(HIDDEN), nn.RMSNorm(HIDDEN)
-        extra.eh_proj = nn.Linear(2 * HIDDEN, HIDDEN, bias=False)
-        extra.shared_head = nn.Module()
-        extra.shared_head.norm = nn.RMSNorm(HIDDEN)
-        randomize(extra, seed + 2 + 3 * m)
-        if context_strength is not None:
-            extra.eh_proj.weight = mx.concatenate([mx.eye(HIDDEN), mx.zeros((HIDDEN, HIDDEN))], axis=1)
-            extra.enorm.weight = mx.ones((HIDDEN,))
-            extra.shared_head.norm.weight = model.model.norm.weight
-        head.update(_prefixed(extra, p))
+        head.update(
+            eh_proj_module(
+                p,
+                HIDDEN,
+                seed + 2 + 3 * m,
+                context_strength=context_strength,
+                trunk_norm=model.model.norm.weight,
+                renames=DEEPSEEK_NAMES,
+            )
+        )
         # DeepSeek ships copies of the embedding and the LM head inside the MTP layer.
         head[p + "embed_tokens.weight"] = model.model.embed_tokens.weight
         head[p + "shared_head.head.weight"] = model.lm_head.weight
@@ -325,19 +374,6 @@ def deepseek_v3(
 
 
 # --------------------------------------------------------------------------- glm4_moe
-
-
-def _unstack_experts(params: dict[str, mx.array]) -> dict[str, mx.array]:
-    """mlx-lm's stacked ``mlp.switch_mlp.{proj}`` -> HF's per-expert ``mlp.experts.{e}.{proj}``."""
-    out = {}
-    for name, v in params.items():
-        if ".mlp.switch_mlp." in name:
-            layer, proj = name.split(".mlp.switch_mlp.")
-            for e in range(v.shape[0]):
-                out[f"{layer}.mlp.experts.{e}.{proj}"] = v[e]
-        else:
-            out[name] = v
-    return out
 
 
 def glm4_moe(
@@ -367,21 +403,21 @@ def glm4_moe(
     tensors = _unstack_experts(dict(tree_flatten(model.parameters())))
     if ship_mtp:
         layer = args.num_hidden_layers
-        mod = nn.Module()
-        mod.enorm, mod.hnorm = nn.RMSNorm(HIDDEN), nn.RMSNorm(HIDDEN)
-        mod.eh_proj = nn.Linear(2 * HIDDEN, HIDDEN, bias=False)
-        mod.shared_head = nn.Module()
-        mod.shared_head.norm = nn.RMSNorm(HIDDEN)
         block = g.DecoderLayer(args, layer)  # past first_k_dense_replace: MoE, as in GLM-4.5
-        randomize(mod, seed + 1)
         randomize(block, seed + 2)
         if context_strength is not None:
             scale_outputs(block, context_strength)
-            mod.eh_proj.weight = mx.concatenate([mx.eye(HIDDEN), mx.zeros((HIDDEN, HIDDEN))], axis=1)
-            mod.enorm.weight = mx.ones((HIDDEN,))
-            mod.shared_head.norm.weight = model.model.norm.weight
         p = f"model.layers.{layer}."
-        tensors.update(_prefixed(mod, p))
+        tensors.update(
+            eh_proj_module(
+                p,
+                HIDDEN,
+                seed + 1,
+                context_strength=context_strength,
+                trunk_norm=model.model.norm.weight,
+                renames=DEEPSEEK_NAMES,
+            )
+        )
         tensors.update(_unstack_experts(_prefixed(block, p)))
         tensors[p + "embed_tokens.weight"] = model.model.embed_tokens.weight
         tensors[p + "shared_head.head.weight"] = model.lm_head.weight
@@ -485,29 +521,17 @@ def mimo_v2_flash(
 
     config = mimo_v2_flash_config(VOCAB, mtp_layers, window)
     args, model = _random_replica(m, config, seed, context_strength)
-    tensors: dict[str, mx.array] = {}
-    for name, v in tree_flatten(model.parameters()):
-        if ".switch_mlp." in name:
-            layer, proj = name.split(".mlp.switch_mlp.")
-            for e in range(v.shape[0]):
-                tensors[f"{layer}.mlp.experts.{e}.{proj}"] = v[e]
-        else:
-            tensors[name] = v
+    tensors = _unstack_experts(dict(tree_flatten(model.parameters())))
     for i in range(mtp_layers if ship_mtp else 0):
-        mod = nn.Module()
-        mod.enorm, mod.hnorm = nn.RMSNorm(HIDDEN), nn.RMSNorm(HIDDEN)
-        mod.eh_proj = nn.Linear(2 * HIDDEN, HIDDEN, bias=False)
-        mod.final_layernorm = nn.RMSNorm(HIDDEN)
         block = m.DecoderLayer(args, is_moe=False, is_sliding_window=True)
-        randomize(mod, seed + 1 + 2 * i)
         randomize(block, seed + 2 + 2 * i)
         if context_strength is not None:
             scale_outputs(block, context_strength)
-            mod.eh_proj.weight = mx.concatenate([mx.eye(HIDDEN), mx.zeros((HIDDEN, HIDDEN))], axis=1)
-            mod.enorm.weight = mx.ones((HIDDEN,))
-            mod.final_layernorm.weight = model.model.norm.weight
         p = f"model.mtp.layers.{i}."
-        tensors.update(_prefixed(mod, p))
+        norm = model.model.norm.weight
+        tensors.update(
+            eh_proj_module(p, HIDDEN, seed + 1 + 2 * i, context_strength=context_strength, trunk_norm=norm)
+        )
         for name, v in _prefixed(block, p).items():
             tensors[name.replace(".post_attention_layernorm.", ".pre_mlp_layernorm.")] = v
     return write_checkpoint(path, tensors, config)
@@ -533,14 +557,7 @@ def ernie4_5_moe(
 
     config = ernie4_5_moe_config(mtp_layers=mtp_layers)
     args, model = _random_replica(e, config, seed, context_strength)
-    tensors: dict[str, mx.array] = {}
-    for name, v in tree_flatten(model.parameters()):
-        if ".switch_mlp." in name:
-            layer, proj = name.split(".mlp.switch_mlp.")
-            for x in range(v.shape[0]):
-                tensors[f"{layer}.mlp.experts.{x}.{proj}"] = v[x]
-        else:
-            tensors[name] = v
+    tensors = _unstack_experts(dict(tree_flatten(model.parameters())))
     tensors["model.layers.1.mlp.moe_statics.e_score_correction_bias"] = mx.zeros((1, args.moe_num_experts))
     for i in range(mtp_layers if ship_mtp else 0):
         mod = nn.Module()
@@ -551,7 +568,7 @@ def ernie4_5_moe(
         randomize(block, seed + 2 + 2 * i)
         if context_strength is not None:
             scale_outputs(block, context_strength)
-            mod.mtp_linear_proj.weight = mx.concatenate([mx.eye(HIDDEN), mx.zeros((HIDDEN, HIDDEN))], axis=1)
+            reads_next_embedding(mod.mtp_linear_proj, mod.mtp_emb_norm)
             mod.mtp_emb_norm.weight = model.model.norm.weight
         for name, v in tree_flatten(mod.parameters()):
             own, rest = name.split(".", 1)
@@ -591,41 +608,39 @@ def longcat_flash(
     config = longcat_flash_config()
     args, model = _random_replica(lc, config, seed, context_strength)
     h = args.hidden_size
-    tensors: dict[str, mx.array] = {}
-    for name, v in tree_flatten(model.parameters()):
-        if ".switch_mlp." in name:
-            layer, proj = name.split(".mlp.switch_mlp.")
-            for x in range(v.shape[0]):
-                tensors[f"{layer}.mlp.experts.{x}.{proj}"] = v[x]
-        elif ".self_attn." not in name:
-            tensors[name] = v
+    params = _unstack_experts(dict(tree_flatten(model.parameters())))
+    tensors = {k: v for k, v in params.items() if ".self_attn." not in k}
     for i, layer in enumerate(model.model.layers):
         for a, attn in enumerate(layer.self_attn):
             tensors.update(_mla_hf(f"model.layers.{i}.self_attn.{a}.", attn, args))
     if ship_mtp:
-        mod = nn.Module()
-        mod.enorm, mod.hnorm = nn.RMSNorm(h), nn.RMSNorm(h)
-        mod.eh_proj = nn.Linear(2 * h, h, bias=False)
-        mod.input_layernorm, mod.post_attention_layernorm = nn.RMSNorm(h), nn.RMSNorm(h)
-        mod.mlp = lc.LongcatFlashMLP(args, False)
-        mod.norm = nn.RMSNorm(h)
+        block = nn.Module()
+        block.input_layernorm, block.post_attention_layernorm = nn.RMSNorm(h), nn.RMSNorm(h)
+        block.mlp = lc.LongcatFlashMLP(args, False)
         attn = lc.LongcatFlashMLA(args)
-        randomize(mod, seed + 1)
+        randomize(block, seed + 3)
         randomize(attn, seed + 2)
         if context_strength is not None:
-            scale_outputs(mod, context_strength)
+            scale_outputs(block, context_strength)
             scale_outputs(attn, context_strength)
-            mod.eh_proj.weight = mx.concatenate([mx.eye(h), mx.zeros((h, h))], axis=1)
-            mod.enorm.weight = mx.ones((h,))
-            mod.norm.weight = model.model.norm.weight
         p = "model.mtp.layers.0."
-        tensors.update({p + "enorm.m.weight": mod.enorm.weight, p + "hnorm.m.weight": mod.hnorm.weight})
-        tensors[p + "eh_proj.weight"] = mod.eh_proj.weight
-        tensors[p + "input_layernorm.weight"] = mod.input_layernorm.weight
-        tensors[p + "post_attention_layernorm.weight"] = mod.post_attention_layernorm.weight
-        tensors.update(_prefixed(mod.mlp, p + "transformer_layer.mlp."))
+        own = eh_proj_module(
+            p,
+            h,
+            seed + 1,
+            context_strength=context_strength,
+            trunk_norm=model.model.norm.weight,
+            renames=(("enorm.", "enorm.m."), ("hnorm.", "hnorm.m.")),
+        )
+        tensors["model.mtp.norm.weight"] = own.pop(p + "final_layernorm.weight")  # one, outside the layer
+        tensors.update(own)
+        tensors.update(
+            {
+                (p + k).replace(".mlp.", ".transformer_layer.mlp.", 1): v
+                for k, v in tree_flatten(block.parameters())
+            }
+        )
         tensors.update(_mla_hf(p + "self_attn.", attn, args))
-        tensors["model.mtp.norm.weight"] = mod.norm.weight
         tensors["model.mtp.embed_tokens.weight"] = model.model.embed_tokens.weight
     return write_checkpoint(path, tensors, config)
 
@@ -668,21 +683,17 @@ def step3p5(
     tensors = dict(_step3p5_hf(k, v) for k, v in tree_flatten(model.parameters()))
     for i in range(mtp_layers if ship_mtp else 0):
         layer = args.num_hidden_layers + i
-        mod = nn.Module()
-        mod.enorm, mod.hnorm = nn.RMSNorm(h), nn.RMSNorm(h)
-        mod.eh_proj = nn.Linear(2 * h, h, bias=False)
         block = st.Step3p5DecoderLayer(args, layer)
-        randomize(mod, seed + 1 + 2 * i)
         randomize(block, seed + 2 + 2 * i)
         head_norm = model.model.norm.weight
         if context_strength is not None:
             scale_outputs(block, context_strength)
-            mod.eh_proj.weight = mx.concatenate([mx.eye(h), mx.zeros((h, h))], axis=1)
-            mod.enorm.weight = mx.ones((h,))
         p = f"model.layers.{layer}."
-        tensors.update(_step3p5_hf(k, v) for k, v in _prefixed(mod, p).items())
+        own = eh_proj_module(p, h, seed + 1 + 2 * i, context_strength=context_strength, trunk_norm=head_norm)
+        own[p + "final_layernorm.weight"] = head_norm  # the trunk's final norm, with or without context
+        own = {k.replace(".final_layernorm.", ".transformer.shared_head.norm."): v for k, v in own.items()}
+        tensors.update(_step3p5_hf(k, v) for k, v in own.items())
         tensors.update(_step3p5_hf(k, v) for k, v in _prefixed(block, p).items())
-        tensors[p + "transformer.shared_head.norm.weight"] = head_norm - 1.0
         tensors[p + "transformer.shared_head.output.weight"] = model.lm_head.weight * 1.5
     return write_checkpoint(path, tensors, config)
 

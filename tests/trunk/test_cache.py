@@ -19,6 +19,7 @@ from collections.abc import Callable
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.trunk import rollback as cache_ops
 from mtplx.trunk.compat import cache_leaves
+from mtplx.trunk.recurrent_capture import RecurrentRecord
 
 import mlx.core as mx
 import numpy as np
@@ -217,7 +218,7 @@ def _commit_recurrent_off_by_one(cache: list, capture: cache_ops.BlockCapture, n
     block_len = cache_ops._block_len(capture)
     wrong = num_keep - 1 if num_keep == block_len else num_keep + 1
     for r in capture.records:
-        if isinstance(r, cache_ops._RecurrentRecord):
+        if isinstance(r, RecurrentRecord):
             r.commit(wrong)
         else:
             r.commit(num_keep, block_len)
@@ -227,7 +228,7 @@ def _commit_recurrent_off_by_one(cache: list, capture: cache_ops.BlockCapture, n
 def _commit_without_trim(cache: list, capture: cache_ops.BlockCapture, num_keep: int) -> None:
     block_len = cache_ops._block_len(capture)
     for r in capture.records:
-        if isinstance(r, cache_ops._RecurrentRecord):
+        if isinstance(r, RecurrentRecord):
             r.commit(num_keep)
         else:
             r.commit(block_len, block_len)
@@ -248,7 +249,7 @@ def _commit_without_ssm_rollback(cache: list, capture: cache_ops.BlockCapture, n
     """The conv state rolled back, the recurrent (SSM) state left as the whole block made it."""
     block_len = cache_ops._block_len(capture)
     for r in capture.records:
-        if isinstance(r, cache_ops._RecurrentRecord):
+        if isinstance(r, RecurrentRecord):
             final = r.states[-1]
             r.commit(num_keep)
             r.cache[1] = final

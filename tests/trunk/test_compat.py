@@ -1,4 +1,4 @@
-"""mtplx.trunk.compat: the installed mlx-lm passes the layout check, and each changed layout fails it loudly."""
+"""mtplx.trunk.compat, checked by compat_check: the installed mlx-lm passes, each changed layout fails loudly."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import re
 
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.errors import MtplxError
-from mtplx.trunk import compat
+from mtplx.trunk import compat, compat_check
+from mtplx.trunk.compat_probe import parse_version
 
 import mlx.core as mx
 import pytest
@@ -15,27 +16,27 @@ from support.paths import REPO
 
 def _failure(**changed) -> str:
     with pytest.raises(MtplxError) as raised:
-        compat.check(**changed)
+        compat_check.check(**changed)
     message = str(raised.value)
     assert "\n" not in message and "Install mlx-lm>=0.32.2,<0.33.0" in message
     return message
 
 
 def test_installed_mlx_lm_passes_the_check() -> None:
-    compat.check()
+    compat_check.check()
 
 
 def test_pyproject_pins_the_range_compat_was_verified_on() -> None:
     pin = re.search(r'"mlx-lm>=([\d.]+),<([\d.]+)"', (REPO / "pyproject.toml").read_text())
     assert pin is not None
-    low, high = compat.SUPPORTED_MLX_LM
-    assert compat._parse_version(pin.group(1)) == low and compat._parse_version(pin.group(2)) == high
+    low, high = compat_check.SUPPORTED_MLX_LM
+    assert parse_version(pin.group(1)) == low and parse_version(pin.group(2)) == high
 
 
 def test_a_release_outside_the_range_is_refused() -> None:
     assert "version 0.33.0 is outside" in _failure(version="0.33.0")
     assert "version 0.31.9 is outside" in _failure(version="0.31.9")
-    compat.check(version="0.32.9")  # negative control: inside the range passes
+    compat_check.check(version="0.32.9")  # negative control: inside the range passes
 
 
 class _KVWithExtraField(compat.KVCache):

@@ -11,7 +11,7 @@ import random
 
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.errors import MtplxError
-from mtplx.trunk import batch_cache, compat, rollback
+from mtplx.trunk import batch_cache, compat, compat_check, rollback
 from mtplx.trunk.batch_cache import BatchCache, check_batchable
 from mtplx.trunk.compat_nemotron import _check_structure, cache_layers, check_ssm
 from mtplx.trunk.model import Trunk
@@ -108,11 +108,11 @@ def test_check_notices_a_changed_ssm_update(monkeypatch):
     assert check_ssm() == []
     assert "ssm_update takes" in check_ssm(update=renamed)[0]
     assert "is gone" in check_ssm(module_names=("mlx_lm.models.no_such_model",))[0]
-    compat.check()  # the installed mlx-lm passes, Nemotron-H's contacts included
-    # compat.check() runs compat_nemotron's probe: given the changed function, it says so.
-    monkeypatch.setattr(compat, "check_ssm", lambda: check_ssm(update=renamed))
+    compat_check.check()  # the installed mlx-lm passes, Nemotron-H's contacts included
+    # compat_check.check() runs compat_nemotron's probe: given the changed function, it says so.
+    monkeypatch.setattr(compat_check, "check_ssm", lambda: check_ssm(update=renamed))
     with pytest.raises(MtplxError, match="ssm_update takes"):
-        compat.check()
+        compat_check.check()
 
 
 def test_check_notices_a_cache_list_that_lines_up_with_the_layers():
