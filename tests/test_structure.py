@@ -365,6 +365,51 @@ def test_the_scheduler_check_sees_a_second_driver(tmp_path: Path) -> None:
     assert decoder_users(tmp_path) == ["engine/scheduler.py", "forge/record.py"]
 
 
+def drive_loops(package_dir: Path) -> list[str]:
+    """ "module:function" of every loop (``while`` / ``for``) that calls ``.step()`` (steps a
+    scheduler or a decoder until something ends): "submit, step until idle, collect" written
+    again. Only `BatchScheduler.drive` may; every entry iterates it."""
+    found = []
+    for path in sorted(package_dir.rglob("*.py")):
+        relative = str(path.relative_to(package_dir))
+        for function in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            loops = [n for n in ast.walk(function) if isinstance(n, (ast.While, ast.For, ast.AsyncFor))]
+            if any(_calls_step(loop) for loop in loops):
+                found.append(f"{relative}:{function.name}")
+    return sorted(set(found))
+
+
+def _calls_step(node: ast.AST) -> bool:
+    return any(
+        isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "step" and not n.args
+        for n in ast.walk(node)
+    )
+
+
+def test_one_drive_loop() -> None:
+    """`Engine.stream` (`stream_of`), `Engine.generate_batch` (`run_to_completion`), forge's
+    `generate_batch` and the server worker all iterate `BatchScheduler.drive`."""
+    assert drive_loops(PACKAGE) == ["engine/scheduler.py:drive"]
+
+
+def test_the_drive_loop_check_sees_a_second_loop(tmp_path: Path) -> None:
+    for name in ("engine", "forge", "server"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "engine" / "scheduler.py").write_text(
+        "class S:\n    def drive(self):\n        while True:\n            yield from self.step()\n"
+        "    def _step(self):\n        return self.decoder.step()\n"
+    )
+    (tmp_path / "forge" / "record.py").write_text(
+        "def generate(s):\n    while not s.idle:\n        for r in s.step():\n            print(r)\n"
+    )
+    (tmp_path / "server" / "worker.py").write_text(
+        "def run(s):\n    for r in s.drive():\n        print(r)\n    s.step(1)\n"
+    )
+    assert drive_loops(tmp_path) == ["engine/scheduler.py:drive", "forge/record.py:generate"]
+
+
 # The logit pipeline's stages: only `mtplx.sample` composes them (`sample/target.TargetSampler`).
 PIPELINE_STAGES = {"constrain_logits", "penalize_logits", "mask_logits", "sample", "verify"}
 PIPELINE_MODULES = {"mtplx.sample.ops", "mtplx.sample.rejection"}
