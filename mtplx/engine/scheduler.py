@@ -183,12 +183,11 @@ class BatchScheduler:
         sources = row_sources(plan.choice)
         with_head = Source.HEAD in sources
         if fresh:  # a fork: its caches become choice 0's, copied after its prefill (`_fork`)
+            trunk_cache = engine.trunk.make_cache()
             head_cache = engine.head.make_cache() if with_head else None
-            session = CacheSession(
-                engine.prompt_cache, plan.prompt_tokens, engine.trunk.make_cache(), head_cache, 0
-            )
+            session = CacheSession(engine.prompt_cache, plan.prompt_tokens, trunk_cache, head_cache, 0)
         else:
-            session = open_session(
+            session, trunk_cache, head_cache = open_session(
                 engine.prompt_cache, engine.trunk, engine.head, plan.prompt_tokens, with_head
             )
         pending = decoder.start(
@@ -200,8 +199,8 @@ class BatchScheduler:
                 max_drafts=plan.settings.depth if request.drafting.pinned else None,
             ),
             key,
-            trunk_cache=session.trunk_cache,
-            head_cache=session.head_cache,
+            trunk_cache=trunk_cache,
+            head_cache=head_cache,
             prefix=session.prefix,
             # A seeded request drafts its own depth every cycle, as alone, so it reproduces its
             # tokens whatever else is in the batch; the draft policy chooses for the others.
@@ -210,6 +209,7 @@ class BatchScheduler:
             constraint=constraint,
             proposer=engine.row_proposer(plan),
         )
+        session.row = pending  # the one holder of its caches (a prompt-prefix snapshot reads them)
         mode, depth = ("mtp", plan.choice.depth) if sources else ("ar", 0)
         output = RequestOutput(
             engine.tokenizer, request, len(plan.prompt_tokens), session.prefix.start, mode, depth, engine.head
@@ -234,9 +234,10 @@ class BatchScheduler:
 
     def _start_from(self, job: _Job, trunk_cache: list, head_cache: list | None, start: int) -> None:
         """``job``, not started yet, starts from caches holding its first ``start`` prompt
-        positions (a fork's copy, the prompt cache's better prefix): its pending row and its
-        session hold them (a single-row decoder decodes in them and its row stores them at the
-        end, `_finish`); its stats count them cached. ``head_cache`` None keeps the row's own."""
+        positions (a fork's copy, the prompt cache's better prefix): its pending row holds them,
+        the one holder (the row decodes in them, or the batch copies them on admission; its
+        store at the end reads the row's, `_finish`); its stats count them cached. ``head_cache``
+        None keeps the row's own."""
         pending = job.pending
         pending.trunk_cache = trunk_cache
         self.engine.trunk.bind_prompt(trunk_cache, pending.prompt_tokens)  # its images (vision)
@@ -244,7 +245,6 @@ class BatchScheduler:
             pending.head_cache = head_cache
         pending.prefix = PromptPrefix(start)
         pending.position = start
-        job.session.trunk_cache, job.session.head_cache = pending.trunk_cache, pending.head_cache
         job.output.prefix_reused(start)
 
     def _agreed_seed(self, plan, request: GenerationRequest) -> int | None:
@@ -375,13 +375,9 @@ class BatchScheduler:
 
     def _finish(self, job: _Job) -> None:
         """A request that ended between cycles: its caches go to the prompt cache, its row leaves."""
-        session = job.session
-        if session.store.max_bytes and session.trimmable and job.row_id is not None:
-            if not self._decoder.single_row:  # the batch's copies; a single row's are the session's own
-                trunk_cache, head_cache = self._decoder.extract(job.row_id)
-                session.trunk_cache = trunk_cache
-                session.head_cache = head_cache if session.head_cache is not None else None
-            session.finish()
+        if job.session.stores_at_finish and job.row_id is not None:
+            # The row's caches: copies out of a batch, a single row's own.
+            job.session.finish(*self._decoder.extract(job.row_id))
         self._remove(job)
 
     def _drop_cancelled(self) -> None:
