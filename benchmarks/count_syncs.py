@@ -20,7 +20,7 @@ from support.models import make_loop_pair
 from support.sync_counter import counting_syncs
 
 from mtplx.spec_decode import settings as decode
-from mtplx.sample import ops as sample_ops
+from mtplx.sample import filters as sample_filters
 from mtplx.sample.params import SamplerConfig
 
 PROMPT = [1, 2, 0, 2, 1, 0, 2]
@@ -40,10 +40,10 @@ CASES = {
 
 def main() -> None:
     trunk, head = make_loop_pair(vocab_size=49152, seed=3, logit_scale=20.0)
-    cpu_policy = sample_ops._queue_top_p_fallbacks
+    cpu_policy = sample_filters._queue_top_p_fallbacks
     print("| sampler setting | host syncs per cycle (depth 3) |\n|---|---|")
     for name, cfg in CASES.items():
-        sample_ops._queue_top_p_fallbacks = (lambda: True) if "GPU policy" in name else cpu_policy
+        sample_filters._queue_top_p_fallbacks = (lambda: True) if "GPU policy" in name else cpu_policy
         steps = mtp_decode(trunk, head, PROMPT, decode.DecodeSettings(sampler=cfg, depth=3), mx.random.key(0))
         next(steps)  # prefill and the first token are not a cycle
         with counting_syncs() as counter:
@@ -51,7 +51,7 @@ def main() -> None:
                 next(steps)
         steps.close()
         print(f"| {name} | {counter.syncs / CYCLES:.1f} |")
-    sample_ops._queue_top_p_fallbacks = cpu_policy
+    sample_filters._queue_top_p_fallbacks = cpu_policy
 
 
 if __name__ == "__main__":

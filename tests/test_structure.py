@@ -344,7 +344,8 @@ def test_line_limit_check_catches_a_long_module(tmp_path: Path) -> None:
 
 
 def verify_callers(package_dir: Path) -> list[str]:
-    """Modules of ``spec_decode/`` that call `rejection.verify` (the cycle's verify step)."""
+    """Modules of ``spec_decode/`` that call a verify (the cycle's verify step: a target sampler's
+    `TargetSampler.verify`, or `rejection.verify` itself)."""
     callers = []
     for path in sorted((package_dir / "spec_decode").glob("*.py")):
         tree = ast.parse(path.read_text())
@@ -353,8 +354,6 @@ def verify_callers(package_dir: Path) -> list[str]:
                 isinstance(node, ast.Call)
                 and isinstance(node.func, ast.Attribute)
                 and node.func.attr == "verify"
-                and isinstance(node.func.value, ast.Name)
-                and node.func.value.id == "rejection"
             ):
                 callers.append(path.name)
                 break
@@ -362,9 +361,10 @@ def verify_callers(package_dir: Path) -> list[str]:
 
 
 def test_one_module_of_spec_decode_runs_the_cycle() -> None:
-    """The draft -> forward -> verify -> commit cycle exists once (`spec_decode/loop.py`): no
-    second module verifies, and the modules it replaced are gone."""
-    assert verify_callers(PACKAGE) == ["loop.py"]
+    """The draft -> forward -> verify -> commit cycle exists once (`spec_decode/loop.py`, its
+    verify stage `spec_decode/verify_stage.py`): no second module verifies, and the modules it
+    replaced are gone."""
+    assert verify_callers(PACKAGE) == ["verify_stage.py"]
     gone = ["spec_decode/batch.py", "spec_decode/batch_head.py", "engine/batch.py"]
     assert [name for name in gone if (PACKAGE / name).exists()] == []
 
@@ -373,7 +373,9 @@ def test_the_cycle_check_sees_a_second_verifier(tmp_path: Path) -> None:
     (tmp_path / "spec_decode").mkdir()
     (tmp_path / "spec_decode" / "batch.py").write_text("def f():\n    rejection.verify(1)\n")
     (tmp_path / "spec_decode" / "loop.py").write_text("def g():\n    return rejection.verify(2)\n")
-    assert verify_callers(tmp_path) == ["batch.py", "loop.py"]
+    (tmp_path / "spec_decode" / "proposer.py").write_text("def h(sampler):\n    return sampler.verify(3)\n")
+    (tmp_path / "spec_decode" / "step.py").write_text("def i(sampler):\n    return sampler.draft(4)\n")
+    assert verify_callers(tmp_path) == ["batch.py", "loop.py", "proposer.py"]
 
 
 def decoder_users(package_dir: Path) -> list[str]:
@@ -404,6 +406,118 @@ def test_the_scheduler_check_sees_a_second_driver(tmp_path: Path) -> None:
     (tmp_path / "forge" / "record.py").write_text("import x\nd = x.BatchDecoder()\n")
     (tmp_path / "spec_decode" / "loop.py").write_text("class BatchDecoder: ...\n")
     assert decoder_users(tmp_path) == ["engine/scheduler.py", "forge/record.py"]
+
+
+def drive_loops(package_dir: Path) -> list[str]:
+    """ "module:function" of every loop (``while`` / ``for``) that calls ``.step()`` (steps a
+    scheduler or a decoder until something ends): "submit, step until idle, collect" written
+    again. Only `BatchScheduler.drive` may; every entry iterates it."""
+    found = []
+    for path in sorted(package_dir.rglob("*.py")):
+        relative = str(path.relative_to(package_dir))
+        for function in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            loops = [n for n in ast.walk(function) if isinstance(n, (ast.While, ast.For, ast.AsyncFor))]
+            if any(_calls_step(loop) for loop in loops):
+                found.append(f"{relative}:{function.name}")
+    return sorted(set(found))
+
+
+def _calls_step(node: ast.AST) -> bool:
+    return any(
+        isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "step" and not n.args
+        for n in ast.walk(node)
+    )
+
+
+def test_one_drive_loop() -> None:
+    """`Engine.stream` (`stream_of`), `Engine.generate_batch` (`run_to_completion`), forge's
+    `generate_batch` and the server worker all iterate `BatchScheduler.drive`."""
+    assert drive_loops(PACKAGE) == ["engine/scheduler.py:drive"]
+
+
+def test_the_drive_loop_check_sees_a_second_loop(tmp_path: Path) -> None:
+    for name in ("engine", "forge", "server"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "engine" / "scheduler.py").write_text(
+        "class S:\n    def drive(self):\n        while True:\n            yield from self.step()\n"
+        "    def _step(self):\n        return self.decoder.step()\n"
+    )
+    (tmp_path / "forge" / "record.py").write_text(
+        "def generate(s):\n    while not s.idle:\n        for r in s.step():\n            print(r)\n"
+    )
+    (tmp_path / "server" / "worker.py").write_text(
+        "def run(s):\n    for r in s.drive():\n        print(r)\n    s.step(1)\n"
+    )
+    assert drive_loops(tmp_path) == ["engine/scheduler.py:drive", "forge/record.py:generate"]
+
+
+# The logit pipeline's stages: only `mtplx.sample` composes them (`sample/target.TargetSampler`).
+PIPELINE_STAGES = {"constrain_logits", "penalize_logits", "mask_logits", "sample", "verify"}
+PIPELINE_MODULES = {"mtplx.sample.ops", "mtplx.sample.rejection"}
+
+
+def pipeline_composers(package_dir: Path) -> list[str]:
+    """Modules outside ``sample/`` that call a stage of the logit pipeline themselves (a penalty,
+    the grammar mask, a draw or the rejection step of `sample.ops` / `sample.rejection`) instead
+    of a `TargetSampler`: "constrain, then sample or verify" composed again at a call site."""
+    found = []
+    for path in sorted(package_dir.rglob("*.py")):
+        relative = path.relative_to(package_dir)
+        if relative.parts[0] == "sample":
+            continue
+        tree = ast.parse(path.read_text())
+        aliases, stages = set(), set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "mtplx.sample":
+                aliases |= {a.asname or a.name for a in node.names if a.name in ("ops", "rejection")}
+            elif isinstance(node, ast.ImportFrom) and node.module in PIPELINE_MODULES:
+                stages |= {a.asname or a.name for a in node.names if a.name in PIPELINE_STAGES}
+            elif isinstance(node, ast.Import):
+                aliases |= {a.asname for a in node.names if a.name in PIPELINE_MODULES and a.asname}
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            by_module = (
+                isinstance(func, ast.Attribute)
+                and func.attr in PIPELINE_STAGES
+                and isinstance(func.value, ast.Name)
+                and func.value.id in aliases
+            )
+            if by_module or (isinstance(func, ast.Name) and func.id in stages):
+                found.append(str(relative))
+                break
+    return found
+
+
+def test_only_the_target_sampler_composes_the_logit_pipeline() -> None:
+    """Every call site draws and verifies through `TargetSampler` (first_token, draft, verify):
+    none outside ``sample/`` calls the pipeline's stages itself."""
+    assert pipeline_composers(PACKAGE) == []
+
+
+def test_the_pipeline_check_sees_a_hand_composition(tmp_path: Path) -> None:
+    for name in ("sample", "spec_decode", "engine"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "sample" / "target.py").write_text(
+        "from mtplx.sample import ops\ndef f(x):\n    return ops.sample(ops.constrain_logits(x))\n"
+    )
+    (tmp_path / "spec_decode" / "a.py").write_text(
+        "from mtplx.sample import ops as sample_ops\ndef g(x):\n    return sample_ops.constrain_logits(x)\n"
+    )
+    (tmp_path / "spec_decode" / "b.py").write_text(
+        "from mtplx.sample.rejection import verify as v\ndef h(x):\n    return v(x)\n"
+    )
+    (tmp_path / "spec_decode" / "c.py").write_text(
+        "from mtplx.sample import ops as sample_ops\ndef i(s, x):\n"
+        "    return s.verify(x), sample_ops.draw_uniforms(1)\n"
+    )
+    (tmp_path / "engine" / "d.py").write_text(
+        "import mtplx.sample.rejection as rej\ndef j(x):\n    return rej.verify(x)\n"
+    )
+    assert pipeline_composers(tmp_path) == ["engine/d.py", "spec_decode/a.py", "spec_decode/b.py"]
 
 
 MAX_FUNCTION_LINES = 80

@@ -2,7 +2,8 @@
 `generate` (a batch of one), `Engine.generate_batch`, the server's worker and forge's data
 generation (continuous batching).
 
-Requests are submitted at any time (`submit`). Each `step`:
+Requests are submitted at any time (`submit`); `drive` is the one loop that steps until they
+have ended (every entry uses it). Each `step`:
   1. prefills waiting requests, first come first served, at most ``prompt_concurrency`` of them
      and ``prefill_step_size`` prompt tokens in all per step, so long prompts stall the running
      rows by one chunk per cycle, never by their whole length, while short ones join at once;
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -182,12 +183,11 @@ class BatchScheduler:
         sources = row_sources(plan.choice)
         with_head = Source.HEAD in sources
         if fresh:  # a fork: its caches become choice 0's, copied after its prefill (`_fork`)
+            trunk_cache = engine.trunk.make_cache()
             head_cache = engine.head.make_cache() if with_head else None
-            session = CacheSession(
-                engine.prompt_cache, plan.prompt_tokens, engine.trunk.make_cache(), head_cache, 0
-            )
+            session = CacheSession(engine.prompt_cache, plan.prompt_tokens, trunk_cache, head_cache, 0)
         else:
-            session = open_session(
+            session, trunk_cache, head_cache = open_session(
                 engine.prompt_cache, engine.trunk, engine.head, plan.prompt_tokens, with_head
             )
         pending = decoder.start(
@@ -199,8 +199,8 @@ class BatchScheduler:
                 max_drafts=plan.settings.depth if request.drafting.pinned else None,
             ),
             key,
-            trunk_cache=session.trunk_cache,
-            head_cache=session.head_cache,
+            trunk_cache=trunk_cache,
+            head_cache=head_cache,
             prefix=session.prefix,
             # A seeded request drafts its own depth every cycle, as alone, so it reproduces its
             # tokens whatever else is in the batch; the draft policy chooses for the others.
@@ -209,6 +209,7 @@ class BatchScheduler:
             constraint=constraint,
             proposer=engine.row_proposer(plan),
         )
+        session.row = pending  # the one holder of its caches (a prompt-prefix snapshot reads them)
         mode, depth = ("mtp", plan.choice.depth) if sources else ("ar", 0)
         output = RequestOutput(
             engine.tokenizer, request, len(plan.prompt_tokens), session.prefix.start, mode, depth, engine.head
@@ -226,20 +227,25 @@ class BatchScheduler:
         drawing its first token with its own key). Its stats count the copied positions cached."""
         pending = job.pending
         for fork in job.forks:
-            fork_pending = fork.pending
-            fork_pending.trunk_cache = copy_cache(pending.trunk_cache)
-            self.engine.trunk.bind_prompt(fork_pending.trunk_cache, fork_pending.prompt_tokens)
-            if pending.head_cache is not None:
-                fork_pending.head_cache = copy_cache(pending.head_cache)
-            fork_pending.prefix = PromptPrefix(pending.position)
-            fork_pending.position = pending.position
-            fork.session.trunk_cache, fork.session.head_cache = (
-                fork_pending.trunk_cache,
-                fork_pending.head_cache,
-            )
-            fork.output.prefix_reused(pending.position)
+            head_cache = copy_cache(pending.head_cache) if pending.head_cache is not None else None
+            self._start_from(fork, copy_cache(pending.trunk_cache), head_cache, pending.position)
             fork.waits = False
         job.forks = []
+
+    def _start_from(self, job: _Job, trunk_cache: list, head_cache: list | None, start: int) -> None:
+        """``job``, not started yet, starts from caches holding its first ``start`` prompt
+        positions (a fork's copy, the prompt cache's better prefix): its pending row holds them,
+        the one holder (the row decodes in them, or the batch copies them on admission; its
+        store at the end reads the row's, `_finish`); its stats count them cached. ``head_cache``
+        None keeps the row's own."""
+        pending = job.pending
+        pending.trunk_cache = trunk_cache
+        self.engine.trunk.bind_prompt(trunk_cache, pending.prompt_tokens)  # its images (vision)
+        if head_cache is not None:
+            pending.head_cache = head_cache
+        pending.prefix = PromptPrefix(start)
+        pending.position = start
+        job.output.prefix_reused(start)
 
     def _agreed_seed(self, plan, request: GenerationRequest) -> int | None:
         """The seed a request decodes from: its own; on a sharded engine rank 0's, once every rank
@@ -349,19 +355,9 @@ class BatchScheduler:
         if they give more now than when it was planned. Requests prefilled since then are in the
         store (`CacheSession.store_prompt`), so concurrent requests with a common prefix (an
         agent's parallel calls over one conversation) forward it once."""
-        pending = job.pending
-        hit = job.session.better_prefix(pending.prefix.start)
-        if hit is None:
-            return
-        pending.trunk_cache = hit.trunk_cache
-        self.engine.trunk.bind_prompt(pending.trunk_cache, pending.prompt_tokens)  # its images (vision)
-        if hit.head_cache is not None:
-            pending.head_cache = hit.head_cache
-        pending.prefix = PromptPrefix(hit.start)
-        pending.position = hit.start
-        # A single-row decoder decodes in these caches and its row stores them at the end (`_finish`).
-        job.session.trunk_cache, job.session.head_cache = pending.trunk_cache, pending.head_cache
-        job.output.prefix_reused(hit.start)
+        hit = job.session.better_prefix(job.pending.prefix.start)
+        if hit is not None:
+            self._start_from(job, hit.trunk_cache, hit.head_cache, hit.start)
 
     def _feed(self, job: _Job, step) -> StepResult:
         job.session.record(step.tokens)
@@ -379,13 +375,9 @@ class BatchScheduler:
 
     def _finish(self, job: _Job) -> None:
         """A request that ended between cycles: its caches go to the prompt cache, its row leaves."""
-        session = job.session
-        if session.store.max_bytes and session.trimmable and job.row_id is not None:
-            if not self._decoder.single_row:  # the batch's copies; a single row's are the session's own
-                trunk_cache, head_cache = self._decoder.extract(job.row_id)
-                session.trunk_cache = trunk_cache
-                session.head_cache = head_cache if session.head_cache is not None else None
-            session.finish()
+        if job.session.stores_at_finish and job.row_id is not None:
+            # The row's caches: copies out of a batch, a single row's own.
+            job.session.finish(*self._decoder.extract(job.row_id))
         self._remove(job)
 
     def _drop_cancelled(self) -> None:
@@ -405,41 +397,65 @@ class BatchScheduler:
         for job in list(self._jobs.values()):
             self._remove(job)
 
+    # ------------------------------------------------------------------ the drive loop
+    def drive(
+        self,
+        on_step: Callable[[list[StepResult]], bool | None] | None = None,
+        *,
+        feed: Callable[[], bool] | None = None,
+    ) -> Iterator[StepResult]:
+        """The one drive loop ("submit, step until idle, collect"): every entry decodes through it
+        (`stream_of` for `Engine.stream`, `run_to_completion` for `Engine.generate_batch`, forge's
+        `generate_batch`, the server worker). Steps until no request is left, yielding each
+        step's results in order; then ``on_step(results)`` sees the whole step (True: stop here,
+        e.g. forge's deadline). ``feed()`` runs before each step and may submit requests (the
+        worker takes its queue; it may wait for one); with it the loop waits for requests instead
+        of ending when idle, and ends when ``feed`` returns False. When the loop ends, or the
+        generator is closed (use `contextlib.closing`), every request left is dropped."""
+        try:
+            while True:
+                if feed is not None and not feed():
+                    return
+                if self.idle:
+                    if feed is None:
+                        return
+                    continue
+                results = self.step()
+                yield from results
+                if on_step is not None and on_step(results):
+                    return
+        finally:
+            self.close()
+
 
 def run_to_completion(
     scheduler: BatchScheduler, prompts: Sequence, requests: Sequence[GenerationRequest], on_done=None
 ) -> list[list[GenerationChunk]]:
-    """Submit every prompt, step until all ended; each request's chunks in prompt order.
+    """Submit every prompt, drive until all ended; each request's chunks in prompt order.
     ``on_done(index)`` is called as each request ends (a progress bar). Errors raise."""
     handles = [scheduler.submit(p, r) for p, r in zip(prompts, requests)]
     index = {h: i for i, h in enumerate(handles)}
     chunks: list[list[GenerationChunk]] = [[] for _ in handles]
-    try:
-        while not scheduler.idle:
-            for result in scheduler.step():
-                if result.error is not None:
-                    raise result.error
-                chunks[index[result.handle]].append(result.chunk)
-                if result.done and on_done is not None:
-                    on_done(index[result.handle])
-    finally:
-        scheduler.close()
+    with contextlib.closing(scheduler.drive()) as results:
+        for result in results:
+            if result.error is not None:
+                raise result.error
+            chunks[index[result.handle]].append(result.chunk)
+            if result.done and on_done is not None:
+                on_done(index[result.handle])
     return chunks
 
 
 def stream_of(scheduler: BatchScheduler, handle: int) -> Iterator[GenerationChunk]:
-    """The chunks of request ``handle``, stepping ``scheduler`` until it ends; errors raise
+    """The chunks of request ``handle``, driving ``scheduler`` until it ends; errors raise
     (invalid values the model produced as the ValueError a single stream raises). Closing the
     generator early drops the request (its memory freed), as an interrupted call leaves nothing."""
-    try:
-        while not scheduler.idle:
-            for result in scheduler.step():
-                if isinstance(result.error, RowsFailed):
-                    raise ValueError(str(result.error)) from None
-                if result.error is not None:
-                    raise result.error
-                yield result.chunk
-                if result.done:
-                    return
-    finally:
-        scheduler.close()
+    with contextlib.closing(scheduler.drive()) as results:
+        for result in results:
+            if isinstance(result.error, RowsFailed):
+                raise ValueError(str(result.error)) from None
+            if result.error is not None:
+                raise result.error
+            yield result.chunk
+            if result.done:
+                return

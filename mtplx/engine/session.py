@@ -1,5 +1,5 @@
-"""`CacheSession`: one request's caches, taken from the prompt cache or made fresh, and what goes
-back into the prompt cache when the request ends.
+"""`CacheSession`: what one request stores back into the prompt cache, and when; `open_session`:
+the caches it starts from, taken from the prompt cache or made fresh (its row holds them).
 
 Invariant: what is stored is consistent with the tokens the loop has seen. Pure-KV caches are
 handed over at the end (trimmed on reuse); caches with recurrent or sliding-window state are
@@ -11,6 +11,7 @@ snapshot the store already holds is not taken again.
 
 from __future__ import annotations
 
+from mtplx.spec_decode.rows import PendingRow
 from mtplx.spec_decode.step import PromptPrefix
 from mtplx.trunk.prompt_cache import CacheHit, PromptCache, held_positions, is_trimmable
 
@@ -18,11 +19,14 @@ __all__ = ["CacheSession", "open_session"]
 
 
 class CacheSession:
-    """One request's caches and what goes back into the prompt cache when it ends.
+    """What one request stores back into the prompt cache, and when.
 
-    Caches that cannot be moved back (recurrent state) are snapshotted when they
-    hold all prompt positions but the last; pure KV caches are handed over at the
-    end, covering the generated tokens too (a chat's next turn repeats them).
+    It holds no caches of its own: the request's row does (`PendingRow` while it prefills, then
+    the decoder's row), and each store is handed the caches it stores, so a row that starts from
+    other caches (a fork's copy, the prompt cache's better prefix) needs no second holder kept in
+    step. Caches that cannot be moved back (recurrent state) are snapshotted when they hold all
+    prompt positions but the last; pure KV caches are handed over at the end, covering the
+    generated tokens too (a chat's next turn repeats them).
     """
 
     def __init__(
@@ -33,12 +37,15 @@ class CacheSession:
         head_cache: list | None,
         start: int,
     ):
+        """``trunk_cache`` / ``head_cache``: the caches the request starts from (read here for
+        their kinds, not kept); ``start`` prompt positions held in them."""
         self.store = store
         self.prompt_tokens = prompt_tokens
-        self.trunk_cache = trunk_cache
-        self.head_cache = head_cache
+        self.with_head = head_cache is not None
         self.trimmable = is_trimmable(trunk_cache) and (head_cache is None or is_trimmable(head_cache))
         self.tokens = list(prompt_tokens)  # every token the decode loop has seen
+        # The row whose caches a prompt-prefix snapshot reads (set by whoever starts the row).
+        self.row: PendingRow | None = None
         snapshots = not self.trimmable and store.max_bytes > 0
         self.prefix = PromptPrefix(start, self._snapshot if snapshots else None)
         # Where prefill stops to snapshot (beyond the cached prefix, before the last prompt token).
@@ -46,12 +53,12 @@ class CacheSession:
         self.marks = [p for p in marks if start < p < len(prompt_tokens) - 1]
 
     def _snapshot(self, size: int) -> None:
-        self.snapshot(size, self.trunk_cache, self.head_cache)
+        self.snapshot(size, self.row.trunk_cache, self.row.head_cache)
 
     def snapshot(self, size: int, trunk_cache: list, head_cache: list | None) -> None:
         """Copies of caches holding the first ``size`` prompt positions go into the store (to disk
         too), unless it holds that prefix already."""
-        head_cache = head_cache if self.head_cache is not None else None
+        head_cache = head_cache if self.with_head else None
         if not self.store.holds(self.prompt_tokens, size, head_cache is not None):
             self.store.insert(self.prompt_tokens, size, trunk_cache, head_cache, copy=True, persist=True)
 
@@ -73,7 +80,7 @@ class CacheSession:
         request prefilled since this one was planned); None otherwise. Pure-KV caches only."""
         if not self.trimmable or self.store.max_bytes == 0:
             return None
-        return self.store.lookup(self.prompt_tokens, self.head_cache is not None, longer_than=start)
+        return self.store.lookup(self.prompt_tokens, self.with_head, longer_than=start)
 
     def store_prompt(self, trunk_cache: list, head_cache: list | None) -> None:
         """The prompt's caches, just prefilled, go into the store now (no copy: the caller is done
@@ -81,20 +88,30 @@ class CacheSession:
         ends with replace them (`finish`). Pure-KV caches only: the others are snapshotted."""
         if not self.trimmable or self.store.max_bytes == 0:
             return
-        head_cache = head_cache if self.head_cache is not None else None
+        head_cache = head_cache if self.with_head else None
         size = min(held_positions(trunk_cache, head_cache), len(self.prompt_tokens))
         self.store.insert(self.prompt_tokens, size, trunk_cache, head_cache, copy=False)
 
-    def finish(self) -> None:
-        """The decode loop stopped between steps: its caches are consistent with ``tokens``."""
-        if not self.trimmable or self.store.max_bytes == 0:
+    @property
+    def stores_at_finish(self) -> bool:
+        """Whether `finish` stores anything (pure-KV caches and a store with room)."""
+        return self.trimmable and self.store.max_bytes > 0
+
+    def finish(self, trunk_cache: list, head_cache: list | None) -> None:
+        """The decode loop stopped between steps, its row's caches (given, the row's own or
+        copies) consistent with ``tokens``: they go into the store."""
+        if not self.stores_at_finish:
             return
-        size = min(held_positions(self.trunk_cache, self.head_cache), len(self.tokens))
-        self.store.insert(self.tokens, size, self.trunk_cache, self.head_cache, copy=False, persist=True)
+        head_cache = head_cache if self.with_head else None
+        size = min(held_positions(trunk_cache, head_cache), len(self.tokens))
+        self.store.insert(self.tokens, size, trunk_cache, head_cache, copy=False, persist=True)
 
 
-def open_session(store: PromptCache, trunk, head, prompt_tokens: list[int], with_head: bool) -> CacheSession:
-    """The caches a request starts from: the longest reusable prefix in ``store``, else fresh ones."""
+def open_session(
+    store: PromptCache, trunk, head, prompt_tokens: list[int], with_head: bool
+) -> tuple[CacheSession, list, list | None]:
+    """The caches a request starts from (the longest reusable prefix in ``store``, else fresh
+    ones) and its session: (session, trunk cache, head cache or None)."""
     hit = store.lookup(prompt_tokens, with_head)
     if hit is None:
         trunk_cache = trunk.make_cache()
@@ -104,4 +121,4 @@ def open_session(store: PromptCache, trunk, head, prompt_tokens: list[int], with
         trunk_cache, head_cache, start = hit.trunk_cache, hit.head_cache, hit.start
     if hasattr(trunk, "bind_prompt"):  # a vision trunk reads the prompt's images off its caches
         trunk.bind_prompt(trunk_cache, prompt_tokens)
-    return CacheSession(store, prompt_tokens, trunk_cache, head_cache, start)
+    return CacheSession(store, prompt_tokens, trunk_cache, head_cache, start), trunk_cache, head_cache

@@ -24,6 +24,7 @@ machine regenerates the same data.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
@@ -213,20 +214,19 @@ def generate_batch(
         for r, prompt in enumerate(prompts)
     }
     response: list[list[int]] = [[] for _ in prompts]
-    try:
-        while not scheduler.idle:
-            for result in scheduler.step():
-                if result.error is not None:
-                    raise result.error
-                r = handles[result.handle]
-                response[r].extend(result.chunk.token_ids)
-                if result.chunk.eos_token is not None:
-                    response[r].append(result.chunk.eos_token)
-            recorder.flush()
-            if deadline is not None and time.time() >= deadline:
-                break
-    finally:
-        scheduler.close()
+
+    def after_step(_results) -> bool:  # the step's recorded positions; True: the deadline stops it
+        recorder.flush()
+        return deadline is not None and time.time() >= deadline
+
+    with contextlib.closing(scheduler.drive(after_step)) as results:
+        for result in results:
+            if result.error is not None:
+                raise result.error
+            r = handles[result.handle]
+            response[r].extend(result.chunk.token_ids)
+            if result.chunk.eos_token is not None:
+                response[r].append(result.chunk.eos_token)
     recorder.finish()
     _write_sequences(out, prompts, response)
     return out

@@ -24,18 +24,18 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from mtplx.sample.ops import (
+from mtplx.sample.filters import (
     INVALID_DRAFTS,
-    _as_rows,
-    _check_backend,
-    _draw,
-    _filtered_weights,
-    _fused_implementation,
-    _one_hot,
-    _row_max_and_flag,
+    as_rows,
+    check_backend,
+    draw,
+    filtered_weights,
+    fused_implementation,
+    one_hot,
     raise_if_invalid,
-    sample,
+    row_max_and_flag,
 )
+from mtplx.sample.ops import sample
 from mtplx.sample.params import SamplerConfig
 
 import mlx.core as mx
@@ -93,19 +93,19 @@ def verify(
     k = 0 is a plain AR step (`_verify_without_drafts`).
     Lazy: nothing is evaluated; call `.checked()` on the result after evaluating it.
     """
-    _check_backend(backend)
+    check_backend(backend)
     _check_verify_shapes(target_logits, draft_tokens, draft_probs, accept_uniforms, sample_uniforms)
     batch, rows, vocab_size = target_logits.shape
     depth = rows - 1
     if depth == 0:
         return _verify_without_drafts(target_logits, cfg, sample_uniforms, backend)
-    flat_rows = _as_rows(target_logits)
-    row_max, invalid = _row_max_and_flag(flat_rows)
+    flat_rows = as_rows(target_logits)
+    row_max, invalid = row_max_and_flag(flat_rows)
     drafts_outside = (draft_tokens < 0) | (draft_tokens >= vocab_size)
     invalid = invalid | (mx.any(drafts_outside).astype(mx.int32) * INVALID_DRAFTS)
     # Gathers below read at the drafts: keep them in range even when flagged.
     drafts = mx.clip(draft_tokens.astype(mx.int32), 0, vocab_size - 1)
-    if backend == "auto" and (fused := _fused_implementation("verify")) is not None:
+    if backend == "auto" and (fused := fused_implementation("verify")) is not None:
         num_accepted, next_token, accept_probs = fused(
             flat_rows.reshape(batch, rows, vocab_size),
             drafts,
@@ -118,7 +118,7 @@ def verify(
     if cfg.is_greedy:
         return _verify_greedy(flat_rows.reshape(batch, rows, vocab_size), drafts, invalid)
 
-    weights = _filtered_weights(flat_rows, row_max, cfg).reshape(batch, rows, vocab_size)
+    weights = filtered_weights(flat_rows, row_max, cfg).reshape(batch, rows, vocab_size)
     totals = mx.sum(weights, axis=-1)  # [B, k+1]
 
     # Acceptance, in log space so a tiny p cannot underflow into an accept.
@@ -144,13 +144,13 @@ def verify(
     has_next_draft = (num_accepted < depth)[:, None]
     next_slot = mx.minimum(num_accepted, depth - 1)[:, None]
     if draft_probs is None:
-        q_next = _one_hot(mx.take_along_axis(drafts, next_slot, axis=1)[:, 0], vocab_size)
+        q_next = one_hot(mx.take_along_axis(drafts, next_slot, axis=1)[:, 0], vocab_size)
     else:
         q_next = mx.take_along_axis(draft_probs, next_slot[:, :, None], axis=1)[:, 0, :].astype(mx.float32)
     residual = mx.maximum(p_n - q_next * has_next_draft, 0.0)
     uniforms = sample_uniforms.astype(mx.float32)
-    from_residual = _draw(residual, uniforms)
-    from_target = _draw(weights_n, uniforms)  # used only where the residual has zero mass
+    from_residual = draw(residual, uniforms)
+    from_target = draw(weights_n, uniforms)  # used only where the residual has zero mass
     residual_has_mass = mx.sum(residual, axis=-1) > 0
     next_token = mx.where(residual_has_mass, from_residual, from_target).astype(mx.int32)
     return VerifyResult(num_accepted, next_token, accept_probs, invalid)

@@ -164,16 +164,48 @@ class GenerationWorker:
             self.decode_concurrency, self.prompt_concurrency, self.draft_policy, self.prefill_step_size
         )
         try:
-            while True:
-                if not self._take_jobs(scheduler):
-                    return
-                if self._active:
-                    self._step(scheduler)
+            while not self._drive(scheduler):
+                pass
         finally:
             for job in self._active.values():
                 job.cancel()
                 job.emit(Finished())
             scheduler.close()
+
+    def _drive(self, scheduler) -> bool:
+        """The scheduler's drive loop (`BatchScheduler.drive`) over the queue: before each step the
+        queued jobs join and cancelled and late ones leave (`_before_step`); each result goes to
+        its job. True at stop; False after a failed step (a bug, not a user error: every job in
+        flight failed, the scheduler dropped them; the worker goes on with fresh rows)."""
+        try:
+            for result in scheduler.drive(
+                lambda _: self._note_load(scheduler), feed=lambda: self._before_step(scheduler)
+            ):
+                self._deliver(result)
+        except Exception:
+            log.exception("generation failed")
+            for handle in list(self._active):
+                self.metrics.abort("error")
+                self._active[handle].emit(JobFailed())
+                self._end(handle)
+            self._note_load(scheduler)
+            return False
+        return True
+
+    def _before_step(self, scheduler) -> bool:
+        """Queued jobs join (`_take_jobs`; False at stop), then cancelled and late jobs leave."""
+        if not self._take_jobs(scheduler):
+            return False
+        now = time.monotonic()
+        for handle, job in list(self._active.items()):
+            late = now > job.deadline
+            if job.cancelled.is_set() or late:
+                if late and not job.cancelled.is_set():
+                    job.emit(JobTimeout())
+                self.metrics.abort("timeout" if late else "cancelled")
+                scheduler.cancel(handle)
+                self._end(handle)
+        return True
 
     def _take_jobs(self, scheduler) -> bool:
         """Move queued jobs into the batch (waiting for one when nothing runs); False at stop."""
@@ -207,46 +239,22 @@ class GenerationWorker:
         self._note_load(scheduler)
         return True
 
-    def _step(self, scheduler) -> None:
-        """Drop cancelled and late jobs, then one scheduler step; each job gets its news."""
-        now = time.monotonic()
-        for handle, job in list(self._active.items()):
-            late = now > job.deadline
-            if job.cancelled.is_set() or late:
-                if late and not job.cancelled.is_set():
-                    job.emit(JobTimeout())
-                self.metrics.abort("timeout" if late else "cancelled")
-                scheduler.cancel(handle)
-                self._end(handle)
-        try:
-            results = scheduler.step()
-        except Exception:
-            # A bug, not a user error: every job in flight fails; the worker goes on with fresh rows.
-            log.exception("generation failed")
-            for handle, job in list(self._active.items()):
-                self.metrics.abort("error")
-                job.emit(JobFailed())
-                scheduler.cancel(handle)
-                self._end(handle)
-            scheduler.close()
-            self._note_load(scheduler)
+    def _deliver(self, result) -> None:
+        """One scheduler result to its job: a chunk, or the error that ended it."""
+        job = self._active.get(result.handle)
+        if job is None:
             return
-        for result in results:
-            job = self._active.get(result.handle)
-            if job is None:
-                continue
-            error = result.error
-            if error is not None and not isinstance(error, MtplxError):  # the model's fault: a 500
-                log.error("generation failed", exc_info=error)
-                error = JobFailed()
-            if error is not None:
-                self.metrics.abort("error")
-                job.emit(error)
-            else:
-                self._send(job, result.chunk)
-            if result.done:
-                self._choice_done(result.handle, failed=error is not None)
-        self._note_load(scheduler)
+        error = result.error
+        if error is not None and not isinstance(error, MtplxError):  # the model's fault: a 500
+            log.error("generation failed", exc_info=error)
+            error = JobFailed()
+        if error is not None:
+            self.metrics.abort("error")
+            job.emit(error)
+        else:
+            self._send(job, result.chunk)
+        if result.done:
+            self._choice_done(result.handle, failed=error is not None)
 
     def _send(self, job: Job, chunk: GenerationChunk) -> None:
         self.metrics.observe(chunk)  # counts the request when this chunk ends it

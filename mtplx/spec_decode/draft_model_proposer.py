@@ -19,8 +19,9 @@ from typing import Any
 
 from mtplx.errors import MtplxError
 from mtplx.sample import ops as sample_ops
+from mtplx.sample.target import target_sampler
 from mtplx.spec_decode.draft_block import DraftBlock, Outcome, Source, pad_time
-from mtplx.spec_decode.proposer import Draft, draw_draft_token, join_drafts, point_mass_draft, stacked_draft
+from mtplx.spec_decode.proposer import Draft, join_drafts, point_mass_draft, stacked_draft
 from mtplx.spec_decode.settings import DecodeSettings
 from mtplx.trunk import compat
 from mtplx.trunk import rollback as cache_ops
@@ -137,7 +138,9 @@ class DraftModelProposer:
         count = self.depth - len(forced)
         if count <= 0:
             return join_drafts(prefix) if prefix else None
-        cfg = self.settings.sampler
+        settings = self.settings
+        cfg = settings.sampler
+        sampler = target_sampler(cfg, settings.verify_backend, settings.greedy_draft)
         uniforms = sample_ops.draw_uniforms((count,), key)
         context = mx.array(list(history) + list(forced), dtype=mx.int32)[None] if cfg.has_penalties else None
         tokens: list[mx.array] = []
@@ -148,9 +151,7 @@ class DraftModelProposer:
                 logits = self._forward(tokens[-1].reshape(1, 1))
                 if context is not None:
                     context = mx.concatenate([context, tokens[-1][None]], axis=1)
-            token, q, invalid = draw_draft_token(
-                self._aligned(logits), context, self.settings, uniforms[i : i + 1]
-            )
+            token, q, invalid = sampler.draft(self._aligned(logits), context, uniforms[i : i + 1])
             tokens.append(token)
             probs.append(q)
             flags.append(invalid)

@@ -29,7 +29,6 @@ from typing import Any, Protocol
 
 from mtplx.heads.base import DraftHead
 from mtplx.sample import ops as sample_ops
-from mtplx.sample.params import SamplerConfig
 from mtplx.spec_decode.constraint import GrammarConstraint
 from mtplx.spec_decode.draft_block import (
     DraftBlock,
@@ -40,8 +39,6 @@ from mtplx.spec_decode.draft_block import (
     pad_time,
     padded_uniforms,
 )
-from mtplx.spec_decode.proposer import masked_draft_logits
-from mtplx.spec_decode.settings import DecodeSettings
 from mtplx.trunk import rollback
 from mtplx.trunk.model import TrunkOutput
 from mtplx.trunk.row_cache import SingleRowCache
@@ -229,31 +226,25 @@ class HeadChain:
         allowed: mx.array | None,
     ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         """One draft per row from logits [B, V] (masked by ``allowed`` [B, V] after the penalties,
-        the target's order), grouped by the rows' draft sampler: tokens [B], q [B, V], the
+        the target's order), grouped by the rows' `TargetSampler`: tokens [B], q [B, V], the
         validity flag, and the head's confidence in each draft [B] (`draft`)."""
         vocab_size = logits.shape[-1]
         tokens: list[mx.array | None] = [None] * len(rows)
         probs: list[mx.array | None] = [None] * len(rows)
         sure: list[mx.array | None] = [None] * len(rows)
         invalid = mx.array(0, dtype=mx.int32)
-        for (cfg, greedy, backend), index in groups_by(rows, lambda r: _draft_key(r.spec.settings)).items():
+        for sampler, index in groups_by(rows, lambda r: r.spec.sampler).items():
             sel = mx.array(index, dtype=mx.int32)
-            group_logits = logits[sel]
-            context = self._context(rows, index, earlier) if cfg.has_penalties else None
-            group_logits = masked_draft_logits(
-                sample_ops.constrain_logits(group_logits, cfg, context),
-                None if allowed is None else allowed[sel],
-            )
-            if greedy:
-                group_tokens = mx.argmax(group_logits, axis=-1).astype(mx.int32)
+            context = self._context(rows, index, earlier) if sampler.cfg.has_penalties else None
+            u = mx.concatenate([uniforms[i] for i in index])
+            drawn = sampler.draft(logits[sel], context, u, None if allowed is None else allowed[sel])
+            group_tokens, group_probs = drawn.tokens, drawn.q
+            if group_probs is None:  # argmax drafts: q one-hot, the confidence the head's plain softmax
                 group_probs = (mx.arange(vocab_size)[None] == group_tokens[:, None]).astype(mx.float32)
+                weights = mx.softmax(logits[sel].astype(mx.float32), axis=-1)
             else:
-                u = mx.concatenate([uniforms[i] for i in index])
-                drawn = sample_ops.sample(group_logits, cfg, u, backend=backend)
-                group_tokens, group_probs = drawn.tokens.astype(mx.int32), drawn.probs
+                weights = group_probs
                 invalid = invalid | drawn.invalid
-            # An argmax draft's q is one-hot: its confidence is the head's plain softmax at it.
-            weights = mx.softmax(logits[sel].astype(mx.float32), axis=-1) if greedy else group_probs
             group_sure = mx.take_along_axis(weights, group_tokens[:, None], axis=-1)[:, 0]
             for j, i in enumerate(index):
                 tokens[i] = group_tokens[j : j + 1]
@@ -268,8 +259,3 @@ class HeadChain:
             sel = mx.array(list(index), dtype=mx.int32)
             context = mx.concatenate([context, mx.stack(earlier, axis=1)[sel]], axis=1)
         return context
-
-
-def _draft_key(settings: DecodeSettings) -> tuple[SamplerConfig, bool, str]:
-    # A greedy request's head draft is its argmax either way (q one-hot).
-    return settings.sampler, settings.greedy_draft or settings.sampler.is_greedy, settings.verify_backend

@@ -5,35 +5,25 @@ Glossary: a *row* is one sequence (`rows.BatchRow`); rows *join* after their own
 and *leave* between cycles (`leave`); ``k_r`` is row r's draft length this cycle, K = max k_r.
 
 One cycle (`BatchDecoder.step`), for all rows at once:
-  1. draft: each drafter proposes for the rows that ask it, batch-first, and returns its data
-     (`draft_block.DraftBlock`: tokens, lengths, q, confidence); the loop merges the blocks per
-     row by the row's sources (`RowSpec.sources`, resolved per request by `drafting`), first
-     match wins: tokens the row's grammar forces (`constraint.ForcedDrafter`), prompt lookup on
-     the host (`lookup_proposer.LookupDrafter`), a draft model on the row's own cache
-     (`draft_model_proposer.ModelDrafter`) or the MTP head chain, one head forward per depth for
-     every row (`head_chain.HeadChain`); each cut to the row's cap (`draft_policy.row_caps`);
+  1. draft (`draft_stage.Drafters.draft`): each drafter proposes for the rows that ask it,
+     batch-first, and returns its data (`draft_block.DraftBlock`); the blocks are merged per row
+     by the row's sources, first match wins (grammar-forced tokens, prompt lookup, a draft model
+     or the MTP head chain), each cut to the row's cap (`draft_policy.row_caps`);
   2. one trunk forward over the block [B, K+1] = [pending_r, d_r1..d_rk_r, padding]; padding sits
      after a row's last real position, so causality keeps it out of every row's logits;
-  3. verify (`rejection.verify`, k = 0 a plain AR step) per group of rows sharing (sampler, k_r,
-     q or point masses): one `SamplerConfig` per call keeps the oracle, the kernel emulation and
-     the fused kernels unchanged and exact; a server's rows mostly share a few settings;
+  3. verify (`verify_stage`): where a row needs its lazy drafts on the host (a grammar row's
+     masks, an adaptive row's cut) one read, taken after the forward is queued; then
+     `TargetSampler.verify` (penalties, grammar mask, `rejection.verify`; k = 0 a plain AR step)
+     per group of rows sharing (target sampler, k_r, q or point masses);
   4. one host sync for every verdict and validity flag; then caches keep n_r + 1 positions per
-     row (`commit_block`) and each drafter follows what its rows committed (`Drafter.commit`:
+     row (`commit_block`) and each drafter follows what its rows committed (`Drafters.commit`:
      the head its true pairs, lookup its block length, a draft model rolls back).
 
-Grammar rows speculate (docs/sampling.md, "Grammar mask": each verified position masked, any q exact):
-  - tokens the grammar forces after the committed text (llguidance's fast-forward tokens) are
-    drafted first, as point masses: where the mask allows only that token its masked target
-    probability is 1, so verify keeps it (JSON keys, braces, tool-call syntax in one cycle);
-  - else a lookup match, cut to its legal prefix (exact for point masses);
-  - else the model drafter: the head's first draft from its masked distribution (its mask is
-    computed between cycles), later drafts unmasked (an illegal one has p = 0 and is rejected,
-    exactly); a draft model's argmax drafts cut to their legal prefix.
-    The verify masks need lazy drafts on the host: one extra read per cycle, taken after the
-    trunk forward is queued so llguidance computes the masks while it runs (`Step.grammar_reads`).
-Adaptive head rows (``adaptive_threshold`` > 0) draft the full depth in the chain; the same read
-(the head's confidences) cuts each such row's block after its first unsure draft, without a host
-read per draft step stalling every row (a drafter returning ``confidence`` gets the same cut).
+Grammar rows speculate like any other (docs/sampling.md, "Grammar mask": each verified position
+masked, any q exact): forced tokens first, a lookup match cut to its legal prefix, else the model
+drafter (`draft_stage`); the verify masks read the drafts once per cycle (`verify_stage`).
+Adaptive head rows draft their full depth in the chain and are cut after their first unsure
+draft by the same read.
 
 Keys split per row per cycle (`block.cycle_keys`): a seeded row with its draft length pinned
 draws the same tokens in a batch as alone, up to float rounding of batched matmuls. Where every
@@ -51,25 +41,24 @@ from collections.abc import Sequence
 
 from mtplx.errors import MtplxError
 from mtplx.sample import ops as sample_ops
-from mtplx.sample import rejection
+from mtplx.spec_decode import verify_stage
 from mtplx.spec_decode.block import (
     Block,
     Cycle,
     CycleKeys,
     Group,
     Verdicts,
-    adaptive_length,
     cycle_keys,
-    group_masks,
     raise_if_invalid,
     row_positions,
 )
-from mtplx.spec_decode.constraint import ForcedDrafter, GrammarConstraint
-from mtplx.spec_decode.draft_block import Outcome, Source, groups_by
-from mtplx.spec_decode.draft_model_proposer import DraftModelProposer, ModelDrafter
-from mtplx.spec_decode.draft_policy import DraftPolicy, row_caps
+from mtplx.spec_decode.constraint import GrammarConstraint
+from mtplx.spec_decode.draft_block import Outcome, Source
+from mtplx.spec_decode.draft_model_proposer import DraftModelProposer
+from mtplx.spec_decode.draft_policy import DraftPolicy
+from mtplx.spec_decode.draft_stage import Drafters
 from mtplx.spec_decode.head_chain import HeadChain, trunk_hidden
-from mtplx.spec_decode.lookup_proposer import LookupDrafter, LookupProposer
+from mtplx.spec_decode.lookup_proposer import LookupProposer
 from mtplx.spec_decode.rows import (
     BatchRow,
     PendingRow,
@@ -85,7 +74,6 @@ from mtplx.spec_decode.step import (
     grammar_step,
     prefill_chunk,
     prefill_last,
-    sample_last_row,
     split_key,
     token_logprobs,
 )
@@ -96,11 +84,6 @@ from mtplx.trunk.row_cache import SingleRowCache
 import mlx.core as mx
 
 __all__ = ["BatchDecoder", "BatchRow", "PendingRow", "RowSpec", "RowsFailed", "TrunkTap"]
-
-# Most grammar-forced tokens looked up per row per cycle (the draft policy then cuts them to its K).
-MAX_FORCED = 8
-# Most tokens a lookup match offers (its own adaptive block length is at most this).
-MAX_LOOKUP = 64
 
 
 class BatchDecoder:
@@ -125,7 +108,7 @@ class BatchDecoder:
             self.cache = BatchCache(trunk.make_cache(), trunk.model)
             head_cache = BatchCache(head.make_cache()) if head is not None else None
         self.chain = HeadChain(head, head_cache, self.cache) if head is not None else None
-        self.forced, self.lookup, self.model = ForcedDrafter(), LookupDrafter(), ModelDrafter()
+        self.drafters = Drafters(self.chain)
         self.rows: list[BatchRow] = []
         self._next_id = 0
         self.policy = policy
@@ -234,7 +217,8 @@ class BatchDecoder:
         constraint = pending.constraint
         mask_mark = constraint.mask_seconds if constraint is not None else 0.0
         allowed = constraint.mask_after() if constraint is not None else None
-        first = sample_last_row(output.logits, prompt_tokens, settings, step_key, allowed)
+        uniform = sample_ops.draw_uniforms((1,), step_key)
+        first = pending.spec.sampler.first_token(output.logits[:, -1, :], [prompt_tokens], uniform, allowed)
         mx.eval(first.tokens, first.invalid, [c.state for c in trunk_cache])
         token = int(first.checked().tokens.item())
         # The grammar takes the token before the row joins: a refusal leaves nothing in the batch.
@@ -352,11 +336,12 @@ class BatchDecoder:
         keys_before = [row.key for row in rows]
         keys = [cycle_keys(row) for row in rows]
         timed, self._rows_moved = not self._rows_moved, False
-        block = self._draft(rows, keys, timed)
+        block = self.drafters.draft(rows, keys, self.policy, timed)
         capture = self.cache.begin_block(block.width + 1)
         try:
             output = self.trunk(block.tokens, self.cache.layers)
-            groups = self._verify(rows, output.logits, block, self._verify_masks(rows, block, output), keys)
+            masks = verify_stage.read_for_verify(rows, block, output)
+            groups = self._verify(rows, output.logits, block, masks, keys)
         except BaseException:
             self.cache.abort_block(capture)
             raise
@@ -381,149 +366,16 @@ class BatchDecoder:
             for row, key in zip(self.rows, cycle.keys_before):
                 row.key = key
 
-    # ------------------------------------------------------------------ the cycle's stages
-    def _draft(self, rows: Sequence[BatchRow], keys: Sequence[CycleKeys], timed: bool) -> Block:
-        """Every row's drafts for this cycle (lazy where a model draws them), merged from the
-        drafters' blocks by each row's sources, first match wins: tokens its grammar forces, a
-        prompt-lookup match (for a grammar row cut to its legal prefix: exact for point masses),
-        then its model drafter (a draft model, continuing a shorter lookup match; or the head
-        chain); each cut to the row's cap (`row_caps`: the draft policy's K, or its own count)."""
-        forced = self.forced.propose(
-            rows,
-            keys,
-            [MAX_FORCED if row.constraint is not None and row.spec.speculative else 0 for row in rows],
-        )
-        found = self.lookup.propose(
-            rows,
-            keys,
-            [MAX_LOOKUP if row.lookup is not None and not g else 0 for row, g in zip(rows, forced.lengths)],
-        )
-        caps, offers = row_caps(
-            self.policy, rows, found.lengths, forced.lengths, self.chain is not None, timed
-        )
-        for i, (row, cap) in enumerate(zip(rows, caps)):
-            for part in (forced, found):
-                part.host_tokens[i] = part.host_tokens[i][:cap]
-            if row.constraint is not None and found.host_tokens[i]:
-                found.host_tokens[i] = found.host_tokens[i][
-                    : row.constraint.legal_prefix(found.host_tokens[i])
-                ]
-            forced.lengths[i], found.lengths[i] = len(forced.host_tokens[i]), len(found.host_tokens[i])
-        parts, chosen = (
-            [forced, found],
-            [0 if g else (1 if f else None) for g, f in zip(forced.lengths, found.lengths)],
-        )
-        model_rows = [
-            int(row.uses_model and not g and f < row.proposer.depth and cap > 0)
-            for row, g, f, cap in zip(rows, forced.lengths, found.lengths, caps)
-        ]
-        if any(model_rows):
-            parts.append(self.model.propose(rows, keys, model_rows, found.host_tokens))
-            chosen = [len(parts) - 1 if m else c for m, c in zip(model_rows, chosen)]
-        head_rows = [
-            min(row.head_length, cap) if row.uses_head and c is None else 0
-            for row, c, cap in zip(rows, chosen, caps)
-        ]
-        if self.chain is not None and any(head_rows):
-            parts.append(self.chain.propose(rows, keys, head_rows))
-            chosen = [len(parts) - 1 if h else c for h, c in zip(head_rows, chosen)]
-        lengths = [
-            min(parts[c].lengths[i], cap) if c is not None else 0
-            for i, (c, cap) in enumerate(zip(chosen, caps))
-        ]
-        host = [
-            ([] if c is None else parts[c].host_tokens[i] if parts[c].host_tokens else None)
-            for i, c in enumerate(chosen)
-        ]
-        block = Block(parts, chosen, lengths, host, offers)
-        block.merge(mx.array([[row.pending] for row in rows], dtype=mx.int32))
-        return block
-
-    def _verify_masks(self, rows: Sequence[BatchRow], block: Block, output: TrunkOutput) -> list | None:
-        """Each row's grammar masks over its verify positions, bool [k_r + 1, V] (None for a free
-        row); None when no row has a grammar. Before them, the cycle's one extra host read where a
-        row needs its lazy drafts on the host, taken after the trunk forward is queued (it runs
-        meanwhile): a grammar row's drafts, for its masks (`Step.grammar_reads`; point masses cut
-        to their legal prefix: an illegal one has p = 0, verify would reject it), and a row's
-        drafter confidences where its length policy cuts (the adaptive head: after the first
-        draft the head gave less than the row's threshold; the rest forwarded but never
-        verified; exact, as the cut reads only the drafts and q)."""
-        adaptive = [
-            block.part(i) is not None
-            and block.part(i).confidence is not None
-            and row.spec.settings.adaptive_threshold > 0
-            for i, row in enumerate(rows)
-        ]
-        reads = [
-            a or (block.part(i) is not None and block.host_drafts[i] is None and row.constraint is not None)
-            for i, (row, a) in enumerate(zip(rows, adaptive))
-        ]
-        if any(reads):
-            mx.async_eval(output.logits)
-            confidences = {
-                id(p.confidence): p.confidence for i, p in enumerate(block.parts) if p.confidence is not None
-            }
-            mx.eval(block.drafts, list(confidences.values()))
-            on_host = block.drafts.tolist()
-            for i, row in enumerate(rows):
-                if adaptive[i]:
-                    sure = block.part(i).confidence[i, : block.lengths[i]].tolist()
-                    block.cut(i, adaptive_length(sure, row.spec.settings.adaptive_threshold))
-                if reads[i]:
-                    self._read_drafts(block, i, on_host[i], row.constraint)
-        if all(row.constraint is None for row in rows):
-            return None
-        return _grammar_masks(rows, block.host_drafts)
-
-    @staticmethod
-    def _read_drafts(block: Block, i: int, on_host: list[int], constraint: GrammarConstraint | None) -> None:
-        """Row i's lazy drafts, read: on the host for its grammar's masks, point masses cut to
-        their legal prefix (sampled drafts are verified as they are); a drafter's own reads
-        (drafting under a mask) count with the row's."""
-        part = block.part(i)
-        block.host_drafts[i] = on_host[: block.lengths[i]]
-        if constraint is None or part is None:
-            return
-        block.grammar_reads[i] = 1 + part.host_reads[i]
-        if part.q is None:
-            block.cut(i, constraint.legal_prefix(block.host_drafts[i]))
-
     def _verify(
         self,
         rows: Sequence[BatchRow],
-        target_logits: mx.array,  # [B, K+1, V]
+        target_logits: mx.array,
         block: Block,
-        masks: list | None,  # per row: bool [k_r + 1, V] or None (`_verify_masks`)
+        masks: list | None,
         keys: Sequence[CycleKeys],
     ) -> list[Group]:
-        """`rejection.verify` per group of rows sharing (sampler, k_r, q or point masses, backend),
-        after each row's penalties and grammar mask (the logit pipeline's order)."""
-        groups: list[Group] = []
-
-        def group_key(i: int):
-            settings = rows[i].spec.settings
-            return settings.sampler, block.lengths[i], block.has_q(i), settings.verify_backend
-
-        for (cfg, k, with_q, backend), index in groups_by(range(len(rows)), group_key).items():
-            sel = mx.array(index, dtype=mx.int32)
-            logits = target_logits[sel, : k + 1]
-            drafts = block.drafts[sel, :k]
-            allowed = group_masks(masks, index, k + 1, int(self.trunk.vocab_size))
-            logits = sample_ops.constrain_logits(
-                logits, cfg, [rows[i].history for i in index], drafts, allowed
-            )
-            sample_u = mx.concatenate([sample_ops.draw_uniforms((1,), keys[i].sample) for i in index])
-            probs = mx.concatenate([block.q(i, k) for i in index]) if with_q and k else None
-            accept_u = (  # k = 0: a plain AR step, verify samples row 0
-                mx.concatenate([sample_ops.draw_uniforms((1, k), keys[i].accept) for i in index])
-                if k
-                else mx.zeros((len(index), 0), dtype=mx.float32)
-            )
-            result = rejection.verify(logits, drafts, probs, cfg, accept_u, sample_u, backend=backend)
-            groups.append(
-                Group(index, result.num_accepted, result.next_token, result.accept_probs, result.invalid)
-            )
-        return groups
+        """The verify stage's groups (`verify_stage.verify_groups`) over the trunk's vocabulary."""
+        return verify_stage.verify_groups(rows, target_logits, block, masks, keys, int(self.trunk.vocab_size))
 
     def _commit(
         self,
@@ -543,9 +395,7 @@ class BatchDecoder:
         outcome = Outcome(
             output, verdicts.num_accepted, committed, [block.sources(i) for i in range(len(rows))]
         )
-        for drafter in (self.chain, self.lookup, self.model):  # each follows what its rows committed
-            if drafter is not None:
-                drafter.commit(rows, outcome)
+        self.drafters.commit(rows, outcome)
         steps: dict[int, Step] = {}
         for i, row in enumerate(rows):
             n, k, kind = verdicts.num_accepted[i], block.lengths[i], block.kind(i)
@@ -571,13 +421,3 @@ class BatchDecoder:
                 **grammar,
             )
         return steps
-
-
-def _grammar_masks(rows: Sequence[BatchRow], host_drafts: Sequence[list[int]]) -> list:
-    """Per row, bool [k_r + 1, V]: the grammar's mask at each verify position [pending, d_1..d_k]
-    (`GrammarConstraint.block_masks`: after a refused or EOS draft, all allowed); None for a
-    free row."""
-    return [
-        row.constraint.block_masks(drafts) if row.constraint is not None else None
-        for row, drafts in zip(rows, host_drafts)
-    ]

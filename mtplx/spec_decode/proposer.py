@@ -1,6 +1,6 @@
 """A single-row drafter's block (`Draft`, what a draft model returns for one row before
-`draft_model_proposer.stacked_block` stacks the rows) and the draws model drafters share
-(`draw_draft_token`, `masked_draft_logits`). The batch-first contract is `draft_block`.
+`draft_model_proposer.stacked_block` stacks the rows). The batch-first contract is `draft_block`;
+model drafters draw through the row's `mtplx.sample.target.TargetSampler.draft`.
 
 The shape follows vLLM's spec_decode (vllm/v1/spec_decode/{ngram_proposer,eagle}.py
 beside vllm/v1/sample/rejection_sampler.py): proposers only propose; one
@@ -20,9 +20,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-from mtplx.sample import ops as sample_ops
-from mtplx.spec_decode.settings import DecodeSettings
 
 import mlx.core as mx
 
@@ -64,42 +61,6 @@ def join_drafts(parts: Sequence[Draft]) -> Draft:
         for p in parts
     ]
     return Draft(tokens, mx.concatenate(rows, axis=1), sources, invalid)
-
-
-def draw_draft_token(
-    logits: mx.array,
-    context: mx.array | None,
-    settings: DecodeSettings,
-    uniform: mx.array,
-    allowed: mx.array | None = None,
-) -> tuple[mx.array, mx.array | None, mx.array | None]:
-    """One model draft from logits[1, V]: (token [1] int32, q [1, V] or None for an argmax draft,
-    the sampler's lazy validity flag or None), drawn as ``settings`` say (sampler, greedy, backend).
-
-    ``context`` [1, C] holds the committed tokens and the drafts before this one, so the
-    request's penalties see what the target will see at this position. ``allowed`` [V]: the
-    grammar's mask at this position (the target's order: penalties, mask, filters); q is then the
-    masked distribution (uniform over the allowed tokens where the drafter gives them all 0).
-    No host sync.
-    """
-    cfg = settings.sampler
-    logits = masked_draft_logits(sample_ops.constrain_logits(logits, cfg, context), allowed)
-    if settings.greedy_draft:
-        return mx.argmax(logits, axis=-1).astype(mx.int32), None, None
-    drawn = sample_ops.sample(logits, cfg, uniform, backend=settings.verify_backend)
-    return drawn.tokens.astype(mx.int32), drawn.probs, drawn.invalid
-
-
-def masked_draft_logits(logits: mx.array, allowed: mx.array | None) -> mx.array:
-    """A drafter's logits [B, V] (penalized) under the grammar's mask ``allowed`` [B, V] or [V]
-    (None: returned as they are). A drafter may give every allowed token probability 0 (a head
-    with a narrowed vocabulary): then it drafts uniformly among them. Any q keeps verify exact,
-    and the draft stays legal."""
-    if allowed is None:
-        return logits
-    masked = sample_ops.mask_logits(logits, allowed)
-    nothing = mx.all(masked == -mx.inf, axis=-1, keepdims=True)
-    return mx.where(nothing, mx.where(allowed, 0.0, -mx.inf), masked)
 
 
 def stacked_draft(

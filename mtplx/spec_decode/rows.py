@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from mtplx.sample.target import TargetSampler, target_sampler
 from mtplx.spec_decode.constraint import GrammarConstraint
 from mtplx.spec_decode.draft_model_proposer import DraftModelProposer
 from mtplx.spec_decode.draft_policy import RowAcceptance, drafter_records
@@ -40,6 +41,13 @@ class RowSpec:
     @property
     def speculative(self) -> bool:
         return bool(self.sources)
+
+    @property
+    def sampler(self) -> TargetSampler:
+        """The row's target sampler (its sampler, verify backend and draft rule; one shared object
+        per configuration): the first token, the drafters' draws and verify go through it."""
+        s = self.settings
+        return target_sampler(s.sampler, s.verify_backend, s.greedy_draft)
 
 
 @dataclass

@@ -10,9 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from mtplx.sample import ops as sample_ops
 from mtplx.spec_decode.constraint import GrammarConstraint
-from mtplx.spec_decode.settings import DecodeSettings
 from mtplx.trunk.model import Trunk, TrunkOutput
 
 import mlx.core as mx
@@ -25,7 +23,6 @@ __all__ = [
     "prefill",
     "prefill_chunk",
     "prefill_last",
-    "sample_last_row",
     "split_key",
     "token_logprobs",
 ]
@@ -146,20 +143,6 @@ def prefill_last(
     if on_chunk is not None:
         on_chunk(output, last, last + 1)
     return output
-
-
-def sample_last_row(
-    logits: mx.array,
-    history: list[int],
-    settings: DecodeSettings,
-    key: mx.array,
-    allowed: mx.array | None = None,
-) -> sample_ops.SampleResult:
-    """The next token from the last row of logits[1, T, V], penalized by ``history`` and masked by
-    ``allowed`` [V] (the grammar's mask; None: none). Lazy."""
-    cfg = settings.sampler
-    last = sample_ops.constrain_logits(logits[:, -1, :], cfg, [history], allowed=allowed)
-    return sample_ops.sample(last, cfg, sample_ops.draw_uniforms((1,), key), backend=settings.verify_backend)
 
 
 def grammar_step(

@@ -9,7 +9,7 @@ import types
 import mtplx.sample  # noqa: F401  (optimized BLAS before mlx)
 from mtplx import sampling
 from mtplx.errors import MtplxError
-from mtplx.sample import ops as ops_module
+from mtplx.sample import filters as filters_module
 from mtplx.sample.ops import (
     INVALID_DRAFTS,
     INVALID_LOGITS,
@@ -197,7 +197,7 @@ def test_sample_and_filtered_probs_match_reference(seed: int, cfg_name: str) -> 
 def test_large_nucleus_top_p_matches_reference(nucleus: str, queued: bool, monkeypatch) -> None:
     """Nuclei beyond the first (256) and second (4096) candidate pools, with the fallbacks
     launched when a row needs them (the CPU policy) or queued for every row (the GPU policy)."""
-    monkeypatch.setattr(ops_module, "_queue_top_p_fallbacks", lambda: queued)
+    monkeypatch.setattr(filters_module, "_queue_top_p_fallbacks", lambda: queued)
     seed = resolve(FRESH)
     rng = np.random.default_rng(seed)
     vocab_size = 3000 if nucleus == "second_pool" else 9000
@@ -492,7 +492,7 @@ def test_auto_backend_uses_a_fused_kernel_when_one_exists(monkeypatch: pytest.Mo
     fake_kernels.get_fused = lambda name: fake_fused_verify if name == "verify" else None
     monkeypatch.setitem(sys.modules, "mtplx.sample.kernels", fake_kernels)
     monkeypatch.setattr(mtplx.sample, "kernels", fake_kernels, raising=False)
-    monkeypatch.setattr(ops_module, "_kernels_missing", False)
+    monkeypatch.setattr(filters_module, "_kernels_missing", False)
     target, drafts = mx.zeros((1, 2, 4)), mx.zeros((1, 1), dtype=mx.int32)
     fused = verify(target, drafts, None, SamplerConfig(), mx.ones((1, 1)), mx.ones((1,)))
     assert fused[:3] == ("num_accepted", "next_token", "accept_probs")

@@ -16,7 +16,7 @@ import types
 import mtplx.sample  # noqa: F401  (optimized BLAS before mlx)
 from mtplx import sampling
 from mtplx.sample import emulation
-from mtplx.sample import ops as ops_module
+from mtplx.sample import filters as filters_module
 from mtplx.sample.kernels import row_params
 from mtplx.sample.ops import INVALID_LOGITS, penalize_logits, sample
 from mtplx.sample.rejection import verify
@@ -305,7 +305,7 @@ def test_k0_auto_dispatch_uses_the_fused_sample_kernel(monkeypatch: pytest.Monke
     fake_kernels.get_fused = fused
     monkeypatch.setitem(sys.modules, "mtplx.sample.kernels", fake_kernels)
     monkeypatch.setattr(mtplx.sample, "kernels", fake_kernels, raising=False)
-    monkeypatch.setattr(ops_module, "_kernels_missing", False)
+    monkeypatch.setattr(filters_module, "_kernels_missing", False)
     result = verify_without_drafts(mx.zeros((1, 1, 4)), SamplerConfig(), mx.ones((1,)), "auto")
     assert calls == ["sample"] and result.next_token.item() == 2 and result.num_accepted.item() == 0
     # backend="mlx" never reaches a fused kernel: uniform p, u = 1 draws the last token.

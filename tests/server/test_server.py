@@ -461,6 +461,45 @@ def test_request_timeout_is_a_504_in_the_openai_shape(engine, stream):
     _assert_latency_histograms(after, {}, [reply["mtplx"]["prefill_seconds"]])
 
 
+def test_a_failed_scheduler_step_fails_the_jobs_in_flight_and_the_worker_serves_on(engine, monkeypatch):
+    """A step that raises (a bug, not a user error; injected here) ends the worker's drive loop:
+    every job in flight is a 500 and an error abort in /metrics, the scheduler drops its rows, and
+    the worker drives on: the next request gets the tokens it gets alone. Without the recovery the
+    generation thread dies and the next request times out (a 504 here)."""
+    from mtplx.engine.scheduler import BatchScheduler
+    from mtplx.server.app import create_app
+    from mtplx.server.settings import ServerSettings
+    from mtplx.server.worker import GenerationWorker
+
+    from fastapi.testclient import TestClient
+
+    honest_step, failures = BatchScheduler.step, [1]
+
+    def failing_once(self):
+        if failures:
+            failures.pop()
+            raise RuntimeError("injected step failure")
+        return honest_step(self)
+
+    monkeypatch.setattr(BatchScheduler, "step", failing_once)
+    worker = GenerationWorker(engine, max_queue=4)
+    worker.start()
+    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}
+    try:
+        app = create_app(worker, ServerSettings(model_id="tiny", request_timeout=60))
+        with TestClient(app) as http:
+            failed = http.post("/v1/completions", json=body)
+            served = http.post("/v1/completions", json=body)
+            scraped = _scrape(http)
+    finally:
+        worker.stop()
+    assert failed.status_code == 500 and failed.json()["error"]["type"] == "server_error"
+    expected = engine.generate("Once upon a time", max_tokens=4, temperature=0.0, chat=False)
+    assert served.status_code == 200 and served.json()["choices"][0]["text"] == expected.text
+    assert scraped[("mtplx_request_aborted_total", (("reason", "error"),))] == 1
+    assert worker.running == 0 and not worker.busy
+
+
 def test_every_v1_route_needs_the_key_and_health_does_not(server, model_id):
     base, _ = server
     for method, path in [

@@ -11,6 +11,7 @@ import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.errors import MtplxError
 from mtplx.sample import ops as sample_ops
 from mtplx.sample import rejection
+from mtplx.sample.target import TargetSampler
 from mtplx.sampling import SamplerConfig
 from mtplx.spec_decode import draft_model_proposer as draft_model_module
 from mtplx.spec_decode.draft_model_proposer import DraftModelProposer
@@ -316,13 +317,13 @@ def test_chi_square_catches_a_point_mass_rejection_that_keeps_the_draft(monkeypa
 
 def test_chi_square_catches_a_draft_model_reporting_the_wrong_q(monkeypatch):
     """Negative control for the draft model: a q that is not the one the draft was drawn from."""
-    honest_draw = draft_model_module.draw_draft_token
+    honest_draw = TargetSampler.draft
 
-    def uniform_q(logits, *args, **kwargs):
-        token, q, invalid = honest_draw(logits, *args, **kwargs)
-        return token, mx.full(q.shape, 1.0 / q.shape[-1]), invalid
+    def uniform_q(self, logits, *args, **kwargs):
+        drawn = honest_draw(self, logits, *args, **kwargs)
+        return drawn._replace(q=mx.full(drawn.q.shape, 1.0 / drawn.q.shape[-1]))
 
-    monkeypatch.setattr(draft_model_module, "draw_draft_token", uniform_q)
+    monkeypatch.setattr(TargetSampler, "draft", uniform_q)
     counts, expected = sampled_counts(CHI_SQUARE_MODEL, "model", SamplerConfig(temperature=1.0), 500, 98)
     assert loop_p_value(counts, expected) < FALSE_FAILURE_RATE
 

@@ -18,7 +18,7 @@ from mtplx.engine.grammar_spec import Grammar
 from mtplx.errors import MtplxError
 from mtplx.sampling import SamplerConfig, distribution_from_logits
 from mtplx.spec_decode import head_chain as head_module
-from mtplx.spec_decode import loop as loop_module
+from mtplx.spec_decode import verify_stage
 from mtplx.spec_decode.block import Block
 from mtplx.spec_decode.constraint import GrammarConstraint
 from mtplx.spec_decode.draft_block import DraftBlock
@@ -371,7 +371,7 @@ def test_grammar_rows_in_a_batch_match_the_oracle(compiler):
 def test_chi_square_catches_a_rows_mask_applied_to_its_neighbour(compiler, monkeypatch):
     """Negative control: each grammar row verifies under the next grammar row's masks (another
     row's state: legal tokens in the wrong proportions, or tokens its own grammar refuses)."""
-    honest = loop_module._grammar_masks
+    honest = verify_stage.grammar_masks
 
     def neighbours(rows, host_drafts):
         masks = honest(rows, host_drafts)
@@ -381,7 +381,7 @@ def test_chi_square_catches_a_rows_mask_applied_to_its_neighbour(compiler, monke
             shifted[a] = mx.concatenate([masks[b], mx.repeat(masks[b][-1:], 8, axis=0)])[: masks[a].shape[0]]
         return shifted
 
-    monkeypatch.setattr(loop_module, "_grammar_masks", neighbours)
+    monkeypatch.setattr(verify_stage, "grammar_masks", neighbours)
     try:
         p_values, _ = _batch_p_values(compiler, 2468, num_samples=4 * 100)
     except MtplxError:  # a token the row's own grammar refuses: caught as well
@@ -464,7 +464,7 @@ def test_chi_square_catches_a_forced_draft_accepted_where_two_tokens_were_allowe
     """Negative control: the guessed "forced" token is kept without verify (its position's mask
     narrowed to it, as if the grammar allowed it alone)."""
     _guess_forced(monkeypatch)
-    honest = loop_module._grammar_masks
+    honest = verify_stage.grammar_masks
 
     def accepted_unverified(rows, host_drafts):
         masks = honest(rows, host_drafts)
@@ -474,7 +474,7 @@ def test_chi_square_catches_a_forced_draft_accepted_where_two_tokens_were_allowe
                 masks[i] = mx.concatenate([only[None], masks[i][1:]])
         return masks
 
-    monkeypatch.setattr(loop_module, "_grammar_masks", accepted_unverified)
+    monkeypatch.setattr(verify_stage, "grammar_masks", accepted_unverified)
     p_values, _ = _batch_p_values(compiler, 1357, num_samples=4 * 100)
     assert min(p_values[kind] for kind in ("head", "lookup")) < FALSE_FAILURE_RATE, p_values
 
@@ -536,15 +536,15 @@ def test_point_mass_drafts_are_cut_and_sampled_drafts_kept(compiler):
     constraint = compiler.compile(Grammar.lark(LOOP_GRAMMAR))
     tokens = mx.array([encode("abd,")], dtype=mx.int32)
     block = _one_row_block(tokens, Source.MODEL)
-    BatchDecoder._read_drafts(block, 0, encode("abd,"), constraint)
+    verify_stage._read_drafts(block, 0, encode("abd,"), constraint)
     assert block.sources(0) == ((Source.MODEL, 3),) and block.grammar_reads == [1]
     assert block.lengths == [3] and block.host_drafts == [encode("abd")] and block.kind(0) is Source.MODEL
     refused = _one_row_block(tokens[:, 2:], Source.MODEL)
-    BatchDecoder._read_drafts(refused, 0, encode("d,"), constraint)
+    verify_stage._read_drafts(refused, 0, encode("d,"), constraint)
     assert refused.chosen == [None] and refused.lengths == [0] and refused.kind(0) is None
     q = mx.full((1, 4, VOCAB), 1.0 / VOCAB)
     sampled = _one_row_block(tokens, Source.MODEL, q)
-    BatchDecoder._read_drafts(sampled, 0, encode("abd,"), constraint)
+    verify_stage._read_drafts(sampled, 0, encode("abd,"), constraint)
     assert sampled.lengths == [4] and sampled.has_q(0)
     rows = np.array(constraint.block_masks(sampled.host_drafts[0]))
     assert rows.shape == (5, VOCAB)
@@ -599,21 +599,21 @@ def test_masks_allow_eos_only_where_the_grammar_accepts_and_never_ids_past_the_t
 def test_a_drafter_that_gives_every_allowed_token_zero_drafts_uniformly_among_them():
     """A head with a narrowed vocabulary can put -inf on every token the grammar allows: its draft
     is then uniform over the allowed tokens (legal, with the q it was drawn from), not token 0."""
-    from mtplx.spec_decode.proposer import draw_draft_token
+    from mtplx.sample.target import target_sampler
 
     logits = mx.array([[0.0, 5.0, -mx.inf, -mx.inf, 1.0, -mx.inf]])
     allowed = mx.array([False, False, True, True, False, True])
-    settings = DecodeSettings(sampler=SamplerConfig(temperature=0.7, top_p=0.9))
+    sampler = target_sampler(SamplerConfig(temperature=0.7, top_p=0.9))
     for u in (0.1, 0.5, 0.9):
-        token, q, invalid = draw_draft_token(logits, None, settings, mx.array([u]), allowed)
+        token, q, invalid = sampler.draft(logits, None, mx.array([u]), allowed)
         assert int(token[0]) in (2, 3, 5) and int(invalid) == 0
         np.testing.assert_allclose(np.array(q[0]), [0, 0, 1 / 3, 1 / 3, 0, 1 / 3], rtol=1e-6)
     partly = mx.array([False, True, True, False, True, False])  # the drafter's own masked distribution
-    _, q, _ = draw_draft_token(logits, None, DecodeSettings(sampler=SamplerConfig()), mx.array([0.5]), partly)
+    _, q, _ = target_sampler(SamplerConfig()).draft(logits, None, mx.array([0.5]), partly)
     expected = np.exp([5.0, 1.0]) / np.exp([5.0, 1.0]).sum()
     np.testing.assert_allclose(np.array(q[0])[[1, 4]], expected, rtol=1e-6)
-    greedy = DecodeSettings(sampler=SamplerConfig(temperature=0.0), greedy_draft=True)
-    assert int(draw_draft_token(logits, None, greedy, mx.array([0.5]), allowed)[0][0]) == 2
+    greedy = target_sampler(SamplerConfig(temperature=0.0), greedy_draft=True)
+    assert int(greedy.draft(logits, None, mx.array([0.5]), allowed).tokens[0]) == 2
 
 
 @pytest.mark.parametrize("greedy_draft", [False, True])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import mtplx  # noqa: F401  (BLAS before mlx)
+from mtplx.sample import filters as sample_filters
 from mtplx.sample import ops as sample_ops
 from mtplx.sample import rejection
 from mtplx.sample.params import SamplerConfig
@@ -123,7 +124,7 @@ def test_one_host_sync_per_mtp_cycle(monkeypatch, case: str, greedy_draft: bool)
     import mlx.core as mx
     from support.sync_counter import syncs_after_prefill
 
-    monkeypatch.setattr(sample_ops, "_queue_top_p_fallbacks", lambda: True)
+    monkeypatch.setattr(sample_filters, "_queue_top_p_fallbacks", lambda: True)
     trunk, head = make_loop_pair(vocab_size=300, seed=3, logit_scale=8.0)
     settings = decode.DecodeSettings(sampler=SYNC_CASES[case], depth=3, greedy_draft=greedy_draft)
     steps = mtp_decode(trunk, head, PROMPT, settings, mx.random.key(0))
@@ -150,7 +151,7 @@ def test_logprobs_cost_one_extra_sync_per_cycle(monkeypatch) -> None:
     import mlx.core as mx
     from support.sync_counter import counting_syncs
 
-    monkeypatch.setattr(sample_ops, "_queue_top_p_fallbacks", lambda: True)
+    monkeypatch.setattr(sample_filters, "_queue_top_p_fallbacks", lambda: True)
     trunk, head = make_loop_pair(vocab_size=300, seed=3, logit_scale=8.0)
     settings = decode.DecodeSettings(sampler=SamplerConfig(temperature=0.7), depth=3, logprobs=5)
     steps = mtp_decode(trunk, head, PROMPT, settings, mx.random.key(0))
