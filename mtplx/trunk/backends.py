@@ -76,13 +76,13 @@ class TrunkBackend:
 # model type -> what its trunk brings that the trunk contract must respect.
 MLX_VLM_TEXT_FAMILIES: dict[str, str] = {
     "hy_v4": "Hunyuan-V4: DeepSeek-V3.2 MLA with the DSA indexer, hyper-connections (hc_mult streams)",
+    "qwen4_exp": "Qwen3.8-Flash-Next: gated-delta layers (PLE n-gram embeddings, short convolutions) and "
+    "QSA sparse attention, hyper-connections (hc_count streams); mlx-vlm's own caches",
 }
 
 # Families mlx-vlm 0.7.10 has a module for that mtplx does not host yet: the model type -> what
 # is missing (the backend refuses them in one line with this reason, never loads them unchecked).
 NOT_HOSTED_YET: dict[str, str] = {
-    "qwen4_exp": "its gated-delta, PLE-conv and compressed QSA-indexer caches have no exact rollback here, "
-    "and its MTP head reads the hyper-connection streams, not a normed state",
     "deepseek_v4": "its compressed PoolingCache has no exact rollback here, and its MTP head reads and "
     "chains on the hyper-connection streams",
     "glm5_next": "its recurrent ArraysCache and PoolingCache have no exact rollback here",

@@ -18,6 +18,14 @@ trunk contract is unchanged:
   model's. mlx-vlm's language code reads only the methods both share (``offset``,
   ``update_and_fetch``, ``keys`` / ``values``, ``make_mask``); the equivalence is checked by
   comparing logits with mlx-vlm's own forward on its own caches (``tests/trunk/test_vlm_text.py``);
+* families whose caches have no mlx-lm equivalent (``NATIVE_CACHE_FAMILIES``: Qwen3.8-Flash-Next's
+  QSA KV cache with the indexer's raw keys, its gated-delta and PLE ``ArraysCache`` s) keep
+  mlx-vlm's own caches; `mtplx.trunk.rollback_vlm` rolls them back through mlx-vlm's own
+  speculative cache transaction (checked against plain decoding in ``tests/trunk/test_cache.py``);
+* a family without a final norm (``FINAL_MIXERS``: Qwen3.8-Flash-Next collapses its ``hc_count``
+  hyper-connection streams with ``hyper_connection_mixer`` and has no ``norm``) shows that module
+  to the trunk as ``norm``, outside the parameter tree: the tap's ``pre`` is then the streams
+  [B, T, hc_count * hidden] and ``post`` the mixed state the LM head reads;
 * exactness hooks (``EXACTNESS_HOOKS``): where mlx-vlm's forward is not the same function of the
   tokens at every context length, the module-level function responsible is replaced by the same
   math done exactly (Hunyuan-V4's indexer top-k: `_exact_partition_scores` says why).
@@ -36,6 +44,8 @@ import mlx.nn as nn
 __all__ = [
     "CACHE_EQUIVALENTS",
     "EXACTNESS_HOOKS",
+    "FINAL_MIXERS",
+    "NATIVE_CACHE_FAMILIES",
     "VlmTextModel",
     "install_exactness_hooks",
     "load",
@@ -64,6 +74,13 @@ def _rotating(cache: Any):
 # mlx-vlm cache class (by its base's name in mlx_vlm.models.cache, a family's subclass included:
 # hy_v4's HyV4KVCache only sizes its buffer differently) -> mlx-lm's equivalent.
 CACHE_EQUIVALENTS = {"KVCache": _kv, "CacheList": _cache_list, "RotatingKVCache": _rotating}
+
+
+# Families whose every cache stays mlx-vlm's own (`mtplx.trunk.rollback_vlm` rolls them back).
+NATIVE_CACHE_FAMILIES = frozenset({"qwen4_exp"})
+
+# Families without a final norm: model type -> the inner model's module that makes the LM head's input.
+FINAL_MIXERS = {"qwen4_exp": "hyper_connection_mixer"}
 
 
 def lm_cache_like(cache: Any):
@@ -136,6 +153,11 @@ class VlmTextModel(nn.Module):
         self.language_model = language_model
         self.model_type = model_type
         self.args = getattr(language_model, "args", None)
+        if model_type in FINAL_MIXERS:
+            inner = language_model.model
+            # An attribute only (object.__setattr__: not a child module), so the parameter tree,
+            # loading, quantization and fingerprints are mlx-vlm's own.
+            object.__setattr__(inner, "norm", getattr(inner, FINAL_MIXERS[model_type]))
 
     def __call__(self, inputs: mx.array, cache: list | None = None, input_embeddings: mx.array | None = None):
         return self.language_model(inputs, cache=cache, inputs_embeds=input_embeddings).logits
@@ -145,6 +167,8 @@ class VlmTextModel(nn.Module):
         return self.language_model.model.layers
 
     def make_cache(self) -> list:
+        if self.model_type in NATIVE_CACHE_FAMILIES:
+            return self.language_model.make_cache()
         return [lm_cache_like(c) for c in self.language_model.make_cache()]
 
 

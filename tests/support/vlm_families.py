@@ -184,3 +184,174 @@ def tiny_hy_v4(vocab_size: int = HY_V4_VOCAB, *, seed: int = 0, hc_mult: int = 2
     wrapped = VlmTextModel(model, "hy_v4")
     wrapped.eval()
     return wrapped
+
+
+# --------------------------------------------------------------------------- Qwen3.8-Flash-Next
+
+QWEN4_EXP_VOCAB = 96
+QWEN4_EXP_HIDDEN = 64
+
+
+def qwen4_exp_config(layers: int = 4, hc_count: int = 2) -> dict:
+    """Qwen3.8-Flash-Next (``qwen4_exp``) shrunk, the published config.json's shape (a top-level
+    ``text_config`` and ``vision_config``; keys from mlx-vlm 0.7.10's ``models/qwen4_exp/config.py``
+    ``TextConfig``): gated-delta layers with a sparse-attention (QSA) layer every second one, the
+    first layer with a PLE n-gram embedding, ``hc_count`` hyper-connection streams, a 4-expert
+    MoE with a shared expert; the QSA indexer keeps 2 blocks of 2 keys (``indexer_budget`` 4), so
+    it selects at test lengths. The vision tower is declared (one tiny block) and not shipped."""
+    text = {
+        "model_type": "qwen4_exp_text",
+        "hidden_size": QWEN4_EXP_HIDDEN,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "linear_num_value_heads": 2,
+        "linear_num_key_heads": 1,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "shared_expert_intermediate_size": 32,
+        "moe_intermediate_size": 32,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": QWEN4_EXP_VOCAB,
+        "max_position_embeddings": 512,
+        "hc_count": hc_count,
+        "hc_lowrank": 16,
+        "full_attention_interval": 2,
+        "ple_layer_ids": [1],
+        "ple_embed_dim": 32,
+        "ple_conv_kernel_size": 2,
+        "ngram_size": 3,
+        "heads_per_ngram": 2,
+        "ngram_vocab_size_base": 50,
+        "make_ngram_vocab_size_divisible_by": 8,
+        "split_ngram_parts": 2,
+        "indexer_n_heads": 2,
+        "indexer_kv_heads": 1,
+        "indexer_head_dim": 16,
+        "indexer_budget": 4,
+        "indexer_compress_ratio": 2,
+        "mtp_num_hidden_layers": 1,
+        "eos_token_id": 1,  # support.tokenizer.word_level's EOS
+        "tie_word_embeddings": False,
+        "rope_parameters": {
+            "rope_type": "default",
+            "mrope_section": [2, 1, 1],
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.25,
+        },
+    }
+    vision = {
+        "model_type": "qwen4_exp",
+        "depth": 1,
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "out_hidden_size": QWEN4_EXP_HIDDEN,
+        "num_heads": 2,
+        "patch_size": 4,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "num_position_embeddings": 16,
+        "deepstack_visual_indexes": [],
+    }
+    return {
+        "model_type": "qwen4_exp",
+        "architectures": ["Qwen4ExpForConditionalGeneration"],
+        "text_config": text,
+        "vision_config": vision,
+        "vocab_size": QWEN4_EXP_VOCAB,
+        "image_token_id": 90,
+        "video_token_id": 91,
+        "vision_start_token_id": 92,
+        "vision_end_token_id": 93,
+        "eos_token_id": 1,
+        "tie_word_embeddings": False,
+    }
+
+
+def _qwen4_exp_published(prefix: str, name: str, v: mx.array, out: dict) -> None:
+    """One mlx-vlm parameter under its published name (the reverse of ``Model.sanitize``): the
+    experts fused as ``experts.gate_up_proj`` [E, 2I, H] / ``experts.down_proj`` (no ``.weight``),
+    convolutions [C, 1, K], PLE shards ``ngram_embedding.shard_{i}``."""
+    if ".switch_mlp." in name:
+        stem = name.split(".switch_mlp.")[0]
+        if name.endswith("up_proj.weight"):
+            return  # written with gate_proj
+        if name.endswith("gate_proj.weight"):
+            out[f"{prefix}{stem}.experts.gate_up_proj"] = v  # completed by _fuse_experts
+            return
+        out[f"{prefix}{stem}.experts.down_proj"] = v
+        return
+    if name.endswith("conv1d.weight"):
+        v = v.moveaxis(2, 1)
+    out[prefix + name.replace(".ngram_embedding.shards.", ".ngram_embedding.shard_")] = v
+
+
+def _qwen4_exp_tensors(module: nn.Module, prefix: str) -> dict[str, mx.array]:
+    params = dict(tree_flatten(module.parameters()))
+    out: dict[str, mx.array] = {}
+    for name, v in params.items():
+        _qwen4_exp_published(prefix, name, v, out)
+    for name, v in params.items():
+        if name.endswith("switch_mlp.up_proj.weight"):
+            key = f"{prefix}{name.split('.switch_mlp.')[0]}.experts.gate_up_proj"
+            out[key] = mx.concatenate([out[key], v], axis=-2)
+    return out
+
+
+def qwen4_exp_mtp_module(text_args) -> nn.Module:
+    """mlx-vlm's Qwen3.8-Flash-Next MTP drafter's modules (what the checkpoint ships under ``mtp.``)."""
+    from mlx_vlm.speculative.drafters.qwen4_exp_mtp import Model, ModelConfig
+
+    return Model(ModelConfig(text_config=text_args))
+
+
+def qwen4_exp(
+    path: Path,
+    *,
+    seed: int = 0,
+    context_strength: float | None = None,
+    hc_count: int = 2,
+    ship_mtp: bool = True,
+) -> Tiny:
+    """A Qwen3.8-Flash-Next checkpoint (see ``qwen4_exp_config``): the trunk under
+    ``model.language_model.``, ``lm_head``, the MTP predictor under ``mtp.`` (mlx-vlm's splitter
+    reads those). Float32 throughout (published: bfloat16 / FP8)."""
+    from mlx_vlm.models.qwen4_exp.config import ModelConfig
+    from mlx_vlm.models.qwen4_exp.language import LanguageModel
+
+    config = qwen4_exp_config(hc_count=hc_count)
+    args = ModelConfig.from_dict(config)
+    model = LanguageModel(args.text_config, args)
+    randomize(model, seed)
+    if context_strength is not None:
+        scale_outputs(model, context_strength)
+    tensors = _qwen4_exp_tensors(model.model, "model.language_model.")
+    tensors["lm_head.weight"] = model.lm_head.weight
+    if ship_mtp:
+        mtp = qwen4_exp_mtp_module(args.text_config)
+        randomize(mtp, seed + 1)
+        if context_strength is not None:
+            scale_outputs(mtp, context_strength)
+        tensors.update(_qwen4_exp_tensors(mtp, "mtp."))
+    return write_checkpoint(path, tensors, config)
+
+
+def tiny_qwen4_exp(vocab_size: int = QWEN4_EXP_VOCAB, *, seed: int = 0, hc_count: int = 2):
+    """An in-memory Qwen3.8-Flash-Next trunk as mtplx hosts it (float32, random weights)."""
+    from mtplx.trunk.vlm_text import VlmTextModel
+
+    from mlx_vlm.models.qwen4_exp.config import ModelConfig
+    from mlx_vlm.models.qwen4_exp.language import LanguageModel
+
+    config = qwen4_exp_config(hc_count=hc_count)
+    config["text_config"]["vocab_size"] = config["vocab_size"] = vocab_size
+    args = ModelConfig.from_dict(config)
+    model = LanguageModel(args.text_config, args)
+    randomize(model, seed)
+    wrapped = VlmTextModel(model, "qwen4_exp")
+    wrapped.eval()
+    return wrapped

@@ -69,6 +69,11 @@ def _canonical(c) -> tuple[int, list[mx.array]]:
         return c.offset, _rotating_window(c)
     if type(c) is ArraysCache:
         return -1, list(c.cache)
+    if type(c).__name__ == "QSAKVCache":  # mlx-vlm's (Qwen3.8-Flash-Next): KV + the indexer's raw keys
+        kept = [c.keys[..., : c.offset, :], c.values[..., : c.offset, :]]
+        return c.offset, kept + [c.index_keys[:, : c.offset], c.index_position_ids[..., : c.offset]]
+    if type(c).__name__ == "ArraysCache":  # mlx-vlm's: gated-delta conv + state, PLE window + n-gram history
+        return -1, list(c.cache)
     raise AssertionError(f"unexpected cache type {type(c).__name__}")
 
 
@@ -150,6 +155,8 @@ def run_cycles(
         num_keep = num_keep or int(rng.integers(1, block_len + 1))
         block = [pending] + rng.integers(0, models.ROLLBACK_VOCAB, size=block_len - 1).tolist()
         told = block_len if rng.random() < 0.5 else None  # the decode loop may or may not pass it
+        if any(type(c).__module__.startswith("mlx_vlm.") for c in cache_leaves(cache)):
+            told = block_len  # mlx-vlm's transactions need it (the decode loop always passes it)
         capture = cache_ops.begin_block(cache, told)
         logits = model(mx.array(block)[None], cache=cache)
         mx.eval(logits)
@@ -176,6 +183,8 @@ MODELS = {
     "gemma3_rotating": ("gemma3", None),
     "nemotron_h_hybrid": ("nemotron_h", None),
     "hy_v4_dsa": ("hy_v4", None),  # mlx-vlm's language model: CacheList(MLA KV, indexer KV) per layer
+    # mlx-vlm's own caches: QSAKVCache (KV + QSA indexer keys), gated-delta and PLE ArraysCaches
+    "qwen4_exp_qsa_hybrid": ("qwen4_exp", None),
 }
 
 
@@ -266,7 +275,9 @@ def test_negative_control_skipped_ssm_rollback_is_caught():
     assert why is not None and "layer 0 slot 1" in why, why
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3_5_hybrid", "gemma3_rotating", "hy_v4_dsa"])
+@pytest.mark.parametrize(
+    "name", ["llama", "qwen3_5_hybrid", "gemma3_rotating", "hy_v4_dsa", "qwen4_exp_qsa_hybrid"]
+)
 def test_negative_control_skipped_trim_is_caught(name):
     model, make_cache = _model_and_cache(name)
     assert run_cycles(model, make_cache, 6, pattern=REJECTING, commit=_commit_without_trim) is not None

@@ -1,0 +1,88 @@
+"""Exact rollback of mlx-vlm's own caches (families in `mtplx.trunk.vlm_text.NATIVE_CACHE_FAMILIES`).
+
+Qwen3.8-Flash-Next's caches have no mlx-lm equivalent: a ``QSAKVCache`` (KV plus the QSA
+indexer's raw keys, their positions and the pooled block keys), a gated-delta ``ArraysCache``
+(conv window, recurrent state) and, on PLE layers, two more ``ArraysCache`` slots (the PLE
+short-convolution window and the n-gram token history). mlx-vlm 0.7.10 rolls them back itself
+(``mlx_vlm/speculative/cache_state.py``): ``start_speculative_cache(caches, T)`` makes every
+``ArraysCache`` record the state after each of the block's T positions (``update_recurrent``
+keeps the recurrent states, ``update_window`` views of the windows) and remembers each other
+cache's offset; ``commit([num_keep])`` installs the states after position ``num_keep`` and
+trims the rest (``QSAKVCache.trim`` drops the indexer's keys too and clears the pooled blocks,
+which the next forward pools again from the raw keys); ``abort()`` restores the start.
+
+mtplx uses exactly that, one transaction per leaf cache (`VlmBlockRecord`), inside its own
+`mtplx.trunk.rollback.begin_block` / ``commit_block`` / ``abort_block``; whether the result is
+what plain decoding leaves is checked by ``tests/trunk/test_cache.py`` (caches after MTP cycles
+== caches after AR, with a control that skips the commit).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["VlmBlockRecord", "batch_size", "begin", "is_vlm_cache", "refusal", "trim"]
+
+
+def is_vlm_cache(c: Any) -> bool:
+    """A cache of mlx-vlm's own classes (not mlx-lm's)."""
+    return type(c).__module__.startswith("mlx_vlm.")
+
+
+def batch_size(c: Any) -> int | None:
+    """Rows an mlx-vlm cache holds (None: nothing written yet)."""
+    if hasattr(c, "cache") and isinstance(c.cache, list):  # ArraysCache
+        arr = next((a for a in c.cache if a is not None), None)
+        return None if arr is None else arr.shape[0]
+    keys = getattr(c, "keys", None)
+    return None if keys is None else keys.shape[0]
+
+
+def refusal(c: Any) -> str | None:
+    """Why ``c`` (an mlx-vlm cache) cannot be rolled back here, or None."""
+    kind = type(c).__name__
+    if getattr(c, "is_speculating", False):
+        return f"{kind}: a previous verify block was neither committed nor aborted"
+    if callable(getattr(c, "start_speculation", None)):
+        if getattr(c, "left_padding", None) is not None or getattr(c, "lengths", None) is not None:
+            return f"{kind} is set up for padded batches"
+        return None
+    if callable(getattr(c, "trim", None)) and isinstance(getattr(c, "offset", None), int):
+        return None
+    return f"{kind} cannot be rolled back exactly"
+
+
+class VlmBlockRecord:
+    """One mlx-vlm cache's speculative transaction over a verify block of ``block_len`` positions."""
+
+    def __init__(self, cache: Any, block_len: int):
+        from mlx_vlm.speculative.cache_state import start_speculative_cache
+
+        self.cache = cache
+        self.block_len = block_len
+        self.transaction = start_speculative_cache([cache], block_len)
+
+    def commit(self, num_keep: int, block_len: int) -> None:
+        if block_len != self.block_len:
+            raise RuntimeError(
+                f"{type(self.cache).__name__} began a block of {self.block_len}, not {block_len}"
+            )
+        self.transaction.commit([num_keep])
+
+    def abort(self) -> None:
+        self.transaction.abort()
+
+
+def begin(c: Any, block_len: int | None) -> VlmBlockRecord:
+    if block_len is None:
+        raise ValueError(f"{type(c).__name__}: an mlx-vlm cache's rollback needs the block length")
+    return VlmBlockRecord(c, block_len)
+
+
+def trim(c: Any, n: int) -> None:
+    """Drop the newest ``n`` entries of a trimmable mlx-vlm cache (an MTP head's QSA KV cache)."""
+    if not (callable(getattr(c, "is_trimmable", None)) and c.is_trimmable()):
+        raise ValueError(f"{type(c).__name__} is not a KV cache")
+    if n > c.offset:
+        raise ValueError(f"{type(c).__name__} holds {c.offset} entries, cannot drop {n}")
+    c.trim(n)
