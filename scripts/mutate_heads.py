@@ -71,6 +71,8 @@ _NEMOTRON = "mtplx/heads/nemotron_h.py"
 _NEMOTRON_CONCAT = "mx.concatenate([e, first.hnorm(hidden).astype(e.dtype)], axis=-1)"
 
 _HY = "mtplx/heads/hy_v4.py"
+_Q4 = "mtplx/heads/qwen4_exp.py"
+_Q4_EMBED = "e = self.fc_embedding(self.pre_fc_norm_embedding(self._embed(next_tokens)))"
 _GEMMA = "mtplx/heads/gemma4_assistant.py"
 _GEMMA_EMBED = "self._embed(next_tokens[:, -1:])"
 _GEMMA_CONCAT = f"mx.concatenate([{_GEMMA_EMBED}, hidden[:, -1:]], axis=-1)"
@@ -282,6 +284,46 @@ PLANTS: dict[str, tuple[Plant, ...]] = {
             ),
         ),
     ),
+    "qwen4_exp": (
+        Plant(
+            MUTATIONS[0],
+            "position 0's embedding zeroed",
+            (
+                (
+                    _Q4,
+                    _Q4_EMBED,
+                    "from mtplx.heads.base import zero_first_position\n"
+                    "        e = self.fc_embedding(self.pre_fc_norm_embedding(zero_first_position(self._embed(next_tokens), 0)))",
+                ),
+            ),
+        ),
+        # No concatenation: the embedding and the streams have their own projections, swapped here.
+        Plant(
+            MUTATIONS[1],
+            "fc_embedding / fc_hidden swapped",
+            (
+                (_Q4, _Q4_EMBED, _Q4_EMBED.replace("self.fc_embedding(", "self.fc_hidden(")),
+                (_Q4, "+ self.fc_hidden(streams)", "+ self.fc_embedding(streams)"),
+            ),
+        ),
+        Plant(
+            MUTATIONS[2],
+            "pre_fc_norm_hidden dropped",
+            ((_Q4, "streams = self.pre_fc_norm_hidden(hidden).reshape(", "streams = hidden.reshape("),),
+        ),
+        Plant(
+            MUTATIONS[3],
+            "hidden-stream choice: the first stream (repeated) instead of all hc_count",
+            (
+                (
+                    _Q4,
+                    "e = self.fc_embedding(",
+                    "hidden = mx.tile(hidden[..., : hidden.shape[-1] // self.hc_count], self.hc_count)\n"
+                    "        e = self.fc_embedding(",
+                ),
+            ),
+        ),
+    ),
     "gemma4_assistant": (
         # It drafts one row at the target's position (> 0): the flip treats that row as position 0.
         Plant(
@@ -328,6 +370,7 @@ REFERENCE_TESTS: dict[str, tuple[str, ...]] = {
     "ernie": (_REFS, "-k", "ernie"),
     "nemotron_h": ("tests/heads/test_nemotron_h.py", "-k", "reference or chain"),
     "hy_v4": ("tests/heads/test_hy_v4.py", "-k", "reference or chain"),
+    "qwen4_exp": ("tests/heads/test_qwen4_exp.py", "-k", "reference or chain"),
     "gemma4_assistant": (
         "tests/heads/test_gemma4.py",
         "-k",

@@ -15,7 +15,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mtplx.heads import deepseek, ernie, hy_v4, longcat, mimo, mimo_v2_flash, nemotron_h, qwen3_next, step3p5
+from mtplx.heads import (
+    deepseek,
+    ernie,
+    hy_v4,
+    longcat,
+    mimo,
+    mimo_v2_flash,
+    nemotron_h,
+    qwen3_next,
+    qwen4_exp,
+    step3p5,
+)
 from mtplx.heads.base import HiddenSource, MTPHead
 from mtplx.heads.weights import HeadSource, MissingHeadError, load_head_weights, weight_index
 
@@ -82,6 +93,16 @@ FAMILIES: dict[str, HeadFamily] = {
             default_hidden_source=qwen3_next.DEFAULT_HIDDEN_SOURCE,
             build=qwen3_next.build_head,
             offset_norm_types=qwen3_next.OFFSET_NORM_MODEL_TYPES,
+        ),
+        HeadFamily(
+            name=qwen4_exp.LAYOUT,
+            model_types=("qwen4_exp", "qwen4_exp_text"),
+            # fc_hidden (the streams' projection): Qwen3-Next's one fc is mtp.fc.
+            marker=r"mtp\.fc_hidden\.weight",
+            count_keys=("mtp_num_hidden_layers",),
+            layer_names=r"mtp\.layers\.(\d+)\..+",
+            default_hidden_source=qwen4_exp.DEFAULT_HIDDEN_SOURCE,
+            build=qwen4_exp.build_head,
         ),
         HeadFamily(
             name=deepseek.LAYOUT,

@@ -76,6 +76,12 @@ def _hy_v4_mtp(src: HeadSource, num_layers: int) -> MTPHead:
     return hy_v4.build_split_head(src, num_layers)
 
 
+def _qwen4_exp_mtp(src: HeadSource, num_layers: int) -> MTPHead:
+    from mtplx.heads import qwen4_exp
+
+    return qwen4_exp.build_split_head(src, num_layers)
+
+
 SPLIT_FAMILIES: dict[str, SplitFamily] = {
     f.model_type: f
     for f in (
@@ -110,6 +116,13 @@ SPLIT_FAMILIES: dict[str, SplitFamily] = {
             target_types=("hy_v4",),
             layers_key="num_nextn_predict_layers",
             build=_hy_v4_mtp,
+        ),
+        # Qwen3.8-Flash-Next (its trunk hosted through mlx-vlm): mtplx.heads.qwen4_exp.build_split_head.
+        SplitFamily(
+            model_type="qwen4_exp_mtp",
+            target_types=("qwen4_exp", "qwen4_exp_text"),
+            layers_key="mtp_num_hidden_layers",
+            build=_qwen4_exp_mtp,
         ),
     )
 }

@@ -26,6 +26,9 @@ trunk contract is unchanged:
   hyper-connection streams with ``hyper_connection_mixer`` and has no ``norm``) shows that module
   to the trunk as ``norm``, outside the parameter tree: the tap's ``pre`` is then the streams
   [B, T, hc_count * hidden] and ``post`` the mixed state the LM head reads;
+* one forward path: a Qwen3.5-derived language model's separate one-token "batch-invariant"
+  decode forward is switched off (`VlmTextModel.__init__`), so decode steps and verify blocks run
+  the same code and the taps see both;
 * exactness hooks (``EXACTNESS_HOOKS``): where mlx-vlm's forward is not the same function of the
   tokens at every context length, the module-level function responsible is replaced by the same
   math done exactly (Hunyuan-V4's indexer top-k: `_exact_partition_scores` says why).
@@ -158,6 +161,12 @@ class VlmTextModel(nn.Module):
             # An attribute only (object.__setattr__: not a child module), so the parameter tree,
             # loading, quantization and fingerprints are mlx-vlm's own.
             object.__setattr__(inner, "norm", getattr(inner, FINAL_MIXERS[model_type]))
+        if callable(getattr(language_model, "_batch_invariant_decode", None)):
+            # Qwen3.5-derived language models route one-token forwards through a separate
+            # "batch-invariant" forward that never calls the final norm / mixer module (so no tap
+            # would see a decode step) and computes the same function with other reductions:
+            # every forward takes the one plain path, as a verify block does.
+            object.__setattr__(language_model, "_supports_batch_invariant_decode", lambda: False)
 
     def __call__(self, inputs: mx.array, cache: list | None = None, input_embeddings: mx.array | None = None):
         return self.language_model(inputs, cache=cache, inputs_embeds=input_embeddings).logits

@@ -24,7 +24,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from support.checkpoints import Tiny, write_checkpoint
-from support.models import randomize, scale_outputs
+from support.models import _OUTPUT_PROJECTIONS, randomize, scale_outputs
 
 HY_V4_VOCAB = 96
 HY_V4_HIDDEN = 64  # a multiple of MXFP8's group of 32
@@ -319,7 +319,11 @@ def qwen4_exp(
 ) -> Tiny:
     """A Qwen3.8-Flash-Next checkpoint (see ``qwen4_exp_config``): the trunk under
     ``model.language_model.``, ``lm_head``, the MTP predictor under ``mtp.`` (mlx-vlm's splitter
-    reads those). Float32 throughout (published: bfloat16 / FP8)."""
+    reads those). Float32 throughout (published: bfloat16 / FP8). ``context_strength``: the
+    layers' output projections scaled by it, the embeddings at the streams' scale, and the MTP
+    module started from reading the next token's embedding alone (``fc_embedding`` = I,
+    ``fc_hidden`` = 0) through the trunk's own mixer, so its drafts agree with the trunk's bigram
+    part and some are kept."""
     from mlx_vlm.models.qwen4_exp.config import ModelConfig
     from mlx_vlm.models.qwen4_exp.language import LanguageModel
 
@@ -328,7 +332,11 @@ def qwen4_exp(
     model = LanguageModel(args.text_config, args)
     randomize(model, seed)
     if context_strength is not None:
-        scale_outputs(model, context_strength)
+        scale_outputs(
+            model, context_strength, (*_OUTPUT_PROJECTIONS, "value_proj.weight", "ple.conv1d.weight")
+        )  # PLE: both parts
+        embed = model.model.embed_tokens
+        embed.weight = embed.weight * embed.weight.shape[-1] ** 0.5
     tensors = _qwen4_exp_tensors(model.model, "model.language_model.")
     tensors["lm_head.weight"] = model.lm_head.weight
     if ship_mtp:
@@ -336,6 +344,11 @@ def qwen4_exp(
         randomize(mtp, seed + 1)
         if context_strength is not None:
             scale_outputs(mtp, context_strength)
+            h = QWEN4_EXP_HIDDEN
+            mtp.fc_embedding.weight = mx.eye(h)
+            mtp.fc_hidden.weight = mx.zeros((h, h))
+            mtp.pre_fc_norm_embedding.weight = mx.zeros((h,))  # Qwen4's norms scale by 1 + w
+            mtp.hyper_connection_mixer.update(model.model.hyper_connection_mixer.parameters())
         tensors.update(_qwen4_exp_tensors(mtp, "mtp."))
     return write_checkpoint(path, tensors, config)
 
