@@ -73,7 +73,11 @@ class Qwen4ExpMTPHead(MTPHead):
     hidden_source: HiddenSource = DEFAULT_HIDDEN_SOURCE
     chain_source: HiddenSource = "pre_norm"
 
-    def __init__(self, text_args: Any, *, key_prefix: str = KEY_PREFIX, **shared: Any):
+    def __init__(
+        self, text_args: Any, *, key_prefix: str = KEY_PREFIX, fused_experts: bool = True, **shared: Any
+    ):
+        """``key_prefix`` / ``fused_experts``: the checkpoint's ``mtp.`` prefix and fused
+        ``experts.gate_up_proj`` (the published file), or neither (a split drafter's mlx names)."""
         from mlx_vlm.models.qwen4_exp.language import (
             Qwen4ExpDecoderLayer,
             Qwen4ExpGatedResidual,
@@ -91,6 +95,7 @@ class Qwen4ExpMTPHead(MTPHead):
         self.layers = [Qwen4ExpDecoderLayer(layer_args, layer_idx=0)]
         self.hyper_connection_mixer = Qwen4ExpGatedResidual(layer_args, use_combine=False)
         self.key_prefix = key_prefix
+        self.fused_experts = fused_experts
 
     def decoder_layers(self) -> list[nn.Module]:
         return self.layers
@@ -127,6 +132,8 @@ class Qwen4ExpMTPHead(MTPHead):
         return (self.key_prefix,)
 
     def checkpoint_name(self, path: str) -> str:
+        if not self.fused_experts:
+            return self.key_prefix + path
         for proj, fused in (
             ("gate_proj", "gate_up_proj"),
             ("up_proj", "gate_up_proj"),
@@ -197,6 +204,7 @@ def build_split_head(src: HeadSource, num_layers: int) -> Qwen4ExpMTPHead:
     return Qwen4ExpMTPHead(
         _text_args(src),
         key_prefix="",
+        fused_experts=False,
         trunk=src.trunk,
         hidden_source=DEFAULT_HIDDEN_SOURCE,
         cache_like=[_qsa_layer(src.trunk)],

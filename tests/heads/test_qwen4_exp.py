@@ -234,3 +234,30 @@ def test_rows_in_a_batch_equal_ar_with_rejections(engine):
     assert [b.token_ids for b in batched] == want
     kept, rejected = map(sum, zip(*(_kept_and_rejected(b.stats) for b in batched)))
     assert kept > 0 and rejected > 0, (kept, rejected)
+
+
+# --------------------------------------------------------------------------- the split drafter
+
+
+def test_the_split_drafter_is_found_beside_the_trunk_and_equals_the_checkpoints_head(
+    checkpoint, engine, tmp_path
+):
+    """mlx-vlm's splitter's ``qwen4_exp_mtp`` drafter of the replica, beside the same trunk
+    without its MTP tensors (as a conversion that dropped them leaves it)."""
+    from mlx_vlm.split_mtp import split_mtp
+
+    trunk_dir = tmp_path / "Qwen3.8-Flash-Next-Tiny-4bit"
+    qwen4_exp_checkpoint(trunk_dir, context_strength=CONTEXT_STRENGTH, ship_mtp=False)
+    word_level(trunk_dir, QWEN4_EXP_VOCAB)
+    drafter = split_mtp(str(checkpoint), str(tmp_path / "Qwen3.8-Flash-Next-Tiny-MTP"))
+    assert json.loads((tmp_path / drafter / "config.json").read_text())["model_type"] == "qwen4_exp_mtp"
+    split = Engine.load(str(trunk_dir), depth=2)
+    head = split.head
+    assert isinstance(head, Qwen4ExpMTPHead) and head.hidden_source == "pre_norm" and not head.fused_experts
+    prompt = PROMPTS[0]
+    streams = split.trunk(mx.array([prompt])).hidden_pre_norm
+    nxt = mx.array([prompt[1:] + [7]])
+    split_out = head.logits(head(streams, nxt, head.make_cache()))
+    own_out = engine.head.logits(engine.head(streams, nxt, engine.head.make_cache()))
+    assert mx.allclose(split_out, own_out, atol=1e-4).item()
+    assert_mtp_equals_ar_with_drafts_kept(split.trunk, head, PROMPTS[:1], 10, depths=(2,))
