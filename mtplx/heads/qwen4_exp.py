@@ -95,7 +95,6 @@ class Qwen4ExpMTPHead(MTPHead):
         self.layers = [Qwen4ExpDecoderLayer(layer_args, layer_idx=0)]
         self.hyper_connection_mixer = Qwen4ExpGatedResidual(layer_args, use_combine=False)
         self.key_prefix = key_prefix
-        self.fused_experts = fused_experts
 
     def decoder_layers(self) -> list[nn.Module]:
         return self.layers
@@ -132,17 +131,8 @@ class Qwen4ExpMTPHead(MTPHead):
         return (self.key_prefix,)
 
     def checkpoint_name(self, path: str) -> str:
-        if not self.fused_experts:
-            return self.key_prefix + path
-        for proj, fused in (
-            ("gate_proj", "gate_up_proj"),
-            ("up_proj", "gate_up_proj"),
-            ("down_proj", "down_proj"),
-        ):
-            mlx_side = f".switch_mlp.{proj}"
-            if mlx_side in path:
-                stem, _, rest = path.partition(mlx_side)
-                return f"{self.key_prefix}{stem}.experts.{fused}{rest.removeprefix('.weight')}"
+        # mlx-side names (``switch_mlp`` experts): what `mtplx convert` writes and a split drafter
+        # holds; ``sanitize`` reads the published fused ``experts.gate_up_proj`` as well.
         return self.key_prefix + path
 
     def sanitize(self, tensors: dict[str, mx.array], src: HeadSource) -> dict[str, mx.array]:
@@ -204,7 +194,6 @@ def build_split_head(src: HeadSource, num_layers: int) -> Qwen4ExpMTPHead:
     return Qwen4ExpMTPHead(
         _text_args(src),
         key_prefix="",
-        fused_experts=False,
         trunk=src.trunk,
         hidden_source=DEFAULT_HIDDEN_SOURCE,
         cache_like=[_qsa_layer(src.trunk)],

@@ -175,6 +175,22 @@ class VlmTextModel(nn.Module):
     def layers(self) -> list:
         return self.language_model.model.layers
 
+    @property
+    def quant_predicate(self):
+        """mlx-vlm's per-layer quantization rule for this family (Qwen's 8-bit router gates), for
+        `mtplx convert` (mlx-lm's ``quantize_model`` reads it); mlx-vlm-only keys (a PLE row
+        width's ``fallback_group_size``) read as "quantize as usual": mlx-lm skips widths its
+        group does not divide."""
+        own = getattr(self.language_model, "quant_predicate", None)
+        if own is None:
+            return None
+
+        def predicate(path: str, module: nn.Module):
+            rule = own(path.removeprefix("language_model."), module)
+            return True if isinstance(rule, dict) and "fallback_group_size" in rule else rule
+
+        return predicate
+
     def make_cache(self) -> list:
         if self.model_type in NATIVE_CACHE_FAMILIES:
             return self.language_model.make_cache()

@@ -253,7 +253,7 @@ def test_the_split_drafter_is_found_beside_the_trunk_and_equals_the_checkpoints_
     assert json.loads((tmp_path / drafter / "config.json").read_text())["model_type"] == "qwen4_exp_mtp"
     split = Engine.load(str(trunk_dir), depth=2)
     head = split.head
-    assert isinstance(head, Qwen4ExpMTPHead) and head.hidden_source == "pre_norm" and not head.fused_experts
+    assert isinstance(head, Qwen4ExpMTPHead) and head.hidden_source == "pre_norm" and head.key_prefix == ""
     prompt = PROMPTS[0]
     streams = split.trunk(mx.array([prompt])).hidden_pre_norm
     nxt = mx.array([prompt[1:] + [7]])
@@ -261,3 +261,22 @@ def test_the_split_drafter_is_found_beside_the_trunk_and_equals_the_checkpoints_
     own_out = engine.head.logits(engine.head(streams, nxt, engine.head.make_cache()))
     assert mx.allclose(split_out, own_out, atol=1e-4).item()
     assert_mtp_equals_ar_with_drafts_kept(split.trunk, head, PROMPTS[:1], 10, depths=(2,))
+
+
+# --------------------------------------------------------------------------- conversion
+
+
+def test_mtplx_convert_keeps_the_head_at_safe_precision_and_mlx_vlm_opens_the_output(checkpoint, tmp_path):
+    from mtplx.checkpoints.convert_hf import convert_hf
+
+    from mlx_vlm.utils import load_model
+
+    out = convert_hf(checkpoint, tmp_path / "Qwen3.8-Flash-Next-Tiny-4bit", q_bits=4, q_group_size=32)
+    assert type(load_model(out)).__module__ == "mlx_vlm.models.qwen4_exp.qwen4_exp"  # opens in mlx-vlm
+    converted = Engine.load(str(out), depth=2)
+    bits = {path: m.bits for path, m in converted.head.named_modules() if hasattr(m, "scales")}
+    assert bits["layers.0.self_attn.q_proj"] == 8 and bits["fc_hidden"] == 8 and bits["fc_embedding"] == 8
+    assert bits["layers.0.mlp.switch_mlp.gate_proj"] == 4  # routed experts at the trunk's bits
+    trunk_bits = {p: m.bits for p, m in converted.trunk.model.named_modules() if hasattr(m, "scales")}
+    assert trunk_bits["language_model.model.layers.1.mlp.gate"] == 8  # mlx-vlm's rule: 8-bit router gates
+    assert_mtp_equals_ar_with_drafts_kept(converted.trunk, converted.head, PROMPTS[:1], 10, depths=(2,))
