@@ -280,3 +280,23 @@ def test_mtplx_convert_keeps_the_head_at_safe_precision_and_mlx_vlm_opens_the_ou
     trunk_bits = {p: m.bits for p, m in converted.trunk.model.named_modules() if hasattr(m, "scales")}
     assert trunk_bits["language_model.model.layers.1.mlp.gate"] == 8  # mlx-vlm's rule: 8-bit router gates
     assert_mtp_equals_ar_with_drafts_kept(converted.trunk, converted.head, PROMPTS[:1], 10, depths=(2,))
+
+
+def test_the_prompt_cache_and_its_disk_tier_reuse_mlx_vlms_own_caches(checkpoint, engine, tmp_path):
+    """A second request sharing a prefix starts from the cached trunk + head caches (mlx-vlm's
+    QSA and ArraysCache classes: in RAM, then from disk in a new engine, rebuilt as mlx-vlm's
+    classes) and still gives the AR tokens."""
+    prompt = PROMPTS[0]
+    longer = prompt + [4, 4]
+    ar = engine.generate(longer, _req(max_tokens=10, temperature=0.0, draft="none")).token_ids
+    first = Engine.load(str(checkpoint), depth=2, prompt_cache_bytes=1 << 26)
+    first.use_disk_cache(tmp_path, 1 << 26)
+    first.generate(prompt, _req(max_tokens=10, temperature=0.0, draft="head"))
+    again = first.generate(longer, _req(max_tokens=10, temperature=0.0, draft="head"))
+    assert again.token_ids == ar and again.stats.cached_tokens > 0
+    assert first.prompt_cache.disk.flush()
+    second = Engine.load(str(checkpoint), depth=2, prompt_cache_bytes=1 << 26)
+    second.use_disk_cache(tmp_path, 1 << 26)
+    from_disk = second.generate(longer, _req(max_tokens=10, temperature=0.0, draft="head"))
+    assert from_disk.token_ids == ar and from_disk.stats.cached_tokens > 0
+    assert second.prompt_cache.disk.stats.hits == 1
