@@ -16,20 +16,31 @@ its selection is checked against mlx-vlm's forward in ``tests/trunk/test_vlm_qwe
 from __future__ import annotations
 
 import json
+import os
 
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.engine.engine import Engine
 from mtplx.engine.request import GenerationRequest
 from mtplx.heads.qwen4_exp import Qwen4ExpMTPHead
+from mtplx.sampling import SamplerConfig
+from mtplx.trunk.model import Trunk
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from support.decoding import assert_mtp_equals_ar_with_drafts_kept
+from support.exactness import (
+    FALSE_FAILURE_RATE,
+    exact_ar_joint,
+    loop_p_value,
+    plant_commit_rejected_draft,
+    sample_counts,
+)
+from support.models import randomize
 from support.numpy_heads import causal_mask, read_tensors, rope, silu
 from support.seeds import SEEDS, resolve
 from support.tokenizer import word_level
-from support.vlm_families import QWEN4_EXP_VOCAB
+from support.vlm_families import QWEN4_EXP_VOCAB, tiny_qwen4_exp
 from support.vlm_families import qwen4_exp as qwen4_exp_checkpoint
 
 REFERENCE_LAYOUTS = ("qwen4_exp",)
@@ -300,3 +311,45 @@ def test_the_prompt_cache_and_its_disk_tier_reuse_mlx_vlms_own_caches(checkpoint
     from_disk = second.generate(longer, _req(max_tokens=6, temperature=0.0, draft="head"))
     assert from_disk.token_ids == ar and from_disk.stats.cached_tokens > 0
     assert second.prompt_cache.disk.stats.hits == 1
+
+
+# --------------------------------------------------------------------------- sampled distribution
+# (Hunyuan-V4's runs in every make test: tests/heads/test_hy_v4.py; this family's behind slow.)
+
+CHI_VOCAB = 5
+CHI = SamplerConfig(temperature=0.7)
+
+
+def chi_pair() -> tuple[Trunk, Qwen4ExpMTPHead]:
+    """A 5-token Qwen3.8-Flash-Next trunk (2 hyper-connection streams, gated-delta + QSA + PLE)
+    with peaked, context-dependent distributions (embeddings x8, logits x3) and a random MTP
+    module beside it."""
+    model = tiny_qwen4_exp(CHI_VOCAB, seed=3)
+    inner = model.language_model
+    inner.model.embed_tokens.weight = inner.model.embed_tokens.weight * 8
+    inner.lm_head.weight = inner.lm_head.weight * 3
+    trunk = Trunk(model)
+    head = Qwen4ExpMTPHead(inner.args, trunk=trunk, cache_like=[1])
+    randomize(head, 5)
+    return trunk, head
+
+
+@pytest.mark.slow
+def test_sampled_mtp_matches_the_exact_ar_distribution_at_t_0_7():
+    """Depth 2: the first three tokens' joint and marginals against the float64 enumeration of AR
+    sampling (every cache kind rolled back through mlx-vlm's transaction on the way)."""
+    trunk, head = chi_pair()
+    expected = exact_ar_joint(trunk, CHI, CHI_VOCAB)
+    seed0 = int.from_bytes(os.urandom(4), "little")
+    p = loop_p_value(sample_counts(trunk, head, CHI, 2, 100, CHI_VOCAB, seed0), expected)
+    assert p > FALSE_FAILURE_RATE, f"p={p:.3g} (seed0={seed0})"
+
+
+@pytest.mark.slow
+def test_chi_square_rejects_a_loop_that_commits_the_rejected_draft(monkeypatch):
+    plant_commit_rejected_draft(monkeypatch)
+    trunk, head = chi_pair()
+    expected = exact_ar_joint(trunk, CHI, CHI_VOCAB)
+    assert (
+        loop_p_value(sample_counts(trunk, head, CHI, 2, 100, CHI_VOCAB, 1234), expected) < FALSE_FAILURE_RATE
+    )

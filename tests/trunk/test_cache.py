@@ -283,6 +283,24 @@ def test_negative_control_skipped_trim_is_caught(name):
     assert run_cycles(model, make_cache, 6, pattern=REJECTING, commit=_commit_without_trim) is not None
 
 
+def _commit_without_recurrent_rollback(cache: list, capture: cache_ops.BlockCapture, num_keep: int) -> None:
+    """mlx-vlm's own caches: the QSA KV trimmed, every ArraysCache (gated-delta state and conv,
+    PLE window, n-gram history) left as the whole block made it."""
+    block_len = cache_ops._block_len(capture)
+    for r in capture.records:
+        if type(r.cache).__name__ == "ArraysCache":
+            r.cache._speculation = None  # end mlx-vlm's transaction without selecting a state
+        else:
+            r.commit(num_keep, block_len)
+    capture.status = "committed"
+
+
+def test_negative_control_skipped_recurrent_rollback_of_mlx_vlms_caches_is_caught():
+    model, make_cache = _model_and_cache("qwen4_exp_qsa_hybrid")
+    why = run_cycles(model, make_cache, 6, pattern=REJECTING, commit=_commit_without_recurrent_rollback)
+    assert why is not None and "slot" in why, why
+
+
 # --------------------------------------------------------------------------- interruption
 
 
