@@ -312,6 +312,8 @@ def copy_cache(cache: Sequence) -> list:
         new = copy.copy(c)
         if type(c) is CacheList:
             new.caches = tuple(copy_cache(cache_members(c)))
+        elif type(c).__name__ == "CacheList" and type(c).__module__.startswith("mlx_vlm."):
+            new.caches = tuple(copy_cache(c.caches))  # mlx-vlm's (DeepSeek-V4): its members copied
         else:
             new.__dict__.update({k: _detached(v) for k, v in vars(c).items()})
         out.append(new)

@@ -11,6 +11,11 @@ cache's offset; ``commit([num_keep])`` installs the states after position ``num_
 trims the rest (``QSAKVCache.trim`` drops the indexer's keys too and clears the pooled blocks,
 which the next forward pools again from the raw keys); ``abort()`` restores the start.
 
+DeepSeek-V4 (a sliding-window ``RotatingKVCache`` and compressed ``PoolingCache`` s in mlx-vlm's
+``CacheList``): mlx-vlm's transaction replays the kept positions into the window and keeps the
+kept windows' pooled rows and remainder; the one piece of state mtplx adds (the last completed
+window a ratio-4 compressor overlaps with, `mtplx.trunk.vlm_deepseek_v4`) is `OverlapRecord`'s.
+
 mtplx uses exactly that, one transaction per leaf cache (`VlmBlockRecord`), inside its own
 `mtplx.trunk.rollback.begin_block` / ``commit_block`` / ``abort_block``; whether the result is
 what plain decoding leaves is checked by ``tests/trunk/test_cache.py`` (caches after MTP cycles
@@ -21,6 +26,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from mtplx.trunk.vlm_deepseek_v4 import OverlapRecord
+
 __all__ = ["VlmBlockRecord", "batch_size", "begin", "is_vlm_cache", "refusal", "trim"]
 
 
@@ -29,8 +36,19 @@ def is_vlm_cache(c: Any) -> bool:
     return type(c).__module__.startswith("mlx_vlm.")
 
 
+def _members(c: Any) -> list | None:
+    """An mlx-vlm ``CacheList``'s caches (DeepSeek-V4: sliding window + pooled), else None."""
+    caches = getattr(c, "caches", None)
+    return list(caches) if type(c).__name__ == "CacheList" and caches is not None else None
+
+
 def batch_size(c: Any) -> int | None:
     """Rows an mlx-vlm cache holds (None: nothing written yet)."""
+    if (members := _members(c)) is not None:
+        return next((b for b in map(batch_size, members) if b is not None), None)
+    if type(c).__name__ == "PoolingCache":
+        arr = next((a for a in (c.buf_kv, c.pooled) if a is not None), None)
+        return None if arr is None else arr.shape[0]
     if hasattr(c, "cache") and isinstance(c.cache, list):  # ArraysCache
         arr = next((a for a in c.cache if a is not None), None)
         return None if arr is None else arr.shape[0]
@@ -41,6 +59,8 @@ def batch_size(c: Any) -> int | None:
 def refusal(c: Any) -> str | None:
     """Why ``c`` (an mlx-vlm cache) cannot be rolled back here, or None."""
     kind = type(c).__name__
+    if (members := _members(c)) is not None:  # one transaction over every member
+        return next((r for r in map(refusal, members) if r is not None), None)
     if getattr(c, "is_speculating", False):
         return f"{kind}: a previous verify block was neither committed nor aborted"
     if callable(getattr(c, "start_speculation", None)):
@@ -56,20 +76,29 @@ class VlmBlockRecord:
     """One mlx-vlm cache's speculative transaction over a verify block of ``block_len`` positions."""
 
     def __init__(self, cache: Any, block_len: int):
-        from mlx_vlm.speculative.cache_state import start_speculative_cache
+        from mlx_vlm.speculative.cache_state import iter_leaf_caches, start_speculative_cache
 
         self.cache = cache
         self.block_len = block_len
+        # DeepSeek-V4's pool caches carry mtplx's overlap window besides mlx-vlm's state
+        pools = [c for c in iter_leaf_caches([cache]) if type(c).__name__ == "PoolingCache"]
+        self.overlaps = [OverlapRecord(c) for c in pools]
         self.transaction = start_speculative_cache([cache], block_len)
+        for record in self.overlaps:
+            record.bind()
 
     def commit(self, num_keep: int, block_len: int) -> None:
         if block_len != self.block_len:
             raise RuntimeError(
                 f"{type(self.cache).__name__} began a block of {self.block_len}, not {block_len}"
             )
+        for record in self.overlaps:
+            record.commit(num_keep)
         self.transaction.commit([num_keep])
 
     def abort(self) -> None:
+        for record in self.overlaps:
+            record.abort()
         self.transaction.abort()
 
 

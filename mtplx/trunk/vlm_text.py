@@ -31,7 +31,10 @@ trunk contract is unchanged:
   the same code and the taps see both;
 * exactness hooks (``EXACTNESS_HOOKS``): where mlx-vlm's forward is not the same function of the
   tokens at every context length, the module-level function responsible is replaced by the same
-  math done exactly (Hunyuan-V4's indexer top-k: `_exact_partition_scores` says why).
+  math done exactly (Hunyuan-V4's indexer top-k: `_exact_partition_scores` says why; DeepSeek-V4's
+  overlapping compressor, a method: `mtplx.trunk.vlm_deepseek_v4`);
+* DeepSeek-V4's forward ends ``norm(hc_head(streams))``; `StreamsHead` is that pair as the trunk's
+  one final "norm" (``STREAMS_HEADS``), its tap's ``pre`` the streams its MTP layer reads.
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ __all__ = [
     "EXACTNESS_HOOKS",
     "FINAL_MIXERS",
     "NATIVE_CACHE_FAMILIES",
+    "STREAMS_HEADS",
+    "StreamsHead",
     "VlmTextModel",
     "install_exactness_hooks",
     "load",
@@ -79,11 +84,39 @@ def _rotating(cache: Any):
 CACHE_EQUIVALENTS = {"KVCache": _kv, "CacheList": _cache_list, "RotatingKVCache": _rotating}
 
 
-# Families whose every cache stays mlx-vlm's own (`mtplx.trunk.rollback_vlm` rolls them back).
-NATIVE_CACHE_FAMILIES = frozenset({"qwen4_exp"})
+# Families whose every cache stays mlx-vlm's own (`mtplx.trunk.rollback_vlm` rolls them back):
+# Qwen3.8-Flash-Next's QSA KV and ArraysCaches; DeepSeek-V4's sliding-window RotatingKVCache and
+# compressed PoolingCaches (in mlx-vlm's CacheList).
+NATIVE_CACHE_FAMILIES = frozenset({"qwen4_exp", "deepseek_v4"})
 
 # Families without a final norm: model type -> the inner model's module that makes the LM head's input.
 FINAL_MIXERS = {"qwen4_exp": "hyper_connection_mixer"}
+
+# Families whose forward ends ``norm(hc_head(streams))`` with the streams [B, T, hc_mult, H] and
+# whose MTP head reads those streams (DeepSeek-V4): the trunk's "norm" becomes `StreamsHead`.
+STREAMS_HEADS = frozenset({"deepseek_v4"})
+
+
+def _flatten_streams(h: mx.array) -> mx.array:
+    """[B, T, hc_mult, H] -> [B, T, hc_mult * H] (the trunk contract's 3-D hidden states)."""
+    return h.reshape(*h.shape[:-2], -1)
+
+
+class StreamsHead(nn.Module):
+    """``norm(hc_head(streams))`` of a DeepSeek-V4 trunk as one module taking the streams flattened
+    ([B, T, hc_mult * H]): shown to the trunk as its final norm (`VlmTextModel.__init__` aliases
+    the inner model's ``hc_head`` to `_flatten_streams` and ``norm`` to this), so the tap's ``pre``
+    is the hyper-connection streams the MTP head reads and ``post`` the LM head's input. The two
+    modules are held outside any parameter tree (the model's own tree keeps them)."""
+
+    def __init__(self, hc_head: nn.Module, norm: nn.Module, hc_mult: int):
+        super().__init__()
+        object.__setattr__(self, "_parts", (hc_head, norm))
+        self.hc_mult = hc_mult
+
+    def __call__(self, flat: mx.array) -> mx.array:
+        hc_head, norm = self._parts
+        return norm(hc_head(flat.reshape(*flat.shape[:-1], self.hc_mult, -1)))
 
 
 def lm_cache_like(cache: Any):
@@ -118,11 +151,21 @@ def _exact_partition_scores(top_k: int, masked: bool):
     return partition
 
 
-# model type -> (module, the module-level function its forward calls, mtplx's exact replacement)
+def _exact_compressor_call(original: Any):
+    from mtplx.trunk.vlm_deepseek_v4 import exact_compressor_call
+
+    return exact_compressor_call(original)
+
+
+# model type -> (module, or "module:Class" for a method, the function its forward calls, a factory of
+# mtplx's exact replacement given the original)
 EXACTNESS_HOOKS = {
-    "hy_v4": ("mlx_vlm.models.hy_v4.indexer", "_partition_scores", _exact_partition_scores),
+    "hy_v4": ("mlx_vlm.models.hy_v4.indexer", "_partition_scores", lambda original: _exact_partition_scores),
+    # DeepSeek-V4's overlapping compressor (`mtplx.trunk.vlm_deepseek_v4`: why)
+    "deepseek_v4": ("mlx_vlm.models.deepseek_v4.language:Compressor", "__call__", _exact_compressor_call),
 }
 ORIGINALS: dict[tuple[str, str], Any] = {}  # what each hook replaced (a test restores it as a control)
+INSTALLED: dict[tuple[str, str], Any] = {}  # what each hook put in its place
 
 
 def install_exactness_hooks(model_type: str) -> None:
@@ -132,16 +175,20 @@ def install_exactness_hooks(model_type: str) -> None:
 
     if model_type not in EXACTNESS_HOOKS:
         return
-    module_name, name, replacement = EXACTNESS_HOOKS[model_type]
-    module = importlib.import_module(module_name)
-    current = getattr(module, name, None)
+    target_name, name, make_replacement = EXACTNESS_HOOKS[model_type]
+    module_name, _, class_name = target_name.partition(":")
+    target = importlib.import_module(module_name)
+    target = getattr(target, class_name, None) if class_name else target
+    current = getattr(target, name, None) if target is not None else None
     if current is None:
         raise MtplxError(
-            f"mlx-vlm changed: {module_name} no longer has {name} (mtplx hooks it for {model_type})"
+            f"mlx-vlm changed: {target_name} no longer has {name} (mtplx hooks it for {model_type})"
         )
-    if current is not replacement:
-        ORIGINALS.setdefault((module_name, name), current)
-        setattr(module, name, replacement)
+    key = (target_name, name)
+    if current is not INSTALLED.get(key):
+        ORIGINALS.setdefault(key, current)
+        INSTALLED[key] = make_replacement(ORIGINALS[key])
+        setattr(target, name, INSTALLED[key])
 
 
 # --------------------------------------------------------------------------- the adapter
@@ -161,6 +208,11 @@ class VlmTextModel(nn.Module):
             # An attribute only (object.__setattr__: not a child module), so the parameter tree,
             # loading, quantization and fingerprints are mlx-vlm's own.
             object.__setattr__(inner, "norm", getattr(inner, FINAL_MIXERS[model_type]))
+        if model_type in STREAMS_HEADS:
+            inner = language_model.model
+            head = StreamsHead(inner["hc_head"], inner["norm"], language_model.args.hc_mult)
+            object.__setattr__(inner, "hc_head", _flatten_streams)
+            object.__setattr__(inner, "norm", head)
         if callable(getattr(language_model, "_batch_invariant_decode", None)):
             # Qwen3.5-derived language models route one-token forwards through a separate
             # "batch-invariant" forward that never calls the final norm / mixer module (so no tap

@@ -209,7 +209,8 @@ def rollback_model(family: str, *, seed: int = 0) -> nn.Module:
     ``nemotron_h`` (Mamba2 ArraysCache + KVCache, hidden 32: ``support.nemotron``), ``hy_v4``
     (Hunyuan-V4 through mlx-vlm: a CacheList of MLA KV + DSA indexer KV per layer, hyper-connections;
     ``support.vlm_families``), ``qwen4_exp`` (Qwen3.8-Flash-Next through mlx-vlm, its own caches:
-    QSA KV + indexer keys, gated-delta and PLE ArraysCaches)."""
+    QSA KV + indexer keys, gated-delta and PLE ArraysCaches), ``deepseek_v4`` (DeepSeek-V4 through
+    mlx-vlm, its own caches: sliding-window RotatingKVCache, compressed PoolingCaches)."""
     if family == "llama":
         return tiny_llama(ROLLBACK_VOCAB, seed=seed, hidden_size=64, num_heads=2, num_kv_heads=1)
     if family == "qwen3_5":
@@ -230,6 +231,10 @@ def rollback_model(family: str, *, seed: int = 0) -> nn.Module:
         from support.vlm_families import tiny_qwen4_exp
 
         return tiny_qwen4_exp(ROLLBACK_VOCAB, seed=seed)
+    if family == "deepseek_v4":
+        from support.vlm_families import tiny_deepseek_v4
+
+        return tiny_deepseek_v4(ROLLBACK_VOCAB, seed=seed)
     raise ValueError(family)
 
 

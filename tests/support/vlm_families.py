@@ -21,6 +21,7 @@ import mtplx  # noqa: F401  (BLAS before mlx)
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten
 
 from support.checkpoints import Tiny, write_checkpoint
@@ -368,3 +369,130 @@ def tiny_qwen4_exp(vocab_size: int = QWEN4_EXP_VOCAB, *, seed: int = 0, hc_count
     wrapped = VlmTextModel(model, "qwen4_exp")
     wrapped.eval()
     return wrapped
+
+
+# --------------------------------------------------------------------------- DeepSeek-V4
+
+DEEPSEEK_V4_VOCAB = 96
+DEEPSEEK_V4_HIDDEN = 64
+
+
+def deepseek_v4_config(layers: int = 3, hc_mult: int = 2) -> dict:
+    """DeepSeek-V4 shrunk (keys from mlx-vlm 0.7.10's ``models/deepseek_v4/config.py``
+    ``ModelConfig``, the published config.json's flat shape): a sliding window of 8 (it slides at
+    test lengths), layer 1 with ratio-4 compressed KV and its sparse indexer keeping 4 pooled keys
+    (it selects at test lengths), layers 0 and 2 window-only, layer 0 hash-routed (``tid2eid``),
+    a 4-expert MoE with a shared expert, ``hc_mult`` hyper-connection streams."""
+    return {
+        "model_type": "deepseek_v4",
+        "architectures": ["DeepseekV4ForCausalLM"],
+        "vocab_size": DEEPSEEK_V4_VOCAB,
+        "hidden_size": DEEPSEEK_V4_HIDDEN,
+        "intermediate_size": 96,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "n_shared_experts": 1,
+        "n_routed_experts": 4,
+        "routed_scaling_factor": 1.5,
+        "q_lora_rank": 32,
+        "qk_rope_head_dim": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "head_dim": 32,
+        "scoring_func": "sqrtsoftplus",
+        "compress_ratios": [0, 4] + [0] * (layers - 2),
+        "compress_rope_theta": 160000.0,
+        "hc_mult": hc_mult,
+        "hc_sinkhorn_iters": 20,
+        "hc_eps": 1e-6,
+        "num_hash_layers": 1,
+        "swiglu_limit": 10.0,
+        "sliding_window": 8,
+        "o_groups": 2,
+        "o_lora_rank": 16,
+        "index_n_heads": 2,
+        "index_head_dim": 16,
+        "index_topk": 4,
+        "num_nextn_predict_layers": 1,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "bos_token_id": 0,
+        "eos_token_id": 1,  # support.tokenizer.word_level's EOS
+    }
+
+
+def _deepseek_v4_language_model(config: dict, seed: int):
+    from mlx_vlm.models.deepseek_v4.config import ModelConfig
+    from mlx_vlm.models.deepseek_v4.language import LanguageModel
+
+    model = LanguageModel(ModelConfig.from_dict(config))
+    randomize(model, seed)
+    n = config["n_routed_experts"]
+    for layer in model.model.layers:  # hash routing: every token's experts, distinct, in range
+        gate = layer.ffn.gate
+        if "tid2eid" in gate:
+            rows = [((t + np.arange(config["num_experts_per_tok"])) % n) for t in range(config["vocab_size"])]
+            gate.tid2eid = mx.array(np.stack(rows).astype(np.int32))
+    return model
+
+
+def tiny_deepseek_v4(vocab_size: int = DEEPSEEK_V4_VOCAB, *, seed: int = 0, hc_mult: int = 2):
+    """An in-memory DeepSeek-V4 trunk as mtplx hosts it (float32, random weights, mlx-vlm's caches)."""
+    from mtplx.trunk.vlm_text import VlmTextModel
+
+    config = {**deepseek_v4_config(hc_mult=hc_mult), "vocab_size": vocab_size}
+    wrapped = VlmTextModel(_deepseek_v4_language_model(config, seed), "deepseek_v4")
+    wrapped.eval()
+    return wrapped
+
+
+_DEEPSEEK_V4_EXPERTS = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
+
+
+def _deepseek_v4_published(name: str, v: mx.array, out: dict) -> None:
+    """One mlx-vlm DeepSeek-V4 parameter under the official inference checkpoint's name (the reverse
+    of ``LanguageModel.sanitize``): ``embed`` / ``head`` / ``norm`` / ``hc_head_{fn,base,scale}`` at the
+    top, ``layers.{i}.`` with ``hc_{attn,ffn}_{fn,base,scale}``, ``ffn.gate.bias``, per-expert
+    ``ffn.experts.{e}.w{1,2,3}``, shared experts' ``w{1,2,3}`` and a 2-D ``attn.wo_a``."""
+    top = {
+        "model.embed_tokens.weight": "embed.weight",
+        "model.norm.weight": "norm.weight",
+        "lm_head.weight": "head.weight",
+    }
+    if name in top:
+        out[top[name]] = v
+        return
+    if name.startswith("model.hc_head."):
+        out["hc_head_" + name.rsplit(".", 1)[1]] = v
+        return
+    name = name.removeprefix("model.")
+    for sub in ("attn", "ffn"):
+        for param in ("fn", "base", "scale"):
+            name = name.replace(f".{sub}_hc.{param}", f".hc_{sub}_{param}")
+    name = name.replace(".ffn.gate.e_score_correction_bias", ".ffn.gate.bias")
+    for mlx_name, published in _DEEPSEEK_V4_EXPERTS.items():
+        name = name.replace(f".shared_experts.{mlx_name}.", f".shared_experts.{published}.")
+        if f".switch_mlp.{mlx_name}." in name:
+            stem = name.split(".switch_mlp.")[0]
+            for e in range(v.shape[0]):
+                out[f"{stem}.experts.{e}.{published}.weight"] = v[e]
+            return
+    if name.endswith("attn.wo_a.weight"):
+        v = v.reshape(-1, v.shape[-1])
+    out[name] = v
+
+
+def deepseek_v4(path: Path, *, seed: int = 0, hc_mult: int = 2) -> Tiny:
+    """A DeepSeek-V4 checkpoint in the official inference layout (see ``_deepseek_v4_published``),
+    float32 (published: FP8 / FP4), the trunk only (the MTP layer's ``mtp.0.*`` is not written:
+    mtplx has no DeepSeek-V4 head yet)."""
+    config = deepseek_v4_config(hc_mult=hc_mult)
+    model = _deepseek_v4_language_model(config, seed)
+    tensors: dict[str, mx.array] = {}
+    for name, v in tree_flatten(model.parameters()):
+        _deepseek_v4_published(name, v, tensors)
+    return write_checkpoint(path, tensors, config)

@@ -59,6 +59,13 @@ def _rotating_window(c: RotatingKVCache) -> list[mx.array]:
     return [v[..., v.shape[2] - needed :, :] for v in order]
 
 
+def _vlm_rotating_window(c) -> list[mx.array]:
+    """mlx-vlm's RotatingKVCache's attendable entries, oldest first (as `_rotating_window`)."""
+    order = [c._temporal_order(v) for v in (c.keys, c.values)]
+    needed = min(c.offset, c.max_size - 1)
+    return [v[..., v.shape[2] - needed :, :] for v in order]
+
+
 def _canonical(c) -> tuple[int, list[mx.array]]:
     """(position count, arrays that determine all future outputs) for one cache."""
     if type(c) is KVCache:
@@ -74,6 +81,12 @@ def _canonical(c) -> tuple[int, list[mx.array]]:
         return c.offset, kept + [c.index_keys[:, : c.offset], c.index_position_ids[..., : c.offset]]
     if type(c).__name__ == "ArraysCache":  # mlx-vlm's: gated-delta conv + state, PLE window + n-gram history
         return -1, list(c.cache)
+    if type(c).__name__ == "RotatingKVCache":  # mlx-vlm's (DeepSeek-V4's sliding window)
+        return c.offset, _vlm_rotating_window(c)
+    if type(c).__name__ == "PoolingCache":  # mlx-vlm's (DeepSeek-V4): pooled rows, open window, overlap
+        open_window = [] if c.remainder == 0 else [c.buf_kv[:, : c.remainder], c.buf_gate[:, : c.remainder]]
+        overlap = list(getattr(c, "overlap_window", ()))
+        return 1000 * c.offset + c.remainder, ([] if c.pooled is None else [c.pooled]) + open_window + overlap
     raise AssertionError(f"unexpected cache type {type(c).__name__}")
 
 
@@ -83,10 +96,18 @@ def _max_diff(a: mx.array, b: mx.array) -> float:
     return float(mx.max(mx.abs(a.astype(mx.float32) - b.astype(mx.float32))))
 
 
+def _all_leaves(cache: list) -> list:
+    """mtplx's leaves, an mlx-vlm CacheList (DeepSeek-V4's window + pool caches) opened too."""
+    out = []
+    for c in cache_leaves(cache):
+        out.extend(_all_leaves(c.caches) if type(c).__name__ == "CacheList" else [c])
+    return out
+
+
 def cache_mismatch(got: list, want: list) -> str | None:
     """None if both caches hold the same content within TOL, else the first difference."""
     # A CacheList (DeepSeek-V3.2's MLA + indexer, Hunyuan-V4's) is compared member by member.
-    got, want = cache_leaves(got), cache_leaves(want)
+    got, want = _all_leaves(got), _all_leaves(want)
     if len(got) != len(want):
         return f"{len(got)} leaf caches vs {len(want)}"
     for layer, (g, w) in enumerate(zip(got, want)):
@@ -185,6 +206,8 @@ MODELS = {
     "hy_v4_dsa": ("hy_v4", None),  # mlx-vlm's language model: CacheList(MLA KV, indexer KV) per layer
     # mlx-vlm's own caches: QSAKVCache (KV + QSA indexer keys), gated-delta and PLE ArraysCaches
     "qwen4_exp_qsa_hybrid": ("qwen4_exp", None),
+    # mlx-vlm's own caches: sliding-window RotatingKVCache, CacheList(window, PoolingCache x2)
+    "deepseek_v4_pooled": ("deepseek_v4", None),
 }
 
 
@@ -276,7 +299,8 @@ def test_negative_control_skipped_ssm_rollback_is_caught():
 
 
 @pytest.mark.parametrize(
-    "name", ["llama", "qwen3_5_hybrid", "gemma3_rotating", "hy_v4_dsa", "qwen4_exp_qsa_hybrid"]
+    "name",
+    ["llama", "qwen3_5_hybrid", "gemma3_rotating", "hy_v4_dsa", "qwen4_exp_qsa_hybrid", "deepseek_v4_pooled"],
 )
 def test_negative_control_skipped_trim_is_caught(name):
     model, make_cache = _model_and_cache(name)
@@ -299,6 +323,16 @@ def test_negative_control_skipped_recurrent_rollback_of_mlx_vlms_caches_is_caugh
     model, make_cache = _model_and_cache("qwen4_exp_qsa_hybrid")
     why = run_cycles(model, make_cache, 6, pattern=REJECTING, commit=_commit_without_recurrent_rollback)
     assert why is not None and "slot" in why, why
+
+
+def test_negative_control_skipped_overlap_window_rollback_is_caught(monkeypatch):
+    """DeepSeek-V4: mlx-vlm's transaction alone, the compressor's overlap window (mtplx's) left as
+    the whole block made it: the next window pools with a rejected predecessor."""
+    from mtplx.trunk import vlm_deepseek_v4
+
+    monkeypatch.setattr(vlm_deepseek_v4.OverlapRecord, "commit", lambda self, num_keep: None)
+    model, make_cache = _model_and_cache("deepseek_v4_pooled")
+    assert run_cycles(model, make_cache, 6, pattern=REJECTING) is not None
 
 
 # --------------------------------------------------------------------------- interruption
