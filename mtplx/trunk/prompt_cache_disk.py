@@ -33,6 +33,8 @@ A trunk hosted with mlx-vlm's own caches (`mtplx.trunk.vlm_text.NATIVE_CACHE_FAM
 each cache's module beside its class name (``mtplx_cache_modules``): `load_caches` rebuilds those
 as mlx-vlm's classes (mlx-lm's loader knows only its own, and mlx-vlm's ``ArraysCache`` shares a
 name with mlx-lm's); only ``mlx_lm.models.cache`` and ``mlx_vlm.models.*`` modules are imported.
+An entry whose caches carry state no file holds (DeepSeek-V4's compressor overlap window,
+`mtplx.trunk.vlm_deepseek_v4`) stays in RAM only (counted as a dropped write).
 
 The index reads each file's safetensors header alone (`mtplx.checkpoints.headers`, which also
 notices a file shorter than its header says), never its tensors.
@@ -64,6 +66,7 @@ from mtplx.trunk.compat import (
 )
 from mtplx.trunk.prompt_cache import as_tokens, covers, reusable
 from mtplx.trunk.prompt_cache_file import DIGEST_FIELD, PLACEHOLDER, stamp, verify
+from mtplx.trunk.vlm_deepseek_v4 import holds_overlap_windows
 
 import mlx.core as mx
 import numpy as np
@@ -374,6 +377,9 @@ class DiskTier:
             return
         head = list(entry.head_cache) if entry.head_cache is not None else None
         caches = list(entry.trunk_cache) + (head or [])
+        if holds_overlap_windows(caches):  # DeepSeek-V4's compressor state: no file holds it
+            self.stats.dropped_writes += 1
+            return
         mx.async_eval([a for _, a in tree_flatten([c.state for c in caches]) if isinstance(a, mx.array)])
         job = _Write(entry.tokens, entry.size, list(entry.trunk_cache), head, entry.trimmable)
         try:

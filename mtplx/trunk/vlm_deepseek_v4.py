@@ -22,7 +22,7 @@ from typing import Any
 
 import mlx.core as mx
 
-__all__ = ["ATTRIBUTE", "OverlapRecord", "exact_compressor_call"]
+__all__ = ["ATTRIBUTE", "OverlapRecord", "exact_compressor_call", "holds_overlap_windows"]
 
 ATTRIBUTE = "overlap_window"  # on a PoolingCache: (kv [B, ratio, D], gate [B, ratio, D]) raw, or absent
 
@@ -92,3 +92,17 @@ class OverlapRecord:
             self.cache.__dict__.pop(ATTRIBUTE, None)
         else:
             setattr(self.cache, ATTRIBUTE, window)
+
+
+def holds_overlap_windows(caches: list) -> bool:
+    """Whether any of ``caches`` (mlx-vlm's CacheLists opened) carries an ``overlap_window``: state
+    a prompt-cache file (a cache's ``state`` / ``meta_state``) does not hold, so the disk tier keeps
+    such entries in RAM only."""
+    stack = list(caches)
+    while stack:
+        c = stack.pop()
+        if type(c).__name__ == "CacheList" and isinstance(getattr(c, "caches", None), (list, tuple)):
+            stack.extend(c.caches)
+        elif getattr(c, ATTRIBUTE, None) is not None:
+            return True
+    return False

@@ -128,3 +128,50 @@ def test_a_copied_cache_shares_no_member_with_its_source():
     assert copy[1].caches[1] is not cache[1].caches[1]
     assert [a.shape for a in after] == [b.shape for b in before]
     assert all(np.array_equal(a, b) for a, b in zip(after, before))
+
+
+def _lookup_decode(trunk, prompt: list[int], n: int) -> list:
+    from mtplx.sampling import SamplerConfig
+    from mtplx.spec_decode.lookup_proposer import LookupConfig
+    from mtplx.spec_decode.settings import DecodeSettings
+    from mtplx.spec_decode.sources import Source
+
+    from support import decoding as decode
+    from support.decoding import take_steps
+
+    drafters = decode.Drafters((Source.LOOKUP,), lookup=LookupConfig(min_ngram=1, max_ngram=3, max_tokens=4))
+    settings = DecodeSettings(sampler=SamplerConfig(temperature=0.0), depth=4)
+    steps = decode.speculative_decode(trunk, drafters, prompt, settings, mx.random.key(0), None)
+    return take_steps(steps, n)[1]
+
+
+def test_engine_decodes_as_one_forward_with_lookup_drafts_and_the_prompt_cache(checkpoint, tmp_path):
+    """Through the Engine: greedy tokens = the argmax chain of mlx-vlm's one forward; the decode
+    loop with prompt-lookup drafts (verify blocks, rejections) and a prompt-cache hit in RAM give
+    the same tokens; the disk tier writes no entry (the compressor's overlap window is state no
+    file holds)."""
+    from mtplx.engine.engine import Engine
+    from mtplx.engine.request import GenerationRequest
+
+    from support.tokenizer import word_level
+
+    word_level(checkpoint, DEEPSEEK_V4_VOCAB)
+    engine = Engine.load(str(checkpoint), prompt_cache_bytes=1 << 26)
+    engine.use_disk_cache(tmp_path, 1 << 26)
+    # every token but EOS / BOS once: whatever comes next recurs, so lookup proposes what followed it
+    prompt = np.random.default_rng(7).permutation(np.arange(2, DEEPSEEK_V4_VOCAB)).tolist()
+
+    def run(tokens, draft):
+        request = GenerationRequest.from_kwargs(max_tokens=6, temperature=0.0, draft=draft)
+        return engine.generate(tokens, request)
+
+    ar = run(prompt, "none").token_ids
+    ref = _scratch(checkpoint, prompt + ar[:-1]).logits[0, len(prompt) - 1 :]
+    assert ar == np.argmax(np.array(ref), axis=-1).tolist()[: len(ar)]
+    drafted = _lookup_decode(engine.trunk, prompt, len(ar))
+    assert [t for s in drafted for t in s.tokens][: len(ar)] == ar
+    assert any(s.num_drafted > s.num_accepted for s in drafted), "no rejected draft"
+    again = run(prompt + ar[:2], "none")
+    assert again.stats.cached_tokens > 0 and again.token_ids == ar[2:] + again.token_ids[len(ar) - 2 :]
+    assert engine.prompt_cache.disk.flush()
+    assert not list(tmp_path.glob("*.safetensors")) and engine.prompt_cache.disk.stats.dropped_writes > 0
