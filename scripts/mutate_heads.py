@@ -73,6 +73,8 @@ _NEMOTRON_CONCAT = "mx.concatenate([e, first.hnorm(hidden).astype(e.dtype)], axi
 _HY = "mtplx/heads/hy_v4.py"
 _Q4 = "mtplx/heads/qwen4_exp.py"
 _Q4_EMBED = "e = self.fc_embedding(self.pre_fc_norm_embedding(self._embed(next_tokens)))"
+_DSV4 = "mtplx/heads/deepseek_v4.py"
+_DSV4_EMBED = "e = self.e_proj(self.enorm(self._embed(next_tokens)))"
 _GEMMA = "mtplx/heads/gemma4_assistant.py"
 _GEMMA_EMBED = "self._embed(next_tokens[:, -1:])"
 _GEMMA_CONCAT = f"mx.concatenate([{_GEMMA_EMBED}, hidden[:, -1:]], axis=-1)"
@@ -324,6 +326,52 @@ PLANTS: dict[str, tuple[Plant, ...]] = {
             ),
         ),
     ),
+    "deepseek_v4": (
+        Plant(
+            MUTATIONS[0],
+            "position 0's embedding zeroed",
+            (
+                (
+                    _DSV4,
+                    _DSV4_EMBED,
+                    "from mtplx.heads.base import zero_first_position\n"
+                    "        e = self.e_proj(self.enorm(zero_first_position(self._embed(next_tokens), 0)))",
+                ),
+            ),
+        ),
+        # No concatenation: the embedding and the streams have their own projections, swapped here.
+        Plant(
+            MUTATIONS[1],
+            "e_proj / h_proj swapped",
+            (
+                (_DSV4, _DSV4_EMBED, _DSV4_EMBED.replace("self.e_proj(", "self.h_proj(")),
+                (_DSV4, "x = self.h_proj(self.hnorm(", "x = self.e_proj(self.hnorm("),
+            ),
+        ),
+        Plant(
+            MUTATIONS[2],
+            "hnorm dropped",
+            (
+                (
+                    _DSV4,
+                    "self.h_proj(self.hnorm(self._streams(hidden)))",
+                    "self.h_proj(self._streams(hidden))",
+                ),
+            ),
+        ),
+        Plant(
+            MUTATIONS[3],
+            "hidden-stream choice: the first stream (repeated) instead of all hc_mult",
+            (
+                (
+                    _DSV4,
+                    _DSV4_EMBED,
+                    "hidden = mx.tile(hidden[..., : self.args.hidden_size], self.args.hc_mult)\n        "
+                    + _DSV4_EMBED,
+                ),
+            ),
+        ),
+    ),
     "gemma4_assistant": (
         # It drafts one row at the target's position (> 0): the flip treats that row as position 0.
         Plant(
@@ -371,6 +419,7 @@ REFERENCE_TESTS: dict[str, tuple[str, ...]] = {
     "nemotron_h": ("tests/heads/test_nemotron_h.py", "-k", "reference or chain"),
     "hy_v4": ("tests/heads/test_hy_v4.py", "-k", "reference or chain"),
     "qwen4_exp": ("tests/heads/test_qwen4_exp.py", "-k", "reference or chain"),
+    "deepseek_v4": ("tests/heads/test_deepseek_v4.py", "-k", "reference or chain or drafter"),
     "gemma4_assistant": (
         "tests/heads/test_gemma4.py",
         "-k",

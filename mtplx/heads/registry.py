@@ -17,6 +17,7 @@ from typing import Any
 
 from mtplx.heads import (
     deepseek,
+    deepseek_v4,
     ernie,
     hy_v4,
     longcat,
@@ -103,6 +104,16 @@ FAMILIES: dict[str, HeadFamily] = {
             layer_names=r"mtp\.layers\.(\d+)\..+",
             default_hidden_source=qwen4_exp.DEFAULT_HIDDEN_SOURCE,
             build=qwen4_exp.build_head,
+        ),
+        HeadFamily(
+            name=deepseek_v4.LAYOUT,
+            model_types=("deepseek_v4",),
+            # e_proj / h_proj (two projections, no eh_proj) under the top-level mtp.{i}.
+            marker=r"mtp\.\d+\.e_proj\.weight",
+            count_keys=("num_nextn_predict_layers",),
+            layer_names=r"mtp\.(\d+)\.e_proj\.weight",
+            default_hidden_source=deepseek_v4.DEFAULT_HIDDEN_SOURCE,
+            build=deepseek_v4.build_head,
         ),
         HeadFamily(
             name=deepseek.LAYOUT,

@@ -76,6 +76,12 @@ def _hy_v4_mtp(src: HeadSource, num_layers: int) -> MTPHead:
     return hy_v4.build_split_head(src, num_layers)
 
 
+def _deepseek_v4_mtp(src: HeadSource, num_layers: int) -> MTPHead:
+    from mtplx.heads import deepseek_v4
+
+    return deepseek_v4.build_split_head(src, num_layers)
+
+
 def _qwen4_exp_mtp(src: HeadSource, num_layers: int) -> MTPHead:
     from mtplx.heads import qwen4_exp
 
@@ -116,6 +122,13 @@ SPLIT_FAMILIES: dict[str, SplitFamily] = {
             target_types=("hy_v4",),
             layers_key="num_nextn_predict_layers",
             build=_hy_v4_mtp,
+        ),
+        # DeepSeek-V4 (its trunk hosted through mlx-vlm): mtplx.heads.deepseek_v4.build_split_head.
+        SplitFamily(
+            model_type="deepseek_v4_mtp",
+            target_types=("deepseek_v4",),
+            layers_key="num_nextn_predict_layers",
+            build=_deepseek_v4_mtp,
         ),
         # Qwen3.8-Flash-Next (its trunk hosted through mlx-vlm): mtplx.heads.qwen4_exp.build_split_head.
         SplitFamily(

@@ -486,13 +486,60 @@ def _deepseek_v4_published(name: str, v: mx.array, out: dict) -> None:
     out[name] = v
 
 
-def deepseek_v4(path: Path, *, seed: int = 0, hc_mult: int = 2) -> Tiny:
+def deepseek_v4_mtp_module(config: dict) -> nn.Module:
+    """mlx-vlm's DeepSeek-V4 MTP drafter's modules (what the checkpoint ships under ``mtp.0.``)."""
+    from mlx_vlm.speculative.drafters.deepseek_v4_mtp.config import DeepseekV4MTPConfig
+    from mlx_vlm.speculative.drafters.deepseek_v4_mtp.deepseek_v4_mtp import DeepseekV4MTPDraftModel
+
+    return DeepseekV4MTPDraftModel(DeepseekV4MTPConfig.from_dict({"text_config": config}))
+
+
+def _deepseek_v4_mtp_published(mtp: nn.Module, out: dict) -> None:
+    """The drafter's parameters under the official ``mtp.0.`` names (the block's as a layer's)."""
+    for name, v in tree_flatten(mtp.parameters()):
+        if name.startswith("decoder."):
+            layer: dict[str, mx.array] = {}
+            _deepseek_v4_published("model.layers.0." + name.removeprefix("decoder."), v, layer)
+            out.update({"mtp.0." + k.removeprefix("layers.0."): w for k, w in layer.items()})
+        elif name.startswith("hc_head."):
+            out["mtp.0.hc_head_" + name.rsplit(".", 1)[1]] = v
+        else:
+            out["mtp.0." + name] = v
+
+
+def deepseek_v4(
+    path: Path,
+    *,
+    seed: int = 0,
+    hc_mult: int = 2,
+    context_strength: float | None = None,
+    ship_mtp: bool = True,
+) -> Tiny:
     """A DeepSeek-V4 checkpoint in the official inference layout (see ``_deepseek_v4_published``),
-    float32 (published: FP8 / FP4), the trunk only (the MTP layer's ``mtp.0.*`` is not written:
-    mtplx has no DeepSeek-V4 head yet)."""
+    float32 (published: FP8 / FP4), the MTP block under ``mtp.0.`` (mlx-vlm's splitter reads
+    those). ``context_strength``: the layers' output projections scaled by it, the embeddings at
+    the streams' scale, and the MTP block started from reading the next token's embedding alone
+    (``e_proj`` = I, ``h_proj`` = 0) through the trunk's own ``hc_head`` and ``norm``, so its
+    drafts agree with the trunk's bigram part and some are kept."""
     config = deepseek_v4_config(hc_mult=hc_mult)
     model = _deepseek_v4_language_model(config, seed)
+    if context_strength is not None:
+        scale_outputs(model, context_strength, (*_OUTPUT_PROJECTIONS, "wo_b.weight"))
+        embed = model.model.embed_tokens
+        embed.weight = embed.weight * embed.weight.shape[-1] ** 0.5
     tensors: dict[str, mx.array] = {}
     for name, v in tree_flatten(model.parameters()):
         _deepseek_v4_published(name, v, tensors)
+    if ship_mtp:
+        mtp = deepseek_v4_mtp_module(config)
+        randomize(mtp, seed + 1)
+        if context_strength is not None:
+            scale_outputs(mtp, context_strength, (*_OUTPUT_PROJECTIONS, "wo_b.weight"))
+            h = DEEPSEEK_V4_HIDDEN
+            mtp.e_proj.weight = mx.eye(h)
+            mtp.h_proj.weight = mx.zeros((h, h))
+            mtp.enorm.weight = mx.ones((h,))
+            mtp.hc_head.update(model.model["hc_head"].parameters())
+            mtp.norm.weight = model.model["norm"].weight
+        _deepseek_v4_mtp_published(mtp, tensors)
     return write_checkpoint(path, tensors, config)
