@@ -302,3 +302,23 @@ def test_the_split_drafter_is_found_beside_the_trunk_and_equals_the_checkpoints_
     own_out = engine.head.logits(engine.head(streams, nxt, engine.head.make_cache()))
     assert mx.allclose(split_out, own_out, atol=1e-4).item()
     assert_mtp_equals_ar_with_drafts_kept(split.trunk, head, PROMPTS[:1], 10, depths=(2,))
+
+
+# --------------------------------------------------------------------------- conversion
+
+
+def test_mtplx_convert_keeps_the_head_at_safe_precision_and_mlx_vlm_opens_the_output(checkpoint, tmp_path):
+    from mtplx.checkpoints.convert_hf import convert_hf
+
+    from mlx_vlm.utils import load_model
+
+    out = convert_hf(checkpoint, tmp_path / "DeepSeek-V4-Tiny-4bit", q_bits=4, q_group_size=32)
+    assert type(load_model(out)).__module__ == "mlx_vlm.models.deepseek_v4.deepseek_v4"  # opens in mlx-vlm
+    converted = Engine.load(str(out), depth=2)
+    assert isinstance(converted.head, DeepseekV4MTPHead)
+    bits = {path: m.bits for path, m in converted.head.named_modules() if hasattr(m, "scales")}
+    assert bits["e_proj"] == bits["h_proj"] == bits["decoder.attn.wq_a"] == bits["decoder.attn.wo_a"] == 8
+    assert bits["decoder.ffn.switch_mlp.gate_proj"] == 4  # routed experts at the trunk's bits
+    trunk_bits = {p: m.bits for p, m in converted.trunk.model.named_modules() if hasattr(m, "scales")}
+    assert trunk_bits["language_model.model.layers.0.ffn.switch_mlp.gate_proj"] == 4
+    assert_mtp_equals_ar_with_drafts_kept(converted.trunk, converted.head, PROMPTS[:1], 10, depths=(2,))
