@@ -11,20 +11,31 @@ The trunk's own checks: ``tests/trunk/test_vlm_deepseek_v4.py``.
 from __future__ import annotations
 
 import json
+import os
 
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.engine.engine import Engine
 from mtplx.engine.request import GenerationRequest
 from mtplx.heads.deepseek_v4 import DeepseekV4MTPHead
+from mtplx.sampling import SamplerConfig
+from mtplx.trunk.model import Trunk
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from support.decoding import assert_mtp_equals_ar_with_drafts_kept
+from support.exactness import (
+    FALSE_FAILURE_RATE,
+    exact_ar_joint,
+    loop_p_value,
+    plant_commit_rejected_draft,
+    sample_counts,
+)
+from support.models import randomize
 from support.numpy_heads import causal_mask, gqa_attention, read_tensors, rms, silu
 from support.seeds import SEEDS, resolve
 from support.tokenizer import word_level
-from support.vlm_families import DEEPSEEK_V4_HIDDEN, DEEPSEEK_V4_VOCAB
+from support.vlm_families import DEEPSEEK_V4_HIDDEN, DEEPSEEK_V4_VOCAB, tiny_deepseek_v4
 from support.vlm_families import deepseek_v4 as deepseek_v4_checkpoint
 
 REFERENCE_LAYOUTS = ("deepseek_v4",)
@@ -322,3 +333,44 @@ def test_mtplx_convert_keeps_the_head_at_safe_precision_and_mlx_vlm_opens_the_ou
     trunk_bits = {p: m.bits for p, m in converted.trunk.model.named_modules() if hasattr(m, "scales")}
     assert trunk_bits["language_model.model.layers.0.ffn.switch_mlp.gate_proj"] == 4
     assert_mtp_equals_ar_with_drafts_kept(converted.trunk, converted.head, PROMPTS[:1], 10, depths=(2,))
+
+
+# --------------------------------------------------------------------------- sampled distribution
+# (Hunyuan-V4's runs in every make test: tests/heads/test_hy_v4.py; this family's behind slow.)
+
+CHI_VOCAB = 5
+CHI = SamplerConfig(temperature=0.7)
+
+
+def chi_pair() -> tuple[Trunk, DeepseekV4MTPHead]:
+    """A 5-token DeepSeek-V4 trunk (2 hyper-connection streams, window + compressed KV) with
+    peaked, context-dependent distributions (embeddings x8, logits x3) and a random MTP block."""
+    model = tiny_deepseek_v4(CHI_VOCAB, seed=3)
+    inner = model.language_model
+    inner.model.embed_tokens.weight = inner.model.embed_tokens.weight * 8
+    inner.lm_head.weight = inner.lm_head.weight * 3
+    trunk = Trunk(model)
+    head = DeepseekV4MTPHead(inner.args, trunk=trunk)
+    randomize(head, 5)
+    return trunk, head
+
+
+@pytest.mark.slow
+def test_sampled_mtp_matches_the_exact_ar_distribution_at_t_0_7():
+    """Depth 2: the first three tokens' joint and marginals against the float64 enumeration of AR
+    sampling (the window and pool caches rolled back through mlx-vlm's transaction on the way)."""
+    trunk, head = chi_pair()
+    expected = exact_ar_joint(trunk, CHI, CHI_VOCAB)
+    seed0 = int.from_bytes(os.urandom(4), "little")
+    p = loop_p_value(sample_counts(trunk, head, CHI, 2, 100, CHI_VOCAB, seed0), expected)
+    assert p > FALSE_FAILURE_RATE, f"p={p:.3g} (seed0={seed0})"
+
+
+@pytest.mark.slow
+def test_chi_square_rejects_a_loop_that_commits_the_rejected_draft(monkeypatch):
+    plant_commit_rejected_draft(monkeypatch)
+    trunk, head = chi_pair()
+    expected = exact_ar_joint(trunk, CHI, CHI_VOCAB)
+    assert (
+        loop_p_value(sample_counts(trunk, head, CHI, 2, 100, CHI_VOCAB, 1234), expected) < FALSE_FAILURE_RATE
+    )
