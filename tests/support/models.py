@@ -210,7 +210,8 @@ def rollback_model(family: str, *, seed: int = 0) -> nn.Module:
     (Hunyuan-V4 through mlx-vlm: a CacheList of MLA KV + DSA indexer KV per layer, hyper-connections;
     ``support.vlm_families``), ``qwen4_exp`` (Qwen3.8-Flash-Next through mlx-vlm, its own caches:
     QSA KV + indexer keys, gated-delta and PLE ArraysCaches), ``deepseek_v4`` (DeepSeek-V4 through
-    mlx-vlm, its own caches: sliding-window RotatingKVCache, compressed PoolingCaches)."""
+    mlx-vlm, its own caches: sliding-window RotatingKVCache, compressed PoolingCaches), ``glm5_next`` (GLM-5-Next through mlx-vlm, its own caches:
+    linear-attention ArraysCaches, CacheList(KV, indexer KV, PoolingCache, pooled KV))."""
     if family == "llama":
         return tiny_llama(ROLLBACK_VOCAB, seed=seed, hidden_size=64, num_heads=2, num_kv_heads=1)
     if family == "qwen3_5":
@@ -235,6 +236,10 @@ def rollback_model(family: str, *, seed: int = 0) -> nn.Module:
         from support.vlm_families import tiny_deepseek_v4
 
         return tiny_deepseek_v4(ROLLBACK_VOCAB, seed=seed)
+    if family == "glm5_next":
+        from support.vlm_families import tiny_glm5_next
+
+        return tiny_glm5_next(ROLLBACK_VOCAB, seed=seed)
     raise ValueError(family)
 
 

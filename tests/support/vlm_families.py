@@ -543,3 +543,156 @@ def deepseek_v4(
             mtp.norm.weight = model.model["norm"].weight
         _deepseek_v4_mtp_published(mtp, tensors)
     return write_checkpoint(path, tensors, config)
+
+
+# --------------------------------------------------------------------------- GLM-5-Next
+
+GLM5_NEXT_VOCAB = 96
+GLM5_NEXT_HIDDEN = 64
+
+
+def glm5_next_config(layers: int = 4, hc_mult: int = 2) -> dict:
+    """GLM-5-Next shrunk, the published config.json's shape (a top-level ``text_config`` and
+    ``vision_config``; keys from mlx-vlm 0.7.10's ``models/glm5_next/config.py``): linear-attention
+    layers with a NoPE MLA sparse-attention layer every fourth (the published rule), its indexer
+    keeping 4 keys in pools of 2 (it selects at test lengths), a dense first layer and a 4-expert
+    MoE after, ``hc_mult`` hyper-connection streams. The vision tower is declared and not shipped."""
+    text = {
+        "model_type": "glm5_next_text",
+        "vocab_size": GLM5_NEXT_VOCAB,
+        "hidden_size": GLM5_NEXT_HIDDEN,
+        "intermediate_size": 96,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": layers,
+        "num_nextn_predict_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "n_shared_experts": 1,
+        "n_routed_experts": 4,
+        "routed_scaling_factor": 2.5,
+        "kv_lora_rank": 32,
+        "q_lora_rank": 32,
+        "qk_rope_head_dim": 0,
+        "v_head_dim": 32,
+        "qk_nope_head_dim": 32,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "index_topk": 4,
+        "index_head_dim": 16,
+        "index_n_heads": 2,
+        "index_kpool": 2,
+        "linear_attn_config": {"head_dim": 16, "num_heads": 2, "short_conv_kernel_size": 4},
+        "hc_mult": hc_mult,
+        "first_k_dense_replace": 1,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-5,
+        "eos_token_id": 1,  # support.tokenizer.word_level's EOS
+        "pad_token_id": 0,
+        "tie_word_embeddings": False,
+    }
+    vision = {
+        "model_type": "glm5_next_vision",
+        "depth": 1,
+        "hidden_size": 16,
+        "num_heads": 2,
+        "intermediate_size": 32,
+        "out_hidden_size": GLM5_NEXT_HIDDEN,
+        "patch_size": 4,
+    }
+    return {
+        "model_type": "glm5_next",
+        "architectures": ["Glm5NextForConditionalGeneration"],
+        "text_config": text,
+        "vision_config": vision,
+        "vocab_size": GLM5_NEXT_VOCAB,
+        "image_token_id": 90,
+        "video_token_id": 91,
+        "eos_token_id": 1,
+        "tie_word_embeddings": False,
+    }
+
+
+def _glm5_next_language_model(config: dict, seed: int):
+    from mlx_vlm.models.glm5_next.config import ModelConfig
+    from mlx_vlm.models.glm5_next.language import LanguageModel
+
+    model = LanguageModel(ModelConfig.from_dict(config).text_config)
+    randomize(model, seed)
+    return model
+
+
+def tiny_glm5_next(vocab_size: int = GLM5_NEXT_VOCAB, *, seed: int = 0, hc_mult: int = 2):
+    """An in-memory GLM-5-Next trunk as mtplx hosts it (float32, random weights, mlx-vlm's caches)."""
+    from mtplx.trunk.vlm_text import VlmTextModel
+
+    config = glm5_next_config(hc_mult=hc_mult)
+    config["vocab_size"] = config["text_config"]["vocab_size"] = vocab_size
+    wrapped = VlmTextModel(_glm5_next_language_model(config, seed), "glm5_next")
+    wrapped.eval()
+    return wrapped
+
+
+def _glm5_next_published_layer(prefix: str, name: str, v: mx.array, args, out: dict) -> None:
+    """One mlx-vlm GLM-5-Next layer parameter (``name`` relative to the layer) under the published
+    names (the reverse of ``LanguageModel.sanitize``): separate ``q/k/v_proj``, ``f_a/b/g_a_proj``,
+    ``q/k/v_conv1d`` [C, 1, K], ``gate_proj`` / ``up_proj``, per-expert ``experts.{e}.*``,
+    ``q_a_proj`` / ``kv_a_proj_with_mqa``, a fused ``kv_b_proj``, ``hc_{attn,ffn}_{fn,base,scale}``."""
+    for site in ("attn", "ffn"):
+        for param in ("fn", "base", "scale"):
+            name = name.replace(f"{site}_hc.{param}", f"hc_{site}_{param}")
+    stem = name.rsplit(".", 2)[0] if name.count(".") >= 2 else ""
+    if name.endswith("qkv_proj.weight"):
+        for part, w in zip(("q_proj", "k_proj", "v_proj"), mx.split(v, 3, axis=0)):
+            out[f"{prefix}{stem}.{part}.weight"] = w
+    elif name.endswith("qkv_conv.conv.weight"):
+        stem = name.removesuffix(".qkv_conv.conv.weight")
+        for part, w in zip(("q_conv1d", "k_conv1d", "v_conv1d"), mx.split(v, 3, axis=0)):
+            out[f"{prefix}{stem}.{part}.weight"] = w.moveaxis(2, 1)
+    elif name.endswith("fbg_a_proj.weight"):
+        hd, nh = args.linear_head_dim, args.linear_num_heads
+        for part, w in zip(("f_a_proj", "b_proj", "g_a_proj"), mx.split(v, [hd, hd + nh], axis=0)):
+            out[f"{prefix}{stem}.{part}.weight"] = w
+    elif name.endswith("gate_up_proj.weight"):
+        for part, w in zip(("gate_proj", "up_proj"), mx.split(v, 2, axis=0)):
+            out[f"{prefix}{stem}.{part}.weight"] = w
+    elif ".switch_mlp." in name:
+        mlp, proj = name.split(".switch_mlp.")
+        for e in range(v.shape[0]):
+            out[f"{prefix}{mlp}.experts.{e}.{proj}"] = v[e]
+    elif name.endswith("qkv_a_proj.weight"):
+        for part, w in zip(("q_a_proj", "kv_a_proj_with_mqa"), mx.split(v, [args.q_lora_rank], axis=0)):
+            out[f"{prefix}{stem}.{part}.weight"] = w
+    elif name.endswith("embed_q.weight"):
+        return  # written with unembed_out
+    elif name.endswith("unembed_out.weight"):
+        return
+    else:
+        out[prefix + name] = v
+
+
+def _glm5_next_tensors(model, args) -> dict[str, mx.array]:
+    out: dict[str, mx.array] = {}
+    for name, v in tree_flatten(model.model.parameters()):
+        if name.startswith("layers."):
+            i, rest = name.split(".", 2)[1:]
+            _glm5_next_published_layer(f"model.language_model.layers.{i}.", rest, v, args, out)
+        else:
+            out["model.language_model." + name] = v
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        if "embed_q" in attn:
+            kv_b = mx.concatenate([attn.embed_q.weight.swapaxes(-1, -2), attn.unembed_out.weight], axis=1)
+            out[f"model.language_model.layers.{i}.self_attn.kv_b_proj.weight"] = kv_b.reshape(
+                -1, args.kv_lora_rank
+            )
+    out["lm_head.weight"] = model.lm_head.weight
+    return out
+
+
+def glm5_next(path: Path, *, seed: int = 0, hc_mult: int = 2) -> Tiny:
+    """A GLM-5-Next checkpoint in the published layout (``model.language_model.*``, ``lm_head``;
+    see ``_glm5_next_published_layer``), float32, the trunk only (the MTP layer at index
+    ``num_hidden_layers`` is not written: mtplx has no GLM-5-Next head yet)."""
+    config = glm5_next_config(hc_mult=hc_mult)
+    model = _glm5_next_language_model(config, seed)
+    return write_checkpoint(path, _glm5_next_tensors(model, model.args), config)

@@ -81,6 +81,9 @@ def _canonical(c) -> tuple[int, list[mx.array]]:
         return c.offset, kept + [c.index_keys[:, : c.offset], c.index_position_ids[..., : c.offset]]
     if type(c).__name__ == "ArraysCache":  # mlx-vlm's: gated-delta conv + state, PLE window + n-gram history
         return -1, list(c.cache)
+    if type(c).__name__ == "KVCache":  # mlx-vlm's (GLM-5-Next's MLA latents, indexer keys, pooled keys)
+        kept = [] if c.keys is None else [c.keys[..., : c.offset, :], c.values[..., : c.offset, :]]
+        return c.offset, kept
     if type(c).__name__ == "RotatingKVCache":  # mlx-vlm's (DeepSeek-V4's sliding window)
         return c.offset, _vlm_rotating_window(c)
     if type(c).__name__ == "PoolingCache":  # mlx-vlm's (DeepSeek-V4): pooled rows, open window, overlap
@@ -100,7 +103,15 @@ def _all_leaves(cache: list) -> list:
     """mtplx's leaves, an mlx-vlm CacheList (DeepSeek-V4's window + pool caches) opened too."""
     out = []
     for c in cache_leaves(cache):
-        out.extend(_all_leaves(c.caches) if type(c).__name__ == "CacheList" else [c])
+        if type(c).__name__ != "CacheList":
+            out.append(c)
+        elif len(c.caches) == 4 and type(c.caches[2]).__name__ == "PoolingCache":
+            # GLM-5-Next's (latent KV, indexer KV, pooled keys, projected K/V): the last is a prefill
+            # accelerator (filled only by forwards longer than mlx-vlm's DECODE_BLOCK_SIZE, read only
+            # when it covers every earlier position; its entries are the latents' projections)
+            out.extend(_all_leaves(c.caches[:3]))
+        else:
+            out.extend(_all_leaves(c.caches))
     return out
 
 
@@ -208,6 +219,8 @@ MODELS = {
     "qwen4_exp_qsa_hybrid": ("qwen4_exp", None),
     # mlx-vlm's own caches: sliding-window RotatingKVCache, CacheList(window, PoolingCache x2)
     "deepseek_v4_pooled": ("deepseek_v4", None),
+    # mlx-vlm's own caches: linear-attention ArraysCaches, CacheList(KV, indexer KV, PoolingCache, KV)
+    "glm5_next_hybrid": ("glm5_next", None),
 }
 
 
@@ -300,7 +313,15 @@ def test_negative_control_skipped_ssm_rollback_is_caught():
 
 @pytest.mark.parametrize(
     "name",
-    ["llama", "qwen3_5_hybrid", "gemma3_rotating", "hy_v4_dsa", "qwen4_exp_qsa_hybrid", "deepseek_v4_pooled"],
+    [
+        "llama",
+        "qwen3_5_hybrid",
+        "gemma3_rotating",
+        "hy_v4_dsa",
+        "qwen4_exp_qsa_hybrid",
+        "deepseek_v4_pooled",
+        "glm5_next_hybrid",
+    ],
 )
 def test_negative_control_skipped_trim_is_caught(name):
     model, make_cache = _model_and_cache(name)
@@ -319,8 +340,9 @@ def _commit_without_recurrent_rollback(cache: list, capture: cache_ops.BlockCapt
     capture.status = "committed"
 
 
-def test_negative_control_skipped_recurrent_rollback_of_mlx_vlms_caches_is_caught():
-    model, make_cache = _model_and_cache("qwen4_exp_qsa_hybrid")
+@pytest.mark.parametrize("name", ["qwen4_exp_qsa_hybrid", "glm5_next_hybrid"])
+def test_negative_control_skipped_recurrent_rollback_of_mlx_vlms_caches_is_caught(name):
+    model, make_cache = _model_and_cache(name)
     why = run_cycles(model, make_cache, 6, pattern=REJECTING, commit=_commit_without_recurrent_rollback)
     assert why is not None and "slot" in why, why
 

@@ -130,21 +130,6 @@ def test_a_copied_cache_shares_no_member_with_its_source():
     assert all(np.array_equal(a, b) for a, b in zip(after, before))
 
 
-def _lookup_decode(trunk, prompt: list[int], n: int) -> list:
-    from mtplx.sampling import SamplerConfig
-    from mtplx.spec_decode.lookup_proposer import LookupConfig
-    from mtplx.spec_decode.settings import DecodeSettings
-    from mtplx.spec_decode.sources import Source
-
-    from support import decoding as decode
-    from support.decoding import take_steps
-
-    drafters = decode.Drafters((Source.LOOKUP,), lookup=LookupConfig(min_ngram=1, max_ngram=3, max_tokens=4))
-    settings = DecodeSettings(sampler=SamplerConfig(temperature=0.0), depth=4)
-    steps = decode.speculative_decode(trunk, drafters, prompt, settings, mx.random.key(0), None)
-    return take_steps(steps, n)[1]
-
-
 def test_engine_decodes_as_one_forward_with_lookup_drafts_and_the_prompt_cache(checkpoint, tmp_path):
     """Through the Engine: greedy tokens = the argmax chain of mlx-vlm's one forward; the decode
     loop with prompt-lookup drafts (verify blocks, rejections) and a prompt-cache hit in RAM give
@@ -153,6 +138,7 @@ def test_engine_decodes_as_one_forward_with_lookup_drafts_and_the_prompt_cache(c
     from mtplx.engine.engine import Engine
     from mtplx.engine.request import GenerationRequest
 
+    from support.decoding import lookup_decode_steps
     from support.tokenizer import word_level
 
     word_level(checkpoint, DEEPSEEK_V4_VOCAB)
@@ -168,7 +154,7 @@ def test_engine_decodes_as_one_forward_with_lookup_drafts_and_the_prompt_cache(c
     ar = run(prompt, "none").token_ids
     ref = _scratch(checkpoint, prompt + ar[:-1]).logits[0, len(prompt) - 1 :]
     assert ar == np.argmax(np.array(ref), axis=-1).tolist()[: len(ar)]
-    drafted = _lookup_decode(engine.trunk, prompt, len(ar))
+    drafted = lookup_decode_steps(engine.trunk, prompt, len(ar))
     assert [t for s in drafted for t in s.tokens][: len(ar)] == ar
     assert any(s.num_drafted > s.num_accepted for s in drafted), "no rejected draft"
     again = run(prompt + ar[:2], "none")
