@@ -75,6 +75,7 @@ _Q4 = "mtplx/heads/qwen4_exp.py"
 _Q4_EMBED = "e = self.fc_embedding(self.pre_fc_norm_embedding(self._embed(next_tokens)))"
 _DSV4 = "mtplx/heads/deepseek_v4.py"
 _DSV4_EMBED = "e = self.e_proj(self.enorm(self._embed(next_tokens)))"
+_GLM5N = "mtplx/heads/glm5_next.py"
 _GEMMA = "mtplx/heads/gemma4_assistant.py"
 _GEMMA_EMBED = "self._embed(next_tokens[:, -1:])"
 _GEMMA_CONCAT = f"mx.concatenate([{_GEMMA_EMBED}, hidden[:, -1:]], axis=-1)"
@@ -372,6 +373,46 @@ PLANTS: dict[str, tuple[Plant, ...]] = {
             ),
         ),
     ),
+    "glm5_next": (
+        Plant(
+            MUTATIONS[0],
+            "position 0's embedding not zeroed",
+            (
+                (
+                    _GLM5N,
+                    "embedded = zero_first_position(self._embed(next_tokens), offset)",
+                    "embedded = self._embed(next_tokens)",
+                ),
+            ),
+        ),
+        Plant(
+            MUTATIONS[1],
+            "hidden first in the concat",
+            (
+                (
+                    _GLM5N,
+                    "mx.concatenate([e, m.hnorm(hidden).astype(e.dtype)], axis=-1)",
+                    "mx.concatenate([m.hnorm(hidden).astype(e.dtype), e], axis=-1)",
+                ),
+            ),
+        ),
+        Plant(
+            MUTATIONS[2],
+            "hnorm dropped",
+            ((_GLM5N, "m.hnorm(hidden).astype(e.dtype)", "hidden.astype(e.dtype)"),),
+        ),
+        Plant(
+            MUTATIONS[3],
+            "hidden-stream choice: the trunk's pre-norm mean of the streams",
+            (
+                (
+                    _GLM5N,
+                    'DEFAULT_HIDDEN_SOURCE: HiddenSource = "post_norm"',
+                    'DEFAULT_HIDDEN_SOURCE: HiddenSource = "pre_norm"',
+                ),
+            ),
+        ),
+    ),
     "gemma4_assistant": (
         # It drafts one row at the target's position (> 0): the flip treats that row as position 0.
         Plant(
@@ -420,6 +461,7 @@ REFERENCE_TESTS: dict[str, tuple[str, ...]] = {
     "hy_v4": ("tests/heads/test_hy_v4.py", "-k", "reference or chain"),
     "qwen4_exp": ("tests/heads/test_qwen4_exp.py", "-k", "reference or chain"),
     "deepseek_v4": ("tests/heads/test_deepseek_v4.py", "-k", "reference or chain or drafter"),
+    "glm5_next": ("tests/heads/test_glm5_next.py", "-k", "reference or chain or drafter"),
     "gemma4_assistant": (
         "tests/heads/test_gemma4.py",
         "-k",

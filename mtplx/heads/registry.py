@@ -19,6 +19,7 @@ from mtplx.heads import (
     deepseek,
     deepseek_v4,
     ernie,
+    glm5_next,
     hy_v4,
     longcat,
     mimo,
@@ -114,6 +115,16 @@ FAMILIES: dict[str, HeadFamily] = {
             layer_names=r"mtp\.(\d+)\.e_proj\.weight",
             default_hidden_source=deepseek_v4.DEFAULT_HIDDEN_SOURCE,
             build=deepseek_v4.build_head,
+        ),
+        HeadFamily(
+            name=glm5_next.LAYOUT,
+            model_types=("glm5_next", "glm5_next_text"),
+            # DeepSeek's shared_head.norm under the multimodal trunk's model.language_model.layers
+            marker=r"model\.language_model\.layers\.\d+\.shared_head\.norm\.weight",
+            count_keys=("num_nextn_predict_layers",),
+            layer_names=r"model\.language_model\.layers\.(\d+)\.eh_proj\.weight",
+            default_hidden_source=glm5_next.DEFAULT_HIDDEN_SOURCE,
+            build=glm5_next.build_head,
         ),
         HeadFamily(
             name=deepseek.LAYOUT,

@@ -82,6 +82,12 @@ def _deepseek_v4_mtp(src: HeadSource, num_layers: int) -> MTPHead:
     return deepseek_v4.build_split_head(src, num_layers)
 
 
+def _glm5_next_mtp(src: HeadSource, num_layers: int) -> MTPHead:
+    from mtplx.heads import glm5_next
+
+    return glm5_next.build_split_head(src, num_layers)
+
+
 def _qwen4_exp_mtp(src: HeadSource, num_layers: int) -> MTPHead:
     from mtplx.heads import qwen4_exp
 
@@ -129,6 +135,13 @@ SPLIT_FAMILIES: dict[str, SplitFamily] = {
             target_types=("deepseek_v4",),
             layers_key="num_nextn_predict_layers",
             build=_deepseek_v4_mtp,
+        ),
+        # GLM-5-Next (its trunk hosted through mlx-vlm): mtplx.heads.glm5_next.build_split_head.
+        SplitFamily(
+            model_type="glm5_next_mtp",
+            target_types=("glm5_next", "glm5_next_text"),
+            layers_key="num_nextn_predict_layers",
+            build=_glm5_next_mtp,
         ),
         # Qwen3.8-Flash-Next (its trunk hosted through mlx-vlm): mtplx.heads.qwen4_exp.build_split_head.
         SplitFamily(

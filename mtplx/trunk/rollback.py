@@ -549,6 +549,8 @@ def mark_drafts(cache: list) -> None:
     for _, c in _leaves(cache):
         if type(c) is RotatingKVCache:
             _DRAFT_MARKS[c] = _begin_rotating(c, None).state_before
+        elif rollback_vlm.is_vlm_cache(c):
+            rollback_vlm.mark(c)  # an mlx-vlm CacheList's pool caches (GLM-5-Next's head)
 
 
 def _trim_rotating(c: RotatingKVCache, n: int) -> None:

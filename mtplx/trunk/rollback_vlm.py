@@ -24,11 +24,14 @@ what plain decoding leaves is checked by ``tests/trunk/test_cache.py`` (caches a
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from mtplx.trunk.vlm_deepseek_v4 import OverlapRecord
 
-__all__ = ["VlmBlockRecord", "batch_size", "begin", "is_vlm_cache", "refusal", "trim"]
+import mlx.core as mx
+
+__all__ = ["VlmBlockRecord", "batch_size", "begin", "is_vlm_cache", "mark", "refusal", "trim"]
 
 
 def is_vlm_cache(c: Any) -> bool:
@@ -108,10 +111,54 @@ def begin(c: Any, block_len: int | None) -> VlmBlockRecord:
     return VlmBlockRecord(c, block_len)
 
 
+# A head's pool caches as ``mark`` left them: cache -> (positions then, its state then).
+_MARKS: weakref.WeakKeyDictionary[Any, tuple[int, tuple]] = weakref.WeakKeyDictionary()
+
+
+def _pool_state(p: Any) -> tuple:
+    copy = [None if a is None else mx.array(a) for a in (p.buf_kv, p.buf_gate)]
+    return (p.remainder, *copy, p.pooled)
+
+
+def mark(c: Any) -> None:
+    """Record an mlx-vlm ``CacheList``'s pool caches before a head's draft entries are added
+    (`mtplx.trunk.rollback.mark_drafts`): pooling is not undone by dropping rows, so ``trim``
+    of exactly those entries restores this record."""
+    members = _members(c)
+    if not members:
+        return
+    positions = getattr(members[0], "offset", 0)
+    for p in members:
+        if type(p).__name__ == "PoolingCache":
+            _MARKS[p] = (positions, _pool_state(p))
+
+
 def trim(c: Any, n: int) -> None:
-    """Drop the newest ``n`` entries of a trimmable mlx-vlm cache (an MTP head's QSA KV cache)."""
+    """Drop the newest ``n`` entries of an mlx-vlm head cache: a trimmable cache (a QSA KV
+    cache), or a ``CacheList`` whose first member counts positions (GLM-5-Next's: its KV members
+    cut to that many positions, a pool cache back to its ``mark``)."""
+    members = _members(c)
+    if members is not None:
+        _trim_members(c, members, n)
+        return
     if not (callable(getattr(c, "is_trimmable", None)) and c.is_trimmable()):
         raise ValueError(f"{type(c).__name__} is not a KV cache")
     if n > c.offset:
         raise ValueError(f"{type(c).__name__} holds {c.offset} entries, cannot drop {n}")
     c.trim(n)
+
+
+def _trim_members(c: Any, members: list, n: int) -> None:
+    if n == 0:
+        return
+    if n > members[0].offset:
+        raise ValueError(f"{type(c).__name__} holds {members[0].offset} entries, cannot drop {n}")
+    keep = members[0].offset - n
+    for p in members:
+        if type(p).__name__ == "PoolingCache":
+            positions, state = _MARKS.pop(p, (None, None))
+            if positions != keep:
+                raise ValueError("PoolingCache: only the entries added since mark_drafts can be dropped")
+            p.remainder, p.buf_kv, p.buf_gate, p.pooled = state
+        elif getattr(p, "offset", 0) > keep:  # a prefill-only projection cache may hold fewer
+            p.trim(p.offset - keep)

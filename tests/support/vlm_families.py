@@ -689,10 +689,59 @@ def _glm5_next_tensors(model, args) -> dict[str, mx.array]:
     return out
 
 
-def glm5_next(path: Path, *, seed: int = 0, hc_mult: int = 2) -> Tiny:
+def glm5_next_mtp_module(text_args) -> nn.Module:
+    """mlx-vlm's GLM-5-Next MTP drafter's modules (what the checkpoint ships at layer ``num_hidden_layers``)."""
+    from mlx_vlm.speculative.drafters.glm5_next_mtp.config import Glm5NextMTPConfig
+    from mlx_vlm.speculative.drafters.glm5_next_mtp.glm5_next_mtp import Glm5NextMTPDraftModel
+
+    return Glm5NextMTPDraftModel(Glm5NextMTPConfig(text_config=text_args))
+
+
+def _glm5_next_mtp_tensors(mtp: nn.Module, args) -> dict[str, mx.array]:
+    """The drafter's parameters under the published layer ``num_hidden_layers``'s names."""
+    prefix = f"model.language_model.layers.{args.num_hidden_layers}."
+    out: dict[str, mx.array] = {}
+    for name, v in tree_flatten(mtp.parameters()):
+        if name.startswith("mtp_block."):
+            _glm5_next_published_layer(prefix, name.removeprefix("mtp_block."), v, args, out)
+        else:
+            out[prefix + name.replace("shared_head_norm.", "shared_head.norm.")] = v
+    attn = mtp.mtp_block.self_attn
+    kv_b = mx.concatenate([attn.embed_q.weight.swapaxes(-1, -2), attn.unembed_out.weight], axis=1)
+    out[prefix + "self_attn.kv_b_proj.weight"] = kv_b.reshape(-1, args.kv_lora_rank)
+    return out
+
+
+def glm5_next(
+    path: Path,
+    *,
+    seed: int = 0,
+    hc_mult: int = 2,
+    context_strength: float | None = None,
+    ship_mtp: bool = True,
+) -> Tiny:
     """A GLM-5-Next checkpoint in the published layout (``model.language_model.*``, ``lm_head``;
-    see ``_glm5_next_published_layer``), float32, the trunk only (the MTP layer at index
-    ``num_hidden_layers`` is not written: mtplx has no GLM-5-Next head yet)."""
+    see ``_glm5_next_published_layer``), float32, the MTP layer at index ``num_hidden_layers``
+    (mlx-vlm's splitter reads it there). ``context_strength``: the layers' output projections
+    scaled by it, the embeddings at the streams' scale, and the MTP layer started from reading the
+    next token's embedding alone (``eh_proj`` = [I, 0]) through the trunk's final norm weight, so
+    its drafts agree with the trunk's bigram part and some are kept."""
     config = glm5_next_config(hc_mult=hc_mult)
     model = _glm5_next_language_model(config, seed)
-    return write_checkpoint(path, _glm5_next_tensors(model, model.args), config)
+    args = model.args
+    if context_strength is not None:
+        scale_outputs(model, context_strength)
+        embed = model.model.embed_tokens
+        embed.weight = embed.weight * embed.weight.shape[-1] ** 0.5
+    tensors = _glm5_next_tensors(model, args)
+    if ship_mtp:
+        mtp = glm5_next_mtp_module(args)
+        randomize(mtp, seed + 1)
+        if context_strength is not None:
+            scale_outputs(mtp, context_strength)
+            h = GLM5_NEXT_HIDDEN
+            mtp.eh_proj.weight = mx.concatenate([mx.eye(h), mx.zeros((h, h))], axis=1)
+            mtp.enorm.weight = mx.ones((h,))
+            mtp.shared_head_norm.weight = model.model.norm.weight
+        tensors.update(_glm5_next_mtp_tensors(mtp, args))
+    return write_checkpoint(path, tensors, config)
