@@ -240,3 +240,32 @@ def test_mtplx_convert_keeps_the_head_at_safe_precision_and_mlx_vlm_opens_the_ou
     )
     assert bits[block + "mlp.switch_mlp.gate_proj"] == 4  # routed experts at the trunk's bits
     assert_mtp_equals_ar_with_drafts_kept(converted.trunk, converted.head, PROMPTS[:1], 10, depths=(2,))
+
+
+def test_dropping_draft_entries_leaves_the_head_cache_as_the_kept_positions_made_it(random_engine):
+    """Two chained draft steps complete a pool of 2 keys; ``trim_kv`` of those 2 entries puts the
+    pool cache back to ``mark_drafts``' record and cuts the KV members: equal to a cache that
+    never saw them. Without a record the trim refuses (never a silently wrong pool)."""
+    from mtplx.trunk import rollback_vlm
+    from mtplx.trunk.rollback import trim_kv
+
+    head = random_engine.head
+    rng = np.random.default_rng(4)
+    hidden = mx.array(rng.standard_normal((1, 7, GLM5_NEXT_HIDDEN)).astype(np.float32))
+    tokens = mx.array([rng.integers(0, GLM5_NEXT_VOCAB, size=7).tolist()])
+    drafted, kept = head.make_cache(), head.make_cache()
+    for cache in (drafted, kept):
+        head(hidden[:, :5], tokens[:, :5], cache)
+    head(hidden[:, 5:6], tokens[:, 5:6], drafted, step=1)  # marks, then a draft entry
+    head(hidden[:, 6:7], tokens[:, 6:7], drafted, step=2)  # the pool of positions 4-5 completes
+    pool = drafted[0].caches[2]
+    assert pool.pooled.shape[1] == 3
+    trim_kv(drafted, 2)
+    for got, want in zip(drafted[0].caches, kept[0].caches):
+        assert got.offset == want.offset
+        for a, b in zip(got.state, want.state):
+            assert (a is None) == (b is None) and (a is None or mx.array_equal(a, b).item())
+    head(hidden[:, 5:6], tokens[:, 5:6], drafted, step=1)
+    rollback_vlm._MARKS.clear()
+    with pytest.raises(ValueError, match="mark_drafts"):
+        trim_kv(drafted, 1)
