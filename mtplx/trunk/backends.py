@@ -80,6 +80,8 @@ MLX_VLM_TEXT_FAMILIES: dict[str, str] = {
     "hyper-connections (hc_mult streams, Sinkhorn-mixed); mlx-vlm's own caches",
     "glm5_next": "GLM-5-Next: gated-delta linear attention (short convolutions) and NoPE MLA sparse attention "
     "with a pooled indexer, hyper-connections (hc_mult streams, averaged before the final norm); mlx-vlm's own caches",
+    "minimax_m3": "MiniMax-M3: GQA with a block-sparse indexer (its KV cache keeps the index keys), "
+    "sigmoid-routed MoE; mlx-vlm's own caches",
     "qwen4_exp": "Qwen3.8-Flash-Next: gated-delta layers (PLE n-gram embeddings, short convolutions) and "
     "QSA sparse attention, hyper-connections (hc_count streams); mlx-vlm's own caches",
 }
@@ -87,7 +89,6 @@ MLX_VLM_TEXT_FAMILIES: dict[str, str] = {
 # Families mlx-vlm 0.7.10 has a module for that mtplx does not host yet: the model type -> what
 # is missing (the backend refuses them in one line with this reason, never loads them unchecked).
 NOT_HOSTED_YET: dict[str, str] = {
-    "minimax_m3": "its MiniMaxM3KVCache (KV + sparse-index keys) has no mlx-lm equivalent here",
     "inkling": "its short-convolution ArraysCache has no exact rollback here, and its logits divide the "
     "final norm's output by a width multiplier the trunk's LM head does not",
 }

@@ -302,6 +302,9 @@ def _detached(x: Any) -> Any:
         return mx.array(x)
     if isinstance(x, (list, tuple)):
         return type(x)(_detached(v) for v in x)
+    if not isinstance(x, type) and hasattr(x, "__dict__") and callable(getattr(x, "update_and_fetch", None)):
+        # a cache held inside a cache (mlx-vlm's MiniMaxM3KVCache.kv_cache, its CacheList's members)
+        return copy_cache([x])[0]
     return x
 
 
@@ -312,9 +315,7 @@ def copy_cache(cache: Sequence) -> list:
         new = copy.copy(c)
         if type(c) is CacheList:
             new.caches = tuple(copy_cache(cache_members(c)))
-        elif type(c).__name__ == "CacheList" and type(c).__module__.startswith("mlx_vlm."):
-            new.caches = tuple(copy_cache(c.caches))  # mlx-vlm's (DeepSeek-V4): its members copied
-        else:
+        else:  # caches inside (mlx-vlm's CacheList members, MiniMax-M3's KV) are copied too: _detached
             new.__dict__.update({k: _detached(v) for k, v in vars(c).items()})
         out.append(new)
     return out

@@ -34,7 +34,8 @@ each cache's module beside its class name (``mtplx_cache_modules``): `load_cache
 as mlx-vlm's classes (mlx-lm's loader knows only its own, and mlx-vlm's ``ArraysCache`` shares a
 name with mlx-lm's); only ``mlx_lm.models.cache`` and ``mlx_vlm.models.*`` modules are imported.
 An entry whose caches carry state no file holds (DeepSeek-V4's compressor overlap window,
-`mtplx.trunk.vlm_deepseek_v4`) stays in RAM only (counted as a dropped write).
+`mtplx.trunk.vlm_deepseek_v4`) or include a class without ``from_state`` (MiniMax-M3's
+``MiniMaxM3KVCache``) stays in RAM only (counted as a dropped write).
 
 The index reads each file's safetensors header alone (`mtplx.checkpoints.headers`, which also
 notices a file shorter than its header says), never its tensors.
@@ -377,7 +378,10 @@ class DiskTier:
             return
         head = list(entry.head_cache) if entry.head_cache is not None else None
         caches = list(entry.trunk_cache) + (head or [])
-        if holds_overlap_windows(caches):  # DeepSeek-V4's compressor state: no file holds it
+        if holds_overlap_windows(caches) or not all(
+            callable(getattr(type(c), "from_state", None)) for c in caches
+        ):
+            # DeepSeek-V4's compressor state, or a class no file can rebuild (MiniMax-M3's KV)
             self.stats.dropped_writes += 1
             return
         mx.async_eval([a for _, a in tree_flatten([c.state for c in caches]) if isinstance(a, mx.array)])

@@ -87,8 +87,9 @@ CACHE_EQUIVALENTS = {"KVCache": _kv, "CacheList": _cache_list, "RotatingKVCache"
 # Families whose every cache stays mlx-vlm's own (`mtplx.trunk.rollback_vlm` rolls them back):
 # Qwen3.8-Flash-Next's QSA KV and ArraysCaches; DeepSeek-V4's sliding-window RotatingKVCache and
 # compressed PoolingCaches (in mlx-vlm's CacheList); GLM-5-Next's linear-attention ArraysCaches
-# and its sparse layers' CacheList(KV, indexer KV, PoolingCache, pooled KV).
-NATIVE_CACHE_FAMILIES = frozenset({"qwen4_exp", "deepseek_v4", "glm5_next"})
+# and its sparse layers' CacheList(KV, indexer KV, PoolingCache, pooled KV); MiniMax-M3's
+# MiniMaxM3KVCache (KV + the block-sparse indexer's keys) and KVCache.
+NATIVE_CACHE_FAMILIES = frozenset({"qwen4_exp", "deepseek_v4", "glm5_next", "minimax_m3"})
 
 # Families without a final norm: model type -> the inner model's module that makes the LM head's input.
 FINAL_MIXERS = {"qwen4_exp": "hyper_connection_mixer"}

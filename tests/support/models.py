@@ -211,7 +211,9 @@ def rollback_model(family: str, *, seed: int = 0) -> nn.Module:
     ``support.vlm_families``), ``qwen4_exp`` (Qwen3.8-Flash-Next through mlx-vlm, its own caches:
     QSA KV + indexer keys, gated-delta and PLE ArraysCaches), ``deepseek_v4`` (DeepSeek-V4 through
     mlx-vlm, its own caches: sliding-window RotatingKVCache, compressed PoolingCaches), ``glm5_next`` (GLM-5-Next through mlx-vlm, its own caches:
-    linear-attention ArraysCaches, CacheList(KV, indexer KV, PoolingCache, pooled KV))."""
+    linear-attention ArraysCaches, CacheList(KV, indexer KV, PoolingCache, pooled KV)),
+    ``minimax_m3`` (MiniMax-M3 through mlx-vlm, its own caches: MiniMaxM3KVCache = KV +
+    block-sparse index keys, KVCache)."""
     if family == "llama":
         return tiny_llama(ROLLBACK_VOCAB, seed=seed, hidden_size=64, num_heads=2, num_kv_heads=1)
     if family == "qwen3_5":
@@ -240,6 +242,10 @@ def rollback_model(family: str, *, seed: int = 0) -> nn.Module:
         from support.vlm_families import tiny_glm5_next
 
         return tiny_glm5_next(ROLLBACK_VOCAB, seed=seed)
+    if family == "minimax_m3":
+        from support.vlm_families import tiny_minimax_m3
+
+        return tiny_minimax_m3(ROLLBACK_VOCAB, seed=seed)
     raise ValueError(family)
 
 

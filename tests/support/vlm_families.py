@@ -745,3 +745,93 @@ def glm5_next(
             mtp.shared_head_norm.weight = model.model.norm.weight
         tensors.update(_glm5_next_mtp_tensors(mtp, args))
     return write_checkpoint(path, tensors, config)
+
+
+# --------------------------------------------------------------------------- MiniMax-M3
+
+MINIMAX_M3_VOCAB = 96
+MINIMAX_M3_HIDDEN = 64
+
+
+def minimax_m3_config(layers: int = 3) -> dict:
+    """MiniMax-M3 shrunk (keys from mlx-vlm 0.7.10's ``models/minimax_m3_vl/config.py``
+    ``TextConfig``, the published flat config.json): a dense first layer, then MoE layers with
+    block-sparse attention (blocks of 2 keys, the 2 best blocks plus the local one: it selects at
+    test lengths), 4 routed experts and a shared one packed with them (equal widths)."""
+    return {
+        "model_type": "minimax_m3",
+        "architectures": ["MiniMaxM3ForCausalLM"],
+        "vocab_size": MINIMAX_M3_VOCAB,
+        "hidden_size": MINIMAX_M3_HIDDEN,
+        "intermediate_size": 32,
+        "dense_intermediate_size": 64,
+        "shared_intermediate_size": 32,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "num_hidden_layers": layers,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "sparse_attention_config": {  # as published: which layers index, and how
+            "use_sparse_attention": True,
+            "sparse_attention_freq": [0] + [1] * (layers - 1),
+            "sparse_disable_index_value": [0] + [1] * (layers - 1),
+            "sparse_score_type": "max",
+            "sparse_init_block": 0,
+        },
+        "mlp_layer_types": ["dense"] + ["sparse"] * (layers - 1),
+        "index_n_heads": 2,
+        "index_head_dim": 16,
+        "index_block_size": 2,
+        "index_topk_blocks": 2,
+        "index_local_blocks": 1,
+        "max_position_embeddings": 512,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "eos_token_id": 1,  # support.tokenizer.word_level's EOS
+    }
+
+
+def _minimax_m3_language_model(config: dict, seed: int):
+    from mlx_vlm.models.minimax_m3 import Model, ModelConfig
+
+    model = Model(ModelConfig.from_dict(config)).language_model
+    randomize(model, seed)
+    return model
+
+
+def tiny_minimax_m3(vocab_size: int = MINIMAX_M3_VOCAB, *, seed: int = 0):
+    """An in-memory MiniMax-M3 trunk as mtplx hosts it (float32, random weights, mlx-vlm's caches)."""
+    from mtplx.trunk.vlm_text import VlmTextModel
+
+    config = {**minimax_m3_config(), "vocab_size": vocab_size}
+    wrapped = VlmTextModel(_minimax_m3_language_model(config, seed), "minimax_m3")
+    wrapped.eval()
+    return wrapped
+
+
+def minimax_m3(path: Path, *, seed: int = 0) -> Tiny:
+    """A MiniMax-M3 checkpoint in the published layout (the reverse of mlx-vlm's ``sanitize``):
+    ``model.*`` and ``lm_head``, each MoE layer's ``block_sparse_moe.experts.{e}.w{1,2,3}`` and
+    ``shared_experts.{gate,up,down}_proj`` (mlx-vlm packs the shared expert as the last one)."""
+    config = minimax_m3_config()
+    model = _minimax_m3_language_model(config, seed)
+    n, inter = config["num_local_experts"], config["intermediate_size"]
+    out: dict[str, mx.array] = {}
+    for name, v in tree_flatten(model.parameters()):
+        if ".switch_mlp." not in name:
+            out[name] = v
+            continue
+        stem = name.split(".switch_mlp.")[0]
+        if name.endswith("gate_up_proj.weight"):
+            for e in range(n):
+                out[f"{stem}.experts.{e}.w1.weight"] = v[e, :inter]
+                out[f"{stem}.experts.{e}.w3.weight"] = v[e, inter:]
+            out[f"{stem}.shared_experts.gate_proj.weight"] = v[n, :inter]
+            out[f"{stem}.shared_experts.up_proj.weight"] = v[n, inter:]
+        else:
+            for e in range(n):
+                out[f"{stem}.experts.{e}.w2.weight"] = v[e]
+            out[f"{stem}.shared_experts.down_proj.weight"] = v[n]
+    return write_checkpoint(path, out, config)

@@ -81,6 +81,10 @@ def _canonical(c) -> tuple[int, list[mx.array]]:
         return c.offset, kept + [c.index_keys[:, : c.offset], c.index_position_ids[..., : c.offset]]
     if type(c).__name__ == "ArraysCache":  # mlx-vlm's: gated-delta conv + state, PLE window + n-gram history
         return -1, list(c.cache)
+    if type(c).__name__ == "MiniMaxM3KVCache":  # mlx-vlm's: KV + the indexer's keys
+        offset, kv = _canonical(c.kv_cache)
+        index = [] if c.index_keys is None else [c.index_keys[..., : c.index_offset, :]]
+        return offset, kv + index
     if type(c).__name__ == "KVCache":  # mlx-vlm's (GLM-5-Next's MLA latents, indexer keys, pooled keys)
         kept = [] if c.keys is None else [c.keys[..., : c.offset, :], c.values[..., : c.offset, :]]
         return c.offset, kept
@@ -221,6 +225,8 @@ MODELS = {
     "deepseek_v4_pooled": ("deepseek_v4", None),
     # mlx-vlm's own caches: linear-attention ArraysCaches, CacheList(KV, indexer KV, PoolingCache, KV)
     "glm5_next_hybrid": ("glm5_next", None),
+    # mlx-vlm's own caches: MiniMaxM3KVCache (KV + the block-sparse indexer's keys), KVCache
+    "minimax_m3_sparse": ("minimax_m3", None),
 }
 
 
@@ -321,6 +327,7 @@ def test_negative_control_skipped_ssm_rollback_is_caught():
         "qwen4_exp_qsa_hybrid",
         "deepseek_v4_pooled",
         "glm5_next_hybrid",
+        "minimax_m3_sparse",
     ],
 )
 def test_negative_control_skipped_trim_is_caught(name):
