@@ -103,3 +103,27 @@ def test_engine_decodes_as_one_forward_with_lookup_drafts_and_the_prompt_cache(c
     assert again.stats.cached_tokens > 0 and again.token_ids[:4] == ar[2:]
     assert engine.prompt_cache.disk.flush()  # MiniMaxM3KVCache has no from_state: RAM only
     assert not list(tmp_path.glob("*.safetensors")) and engine.prompt_cache.disk.stats.dropped_writes > 0
+
+
+def test_mtplx_convert_output_opens_in_mlx_vlm_and_decodes_as_its_forward(checkpoint, tmp_path):
+    """4-bit with mlx-vlm's per-layer rule (8-bit router gates); greedy tokens = the argmax chain
+    of mlx-vlm's own forward on the converted files."""
+    from mtplx.checkpoints.convert_hf import convert_hf
+    from mtplx.engine.engine import Engine
+    from mtplx.engine.request import GenerationRequest
+
+    from mlx_vlm.utils import load_model
+    from support.tokenizer import word_level
+
+    word_level(checkpoint, MINIMAX_M3_VOCAB)
+    out = convert_hf(checkpoint, tmp_path / "MiniMax-M3-Tiny-4bit", q_bits=4, q_group_size=32)
+    lm = load_model(out).language_model  # opens in mlx-vlm
+    engine = Engine.load(str(out))
+    bits = {p: m.bits for p, m in engine.trunk.model.named_modules() if hasattr(m, "scales")}
+    assert bits["language_model.model.layers.1.block_sparse_moe.gate"] == 8
+    prompt = [5, 6, 7, 8, 9, 10]
+    got = engine.generate(
+        prompt, GenerationRequest.from_kwargs(max_tokens=5, temperature=0.0, draft="none")
+    ).token_ids
+    ref = lm(mx.array([prompt + got[:-1]]), cache=lm.make_cache()).logits[0, len(prompt) - 1 :]
+    assert got == np.argmax(np.array(ref), axis=-1).tolist()[: len(got)]
