@@ -89,7 +89,8 @@ MLX_VLM_TEXT_FAMILIES: dict[str, str] = {
 # Families mlx-vlm 0.7.10 has a module for that mtplx does not host yet: the model type -> what
 # is missing (the backend refuses them in one line with this reason, never loads them unchecked).
 NOT_HOSTED_YET: dict[str, str] = {
-    "inkling": "its short convolutions write their ArraysCache slots directly (mlx-vlm's speculative "
+    "inkling": "mlx-vlm's models/inkling package imports mlx-audio (its audio front end), which mtplx does "
+    "not install; its short convolutions write their ArraysCache slots directly (mlx-vlm's speculative "
     "transaction cannot record the state after each block position), and its logits divide the final "
     "norm's output by a width multiplier the trunk's LM head does not",
 }
