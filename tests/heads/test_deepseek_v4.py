@@ -267,7 +267,7 @@ def test_the_engine_finds_the_head_beside_the_mlx_vlm_trunk(engine):
 
 
 def test_greedy_mtp_equals_ar_with_drafts_kept_at_depths_1_and_2(engine):
-    assert_mtp_equals_ar_with_drafts_kept(engine.trunk, engine.head, PROMPTS[:1], 12)
+    assert_mtp_equals_ar_with_drafts_kept(engine.trunk, engine.head, PROMPTS[:1], 8)
 
 
 def _kept_and_rejected(stats) -> tuple[int, int]:
@@ -278,10 +278,10 @@ def _kept_and_rejected(stats) -> tuple[int, int]:
 
 def test_rows_in_a_batch_equal_ar_with_rejections(engine):
     def ar(prompt):
-        return engine.generate(prompt, _req(max_tokens=12, temperature=0.0, draft="none")).token_ids
+        return engine.generate(prompt, _req(max_tokens=8, temperature=0.0, draft="none")).token_ids
 
     want = [ar(p) for p in PROMPTS]
-    requests = [_req(max_tokens=12, temperature=0.0, draft="head", depth=2) for _ in PROMPTS]
+    requests = [_req(max_tokens=8, temperature=0.0, draft="head", depth=2) for _ in PROMPTS]
     batched = engine.generate_batch(list(PROMPTS), requests, max_rows=3, draft_policy="fixed")
     assert [b.token_ids for b in batched] == want
     kept, rejected = map(sum, zip(*(_kept_and_rejected(b.stats) for b in batched)))
