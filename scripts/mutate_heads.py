@@ -78,6 +78,11 @@ _NEMOTRON = "mtplx/heads/nemotron_h.py"
 _NEMOTRON_CONCAT = "mx.concatenate([e, first.hnorm(hidden).astype(e.dtype)], axis=-1)"
 
 _HY = "mtplx/heads/hy_v4.py"
+_Q4 = "mtplx/heads/qwen4_exp.py"
+_Q4_EMBED = "e = self.fc_embedding(self.pre_fc_norm_embedding(self._embed(next_tokens)))"
+_DSV4 = "mtplx/heads/deepseek_v4.py"
+_DSV4_EMBED = "e = self.e_proj(self.enorm(self._embed(next_tokens)))"
+_GLM5N = "mtplx/heads/glm5_next.py"
 _GEMMA = "mtplx/heads/gemma4_assistant.py"
 _GEMMA_EMBED = "self._embed(next_tokens[:, -1:])"
 _GEMMA_CONCAT = f"mx.concatenate([{_GEMMA_EMBED}, hidden[:, -1:]], axis=-1)"
@@ -258,6 +263,132 @@ PLANTS: dict[str, tuple[Plant, ...]] = {
             ),
         ),
     ),
+    "qwen4_exp": (
+        Plant(
+            MUTATIONS[0],
+            "position 0's embedding zeroed",
+            (
+                (
+                    _Q4,
+                    _Q4_EMBED,
+                    "from mtplx.heads.base import zero_first_position\n"
+                    "        e = self.fc_embedding(self.pre_fc_norm_embedding(zero_first_position(self._embed(next_tokens), 0)))",
+                ),
+            ),
+        ),
+        # No concatenation: the embedding and the streams have their own projections, swapped here.
+        Plant(
+            MUTATIONS[1],
+            "fc_embedding / fc_hidden swapped",
+            (
+                (_Q4, _Q4_EMBED, _Q4_EMBED.replace("self.fc_embedding(", "self.fc_hidden(")),
+                (_Q4, "+ self.fc_hidden(streams)", "+ self.fc_embedding(streams)"),
+            ),
+        ),
+        Plant(
+            MUTATIONS[2],
+            "pre_fc_norm_hidden dropped",
+            ((_Q4, "streams = self.pre_fc_norm_hidden(hidden).reshape(", "streams = hidden.reshape("),),
+        ),
+        Plant(
+            MUTATIONS[3],
+            "hidden-stream choice: the first stream (repeated) instead of all hc_count",
+            (
+                (
+                    _Q4,
+                    "e = self.fc_embedding(",
+                    "hidden = mx.tile(hidden[..., : hidden.shape[-1] // self.hc_count], self.hc_count)\n"
+                    "        e = self.fc_embedding(",
+                ),
+            ),
+        ),
+    ),
+    "deepseek_v4": (
+        Plant(
+            MUTATIONS[0],
+            "position 0's embedding zeroed",
+            (
+                (
+                    _DSV4,
+                    _DSV4_EMBED,
+                    "from mtplx.heads.base import zero_first_position\n"
+                    "        e = self.e_proj(self.enorm(zero_first_position(self._embed(next_tokens), 0)))",
+                ),
+            ),
+        ),
+        # No concatenation: the embedding and the streams have their own projections, swapped here.
+        Plant(
+            MUTATIONS[1],
+            "e_proj / h_proj swapped",
+            (
+                (_DSV4, _DSV4_EMBED, _DSV4_EMBED.replace("self.e_proj(", "self.h_proj(")),
+                (_DSV4, "x = self.h_proj(self.hnorm(", "x = self.e_proj(self.hnorm("),
+            ),
+        ),
+        Plant(
+            MUTATIONS[2],
+            "hnorm dropped",
+            (
+                (
+                    _DSV4,
+                    "self.h_proj(self.hnorm(self._streams(hidden)))",
+                    "self.h_proj(self._streams(hidden))",
+                ),
+            ),
+        ),
+        Plant(
+            MUTATIONS[3],
+            "hidden-stream choice: the first stream (repeated) instead of all hc_mult",
+            (
+                (
+                    _DSV4,
+                    _DSV4_EMBED,
+                    "hidden = mx.tile(hidden[..., : self.args.hidden_size], self.args.hc_mult)\n        "
+                    + _DSV4_EMBED,
+                ),
+            ),
+        ),
+    ),
+    "glm5_next": (
+        Plant(
+            MUTATIONS[0],
+            "position 0's embedding not zeroed",
+            (
+                (
+                    _GLM5N,
+                    "embedded = zero_first_position(self._embed(next_tokens), offset)",
+                    "embedded = self._embed(next_tokens)",
+                ),
+            ),
+        ),
+        Plant(
+            MUTATIONS[1],
+            "hidden first in the concat",
+            (
+                (
+                    _GLM5N,
+                    "mx.concatenate([e, m.hnorm(hidden).astype(e.dtype)], axis=-1)",
+                    "mx.concatenate([m.hnorm(hidden).astype(e.dtype), e], axis=-1)",
+                ),
+            ),
+        ),
+        Plant(
+            MUTATIONS[2],
+            "hnorm dropped",
+            ((_GLM5N, "m.hnorm(hidden).astype(e.dtype)", "hidden.astype(e.dtype)"),),
+        ),
+        Plant(
+            MUTATIONS[3],
+            "hidden-stream choice: the trunk's pre-norm mean of the streams",
+            (
+                (
+                    _GLM5N,
+                    'DEFAULT_HIDDEN_SOURCE: HiddenSource = "post_norm"',
+                    'DEFAULT_HIDDEN_SOURCE: HiddenSource = "pre_norm"',
+                ),
+            ),
+        ),
+    ),
     "gemma4_assistant": (
         # It drafts one row at the target's position (> 0): the flip treats that row as position 0.
         Plant(
@@ -304,6 +435,9 @@ REFERENCE_TESTS: dict[str, tuple[str, ...]] = {
     "ernie": (_REFS, "-k", "ernie"),
     "nemotron_h": ("tests/heads/test_nemotron_h.py", "-k", "reference or chain"),
     "hy_v4": ("tests/heads/test_hy_v4.py", "-k", "reference or chain"),
+    "qwen4_exp": ("tests/heads/test_qwen4_exp.py", "-k", "reference or chain"),
+    "deepseek_v4": ("tests/heads/test_deepseek_v4.py", "-k", "reference or chain or drafter"),
+    "glm5_next": ("tests/heads/test_glm5_next.py", "-k", "reference or chain or drafter"),
     "gemma4_assistant": (
         "tests/heads/test_gemma4.py",
         "-k",

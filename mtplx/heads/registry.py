@@ -15,7 +15,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mtplx.heads import deepseek, ernie, hy_v4, longcat, mimo, mimo_v2_flash, nemotron_h, qwen3_next, step3p5
+from mtplx.heads import (
+    deepseek,
+    deepseek_v4,
+    ernie,
+    glm5_next,
+    hy_v4,
+    longcat,
+    mimo,
+    mimo_v2_flash,
+    nemotron_h,
+    qwen3_next,
+    qwen4_exp,
+    step3p5,
+)
 from mtplx.heads.base import HiddenSource, MTPHead
 from mtplx.heads.weights import HeadSource, MissingHeadError, load_head_weights, weight_index
 
@@ -82,6 +95,36 @@ FAMILIES: dict[str, HeadFamily] = {
             default_hidden_source=qwen3_next.DEFAULT_HIDDEN_SOURCE,
             build=qwen3_next.build_head,
             offset_norm_types=qwen3_next.OFFSET_NORM_MODEL_TYPES,
+        ),
+        HeadFamily(
+            name=qwen4_exp.LAYOUT,
+            model_types=("qwen4_exp", "qwen4_exp_text"),
+            # fc_hidden (the streams' projection): Qwen3-Next's one fc is mtp.fc.
+            marker=r"mtp\.fc_hidden\.weight",
+            count_keys=("mtp_num_hidden_layers",),
+            layer_names=r"mtp\.layers\.(\d+)\..+",
+            default_hidden_source=qwen4_exp.DEFAULT_HIDDEN_SOURCE,
+            build=qwen4_exp.build_head,
+        ),
+        HeadFamily(
+            name=deepseek_v4.LAYOUT,
+            model_types=("deepseek_v4",),
+            # e_proj / h_proj (two projections, no eh_proj) under the top-level mtp.{i}.
+            marker=r"mtp\.\d+\.e_proj\.weight",
+            count_keys=("num_nextn_predict_layers",),
+            layer_names=r"mtp\.(\d+)\.e_proj\.weight",
+            default_hidden_source=deepseek_v4.DEFAULT_HIDDEN_SOURCE,
+            build=deepseek_v4.build_head,
+        ),
+        HeadFamily(
+            name=glm5_next.LAYOUT,
+            model_types=("glm5_next", "glm5_next_text"),
+            # DeepSeek's shared_head.norm under the multimodal trunk's model.language_model.layers
+            marker=r"model\.language_model\.layers\.\d+\.shared_head\.norm\.weight",
+            count_keys=("num_nextn_predict_layers",),
+            layer_names=r"model\.language_model\.layers\.(\d+)\.eh_proj\.weight",
+            default_hidden_source=glm5_next.DEFAULT_HIDDEN_SOURCE,
+            build=glm5_next.build_head,
         ),
         HeadFamily(
             name=deepseek.LAYOUT,

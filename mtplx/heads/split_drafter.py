@@ -76,6 +76,24 @@ def _hy_v4_mtp(src: HeadSource, num_layers: int) -> MTPHead:
     return hy_v4.build_split_head(src, num_layers)
 
 
+def _deepseek_v4_mtp(src: HeadSource, num_layers: int) -> MTPHead:
+    from mtplx.heads import deepseek_v4
+
+    return deepseek_v4.build_split_head(src, num_layers)
+
+
+def _glm5_next_mtp(src: HeadSource, num_layers: int) -> MTPHead:
+    from mtplx.heads import glm5_next
+
+    return glm5_next.build_split_head(src, num_layers)
+
+
+def _qwen4_exp_mtp(src: HeadSource, num_layers: int) -> MTPHead:
+    from mtplx.heads import qwen4_exp
+
+    return qwen4_exp.build_split_head(src, num_layers)
+
+
 SPLIT_FAMILIES: dict[str, SplitFamily] = {
     f.model_type: f
     for f in (
@@ -110,6 +128,27 @@ SPLIT_FAMILIES: dict[str, SplitFamily] = {
             target_types=("hy_v4",),
             layers_key="num_nextn_predict_layers",
             build=_hy_v4_mtp,
+        ),
+        # DeepSeek-V4 (its trunk hosted through mlx-vlm): mtplx.heads.deepseek_v4.build_split_head.
+        SplitFamily(
+            model_type="deepseek_v4_mtp",
+            target_types=("deepseek_v4",),
+            layers_key="num_nextn_predict_layers",
+            build=_deepseek_v4_mtp,
+        ),
+        # GLM-5-Next (its trunk hosted through mlx-vlm): mtplx.heads.glm5_next.build_split_head.
+        SplitFamily(
+            model_type="glm5_next_mtp",
+            target_types=("glm5_next", "glm5_next_text"),
+            layers_key="num_nextn_predict_layers",
+            build=_glm5_next_mtp,
+        ),
+        # Qwen3.8-Flash-Next (its trunk hosted through mlx-vlm): mtplx.heads.qwen4_exp.build_split_head.
+        SplitFamily(
+            model_type="qwen4_exp_mtp",
+            target_types=("qwen4_exp", "qwen4_exp_text"),
+            layers_key="mtp_num_hidden_layers",
+            build=_qwen4_exp_mtp,
         ),
     )
 }

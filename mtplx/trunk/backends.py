@@ -76,19 +76,23 @@ class TrunkBackend:
 # model type -> what its trunk brings that the trunk contract must respect.
 MLX_VLM_TEXT_FAMILIES: dict[str, str] = {
     "hy_v4": "Hunyuan-V4: DeepSeek-V3.2 MLA with the DSA indexer, hyper-connections (hc_mult streams)",
+    "deepseek_v4": "DeepSeek-V4: sliding-window attention with compressed (pooled) KV and a sparse indexer, "
+    "hyper-connections (hc_mult streams, Sinkhorn-mixed); mlx-vlm's own caches",
+    "glm5_next": "GLM-5-Next: gated-delta linear attention (short convolutions) and NoPE MLA sparse attention "
+    "with a pooled indexer, hyper-connections (hc_mult streams, averaged before the final norm); mlx-vlm's own caches",
+    "minimax_m3": "MiniMax-M3: GQA with a block-sparse indexer (its KV cache keeps the index keys), "
+    "sigmoid-routed MoE; mlx-vlm's own caches",
+    "qwen4_exp": "Qwen3.8-Flash-Next: gated-delta layers (PLE n-gram embeddings, short convolutions) and "
+    "QSA sparse attention, hyper-connections (hc_count streams); mlx-vlm's own caches",
 }
 
 # Families mlx-vlm 0.7.10 has a module for that mtplx does not host yet: the model type -> what
 # is missing (the backend refuses them in one line with this reason, never loads them unchecked).
 NOT_HOSTED_YET: dict[str, str] = {
-    "qwen4_exp": "its gated-delta, PLE-conv and compressed QSA-indexer caches have no exact rollback here, "
-    "and its MTP head reads the hyper-connection streams, not a normed state",
-    "deepseek_v4": "its compressed PoolingCache has no exact rollback here, and its MTP head reads and "
-    "chains on the hyper-connection streams",
-    "glm5_next": "its recurrent ArraysCache and PoolingCache have no exact rollback here",
-    "minimax_m3": "its MiniMaxM3KVCache (KV + sparse-index keys) has no mlx-lm equivalent here",
-    "inkling": "its short-convolution ArraysCache has no exact rollback here, and its logits divide the "
-    "final norm's output by a width multiplier the trunk's LM head does not",
+    "inkling": "mlx-vlm's models/inkling package imports mlx-audio (its audio front end), which mtplx does "
+    "not install; its short convolutions write their ArraysCache slots directly (mlx-vlm's speculative "
+    "transaction cannot record the state after each block position), and its logits divide the final "
+    "norm's output by a width multiplier the trunk's LM head does not",
 }
 
 MLX_LM = TrunkBackend("mlx-lm", "mlx-lm", "mlx_lm.models", None, 'pip install "mlx-lm"')

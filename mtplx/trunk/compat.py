@@ -291,6 +291,9 @@ def _detached(x: Any) -> Any:
         return mx.array(x)
     if isinstance(x, (list, tuple)):
         return type(x)(_detached(v) for v in x)
+    if not isinstance(x, type) and hasattr(x, "__dict__") and callable(getattr(x, "update_and_fetch", None)):
+        # a cache held inside a cache (mlx-vlm's MiniMaxM3KVCache.kv_cache, its CacheList's members)
+        return copy_cache([x])[0]
     return x
 
 
@@ -301,7 +304,7 @@ def copy_cache(cache: Sequence) -> list:
         new = copy.copy(c)
         if type(c) is CacheList:
             new.caches = tuple(copy_cache(cache_members(c)))
-        else:
+        else:  # caches inside (mlx-vlm's CacheList members, MiniMax-M3's KV) are copied too: _detached
             new.__dict__.update({k: _detached(v) for k, v in vars(c).items()})
         out.append(new)
     return out

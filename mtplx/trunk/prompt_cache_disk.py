@@ -29,6 +29,14 @@ Invariants:
 - `close` (shutdown) waits a bounded time for the queued writes and logs how many entries were
   written and dropped.
 
+A trunk hosted with mlx-vlm's own caches (`mtplx.trunk.vlm_text.NATIVE_CACHE_FAMILIES`) writes
+each cache's module beside its class name (``mtplx_cache_modules``): `load_caches` rebuilds those
+as mlx-vlm's classes (mlx-lm's loader knows only its own, and mlx-vlm's ``ArraysCache`` shares a
+name with mlx-lm's); only ``mlx_lm.models.cache`` and ``mlx_vlm.models.*`` modules are imported.
+An entry whose caches carry state no file holds (DeepSeek-V4's compressor overlap window,
+`mtplx.trunk.vlm_deepseek_v4`) or include a class without ``from_state`` (MiniMax-M3's
+``MiniMaxM3KVCache``) stays in RAM only (counted as a dropped write).
+
 The index reads each file's safetensors header alone (`mtplx.model_files.headers`, which also
 notices a file shorter than its header says), never its tensors.
 """
@@ -37,6 +45,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import importlib
 import json
 import logging
 import os
@@ -58,10 +67,11 @@ from mtplx.trunk.compat import (
 )
 from mtplx.trunk.prompt_cache import as_tokens, covers, reusable
 from mtplx.trunk.prompt_cache_file import DIGEST_FIELD, PLACEHOLDER, stamp, verify
+from mtplx.trunk.vlm_deepseek_v4 import holds_overlap_windows
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 
 __all__ = ["DEFAULT_DISK_BYTES", "FORMAT_VERSION", "DiskStats", "DiskTier", "cache_identity"]
 
@@ -97,6 +107,38 @@ def lock_directory(directory: Path) -> None:
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         _held_locks[where] = fd
+
+
+CACHE_MODULES_FIELD = "mtplx_cache_modules"
+CACHE_META_FIELD = "mtplx_cache_meta_states"  # mlx-vlm's from_state(state, meta_state) takes both
+LM_CACHE_MODULE = "mlx_lm.models.cache"
+
+
+def _cache_class(module: str, name: str) -> type:
+    if module != LM_CACHE_MODULE and not module.startswith("mlx_vlm.models."):
+        raise ValueError(f"cache class {module}.{name} is not an mlx-lm or mlx-vlm cache")
+    return getattr(importlib.import_module(module), name)
+
+
+def load_caches(path: Path) -> tuple[list, dict[str, str]]:
+    """mlx-lm's ``load_prompt_cache(path, return_metadata=True)``, each cache rebuilt as the class
+    of the module the file names for it (``CACHE_MODULES_FIELD``; mlx-lm's when it names none)."""
+    arrays, header = mx.load(str(path), return_metadata=True)
+    meta, classes, scalars = tree_unflatten(list(header.items()))
+    if CACHE_MODULES_FIELD not in meta:
+        return load_prompt_cache(str(path), return_metadata=True)
+    for pos, kind in scalars[1:]:
+        arrays[pos] = {"scalar": lambda a: a.item(), "none": lambda a: None}.get(
+            kind, lambda a: "".join(chr(i) for i in a.tolist())
+        )(arrays[pos])
+    states = tree_unflatten(list(arrays.items()))
+    modules, meta_states = json.loads(meta[CACHE_MODULES_FIELD]), json.loads(meta[CACHE_META_FIELD])
+    caches = []
+    for module, name, state, meta_state in zip(modules, classes, states, meta_states):
+        klass = _cache_class(module, name)
+        vlm = module != LM_CACHE_MODULE
+        caches.append(klass.from_state(state, meta_state) if vlm else klass.from_state(state))
+    return caches, meta
 
 
 def _file_digest(paths: list[Path]) -> str:
@@ -308,7 +350,7 @@ class DiskTier:
         started = time.perf_counter()
         try:
             verify(path)  # every byte as written: the tensors and the key, tokens and size indexed
-            caches, meta = load_prompt_cache(str(path), return_metadata=True)
+            caches, meta = load_caches(path)
             if meta.get("mtplx_key") != self.key or len(caches) < entry.trunk_layers:
                 raise ValueError("its metadata changed since it was indexed")
             if as_tokens(json.loads(meta["mtplx_tokens"])).tolist() != entry.tokens.tolist():
@@ -336,6 +378,12 @@ class DiskTier:
             return
         head = list(entry.head_cache) if entry.head_cache is not None else None
         caches = list(entry.trunk_cache) + (head or [])
+        if holds_overlap_windows(caches) or not all(
+            callable(getattr(type(c), "from_state", None)) for c in caches
+        ):
+            # DeepSeek-V4's compressor state, or a class no file can rebuild (MiniMax-M3's KV)
+            self.stats.dropped_writes += 1
+            return
         mx.async_eval([a for _, a in tree_flatten([c.state for c in caches]) if isinstance(a, mx.array)])
         job = _Write(entry.tokens, entry.size, list(entry.trunk_cache), head, entry.trimmable)
         try:
@@ -401,6 +449,12 @@ class DiskTier:
             "mtplx_trunk_layers": str(len(job.trunk_cache)),
             DIGEST_FIELD: PLACEHOLDER,
         }
+        modules = [type(c).__module__ for c in caches]
+        if any(m != LM_CACHE_MODULE for m in modules):
+            meta[CACHE_MODULES_FIELD] = json.dumps(modules)
+            meta[CACHE_META_FIELD] = json.dumps(
+                [c.meta_state if m != LM_CACHE_MODULE else "" for c, m in zip(caches, modules)]
+            )
         try:
             save_prompt_cache(str(temp), caches, meta)
             if temp.stat().st_size > self.max_bytes:

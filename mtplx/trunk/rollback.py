@@ -30,6 +30,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
+from mtplx.trunk import rollback_vlm
 from mtplx.trunk.compat import (
     ArraysCache,
     KVCache,
@@ -81,6 +82,8 @@ def _leaves(cache: list) -> list[tuple[int, Any]]:
 
 
 def _batch_size(c: Any) -> int | None:
+    if rollback_vlm.is_vlm_cache(c):
+        return rollback_vlm.batch_size(c)
     if type(c) is ArraysCache or isinstance(c, CapturingArraysCache):
         arr = next((a for a in arrays_slots(c) if a is not None), None)
     else:
@@ -92,6 +95,8 @@ def _leaf_refusal(c: Any) -> str | None:
     kind = type(c).__name__
     if isinstance(c, CapturingArraysCache):
         return "a previous verify block was neither committed nor aborted"
+    if rollback_vlm.is_vlm_cache(c):  # mlx-vlm's own caches (`mtplx.trunk.rollback_vlm`)
+        return rollback_vlm.refusal(c)
     if type(c) in (KVCache, QuantizedKVCache, RotatingKVCache):
         return None
     if type(c) is ArraysCache:
@@ -232,7 +237,9 @@ def begin_block(cache: list, block_len: int | None = None) -> BlockCapture:
         raise ValueError(f"cannot roll back this cache: {reason}")
     records: list = []
     for _, c in _leaves(cache):
-        if type(c) is ArraysCache:
+        if rollback_vlm.is_vlm_cache(c):
+            records.append(rollback_vlm.begin(c, block_len))
+        elif type(c) is ArraysCache:
             install_recurrent_hooks()
             records.append(begin_recurrent(c, (block_len or DEFAULT_MAX_BLOCK) + 1))
         elif type(c) is RotatingKVCache:
@@ -268,6 +275,10 @@ def checkpoint(cache: list) -> BlockCapture:
             reason = f"batch size {_batch_size(c)} (only 1 is supported)"
         if reason is not None:
             raise ValueError(f"cannot checkpoint this cache: cache of layer {i}: {reason}")
+        if rollback_vlm.is_vlm_cache(c):
+            raise ValueError(
+                f"cannot checkpoint this cache: cache of layer {i}: mlx-vlm's {type(c).__name__}"
+            )
         if type(c) is ArraysCache:
             records.append(_SlotsRecord(c, list(c.cache)))
         elif type(c) is RotatingKVCache:
@@ -352,6 +363,8 @@ def mark_drafts(cache: list) -> None:
     for _, c in _leaves(cache):
         if type(c) is RotatingKVCache:
             _DRAFT_MARKS[c] = _begin_rotating(c, None).state_before
+        elif rollback_vlm.is_vlm_cache(c):
+            rollback_vlm.mark(c)  # an mlx-vlm CacheList's pool caches (GLM-5-Next's head)
 
 
 def _trim_rotating(c: RotatingKVCache, n: int) -> None:
@@ -373,7 +386,9 @@ def trim_kv(cache: list, n: int) -> None:
     if n < 0:
         raise ValueError(f"trim_kv: n must be >= 0, got {n}")
     for i, c in _leaves(cache):
-        if type(c) in (KVCache, QuantizedKVCache):
+        if rollback_vlm.is_vlm_cache(c):
+            rollback_vlm.trim(c, n)
+        elif type(c) in (KVCache, QuantizedKVCache):
             if n > c.offset:
                 raise ValueError(f"trim_kv: layer {i} holds {c.offset} entries, cannot drop {n}")
             c.trim(n)

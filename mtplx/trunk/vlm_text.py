@@ -18,9 +18,23 @@ trunk contract is unchanged:
   model's. mlx-vlm's language code reads only the methods both share (``offset``,
   ``update_and_fetch``, ``keys`` / ``values``, ``make_mask``); the equivalence is checked by
   comparing logits with mlx-vlm's own forward on its own caches (``tests/trunk/test_vlm_text.py``);
+* families whose caches have no mlx-lm equivalent (``NATIVE_CACHE_FAMILIES``: Qwen3.8-Flash-Next's
+  QSA KV cache with the indexer's raw keys, its gated-delta and PLE ``ArraysCache`` s) keep
+  mlx-vlm's own caches; `mtplx.trunk.rollback_vlm` rolls them back through mlx-vlm's own
+  speculative cache transaction (checked against plain decoding in ``tests/trunk/test_cache.py``);
+* a family without a final norm (``FINAL_MIXERS``: Qwen3.8-Flash-Next collapses its ``hc_count``
+  hyper-connection streams with ``hyper_connection_mixer`` and has no ``norm``) shows that module
+  to the trunk as ``norm``, outside the parameter tree: the tap's ``pre`` is then the streams
+  [B, T, hc_count * hidden] and ``post`` the mixed state the LM head reads;
+* one forward path: a Qwen3.5-derived language model's separate one-token "batch-invariant"
+  decode forward is switched off (`VlmTextModel.__init__`), so decode steps and verify blocks run
+  the same code and the taps see both;
 * exactness hooks (``EXACTNESS_HOOKS``): where mlx-vlm's forward is not the same function of the
   tokens at every context length, the module-level function responsible is replaced by the same
-  math done exactly (Hunyuan-V4's indexer top-k: `_exact_partition_scores` says why).
+  math done exactly (Hunyuan-V4's indexer top-k: `_exact_partition_scores` says why; DeepSeek-V4's
+  overlapping compressor, a method: `mtplx.trunk.vlm_deepseek_v4`);
+* DeepSeek-V4's forward ends ``norm(hc_head(streams))``; `StreamsHead` is that pair as the trunk's
+  one final "norm" (``STREAMS_HEADS``), its tap's ``pre`` the streams its MTP layer reads.
 """
 
 from __future__ import annotations
@@ -36,6 +50,10 @@ import mlx.nn as nn
 __all__ = [
     "CACHE_EQUIVALENTS",
     "EXACTNESS_HOOKS",
+    "FINAL_MIXERS",
+    "NATIVE_CACHE_FAMILIES",
+    "STREAMS_HEADS",
+    "StreamsHead",
     "VlmTextModel",
     "install_exactness_hooks",
     "load",
@@ -64,6 +82,43 @@ def _rotating(cache: Any):
 # mlx-vlm cache class (by its base's name in mlx_vlm.models.cache, a family's subclass included:
 # hy_v4's HyV4KVCache only sizes its buffer differently) -> mlx-lm's equivalent.
 CACHE_EQUIVALENTS = {"KVCache": _kv, "CacheList": _cache_list, "RotatingKVCache": _rotating}
+
+
+# Families whose every cache stays mlx-vlm's own (`mtplx.trunk.rollback_vlm` rolls them back):
+# Qwen3.8-Flash-Next's QSA KV and ArraysCaches; DeepSeek-V4's sliding-window RotatingKVCache and
+# compressed PoolingCaches (in mlx-vlm's CacheList); GLM-5-Next's linear-attention ArraysCaches
+# and its sparse layers' CacheList(KV, indexer KV, PoolingCache, pooled KV); MiniMax-M3's
+# MiniMaxM3KVCache (KV + the block-sparse indexer's keys) and KVCache.
+NATIVE_CACHE_FAMILIES = frozenset({"qwen4_exp", "deepseek_v4", "glm5_next", "minimax_m3"})
+
+# Families without a final norm: model type -> the inner model's module that makes the LM head's input.
+FINAL_MIXERS = {"qwen4_exp": "hyper_connection_mixer"}
+
+# Families whose forward ends ``norm(hc_head(streams))`` with the streams [B, T, hc_mult, H] and
+# whose MTP head reads those streams (DeepSeek-V4): the trunk's "norm" becomes `StreamsHead`.
+STREAMS_HEADS = frozenset({"deepseek_v4"})
+
+
+def _flatten_streams(h: mx.array) -> mx.array:
+    """[B, T, hc_mult, H] -> [B, T, hc_mult * H] (the trunk contract's 3-D hidden states)."""
+    return h.reshape(*h.shape[:-2], -1)
+
+
+class StreamsHead(nn.Module):
+    """``norm(hc_head(streams))`` of a DeepSeek-V4 trunk as one module taking the streams flattened
+    ([B, T, hc_mult * H]): shown to the trunk as its final norm (`VlmTextModel.__init__` aliases
+    the inner model's ``hc_head`` to `_flatten_streams` and ``norm`` to this), so the tap's ``pre``
+    is the hyper-connection streams the MTP head reads and ``post`` the LM head's input. The two
+    modules are held outside any parameter tree (the model's own tree keeps them)."""
+
+    def __init__(self, hc_head: nn.Module, norm: nn.Module, hc_mult: int):
+        super().__init__()
+        object.__setattr__(self, "_parts", (hc_head, norm))
+        self.hc_mult = hc_mult
+
+    def __call__(self, flat: mx.array) -> mx.array:
+        hc_head, norm = self._parts
+        return norm(hc_head(flat.reshape(*flat.shape[:-1], self.hc_mult, -1)))
 
 
 def lm_cache_like(cache: Any):
@@ -98,11 +153,21 @@ def _exact_partition_scores(top_k: int, masked: bool):
     return partition
 
 
-# model type -> (module, the module-level function its forward calls, mtplx's exact replacement)
+def _exact_compressor_call(original: Any):
+    from mtplx.trunk.vlm_deepseek_v4 import exact_compressor_call
+
+    return exact_compressor_call(original)
+
+
+# model type -> (module, or "module:Class" for a method, the function its forward calls, a factory of
+# mtplx's exact replacement given the original)
 EXACTNESS_HOOKS = {
-    "hy_v4": ("mlx_vlm.models.hy_v4.indexer", "_partition_scores", _exact_partition_scores),
+    "hy_v4": ("mlx_vlm.models.hy_v4.indexer", "_partition_scores", lambda original: _exact_partition_scores),
+    # DeepSeek-V4's overlapping compressor (`mtplx.trunk.vlm_deepseek_v4`: why)
+    "deepseek_v4": ("mlx_vlm.models.deepseek_v4.language:Compressor", "__call__", _exact_compressor_call),
 }
 ORIGINALS: dict[tuple[str, str], Any] = {}  # what each hook replaced (a test restores it as a control)
+INSTALLED: dict[tuple[str, str], Any] = {}  # what each hook put in its place
 
 
 def install_exactness_hooks(model_type: str) -> None:
@@ -112,16 +177,20 @@ def install_exactness_hooks(model_type: str) -> None:
 
     if model_type not in EXACTNESS_HOOKS:
         return
-    module_name, name, replacement = EXACTNESS_HOOKS[model_type]
-    module = importlib.import_module(module_name)
-    current = getattr(module, name, None)
+    target_name, name, make_replacement = EXACTNESS_HOOKS[model_type]
+    module_name, _, class_name = target_name.partition(":")
+    target = importlib.import_module(module_name)
+    target = getattr(target, class_name, None) if class_name else target
+    current = getattr(target, name, None) if target is not None else None
     if current is None:
         raise MtplxError(
-            f"mlx-vlm changed: {module_name} no longer has {name} (mtplx hooks it for {model_type})"
+            f"mlx-vlm changed: {target_name} no longer has {name} (mtplx hooks it for {model_type})"
         )
-    if current is not replacement:
-        ORIGINALS.setdefault((module_name, name), current)
-        setattr(module, name, replacement)
+    key = (target_name, name)
+    if current is not INSTALLED.get(key):
+        ORIGINALS.setdefault(key, current)
+        INSTALLED[key] = make_replacement(ORIGINALS[key])
+        setattr(target, name, INSTALLED[key])
 
 
 # --------------------------------------------------------------------------- the adapter
@@ -136,6 +205,22 @@ class VlmTextModel(nn.Module):
         self.language_model = language_model
         self.model_type = model_type
         self.args = getattr(language_model, "args", None)
+        if model_type in FINAL_MIXERS:
+            inner = language_model.model
+            # An attribute only (object.__setattr__: not a child module), so the parameter tree,
+            # loading, quantization and fingerprints are mlx-vlm's own.
+            object.__setattr__(inner, "norm", getattr(inner, FINAL_MIXERS[model_type]))
+        if model_type in STREAMS_HEADS:
+            inner = language_model.model
+            head = StreamsHead(inner["hc_head"], inner["norm"], language_model.args.hc_mult)
+            object.__setattr__(inner, "hc_head", _flatten_streams)
+            object.__setattr__(inner, "norm", head)
+        if callable(getattr(language_model, "_batch_invariant_decode", None)):
+            # Qwen3.5-derived language models route one-token forwards through a separate
+            # "batch-invariant" forward that never calls the final norm / mixer module (so no tap
+            # would see a decode step) and computes the same function with other reductions:
+            # every forward takes the one plain path, as a verify block does.
+            object.__setattr__(language_model, "_supports_batch_invariant_decode", lambda: False)
 
     def __call__(self, inputs: mx.array, cache: list | None = None, input_embeddings: mx.array | None = None):
         return self.language_model(inputs, cache=cache, inputs_embeds=input_embeddings).logits
@@ -144,7 +229,25 @@ class VlmTextModel(nn.Module):
     def layers(self) -> list:
         return self.language_model.model.layers
 
+    @property
+    def quant_predicate(self):
+        """mlx-vlm's per-layer quantization rule for this family (Qwen's 8-bit router gates), for
+        `mtplx convert` (mlx-lm's ``quantize_model`` reads it); mlx-vlm-only keys (a PLE row
+        width's ``fallback_group_size``) read as "quantize as usual": mlx-lm skips widths its
+        group does not divide."""
+        own = getattr(self.language_model, "quant_predicate", None)
+        if own is None:
+            return None
+
+        def predicate(path: str, module: nn.Module):
+            rule = own(path.removeprefix("language_model."), module)
+            return True if isinstance(rule, dict) and "fallback_group_size" in rule else rule
+
+        return predicate
+
     def make_cache(self) -> list:
+        if self.model_type in NATIVE_CACHE_FAMILIES:
+            return self.language_model.make_cache()
         return [lm_cache_like(c) for c in self.language_model.make_cache()]
 
 

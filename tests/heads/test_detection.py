@@ -18,7 +18,7 @@ from mtplx.heads.weights import weight_index
 import pytest
 from support import checkpoints
 from support.nemotron import nemotron_h_checkpoint
-from support.vlm_families import hy_v4
+from support.vlm_families import deepseek_v4, glm5_next, hy_v4, qwen4_exp
 
 # family row -> (replica builder, MTP layers it ships)
 REPLICAS = {
@@ -37,6 +37,12 @@ REPLICAS = {
     "ernie4_5_moe": ("ernie", lambda p: checkpoints.ernie4_5_moe(p), 1),
     "nemotron_h": ("nemotron_h", lambda p: nemotron_h_checkpoint(p), 1),
     "hy_v4": ("hy_v4", lambda p: hy_v4(p), 1),
+    # mtp.fc_hidden / mtp.fc_embedding beside mtp.layers.0: Qwen3-Next's one fc is mtp.fc.
+    "qwen4_exp": ("qwen4_exp", lambda p: qwen4_exp(p), 1),
+    # mtp.0.e_proj / h_proj at the top (official inference names): no eh_proj, no model. prefix.
+    "deepseek_v4": ("deepseek_v4", lambda p: deepseek_v4(p), 1),
+    # DeepSeek's layout under the multimodal trunk's model.language_model.layers.
+    "glm5_next": ("glm5_next", lambda p: glm5_next(p), 1),
 }
 
 

@@ -49,7 +49,10 @@ from support.numpy_heads import (
 )
 from support.seeds import SEEDS, resolve
 from support.tokenizer import word_level
+from support.vlm_families import deepseek_v4 as deepseek_v4_checkpoint
+from support.vlm_families import glm5_next as glm5_next_checkpoint
 from support.vlm_families import hy_v4 as hy_v4_checkpoint
+from support.vlm_families import qwen4_exp as qwen4_exp_checkpoint
 
 # The registry rows whose float64 reference is in this module (read by ``test_reference_coverage.py``).
 REFERENCE_LAYOUTS = ("qwen3_next", "deepseek", "mimo")
@@ -401,6 +404,9 @@ def test_default_hidden_sources_are_explicit():
         "longcat": "post_norm",
         "nemotron_h": "post_norm",
         "hy_v4": "post_norm",
+        "qwen4_exp": "pre_norm",
+        "deepseek_v4": "pre_norm",
+        "glm5_next": "post_norm",
     }
 
 
@@ -421,7 +427,17 @@ def test_each_registry_row_recognises_its_own_checkpoint_and_no_other(tmp_path):
     }
     # LongCat-Flash ships one MTP layer and its config declares none: counted from tensor names.
     longcat = checkpoints.longcat_flash(tmp_path / "l")
-    assert set(built) | {"longcat", "nemotron_h"} == set(FAMILIES)
+    assert set(built) | {"longcat", "nemotron_h", "qwen4_exp", "deepseek_v4", "glm5_next"} == set(FAMILIES)
+    # The mlx-vlm-hosted families with one MTP layer as published (more is refused at load).
+    for name, one in (
+        ("qwen4_exp", qwen4_exp_checkpoint(tmp_path / "q4")),
+        ("deepseek_v4", deepseek_v4_checkpoint(tmp_path / "d4")),
+        ("glm5_next", glm5_next_checkpoint(tmp_path / "g5")),
+    ):
+        index = weight_index(one.path)
+        assert [f.name for f in FAMILIES.values() if f.has_layout(index)] == [name]
+        assert detect_layout({}, one.config) == name
+        assert FAMILIES[name].declared_layers(one.config) == declared_mtp_layers(one.config) == 1
     # Nemotron-H: one MTP module (the published configs declare 1; more is refused at load).
     nemotron = nemotron_h_checkpoint(tmp_path / "n")
     index = weight_index(nemotron.path)

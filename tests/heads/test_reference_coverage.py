@@ -50,6 +50,6 @@ def test_declared_layouts_are_known_ones():
 
 def test_a_row_without_a_reference_is_reported(tmp_path):
     """Negative control: a new row nobody declared is named; a module that declares it clears it."""
-    assert uncovered(set(FAMILIES) | {"qwen4_exp"}) == {"qwen4_exp"}
-    (tmp_path / "test_new.py").write_text('REFERENCE_LAYOUTS = ("qwen4_exp",)\n')
-    assert uncovered({"qwen4_exp", "qwen3_next"}, tmp_path) == {"qwen3_next"}
+    assert uncovered(set(FAMILIES) | {"inkling_mtp_demo"}) == {"inkling_mtp_demo"}
+    (tmp_path / "test_new.py").write_text('REFERENCE_LAYOUTS = ("inkling_mtp_demo",)\n')
+    assert uncovered({"inkling_mtp_demo", "qwen3_next"}, tmp_path) == {"qwen3_next"}

@@ -216,3 +216,15 @@ def same_or_tie(alone: list[int], alone_top2: list[tuple[float, float]], got: li
         return False, False  # the alone run ended (EOS) there: no recorded choice to blame
     tied = is_rounding_tie(alone_top2[at])
     return tied, tied
+
+
+def lookup_decode_steps(trunk, prompt: list[int], n: int) -> list[Step]:
+    """Greedy decoding of ``prompt`` with prompt-lookup drafts only (n-grams from 1 token, blocks
+    of up to 4): the steps that produced its first ``n`` tokens (verify blocks, kept and rejected)."""
+    from mtplx.spec_decode.lookup_proposer import LookupConfig
+    from mtplx.spec_decode.settings import DecodeSettings
+    from mtplx.spec_decode.sources import Source
+
+    drafters = Drafters((Source.LOOKUP,), lookup=LookupConfig(min_ngram=1, max_ngram=3, max_tokens=4))
+    settings = DecodeSettings(sampler=SamplerConfig(temperature=0.0), depth=4)
+    return take_steps(speculative_decode(trunk, drafters, prompt, settings, mx.random.key(0), None), n)[1]

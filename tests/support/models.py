@@ -208,7 +208,12 @@ def rollback_model(family: str, *, seed: int = 0) -> nn.Module:
     ``qwen3_next`` (gated-delta ArraysCache + KVCache), ``gemma3`` (RotatingKVCache + KVCache),
     ``nemotron_h`` (Mamba2 ArraysCache + KVCache, hidden 32: ``support.nemotron``), ``hy_v4``
     (Hunyuan-V4 through mlx-vlm: a CacheList of MLA KV + DSA indexer KV per layer, hyper-connections;
-    ``support.vlm_families``)."""
+    ``support.vlm_families``), ``qwen4_exp`` (Qwen3.8-Flash-Next through mlx-vlm, its own caches:
+    QSA KV + indexer keys, gated-delta and PLE ArraysCaches), ``deepseek_v4`` (DeepSeek-V4 through
+    mlx-vlm, its own caches: sliding-window RotatingKVCache, compressed PoolingCaches), ``glm5_next`` (GLM-5-Next through mlx-vlm, its own caches:
+    linear-attention ArraysCaches, CacheList(KV, indexer KV, PoolingCache, pooled KV)),
+    ``minimax_m3`` (MiniMax-M3 through mlx-vlm, its own caches: MiniMaxM3KVCache = KV +
+    block-sparse index keys, KVCache)."""
     if family == "llama":
         return tiny_llama(ROLLBACK_VOCAB, seed=seed, hidden_size=64, num_heads=2, num_kv_heads=1)
     if family == "qwen3_5":
@@ -225,6 +230,22 @@ def rollback_model(family: str, *, seed: int = 0) -> nn.Module:
         from support.vlm_families import tiny_hy_v4
 
         return tiny_hy_v4(ROLLBACK_VOCAB, seed=seed)
+    if family == "qwen4_exp":
+        from support.vlm_families import tiny_qwen4_exp
+
+        return tiny_qwen4_exp(ROLLBACK_VOCAB, seed=seed)
+    if family == "deepseek_v4":
+        from support.vlm_families import tiny_deepseek_v4
+
+        return tiny_deepseek_v4(ROLLBACK_VOCAB, seed=seed)
+    if family == "glm5_next":
+        from support.vlm_families import tiny_glm5_next
+
+        return tiny_glm5_next(ROLLBACK_VOCAB, seed=seed)
+    if family == "minimax_m3":
+        from support.vlm_families import tiny_minimax_m3
+
+        return tiny_minimax_m3(ROLLBACK_VOCAB, seed=seed)
     raise ValueError(family)
 
 

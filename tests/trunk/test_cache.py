@@ -60,6 +60,13 @@ def _rotating_window(c: RotatingKVCache) -> list[mx.array]:
     return [v[..., v.shape[2] - needed :, :] for v in order]
 
 
+def _vlm_rotating_window(c) -> list[mx.array]:
+    """mlx-vlm's RotatingKVCache's attendable entries, oldest first (as `_rotating_window`)."""
+    order = [c._temporal_order(v) for v in (c.keys, c.values)]
+    needed = min(c.offset, c.max_size - 1)
+    return [v[..., v.shape[2] - needed :, :] for v in order]
+
+
 def _canonical(c) -> tuple[int, list[mx.array]]:
     """(position count, arrays that determine all future outputs) for one cache."""
     if type(c) is KVCache:
@@ -70,6 +77,24 @@ def _canonical(c) -> tuple[int, list[mx.array]]:
         return c.offset, _rotating_window(c)
     if type(c) is ArraysCache:
         return -1, list(c.cache)
+    if type(c).__name__ == "QSAKVCache":  # mlx-vlm's (Qwen3.8-Flash-Next): KV + the indexer's raw keys
+        kept = [c.keys[..., : c.offset, :], c.values[..., : c.offset, :]]
+        return c.offset, kept + [c.index_keys[:, : c.offset], c.index_position_ids[..., : c.offset]]
+    if type(c).__name__ == "ArraysCache":  # mlx-vlm's: gated-delta conv + state, PLE window + n-gram history
+        return -1, list(c.cache)
+    if type(c).__name__ == "MiniMaxM3KVCache":  # mlx-vlm's: KV + the indexer's keys
+        offset, kv = _canonical(c.kv_cache)
+        index = [] if c.index_keys is None else [c.index_keys[..., : c.index_offset, :]]
+        return offset, kv + index
+    if type(c).__name__ == "KVCache":  # mlx-vlm's (GLM-5-Next's MLA latents, indexer keys, pooled keys)
+        kept = [] if c.keys is None else [c.keys[..., : c.offset, :], c.values[..., : c.offset, :]]
+        return c.offset, kept
+    if type(c).__name__ == "RotatingKVCache":  # mlx-vlm's (DeepSeek-V4's sliding window)
+        return c.offset, _vlm_rotating_window(c)
+    if type(c).__name__ == "PoolingCache":  # mlx-vlm's (DeepSeek-V4): pooled rows, open window, overlap
+        open_window = [] if c.remainder == 0 else [c.buf_kv[:, : c.remainder], c.buf_gate[:, : c.remainder]]
+        overlap = list(getattr(c, "overlap_window", ()))
+        return 1000 * c.offset + c.remainder, ([] if c.pooled is None else [c.pooled]) + open_window + overlap
     raise AssertionError(f"unexpected cache type {type(c).__name__}")
 
 
@@ -79,10 +104,26 @@ def _max_diff(a: mx.array, b: mx.array) -> float:
     return float(mx.max(mx.abs(a.astype(mx.float32) - b.astype(mx.float32))))
 
 
+def _all_leaves(cache: list) -> list:
+    """mtplx's leaves, an mlx-vlm CacheList (DeepSeek-V4's window + pool caches) opened too."""
+    out = []
+    for c in cache_leaves(cache):
+        if type(c).__name__ != "CacheList":
+            out.append(c)
+        elif len(c.caches) == 4 and type(c.caches[2]).__name__ == "PoolingCache":
+            # GLM-5-Next's (latent KV, indexer KV, pooled keys, projected K/V): the last is a prefill
+            # accelerator (filled only by forwards longer than mlx-vlm's DECODE_BLOCK_SIZE, read only
+            # when it covers every earlier position; its entries are the latents' projections)
+            out.extend(_all_leaves(c.caches[:3]))
+        else:
+            out.extend(_all_leaves(c.caches))
+    return out
+
+
 def cache_mismatch(got: list, want: list) -> str | None:
     """None if both caches hold the same content within TOL, else the first difference."""
     # A CacheList (DeepSeek-V3.2's MLA + indexer, Hunyuan-V4's) is compared member by member.
-    got, want = cache_leaves(got), cache_leaves(want)
+    got, want = _all_leaves(got), _all_leaves(want)
     if len(got) != len(want):
         return f"{len(got)} leaf caches vs {len(want)}"
     for layer, (g, w) in enumerate(zip(got, want)):
@@ -151,6 +192,8 @@ def run_cycles(
         num_keep = num_keep or int(rng.integers(1, block_len + 1))
         block = [pending] + rng.integers(0, models.ROLLBACK_VOCAB, size=block_len - 1).tolist()
         told = block_len if rng.random() < 0.5 else None  # the decode loop may or may not pass it
+        if any(type(c).__module__.startswith("mlx_vlm.") for c in cache_leaves(cache)):
+            told = block_len  # mlx-vlm's transactions need it (the decode loop always passes it)
         capture = cache_ops.begin_block(cache, told)
         logits = model(mx.array(block)[None], cache=cache)
         mx.eval(logits)
@@ -177,6 +220,14 @@ MODELS = {
     "gemma3_rotating": ("gemma3", None),
     "nemotron_h_hybrid": ("nemotron_h", None),
     "hy_v4_dsa": ("hy_v4", None),  # mlx-vlm's language model: CacheList(MLA KV, indexer KV) per layer
+    # mlx-vlm's own caches: QSAKVCache (KV + QSA indexer keys), gated-delta and PLE ArraysCaches
+    "qwen4_exp_qsa_hybrid": ("qwen4_exp", None),
+    # mlx-vlm's own caches: sliding-window RotatingKVCache, CacheList(window, PoolingCache x2)
+    "deepseek_v4_pooled": ("deepseek_v4", None),
+    # mlx-vlm's own caches: linear-attention ArraysCaches, CacheList(KV, indexer KV, PoolingCache, KV)
+    "glm5_next_hybrid": ("glm5_next", None),
+    # mlx-vlm's own caches: MiniMaxM3KVCache (KV + the block-sparse indexer's keys), KVCache
+    "minimax_m3_sparse": ("minimax_m3", None),
 }
 
 
@@ -267,10 +318,51 @@ def test_negative_control_skipped_ssm_rollback_is_caught():
     assert why is not None and "layer 0 slot 1" in why, why
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3_5_hybrid", "gemma3_rotating", "hy_v4_dsa"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "llama",
+        "qwen3_5_hybrid",
+        "gemma3_rotating",
+        "hy_v4_dsa",
+        "qwen4_exp_qsa_hybrid",
+        "deepseek_v4_pooled",
+        "glm5_next_hybrid",
+        "minimax_m3_sparse",
+    ],
+)
 def test_negative_control_skipped_trim_is_caught(name):
     model, make_cache = _model_and_cache(name)
     assert run_cycles(model, make_cache, 6, pattern=REJECTING, commit=_commit_without_trim) is not None
+
+
+def _commit_without_recurrent_rollback(cache: list, capture: cache_ops.BlockCapture, num_keep: int) -> None:
+    """mlx-vlm's own caches: the QSA KV trimmed, every ArraysCache (gated-delta state and conv,
+    PLE window, n-gram history) left as the whole block made it."""
+    block_len = cache_ops._block_len(capture)
+    for r in capture.records:
+        if type(r.cache).__name__ == "ArraysCache":
+            r.cache._speculation = None  # end mlx-vlm's transaction without selecting a state
+        else:
+            r.commit(num_keep, block_len)
+    capture.status = "committed"
+
+
+@pytest.mark.parametrize("name", ["qwen4_exp_qsa_hybrid", "glm5_next_hybrid"])
+def test_negative_control_skipped_recurrent_rollback_of_mlx_vlms_caches_is_caught(name):
+    model, make_cache = _model_and_cache(name)
+    why = run_cycles(model, make_cache, 6, pattern=REJECTING, commit=_commit_without_recurrent_rollback)
+    assert why is not None and "slot" in why, why
+
+
+def test_negative_control_skipped_overlap_window_rollback_is_caught(monkeypatch):
+    """DeepSeek-V4: mlx-vlm's transaction alone, the compressor's overlap window (mtplx's) left as
+    the whole block made it: the next window pools with a rejected predecessor."""
+    from mtplx.trunk import vlm_deepseek_v4
+
+    monkeypatch.setattr(vlm_deepseek_v4.OverlapRecord, "commit", lambda self, num_keep: None)
+    model, make_cache = _model_and_cache("deepseek_v4_pooled")
+    assert run_cycles(model, make_cache, 6, pattern=REJECTING) is not None
 
 
 # --------------------------------------------------------------------------- interruption

@@ -1,0 +1,171 @@
+"""The DeepSeek-V4 (``deepseek_v4``) MTP layout: ``mtp.{i}.*`` beside a hyper-connection trunk.
+
+The trunk keeps ``hc_mult`` residual streams [B, T, hc_mult, H] and ends ``norm(hc_head(streams))``
+(`mtplx.trunk.vlm_text.StreamsHead` shows that pair to the trunk as its final norm, so the tap's
+``pre`` is the streams, flattened to [B, T, hc_mult * H]). The head (mlx-vlm 0.7.10
+``speculative/drafters/deepseek_v4_mtp/deepseek_v4_mtp.py``, ``DeepseekV4MTPDraftModel``):
+
+    s = h_proj(hnorm(streams))                   # per stream: [B, T, hc_mult, H]
+    x = s + e_proj(enorm(embed(next_token)))[:, :, None]   # the embedding added to every stream
+    x = decoder(x)        # one DeepSeek-V4 block: sliding-window attention (no compression,
+                          # no hash routing) and MoE, each inside its hyper-connection
+    out = norm(hc_head(x))                       # the head's OWN hc_head and norm -> the LM head
+
+Hyper-connection convention (which trunk state the head reads; what it chains on), from
+mlx-vlm 0.7.10:
+
+* reads: the trunk's **streams before its hc_head** (``hidden_source`` "pre_norm"): the
+  language model's ``return_hidden`` hands the drafter ``hidden_sink``, the last layer's output
+  before ``norm(hc_head(.))``, and ``_target_hidden`` accepts [B, T, hc_mult * H] or
+  [B, T, hc_mult, H] only;
+* chains on: its own block's output streams, **before** its hc_head (``chain_source``
+  "pre_norm"): ``_forward_hidden`` returns ``(norm(hc_head(h)), h)`` and ``mtp_base.draft_block``
+  feeds the second back;
+* positions: the head's own cache offset (``_next_position`` counts the drafter's forwards as
+  the cache does);
+* position 0's embedding is not zeroed.
+
+Its cache: a sliding window of ``sliding_window`` (the drafter's ``make_cache``), here mlx-lm's
+``RotatingKVCache`` (mlx-vlm's block reads only ``offset`` / ``update_and_fetch`` / ``make_mask``),
+so `mtplx.trunk.rollback.mark_drafts` / ``trim_kv`` drop draft entries exactly.
+
+Tensors: the official layout under ``mtp.{i}.`` (``e_proj``, ``h_proj``, ``enorm``, ``hnorm``,
+``norm``, ``hc_head_{fn,base,scale}``, ``attn.*``, ``attn_norm``, ``ffn.experts.{e}.w{1,2,3}``,
+``hc_{attn,ffn}_{fn,base,scale}``), renamed by the drafter's own ``sanitize`` (it is idempotent on
+the mlx-side names `mtplx convert` writes). Float weights only: an FP8 / FP4 head (``.scale``
+tensors) is a one-line error here. The split drafter (``deepseek_v4_mtp``, mlx-vlm's
+``split.py``) holds the same mlx-side names with no prefix: ``build_split_head``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from types import SimpleNamespace
+from typing import Any
+
+from mtplx.errors import MtplxError
+from mtplx.heads.base import HiddenSource, MTPHead, model_args_of
+from mtplx.heads.weights import HeadSource, MissingHeadError, strip_prefix
+from mtplx.trunk.vlm_text import StreamsHead
+
+import mlx.core as mx
+import mlx.nn as nn
+
+LAYOUT = "deepseek_v4"
+DEFAULT_HIDDEN_SOURCE: HiddenSource = "pre_norm"
+KEY_PREFIX = "mtp.0."
+
+
+def _block_args(args: Any) -> Any:
+    """The drafter's one-block config: window-only attention, no hash routing."""
+    return replace(args, num_hidden_layers=1, compress_ratios=[0], num_hash_layers=0)
+
+
+class DeepseekV4MTPHead(MTPHead):
+    """The DeepSeek-V4 MTP block (see the module docstring); shares the trunk's embed and lm_head."""
+
+    layout = LAYOUT
+    hidden_source: HiddenSource = DEFAULT_HIDDEN_SOURCE
+    chain_source: HiddenSource = "pre_norm"
+    mask_as_array = True
+
+    def __init__(self, args: Any, *, key_prefix: str = KEY_PREFIX, **shared: Any):
+        from mlx_vlm.models.deepseek_v4.hyper_connection import HyperHead
+        from mlx_vlm.models.deepseek_v4.language import DeepseekV4Block
+
+        super().__init__(**shared)
+        hidden, eps = args.hidden_size, args.rms_norm_eps
+        self.args = args
+        self.enorm = nn.RMSNorm(hidden, eps=eps)
+        self.hnorm = nn.RMSNorm(hidden, eps=eps)
+        self.e_proj = nn.Linear(hidden, hidden, bias=False)
+        self.h_proj = nn.Linear(hidden, hidden, bias=False)
+        self.decoder = DeepseekV4Block(_block_args(args), layer_idx=0)
+        self.hc_head = HyperHead(args)
+        self.norm = nn.RMSNorm(hidden, eps=eps)
+        self.key_prefix = key_prefix
+
+    def decoder_layers(self) -> list[nn.Module]:
+        return [self.decoder]
+
+    def make_cache(self) -> list:
+        from mlx_lm.models.cache import RotatingKVCache
+
+        return [RotatingKVCache(max_size=self.args.sliding_window)]
+
+    def _streams(self, hidden: mx.array) -> mx.array:
+        hc, width = self.args.hc_mult, self.args.hidden_size
+        if hidden.shape[-1] != hc * width:
+            raise MtplxError(
+                f"a {LAYOUT} head reads the trunk's {hc} hyper-connection streams "
+                f"(width {hc * width}), got width {hidden.shape[-1]}"
+            )
+        return hidden.reshape(*hidden.shape[:-1], hc, width)
+
+    def _forward(self, hidden: mx.array, next_tokens: mx.array, cache: list | None, step: int) -> mx.array:
+        from mlx_vlm.models.base import create_attention_mask
+
+        e = self.e_proj(self.enorm(self._embed(next_tokens)))
+        x = self.h_proj(self.hnorm(self._streams(hidden))) + e[:, :, None, :]
+        c = cache[0] if cache else None
+        mask = create_attention_mask(
+            x[:, :, 0, :], c, window_size=self.args.sliding_window, return_array=True
+        )
+        x = self.decoder(x, mask, c, next_tokens)
+        return x.reshape(*x.shape[:2], -1)
+
+    def _final_norm(self, step: int) -> nn.Module:
+        return StreamsHead(self.hc_head, self.norm, self.args.hc_mult)
+
+    # --- checkpoint naming ---------------------------------------------------------------
+    def checkpoint_prefixes(self) -> tuple[str, ...]:
+        return (self.key_prefix,)
+
+    def checkpoint_name(self, path: str) -> str:
+        return self.key_prefix + path  # mlx-side names: the drafter's sanitize reads them as they are
+
+    def sanitize(self, tensors: dict[str, mx.array], src: HeadSource) -> dict[str, mx.array]:
+        from mlx_vlm.speculative.drafters.deepseek_v4_mtp.deepseek_v4_mtp import DeepseekV4MTPDraftModel
+
+        local = strip_prefix(tensors, self.key_prefix)
+        # an FP8 / FP4 weight's block scales (a hyper-connection's own ``scale`` has no weight beside it)
+        quantized = sorted(
+            k for k in local if k.endswith(".scale") and k.removesuffix(".scale") + ".weight" in local
+        )
+        if quantized:
+            raise MtplxError(
+                f"{src.source}: the {LAYOUT} head's FP8 / FP4 tensors ({self.key_prefix}{quantized[0]}, ...) "
+                "are not supported; convert the head to float first"
+            )
+        return DeepseekV4MTPDraftModel.sanitize(SimpleNamespace(args=self.args), local)
+
+
+def _args(src: HeadSource) -> Any:
+    args = model_args_of(src.trunk.model)
+    if getattr(args, "hc_mult", None) is None or getattr(args, "compress_ratios", None) is None:
+        raise MtplxError(
+            f"{src.source}: a {LAYOUT} head needs a DeepSeek-V4 trunk (hc_mult, compress_ratios)"
+        )
+    return args
+
+
+def build_head(src: HeadSource, num_layers: int, hidden_source: HiddenSource) -> DeepseekV4MTPHead:
+    """An unloaded head for the checkpoint's ``mtp.0.*`` tensors, checked against what it ships."""
+    if f"{KEY_PREFIX}e_proj.weight" not in src.index:
+        raise MissingHeadError(
+            f"{src.source}: config declares {num_layers} MTP layer(s) but the checkpoint ships no {KEY_PREFIX}e_proj.weight"
+        )
+    if num_layers != 1:
+        raise MtplxError(f"{src.source}: a {LAYOUT} head has one MTP layer, its config declares {num_layers}")
+    return DeepseekV4MTPHead(_args(src), trunk=src.trunk, hidden_source=hidden_source)
+
+
+def build_split_head(src: HeadSource, num_layers: int) -> DeepseekV4MTPHead:
+    """An unloaded head for a ``deepseek_v4_mtp`` split drafter beside a DeepSeek-V4 trunk."""
+    if "e_proj.weight" not in src.index:
+        raise MtplxError(f"{src.source}: a deepseek_v4_mtp split drafter needs e_proj.weight; it has none")
+    if num_layers != 1:
+        raise MtplxError(
+            f"{src.source}: a deepseek_v4_mtp drafter holds one MTP layer, its config declares {num_layers}"
+        )
+    return DeepseekV4MTPHead(_args(src), key_prefix="", trunk=src.trunk, hidden_source=DEFAULT_HIDDEN_SOURCE)

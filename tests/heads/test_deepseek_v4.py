@@ -1,0 +1,376 @@
+"""DeepSeek-V4's MTP head (``mtplx.heads.deepseek_v4``) beside its mlx-vlm-hosted trunk.
+
+The checkpoints are ``support.vlm_families.deepseek_v4``'s tiny replicas in the official layout
+(``mtp.0.*``): one built so the head predicts (``CONTEXT_STRENGTH``: drafts kept), one all random
+(the references'). The head's math against mlx-vlm's own drafter (``DeepseekV4MTPDraftModel``, its
+``sanitize`` reading the same tensors) and against a float64 NumPy reference; decoding exactness
+(greedy MTP == AR, alone and in a batch with rejections); the split drafter; conversion.
+The trunk's own checks: ``tests/trunk/test_vlm_deepseek_v4.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import mtplx  # noqa: F401  (BLAS before mlx)
+from mtplx.engine.engine import Engine
+from mtplx.engine.request import GenerationRequest
+from mtplx.heads.deepseek_v4 import DeepseekV4MTPHead
+from mtplx.sampling import SamplerConfig
+from mtplx.trunk.model import Trunk
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from support.decoding import assert_mtp_equals_ar_with_drafts_kept
+from support.exactness import (
+    FALSE_FAILURE_RATE,
+    exact_ar_joint,
+    loop_p_value,
+    plant_commit_rejected_draft,
+    sample_counts,
+)
+from support.models import randomize
+from support.numpy_heads import causal_mask, gqa_attention, read_tensors, rms, silu
+from support.seeds import SEEDS, resolve
+from support.tokenizer import word_level
+from support.vlm_families import DEEPSEEK_V4_HIDDEN, DEEPSEEK_V4_VOCAB, tiny_deepseek_v4
+from support.vlm_families import deepseek_v4 as deepseek_v4_checkpoint
+
+REFERENCE_LAYOUTS = ("deepseek_v4",)
+PROMPTS = ([3, 17, 42, 5, 60, 9, 11, 2, 33, 8], [50, 40, 30, 20, 10, 5], [7, 7, 12, 90, 4, 4, 31])
+CONTEXT_STRENGTH = 0.1
+LENGTH = 11  # over the sliding window of 8: the head's window slides too
+HC_MULT = 2
+_req = GenerationRequest.from_kwargs
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("deepseek_v4") / "DeepSeek-V4-Tiny"
+    deepseek_v4_checkpoint(path, context_strength=CONTEXT_STRENGTH)
+    word_level(path, DEEPSEEK_V4_VOCAB)
+    return path
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint) -> Engine:
+    return Engine.load(str(checkpoint), depth=2)
+
+
+@pytest.fixture(scope="module")
+def random_checkpoint(tmp_path_factory):
+    """Every weight random (``h_proj`` not zero, the head's own hc_head and norm): the references'."""
+    path = tmp_path_factory.mktemp("deepseek_v4_random") / "r"
+    deepseek_v4_checkpoint(path, seed=11)
+    word_level(path, DEEPSEEK_V4_VOCAB)
+    return path
+
+
+@pytest.fixture(scope="module")
+def random_engine(random_checkpoint) -> Engine:
+    return Engine.load(str(random_checkpoint))
+
+
+def _head_logits(engine: Engine, tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """mtplx's head on (trunk streams at positions 0..T-2, tokens 1..T-1): logits, its streams."""
+    head, trunk = engine.head, engine.trunk
+    out = trunk(mx.array([tokens[:-1]]), trunk.make_cache())
+    hidden = getattr(out, f"hidden_{head.hidden_source}")
+    logits = head.logits(head(hidden, mx.array([tokens[1:]]), head.make_cache()))
+    return np.asarray(logits[0], dtype=np.float64), np.asarray(head.last_pre_norm[0], dtype=np.float64)
+
+
+# --------------------------------------------------------------------------- float64 reference
+# From the published math as mlx-vlm 0.7.10 writes it (models/deepseek_v4/language.py and
+# hyper_connection.py, speculative/drafters/deepseek_v4_mtp), on the official tensor names.
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1 / (1 + np.exp(-x))
+
+
+def unit_rms(x: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps)
+
+
+def hyper_weights(x: np.ndarray, t: dict, p: str, cfg: dict) -> tuple[np.ndarray, ...]:
+    """A hyper-connection's per-row weights from the streams x [T, hc, H]: ``pre`` [T, hc] (the
+    collapse), ``post`` [T, hc] (the branch's injection), ``comb`` [T, hc, hc] (Sinkhorn-balanced
+    stream mixing: rows then columns normalised ``hc_sinkhorn_iters`` times)."""
+    hc, eps = cfg["hc_mult"], cfg["hc_eps"]
+    mix = unit_rms(x.reshape(x.shape[0], -1), cfg["rms_norm_eps"]) @ t[p + "fn"].T
+    scale, base = t[p + "scale"], t[p + "base"]
+    pre = sigmoid(mix[:, :hc] * scale[0] + base[:hc]) + eps
+    post = 2 * sigmoid(mix[:, hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
+    comb = mix[:, 2 * hc :].reshape(-1, hc, hc) * scale[2] + base[2 * hc :].reshape(hc, hc)
+    comb = np.exp(comb - comb.max(-1, keepdims=True))
+    comb = comb / comb.sum(-1, keepdims=True) + eps
+    comb = comb / (comb.sum(-2, keepdims=True) + eps)
+    for _ in range(cfg["hc_sinkhorn_iters"] - 1):
+        comb = comb / (comb.sum(-1, keepdims=True) + eps)
+        comb = comb / (comb.sum(-2, keepdims=True) + eps)
+    return pre, post, comb
+
+
+def rope_tail(x: np.ndarray, cfg: dict, sign: float = 1.0) -> np.ndarray:
+    """x [T, heads, d]: the LAST ``qk_rope_head_dim`` features rotated in pairs (2i, 2i+1) by
+    position * theta^(-2i/dims) (``sign`` -1: the inverse rotation the output gets)."""
+    dims = cfg["qk_rope_head_dim"]
+    angle = sign * np.arange(x.shape[0])[:, None] * cfg["rope_theta"] ** (-np.arange(0, dims, 2) / dims)
+    cos, sin = np.cos(angle)[:, None], np.sin(angle)[:, None]
+    tail = x[..., -dims:]
+    a, b = tail[..., 0::2], tail[..., 1::2]
+    out = np.empty_like(tail)
+    out[..., 0::2], out[..., 1::2] = a * cos - b * sin, a * sin + b * cos
+    return np.concatenate([x[..., :-dims], out], -1)
+
+
+def attention(x: np.ndarray, t: dict, p: str, cfg: dict) -> np.ndarray:
+    """Sliding-window attention with one shared K=V head, unit-RMS queries, attention sinks, the
+    output rotated back, and a grouped low-rank output (``wo_a`` per group, then ``wo_b``)."""
+    T, nh, hd, eps, groups = (
+        x.shape[0],
+        cfg["num_attention_heads"],
+        cfg["head_dim"],
+        cfg["rms_norm_eps"],
+        cfg["o_groups"],
+    )
+    q_residual = rms(x @ t[p + "wq_a.weight"].T, t[p + "q_norm.weight"], eps)
+    q = rope_tail(unit_rms((q_residual @ t[p + "wq_b.weight"].T).reshape(T, nh, hd), eps), cfg)
+    kv = rope_tail(rms(x @ t[p + "wkv.weight"].T, t[p + "kv_norm.weight"], eps).reshape(T, 1, hd), cfg)
+    mask = causal_mask(T, cfg["sliding_window"])
+    out = gqa_attention(q, kv, kv, hd**-0.5, mask, sinks=t[p + "attn_sink"]).reshape(T, nh, hd)
+    out = rope_tail(out, cfg, -1.0).reshape(T, groups, -1)
+    wo_a = t[p + "wo_a.weight"].reshape(groups, cfg["o_lora_rank"], -1)
+    return np.einsum("tgi,goi->tgo", out, wo_a).reshape(T, -1) @ t[p + "wo_b.weight"].T
+
+
+def limited_swiglu(x: np.ndarray, t: dict, p: str, limit: float) -> np.ndarray:
+    gate, up = x @ t[p + "w1.weight"].T, x @ t[p + "w3.weight"].T
+    return (silu(np.minimum(gate, limit)) * np.clip(up, -limit, limit)) @ t[p + "w2.weight"].T
+
+
+def moe(x: np.ndarray, t: dict, p: str, cfg: dict) -> np.ndarray:
+    """sqrt(softplus) router scores; the top-k by score + bias, weighted by their scores
+    renormalised, times routed_scaling_factor; clamped SwiGLU experts plus the shared expert."""
+    scores = np.sqrt(np.log1p(np.exp(x @ t[p + "gate.weight"].T)))
+    chosen = np.argsort(-(scores + t[p + "gate.bias"]), axis=-1, kind="stable")[
+        :, : cfg["num_experts_per_tok"]
+    ]
+    weights = np.take_along_axis(scores, chosen, -1)
+    weights = weights / weights.sum(-1, keepdims=True) * cfg["routed_scaling_factor"]
+    limit = cfg["swiglu_limit"]
+    out = limited_swiglu(x, t, p + "shared_experts.", limit)
+    for row in range(x.shape[0]):
+        for e, w in zip(chosen[row], weights[row]):
+            out[row] += w * limited_swiglu(x[row], t, f"{p}experts.{e}.", limit)
+    return out
+
+
+def block(x: np.ndarray, t: dict, p: str, cfg: dict) -> np.ndarray:
+    """Each branch reads the streams collapsed by ``pre`` and normed; new streams =
+    post * branch output + comb-mixed old streams (stream h gets sum_k comb[k, h] * x[k])."""
+    for name, branch in (("attn", attention), ("ffn", moe)):
+        pre, post, comb = hyper_weights(x, t, f"{p}hc_{name}_", cfg)
+        normed = rms((pre[..., None] * x).sum(1), t[f"{p}{name}_norm.weight"], cfg["rms_norm_eps"])
+        x = post[..., None] * branch(normed, t, f"{p}{name}.", cfg)[:, None] + np.einsum(
+            "tkh,tkd->thd", comb, x
+        )
+    return x
+
+
+def mtp_logits(t: dict, cfg: dict, streams: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """The MTP block at ``mtp.0.`` on (trunk streams [T, hc * H], next token) rows: logits [T, V]."""
+    p, hc, eps = "mtp.0.", cfg["hc_mult"], cfg["rms_norm_eps"]
+    e = rms(t["embed.weight"][tokens], t[p + "enorm.weight"], eps) @ t[p + "e_proj.weight"].T
+    s = rms(streams.reshape(len(tokens), hc, -1), t[p + "hnorm.weight"], eps) @ t[p + "h_proj.weight"].T
+    x = block(s + e[:, None], t, p, cfg)
+    mix = unit_rms(x.reshape(len(tokens), -1), eps) @ t[p + "hc_head_fn"].T
+    pre = sigmoid(mix * t[p + "hc_head_scale"] + t[p + "hc_head_base"]) + cfg["hc_eps"]
+    return rms((pre[..., None] * x).sum(1), t[p + "norm.weight"], eps) @ t["head.weight"].T
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_head_logits_match_the_float64_reference_at_every_position(random_engine, random_checkpoint, seed):
+    """Fed the trunk streams mlx-vlm's own forward hands its drafter (``return_hidden``)."""
+    from mlx_vlm.utils import load_model
+
+    seed = resolve(seed)
+    tokens = np.random.default_rng(seed).integers(0, DEEPSEEK_V4_VOCAB, size=LENGTH + 1).tolist()
+    t = read_tensors(random_checkpoint)
+    cfg = json.loads((random_checkpoint / "config.json").read_text())
+    lm = load_model(random_checkpoint).language_model
+    streams = lm(mx.array([tokens[:-1]]), cache=lm.make_cache(), return_hidden=True).hidden_states[0]
+    want = mtp_logits(
+        t, cfg, np.asarray(streams[0], dtype=np.float64).reshape(LENGTH, -1), np.array(tokens[1:])
+    )
+    got, _ = _head_logits(random_engine, tokens)
+    assert np.abs(got - want).max() < 1e-4 * np.abs(want).max(), f"seed {seed}"
+
+
+# --------------------------------------------------------------------------- mlx-vlm's drafter
+
+
+def _mlx_vlm_drafter(checkpoint):
+    """mlx-vlm's DeepSeek-V4 drafter filled from the checkpoint's ``mtp.*`` tensors by its own
+    ``sanitize``, bound to mlx-vlm's own language model (its embedding)."""
+    from mlx_vlm.speculative.drafters.deepseek_v4_mtp import Model, ModelConfig
+    from mlx_vlm.utils import load_model
+
+    config = json.loads((checkpoint / "config.json").read_text())
+    drafter = Model(ModelConfig.from_dict({"text_config": config}))
+    tensors = mx.load(str(checkpoint / "model.safetensors"))
+    drafter.load_weights(
+        list(drafter.sanitize({k: v for k, v in tensors.items() if k.startswith("mtp.")}).items())
+    )
+    lm = load_model(checkpoint).language_model
+    drafter.bind(lm)
+    return drafter, lm
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_head_equals_mlx_vlms_drafter_at_every_position(random_checkpoint, random_engine, seed):
+    """Same tensors, same trunk streams (mlx-vlm's ``return_hidden``), same next tokens: the
+    logits and the streams it chains on equal mlx-vlm's ``_forward_hidden``."""
+    seed = resolve(seed)
+    tokens = np.random.default_rng(seed).integers(0, DEEPSEEK_V4_VOCAB, size=LENGTH + 1).tolist()
+    drafter, lm = _mlx_vlm_drafter(random_checkpoint)
+    streams = lm(mx.array([tokens[:-1]]), cache=lm.make_cache(), return_hidden=True).hidden_states[0]
+    nxt = mx.array([tokens[1:]])
+    hidden, chained = drafter._forward_hidden(lm.model.embed_tokens(nxt), streams, nxt, drafter.make_cache())
+    want = np.asarray(lm.lm_head(hidden)[0], dtype=np.float64)
+    got, got_streams = _head_logits(random_engine, tokens)
+    assert np.abs(got - want).max() < 1e-4 * np.abs(want).max(), f"seed {seed}"
+    want_streams = np.asarray(chained[0], dtype=np.float64).reshape(LENGTH, -1)
+    assert np.abs(got_streams - want_streams).max() < 1e-4 * np.abs(want_streams).max(), f"seed {seed}"
+
+
+def test_the_head_reads_the_streams_and_chains_on_its_blocks_streams(random_engine):
+    """The convention (``mtplx/heads/deepseek_v4.py``): the trunk's hc_mult streams in, the block's
+    streams (before its own hc_head and norm) fed back at depth 2, the collapsed state to the LM head."""
+    head = random_engine.head
+    assert (head.hidden_source, head.chain_source) == ("pre_norm", "pre_norm")
+    width = HC_MULT * DEEPSEEK_V4_HIDDEN
+    streams = mx.array(np.random.default_rng(2).standard_normal((1, 1, width)).astype(np.float32))
+    out = head(streams, mx.array([[5]]), head.make_cache())
+    assert out.shape == (1, 1, DEEPSEEK_V4_HIDDEN) and head.chain_input(out).shape == (1, 1, width)
+    assert mx.array_equal(head.chain_input(out), head.last_pre_norm[:, -1:]).item()
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+def test_the_engine_finds_the_head_beside_the_mlx_vlm_trunk(engine):
+    assert isinstance(engine.head, DeepseekV4MTPHead) and type(engine.trunk.model).__name__ == "VlmTextModel"
+
+
+def test_greedy_mtp_equals_ar_with_drafts_kept_at_depths_1_and_2(engine):
+    assert_mtp_equals_ar_with_drafts_kept(engine.trunk, engine.head, PROMPTS[:1], 8)
+
+
+def _kept_and_rejected(stats) -> tuple[int, int]:
+    made = sum(stats.drafted_per_position)
+    kept = round(sum(a * d for a, d in zip(stats.acceptance_per_position, stats.drafted_per_position)))
+    return kept, made - kept
+
+
+def test_rows_in_a_batch_equal_ar_with_rejections(engine):
+    def ar(prompt):
+        return engine.generate(prompt, _req(max_tokens=8, temperature=0.0, draft="none")).token_ids
+
+    want = [ar(p) for p in PROMPTS]
+    requests = [_req(max_tokens=8, temperature=0.0, draft="head", depth=2) for _ in PROMPTS]
+    batched = engine.generate_batch(list(PROMPTS), requests, max_rows=3, draft_policy="fixed")
+    assert [b.token_ids for b in batched] == want
+    kept, rejected = map(sum, zip(*(_kept_and_rejected(b.stats) for b in batched)))
+    assert kept > 0 and rejected > 0, (kept, rejected)
+
+
+# --------------------------------------------------------------------------- the split drafter
+
+
+def test_the_split_drafter_is_found_beside_the_trunk_and_equals_the_checkpoints_head(
+    checkpoint, engine, tmp_path
+):
+    """mlx-vlm's splitter's ``deepseek_v4_mtp`` drafter of the replica, beside the same trunk
+    without its MTP tensors (as a conversion that dropped them leaves it)."""
+    from mlx_vlm.split_mtp import split_mtp
+
+    trunk_dir = tmp_path / "DeepSeek-V4-Tiny-4bit"
+    deepseek_v4_checkpoint(trunk_dir, context_strength=CONTEXT_STRENGTH, ship_mtp=False)
+    word_level(trunk_dir, DEEPSEEK_V4_VOCAB)
+    drafter = split_mtp(str(checkpoint), str(tmp_path / "DeepSeek-V4-Tiny-MTP"))
+    assert json.loads((tmp_path / drafter / "config.json").read_text())["model_type"] == "deepseek_v4_mtp"
+    split = Engine.load(str(trunk_dir), depth=2)
+    head = split.head
+    assert isinstance(head, DeepseekV4MTPHead) and head.hidden_source == "pre_norm" and head.key_prefix == ""
+    prompt = PROMPTS[0]
+    streams = split.trunk(mx.array([prompt])).hidden_pre_norm
+    nxt = mx.array([prompt[1:] + [7]])
+    split_out = head.logits(head(streams, nxt, head.make_cache()))
+    own_out = engine.head.logits(engine.head(streams, nxt, engine.head.make_cache()))
+    assert mx.allclose(split_out, own_out, atol=1e-4).item()
+    assert_mtp_equals_ar_with_drafts_kept(split.trunk, head, PROMPTS[:1], 10, depths=(2,))
+
+
+# --------------------------------------------------------------------------- conversion
+
+
+def test_mtplx_convert_keeps_the_head_at_safe_precision_and_mlx_vlm_opens_the_output(checkpoint, tmp_path):
+    from mtplx.checkpoints.convert_hf import convert_hf
+
+    from mlx_vlm.utils import load_model
+
+    out = convert_hf(checkpoint, tmp_path / "DeepSeek-V4-Tiny-4bit", q_bits=4, q_group_size=32)
+    assert type(load_model(out)).__module__ == "mlx_vlm.models.deepseek_v4.deepseek_v4"  # opens in mlx-vlm
+    converted = Engine.load(str(out), depth=2)
+    assert isinstance(converted.head, DeepseekV4MTPHead)
+    bits = {path: m.bits for path, m in converted.head.named_modules() if hasattr(m, "scales")}
+    assert bits["e_proj"] == bits["h_proj"] == bits["decoder.attn.wq_a"] == bits["decoder.attn.wo_a"] == 8
+    assert bits["decoder.ffn.switch_mlp.gate_proj"] == 4  # routed experts at the trunk's bits
+    trunk_bits = {p: m.bits for p, m in converted.trunk.model.named_modules() if hasattr(m, "scales")}
+    assert trunk_bits["language_model.model.layers.0.ffn.switch_mlp.gate_proj"] == 4
+    assert_mtp_equals_ar_with_drafts_kept(converted.trunk, converted.head, PROMPTS[:1], 10, depths=(2,))
+
+
+# --------------------------------------------------------------------------- sampled distribution
+# (Hunyuan-V4's runs in every make test: tests/heads/test_hy_v4.py; this family's behind slow.)
+
+CHI_VOCAB = 5
+CHI = SamplerConfig(temperature=0.7)
+
+
+def chi_pair() -> tuple[Trunk, DeepseekV4MTPHead]:
+    """A 5-token DeepSeek-V4 trunk (2 hyper-connection streams, window + compressed KV) with
+    peaked, context-dependent distributions (embeddings x8, logits x3) and a random MTP block."""
+    model = tiny_deepseek_v4(CHI_VOCAB, seed=3)
+    inner = model.language_model
+    inner.model.embed_tokens.weight = inner.model.embed_tokens.weight * 8
+    inner.lm_head.weight = inner.lm_head.weight * 3
+    trunk = Trunk(model)
+    head = DeepseekV4MTPHead(inner.args, trunk=trunk)
+    randomize(head, 5)
+    return trunk, head
+
+
+@pytest.mark.slow
+def test_sampled_mtp_matches_the_exact_ar_distribution_at_t_0_7():
+    """Depth 2: the first three tokens' joint and marginals against the float64 enumeration of AR
+    sampling (the window and pool caches rolled back through mlx-vlm's transaction on the way)."""
+    trunk, head = chi_pair()
+    expected = exact_ar_joint(trunk, CHI, CHI_VOCAB)
+    seed0 = int.from_bytes(os.urandom(4), "little")
+    p = loop_p_value(sample_counts(trunk, head, CHI, 2, 100, CHI_VOCAB, seed0), expected)
+    assert p > FALSE_FAILURE_RATE, f"p={p:.3g} (seed0={seed0})"
+
+
+@pytest.mark.slow
+def test_chi_square_rejects_a_loop_that_commits_the_rejected_draft(monkeypatch):
+    plant_commit_rejected_draft(monkeypatch)
+    trunk, head = chi_pair()
+    expected = exact_ar_joint(trunk, CHI, CHI_VOCAB)
+    assert (
+        loop_p_value(sample_counts(trunk, head, CHI, 2, 100, CHI_VOCAB, 1234), expected) < FALSE_FAILURE_RATE
+    )

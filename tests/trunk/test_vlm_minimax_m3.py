@@ -1,0 +1,129 @@
+"""MiniMax-M3 (``minimax_m3``) hosted through mlx-vlm's language model with mlx-vlm's own caches
+(`mtplx.trunk.vlm_text.NATIVE_CACHE_FAMILIES`: ``MiniMaxM3KVCache`` = KV + the block-sparse
+indexer's keys on sparse layers, ``KVCache`` on dense ones).
+
+The checkpoint is ``support.vlm_families.minimax_m3``'s tiny replica in the published layout; the
+reference is mlx-vlm's own loader and forward. Cache rollback for these cache kinds runs in
+``tests/trunk/test_cache.py`` (``minimax_m3_sparse``, with the skipped-trim control). mlx-vlm 0.7.10
+ships no MiniMax-M3 MTP drafter: the trunk decodes AR or with lookup / draft-model drafts.
+"""
+
+from __future__ import annotations
+
+import mtplx  # noqa: F401  (BLAS before mlx)
+from mtplx.checkpoints.load import load_mlx_model
+from mtplx.trunk import backends, vlm_text
+from mtplx.trunk.model import Trunk
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from support.seeds import FRESH, resolve
+from support.vlm_families import MINIMAX_M3_HIDDEN, MINIMAX_M3_VOCAB, minimax_m3
+
+TOL = 1e-4
+PROMPT_LEN = 12  # six blocks of 2 keys: the indexer keeps 2 of them and the local one
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return minimax_m3(tmp_path_factory.mktemp("minimax_m3") / "model").path
+
+
+def _diff(a: mx.array, b: mx.array) -> float:
+    return float(mx.max(mx.abs(a.astype(mx.float32) - b.astype(mx.float32))))
+
+
+def test_backend_is_mlx_vlm():
+    assert backends.backend_for({"model_type": "minimax_m3"}) == (backends.MLX_VLM, "minimax_m3")
+
+
+def test_trunk_logits_equal_mlx_vlm_forward_and_the_taps(checkpoint):
+    """Every prompt position, then 5 decode steps, against mlx-vlm's forward on its own caches and
+    its one forward over the whole sequence; pre-norm = mlx-vlm's ``return_hidden``, post = the
+    LM head's input; a block after a chunked prefill."""
+    from mlx_vlm.utils import load_model
+
+    model, config = load_mlx_model(checkpoint)
+    assert isinstance(model, vlm_text.VlmTextModel) and config["model_type"] == "minimax_m3"
+    trunk = Trunk(model)
+    reference = load_model(checkpoint).language_model
+    seed = resolve(FRESH)
+    tokens = np.random.default_rng(seed).integers(0, MINIMAX_M3_VOCAB, size=PROMPT_LEN + 5).tolist()
+    whole = reference(mx.array([tokens]), cache=reference.make_cache()).logits
+    cache, ref_cache = trunk.make_cache(), reference.make_cache()
+    assert [type(c).__name__ for c in cache] == ["KVCache", "MiniMaxM3KVCache", "MiniMaxM3KVCache"]
+    prompt = mx.array([tokens[:PROMPT_LEN]])
+    out = trunk(prompt, cache)
+    ref = reference(prompt, cache=ref_cache, return_hidden=True)
+    assert _diff(out.logits, ref.logits) <= TOL, f"seed {seed}"
+    assert out.hidden_pre_norm.shape == (1, PROMPT_LEN, MINIMAX_M3_HIDDEN)
+    assert _diff(out.hidden_pre_norm, ref.hidden_states[0]) <= TOL, f"seed {seed}"
+    assert _diff(trunk.lm_head(out.hidden_post_norm), out.logits) <= TOL
+    for i, t in enumerate(tokens[PROMPT_LEN:]):
+        step = trunk(mx.array([[t]]), cache).logits
+        assert _diff(step, reference(mx.array([[t]]), cache=ref_cache).logits) <= TOL, f"seed {seed}"
+        assert _diff(step[:, 0], whole[:, PROMPT_LEN + i]) <= TOL, f"seed {seed}, step {i}"
+    chunked = trunk.make_cache()
+    trunk(mx.array([tokens[:5]]), chunked)
+    trunk(mx.array([tokens[5:PROMPT_LEN]]), chunked)
+    block = trunk(mx.array([tokens[PROMPT_LEN:]]), chunked).logits
+    assert _diff(block, whole[:, PROMPT_LEN:]) <= TOL, f"seed {seed}"
+
+
+def test_engine_decodes_as_one_forward_with_lookup_drafts_and_the_prompt_cache(checkpoint, tmp_path):
+    """Through the Engine: greedy tokens = the argmax chain of mlx-vlm's one forward; the decode
+    loop with prompt-lookup drafts (verify blocks, rejections) gives them too; a prompt-cache hit
+    in RAM (its KV copied, not shared: `compat.copy_cache`) gives them too; the disk tier writes
+    no entry (no file can rebuild a MiniMaxM3KVCache)."""
+    from mtplx.engine.engine import Engine
+    from mtplx.engine.request import GenerationRequest
+
+    from mlx_vlm.utils import load_model
+    from support.decoding import lookup_decode_steps
+    from support.tokenizer import word_level
+
+    word_level(checkpoint, MINIMAX_M3_VOCAB)
+    engine = Engine.load(str(checkpoint), prompt_cache_bytes=1 << 26)
+    engine.use_disk_cache(tmp_path, 1 << 26)
+    # every token but EOS / BOS once: whatever comes next recurs, so lookup proposes what followed it
+    prompt = np.random.default_rng(7).permutation(np.arange(2, MINIMAX_M3_VOCAB)).tolist()
+
+    def run(e, tokens):
+        return e.generate(tokens, GenerationRequest.from_kwargs(max_tokens=6, temperature=0.0, draft="none"))
+
+    ar = run(engine, prompt).token_ids
+    lm = load_model(checkpoint).language_model
+    ref = lm(mx.array([prompt + ar[:-1]]), cache=lm.make_cache()).logits[0, len(prompt) - 1 :]
+    assert ar == np.argmax(np.array(ref), axis=-1).tolist()[: len(ar)]
+    drafted = lookup_decode_steps(engine.trunk, prompt, len(ar))
+    assert [t for s in drafted for t in s.tokens][: len(ar)] == ar
+    assert any(s.num_drafted > s.num_accepted for s in drafted), "no rejected draft"
+    again = run(engine, prompt + ar[:2])
+    assert again.stats.cached_tokens > 0 and again.token_ids[:4] == ar[2:]
+    assert engine.prompt_cache.disk.flush()  # MiniMaxM3KVCache has no from_state: RAM only
+    assert not list(tmp_path.glob("*.safetensors")) and engine.prompt_cache.disk.stats.dropped_writes > 0
+
+
+def test_mtplx_convert_output_opens_in_mlx_vlm_and_decodes_as_its_forward(checkpoint, tmp_path):
+    """4-bit with mlx-vlm's per-layer rule (8-bit router gates); greedy tokens = the argmax chain
+    of mlx-vlm's own forward on the converted files."""
+    from mtplx.checkpoints.convert_hf import convert_hf
+    from mtplx.engine.engine import Engine
+    from mtplx.engine.request import GenerationRequest
+
+    from mlx_vlm.utils import load_model
+    from support.tokenizer import word_level
+
+    word_level(checkpoint, MINIMAX_M3_VOCAB)
+    out = convert_hf(checkpoint, tmp_path / "MiniMax-M3-Tiny-4bit", q_bits=4, q_group_size=32)
+    lm = load_model(out).language_model  # opens in mlx-vlm
+    engine = Engine.load(str(out))
+    bits = {p: m.bits for p, m in engine.trunk.model.named_modules() if hasattr(m, "scales")}
+    assert bits["language_model.model.layers.1.block_sparse_moe.gate"] == 8
+    prompt = [5, 6, 7, 8, 9, 10]
+    got = engine.generate(
+        prompt, GenerationRequest.from_kwargs(max_tokens=5, temperature=0.0, draft="none")
+    ).token_ids
+    ref = lm(mx.array([prompt + got[:-1]]), cache=lm.make_cache()).logits[0, len(prompt) - 1 :]
+    assert got == np.argmax(np.array(ref), axis=-1).tolist()[: len(got)]
