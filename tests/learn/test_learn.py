@@ -1,0 +1,336 @@
+"""Learning from traffic (`mtplx.learn`) on tiny random trunks: the log's budget, permissions and
+skips; a round's training and its held-out measure; swaps only of better heads, saved and resumed;
+SIGKILL during a log write and a head save (real subprocesses); exactness across head swaps."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import mtplx  # noqa: F401  (optimized BLAS before mlx)
+from mtplx.engine.engine import Engine
+from mtplx.errors import MtplxError
+from mtplx.forge.record import generate_batch
+from mtplx.forge.train import build_head
+from mtplx.learn.data import sequences, split_held_out
+from mtplx.learn.log import Choice, Record, TrafficLog
+from mtplx.learn.serving import Learner
+from mtplx.learn.store import HeadStore
+from mtplx.learn.trainer import LearnConfig, learning_round, run_to_end, swap_weights
+from mtplx.sample.params import SamplerConfig, Setting
+from mtplx.trunk.model import Trunk
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from support import decoding, exactness, models
+from support.learn import VOCAB, tiny_trunk
+from support.paths import REPO
+
+SEQ = 32
+EOS = VOCAB - 1
+FP = "fp-tiny"
+CFG = LearnConfig(
+    seq_len=SEQ, steps=20, lr=3e-3, batch_size=4, train_vocab=None, eval_origins=4, min_records=8
+)
+
+
+@pytest.fixture(scope="module")
+def trunk() -> Trunk:
+    return tiny_trunk()
+
+
+def _traffic(trunk: Trunk, n: int, seed: int) -> list[Record]:
+    """``n`` requests the trunk answered (sampled at t 1), as the log records them, oldest first."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, VOCAB - 1, size=int(rng.integers(3, 8))).tolist() for _ in range(n)]
+    data = generate_batch(
+        Engine(trunk.model, None, {}), prompts, Setting(1.0), mx.random.key(seed), SEQ, 8, {EOS}
+    )
+    records = []
+    for r, p in enumerate(prompts):
+        end = int(np.flatnonzero(data.valid[r]).max()) + 2 if data.valid[r].any() else len(p) + 1
+        completion = tuple(int(t) for t in data.tokens[r, len(p) : end])
+        records.append(Record(tuple(p), (Choice(completion, "stop"),), FP, time=float(seed * 1000 + r)))
+    return records
+
+
+@pytest.fixture(scope="module")
+def traffic(trunk: Trunk) -> list[Record]:
+    return _traffic(trunk, 16, 0)
+
+
+def _params(head) -> dict[str, np.ndarray]:
+    return {k: np.asarray(v) for k, v in tree_flatten(head.parameters())}
+
+
+def _record(i: int, trunk: str = FP, size: int = 20) -> Record:
+    return Record(
+        tuple(range(size)), (Choice((i, i + 1, 2), "stop"), Choice((7,), "length")), trunk, time=float(i)
+    )
+
+
+# ---------------------------------------------------------------- the log
+
+
+def test_log_keeps_its_budget_oldest_first_in_whole_0600_files(tmp_path: Path) -> None:
+    log = TrafficLog(tmp_path / "learn", max_bytes=3000)
+    for i in range(40):
+        log.append(_record(i))
+    sizes = [p.stat().st_size for p in log.files()]
+    assert sum(sizes) <= 3000 < sum(sizes) + sizes[0] * 2  # the budget holds, and is used
+    kept = log.read(FP)
+    assert [r.time for r in kept] == [float(i) for i in range(40 - len(kept), 40)]  # the oldest went
+    assert kept[-1] == _record(39)  # a record reads back as written, both choices in order
+    for path in log.files():
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(log.dir.stat().st_mode) == 0o700
+    assert TrafficLog(tmp_path / "learn", max_bytes=3000).bytes == sum(sizes)  # reopened: same count
+    with pytest.raises(MtplxError, match="--learn-max-bytes: must be > 0"):
+        TrafficLog(tmp_path / "other", max_bytes=0)
+
+
+def test_corrupt_and_foreign_files_are_skipped_with_one_log_line_each(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    log = TrafficLog(tmp_path, max_bytes=10**6)
+    log.append(_record(1))
+    (log.dir / "rec-00000000000000000001.json").write_bytes(b'{"format": "mtplx-traffic/1", "prompt": [1,')
+    (log.dir / "rec-00000000000000000002.json").write_text(json.dumps({"some": "other file"}))
+    log.append(_record(2, trunk="another-model"))
+    log.append(_record(3))
+    with caplog.at_level(logging.WARNING, logger="mtplx.learn"):
+        first = log.read(FP)
+        again = log.read(FP)
+    assert [r.time for r in first] == [1.0, 3.0] and again == first
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 3, lines  # one per bad file, not one per read
+    assert any("rec-00000000000000000001.json: skipped (not a traffic record" in line for line in lines)
+    assert any("recorded for trunk another-model, not this one (fp-tiny)" in line for line in lines)
+
+
+KILL_DURING_LOG_WRITE = """
+import os, signal, sys
+from mtplx.learn import log as traffic
+from mtplx.learn.log import Choice, Record, TrafficLog
+
+log = TrafficLog(sys.argv[1], max_bytes=10**6)
+for i in range(3):
+    log.append(Record((1, 2, 3), (Choice((i, 5), "stop"),), "fp", time=float(i)))
+
+def half_then_kill(path, data):
+    with open(path, "wb") as handle:
+        handle.write(data[: len(data) // 2])
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.kill(os.getpid(), signal.SIGKILL)
+
+traffic._write_bytes = half_then_kill
+log.append(Record((1, 2, 3), (Choice((9, 5), "stop"),), "fp", time=9.0))
+"""
+
+
+def _run_killed(script: str, *args: str) -> None:
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{REPO / 'tests'}")
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script), *args],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        timeout=120,
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+
+
+def test_sigkill_during_a_log_write_loses_only_that_record(tmp_path: Path) -> None:
+    _run_killed(KILL_DURING_LOG_WRITE, str(tmp_path))
+    assert list((tmp_path / "traffic").glob(".rec-*"))  # the half-written temp file is there
+    log = TrafficLog(tmp_path, max_bytes=10**6)
+    assert [r.choices[0].tokens for r in log.read("fp")] == [(0, 5), (1, 5), (2, 5)]
+    assert not list(log.dir.glob(".rec-*"))  # removed at the next open
+
+
+# ---------------------------------------------------------------- a learning round
+
+
+def test_held_out_requests_are_the_newest_and_never_trained_on(traffic: list[Record]) -> None:
+    train, held = split_held_out(traffic, 0.25)
+    assert held == traffic[-4:] and train == traffic[:-4]
+    seqs = sequences(traffic[:1], 6)  # cut to 6: the prompt's start goes, the completion stays
+    completion = traffic[0].choices[0].tokens
+    assert seqs[0][0][-min(len(completion), 5) :] == list(completion[:5])[-min(len(completion), 5) :]
+    assert len(seqs[0][0]) <= 6
+
+
+def test_a_round_raises_held_out_acceptance_and_leaves_the_head_in_use(
+    trunk: Trunk, traffic: list[Record]
+) -> None:
+    head = build_head(trunk, "pre_norm")
+    before_params = _params(head)
+    result = run_to_end(learning_round(trunk, head, traffic, CFG))
+    for table in (result.before, result.after):
+        assert set(table) == {"1", "2", "3"}
+        assert all(0.0 <= v <= 1.0 for row in table.values() for v in row.values())
+    assert result.gain > 0.15, (result.before, result.after)
+    assert result.better() and (result.train_records, result.held_records) == (12, 4)
+    after = _params(head)
+    assert all(np.array_equal(before_params[k], after[k]) for k in after)  # a copy was trained
+
+
+def _engine(trunk: Trunk, head) -> Engine:
+    return Engine(trunk.model, None, {}, head=head, fingerprint=FP)
+
+
+def _learn(learner: Learner, records: list[Record]) -> None:
+    for record in records:
+        learner.record(record.prompt, [c.tokens for c in record.choices], ["stop"], None, False)
+    while learner.work():
+        pass
+
+
+def test_a_better_head_is_swapped_in_saved_and_resumed_after_a_restart(
+    trunk: Trunk, traffic: list[Record], tmp_path: Path
+) -> None:
+    engine = _engine(trunk, build_head(trunk, "pre_norm"))
+    learner = Learner(engine, str(tmp_path), cfg=CFG)
+    _learn(learner, traffic)
+    assert (learner.version, learner.rounds, learner.accepted) == (1, 1, 1)
+    state = HeadStore(tmp_path).state()
+    assert state["version"] == 1 and state["acceptance"]["first_draft"] > state["acceptance"]["before"]
+    served = _params(engine.head)
+    assert any(not np.array_equal(served[k], v) for k, v in _params(build_head(trunk, "pre_norm")).items())
+    # A restart with the shipped head resumes with the learned one.
+    restarted = _engine(trunk, build_head(trunk, "pre_norm"))
+    resumed = Learner(restarted, str(tmp_path), cfg=CFG)
+    assert resumed.version == 1
+    assert all(np.array_equal(served[k], v) for k, v in _params(restarted.head).items())
+    snapshot = resumed.snapshot()
+    assert snapshot["head_version"] == 1 and snapshot["records"] == len(traffic)
+
+
+def test_a_worse_head_is_never_swapped_in(trunk: Trunk, traffic: list[Record], tmp_path: Path) -> None:
+    engine = _engine(trunk, build_head(trunk, "pre_norm"))
+    before = _params(engine.head)
+    wild = LearnConfig(**{**CFG.__dict__, "lr": 3.0, "steps": 6})  # diverges: a worse head
+    learner = Learner(engine, str(tmp_path), cfg=wild)
+    _learn(learner, traffic)
+    assert learner.rounds == 1 and learner.accepted == 0 and learner.version == 0
+    assert all(np.array_equal(before[k], v) for k, v in _params(engine.head).items())
+    assert HeadStore(tmp_path).state() == {}
+    # The round's candidate really was worse (not merely not better).
+    result = run_to_end(learning_round(trunk, engine.head, traffic, wild))
+    assert result.gain < 0, (result.before, result.after)
+
+
+KILL_DURING_HEAD_SAVE = """
+import os, signal, sys
+import mtplx
+import mlx.core as mx
+from mtplx.forge.train import build_head
+from mtplx.learn.store import HeadStore
+from support.learn import tiny_trunk
+
+trunk = tiny_trunk()
+store = HeadStore(sys.argv[1])
+head = build_head(trunk, "pre_norm")
+store.save(head, {"trunk_fingerprint": "fp"}, {"first_draft": 0.5})
+head.fc.weight = head.fc.weight * 2
+
+real_save = mx.save_safetensors
+def save_then_kill(path, arrays, metadata=None):
+    real_save(path, arrays, metadata=metadata)
+    with open(path, "r+b") as handle:
+        handle.truncate(os.path.getsize(path) // 2)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+mx.save_safetensors = save_then_kill
+store.save(head, {"trunk_fingerprint": "fp"}, {"first_draft": 0.6})
+"""
+
+
+def test_sigkill_during_a_head_save_keeps_the_last_good_head(trunk: Trunk, tmp_path: Path) -> None:
+    _run_killed(KILL_DURING_HEAD_SAVE, str(tmp_path))
+    assert list((tmp_path / "heads").glob(".v0002*"))  # the interrupted save's temp directory
+    store = HeadStore(tmp_path)
+    assert not list(store.dir.glob(".v*"))
+    head, state = store.load_current(trunk, "fp")
+    assert state["version"] == 1 and state["acceptance"]["first_draft"] == 0.5
+    assert all(np.array_equal(v, _params(build_head(trunk, "pre_norm"))[k]) for k, v in _params(head).items())
+
+
+# ---------------------------------------------------------------- exactness across swaps
+
+
+def _swapping_decode(trunk, head, heads, cfg: SamplerConfig, depth: int, n: int, seed: int) -> list[int]:
+    """The first ``n`` tokens of a speculative run whose head weights change at every cycle boundary
+    (alternating between ``heads``): what a swap mid-request does, as often as possible."""
+    steps = decoding.mtp_decode(
+        trunk, head, exactness.PROMPT, decoding.DecodeSettings(sampler=cfg, depth=depth), mx.random.key(seed)
+    )
+    tokens: list[int] = []
+    for i, step in enumerate(steps):
+        tokens.extend(step.tokens)
+        if len(tokens) >= n:
+            break
+        swap_weights(head, heads[i % len(heads)])
+    steps.close()
+    return tokens[:n]
+
+
+def _swap_pair():
+    trunk, head = models.make_loop_pair(vocab_size=6, seed=3)
+    _, other = models.make_loop_pair(vocab_size=6, seed=11, head_noise=2.0)
+    original = models.make_loop_pair(vocab_size=6, seed=3)[1]
+    return trunk, head, [other, original]
+
+
+# The default suite's size (the planted bug below is caught with p ~ 1e-23 at 150 samples); the slow
+# repeat has the power of the loop tests' chi-squares (tests/spec_decode/test_decode.py: 1000).
+SWAP_SAMPLES, SWAP_SAMPLES_SLOW, CONTROL_SAMPLES = 200, 1000, 150
+
+
+def _swap_counts(seed0: int, samples: int) -> tuple[np.ndarray, np.ndarray]:
+    trunk, head, heads = _swap_pair()
+    cfg = SamplerConfig(temperature=0.7)
+    counts = np.zeros([6] * exactness.NUM_OUTPUT_TOKENS, dtype=np.int64)
+    for i in range(samples):
+        counts[
+            tuple(_swapping_decode(trunk, head, heads, cfg, 2, exactness.NUM_OUTPUT_TOKENS, seed0 + i))
+        ] += 1
+    return counts, exactness.exact_ar_joint(trunk, cfg, 6)
+
+
+@pytest.mark.parametrize(
+    "samples",
+    [SWAP_SAMPLES, pytest.param(SWAP_SAMPLES_SLOW, marks=pytest.mark.slow)],
+    ids=["default", "large"],
+)
+def test_sampling_across_head_swaps_matches_the_exact_ar_chain(samples: int) -> None:
+    counts, expected = _swap_counts(50_000, samples)
+    assert exactness.loop_p_value(counts, expected) > exactness.FALSE_FAILURE_RATE
+
+
+def test_the_swap_chi_square_catches_a_loop_that_commits_the_rejected_draft(monkeypatch) -> None:
+    exactness.plant_commit_rejected_draft(monkeypatch)
+    counts, expected = _swap_counts(60_000, CONTROL_SAMPLES)
+    assert exactness.loop_p_value(counts, expected) < exactness.FALSE_FAILURE_RATE
+
+
+def test_greedy_output_is_identical_with_head_swaps_and_without() -> None:
+    trunk, head, heads = _swap_pair()
+    greedy = SamplerConfig(temperature=0.0)
+    plain = decoding.take_tokens(
+        decoding.ar_decode(
+            trunk, exactness.PROMPT, decoding.DecodeSettings(sampler=greedy), mx.random.key(0)
+        ),
+        16,
+    )
+    assert _swapping_decode(trunk, head, heads, greedy, 2, 16, 0) == plain
