@@ -19,16 +19,10 @@ from dataclasses import asdict
 from typing import Any
 
 from mtplx.heads.forged import ForgedMTPHead, lm_head_matrix
+from mtplx.learn.config import DEFAULT_LEARN_CONFIG, LearnConfig
 from mtplx.learn.log import DEFAULT_LOG_BYTES, Record, TrafficLog, choices_of, tokenizer_fingerprint
 from mtplx.learn.store import HeadStore
-from mtplx.learn.trainer import (
-    DEFAULT_LEARN_CONFIG,
-    LearnConfig,
-    RoundResult,
-    first_draft,
-    learning_round,
-    swap_weights,
-)
+from mtplx.learn.trainer import RoundResult, first_draft, learning_round, swap_weights
 
 log = logging.getLogger("mtplx.learn")
 

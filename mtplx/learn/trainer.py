@@ -19,52 +19,17 @@ from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Any
 
-from mtplx.forge.config import FINE_TUNE_LR, ForgeConfig
 from mtplx.forge.evaluate import EVAL_TEMPERATURES, Tally, tally_windows
 from mtplx.forge.loss import frequent_ids
 from mtplx.forge.train import TrainStep
 from mtplx.heads.forged import ForgedMTPHead, build_forged_head
+from mtplx.learn.config import LearnConfig
 from mtplx.learn.data import empty_data, fill_row, sequences, split_held_out, windows
 from mtplx.learn.log import Record
 
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
-
-
-@dataclass(frozen=True)
-class LearnConfig:
-    """What a learning round does (the server's and `forge --from-traffic`'s defaults)."""
-
-    seq_len: int = 384  # tokens per sequence (longer prompts lose their start)
-    top_k: int = 32  # teacher log-probs kept per position
-    held_out_fraction: float = 0.25  # the most recent records measured on, never trained on
-    min_records: int = 8  # records before the first round
-    new_records: int = 8  # new records before the next round
-    max_train_rows: int = 256  # the newest training sequences a round uses
-    steps: int = 40  # training steps per round
-    batch_size: int = 8
-    lr: float = FINE_TUNE_LR
-    depth: int = 3
-    step_weights: tuple[float, ...] = (1.0, 0.8, 0.6)
-    train_vocab: int | None = 4096
-    eval_origins: int = 8
-    min_gain: float = 0.0  # a candidate must beat the head in use by more than this (first-draft)
-    seed: int = 0
-
-    def forge_config(self, head: Any) -> ForgeConfig:
-        """The `ForgeConfig` `TrainStep` reads (schedule, loss, batch rows)."""
-        return ForgeConfig(
-            depth=self.depth,
-            step_weights=self.step_weights,
-            batch_size=self.batch_size,
-            lr=self.lr,
-            warmup=max(self.steps // 10, 1),
-            seed=self.seed,
-            hidden_source=head.hidden_source,
-            chain_source=head.chain_source,
-            progress=False,
-        )
 
 
 def first_draft(table: dict[str, dict[str, float]]) -> float:
@@ -138,8 +103,9 @@ def learning_round(
     held_seqs = sequences(held_recs, cfg.seq_len)
     if not train_seqs or not held_seqs:
         raise ValueError("a learning round needs a training and a held-out sequence")
-    held_tokens, held_valid = windows(held_seqs, cfg.seq_len)
-    data = empty_data(trunk, len(train_seqs), cfg.seq_len, cfg.top_k)
+    # Padded to the longest sequence, not to seq_len: chat traffic is short, and every step costs its width.
+    held_tokens, held_valid = windows(held_seqs, max(len(t) for t, _ in held_seqs))
+    data = empty_data(trunk, len(train_seqs), max(len(t) for t, _ in train_seqs), cfg.top_k)
     for r, (tokens, p) in enumerate(train_seqs):
         fill_row(trunk, data, r, tokens, p)
         yield
@@ -180,6 +146,3 @@ def run_to_end(round_: Generator[None, None, RoundResult]) -> RoundResult:
             next(round_)
         except StopIteration as done:
             return done.value
-
-
-DEFAULT_LEARN_CONFIG = LearnConfig()
