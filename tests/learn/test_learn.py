@@ -335,3 +335,86 @@ def test_greedy_output_is_identical_with_head_swaps_and_without() -> None:
         16,
     )
     assert _swapping_decode(trunk, head, heads, greedy, 2, 16, 0) == plain
+
+
+# ---------------------------------------------------------------- mtplx forge --from-traffic
+
+
+@pytest.fixture(scope="module")
+def served_tiny(trunk: Trunk, traffic: list[Record], tmp_path_factory) -> tuple[Path, Path, Path]:
+    """(model dir, its forged head, a traffic log of it): the tiny trunk as a user's model directory."""
+    from mtplx.checkpoints.load import load_model
+    from mtplx.heads.forged import save_forged_head
+
+    from support import checkpoints
+    from support.tokenizer import chatml_chars
+
+    root = tmp_path_factory.mktemp("from-traffic")
+    model_dir = checkpoints.save_model(
+        root / "model", trunk.model, eos_token_id=chatml_chars(root / "model")
+    ).path
+    fingerprint = load_model(str(model_dir)).fingerprint
+    save_forged_head(root / "head", build_head(trunk, "pre_norm"), {"trunk_fingerprint": fingerprint})
+    log = TrafficLog(root / "learn")
+    for record in traffic:
+        log.append(Record(record.prompt, record.choices, fingerprint, time=record.time))
+    return model_dir, root / "head", root / "learn"
+
+
+def _forge(*args: str) -> int:
+    from mtplx.cli.main import main
+
+    return main(["forge", *args])
+
+
+def test_forge_from_traffic_writes_a_better_head_and_says_by_how_much(
+    served_tiny, tmp_path: Path, capsys
+) -> None:
+    from mtplx.heads.forged import load_forged_head, read_manifest
+
+    model_dir, head, learn = served_tiny
+    out = tmp_path / "learned"
+    flags = [
+        "--from-traffic",
+        str(learn),
+        "--model",
+        str(model_dir),
+        "--init-head",
+        str(head),
+        "--out",
+        str(out),
+    ]
+    assert _forge(*flags, "--steps", "20", "--lr", "3e-3") == 0
+    said = capsys.readouterr().out
+    manifest = read_manifest(out)
+    learned = manifest["learned_from_traffic"]
+    before, after = learned["acceptance_before"]["1"], learned["acceptance_after"]["1"]
+    gain = (sum(after.values()) - sum(before.values())) / 2
+    assert gain > 0.15 and f"({gain:+.3f}) on 4 held-out requests" in said, said
+    assert f"wrote {out}" in said
+    load_forged_head(out, served_tiny_trunk(model_dir), manifest["trunk_fingerprint"])  # a usable head
+    # A run whose head measures worse writes nothing, and says so.
+    worse = tmp_path / "worse"
+    assert _forge(*flags[:-1], str(worse), "--steps", "6", "--lr", "3.0") == 0
+    assert "kept out" in capsys.readouterr().out and not worse.exists()
+
+
+def served_tiny_trunk(model_dir: Path) -> Trunk:
+    from mtplx.checkpoints.load import load_model
+
+    return Trunk(load_model(str(model_dir)).model)
+
+
+def test_forge_from_traffic_refuses_a_log_of_another_model(served_tiny, tmp_path: Path, capsys) -> None:
+    model_dir, head, _ = served_tiny
+    log = TrafficLog(tmp_path / "other")
+    for i in range(4):
+        log.append(_record(i, trunk="0123456789abcdef"))
+    code = _forge(
+        "--from-traffic", str(tmp_path / "other"), "--model", str(model_dir), "--init-head", str(head)
+    )
+    err = capsys.readouterr().err
+    assert code != 0 and "its records are for trunk 0123456789abcdef" in err, err
+    assert not (tmp_path / "other" / "forged-from-traffic").exists()
+    assert _forge("--from-traffic", str(tmp_path / "nothing"), "--model", str(model_dir)) != 0
+    assert "no traffic log here" in capsys.readouterr().err
