@@ -21,6 +21,7 @@ from typing import Any
 from mtplx.heads.forged import ForgedMTPHead, lm_head_matrix
 from mtplx.learn.config import DEFAULT_LEARN_CONFIG, LearnConfig
 from mtplx.learn.log import DEFAULT_LOG_BYTES, Record, TrafficLog, choices_of, tokenizer_fingerprint
+from mtplx.learn.report import write_state
 from mtplx.learn.store import HeadStore
 from mtplx.learn.trainer import RoundResult, first_draft, learning_round, swap_weights
 
@@ -148,6 +149,10 @@ class Learner:
         return True
 
     def _finish(self, result: RoundResult) -> None:
+        self._accept(result)
+        write_state(self.log.root, self.snapshot())  # for `mtplx inspect --learn`
+
+    def _accept(self, result: RoundResult) -> None:
         self.rounds += 1
         before, after = first_draft(result.before), first_draft(result.after)
         self.acceptance = before if self.acceptance is None else self.acceptance

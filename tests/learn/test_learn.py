@@ -22,6 +22,7 @@ from mtplx.forge.train import build_head
 from mtplx.learn.config import LearnConfig
 from mtplx.learn.data import sequences, split_held_out
 from mtplx.learn.log import Choice, Record, TrafficLog
+from mtplx.learn.report import format_learn_report, learn_report
 from mtplx.learn.serving import Learner
 from mtplx.learn.store import HeadStore
 from mtplx.learn.trainer import learning_round, run_to_end, swap_weights
@@ -122,6 +123,7 @@ KILL_DURING_LOG_WRITE = """
 import os, signal, sys
 from mtplx.learn import log as traffic
 from mtplx.learn.log import Choice, Record, TrafficLog
+from mtplx.learn.report import format_learn_report, learn_report
 
 log = TrafficLog(sys.argv[1], max_bytes=10**6)
 for i in range(3):
@@ -215,6 +217,13 @@ def test_a_better_head_is_swapped_in_saved_and_resumed_after_a_restart(
     assert all(np.array_equal(served[k], v) for k, v in _params(restarted.head).items())
     snapshot = resumed.snapshot()
     assert snapshot["head_version"] == 1 and snapshot["records"] == len(traffic)
+    # What `mtplx inspect --learn DIR` reports, from the files alone.
+    report = learn_report(tmp_path)
+    assert report["head_version"] == 1 and [h["version"] for h in report["history"]] == [1]
+    assert report["trainer"]["rounds"] == 1 and 0 < report["trainer"]["trainer_share"] <= 1
+    text = format_learn_report(report)
+    assert f"head: learned v1, first-draft acceptance {state['acceptance']['first_draft']:.3f}" in text
+    assert f"traffic log: {len(traffic)} requests" in text and "1 rounds, 1 accepted" in text
 
 
 def test_a_worse_head_is_never_swapped_in(trunk: Trunk, traffic: list[Record], tmp_path: Path) -> None:
@@ -418,3 +427,9 @@ def test_forge_from_traffic_refuses_a_log_of_another_model(served_tiny, tmp_path
     assert not (tmp_path / "other" / "forged-from-traffic").exists()
     assert _forge("--from-traffic", str(tmp_path / "nothing"), "--model", str(model_dir)) != 0
     assert "no traffic log here" in capsys.readouterr().err
+    from mtplx.cli.main import main
+
+    assert main(["inspect", str(model_dir), "--learn", str(tmp_path / "nothing")]) != 0
+    assert "--learn: " in capsys.readouterr().err
+    assert main(["inspect", str(model_dir), "--learn", str(tmp_path / "other")]) == 0
+    assert "head: the served one (no learned head accepted yet)" in capsys.readouterr().out
