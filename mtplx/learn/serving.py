@@ -54,6 +54,7 @@ class Learner:
         self.train_seconds = 0.0
         self.max_piece_seconds = 0.0
         self.rounds = self.accepted = 0
+        self.served_mid_round = 0  # requests that finished while a round waited for them
         self.pending = len(self.log.files())  # records no round has seen yet
         self.version = 0
         self.acceptance: float | None = None  # the head in use, first-draft, as last measured
@@ -100,6 +101,8 @@ class Learner:
             grammar,
             tools,
         )
+        if self._round is not None:
+            self.served_mid_round += 1
         try:
             self.log.append(record)
         except OSError as e:
@@ -211,6 +214,8 @@ class Learner:
             "acceptance": self.acceptance,
             "rounds": self.rounds,
             "accepted": self.accepted,
+            "round_in_progress": self._round is not None,
+            "served_mid_round": self.served_mid_round,
             "records": self.log_records(),
             "log_bytes": self.log.bytes,
             "trainer_seconds": self.train_seconds,
@@ -245,6 +250,16 @@ class LearnCollector:
         yield CounterMetricFamily("mtplx_learn_rounds", "Learning rounds finished", value=s["rounds"])
         yield CounterMetricFamily(
             "mtplx_learn_heads_accepted", "Rounds whose head was swapped in", value=s["accepted"]
+        )
+        yield GaugeMetricFamily(
+            "mtplx_learn_round_in_progress",
+            "1 while a learning round is under way",
+            value=s["round_in_progress"],
+        )
+        yield CounterMetricFamily(
+            "mtplx_learn_requests_mid_round",
+            "Logged requests served while a learning round was under way (the round waited for them)",
+            value=s["served_mid_round"],
         )
         yield GaugeMetricFamily("mtplx_learn_log_records", "Requests in the traffic log", value=s["records"])
         yield GaugeMetricFamily("mtplx_learn_log_bytes", "Bytes of the traffic log", value=s["log_bytes"])
