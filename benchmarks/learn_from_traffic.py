@@ -112,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--held", type=int, default=6, help="later requests, never trained on")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument(
+        "--max-lines", type=int, default=30, help="lines of each function's source asked about"
+    )
+    parser.add_argument(
         "--steps", type=int, default=DEFAULT_LEARN_CONFIG.steps, help="training steps per round"
     )
     parser.add_argument("--seed", type=int, default=0)
@@ -122,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine.load()
     cfg = replace(DEFAULT_LEARN_CONFIG, min_records=args.every, new_records=args.every, steps=args.steps)
     shipped = copy_head(engine.head, engine.trunk)
-    questions = workload(args.traffic + args.held, args.seed)
+    questions = workload(args.traffic + args.held, args.seed, args.max_lines)
     traffic, held_msgs = questions[: args.traffic], questions[args.traffic :]
     held = [answer(engine, m, args.max_tokens)[:2] for m in held_msgs]  # greedy: the same with any head
     points = []

@@ -117,6 +117,35 @@ def test_corrupt_and_foreign_files_are_skipped_with_one_log_line_each(
     assert len(lines) == 3, lines  # one per bad file, not one per read
     assert any("rec-00000000000000000001.json: skipped (not a traffic record" in line for line in lines)
     assert any("recorded for trunk another-model, not this one (fp-tiny)" in line for line in lines)
+    # The same trunk with another tokenizer (its ids mean other text): skipped too.
+    log.append(Record((1, 2), (Choice((3, 4), "stop"),), FP, tokenizer="tok-a", time=4.0))
+    with caplog.at_level(logging.WARNING, logger="mtplx.learn"):
+        assert [r.time for r in log.read(FP, "tok-b")] == [1.0, 3.0]
+    assert "recorded with tokenizer tok-a, not this one (tok-b)" in caplog.records[-1].getMessage()
+    assert [r.time for r in log.read(FP, "tok-a")] == [1.0, 3.0, 4.0]
+
+
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (["serve", "--learn-every", "4"], "--learn-every: needs --learn"),
+        (["serve", "--learn", "d", "--learn-steps", "0"], "--learn-steps: must be > 0, got 0"),
+        (["serve", "--learn", "d", "--learn-max-bytes", "-1"], "--learn-max-bytes: must be > 0, got -1"),
+        (["serve", "--learn", " "], "--learn: empty path (name a directory)"),
+        (["forge", "--from-traffic", "d", "--budget", "1h"], "--budget: does not apply to --from-traffic"),
+        (["forge", "--from-traffic", "d", "--steps", "0"], "--steps: must be > 0, got 0"),
+    ],
+)
+def test_learn_flag_errors_are_one_line_naming_the_flag(
+    args, expected, capsys, tmp_path, monkeypatch
+) -> None:
+    from mtplx.cli.main import main
+
+    monkeypatch.chdir(tmp_path)  # nothing may be created by a refused command
+    assert main(args) != 0
+    err = capsys.readouterr().err
+    assert expected in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert list(tmp_path.iterdir()) == []
 
 
 KILL_DURING_LOG_WRITE = """
