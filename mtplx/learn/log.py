@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -121,8 +122,21 @@ class TrafficLog:
             stale.unlink(missing_ok=True)
         self._reported: set[str] = set()  # files already skipped with a log line
         self._last_name = ""
-        self.bytes = sum(p.stat().st_size for p in self.files())
+        # The record files, oldest first, with their sizes: kept in memory so that a write and its
+        # eviction never scan the directory (a full log holds ~10^5 files).
+        self._kept: deque[tuple[Path, int]] = deque()
+        for path in self.files():
+            try:
+                self._kept.append((path, path.stat().st_size))
+            except FileNotFoundError:
+                continue
+        self.bytes = sum(size for _, size in self._kept)
         self.written = 0  # records written by this process
+
+    @property
+    def records(self) -> int:
+        """How many record files the log holds (those there at open, written since, less the evicted)."""
+        return len(self._kept)
 
     def files(self) -> list[Path]:
         """The record files, oldest first."""
@@ -138,22 +152,16 @@ class TrafficLog:
         data = json.dumps(record.to_json(), separators=(",", ":")).encode()
         with atomic_path(path, permissions=0o600) as tmp:
             _write_bytes(tmp, data)
+        self._kept.append((path, len(data)))
         self.bytes += len(data)
         self.written += 1
         self._evict()
         return path
 
     def _evict(self) -> None:
-        if self.bytes <= self.max_bytes:
-            return
-        for old in self.files():
-            if self.bytes <= self.max_bytes:
-                break
-            try:
-                size = old.stat().st_size
-                old.unlink()
-            except FileNotFoundError:
-                continue
+        while self.bytes > self.max_bytes and self._kept:
+            old, size = self._kept.popleft()
+            old.unlink(missing_ok=True)
             self.bytes -= size
 
     def read(self, trunk: str, tokenizer: str = "", newest: int | None = None) -> list[Record]:

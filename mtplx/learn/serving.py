@@ -55,7 +55,7 @@ class Learner:
         self.max_piece_seconds = 0.0
         self.rounds = self.accepted = 0
         self.served_mid_round = 0  # requests that finished while a round waited for them
-        self.pending = len(self.log.files())  # records no round has seen yet
+        self.pending = self.log.records  # records no round has seen yet
         self.version = 0
         self.acceptance: float | None = None  # the head in use, first-draft, as last measured
         self.history: list[dict] = []
@@ -120,7 +120,7 @@ class Learner:
         return self.pending >= due and self.log_records() >= self.cfg.min_records
 
     def log_records(self) -> int:
-        return len(self.log.files())
+        return self.log.records
 
     def work(self) -> bool:
         """One bounded piece of the current round (starting one when due); False when there is none."""

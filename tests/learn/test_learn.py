@@ -95,7 +95,14 @@ def test_log_keeps_its_budget_oldest_first_in_whole_0600_files(tmp_path: Path) -
     for path in log.files():
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert stat.S_IMODE(log.dir.stat().st_mode) == 0o700
-    assert TrafficLog(tmp_path / "learn", max_bytes=3000).bytes == sum(sizes)  # reopened: same count
+    assert log.records == len(sizes) and log.bytes == sum(sizes)
+    reopened = TrafficLog(tmp_path / "learn", max_bytes=3000)
+    assert (reopened.records, reopened.bytes) == (len(sizes), sum(sizes))  # reopened: the same count
+    for i in range(40, 50):  # a reopened log keeps the budget, evicting what an earlier run wrote
+        reopened.append(_record(i))
+    sizes = [p.stat().st_size for p in reopened.files()]
+    assert sum(sizes) == reopened.bytes <= 3000 and len(sizes) == reopened.records
+    assert [r.time for r in reopened.read(FP)][-1] == 49.0 and reopened.read(FP)[0].time > 40 - len(kept)
     with pytest.raises(MtplxError, match="--learn-max-bytes: must be > 0"):
         TrafficLog(tmp_path / "other", max_bytes=0)
 
