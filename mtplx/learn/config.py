@@ -18,6 +18,7 @@ class LearnConfig:
     held_out_fraction: float = 0.25  # the most recent records measured on, never trained on
     min_records: int = 8  # records before the first round
     new_records: int = 8  # new records before the next round
+    max_records: int = 320  # the newest records a round reads (train and held out): a round's cost is bounded
     max_train_rows: int = 256  # the newest training sequences a round uses
     steps: int = 40  # training steps per round
     batch_size: int = 8

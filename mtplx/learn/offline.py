@@ -82,7 +82,7 @@ def forge_from_traffic(
 
     engine = Engine.load(model)
     log = TrafficLog(root)
-    records = log.read(engine.fingerprint, tokenizer_fingerprint(engine.tokenizer))
+    records = log.read(engine.fingerprint, tokenizer_fingerprint(engine.tokenizer), newest=cfg.max_records)
     if len(records) < 2:
         foreign = log.foreign_trunks() - {engine.fingerprint}
         whose = f"; its records are for trunk {', '.join(sorted(foreign))}" if foreign else ""

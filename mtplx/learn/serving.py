@@ -55,6 +55,7 @@ class Learner:
         self.max_piece_seconds = 0.0
         self.rounds = self.accepted = 0
         self.served_mid_round = 0  # requests that finished while a round waited for them
+        self.last_result: RoundResult | None = None  # the last finished round's
         self.pending = self.log.records  # records no round has seen yet
         self.version = 0
         self.acceptance: float | None = None  # the head in use, first-draft, as last measured
@@ -129,7 +130,7 @@ class Learner:
         began = time.perf_counter()
         try:
             if self._round is None:
-                records = self.log.read(self.trunk_fp, self.tokenizer_fp)
+                records = self.log.read(self.trunk_fp, self.tokenizer_fp, newest=self.cfg.max_records)
                 self.pending = 0
                 if len(records) < max(self.cfg.min_records, 2):
                     return True
@@ -157,6 +158,7 @@ class Learner:
 
     def _accept(self, result: RoundResult) -> None:
         self.rounds += 1
+        self.last_result = result
         before, after = first_draft(result.before), first_draft(result.after)
         self.acceptance = before if self.acceptance is None else self.acceptance
         if not result.better(self.cfg.min_gain):
