@@ -451,6 +451,36 @@ def served_tiny_trunk(model_dir: Path) -> Trunk:
     return Trunk(load_model(str(model_dir)).model)
 
 
+def test_forge_from_traffic_starts_from_the_head_serve_learn_accepted(
+    served_tiny, tmp_path: Path, capsys
+) -> None:
+    import shutil
+
+    from mtplx.checkpoints.load import load_model
+
+    model_dir, _, learn = served_tiny
+    copy = tmp_path / "learn"
+    shutil.copytree(learn / "traffic", copy / "traffic")
+    loaded = load_model(str(model_dir))
+    HeadStore(copy).save(
+        build_head(Trunk(loaded.model), "pre_norm"), {"trunk_fingerprint": loaded.fingerprint}, {}
+    )
+    code = _forge("--from-traffic", str(copy), "--model", str(model_dir), "--steps", "2", "--lr", "3.0")
+    said = capsys.readouterr().out
+    assert code == 0 and "trained 2 steps on 12 sequences of 12 requests from the learned head v1" in said, (
+        said
+    )
+
+
+def test_traffic_is_logged_for_a_head_that_cannot_learn_yet(trunk: Trunk, tmp_path: Path, caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="mtplx.learn"):
+        learner = Learner(_engine(trunk, None), str(tmp_path), cfg=CFG)
+    assert "only forged heads learn yet" in caplog.text
+    for _ in range(CFG.min_records + 1):
+        learner.record((1, 2, 3), [(4, 5, 6)], ["stop"], None, False)
+    assert learner.log.records == CFG.min_records + 1 and not learner.has_work() and not learner.work()
+
+
 def test_forge_from_traffic_refuses_a_log_of_another_model(served_tiny, tmp_path: Path, capsys) -> None:
     model_dir, head, _ = served_tiny
     log = TrafficLog(tmp_path / "other")
