@@ -81,6 +81,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--work-dir", help="where shards and checkpoints go (resumable; default under the mtplx cache)"
     )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    parser.add_argument(
+        "--from-traffic",
+        metavar="DIR",
+        help="train from the traffic `mtplx serve --learn DIR` recorded, starting from the head in use "
+        "(--init-head, else DIR's last learned head, else the model's); the newest requests are held "
+        "out, and the head (--out, default DIR/forged-from-traffic) is written only if it measures better",
+    )
     parser.add_argument("--no-progress", action="store_true")
     parser.set_defaults(forge_defaults=d)
 
@@ -116,6 +123,8 @@ def _positive_int(name: str, text: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Forge the head the flags describe and say where it went; the exit code."""
+    if args.from_traffic is not None:
+        return _from_traffic(args)
     from mtplx.forge.run import forge
 
     report = forge(config_from_args(args))
@@ -123,4 +132,42 @@ def run(args: argparse.Namespace) -> int:
         f"wrote {report.manifest_path.parent} ({report.response_tokens} generated tokens, "
         f"{report.train_steps} steps, depth-1 acceptance {report.acceptance['1']})"
     )
+    return 0
+
+
+def _from_traffic(args: argparse.Namespace) -> int:
+    """`--from-traffic DIR`: one learning round over the log (`mtplx.learn.offline`), its flags over
+    `DEFAULT_LEARN_CONFIG`; generation flags do not apply."""
+    from mtplx.learn.config import DEFAULT_LEARN_CONFIG
+
+    for name in (
+        "data",
+        "budget",
+        "gen_tokens",
+        "work_dir",
+        "head_layers",
+        "hidden_source",
+        "chain_source",
+        "draft_vocab",
+    ):
+        if getattr(args, name) is not None:
+            raise MtplxError(f"--{name.replace('_', '-')}: does not apply to --from-traffic")
+    overrides = {
+        name: getattr(args, name)
+        for name in ("steps", "depth", "batch_size", "lr", "seed")
+        if getattr(args, name) is not None
+    }
+    for name, value in overrides.items():
+        if name != "seed" and not value > 0:
+            raise MtplxError(f"--{name.replace('_', '-')}: must be > 0, got {value}")
+    if "depth" in overrides:
+        weights = DEFAULT_LEARN_CONFIG.step_weights  # the last weight repeats for deeper steps
+        overrides["step_weights"] = (weights + weights[-1:] * overrides["depth"])[: overrides["depth"]]
+    cfg = replace(DEFAULT_LEARN_CONFIG, **overrides)
+    from mtplx.learn.offline import forge_from_traffic
+
+    report = forge_from_traffic(
+        args.from_traffic, args.model, args.init_head, args.out_dir, cfg, args.overwrite
+    )
+    print(report.summary())
     return 0

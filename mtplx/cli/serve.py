@@ -12,6 +12,7 @@ import ipaddress
 import logging
 import os
 import sys
+from dataclasses import replace
 
 from mtplx.cli.args import (
     add_disk_cache_args,
@@ -25,6 +26,7 @@ from mtplx.cli.args import (
 )
 from mtplx.cli.signals import terminate_as_exit
 from mtplx.errors import MtplxError
+from mtplx.learn.config import DEFAULT_LEARN_CONFIG
 from mtplx.sample.params import SamplerConfig
 from mtplx.server.settings import ServerSettings
 from mtplx.spec_decode.settings import DEFAULT_PREFILL_STEP
@@ -32,6 +34,7 @@ from mtplx.spec_decode.settings import DEFAULT_PREFILL_STEP
 __all__ = ["HELP", "add_args", "run", "serve"]
 
 HELP = "an OpenAI-compatible HTTP server (chat and text completions)"
+
 
 log = logging.getLogger("mtplx.server")
 
@@ -70,6 +73,18 @@ def serve(
         log.warning("WARNING: listening on %s without an API key: anyone who can reach it can use it", host)
     if settings.prompt_cache_dir is not None:  # indexes what is there now: requests reuse it from the first
         engine.use_disk_cache(settings.prompt_cache_dir, settings.prompt_cache_disk_bytes)
+    learner = None
+    if settings.learn_dir is not None:
+        from mtplx.learn.log import DEFAULT_LOG_BYTES
+        from mtplx.learn.serving import Learner
+
+        cfg = DEFAULT_LEARN_CONFIG
+        if settings.learn_every is not None:
+            cfg = replace(cfg, min_records=settings.learn_every, new_records=settings.learn_every)
+        if settings.learn_steps is not None:
+            cfg = replace(cfg, steps=settings.learn_steps)
+        learner = Learner(engine, settings.learn_dir, settings.learn_max_bytes or DEFAULT_LOG_BYTES, cfg)
+        log.info("--learn: recording finished requests (token ids) in %s", learner.log.dir)
     worker = GenerationWorker(
         engine,
         settings.max_queue,
@@ -77,6 +92,7 @@ def serve(
         settings.prompt_concurrency,
         settings.draft_policy,
         settings.prefill_step_size,
+        learner=learner,
     )
     app = create_app(worker, settings)
     worker.start()
@@ -170,6 +186,33 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="local image files requests may name (file:// or path) must lie under DIR (default: data URLs only)",
     )
+    parser.add_argument(
+        "--learn",
+        default=None,
+        metavar="DIR",
+        help="record each finished request's prompt and completion token ids in DIR (user text, as token "
+        "ids; 0600 files) and train the head on them between requests, swapping in heads that measure "
+        'better (README: Learning from traffic); a request opts out with "mtplx": {"learn": false} '
+        "or the header X-Mtplx-Learn: 0",
+    )
+    parser.add_argument(
+        "--learn-max-bytes",
+        type=int,
+        default=None,
+        help="bytes the traffic log of --learn may hold, oldest records removed first (default 256 MiB)",
+    )
+    parser.add_argument(
+        "--learn-every",
+        type=int,
+        default=None,
+        help=f"--learn: new requests between two learning rounds (default {DEFAULT_LEARN_CONFIG.new_records})",
+    )
+    parser.add_argument(
+        "--learn-steps",
+        type=int,
+        default=None,
+        help=f"--learn: training steps per learning round (default {DEFAULT_LEARN_CONFIG.steps})",
+    )
 
 
 def _image_dir(value: str | None):
@@ -202,6 +245,14 @@ def _check_server_flags(args: argparse.Namespace) -> None:
             raise MtplxError(f"--{name.replace('_', '-')}: must be > 0, got {getattr(args, name)}")
     if args.served_model_name is not None and not all(n.strip() for n in args.served_model_name):
         raise MtplxError("--served-model-name: must not be empty")
+    for name in ("learn_max_bytes", "learn_every", "learn_steps"):
+        flag, value = "--" + name.replace("_", "-"), getattr(args, name)
+        if value is not None and args.learn is None:
+            raise MtplxError(f"{flag}: needs --learn")
+        if value is not None and value <= 0:
+            raise MtplxError(f"{flag}: must be > 0, got {value}")
+    if args.learn is not None and not args.learn.strip():
+        raise MtplxError("--learn: empty path (name a directory)")
     if args.prompt_cache_bytes is not None and args.prompt_cache_bytes < 0:
         raise MtplxError(f"--prompt-cache-bytes: must be >= 0, got {args.prompt_cache_bytes}")
     check_disk_cache_args(args)
@@ -241,6 +292,10 @@ def run(args: argparse.Namespace) -> int:
         prompt_cache_dir=args.prompt_cache_dir,
         prompt_cache_disk_bytes=disk_cache_bytes(args),
         image_dir=_image_dir(args.image_dir),
+        learn_dir=args.learn,
+        learn_max_bytes=args.learn_max_bytes,
+        learn_every=args.learn_every,
+        learn_steps=args.learn_steps,
     )
     serve(engine, settings, host=args.host, port=args.port)
     return 0

@@ -49,7 +49,7 @@ def _trunk_source(trunk_out: Any, source: str) -> mx.array:
     return trunk_out.hidden_pre_norm if source == "pre_norm" else trunk_out.hidden_post_norm
 
 
-class _Tally:
+class Tally:
     """Running sums of acceptance per (vocabulary variant, depth, temperature)."""
 
     def __init__(
@@ -65,6 +65,7 @@ class _Tally:
             v: {d: {t: 0.0 for t in self.temperatures} for d in range(1, depths + 1)} for v in variants
         }
         self.counts = {d: 0 for d in range(1, depths + 1)}
+        self.depths = depths
 
     def add(
         self, depth: int, p_logits: np.ndarray, q_logits: np.ndarray, keep: np.ndarray | None = None
@@ -111,24 +112,32 @@ def evaluate_acceptance(
     id set and returns {name: table} instead of one table. ``valid`` [N, T] (bool) counts
     only drafts whose target position s has valid[s] (the response positions of forge data).
     """
-    tally = _Tally(vocab_variants or {"": None}, depths, temperatures, trunk.vocab_size)
+    tally = Tally(vocab_variants or {"": None}, depths, temperatures, trunk.vocab_size)
     from tqdm import tqdm
 
     keep_all = np.ones(windows.shape, dtype=bool) if valid is None else valid.astype(bool)
     for start in tqdm(range(0, windows.shape[0], batch), desc="eval", disable=not progress):
-        tokens = mx.array(windows[start : start + batch])
-        keep = keep_all[start : start + batch]
-        out = trunk(tokens)
-        p_logits = np.asarray(out.logits.astype(mx.float32))  # p at position t predicts t+1
-        cache = head.make_cache()
-        g = head(
-            _trunk_source(out, head.hidden_source)[:, :-1], tokens[:, 1:], cache
-        )  # position t predicts t+2
-        tally.add(1, p_logits[:, 1:], _q_logits(head, g), keep[:, 1:])
-        if depths > 1:
-            _eval_chain(head, tokens, p_logits, g, cache, depths, origins, tally, keep)
+        tally_windows(
+            trunk, head, windows[start : start + batch], keep_all[start : start + batch], origins, tally
+        )
     tables = tally.table()
     return tables if vocab_variants else tables[""]
+
+
+def tally_windows(
+    trunk: Trunk, head: Any, windows: np.ndarray, keep: np.ndarray, origins: int, tally: Tally
+) -> None:
+    """Add the acceptance of ``head`` on ``windows`` [B, T] (counting positions where ``keep``) to ``tally``
+    at every depth it keeps (`evaluate_acceptance`'s loop body: callers that must stop between
+    batches, such as the server's background trainer, call it one batch at a time)."""
+    tokens = mx.array(windows)
+    out = trunk(tokens)
+    p_logits = np.asarray(out.logits.astype(mx.float32))  # p at position t predicts t+1
+    cache = head.make_cache()
+    g = head(_trunk_source(out, head.hidden_source)[:, :-1], tokens[:, 1:], cache)  # position t predicts t+2
+    tally.add(1, p_logits[:, 1:], _q_logits(head, g), keep[:, 1:])
+    if tally.depths > 1:
+        _eval_chain(head, tokens, p_logits, g, cache, tally.depths, origins, tally, keep)
 
 
 def _eval_chain(
@@ -139,7 +148,7 @@ def _eval_chain(
     cache: list,
     depths: int,
     origins: int,
-    tally: _Tally,
+    tally: Tally,
     keep: np.ndarray,
 ) -> None:
     seq_len = tokens.shape[1]

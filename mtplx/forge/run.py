@@ -224,7 +224,7 @@ def _generate(
     return summaries
 
 
-def _write_sidecar(out: Path, head: ForgedMTPHead, manifest: dict, overwrite: bool) -> Path:
+def write_sidecar(out: Path, head: ForgedMTPHead, manifest: dict, overwrite: bool) -> Path:
     """Write into a temp directory beside ``out``, then rename: a half-written head never exists."""
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -468,7 +468,7 @@ def forge(config: ForgeConfig = DEFAULT_FORGE_CONFIG, **overrides: Any) -> Forge
     trained = _train(cfg, trunk, loaded.fingerprint, recorded, budget, t_start)
     scored = _score(cfg, trunk, trained.head, recorded)
     manifest = _manifest(cfg, loaded.fingerprint, prompts, recorded, trained, scored, t_start)
-    path = _write_sidecar(out, trained.head, manifest, cfg.overwrite)
+    path = write_sidecar(out, trained.head, manifest, cfg.overwrite)
     return ForgeReport(
         path,
         scored.acceptance,

@@ -140,6 +140,37 @@ class TrainResult:
     step_losses: list[float] = field(default_factory=list)  # last logged cross-entropy per draft step
 
 
+class TrainStep:
+    """One training step of ``head`` at a time (AdamW on the unrolled chain's weighted loss, the
+    gradient clipped to norm 1, ``cfg``'s schedule over ``total`` steps): `train_head`'s loop body,
+    and the server's background trainer's, which must stop between steps."""
+
+    def __init__(
+        self, cfg: Any, trunk: Trunk, head: Any, data: ForgeData, train_ids: np.ndarray | None, total: int
+    ):
+        self.cfg, self.trunk, self.head, self.data = cfg, trunk, head, data
+        self.obj = Objective.build(trunk, train_ids)
+        head.freeze(keys=[])  # every head parameter trains; the trunk is not part of the head's tree
+        self.opt = optim.AdamW(learning_rate=lr_schedule(cfg, total), weight_decay=cfg.weight_decay)
+
+        def loss_fn(batch: Batch) -> tuple[mx.array, list[mx.array]]:
+            losses = unrolled_step_losses(head, self.obj.rows_matrix, self.obj.shared_proj, batch, cfg.depth)
+            return weighted_loss(losses, cfg.step_weights), losses
+
+        self.loss_and_grad = nn.value_and_grad(head, loss_fn)
+
+    def __call__(self, step: int) -> tuple[float, list[mx.array]]:
+        """Train on step ``step``'s rows (`batch_rows`); returns (the depth-1 KL, the step losses)."""
+        cfg = self.cfg
+        rows = batch_rows(self.data.num_sequences, cfg.batch_size, step, cfg.seed)
+        batch = make_batch(self.trunk, self.data, rows, cfg.hidden_source, self.obj.in_shared, cfg.depth)
+        (_, losses), grads = self.loss_and_grad(batch)
+        grads, _ = optim.clip_grad_norm(grads, 1.0)
+        self.opt.update(self.head, grads)
+        mx.eval(self.head.parameters(), self.opt.state, losses)
+        return float(losses[0].item()) + batch.entropy, losses
+
+
 def train_head(
     cfg: ForgeConfig,
     trunk: Trunk,
@@ -159,21 +190,14 @@ def train_head(
     """
     total = cfg.steps if steps is None else steps
     end = total if stop_at is None else min(stop_at, total)
-    obj = Objective.build(trunk, train_ids)
-    head.freeze(keys=[])  # every head parameter trains; the trunk is not part of the head's tree
-    opt = optim.AdamW(learning_rate=lr_schedule(cfg, total), weight_decay=cfg.weight_decay)
+    train_step = TrainStep(cfg, trunk, head, data, train_ids, total)
+    opt = train_step.opt
     start = 0
     found = latest_checkpoint(ckpt_dir)
     if found is not None and found[0] <= end:
         opt.init(head.trainable_parameters())
         load_checkpoint(found[1], head, opt)
         start = found[0]
-
-    def loss_fn(batch: Batch) -> tuple[mx.array, list[mx.array]]:
-        losses = unrolled_step_losses(head, obj.rows_matrix, obj.shared_proj, batch, cfg.depth)
-        return weighted_loss(losses, cfg.step_weights), losses
-
-    loss_and_grad = nn.value_and_grad(head, loss_fn)
     result = TrainResult(start, 0.0)
     t0 = time.time()
     from tqdm import tqdm
@@ -182,13 +206,7 @@ def train_head(
     ema = None
     # Ctrl-C leaves the newest periodic checkpoint (written whole); a rerun resumes from it.
     for step in range(start, end):
-        rows = batch_rows(data.num_sequences, cfg.batch_size, step, cfg.seed)
-        batch = make_batch(trunk, data, rows, cfg.hidden_source, obj.in_shared, cfg.depth)
-        (_, losses), grads = loss_and_grad(batch)
-        grads, _ = optim.clip_grad_norm(grads, 1.0)
-        opt.update(head, grads)
-        mx.eval(head.parameters(), opt.state, losses)
-        kl = float(losses[0].item()) + batch.entropy
+        kl, losses = train_step(step)
         ema = kl if ema is None else 0.95 * ema + 0.05 * kl
         if (step + 1) % log_every == 0 or step == start:
             result.losses.append((step + 1, kl))

@@ -110,8 +110,23 @@ def _raise_for(item) -> None:
         raise APIError(500, "internal server error (details in the server log)", type="server_error")
 
 
+LEARN_HEADER = "x-mtplx-learn"  # "0", "false", "no" or "off": keep this request out of the traffic log
+
+
+def learns(request: Request, body) -> bool:
+    """Whether a request goes into `serve --learn`'s traffic log: unless it opts out, by the body's
+    ``"mtplx": {"learn": false}`` or the ``X-Mtplx-Learn: 0`` header."""
+    if request.headers.get(LEARN_HEADER, "").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    options = getattr(body, "mtplx", None)
+    return options is None or options.learn is not False
+
+
 async def respond(request: Request, worker: GenerationWorker, job: Job, settings, fmt: ResponseFormat, body):
     """``job``'s reply in ``fmt``'s API: whole, or streamed when ``body.stream`` (module docstring)."""
+    if worker.learner is not None and learns(request, body):
+        grammar = job.request.grammar
+        job.learn = (grammar.field if grammar is not None else None, bool(getattr(body, "tools", None)))
     try:
         worker.submit(job)
     except QueueFull:

@@ -52,12 +52,22 @@ class Speculative(BaseModel):
         return self
 
 
+class MtplxOptions(BaseModel):
+    """``"mtplx": {...}``, this server's own per-request options: ``learn`` false keeps the request
+    out of the traffic log of ``serve --learn`` (`mtplx.learn`)."""
+
+    model_config = ConfigDict(extra="ignore")
+    learn: StrictBool | None = None
+
+
 class SpeculationFields(BaseModel):
     """Speculation for one request (README, server section), on every route's body: mlx-lm's
-    server spelling (``num_draft_tokens``: drafts per cycle, pinned) and llama-server's object."""
+    server spelling (``num_draft_tokens``: drafts per cycle, pinned) and llama-server's object;
+    and ``mtplx`` (`MtplxOptions`), carried along the same way."""
 
     num_draft_tokens: Annotated[StrictInt, Field(ge=0, le=MAX_DEPTH)] | None = None
     speculative: Speculative | None = None
+    mtplx: MtplxOptions | None = None
 
     @model_validator(mode="after")
     def _one_draft_count(self) -> SpeculationFields:
@@ -100,6 +110,8 @@ class SpeculationFields(BaseModel):
             out["num_draft_tokens"] = self.num_draft_tokens
         if self.speculative is not None:
             out["speculative"] = self.speculative.model_dump(exclude_none=True)
+        if self.mtplx is not None:
+            out["mtplx"] = self.mtplx.model_dump(exclude_none=True)
         return out
 
 

@@ -41,3 +41,7 @@ class ServerSettings:
     prompt_cache_dir: str | None = None
     prompt_cache_disk_bytes: int = 0
     image_dir: Path | None = None  # local image files requests may name (None: data URLs only)
+    learn_dir: str | None = None  # `--learn`: the traffic log and learned heads (`mtplx.learn`); None: off
+    learn_max_bytes: int | None = None  # the traffic log's budget (None: `mtplx.learn.log.DEFAULT_LOG_BYTES`)
+    learn_every: int | None = None  # new requests between learning rounds (None: LearnConfig's)
+    learn_steps: int | None = None  # training steps per round (None: LearnConfig's)

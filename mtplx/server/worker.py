@@ -67,6 +67,10 @@ class Job:
     loop: asyncio.AbstractEventLoop
     chunks: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    # `serve --learn`: (the grammar's field or None, tools offered) when the request is logged, else None.
+    learn: tuple[str | None, bool] | None = None
+    written: dict[int, list[int]] = field(default_factory=dict)  # choice -> its tokens (logged jobs only)
+    finishes: dict[int, str] = field(default_factory=dict)  # choice -> its finish reason
 
     def emit(self, item: Any) -> None:
         try:
@@ -95,8 +99,10 @@ class GenerationWorker:
         prompt_concurrency: int = 8,
         draft_policy: str = "auto",
         prefill_step_size: int = DEFAULT_PREFILL_STEP,
+        learner=None,
     ):
         self.engine = engine
+        self.learner = learner  # `mtplx.learn.serving.Learner` under `serve --learn`, else None
         self.decode_concurrency = decode_concurrency
         self.prompt_concurrency = prompt_concurrency
         self.draft_policy = draft_policy
@@ -110,6 +116,10 @@ class GenerationWorker:
         self._prefilling = 0  # jobs in the batch still prefilling
         self.memory = (0, 0, engine.prompt_cache.max_bytes)  # MLX active bytes, prompt cache bytes, its limit
         self.metrics = ServerMetrics(self, engine.prompt_cache.disk)
+        if learner is not None:
+            from mtplx.learn.serving import LearnCollector
+
+            self.metrics.registry.register(LearnCollector(learner))
 
     def start(self) -> None:
         self._thread.start()
@@ -193,9 +203,13 @@ class GenerationWorker:
         return True
 
     def _before_step(self, scheduler) -> bool:
-        """Queued jobs join (`_take_jobs`; False at stop), then cancelled and late jobs leave."""
+        """Queued jobs join (`_take_jobs`; False at stop), then cancelled and late jobs leave. With
+        nothing in flight or waiting, `serve --learn`'s trainer does one bounded piece of work."""
         if not self._take_jobs(scheduler):
             return False
+        if not self._active and self.learner is not None and self._queue.empty():
+            self.learner.work()
+            return True
         now = time.monotonic()
         for handle, job in list(self._active.items()):
             late = now > job.deadline
@@ -211,8 +225,9 @@ class GenerationWorker:
         """Move queued jobs into the batch (waiting for one when nothing runs); False at stop."""
         capacity = self.decode_concurrency + self.prompt_concurrency
         while len(self._active) < capacity:
+            idle_work = self.learner is not None and self.learner.has_work()
             try:
-                job = self._queue.get(block=not self._active)
+                job = self._queue.get(block=not self._active and not idle_work)
             except queue.Empty:
                 break
             if job is None:
@@ -258,6 +273,13 @@ class GenerationWorker:
 
     def _send(self, job: Job, chunk: GenerationChunk) -> None:
         self.metrics.observe(chunk)  # counts the request when this chunk ends it
+        if job.learn is not None:
+            tokens = job.written.setdefault(chunk.index, [])
+            tokens.extend(chunk.token_ids)
+            if chunk.eos_token is not None:
+                tokens.append(chunk.eos_token)
+            if chunk.finish_reason is not None:
+                job.finishes[chunk.index] = chunk.finish_reason
         job.emit(chunk)
 
     def _choice_done(self, handle: int, failed: bool) -> None:
@@ -272,4 +294,17 @@ class GenerationWorker:
         self._choices_left.pop(handle, None)
         job = self._active.pop(handle, None)
         if job is not None:
+            self._log_finished(job)
             job.emit(Finished())
+
+    def _log_finished(self, job: Job) -> None:
+        """`serve --learn`: a request whose every choice finished goes into the traffic log."""
+        if job.learn is None or self.learner is None or len(job.finishes) < job.request.n:
+            return
+        choices = sorted(job.written)
+        self.learner.record(
+            job.prompt_tokens,
+            [job.written[i] for i in choices],
+            [job.finishes.get(i) for i in choices],
+            *job.learn,
+        )
