@@ -201,7 +201,7 @@ class HeadChain:
                 head_out = self._head(chain_in, draft_tokens[-1][:, None], step)
                 chain_in = head.chain_input(head_out)
             logits = head.logits(head_out, step=step)[:, -1, :]
-            token, q, invalid, sure = self._draw(
+            token, q, invalid, sure = draw_drafts(
                 rows,
                 logits,
                 draft_tokens,
@@ -220,54 +220,57 @@ class HeadChain:
         probs = mx.stack(draft_probs, axis=1) if any_q else None
         return mx.stack(draft_tokens, axis=1), probs, invalid, mx.stack(confidence, axis=1)
 
-    def _draw(
-        self,
-        rows: Sequence[DraftingRow],
-        logits: mx.array,
-        earlier: list[mx.array],
-        uniforms: list[mx.array],
-        allowed: mx.array | None,
-    ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-        """One draft per row from logits [B, V] (masked by ``allowed`` [B, V] after the penalties,
-        the target's order), grouped by the rows' draft sampler: tokens [B], q [B, V], the
-        validity flag, and the head's confidence in each draft [B] (`draft`)."""
-        vocab_size = logits.shape[-1]
-        tokens: list[mx.array | None] = [None] * len(rows)
-        probs: list[mx.array | None] = [None] * len(rows)
-        sure: list[mx.array | None] = [None] * len(rows)
-        invalid = mx.array(0, dtype=mx.int32)
-        for (cfg, greedy, backend), index in groups_by(rows, lambda r: _draft_key(r.spec.settings)).items():
-            sel = mx.array(index, dtype=mx.int32)
-            group_logits = logits[sel]
-            context = self._context(rows, index, earlier) if cfg.has_penalties else None
-            group_logits = masked_draft_logits(
-                sample_ops.constrain_logits(group_logits, cfg, context),
-                None if allowed is None else allowed[sel],
-            )
-            if greedy:
-                group_tokens = mx.argmax(group_logits, axis=-1).astype(mx.int32)
-                group_probs = (mx.arange(vocab_size)[None] == group_tokens[:, None]).astype(mx.float32)
-            else:
-                u = mx.concatenate([uniforms[i] for i in index])
-                drawn = sample_ops.sample(group_logits, cfg, u, backend=backend)
-                group_tokens, group_probs = drawn.tokens.astype(mx.int32), drawn.probs
-                invalid = invalid | drawn.invalid
-            # An argmax draft's q is one-hot: its confidence is the head's plain softmax at it.
-            weights = mx.softmax(logits[sel].astype(mx.float32), axis=-1) if greedy else group_probs
-            group_sure = mx.take_along_axis(weights, group_tokens[:, None], axis=-1)[:, 0]
-            for j, i in enumerate(index):
-                tokens[i] = group_tokens[j : j + 1]
-                probs[i] = group_probs[j : j + 1]
-                sure[i] = group_sure[j : j + 1]
-        return mx.concatenate(tokens), mx.concatenate(probs), invalid, mx.concatenate(sure)
 
-    @staticmethod
-    def _context(rows: Sequence[DraftingRow], index: Sequence[int], earlier: list[mx.array]) -> mx.array:
-        context = sample_ops.left_padded([rows[i].history for i in index])
-        if earlier:
-            sel = mx.array(list(index), dtype=mx.int32)
-            context = mx.concatenate([context, mx.stack(earlier, axis=1)[sel]], axis=1)
-        return context
+def draw_drafts(
+    rows: Sequence[DraftingRow],
+    logits: mx.array,
+    earlier: list[mx.array],
+    uniforms: list[mx.array],
+    allowed: mx.array | None,
+) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """One draft per row from logits [B, V] (masked by ``allowed`` [B, V] after the penalties,
+    the target's order), grouped by the rows' draft sampler: tokens [B], q [B, V], the
+    validity flag, and the drafter's confidence in each draft [B] (q(d) for a sampled draft, the
+    plain softmax at d for an argmax draft). ``earlier``: the drafts before this position [B]
+    each (the penalties' context); ``uniforms[r]``: row r's uniform [1]. Every model drafter
+    draws through this (the head chain, the block drafters)."""
+    vocab_size = logits.shape[-1]
+    tokens: list[mx.array | None] = [None] * len(rows)
+    probs: list[mx.array | None] = [None] * len(rows)
+    sure: list[mx.array | None] = [None] * len(rows)
+    invalid = mx.array(0, dtype=mx.int32)
+    for (cfg, greedy, backend), index in groups_by(rows, lambda r: _draft_key(r.spec.settings)).items():
+        sel = mx.array(index, dtype=mx.int32)
+        group_logits = logits[sel]
+        context = _context(rows, index, earlier) if cfg.has_penalties else None
+        group_logits = masked_draft_logits(
+            sample_ops.constrain_logits(group_logits, cfg, context),
+            None if allowed is None else allowed[sel],
+        )
+        if greedy:
+            group_tokens = mx.argmax(group_logits, axis=-1).astype(mx.int32)
+            group_probs = (mx.arange(vocab_size)[None] == group_tokens[:, None]).astype(mx.float32)
+        else:
+            u = mx.concatenate([uniforms[i] for i in index])
+            drawn = sample_ops.sample(group_logits, cfg, u, backend=backend)
+            group_tokens, group_probs = drawn.tokens.astype(mx.int32), drawn.probs
+            invalid = invalid | drawn.invalid
+        # An argmax draft's q is one-hot: its confidence is the drafter's plain softmax at it.
+        weights = mx.softmax(logits[sel].astype(mx.float32), axis=-1) if greedy else group_probs
+        group_sure = mx.take_along_axis(weights, group_tokens[:, None], axis=-1)[:, 0]
+        for j, i in enumerate(index):
+            tokens[i] = group_tokens[j : j + 1]
+            probs[i] = group_probs[j : j + 1]
+            sure[i] = group_sure[j : j + 1]
+    return mx.concatenate(tokens), mx.concatenate(probs), invalid, mx.concatenate(sure)
+
+
+def _context(rows: Sequence[DraftingRow], index: Sequence[int], earlier: list[mx.array]) -> mx.array:
+    context = sample_ops.left_padded([rows[i].history for i in index])
+    if earlier:
+        sel = mx.array(list(index), dtype=mx.int32)
+        context = mx.concatenate([context, mx.stack(earlier, axis=1)[sel]], axis=1)
+    return context
 
 
 def _draft_key(settings: DecodeSettings) -> tuple[SamplerConfig, bool, str]:

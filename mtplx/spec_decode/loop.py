@@ -64,6 +64,7 @@ from mtplx.spec_decode.block import (
     raise_if_invalid,
     row_positions,
 )
+from mtplx.spec_decode.block_proposer import BlockProposer, drafters_loaded
 from mtplx.spec_decode.constraint import ForcedDrafter, GrammarConstraint
 from mtplx.spec_decode.draft_block import Outcome, Source, groups_by
 from mtplx.spec_decode.draft_model_proposer import DraftModelProposer, ModelDrafter
@@ -107,14 +108,15 @@ class BatchDecoder:
     """Rows decoding together; ``step`` runs one cycle for all of them (the module docstring)."""
 
     def __init__(
-        self, trunk: Trunk, head=None, policy: DraftPolicy | None = None, *, single_row: bool = False
+        self, trunk: Trunk, head=None, policy: DraftPolicy | None = None, *, single_row=False, blocks=None
     ):
         """``policy`` chooses each cycle's draft length for rows without a pinned one; None:
         every row drafts its spec's depth (or its lookup match) every cycle.
 
         ``single_row`` (or a model whose caches do not batch, `check_batch_support`): at most one
         row, on its own caches (`SingleRowCache`, every cache kind rollback supports; the head's
-        too): the same cycle and the same drafters, one row at a time."""
+        too): the same cycle and the same drafters, one row at a time. ``head``: an MTP
+        head or an EAGLE-3 drafter's; ``blocks``: a block drafter (`block_proposer.BlockDrafter`)."""
         self.single_row = single_row or check_batch_support(trunk, head) is not None
         self.trunk = trunk
         self.head = head
@@ -125,6 +127,7 @@ class BatchDecoder:
             self.cache = BatchCache(trunk.make_cache(), trunk.model)
             head_cache = BatchCache(head.make_cache()) if head is not None else None
         self.chain = HeadChain(head, head_cache, self.cache) if head is not None else None
+        self.blocks = BlockProposer(blocks, trunk) if blocks is not None else None
         self.forced, self.lookup, self.model = ForcedDrafter(), LookupDrafter(), ModelDrafter()
         self.rows: list[BatchRow] = []
         self._next_id = 0
@@ -170,8 +173,10 @@ class BatchDecoder:
         constrained AR. A complete grammar ends the row's tokens (`Step.grammar_done`).
         ``proposer``: a draft model row's own draft model state (its source MODEL, and only it).
         """
-        if Source.HEAD in spec.sources and self.chain is None:
-            raise MtplxError("batched decoding: the head drafter needs a decoder with an MTP head")
+        if not drafters_loaded(spec.sources, self.chain, self.blocks):
+            raise MtplxError(
+                f"batched decoding: no {'/'.join(map(str, spec.sources))} drafter in this decoder"
+            )
         if (Source.MODEL in spec.sources) != (proposer is not None):
             raise MtplxError("batched decoding: a draft model row takes its draft model (and only it does)")
         prefix = prefix if prefix is not None else PromptPrefix()
@@ -194,6 +199,7 @@ class BatchDecoder:
             trunk_tap=trunk_tap,
             constraint=constraint,
             proposer=proposer,
+            drafter_cache=self.blocks.row_cache(spec) if self.blocks is not None else None,
         )
 
     def prefill(self, pending: PendingRow, max_tokens: int | None = None) -> bool:
@@ -251,6 +257,7 @@ class BatchDecoder:
             trunk_tap=pending.trunk_tap,
             constraint=constraint,
             proposer=pending.proposer,
+            drafter_cache=pending.drafter_cache,
         )
         if self.chain is not None:
             row.pending_hidden = [trunk_hidden(output, head)[:, :1]]
@@ -270,15 +277,19 @@ class BatchDecoder:
         return self.admit(self.start(prompt_tokens, spec, key, **options))
 
     def _observer(self, pending: PendingRow):
-        """What sees each prefill forward: the row's trunk tap, and the head's own prefill."""
+        """What sees each prefill forward: the row's trunk tap, the head's own prefill and a block
+        drafter's context."""
         head_observer, tap = self._head_observer(pending), pending.trunk_tap
-        if tap is None:
+        block_observer = self.blocks.prefill_observer(pending.drafter_cache) if self.blocks else None
+        if tap is None and block_observer is None:
             return head_observer
 
         def observe(output, start: int, end: int) -> None:
-            if head_observer is not None:
-                head_observer(output, start, end)
-            tap(output)
+            for seen in (head_observer, block_observer):
+                if seen is not None:
+                    seen(output, start, end)
+            if tap is not None:
+                tap(output)
 
         return observe
 
@@ -398,8 +409,9 @@ class BatchDecoder:
             keys,
             [MAX_LOOKUP if row.lookup is not None and not g else 0 for row, g in zip(rows, forced.lengths)],
         )
+        block_offer = None if self.blocks is None else (self.blocks.source, self.blocks.max_drafts)
         caps, offers = row_caps(
-            self.policy, rows, found.lengths, forced.lengths, self.chain is not None, timed
+            self.policy, rows, found.lengths, forced.lengths, self.chain is not None, timed, block_offer
         )
         for i, (row, cap) in enumerate(zip(rows, caps)):
             for part in (forced, found):
@@ -420,6 +432,10 @@ class BatchDecoder:
         if any(model_rows):
             parts.append(self.model.propose(rows, keys, model_rows, found.host_tokens))
             chosen = [len(parts) - 1 if m else c for m, c in zip(model_rows, chosen)]
+        block_part = self.blocks.propose_free(rows, keys, chosen, caps) if self.blocks else None
+        if block_part is not None:
+            parts.append(block_part)
+            chosen = [len(parts) - 1 if n else c for n, c in zip(block_part.lengths, chosen)]
         head_rows = [
             min(row.head_length, cap) if row.uses_head and c is None else 0
             for row, c, cap in zip(rows, chosen, caps)
@@ -543,7 +559,7 @@ class BatchDecoder:
         outcome = Outcome(
             output, verdicts.num_accepted, committed, [block.sources(i) for i in range(len(rows))]
         )
-        for drafter in (self.chain, self.lookup, self.model):  # each follows what its rows committed
+        for drafter in (self.chain, self.lookup, self.model, self.blocks):  # each follows its rows' commits
             if drafter is not None:
                 drafter.commit(rows, outcome)
         steps: dict[int, Step] = {}
