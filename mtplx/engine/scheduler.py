@@ -38,7 +38,7 @@ from mtplx.spec_decode.draft_policy import DraftPolicy
 from mtplx.spec_decode.drafting import row_sources
 from mtplx.spec_decode.loop import BatchDecoder, PendingRow, RowsFailed, RowSpec, TrunkTap
 from mtplx.spec_decode.settings import DEFAULT_PREFILL_STEP
-from mtplx.spec_decode.sources import Source
+from mtplx.spec_decode.sources import BLOCK_SOURCES, Source
 from mtplx.spec_decode.step import PromptPrefix
 from mtplx.trunk.compat import copy_cache
 
@@ -187,8 +187,10 @@ class BatchScheduler:
                 engine.prompt_cache, plan.prompt_tokens, engine.trunk.make_cache(), head_cache, 0
             )
         else:
+            # A block drafter's context is every prompt position's taps: such a row prefills all of it.
+            reuse = not any(source in BLOCK_SOURCES for source in sources)
             session = open_session(
-                engine.prompt_cache, engine.trunk, engine.head, plan.prompt_tokens, with_head
+                engine.prompt_cache, engine.trunk, engine.head, plan.prompt_tokens, with_head, reuse
             )
         pending = decoder.start(
             plan.prompt_tokens,
@@ -231,6 +233,8 @@ class BatchScheduler:
             self.engine.trunk.bind_prompt(fork_pending.trunk_cache, fork_pending.prompt_tokens)
             if pending.head_cache is not None:
                 fork_pending.head_cache = copy_cache(pending.head_cache)
+            if pending.drafter_cache is not None:  # a block drafter's context of the prompt
+                fork_pending.drafter_cache = copy_cache(pending.drafter_cache)
             fork_pending.prefix = PromptPrefix(pending.position)
             fork_pending.position = pending.position
             fork.session.trunk_cache, fork.session.head_cache = (
@@ -283,8 +287,13 @@ class BatchScheduler:
 
     def _decoder_for_engine(self) -> BatchDecoder:
         if self._decoder is None:
+            engine = self.engine
             self._decoder = BatchDecoder(
-                self.engine.trunk, self.engine.head, self.policy, single_row=self.single_row
+                engine.trunk,
+                engine.head,
+                self.policy,
+                single_row=self.single_row,
+                blocks=engine.block_drafter,
             )
         return self._decoder
 

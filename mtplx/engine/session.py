@@ -93,9 +93,13 @@ class CacheSession:
         self.store.insert(self.tokens, size, self.trunk_cache, self.head_cache, copy=False, persist=True)
 
 
-def open_session(store: PromptCache, trunk, head, prompt_tokens: list[int], with_head: bool) -> CacheSession:
-    """The caches a request starts from: the longest reusable prefix in ``store``, else fresh ones."""
-    hit = store.lookup(prompt_tokens, with_head)
+def open_session(
+    store: PromptCache, trunk, head, prompt_tokens: list[int], with_head: bool, reuse: bool = True
+) -> CacheSession:
+    """The caches a request starts from: the longest reusable prefix in ``store``, else (or
+    ``reuse`` False: a block drafter row, whose drafter reads every prompt position's layer taps
+    as it prefills) fresh ones. Either way the request's caches are offered to ``store`` after."""
+    hit = store.lookup(prompt_tokens, with_head) if reuse else None
     if hit is None:
         trunk_cache = trunk.make_cache()
         head_cache = head.make_cache() if with_head else None

@@ -5,9 +5,10 @@
   `test_dflash.py` / `test_dflash2.py`).
 - Greedy drafting with each drafter equals plain AR token for token, with drafts kept, for
   several rows in one batch; the block forward runs once per cycle for all of them (counted).
-- Sampled at t 0.7 and t 1.0 with top-p, the first tokens' joint equals the exact AR joint
-  (float64 enumeration) by chi-square; the planted bug (each draft verified against the q of the
-  next position) is caught with the same samples.
+- Sampled at t 0.7 and t 1.0 with top-p (each drafter), the first tokens' joint equals the exact
+  AR joint (float64 enumeration) by chi-square; a planted bug (the rejected draft committed) is
+  caught with the same samples, and (slow) each draft verified against the q of the next position.
+- Greedy, a batch mixing DFlash, head, lookup, grammar and plain AR rows gives each row its own.
 """
 
 from __future__ import annotations
@@ -145,16 +146,21 @@ def chi_trunk():
     return drafters.tiny_target(0, TARGET_LAYERS, CHI_VOCAB)
 
 
-@pytest.mark.parametrize("temperature", [0.7, 1.0])
-def test_sampled_block_drafting_matches_the_exact_ar_joint(chi_trunk, tmp_path, temperature, monkeypatch):
-    """150 rows in one batch; at t 1.0 the shared planted bug (the rejected draft committed in
-    place of the residual's token) is caught with as many samples."""
+@pytest.mark.parametrize(
+    "kind, temperature",
+    [(Source.DFLASH, 0.7), (Source.DFLASH, 1.0), (Source.DFLASH2, 1.0), (Source.DSPARK, 0.7)],
+)
+def test_sampled_block_drafting_matches_the_exact_ar_joint(
+    chi_trunk, tmp_path, kind, temperature, monkeypatch
+):
+    """150 rows in one batch; with DFlash at t 1.0 the shared planted bug (the rejected draft
+    committed in place of the residual's token) is caught with as many samples."""
     cfg = SamplerConfig(temperature=temperature, top_p=0.9)
-    loaded = load_replica(Source.DFLASH, tmp_path, CHI_VOCAB, seed=5)
+    loaded = load_replica(kind, tmp_path, CHI_VOCAB, seed=5)
     expected = exactness.exact_ar_joint(chi_trunk, cfg, CHI_VOCAB)
     p = exactness.loop_p_value(_first_tokens(chi_trunk, loaded, cfg, 150), expected)
     assert p > exactness.FALSE_FAILURE_RATE, f"t {temperature}: p = {p:.3g}"
-    if temperature == 1.0:
+    if kind is Source.DFLASH and temperature == 1.0:
         exactness.plant_commit_rejected_draft(monkeypatch)
         p_planted = exactness.loop_p_value(_first_tokens(chi_trunk, loaded, cfg, 150), expected)
         assert p_planted < exactness.FALSE_FAILURE_RATE, f"planted bug not caught: p = {p_planted:.3g}"
@@ -175,3 +181,47 @@ def test_a_q_of_the_wrong_position_is_caught(chi_trunk, tmp_path, monkeypatch):
     assert p_planted < exactness.FALSE_FAILURE_RATE, (
         f"q of the wrong position not caught: p = {p_planted:.3g}"
     )
+
+
+def test_a_batch_mixing_block_head_lookup_grammar_and_ar_rows_gives_each_row_its_own(
+    tmp_path, tmp_path_factory
+):
+    """Greedy: DFlash rows (one with a grammar), head rows (one with a grammar), a lookup row and a
+    plain AR row in one batch each give the tokens they give alone; the DFlash rows keep drafts."""
+    from mtplx.engine.grammar import GrammarCompiler
+    from mtplx.engine.grammar_spec import Grammar
+
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+    from support.models import make_loop_pair
+    from support.tokenizer import CHATML_CHARS, chatml_chars
+
+    vocab = 40
+    trunk, head = make_loop_pair(vocab_size=vocab, seed=0, context_strength=6.0, head_noise=2.0)
+    loaded = load_replica(Source.DFLASH, tmp_path, vocab, seed=5, layer_ids=[0, 1], target_layers=2)
+    chars = tmp_path_factory.mktemp("chatml")
+    chatml_chars(chars)
+    compiler = GrammarCompiler(load_tokenizer(chars), vocab)
+    grammar = "start: /[abc]([ab][abcd]){24}/"
+    text = [CHATML_CHARS.index(c) for c in "ab,ab c. abab abab"]
+    plain = RowSpec(DecodeSettings(sampler=GREEDY))
+    block, lookup = (
+        RowSpec(DecodeSettings(sampler=GREEDY), (Source.DFLASH,)),
+        RowSpec(plain.settings, (Source.LOOKUP,)),
+    )
+    heads = RowSpec(DecodeSettings(sampler=GREEDY, depth=2), (Source.HEAD,))
+    rows = [(block, None), (heads, None), (lookup, None), (plain, None), (block, grammar), (heads, grammar)]
+    prompts = [text[i:] for i in range(len(rows))]
+
+    def constraints(chosen):
+        return [compiler.compile(Grammar.lark(g)) if g else None for _, g in chosen]
+
+    n = 14
+    together, accepted = decode_rows(
+        trunk, prompts, [s for s, _ in rows], n, head=head, blocks=loaded, constraints=constraints(rows)
+    )
+    for i, row in enumerate(rows):
+        alone, _ = decode_rows(
+            trunk, prompts[i : i + 1], [row[0]], n, head=head, blocks=loaded, constraints=constraints([row])
+        )
+        assert together[i] == alone[0], f"row {i} ({row[0].sources}, grammar {row[1] is not None})"
+    assert accepted[0] + accepted[4] > 0, "the DFlash rows kept no draft"

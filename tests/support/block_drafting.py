@@ -21,11 +21,17 @@ LAYER_IDS = [0, 2]
 
 
 def load_replica(
-    kind: Source, path: Path, vocab_size: int, seed: int = 3, sharpen: float = 1.0
+    kind: Source,
+    path: Path,
+    vocab_size: int,
+    seed: int = 3,
+    sharpen: float = 1.0,
+    layer_ids: Sequence[int] = LAYER_IDS,
+    target_layers: int = TARGET_LAYERS,
 ) -> BlockDrafter:
-    """A tiny ``kind`` drafter written as published and loaded (float32); ``sharpen`` scales its
-    final norm (DSpark: its Markov term), so its q are sharper (DSpark's far apart by position: a
-    wrong-position q then shows)."""
+    """A tiny ``kind`` drafter of a ``target_layers``-layer trunk tapping ``layer_ids``, written as
+    published and loaded (float32); ``sharpen`` scales its final norm (DSpark: its Markov term),
+    so its q are sharper (DSpark's far apart by position: a wrong-position q then shows)."""
     from mtplx.drafters.dflash import load_dflash
     from mtplx.drafters.dflash2 import load_dflash2
     from mtplx.drafters.dspark import load_dspark
@@ -35,7 +41,7 @@ def load_replica(
         Source.DFLASH2: (drafters.dflash2_config, drafters.dflash2_tensors, load_dflash2),
         Source.DSPARK: (drafters.dspark_config, drafters.dspark_tensors, load_dspark),
     }[kind]
-    config = make[0](vocab_size, LAYER_IDS, TARGET_LAYERS)
+    config = make[0](vocab_size, list(layer_ids), target_layers)
     tensors = make[1](config, seed=seed)
     # DSpark's q differ by position through the Markov term (the token before each draft).
     sharpened = "markov_head.markov_w2.weight" if kind is Source.DSPARK else "norm.weight"
