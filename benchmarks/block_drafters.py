@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 import mtplx  # noqa: E402, F401  (BLAS before mlx)
+from mtplx.bench.runners import ban_bias  # noqa: E402
 from mtplx.drafters.discovery import BlockCandidate, load_block_drafter  # noqa: E402
 from mtplx.engine.engine import Engine  # noqa: E402
 from mtplx.io import atomic_write  # noqa: E402
@@ -54,7 +55,8 @@ def replica(engine: Engine, kind: Source, root: Path) -> BlockDrafter:
 
 
 def run(engine: Engine, draft: str, prompt: str, tokens: int) -> dict:
-    stats = engine.generate(prompt, max_tokens=tokens, temperature=0.0, draft=draft).stats
+    bias = ban_bias(engine.tokenizer)  # EOS banned: every run decodes ``tokens``
+    stats = engine.generate(prompt, max_tokens=tokens, temperature=0.0, draft=draft, logit_bias=bias).stats
     return {
         "tau": stats.tokens_per_cycle,
         "tps": stats.decode_tokens_per_sec,

@@ -12,7 +12,7 @@ The rules, in order:
    loaded; else the MTP head when asked for, or under "auto" when there is one, unless `mtplx
    tune` found plain AR fastest on this machine (the engine's depth is 0) and the request names
    no depth. Under "auto" with both a block drafter and a head (Qwen3.8-27B's DFlash2 and MTP),
-   the head drafts the cycles the block drafter does not (its cap 0).
+   the block drafter drafts (its whole block in one forward); ``draft="head"`` picks the head.
 3. depth: the request's, else the engine's (tuned, else the head's default), else the head's
    own default when tuning chose AR but a drafter was asked for explicitly. A draft model drafts
    the request's depth or `DEFAULT_DEPTH`: the head's tuning says nothing about it.
@@ -31,7 +31,7 @@ The rules, in order:
 | auto  | none          | lookup                            |
 | auto  | model         | lookup, model (continues a short match) |
 | model | model         | model                             |
-| auto  | block (+ head) | lookup, block (, head)           |
+| auto  | block         | lookup, block                     |
 | dflash / dflash2 / dspark | block | block                  |
 
 Exactness never depends on these choices (any proposer is exact, `proposer.py`); speed does.
@@ -73,7 +73,6 @@ class DrafterChoice:
     model_drafter: Source | None  # HEAD, MODEL, a block source or None: the model drafter behind kind
     depth: int  # the head's drafts per cycle (and the depth stats report)
     model_depth: int  # a draft model's drafts per cycle
-    head_after: bool = False  # "auto" with a block drafter and a head: the head drafts after it
 
     @property
     def speculative(self) -> bool:
@@ -96,12 +95,11 @@ def choose_drafter(
     """
     kind, asked_depth = DrafterKind(drafting.kind), drafting.depth
     auto = kind is DrafterKind.AUTO
-    head_wanted = auto and has_head and not (asked_depth is None and not engine_depth)
     if kind is DrafterKind.MODEL or (auto and has_draft_model):
         model_drafter = Source.MODEL
     elif kind.value in (s.value for s in BLOCK_SOURCES) or (auto and block is not None):
         model_drafter = Source(kind.value) if not auto else block
-    elif kind is DrafterKind.HEAD or head_wanted:
+    elif kind is DrafterKind.HEAD or (auto and has_head and not (asked_depth is None and not engine_depth)):
         model_drafter = Source.HEAD
     else:
         model_drafter = None
@@ -110,7 +108,6 @@ def choose_drafter(
         model_drafter=model_drafter,
         depth=asked_depth if asked_depth is not None else (engine_depth or head_depth),
         model_depth=asked_depth if asked_depth is not None else DEFAULT_DEPTH,
-        head_after=head_wanted and model_drafter in BLOCK_SOURCES,
     )
 
 
@@ -146,7 +143,6 @@ def row_sources(choice: DrafterChoice) -> tuple[Source, ...]:
     if kind is DrafterKind.LOOKUP:
         return (Source.LOOKUP,)
     model = () if choice.model_drafter is None else (Source(choice.model_drafter),)
-    model += (Source.HEAD,) if choice.head_after else ()
     return ((Source.LOOKUP,) if kind is DrafterKind.AUTO else ()) + model
 
 

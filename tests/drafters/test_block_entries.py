@@ -133,3 +133,58 @@ def test_serve_drafts_with_it_for_the_openai_client(family, tmp_path):
             client.completions.create(
                 model="m", prompt="w1", max_tokens=2, extra_body={"speculative": {"drafter": "dspark"}}
             )
+
+
+@pytest.mark.parametrize(
+    "kind, has_head, has_model, engine_depth, sources",
+    [
+        ("auto", True, False, 3, (Source.LOOKUP, Source.DFLASH)),
+        ("auto", False, False, 0, (Source.LOOKUP, Source.DFLASH)),
+        ("auto", True, True, 3, (Source.LOOKUP, Source.MODEL)),
+        ("head", True, False, 3, (Source.HEAD,)),
+        ("dflash", True, False, 3, (Source.DFLASH,)),
+        ("lookup", True, False, 3, (Source.LOOKUP,)),
+    ],
+)
+def test_the_drafting_rules_resolve_a_loaded_block_drafter(kind, has_head, has_model, engine_depth, sources):
+    """`drafting.choose_drafter` with a DFlash drafter loaded (the table in drafting.py)."""
+    from mtplx.spec_decode.drafting import choose_drafter, row_sources
+    from mtplx.spec_decode.settings import Drafting
+
+    choice = choose_drafter(
+        Drafting(kind),
+        has_head=has_head,
+        has_draft_model=has_model,
+        engine_depth=engine_depth,
+        head_depth=3,
+        block=Source.DFLASH,
+    )
+    assert row_sources(choice) == sources
+
+
+def test_choices_forked_from_one_prefill_keep_the_drafters_context(engine, monkeypatch):
+    """n = 3 greedy choices: each is the single-choice run token for token, and each joins the
+    block drafter holding the whole prompt as context (the forks start from a copy of choice 0's
+    drafter context: they forward only the prompt's last token themselves)."""
+    from mtplx.spec_decode.block_proposer import BlockProposer
+
+    joined = []
+    members = BlockProposer._members
+
+    def recorded(self, rows):
+        index = members(self, rows)
+        joined.append(list(self.cache[0].lengths))
+        return index
+
+    monkeypatch.setattr(BlockProposer, "_members", recorded)
+    scheduler = engine.batch(max_rows=4, draft_policy="fixed")
+    handle = scheduler.submit(PROMPT, replace(greedy(draft="dflash"), n=3))
+    tokens = {}
+    while not scheduler.idle:
+        for result in scheduler.step():
+            assert result.error is None and result.handle == handle, result.error
+            tokens.setdefault(result.choice, []).extend(result.chunk.token_ids)
+    assert max(len(rows) for rows in joined) == 3, joined
+    assert all(n >= len(PROMPT) for rows in joined for n in rows), joined
+    alone = engine.generate(PROMPT, greedy(draft="dflash"))
+    assert [tokens[c] for c in range(3)] == [alone.token_ids] * 3
