@@ -225,3 +225,37 @@ def test_a_batch_mixing_block_head_lookup_grammar_and_ar_rows_gives_each_row_its
         )
         assert together[i] == alone[0], f"row {i} ({row[0].sources}, grammar {row[1] is not None})"
     assert accepted[0] + accepted[4] > 0, "the DFlash rows kept no draft"
+
+
+def test_dspark_confidence_cuts_an_adaptive_rows_block(trunk, tmp_path, monkeypatch):
+    """An adaptive row (threshold 0.5) drafts up to and including the first position DSpark's
+    confidence head is unsure of, cycle by cycle; greedy output stays AR's."""
+    from mtplx.spec_decode.loop import BatchDecoder
+
+    loaded = load_replica(Source.DSPARK, tmp_path, VOCAB, seed=KEPT[Source.DSPARK])
+    seen = []
+    propose = BlockProposer.propose
+
+    def recorded(self, rows, keys, most):
+        block = propose(self, rows, keys, most)
+        seen.append(np.array(block.confidence[0, : block.lengths[0]]).tolist())
+        return block
+
+    monkeypatch.setattr(BlockProposer, "propose", recorded)
+    threshold = 0.5
+    spec = RowSpec(DecodeSettings(sampler=GREEDY, adaptive_threshold=threshold), (Source.DSPARK,))
+    decoder = BatchDecoder(trunk, blocks=loaded)
+    row_id, first = decoder.join(PROMPTS[1], spec, mx.random.key(0))
+    tokens, drafted = list(first.tokens), []
+    while len(tokens) < 16:
+        step = decoder.step()[row_id]
+        tokens += step.tokens
+        drafted.append(step.num_drafted)
+    expected = []
+    for sure in seen:
+        unsure = [j for j, s in enumerate(sure[:-1]) if s < threshold]
+        expected.append(unsure[0] + 1 if unsure else len(sure))
+    assert drafted == expected, (drafted, seen)
+    assert min(expected) < loaded.drafter.dspark.proposal_length, "no block was cut: the test needs one"
+    ar, _ = decode_rows(trunk, PROMPTS[1:2], [RowSpec(DecodeSettings(sampler=GREEDY))], len(tokens))
+    assert tokens == ar[0]
