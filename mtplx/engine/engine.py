@@ -157,9 +157,7 @@ class Engine:
         )
         engine.adapter_path = Path(adapter_path) if adapter_path is not None else None
         attach_declared(engine.trunk, loaded.path, loaded.config)  # a vision-language checkpoint's tower
-        head, draft_model = engine._load_block_drafter(
-            head, draft_model, mtp is not False and not distributed
-        )
+        head, draft_model = engine._load_block_drafter(head, draft_model, mtp is not False, bool(distributed))
         if mtp is not False:  # mtp=False: plain AR; no head is looked for, so a misfit one cannot fail
             engine.head = find_head(
                 loaded, engine.trunk, model=model, head=head, dtype=dtype, required=bool(mtp)
@@ -215,12 +213,12 @@ class Engine:
         )
         self.prompt_cache.disk = DiskTier(directory, max_bytes, identity)
 
-    def _load_block_drafter(self, head, draft_model, search: bool) -> tuple:
+    def _load_block_drafter(self, head, draft_model, search: bool, sharded: bool) -> tuple:
         """A DFlash / DFlash2 / DSpark drafter named by ``head`` or ``draft_model`` (a directory;
-        then it is neither), else (``search``) a fitting one beside the model, found by name then
-        checked by config (`mtplx.drafters.discovery`); a named misfit is a one-line error naming
-        the field, a named EAGLE-3 drafter too (it loads but does not draft yet). Returns the
-        (head, draft_model) still to load."""
+        then it is neither), else (``search``, not ``sharded``) a fitting one beside the model,
+        found by name then checked by config (`mtplx.drafters.discovery`); a named misfit is a
+        one-line error naming the field, a named EAGLE-3 drafter too (it loads but does not draft
+        yet), and so is one named for a sharded engine. Returns the (head, draft_model) still to load."""
         from mtplx.drafters import discovery
         from mtplx.spec_decode.block_proposer import BlockDrafter
         from mtplx.spec_decode.sources import Source
@@ -228,8 +226,10 @@ class Engine:
         named = [g for g in (head, draft_model) if discovery.read_block_drafter_config(g) is not None]
         model_path = Path(self.model_path or ".")
         found = discovery.find_block_drafter(model_path, named[0] if named else None, self.config)
-        if found is None or (not named and not (search and discovery.drafts(found))):
+        if found is None or (not named and not (search and not sharded and discovery.drafts(found))):
             return head, draft_model
+        if sharded:
+            raise MtplxError(f"{found.path}: block drafters are not supported on a sharded engine")
         if not discovery.drafts(found):
             discovery.refuse_block_drafter(found)
         drafter = discovery.load_block_drafter(found)
