@@ -117,12 +117,16 @@ def test_greedy_block_drafting_equals_ar_with_one_block_forward_per_cycle(trunk,
 CHI_VOCAB = 8  # the joint of the first 3 tokens has 512 cells
 
 
-def _first_tokens(trunk, loaded, cfg: SamplerConfig, samples: int) -> np.ndarray:
-    """The first tokens of ``samples`` rows (seeds 0..), decoded together in one batch."""
-    spec = RowSpec(DecodeSettings(sampler=cfg), (loaded.source,))
+def _first_tokens(trunk, loaded, cfg: SamplerConfig, samples: int, mixed: bool = False) -> np.ndarray:
+    """The first tokens of ``samples`` rows (seeds 0..), decoded together in one batch; ``mixed``:
+    the rows take turns drafting with the block drafter, with lookup then it, and not at all
+    (every row's law is plain AR's whatever drafts for it)."""
+    settings = DecodeSettings(sampler=cfg)
+    kinds = [(loaded.source,), (Source.LOOKUP, loaded.source), ()] if mixed else [(loaded.source,)]
+    specs = [RowSpec(settings, kinds[i % len(kinds)]) for i in range(samples)]
     prompts = [exactness.PROMPT] * samples
     tokens, accepted = decode_rows(
-        trunk, prompts, [spec] * samples, exactness.NUM_OUTPUT_TOKENS, seeds=range(samples), blocks=loaded
+        trunk, prompts, specs, exactness.NUM_OUTPUT_TOKENS, seeds=range(samples), blocks=loaded
     )
     assert sum(accepted) > samples // 10, "too few drafts kept to test their verification"
     counts = np.zeros([CHI_VOCAB] * exactness.NUM_OUTPUT_TOKENS, dtype=np.int64)
@@ -147,18 +151,24 @@ def chi_trunk():
 
 
 @pytest.mark.parametrize(
-    "kind, temperature",
-    [(Source.DFLASH, 0.7), (Source.DFLASH, 1.0), (Source.DFLASH2, 1.0), (Source.DSPARK, 0.7)],
+    "kind, temperature, mixed",
+    [
+        (Source.DFLASH, 0.7, True),
+        (Source.DFLASH, 1.0, False),
+        (Source.DFLASH2, 1.0, False),
+        (Source.DSPARK, 0.7, False),
+    ],
 )
 def test_sampled_block_drafting_matches_the_exact_ar_joint(
-    chi_trunk, tmp_path, kind, temperature, monkeypatch
+    chi_trunk, tmp_path, kind, temperature, mixed, monkeypatch
 ):
-    """150 rows in one batch; with DFlash at t 1.0 the shared planted bug (the rejected draft
-    committed in place of the residual's token) is caught with as many samples."""
+    """150 rows in one batch (``mixed``: a third each block, lookup-then-block and plain AR rows);
+    with DFlash at t 1.0 the shared planted bug (the rejected draft committed in place of the
+    residual's token) is caught with as many samples."""
     cfg = SamplerConfig(temperature=temperature, top_p=0.9)
     loaded = load_replica(kind, tmp_path, CHI_VOCAB, seed=5)
     expected = exactness.exact_ar_joint(chi_trunk, cfg, CHI_VOCAB)
-    p = exactness.loop_p_value(_first_tokens(chi_trunk, loaded, cfg, 150), expected)
+    p = exactness.loop_p_value(_first_tokens(chi_trunk, loaded, cfg, 150, mixed), expected)
     assert p > exactness.FALSE_FAILURE_RATE, f"t {temperature}: p = {p:.3g}"
     if kind is Source.DFLASH and temperature == 1.0:
         exactness.plant_commit_rejected_draft(monkeypatch)
