@@ -62,8 +62,8 @@ PLANTS_DFLASH: tuple[Plant, ...] = (
         (
             (
                 _DFLASH,
-                "start = cache.offset + context.shape[1]",
-                "start = cache.offset + context.shape[1] - 1",
+                "start = cache.offset + new  #",
+                "start = cache.offset + new - 1  #",
             ),
         ),
     ),

@@ -90,7 +90,7 @@ def run_benchmark(
         raise MtplxError(f"warmup_tokens: must be >= 0, got {warmup_tokens}")
     depths = parse_depths(list(depths))
     drafts = parse_drafts(list(drafts))
-    if any(d != DrafterKind.LOOKUP for d in drafts):  # lookup alone needs no head
+    if any(d in (DrafterKind.HEAD, DrafterKind.AUTO) for d in drafts):  # lookup, block drafters: no head
         check_depths_servable(engine, depths)
     prompts = list(prompts) if prompts is not None else load_prompts()
     if not prompts:

@@ -23,7 +23,10 @@ from mtplx.sample.params import Setting
 from mtplx.spec_decode.settings import MAX_DEPTH
 from mtplx.spec_decode.sources import DrafterKind
 
-DRAFTS = ("head", "lookup", "auto")  # the drafters a sweep can compare (`mtplx.spec_decode`)
+# The drafters a sweep can compare (`mtplx.spec_decode`); a block drafter's needs the model
+# loaded with one (beside it, or --head DIR).
+BLOCK_DRAFTS = ("dflash", "dflash2", "dspark")
+DRAFTS = ("head", "lookup", "auto", *BLOCK_DRAFTS)
 DEFAULT_DEPTHS = (1, 2, 3, 4)
 DEFAULT_TEMPS = (0.0, 0.7)
 DEFAULT_TOP_P = 0.95
@@ -38,14 +41,14 @@ class Variant:
 
     mode: str  # "stock" | "ar" | "mtp" (speculative)
     depth: int = 0
-    draft: str = "head"  # the drafter of an "mtp" variant: "head" | "lookup" | "auto"
+    draft: str = "head"  # the drafter of an "mtp" variant: one of DRAFTS
     threshold: float = 0.0  # > 0: adaptive head drafting, up to ``depth``, with this threshold
 
     @property
     def name(self) -> str:
         if self.mode == "mtp":
-            if self.draft == DrafterKind.LOOKUP:
-                return "mtplx lookup"
+            if self.draft == DrafterKind.LOOKUP or self.draft in BLOCK_DRAFTS:
+                return f"mtplx {self.draft}"
             adaptive = f" adaptive {self.threshold:g}" if self.threshold > 0 else ""
             return f"mtplx {'MTP' if self.draft == DrafterKind.HEAD else self.draft} d={self.depth}{adaptive}"
         return "mlx-lm stock" if self.mode == "stock" else "mtplx AR"
@@ -201,12 +204,13 @@ def make_variants(
     drafts: Sequence[str] = ("head",),
     thresholds: Sequence[float] = (),
 ) -> list[Variant]:
-    """Stock, AR, then per drafter: the head and auto at each depth, lookup once (no depth);
-    with ``thresholds``, adaptive head drafting up to the largest depth, one per threshold."""
+    """Stock, AR, then per drafter: the head and auto at each depth, lookup and a block drafter
+    once each (no depth: lookup's match, the block drafter's trained block, cut by the cost
+    model); with ``thresholds``, adaptive head drafting up to the largest depth, one per threshold."""
     speculative = []
     for draft in drafts:
-        if draft == DrafterKind.LOOKUP:
-            speculative.append(Variant("mtp", 0, "lookup"))
+        if draft == DrafterKind.LOOKUP or draft in BLOCK_DRAFTS:
+            speculative.append(Variant("mtp", 0, str(draft)))
         else:
             speculative += [Variant("mtp", d, draft) for d in depths]
     if depths:

@@ -139,9 +139,8 @@ def format_inspection(info: dict[str, Any]) -> str:
     block = info.get("block_drafter")
     if block:
         state = "fits" if block["fits"] else f"does not fit: {block['problem']}"
-        lines.append(
-            f"block drafter {block['layout']} {block['path']} ({block['why']}; {state}; {block['note']})"
-        )
+        state += "; drafts" if block["drafts"] else f"; {block['note'] or 'does not draft'}"
+        lines.append(f"block drafter {block['layout']} {block['path']} ({block['why']}; {state})")
     if info.get("vision"):
         lines.append(_vision_line(info["vision"]))
     lines.append(f"verdict       {info['verdict']}: {info['reason']}")

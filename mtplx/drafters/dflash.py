@@ -57,20 +57,56 @@ class DFlashAttention(nn.Module):
     def _heads(self, x: mx.array, n: int) -> mx.array:
         return x.reshape(x.shape[0], x.shape[1], n, -1).transpose(0, 2, 1, 3)
 
-    def __call__(self, x: mx.array, context: mx.array, rope: nn.RoPE, cache: KVCache) -> mx.array:
+    def context_kv(self, context: mx.array, rope: nn.RoPE, offset) -> tuple[mx.array, mx.array]:
+        """The context's keys (roped from ``offset``) and values, as the cache holds them."""
+        keys = rope(self.k_norm(self._heads(self.k_proj(context), self.n_kv_heads)), offset=offset)
+        return keys, self._heads(self.v_proj(context), self.n_kv_heads)
+
+    def __call__(
+        self, x: mx.array, context: mx.array, rope: nn.RoPE, cache: KVCache, counts: list[int] | None = None
+    ) -> mx.array:
+        """``counts`` (a batch on a `RaggedKVCache`): row r's new context is its first counts[r]
+        positions (the rest padding); None: all of ``context`` (one row's KVCache)."""
         batch, length, _ = x.shape
-        start = cache.offset + context.shape[1]  # the block's first position
+        new = context.shape[1] if counts is None else mx.array(counts, dtype=mx.int32)
+        start = cache.offset + new  # the block's first position
         queries = rope(self.q_norm(self._heads(self.q_proj(x), self.n_heads)), offset=start)
-        ctx_keys = rope(self.k_norm(self._heads(self.k_proj(context), self.n_kv_heads)), offset=cache.offset)
-        ctx_values = self._heads(self.v_proj(context), self.n_kv_heads)
         block_keys = rope(self.k_norm(self._heads(self.k_proj(x), self.n_kv_heads)), offset=start)
         block_values = self._heads(self.v_proj(x), self.n_kv_heads)
-        keys, values = cache.update_and_fetch(ctx_keys, ctx_values)
+        mask = "causal" if self.is_causal else None  # causal within the block, all of the context seen
+        if counts is None:
+            keys, values = cache.update_and_fetch(*self.context_kv(context, rope, cache.offset))
+        else:
+            ends = [n + c for n, c in zip(cache.lengths, counts)]
+            new_kv = self.context_kv(context, rope, cache.offset) if context.shape[1] else None
+            keys, values = _ragged_context(cache, new_kv, ends)
+            mask = _ragged_mask(mask == "causal", keys.shape[2], ends, length)
         keys = mx.concatenate([keys, block_keys], axis=2)
         values = mx.concatenate([values, block_values], axis=2)
-        mask = "causal" if self.is_causal else None  # causal within the block, all of the context seen
         out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
+
+
+def _ragged_context(cache, context_kv: tuple | None, ends: list[int]) -> tuple[mx.array, mx.array]:
+    """A batch's new context K/V (None: none this time) written at each row's length (a
+    `RaggedKVCache`), each row then holding its context up to ``ends[r]``; the rows' K/V buffers
+    up to the longest."""
+    if context_kv is not None:
+        cache.update_and_fetch(*context_kv)
+    cache.set_lengths(ends)
+    width = max(ends)
+    return cache.keys[: len(ends), :, :width], cache.values[: len(ends), :, :width]
+
+
+def _ragged_mask(causal: bool, width: int, ends: list[int], length: int) -> mx.array:
+    """bool [B, 1, L, width + L]: row r sees its context (positions < ends[r]) and the block (all
+    of it, or up to each query when the block is causal)."""
+    rows = len(ends)
+    context = mx.arange(width)[None, :] < mx.array(ends, dtype=mx.int32)[:, None]  # [B, width]
+    context = mx.broadcast_to(context[:, None, None, :], (rows, 1, length, width))
+    block = mx.ones((length, length), dtype=mx.bool_)
+    block = mx.broadcast_to((mx.tril(block) if causal else block)[None, None], (rows, 1, length, length))
+    return mx.concatenate([context, block], axis=-1)
 
 
 class DFlashMLP(nn.Module):
@@ -92,8 +128,10 @@ class DFlashLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
 
-    def __call__(self, h: mx.array, context: mx.array, rope: nn.RoPE, cache: KVCache) -> mx.array:
-        h = h + self.self_attn(self.input_layernorm(h), context, rope, cache)
+    def __call__(
+        self, h: mx.array, context: mx.array, rope: nn.RoPE, cache: KVCache, counts: list[int] | None = None
+    ) -> mx.array:
+        h = h + self.self_attn(self.input_layernorm(h), context, rope, cache, counts)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -126,16 +164,31 @@ class DFlashDrafter(nn.Module):
         masks = mx.full((last_tokens.shape[0], block_size - 1), self.spec.mask_token_id, dtype=mx.int32)
         return mx.concatenate([last_tokens.astype(mx.int32)[:, None], masks], axis=1)
 
+    def context(self, target_hidden: Sequence[mx.array]) -> mx.array:
+        """The projected context [B, S, H] of the layer taps (one [B, S, Ht] per ``target_layer_ids``)."""
+        context = self.hidden_norm(self.fc(mx.concatenate(list(target_hidden), axis=-1)))
+        return context
+
+    def extend_context(self, target_hidden: Sequence[mx.array], cache: list[KVCache]) -> None:
+        """Append the context K/V of these taps to one row's ``cache`` without drafting (a prefill)."""
+        context = self.context(target_hidden)
+        for layer, layer_cache in zip(self.layers, cache):
+            layer_cache.update_and_fetch(*layer.self_attn.context_kv(context, self._rope, layer_cache.offset))
+
     def hidden(
-        self, block_embeds: mx.array, target_hidden: Sequence[mx.array], cache: list[KVCache]
+        self,
+        block_embeds: mx.array,
+        target_hidden: Sequence[mx.array],
+        cache: list[KVCache],
+        counts: list[int] | None = None,
     ) -> mx.array:
         """The drafter's final hidden [B, L, H] for the embedded block, given the new context's
         layer taps (one [B, S, H] per ``target_layer_ids``, in that order); appends the context's
-        K/V to ``cache``."""
-        context = self.hidden_norm(self.fc(mx.concatenate(list(target_hidden), axis=-1)))
+        K/V to ``cache`` (a batch's `RaggedKVCache` with ``counts``: row r's first counts[r])."""
+        context = self.context(target_hidden)
         h = block_embeds
         for layer, layer_cache in zip(self.layers, cache):
-            h = layer(h, context, self._rope, layer_cache)
+            h = layer(h, context, self._rope, layer_cache, counts)
         return self.norm(h)
 
     def logits(self, hidden: mx.array, lm_head: Callable[[mx.array], mx.array]) -> mx.array:
@@ -152,13 +205,14 @@ def dflash_block_logits(
     embed: Callable[[mx.array], mx.array],
     lm_head: Callable[[mx.array], mx.array],
     embed_scale: float = 1.0,
+    counts: list[int] | None = None,
 ) -> mx.array:
     """Logits [B, L, V] at every block position (position j >= 1 drafts the block's j-th token):
     a pure function of (the layer taps of the new context, the token block, the drafter's cache).
     ``embed`` / ``lm_head`` are the trunk's (`Trunk.embed`, `Trunk.lm_head`) unless the
-    checkpoint ships its own."""
+    checkpoint ships its own; ``counts``: `DFlashDrafter.hidden`'s."""
     embedding = drafter.embed_tokens if "embed_tokens" in drafter else embed
-    h = drafter.hidden(embedding(block) * embed_scale, target_hidden, cache)
+    h = drafter.hidden(embedding(block) * embed_scale, target_hidden, cache, counts)
     return drafter.logits(h, lm_head)
 
 

@@ -80,9 +80,11 @@ class DFlash2Layer(DFlashLayer):
         self.attention_conv = DynamicConv(size, spec.conv_kernel_size, spec.conv_group_size)
         self.mlp_conv = DynamicConv(size, spec.conv_kernel_size, spec.conv_group_size)
 
-    def __call__(self, h: mx.array, context: mx.array, rope: nn.RoPE, cache: KVCache) -> mx.array:
+    def __call__(
+        self, h: mx.array, context: mx.array, rope: nn.RoPE, cache: KVCache, counts: list[int] | None = None
+    ) -> mx.array:
         x, kernel = self.attention_conv.prepare(self.input_layernorm(h))
-        h = h + self.attention_conv.finish(self.self_attn(x, context, rope, cache), kernel)
+        h = h + self.attention_conv.finish(self.self_attn(x, context, rope, cache, counts), kernel)
         x, kernel = self.mlp_conv.prepare(self.post_attention_layernorm(h))
         return h + self.mlp_conv.finish(self.mlp(x), kernel)
 
@@ -112,11 +114,13 @@ def dflash2_block(
     embed: Callable[[mx.array], mx.array],
     lm_head: Callable[[mx.array], mx.array],
     embed_scale: float = 1.0,
+    counts: list[int] | None = None,
 ) -> tuple[mx.array, mx.array]:
-    """The drafts' hidden [B, P, H] and logits [B, P, V] of one block ``[anchor, mask x P]``."""
+    """The drafts' hidden [B, P, H] and logits [B, P, V] of one block ``[anchor, mask x P]``
+    (``counts``: `DFlashDrafter.hidden`'s)."""
     embedding = drafter.embed_tokens if "embed_tokens" in drafter else embed
     hidden = drafter.hidden(
-        embedding(block) * embed_scale * drafter.dflash2.input_embedding_scale, target_hidden, cache
+        embedding(block) * embed_scale * drafter.dflash2.input_embedding_scale, target_hidden, cache, counts
     )
     hidden = hidden[:, 1:]
     logits = (

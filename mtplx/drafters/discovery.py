@@ -7,7 +7,8 @@ Names (the publishers' own): ``<target stem>-DFlash[-b16]``, ``-DFlash2``, ``-DS
 `split_drafter.target_stems` does). A named drafter that does not fit is reported with the field.
 
 Block drafters load and are checked here (``mtplx inspect`` reports which one a model would use
-and why); they do not draft yet: the proposers land with the batch-first drafter contract.
+and why). DFlash, DFlash2 and DSpark draft (`mtplx.spec_decode.block_proposer`, loaded by
+`Engine.load`); EAGLE-3 drafters load and are checked but do not draft yet.
 Standard library only, except ``load_block_drafter`` (MLX, on demand).
 """
 
@@ -39,7 +40,8 @@ OWN_DSPARK = (
     "Gemma4DSparkModel",
 )  # the layouts whose loaders and references have landed
 _NAME = re.compile(r"(?i)^[-_](dflash2|dflash|dspark|eagle-?3)([-_].*)?$")
-NOT_DRAFTING = "block drafters load but do not draft yet (the proposers land with the drafter contract)"
+DRAFTING = ("dflash", "dflash2", "dspark")  # the layouts that draft (`spec_decode.sources.BLOCK_SOURCES`)
+NOT_DRAFTING = "EAGLE-3 drafters load but do not draft yet (their chain proposer has not landed)"
 
 
 def read_block_drafter_config(path: str | Path | None) -> dict | None:
@@ -112,9 +114,14 @@ class BlockCandidate:
             "why": self.why,
             "fits": self.problem is None,
             "problem": self.problem,
-            "drafts": False,
-            "note": NOT_DRAFTING,
+            "drafts": drafts(self),
+            "note": None if drafts(self) else NOT_DRAFTING,
         }
+
+
+def drafts(candidate: BlockCandidate) -> bool:
+    """Whether a candidate drafts when loaded (it fits, and its layout has a proposer)."""
+    return candidate.problem is None and candidate.layout in DRAFTING
 
 
 def find_block_drafter(
@@ -182,7 +189,8 @@ def describe_drafter_dir(path: Path, config: dict) -> dict[str, Any]:
         problem = None
     except MtplxError as err:
         problem = str(err)
-    return facts | {"problem": problem, "verdict": "block drafter", "reason": problem or NOT_DRAFTING}
+    reason = problem or (NOT_DRAFTING if layout not in DRAFTING else "drafts beside a target that fits it")
+    return facts | {"problem": problem, "verdict": "block drafter", "reason": reason}
 
 
 def load_block_drafter(candidate: BlockCandidate) -> Any:
@@ -210,8 +218,8 @@ def load_block_drafter(candidate: BlockCandidate) -> Any:
 
 
 def refuse_block_drafter(candidate: BlockCandidate) -> None:
-    """What ``--head`` / ``--draft-model`` naming a block drafter does today: load it (so a misfit
-    is reported by its field), then a one-line error that it does not draft yet."""
+    """What ``--head`` / ``--draft-model`` naming a drafter that does not draft (EAGLE-3) does:
+    load it (so a misfit is reported by its field), then a one-line error that it does not draft yet."""
     load_block_drafter(candidate)
     raise MtplxError(
         f"{candidate.path}: a {LAYOUT_NAMES[candidate.layout]} drafter that fits this model; {NOT_DRAFTING}"

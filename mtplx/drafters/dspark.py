@@ -66,11 +66,13 @@ def dspark_base(
     embed: Callable[[mx.array], mx.array],
     lm_head: Callable[[mx.array], mx.array],
     embed_scale: float = 1.0,
+    counts: list[int] | None = None,
 ) -> tuple[mx.array, mx.array]:
     """The drafts' hidden states [B, P, H] and base logits [B, P, V] of one block forward (a pure
-    function of the layer taps of the new context, the block and the drafter's cache)."""
+    function of the layer taps of the new context, the block and the drafter's cache; ``counts``:
+    `DFlashDrafter.hidden`'s)."""
     embedding = drafter.embed_tokens if "embed_tokens" in drafter else embed
-    hidden = drafter.hidden(embedding(block) * embed_scale, target_hidden, cache)
+    hidden = drafter.hidden(embedding(block) * embed_scale, target_hidden, cache, counts)
     if not drafter.dspark.sample_from_anchor:
         hidden = hidden[:, 1:]
     return hidden, drafter.logits(hidden, lm_head)

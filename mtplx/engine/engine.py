@@ -91,6 +91,7 @@ class Engine:
         self.verify_backend = verify_backend
         self.draft_model = draft_model  # a separate mlx-lm model with the same tokenizer, or None
         self.draft_vocab_size = draft_vocab_size  # the real vocabulary both share (q = 0 past it)
+        self.block_drafter = None  # a DFlash / DFlash2 / DSpark drafter (`block_proposer.BlockDrafter`)
         self.adaptive_threshold = adaptive_threshold  # used when adaptive drafting is asked for
         self.distributed = None  # a mtplx.engine.distributed.Distributed once sharded
         self._warned_depth = False  # the deeper-than-trained warning is printed once per engine
@@ -156,6 +157,7 @@ class Engine:
         )
         engine.adapter_path = Path(adapter_path) if adapter_path is not None else None
         attach_declared(engine.trunk, loaded.path, loaded.config)  # a vision-language checkpoint's tower
+        head, draft_model = engine._load_block_drafter(head, draft_model, mtp is not False, bool(distributed))
         if mtp is not False:  # mtp=False: plain AR; no head is looked for, so a misfit one cannot fail
             engine.head = find_head(
                 loaded, engine.trunk, model=model, head=head, dtype=dtype, required=bool(mtp)
@@ -210,6 +212,29 @@ class Engine:
             kv=kv,
         )
         self.prompt_cache.disk = DiskTier(directory, max_bytes, identity)
+
+    def _load_block_drafter(self, head, draft_model, search: bool, sharded: bool) -> tuple:
+        """A DFlash / DFlash2 / DSpark drafter named by ``head`` or ``draft_model`` (a directory;
+        then it is neither), else (``search``, not ``sharded``) a fitting one beside the model,
+        found by name then checked by config (`mtplx.drafters.discovery`); a named misfit is a
+        one-line error naming the field, a named EAGLE-3 drafter too (it loads but does not draft
+        yet), and so is one named for a sharded engine. Returns the (head, draft_model) still to load."""
+        from mtplx.drafters import discovery
+        from mtplx.spec_decode.block_proposer import BlockDrafter
+        from mtplx.spec_decode.sources import Source
+
+        named = [g for g in (head, draft_model) if discovery.read_block_drafter_config(g) is not None]
+        model_path = Path(self.model_path or ".")
+        found = discovery.find_block_drafter(model_path, named[0] if named else None, self.config)
+        if found is None or (not named and not (search and not sharded and discovery.drafts(found))):
+            return head, draft_model
+        if sharded:
+            raise MtplxError(f"{found.path}: block drafters are not supported on a sharded engine")
+        if not discovery.drafts(found):
+            discovery.refuse_block_drafter(found)
+        drafter = discovery.load_block_drafter(found)
+        self.block_drafter = BlockDrafter(drafter, Source(found.layout))
+        return (None if head in named else head), (None if draft_model in named else draft_model)
 
     def _load_draft_model(self, path: str | Path) -> None:
         from mtplx.checkpoints import load as loading
@@ -319,8 +344,12 @@ class Engine:
 
     def _choose_drafter(self, request: GenerationRequest) -> DrafterChoice:
         """The request's drafter, refused with a one-line error when this engine cannot serve it."""
+        block = self.block_drafter.source if self.block_drafter is not None else None
         refusal = drafter_refusal(
-            request.drafting, has_head=self.head is not None, has_draft_model=self.draft_model is not None
+            request.drafting,
+            has_head=self.head is not None,
+            has_draft_model=self.draft_model is not None,
+            block=block,
         )
         if refusal is not None:
             raise MtplxError(refusal or missing_head_message(self.config))
@@ -330,6 +359,7 @@ class Engine:
             has_draft_model=self.draft_model is not None,
             engine_depth=self.depth or 0,
             head_depth=head_depth(self.head),
+            block=block,
         )
         if choice.model_drafter is Source.HEAD:
             self._warn_if_deeper_than_trained(choice.depth)

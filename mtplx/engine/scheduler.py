@@ -39,7 +39,7 @@ from mtplx.spec_decode.draft_policy import DraftPolicy
 from mtplx.spec_decode.drafting import row_sources
 from mtplx.spec_decode.loop import BatchDecoder, PendingRow, RowsFailed, RowSpec, TrunkTap
 from mtplx.spec_decode.settings import DEFAULT_PREFILL_STEP
-from mtplx.spec_decode.sources import Source
+from mtplx.spec_decode.sources import BLOCK_SOURCES, Source
 from mtplx.spec_decode.step import PromptPrefix
 from mtplx.trunk.compat import copy_cache
 
@@ -187,8 +187,10 @@ class BatchScheduler:
             head_cache = engine.head.make_cache() if with_head else None
             session = CacheSession(engine.prompt_cache, plan.prompt_tokens, trunk_cache, head_cache, 0)
         else:
+            # A block drafter's context is every prompt position's taps: such a row prefills all of it.
+            reuse = not any(source in BLOCK_SOURCES for source in sources)
             session, trunk_cache, head_cache = open_session(
-                engine.prompt_cache, engine.trunk, engine.head, plan.prompt_tokens, with_head
+                engine.prompt_cache, engine.trunk, engine.head, plan.prompt_tokens, with_head, reuse
             )
         pending = decoder.start(
             plan.prompt_tokens,
@@ -229,6 +231,8 @@ class BatchScheduler:
         for fork in job.forks:
             head_cache = copy_cache(pending.head_cache) if pending.head_cache is not None else None
             self._start_from(fork, copy_cache(pending.trunk_cache), head_cache, pending.position)
+            if pending.drafter_cache is not None:  # a block drafter's context of the prompt
+                fork.pending.drafter_cache = copy_cache(pending.drafter_cache)
             fork.waits = False
         job.forks = []
 
@@ -289,8 +293,13 @@ class BatchScheduler:
 
     def _decoder_for_engine(self) -> BatchDecoder:
         if self._decoder is None:
+            engine = self.engine
             self._decoder = BatchDecoder(
-                self.engine.trunk, self.engine.head, self.policy, single_row=self.single_row
+                engine.trunk,
+                engine.head,
+                self.policy,
+                single_row=self.single_row,
+                blocks=engine.block_drafter,
             )
         return self._decoder
 
@@ -354,7 +363,10 @@ class BatchScheduler:
         """Before ``job`` forwards its first prompt token: start it from the prompt cache's caches
         if they give more now than when it was planned. Requests prefilled since then are in the
         store (`CacheSession.store_prompt`), so concurrent requests with a common prefix (an
-        agent's parallel calls over one conversation) forward it once."""
+        agent's parallel calls over one conversation) forward it once. A block drafter's row
+        never does: its drafter reads every prompt position's layer taps as it prefills."""
+        if job.pending.drafter_cache is not None:
+            return
         hit = job.session.better_prefix(job.pending.prefix.start)
         if hit is not None:
             self._start_from(job, hit.trunk_cache, hit.head_cache, hit.start)

@@ -108,11 +108,12 @@ class CacheSession:
 
 
 def open_session(
-    store: PromptCache, trunk, head, prompt_tokens: list[int], with_head: bool
+    store: PromptCache, trunk, head, prompt_tokens: list[int], with_head: bool, reuse: bool = True
 ) -> tuple[CacheSession, list, list | None]:
-    """The caches a request starts from (the longest reusable prefix in ``store``, else fresh
-    ones) and its session: (session, trunk cache, head cache or None)."""
-    hit = store.lookup(prompt_tokens, with_head)
+    """The caches a request starts from (the longest reusable prefix in ``store``, else, or with
+    ``reuse`` False, fresh ones: a block drafter row, whose drafter reads every prompt position's
+    layer taps as it prefills) and its session: (session, trunk cache, head cache or None)."""
+    hit = store.lookup(prompt_tokens, with_head) if reuse else None
     if hit is None:
         trunk_cache = trunk.make_cache()
         head_cache = head.make_cache() if with_head else None

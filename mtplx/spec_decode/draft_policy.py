@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from mtplx.spec_decode.settings import MAX_DEPTH
-from mtplx.spec_decode.sources import Source
+from mtplx.spec_decode.sources import BLOCK_SOURCES, Source
 
 __all__ = [
     "DRAFT_POLICIES",
@@ -193,6 +193,7 @@ def drafter_records() -> dict[str, RowAcceptance]:
         Source.HEAD: RowAcceptance(),
         Source.LOOKUP: RowAcceptance(LOOKUP_PRIOR_ACCEPTANCE),
         Source.GRAMMAR: RowAcceptance(FORCED_PRIOR_ACCEPTANCE),
+        **{source: RowAcceptance() for source in BLOCK_SOURCES},
     }
 
 
@@ -353,6 +354,7 @@ def row_caps(
     forced: Sequence[int],
     has_chain: bool,
     timed: bool,
+    block: tuple[Source, int] | None = None,
 ) -> tuple[list[int], list[DraftOffer | None]]:
     """Each batch row's most drafts this cycle, whatever proposes them
     (`mtplx.spec_decode.rows.BatchRow`s, the lengths of their lookup matches ``found`` and of their
@@ -362,7 +364,8 @@ def row_caps(
     each row offered the policy (None: nothing, or no policy; a draft model row offers nothing:
     its drafts are not the policy's). Forced tokens are offered like any drafts (record
     "grammar", kept nearly always), so they widen the block only where the cost model says the
-    extra positions pay. ``has_chain``: the head chain drafts."""
+    extra positions pay. ``has_chain``: the head chain drafts; ``block``: the block drafter's
+    source and its most drafts (its trained block size, the ceiling of what it offers)."""
     unlimited = MAX_DEPTH + 64
     asked = [r.spec.max_drafts for r in rows]
     if policy is None:
@@ -376,6 +379,8 @@ def row_caps(
             offers.append(DraftOffer(row.acceptance[Source.GRAMMAR], g))
         elif f:
             offers.append(DraftOffer(row.acceptance[Source.LOOKUP], f))
+        elif block is not None and block[0] in row.spec.sources:
+            offers.append(DraftOffer(row.acceptance[block[0]], block[1]))
         elif has_chain and row.uses_head:
             offers.append(DraftOffer(row.acceptance[Source.HEAD], row.head_length))
         else:

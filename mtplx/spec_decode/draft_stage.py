@@ -9,7 +9,8 @@ resolved per request by `drafting`), first match wins:
   - a prompt-lookup match on the host (`lookup_proposer.LookupDrafter`), for a grammar row cut to
     its legal prefix (exact for point masses);
   - a draft model on the row's own cache (`draft_model_proposer.ModelDrafter`, continuing a
-    shorter lookup match), or the MTP head chain, one head forward per depth for every row
+    shorter lookup match), a block drafter (`block_proposer.BlockProposer`: DFlash, DFlash2,
+    DSpark; one block forward for all its rows), or the MTP head chain, one head forward per depth for every row
     (`head_chain.HeadChain`; under a grammar its first draft from its masked distribution);
 
 each cut to the row's cap (`draft_policy.row_caps`: the draft policy's K, or its own count).
@@ -21,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from mtplx.spec_decode.block import Block, CycleKeys
+from mtplx.spec_decode.block_proposer import BlockProposer
 from mtplx.spec_decode.constraint import ForcedDrafter
 from mtplx.spec_decode.draft_block import DraftBlock, Outcome
 from mtplx.spec_decode.draft_model_proposer import ModelDrafter
@@ -40,12 +42,12 @@ MAX_LOOKUP = 64
 
 
 class Drafters:
-    """The cycle's drafters, in priority order: grammar-forced, lookup, draft model, head chain
-    (``chain``: None without an MTP head)."""
+    """The cycle's drafters, in priority order: grammar-forced, lookup, draft model, block drafter,
+    head chain (``chain``: None without an MTP head; ``blocks``: None without a block drafter)."""
 
-    def __init__(self, chain: HeadChain | None):
+    def __init__(self, chain: HeadChain | None, blocks: BlockProposer | None = None):
         self.forced, self.lookup, self.model = ForcedDrafter(), LookupDrafter(), ModelDrafter()
-        self.chain = chain
+        self.chain, self.blocks = chain, blocks
 
     def draft(
         self, rows: Sequence[BatchRow], keys: Sequence[CycleKeys], policy: DraftPolicy | None, timed: bool
@@ -63,7 +65,10 @@ class Drafters:
             keys,
             [MAX_LOOKUP if row.lookup is not None and not g else 0 for row, g in zip(rows, forced.lengths)],
         )
-        caps, offers = row_caps(policy, rows, found.lengths, forced.lengths, self.chain is not None, timed)
+        block_offer = None if self.blocks is None else (self.blocks.source, self.blocks.max_drafts)
+        caps, offers = row_caps(
+            policy, rows, found.lengths, forced.lengths, self.chain is not None, timed, block_offer
+        )
         _cut_host_drafts(rows, caps, forced, found)
         parts = [forced, found]
         chosen = [0 if g else (1 if f else None) for g, f in zip(forced.lengths, found.lengths)]
@@ -74,6 +79,10 @@ class Drafters:
         if any(model_rows):
             parts.append(self.model.propose(rows, keys, model_rows, found.host_tokens))
             chosen = [len(parts) - 1 if m else c for m, c in zip(model_rows, chosen)]
+        block_part = self.blocks.propose_free(rows, keys, chosen, caps) if self.blocks else None
+        if block_part is not None:
+            parts.append(block_part)
+            chosen = [len(parts) - 1 if n else c for n, c in zip(block_part.lengths, chosen)]
         head_rows = [
             min(row.head_length, cap) if row.uses_head and c is None else 0
             for row, c, cap in zip(rows, chosen, caps)
@@ -95,8 +104,8 @@ class Drafters:
 
     def commit(self, rows: Sequence[BatchRow], outcome: Outcome) -> None:
         """Each drafter follows what its rows committed: the head its true pairs, lookup its block
-        length, a draft model rolls back."""
-        for drafter in (self.chain, self.lookup, self.model):
+        length, a draft model rolls back, a block drafter its context."""
+        for drafter in (self.chain, self.lookup, self.model, self.blocks):
             if drafter is not None:
                 drafter.commit(rows, outcome)
 

@@ -8,15 +8,19 @@ The rules, in order:
 1. kind: the request's `Drafting.kind` ("auto" unless asked); the engine has already refused a
    kind it cannot serve (no head, no draft model).
 2. model drafter: the draft model when asked for, or under "auto" when one is loaded; else the
-   MTP head when asked for, or under "auto" when there is one, unless `mtplx tune` found plain AR
-   fastest on this machine (the engine's depth is 0) and the request names no depth.
+   block drafter (DFlash, DFlash2, DSpark) when asked for by its name, or under "auto" when one is
+   loaded; else the MTP head when asked for, or under "auto" when there is one, unless `mtplx
+   tune` found plain AR fastest on this machine (the engine's depth is 0) and the request names
+   no depth. Under "auto" with both a block drafter and a head (Qwen3.8-27B's DFlash2 and MTP),
+   the block drafter drafts (its whole block in one forward); ``draft="head"`` picks the head.
 3. depth: the request's, else the engine's (tuned, else the head's default), else the head's
    own default when tuning chose AR but a drafter was asked for explicitly. A draft model drafts
    the request's depth or `DEFAULT_DEPTH`: the head's tuning says nothing about it.
 4. the cycle's drafters for the row in priority order (`row_sources`, the table below), the same
    in a batch and on a single-row decoder (a stream): the head chain (`head_chain.HeadChain`),
-   lookup on the host, a draft model on the row's own cache (`build_proposer`). A grammar row's
-   forced tokens come before any of them.
+   lookup on the host, a draft model on the row's own cache (`build_proposer`), a block drafter
+   (`block_proposer.BlockProposer`, one block forward per cycle for all its rows). A grammar
+   row's forced tokens come before any of them.
 
 | kind  | model drafter | sources (first match wins)        |
 |-------|---------------|-----------------------------------|
@@ -27,6 +31,8 @@ The rules, in order:
 | auto  | none          | lookup                            |
 | auto  | model         | lookup, model (continues a short match) |
 | model | model         | model                             |
+| auto  | block         | lookup, block                     |
+| dflash / dflash2 / dspark | block | block                  |
 
 Exactness never depends on these choices (any proposer is exact, `proposer.py`); speed does.
 """
@@ -37,7 +43,7 @@ from dataclasses import dataclass
 
 from mtplx.spec_decode.draft_model_proposer import DraftModelProposer
 from mtplx.spec_decode.settings import DecodeSettings, Drafting
-from mtplx.spec_decode.sources import DrafterKind, Source
+from mtplx.spec_decode.sources import BLOCK_SOURCES, DrafterKind, Source
 
 __all__ = [
     "DEFAULT_ADAPTIVE_THRESHOLD",
@@ -64,7 +70,7 @@ def head_depth(head) -> int:
 @dataclass(frozen=True)
 class DrafterChoice:
     kind: DrafterKind  # the drafter asked for
-    model_drafter: Source | None  # Source.HEAD | Source.MODEL | None: the model drafter behind kind
+    model_drafter: Source | None  # HEAD, MODEL, a block source or None: the model drafter behind kind
     depth: int  # the head's drafts per cycle (and the depth stats report)
     model_depth: int  # a draft model's drafts per cycle
 
@@ -74,17 +80,25 @@ class DrafterChoice:
 
 
 def choose_drafter(
-    drafting: Drafting, *, has_head: bool, has_draft_model: bool, engine_depth: int, head_depth: int
+    drafting: Drafting,
+    *,
+    has_head: bool,
+    has_draft_model: bool,
+    engine_depth: int,
+    head_depth: int,
+    block: Source | None = None,
 ) -> DrafterChoice:
     """The drafter and depths for one request (the module docstring's rules).
 
     ``engine_depth`` is the engine's default depth (0: tuning found plain AR fastest);
-    ``head_depth`` the head's own default.
+    ``head_depth`` the head's own default; ``block`` the loaded block drafter's source, if any.
     """
     kind, asked_depth = DrafterKind(drafting.kind), drafting.depth
     auto = kind is DrafterKind.AUTO
     if kind is DrafterKind.MODEL or (auto and has_draft_model):
         model_drafter = Source.MODEL
+    elif kind.value in (s.value for s in BLOCK_SOURCES) or (auto and block is not None):
+        model_drafter = Source(kind.value) if not auto else block
     elif kind is DrafterKind.HEAD or (auto and has_head and not (asked_depth is None and not engine_depth)):
         model_drafter = Source.HEAD
     else:
@@ -97,9 +111,12 @@ def choose_drafter(
     )
 
 
-def drafter_refusal(drafting: Drafting, *, has_head: bool, has_draft_model: bool) -> str | None:
+def drafter_refusal(
+    drafting: Drafting, *, has_head: bool, has_draft_model: bool, block: Source | None = None
+) -> str | None:
     """Why this engine cannot serve the drafter a request names, one line naming the request's
-    field (`Drafting.field`); "" for a missing head (the engine words that one); None if it can."""
+    field (`Drafting.field`); "" for a missing head (the engine words that one); None if it can.
+    ``block``: the loaded block drafter's source, if any."""
     kind = DrafterKind(drafting.kind)
     if kind is DrafterKind.HEAD and not has_head:
         return ""
@@ -107,6 +124,12 @@ def drafter_refusal(drafting: Drafting, *, has_head: bool, has_draft_model: bool
         return (
             f"{drafting.field}: 'model' needs a draft model and none is loaded "
             "(start with --draft-model PATH; Engine.load(draft_model=...))"
+        )
+    if kind.value in (s.value for s in BLOCK_SOURCES) and (block is None or block.value != kind.value):
+        loaded = f"this engine loaded a {block} drafter" if block is not None else "none is loaded"
+        return (
+            f"{drafting.field}: {kind.value!r} needs a {kind.value} block drafter and {loaded} "
+            "(start with --head DIR naming it, or place it beside the model)"
         )
     return None
 

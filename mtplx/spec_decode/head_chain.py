@@ -198,7 +198,7 @@ class HeadChain:
                 head_out = self._head(chain_in, draft_tokens[-1][:, None], step)
                 chain_in = head.chain_input(head_out)
             logits = head.logits(head_out, step=step)[:, -1, :]
-            token, q, invalid, sure = self._draw(
+            token, q, invalid, sure = draw_drafts(
                 rows,
                 logits,
                 draft_tokens,
@@ -217,45 +217,48 @@ class HeadChain:
         probs = mx.stack(draft_probs, axis=1) if any_q else None
         return mx.stack(draft_tokens, axis=1), probs, invalid, mx.stack(confidence, axis=1)
 
-    def _draw(
-        self,
-        rows: Sequence[DraftingRow],
-        logits: mx.array,
-        earlier: list[mx.array],
-        uniforms: list[mx.array],
-        allowed: mx.array | None,
-    ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-        """One draft per row from logits [B, V] (masked by ``allowed`` [B, V] after the penalties,
-        the target's order), grouped by the rows' `TargetSampler`: tokens [B], q [B, V], the
-        validity flag, and the head's confidence in each draft [B] (`draft`)."""
-        vocab_size = logits.shape[-1]
-        tokens: list[mx.array | None] = [None] * len(rows)
-        probs: list[mx.array | None] = [None] * len(rows)
-        sure: list[mx.array | None] = [None] * len(rows)
-        invalid = mx.array(0, dtype=mx.int32)
-        for sampler, index in groups_by(rows, lambda r: r.spec.sampler).items():
-            sel = mx.array(index, dtype=mx.int32)
-            context = self._context(rows, index, earlier) if sampler.cfg.has_penalties else None
-            u = mx.concatenate([uniforms[i] for i in index])
-            drawn = sampler.draft(logits[sel], context, u, None if allowed is None else allowed[sel])
-            group_tokens, group_probs = drawn.tokens, drawn.q
-            if group_probs is None:  # argmax drafts: q one-hot, the confidence the head's plain softmax
-                group_probs = (mx.arange(vocab_size)[None] == group_tokens[:, None]).astype(mx.float32)
-                weights = mx.softmax(logits[sel].astype(mx.float32), axis=-1)
-            else:
-                weights = group_probs
-                invalid = invalid | drawn.invalid
-            group_sure = mx.take_along_axis(weights, group_tokens[:, None], axis=-1)[:, 0]
-            for j, i in enumerate(index):
-                tokens[i] = group_tokens[j : j + 1]
-                probs[i] = group_probs[j : j + 1]
-                sure[i] = group_sure[j : j + 1]
-        return mx.concatenate(tokens), mx.concatenate(probs), invalid, mx.concatenate(sure)
 
-    @staticmethod
-    def _context(rows: Sequence[DraftingRow], index: Sequence[int], earlier: list[mx.array]) -> mx.array:
-        context = sample_ops.left_padded([rows[i].history for i in index])
-        if earlier:
-            sel = mx.array(list(index), dtype=mx.int32)
-            context = mx.concatenate([context, mx.stack(earlier, axis=1)[sel]], axis=1)
-        return context
+def draw_drafts(
+    rows: Sequence[DraftingRow],
+    logits: mx.array,
+    earlier: list[mx.array],
+    uniforms: list[mx.array],
+    allowed: mx.array | None,
+) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """One draft per row from logits [B, V] (masked by ``allowed`` [B, V] after the penalties,
+    the target's order), grouped by the rows' `TargetSampler` (`draft`): tokens [B], q [B, V],
+    the validity flag, and the drafter's confidence in each draft [B] (q(d) for a sampled draft,
+    the plain softmax at d for an argmax draft). ``earlier``: the drafts before this position [B]
+    each (the penalties' context); ``uniforms[r]``: row r's uniform [1]. Every model drafter
+    draws through this (the head chain, the block drafters)."""
+    vocab_size = logits.shape[-1]
+    tokens: list[mx.array | None] = [None] * len(rows)
+    probs: list[mx.array | None] = [None] * len(rows)
+    sure: list[mx.array | None] = [None] * len(rows)
+    invalid = mx.array(0, dtype=mx.int32)
+    for sampler, index in groups_by(rows, lambda r: r.spec.sampler).items():
+        sel = mx.array(index, dtype=mx.int32)
+        context = _context(rows, index, earlier) if sampler.cfg.has_penalties else None
+        u = mx.concatenate([uniforms[i] for i in index])
+        drawn = sampler.draft(logits[sel], context, u, None if allowed is None else allowed[sel])
+        group_tokens, group_probs = drawn.tokens, drawn.q
+        if group_probs is None:  # argmax drafts: q one-hot, the confidence the drafter's plain softmax
+            group_probs = (mx.arange(vocab_size)[None] == group_tokens[:, None]).astype(mx.float32)
+            weights = mx.softmax(logits[sel].astype(mx.float32), axis=-1)
+        else:
+            weights = group_probs
+            invalid = invalid | drawn.invalid
+        group_sure = mx.take_along_axis(weights, group_tokens[:, None], axis=-1)[:, 0]
+        for j, i in enumerate(index):
+            tokens[i] = group_tokens[j : j + 1]
+            probs[i] = group_probs[j : j + 1]
+            sure[i] = group_sure[j : j + 1]
+    return mx.concatenate(tokens), mx.concatenate(probs), invalid, mx.concatenate(sure)
+
+
+def _context(rows: Sequence[DraftingRow], index: Sequence[int], earlier: list[mx.array]) -> mx.array:
+    context = sample_ops.left_padded([rows[i].history for i in index])
+    if earlier:
+        sel = mx.array(list(index), dtype=mx.int32)
+        context = mx.concatenate([context, mx.stack(earlier, axis=1)[sel]], axis=1)
+    return context

@@ -52,6 +52,7 @@ from mtplx.spec_decode.block import (
     raise_if_invalid,
     row_positions,
 )
+from mtplx.spec_decode.block_proposer import BlockProposer, drafters_loaded
 from mtplx.spec_decode.constraint import GrammarConstraint
 from mtplx.spec_decode.draft_block import Outcome, Source
 from mtplx.spec_decode.draft_model_proposer import DraftModelProposer
@@ -90,14 +91,15 @@ class BatchDecoder:
     """Rows decoding together; ``step`` runs one cycle for all of them (the module docstring)."""
 
     def __init__(
-        self, trunk: Trunk, head=None, policy: DraftPolicy | None = None, *, single_row: bool = False
+        self, trunk: Trunk, head=None, policy: DraftPolicy | None = None, *, single_row=False, blocks=None
     ):
         """``policy`` chooses each cycle's draft length for rows without a pinned one; None:
         every row drafts its spec's depth (or its lookup match) every cycle.
 
         ``single_row`` (or a model whose caches do not batch, `check_batch_support`): at most one
         row, on its own caches (`SingleRowCache`, every cache kind rollback supports; the head's
-        too): the same cycle and the same drafters, one row at a time."""
+        too): the same cycle and the same drafters, one row at a time. ``head``: an MTP
+        head or an EAGLE-3 drafter's; ``blocks``: a block drafter (`block_proposer.BlockDrafter`)."""
         self.single_row = single_row or check_batch_support(trunk, head) is not None
         self.trunk = trunk
         self.head = head
@@ -108,7 +110,8 @@ class BatchDecoder:
             self.cache = BatchCache(trunk.make_cache(), trunk.model)
             head_cache = BatchCache(head.make_cache()) if head is not None else None
         self.chain = HeadChain(head, head_cache, self.cache) if head is not None else None
-        self.drafters = Drafters(self.chain)
+        self.blocks = BlockProposer(blocks, trunk) if blocks is not None else None
+        self.drafters = Drafters(self.chain, self.blocks)
         self.rows: list[BatchRow] = []
         self._next_id = 0
         self.policy = policy
@@ -153,8 +156,10 @@ class BatchDecoder:
         constrained AR. A complete grammar ends the row's tokens (`Step.grammar_done`).
         ``proposer``: a draft model row's own draft model state (its source MODEL, and only it).
         """
-        if Source.HEAD in spec.sources and self.chain is None:
-            raise MtplxError("batched decoding: the head drafter needs a decoder with an MTP head")
+        if not drafters_loaded(spec.sources, self.chain, self.blocks):
+            raise MtplxError(
+                f"batched decoding: no {'/'.join(map(str, spec.sources))} drafter in this decoder"
+            )
         if (Source.MODEL in spec.sources) != (proposer is not None):
             raise MtplxError("batched decoding: a draft model row takes its draft model (and only it does)")
         prefix = prefix if prefix is not None else PromptPrefix()
@@ -177,6 +182,7 @@ class BatchDecoder:
             trunk_tap=trunk_tap,
             constraint=constraint,
             proposer=proposer,
+            drafter_cache=self.blocks.row_cache(spec) if self.blocks is not None else None,
         )
 
     def prefill(self, pending: PendingRow, max_tokens: int | None = None) -> bool:
@@ -235,6 +241,7 @@ class BatchDecoder:
             trunk_tap=pending.trunk_tap,
             constraint=constraint,
             proposer=pending.proposer,
+            drafter_cache=pending.drafter_cache,
         )
         if self.chain is not None:
             row.pending_hidden = [trunk_hidden(output, head)[:, :1]]
@@ -254,15 +261,19 @@ class BatchDecoder:
         return self.admit(self.start(prompt_tokens, spec, key, **options))
 
     def _observer(self, pending: PendingRow):
-        """What sees each prefill forward: the row's trunk tap, and the head's own prefill."""
+        """What sees each prefill forward: the row's trunk tap, the head's own prefill and a block
+        drafter's context."""
         head_observer, tap = self._head_observer(pending), pending.trunk_tap
-        if tap is None:
+        block_observer = self.blocks.prefill_observer(pending.drafter_cache) if self.blocks else None
+        if tap is None and block_observer is None:
             return head_observer
 
         def observe(output, start: int, end: int) -> None:
-            if head_observer is not None:
-                head_observer(output, start, end)
-            tap(output)
+            for seen in (head_observer, block_observer):
+                if seen is not None:
+                    seen(output, start, end)
+            if tap is not None:
+                tap(output)
 
         return observe
 

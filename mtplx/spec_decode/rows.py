@@ -65,6 +65,7 @@ class PendingRow:
     trunk_tap: TrunkTap | None = None
     constraint: GrammarConstraint | None = None  # the row's grammar
     proposer: DraftModelProposer | None = None  # a draft model row's own draft model state
+    drafter_cache: list | None = None  # a block drafter row's own context cache while it prefills
 
     def __post_init__(self) -> None:
         if self.position < 0:
@@ -93,6 +94,10 @@ class BatchRow:
     trunk_tap: TrunkTap | None = None
     constraint: GrammarConstraint | None = None  # the row's grammar matcher, at its committed text
     proposer: DraftModelProposer | None = None  # a draft model row's own draft model state
+    # A block drafter row (`block_proposer`): its prefilled context cache until it joins the
+    # drafter's, and the layer taps of the positions it committed since its last block forward.
+    drafter_cache: list | None = None
+    drafter_taps: list[tuple[mx.array, ...]] = field(default_factory=list)
 
     @property
     def pending(self) -> int:

@@ -5,18 +5,22 @@ from __future__ import annotations
 
 from enum import Enum
 
-__all__ = ["DrafterKind", "Source"]
+__all__ = ["BLOCK_SOURCES", "DrafterKind", "Source"]
 
 
 class Source(str, Enum):
     """Where drafts come from; the value names it in stats and acceptance records ("head": the
     model's MTP head chain; "model": a draft model; "lookup": prompt lookup; "grammar": the tokens
-    a grammar forces)."""
+    a grammar forces; "dflash" / "dflash2" / "dspark": a block drafter, one block forward per
+    cycle)."""
 
     GRAMMAR = "grammar"
     LOOKUP = "lookup"
     MODEL = "model"
     HEAD = "head"
+    DFLASH = "dflash"
+    DFLASH2 = "dflash2"
+    DSPARK = "dspark"
 
     def __str__(self) -> str:
         return self.value
@@ -25,13 +29,22 @@ class Source(str, Enum):
 class DrafterKind(str, Enum):
     """The drafter a request asks for (the CLI's --draft, the API's ``draft`` / ``speculative.drafter``):
     "auto" (lookup where the text recurs, else the draft model or the head), "head", "lookup",
-    "model" (a draft model) or "none" (plain AR). `drafting` resolves it into the row's `Source`s."""
+    "model" (a draft model), the block drafter the model was loaded with ("dflash", "dflash2",
+    "dspark") or "none" (plain AR). `drafting` resolves it into the row's `Source`s."""
 
     AUTO = "auto"
     HEAD = "head"
     LOOKUP = "lookup"
     MODEL = "model"
     NONE = "none"
+    DFLASH = "dflash"
+    DFLASH2 = "dflash2"
+    DSPARK = "dspark"
 
     def __str__(self) -> str:
         return self.value
+
+
+# The block drafters that draft (`mtplx.drafters`, `spec_decode.block_proposer`): kind, source and
+# layout share the name. EAGLE-3 drafters load and are checked, but do not draft yet.
+BLOCK_SOURCES = (Source.DFLASH, Source.DFLASH2, Source.DSPARK)

@@ -375,6 +375,10 @@ def test_sweep_compares_drafters_and_reports_per_kind():
     assert table.splitlines()[0].startswith("| kind |") and "drafters" in table.splitlines()[0]
     with pytest.raises(MtplxError, match="drafts"):
         parse_drafts("head,ngram")
+    # A block drafter is one variant, like lookup (its trained block, cut by the cost model).
+    variants = make_variants([1, 2], stock=False, drafts=parse_drafts("head,dflash"))
+    assert [(v.depth, v.draft) for v in variants[1:]] == [(1, "head"), (2, "head"), (0, "dflash")]
+    assert variants[-1].name == "mtplx dflash"
 
 
 def test_interrupted_sweep_writes_nothing(tmp_path):

@@ -1,7 +1,8 @@
 """Finding a block drafter like a split drafter (`mtplx.drafters.discovery`): beside the trunk by
 name then by config, or given with ``--head`` / ``--draft-model``; ``mtplx inspect`` says which
-one and why; a misfit names its field; naming one for drafting is a one-line error (they load but
-do not draft yet) and the CLI exits non-zero without a traceback."""
+one and why and whether it drafts; a misfit names its field in one line and the CLI exits
+non-zero without a traceback; naming a DFlash / DFlash2 / DSpark one loads it to draft (drafting
+itself: `test_block_entries.py`), naming an EAGLE-3 one is a one-line error (it does not draft yet)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from mtplx.drafters.discovery import name_says_drafter
 from mtplx.drafters.layouts import drafter_layout
 from mtplx.engine.engine import Engine
 from mtplx.errors import MtplxError
+from mtplx.spec_decode.sources import Source
 
 import pytest
 from support import checkpoints, drafters, models
@@ -63,9 +65,9 @@ def test_inspect_names_the_drafter_beside_the_model_and_why(family):
     info = inspect_model(str(family["Tiny-Llama-4bit"]))
     block = info["block_drafter"]
     assert block["layout"] == "dflash" and block["fits"] and block["path"] == str(family["drafter"])
-    assert "named Tiny-Llama-DFlash-b16" in block["why"] and block["drafts"] is False
+    assert "named Tiny-Llama-DFlash-b16" in block["why"] and block["drafts"] is True
     text = format_inspection(info)
-    assert f"block drafter dflash {family['drafter']}" in text and "do not draft yet" in text
+    assert f"block drafter dflash {family['drafter']}" in text and "fits; drafts)" in text
     misfit = inspect_model(str(family["Other-4bit"]))["block_drafter"]
     assert not misfit["fits"] and "num_target_layers 3 != the trunk's 2 layers" in misfit["problem"]
     given = inspect_model(str(family["Other-4bit"]), head=str(family["drafter"]))["block_drafter"]
@@ -81,11 +83,10 @@ def test_a_model_without_one_has_none(tmp_path):
 
 
 @pytest.mark.parametrize("how", ["head", "draft_model"])
-def test_naming_a_block_drafter_to_draft_is_a_one_line_error(family, how):
-    with pytest.raises(
-        MtplxError, match="DFlash drafter that fits this model; block drafters load but do not draft yet"
-    ):
-        Engine.load(str(family["Tiny-Llama-4bit"]), **{how: str(family["drafter"])})
+def test_naming_a_block_drafter_loads_it_and_a_misfit_is_a_one_line_error(family, how):
+    engine = Engine.load(str(family["Other-4bit"]), **{how: str(family["drafter"])})
+    assert engine.block_drafter.source is Source.DFLASH
+    assert engine.head is None and engine.draft_model is None
     with pytest.raises(MtplxError, match="does not fit: dflash_config.num_target_layers 3") as err:
         Engine.load(str(family["Tiny-Llama-4bit"]), **{how: str(family["misfit"])})
     assert "\n" not in str(err.value)
@@ -133,14 +134,13 @@ def test_dspark_and_dflash2_drafters_are_found_and_the_own_dspark_layouts_named_
     drafters.write_dflash(tmp_path / "Tiny-DSpark", config, drafters.dspark_tensors(config))
     block = inspect_model(str(target))["block_drafter"]
     assert block["layout"] == "dspark" and block["fits"], block
-    with pytest.raises(MtplxError, match="DSpark drafter that fits this model"):
-        Engine.load(str(target), head=str(tmp_path / "Tiny-DSpark"))
+    assert Engine.load(str(target), head=str(tmp_path / "Tiny-DSpark")).block_drafter.source is Source.DSPARK
     config = drafters.dflash2_config(models.VOCAB, [0, 1], LAYERS)
     drafters.write_dflash(tmp_path / "Tiny-DFlash2", config, drafters.dflash2_tensors(config))
     block = inspect_model(str(target), head=str(tmp_path / "Tiny-DFlash2"))["block_drafter"]
     assert block["layout"] == "dflash2" and block["fits"], block
-    with pytest.raises(MtplxError, match="DFlash2 drafter that fits this model"):
-        Engine.load(str(target), draft_model=str(tmp_path / "Tiny-DFlash2"))
+    named = Engine.load(str(target), draft_model=str(tmp_path / "Tiny-DFlash2"))
+    assert named.block_drafter.source is Source.DFLASH2
     config = {**drafters.dspark_config(models.VOCAB, [0, 1], LAYERS), "model_type": "deepseek_v4_dspark"}
     drafters.write_dflash(tmp_path / "Tiny-DSpark-V4", config, drafters.dspark_tensors(config))
     block = inspect_model(str(target), head=str(tmp_path / "Tiny-DSpark-V4"))["block_drafter"]
@@ -160,4 +160,5 @@ def test_inspect_of_a_drafter_directory_says_what_it_is(tmp_path, layout):
     expected = [0, 1] if layout == "dflash" else "low / middle / high of the target"
     assert info["target_layers"] == expected
     text = format_inspection(info)
-    assert f"layout {layout}" in text and "do not draft yet" in text
+    drafts = "drafts beside a target that fits it" if layout == "dflash" else "do not draft yet"
+    assert f"layout {layout}" in text and drafts in text

@@ -482,14 +482,14 @@ def test_chi_square_catches_a_forced_draft_accepted_where_two_tokens_were_allowe
 def test_chi_square_catches_an_unmasked_q_in_the_acceptance_ratio(compiler, monkeypatch):
     """Negative control (b): drafts sampled from the head's masked distribution, but the q
     verify divides by is the unmasked one."""
-    honest = head_module.HeadChain._draw
+    honest = head_module.draw_drafts
 
-    def unmasked_q(self, rows, logits, earlier, uniforms, allowed):
-        token, _, invalid, sure = honest(self, rows, logits, earlier, uniforms, allowed)
-        _, q_unmasked, _, _ = honest(self, rows, logits, earlier, uniforms, None)
+    def unmasked_q(rows, logits, earlier, uniforms, allowed):
+        token, _, invalid, sure = honest(rows, logits, earlier, uniforms, allowed)
+        _, q_unmasked, _, _ = honest(rows, logits, earlier, uniforms, None)
         return token, q_unmasked, invalid, sure
 
-    monkeypatch.setattr(head_module.HeadChain, "_draw", unmasked_q)
+    monkeypatch.setattr(head_module, "draw_drafts", unmasked_q)
     assert _check_exactness(compiler, depth=1) < FALSE_FAILURE_RATE
 
 

@@ -77,6 +77,8 @@ def chi_square_p_value(counts: np.ndarray, expected_probs: np.ndarray) -> float:
         observed = np.append(observed[~small], observed[small].sum())
     keep = expected > 0
     assert observed[~keep].sum() == 0, "a token sequence with probability 0 was generated"
+    if keep.sum() < 2:  # everything pooled into one cell: no test (chi2.sf would give NaN)
+        return 1.0
     statistic = ((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum()
     return float(scipy_stats.chi2.sf(statistic, keep.sum() - 1))
 
