@@ -43,7 +43,7 @@ class EhProjModule(nn.Module):
         self.final_layernorm = nn.RMSNorm(hidden_size, eps=eps)
 
 
-def _renamed(name: str, renames: tuple[tuple[str, str], ...]) -> str:
+def rename_prefix(name: str, renames: tuple[tuple[str, str], ...]) -> str:
     """``name`` with the first matching ``(from, to)`` prefix replaced (``from`` without its dot
     matches the bare module name too)."""
     for old, new in renames:
@@ -102,14 +102,14 @@ class EhProjHead(ModuleStackHead):
             return name
         prefix = self.module_prefix(int(parts[1]))
         back = tuple((ours, theirs) for theirs, ours in self.renames)
-        return prefix + _renamed(name[len(prefix) :], back)
+        return prefix + rename_prefix(name[len(prefix) :], back)
 
     def _convert_module(self, i: int, tensors: dict[str, mx.array], src: HeadSource) -> dict[str, mx.array]:
         """The family's spellings renamed; the embedding copy, rotary buffers and an LM-head copy
         equal to the trunk's dropped (the trunk's serve); then the block's conversions."""
         out = {}
         for k, v in tensors.items():
-            k = _renamed(k, self.renames)
+            k = rename_prefix(k, self.renames)
             own_head = k.startswith("lm_head.") and not self.has_own_lm_head(i)
             if not (k.startswith("embed_tokens.") or "rotary_emb." in k or own_head):
                 out[k] = v

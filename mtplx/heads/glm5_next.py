@@ -41,6 +41,7 @@ from typing import Any
 from mtplx.errors import MtplxError
 from mtplx.heads.base import HiddenSource, model_args_of, zero_first_position
 from mtplx.heads.deepseek import DeepSeekMTPHead, SplitDeepSeekHead, SplitNames
+from mtplx.heads.eh_proj import rename_prefix
 from mtplx.heads.weights import HeadSource, MissingHeadError
 
 import mlx.core as mx
@@ -102,9 +103,10 @@ class Glm5NextMTPHead(DeepSeekMTPHead):
         return f"{TRUNK_PREFIX}{self.first_layer + i}."
 
     def _convert_module(self, i: int, tensors: dict[str, mx.array], src: HeadSource) -> dict[str, mx.array]:
+        tensors = {rename_prefix(k, self.renames): v for k, v in tensors.items()}  # shared_head.* as ours
+        tensors = {k: v for k, v in tensors.items() if not k.startswith(("embed_tokens.", "lm_head."))}
         own = {k: v for k, v in tensors.items() if k.split(".")[0] in self.own_keys}
         block = {k: v for k, v in tensors.items() if k.split(".")[0] not in self.own_keys}
-        block = {k: v for k, v in block.items() if not k.startswith(("embed_tokens.", "shared_head.head."))}
         return {**own, **drafter_sanitize(model_args_of(src.trunk.model), block)}
 
 
