@@ -285,7 +285,11 @@ CHI_SQUARE_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CHI_SQUARE_CASES))
+# The hybrid case (15 s) runs under `make test-slow`; test_batch keeps a gated-delta chi-square.
+@pytest.mark.parametrize(
+    "case",
+    [pytest.param(c, marks=[pytest.mark.slow] if c.startswith("hybrid") else []) for c in CHI_SQUARE_CASES],
+)
 def test_sampled_distribution_matches_ar_with_every_drafter(case):
     model, kind, cfg, draft_family, draft_vocab = CHI_SQUARE_CASES[case]
     seed0 = int.from_bytes(os.urandom(4), "little")

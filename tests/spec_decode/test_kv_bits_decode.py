@@ -140,8 +140,17 @@ NUM_SAMPLES = 600
 
 @pytest.mark.parametrize(
     "bits,depth,cfg,num_samples",
-    [(4, 2, SamplerConfig(temperature=1.0), 600), (8, 3, SamplerConfig(temperature=0.7, top_p=0.9), 400)],
-    ids=["4bit-d2-t1.0", "8bit-d3-t0.7-topp"],
+    [
+        pytest.param(4, 2, SamplerConfig(temperature=1.0), 600, id="4bit-d2-t1.0"),
+        pytest.param(
+            8,
+            3,
+            SamplerConfig(temperature=0.7, top_p=0.9),
+            400,
+            id="8bit-d3-t0.7-topp",
+            marks=pytest.mark.slow,
+        ),
+    ],
 )
 def test_mtp_sampled_distribution_matches_the_quantized_models_ar(bits, depth, cfg, num_samples):
     plan = KVQuantization(bits, GROUP, 0)
