@@ -123,6 +123,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="bytes of caches kept for prompt reuse across requests (default 2 GiB; 0 turns it off)",
     )
     add_disk_cache_args(parser)
+    _add_batch_args(parser)
+    _add_request_limit_args(parser)
+    _add_learn_args(parser)
+
+
+def _add_batch_args(parser: argparse.ArgumentParser) -> None:
+    """The queue and the batch: how many requests wait, decode and prefill together, and how they draft."""
     parser.add_argument("--max-queue", type=int, default=64, help="requests waiting before 429 (default 64)")
     parser.add_argument(
         "--decode-concurrency",
@@ -151,6 +158,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "batched AR is the floor), 'fixed' drafts every request's depth every cycle, and a prompt-lookup row its whole match, "
         "for tests and benchmarks (default auto)",
     )
+
+
+def _add_request_limit_args(parser: argparse.ArgumentParser) -> None:
+    """What one request may ask for and how long it may take; names, keep-alives, bodies, origins, images."""
     parser.add_argument(
         "--request-timeout", type=float, default=600.0, help="seconds per request (default 600)"
     )
@@ -186,6 +197,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="local image files requests may name (file:// or path) must lie under DIR (default: data URLs only)",
     )
+
+
+def _add_learn_args(parser: argparse.ArgumentParser) -> None:
+    """`--learn DIR` and its round settings (README: Learning from traffic)."""
     parser.add_argument(
         "--learn",
         default=None,
