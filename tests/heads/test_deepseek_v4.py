@@ -32,8 +32,8 @@ from support.exactness import (
     sample_counts,
 )
 from support.models import randomize
-from support.numpy_heads import causal_mask, gqa_attention, read_tensors, rms, silu
-from support.seeds import SEEDS, resolve
+from support.numpy_heads import causal_mask, e2m1_pairs, e4m3, e8m0, gqa_attention, read_tensors, rms, silu
+from support.seeds import FRESH, SEEDS, resolve
 from support.tokenizer import word_level
 from support.vlm_families import DEEPSEEK_V4_HIDDEN, DEEPSEEK_V4_VOCAB, tiny_deepseek_v4
 from support.vlm_families import deepseek_v4 as deepseek_v4_checkpoint
@@ -181,9 +181,9 @@ def block(x: np.ndarray, t: dict, p: str, cfg: dict) -> np.ndarray:
     return x
 
 
-def mtp_logits(t: dict, cfg: dict, streams: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-    """The MTP block at ``mtp.0.`` on (trunk streams [T, hc * H], next token) rows: logits [T, V]."""
-    p, hc, eps = "mtp.0.", cfg["hc_mult"], cfg["rms_norm_eps"]
+def mtp_logits(t: dict, cfg: dict, streams: np.ndarray, tokens: np.ndarray, p: str = "mtp.0.") -> np.ndarray:
+    """The MTP block at ``p`` on (trunk streams [T, hc * H], next token) rows: logits [T, V]."""
+    hc, eps = cfg["hc_mult"], cfg["rms_norm_eps"]
     e = rms(t["embed.weight"][tokens], t[p + "enorm.weight"], eps) @ t[p + "e_proj.weight"].T
     s = rms(streams.reshape(len(tokens), hc, -1), t[p + "hnorm.weight"], eps) @ t[p + "h_proj.weight"].T
     x = block(s + e[:, None], t, p, cfg)
@@ -192,22 +192,62 @@ def mtp_logits(t: dict, cfg: dict, streams: np.ndarray, tokens: np.ndarray) -> n
     return rms((pre[..., None] * x).sum(1), t[p + "norm.weight"], eps) @ t["head.weight"].T
 
 
-@pytest.mark.parametrize("seed", SEEDS)
-def test_head_logits_match_the_float64_reference_at_every_position(random_engine, random_checkpoint, seed):
-    """Fed the trunk streams mlx-vlm's own forward hands its drafter (``return_hidden``)."""
+def _published_streams(checkpoint, tokens: list[int]) -> np.ndarray:
+    """The trunk streams mlx-vlm's own forward hands its drafter (``return_hidden``), [T, hc * H]."""
     from mlx_vlm.utils import load_model
 
+    lm = load_model(checkpoint).language_model
+    streams = lm(mx.array([tokens]), cache=lm.make_cache(), return_hidden=True).hidden_states[0]
+    return np.asarray(streams[0], dtype=np.float64).reshape(len(tokens), -1)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_head_logits_match_the_float64_reference_at_every_position(random_engine, random_checkpoint, seed):
     seed = resolve(seed)
     tokens = np.random.default_rng(seed).integers(0, DEEPSEEK_V4_VOCAB, size=LENGTH + 1).tolist()
     t = read_tensors(random_checkpoint)
     cfg = json.loads((random_checkpoint / "config.json").read_text())
-    lm = load_model(random_checkpoint).language_model
-    streams = lm(mx.array([tokens[:-1]]), cache=lm.make_cache(), return_hidden=True).hidden_states[0]
-    want = mtp_logits(
-        t, cfg, np.asarray(streams[0], dtype=np.float64).reshape(LENGTH, -1), np.array(tokens[1:])
-    )
+    want = mtp_logits(t, cfg, _published_streams(random_checkpoint, tokens[:-1]), np.array(tokens[1:]))
     got, _ = _head_logits(random_engine, tokens)
     assert np.abs(got - want).max() < 1e-4 * np.abs(want).max(), f"seed {seed}"
+
+
+def decoded_fp8_fp4(t: dict[str, np.ndarray], low_first: bool = True) -> dict[str, np.ndarray]:
+    """The published FP8 / FP4 tensors decoded in float64 from their bytes: ``x.weight`` beside an
+    ``x.scale`` is e4m3 with one E8M0 byte per 128 x 128 block, or (half as wide as its scales
+    say) e2m1 pairs with one E8M0 byte per 32 inputs."""
+    out = dict(t)
+    for key in [k for k in t if k.endswith(".scale") and k.removesuffix(".scale") + ".weight" in t]:
+        wkey, scale = key.removesuffix(".scale") + ".weight", e8m0(out.pop(key))
+        if scale.shape[-1] * 16 == t[wkey].shape[-1]:
+            out[wkey] = e2m1_pairs(t[wkey], low_first) * np.repeat(scale, 32, -1)
+        else:
+            m, n = t[wkey].shape
+            out[wkey] = e4m3(t[wkey]) * np.repeat(np.repeat(scale, 128, 0), 128, 1)[:m, :n]
+    return out
+
+
+def test_an_fp8_fp4_head_shipped_as_mtp_1_matches_the_float64_reference_of_its_bytes(tmp_path):
+    """DeepSeek-V4-Flash's naming (the one block under ``mtp.1.``) and its published precisions
+    (FP8 linears with E8M0 block scales, FP4 routed experts): loaded as mxfp8 / mxfp4 layers of
+    the same bytes, the head's logits equal the float64 reference on those bytes decoded in NumPy
+    (control: the FP4 nibbles read high-first give other logits)."""
+    path = tmp_path / "DeepSeek-V4-Flash-Tiny"
+    deepseek_v4_checkpoint(path, seed=11, mtp_index=1, fp8_head=True)
+    word_level(path, DEEPSEEK_V4_VOCAB)
+    engine = Engine.load(str(path))
+    assert engine.head.key_prefix == "mtp.1."
+    modes = {p: m.mode for p, m in engine.head.named_modules() if hasattr(m, "scales")}
+    assert modes["e_proj"] == modes["decoder.attn.wo_a"] == "mxfp8"
+    assert modes["decoder.ffn.switch_mlp.gate_proj"] == "mxfp4"
+    tokens = np.random.default_rng(resolve(FRESH)).integers(0, DEEPSEEK_V4_VOCAB, size=LENGTH + 1).tolist()
+    t, cfg = read_tensors(path), json.loads((path / "config.json").read_text())
+    streams, nxt = _published_streams(path, tokens[:-1]), np.array(tokens[1:])
+    want = mtp_logits(decoded_fp8_fp4(t), cfg, streams, nxt, "mtp.1.")
+    got, _ = _head_logits(engine, tokens)
+    assert np.abs(got - want).max() < 1e-4 * np.abs(want).max(), tokens
+    swapped = mtp_logits(decoded_fp8_fp4(t, low_first=False), cfg, streams, nxt, "mtp.1.")
+    assert np.abs(got - swapped).max() > 1e-2 * np.abs(want).max()
 
 
 # --------------------------------------------------------------------------- mlx-vlm's drafter
@@ -374,3 +414,12 @@ def test_chi_square_rejects_a_loop_that_commits_the_rejected_draft(monkeypatch):
     assert (
         loop_p_value(sample_counts(trunk, head, CHI, 2, 100, CHI_VOCAB, 1234), expected) < FALSE_FAILURE_RATE
     )
+
+
+def test_a_block_scale_beside_a_float_weight_is_a_one_line_error():
+    from mtplx.errors import MtplxError
+    from mtplx.heads.deepseek_v4 import packed_fp8_fp4
+
+    with pytest.raises(MtplxError) as e:
+        packed_fp8_fp4({"e_proj.weight": mx.zeros((4, 32)), "e_proj.scale": mx.ones((1, 1))}, "head")
+    assert "\n" not in str(e.value) and "e_proj" in str(e.value) and "float32" in str(e.value)

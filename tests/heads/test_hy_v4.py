@@ -34,7 +34,16 @@ from support.exactness import (
     sample_counts,
 )
 from support.models import randomize
-from support.numpy_heads import causal_mask, read_tensors, rms, rope, sigmoid_moe, softmax_attention
+from support.numpy_heads import (
+    causal_mask,
+    e4m3,
+    e8m0,
+    read_tensors,
+    rms,
+    rope,
+    sigmoid_moe,
+    softmax_attention,
+)
 from support.seeds import SEEDS, resolve
 from support.tokenizer import word_level
 from support.vlm_families import HY_V4_VOCAB, tiny_hy_v4
@@ -77,20 +86,9 @@ def random_engine(random_checkpoint) -> Engine:
 # --------------------------------------------------------------------------- float64 reference
 
 
-def e4m3(byte: np.ndarray) -> np.ndarray:
-    """OCP FP8 E4M3FN bytes -> float64: sign, 4 exponent bits (bias 7), 3 mantissa bits;
-    exponent 0 is subnormal (m / 8 * 2^-6)."""
-    b = byte.astype(np.int64)
-    sign = np.where(b >> 7, -1.0, 1.0)
-    exponent, mantissa = (b >> 3) & 0xF, b & 7
-    normal = (1 + mantissa / 8) * 2.0 ** (exponent - 7)
-    return sign * np.where(exponent == 0, mantissa / 8 * 2.0**-6, normal)
-
-
 def mxfp8_weight(t: dict[str, np.ndarray], key: str) -> np.ndarray:
     """``key`` (e4m3 bytes [out, in]) times its ``_scale`` (e8m0 bytes: 2^(s - 127) per 32 inputs)."""
-    scale = 2.0 ** (t[key + "_scale"] - 127)
-    return e4m3(t[key]) * np.repeat(scale, 32, axis=-1)
+    return e4m3(t[key]) * np.repeat(e8m0(t[key + "_scale"]), 32, axis=-1)
 
 
 def layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float = 1e-5) -> np.ndarray:
