@@ -13,6 +13,7 @@ for these cache kinds runs in ``tests/trunk/test_cache.py`` (``deepseek_v4_poole
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import replace
 
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.checkpoints.load import load_mlx_model
@@ -133,8 +134,8 @@ def test_a_copied_cache_shares_no_member_with_its_source():
 def test_engine_decodes_as_one_forward_with_lookup_drafts_and_the_prompt_cache(checkpoint, tmp_path):
     """Through the Engine: greedy tokens = the argmax chain of mlx-vlm's one forward; the decode
     loop with prompt-lookup drafts (verify blocks, rejections) and a prompt-cache hit in RAM give
-    the same tokens; the disk tier writes no entry (the compressor's overlap window is state no
-    file holds)."""
+    the same tokens; so does a new engine starting from the disk tier's entry (the compressor's
+    overlap windows written beside the caches: `test_the_disk_tier_keeps_the_overlap_windows`)."""
     from mtplx.engine.engine import Engine
     from mtplx.engine.request import GenerationRequest
 
@@ -159,5 +160,48 @@ def test_engine_decodes_as_one_forward_with_lookup_drafts_and_the_prompt_cache(c
     assert any(s.num_drafted > s.num_accepted for s in drafted), "no rejected draft"
     again = run(prompt + ar[:2], "none")
     assert again.stats.cached_tokens > 0 and again.token_ids == ar[2:] + again.token_ids[len(ar) - 2 :]
+    assert engine.prompt_cache.disk.flush() and list(tmp_path.glob("*.safetensors"))
+    fresh = Engine.load(str(checkpoint), prompt_cache_bytes=1 << 26)
+    fresh.use_disk_cache(tmp_path, 1 << 26)
+    longer = replace(GenerationRequest.from_kwargs(max_tokens=4, draft="none"), ignore_eos=True)
+    from_disk = fresh.generate(prompt + ar[:2], longer)
+    assert from_disk.stats.cached_tokens > 0 and fresh.prompt_cache.disk.stats.hits == 1
+    assert from_disk.token_ids == engine.generate(prompt + ar[:2], longer).token_ids
+
+
+def test_the_disk_tier_keeps_the_overlap_windows(checkpoint, tmp_path):
+    """A prompt-cache file holds each pool cache's overlap window beside the caches: the caches
+    loaded from it continue as one forward over the whole sequence does (control: without the
+    windows, the next window completed pools without its predecessor and the logits differ)."""
+    from mtplx.engine.engine import Engine
+    from mtplx.engine.request import GenerationRequest
+    from mtplx.trunk import vlm_deepseek_v4
+    from mtplx.trunk.prompt_cache_disk import load_caches
+
+    from support.tokenizer import word_level
+
+    word_level(checkpoint, DEEPSEEK_V4_VOCAB)
+    engine = Engine.load(str(checkpoint), prompt_cache_bytes=1 << 26)
+    engine.use_disk_cache(tmp_path, 1 << 26)
+    tokens = (
+        np.random.default_rng(resolve(FRESH)).integers(2, DEEPSEEK_V4_VOCAB, size=PROMPT_LEN + 6).tolist()
+    )
+    engine.generate(tokens[:PROMPT_LEN], GenerationRequest.from_kwargs(max_tokens=1, temperature=0.0))
     assert engine.prompt_cache.disk.flush()
-    assert not list(tmp_path.glob("*.safetensors")) and engine.prompt_cache.disk.stats.dropped_writes > 0
+    (path,) = tmp_path.glob("*.safetensors")
+    trunk = engine.trunk
+
+    def continued(drop_windows: bool) -> float:
+        caches, meta = load_caches(path)
+        cache = caches[: int(meta["mtplx_trunk_layers"])]
+        leaves, _ = vlm_deepseek_v4.overlap_windows(cache)
+        assert leaves, "no overlap window was written"
+        if drop_windows:
+            for c in vlm_deepseek_v4.leaf_caches(cache):
+                c.__dict__.pop(vlm_deepseek_v4.ATTRIBUTE, None)
+        n = vlm_deepseek_v4.leaf_caches(cache)[0].offset
+        out = trunk(mx.array([tokens[n:]]), cache).logits
+        return _diff(out, _scratch(checkpoint, tokens).logits[:, n:])
+
+    assert continued(drop_windows=False) <= TOL
+    assert continued(drop_windows=True) > 1e-2

@@ -10,6 +10,8 @@ ships no MiniMax-M3 MTP drafter: the trunk decodes AR or with lookup / draft-mod
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.checkpoints.load import load_mlx_model
 from mtplx.trunk import backends, vlm_text
@@ -74,8 +76,9 @@ def test_trunk_logits_equal_mlx_vlm_forward_and_the_taps(checkpoint):
 def test_engine_decodes_as_one_forward_with_lookup_drafts_and_the_prompt_cache(checkpoint, tmp_path):
     """Through the Engine: greedy tokens = the argmax chain of mlx-vlm's one forward; the decode
     loop with prompt-lookup drafts (verify blocks, rejections) gives them too; a prompt-cache hit
-    in RAM (its KV copied, not shared: `compat.copy_cache`) gives them too; the disk tier writes
-    no entry (no file can rebuild a MiniMaxM3KVCache)."""
+    in RAM (its KV copied, not shared: `compat.copy_cache`) gives them too; so does a new engine
+    starting from the disk tier's entry (a MiniMaxM3KVCache, which has no ``from_state``, rebuilt
+    from its ``state``: its KV and the indexer's keys)."""
     from mtplx.engine.engine import Engine
     from mtplx.engine.request import GenerationRequest
 
@@ -101,8 +104,21 @@ def test_engine_decodes_as_one_forward_with_lookup_drafts_and_the_prompt_cache(c
     assert any(s.num_drafted > s.num_accepted for s in drafted), "no rejected draft"
     again = run(engine, prompt + ar[:2])
     assert again.stats.cached_tokens > 0 and again.token_ids[:4] == ar[2:]
-    assert engine.prompt_cache.disk.flush()  # MiniMaxM3KVCache has no from_state: RAM only
-    assert not list(tmp_path.glob("*.safetensors")) and engine.prompt_cache.disk.stats.dropped_writes > 0
+    assert engine.prompt_cache.disk.flush() and list(tmp_path.glob("*.safetensors"))
+    fresh = Engine.load(str(checkpoint), prompt_cache_bytes=1 << 26)
+    fresh.use_disk_cache(tmp_path, 1 << 26)
+    longer = replace(GenerationRequest.from_kwargs(max_tokens=4, draft="none"), ignore_eos=True)
+    from_disk = fresh.generate(prompt + ar[:2], longer)
+    assert from_disk.stats.cached_tokens > 0 and fresh.prompt_cache.disk.stats.hits == 1
+    assert from_disk.token_ids == engine.generate(prompt + ar[:2], longer).token_ids
+    # the caches loaded from disk continue as one forward over the whole sequence does
+    tokens = prompt + [5, 6, 7, 8]
+    cache = fresh.prompt_cache.disk.load_best(np.array(tokens), False)[2]
+    assert "MiniMaxM3KVCache" in {type(c).__name__ for c in cache}
+    n = cache[0].offset
+    continued = fresh.trunk(mx.array([tokens[n:]]), cache).logits
+    whole = lm(mx.array([tokens]), cache=lm.make_cache()).logits[:, n:]
+    assert float(mx.max(mx.abs(continued - whole))) <= 1e-4
 
 
 def test_mtplx_convert_output_opens_in_mlx_vlm_and_decodes_as_its_forward(checkpoint, tmp_path):
