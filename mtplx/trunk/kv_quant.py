@@ -236,6 +236,17 @@ def kv_bytes_per_token(
 # --------------------------------------------------------------------------- fit to a model
 
 
+def cache_kind(c: Any) -> str:
+    """A cache's class, with its members' for a list of caches (``CacheList(KVCache, KVCache)``),
+    another package's than mlx-lm's named with it (``mlx_vlm KVCache``)."""
+    package = type(c).__module__.split(".")[0]
+    name = type(c).__name__ if package == "mlx_lm" else f"{package} {type(c).__name__}"
+    members = getattr(c, "caches", None)
+    if type(c).__name__ == "CacheList" and isinstance(members, (list, tuple)):
+        return f"{name}({', '.join(map(cache_kind, members))})"
+    return name
+
+
 def check_fit(trunk: Any, head: Any, plan: KVQuantization) -> None:
     """Raise MtplxError (one line, naming the flag) when ``plan`` cannot run on this trunk and head."""
     layout = getattr(head, "layout", "this")
@@ -243,7 +254,10 @@ def check_fit(trunk: Any, head: Any, plan: KVQuantization) -> None:
         raise MtplxError(f"kv_bits: a {layout} head reads the target's KV cache, which must stay float")
     cache = trunk.make_cache()
     if not any(type(c) in (KVCache, QuantizedKVCache) for c in cache):
-        raise MtplxError("kv_bits: this model has no plain attention KV cache to quantize")
+        kinds = ", ".join(dict.fromkeys(map(cache_kind, cache)))
+        raise MtplxError(
+            f"kv_bits: this model's caches ({kinds}) hold no plain attention KV cache (mlx-lm's KVCache) to quantize"
+        )
     if plan.start > 0 and any(type(c) is not KVCache for c in cache):
         kinds = sorted({type(c).__name__ for c in cache if type(c) is not KVCache})
         raise MtplxError(

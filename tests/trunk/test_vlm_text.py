@@ -220,3 +220,35 @@ def test_families_mlx_vlm_has_but_mtplx_does_not_host_yet_are_one_line_errors(mo
     assert (
         f"mlx-lm {metadata.version('mlx-lm')}" in message and backends.NOT_HOSTED_YET[model_type] in message
     )
+
+
+@pytest.mark.parametrize(
+    ("family", "kinds"),
+    [  # hy_v4: the MLA latent KV with the DSA indexer's keys, or a shared indexer's alone
+        ("hy_v4", "CacheList(KVCache, KVCache), CacheList(KVCache)"),
+        ("qwen4_exp", "mlx_vlm ArraysCache, mlx_vlm QSAKVCache"),
+        (
+            "deepseek_v4",
+            "mlx_vlm RotatingKVCache, mlx_vlm CacheList(mlx_vlm RotatingKVCache, mlx_vlm PoolingCache, "
+            "mlx_vlm PoolingCache)",
+        ),
+        (
+            "glm5_next",
+            "mlx_vlm ArraysCache, mlx_vlm CacheList(mlx_vlm KVCache, mlx_vlm KVCache, mlx_vlm PoolingCache, "
+            "mlx_vlm KVCache)",
+        ),
+        ("minimax_m3", "mlx_vlm KVCache, mlx_vlm MiniMaxM3KVCache"),
+    ],
+)
+def test_kv_bits_is_refused_in_one_line_naming_the_cache_kinds(family, kinds):
+    """No family hosted through mlx-vlm has a plain mlx-lm KVCache to quantize (mlx-vlm's own
+    classes, or the MLA latent cache inside a CacheList with its indexer's)."""
+    from mtplx.trunk.kv_quant import KVQuantization, check_fit
+
+    import support.vlm_families as families
+
+    trunk = Trunk(getattr(families, f"tiny_{family}")())
+    with pytest.raises(MtplxError) as e:
+        check_fit(trunk, None, KVQuantization(4, 64, 0))
+    message = str(e.value)
+    assert "\n" not in message and message.startswith("kv_bits: ") and f"({kinds})" in message
