@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 from mtplx.errors import MtplxError
 from mtplx.model_files.headers import quantization_config, read_safetensors_header, read_safetensors_metadata
+from mtplx.trunk.compat import materialize
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -452,4 +453,4 @@ def check_and_load(module: nn.Module, weights: dict[str, mx.array], source: str)
                 f"{source}: MTP head tensor {name} has shape {tuple(weights[name].shape)}, expected {tuple(p.shape)}"
             )
     module.load_weights(list(weights.items()), strict=True)
-    mx.eval(module.parameters())
+    materialize(module)  # its private arrays too (a RoPE's frequencies): the server decodes on its thread

@@ -1,0 +1,82 @@
+"""`mtplx serve` over a family hosted through mlx-vlm (issue 53, every entry): DeepSeek-V4's tiny
+replica with its MTP head (hyper-connection streams, mlx-vlm's own window and pool caches), a
+character tokenizer so grammar rows can write JSON. Requests sent together (free rows drafting
+with the head, a JSON-schema grammar row, a seeded n = 2 request) give what each gives sent
+alone: the scheduler decodes such a model's rows one request at a time, each row's caches rolled
+back through mlx-vlm's transaction, so a row is the same computation in company as alone."""
+
+from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from openai import OpenAI
+from support.server import KEY, running_server
+from support.tokenizer import printable_level
+from support.vlm_families import DEEPSEEK_V4_VOCAB, deepseek_v4
+
+SCHEMA = {"enum": ["yes", "no"]}
+REQUESTS = {
+    "free": dict(
+        messages=[{"role": "user", "content": "Name three planets."}], max_tokens=8, temperature=0.0
+    ),
+    "other": dict(messages=[{"role": "user", "content": "Count: 1 2 3"}], max_tokens=8, temperature=0.0),
+    "grammar": dict(
+        messages=[{"role": "user", "content": "Yes or no?"}],
+        max_tokens=8,
+        temperature=0.0,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}},
+    ),
+    "n2": dict(messages=[{"role": "user", "content": "Go."}], max_tokens=6, temperature=0.7, seed=5, n=2),
+}
+
+
+@pytest.fixture(scope="module")
+def replica(tmp_path_factory):
+    path = tmp_path_factory.mktemp("serve_vlm") / "DeepSeek-V4-Tiny"
+    deepseek_v4(path, context_strength=0.1)
+    printable_level(path, DEEPSEEK_V4_VOCAB)
+    return path
+
+
+def test_an_engine_loaded_on_one_thread_decodes_on_another(replica):
+    """As the server does (it loads on the main thread, decodes on its worker's): every array the
+    trunk and head hold is evaluated at load, their private ones too (the head block's RoPE
+    frequencies were not: "There is no Stream(cpu, 0) in current thread" on the first request)."""
+    from mtplx.engine.engine import Engine
+
+    engine = Engine.load(str(replica), depth=2)
+    results: list = []
+    worker = threading.Thread(
+        target=lambda: results.append(engine.generate("Go.", max_tokens=3, draft="head"))
+    )
+    worker.start()
+    worker.join(timeout=120)
+    assert results and results[0].stats.drafters["head"]["drafted"] > 0
+
+
+@pytest.fixture(scope="module")
+def served(replica):
+    path = replica
+    with running_server(path, path.parent / "server.log", "--depth", "2") as (base, _):
+        yield OpenAI(base_url=base + "/v1", api_key=KEY), str(path)
+
+
+def _ask(served, name: str) -> tuple[list[str], dict]:
+    client, model = served
+    reply = client.chat.completions.create(model=model, **REQUESTS[name])
+    return [c.message.content for c in reply.choices], reply.model_extra["mtplx"]["drafters"]
+
+
+@pytest.mark.slow  # a server process (~10 s); the thread test above and the generate_batch rows in
+# tests/heads/test_deepseek_v4.py run in every make test
+def test_rows_sent_together_give_what_each_gives_alone(served):
+    alone = {name: _ask(served, name) for name in REQUESTS}
+    with ThreadPoolExecutor(len(REQUESTS)) as pool:
+        together = dict(zip(REQUESTS, pool.map(lambda name: _ask(served, name), REQUESTS)))
+    assert together == alone
+    assert alone["free"][1]["head"]["drafted"] > 0  # the head drafted
+    assert len(alone["n2"][0]) == 2
+    assert json.loads(alone["grammar"][0][0]) in SCHEMA["enum"]  # the grammar held
