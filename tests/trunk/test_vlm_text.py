@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 from support.seeds import FRESH, resolve
 from support.vlm_families import HY_V4_VOCAB, hy_v4
+from support.vlm_heads import max_abs_diff
 
 TOL = 1e-4
 PROMPT_LEN = 12  # over the indexer's 4 kept keys: it selects
@@ -49,10 +50,6 @@ def reference(checkpoint):
 
 def _tokens(seed: int, n: int) -> list[int]:
     return np.random.default_rng(seed).integers(0, HY_V4_VOCAB, size=n).tolist()
-
-
-def _diff(a: mx.array, b: mx.array) -> float:
-    return float(mx.max(mx.abs(a.astype(mx.float32) - b.astype(mx.float32))))
 
 
 def test_backend_is_decided_by_the_table():
@@ -114,15 +111,15 @@ def test_trunk_logits_equal_mlx_vlm_forward(trunk, reference):
     prompt = mx.array([tokens[:PROMPT_LEN]])
     out = trunk(prompt, cache)
     ref = reference(prompt, cache=ref_cache, return_hidden=True)
-    assert _diff(out.logits, ref.logits) <= TOL, f"seed {seed}"
-    assert _diff(out.hidden_post_norm, ref.hidden_states[0]) <= TOL, f"seed {seed}"
+    assert max_abs_diff(out.logits, ref.logits) <= TOL, f"seed {seed}"
+    assert max_abs_diff(out.hidden_post_norm, ref.hidden_states[0]) <= TOL, f"seed {seed}"
     # the tap: pre-norm is the hyper-connection head's collapse of the streams, post = norm(pre)
     inner = reference.model
-    assert _diff(out.hidden_post_norm, inner.norm(out.hidden_pre_norm)) <= TOL
+    assert max_abs_diff(out.hidden_post_norm, inner.norm(out.hidden_pre_norm)) <= TOL
     for t in tokens[PROMPT_LEN:]:
         step = trunk(mx.array([[t]]), cache)
         want = reference(mx.array([[t]]), cache=ref_cache).logits
-        assert _diff(step.logits, want) <= TOL, f"seed {seed}, token {t}"
+        assert max_abs_diff(step.logits, want) <= TOL, f"seed {seed}, token {t}"
 
 
 def _decode_vs_scratch(model, tokens: list[int], start: int) -> float:
@@ -134,7 +131,7 @@ def _decode_vs_scratch(model, tokens: list[int], start: int) -> float:
     for n in range(start, len(tokens)):
         step = model(mx.array([[tokens[n]]]), cache=cache).logits[0, -1]
         scratch = model(mx.array([tokens[: n + 1]]), cache=model.make_cache()).logits[0, -1]
-        worst = max(worst, _diff(step, scratch))
+        worst = max(worst, max_abs_diff(step, scratch))
     return worst
 
 
@@ -148,7 +145,7 @@ def test_decode_and_blocks_select_the_keys_a_scratch_forward_does(trunk, referen
     trunk(mx.array([tokens[:PROMPT_LEN]]), cache)
     block = trunk(mx.array([tokens[PROMPT_LEN:]]), cache).logits
     whole = trunk(mx.array([tokens]), trunk.make_cache()).logits
-    assert _diff(block, whole[:, PROMPT_LEN:]) <= TOL, f"seed {seed}"
+    assert max_abs_diff(block, whole[:, PROMPT_LEN:]) <= TOL, f"seed {seed}"
 
 
 def test_control_mlx_vlms_compiled_top_k_differs_from_scratch(reference):
@@ -176,7 +173,7 @@ def test_chunked_prefill_equals_one_forward(trunk):
         parts.append(trunk(mx.array([tokens[lo:hi]]), cache))
     for field in ("logits", "hidden_pre_norm", "hidden_post_norm"):
         chunked = mx.concatenate([getattr(p, field) for p in parts], axis=1)
-        assert _diff(chunked, getattr(whole, field)) <= TOL, f"seed {seed}, {field}"
+        assert max_abs_diff(chunked, getattr(whole, field)) <= TOL, f"seed {seed}, {field}"
 
 
 def test_no_vision_module_and_mlx_lm_caches(trunk):
