@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from support.seeds import FRESH, resolve
 from support.vlm_families import MINIMAX_M3_HIDDEN, MINIMAX_M3_VOCAB, minimax_m3
-from support.vlm_heads import lookup_prompt, max_abs_diff
+from support.vlm_heads import kept_and_rejected, lookup_prompt, max_abs_diff
 
 TOL = 1e-4
 PROMPT_LEN = 12  # six blocks of 2 keys: the indexer keeps 2 of them and the local one
@@ -115,6 +115,32 @@ def test_engine_decodes_as_one_forward_with_lookup_drafts_and_the_prompt_cache(c
     continued = fresh.trunk(mx.array([tokens[n:]]), cache).logits
     whole = lm(mx.array([tokens]), cache=lm.make_cache()).logits[:, n:]
     assert max_abs_diff(continued, whole) <= 1e-4
+
+
+def test_lookup_rows_in_a_batch_equal_each_alone_with_rejections(checkpoint):
+    """Rows of ``generate_batch`` drafting by prompt lookup (decoded one request at a time: mlx-vlm's
+    own caches are not batched) give each prompt's AR tokens alone, drafts rejected among them."""
+    from mtplx.engine.engine import Engine
+    from mtplx.engine.request import GenerationRequest
+    from mtplx.spec_decode.settings import LookupConfig
+
+    from support.tokenizer import word_level
+
+    word_level(checkpoint, MINIMAX_M3_VOCAB)
+    engine = Engine.load(str(checkpoint))
+    base = lookup_prompt(MINIMAX_M3_VOCAB)
+    prompts = [base, base[20:] + base[:20], base[::-1]]
+
+    def request(draft):
+        lookup = LookupConfig(min_ngram=1, max_ngram=3, max_tokens=4)  # 1-grams: every token recurs
+        return replace(
+            GenerationRequest.from_kwargs(max_tokens=6, draft=draft, lookup=lookup), ignore_eos=True
+        )
+
+    alone = [engine.generate(p, request("none")).token_ids for p in prompts]
+    batched = engine.generate_batch(prompts, request("lookup"), max_rows=3, draft_policy="fixed")
+    assert [b.token_ids for b in batched] == alone
+    assert sum(kept_and_rejected(b.stats)[1] for b in batched) > 0
 
 
 def test_mtplx_convert_output_opens_in_mlx_vlm_and_decodes_as_its_forward(checkpoint, tmp_path):
