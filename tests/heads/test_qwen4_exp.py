@@ -228,6 +228,29 @@ def test_rows_in_a_batch_equal_ar_with_rejections(engine):
     assert_batch_rows_equal_ar_with_rejections(engine, max_tokens=12)
 
 
+def test_under_kv_bits_greedy_mtp_equals_ar_and_the_trunk_equals_mlx_vlms_quantized_forward(checkpoint):
+    """``--kv-bits 8 --kv-group-size 32``: the QSA caches are mlx-vlm's QSAQuantizedKVCache from
+    position 0; the trunk's logits equal mlx-vlm's forward on its own caches quantized the same
+    way (a prompt, then decode steps), and greedy MTP = AR with drafts kept."""
+    from mlx_vlm.utils import load_model
+
+    quantized = Engine.load(str(checkpoint), depth=2, kv_bits=8, kv_group_size=32, quantized_kv_start=0)
+    reference = load_model(checkpoint).language_model
+    ref_cache = [
+        c.to_quantized(group_size=32, bits=8) if hasattr(c, "index_keys") else c
+        for c in reference.make_cache()
+    ]
+    cache, prompt = quantized.trunk.make_cache(), PROMPTS[0]
+    assert [type(c).__name__ for c in cache] == [type(c).__name__ for c in ref_cache]
+    assert "QSAQuantizedKVCache" in {type(c).__name__ for c in cache}
+    got = quantized.trunk(mx.array([prompt]), cache).logits
+    assert mx.allclose(got, reference(mx.array([prompt]), cache=ref_cache).logits, atol=1e-4).item()
+    for t in (5, 60, 9):
+        step = quantized.trunk(mx.array([[t]]), cache).logits
+        assert mx.allclose(step, reference(mx.array([[t]]), cache=ref_cache).logits, atol=1e-4).item()
+    assert_mtp_equals_ar_with_drafts_kept(quantized.trunk, quantized.head, PROMPTS[:1], 10, depths=(2,))
+
+
 # --------------------------------------------------------------------------- the split drafter
 
 

@@ -223,7 +223,6 @@ def test_families_mlx_vlm_has_but_mtplx_does_not_host_yet_are_one_line_errors(mo
     ("family", "kinds"),
     [  # hy_v4: the MLA latent KV with the DSA indexer's keys, or a shared indexer's alone
         ("hy_v4", "CacheList(KVCache, KVCache), CacheList(KVCache)"),
-        ("qwen4_exp", "mlx_vlm ArraysCache, mlx_vlm QSAKVCache"),
         (
             "deepseek_v4",
             "mlx_vlm RotatingKVCache, mlx_vlm CacheList(mlx_vlm RotatingKVCache, mlx_vlm PoolingCache, "
@@ -238,8 +237,9 @@ def test_families_mlx_vlm_has_but_mtplx_does_not_host_yet_are_one_line_errors(mo
     ],
 )
 def test_kv_bits_is_refused_in_one_line_naming_the_cache_kinds(family, kinds):
-    """No family hosted through mlx-vlm has a plain mlx-lm KVCache to quantize (mlx-vlm's own
-    classes, or the MLA latent cache inside a CacheList with its indexer's)."""
+    """These families hold no plain mlx-lm KVCache to quantize (mlx-vlm's own classes, or the MLA
+    latent cache inside a CacheList with its indexer's), nor a cache that quantizes itself
+    (Qwen3.8-Flash-Next's does: `test_qwen4_exp_takes_kv_bits_from_position_0_only`)."""
     from mtplx.trunk.kv_quant import KVQuantization, check_fit
 
     import support.vlm_families as families
@@ -249,3 +249,19 @@ def test_kv_bits_is_refused_in_one_line_naming_the_cache_kinds(family, kinds):
         check_fit(trunk, None, KVQuantization(4, 64, 0))
     message = str(e.value)
     assert "\n" not in message and message.startswith("kv_bits: ") and f"({kinds})" in message
+
+
+def test_qwen4_exp_takes_kv_bits_from_position_0_only():
+    """Its QSAKVCache quantizes itself (mlx-vlm's QSAQuantizedKVCache); a later start would convert
+    it mid-sequence, which its gated-delta caches cannot take in two forwards: one line."""
+    from mtplx.trunk.kv_quant import KVQuantization, check_fit, make_cache
+
+    from support.vlm_families import tiny_qwen4_exp
+
+    trunk = Trunk(tiny_qwen4_exp())
+    check_fit(trunk, None, KVQuantization(8, 32, 0))
+    kinds = [type(c).__name__ for c in make_cache(trunk.make_cache(), KVQuantization(8, 32, 0))]
+    assert kinds == ["ArraysCache", "QSAQuantizedKVCache"] * 2
+    with pytest.raises(MtplxError) as e:
+        check_fit(trunk, None, KVQuantization(8, 32, 16))
+    assert "\n" not in str(e.value) and "quantized_kv_start must be 0" in str(e.value)
