@@ -288,13 +288,12 @@ def test_mtplx_convert_keeps_the_head_at_safe_precision_and_mlx_vlm_opens_the_ou
     assert_mtp_equals_ar_with_drafts_kept(converted.trunk, converted.head, PROMPTS[:2], 14)
 
 
-def test_the_prompt_cache_and_its_disk_tier_reuse_the_mlx_vlm_trunks_caches(checkpoint, tmp_path):
+def test_the_prompt_cache_and_its_disk_tier_reuse_the_mlx_vlm_trunks_caches(checkpoint, engine, tmp_path):
     """A second request sharing a prefix starts from the cached trunk + head caches (in RAM, then
     from disk in a new engine) and still gives the AR tokens."""
     prompt = PROMPTS[0]
     longer = prompt + [4, 4]
-    plain = Engine.load(str(checkpoint), depth=2)
-    ar = plain.generate(longer, _req(max_tokens=12, temperature=0.0, draft="none")).token_ids
+    ar = engine.generate(longer, _req(max_tokens=12, temperature=0.0, draft="none")).token_ids
     first = Engine.load(str(checkpoint), depth=2, prompt_cache_bytes=1 << 26)
     first.use_disk_cache(tmp_path, 1 << 26)
     first.generate(prompt, _req(max_tokens=12, temperature=0.0, draft="head"))
