@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from openai import OpenAI
@@ -41,20 +42,40 @@ def replica(tmp_path_factory):
     return path
 
 
-def test_an_engine_loaded_on_one_thread_decodes_on_another(replica):
+def _llama3_rope(path: Path) -> Path:
+    """A tiny mlx-lm llama with Llama-3 rope scaling (its ``Llama3RoPE`` keeps ``_freqs``)."""
+    from support.checkpoints import save_model
+    from support.models import tiny_llama
+    from support.tokenizer import word_level
+
+    model = tiny_llama()
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    save_model(path, model, rope_scaling={**scaling, "original_max_position_embeddings": 64})
+    word_level(path, model.args.vocab_size)
+    return path
+
+
+@pytest.mark.parametrize("which", ["deepseek_v4_head", "llama3_rope"])
+def test_an_engine_loaded_on_one_thread_decodes_on_another(which, replica, tmp_path):
     """As the server does (it loads on the main thread, decodes on its worker's): every array the
-    trunk and head hold is evaluated at load, their private ones too (the head block's RoPE
-    frequencies were not: "There is no Stream(cpu, 0) in current thread" on the first request)."""
+    trunk and head hold is evaluated at load, their private ones too (the DeepSeek-V4 head block's
+    and a Llama-3 trunk's RoPE frequencies were not: "There is no Stream(cpu, 0) in current
+    thread" on the first request)."""
     from mtplx.engine.engine import Engine
 
-    engine = Engine.load(str(replica), depth=2)
+    if which == "deepseek_v4_head":
+        engine, draft = Engine.load(str(replica), depth=2), "head"
+    else:
+        engine, draft = Engine.load(str(_llama3_rope(tmp_path / "llama3")), mtp=False), "none"
     results: list = []
     worker = threading.Thread(
-        target=lambda: results.append(engine.generate("Go.", max_tokens=3, draft="head"))
+        target=lambda: results.append(engine.generate([3, 4, 5], max_tokens=3, draft=draft))
     )
     worker.start()
     worker.join(timeout=120)
-    assert results and results[0].stats.drafters["head"]["drafted"] > 0
+    assert results and len(results[0].token_ids) > 0
+    if draft == "head":
+        assert results[0].stats.drafters["head"]["drafted"] > 0
 
 
 @pytest.fixture(scope="module")
