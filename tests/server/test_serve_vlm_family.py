@@ -78,6 +78,32 @@ def test_an_engine_loaded_on_one_thread_decodes_on_another(which, replica, tmp_p
         assert results[0].stats.drafters["head"]["drafted"] > 0
 
 
+def test_a_grammar_row_among_head_rows_in_a_batch_gives_what_each_gives_alone(replica):
+    """The scheduler behind `mtplx serve`, in process: head rows and a JSON-schema grammar row
+    decoded together give each one's tokens alone, and the grammar holds."""
+    from mtplx.engine.engine import Engine
+    from mtplx.engine.grammar_spec import Grammar
+    from mtplx.engine.request import GenerationRequest
+
+    engine = Engine.load(str(replica), depth=2)
+    names = ("free", "other", "grammar")
+    prompts = [REQUESTS[name]["messages"] for name in names]
+    requests = [
+        GenerationRequest.from_kwargs(
+            max_tokens=8,
+            draft="head",
+            depth=2,
+            grammar=Grammar.json_schema(SCHEMA) if name == "grammar" else None,
+        )
+        for name in names
+    ]
+    alone = [engine.generate(p, r) for p, r in zip(prompts, requests)]
+    together = engine.generate_batch(prompts, requests, max_rows=3, draft_policy="fixed")
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+    assert json.loads(together[2].text) in SCHEMA["enum"]
+    assert together[0].stats.drafters["head"]["drafted"] > 0
+
+
 @pytest.fixture(scope="module")
 def served(replica):
     path = replica
