@@ -228,13 +228,22 @@ def test_rows_in_a_batch_equal_ar_with_rejections(engine):
     assert_batch_rows_equal_ar_with_rejections(engine, max_tokens=12)
 
 
-def test_under_kv_bits_greedy_mtp_equals_ar_and_the_trunk_equals_mlx_vlms_quantized_forward(checkpoint):
+def test_under_kv_bits_greedy_mtp_equals_ar_and_the_trunk_equals_mlx_vlms_quantized_forward(
+    checkpoint, tmp_path
+):
     """``--kv-bits 8 --kv-group-size 32``: the QSA caches are mlx-vlm's QSAQuantizedKVCache from
     position 0; the trunk's logits equal mlx-vlm's forward on its own caches quantized the same
-    way (a prompt, then decode steps), and greedy MTP = AR with drafts kept."""
+    way (a prompt, then decode steps); greedy MTP = AR with drafts kept; a prompt-cache entry
+    written to disk serves a new engine the same tokens (the packed K / V read back)."""
     from mlx_vlm.utils import load_model
 
-    quantized = Engine.load(str(checkpoint), depth=2, kv_bits=8, kv_group_size=32, quantized_kv_start=0)
+    def load():
+        kv = dict(kv_bits=8, kv_group_size=32, quantized_kv_start=0, prompt_cache_bytes=1 << 26)
+        engine = Engine.load(str(checkpoint), depth=2, **kv)
+        engine.use_disk_cache(tmp_path, 1 << 26)
+        return engine
+
+    quantized = load()
     reference = load_model(checkpoint).language_model
     ref_cache = [
         c.to_quantized(group_size=32, bits=8) if hasattr(c, "index_keys") else c
@@ -248,7 +257,15 @@ def test_under_kv_bits_greedy_mtp_equals_ar_and_the_trunk_equals_mlx_vlms_quanti
     for t in (5, 60, 9):
         step = quantized.trunk(mx.array([[t]]), cache).logits
         assert mx.allclose(step, reference(mx.array([[t]]), cache=ref_cache).logits, atol=1e-4).item()
-    assert_mtp_equals_ar_with_drafts_kept(quantized.trunk, quantized.head, PROMPTS[:1], 10, depths=(2,))
+    assert_mtp_equals_ar_with_drafts_kept(quantized.trunk, quantized.head, PROMPTS[:1], 8, depths=(2,))
+    request = _req(max_tokens=6, draft="head", depth=2)
+    quantized.generate(prompt + [4, 4], request)  # its entry, in RAM and on disk
+    in_ram = quantized.generate(prompt + [4, 4], request)  # the same grouping as a disk hit
+    assert in_ram.stats.cached_tokens > 0 and quantized.prompt_cache.disk.flush()
+    want = in_ram.token_ids
+    fresh = load()
+    from_disk = fresh.generate(prompt + [4, 4], request)
+    assert from_disk.token_ids == want and fresh.prompt_cache.disk.stats.hits == 1
 
 
 # --------------------------------------------------------------------------- the split drafter
