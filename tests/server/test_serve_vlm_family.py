@@ -86,7 +86,7 @@ def test_a_grammar_row_among_head_rows_in_a_batch_gives_what_each_gives_alone(re
     from mtplx.engine.request import GenerationRequest
 
     engine = Engine.load(str(replica), depth=2)
-    names = ("free", "other", "grammar")
+    names = ("free", "grammar")
     prompts = [REQUESTS[name]["messages"] for name in names]
     requests = [
         GenerationRequest.from_kwargs(
@@ -100,7 +100,7 @@ def test_a_grammar_row_among_head_rows_in_a_batch_gives_what_each_gives_alone(re
     alone = [engine.generate(p, r) for p, r in zip(prompts, requests)]
     together = engine.generate_batch(prompts, requests, max_rows=3, draft_policy="fixed")
     assert [r.token_ids for r in together] == [r.token_ids for r in alone]
-    assert json.loads(together[2].text) in SCHEMA["enum"]
+    assert json.loads(together[1].text) in SCHEMA["enum"]
     assert together[0].stats.drafters["head"]["drafted"] > 0
 
 
