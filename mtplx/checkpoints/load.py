@@ -214,7 +214,7 @@ def load_mlx_model(path: Path, *, lazy: bool = False) -> tuple[Any, dict[str, An
 
         return vlm_text.load(path, model_type, config, lazy=lazy)
     try:
-        return mlx_load_model(path, lazy=lazy)
+        model, config = mlx_load_model(path, lazy=lazy)
     except MtplxError:
         raise
     except ValueError as e:
@@ -224,6 +224,11 @@ def load_mlx_model(path: Path, *, lazy: bool = False) -> tuple[Any, dict[str, An
         raise MtplxError(f"{path}: weights do not match config.json ({first_line(e)})") from None
     except Exception as e:
         raise MtplxError(f"{path}: cannot load model ({first_line(e)})") from None
+    if not lazy:
+        from mtplx.trunk.compat import materialize
+
+        materialize(model)  # a Llama-3 RoPE's private frequencies too: the server decodes on its own thread
+    return model, config
 
 
 ADAPTER_FILES = ("adapter_config.json", "adapters.safetensors")

@@ -29,23 +29,32 @@ Its cache: a sliding window of ``sliding_window`` (the drafter's ``make_cache``)
 ``RotatingKVCache`` (mlx-vlm's block reads only ``offset`` / ``update_and_fetch`` / ``make_mask``),
 so `mtplx.trunk.rollback.mark_drafts` / ``trim_kv`` drop draft entries exactly.
 
-Tensors: the official layout under ``mtp.{i}.`` (``e_proj``, ``h_proj``, ``enorm``, ``hnorm``,
+Tensors: the official layout under ``mtp.{i}.`` (one block; DeepSeek-V4-Flash ships it as
+``mtp.1.``, others as ``mtp.0.``: `shipped_prefix`) (``e_proj``, ``h_proj``, ``enorm``, ``hnorm``,
 ``norm``, ``hc_head_{fn,base,scale}``, ``attn.*``, ``attn_norm``, ``ffn.experts.{e}.w{1,2,3}``,
 ``hc_{attn,ffn}_{fn,base,scale}``), renamed by the drafter's own ``sanitize`` (it is idempotent on
-the mlx-side names `mtplx convert` writes). Float weights only: an FP8 / FP4 head (``.scale``
-tensors) is a one-line error here. The split drafter (``deepseek_v4_mtp``, mlx-vlm's
+the mlx-side names `mtplx convert` writes). The published FP8 layers (e4m3 with E8M0 scales per
+128 x 128 block) and FP4 routed experts (e2m1 with E8M0 scales per 32) load as MLX mxfp8 / mxfp4
+layers of the same bytes (`packed_fp8_fp4`), as mlx-vlm's drafter quantizes them. The split drafter (``deepseek_v4_mtp``, mlx-vlm's
 ``split.py``) holds the same mlx-side names with no prefix: ``build_split_head``.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
 from mtplx.errors import MtplxError
 from mtplx.heads.base import HiddenSource, MTPHead, model_args_of
-from mtplx.heads.weights import HeadSource, MissingHeadError, strip_prefix
+from mtplx.heads.weights import (
+    HeadSource,
+    MissingHeadError,
+    e8m0_blocks_as_mxfp8,
+    mxfp4_bytes,
+    strip_prefix,
+)
 from mtplx.trunk.vlm_text import StreamsHead
 
 import mlx.core as mx
@@ -127,17 +136,38 @@ class DeepseekV4MTPHead(MTPHead):
     def sanitize(self, tensors: dict[str, mx.array], src: HeadSource) -> dict[str, mx.array]:
         from mlx_vlm.speculative.drafters.deepseek_v4_mtp.deepseek_v4_mtp import DeepseekV4MTPDraftModel
 
-        local = strip_prefix(tensors, self.key_prefix)
-        # an FP8 / FP4 weight's block scales (a hyper-connection's own ``scale`` has no weight beside it)
-        quantized = sorted(
-            k for k in local if k.endswith(".scale") and k.removesuffix(".scale") + ".weight" in local
-        )
-        if quantized:
-            raise MtplxError(
-                f"{src.source}: the {LAYOUT} head's FP8 / FP4 tensors ({self.key_prefix}{quantized[0]}, ...) "
-                "are not supported; convert the head to float first"
-            )
+        local = packed_fp8_fp4(strip_prefix(tensors, self.key_prefix), f"{src.source}: the {LAYOUT} head")
         return DeepseekV4MTPDraftModel.sanitize(SimpleNamespace(args=self.args), local)
+
+
+def packed_fp8_fp4(local: dict[str, mx.array], what: str) -> dict[str, mx.array]:
+    """The official FP8 / FP4 tensors as MLX's packed layers, the checkpoint's own bytes (no float
+    copy): an ``x.weight`` with an ``x.scale`` (``x.weight_scale_inv`` in the Transformers
+    namespace; a hyper-connection's own ``scale`` has no weight beside it) is
+
+    * FP4 (int8 / uint8 [m, n/2], scales [m, n/32]: the routed experts) -> mxfp4;
+    * FP8 (e4m3 bytes [m, n], E8M0 scales per 128 x 128 block) -> mxfp8;
+
+    as mlx-vlm 0.7.10's drafter ``sanitize`` reads them, edge blocks cropped; `quantize_as_packed`
+    then makes those layers quantized as their weights say (mlx-vlm's ``make_quantization_config``:
+    mxfp4 experts, mxfp8 for the rest)."""
+    out = dict(local)
+    for key in [k for k in local if k.endswith((".scale", ".weight_scale_inv"))]:
+        module = key.removesuffix(".scale").removesuffix(".weight_scale_inv")
+        weight = local.get(f"{module}.weight")
+        if weight is None:
+            continue
+        scale = out.pop(key)
+        if weight.dtype not in (mx.uint8, mx.int8) or scale.dtype != mx.uint8:
+            raise MtplxError(
+                f"{what}: {module} has a block scale of {scale.dtype} beside a {weight.dtype} weight "
+                "(expected FP8 / FP4 bytes with E8M0 scales)"
+            )
+        if scale.shape[-1] * 16 == weight.shape[-1]:
+            out[f"{module}.weight"], out[f"{module}.scales"] = mxfp4_bytes(weight, scale)
+        else:
+            out[f"{module}.weight"], out[f"{module}.scales"] = e8m0_blocks_as_mxfp8(weight, scale)
+    return out
 
 
 def _args(src: HeadSource) -> Any:
@@ -149,15 +179,31 @@ def _args(src: HeadSource) -> Any:
     return args
 
 
-def build_head(src: HeadSource, num_layers: int, hidden_source: HiddenSource) -> DeepseekV4MTPHead:
-    """An unloaded head for the checkpoint's ``mtp.0.*`` tensors, checked against what it ships."""
-    if f"{KEY_PREFIX}e_proj.weight" not in src.index:
+def shipped_prefix(src: HeadSource) -> str:
+    """``mtp.{i}.`` of the one MTP block the checkpoint ships (DeepSeek-V4-Flash: ``mtp.1.``;
+    mlx-vlm's drafter ``sanitize`` strips any index); MissingHeadError when it ships none."""
+    found = sorted({m.group(1) for m in map(_SHIPPED.fullmatch, src.index) if m}, key=int)
+    if not found:
         raise MissingHeadError(
-            f"{src.source}: config declares {num_layers} MTP layer(s) but the checkpoint ships no {KEY_PREFIX}e_proj.weight"
+            f"{src.source}: config declares an MTP layer but the checkpoint ships no mtp.N.e_proj.weight"
         )
+    if len(found) > 1:
+        raise MtplxError(
+            f"{src.source}: a {LAYOUT} head has one MTP block, the checkpoint ships {len(found)} "
+            f"(mtp.{', mtp.'.join(found)})"
+        )
+    return f"mtp.{found[0]}."
+
+
+_SHIPPED = re.compile(r"mtp\.(\d+)\.e_proj\.weight")
+
+
+def build_head(src: HeadSource, num_layers: int, hidden_source: HiddenSource) -> DeepseekV4MTPHead:
+    """An unloaded head for the checkpoint's ``mtp.{i}.*`` tensors, checked against what it ships."""
+    prefix = shipped_prefix(src)
     if num_layers != 1:
         raise MtplxError(f"{src.source}: a {LAYOUT} head has one MTP layer, its config declares {num_layers}")
-    return DeepseekV4MTPHead(_args(src), trunk=src.trunk, hidden_source=hidden_source)
+    return DeepseekV4MTPHead(_args(src), key_prefix=prefix, trunk=src.trunk, hidden_source=hidden_source)
 
 
 def build_split_head(src: HeadSource, num_layers: int) -> DeepseekV4MTPHead:

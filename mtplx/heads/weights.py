@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 from mtplx.errors import MtplxError
 from mtplx.model_files.headers import quantization_config, read_safetensors_header, read_safetensors_metadata
+from mtplx.trunk.compat import materialize
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -193,6 +194,7 @@ def dequantize_fp8_blocks(weights: dict[str, mx.array], block: int = 128) -> dic
 
 FP8_BLOCK = 128  # DeepSeek-V3's weight_block_size
 MXFP8 = {"group_size": 32, "bits": 8, "mode": "mxfp8"}
+MXFP4 = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
 FP8_AFFINE = {"group_size": 64, "bits": 8, "mode": "affine"}
 
 
@@ -209,13 +211,27 @@ def fp8_as_mxfp8(w8: mx.array, scale_inv: mx.array, block: int = FP8_BLOCK) -> t
     e4m3 elements with one E8M0 (biased power-of-two exponent) scale per 32 consecutive inputs, and
     every such group lies inside one FP8 block, so its scale is the block's and the elements are
     the checkpoint's own bytes. No float copy is made. Needs n % 32 == 0 and block % 32 == 0."""
-    *_, m, n = w8.shape
     exponent = ((scale_inv.astype(mx.float32).view(mx.uint32) >> 23) & 0xFF).astype(
         mx.uint8
     )  # E8M0 = biased exp
-    per_row = mx.repeat(exponent, block, axis=-2)[..., :m, :]
+    return e8m0_blocks_as_mxfp8(w8, exponent, block)
+
+
+def e8m0_blocks_as_mxfp8(w8: mx.array, e8m0: mx.array, block: int = FP8_BLOCK) -> tuple[mx.array, mx.array]:
+    """FP8 e4m3 ``w8`` [..., m, n] with E8M0 (biased power-of-two exponent) bytes per ``block`` x
+    ``block`` [..., ceil(m/b), ceil(n/b)] -> MLX mxfp8, exactly (`fp8_as_mxfp8`: each group of 32
+    inputs lies inside one block; edge blocks cropped). DeepSeek-V4 stores its FP8 scales so."""
+    *_, m, n = w8.shape
+    per_row = mx.repeat(e8m0.view(mx.uint8), block, axis=-2)[..., :m, :]
     scales = mx.repeat(per_row, block // MXFP8["group_size"], axis=-1)[..., : n // MXFP8["group_size"]]
     return mx.contiguous(w8.view(mx.uint8)).view(mx.uint32), mx.contiguous(scales)
+
+
+def mxfp4_bytes(w4: mx.array, e8m0: mx.array) -> tuple[mx.array, mx.array]:
+    """FP4 e2m1 ``w4`` [..., m, n/2] (two elements a byte, the first in the low nibble) with one
+    E8M0 byte per 32 inputs [..., m, n/32] -> MLX mxfp4 (weight [..., m, n/8] uint32, scales
+    uint8): the same bytes, MLX's packing (DeepSeek-V4's routed experts)."""
+    return mx.contiguous(w4.view(mx.uint8)).view(mx.uint32), mx.contiguous(e8m0.view(mx.uint8))
 
 
 def fp8_blocks_quantized(
@@ -379,14 +395,16 @@ def quantize_like_checkpoint(
 
 def packed_setting(weight: mx.array, scales: mx.array, in_dims: int) -> dict:
     """The group size, bits and mode a packed weight was quantized with (as mlx-lm's
-    ``infer_quant_config``: affine keeps its scales in a float dtype; uint8 scales at 8 bits with
-    group 32 are mxfp8)."""
+    ``infer_quant_config``: affine keeps its scales in a float dtype; uint8 scales with group 32
+    are mxfp8 at 8 bits, mxfp4 at 4)."""
     group_size = in_dims // scales.shape[-1]
     bits = weight.shape[-1] * 32 // in_dims
     if scales.dtype != mx.uint8:
         return {"group_size": group_size, "bits": bits, "mode": "affine"}
     if (bits, group_size) == (8, 32):
         return dict(MXFP8)
+    if (bits, group_size) == (4, 32):
+        return dict(MXFP4)
     raise MtplxError(f"cannot tell how a head weight of {bits} bits with group size {group_size} was packed")
 
 
@@ -435,4 +453,4 @@ def check_and_load(module: nn.Module, weights: dict[str, mx.array], source: str)
                 f"{source}: MTP head tensor {name} has shape {tuple(weights[name].shape)}, expected {tuple(p.shape)}"
             )
     module.load_weights(list(weights.items()), strict=True)
-    mx.eval(module.parameters())
+    materialize(module)  # its private arrays too (a RoPE's frequencies): the server decodes on its thread

@@ -90,9 +90,10 @@ MLX_VLM_TEXT_FAMILIES: dict[str, str] = {
 # is missing (the backend refuses them in one line with this reason, never loads them unchecked).
 NOT_HOSTED_YET: dict[str, str] = {
     "inkling": "mlx-vlm's models/inkling package imports mlx-audio (its audio front end), which mtplx does "
-    "not install; its short convolutions write their ArraysCache slots directly (mlx-vlm's speculative "
-    "transaction cannot record the state after each block position), and its logits divide the final "
-    "norm's output by a width multiplier the trunk's LM head does not",
+    "not install; its four short convolutions per layer write their ArraysCache slots directly, so "
+    "mlx-vlm's speculative transaction cannot record the state after each block position (mlx-vlm "
+    "itself restores a snapshot and replays the kept tokens, a second forward per cycle), and its "
+    "logits divide the final norm's output by a width multiplier the trunk's LM head does not",
 }
 
 MLX_LM = TrunkBackend("mlx-lm", "mlx-lm", "mlx_lm.models", None, 'pip install "mlx-lm"')

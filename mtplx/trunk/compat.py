@@ -84,6 +84,7 @@ __all__ = [
     "kv_state",
     "leading_cache",
     "load_prompt_cache",
+    "materialize",
     "make_prompt_cache",
     "prompt_cache_file_metadata",
     "rotating_state",
@@ -153,6 +154,14 @@ def thinking_markers(tokenizer: Any) -> ThinkingMarkers | None:
 
 
 # --------------------------------------------------------------------------- model structure
+
+
+def materialize(module: nn.Module) -> None:
+    """Evaluate every array ``module`` holds: its parameters and the private ones ``parameters``
+    skips (a RoPE's ``_freqs``). MLX ties a lazy array to the thread that built it, and the server
+    decodes on its own thread ("There is no Stream(cpu, 0) in current thread" otherwise)."""
+    arrays = [v for m in module.modules() for v in m.values() if isinstance(v, mx.array)]
+    mx.eval(module.parameters(), arrays)
 
 
 def find_inner_model(model: nn.Module) -> nn.Module:

@@ -29,8 +29,10 @@ block, a batched row or a reused prompt-cache prefix can give other tokens than 
 one request on a fresh cache (README "What is exact under --kv-bits"; `Engine.load` prints a note;
 tests/engine/test_kv_bits_grouping.py). Invariance would need batch-invariant matmul kernels.
 
-Only plain ``KVCache`` layers are quantized (mlx-lm cannot quantize a ``RotatingKVCache`` either);
-an MTP head's own cache stays float (`Engine._quantize_kv` says why).
+Only plain ``KVCache`` layers are quantized (mlx-lm cannot quantize a ``RotatingKVCache`` either),
+and, from position 0, an mlx-vlm cache that quantizes itself keeping its extra state
+(`quantizes_itself`: Qwen3.8-Flash-Next's QSA cache); an MTP head's own cache stays float
+(`Engine._quantize_kv` says why).
 """
 
 from __future__ import annotations
@@ -107,14 +109,29 @@ def _plan(cache: Any) -> KVQuantization | None:
     return getattr(cache, PLAN_ATTR, None)
 
 
+def quantizes_itself(c: Any) -> bool:
+    """An mlx-vlm cache that converts itself to a quantized one keeping its own extra state
+    (Qwen3.8-Flash-Next's ``QSAKVCache`` -> ``QSAQuantizedKVCache``, the indexer's keys float)."""
+    return (
+        type(c).__module__.startswith("mlx_vlm.")
+        and getattr(type(c), "preserve_auxiliary_kv_state", False)
+        and callable(getattr(c, "to_quantized", None))
+    )
+
+
 def make_cache(cache: list, plan: KVQuantization | None) -> list:
     """A fresh single-row cache list under ``plan``: plain KVCache layers become QuantizedKVCache
-    (start 0) or float caches that carry the plan (start > 0); other kinds stay as they are."""
+    (start 0) or float caches that carry the plan (start > 0); an mlx-vlm cache that
+    `quantizes_itself` becomes its own quantized class (start 0 only: `check_fit`); other kinds
+    stay as they are."""
     if plan is None:
         return cache
     out = []
     for c in cache:
-        if type(c) is KVCache and plan.start == 0:
+        if quantizes_itself(c) and plan.start == 0:
+            c = c.to_quantized(group_size=plan.group_size, bits=plan.bits)
+            setattr(c, PLAN_ATTR, plan)
+        elif type(c) is KVCache and plan.start == 0:
             c = plan.quantized_cache()
         elif type(c) is KVCache:
             setattr(c, PLAN_ATTR, plan)
@@ -236,14 +253,28 @@ def kv_bytes_per_token(
 # --------------------------------------------------------------------------- fit to a model
 
 
+def cache_kind(c: Any) -> str:
+    """A cache's class, with its members' for a list of caches (``CacheList(KVCache, KVCache)``),
+    another package's than mlx-lm's named with it (``mlx_vlm KVCache``)."""
+    package = type(c).__module__.split(".")[0]
+    name = type(c).__name__ if package == "mlx_lm" else f"{package} {type(c).__name__}"
+    members = getattr(c, "caches", None)
+    if type(c).__name__ == "CacheList" and isinstance(members, (list, tuple)):
+        return f"{name}({', '.join(map(cache_kind, members))})"
+    return name
+
+
 def check_fit(trunk: Any, head: Any, plan: KVQuantization) -> None:
     """Raise MtplxError (one line, naming the flag) when ``plan`` cannot run on this trunk and head."""
     layout = getattr(head, "layout", "this")
     if head is not None and getattr(head, "reads_trunk_cache", False):
         raise MtplxError(f"kv_bits: a {layout} head reads the target's KV cache, which must stay float")
     cache = trunk.make_cache()
-    if not any(type(c) in (KVCache, QuantizedKVCache) for c in cache):
-        raise MtplxError("kv_bits: this model has no plain attention KV cache to quantize")
+    if not any(type(c) in (KVCache, QuantizedKVCache) or quantizes_itself(c) for c in cache):
+        kinds = ", ".join(dict.fromkeys(map(cache_kind, cache)))
+        raise MtplxError(
+            f"kv_bits: this model's caches ({kinds}) hold no plain attention KV cache (mlx-lm's KVCache) to quantize"
+        )
     if plan.start > 0 and any(type(c) is not KVCache for c in cache):
         kinds = sorted({type(c).__name__ for c in cache if type(c) is not KVCache})
         raise MtplxError(

@@ -33,9 +33,11 @@ A trunk hosted with mlx-vlm's own caches (`mtplx.trunk.vlm_text.NATIVE_CACHE_FAM
 each cache's module beside its class name (``mtplx_cache_modules``): `load_caches` rebuilds those
 as mlx-vlm's classes (mlx-lm's loader knows only its own, and mlx-vlm's ``ArraysCache`` shares a
 name with mlx-lm's); only ``mlx_lm.models.cache`` and ``mlx_vlm.models.*`` modules are imported.
-An entry whose caches carry state no file holds (DeepSeek-V4's compressor overlap window,
-`mtplx.trunk.vlm_deepseek_v4`) or include a class without ``from_state`` (MiniMax-M3's
-``MiniMaxM3KVCache``) stays in RAM only (counted as a dropped write).
+A class without ``from_state`` (MiniMax-M3's ``MiniMaxM3KVCache``) is rebuilt as a fresh instance
+given its ``state`` and ``meta_state`` (`_rebuild`; written only when its constructor takes no
+argument and its ``state`` can be set). DeepSeek-V4's compressor overlap windows, state a cache's
+``state`` does not hold (`mtplx.trunk.vlm_deepseek_v4`), are written after the caches, with the
+leaf cache each belongs to (``mtplx_overlap_leaves``), and put back on load.
 
 The index reads each file's safetensors header alone (`mtplx.model_files.headers`, which also
 notices a file shorter than its header says), never its tensors.
@@ -46,6 +48,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import importlib
+import inspect
 import json
 import logging
 import os
@@ -67,7 +70,7 @@ from mtplx.trunk.compat import (
 )
 from mtplx.trunk.prompt_cache import as_tokens, covers, reusable
 from mtplx.trunk.prompt_cache_file import DIGEST_FIELD, PLACEHOLDER, stamp, verify
-from mtplx.trunk.vlm_deepseek_v4 import holds_overlap_windows
+from mtplx.trunk.vlm_deepseek_v4 import overlap_windows, restore_overlap_windows
 
 import mlx.core as mx
 import numpy as np
@@ -111,7 +114,41 @@ def lock_directory(directory: Path) -> None:
 
 CACHE_MODULES_FIELD = "mtplx_cache_modules"
 CACHE_META_FIELD = "mtplx_cache_meta_states"  # mlx-vlm's from_state(state, meta_state) takes both
+OVERLAP_FIELD = "mtplx_overlap_leaves"  # DeepSeek-V4's overlap windows: the leaf cache of each
 LM_CACHE_MODULE = "mlx_lm.models.cache"
+
+
+class _HeldState:
+    """A piece of state written after the caches (an overlap window), as ``save_prompt_cache``
+    writes a cache: its ``state``."""
+
+    def __init__(self, state: tuple):
+        self.state = state
+
+
+def _rebuildable(klass: type) -> bool:
+    """Whether a file can rebuild a cache of ``klass``: ``from_state``, or a settable ``state``
+    and a constructor that takes no argument (`_rebuild`)."""
+    if callable(getattr(klass, "from_state", None)):
+        return True
+    prop = getattr(klass, "state", None)
+    if not isinstance(prop, property) or prop.fset is None:
+        return False
+    try:
+        inspect.signature(klass).bind()
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _rebuild(klass: type, state, meta_state):
+    """A cache of mlx-vlm's ``klass`` holding ``state`` / ``meta_state``."""
+    if callable(getattr(klass, "from_state", None)):
+        return klass.from_state(state, meta_state)
+    cache = klass()
+    cache.state = state
+    cache.meta_state = meta_state
+    return cache
 
 
 def _cache_class(module: str, name: str) -> type:
@@ -137,7 +174,9 @@ def load_caches(path: Path) -> tuple[list, dict[str, str]]:
     for module, name, state, meta_state in zip(modules, classes, states, meta_states):
         klass = _cache_class(module, name)
         vlm = module != LM_CACHE_MODULE
-        caches.append(klass.from_state(state, meta_state) if vlm else klass.from_state(state))
+        caches.append(_rebuild(klass, state, meta_state) if vlm else klass.from_state(state))
+    if OVERLAP_FIELD in meta:
+        restore_overlap_windows(caches, json.loads(meta[OVERLAP_FIELD]), states[len(modules) :])
     return caches, meta
 
 
@@ -378,13 +417,11 @@ class DiskTier:
             return
         head = list(entry.head_cache) if entry.head_cache is not None else None
         caches = list(entry.trunk_cache) + (head or [])
-        if holds_overlap_windows(caches) or not all(
-            callable(getattr(type(c), "from_state", None)) for c in caches
-        ):
-            # DeepSeek-V4's compressor state, or a class no file can rebuild (MiniMax-M3's KV)
+        if not all(_rebuildable(type(c)) for c in caches):  # a class no file can rebuild
             self.stats.dropped_writes += 1
             return
-        mx.async_eval([a for _, a in tree_flatten([c.state for c in caches]) if isinstance(a, mx.array)])
+        states = [c.state for c in caches] + overlap_windows(caches)[1]
+        mx.async_eval([a for _, a in tree_flatten(states) if isinstance(a, mx.array)])
         job = _Write(entry.tokens, entry.size, list(entry.trunk_cache), head, entry.trimmable)
         try:
             self._queue.put_nowait(job)
@@ -455,8 +492,11 @@ class DiskTier:
             meta[CACHE_META_FIELD] = json.dumps(
                 [c.meta_state if m != LM_CACHE_MODULE else "" for c, m in zip(caches, modules)]
             )
+        leaves, windows = overlap_windows(caches)
+        if leaves:
+            meta[OVERLAP_FIELD] = json.dumps(leaves)
         try:
-            save_prompt_cache(str(temp), caches, meta)
+            save_prompt_cache(str(temp), caches + [_HeldState(w) for w in windows], meta)
             if temp.stat().st_size > self.max_bytes:
                 self._over_budget(temp.stat().st_size)
                 return

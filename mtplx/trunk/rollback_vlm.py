@@ -56,6 +56,8 @@ def batch_size(c: Any) -> int | None:
         arr = next((a for a in c.cache if a is not None), None)
         return None if arr is None else arr.shape[0]
     keys = getattr(c, "keys", None)
+    if isinstance(keys, (tuple, list)):  # a quantized cache: (packed, scales, biases)
+        keys = keys[0]
     return None if keys is None else keys.shape[0]
 
 

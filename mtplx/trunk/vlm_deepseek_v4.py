@@ -13,7 +13,8 @@ from-scratch forward attend to different pooled keys (logits differ by ~0.3 on t
 `exact_compressor_call` is the same math with the predecessor carried across calls: the last
 completed window's raw ``(kv, gate)`` lives on the ``PoolingCache`` as ``overlap_window`` and is
 prepended to the next call's first window (its own pooled row dropped again). Rollback of that one
-extra piece of state is `OverlapRecord`'s (the rest of the PoolingCache is mlx-vlm's transaction).
+extra piece of state is `OverlapRecord`'s (the rest of the PoolingCache is mlx-vlm's transaction);
+a prompt-cache file holds it beside the caches (`overlap_windows` / `restore_overlap_windows`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,14 @@ from typing import Any
 
 import mlx.core as mx
 
-__all__ = ["ATTRIBUTE", "OverlapRecord", "exact_compressor_call", "holds_overlap_windows"]
+__all__ = [
+    "ATTRIBUTE",
+    "OverlapRecord",
+    "exact_compressor_call",
+    "leaf_caches",
+    "overlap_windows",
+    "restore_overlap_windows",
+]
 
 ATTRIBUTE = "overlap_window"  # on a PoolingCache: (kv [B, ratio, D], gate [B, ratio, D]) raw, or absent
 
@@ -94,15 +102,31 @@ class OverlapRecord:
             setattr(self.cache, ATTRIBUTE, window)
 
 
-def holds_overlap_windows(caches: list) -> bool:
-    """Whether any of ``caches`` (mlx-vlm's CacheLists opened) carries an ``overlap_window``: state
-    a prompt-cache file (a cache's ``state`` / ``meta_state``) does not hold, so the disk tier keeps
-    such entries in RAM only."""
-    stack = list(caches)
-    while stack:
-        c = stack.pop()
-        if type(c).__name__ == "CacheList" and isinstance(getattr(c, "caches", None), (list, tuple)):
-            stack.extend(c.caches)
-        elif getattr(c, ATTRIBUTE, None) is not None:
-            return True
-    return False
+def leaf_caches(caches: list) -> list:
+    """Every leaf cache of ``caches`` in order, mlx-vlm's CacheLists opened."""
+    out = []
+    for c in caches:
+        members = getattr(c, "caches", None)
+        if type(c).__name__ == "CacheList" and isinstance(members, (list, tuple)):
+            out.extend(leaf_caches(list(members)))
+        else:
+            out.append(c)
+    return out
+
+
+def overlap_windows(caches: list) -> tuple[list[int], list[tuple]]:
+    """The ``overlap_window`` s ``caches`` carry (state a cache's ``state`` / ``meta_state`` does
+    not hold): each one's leaf index (CacheLists opened, in order) and its (kv, gate), for a
+    prompt-cache file to hold beside the caches (`restore_overlap_windows` puts them back)."""
+    found = [(i, getattr(c, ATTRIBUTE, None)) for i, c in enumerate(leaf_caches(caches))]
+    found = [(i, w) for i, w in found if w is not None]
+    return [i for i, _ in found], [w for _, w in found]
+
+
+def restore_overlap_windows(caches: list, leaves: list[int], windows: list) -> None:
+    """Put back what `overlap_windows` took (ValueError when a leaf is no pool cache)."""
+    all_leaves = leaf_caches(caches)
+    for i, window in zip(leaves, windows, strict=True):
+        if not 0 <= i < len(all_leaves) or type(all_leaves[i]).__name__ != "PoolingCache":
+            raise ValueError(f"an overlap window names leaf cache {i}, which is no PoolingCache")
+        setattr(all_leaves[i], ATTRIBUTE, tuple(window))

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from mtplx.errors import MtplxError, first_line
+from mtplx.trunk.compat import materialize
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -267,6 +268,6 @@ def load(path: Path, model_type: str, config: dict, *, lazy: bool = False) -> tu
     model = VlmTextModel(full.language_model, model_type)
     del full  # the vision tower's arrays were never evaluated; they go with it
     if not lazy:
-        mx.eval(model.parameters())
+        materialize(model)  # its private arrays too: the server decodes on its own thread
     model.eval()
     return model, config

@@ -11,35 +11,34 @@ The trunk's own checks: ``tests/trunk/test_vlm_deepseek_v4.py``.
 from __future__ import annotations
 
 import json
-import os
 
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.engine.engine import Engine
 from mtplx.engine.request import GenerationRequest
 from mtplx.heads.deepseek_v4 import DeepseekV4MTPHead
-from mtplx.sampling import SamplerConfig
 from mtplx.trunk.model import Trunk
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from support.decoding import assert_mtp_equals_ar_with_drafts_kept
-from support.exactness import (
-    FALSE_FAILURE_RATE,
-    exact_ar_joint,
-    loop_p_value,
-    plant_commit_rejected_draft,
-    sample_counts,
-)
 from support.models import randomize
-from support.numpy_heads import causal_mask, gqa_attention, read_tensors, rms, silu
-from support.seeds import SEEDS, resolve
-from support.tokenizer import word_level
+from support.numpy_heads import causal_mask, e2m1_pairs, e4m3, e8m0, gqa_attention, read_tensors, rms, silu
+from support.seeds import FRESH, SEEDS, resolve
 from support.vlm_families import DEEPSEEK_V4_HIDDEN, DEEPSEEK_V4_VOCAB, tiny_deepseek_v4
 from support.vlm_families import deepseek_v4 as deepseek_v4_checkpoint
+from support.vlm_heads import (
+    CHI_VOCAB,
+    PROMPTS,
+    assert_batch_rows_equal_ar_with_rejections,
+    assert_chi_square_rejects_committed_rejected_drafts,
+    assert_sampled_mtp_matches_ar,
+    assert_split_head_equals_own,
+    peaked_trunk,
+    replica,
+)
 
 REFERENCE_LAYOUTS = ("deepseek_v4",)
-PROMPTS = ([3, 17, 42, 5, 60, 9, 11, 2, 33, 8], [50, 40, 30, 20, 10, 5], [7, 7, 12, 90, 4, 4, 31])
 CONTEXT_STRENGTH = 0.1
 LENGTH = 11  # over the sliding window of 8: the head's window slides too
 HC_MULT = 2
@@ -49,9 +48,7 @@ _req = GenerationRequest.from_kwargs
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("deepseek_v4") / "DeepSeek-V4-Tiny"
-    deepseek_v4_checkpoint(path, context_strength=CONTEXT_STRENGTH)
-    word_level(path, DEEPSEEK_V4_VOCAB)
-    return path
+    return replica(path, deepseek_v4_checkpoint, DEEPSEEK_V4_VOCAB, context_strength=CONTEXT_STRENGTH)
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +60,7 @@ def engine(checkpoint) -> Engine:
 def random_checkpoint(tmp_path_factory):
     """Every weight random (``h_proj`` not zero, the head's own hc_head and norm): the references'."""
     path = tmp_path_factory.mktemp("deepseek_v4_random") / "r"
-    deepseek_v4_checkpoint(path, seed=11)
-    word_level(path, DEEPSEEK_V4_VOCAB)
-    return path
+    return replica(path, deepseek_v4_checkpoint, DEEPSEEK_V4_VOCAB, seed=11)
 
 
 @pytest.fixture(scope="module")
@@ -181,9 +176,9 @@ def block(x: np.ndarray, t: dict, p: str, cfg: dict) -> np.ndarray:
     return x
 
 
-def mtp_logits(t: dict, cfg: dict, streams: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-    """The MTP block at ``mtp.0.`` on (trunk streams [T, hc * H], next token) rows: logits [T, V]."""
-    p, hc, eps = "mtp.0.", cfg["hc_mult"], cfg["rms_norm_eps"]
+def mtp_logits(t: dict, cfg: dict, streams: np.ndarray, tokens: np.ndarray, p: str = "mtp.0.") -> np.ndarray:
+    """The MTP block at ``p`` on (trunk streams [T, hc * H], next token) rows: logits [T, V]."""
+    hc, eps = cfg["hc_mult"], cfg["rms_norm_eps"]
     e = rms(t["embed.weight"][tokens], t[p + "enorm.weight"], eps) @ t[p + "e_proj.weight"].T
     s = rms(streams.reshape(len(tokens), hc, -1), t[p + "hnorm.weight"], eps) @ t[p + "h_proj.weight"].T
     x = block(s + e[:, None], t, p, cfg)
@@ -192,22 +187,61 @@ def mtp_logits(t: dict, cfg: dict, streams: np.ndarray, tokens: np.ndarray) -> n
     return rms((pre[..., None] * x).sum(1), t[p + "norm.weight"], eps) @ t["head.weight"].T
 
 
-@pytest.mark.parametrize("seed", SEEDS)
-def test_head_logits_match_the_float64_reference_at_every_position(random_engine, random_checkpoint, seed):
-    """Fed the trunk streams mlx-vlm's own forward hands its drafter (``return_hidden``)."""
+def _published_streams(checkpoint, tokens: list[int]) -> np.ndarray:
+    """The trunk streams mlx-vlm's own forward hands its drafter (``return_hidden``), [T, hc * H]."""
     from mlx_vlm.utils import load_model
 
+    lm = load_model(checkpoint).language_model
+    streams = lm(mx.array([tokens]), cache=lm.make_cache(), return_hidden=True).hidden_states[0]
+    return np.asarray(streams[0], dtype=np.float64).reshape(len(tokens), -1)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_head_logits_match_the_float64_reference_at_every_position(random_engine, random_checkpoint, seed):
     seed = resolve(seed)
     tokens = np.random.default_rng(seed).integers(0, DEEPSEEK_V4_VOCAB, size=LENGTH + 1).tolist()
     t = read_tensors(random_checkpoint)
     cfg = json.loads((random_checkpoint / "config.json").read_text())
-    lm = load_model(random_checkpoint).language_model
-    streams = lm(mx.array([tokens[:-1]]), cache=lm.make_cache(), return_hidden=True).hidden_states[0]
-    want = mtp_logits(
-        t, cfg, np.asarray(streams[0], dtype=np.float64).reshape(LENGTH, -1), np.array(tokens[1:])
-    )
+    want = mtp_logits(t, cfg, _published_streams(random_checkpoint, tokens[:-1]), np.array(tokens[1:]))
     got, _ = _head_logits(random_engine, tokens)
     assert np.abs(got - want).max() < 1e-4 * np.abs(want).max(), f"seed {seed}"
+
+
+def decoded_fp8_fp4(t: dict[str, np.ndarray], low_first: bool = True) -> dict[str, np.ndarray]:
+    """The published FP8 / FP4 tensors decoded in float64 from their bytes: ``x.weight`` beside an
+    ``x.scale`` is e4m3 with one E8M0 byte per 128 x 128 block, or (half as wide as its scales
+    say) e2m1 pairs with one E8M0 byte per 32 inputs."""
+    out = dict(t)
+    for key in [k for k in t if k.endswith(".scale") and k.removesuffix(".scale") + ".weight" in t]:
+        wkey, scale = key.removesuffix(".scale") + ".weight", e8m0(out.pop(key))
+        if scale.shape[-1] * 16 == t[wkey].shape[-1]:
+            out[wkey] = e2m1_pairs(t[wkey], low_first) * np.repeat(scale, 32, -1)
+        else:
+            m, n = t[wkey].shape
+            out[wkey] = e4m3(t[wkey]) * np.repeat(np.repeat(scale, 128, 0), 128, 1)[:m, :n]
+    return out
+
+
+def test_an_fp8_fp4_head_shipped_as_mtp_1_matches_the_float64_reference_of_its_bytes(tmp_path):
+    """DeepSeek-V4-Flash's naming (the one block under ``mtp.1.``) and its published precisions
+    (FP8 linears with E8M0 block scales, FP4 routed experts): loaded as mxfp8 / mxfp4 layers of
+    the same bytes, the head's logits equal the float64 reference on those bytes decoded in NumPy
+    (control: the FP4 nibbles read high-first give other logits)."""
+    path = tmp_path / "DeepSeek-V4-Flash-Tiny"
+    replica(path, deepseek_v4_checkpoint, DEEPSEEK_V4_VOCAB, seed=11, mtp_index=1, fp8_head=True)
+    engine = Engine.load(str(path))
+    assert engine.head.key_prefix == "mtp.1."
+    modes = {p: m.mode for p, m in engine.head.named_modules() if hasattr(m, "scales")}
+    assert modes["e_proj"] == modes["decoder.attn.wo_a"] == "mxfp8"
+    assert modes["decoder.ffn.switch_mlp.gate_proj"] == "mxfp4"
+    tokens = np.random.default_rng(resolve(FRESH)).integers(0, DEEPSEEK_V4_VOCAB, size=LENGTH + 1).tolist()
+    t, cfg = read_tensors(path), json.loads((path / "config.json").read_text())
+    streams, nxt = _published_streams(path, tokens[:-1]), np.array(tokens[1:])
+    want = mtp_logits(decoded_fp8_fp4(t), cfg, streams, nxt, "mtp.1.")
+    got, _ = _head_logits(engine, tokens)
+    assert np.abs(got - want).max() < 1e-4 * np.abs(want).max(), tokens
+    swapped = mtp_logits(decoded_fp8_fp4(t, low_first=False), cfg, streams, nxt, "mtp.1.")
+    assert np.abs(got - swapped).max() > 1e-2 * np.abs(want).max()
 
 
 # --------------------------------------------------------------------------- mlx-vlm's drafter
@@ -270,22 +304,8 @@ def test_greedy_mtp_equals_ar_with_drafts_kept_at_depths_1_and_2(engine):
     assert_mtp_equals_ar_with_drafts_kept(engine.trunk, engine.head, PROMPTS[:1], 8)
 
 
-def _kept_and_rejected(stats) -> tuple[int, int]:
-    made = sum(stats.drafted_per_position)
-    kept = round(sum(a * d for a, d in zip(stats.acceptance_per_position, stats.drafted_per_position)))
-    return kept, made - kept
-
-
 def test_rows_in_a_batch_equal_ar_with_rejections(engine):
-    def ar(prompt):
-        return engine.generate(prompt, _req(max_tokens=8, temperature=0.0, draft="none")).token_ids
-
-    want = [ar(p) for p in PROMPTS]
-    requests = [_req(max_tokens=8, temperature=0.0, draft="head", depth=2) for _ in PROMPTS]
-    batched = engine.generate_batch(list(PROMPTS), requests, max_rows=3, draft_policy="fixed")
-    assert [b.token_ids for b in batched] == want
-    kept, rejected = map(sum, zip(*(_kept_and_rejected(b.stats) for b in batched)))
-    assert kept > 0 and rejected > 0, (kept, rejected)
+    assert_batch_rows_equal_ar_with_rejections(engine, max_tokens=8)
 
 
 # --------------------------------------------------------------------------- the split drafter
@@ -299,19 +319,19 @@ def test_the_split_drafter_is_found_beside_the_trunk_and_equals_the_checkpoints_
     from mlx_vlm.split_mtp import split_mtp
 
     trunk_dir = tmp_path / "DeepSeek-V4-Tiny-4bit"
-    deepseek_v4_checkpoint(trunk_dir, context_strength=CONTEXT_STRENGTH, ship_mtp=False)
-    word_level(trunk_dir, DEEPSEEK_V4_VOCAB)
+    replica(
+        trunk_dir,
+        deepseek_v4_checkpoint,
+        DEEPSEEK_V4_VOCAB,
+        context_strength=CONTEXT_STRENGTH,
+        ship_mtp=False,
+    )
     drafter = split_mtp(str(checkpoint), str(tmp_path / "DeepSeek-V4-Tiny-MTP"))
     assert json.loads((tmp_path / drafter / "config.json").read_text())["model_type"] == "deepseek_v4_mtp"
     split = Engine.load(str(trunk_dir), depth=2)
     head = split.head
     assert isinstance(head, DeepseekV4MTPHead) and head.hidden_source == "pre_norm" and head.key_prefix == ""
-    prompt = PROMPTS[0]
-    streams = split.trunk(mx.array([prompt])).hidden_pre_norm
-    nxt = mx.array([prompt[1:] + [7]])
-    split_out = head.logits(head(streams, nxt, head.make_cache()))
-    own_out = engine.head.logits(engine.head(streams, nxt, engine.head.make_cache()))
-    assert mx.allclose(split_out, own_out, atol=1e-4).item()
+    assert_split_head_equals_own(split, engine, PROMPTS[0])
     assert_mtp_equals_ar_with_drafts_kept(split.trunk, head, PROMPTS[:1], 10, depths=(2,))
 
 
@@ -338,18 +358,12 @@ def test_mtplx_convert_keeps_the_head_at_safe_precision_and_mlx_vlm_opens_the_ou
 # --------------------------------------------------------------------------- sampled distribution
 # (Hunyuan-V4's runs in every make test: tests/heads/test_hy_v4.py; this family's behind slow.)
 
-CHI_VOCAB = 5
-CHI = SamplerConfig(temperature=0.7)
-
 
 def chi_pair() -> tuple[Trunk, DeepseekV4MTPHead]:
     """A 5-token DeepSeek-V4 trunk (2 hyper-connection streams, window + compressed KV) with
     peaked, context-dependent distributions (embeddings x8, logits x3) and a random MTP block."""
     model = tiny_deepseek_v4(CHI_VOCAB, seed=3)
-    inner = model.language_model
-    inner.model.embed_tokens.weight = inner.model.embed_tokens.weight * 8
-    inner.lm_head.weight = inner.lm_head.weight * 3
-    trunk = Trunk(model)
+    trunk, inner = peaked_trunk(model), model.language_model
     head = DeepseekV4MTPHead(inner.args, trunk=trunk)
     randomize(head, 5)
     return trunk, head
@@ -359,18 +373,18 @@ def chi_pair() -> tuple[Trunk, DeepseekV4MTPHead]:
 def test_sampled_mtp_matches_the_exact_ar_distribution_at_t_0_7():
     """Depth 2: the first three tokens' joint and marginals against the float64 enumeration of AR
     sampling (the window and pool caches rolled back through mlx-vlm's transaction on the way)."""
-    trunk, head = chi_pair()
-    expected = exact_ar_joint(trunk, CHI, CHI_VOCAB)
-    seed0 = int.from_bytes(os.urandom(4), "little")
-    p = loop_p_value(sample_counts(trunk, head, CHI, 2, 100, CHI_VOCAB, seed0), expected)
-    assert p > FALSE_FAILURE_RATE, f"p={p:.3g} (seed0={seed0})"
+    assert_sampled_mtp_matches_ar(chi_pair)
 
 
 @pytest.mark.slow
 def test_chi_square_rejects_a_loop_that_commits_the_rejected_draft(monkeypatch):
-    plant_commit_rejected_draft(monkeypatch)
-    trunk, head = chi_pair()
-    expected = exact_ar_joint(trunk, CHI, CHI_VOCAB)
-    assert (
-        loop_p_value(sample_counts(trunk, head, CHI, 2, 100, CHI_VOCAB, 1234), expected) < FALSE_FAILURE_RATE
-    )
+    assert_chi_square_rejects_committed_rejected_drafts(monkeypatch, chi_pair)
+
+
+def test_a_block_scale_beside_a_float_weight_is_a_one_line_error():
+    from mtplx.errors import MtplxError
+    from mtplx.heads.deepseek_v4 import packed_fp8_fp4
+
+    with pytest.raises(MtplxError) as e:
+        packed_fp8_fp4({"e_proj.weight": mx.zeros((4, 32)), "e_proj.scale": mx.ones((1, 1))}, "head")
+    assert "\n" not in str(e.value) and "e_proj" in str(e.value) and "float32" in str(e.value)

@@ -23,12 +23,16 @@ import pytest
 from support.decoding import assert_mtp_equals_ar_with_drafts_kept
 from support.numpy_heads import fuse_inputs, mla_attention, read_tensors, rms, silu, zero_position_zero
 from support.seeds import SEEDS, resolve
-from support.tokenizer import word_level
 from support.vlm_families import GLM5_NEXT_HIDDEN, GLM5_NEXT_VOCAB
 from support.vlm_families import glm5_next as glm5_next_checkpoint
+from support.vlm_heads import (
+    PROMPTS,
+    assert_batch_rows_equal_ar_with_rejections,
+    assert_split_head_equals_own,
+    replica,
+)
 
 REFERENCE_LAYOUTS = ("glm5_next",)
-PROMPTS = ([3, 17, 42, 5, 60, 9, 11, 2, 33, 8], [50, 40, 30, 20, 10, 5], [7, 7, 12, 90, 4, 4, 31])
 CONTEXT_STRENGTH = 0.1
 LENGTH = 4  # the indexer keeps 2 pools of 2 keys: every key at these positions (dense)
 MTP = "model.language_model.layers.4."
@@ -38,9 +42,7 @@ _req = GenerationRequest.from_kwargs
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("glm5_next") / "GLM-5-Next-Tiny"
-    glm5_next_checkpoint(path, context_strength=CONTEXT_STRENGTH)
-    word_level(path, GLM5_NEXT_VOCAB)
-    return path
+    return replica(path, glm5_next_checkpoint, GLM5_NEXT_VOCAB, context_strength=CONTEXT_STRENGTH)
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +53,7 @@ def engine(checkpoint) -> Engine:
 @pytest.fixture(scope="module")
 def random_checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("glm5_next_random") / "r"
-    glm5_next_checkpoint(path, seed=11)
-    word_level(path, GLM5_NEXT_VOCAB)
-    return path
+    return replica(path, glm5_next_checkpoint, GLM5_NEXT_VOCAB, seed=11)
 
 
 @pytest.fixture(scope="module")
@@ -176,22 +176,8 @@ def test_greedy_mtp_equals_ar_with_drafts_kept_at_depths_1_and_2(engine):
     assert_mtp_equals_ar_with_drafts_kept(engine.trunk, engine.head, PROMPTS[:1], 8)
 
 
-def _kept_and_rejected(stats) -> tuple[int, int]:
-    made = sum(stats.drafted_per_position)
-    kept = round(sum(a * d for a, d in zip(stats.acceptance_per_position, stats.drafted_per_position)))
-    return kept, made - kept
-
-
 def test_rows_in_a_batch_equal_ar_with_rejections(engine):
-    def ar(prompt):
-        return engine.generate(prompt, _req(max_tokens=8, temperature=0.0, draft="none")).token_ids
-
-    want = [ar(p) for p in PROMPTS]
-    requests = [_req(max_tokens=8, temperature=0.0, draft="head", depth=2) for _ in PROMPTS]
-    batched = engine.generate_batch(list(PROMPTS), requests, max_rows=3, draft_policy="fixed")
-    assert [b.token_ids for b in batched] == want
-    kept, rejected = map(sum, zip(*(_kept_and_rejected(b.stats) for b in batched)))
-    assert kept > 0 and rejected > 0, (kept, rejected)
+    assert_batch_rows_equal_ar_with_rejections(engine, max_tokens=8)
 
 
 def test_the_split_drafter_is_found_beside_the_trunk_and_equals_the_checkpoints_head(
@@ -202,19 +188,15 @@ def test_the_split_drafter_is_found_beside_the_trunk_and_equals_the_checkpoints_
     from mlx_vlm.split_mtp import split_mtp
 
     trunk_dir = tmp_path / "GLM-5-Next-Tiny-4bit"
-    glm5_next_checkpoint(trunk_dir, context_strength=CONTEXT_STRENGTH, ship_mtp=False)
-    word_level(trunk_dir, GLM5_NEXT_VOCAB)
+    replica(
+        trunk_dir, glm5_next_checkpoint, GLM5_NEXT_VOCAB, context_strength=CONTEXT_STRENGTH, ship_mtp=False
+    )
     drafter = split_mtp(str(checkpoint), str(tmp_path / "GLM-5-Next-Tiny-MTP"))
     assert json.loads((tmp_path / drafter / "config.json").read_text())["model_type"] == "glm5_next_mtp"
     split = Engine.load(str(trunk_dir), depth=2)
     head = split.head
     assert isinstance(head, Glm5NextMTPHead) and head.hidden_source == "post_norm"
-    prompt = PROMPTS[0]
-    hidden = split.trunk(mx.array([prompt])).hidden_post_norm
-    nxt = mx.array([prompt[1:] + [7]])
-    split_out = head.logits(head(hidden, nxt, head.make_cache()))
-    own_out = engine.head.logits(engine.head(hidden, nxt, engine.head.make_cache()))
-    assert mx.allclose(split_out, own_out, atol=1e-4).item()
+    assert_split_head_equals_own(split, engine, PROMPTS[0])
     assert_mtp_equals_ar_with_drafts_kept(split.trunk, head, PROMPTS[:1], 10, depths=(2,))
 
 

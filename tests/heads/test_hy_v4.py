@@ -13,35 +13,43 @@ drafts are kept). The reference is NumPy float64 from the checkpoint's tensors, 
 from __future__ import annotations
 
 import json
-import os
 
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.engine.engine import Engine
 from mtplx.engine.request import GenerationRequest
 from mtplx.heads.hy_v4 import HyV4MTPHead, _block
-from mtplx.sampling import SamplerConfig
 from mtplx.trunk.model import Trunk
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from support.decoding import assert_mtp_equals_ar_with_drafts_kept
-from support.exactness import (
-    FALSE_FAILURE_RATE,
-    exact_ar_joint,
-    loop_p_value,
-    plant_commit_rejected_draft,
-    sample_counts,
-)
 from support.models import randomize
-from support.numpy_heads import causal_mask, read_tensors, rms, rope, sigmoid_moe, softmax_attention
+from support.numpy_heads import (
+    causal_mask,
+    e4m3,
+    e8m0,
+    read_tensors,
+    rms,
+    rope,
+    sigmoid_moe,
+    softmax_attention,
+)
 from support.seeds import SEEDS, resolve
-from support.tokenizer import word_level
 from support.vlm_families import HY_V4_VOCAB, tiny_hy_v4
 from support.vlm_families import hy_v4 as hy_v4_checkpoint
+from support.vlm_heads import (
+    CHI_VOCAB,
+    PROMPTS,
+    assert_batch_rows_equal_ar_with_rejections,
+    assert_chi_square_rejects_committed_rejected_drafts,
+    assert_sampled_mtp_matches_ar,
+    assert_split_head_equals_own,
+    peaked_trunk,
+    replica,
+)
 
 REFERENCE_LAYOUTS = ("hy_v4",)
-PROMPTS = ([3, 17, 42, 5, 60, 9, 11, 2, 33, 8], [50, 40, 30, 20, 10, 5], [7, 7, 12, 90, 4, 4, 31])
 CONTEXT_STRENGTH = 0.2
 LENGTH = 10  # reference positions: over the indexer's 4 kept keys, so the selection matters
 _req = GenerationRequest.from_kwargs
@@ -50,9 +58,7 @@ _req = GenerationRequest.from_kwargs
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("hy_v4") / "Hunyuan-V4-Tiny"
-    hy_v4_checkpoint(path, context_strength=CONTEXT_STRENGTH)
-    word_level(path, HY_V4_VOCAB)
-    return path
+    return replica(path, hy_v4_checkpoint, HY_V4_VOCAB, context_strength=CONTEXT_STRENGTH)
 
 
 @pytest.fixture(scope="module")
@@ -64,9 +70,7 @@ def engine(checkpoint) -> Engine:
 def random_checkpoint(tmp_path_factory):
     """Every weight random (no predictive construction): the reference's checkpoint."""
     path = tmp_path_factory.mktemp("hy_v4_random") / "r"
-    hy_v4_checkpoint(path, seed=11)
-    word_level(path, HY_V4_VOCAB)
-    return path
+    return replica(path, hy_v4_checkpoint, HY_V4_VOCAB, seed=11)
 
 
 @pytest.fixture(scope="module")
@@ -77,20 +81,9 @@ def random_engine(random_checkpoint) -> Engine:
 # --------------------------------------------------------------------------- float64 reference
 
 
-def e4m3(byte: np.ndarray) -> np.ndarray:
-    """OCP FP8 E4M3FN bytes -> float64: sign, 4 exponent bits (bias 7), 3 mantissa bits;
-    exponent 0 is subnormal (m / 8 * 2^-6)."""
-    b = byte.astype(np.int64)
-    sign = np.where(b >> 7, -1.0, 1.0)
-    exponent, mantissa = (b >> 3) & 0xF, b & 7
-    normal = (1 + mantissa / 8) * 2.0 ** (exponent - 7)
-    return sign * np.where(exponent == 0, mantissa / 8 * 2.0**-6, normal)
-
-
 def mxfp8_weight(t: dict[str, np.ndarray], key: str) -> np.ndarray:
     """``key`` (e4m3 bytes [out, in]) times its ``_scale`` (e8m0 bytes: 2^(s - 127) per 32 inputs)."""
-    scale = 2.0 ** (t[key + "_scale"] - 127)
-    return e4m3(t[key]) * np.repeat(scale, 32, axis=-1)
+    return e4m3(t[key]) * np.repeat(e8m0(t[key + "_scale"]), 32, axis=-1)
 
 
 def layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float = 1e-5) -> np.ndarray:
@@ -207,12 +200,6 @@ def test_the_head_chains_on_its_normed_output(random_engine):
 # --------------------------------------------------------------------------- decoding
 
 
-def _kept_and_rejected(stats) -> tuple[int, int]:
-    made = sum(stats.drafted_per_position)
-    kept = round(sum(a * d for a, d in zip(stats.acceptance_per_position, stats.drafted_per_position)))
-    return kept, made - kept
-
-
 def test_the_engine_finds_the_head_beside_the_mlx_vlm_trunk(engine):
     assert isinstance(engine.head, HyV4MTPHead) and type(engine.trunk.model).__name__ == "VlmTextModel"
     assert engine.head.hidden_source == "post_norm"
@@ -223,31 +210,17 @@ def test_greedy_mtp_equals_ar_with_drafts_kept_at_depths_1_and_2(engine):
 
 
 def test_rows_in_a_batch_equal_ar_with_rejections(engine):
-    def ar(prompt):
-        return engine.generate(prompt, _req(max_tokens=16, temperature=0.0, draft="none")).token_ids
-
-    want = [ar(p) for p in PROMPTS]
-    requests = [_req(max_tokens=16, temperature=0.0, draft="head", depth=2) for _ in PROMPTS]
-    batched = engine.generate_batch(list(PROMPTS), requests, max_rows=3, draft_policy="fixed")
-    assert [b.token_ids for b in batched] == want
-    kept, rejected = map(sum, zip(*(_kept_and_rejected(b.stats) for b in batched)))
-    assert kept > 0 and rejected > 0, (kept, rejected)
+    assert_batch_rows_equal_ar_with_rejections(engine, max_tokens=16)
 
 
 # --------------------------------------------------------------------------- sampled distribution
-
-CHI_VOCAB = 5
-CHI = SamplerConfig(temperature=0.7)
 
 
 def chi_pair() -> tuple[Trunk, HyV4MTPHead]:
     """A 5-token Hunyuan-V4 trunk (2 hyper-connection streams) with peaked, context-dependent
     distributions (embeddings x8, logits x3) and a random MTP module beside it."""
     model = tiny_hy_v4(CHI_VOCAB, seed=3)
-    inner = model.language_model
-    inner.model.embed_tokens.weight = inner.model.embed_tokens.weight * 8
-    inner.lm_head.weight = inner.lm_head.weight * 3
-    trunk = Trunk(model)
+    trunk, inner = peaked_trunk(model), model.language_model
     args = inner.args
     head = HyV4MTPHead(
         [_block(args)], args.hidden_size, eps=args.rms_norm_eps, first_layer=0, trunk=trunk, cache_like=[0]
@@ -259,20 +232,11 @@ def chi_pair() -> tuple[Trunk, HyV4MTPHead]:
 def test_sampled_mtp_matches_the_exact_ar_distribution_at_t_0_7():
     """Depth 2: the first three tokens' joint and marginals against the float64 enumeration of AR
     sampling; 100 samples, the count with which the control below catches a wrong loop."""
-    trunk, head = chi_pair()
-    expected = exact_ar_joint(trunk, CHI, CHI_VOCAB)
-    seed0 = int.from_bytes(os.urandom(4), "little")
-    p = loop_p_value(sample_counts(trunk, head, CHI, 2, 100, CHI_VOCAB, seed0), expected)
-    assert p > FALSE_FAILURE_RATE, f"p={p:.3g} (seed0={seed0})"
+    assert_sampled_mtp_matches_ar(chi_pair)
 
 
 def test_chi_square_rejects_a_loop_that_commits_the_rejected_draft(monkeypatch):
-    plant_commit_rejected_draft(monkeypatch)
-    trunk, head = chi_pair()
-    expected = exact_ar_joint(trunk, CHI, CHI_VOCAB)
-    assert (
-        loop_p_value(sample_counts(trunk, head, CHI, 2, 100, CHI_VOCAB, 1234), expected) < FALSE_FAILURE_RATE
-    )
+    assert_chi_square_rejects_committed_rejected_drafts(monkeypatch, chi_pair)
 
 
 # --------------------------------------------------------------------------- the split drafter
@@ -288,8 +252,7 @@ def split_replica(checkpoint, tmp_path_factory) -> dict:
 
     root = tmp_path_factory.mktemp("hy_v4_split")
     trunk = root / "Hunyuan-V4-Tiny-mxfp8"
-    hy_v4_checkpoint(trunk, context_strength=CONTEXT_STRENGTH, ship_mtp=False)
-    word_level(trunk, HY_V4_VOCAB)
+    replica(trunk, hy_v4_checkpoint, HY_V4_VOCAB, context_strength=CONTEXT_STRENGTH, ship_mtp=False)
     drafter = Path(split_mtp(str(checkpoint), str(root / "Hunyuan-V4-Tiny-MTP-bf16")))
     return {"trunk": trunk, "drafter": drafter}
 
@@ -304,12 +267,7 @@ def test_the_split_drafter_is_found_beside_the_trunk_and_equals_the_checkpoints_
     assert isinstance(head, SplitHyV4Head) and head.hidden_source == "post_norm"
     kinds = {type(m).__name__ for _, m in head.named_modules()}
     assert "QuantizedMultiLinear" in kinds or any("Quantized" in k for k in kinds), kinds  # embed_q packed
-    prompt = PROMPTS[0]
-    hidden = split.trunk(mx.array([prompt])).hidden_post_norm
-    nxt = mx.array([prompt[1:] + [7]])
-    split_out = head.logits(head(hidden, nxt, head.make_cache()))
-    own_out = engine.head.logits(engine.head(hidden, nxt, engine.head.make_cache()))
-    assert mx.allclose(split_out, own_out, atol=1e-4).item()
+    assert_split_head_equals_own(split, engine, PROMPTS[0])
     assert_mtp_equals_ar_with_drafts_kept(split.trunk, head, PROMPTS[:2], 14)
 
 
@@ -330,13 +288,12 @@ def test_mtplx_convert_keeps_the_head_at_safe_precision_and_mlx_vlm_opens_the_ou
     assert_mtp_equals_ar_with_drafts_kept(converted.trunk, converted.head, PROMPTS[:2], 14)
 
 
-def test_the_prompt_cache_and_its_disk_tier_reuse_the_mlx_vlm_trunks_caches(checkpoint, tmp_path):
+def test_the_prompt_cache_and_its_disk_tier_reuse_the_mlx_vlm_trunks_caches(checkpoint, engine, tmp_path):
     """A second request sharing a prefix starts from the cached trunk + head caches (in RAM, then
     from disk in a new engine) and still gives the AR tokens."""
     prompt = PROMPTS[0]
     longer = prompt + [4, 4]
-    plain = Engine.load(str(checkpoint), depth=2)
-    ar = plain.generate(longer, _req(max_tokens=12, temperature=0.0, draft="none")).token_ids
+    ar = engine.generate(longer, _req(max_tokens=12, temperature=0.0, draft="none")).token_ids
     first = Engine.load(str(checkpoint), depth=2, prompt_cache_bytes=1 << 26)
     first.use_disk_cache(tmp_path, 1 << 26)
     first.generate(prompt, _req(max_tokens=12, temperature=0.0, draft="head"))

@@ -16,35 +16,34 @@ its selection is checked against mlx-vlm's forward in ``tests/trunk/test_vlm_qwe
 from __future__ import annotations
 
 import json
-import os
 
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.engine.engine import Engine
 from mtplx.engine.request import GenerationRequest
 from mtplx.heads.qwen4_exp import Qwen4ExpMTPHead
-from mtplx.sampling import SamplerConfig
 from mtplx.trunk.model import Trunk
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from support.decoding import assert_mtp_equals_ar_with_drafts_kept
-from support.exactness import (
-    FALSE_FAILURE_RATE,
-    exact_ar_joint,
-    loop_p_value,
-    plant_commit_rejected_draft,
-    sample_counts,
-)
 from support.models import randomize
 from support.numpy_heads import causal_mask, read_tensors, rope, silu
 from support.seeds import SEEDS, resolve
-from support.tokenizer import word_level
 from support.vlm_families import QWEN4_EXP_VOCAB, tiny_qwen4_exp
 from support.vlm_families import qwen4_exp as qwen4_exp_checkpoint
+from support.vlm_heads import (
+    CHI_VOCAB,
+    PROMPTS,
+    assert_batch_rows_equal_ar_with_rejections,
+    assert_chi_square_rejects_committed_rejected_drafts,
+    assert_sampled_mtp_matches_ar,
+    assert_split_head_equals_own,
+    peaked_trunk,
+    replica,
+)
 
 REFERENCE_LAYOUTS = ("qwen4_exp",)
-PROMPTS = ([3, 17, 42, 5, 60, 9, 11, 2, 33, 8], [50, 40, 30, 20, 10, 5], [7, 7, 12, 90, 4, 4, 31])
 CONTEXT_STRENGTH = 0.2
 LENGTH = 5
 _req = GenerationRequest.from_kwargs
@@ -53,9 +52,7 @@ _req = GenerationRequest.from_kwargs
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen4_exp") / "Qwen3.8-Flash-Next-Tiny"
-    qwen4_exp_checkpoint(path, context_strength=CONTEXT_STRENGTH)
-    word_level(path, QWEN4_EXP_VOCAB)
-    return path
+    return replica(path, qwen4_exp_checkpoint, QWEN4_EXP_VOCAB, context_strength=CONTEXT_STRENGTH)
 
 
 @pytest.fixture(scope="module")
@@ -67,9 +64,7 @@ def engine(checkpoint) -> Engine:
 def random_checkpoint(tmp_path_factory):
     """Every weight random (no predictive construction: ``fc_hidden`` is not zero): the reference's."""
     path = tmp_path_factory.mktemp("qwen4_exp_random") / "r"
-    qwen4_exp_checkpoint(path, seed=11)
-    word_level(path, QWEN4_EXP_VOCAB)
-    return path
+    return replica(path, qwen4_exp_checkpoint, QWEN4_EXP_VOCAB, seed=11)
 
 
 @pytest.fixture(scope="module")
@@ -229,22 +224,48 @@ def test_greedy_mtp_equals_ar_with_drafts_kept_at_depths_1_and_2(engine):
     assert_mtp_equals_ar_with_drafts_kept(engine.trunk, engine.head, PROMPTS[:1], 12)
 
 
-def _kept_and_rejected(stats) -> tuple[int, int]:
-    made = sum(stats.drafted_per_position)
-    kept = round(sum(a * d for a, d in zip(stats.acceptance_per_position, stats.drafted_per_position)))
-    return kept, made - kept
-
-
 def test_rows_in_a_batch_equal_ar_with_rejections(engine):
-    def ar(prompt):
-        return engine.generate(prompt, _req(max_tokens=12, temperature=0.0, draft="none")).token_ids
+    assert_batch_rows_equal_ar_with_rejections(engine, max_tokens=12)
 
-    want = [ar(p) for p in PROMPTS]
-    requests = [_req(max_tokens=12, temperature=0.0, draft="head", depth=2) for _ in PROMPTS]
-    batched = engine.generate_batch(list(PROMPTS), requests, max_rows=3, draft_policy="fixed")
-    assert [b.token_ids for b in batched] == want
-    kept, rejected = map(sum, zip(*(_kept_and_rejected(b.stats) for b in batched)))
-    assert kept > 0 and rejected > 0, (kept, rejected)
+
+def test_under_kv_bits_greedy_mtp_equals_ar_and_the_trunk_equals_mlx_vlms_quantized_forward(
+    checkpoint, tmp_path
+):
+    """``--kv-bits 8 --kv-group-size 32``: the QSA caches are mlx-vlm's QSAQuantizedKVCache from
+    position 0; the trunk's logits equal mlx-vlm's forward on its own caches quantized the same
+    way (a prompt, then decode steps); greedy MTP = AR with drafts kept; a prompt-cache entry
+    written to disk serves a new engine the same tokens (the packed K / V read back)."""
+    from mlx_vlm.utils import load_model
+
+    def load():
+        kv = dict(kv_bits=8, kv_group_size=32, quantized_kv_start=0, prompt_cache_bytes=1 << 26)
+        engine = Engine.load(str(checkpoint), depth=2, **kv)
+        engine.use_disk_cache(tmp_path, 1 << 26)
+        return engine
+
+    quantized = load()
+    reference = load_model(checkpoint).language_model
+    ref_cache = [
+        c.to_quantized(group_size=32, bits=8) if hasattr(c, "index_keys") else c
+        for c in reference.make_cache()
+    ]
+    cache, prompt = quantized.trunk.make_cache(), PROMPTS[0]
+    assert [type(c).__name__ for c in cache] == [type(c).__name__ for c in ref_cache]
+    assert "QSAQuantizedKVCache" in {type(c).__name__ for c in cache}
+    got = quantized.trunk(mx.array([prompt]), cache).logits
+    assert mx.allclose(got, reference(mx.array([prompt]), cache=ref_cache).logits, atol=1e-4).item()
+    for t in (5, 60, 9):
+        step = quantized.trunk(mx.array([[t]]), cache).logits
+        assert mx.allclose(step, reference(mx.array([[t]]), cache=ref_cache).logits, atol=1e-4).item()
+    assert_mtp_equals_ar_with_drafts_kept(quantized.trunk, quantized.head, PROMPTS[:1], 8, depths=(2,))
+    request = _req(max_tokens=6, draft="head", depth=2)
+    quantized.generate(prompt + [4, 4], request)  # its entry, in RAM and on disk
+    in_ram = quantized.generate(prompt + [4, 4], request)  # the same grouping as a disk hit
+    assert in_ram.stats.cached_tokens > 0 and quantized.prompt_cache.disk.flush()
+    want = in_ram.token_ids
+    fresh = load()
+    from_disk = fresh.generate(prompt + [4, 4], request)
+    assert from_disk.token_ids == want and fresh.prompt_cache.disk.stats.hits == 1
 
 
 # --------------------------------------------------------------------------- the split drafter
@@ -258,19 +279,15 @@ def test_the_split_drafter_is_found_beside_the_trunk_and_equals_the_checkpoints_
     from mlx_vlm.split_mtp import split_mtp
 
     trunk_dir = tmp_path / "Qwen3.8-Flash-Next-Tiny-4bit"
-    qwen4_exp_checkpoint(trunk_dir, context_strength=CONTEXT_STRENGTH, ship_mtp=False)
-    word_level(trunk_dir, QWEN4_EXP_VOCAB)
+    replica(
+        trunk_dir, qwen4_exp_checkpoint, QWEN4_EXP_VOCAB, context_strength=CONTEXT_STRENGTH, ship_mtp=False
+    )
     drafter = split_mtp(str(checkpoint), str(tmp_path / "Qwen3.8-Flash-Next-Tiny-MTP"))
     assert json.loads((tmp_path / drafter / "config.json").read_text())["model_type"] == "qwen4_exp_mtp"
     split = Engine.load(str(trunk_dir), depth=2)
     head = split.head
     assert isinstance(head, Qwen4ExpMTPHead) and head.hidden_source == "pre_norm" and head.key_prefix == ""
-    prompt = PROMPTS[0]
-    streams = split.trunk(mx.array([prompt])).hidden_pre_norm
-    nxt = mx.array([prompt[1:] + [7]])
-    split_out = head.logits(head(streams, nxt, head.make_cache()))
-    own_out = engine.head.logits(engine.head(streams, nxt, engine.head.make_cache()))
-    assert mx.allclose(split_out, own_out, atol=1e-4).item()
+    assert_split_head_equals_own(split, engine, PROMPTS[0])
     assert_mtp_equals_ar_with_drafts_kept(split.trunk, head, PROMPTS[:1], 10, depths=(2,))
 
 
@@ -316,19 +333,13 @@ def test_the_prompt_cache_and_its_disk_tier_reuse_mlx_vlms_own_caches(checkpoint
 # --------------------------------------------------------------------------- sampled distribution
 # (Hunyuan-V4's runs in every make test: tests/heads/test_hy_v4.py; this family's behind slow.)
 
-CHI_VOCAB = 5
-CHI = SamplerConfig(temperature=0.7)
-
 
 def chi_pair() -> tuple[Trunk, Qwen4ExpMTPHead]:
     """A 5-token Qwen3.8-Flash-Next trunk (2 hyper-connection streams, gated-delta + QSA + PLE)
     with peaked, context-dependent distributions (embeddings x8, logits x3) and a random MTP
     module beside it."""
     model = tiny_qwen4_exp(CHI_VOCAB, seed=3)
-    inner = model.language_model
-    inner.model.embed_tokens.weight = inner.model.embed_tokens.weight * 8
-    inner.lm_head.weight = inner.lm_head.weight * 3
-    trunk = Trunk(model)
+    trunk, inner = peaked_trunk(model), model.language_model
     head = Qwen4ExpMTPHead(inner.args, trunk=trunk, cache_like=[1])
     randomize(head, 5)
     return trunk, head
@@ -338,18 +349,9 @@ def chi_pair() -> tuple[Trunk, Qwen4ExpMTPHead]:
 def test_sampled_mtp_matches_the_exact_ar_distribution_at_t_0_7():
     """Depth 2: the first three tokens' joint and marginals against the float64 enumeration of AR
     sampling (every cache kind rolled back through mlx-vlm's transaction on the way)."""
-    trunk, head = chi_pair()
-    expected = exact_ar_joint(trunk, CHI, CHI_VOCAB)
-    seed0 = int.from_bytes(os.urandom(4), "little")
-    p = loop_p_value(sample_counts(trunk, head, CHI, 2, 100, CHI_VOCAB, seed0), expected)
-    assert p > FALSE_FAILURE_RATE, f"p={p:.3g} (seed0={seed0})"
+    assert_sampled_mtp_matches_ar(chi_pair)
 
 
 @pytest.mark.slow
 def test_chi_square_rejects_a_loop_that_commits_the_rejected_draft(monkeypatch):
-    plant_commit_rejected_draft(monkeypatch)
-    trunk, head = chi_pair()
-    expected = exact_ar_joint(trunk, CHI, CHI_VOCAB)
-    assert (
-        loop_p_value(sample_counts(trunk, head, CHI, 2, 100, CHI_VOCAB, 1234), expected) < FALSE_FAILURE_RATE
-    )
+    assert_chi_square_rejects_committed_rejected_drafts(monkeypatch, chi_pair)

@@ -111,6 +111,14 @@ def quantized_kv_cache(model: nn.Module) -> list:
     return [QuantizedKVCache(group_size=32, bits=8) for _ in model.layers]
 
 
+def quantized_kv_cache_of_its_own(model: nn.Module) -> list:
+    """``model``'s caches as ``--kv-bits 8 --kv-group-size 32`` makes them where a cache quantizes
+    itself (mlx-vlm's QSAKVCache -> QSAQuantizedKVCache: `mtplx.trunk.kv_quant.make_cache`)."""
+    from mtplx.trunk import kv_quant
+
+    return kv_quant.make_cache(model.make_cache(), kv_quant.KVQuantization(8, 32, 0))
+
+
 # --------------------------------------------------------------------------- Qwen3.5 hybrid
 
 

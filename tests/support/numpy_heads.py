@@ -190,3 +190,33 @@ def zero_position_zero(embedded: np.ndarray, offset: int = 0) -> np.ndarray:
     if offset == 0:
         out[0] = 0.0
     return out
+
+
+# --------------------------------------------------------------------------- OCP microscaling bytes
+
+
+def e4m3(byte: np.ndarray) -> np.ndarray:
+    """OCP FP8 E4M3FN bytes -> float64: sign, 4 exponent bits (bias 7), 3 mantissa bits;
+    exponent 0 is subnormal (m / 8 * 2^-6)."""
+    b = byte.astype(np.int64) & 0xFF
+    sign = np.where(b >> 7, -1.0, 1.0)
+    exponent, mantissa = (b >> 3) & 0xF, b & 7
+    normal = (1 + mantissa / 8) * 2.0 ** (exponent - 7)
+    return sign * np.where(exponent == 0, mantissa / 8 * 2.0**-6, normal)
+
+
+def e2m1_pairs(byte: np.ndarray, low_first: bool = True) -> np.ndarray:
+    """OCP FP4 E2M1 bytes [..., n/2] -> float64 [..., n], two elements a byte (the first in the low
+    nibble unless ``low_first`` is off): sign, 2 exponent bits (bias 1), 1 mantissa bit; exponent
+    0 is subnormal (m / 2): the values 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives."""
+    b = byte.astype(np.int64) & 0xFF
+    nibbles = [b & 0xF, b >> 4] if low_first else [b >> 4, b & 0xF]
+    out = np.stack(nibbles, -1).reshape(*b.shape[:-1], -1)
+    sign = np.where(out >> 3, -1.0, 1.0)
+    exponent, mantissa = (out >> 1) & 3, out & 1
+    return sign * np.where(exponent == 0, mantissa / 2, (1 + mantissa / 2) * 2.0 ** (exponent - 1))
+
+
+def e8m0(byte: np.ndarray) -> np.ndarray:
+    """OCP E8M0 scale bytes -> 2^(b - 127)."""
+    return 2.0 ** ((byte.astype(np.int64) & 0xFF) - 127)

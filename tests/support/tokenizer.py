@@ -45,6 +45,33 @@ def printable_chars():
     return fast, len(vocab)
 
 
+def printable_level(path: Path, vocab_size: int) -> None:
+    """A character-level tokenizer saved in ``path`` for a checkpoint of ``vocab_size`` tokens:
+    ``<unk>`` (0), ``<eos>`` (1, the replicas' ``eos_token_id``), then the printable characters
+    but the rare whitespace ones and `` ` `` / ``~`` (94 in all), as many as fit; the chat
+    template of `printable_chars`. A served replica then writes JSON (grammar rows)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    chars = [c for c in string.printable if c not in "\t\r\x0b\x0c`~"][: vocab_size - 2]
+    vocab = {"<unk>": 0, "<eos>": 1, **{c: i + 2 for i, c in enumerate(chars)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(["<eos>"])
+    tok.save(str(path / "tokenizer.json"))
+    template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<eos>",
+        "unk_token": "<unk>",
+        "chat_template": template,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+
+
 def chatml_chars(path: Path) -> int:
     """A character-level tokenizer over ``CHATML_CHARS`` with a ChatML template, saved in
     ``path``; returns the id of its EOS, ``<|im_end|>``."""

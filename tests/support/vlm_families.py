@@ -24,7 +24,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from support.checkpoints import Tiny, write_checkpoint
+from support.checkpoints import Tiny, fp8_blocks, write_checkpoint
 from support.models import _OUTPUT_PROJECTIONS, randomize, scale_outputs
 
 HY_V4_VOCAB = 96
@@ -494,17 +494,54 @@ def deepseek_v4_mtp_module(config: dict) -> nn.Module:
     return DeepseekV4MTPDraftModel(DeepseekV4MTPConfig.from_dict({"text_config": config}))
 
 
-def _deepseek_v4_mtp_published(mtp: nn.Module, out: dict) -> None:
-    """The drafter's parameters under the official ``mtp.0.`` names (the block's as a layer's)."""
+def _deepseek_v4_mtp_published(mtp: nn.Module, out: dict, index: int = 0) -> None:
+    """The drafter's parameters under the official ``mtp.{index}.`` names (the block's as a layer's)."""
+    prefix = f"mtp.{index}."
     for name, v in tree_flatten(mtp.parameters()):
         if name.startswith("decoder."):
             layer: dict[str, mx.array] = {}
             _deepseek_v4_published("model.layers.0." + name.removeprefix("decoder."), v, layer)
-            out.update({"mtp.0." + k.removeprefix("layers.0."): w for k, w in layer.items()})
+            out.update({prefix + k.removeprefix("layers.0."): w for k, w in layer.items()})
         elif name.startswith("hc_head."):
-            out["mtp.0.hc_head_" + name.rsplit(".", 1)[1]] = v
+            out[prefix + "hc_head_" + name.rsplit(".", 1)[1]] = v
         else:
-            out["mtp.0." + name] = v
+            out[prefix + name] = v
+
+
+E8M0_BIAS = 127
+
+
+def _fp8_e8m0(w: mx.array) -> tuple[mx.array, mx.array]:
+    """``w`` [m, n] as DeepSeek-V4's FP8: e4m3 bytes and one E8M0 byte (2^(b - 127)) per 128 x 128 block."""
+    w8, scale = fp8_blocks(w, ue8m0=True)
+    exponent = np.rint(np.log2(np.array(scale, dtype=np.float64))).astype(np.int64) + E8M0_BIAS
+    return w8, mx.array(exponent.astype(np.uint8))
+
+
+def _fp4_e8m0(w: mx.array) -> tuple[mx.array, mx.array]:
+    """``w`` [m, n] as DeepSeek-V4's FP4 experts: e2m1 pairs in int8 bytes [m, n/2] (first element
+    in the low nibble) and one E8M0 byte per 32 inputs [m, n/32]."""
+    packed, scales = mx.quantize(w, group_size=32, bits=4, mode="mxfp4")
+    return packed.view(mx.uint8).reshape(w.shape[0], -1).view(mx.int8), scales
+
+
+def deepseek_v4_fp8_head(tensors: dict[str, mx.array], prefix: str) -> dict[str, mx.array]:
+    """The MTP block's tensors under ``prefix`` as published: routed experts FP4, ``e_proj``,
+    ``h_proj``, the attention's and the shared experts' linears FP8 (mlx-vlm 0.7.10's drafter
+    ``make_quantization_config``: what it reads packed); norms, the router and the
+    hyper-connection parameters stay float."""
+    out = {}
+    for name, v in tensors.items():
+        local = name.removeprefix(prefix)
+        if not name.startswith(prefix) or not local.endswith(".weight") or v.ndim != 2:
+            out[name] = v
+        elif local.startswith("ffn.experts."):
+            out[name], out[name.removesuffix(".weight") + ".scale"] = _fp4_e8m0(v)
+        elif local.startswith(("e_proj.", "h_proj.", "attn.w", "ffn.shared_experts.")):
+            out[name], out[name.removesuffix(".weight") + ".scale"] = _fp8_e8m0(v)
+        else:
+            out[name] = v
+    return out
 
 
 def deepseek_v4(
@@ -514,10 +551,13 @@ def deepseek_v4(
     hc_mult: int = 2,
     context_strength: float | None = None,
     ship_mtp: bool = True,
+    mtp_index: int = 0,
+    fp8_head: bool = False,
 ) -> Tiny:
     """A DeepSeek-V4 checkpoint in the official inference layout (see ``_deepseek_v4_published``),
-    float32 (published: FP8 / FP4), the MTP block under ``mtp.0.`` (mlx-vlm's splitter reads
-    those). ``context_strength``: the layers' output projections scaled by it, the embeddings at
+    float32 (published: FP8 / FP4), the MTP block under ``mtp.{mtp_index}.`` (mlx-vlm's splitter
+    reads those; DeepSeek-V4-Flash ships ``mtp.1.``); ``fp8_head``: the block's linears as published
+    (`deepseek_v4_fp8_head`), the trunk still float. ``context_strength``: the layers' output projections scaled by it, the embeddings at
     the streams' scale, and the MTP block started from reading the next token's embedding alone
     (``e_proj`` = I, ``h_proj`` = 0) through the trunk's own ``hc_head`` and ``norm``, so its
     drafts agree with the trunk's bigram part and some are kept."""
@@ -541,7 +581,9 @@ def deepseek_v4(
             mtp.enorm.weight = mx.ones((h,))
             mtp.hc_head.update(model.model["hc_head"].parameters())
             mtp.norm.weight = model.model["norm"].weight
-        _deepseek_v4_mtp_published(mtp, tensors)
+        _deepseek_v4_mtp_published(mtp, tensors, mtp_index)
+        if fp8_head:
+            tensors = deepseek_v4_fp8_head(tensors, f"mtp.{mtp_index}.")
     return write_checkpoint(path, tensors, config)
 
 

@@ -77,6 +77,11 @@ def _canonical(c) -> tuple[int, list[mx.array]]:
         return c.offset, _rotating_window(c)
     if type(c) is ArraysCache:
         return -1, list(c.cache)
+    if (
+        type(c).__name__ == "QSAQuantizedKVCache"
+    ):  # mlx-vlm's, under --kv-bits: packed KV + float indexer keys
+        packed = [x[..., : c.offset, :] for x in (*c.keys, *c.values)]
+        return c.offset, packed + [c.index_keys[:, : c.offset], c.index_position_ids[..., : c.offset]]
     if type(c).__name__ == "QSAKVCache":  # mlx-vlm's (Qwen3.8-Flash-Next): KV + the indexer's raw keys
         kept = [c.keys[..., : c.offset, :], c.values[..., : c.offset, :]]
         return c.offset, kept + [c.index_keys[:, : c.offset], c.index_position_ids[..., : c.offset]]
@@ -132,11 +137,11 @@ def cache_mismatch(got: list, want: list) -> str | None:
         (g_len, g_arrays), (w_len, w_arrays) = _canonical(g), _canonical(w)
         if g_len != w_len:
             return f"layer {layer}: {g_len} positions vs {w_len}"
-        if type(g) is QuantizedKVCache:
+        if type(g) is QuantizedKVCache or type(g).__name__ == "QSAQuantizedKVCache":
             # Packed levels are compared as values: a K or V entry computed in a block of another
             # shape may differ in its last float bit and land one level over (a packed uint32 then
             # differs by up to 2**32). The dequantized entries must agree within one level.
-            g_arrays, w_arrays = _dequantized(g), _dequantized(w)
+            g_arrays, w_arrays = _dequantized(g) + g_arrays[6:], _dequantized(w) + w_arrays[6:]  # + indexer
             scales = [part[1][..., : c.offset, :] for c in (g, w) for part in (c.keys, c.values)]
             tol = TOL + 1.01 * max(float(mx.max(mx.abs(x))) for x in scales)
         else:
@@ -333,6 +338,22 @@ def test_negative_control_skipped_ssm_rollback_is_caught():
 )
 def test_negative_control_skipped_trim_is_caught(name):
     model, make_cache = _model_and_cache(name)
+    assert run_cycles(model, make_cache, 6, pattern=REJECTING, commit=_commit_without_trim) is not None
+
+
+def test_qwen4_exp_under_kv_bits_rolls_back_as_plain_decoding():
+    """Qwen3.8-Flash-Next with ``--kv-bits 8`` (mlx-vlm's QSAQuantizedKVCache: packed KV, float
+    indexer keys; `kv_quant.make_cache`): random accept patterns leave the caches a scratch run
+    leaves (control: the trim skipped)."""
+    model = models.rollback_model("qwen4_exp")
+
+    def make_cache():
+        return models.quantized_kv_cache_of_its_own(model)
+
+    assert "QSAQuantizedKVCache" in {type(c).__name__ for c in make_cache()}
+    seed = resolve(FRESH)
+    why = run_cycles(model, make_cache, seed)
+    assert why is None, f"seed {seed}: {why}"
     assert run_cycles(model, make_cache, 6, pattern=REJECTING, commit=_commit_without_trim) is not None
 
 

@@ -13,6 +13,7 @@ for these cache kinds runs in ``tests/trunk/test_cache.py`` (``deepseek_v4_poole
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import replace
 
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.checkpoints.load import load_mlx_model
@@ -24,6 +25,7 @@ import numpy as np
 import pytest
 from support.seeds import FRESH, resolve
 from support.vlm_families import DEEPSEEK_V4_HIDDEN, DEEPSEEK_V4_VOCAB, deepseek_v4
+from support.vlm_heads import lookup_prompt, max_abs_diff
 
 TOL = 1e-4
 PROMPT_LEN = 12  # three ratio-4 windows: the indexer keeps 4 pooled keys of them, the window slides
@@ -48,10 +50,6 @@ def mlx_vlms_compressor():
         yield
     finally:
         Compressor.__call__ = hooked
-
-
-def _diff(a: mx.array, b: mx.array) -> float:
-    return float(mx.max(mx.abs(a.astype(mx.float32) - b.astype(mx.float32))))
 
 
 def _scratch(checkpoint, tokens: list[int]):
@@ -83,19 +81,19 @@ def test_trunk_logits_equal_mlx_vlms_forward_and_the_taps_are_the_streams_and_th
     cache = trunk.make_cache()
     assert [type(c).__name__ for c in cache] == ["RotatingKVCache", "CacheList", "RotatingKVCache"]
     out = trunk(mx.array([tokens[:PROMPT_LEN]]), cache)
-    assert _diff(out.logits, ref.logits[:, :PROMPT_LEN]) <= TOL, f"seed {seed}"
+    assert max_abs_diff(out.logits, ref.logits[:, :PROMPT_LEN]) <= TOL, f"seed {seed}"
     streams = ref.hidden_states[0].reshape(1, len(tokens), HC_MULT * DEEPSEEK_V4_HIDDEN)
     assert out.hidden_pre_norm.shape == (1, PROMPT_LEN, HC_MULT * DEEPSEEK_V4_HIDDEN)
-    assert _diff(out.hidden_pre_norm, streams[:, :PROMPT_LEN]) <= TOL, f"seed {seed}"
-    assert _diff(trunk.lm_head(out.hidden_post_norm), out.logits) <= TOL
+    assert max_abs_diff(out.hidden_pre_norm, streams[:, :PROMPT_LEN]) <= TOL, f"seed {seed}"
+    assert max_abs_diff(trunk.lm_head(out.hidden_post_norm), out.logits) <= TOL
     for i, t in enumerate(tokens[PROMPT_LEN:]):
         step = trunk(mx.array([[t]]), cache)
-        assert _diff(step.logits[:, 0], ref.logits[:, PROMPT_LEN + i]) <= TOL, f"seed {seed}, step {i}"
+        assert max_abs_diff(step.logits[:, 0], ref.logits[:, PROMPT_LEN + i]) <= TOL, f"seed {seed}, step {i}"
     chunked = trunk.make_cache()
     trunk(mx.array([tokens[:5]]), chunked)
     trunk(mx.array([tokens[5:PROMPT_LEN]]), chunked)
     block = trunk(mx.array([tokens[PROMPT_LEN:]]), chunked).logits
-    assert _diff(block, ref.logits[:, PROMPT_LEN:]) <= TOL, f"seed {seed}"
+    assert max_abs_diff(block, ref.logits[:, PROMPT_LEN:]) <= TOL, f"seed {seed}"
 
 
 def test_control_mlx_vlms_compressor_makes_decode_steps_differ_from_one_forward(checkpoint):
@@ -109,7 +107,7 @@ def test_control_mlx_vlms_compressor_makes_decode_steps_differ_from_one_forward(
         cache = model.make_cache()
         model(mx.array([tokens[:PROMPT_LEN]]), cache=cache)
         steps = [model(mx.array([[t]]), cache=cache).logits for t in tokens[PROMPT_LEN:]]
-    assert _diff(mx.concatenate(steps, axis=1), ref.logits[:, PROMPT_LEN:]) > 1e-2
+    assert max_abs_diff(mx.concatenate(steps, axis=1), ref.logits[:, PROMPT_LEN:]) > 1e-2
 
 
 def test_a_copied_cache_shares_no_member_with_its_source():
@@ -133,8 +131,8 @@ def test_a_copied_cache_shares_no_member_with_its_source():
 def test_engine_decodes_as_one_forward_with_lookup_drafts_and_the_prompt_cache(checkpoint, tmp_path):
     """Through the Engine: greedy tokens = the argmax chain of mlx-vlm's one forward; the decode
     loop with prompt-lookup drafts (verify blocks, rejections) and a prompt-cache hit in RAM give
-    the same tokens; the disk tier writes no entry (the compressor's overlap window is state no
-    file holds)."""
+    the same tokens; so does a new engine starting from the disk tier's entry (the compressor's
+    overlap windows written beside the caches: `test_the_disk_tier_keeps_the_overlap_windows`)."""
     from mtplx.engine.engine import Engine
     from mtplx.engine.request import GenerationRequest
 
@@ -144,8 +142,7 @@ def test_engine_decodes_as_one_forward_with_lookup_drafts_and_the_prompt_cache(c
     word_level(checkpoint, DEEPSEEK_V4_VOCAB)
     engine = Engine.load(str(checkpoint), prompt_cache_bytes=1 << 26)
     engine.use_disk_cache(tmp_path, 1 << 26)
-    # every token but EOS / BOS once: whatever comes next recurs, so lookup proposes what followed it
-    prompt = np.random.default_rng(7).permutation(np.arange(2, DEEPSEEK_V4_VOCAB)).tolist()
+    prompt = lookup_prompt(DEEPSEEK_V4_VOCAB)
 
     def run(tokens, draft):
         request = GenerationRequest.from_kwargs(max_tokens=6, temperature=0.0, draft=draft)
@@ -159,5 +156,48 @@ def test_engine_decodes_as_one_forward_with_lookup_drafts_and_the_prompt_cache(c
     assert any(s.num_drafted > s.num_accepted for s in drafted), "no rejected draft"
     again = run(prompt + ar[:2], "none")
     assert again.stats.cached_tokens > 0 and again.token_ids == ar[2:] + again.token_ids[len(ar) - 2 :]
+    assert engine.prompt_cache.disk.flush() and list(tmp_path.glob("*.safetensors"))
+    fresh = Engine.load(str(checkpoint), prompt_cache_bytes=1 << 26)
+    fresh.use_disk_cache(tmp_path, 1 << 26)
+    longer = replace(GenerationRequest.from_kwargs(max_tokens=4, draft="none"), ignore_eos=True)
+    from_disk = fresh.generate(prompt + ar[:2], longer)
+    assert from_disk.stats.cached_tokens > 0 and fresh.prompt_cache.disk.stats.hits == 1
+    assert from_disk.token_ids == engine.generate(prompt + ar[:2], longer).token_ids
+
+
+def test_the_disk_tier_keeps_the_overlap_windows(checkpoint, tmp_path):
+    """A prompt-cache file holds each pool cache's overlap window beside the caches: the caches
+    loaded from it continue as one forward over the whole sequence does (control: without the
+    windows, the next window completed pools without its predecessor and the logits differ)."""
+    from mtplx.engine.engine import Engine
+    from mtplx.engine.request import GenerationRequest
+    from mtplx.trunk import vlm_deepseek_v4
+    from mtplx.trunk.prompt_cache_disk import load_caches
+
+    from support.tokenizer import word_level
+
+    word_level(checkpoint, DEEPSEEK_V4_VOCAB)
+    engine = Engine.load(str(checkpoint), prompt_cache_bytes=1 << 26)
+    engine.use_disk_cache(tmp_path, 1 << 26)
+    tokens = (
+        np.random.default_rng(resolve(FRESH)).integers(2, DEEPSEEK_V4_VOCAB, size=PROMPT_LEN + 6).tolist()
+    )
+    engine.generate(tokens[:PROMPT_LEN], GenerationRequest.from_kwargs(max_tokens=1, temperature=0.0))
     assert engine.prompt_cache.disk.flush()
-    assert not list(tmp_path.glob("*.safetensors")) and engine.prompt_cache.disk.stats.dropped_writes > 0
+    (path,) = tmp_path.glob("*.safetensors")
+    trunk = engine.trunk
+
+    def continued(drop_windows: bool) -> float:
+        caches, meta = load_caches(path)
+        cache = caches[: int(meta["mtplx_trunk_layers"])]
+        leaves, _ = vlm_deepseek_v4.overlap_windows(cache)
+        assert leaves, "no overlap window was written"
+        if drop_windows:
+            for c in vlm_deepseek_v4.leaf_caches(cache):
+                c.__dict__.pop(vlm_deepseek_v4.ATTRIBUTE, None)
+        n = vlm_deepseek_v4.leaf_caches(cache)[0].offset
+        out = trunk(mx.array([tokens[n:]]), cache).logits
+        return max_abs_diff(out, _scratch(checkpoint, tokens).logits[:, n:])
+
+    assert continued(drop_windows=False) <= TOL
+    assert continued(drop_windows=True) > 1e-2

@@ -10,6 +10,8 @@ ships no MiniMax-M3 MTP drafter: the trunk decodes AR or with lookup / draft-mod
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.checkpoints.load import load_mlx_model
 from mtplx.trunk import backends, vlm_text
@@ -20,6 +22,7 @@ import numpy as np
 import pytest
 from support.seeds import FRESH, resolve
 from support.vlm_families import MINIMAX_M3_HIDDEN, MINIMAX_M3_VOCAB, minimax_m3
+from support.vlm_heads import kept_and_rejected, lookup_prompt, max_abs_diff
 
 TOL = 1e-4
 PROMPT_LEN = 12  # six blocks of 2 keys: the indexer keeps 2 of them and the local one
@@ -28,10 +31,6 @@ PROMPT_LEN = 12  # six blocks of 2 keys: the indexer keeps 2 of them and the loc
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return minimax_m3(tmp_path_factory.mktemp("minimax_m3") / "model").path
-
-
-def _diff(a: mx.array, b: mx.array) -> float:
-    return float(mx.max(mx.abs(a.astype(mx.float32) - b.astype(mx.float32))))
 
 
 def test_backend_is_mlx_vlm():
@@ -56,26 +55,27 @@ def test_trunk_logits_equal_mlx_vlm_forward_and_the_taps(checkpoint):
     prompt = mx.array([tokens[:PROMPT_LEN]])
     out = trunk(prompt, cache)
     ref = reference(prompt, cache=ref_cache, return_hidden=True)
-    assert _diff(out.logits, ref.logits) <= TOL, f"seed {seed}"
+    assert max_abs_diff(out.logits, ref.logits) <= TOL, f"seed {seed}"
     assert out.hidden_pre_norm.shape == (1, PROMPT_LEN, MINIMAX_M3_HIDDEN)
-    assert _diff(out.hidden_pre_norm, ref.hidden_states[0]) <= TOL, f"seed {seed}"
-    assert _diff(trunk.lm_head(out.hidden_post_norm), out.logits) <= TOL
+    assert max_abs_diff(out.hidden_pre_norm, ref.hidden_states[0]) <= TOL, f"seed {seed}"
+    assert max_abs_diff(trunk.lm_head(out.hidden_post_norm), out.logits) <= TOL
     for i, t in enumerate(tokens[PROMPT_LEN:]):
         step = trunk(mx.array([[t]]), cache).logits
-        assert _diff(step, reference(mx.array([[t]]), cache=ref_cache).logits) <= TOL, f"seed {seed}"
-        assert _diff(step[:, 0], whole[:, PROMPT_LEN + i]) <= TOL, f"seed {seed}, step {i}"
+        assert max_abs_diff(step, reference(mx.array([[t]]), cache=ref_cache).logits) <= TOL, f"seed {seed}"
+        assert max_abs_diff(step[:, 0], whole[:, PROMPT_LEN + i]) <= TOL, f"seed {seed}, step {i}"
     chunked = trunk.make_cache()
     trunk(mx.array([tokens[:5]]), chunked)
     trunk(mx.array([tokens[5:PROMPT_LEN]]), chunked)
     block = trunk(mx.array([tokens[PROMPT_LEN:]]), chunked).logits
-    assert _diff(block, whole[:, PROMPT_LEN:]) <= TOL, f"seed {seed}"
+    assert max_abs_diff(block, whole[:, PROMPT_LEN:]) <= TOL, f"seed {seed}"
 
 
 def test_engine_decodes_as_one_forward_with_lookup_drafts_and_the_prompt_cache(checkpoint, tmp_path):
     """Through the Engine: greedy tokens = the argmax chain of mlx-vlm's one forward; the decode
     loop with prompt-lookup drafts (verify blocks, rejections) gives them too; a prompt-cache hit
-    in RAM (its KV copied, not shared: `compat.copy_cache`) gives them too; the disk tier writes
-    no entry (no file can rebuild a MiniMaxM3KVCache)."""
+    in RAM (its KV copied, not shared: `compat.copy_cache`) gives them too; so does a new engine
+    starting from the disk tier's entry (a MiniMaxM3KVCache, which has no ``from_state``, rebuilt
+    from its ``state``: its KV and the indexer's keys)."""
     from mtplx.engine.engine import Engine
     from mtplx.engine.request import GenerationRequest
 
@@ -86,8 +86,7 @@ def test_engine_decodes_as_one_forward_with_lookup_drafts_and_the_prompt_cache(c
     word_level(checkpoint, MINIMAX_M3_VOCAB)
     engine = Engine.load(str(checkpoint), prompt_cache_bytes=1 << 26)
     engine.use_disk_cache(tmp_path, 1 << 26)
-    # every token but EOS / BOS once: whatever comes next recurs, so lookup proposes what followed it
-    prompt = np.random.default_rng(7).permutation(np.arange(2, MINIMAX_M3_VOCAB)).tolist()
+    prompt = lookup_prompt(MINIMAX_M3_VOCAB)
 
     def run(e, tokens):
         return e.generate(tokens, GenerationRequest.from_kwargs(max_tokens=6, temperature=0.0, draft="none"))
@@ -101,8 +100,47 @@ def test_engine_decodes_as_one_forward_with_lookup_drafts_and_the_prompt_cache(c
     assert any(s.num_drafted > s.num_accepted for s in drafted), "no rejected draft"
     again = run(engine, prompt + ar[:2])
     assert again.stats.cached_tokens > 0 and again.token_ids[:4] == ar[2:]
-    assert engine.prompt_cache.disk.flush()  # MiniMaxM3KVCache has no from_state: RAM only
-    assert not list(tmp_path.glob("*.safetensors")) and engine.prompt_cache.disk.stats.dropped_writes > 0
+    assert engine.prompt_cache.disk.flush() and list(tmp_path.glob("*.safetensors"))
+    fresh = Engine.load(str(checkpoint), prompt_cache_bytes=1 << 26)
+    fresh.use_disk_cache(tmp_path, 1 << 26)
+    longer = replace(GenerationRequest.from_kwargs(max_tokens=4, draft="none"), ignore_eos=True)
+    from_disk = fresh.generate(prompt + ar[:2], longer)
+    assert from_disk.stats.cached_tokens > 0 and fresh.prompt_cache.disk.stats.hits == 1
+    assert from_disk.token_ids == engine.generate(prompt + ar[:2], longer).token_ids
+    # the caches loaded from disk continue as one forward over the whole sequence does
+    tokens = prompt + [5, 6, 7, 8]
+    cache = fresh.prompt_cache.disk.load_best(np.array(tokens), False)[2]
+    assert "MiniMaxM3KVCache" in {type(c).__name__ for c in cache}
+    n = cache[0].offset
+    continued = fresh.trunk(mx.array([tokens[n:]]), cache).logits
+    whole = lm(mx.array([tokens]), cache=lm.make_cache()).logits[:, n:]
+    assert max_abs_diff(continued, whole) <= 1e-4
+
+
+def test_lookup_rows_in_a_batch_equal_each_alone_with_rejections(checkpoint):
+    """Rows of ``generate_batch`` drafting by prompt lookup (decoded one request at a time: mlx-vlm's
+    own caches are not batched) give each prompt's AR tokens alone, drafts rejected among them."""
+    from mtplx.engine.engine import Engine
+    from mtplx.engine.request import GenerationRequest
+    from mtplx.spec_decode.settings import LookupConfig
+
+    from support.tokenizer import word_level
+
+    word_level(checkpoint, MINIMAX_M3_VOCAB)
+    engine = Engine.load(str(checkpoint))
+    base = lookup_prompt(MINIMAX_M3_VOCAB)
+    prompts = [base, base[20:] + base[:20], base[::-1]]
+
+    def request(draft):
+        lookup = LookupConfig(min_ngram=1, max_ngram=3, max_tokens=4)  # 1-grams: every token recurs
+        return replace(
+            GenerationRequest.from_kwargs(max_tokens=6, draft=draft, lookup=lookup), ignore_eos=True
+        )
+
+    alone = [engine.generate(p, request("none")).token_ids for p in prompts]
+    batched = engine.generate_batch(prompts, request("lookup"), max_rows=3, draft_policy="fixed")
+    assert [b.token_ids for b in batched] == alone
+    assert sum(kept_and_rejected(b.stats)[1] for b in batched) > 0
 
 
 def test_mtplx_convert_output_opens_in_mlx_vlm_and_decodes_as_its_forward(checkpoint, tmp_path):

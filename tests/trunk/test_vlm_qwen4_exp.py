@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from support.seeds import FRESH, resolve
 from support.vlm_families import QWEN4_EXP_HIDDEN, QWEN4_EXP_VOCAB, qwen4_exp
+from support.vlm_heads import max_abs_diff
 
 TOL = 1e-4
 PROMPT_LEN = 12  # over the QSA indexer's 2 kept blocks of 2 keys: it selects
@@ -28,10 +29,6 @@ HC_COUNT = 2
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return qwen4_exp(tmp_path_factory.mktemp("qwen4_exp") / "model").path
-
-
-def _diff(a: mx.array, b: mx.array) -> float:
-    return float(mx.max(mx.abs(a.astype(mx.float32) - b.astype(mx.float32))))
 
 
 def test_trunk_logits_equal_mlx_vlm_forward_and_the_taps_are_the_streams_and_the_mix(checkpoint):
@@ -52,18 +49,18 @@ def test_trunk_logits_equal_mlx_vlm_forward_and_the_taps_are_the_streams_and_the
     prompt = mx.array([tokens[:PROMPT_LEN]])
     out = trunk(prompt, cache)
     ref = reference(prompt, cache=ref_cache, return_hidden=True)
-    assert _diff(out.logits, ref.logits) <= TOL, f"seed {seed}"
+    assert max_abs_diff(out.logits, ref.logits) <= TOL, f"seed {seed}"
     assert out.hidden_pre_norm.shape == (1, PROMPT_LEN, HC_COUNT * QWEN4_EXP_HIDDEN)
-    assert _diff(out.hidden_pre_norm, ref.hidden_states[0]) <= TOL, f"seed {seed}"
-    assert _diff(trunk.lm_head(out.hidden_post_norm), out.logits) <= TOL
+    assert max_abs_diff(out.hidden_pre_norm, ref.hidden_states[0]) <= TOL, f"seed {seed}"
+    assert max_abs_diff(trunk.lm_head(out.hidden_post_norm), out.logits) <= TOL
     for t in tokens[PROMPT_LEN:]:
         step = trunk(mx.array([[t]]), cache)
         want = reference(mx.array([[t]]), cache=ref_cache).logits
-        assert _diff(step.logits, want) <= TOL, f"seed {seed}, token {t}"
+        assert max_abs_diff(step.logits, want) <= TOL, f"seed {seed}, token {t}"
     # a block after a chunked prefill (a verify block) equals one forward of the whole sequence
     whole = trunk(mx.array([tokens]), trunk.make_cache()).logits
     chunked = trunk.make_cache()
     trunk(mx.array([tokens[:5]]), chunked)
     trunk(mx.array([tokens[5:PROMPT_LEN]]), chunked)
     block = trunk(mx.array([tokens[PROMPT_LEN:]]), chunked).logits
-    assert _diff(block, whole[:, PROMPT_LEN:]) <= TOL, f"seed {seed}"
+    assert max_abs_diff(block, whole[:, PROMPT_LEN:]) <= TOL, f"seed {seed}"

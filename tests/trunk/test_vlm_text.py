@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 from support.seeds import FRESH, resolve
 from support.vlm_families import HY_V4_VOCAB, hy_v4
+from support.vlm_heads import max_abs_diff
 
 TOL = 1e-4
 PROMPT_LEN = 12  # over the indexer's 4 kept keys: it selects
@@ -49,10 +50,6 @@ def reference(checkpoint):
 
 def _tokens(seed: int, n: int) -> list[int]:
     return np.random.default_rng(seed).integers(0, HY_V4_VOCAB, size=n).tolist()
-
-
-def _diff(a: mx.array, b: mx.array) -> float:
-    return float(mx.max(mx.abs(a.astype(mx.float32) - b.astype(mx.float32))))
 
 
 def test_backend_is_decided_by_the_table():
@@ -114,15 +111,15 @@ def test_trunk_logits_equal_mlx_vlm_forward(trunk, reference):
     prompt = mx.array([tokens[:PROMPT_LEN]])
     out = trunk(prompt, cache)
     ref = reference(prompt, cache=ref_cache, return_hidden=True)
-    assert _diff(out.logits, ref.logits) <= TOL, f"seed {seed}"
-    assert _diff(out.hidden_post_norm, ref.hidden_states[0]) <= TOL, f"seed {seed}"
+    assert max_abs_diff(out.logits, ref.logits) <= TOL, f"seed {seed}"
+    assert max_abs_diff(out.hidden_post_norm, ref.hidden_states[0]) <= TOL, f"seed {seed}"
     # the tap: pre-norm is the hyper-connection head's collapse of the streams, post = norm(pre)
     inner = reference.model
-    assert _diff(out.hidden_post_norm, inner.norm(out.hidden_pre_norm)) <= TOL
+    assert max_abs_diff(out.hidden_post_norm, inner.norm(out.hidden_pre_norm)) <= TOL
     for t in tokens[PROMPT_LEN:]:
         step = trunk(mx.array([[t]]), cache)
         want = reference(mx.array([[t]]), cache=ref_cache).logits
-        assert _diff(step.logits, want) <= TOL, f"seed {seed}, token {t}"
+        assert max_abs_diff(step.logits, want) <= TOL, f"seed {seed}, token {t}"
 
 
 def _decode_vs_scratch(model, tokens: list[int], start: int) -> float:
@@ -134,7 +131,7 @@ def _decode_vs_scratch(model, tokens: list[int], start: int) -> float:
     for n in range(start, len(tokens)):
         step = model(mx.array([[tokens[n]]]), cache=cache).logits[0, -1]
         scratch = model(mx.array([tokens[: n + 1]]), cache=model.make_cache()).logits[0, -1]
-        worst = max(worst, _diff(step, scratch))
+        worst = max(worst, max_abs_diff(step, scratch))
     return worst
 
 
@@ -148,7 +145,7 @@ def test_decode_and_blocks_select_the_keys_a_scratch_forward_does(trunk, referen
     trunk(mx.array([tokens[:PROMPT_LEN]]), cache)
     block = trunk(mx.array([tokens[PROMPT_LEN:]]), cache).logits
     whole = trunk(mx.array([tokens]), trunk.make_cache()).logits
-    assert _diff(block, whole[:, PROMPT_LEN:]) <= TOL, f"seed {seed}"
+    assert max_abs_diff(block, whole[:, PROMPT_LEN:]) <= TOL, f"seed {seed}"
 
 
 def test_control_mlx_vlms_compiled_top_k_differs_from_scratch(reference):
@@ -176,7 +173,7 @@ def test_chunked_prefill_equals_one_forward(trunk):
         parts.append(trunk(mx.array([tokens[lo:hi]]), cache))
     for field in ("logits", "hidden_pre_norm", "hidden_post_norm"):
         chunked = mx.concatenate([getattr(p, field) for p in parts], axis=1)
-        assert _diff(chunked, getattr(whole, field)) <= TOL, f"seed {seed}, {field}"
+        assert max_abs_diff(chunked, getattr(whole, field)) <= TOL, f"seed {seed}, {field}"
 
 
 def test_no_vision_module_and_mlx_lm_caches(trunk):
@@ -220,3 +217,51 @@ def test_families_mlx_vlm_has_but_mtplx_does_not_host_yet_are_one_line_errors(mo
     assert (
         f"mlx-lm {metadata.version('mlx-lm')}" in message and backends.NOT_HOSTED_YET[model_type] in message
     )
+
+
+@pytest.mark.parametrize(
+    ("family", "kinds"),
+    [  # hy_v4: the MLA latent KV with the DSA indexer's keys, or a shared indexer's alone
+        ("hy_v4", "CacheList(KVCache, KVCache), CacheList(KVCache)"),
+        (
+            "deepseek_v4",
+            "mlx_vlm RotatingKVCache, mlx_vlm CacheList(mlx_vlm RotatingKVCache, mlx_vlm PoolingCache, "
+            "mlx_vlm PoolingCache)",
+        ),
+        (
+            "glm5_next",
+            "mlx_vlm ArraysCache, mlx_vlm CacheList(mlx_vlm KVCache, mlx_vlm KVCache, mlx_vlm PoolingCache, "
+            "mlx_vlm KVCache)",
+        ),
+        ("minimax_m3", "mlx_vlm KVCache, mlx_vlm MiniMaxM3KVCache"),
+    ],
+)
+def test_kv_bits_is_refused_in_one_line_naming_the_cache_kinds(family, kinds):
+    """These families hold no plain mlx-lm KVCache to quantize (mlx-vlm's own classes, or the MLA
+    latent cache inside a CacheList with its indexer's), nor a cache that quantizes itself
+    (Qwen3.8-Flash-Next's does: `test_qwen4_exp_takes_kv_bits_from_position_0_only`)."""
+    from mtplx.trunk.kv_quant import KVQuantization, check_fit
+
+    import support.vlm_families as families
+
+    trunk = Trunk(getattr(families, f"tiny_{family}")())
+    with pytest.raises(MtplxError) as e:
+        check_fit(trunk, None, KVQuantization(4, 64, 0))
+    message = str(e.value)
+    assert "\n" not in message and message.startswith("kv_bits: ") and f"({kinds})" in message
+
+
+def test_qwen4_exp_takes_kv_bits_from_position_0_only():
+    """Its QSAKVCache quantizes itself (mlx-vlm's QSAQuantizedKVCache); a later start would convert
+    it mid-sequence, which its gated-delta caches cannot take in two forwards: one line."""
+    from mtplx.trunk.kv_quant import KVQuantization, check_fit, make_cache
+
+    from support.vlm_families import tiny_qwen4_exp
+
+    trunk = Trunk(tiny_qwen4_exp())
+    check_fit(trunk, None, KVQuantization(8, 32, 0))
+    kinds = [type(c).__name__ for c in make_cache(trunk.make_cache(), KVQuantization(8, 32, 0))]
+    assert kinds == ["ArraysCache", "QSAQuantizedKVCache"] * 2
+    with pytest.raises(MtplxError) as e:
+        check_fit(trunk, None, KVQuantization(8, 32, 16))
+    assert "\n" not in str(e.value) and "quantized_kv_start must be 0" in str(e.value)
