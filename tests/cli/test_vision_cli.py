@@ -3,15 +3,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
-import subprocess
 
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.engine import Engine
 
 import pytest
+from support.cli import run_main
 from support.vision import made_up_image, write_vlm
 
 
@@ -24,21 +23,9 @@ def checkpoint(tmp_path_factory):
     return path
 
 
-def _main(*args: str) -> subprocess.CompletedProcess:
-    from mtplx.cli.main import main
-
-    stdout, stderr = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        try:
-            code = main(list(args))
-        except SystemExit as exit_:
-            code = exit_.code
-    return subprocess.CompletedProcess(["mtplx", *args], code, stdout.getvalue(), stderr.getvalue())
-
-
 def test_generate_with_images_prints_what_the_engine_gives(checkpoint) -> None:
     cat, dog = str(checkpoint / "cat.png"), str(checkpoint / "dog.png")
-    out = _main(
+    out = run_main(
         "generate",
         "--model",
         str(checkpoint),
@@ -70,17 +57,17 @@ def test_generate_with_images_prints_what_the_engine_gives(checkpoint) -> None:
 )
 def test_bad_images_are_one_line_errors(checkpoint, extra, message) -> None:
     extra = [e.format(cfg=checkpoint / "config.json", png=checkpoint / "cat.png") for e in extra]
-    out = _main("generate", "--model", str(checkpoint), "--max-tokens", "2", *extra, "fgh")
+    out = run_main("generate", "--model", str(checkpoint), "--max-tokens", "2", *extra, "fgh")
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert out.returncode != 0 and "Traceback" not in out.stderr
     assert len(lines) == 1 and message in lines[0], out.stderr
 
 
 def test_inspect_says_vision(checkpoint) -> None:
-    out = _main("inspect", str(checkpoint))
+    out = run_main("inspect", str(checkpoint))
     assert out.returncode == 0, out.stderr
     assert "vision        images in the prompt (tower of" in out.stdout
-    info = json.loads(_main("inspect", str(checkpoint), "--json").stdout)
+    info = json.loads(run_main("inspect", str(checkpoint), "--json").stdout)
     assert info["vision"]["takes_images"] and info["vision"]["merge_size"] == 2
 
 

@@ -12,9 +12,6 @@ grouping in general, which test_kv_bits_grouping.py shows and the README states.
 
 from __future__ import annotations
 
-import contextlib
-import io
-
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.engine import Engine
 from mtplx.engine.request import GenerationRequest
@@ -25,6 +22,7 @@ from mtplx.trunk.batch_cache import BatchCache
 import pytest
 from mlx_lm.models.cache import QuantizedKVCache
 from support import checkpoints
+from support.cli import run_main
 
 _req = GenerationRequest.from_kwargs
 PROMPTS = [[5, 9, 2, 11, 7], [3, 3, 8], [12, 1, 4, 4, 9, 10, 2], [6], [7, 2, 7, 2, 7, 2]]
@@ -131,7 +129,7 @@ def test_bad_kv_flags_are_one_line_errors_naming_the_flag(model_dir, tmp_path):
         (["--kv-bits", "4", "--kv-group-size", "48"], "--kv-group-size must be one of 32, 64, 128 (got 48)"),
         (["--kv-bits", "4", "--quantized-kv-start", "-1"], "--quantized-kv-start must be >= 0 (got -1)"),
     ]:
-        code, out, err = _main("generate", "--model", str(model_dir), "-p", "12", *flags)
+        code, out, err = _outcome("generate", "--model", str(model_dir), "-p", "12", *flags)
         assert code != 0 and err.strip() == f"mtplx: error: {message}", err
 
 
@@ -141,7 +139,9 @@ def test_generate_chat_and_serve_take_the_kv_flags(default_model_dir):
     texts = []
     for mtp in ("--mtp", "--no-mtp"):
         flags = ("--kv-bits", "4", "--quantized-kv-start", "3")  # inside the prompt: its prefill splits
-        code, out, err = _main("generate", "-p", "The capital of France is", "--raw", "-m", "6", mtp, *flags)
+        code, out, err = _outcome(
+            "generate", "-p", "The capital of France is", "--raw", "-m", "6", mtp, *flags
+        )
         assert code == 0, err
         texts.append(out)
     assert texts[0] == texts[1] and "Paris" in texts[0], texts
@@ -156,17 +156,9 @@ def _cli(flags: dict) -> list[str]:
     return [part for k, v in flags.items() for part in (f"--{k.replace('_', '-')}", str(v))]
 
 
-def _main(*args: str) -> tuple[int, str, str]:
-    """`mtplx ARGS` through the entry point's function, in this process (no Python start)."""
-    from mtplx.cli.main import main
-
-    stdout, stderr = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        try:
-            code = main(list(args))
-        except SystemExit as exit_:
-            code = exit_.code
-    return code, stdout.getvalue(), stderr.getvalue()
+def _outcome(*args: str) -> tuple[int, str, str]:
+    out = run_main(*args)
+    return out.returncode, out.stdout, out.stderr
 
 
 def test_inspect_and_doctor_print_the_default_models_kv_bytes_per_token(default_model_dir):
@@ -175,7 +167,7 @@ def test_inspect_and_doctor_print_the_default_models_kv_bytes_per_token(default_
     of 64); 4-bit 2*30*3*(32 + 8) = 7200 B."""
     from mtplx.cli.doctor import check_kv_cache
 
-    code, out, err = _main("inspect")
+    code, out, err = _outcome("inspect")
     assert code == 0, err
     assert "kv cache      per token: float32 46.1 KB, 8-bit 13.0 KB, 4-bit 7.2 KB" in out, out
     assert check_kv_cache().data == {"float32": 46080, "8-bit": 12960, "4-bit": 7200}

@@ -91,6 +91,16 @@ def test_a_restarted_server_reuses_the_disk(model_dir, adapter_dir, tmp_path):
         assert _metric(base, "mtplx_prompt_cache_disk_load_seconds_total") > 0
         assert _metric(base, "mtplx_prompt_cache_disk_bytes") > 0
         assert "entries" in log.read_text()
+
+
+@pytest.mark.slow  # the server-level repeat of test_prompt_cache_disk's other-configuration and truncated-file tests
+def test_a_restarted_server_skips_another_configurations_and_damaged_entries(
+    model_dir, adapter_dir, tmp_path
+):
+    cache_dir = tmp_path / "prompt-cache"
+    flags = ("--depth", "2", "--prompt-cache-dir", str(cache_dir))
+    with running_server(model_dir, tmp_path / "first.log", *flags) as (base, _):
+        cold, _, _ = _ask(base, model_dir)
     # Negative control: an adapted engine (same base weights) must not read the base's caches.
     adapted = (*flags, "--adapter-path", str(adapter_dir))
     with running_server(model_dir, tmp_path / "adapted.log", *adapted) as (base, log):
