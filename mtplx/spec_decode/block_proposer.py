@@ -64,7 +64,11 @@ class BlockProposer:
         self.cache: list[RaggedKVCache] = [RaggedKVCache() for _ in drafter.layers]
         self.row_ids: list[int] = []  # the member rows, in the cache's row order
         self.forwards = 0
-        trunk.tap_layers(drafter.target_layer_ids)
+        trunk.tap_layers(self.tapped_layers(trunk))
+
+    def tapped_layers(self, trunk) -> tuple[int, ...]:
+        """The trunk layers whose outputs the drafter reads, in its order."""
+        return tuple(self.drafter.target_layer_ids)
 
     @property
     def max_drafts(self) -> int:
@@ -77,9 +81,9 @@ class BlockProposer:
         """A new row's own context cache while it prefills (None: the row does not use the drafter)."""
         return self.drafter.make_cache() if self.source in spec.sources else None
 
-    def prefill_observer(self, cache: list | None):
+    def prefill_observer(self, cache: list | None, prompt_tokens: Sequence[int]):
         """What feeds a prefilling row's own context cache: every forwarded prompt position
-        (None for a row that does not use the drafter)."""
+        (None for a row that does not use the drafter; ``prompt_tokens``: the row's prompt)."""
         if cache is None:
             return None
 
@@ -105,9 +109,13 @@ class BlockProposer:
             for n, layer in enumerate(self.cache):
                 layer.add_rows([row.drafter_cache[n] for row in joining])
             for row in joining:
+                self._joined(row)
                 row.drafter_cache = None
                 self.row_ids.append(row.row_id)
         return [members[rid] for rid in self.row_ids]
+
+    def _joined(self, row) -> None:
+        """A row's prefilled cache has joined the drafter's (EAGLE-3 moves the taps it kept)."""
 
     # ------------------------------------------------------------------ the cycle
     def propose_free(self, rows: Sequence, keys: Sequence, chosen: Sequence, caps: Sequence[int]):
@@ -160,19 +168,7 @@ class BlockProposer:
         draft positions."""
         from mtplx.drafters import dflash, dflash2, dspark
 
-        counts = [sum(int(t[0].shape[1]) for t in row.drafter_taps) for row in members]
-        longest = max(counts)
-        taps = []
-        for layer in range(len(self.drafter.target_layer_ids)):
-            parts = [
-                pad_time(mx.concatenate([t[layer] for t in row.drafter_taps], axis=1), longest)
-                if row.drafter_taps
-                else mx.zeros((1, longest, self.tap_width), mx.float32)
-                for row in members
-            ]
-            taps.append(mx.concatenate(parts, axis=0))
-        for row in members:
-            row.drafter_taps = []
+        counts, taps = self._new_context(members)
         anchor = mx.array([row.pending for row in members], dtype=mx.int32)
         # DSpark's block: its own length (`DSparkDrafter.block_tokens`); else [anchor, mask x P].
         size = None if self.source is Source.DSPARK else self.max_drafts + 1
@@ -186,10 +182,28 @@ class BlockProposer:
         out = dflash.dflash_block_logits(self.drafter, *shared)
         return out[:, 1:], out[:, 1:]
 
+    def _new_context(self, members: Sequence) -> tuple[list[int], list[mx.array]]:
+        """Each member row's new context (the layer taps waiting on it, then cleared): (its
+        count c_r, one [Bd, max c_r, Ht] per tapped layer, padded past each row's count)."""
+        counts = [sum(int(t[0].shape[1]) for t in row.drafter_taps) for row in members]
+        longest = max(counts)
+        taps = []
+        for layer in range(len(self.trunk.tapped_layers)):
+            parts = [
+                pad_time(mx.concatenate([t[layer] for t in row.drafter_taps], axis=1), longest)
+                if row.drafter_taps
+                else mx.zeros((1, longest, self.tap_width), mx.float32)
+                for row in members
+            ]
+            taps.append(mx.concatenate(parts, axis=0))
+        for row in members:
+            row.drafter_taps = []
+        return counts, taps
+
     @property
     def tap_width(self) -> int:
         """The width of one layer tap (the trunk's hidden size)."""
-        return int(self.drafter.fc.weight.shape[1]) // len(self.drafter.target_layer_ids)
+        return int(self.drafter.fc.weight.shape[1]) // len(self.trunk.tapped_layers)
 
     def _position_logits(self, hidden: mx.array, logits: mx.array, j: int, previous: mx.array) -> mx.array:
         """Position j's draft logits [Bd, V], given the token before it (``previous`` [Bd])."""
