@@ -129,14 +129,12 @@ class Eagle3Drafter(nn.Module):
         ids = draft_ids.astype(mx.int32)
         return ids + self.d2t[ids] if "d2t" in self else ids
 
-    def target_logits(self, draft_logits: mx.array, floor: float = -float("inf")) -> mx.array:
-        """Draft logits [..., Vd] placed on the target vocabulary [..., V] (``floor`` where the
-        draft vocabulary has no token): the proposal q an exact verifier needs, over the target's
-        ids. A finite floor far below every logit (the proposer's) is still probability zero in
-        float32, and leaves a distribution where a grammar mask allows no draft-vocabulary token."""
+    def target_logits(self, draft_logits: mx.array) -> mx.array:
+        """Draft logits [..., Vd] placed on the target vocabulary [..., V] (-inf where the draft
+        vocabulary has no token): the proposal q an exact verifier needs, over the target's ids."""
         if "d2t" not in self:
             return draft_logits
-        out = mx.full((*draft_logits.shape[:-1], self.spec.vocab_size), floor, dtype=draft_logits.dtype)
+        out = mx.full((*draft_logits.shape[:-1], self.spec.vocab_size), -mx.inf, dtype=draft_logits.dtype)
         out[..., self.draft_to_target(mx.arange(self.spec.draft_vocab_size))] = draft_logits
         return out
 

@@ -37,12 +37,7 @@ from mtplx.spec_decode.head_chain import draw_drafts
 
 import mlx.core as mx
 
-__all__ = ["OFF_VOCAB", "Eagle3Proposer", "WaitingTaps"]
-
-# The logit of a target token outside the draft vocabulary: probability zero in float32 after any
-# temperature or penalty (exp underflows), yet finite, so a grammar row whose mask allows no
-# draft-vocabulary token still draws from a distribution (uniform over what the mask allows).
-OFF_VOCAB = -1e9
+__all__ = ["Eagle3Proposer", "WaitingTaps"]
 
 
 class WaitingTaps:
@@ -107,13 +102,12 @@ class Eagle3Proposer(BlockProposer):
         return eagle3_forward(self.drafter, tokens, hidden, cache, None, self.embedding, counts)
 
     def _target_logits(self, hidden: mx.array) -> mx.array:
-        """Logits [Bd, V] on the target's vocabulary of the drafter's hidden [Bd, H] (`OFF_VOCAB`
-        off the draft vocabulary)."""
+        """Logits [Bd, V] on the target's vocabulary of the drafter's hidden [Bd, H] (-inf off the
+        draft vocabulary; a grammar row whose mask allows only such ids drafts uniformly among
+        them: `sample.target.masked_draft_logits`)."""
         from mtplx.drafters.eagle3 import eagle3_logits
 
-        return self.drafter.target_logits(
-            eagle3_logits(self.drafter, hidden, self.embedding.as_linear), OFF_VOCAB
-        )
+        return self.drafter.target_logits(eagle3_logits(self.drafter, hidden, self.embedding.as_linear))
 
     def propose(self, rows: Sequence, keys: Sequence, most: Sequence[int]) -> DraftBlock:
         """At most ``most[r]`` (<= P) drafts for each member row r: the context forward over every

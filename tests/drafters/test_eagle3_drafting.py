@@ -4,7 +4,7 @@ speculators layout with a reduced draft vocabulary (``d2t``).
 - Every draft's logits, cycle after cycle for rows of different lengths in one batch (the
   chain rolled back each cycle), equal mlx-vlm 0.7.10's own ``Eagle3DraftModel`` run afresh on
   the row's committed text (its taps from the trunk's full forward, its chain on its own hidden),
-  on the draft vocabulary placed through the file's ``d2t``; off it, the proposer's floor.
+  on the draft vocabulary placed through the file's ``d2t``; -inf off it.
 - Greedy drafting equals plain AR token for token with drafts kept; one context forward per
   cycle for all rows and one chain step per further draft (counted).
 - Sampled at t 0.7 with top-p, the first tokens' joint equals the exact AR joint (float64
@@ -19,7 +19,7 @@ import json
 
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.sample.params import SamplerConfig
-from mtplx.spec_decode.eagle3_proposer import OFF_VOCAB, Eagle3Proposer
+from mtplx.spec_decode.eagle3_proposer import Eagle3Proposer
 from mtplx.spec_decode.rows import RowSpec
 from mtplx.spec_decode.settings import DecodeSettings
 from mtplx.spec_decode.sources import Source
@@ -105,7 +105,7 @@ def test_every_draft_equals_mlx_vlms_drafter_on_the_committed_text(trunk, tmp_pa
             ours = np.stack([step[m] for step in call["logits"]])[: len(drafts)]
             theirs = _mlx_vlm_logits(model, layers, trunk, call["history"][row_id], drafts[:-1])
             np.testing.assert_allclose(ours[:, targets], theirs, atol=1e-4, rtol=0)
-            assert (ours[:, off] == OFF_VOCAB).all()
+            assert np.isneginf(ours[:, off]).all()
 
 
 def test_greedy_eagle3_drafting_equals_ar_with_one_context_forward_per_cycle(trunk, tmp_path):
@@ -173,3 +173,47 @@ def test_sampled_eagle3_drafting_matches_the_exact_ar_joint(tmp_path, monkeypatc
     exactness.plant_commit_rejected_draft(monkeypatch)
     p_planted = exactness.loop_p_value(_first_tokens(trunk, loaded, cfg, 150, mixed=False), expected)
     assert p_planted < exactness.FALSE_FAILURE_RATE, f"planted bug not caught: p = {p_planted:.3g}"
+
+
+def test_a_grammar_allowing_only_ids_off_the_draft_vocabulary_still_drafts(tmp_path, tmp_path_factory):
+    """A grammar row whose mask allows only target ids the draft vocabulary lacks: its first draft
+    is drawn uniformly among what the mask allows (`masked_draft_logits`), not from a NaN that
+    would fail the row (sampled at t 1); greedy, it gives the grammar's AR tokens."""
+    from mtplx.engine.grammar import GrammarCompiler
+    from mtplx.engine.grammar_spec import Grammar
+
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+    from support.tokenizer import CHATML_CHARS, chatml_chars
+
+    vocab = 40
+    trunk = drafters.tiny_target(0, TARGET_LAYERS, vocab)
+    loaded = load_eagle3_replica(tmp_path, vocab, seed=KEPT_SEED)
+    d2t = np.array(loaded.drafter.d2t)
+    off = sorted(set(range(26)) - set((np.arange(len(d2t)) + d2t).tolist()))  # letters, ids 0..25
+    assert len(off) >= 2, off
+    chars = tmp_path_factory.mktemp("chatml")
+    chatml_chars(chars)
+    compiler = GrammarCompiler(load_tokenizer(chars), vocab)
+    grammar = Grammar.lark(f"start: /[{''.join(CHATML_CHARS[i] for i in off)}]{{10}}/")
+    prompt = [CHATML_CHARS.index(c) for c in "ab,ab c."]
+    decoders = []
+    sampled = SamplerConfig(temperature=1.0)
+    specs = [
+        RowSpec(DecodeSettings(sampler=GREEDY)),
+        RowSpec(DecodeSettings(sampler=GREEDY), (Source.EAGLE3,)),
+        RowSpec(DecodeSettings(sampler=sampled), (Source.EAGLE3,)),
+    ]
+    got = [
+        decode_rows(
+            trunk,
+            [prompt],
+            [spec],
+            10,
+            blocks=loaded,
+            constraints=[compiler.compile(grammar)],
+            on_decoder=decoders.append,
+        )[0][0]
+        for spec in specs
+    ]
+    assert got[0] == got[1] and set(got[2]) <= set(off)
+    assert decoders[1].blocks.forwards > 0 and decoders[2].blocks.forwards > 0
