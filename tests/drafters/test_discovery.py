@@ -111,7 +111,7 @@ def test_cli_inspect_and_generate(family):
     assert "num_target_layers 3 != the trunk's 2 layers" in done.stderr
 
 
-def test_an_eagle3_drafter_beside_the_model_is_found_and_checked(tmp_path):
+def test_an_eagle3_drafter_beside_the_model_is_found_and_drafts(tmp_path):
     target = checkpoints.save_model(
         tmp_path / "Tiny-4bit", models.tiny_llama(), architectures=["LlamaForCausalLM"]
     ).path
@@ -133,6 +133,15 @@ def test_an_eagle3_drafter_beside_the_model_is_found_and_checked(tmp_path):
     got = engine.generate(prompt, greedy("eagle3"))
     assert got.token_ids == ar.token_ids
     assert got.stats.drafters["eagle3"]["drafted"] > 0, got.stats.drafters
+    # n = 3 choices forked from one prefill (each from a copy of its drafter context): each = alone
+    scheduler = engine.batch(max_rows=4, draft_policy="fixed")
+    handle = scheduler.submit(prompt, replace(greedy("eagle3"), n=3))
+    tokens = {}
+    while not scheduler.idle:
+        for result in scheduler.step():
+            assert result.error is None and result.handle == handle, result.error
+            tokens.setdefault(result.choice, []).extend(result.chunk.token_ids)
+    assert [tokens[c] for c in range(3)] == [got.token_ids] * 3
     config["eagle_aux_hidden_state_layer_ids"] = [1, 2, 3]
     drafters.write_eagle3(tmp_path / "Tiny-EAGLE3", config, drafters.eagle3_tensors(config))
     assert "name a layer past the trunk's 2" in inspect_model(str(target))["block_drafter"]["problem"]
