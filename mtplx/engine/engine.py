@@ -469,7 +469,9 @@ class Engine:
             from mtplx.spec_decode.draft_policy import measure_cost_profile
 
             saved = None if remeasure else tuned.saved_batch_cost(self.fingerprint)
-            self._cost_profile = saved or measure_cost_profile(self.trunk, self.head)
+            self._cost_profile = saved or measure_cost_profile(
+                self.trunk, self.head, blocks=self.block_drafter
+            )
         return self._cost_profile
 
     def generate_batch(

@@ -39,7 +39,7 @@ from mtplx.trunk.batch_cache import RaggedKVCache
 
 import mlx.core as mx
 
-__all__ = ["BlockDrafter", "BlockProposer", "drafters_loaded"]
+__all__ = ["BlockDrafter", "BlockProposer", "block_forward", "drafters_loaded", "time_block_forward"]
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,6 @@ class BlockProposer:
         drafter, source = loaded.drafter, loaded.source
         self.drafter, self.trunk, self.source = drafter, trunk, source
         self.layout = source.value
-        self.embed_scale = float(getattr(trunk.inner, "embed_scale", 1.0))
         self.cache: list[RaggedKVCache] = [RaggedKVCache() for _ in drafter.layers]
         self.row_ids: list[int] = []  # the member rows, in the cache's row order
         self.forwards = 0
@@ -166,21 +165,10 @@ class BlockProposer:
     def _forward(self, members: Sequence) -> tuple[mx.array, mx.array]:
         """One block forward over the member rows: (hidden [Bd, P, H], logits [Bd, P, V]) at the
         draft positions."""
-        from mtplx.drafters import dflash, dflash2, dspark
-
         counts, taps = self._new_context(members)
         anchor = mx.array([row.pending for row in members], dtype=mx.int32)
-        # DSpark's block: its own length (`DSparkDrafter.block_tokens`); else [anchor, mask x P].
-        size = None if self.source is Source.DSPARK else self.max_drafts + 1
-        block = self.drafter.block_tokens(anchor, size)
-        shared = (block, taps, self.cache, self.trunk.embed, self.trunk.lm_head, self.embed_scale, counts)
         self.forwards += 1
-        if self.source is Source.DSPARK:
-            return dspark.dspark_base(self.drafter, *shared)
-        if self.source is Source.DFLASH2:
-            return dflash2.dflash2_block(self.drafter, *shared)
-        out = dflash.dflash_block_logits(self.drafter, *shared)
-        return out[:, 1:], out[:, 1:]
+        return block_forward(self.drafter, self.source, self.trunk, anchor, taps, self.cache, counts)
 
     def _new_context(self, members: Sequence) -> tuple[list[int], list[mx.array]]:
         """Each member row's new context (the layer taps waiting on it, then cleared): (its
@@ -264,6 +252,48 @@ class BlockProposer:
             if self.source in row.spec.sources:
                 n = outcome.num_accepted[i]
                 row.drafter_taps.append(tuple(t[i : i + 1, : n + 1] for t in taps))
+
+
+def block_forward(drafter, source: Source, trunk, anchor: mx.array, taps, cache, counts) -> tuple:
+    """One block forward of a DFlash / DFlash2 / DSpark drafter over rows whose new context is the
+    layer taps ``taps`` (row r's first counts[r] positions) and whose block starts at ``anchor``
+    [Bd]: (hidden [Bd, P, H], logits [Bd, P, V]) at the draft positions."""
+    from mtplx.drafters import dflash, dflash2, dspark
+
+    # DSpark's block: its own length (`DSparkDrafter.block_tokens`); else [anchor, mask x P].
+    size = None if source is Source.DSPARK else int(drafter.spec.block_size)
+    block = drafter.block_tokens(anchor, size)
+    scale = float(getattr(trunk.inner, "embed_scale", 1.0))
+    shared = (block, taps, cache, trunk.embed, trunk.lm_head, scale, counts)
+    if source is Source.DSPARK:
+        return dspark.dspark_base(drafter, *shared)
+    if source is Source.DFLASH2:
+        return dflash2.dflash2_block(drafter, *shared)
+    out = dflash.dflash_block_logits(drafter, *shared)
+    return out[:, 1:], out[:, 1:]
+
+
+def time_block_forward(loaded: BlockDrafter, num_rows: int, context: int, trunk):
+    """A call running one block forward of ``loaded`` over ``num_rows`` rows holding ``context``
+    positions each (zero taps) and one new position each (a cycle that kept nothing), evaluated,
+    the cache set back after: what the draft policy's cost profile times."""
+    taps_of = len(loaded.drafter.target_layer_ids)
+    tap_width = int(loaded.drafter.fc.weight.shape[1]) // taps_of
+    cache = [RaggedKVCache(lengths=[0] * num_rows) for _ in loaded.drafter.layers]
+    anchor = mx.zeros((num_rows,), dtype=mx.int32)
+
+    def forward(length: int) -> None:
+        taps = [mx.zeros((num_rows, length, tap_width), mx.float32)] * taps_of
+        mx.eval(block_forward(loaded.drafter, loaded.source, trunk, anchor, taps, cache, [length] * num_rows))
+
+    forward(context)
+
+    def timed() -> None:
+        forward(1)
+        for layer in cache:
+            layer.set_lengths([context] * num_rows)
+
+    return timed
 
 
 def drafters_loaded(sources: Sequence[Source], chain, blocks: BlockProposer | None) -> bool:

@@ -37,7 +37,42 @@ from mtplx.spec_decode.head_chain import draw_drafts
 
 import mlx.core as mx
 
-__all__ = ["Eagle3Proposer", "WaitingTaps"]
+__all__ = ["Eagle3Proposer", "WaitingTaps", "time_chain_step", "token_embedding"]
+
+
+def token_embedding(drafter, trunk):
+    """The embedding an EAGLE-3 drafter reads tokens with (its tied LM head too): the target's, as
+    mlx-vlm binds it whenever its shape is the drafter's; else the file's own copy."""
+    from mtplx.trunk.compat_nemotron import embedding_of
+
+    spec = drafter.spec
+    own = "embed_tokens" in drafter and spec.hidden_size != spec.target_hidden_size
+    return drafter.embed_tokens if own else embedding_of(trunk.inner)
+
+
+def time_chain_step(loaded, num_rows: int, context: int, trunk):
+    """A call running one chain step of ``loaded`` (an EAGLE-3 `BlockDrafter`) over ``num_rows``
+    rows holding ``context`` pairs each (zero taps), with its logits, evaluated, the cache set back
+    after: what the draft policy's cost profile times (a cycle's context forward of a few pairs
+    costs about as much)."""
+    from mtplx.drafters.eagle3 import eagle3_forward, eagle3_logits
+    from mtplx.trunk.batch_cache import RaggedKVCache
+
+    drafter = loaded.drafter
+    embedding = token_embedding(drafter, trunk)
+    cache = [RaggedKVCache(lengths=[0] * num_rows) for _ in drafter.layers]
+    tokens = mx.zeros((num_rows, context), dtype=mx.int32)
+    taps = mx.zeros((num_rows, context, 3 * drafter.spec.target_hidden_size), mx.float32)
+    mx.eval(eagle3_forward(drafter, tokens, taps, cache, None, embedding, [context] * num_rows))
+    hidden = mx.zeros((num_rows, 1, drafter.spec.hidden_size), mx.float32)
+
+    def timed() -> None:
+        out = eagle3_forward(drafter, tokens[:, :1], hidden, cache, None, embedding, [1] * num_rows)
+        mx.eval(drafter.target_logits(eagle3_logits(drafter, out, embedding.as_linear)))
+        for layer in cache:
+            layer.set_lengths([context] * num_rows)
+
+    return timed
 
 
 class WaitingTaps:
@@ -56,12 +91,7 @@ class Eagle3Proposer(BlockProposer):
     def __init__(self, loaded, trunk):
         super().__init__(loaded, trunk)
         self.chain_steps = 0
-        from mtplx.trunk.compat_nemotron import embedding_of
-
-        spec = self.drafter.spec
-        own = "embed_tokens" in self.drafter and spec.hidden_size != spec.target_hidden_size
-        # mlx-vlm binds the target's embedding whenever its shape is the drafter's.
-        self.embedding = self.drafter.embed_tokens if own else embedding_of(trunk.inner)
+        self.embedding = token_embedding(self.drafter, trunk)
 
     def tapped_layers(self, trunk) -> tuple[int, ...]:
         return self.drafter.tapped_layers(len(trunk.layers))

@@ -282,3 +282,16 @@ def test_dspark_confidence_cuts_an_adaptive_rows_block(trunk, tmp_path, monkeypa
     assert min(expected) < loaded.drafter.dspark.proposal_length, "no block was cut: the test needs one"
     ar, _ = decode_rows(trunk, PROMPTS[1:2], [RowSpec(DecodeSettings(sampler=GREEDY))], len(tokens))
     assert tokens == ar[0]
+
+
+@pytest.mark.parametrize("kind", [Source.DFLASH, Source.EAGLE3])
+def test_the_cost_profile_times_the_drafters_forward(trunk, tmp_path, kind):
+    """`measure_cost_profile` with a block drafter: DFlash's block forward once per drafting
+    cycle (``block_*``), EAGLE-3's chain step per draft (``head_*``, the trunk having no head)."""
+    from mtplx.spec_decode.draft_policy import measure_cost_profile
+
+    loaded = load_replica(kind, tmp_path, VOCAB)
+    profile = measure_cost_profile(trunk, max_tokens=2, max_rows=2, context=4, repeats=1, blocks=loaded)
+    timed, untimed = ("block", "head") if kind is Source.DFLASH else ("head", "block")
+    assert getattr(profile, f"{timed}_rows") == (1, 2) and min(getattr(profile, f"{timed}_seconds")) > 0
+    assert getattr(profile, f"{untimed}_rows") == () and getattr(profile, f"{untimed}_seconds") == ()
