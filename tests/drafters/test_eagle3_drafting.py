@@ -217,3 +217,21 @@ def test_a_grammar_allowing_only_ids_off_the_draft_vocabulary_still_drafts(tmp_p
     ]
     assert got[0] == got[1] and set(got[2]) <= set(off)
     assert decoders[1].blocks.forwards > 0 and decoders[2].blocks.forwards > 0
+
+
+def test_an_eagle3_cycle_syncs_the_host_once(trunk, tmp_path):
+    """Two sampled EAGLE-3 rows: drafting (context forward, chain, rollback), verify and commit
+    add no host sync to the cycle's one."""
+    from mtplx.spec_decode.loop import BatchDecoder
+
+    from support.sync_counter import counting_syncs
+
+    decoder = BatchDecoder(trunk, blocks=load_eagle3_replica(tmp_path, VOCAB, seed=KEPT_SEED))
+    spec = RowSpec(DecodeSettings(sampler=SamplerConfig(temperature=0.7)), (Source.EAGLE3,))
+    for i, prompt in enumerate(PROMPTS[:2]):
+        decoder.join(prompt, spec, mx.random.key(i))
+    decoder.step()  # the rows' first cycle also evaluates the copies that moved them in
+    with counting_syncs() as counter:
+        for _ in range(4):
+            decoder.step()
+    assert counter.syncs == 4 and decoder.blocks.forwards == 5
