@@ -217,7 +217,8 @@ class Engine:
         """A DFlash / DFlash2 / DSpark / EAGLE-3 drafter named by ``head`` or ``draft_model`` (a
         directory; then it is neither), else (``search``, not ``sharded``) a fitting one beside the
         model, found by name then checked by config (`mtplx.drafters.discovery`); a named misfit
-        is a one-line error naming the field, and so is one named for a sharded engine. Returns the (head, draft_model) still to load."""
+        is a one-line error naming the field, and so is one named for a sharded engine. Returns
+        the (head, draft_model) still to load."""
         from mtplx.drafters import discovery
         from mtplx.spec_decode.block_proposer import BlockDrafter
         from mtplx.spec_decode.sources import Source
