@@ -39,7 +39,14 @@ from mtplx.trunk.batch_cache import RaggedKVCache
 
 import mlx.core as mx
 
-__all__ = ["BlockDrafter", "BlockProposer", "block_forward", "drafters_loaded", "time_block_forward"]
+__all__ = [
+    "BlockDrafter",
+    "BlockProposer",
+    "block_forward",
+    "drafters_loaded",
+    "first_masks",
+    "time_block_forward",
+]
 
 
 @dataclass(frozen=True)
@@ -135,14 +142,7 @@ class BlockProposer:
         hidden, logits = self._forward(members)
         # A row draws P uniforms whatever the block's width, so its draws do not depend on the batch.
         uniforms = [padded_uniforms(self.max_drafts, width, keys[i].draft) for i in index]
-        masks = [
-            row.constraint.mask_after() if row.constraint is not None and most[i] else None
-            for row, i in zip(members, index)
-        ]
-        first_allowed = None
-        if any(m is not None for m in masks):
-            free = mx.ones_like(next(m for m in masks if m is not None))
-            first_allowed = mx.stack([m if m is not None else free for m in masks])
+        first_allowed = first_masks(members, [most[i] for i in index])
         anchor = mx.array([row.pending for row in members], dtype=mx.int32)
         drafts: list[mx.array] = []
         probs, sure, flags, confidence = [], [], [], []
@@ -252,6 +252,19 @@ class BlockProposer:
             if self.source in row.spec.sources:
                 n = outcome.num_accepted[i]
                 row.drafter_taps.append(tuple(t[i : i + 1, : n + 1] for t in taps))
+
+
+def first_masks(members: Sequence, most: Sequence[int]) -> mx.array | None:
+    """bool [Bd, V]: each drafting grammar row's mask after its committed text (all allowed for
+    the others), for its first draft; None without a grammar row."""
+    masks = [
+        row.constraint.mask_after() if row.constraint is not None and n else None
+        for row, n in zip(members, most)
+    ]
+    if all(m is None for m in masks):
+        return None
+    free = mx.ones_like(next(m for m in masks if m is not None))
+    return mx.stack([m if m is not None else free for m in masks])
 
 
 def block_forward(drafter, source: Source, trunk, anchor: mx.array, taps, cache, counts) -> tuple:

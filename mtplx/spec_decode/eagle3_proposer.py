@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mtplx.spec_decode.block_proposer import BlockProposer
+from mtplx.spec_decode.block_proposer import BlockProposer, first_masks
 from mtplx.spec_decode.draft_block import DraftBlock, padded_uniforms
 from mtplx.spec_decode.head_chain import draw_drafts
 
@@ -158,7 +158,7 @@ class Eagle3Proposer(BlockProposer):
         committed = list(self.cache[0].lengths)
         # A row draws P uniforms whatever the block's width, so its draws do not depend on the batch.
         uniforms = [padded_uniforms(self.max_drafts, width, keys[i].draft) for i in index]
-        first_allowed = self._first_masks(members, [most[i] for i in index])
+        first_allowed = first_masks(members, [most[i] for i in index])
         drafts: list[mx.array] = []
         probs, sure, flags = [], [], []
         for j in range(width):
@@ -179,16 +179,3 @@ class Eagle3Proposer(BlockProposer):
         for layer in self.cache:  # the chain rolled back: the context holds committed pairs only
             layer.set_lengths(committed)
         return self._block(rows, index, most, width, drafts, probs, sure, flags)
-
-    @staticmethod
-    def _first_masks(members: Sequence, most: Sequence[int]) -> mx.array | None:
-        """bool [Bd, V]: each drafting grammar row's mask after its committed text (all allowed
-        for the others); None without a grammar row."""
-        masks = [
-            row.constraint.mask_after() if row.constraint is not None and n else None
-            for row, n in zip(members, most)
-        ]
-        if all(m is None for m in masks):
-            return None
-        free = mx.ones_like(next(m for m in masks if m is not None))
-        return mx.stack([m if m is not None else free for m in masks])
