@@ -111,10 +111,10 @@ class Eagle3Proposer(BlockProposer):
             if layers[0].offset != start:
                 raise ValueError("EAGLE-3 prefill: the drafter's context must start where the chunk does")
             known = min(end, last) - start
-            taps = mx.concatenate(list(output.layer_hidden), axis=-1)
             if known > 0:
                 tokens = mx.array([prompt_tokens[start + 1 : start + 1 + known]], dtype=mx.int32)
-                self._drafter_forward(tokens, taps[:, :known], layers, None)
+                taps = mx.concatenate([t[:, :known] for t in output.layer_hidden], axis=-1)
+                self._drafter_forward(tokens, taps, layers, None)
                 mx.eval([c.state for c in layers])
             if end > last:
                 waiting.taps = tuple(t[:, last - start : last - start + 1] for t in output.layer_hidden)
