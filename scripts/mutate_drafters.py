@@ -4,8 +4,10 @@ reference test fails (``scripts/mutate_heads.py``'s machinery, with the drafters
 Exact verification keeps the trunk's tokens whatever a drafter proposes, so only the drafter's
 reference test (mtplx == mlx-vlm 0.7.10 == the float64 oracle) can catch a wrong drafter. Per
 family, one at a time: the wrong target layer, the mask token or position offset (DFlash), ``d2t``
-off by one (EAGLE-3), a dropped norm, and more of the family's own. The last run's table is in
-``tests/drafters/README.md``.
+off by one (EAGLE-3), a dropped norm, and more of the family's own; ``eagle3_cycle`` plants them
+in EAGLE-3's drafting path in the cycle (`spec_decode/eagle3_proposer.py`: also a tap paired with
+the wrong token, the rope position, the chain not rolled back) against its in-cycle reference
+test. The last run's table is in ``tests/drafters/README.md``.
 
     python scripts/mutate_drafters.py [--families dflash]
 
