@@ -1,12 +1,13 @@
-"""Tokens per cycle and decode tok/s per block drafter (DFlash, DFlash2, DSpark) against plain AR
-and the MTP head, on the default model, greedy, interleaved repeats, medians.
+"""Tokens per cycle and decode tok/s per block drafter (DFlash, DFlash2, DSpark, EAGLE-3) against
+plain AR and the MTP head, on the default model, greedy, interleaved repeats, medians.
 
 No DFlash / DSpark checkpoint exists for the default model (SmolLM2) and none can be downloaded
 here, so each drafter is a random-weight replica in its published layout, sized to the default
 model (`tests/support/drafters.py`): it agrees with the target by chance only, so its tokens per
 cycle stay near 1 and what this measures is the cost of drafting with it (one block forward per
-cycle, a verify block of P + 1 positions) against plain AR, not the speedup a trained drafter
-brings. Run from the repository root: ``python benchmarks/block_drafters.py [--reps 3]`` ->
+cycle, or EAGLE-3's context forward and chain; a verify block of P + 1 positions) against plain
+AR, not the speedup a trained drafter brings. Run from the repository root:
+``python benchmarks/block_drafters.py [--reps 3] [--kinds eagle3] [--out FILE]`` ->
 benchmarks/results/block-drafters-cpu.json.
 """
 
@@ -34,7 +35,7 @@ from support import drafters  # noqa: E402
 
 OUT = ROOT / "benchmarks/results/block-drafters-cpu.json"
 PROMPTS = ("Write a short story about a lighthouse keeper.", "Explain how a hash map works.")
-KINDS = (Source.DFLASH, Source.DFLASH2, Source.DSPARK)
+KINDS = (Source.DFLASH, Source.DFLASH2, Source.DSPARK, Source.EAGLE3)
 
 
 def replica(engine: Engine, kind: Source, root: Path) -> BlockDrafter:
@@ -42,6 +43,8 @@ def replica(engine: Engine, kind: Source, root: Path) -> BlockDrafter:
     text = engine.config.get("text_config", engine.config)
     hidden, layers, vocab = text["hidden_size"], text["num_hidden_layers"], text["vocab_size"]
     ids = [1, layers // 2, layers - 2]
+    if kind is Source.EAGLE3:
+        return eagle3_replica(hidden, layers, vocab, root)
     make = {
         Source.DFLASH: (drafters.dflash_config, drafters.dflash_tensors),
         Source.DFLASH2: (drafters.dflash2_config, drafters.dflash2_tensors),
@@ -52,6 +55,25 @@ def replica(engine: Engine, kind: Source, root: Path) -> BlockDrafter:
     path = drafters.write_dflash(root / kind.value, config, make[1](config, seed=1))
     loaded = load_block_drafter(BlockCandidate(path, kind.value, "replica", config, None))
     return BlockDrafter(loaded, kind)
+
+
+def eagle3_replica(hidden: int, layers: int, vocab: int, root: Path) -> BlockDrafter:
+    """A random-weight EAGLE-3 drafter in the speculators layout at the model's hidden size, its
+    draft vocabulary a random 32k of the model's ids (Llama-3's EAGLE-3 drafters keep 32k of 128k),
+    tapping hidden_states 2, n // 2 and n - 1."""
+    draft = min(32000, vocab - 1)
+    config = drafters.eagle3_config(vocab, draft, [2, layers // 2, layers - 1])
+    config["transformer_layer_config"].update(
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+    )
+    config["target_hidden_size"] = hidden
+    path = drafters.write_eagle3(root / "eagle3", config, drafters.eagle3_tensors(config, seed=1))
+    loaded = load_block_drafter(BlockCandidate(path, "eagle3", "replica", config, None))
+    return BlockDrafter(loaded, Source.EAGLE3)
 
 
 def run(engine: Engine, draft: str, prompt: str, tokens: int) -> dict:
@@ -69,12 +91,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--kinds", default=",".join(k.value for k in KINDS), help="block drafters to run")
+    parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
+    kinds = [Source(k) for k in args.kinds.split(",") if k]
     engine = Engine.load()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        loaded = {kind: replica(engine, kind, Path(tmp)) for kind in KINDS}
-        cases = [("none", None), ("head", None)] + [(k.value, loaded[k]) for k in KINDS]
+        loaded = {kind: replica(engine, kind, Path(tmp)) for kind in kinds}
+        cases = [("none", None), ("head", None)] + [(k.value, loaded[k]) for k in kinds]
         results: dict[str, list[dict]] = {name: [] for name, _ in cases}
         for _ in range(args.reps):  # interleaved: each repeat runs every case once
             for prompt in PROMPTS:
@@ -91,7 +116,7 @@ def main() -> None:
             }
             rows.append(row)
             print(json.dumps(row), flush=True)
-    with atomic_write(OUT) as handle:
+    with atomic_write(args.out) as handle:
         handle.write(json.dumps(rows, indent=1) + "\n")
 
 

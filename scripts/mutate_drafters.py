@@ -4,8 +4,10 @@ reference test fails (``scripts/mutate_heads.py``'s machinery, with the drafters
 Exact verification keeps the trunk's tokens whatever a drafter proposes, so only the drafter's
 reference test (mtplx == mlx-vlm 0.7.10 == the float64 oracle) can catch a wrong drafter. Per
 family, one at a time: the wrong target layer, the mask token or position offset (DFlash), ``d2t``
-off by one (EAGLE-3), a dropped norm, and more of the family's own. The last run's table is in
-``tests/drafters/README.md``.
+off by one (EAGLE-3), a dropped norm, and more of the family's own; ``eagle3_cycle`` plants them
+in EAGLE-3's drafting path in the cycle (`spec_decode/eagle3_proposer.py`: also a tap paired with
+the wrong token, the rope position, the chain not rolled back) against its in-cycle reference
+test. The last run's table is in ``tests/drafters/README.md``.
 
     python scripts/mutate_drafters.py [--families dflash]
 
@@ -27,6 +29,7 @@ _DFLASH = "mtplx/drafters/dflash.py"
 _EAGLE3 = "mtplx/drafters/eagle3.py"
 _DSPARK = "mtplx/drafters/dspark.py"
 _DFLASH2 = "mtplx/drafters/dflash2.py"
+_EAGLE3_CYCLE = "mtplx/spec_decode/eagle3_proposer.py"
 
 PLANTS_DFLASH: tuple[Plant, ...] = (
     Plant(
@@ -145,6 +148,59 @@ PLANTS: dict[str, tuple[Plant, ...]] = {
             ),
         ),
     ),
+    # EAGLE-3 drafting in the cycle (`spec_decode.eagle3_proposer`): its drafts against mlx-vlm's
+    # drafter rerun on each row's committed text.
+    "eagle3_cycle": (
+        Plant(
+            "wrong target layer",
+            "the trunk tapped one layer deeper",
+            (
+                (
+                    _EAGLE3_CYCLE,
+                    "return self.drafter.tapped_layers(len(trunk.layers))",
+                    "return tuple(i + 1 for i in self.drafter.tapped_layers(len(trunk.layers)))",
+                ),
+            ),
+        ),
+        Plant(
+            "d2t off by one",
+            "q placed on the target vocabulary one id over",
+            (
+                (
+                    _EAGLE3,
+                    "out[..., self.draft_to_target(mx.arange(self.spec.draft_vocab_size))] = draft_logits",
+                    "out[..., (self.draft_to_target(mx.arange(self.spec.draft_vocab_size)) + 1)"
+                    " % self.spec.vocab_size] = draft_logits",
+                ),
+            ),
+        ),
+        Plant(
+            "norm dropped",
+            "the final norm before the draft LM head dropped",
+            ((_EAGLE3, "normed = drafter.norm(hidden)", "normed = hidden"),),
+        ),
+        Plant(
+            "pair offset",
+            "each tap paired with its own token, not the next",
+            ((_EAGLE3_CYCLE, "[row.history[-c:] + [0]", "[row.history[-c - 1 : -1] + [0]"),),
+        ),
+        Plant(
+            "position offset",
+            "a batch's pairs one rope position early",
+            (
+                (
+                    _EAGLE3,
+                    "h = layer(h, embeds, layer_cache, layer_cache.offset + 1, layer_cache.make_mask(length))",
+                    "h = layer(h, embeds, layer_cache, layer_cache.offset, layer_cache.make_mask(length))",
+                ),
+            ),
+        ),
+        Plant(
+            "no rollback",
+            "the chain's K/V kept in the context",
+            ((_EAGLE3_CYCLE, "            layer.set_lengths(committed)\n", "            pass\n"),),
+        ),
+    ),
     "dspark": (
         *(p for p in PLANTS_DFLASH if p.what in _SHARED_WITH_DSPARK),
         Plant(
@@ -188,6 +244,7 @@ PLANTS: dict[str, tuple[Plant, ...]] = {
 REFERENCE_TESTS: dict[str, tuple[str, ...]] = {
     "dflash": ("tests/drafters/test_dflash.py", "-k", "oracle"),
     "eagle3": ("tests/drafters/test_eagle3.py", "-k", "oracle"),
+    "eagle3_cycle": ("tests/drafters/test_eagle3_drafting.py", "-k", "mlx_vlm"),
     "dspark": ("tests/drafters/test_dspark.py", "-k", "oracle"),
     "dflash2": ("tests/drafters/test_dflash2.py", "-k", "oracle"),
 }

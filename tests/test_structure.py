@@ -587,6 +587,7 @@ def test_drafters_return_data_and_import_no_cycle_module() -> None:
         "block_proposer.py:BlockProposer": "",  # the loaded drafter's (`sources.BLOCK_SOURCES`)
         "constraint.py:ForcedDrafter": "Source.GRAMMAR",
         "draft_model_proposer.py:ModelDrafter": "Source.MODEL",
+        "eagle3_proposer.py:Eagle3Proposer": "",  # Source.EAGLE3's (a BlockProposer)
         "head_chain.py:HeadChain": "Source.HEAD",
         "lookup_proposer.py:LookupDrafter": "Source.LOOKUP",
     }

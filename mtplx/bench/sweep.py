@@ -25,7 +25,7 @@ from mtplx.spec_decode.sources import DrafterKind
 
 # The drafters a sweep can compare (`mtplx.spec_decode`); a block drafter's needs the model
 # loaded with one (beside it, or --head DIR).
-BLOCK_DRAFTS = ("dflash", "dflash2", "dspark")
+BLOCK_DRAFTS = ("dflash", "dflash2", "dspark", "eagle3")
 DRAFTS = ("head", "lookup", "auto", *BLOCK_DRAFTS)
 DEFAULT_DEPTHS = (1, 2, 3, 4)
 DEFAULT_TEMPS = (0.0, 0.7)

@@ -150,8 +150,9 @@ def add_model_args(
         default=None,
         help="a split MTP drafter (mlx-vlm's split_mtp), a Gemma 4 assistant (directory or cached repo id) "
         "or a forged MTP head directory (default: the model's own head, else a split drafter "
-        "<stem>-MTP-* / <model>-mtp beside it; for Gemma 4, <model>-assistant if present); a DFlash drafter "
-        "is loaded and checked, then refused: block drafters do not draft yet (mtplx inspect reports them)",
+        "<stem>-MTP-* / <model>-mtp beside it; for Gemma 4, <model>-assistant if present); a DFlash / "
+        "DFlash2 / DSpark / EAGLE-3 drafter directory drafts with --draft <its kind> or auto "
+        "(found beside the model as <stem>-DFlash / -EAGLE3 ...; mtplx inspect reports it)",
     )
     if not builds:
         return

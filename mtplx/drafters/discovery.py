@@ -7,8 +7,8 @@ Names (the publishers' own): ``<target stem>-DFlash[-b16]``, ``-DFlash2``, ``-DS
 `split_drafter.target_stems` does). A named drafter that does not fit is reported with the field.
 
 Block drafters load and are checked here (``mtplx inspect`` reports which one a model would use
-and why). DFlash, DFlash2 and DSpark draft (`mtplx.spec_decode.block_proposer`, loaded by
-`Engine.load`); EAGLE-3 drafters load and are checked but do not draft yet.
+and why). Loaded by `Engine.load`, DFlash, DFlash2 and DSpark draft a block per forward
+(`mtplx.spec_decode.block_proposer`), EAGLE-3 its chain (`mtplx.spec_decode.eagle3_proposer`).
 Standard library only, except ``load_block_drafter`` (MLX, on demand).
 """
 
@@ -40,8 +40,7 @@ OWN_DSPARK = (
     "Gemma4DSparkModel",
 )  # the layouts whose loaders and references have landed
 _NAME = re.compile(r"(?i)^[-_](dflash2|dflash|dspark|eagle-?3)([-_].*)?$")
-DRAFTING = ("dflash", "dflash2", "dspark")  # the layouts that draft (`spec_decode.sources.BLOCK_SOURCES`)
-NOT_DRAFTING = "EAGLE-3 drafters load but do not draft yet (their chain proposer has not landed)"
+DRAFTING = ("dflash", "dflash2", "dspark", "eagle3")  # the layouts that draft (`sources.BLOCK_SOURCES`)
 
 
 def read_block_drafter_config(path: str | Path | None) -> dict | None:
@@ -115,7 +114,7 @@ class BlockCandidate:
             "fits": self.problem is None,
             "problem": self.problem,
             "drafts": drafts(self),
-            "note": None if drafts(self) else NOT_DRAFTING,
+            "note": None if drafts(self) else self.problem,
         }
 
 
@@ -189,7 +188,7 @@ def describe_drafter_dir(path: Path, config: dict) -> dict[str, Any]:
         problem = None
     except MtplxError as err:
         problem = str(err)
-    reason = problem or (NOT_DRAFTING if layout not in DRAFTING else "drafts beside a target that fits it")
+    reason = problem or "drafts beside a target that fits it"
     return facts | {"problem": problem, "verdict": "block drafter", "reason": reason}
 
 
@@ -218,9 +217,11 @@ def load_block_drafter(candidate: BlockCandidate) -> Any:
 
 
 def refuse_block_drafter(candidate: BlockCandidate) -> None:
-    """What ``--head`` / ``--draft-model`` naming a drafter that does not draft (EAGLE-3) does:
-    load it (so a misfit is reported by its field), then a one-line error that it does not draft yet."""
+    """What a block drafter given where only an MTP head or a draft model can go does: load it (so
+    a misfit is reported by its field), then a one-line error saying what it is and how it drafts."""
     load_block_drafter(candidate)
+    name = LAYOUT_NAMES[candidate.layout]
     raise MtplxError(
-        f"{candidate.path}: a {LAYOUT_NAMES[candidate.layout]} drafter that fits this model; {NOT_DRAFTING}"
+        f"{candidate.path}: a {name} drafter, not an MTP head or a draft model: "
+        f"give it to Engine.load (--head DIR) and draft with it ({candidate.layout!r} or 'auto')"
     )

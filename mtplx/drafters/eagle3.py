@@ -51,7 +51,9 @@ class Eagle3Attention(nn.Module):
         self.o_proj = nn.Linear(heads * head_dim, spec.hidden_size, bias=bias)
         self._rope = nn.RoPE(head_dim, traditional=spec.rope_traditional, base=spec.rope_theta)
 
-    def __call__(self, x: mx.array, cache: KVCache, position: int) -> mx.array:
+    def __call__(self, x: mx.array, cache: KVCache, position, mask) -> mx.array:
+        """``position``: the first position (an int, or [B] per row); ``mask``: "causal", None or
+        bool [B, 1, T, keys] (rows of different lengths on a `RaggedKVCache`)."""
         batch, length, _ = x.shape
 
         def heads(y: mx.array, n: int) -> mx.array:
@@ -60,7 +62,6 @@ class Eagle3Attention(nn.Module):
         queries = self._rope(heads(self.q_proj(x), self.n_heads), offset=position)
         keys = self._rope(heads(self.k_proj(x), self.n_kv_heads), offset=position)
         keys, values = cache.update_and_fetch(keys, heads(self.v_proj(x), self.n_kv_heads))
-        mask = "causal" if length > 1 else None
         out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
 
@@ -90,14 +91,14 @@ class Eagle3Layer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(dim, eps=eps)
         self.mlp = Eagle3MLP(spec)
 
-    def __call__(self, h: mx.array, embeds: mx.array | None, cache: KVCache, position: int) -> mx.array:
+    def __call__(self, h: mx.array, embeds: mx.array | None, cache: KVCache, position, mask) -> mx.array:
         if self.first:
             normed = self.hidden_norm(h)
             residual = normed if self.norm_before_residual else h
             x = mx.concatenate([self.input_layernorm(embeds), normed], axis=-1)
         else:
             residual, x = h, self.input_layernorm(h)
-        h = residual + self.self_attn(x, cache, position)
+        h = residual + self.self_attn(x, cache, position, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -142,21 +143,32 @@ def eagle3_forward(
     drafter: Eagle3Drafter,
     tokens: mx.array,
     hidden: mx.array,
-    cache: list[KVCache],
-    position: int,
+    cache: list,
+    position: int | None,
     embed: Callable[[mx.array], mx.array],
+    counts: Sequence[int] | None = None,
 ) -> mx.array:
     """The drafter's hidden [B, T, H] for ``tokens`` [B, T] paired with ``hidden`` (the target taps
     joined, [B, T, 3 Ht], or the drafter's own previous hidden, [B, T, H]), positions from
-    ``position``; appends to ``cache``. A pure function of (taps, tokens, the drafter's cache).
-    ``embed``: the target's embedding (`Trunk.embed`) where its shape is the drafter's, as mlx-vlm
-    binds it; else the file's own copy (``drafter.embed_tokens``)."""
+    ``position`` (None: the cache's length + 1, where a pair (token p + 1, taps of p) sits);
+    appends to ``cache``. A pure function of (taps, tokens, the drafter's cache). ``embed``: the
+    target's embedding (`Trunk.embed`) where its shape is the drafter's, as mlx-vlm binds it; else
+    the file's own copy (``drafter.embed_tokens``). ``counts`` (a batch on `RaggedKVCache`s, rows
+    of different lengths): row r's first counts[r] positions are its own, the rest padding that
+    the cache then drops; each row's positions from its own length + 1."""
     if hidden.shape[-1] != drafter.spec.hidden_size:
         hidden = drafter.fc(drafter.input_norm(hidden) if "input_norm" in drafter else hidden)
     embeds = embed(tokens)
+    length = int(tokens.shape[1])
     h = hidden
     for layer, layer_cache in zip(drafter.layers, cache):
-        h = layer(h, embeds, layer_cache, position)
+        if counts is None:
+            start = layer_cache.offset + 1 if position is None else position
+            h = layer(h, embeds, layer_cache, start, "causal" if length > 1 else None)
+            continue
+        held = list(layer_cache.lengths)
+        h = layer(h, embeds, layer_cache, layer_cache.offset + 1, layer_cache.make_mask(length))
+        layer_cache.set_lengths([n + c for n, c in zip(held, counts)])
     return h
 
 

@@ -91,7 +91,7 @@ class Engine:
         self.verify_backend = verify_backend
         self.draft_model = draft_model  # a separate mlx-lm model with the same tokenizer, or None
         self.draft_vocab_size = draft_vocab_size  # the real vocabulary both share (q = 0 past it)
-        self.block_drafter = None  # a DFlash / DFlash2 / DSpark drafter (`block_proposer.BlockDrafter`)
+        self.block_drafter = None  # DFlash / DFlash2 / DSpark / EAGLE-3 (`block_proposer.BlockDrafter`)
         self.adaptive_threshold = adaptive_threshold  # used when adaptive drafting is asked for
         self.distributed = None  # a mtplx.engine.distributed.Distributed once sharded
         self._warned_depth = False  # the deeper-than-trained warning is printed once per engine
@@ -214,11 +214,11 @@ class Engine:
         self.prompt_cache.disk = DiskTier(directory, max_bytes, identity)
 
     def _load_block_drafter(self, head, draft_model, search: bool, sharded: bool) -> tuple:
-        """A DFlash / DFlash2 / DSpark drafter named by ``head`` or ``draft_model`` (a directory;
-        then it is neither), else (``search``, not ``sharded``) a fitting one beside the model,
-        found by name then checked by config (`mtplx.drafters.discovery`); a named misfit is a
-        one-line error naming the field, a named EAGLE-3 drafter too (it loads but does not draft
-        yet), and so is one named for a sharded engine. Returns the (head, draft_model) still to load."""
+        """A DFlash / DFlash2 / DSpark / EAGLE-3 drafter named by ``head`` or ``draft_model`` (a
+        directory; then it is neither), else (``search``, not ``sharded``) a fitting one beside the
+        model, found by name then checked by config (`mtplx.drafters.discovery`); a named misfit
+        is a one-line error naming the field, and so is one named for a sharded engine. Returns
+        the (head, draft_model) still to load."""
         from mtplx.drafters import discovery
         from mtplx.spec_decode.block_proposer import BlockDrafter
         from mtplx.spec_decode.sources import Source
@@ -230,9 +230,7 @@ class Engine:
             return head, draft_model
         if sharded:
             raise MtplxError(f"{found.path}: block drafters are not supported on a sharded engine")
-        if not discovery.drafts(found):
-            discovery.refuse_block_drafter(found)
-        drafter = discovery.load_block_drafter(found)
+        drafter = discovery.load_block_drafter(found)  # a misfit: one line naming the field
         self.block_drafter = BlockDrafter(drafter, Source(found.layout))
         return (None if head in named else head), (None if draft_model in named else draft_model)
 
@@ -472,7 +470,9 @@ class Engine:
             from mtplx.spec_decode.draft_policy import measure_cost_profile
 
             saved = None if remeasure else tuned.saved_batch_cost(self.fingerprint)
-            self._cost_profile = saved or measure_cost_profile(self.trunk, self.head)
+            self._cost_profile = saved or measure_cost_profile(
+                self.trunk, self.head, blocks=self.block_drafter
+            )
         return self._cost_profile
 
     def generate_batch(

@@ -69,7 +69,7 @@ def find_head(
             return None
     if split_drafter.read_split_config(head_dir) is not None:
         return _split_drafter(head_dir, loaded, trunk)
-    if read_block_drafter_config(head_dir) is not None:  # DFlash, DSpark, EAGLE-3: load, then refuse
+    if read_block_drafter_config(head_dir) is not None:  # DFlash, DSpark, EAGLE-3: not a head
         refuse_block_drafter(find_block_drafter(loaded.path, head_dir, loaded.config))
     if gemma4_assistant.read_assistant_config(head_dir) is not None:
         return gemma4_assistant.load_gemma4_assistant(head_dir, trunk, loaded.config)

@@ -39,7 +39,14 @@ from mtplx.trunk.batch_cache import RaggedKVCache
 
 import mlx.core as mx
 
-__all__ = ["BlockDrafter", "BlockProposer", "drafters_loaded"]
+__all__ = [
+    "BlockDrafter",
+    "BlockProposer",
+    "block_forward",
+    "drafters_loaded",
+    "first_masks",
+    "time_block_forward",
+]
 
 
 @dataclass(frozen=True)
@@ -60,11 +67,14 @@ class BlockProposer:
         drafter, source = loaded.drafter, loaded.source
         self.drafter, self.trunk, self.source = drafter, trunk, source
         self.layout = source.value
-        self.embed_scale = float(getattr(trunk.inner, "embed_scale", 1.0))
         self.cache: list[RaggedKVCache] = [RaggedKVCache() for _ in drafter.layers]
         self.row_ids: list[int] = []  # the member rows, in the cache's row order
         self.forwards = 0
-        trunk.tap_layers(drafter.target_layer_ids)
+        trunk.tap_layers(self.tapped_layers(trunk))
+
+    def tapped_layers(self, trunk) -> tuple[int, ...]:
+        """The trunk layers whose outputs the drafter reads, in its order."""
+        return tuple(self.drafter.target_layer_ids)
 
     @property
     def max_drafts(self) -> int:
@@ -77,9 +87,9 @@ class BlockProposer:
         """A new row's own context cache while it prefills (None: the row does not use the drafter)."""
         return self.drafter.make_cache() if self.source in spec.sources else None
 
-    def prefill_observer(self, cache: list | None):
+    def prefill_observer(self, cache: list | None, prompt_tokens: Sequence[int]):
         """What feeds a prefilling row's own context cache: every forwarded prompt position
-        (None for a row that does not use the drafter)."""
+        (None for a row that does not use the drafter; ``prompt_tokens``: the row's prompt)."""
         if cache is None:
             return None
 
@@ -105,9 +115,13 @@ class BlockProposer:
             for n, layer in enumerate(self.cache):
                 layer.add_rows([row.drafter_cache[n] for row in joining])
             for row in joining:
+                self._joined(row)
                 row.drafter_cache = None
                 self.row_ids.append(row.row_id)
         return [members[rid] for rid in self.row_ids]
+
+    def _joined(self, row) -> None:
+        """A row's prefilled cache has joined the drafter's (EAGLE-3 moves the taps it kept)."""
 
     # ------------------------------------------------------------------ the cycle
     def propose_free(self, rows: Sequence, keys: Sequence, chosen: Sequence, caps: Sequence[int]):
@@ -128,14 +142,7 @@ class BlockProposer:
         hidden, logits = self._forward(members)
         # A row draws P uniforms whatever the block's width, so its draws do not depend on the batch.
         uniforms = [padded_uniforms(self.max_drafts, width, keys[i].draft) for i in index]
-        masks = [
-            row.constraint.mask_after() if row.constraint is not None and most[i] else None
-            for row, i in zip(members, index)
-        ]
-        first_allowed = None
-        if any(m is not None for m in masks):
-            free = mx.ones_like(next(m for m in masks if m is not None))
-            first_allowed = mx.stack([m if m is not None else free for m in masks])
+        first_allowed = first_masks(members, [most[i] for i in index])
         anchor = mx.array([row.pending for row in members], dtype=mx.int32)
         drafts: list[mx.array] = []
         probs, sure, flags, confidence = [], [], [], []
@@ -158,12 +165,18 @@ class BlockProposer:
     def _forward(self, members: Sequence) -> tuple[mx.array, mx.array]:
         """One block forward over the member rows: (hidden [Bd, P, H], logits [Bd, P, V]) at the
         draft positions."""
-        from mtplx.drafters import dflash, dflash2, dspark
+        counts, taps = self._new_context(members)
+        anchor = mx.array([row.pending for row in members], dtype=mx.int32)
+        self.forwards += 1
+        return block_forward(self.drafter, self.source, self.trunk, anchor, taps, self.cache, counts)
 
+    def _new_context(self, members: Sequence) -> tuple[list[int], list[mx.array]]:
+        """Each member row's new context (the layer taps waiting on it, then cleared): (its
+        count c_r, one [Bd, max c_r, Ht] per tapped layer, padded past each row's count)."""
         counts = [sum(int(t[0].shape[1]) for t in row.drafter_taps) for row in members]
         longest = max(counts)
         taps = []
-        for layer in range(len(self.drafter.target_layer_ids)):
+        for layer in range(len(self.trunk.tapped_layers)):
             parts = [
                 pad_time(mx.concatenate([t[layer] for t in row.drafter_taps], axis=1), longest)
                 if row.drafter_taps
@@ -173,23 +186,12 @@ class BlockProposer:
             taps.append(mx.concatenate(parts, axis=0))
         for row in members:
             row.drafter_taps = []
-        anchor = mx.array([row.pending for row in members], dtype=mx.int32)
-        # DSpark's block: its own length (`DSparkDrafter.block_tokens`); else [anchor, mask x P].
-        size = None if self.source is Source.DSPARK else self.max_drafts + 1
-        block = self.drafter.block_tokens(anchor, size)
-        shared = (block, taps, self.cache, self.trunk.embed, self.trunk.lm_head, self.embed_scale, counts)
-        self.forwards += 1
-        if self.source is Source.DSPARK:
-            return dspark.dspark_base(self.drafter, *shared)
-        if self.source is Source.DFLASH2:
-            return dflash2.dflash2_block(self.drafter, *shared)
-        out = dflash.dflash_block_logits(self.drafter, *shared)
-        return out[:, 1:], out[:, 1:]
+        return counts, taps
 
     @property
     def tap_width(self) -> int:
         """The width of one layer tap (the trunk's hidden size)."""
-        return int(self.drafter.fc.weight.shape[1]) // len(self.drafter.target_layer_ids)
+        return int(self.drafter.fc.weight.shape[1]) // len(self.trunk.tapped_layers)
 
     def _position_logits(self, hidden: mx.array, logits: mx.array, j: int, previous: mx.array) -> mx.array:
         """Position j's draft logits [Bd, V], given the token before it (``previous`` [Bd])."""
@@ -250,6 +252,61 @@ class BlockProposer:
             if self.source in row.spec.sources:
                 n = outcome.num_accepted[i]
                 row.drafter_taps.append(tuple(t[i : i + 1, : n + 1] for t in taps))
+
+
+def first_masks(members: Sequence, most: Sequence[int]) -> mx.array | None:
+    """bool [Bd, V]: each drafting grammar row's mask after its committed text (all allowed for
+    the others), for its first draft; None without a grammar row."""
+    masks = [
+        row.constraint.mask_after() if row.constraint is not None and n else None
+        for row, n in zip(members, most)
+    ]
+    if all(m is None for m in masks):
+        return None
+    free = mx.ones_like(next(m for m in masks if m is not None))
+    return mx.stack([m if m is not None else free for m in masks])
+
+
+def block_forward(drafter, source: Source, trunk, anchor: mx.array, taps, cache, counts) -> tuple:
+    """One block forward of a DFlash / DFlash2 / DSpark drafter over rows whose new context is the
+    layer taps ``taps`` (row r's first counts[r] positions) and whose block starts at ``anchor``
+    [Bd]: (hidden [Bd, P, H], logits [Bd, P, V]) at the draft positions."""
+    from mtplx.drafters import dflash, dflash2, dspark
+
+    # DSpark's block: its own length (`DSparkDrafter.block_tokens`); else [anchor, mask x P].
+    size = None if source is Source.DSPARK else int(drafter.spec.block_size)
+    block = drafter.block_tokens(anchor, size)
+    scale = float(getattr(trunk.inner, "embed_scale", 1.0))
+    shared = (block, taps, cache, trunk.embed, trunk.lm_head, scale, counts)
+    if source is Source.DSPARK:
+        return dspark.dspark_base(drafter, *shared)
+    if source is Source.DFLASH2:
+        return dflash2.dflash2_block(drafter, *shared)
+    out = dflash.dflash_block_logits(drafter, *shared)
+    return out[:, 1:], out[:, 1:]
+
+
+def time_block_forward(loaded: BlockDrafter, num_rows: int, context: int, trunk):
+    """A call running one block forward of ``loaded`` over ``num_rows`` rows holding ``context``
+    positions each (zero taps) and one new position each (a cycle that kept nothing), evaluated,
+    the cache set back after: what the draft policy's cost profile times."""
+    taps_of = len(loaded.drafter.target_layer_ids)
+    tap_width = int(loaded.drafter.fc.weight.shape[1]) // taps_of
+    cache = [RaggedKVCache(lengths=[0] * num_rows) for _ in loaded.drafter.layers]
+    anchor = mx.zeros((num_rows,), dtype=mx.int32)
+
+    def forward(length: int) -> None:
+        taps = [mx.zeros((num_rows, length, tap_width), mx.float32)] * taps_of
+        mx.eval(block_forward(loaded.drafter, loaded.source, trunk, anchor, taps, cache, [length] * num_rows))
+
+    forward(context)
+
+    def timed() -> None:
+        forward(1)
+        for layer in cache:
+            layer.set_lengths([context] * num_rows)
+
+    return timed
 
 
 def drafters_loaded(sources: Sequence[Source], chain, blocks: BlockProposer | None) -> bool:

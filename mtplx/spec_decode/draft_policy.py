@@ -6,9 +6,11 @@ plain batched AR step); a cycle over ``R`` rows forwards the block [R, K+1] what
 drafted (shorter rows are padded, and padding costs what real positions cost), so one K per
 cycle is the decision, not one per row.
 
-Cost: `CostProfile` holds the measured seconds of one trunk forward over ``n`` tokens and of
-one head forward over ``n`` rows, at a few ``n``; a cycle of R rows at depth K costs
-trunk(R (K+1)) + K head(R). On a memory-bound device (one row, a Mac's GPU) extra tokens are
+Cost: `CostProfile` holds the measured seconds of one trunk forward over ``n`` tokens, of
+one per-draft drafter forward over ``n`` rows (the head's; without a head, an EAGLE-3 chain
+step) and of one block drafter's block forward over ``n`` rows (DFlash, DFlash2, DSpark: one per
+drafting cycle whatever K), at a few ``n``; a cycle of R rows at depth K costs
+trunk(R (K+1)) + K head(R) + block(R) (the last only when K > 0). On a memory-bound device (one row, a Mac's GPU) extra tokens are
 nearly free and drafting pays; as R grows the forward turns compute-bound and each drafted
 token costs about what an AR token costs, so drafting pays only where it is accepted often.
 
@@ -95,8 +97,10 @@ class CostProfile:
 
     tokens: tuple[int, ...]  # trunk block sizes measured, ascending
     trunk_seconds: tuple[float, ...]
-    head_rows: tuple[int, ...] = ()  # head batch sizes measured, ascending (empty: no head)
+    head_rows: tuple[int, ...] = ()  # per-draft forward batch sizes measured, ascending (empty: none)
     head_seconds: tuple[float, ...] = ()
+    block_rows: tuple[int, ...] = ()  # a block drafter's block forward, per row count (empty: none)
+    block_seconds: tuple[float, ...] = ()
 
     def trunk(self, num_tokens: int) -> float:
         return _interpolate(self.tokens, self.trunk_seconds, num_tokens)
@@ -104,9 +108,13 @@ class CostProfile:
     def head(self, num_rows: int) -> float:
         return _interpolate(self.head_rows, self.head_seconds, num_rows) if self.head_rows else 0.0
 
+    def block(self, num_rows: int) -> float:
+        return _interpolate(self.block_rows, self.block_seconds, num_rows) if self.block_rows else 0.0
+
     def cycle(self, num_rows: int, draft_length: int) -> float:
         """Seconds of a cycle over ``num_rows`` rows drafting ``draft_length`` each."""
-        return self.trunk(num_rows * (draft_length + 1)) + draft_length * self.head(num_rows)
+        drafting = draft_length * self.head(num_rows) + (self.block(num_rows) if draft_length else 0.0)
+        return self.trunk(num_rows * (draft_length + 1)) + drafting
 
     def as_dict(self) -> dict:
         return {
@@ -114,6 +122,8 @@ class CostProfile:
             "trunk_seconds": list(self.trunk_seconds),
             "head_rows": list(self.head_rows),
             "head_seconds": list(self.head_seconds),
+            "block_rows": list(self.block_rows),
+            "block_seconds": list(self.block_seconds),
         }
 
     @classmethod
@@ -125,6 +135,8 @@ class CostProfile:
                 tuple(float(s) for s in data["trunk_seconds"]),
                 tuple(int(n) for n in data.get("head_rows", ())),
                 tuple(float(s) for s in data.get("head_seconds", ())),
+                tuple(int(n) for n in data.get("block_rows", ())),
+                tuple(float(s) for s in data.get("block_seconds", ())),
             )
         except (KeyError, TypeError, ValueError):
             return None
@@ -132,8 +144,10 @@ class CostProfile:
             len(profile.tokens) == len(profile.trunk_seconds) >= 1
             and len(profile.head_rows) == len(profile.head_seconds)
             and list(profile.tokens) == sorted(set(profile.tokens))
+            and len(profile.block_rows) == len(profile.block_seconds)
             and list(profile.head_rows) == sorted(set(profile.head_rows))
-            and all(s > 0 for s in (*profile.trunk_seconds, *profile.head_seconds))
+            and list(profile.block_rows) == sorted(set(profile.block_rows))
+            and all(s > 0 for s in (*profile.trunk_seconds, *profile.head_seconds, *profile.block_seconds))
         )
         return profile if ok else None
 
@@ -289,10 +303,20 @@ class DraftPolicy:
 
 
 def measure_cost_profile(
-    trunk, head=None, *, max_tokens: int = 128, max_rows: int = 32, context: int = 64, repeats: int = 2
+    trunk,
+    head=None,
+    *,
+    max_tokens: int = 128,
+    max_rows: int = 32,
+    context: int = 64,
+    repeats: int = 2,
+    blocks=None,
 ) -> CostProfile:
     """Time one trunk forward over 1, 2, 4, ... ``max_tokens`` tokens and one head forward over
-    1, 2, 4, ... ``max_rows`` rows (the best of ``repeats``), after ``context`` tokens of prompt.
+    1, 2, 4, ... ``max_rows`` rows (the best of ``repeats``), after ``context`` tokens of prompt;
+    with ``blocks`` (a loaded `block_proposer.BlockDrafter`), its forward over as many rows
+    (`block_proposer.time_block_forward`, `eagle3_proposer.time_chain_step`): per draft for
+    EAGLE-3 (when there is no head), per cycle for a block drafter.
 
     The trunk block is one row of n tokens: the matmuls cost what R rows of n/R tokens cost,
     and the attention over a short context is a small part of a forward.
@@ -300,15 +324,6 @@ def measure_cost_profile(
     from mtplx.trunk import rollback
 
     import mlx.core as mx
-
-    def best_of(run) -> float:
-        run()  # warm-up: first-call graph and kernel set-up
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - start)
-        return min(times)
 
     sizes = _powers_of_two(max_tokens)
     trunk_seconds = []
@@ -322,21 +337,54 @@ def measure_cost_profile(
             mx.eval(trunk(block, cache).logits)
             rollback.abort_block(cache, capture)
 
-        trunk_seconds.append(best_of(forward))
-    if head is None:
-        return CostProfile(tuple(sizes), tuple(trunk_seconds))
+        trunk_seconds.append(best_of(forward, repeats))
     rows = _powers_of_two(max_rows)
     head_seconds = []
-    embedding = trunk.inner.embed_tokens.weight
-    for r in rows:
-        hidden = mx.zeros((r, 1, embedding.shape[-1]), dtype=embedding.dtype)
-        tokens = mx.zeros((r, 1), dtype=mx.int32)
+    if head is not None:
+        embedding = trunk.inner.embed_tokens.weight
+        for r in rows:
+            hidden = mx.zeros((r, 1, embedding.shape[-1]), dtype=embedding.dtype)
+            tokens = mx.zeros((r, 1), dtype=mx.int32)
 
-        def head_forward(hidden=hidden, tokens=tokens) -> None:
-            mx.eval(head.logits(head(hidden, tokens, None)))
+            def head_forward(hidden=hidden, tokens=tokens) -> None:
+                mx.eval(head.logits(head(hidden, tokens, None)))
 
-        head_seconds.append(best_of(head_forward))
-    return CostProfile(tuple(sizes), tuple(trunk_seconds), tuple(rows), tuple(head_seconds))
+            head_seconds.append(best_of(head_forward, repeats))
+    drafter = _drafter_seconds(blocks, trunk, rows, context, repeats) if blocks is not None else None
+    per_draft, per_cycle = (drafter, None) if drafter is not None and drafter[0] else (None, drafter)
+    if per_draft is not None and head is None:
+        head_seconds = per_draft[1]
+    return CostProfile(
+        tuple(sizes),
+        tuple(trunk_seconds),
+        tuple(rows) if head_seconds else (),
+        tuple(head_seconds),
+        tuple(rows) if per_cycle is not None else (),
+        tuple(per_cycle[1]) if per_cycle is not None else (),
+    )
+
+
+def _drafter_seconds(blocks, trunk, rows, context, repeats) -> tuple[bool, list[float]]:
+    """(per draft, seconds per row count) of a loaded block drafter's forward: an EAGLE-3 chain
+    step (per draft), else a block forward (per drafting cycle)."""
+    from mtplx.spec_decode.block_proposer import time_block_forward
+    from mtplx.spec_decode.eagle3_proposer import time_chain_step
+
+    per_draft = blocks.source is Source.EAGLE3
+    timer = time_chain_step if per_draft else time_block_forward
+    return per_draft, [best_of(timer(blocks, r, context, trunk), repeats) for r in rows]
+
+
+def best_of(run, repeats: int) -> float:
+    """The best seconds of ``repeats`` calls of ``run`` after one warm-up call (first-call graph
+    and kernel set-up)."""
+    run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return min(times)
 
 
 def _powers_of_two(limit: int) -> list[int]:

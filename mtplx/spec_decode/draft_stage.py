@@ -10,7 +10,8 @@ resolved per request by `drafting`), first match wins:
     its legal prefix (exact for point masses);
   - a draft model on the row's own cache (`draft_model_proposer.ModelDrafter`, continuing a
     shorter lookup match), a block drafter (`block_proposer.BlockProposer`: DFlash, DFlash2,
-    DSpark; one block forward for all its rows), or the MTP head chain, one head forward per depth for every row
+    DSpark, one block forward for all its rows; `eagle3_proposer.Eagle3Proposer`: EAGLE-3's
+    chain on its own cache, rolled back after drafting), or the MTP head chain, one head forward per depth for every row
     (`head_chain.HeadChain`; under a grammar its first draft from its masked distribution);
 
 each cut to the row's cap (`draft_policy.row_caps`: the draft policy's K, or its own count).
@@ -22,23 +23,30 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from mtplx.spec_decode.block import Block, CycleKeys
-from mtplx.spec_decode.block_proposer import BlockProposer
+from mtplx.spec_decode.block_proposer import BlockDrafter, BlockProposer
 from mtplx.spec_decode.constraint import ForcedDrafter
 from mtplx.spec_decode.draft_block import DraftBlock, Outcome
 from mtplx.spec_decode.draft_model_proposer import ModelDrafter
 from mtplx.spec_decode.draft_policy import DraftPolicy, row_caps
+from mtplx.spec_decode.eagle3_proposer import Eagle3Proposer
 from mtplx.spec_decode.head_chain import HeadChain
 from mtplx.spec_decode.lookup_proposer import LookupDrafter
 from mtplx.spec_decode.rows import BatchRow
+from mtplx.spec_decode.sources import Source
 
 import mlx.core as mx
 
-__all__ = ["MAX_FORCED", "MAX_LOOKUP", "Drafters"]
+__all__ = ["MAX_FORCED", "MAX_LOOKUP", "Drafters", "block_proposer_for"]
 
 # Most grammar-forced tokens looked up per row per cycle (the draft policy then cuts them to its K).
 MAX_FORCED = 8
 # Most tokens a lookup match offers (its own adaptive block length is at most this).
 MAX_LOOKUP = 64
+
+
+def block_proposer_for(loaded: BlockDrafter, trunk) -> BlockProposer:
+    """A decoder's proposer of a loaded block drafter: EAGLE-3's chain, else one block forward."""
+    return Eagle3Proposer(loaded, trunk) if loaded.source is Source.EAGLE3 else BlockProposer(loaded, trunk)
 
 
 class Drafters:

@@ -8,7 +8,7 @@ The rules, in order:
 1. kind: the request's `Drafting.kind` ("auto" unless asked); the engine has already refused a
    kind it cannot serve (no head, no draft model).
 2. model drafter: the draft model when asked for, or under "auto" when one is loaded; else the
-   block drafter (DFlash, DFlash2, DSpark) when asked for by its name, or under "auto" when one is
+   block drafter (DFlash, DFlash2, DSpark, EAGLE-3) when asked for by its name, or under "auto" when one is
    loaded; else the MTP head when asked for, or under "auto" when there is one, unless `mtplx
    tune` found plain AR fastest on this machine (the engine's depth is 0) and the request names
    no depth. Under "auto" with both a block drafter and a head (Qwen3.8-27B's DFlash2 and MTP),
@@ -19,7 +19,8 @@ The rules, in order:
 4. the cycle's drafters for the row in priority order (`row_sources`, the table below), the same
    in a batch and on a single-row decoder (a stream): the head chain (`head_chain.HeadChain`),
    lookup on the host, a draft model on the row's own cache (`build_proposer`), a block drafter
-   (`block_proposer.BlockProposer`, one block forward per cycle for all its rows). A grammar
+   (`block_proposer.BlockProposer`, one block forward per cycle for all its rows; EAGLE-3's
+   chain, `eagle3_proposer.Eagle3Proposer`). A grammar
    row's forced tokens come before any of them.
 
 | kind  | model drafter | sources (first match wins)        |
@@ -32,7 +33,7 @@ The rules, in order:
 | auto  | model         | lookup, model (continues a short match) |
 | model | model         | model                             |
 | auto  | block         | lookup, block                     |
-| dflash / dflash2 / dspark | block | block                  |
+| dflash / dflash2 / dspark / eagle3 | block | block         |
 
 Exactness never depends on these choices (any proposer is exact, `proposer.py`); speed does.
 """

@@ -52,12 +52,12 @@ from mtplx.spec_decode.block import (
     raise_if_invalid,
     row_positions,
 )
-from mtplx.spec_decode.block_proposer import BlockProposer, drafters_loaded
+from mtplx.spec_decode.block_proposer import drafters_loaded
 from mtplx.spec_decode.constraint import GrammarConstraint
 from mtplx.spec_decode.draft_block import Outcome, Source
 from mtplx.spec_decode.draft_model_proposer import DraftModelProposer
 from mtplx.spec_decode.draft_policy import DraftPolicy
-from mtplx.spec_decode.draft_stage import Drafters
+from mtplx.spec_decode.draft_stage import Drafters, block_proposer_for
 from mtplx.spec_decode.head_chain import HeadChain, trunk_hidden
 from mtplx.spec_decode.lookup_proposer import LookupProposer
 from mtplx.spec_decode.rows import (
@@ -110,7 +110,7 @@ class BatchDecoder:
             self.cache = BatchCache(trunk.make_cache(), trunk.model)
             head_cache = BatchCache(head.make_cache()) if head is not None else None
         self.chain = HeadChain(head, head_cache, self.cache) if head is not None else None
-        self.blocks = BlockProposer(blocks, trunk) if blocks is not None else None
+        self.blocks = block_proposer_for(blocks, trunk) if blocks is not None else None
         self.drafters = Drafters(self.chain, self.blocks)
         self.rows: list[BatchRow] = []
         self._next_id = 0
@@ -264,7 +264,11 @@ class BatchDecoder:
         """What sees each prefill forward: the row's trunk tap, the head's own prefill and a block
         drafter's context."""
         head_observer, tap = self._head_observer(pending), pending.trunk_tap
-        block_observer = self.blocks.prefill_observer(pending.drafter_cache) if self.blocks else None
+        block_observer = (
+            self.blocks.prefill_observer(pending.drafter_cache, pending.prompt_tokens)
+            if self.blocks
+            else None
+        )
         if tap is None and block_observer is None:
             return head_observer
 

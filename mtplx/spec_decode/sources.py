@@ -12,7 +12,7 @@ class Source(str, Enum):
     """Where drafts come from; the value names it in stats and acceptance records ("head": the
     model's MTP head chain; "model": a draft model; "lookup": prompt lookup; "grammar": the tokens
     a grammar forces; "dflash" / "dflash2" / "dspark": a block drafter, one block forward per
-    cycle)."""
+    cycle; "eagle3": an EAGLE-3 drafter, its chain on its own KV cache)."""
 
     GRAMMAR = "grammar"
     LOOKUP = "lookup"
@@ -21,6 +21,7 @@ class Source(str, Enum):
     DFLASH = "dflash"
     DFLASH2 = "dflash2"
     DSPARK = "dspark"
+    EAGLE3 = "eagle3"
 
     def __str__(self) -> str:
         return self.value
@@ -30,7 +31,7 @@ class DrafterKind(str, Enum):
     """The drafter a request asks for (the CLI's --draft, the API's ``draft`` / ``speculative.drafter``):
     "auto" (lookup where the text recurs, else the draft model or the head), "head", "lookup",
     "model" (a draft model), the block drafter the model was loaded with ("dflash", "dflash2",
-    "dspark") or "none" (plain AR). `drafting` resolves it into the row's `Source`s."""
+    "dspark", "eagle3") or "none" (plain AR). `drafting` resolves it into the row's `Source`s."""
 
     AUTO = "auto"
     HEAD = "head"
@@ -40,11 +41,13 @@ class DrafterKind(str, Enum):
     DFLASH = "dflash"
     DFLASH2 = "dflash2"
     DSPARK = "dspark"
+    EAGLE3 = "eagle3"
 
     def __str__(self) -> str:
         return self.value
 
 
-# The block drafters that draft (`mtplx.drafters`, `spec_decode.block_proposer`): kind, source and
-# layout share the name. EAGLE-3 drafters load and are checked, but do not draft yet.
-BLOCK_SOURCES = (Source.DFLASH, Source.DFLASH2, Source.DSPARK)
+# The drafters loaded from a drafter directory beside the model (`mtplx.drafters`; drafting in
+# `spec_decode.block_proposer`, EAGLE-3's chain in `spec_decode.eagle3_proposer`): kind, source
+# and layout share the name.
+BLOCK_SOURCES = (Source.DFLASH, Source.DFLASH2, Source.DSPARK, Source.EAGLE3)

@@ -193,11 +193,14 @@ def test_a_q_of_the_wrong_position_is_caught(chi_trunk, tmp_path, monkeypatch):
     )
 
 
+@pytest.mark.parametrize("kind", [Source.DFLASH, Source.EAGLE3])
 def test_a_batch_mixing_block_head_lookup_grammar_and_ar_rows_gives_each_row_its_own(
-    tmp_path, tmp_path_factory
+    tmp_path, tmp_path_factory, kind
 ):
-    """Greedy: DFlash rows (one with a grammar), head rows (one with a grammar), a lookup row and a
-    plain AR row in one batch each give the tokens they give alone; the DFlash rows draft."""
+    """Greedy: DFlash (or EAGLE-3) rows (one with a grammar), head rows (one with a grammar), a
+    lookup row and a plain AR row in one batch each give the tokens they give alone; the DFlash
+    (EAGLE-3) rows draft. EAGLE-3's draft vocabulary lacks some ids the grammar allows: a grammar
+    row's first draft comes from its mask over what remains, or over the missing ids alone."""
     from mtplx.engine.grammar import GrammarCompiler
     from mtplx.engine.grammar_spec import Grammar
 
@@ -207,7 +210,7 @@ def test_a_batch_mixing_block_head_lookup_grammar_and_ar_rows_gives_each_row_its
 
     vocab = 40
     trunk, head = make_loop_pair(vocab_size=vocab, seed=0, context_strength=6.0, head_noise=2.0)
-    loaded = load_replica(Source.DFLASH, tmp_path, vocab, seed=5, layer_ids=[0, 1], target_layers=2)
+    loaded = load_replica(kind, tmp_path, vocab, seed=5, layer_ids=[0, 1], target_layers=2)
     chars = tmp_path_factory.mktemp("chatml")
     chatml_chars(chars)
     compiler = GrammarCompiler(load_tokenizer(chars), vocab)
@@ -215,7 +218,7 @@ def test_a_batch_mixing_block_head_lookup_grammar_and_ar_rows_gives_each_row_its
     text = [CHATML_CHARS.index(c) for c in "ab,ab c. abab abab"]
     plain = RowSpec(DecodeSettings(sampler=GREEDY))
     block, lookup = (
-        RowSpec(DecodeSettings(sampler=GREEDY), (Source.DFLASH,)),
+        RowSpec(DecodeSettings(sampler=GREEDY), (kind,)),
         RowSpec(plain.settings, (Source.LOOKUP,)),
     )
     heads = RowSpec(DecodeSettings(sampler=GREEDY, depth=2), (Source.HEAD,))
@@ -242,8 +245,8 @@ def test_a_batch_mixing_block_head_lookup_grammar_and_ar_rows_gives_each_row_its
             trunk, prompts[i : i + 1], [row[0]], n, head=head, blocks=loaded, constraints=constraints([row])
         )
         assert together[i] == alone[0], f"row {i} ({row[0].sources}, grammar {row[1] is not None})"
-    # The DFlash rows drafted (whether the tiny target keeps any depends on make_loop_pair's
-    # weights, which differ between its first call in a process and later ones).
+    # The block drafter's rows drafted (whether the tiny target keeps any depends on
+    # make_loop_pair's weights, which differ between its first call in a process and later ones).
     assert decoders[0].blocks.forwards > 0
 
 
@@ -279,3 +282,16 @@ def test_dspark_confidence_cuts_an_adaptive_rows_block(trunk, tmp_path, monkeypa
     assert min(expected) < loaded.drafter.dspark.proposal_length, "no block was cut: the test needs one"
     ar, _ = decode_rows(trunk, PROMPTS[1:2], [RowSpec(DecodeSettings(sampler=GREEDY))], len(tokens))
     assert tokens == ar[0]
+
+
+@pytest.mark.parametrize("kind", [Source.DFLASH, Source.EAGLE3])
+def test_the_cost_profile_times_the_drafters_forward(trunk, tmp_path, kind):
+    """`measure_cost_profile` with a block drafter: DFlash's block forward once per drafting
+    cycle (``block_*``), EAGLE-3's chain step per draft (``head_*``, the trunk having no head)."""
+    from mtplx.spec_decode.draft_policy import measure_cost_profile
+
+    loaded = load_replica(kind, tmp_path, VOCAB)
+    profile = measure_cost_profile(trunk, max_tokens=2, max_rows=2, context=4, repeats=1, blocks=loaded)
+    timed, untimed = ("block", "head") if kind is Source.DFLASH else ("head", "block")
+    assert getattr(profile, f"{timed}_rows") == (1, 2) and min(getattr(profile, f"{timed}_seconds")) > 0
+    assert getattr(profile, f"{untimed}_rows") == () and getattr(profile, f"{untimed}_seconds") == ()

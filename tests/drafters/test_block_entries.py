@@ -188,3 +188,50 @@ def test_choices_forked_from_one_prefill_keep_the_drafters_context(engine, monke
     assert all(n >= len(PROMPT) for rows in joined for n in rows), joined
     alone = engine.generate(PROMPT, greedy(draft="dflash"))
     assert [tokens[c] for c in range(3)] == [alone.token_ids] * 3
+
+
+@pytest.fixture(scope="module")
+def eagle3_family(tmp_path_factory):
+    """``Tiny-Llama-4bit`` with ``Tiny-Llama-EAGLE3`` (the speculators layout, a reduced draft
+    vocabulary) beside it."""
+    root = tmp_path_factory.mktemp("eagle3-entries")
+    model = checkpoints.save_model(
+        root / "Tiny-Llama-4bit", models.tiny_llama(), architectures=["LlamaForCausalLM"]
+    ).path
+    word_level(model)
+    config = drafters.eagle3_config(models.VOCAB, models.VOCAB - 8, [1, 1, 2])
+    drafters.write_eagle3(root / "Tiny-Llama-EAGLE3", config, drafters.eagle3_tensors(config, seed=0))
+    return model
+
+
+@pytest.mark.slow
+def test_eagle3_drafts_through_cli_generate_and_serve(eagle3_family, tmp_path):
+    """`mtplx generate --draft eagle3` drafts with the EAGLE-3 drafter beside the model, and
+    `mtplx serve`'s continuous batch gives the openai client's ``speculative.drafter`` "eagle3"
+    the plain AR text (greedy); `Engine.generate` and n > 1 forks: `test_discovery.py`."""
+    import openai
+
+    args = ["generate", "--model", str(eagle3_family), "--draft", "eagle3", "--prompt", "w2 w3 w4 w5"]
+    done = subprocess.run(
+        [sys.executable, "-m", "mtplx", *args, "--max-tokens", "6", "--temp", "0", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["stats"]["drafters"]["eagle3"]["drafted"] > 0, done.stdout
+    with running_server(eagle3_family, tmp_path / "log.jsonl") as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="test-key-0123", timeout=60)
+        texts = {
+            drafter: client.completions.create(
+                model="m",
+                prompt="w2 w3 w4 w5 w3 w4",
+                max_tokens=6,
+                temperature=0,
+                extra_body={"speculative": {"drafter": drafter}},
+            )
+            .choices[0]
+            .text
+            for drafter in ("none", "eagle3")
+        }
+        assert texts["eagle3"] == texts["none"], texts

@@ -2,13 +2,14 @@
 name then by config, or given with ``--head`` / ``--draft-model``; ``mtplx inspect`` says which
 one and why and whether it drafts; a misfit names its field in one line and the CLI exits
 non-zero without a traceback; naming a DFlash / DFlash2 / DSpark one loads it to draft (drafting
-itself: `test_block_entries.py`), naming an EAGLE-3 one is a one-line error (it does not draft yet)."""
+itself: `test_block_entries.py`), an EAGLE-3 one beside the model drafts through `Engine.generate`."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.checkpoints.inspect import inspect_model
@@ -16,6 +17,7 @@ from mtplx.checkpoints.inspect_report import format_inspection
 from mtplx.drafters.discovery import name_says_drafter
 from mtplx.drafters.layouts import drafter_layout
 from mtplx.engine.engine import Engine
+from mtplx.engine.request import GenerationRequest
 from mtplx.errors import MtplxError
 from mtplx.spec_decode.sources import Source
 
@@ -109,7 +111,7 @@ def test_cli_inspect_and_generate(family):
     assert "num_target_layers 3 != the trunk's 2 layers" in done.stderr
 
 
-def test_an_eagle3_drafter_beside_the_model_is_found_and_checked(tmp_path):
+def test_an_eagle3_drafter_beside_the_model_is_found_and_drafts(tmp_path):
     target = checkpoints.save_model(
         tmp_path / "Tiny-4bit", models.tiny_llama(), architectures=["LlamaForCausalLM"]
     ).path
@@ -117,9 +119,29 @@ def test_an_eagle3_drafter_beside_the_model_is_found_and_checked(tmp_path):
     config = drafters.eagle3_config(models.VOCAB, 40, [1, 1, 2])
     drafters.write_eagle3(tmp_path / "Tiny-EAGLE3", config, drafters.eagle3_tensors(config))
     block = inspect_model(str(target))["block_drafter"]
-    assert block["layout"] == "eagle3" and block["fits"], block
-    with pytest.raises(MtplxError, match="EAGLE-3 drafter that fits this model"):
-        Engine.load(str(target), head=str(tmp_path / "Tiny-EAGLE3"))
+    assert block["layout"] == "eagle3" and block["fits"] and block["drafts"], block
+    engine = Engine.load(str(target))
+    assert engine.block_drafter.source is Source.EAGLE3
+    prompt = [1, 2, 3, 4, 5, 3, 4, 5]
+
+    def greedy(draft: str) -> GenerationRequest:  # 10 tokens EOS does not end (a random model)
+        return replace(
+            GenerationRequest.from_kwargs(temperature=0.0, max_tokens=10, draft=draft), ignore_eos=True
+        )
+
+    ar = engine.generate(prompt, greedy("none"))
+    got = engine.generate(prompt, greedy("eagle3"))
+    assert got.token_ids == ar.token_ids
+    assert got.stats.drafters["eagle3"]["drafted"] > 0, got.stats.drafters
+    # n = 3 choices forked from one prefill (each from a copy of its drafter context): each = alone
+    scheduler = engine.batch(max_rows=4, draft_policy="fixed")
+    handle = scheduler.submit(prompt, replace(greedy("eagle3"), n=3))
+    tokens = {}
+    while not scheduler.idle:
+        for result in scheduler.step():
+            assert result.error is None and result.handle == handle, result.error
+            tokens.setdefault(result.choice, []).extend(result.chunk.token_ids)
+    assert [tokens[c] for c in range(3)] == [got.token_ids] * 3
     config["eagle_aux_hidden_state_layer_ids"] = [1, 2, 3]
     drafters.write_eagle3(tmp_path / "Tiny-EAGLE3", config, drafters.eagle3_tensors(config))
     assert "name a layer past the trunk's 2" in inspect_model(str(target))["block_drafter"]["problem"]
@@ -160,5 +182,4 @@ def test_inspect_of_a_drafter_directory_says_what_it_is(tmp_path, layout):
     expected = [0, 1] if layout == "dflash" else "low / middle / high of the target"
     assert info["target_layers"] == expected
     text = format_inspection(info)
-    drafts = "drafts beside a target that fits it" if layout == "dflash" else "do not draft yet"
-    assert f"layout {layout}" in text and drafts in text
+    assert f"layout {layout}" in text and "drafts beside a target that fits it" in text

@@ -28,11 +28,27 @@ def test_cost_profile_interpolates_and_extrapolates_linearly():
     assert profile.cycle(3, 2) == pytest.approx(1.4 + 2 * 0.05)
 
 
+def test_a_block_drafters_forward_costs_once_per_drafting_cycle():
+    """DFlash / DSpark: one block forward per cycle with K > 0, whatever K (by hand: 4 rows)."""
+    profile = CostProfile((1, 8), (0.1, 0.1), (), (), (1, 8), (0.02, 0.06))
+    assert profile.cycle(4, 0) == pytest.approx(0.1)  # no drafts: no block forward
+    assert profile.cycle(4, 1) == profile.cycle(4, 3) == pytest.approx(0.1 + (0.02 + 3 * 0.04 / 7))
+    # Rows keeping the prior's 0.4 / 0.35 / 0.3 commit 1.58 tokens at K = 3 (1 at K = 0): free
+    # drafting pays; a block forward as dear as the trunk's doubles the cycle, and AR wins.
+    offers = [DraftOffer(RowAcceptance(), 3)] * 4
+    assert DraftPolicy(CostProfile((1, 8), (0.1, 0.1))).best_length(offers) == 3
+    dear = CostProfile((1, 8), (0.1, 0.1), (), (), (1, 8), (0.1, 0.1))
+    assert DraftPolicy(dear).best_length(offers) == 0
+
+
 def test_cost_profile_round_trips_and_rejects_damaged_entries():
     profile = CostProfile((1, 2), (0.1, 0.15), (1,), (0.02,))
     assert CostProfile.from_dict(profile.as_dict()) == profile
+    with_block = CostProfile((1, 2), (0.1, 0.15), (), (), (1, 4), (0.01, 0.02))
+    assert CostProfile.from_dict(with_block.as_dict()) == with_block
     damaged = [
         {},
+        {"tokens": [1, 2], "trunk_seconds": [0.1, 0.2], "block_rows": [1], "block_seconds": []},
         {"tokens": [1, 2], "trunk_seconds": [0.1]},
         {"tokens": [2, 1], "trunk_seconds": [0.1, 0.2]},
         {"tokens": [1], "trunk_seconds": [-1.0]},

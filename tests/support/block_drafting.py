@@ -36,6 +36,8 @@ def load_replica(
     from mtplx.drafters.dflash2 import load_dflash2
     from mtplx.drafters.dspark import load_dspark
 
+    if kind is Source.EAGLE3:
+        return load_eagle3_replica(path, vocab_size, seed, sharpen, target_layers=target_layers)
     make = {
         Source.DFLASH: (drafters.dflash_config, drafters.dflash_tensors, load_dflash),
         Source.DFLASH2: (drafters.dflash2_config, drafters.dflash2_tensors, load_dflash2),
@@ -49,6 +51,29 @@ def load_replica(
     drafter = make[2](drafters.write_dflash(path, config, tensors))
     drafter.set_dtype(mx.float32)
     return BlockDrafter(drafter, kind)
+
+
+def eagle3_replica_config(vocab_size: int, target_layers: int = TARGET_LAYERS) -> dict:
+    """The speculators layout over a draft vocabulary of a random 7/8 of the target's ids (so the
+    target ids outside it come from the residual alone), tapping trunk layers 0, 1 and the last
+    but one (Hugging Face ``hidden_states`` indices 1, 2, n - 1)."""
+    return drafters.eagle3_config(vocab_size, vocab_size - max(vocab_size // 8, 1), [1, 2, target_layers - 1])
+
+
+def load_eagle3_replica(
+    path: Path, vocab_size: int, seed: int = 3, sharpen: float = 1.0, target_layers: int = TARGET_LAYERS
+) -> BlockDrafter:
+    """A tiny EAGLE-3 drafter (the speculators layout, a reduced draft vocabulary mapped by
+    ``d2t``) of a ``target_layers``-layer trunk, written as published and loaded (float32);
+    ``sharpen`` scales its final norm (sharper q)."""
+    from mtplx.drafters.eagle3 import load_eagle3
+
+    config = eagle3_replica_config(vocab_size, target_layers)
+    tensors = drafters.eagle3_tensors(config, seed=seed)
+    tensors["norm.weight"] = tensors["norm.weight"] * sharpen
+    drafter = load_eagle3(drafters.write_eagle3(path, config, tensors))
+    drafter.set_dtype(mx.float32)
+    return BlockDrafter(drafter, Source.EAGLE3)
 
 
 def decode_rows(
