@@ -37,7 +37,10 @@ def engine(default_model_dir):
     return Engine.load()
 
 
-@pytest.mark.parametrize("temperature,draft", [(0.0, "head"), (0.8, "head"), (0.8, "auto")])
+@pytest.mark.parametrize(
+    "temperature,draft",
+    [(0.0, "head"), (0.8, "head"), pytest.param(0.8, "auto", marks=pytest.mark.slow)],  # auto: head + lookup
+)
 def test_json_schema_output_parses_and_validates_under_speculation(engine, draft, temperature):
     grammar = Grammar.json_schema(PERSON)
     stopped = 0

@@ -132,7 +132,7 @@ def test_json_replies_parse_and_validate_at_both_temperatures(client, model_id, 
         "json_object": ({"type": "json_object"}, closing),
     }
     for temperature in TEMPERATURES:
-        for seed in SEEDS:
+        for seed in SEEDS if temperature else SEEDS[:1]:  # greedy: one seed says it all
             for name, (fmt, bias) in formats.items():
                 reply = client.chat.completions.create(
                     model=model_id,

@@ -8,16 +8,14 @@ batch's masked the first and cut after the chain)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 from openai import OpenAI
-from support.paths import REPO
+from support.cli import run_main
 from support.server import KEY, running_server
 
-SAMPLING = dict(seed=11, temperature=0.7, max_tokens=40)
+SAMPLING = dict(seed=11, temperature=0.7, max_tokens=40)  # room for the grammar test's JSON object
+FREE_TOKENS = 24
 FREE_PROMPT = "List the planets of the solar system, one per line, then list them again."
 SCHEMA = {
     "type": "object",
@@ -36,13 +34,13 @@ def adaptive_server(default_model_dir, tmp_path_factory):
         yield OpenAI(base_url=base + "/v1", api_key=KEY)
 
 
-def _served(client, prompt: str, **extra) -> tuple[str, dict]:
+def _served(client, prompt: str, max_tokens: int = SAMPLING["max_tokens"], **extra) -> tuple[str, dict]:
     reply = client.chat.completions.create(
         model=str(MODEL_DIR[0]),
         messages=[{"role": "user", "content": prompt}],
         seed=SAMPLING["seed"],
         temperature=SAMPLING["temperature"],
-        max_tokens=SAMPLING["max_tokens"],
+        max_tokens=max_tokens,
         **extra,
     )
     stats = reply.model_extra["mtplx"]
@@ -50,20 +48,21 @@ def _served(client, prompt: str, **extra) -> tuple[str, dict]:
 
 
 def test_generate_and_serve_agree_with_adaptive_drafting(adaptive_server, default_model_dir):
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    out = subprocess.run(
-        [sys.executable, "-m", "mtplx", "generate", "--model", str(default_model_dir), FREE_PROMPT, "--json"]
-        + ["--adaptive", "--seed", str(SAMPLING["seed"]), "--temp", str(SAMPLING["temperature"])]
-        + ["-m", str(SAMPLING["max_tokens"])],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=REPO,
-        timeout=300,
+    # `mtplx generate` in this process (support.cli): the same command as a user's, without a Python start.
+    out = run_main(
+        *("generate", "--model", str(default_model_dir), FREE_PROMPT, "--json", "--adaptive"),
+        *(
+            "--seed",
+            str(SAMPLING["seed"]),
+            "--temp",
+            str(SAMPLING["temperature"]),
+            "-m",
+            str(FREE_TOKENS),
+        ),
     )
     assert out.returncode == 0, out.stderr
     streamed = json.loads(out.stdout)
-    text, drafters = _served(adaptive_server, FREE_PROMPT)
+    text, drafters = _served(adaptive_server, FREE_PROMPT, max_tokens=FREE_TOKENS)
     assert streamed["text"] == text
     assert streamed["stats"]["drafters"] == drafters
     assert drafters["head"]["drafted"] > 0  # the head drafted (and the adaptive cut had work)

@@ -394,7 +394,8 @@ def code_edit_ar(plain_engine):
     return plain_engine.generate(CODE_EDIT_PROMPT, chat=True, max_tokens=40, draft="none")
 
 
-@pytest.mark.parametrize("draft", ["lookup", "auto", "model"])
+# "auto" composes the other two (its tiny-model twin above runs in the default suite).
+@pytest.mark.parametrize("draft", ["lookup", pytest.param("auto", marks=pytest.mark.slow), "model"])
 def test_engine_greedy_output_equals_ar_with_each_drafter(plain_engine, code_edit_ar, draft):
     result = plain_engine.generate(CODE_EDIT_PROMPT, chat=True, max_tokens=40, draft=draft, depth=2)
     assert result.token_ids == code_edit_ar.token_ids
