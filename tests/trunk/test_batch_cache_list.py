@@ -107,3 +107,33 @@ def test_deepseek_v32_rows_batch_and_equal_ar_with_rejections(tmp_path):
     assert [b.token_ids for b in batched] == want
     kept, rejected = map(sum, zip(*(kept_and_rejected(b.stats) for b in batched)))
     assert kept > 0 and rejected > 0, (kept, rejected)
+
+
+@pytest.mark.parametrize("seed", [0, FRESH])
+def test_hunyuan_v4_ragged_rows_give_each_rows_logits_alone(seed):
+    """A Hunyuan-V4 trunk (mlx-vlm; DSA indexer keeping 4 keys) forwards a 2-position block, then
+    one position, for two rows of 1 and 9 committed tokens in one batch: each row's logits are
+    its own forward's alone. The short row holds at most 4 keys (alone its indexer selects
+    nothing) while the padded batch holds more, so its keys are chosen under its row's mask."""
+    from mtplx.trunk.model import Trunk
+
+    from support.vlm_families import tiny_hy_v4
+    from support.vlm_heads import max_abs_diff
+
+    rng = np.random.default_rng(resolve(seed))
+    trunk = Trunk(tiny_hy_v4())
+    prompts = [rng.integers(2, 40, size=n).tolist() for n in (1, 9)]
+    singles = []
+    for prompt in prompts:
+        cache = trunk.make_cache()
+        trunk(mx.array([prompt]), cache)
+        singles.append(cache)
+    batch = BatchCache(trunk.make_cache(), trunk.model)
+    batch.add_rows(singles)
+    for block_len in (2, 1):
+        tokens = rng.integers(2, 40, size=(len(prompts), block_len))
+        together = trunk(mx.array(tokens), batch.layers).logits
+        for r, cache in enumerate(singles):
+            alone = trunk(mx.array(tokens[r : r + 1]), cache).logits
+            assert max_abs_diff(together[r : r + 1], alone) < 1e-4
+    assert batch.lengths == [len(p) + 3 for p in prompts]
