@@ -1,5 +1,5 @@
 """A layer whose cache is a ``CacheList`` of K/V caches (an MLA latent and its DSA indexer's keys:
-Hunyuan-V4 through mlx-vlm, DeepSeek-V3.2 / GLM-5 through mlx-lm) in a batch: every member a
+Hunyuan-V4 through mlx-vlm, DeepSeek-V3.2 / GLM-5 through mlx-lm; LongCat-Flash's two attentions) in a batch: every member a
 `RaggedKVCache` with the rows' lengths, so ragged rows and per-row rollback work as for plain KV."""
 
 from __future__ import annotations
@@ -90,13 +90,17 @@ def test_rows_keep_their_own_count_of_a_block_in_every_member(seed):
         )
 
 
-@pytest.mark.slow  # ~10-25 s (a DeepSeek-V3.2 replica); Hunyuan-V4's batch test (tests/heads/test_hy_v4.py) runs the same CacheList batch every make test
-def test_deepseek_v32_rows_batch_and_equal_ar_with_rejections(tmp_path):
-    """DeepSeek-V3.2 (mlx-lm, MLA + DSA indexer in one CacheList per layer; GLM-5 runs the same
-    module): its rows now batch, greedy head rows at depth 2 give each prompt's AR tokens alone with
-    drafts kept and rejected, and the indexer (4 kept keys) selects within every row's context."""
-    path = tmp_path / "dsv32"
-    checkpoints.deepseek_v3(path, model_type="deepseek_v32", context_strength=0.3)
+@pytest.mark.slow  # ~10-25 s each (mlx-lm replicas); Hunyuan-V4's batch test (tests/heads/test_hy_v4.py) runs the same CacheList batch every make test
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa", "longcat_flash"])
+def test_mlx_lm_cache_list_rows_batch_and_equal_ar_with_rejections(family, tmp_path):
+    """DeepSeek-V3.2 and GLM-5 (MLA + DSA indexer in one CacheList per layer; 4 kept keys) and
+    LongCat-Flash (two attentions' KV in one CacheList) through mlx-lm: their rows batch, and
+    greedy head rows at depth 2 give each prompt's AR tokens alone with drafts kept and rejected."""
+    path = tmp_path / family
+    if family == "longcat_flash":
+        checkpoints.longcat_flash(path, context_strength=0.3)
+    else:
+        checkpoints.deepseek_v3(path, model_type=family, context_strength=0.3, moe=family == "glm_moe_dsa")
     word_level(path)
     engine = Engine.load(str(path), depth=2)
     assert check_batch_support(engine.trunk, engine.head) is None
