@@ -22,10 +22,19 @@ number of positions per row each cycle, so here every row has its own length:
   scale and a bias per group along the head dimension); a block is quantized when written, per
   position, as a single-row QuantizedKVCache does, so rollback is again setting lengths.
 
+* A ``CacheList`` of K/V caches (one layer's MLA latent and its DSA indexer's keys: Hunyuan-V4
+  through mlx-vlm, DeepSeek-V3.2 / GLM-5 / LongCat-Flash through mlx-lm): a ``CacheList`` of
+  `RaggedKVCache` s, every member at the rows' lengths (the model's attention and indexer read
+  ``cache[0]`` / ``cache[1]`` as for a single row). An indexer's keys cache stores empty values
+  (head dim 0); no write touches an empty buffer. An indexer that keeps ``top_k`` keys selects
+  over the padded keys with the row's mask applied (masked keys score -inf), so a row shorter
+  than ``top_k`` still attends to all of its keys, as alone.
+
 Rows join from single-row caches (`add_rows`, after their own prefill or from the prompt
 cache) and leave (`remove_rows`); both copy only the rows that move, never per cycle. Sliding-window
-(rotating) caches, and float caches that convert to quantized KV at a later position, are not
-batched: `check_batchable` says so.
+(rotating) caches, float caches that convert to quantized KV at a later position, and mlx-vlm's
+own cache classes (Qwen3.8-Flash-Next, DeepSeek-V4, GLM-5-Next, MiniMax-M3) are not batched:
+`check_batchable` says so in one line naming the cache class.
 
 Invariant between cycles: every layer's row r holds exactly the committed positions of
 sequence r, as the same sequence's single-row cache would.
@@ -42,10 +51,13 @@ from mtplx.trunk.compat import (
     CONV_SLOT,
     STATE_SLOT,
     ArraysCache,
+    CacheList,
     ConvInputTap,
     KVCache,
     QuantizedKVCache,
     arrays_slots,
+    cache_leaves,
+    cache_members,
     is_supported_recurrent_layer,
     kv_state,
 )
@@ -93,6 +105,12 @@ class RaggedKVCache:
         """Every buffer, keys' before values' (one each; three each when quantized)."""
         return _leaves((self.keys, self.values))
 
+    @property
+    def _written(self) -> list[mx.array]:
+        """The buffers that hold anything: an indexer's key cache stores empty values (head dim 0),
+        and MLX's scatter into an empty array stops the process (SIGFPE), so no write touches them."""
+        return [b for b in self._buffers if b.size]
+
     def _shape(self) -> tuple[int, int]:
         """(slots, capacity) of the buffers; (0, 0) while empty."""
         if self.keys is None:
@@ -123,7 +141,8 @@ class RaggedKVCache:
         if self.keys is not None and self.batch_size:
             rows, have = min(self.batch_size, slots), min(self._shape()[1], capacity)
             for new, old in zip(_leaves((keys, values)), self._buffers):
-                new[:rows, :, :have, :] = old[:rows, :, :have, :]
+                if new.size:
+                    new[:rows, :, :have, :] = old[:rows, :, :have, :]
         self.keys, self.values = keys, values
 
     def _reserve(self, end: int, like_keys: Any, like_values: Any) -> None:
@@ -143,7 +162,8 @@ class RaggedKVCache:
         positions = self.offset[:, None] + mx.arange(block_len)[None]  # [B, T]
         rows = mx.arange(self.batch_size)[:, None]
         for buffer, block in zip(self._buffers, _leaves(stored)):
-            buffer[rows, :, positions] = block.transpose(0, 2, 1, 3)
+            if block.size:
+                buffer[rows, :, positions] = block.transpose(0, 2, 1, 3)
         self.set_lengths([n + block_len for n in self.lengths])
         batch = self.batch_size
 
@@ -180,7 +200,8 @@ class RaggedKVCache:
             # A slot's stale tail past its length is never read (make_mask); only n is written.
             if n:
                 for buffer, held in zip(self._buffers, _leaves(self._row_state(c))):
-                    buffer[r : r + 1, :, :n, :] = held[..., :n, :]
+                    if buffer.size:
+                        buffer[r : r + 1, :, :n, :] = held[..., :n, :]
         self.set_lengths(self.lengths + lengths)
 
     def remove_rows(self, keep: Sequence[int]) -> None:
@@ -197,11 +218,11 @@ class RaggedKVCache:
         if moves:
             dst = [j for j, _ in moves]
             src = mx.array([i for _, i in moves], dtype=mx.int32)
-            moved = [mx.take(buffer, src, axis=0) for buffer in self._buffers]
+            moved = [mx.take(buffer, src, axis=0) for buffer in self._written]
             # Evaluated first, so the buffers have no other reader and the slice writes below
             # happen in place (MLX donates a buffer only to its last user; else a write copies it).
             mx.eval(moved)
-            for buffer, rows in zip(self._buffers, moved):
+            for buffer, rows in zip(self._written, moved):
                 for k, j in enumerate(dst):
                     buffer[j : j + 1] = rows[k : k + 1]
         slots, capacity = self._shape()
@@ -287,23 +308,34 @@ def check_batchable(single_row_cache: list, model: nn.Module | None = None) -> s
     """None if a model whose single-row cache looks like this can decode in a batch, else why not."""
     layers = cache_layers(model) if model is not None else None
     for i, c in enumerate(single_row_cache):
-        if type(c) is KVCache and getattr(c, kv_quant.PLAN_ATTR, None) is not None:
-            start = getattr(c, kv_quant.PLAN_ATTR).start
-            return (
-                f"cache of layer {i}: KV quantized from position {start} is decoded one request at a "
-                "time (each row converts at its own position; quantized_kv_start 0 batches)"
-            )
-        if type(c) in (KVCache, QuantizedKVCache):
+        if type(c) is CacheList:
+            reason = next(filter(None, (_kv_refusal(m) for m in cache_leaves(cache_members(c)))), None)
+            if reason is not None:
+                return f"cache of layer {i}: a CacheList member's {reason}"
             continue
         if type(c) is ArraysCache and len(arrays_slots(c)) == 2:
             if layers is not None and not is_supported_recurrent_layer(layers[i]):
                 return f"cache of layer {i}: ArraysCache of a layer that is not a supported recurrent layer"
             continue
-        kind = type(c).__name__
-        if kind == "RotatingKVCache":
-            return f"cache of layer {i}: sliding-window attention (RotatingKVCache) is decoded one request at a time"
-        return f"cache of layer {i}: {kind} is not batched"
+        reason = _kv_refusal(c)
+        if reason is not None:
+            return f"cache of layer {i}: {reason}"
     return None
+
+
+def _kv_refusal(c: Any) -> str | None:
+    """None for a KV cache a `RaggedKVCache` batches (float, or quantized from position 0), else why not."""
+    if type(c) is KVCache and getattr(c, kv_quant.PLAN_ATTR, None) is not None:
+        start = getattr(c, kv_quant.PLAN_ATTR).start
+        return (
+            f"KV quantized from position {start} is decoded one request at a "
+            "time (each row converts at its own position; quantized_kv_start 0 batches)"
+        )
+    if type(c) in (KVCache, QuantizedKVCache):
+        return None
+    if type(c).__name__ == "RotatingKVCache" and type(c).__module__.startswith("mlx_lm."):
+        return "sliding-window attention (RotatingKVCache) is decoded one request at a time"
+    return f"{kv_quant.cache_kind(c)} is not batched (decoded one request at a time)"
 
 
 # --------------------------------------------------------------------------- the batch's caches
@@ -373,9 +405,13 @@ class BatchCache:
             for i, c in enumerate(self.layers):
                 if type(c) is ArraysCache:
                     self._conv_taps[i] = ConvInputTap.on(owners[i])
-        self._attention = next((c for c in self.layers if isinstance(c, RaggedKVCache)), None)
+        self._attention = next(iter(self._ragged()), None)
         if self._attention is None:
             raise ValueError("a batch needs at least one attention layer (its rows' lengths)")
+
+    def _ragged(self) -> list[RaggedKVCache]:
+        """Every layer's K/V caches, a `CacheList` layer's members included (they share the rows' lengths)."""
+        return [c for c in cache_leaves(self.layers) if isinstance(c, RaggedKVCache)]
 
     @property
     def lengths(self) -> list[int]:
@@ -388,6 +424,9 @@ class BatchCache:
             members = [row[i] for row in rows]
             if isinstance(layer, RaggedKVCache):
                 layer.add_rows(members)
+            elif type(layer) is CacheList:
+                for j, member in enumerate(cache_members(layer)):
+                    member.add_rows([cache_members(m)[j] for m in members])
             else:
                 joined = [arrays_slots(m) for m in members]
                 for slot in range(len(layer.cache)):
@@ -398,8 +437,9 @@ class BatchCache:
     def remove_rows(self, keep: Sequence[int]) -> None:
         index = mx.array(list(keep), dtype=mx.int32)
         for layer in self.layers:
-            if isinstance(layer, RaggedKVCache):
-                layer.remove_rows(keep)
+            if isinstance(layer, (RaggedKVCache, CacheList)):
+                for member in cache_leaves([layer]):
+                    member.remove_rows(keep)
             else:
                 layer.cache = [
                     None if a is None or not keep else mx.contiguous(mx.take(a, index, axis=0))
@@ -412,6 +452,8 @@ class BatchCache:
         for layer in self.layers:
             if isinstance(layer, RaggedKVCache):
                 out.append(layer.extract(row))
+            elif type(layer) is CacheList:
+                out.append(CacheList(*(member.extract(row) for member in cache_members(layer))))
             else:
                 single = ArraysCache(len(layer.cache))
                 single.cache = [None if a is None else mx.contiguous(a[row : row + 1]) for a in layer.cache]
@@ -420,9 +462,9 @@ class BatchCache:
 
     def set_lengths(self, lengths: Sequence[int]) -> None:
         """Attention-only: move every row to its length (a head's catch-up keeps only true pairs)."""
-        for layer in self.layers:
-            if not isinstance(layer, RaggedKVCache):
-                raise ValueError("set_lengths: a recurrent cache cannot be moved back")
+        if len(self._ragged()) != len(cache_leaves(self.layers)):
+            raise ValueError("set_lengths: a recurrent cache cannot be moved back")
+        for layer in self._ragged():
             layer.set_lengths(lengths)
 
     # ------------------------------------------------------------------ verify blocks
@@ -458,9 +500,8 @@ class BatchCache:
             self._restore(block)
             raise
         lengths = [before + n for before, n in zip(block.lengths_before, num_keep)]
-        for layer in self.layers:
-            if isinstance(layer, RaggedKVCache):
-                layer.set_lengths(lengths)
+        for layer in self._ragged():
+            layer.set_lengths(lengths)
 
     def abort_block(self, block: BatchBlock) -> None:
         """Back to the state at `begin_block` (a failed or interrupted forward). A no-op once closed."""
@@ -471,9 +512,8 @@ class BatchCache:
     def _restore(self, block: BatchBlock) -> None:
         for record in block.recurrent:
             record.abort()
-        for layer in self.layers:
-            if isinstance(layer, RaggedKVCache):
-                layer.set_lengths(block.lengths_before)
+        for layer in self._ragged():
+            layer.set_lengths(block.lengths_before)
 
 
 def _batch_layer(template: Any) -> Any:
@@ -482,6 +522,8 @@ def _batch_layer(template: Any) -> Any:
         return RaggedKVCache()
     if type(template) is QuantizedKVCache:
         return RaggedQuantizedKVCache(template.group_size, template.bits)
+    if type(template) is CacheList:  # one layer's several K/V caches (an MLA latent and its indexer's keys)
+        return CacheList(*(_batch_layer(m) for m in cache_members(template)))
     return ArraysCache(len(arrays_slots(template)))
 
 

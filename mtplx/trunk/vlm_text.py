@@ -14,9 +14,10 @@ trunk contract is unchanged:
   a layout `compat.find_inner_model` / `compat.find_lm_head` already know;
 * caches: mlx-vlm's cache classes are its own (not mlx-lm's), so ``make_cache`` builds mlx-lm's
   equivalent of each one mlx-vlm's ``make_cache`` returns (``CACHE_EQUIVALENTS``), and
-  `rollback`, `row_cache`, the prompt cache and ``--kv-bits`` work on them as on any mlx-lm
-  model's. mlx-vlm's language code reads only the methods both share (``offset``,
-  ``update_and_fetch``, ``keys`` / ``values``, ``make_mask``); the equivalence is checked by
+  `rollback`, `row_cache`, the batch (`batch_cache`: Hunyuan-V4's ``CacheList`` s as ragged K/V
+  rows), the prompt cache and ``--kv-bits`` work on them as on any mlx-lm model's. mlx-vlm's
+  language code reads only the methods both share (``offset``, ``update_and_fetch``, ``keys`` /
+  ``values``, ``make_mask``); the equivalence is checked by
   comparing logits with mlx-vlm's own forward on its own caches (``tests/trunk/test_vlm_text.py``);
 * families whose caches have no mlx-lm equivalent (``NATIVE_CACHE_FAMILIES``: Qwen3.8-Flash-Next's
   QSA KV cache with the indexer's raw keys, its gated-delta and PLE ``ArraysCache`` s) keep

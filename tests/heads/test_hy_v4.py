@@ -18,7 +18,9 @@ import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.engine.engine import Engine
 from mtplx.engine.request import GenerationRequest
 from mtplx.heads.hy_v4 import HyV4MTPHead, _block
+from mtplx.spec_decode.rows import check_batch_support
 from mtplx.trunk.model import Trunk
+from mtplx.trunk.vlm_text import VlmTextModel
 
 import mlx.core as mx
 import numpy as np
@@ -209,8 +211,44 @@ def test_greedy_mtp_equals_ar_with_drafts_kept_at_depths_1_and_2(engine):
     assert_mtp_equals_ar_with_drafts_kept(engine.trunk, engine.head, PROMPTS[:2], 14)
 
 
-def test_rows_in_a_batch_equal_ar_with_rejections(engine):
+def test_rows_in_a_batch_share_one_forward_and_equal_ar_with_rejections(engine, monkeypatch):
+    """Its caches (a CacheList of the MLA latent and the indexer's keys per layer) batch: the three
+    rows decode in shared trunk forwards (a forward of 3 rows is counted), each giving its AR
+    tokens alone with drafts kept and rejected."""
+    assert check_batch_support(engine.trunk, engine.head) is None
+    rows: list[int] = []
+    forward = VlmTextModel.__call__
+
+    def counted(self, inputs, *args, **kwargs):
+        rows.append(inputs.shape[0])
+        return forward(self, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(VlmTextModel, "__call__", counted)
     assert_batch_rows_equal_ar_with_rejections(engine, max_tokens=16)
+    assert rows.count(len(PROMPTS)) >= 3, rows  # decode cycles of all three rows in one forward
+
+
+def test_a_seeded_n_2_request_among_batched_rows_gives_what_it_gives_alone(engine):
+    """A seeded request with n = 2 (its choices forked from one prefill into rows of the batch,
+    the CacheList caches copied) decoded beside two greedy head rows gives each choice's tokens
+    alone, and the greedy rows theirs."""
+    from mtplx.engine.scheduler import run_to_completion
+
+    def per_choice(chunks) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {}
+        for c in chunks:
+            out.setdefault(c.index, []).extend(c.token_ids)
+        return out
+
+    seeded = _req(max_tokens=10, temperature=1.0, seed=17, n=2, draft="head", depth=2)
+    greedy = _req(max_tokens=10, draft="head", depth=2)
+    prompts, requests = [PROMPTS[0], PROMPTS[1], PROMPTS[2]], [seeded, greedy, greedy]
+    alone = [
+        run_to_completion(engine.batch(draft_policy="fixed"), [p], [r])[0] for p, r in zip(prompts, requests)
+    ]
+    together = run_to_completion(engine.batch(draft_policy="fixed"), prompts, requests)
+    assert [per_choice(c) for c in together] == [per_choice(c) for c in alone]
+    assert len(per_choice(together[0])) == 2
 
 
 # --------------------------------------------------------------------------- sampled distribution

@@ -251,6 +251,34 @@ def test_kv_bits_is_refused_in_one_line_naming_the_cache_kinds(family, kinds):
     assert "\n" not in message and message.startswith("kv_bits: ") and f"({kinds})" in message
 
 
+@pytest.mark.parametrize(
+    ("family", "kind"),
+    [
+        ("hy_v4", None),  # mlx-lm caches: CacheList(KVCache, KVCache) per layer, batched
+        ("qwen4_exp", "mlx_vlm ArraysCache"),
+        ("deepseek_v4", "mlx_vlm RotatingKVCache"),
+        ("glm5_next", "mlx_vlm ArraysCache"),
+        ("minimax_m3", "mlx_vlm KVCache"),
+    ],
+)
+def test_families_on_mlx_vlms_own_caches_decode_alone_with_a_one_line_reason(family, kind):
+    """Rows of a family on mlx-vlm's own cache classes decode one request at a time (the batch
+    has no ragged form of them): the reason is one line naming the first such cache; Hunyuan-V4's
+    batch (`tests/heads/test_hy_v4.py`: rows share one forward)."""
+    from mtplx.spec_decode.rows import check_batch_support
+
+    import support.vlm_families as families
+
+    reason = check_batch_support(Trunk(getattr(families, f"tiny_{family}")()))
+    if kind is None:
+        assert reason is None
+    else:
+        assert (
+            "\n" not in reason
+            and reason == f"cache of layer 0: {kind} is not batched (decoded one request at a time)"
+        )
+
+
 def test_qwen4_exp_takes_kv_bits_from_position_0_only():
     """Its QSAKVCache quantizes itself (mlx-vlm's QSAQuantizedKVCache); a later start would convert
     it mid-sequence, which its gated-delta caches cannot take in two forwards: one line."""
