@@ -90,8 +90,16 @@ def test_rows_keep_their_own_count_of_a_block_in_every_member(seed):
         )
 
 
-@pytest.mark.slow  # ~10-25 s each (mlx-lm replicas); Hunyuan-V4's batch test (tests/heads/test_hy_v4.py) runs the same CacheList batch every make test
-@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa", "longcat_flash"])
+# LongCat-Flash (~2 s) runs in make test; the DSA families (~10-25 s each) under make test-slow, beside
+# Hunyuan-V4's batch test (tests/heads/test_hy_v4.py), which runs an indexer CacheList every make test.
+@pytest.mark.parametrize(
+    "family",
+    [
+        pytest.param("deepseek_v32", marks=pytest.mark.slow),
+        pytest.param("glm_moe_dsa", marks=pytest.mark.slow),
+        "longcat_flash",
+    ],
+)
 def test_mlx_lm_cache_list_rows_batch_and_equal_ar_with_rejections(family, tmp_path):
     """DeepSeek-V3.2 and GLM-5 (MLA + DSA indexer in one CacheList per layer; 4 kept keys) and
     LongCat-Flash (two attentions' KV in one CacheList) through mlx-lm: their rows batch, and
