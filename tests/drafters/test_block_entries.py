@@ -3,7 +3,8 @@ takes it from ``head`` / ``draft_model``); ``draft="dflash"`` and "auto" draft w
 equal to plain AR with drafts made and counted in the stats; a batch mixing it with lookup and
 plain AR rows gives each row what it gives alone; a drafter the engine did not load is a
 one-line refusal and the engine keeps working; `mtplx generate --head DIR --draft dflash` and
-`mtplx serve` (the openai client's ``speculative.drafter``) draft with it."""
+`mtplx serve` (the openai client's ``speculative.drafter``) draft with it; a prompt-cache hit
+restores the drafter's context (DFlash and EAGLE-3): a cached turn drafts as a cold run."""
 
 from __future__ import annotations
 
