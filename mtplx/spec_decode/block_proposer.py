@@ -12,7 +12,9 @@ prefilling row fills its own single-row cache from the prefill chunks' layer tap
 row's newly committed positions' taps (`commit`: the trunk's layer taps at the pending token
 and the accepted drafts) wait on the row (``drafter_taps``) and enter the context at the next
 block forward, whether the row drafts that cycle or not. The block's own K/V never enter the
-cache, so nothing is rolled back.
+cache, so nothing is rolled back. The prompt cache keeps a row's context beside its trunk caches:
+`extract` (the drafter's row, then the taps waiting on it) at the end of a request, and
+`context_from` makes a new row's own cache of a hit's copy (`mtplx.trunk.prompt_cache`).
 
 Cycle: one forward of ``[anchor_r, mask x P]`` (the anchor is the row's pending token) over
 every member row, its new context of c_r positions padded to the longest; then each position's
