@@ -42,6 +42,7 @@ from mtplx.spec_decode.settings import DEFAULT_PREFILL_STEP
 from mtplx.spec_decode.sources import BLOCK_SOURCES, Source
 from mtplx.spec_decode.step import PromptPrefix
 from mtplx.trunk.compat import copy_cache
+from mtplx.trunk.prompt_cache import CacheHit
 
 import mlx.core as mx
 
@@ -182,16 +183,18 @@ class BatchScheduler:
         constraint = engine.compile_grammar(request.grammar) if request.grammar is not None else None
         sources = row_sources(plan.choice)
         with_head = Source.HEAD in sources
+        # A block drafter row's entry holds its drafter's context too (`PromptCache`).
+        with_drafter = any(source in BLOCK_SOURCES for source in sources)
         if fresh:  # a fork: its caches become choice 0's, copied after its prefill (`_fork`)
-            trunk_cache = engine.trunk.make_cache()
-            head_cache = engine.head.make_cache() if with_head else None
-            session = CacheSession(engine.prompt_cache, plan.prompt_tokens, trunk_cache, head_cache, 0)
-        else:
-            # A block drafter's context is every prompt position's taps: such a row prefills all of it.
-            reuse = not any(source in BLOCK_SOURCES for source in sources)
-            session, trunk_cache, head_cache = open_session(
-                engine.prompt_cache, engine.trunk, engine.head, plan.prompt_tokens, with_head, reuse
+            hit = CacheHit(engine.trunk.make_cache(), engine.head.make_cache() if with_head else None, 0)
+            session = CacheSession(
+                engine.prompt_cache, plan.prompt_tokens, hit.trunk_cache, hit.head_cache, 0, with_drafter
             )
+        else:
+            session, hit = open_session(
+                engine.prompt_cache, engine.trunk, engine.head, plan.prompt_tokens, with_head, with_drafter
+            )
+        trunk_cache, head_cache = hit.trunk_cache, hit.head_cache
         pending = decoder.start(
             plan.prompt_tokens,
             RowSpec(
@@ -212,6 +215,8 @@ class BatchScheduler:
             proposer=engine.row_proposer(plan),
         )
         session.row = pending  # the one holder of its caches (a prompt-prefix snapshot reads them)
+        if hit.drafter_cache is not None:  # the block drafter's context of the cached prefix
+            pending.drafter_cache = decoder.blocks.context_from(hit.drafter_cache)
         mode, depth = ("mtp", plan.choice.depth) if sources else ("ar", 0)
         output = RequestOutput(
             engine.tokenizer, request, len(plan.prompt_tokens), session.prefix.start, mode, depth, engine.head
@@ -335,7 +340,7 @@ class BatchScheduler:
                     job.pending = None
                     budget -= 1
                     if not decoder.single_row:  # a single row decodes in its own (live) caches
-                        job.session.store_prompt(pending.trunk_cache, pending.head_cache)
+                        self._store_prompt(job, pending, decoder)
                     results.append(self._feed(job, first))
             except (MtplxError, ValueError) as err:  # ValueError: invalid values in the first draw
                 results.append(self._fail(job, err))
@@ -359,17 +364,26 @@ class BatchScheduler:
         )
         return results
 
+    @staticmethod
+    def _store_prompt(job: _Job, pending: PendingRow, decoder: BatchDecoder) -> None:
+        """The admitted row's prompt caches into the store (`CacheSession.store_prompt`), a block
+        drafter row's context beside them."""
+        drafter_cache = pending.drafter_cache
+        if drafter_cache is not None:
+            drafter_cache = decoder.blocks.stored_context(drafter_cache)
+        job.session.store_prompt(pending.trunk_cache, pending.head_cache, drafter_cache)
+
     def _reuse_prefix(self, job: _Job) -> None:
         """Before ``job`` forwards its first prompt token: start it from the prompt cache's caches
         if they give more now than when it was planned. Requests prefilled since then are in the
         store (`CacheSession.store_prompt`), so concurrent requests with a common prefix (an
-        agent's parallel calls over one conversation) forward it once. A block drafter's row
-        never does: its drafter reads every prompt position's layer taps as it prefills."""
-        if job.pending.drafter_cache is not None:
-            return
+        agent's parallel calls over one conversation) forward it once. A block drafter row's hit
+        holds its drafter's context of the prefix too (the session asks for it)."""
         hit = job.session.better_prefix(job.pending.prefix.start)
         if hit is not None:
             self._start_from(job, hit.trunk_cache, hit.head_cache, hit.start)
+            if hit.drafter_cache is not None:
+                job.pending.drafter_cache = self._decoder.blocks.context_from(hit.drafter_cache)
 
     def _feed(self, job: _Job, step) -> StepResult:
         job.session.record(step.tokens)

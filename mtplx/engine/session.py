@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from mtplx.spec_decode.rows import PendingRow
 from mtplx.spec_decode.step import PromptPrefix
-from mtplx.trunk.prompt_cache import CacheHit, PromptCache, held_positions, is_trimmable
+from mtplx.trunk.prompt_cache import CacheHit, PromptCache, copy_cache, held_positions, is_trimmable
 
 __all__ = ["CacheSession", "open_session"]
 
@@ -36,12 +36,15 @@ class CacheSession:
         trunk_cache: list,
         head_cache: list | None,
         start: int,
+        with_drafter: bool = False,
     ):
         """``trunk_cache`` / ``head_cache``: the caches the request starts from (read here for
-        their kinds, not kept); ``start`` prompt positions held in them."""
+        their kinds, not kept); ``start`` prompt positions held in them; ``with_drafter``: a block
+        drafter row (its drafter's context is stored and reused beside them)."""
         self.store = store
         self.prompt_tokens = prompt_tokens
         self.with_head = head_cache is not None
+        self.with_drafter = with_drafter
         self.trimmable = is_trimmable(trunk_cache) and (head_cache is None or is_trimmable(head_cache))
         self.tokens = list(prompt_tokens)  # every token the decode loop has seen
         # The row whose caches a prompt-prefix snapshot reads (set by whoever starts the row).
@@ -80,46 +83,53 @@ class CacheSession:
         request prefilled since this one was planned); None otherwise. Pure-KV caches only."""
         if not self.trimmable or self.store.max_bytes == 0:
             return None
-        return self.store.lookup(self.prompt_tokens, self.with_head, longer_than=start)
+        return self.store.lookup(self.prompt_tokens, self.with_head, start, self.with_drafter)
 
-    def store_prompt(self, trunk_cache: list, head_cache: list | None) -> None:
+    def store_prompt(
+        self, trunk_cache: list, head_cache: list | None, drafter_cache: list | None = None
+    ) -> None:
         """The prompt's caches, just prefilled, go into the store now (no copy: the caller is done
-        with them), so requests that arrive while this one decodes start from them; the caches it
-        ends with replace them (`finish`). Pure-KV caches only: the others are snapshotted."""
+        with them; a block drafter's context ``drafter_cache``, its KV caches only, is copied: the
+        drafter reads it when the row joins), so requests that arrive while this one decodes start
+        from them; the caches it ends with replace them (`finish`). Pure-KV caches only: the
+        others are snapshotted."""
         if not self.trimmable or self.store.max_bytes == 0:
             return
         head_cache = head_cache if self.with_head else None
-        size = min(held_positions(trunk_cache, head_cache), len(self.prompt_tokens))
-        self.store.insert(self.prompt_tokens, size, trunk_cache, head_cache, copy=False)
+        drafter_cache = copy_cache(drafter_cache) if self.with_drafter and drafter_cache else None
+        size = min(held_positions(trunk_cache, head_cache, drafter_cache), len(self.prompt_tokens))
+        self.store.insert(
+            self.prompt_tokens, size, trunk_cache, head_cache, copy=False, drafter_cache=drafter_cache
+        )
 
     @property
     def stores_at_finish(self) -> bool:
         """Whether `finish` stores anything (pure-KV caches and a store with room)."""
         return self.trimmable and self.store.max_bytes > 0
 
-    def finish(self, trunk_cache: list, head_cache: list | None) -> None:
+    def finish(self, trunk_cache: list, head_cache: list | None, drafter_cache: list | None = None) -> None:
         """The decode loop stopped between steps, its row's caches (given, the row's own or
-        copies) consistent with ``tokens``: they go into the store."""
+        copies; a block drafter's context too) consistent with ``tokens``: they go into the store."""
         if not self.stores_at_finish:
             return
         head_cache = head_cache if self.with_head else None
-        size = min(held_positions(trunk_cache, head_cache), len(self.tokens))
-        self.store.insert(self.tokens, size, trunk_cache, head_cache, copy=False, persist=True)
+        drafter_cache = drafter_cache if self.with_drafter else None
+        size = min(held_positions(trunk_cache, head_cache, drafter_cache), len(self.tokens))
+        self.store.insert(
+            self.tokens, size, trunk_cache, head_cache, copy=False, persist=True, drafter_cache=drafter_cache
+        )
 
 
 def open_session(
-    store: PromptCache, trunk, head, prompt_tokens: list[int], with_head: bool, reuse: bool = True
-) -> tuple[CacheSession, list, list | None]:
-    """The caches a request starts from (the longest reusable prefix in ``store``, else, or with
-    ``reuse`` False, fresh ones: a block drafter row, whose drafter reads every prompt position's
-    layer taps as it prefills) and its session: (session, trunk cache, head cache or None)."""
-    hit = store.lookup(prompt_tokens, with_head) if reuse else None
+    store: PromptCache, trunk, head, prompt_tokens: list[int], with_head: bool, with_drafter: bool = False
+) -> tuple[CacheSession, CacheHit]:
+    """The caches a request starts from (the longest reusable prefix in ``store``, else fresh
+    ones; ``with_drafter``: a block drafter row, whose drafter's context must be in the entry:
+    its ``drafter_cache`` None when fresh) and its session."""
+    hit = store.lookup(prompt_tokens, with_head, with_drafter=with_drafter)
     if hit is None:
-        trunk_cache = trunk.make_cache()
-        head_cache = head.make_cache() if with_head else None
-        start = 0
-    else:
-        trunk_cache, head_cache, start = hit.trunk_cache, hit.head_cache, hit.start
+        hit = CacheHit(trunk.make_cache(), head.make_cache() if with_head else None, 0)
     if hasattr(trunk, "bind_prompt"):  # a vision trunk reads the prompt's images off its caches
-        trunk.bind_prompt(trunk_cache, prompt_tokens)
-    return CacheSession(store, prompt_tokens, trunk_cache, head_cache, start), trunk_cache, head_cache
+        trunk.bind_prompt(hit.trunk_cache, prompt_tokens)
+    session = CacheSession(store, prompt_tokens, hit.trunk_cache, hit.head_cache, hit.start, with_drafter)
+    return session, hit

@@ -12,7 +12,9 @@ prefilling row fills its own single-row cache from the prefill chunks' layer tap
 row's newly committed positions' taps (`commit`: the trunk's layer taps at the pending token
 and the accepted drafts) wait on the row (``drafter_taps``) and enter the context at the next
 block forward, whether the row drafts that cycle or not. The block's own K/V never enter the
-cache, so nothing is rolled back.
+cache, so nothing is rolled back. The prompt cache keeps a row's context beside its trunk caches:
+`extract` (the drafter's row, then the taps waiting on it) at the end of a request, and
+`context_from` makes a new row's own cache of a hit's copy (`mtplx.trunk.prompt_cache`).
 
 Cycle: one forward of ``[anchor_r, mask x P]`` (the anchor is the row's pending token) over
 every member row, its new context of c_r positions padded to the longest; then each position's
@@ -122,6 +124,43 @@ class BlockProposer:
 
     def _joined(self, row) -> None:
         """A row's prefilled cache has joined the drafter's (EAGLE-3 moves the taps it kept)."""
+
+    # ------------------------------------------------------------------ the prompt cache
+    def context_from(self, stored: list) -> list:
+        """A prefilling row's own context cache from the prompt cache's copy of a row's context
+        (its KV caches, `stored_context`)."""
+        return stored
+
+    def stored_context(self, row_cache: list) -> list:
+        """The KV caches of a prefilling row's own context cache (what the prompt cache keeps)."""
+        return row_cache
+
+    def _waiting_taps(self, row_cache: list) -> list:
+        """Taps a prefilling row's own cache keeps for the row's next context forward."""
+        return []
+
+    def extract(self, rows: Sequence, index: int) -> list:
+        """Row ``rows[index]``'s whole context as single-row KV caches (copies, evaluated), for the
+        prompt cache: what the drafter holds of it (its own cache if it has not joined yet), then
+        the taps waiting on the row forwarded in, so it covers every position the trunk holds."""
+        from mtplx.trunk.compat import copy_cache
+
+        row = rows[index]
+        if row.drafter_cache is not None:
+            cache = copy_cache(self.stored_context(row.drafter_cache))
+            taps = [*self._waiting_taps(row.drafter_cache), *row.drafter_taps]
+        else:
+            member = self.row_ids.index(row.row_id)
+            cache, taps = [layer.extract(member) for layer in self.cache], row.drafter_taps
+        if taps:
+            self._extend(row, cache, taps)
+        mx.eval([c.state for c in cache])
+        return cache
+
+    def _extend(self, row, cache: list, taps: Sequence[tuple[mx.array, ...]]) -> None:
+        """One row's context ``cache`` extended by the positions of ``taps`` (oldest first)."""
+        layers = [mx.concatenate([t[n] for t in taps], axis=1) for n in range(len(taps[0]))]
+        self.drafter.extend_context(layers, cache)
 
     # ------------------------------------------------------------------ the cycle
     def propose_free(self, rows: Sequence, keys: Sequence, chosen: Sequence, caps: Sequence[int]):

@@ -121,6 +121,22 @@ class Eagle3Proposer(BlockProposer):
 
         return observe
 
+    def context_from(self, stored: list) -> list:
+        return [*stored, WaitingTaps()]
+
+    def stored_context(self, row_cache: list) -> list:
+        return row_cache[:-1]
+
+    def _waiting_taps(self, row_cache: list) -> list:
+        waiting = row_cache[-1].taps
+        return [waiting] if waiting is not None else []
+
+    def _extend(self, row, cache: list, taps) -> None:
+        """Each tap's pair (the token after its position: the row's history ends with them)."""
+        count = sum(int(t[0].shape[1]) for t in taps)
+        joined = mx.concatenate([mx.concatenate(t, axis=-1) for t in taps], axis=1)
+        self._drafter_forward(mx.array([row.history[-count:]], dtype=mx.int32), joined, cache, None)
+
     def _joined(self, row) -> None:
         waiting = row.drafter_cache[-1].taps
         if waiting is not None:

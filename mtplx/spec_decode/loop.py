@@ -306,8 +306,9 @@ class BatchDecoder:
         if self.chain is not None:
             self.chain.cache.remove_rows(keep)
 
-    def extract(self, row_id: int) -> tuple[list, list | None]:
-        """A row's trunk and head caches as single-row mlx-lm caches (copies, for the prompt cache).
+    def extract(self, row_id: int) -> tuple[list, list | None, list | None]:
+        """A row's trunk and head caches and its block drafter's context (None for a row that does
+        not use it) as single-row mlx-lm caches (copies, for the prompt cache).
 
         The copies are evaluated here: a lazy slice of the batch's buffers keeps the whole
         buffers (every slot, the full capacity) alive for as long as the prompt cache holds the
@@ -318,7 +319,11 @@ class BatchDecoder:
         trunk_cache = self.cache.extract(i)
         head_cache = self.chain.cache.extract(i) if self.chain is not None else None
         mx.eval([c.state for c in trunk_cache + (head_cache or [])])
-        return trunk_cache, head_cache
+        blocks = self.blocks
+        drafter_cache = None
+        if blocks is not None and blocks.source in self.rows[i].spec.sources:
+            drafter_cache = blocks.extract(self.rows, i)
+        return trunk_cache, head_cache, drafter_cache
 
     # ------------------------------------------------------------------ one cycle
     def step(self) -> dict[int, Step]:

@@ -22,7 +22,11 @@ In both, ``size`` positions are reused: the trunk's positions 0..size-1 and the
 head's (hidden i, token i+1) pairs for i < size. A head pair at i depends on
 token i+1, so a prompt must agree with the entry on ``size + 1`` tokens when the
 head cache is reused, and at least one prompt token is always forwarded (its
-logits start the generation).
+logits start the generation). A block drafter's context (``drafter_cache``: DFlash's
+K/V of each position's layer taps, EAGLE-3's (token i + 1, taps of i) pairs, `block_proposer`)
+is kept beside them by the same rule (trimmable entries only; RAM only: the disk tier keeps
+the trunk and head of such an entry), and served only to a request that asks for it
+(``with_drafter``): a block drafter row's context then starts where its trunk does.
 
 Quantized KV (`kv_quant`) is stored as it is (a ``QuantizedKVCache`` is trimmable); an entry
 whose caches converted at ``quantized_kv_start`` is never trimmed below that start, where the
@@ -80,9 +84,9 @@ def cache_nbytes(cache: list) -> int:
     return sum(c.nbytes for c in cache_leaves(cache))
 
 
-def held_positions(trunk_cache: list, head_cache: list | None) -> int:
+def held_positions(trunk_cache: list, head_cache: list | None, drafter_cache: list | None = None) -> int:
     """Positions every cache holds (the head's pair i needs token i + 1, so it may hold fewer)."""
-    caches = list(trunk_cache) + list(head_cache or [])
+    caches = list(trunk_cache) + list(head_cache or []) + list(drafter_cache or [])
     return min((c.offset for c in cache_leaves(caches)), default=0)
 
 
@@ -124,14 +128,16 @@ def reusable(
     prompt: np.ndarray,
     with_head: bool,
     floor: int = 0,
+    has_drafter: bool = False,
+    with_drafter: bool = False,
 ) -> int:
     """Positions of ``prompt`` that caches built from ``tokens`` (holding ``size`` positions) can
     serve (the module docstring), 0 when none. ``floor``: the fewest positions they may be trimmed
     to (KV quantized from a start: float below it, `kv_quant.reusable_from`)."""
-    if with_head and not has_head:
+    if (with_head and not has_head) or (with_drafter and not has_drafter):
         return 0
     match = common_prefix(tokens, prompt)
-    usable = min(size, match - 1 if with_head else match, len(prompt) - 1)
+    usable = min(size, match - 1 if with_head or with_drafter else match, len(prompt) - 1)
     if not trimmable and usable < size:
         return 0
     if usable < floor:
@@ -139,7 +145,9 @@ def reusable(
     return max(usable, 0)
 
 
-def covers(new_tokens: np.ndarray, new_size: int, new_head: bool, new_trimmable: bool, old) -> bool:
+def covers(
+    new_tokens: np.ndarray, new_size: int, new_head: bool, new_trimmable: bool, old, new_drafter: bool = False
+) -> bool:
     """True if an entry (``new_*``) serves every prompt ``old`` serves (``old`` has ``tokens``,
     ``size``, ``has_head``, ``trimmable``): a snapshot serves only prompts through its exact
     boundary, so only an equal one covers it."""
@@ -147,6 +155,7 @@ def covers(new_tokens: np.ndarray, new_size: int, new_head: bool, new_trimmable:
     return (
         same_prefix
         and (not old.has_head or new_head)
+        and (not getattr(old, "has_drafter", False) or new_drafter)  # a drafter row's entry
         and (old.size == new_size or (new_trimmable and old.trimmable and old.size < new_size))
     )
 
@@ -160,10 +169,29 @@ class _Entry:
     trimmable: bool
     nbytes: int
     floor: int = 0  # the fewest positions it may be trimmed to (`reusable`)
+    drafter_cache: list | None = None  # a block drafter's context (the module docstring)
 
     @property
     def has_head(self) -> bool:
         return self.head_cache is not None
+
+    @property
+    def has_drafter(self) -> bool:
+        return self.drafter_cache is not None
+
+    def usable(self, prompt: np.ndarray, with_head: bool, with_drafter: bool = False) -> int:
+        """Positions of ``prompt`` this entry serves (`reusable`)."""
+        return reusable(
+            self.tokens,
+            self.size,
+            self.has_head,
+            self.trimmable,
+            prompt,
+            with_head,
+            self.floor,
+            self.has_drafter,
+            with_drafter,
+        )
 
 
 @dataclass
@@ -173,6 +201,7 @@ class CacheHit:
     trunk_cache: list
     head_cache: list | None
     start: int
+    drafter_cache: list | None = None
 
 
 class PromptCache:
@@ -219,23 +248,26 @@ class PromptCache:
                 return True
         return False
 
-    def _best_in_ram(self, prompt: np.ndarray, with_head: bool, longer_than: int) -> tuple[int | None, int]:
+    def _best_in_ram(
+        self, prompt: np.ndarray, with_head: bool, longer_than: int, with_drafter: bool
+    ) -> tuple[int | None, int]:
         best_id, best = None, longer_than
         for entry_id, entry in self._entries.items():
-            usable = reusable(
-                entry.tokens, entry.size, entry.has_head, entry.trimmable, prompt, with_head, entry.floor
-            )
+            usable = entry.usable(prompt, with_head, with_drafter)
             if usable > best:
                 best_id, best = entry_id, usable
         return best_id, best
 
-    def lookup(self, prompt: list[int], with_head: bool, longer_than: int = 0) -> CacheHit | None:
+    def lookup(
+        self, prompt: list[int], with_head: bool, longer_than: int = 0, with_drafter: bool = False
+    ) -> CacheHit | None:
         """Copies of the caches of the longest reusable prefix of ``prompt`` if it holds more than
         ``longer_than`` positions, else None (nothing copied). An entry on disk that serves more
-        than any in RAM is loaded (and kept in RAM)."""
+        than any in RAM is loaded (and kept in RAM). ``with_drafter``: a block drafter's context
+        too (RAM entries only)."""
         ids = as_tokens(prompt)
-        best_id, best = self._best_in_ram(ids, with_head, longer_than)
-        if self.disk is not None:
+        best_id, best = self._best_in_ram(ids, with_head, longer_than, with_drafter)
+        if self.disk is not None and not with_drafter:
             loaded = self.disk.load_best(ids, with_head, longer_than=best)
             if loaded is not None:
                 tokens, size, trunk_cache, head_cache = loaded
@@ -251,7 +283,7 @@ class PromptCache:
         if best_id is None:
             return None
         self._entries.move_to_end(best_id)
-        return _hit(self._entries[best_id], best, with_head)
+        return _hit(self._entries[best_id], best, with_head, with_drafter)
 
     def insert(
         self,
@@ -262,17 +294,19 @@ class PromptCache:
         *,
         copy: bool,
         persist: bool = False,
+        drafter_cache: list | None = None,
     ) -> None:
         """Store caches holding ``size`` positions of ``tokens``; ``copy=False`` takes ownership.
         ``persist``: also write them to the disk tier, if there is one (a request's final caches
-        and its snapshots; not the prompt's caches `CacheSession.store_prompt` lends meanwhile)."""
+        and its snapshots; not the prompt's caches `CacheSession.store_prompt` lends meanwhile;
+        the trunk and head only where a block drafter's context ``drafter_cache`` is beside them)."""
         if self.max_bytes == 0 or size <= 0:
             return
         if copy:
             trunk_cache = copy_cache(trunk_cache)
             head_cache = copy_cache(head_cache) if head_cache is not None else None
             vision.unbind(trunk_cache)  # the copy keeps no pixels: a request reusing it binds its own
-        entry = _entry(tokens, size, trunk_cache, head_cache)
+        entry = _entry(tokens, size, trunk_cache, head_cache, drafter_cache)
         if self._add(entry) is not None and persist and self.disk is not None:
             self.disk.write(entry)
 
@@ -282,7 +316,7 @@ class PromptCache:
         if entry.nbytes > self.max_bytes:
             return None
         for entry_id, old in list(self._entries.items()):
-            if covers(entry.tokens, entry.size, entry.has_head, entry.trimmable, old):
+            if covers(entry.tokens, entry.size, entry.has_head, entry.trimmable, old, entry.has_drafter):
                 del self._entries[entry_id]
         entry_id = self._next_id
         self._entries[entry_id] = entry
@@ -292,20 +326,25 @@ class PromptCache:
         return entry_id
 
 
-def _entry(tokens, size: int, trunk_cache: list, head_cache: list | None) -> _Entry:
+def _entry(
+    tokens, size: int, trunk_cache: list, head_cache: list | None, drafter_cache: list | None = None
+) -> _Entry:
     trimmable = is_trimmable(trunk_cache) and (head_cache is None or is_trimmable(head_cache))
-    nbytes = cache_nbytes(trunk_cache) + (cache_nbytes(head_cache) if head_cache is not None else 0)
+    if drafter_cache is not None and not (trimmable and is_trimmable(drafter_cache)):
+        drafter_cache = None  # a drafter's context is kept beside trimmable caches only
+    nbytes = sum(cache_nbytes(c) for c in (trunk_cache, head_cache, drafter_cache) if c is not None)
     nbytes += vision.bound_nbytes(trunk_cache)  # caches handed over as they are keep their images' pixels
     floor = reusable_from(trunk_cache)  # quantized KV: float below its start
-    return _Entry(as_tokens(tokens), size, trunk_cache, head_cache, trimmable, nbytes, floor)
+    return _Entry(as_tokens(tokens), size, trunk_cache, head_cache, trimmable, nbytes, floor, drafter_cache)
 
 
-def _hit(entry, size: int, with_head: bool) -> CacheHit:
+def _hit(entry, size: int, with_head: bool, with_drafter: bool = False) -> CacheHit:
     """Copies of ``entry``'s caches holding ``size`` positions."""
     trunk_cache = copy_cache(entry.trunk_cache)
     head_cache = copy_cache(entry.head_cache) if with_head else None
+    drafter_cache = copy_cache(entry.drafter_cache) if with_drafter else None
     if entry.trimmable:
-        _trim_to(trunk_cache, size)
-        if head_cache is not None:
-            _trim_to(head_cache, size)
-    return CacheHit(trunk_cache, head_cache, size)
+        for cache in (trunk_cache, head_cache, drafter_cache):
+            if cache is not None:
+                _trim_to(cache, size)
+    return CacheHit(trunk_cache, head_cache, size, drafter_cache)

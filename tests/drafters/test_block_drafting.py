@@ -5,9 +5,10 @@
   `test_dflash.py` / `test_dflash2.py`).
 - Greedy drafting with each drafter equals plain AR token for token, with drafts kept, for
   several rows in one batch; the block forward runs once per cycle for all of them (counted).
-- Sampled at t 0.7 and t 1.0 with top-p (each drafter), the first tokens' joint equals the exact
-  AR joint (float64 enumeration) by chi-square; a planted bug (the rejected draft committed) is
-  caught with the same samples, and (slow) each draft verified against the q of the next position.
+- Sampled at t 0.7 and t 1.0 with top-p (each drafter at both: DFlash2 at t 0.7 and DSpark at
+  t 1.0 under `make test-slow`), the first tokens' joint equals the exact AR joint (float64
+  enumeration) by chi-square; a planted bug (the rejected draft committed) is caught with the
+  same samples, and (slow) each draft verified against the q of the next position.
 - Greedy, a batch mixing DFlash, head, lookup, grammar and plain AR rows gives each row its own.
 """
 
@@ -157,6 +158,9 @@ def chi_trunk():
         (Source.DFLASH, 1.0, False),
         (Source.DFLASH2, 1.0, False),
         (Source.DSPARK, 0.7, False),
+        # Each drafter at the other temperature too (the default suite has one of each).
+        pytest.param(Source.DFLASH2, 0.7, False, marks=pytest.mark.slow),
+        pytest.param(Source.DSPARK, 1.0, True, marks=pytest.mark.slow),
     ],
 )
 def test_sampled_block_drafting_matches_the_exact_ar_joint(

@@ -3,7 +3,8 @@ takes it from ``head`` / ``draft_model``); ``draft="dflash"`` and "auto" draft w
 equal to plain AR with drafts made and counted in the stats; a batch mixing it with lookup and
 plain AR rows gives each row what it gives alone; a drafter the engine did not load is a
 one-line refusal and the engine keeps working; `mtplx generate --head DIR --draft dflash` and
-`mtplx serve` (the openai client's ``speculative.drafter``) draft with it."""
+`mtplx serve` (the openai client's ``speculative.drafter``) draft with it; a prompt-cache hit
+restores the drafter's context (DFlash and EAGLE-3): a cached turn drafts as a cold run."""
 
 from __future__ import annotations
 
@@ -235,3 +236,62 @@ def test_eagle3_drafts_through_cli_generate_and_serve(eagle3_family, tmp_path):
             for drafter in ("none", "eagle3")
         }
         assert texts["eagle3"] == texts["none"], texts
+
+
+def _record_drafts(monkeypatch) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Every block a block drafter makes, as (its row's text so far, the drafts), from now on."""
+    from mtplx.spec_decode.block_proposer import BlockProposer
+
+    made = []
+    block = BlockProposer._block
+
+    def recorded(self, rows, index, most, width, drafts, *rest):
+        for m, i in enumerate(index):
+            made.append((tuple(rows[i].history), tuple(int(d[m]) for d in drafts)))
+        return block(self, rows, index, most, width, drafts, *rest)
+
+    monkeypatch.setattr(BlockProposer, "_block", recorded)
+    return made
+
+
+def _drafts_after(made, prompt: list[int]) -> list:
+    """The blocks of the rows whose text starts with ``prompt``, then cleared."""
+    out = [m for m in made if m[0][: len(prompt)] == tuple(prompt)]
+    made.clear()
+    return out
+
+
+@pytest.mark.parametrize("kind", ["dflash", "eagle3"])
+def test_a_prompt_cache_hit_drafts_as_a_cold_run(family, eagle3_family, kind, monkeypatch):
+    """Greedy: a chat's second turn starts from the first turn's stored caches, the drafter's
+    context among them (DFlash's K/V of every position, EAGLE-3's pairs: `BlockProposer.extract`),
+    and gives the cold run's tokens, drafter counts and every block's drafts (the random replica's
+    drafts are rarely kept: the drafts themselves show its context); so does a request planned
+    while another with its prompt decodes (the prompt's entry stored at admission, `store_prompt`;
+    its tokens and drafts).
+    Without the drafter's context in the entry the row prefills it all (cached_tokens 0)."""
+    model = family["Tiny-Llama-4bit"] if kind == "dflash" else eagle3_family
+    cold, warm = Engine.load(str(model)), Engine.load(str(model), prompt_cache_bytes=1 << 26)
+    first = warm.generate(PROMPT, greedy(draft=kind))
+    second = PROMPT + first.token_ids + [6, 7, 3]
+    made = _record_drafts(monkeypatch)
+    got = warm.generate(second, greedy(draft=kind))
+    got_drafts = _drafts_after(made, second)
+    expected = cold.generate(second, greedy(draft=kind))
+    assert got.stats.cached_tokens >= len(PROMPT) + N - 1, got.stats
+    assert got.token_ids == expected.token_ids
+    assert got.stats.drafters == expected.stats.drafters, (got.stats.drafters, expected.stats.drafters)
+    assert got_drafts == _drafts_after(made, second) and len(got_drafts) > 1
+
+    warm.prompt_cache.clear()
+    scheduler = warm.batch(max_rows=4, draft_policy="fixed")
+    scheduler.submit(second, greedy(draft=kind))
+    scheduler.step()  # the first prefilled and admitted: its prompt's caches are stored
+    later = second[:-1] + [9, 2]
+    handle = scheduler.submit(later, greedy(draft=kind))
+    results = [r for r in scheduler.drive() if r.handle == handle]
+    got_drafts = _drafts_after(made, later)
+    alone = cold.generate(later, greedy(draft=kind))
+    assert results[-1].chunk.stats.cached_tokens == len(second) - 2, results[-1].chunk.stats
+    assert [t for r in results for t in r.chunk.token_ids] == alone.token_ids
+    assert got_drafts == _drafts_after(made, later) and len(got_drafts) > 1

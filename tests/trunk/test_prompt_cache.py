@@ -143,6 +143,36 @@ def test_cache_nbytes_counts_whole_buffers():
     assert cache_nbytes(cache) == expected and expected >= 2 * 256 * 4 * len(cache)
 
 
+def _kv(positions: int, value: float) -> list:
+    """One KVCache holding ``positions`` positions, every entry ``value``."""
+    from mtplx.trunk.compat import KVCache
+
+    cache = KVCache()
+    cache.update_and_fetch(mx.full((1, 1, positions, 2), value), mx.full((1, 1, positions, 2), value))
+    return [cache]
+
+
+def test_a_block_drafter_context_is_served_only_to_the_rows_that_ask_for_it():
+    """An entry with a block drafter's context serves a drafter row (its context trimmed to the
+    prefix, the head's token rule: ``size + 1`` tokens agree) and a plain row (trunk only); an
+    entry without one never serves a drafter row, and a plain entry of the same tokens does not
+    replace a drafter entry (it could not serve its rows)."""
+    store = PromptCache(1 << 20)
+    tokens = [5, 6, 7, 8, 9, 10]
+    store.insert(tokens, 5, _kv(5, 1.0), None, copy=False, drafter_cache=_kv(5, 2.0))
+    hit = store.lookup([5, 6, 7, 8, 1, 1], False, with_drafter=True)
+    assert hit.start == 3 and hit.drafter_cache[0].offset == 3 and hit.trunk_cache[0].offset == 3
+    assert float(hit.drafter_cache[0].keys[0, 0, 0, 0]) == 2.0
+    plain = store.lookup([5, 6, 7, 8, 1, 1], False)
+    assert plain.start == 4 and plain.drafter_cache is None
+    store.insert(tokens, 5, _kv(5, 3.0), None, copy=False)  # a plain row's entry, same tokens
+    assert len(store) == 2
+    assert store.lookup(tokens + [1], False, with_drafter=True).drafter_cache[0].offset == 5
+    store.clear()
+    store.insert(tokens, 5, _kv(5, 1.0), None, copy=False)
+    assert store.lookup(tokens + [1], False, with_drafter=True) is None
+
+
 # ------------------------------------------------------------------ logprobs
 
 
