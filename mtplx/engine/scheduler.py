@@ -37,7 +37,7 @@ from mtplx.engine.session import CacheSession, open_session
 from mtplx.errors import MtplxError
 from mtplx.spec_decode.draft_policy import DraftPolicy
 from mtplx.spec_decode.drafting import row_sources
-from mtplx.spec_decode.loop import BatchDecoder, PendingRow, RowsFailed, RowSpec, TrunkTap
+from mtplx.spec_decode.loop import BatchDecoder, BatchRow, RowsFailed, RowSpec, TrunkTap
 from mtplx.spec_decode.settings import DEFAULT_PREFILL_STEP
 from mtplx.spec_decode.sources import BLOCK_SOURCES, Source
 from mtplx.spec_decode.step import PromptPrefix
@@ -74,14 +74,16 @@ def choice_keys(key: mx.array, n: int) -> list[mx.array]:
 
 @dataclass
 class _Job:
-    """One choice of a request: its row from submission to leaving."""
+    """One choice of a request, from submission to leaving: its row (`BatchRow`: prompt ids,
+    settings and drafters, grammar matcher, key, caches, token history and position, from its
+    start through its prefill to its leave), its output (stop rules, text, stats) and what of
+    it goes back into the prompt cache (`CacheSession`, which reads the row)."""
 
     handle: int  # the request's (all its choices share it)
     session: CacheSession
     output: RequestOutput
-    pending: PendingRow | None  # while prefilling
+    row: BatchRow
     choice: int = 0  # the choice's index (n > 1)
-    row_id: int | None = None  # once decoding
     cancelled: bool = False
     # Choices 1..n-1 wait for choice 0's prefill and start from a copy of its caches (`_fork`).
     forks: list[_Job] = field(default_factory=list)
@@ -168,7 +170,7 @@ class BatchScheduler:
         for choice in range(1, request.n):
             fork = self._new_job(handle, choice, plan, request, keys[choice], decoder, trunk_tap, fresh=True)
             # A draft model row (its draft model's cache of its own) prefills on its own.
-            fork.waits = first.pending.proposer is None
+            fork.waits = first.row.proposer is None
             if fork.waits:
                 first.forks.append(fork)
         return handle
@@ -192,7 +194,7 @@ class BatchScheduler:
             session, trunk_cache, head_cache = open_session(
                 engine.prompt_cache, engine.trunk, engine.head, plan.prompt_tokens, with_head, reuse
             )
-        pending = decoder.start(
+        row = decoder.start(
             plan.prompt_tokens,
             RowSpec(
                 plan.settings,
@@ -211,14 +213,14 @@ class BatchScheduler:
             constraint=constraint,
             proposer=engine.row_proposer(plan),
         )
-        session.row = pending  # the one holder of its caches (a prompt-prefix snapshot reads them)
+        session.row = row  # the one holder of its caches and tokens (the session reads them)
         mode, depth = ("mtp", plan.choice.depth) if sources else ("ar", 0)
         output = RequestOutput(
             engine.tokenizer, request, len(plan.prompt_tokens), session.prefix.start, mode, depth, engine.head
         )
         if engine.distributed is not None:
             output.stats.distributed = engine.distributed.stats(depth + 1 if mode == "mtp" else 1)
-        job = _Job(handle, session, output, pending, choice)
+        job = _Job(handle, session, output, row, choice)
         self._jobs[self._next_key] = job
         self._next_key += 1
         return job
@@ -227,28 +229,28 @@ class BatchScheduler:
         """``job``'s prompt is prefilled but for its last token: each waiting choice starts from a
         copy of its caches (the prompt forwarded once; each choice forwards the last token itself,
         drawing its first token with its own key). Its stats count the copied positions cached."""
-        pending = job.pending
+        row = job.row
         for fork in job.forks:
-            head_cache = copy_cache(pending.head_cache) if pending.head_cache is not None else None
-            self._start_from(fork, copy_cache(pending.trunk_cache), head_cache, pending.position)
-            if pending.drafter_cache is not None:  # a block drafter's context of the prompt
-                fork.pending.drafter_cache = copy_cache(pending.drafter_cache)
+            head_cache = copy_cache(row.head_cache) if row.head_cache is not None else None
+            self._start_from(fork, copy_cache(row.trunk_cache), head_cache, row.position)
+            if row.drafter_cache is not None:  # a block drafter's context of the prompt
+                fork.row.drafter_cache = copy_cache(row.drafter_cache)
             fork.waits = False
         job.forks = []
 
     def _start_from(self, job: _Job, trunk_cache: list, head_cache: list | None, start: int) -> None:
         """``job``, not started yet, starts from caches holding its first ``start`` prompt
-        positions (a fork's copy, the prompt cache's better prefix): its pending row holds them,
-        the one holder (the row decodes in them, or the batch copies them on admission; its
-        store at the end reads the row's, `_finish`); its stats count them cached. ``head_cache``
-        None keeps the row's own."""
-        pending = job.pending
-        pending.trunk_cache = trunk_cache
-        self.engine.trunk.bind_prompt(trunk_cache, pending.prompt_tokens)  # its images (vision)
+        positions (a fork's copy, the prompt cache's better prefix): its row holds them, the one
+        holder (the row decodes in them, or the batch copies them on admission; its store at the
+        end reads the row's, `_finish`); its stats count them cached. ``head_cache`` None keeps
+        the row's own."""
+        row = job.row
+        row.trunk_cache = trunk_cache
+        self.engine.trunk.bind_prompt(trunk_cache, row.prompt_tokens)  # its images (vision)
         if head_cache is not None:
-            pending.head_cache = head_cache
-        pending.prefix = PromptPrefix(start)
-        pending.position = start
+            row.head_cache = head_cache
+        row.prefix = PromptPrefix(start)
+        row.position = start
         job.output.prefix_reused(start)
 
     def _agreed_seed(self, plan, request: GenerationRequest) -> int | None:
@@ -285,11 +287,11 @@ class BatchScheduler:
 
     @property
     def num_decoding(self) -> int:
-        return sum(job.row_id is not None for job in self._jobs.values())
+        return sum(job.row.row_id is not None for job in self._jobs.values())
 
     @property
     def num_waiting(self) -> int:
-        return sum(job.row_id is None for job in self._jobs.values())
+        return sum(job.row.row_id is None for job in self._jobs.values())
 
     def _decoder_for_engine(self) -> BatchDecoder:
         if self._decoder is None:
@@ -316,30 +318,30 @@ class BatchScheduler:
     def _step(self, decoder: BatchDecoder) -> list[StepResult]:
         results: list[StepResult] = []
         started = time.perf_counter()
-        waiting = [job for job in self._jobs.values() if job.row_id is None and not job.waits]
+        waiting = [job for job in self._jobs.values() if job.row.row_id is None and not job.waits]
         budget = self.prefill_step_size
         for job in waiting[: self.prompt_concurrency]:
             if budget <= 0:
                 break
-            pending = job.pending
-            if pending.position == pending.prefix.start:  # not started: the store may hold more now
+            row = job.row
+            if row.position == row.prefix.start:  # not started: the store may hold more now
                 self._reuse_prefix(job)
             try:
-                before = pending.remaining
-                ready = job.session.prefill(decoder, pending, budget)  # cut at cache boundaries
-                budget -= before - pending.remaining
+                before = row.remaining
+                ready = job.session.prefill(decoder, row, budget)  # cut at cache boundaries
+                budget -= before - row.remaining
                 if ready and job.forks:
                     self._fork(job)
                 if ready and self.num_decoding < (1 if decoder.single_row else self.max_rows):
-                    job.row_id, first = decoder.admit(pending)
-                    job.pending = None
+                    prompt_caches = row.trunk_cache, row.head_cache  # a batch takes copies of them
+                    _, first = decoder.admit(row)
                     budget -= 1
                     if not decoder.single_row:  # a single row decodes in its own (live) caches
-                        job.session.store_prompt(pending.trunk_cache, pending.head_cache)
+                        job.session.store_prompt(*prompt_caches)
                     results.append(self._feed(job, first))
             except (MtplxError, ValueError) as err:  # ValueError: invalid values in the first draw
                 results.append(self._fail(job, err))
-        rows = {job.row_id: job for job in self._jobs.values() if job.row_id is not None}
+        rows = {job.row.row_id: job for job in self._jobs.values() if job.row.row_id is not None}
         cycle_started = time.perf_counter()
         try:
             steps = decoder.step() if rows else {}
@@ -365,14 +367,13 @@ class BatchScheduler:
         store (`CacheSession.store_prompt`), so concurrent requests with a common prefix (an
         agent's parallel calls over one conversation) forward it once. A block drafter's row
         never does: its drafter reads every prompt position's layer taps as it prefills."""
-        if job.pending.drafter_cache is not None:
+        if job.row.drafter_cache is not None:
             return
-        hit = job.session.better_prefix(job.pending.prefix.start)
+        hit = job.session.better_prefix(job.row.prefix.start)
         if hit is not None:
             self._start_from(job, hit.trunk_cache, hit.head_cache, hit.start)
 
     def _feed(self, job: _Job, step) -> StepResult:
-        job.session.record(step.tokens)
         chunk = job.output.feed(step)
         chunk.index = job.choice
         if job.output.finished:
@@ -387,9 +388,9 @@ class BatchScheduler:
 
     def _finish(self, job: _Job) -> None:
         """A request that ended between cycles: its caches go to the prompt cache, its row leaves."""
-        if job.session.stores_at_finish and job.row_id is not None:
+        if job.session.stores_at_finish and job.row.row_id is not None:
             # The row's caches: copies out of a batch, a single row's own.
-            job.session.finish(*self._decoder.extract(job.row_id))
+            job.session.finish(*self._decoder.extract(job.row.row_id))
         self._remove(job)
 
     def _drop_cancelled(self) -> None:
@@ -397,9 +398,9 @@ class BatchScheduler:
             self._remove(job)
 
     def _remove(self, job: _Job) -> None:
-        if job.row_id is not None:
-            self._decoder.leave([job.row_id])
-            job.row_id = None
+        if job.row.row_id is not None:
+            self._decoder.leave([job.row.row_id])
+            job.row.row_id = None
         for key, held in list(self._jobs.items()):
             if held is job:
                 del self._jobs[key]

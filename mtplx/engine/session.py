@@ -11,7 +11,7 @@ snapshot the store already holds is not taken again.
 
 from __future__ import annotations
 
-from mtplx.spec_decode.rows import PendingRow
+from mtplx.spec_decode.rows import BatchRow
 from mtplx.spec_decode.step import PromptPrefix
 from mtplx.trunk.prompt_cache import CacheHit, PromptCache, held_positions, is_trimmable
 
@@ -21,10 +21,10 @@ __all__ = ["CacheSession", "open_session"]
 class CacheSession:
     """What one request stores back into the prompt cache, and when.
 
-    It holds no caches of its own: the request's row does (`PendingRow` while it prefills, then
-    the decoder's row), and each store is handed the caches it stores, so a row that starts from
-    other caches (a fork's copy, the prompt cache's better prefix) needs no second holder kept in
-    step. Caches that cannot be moved back (recurrent state) are snapshotted when they hold all
+    It holds no caches and no tokens of its own: the request's row does (`BatchRow`, from its
+    start to its leave: its caches while it prefills, its token history), and each store is
+    handed the caches it stores, so a row that starts from other caches (a fork's copy, the
+    prompt cache's better prefix) needs no second holder kept in step. Caches that cannot be moved back (recurrent state) are snapshotted when they hold all
     prompt positions but the last; pure KV caches are handed over at the end, covering the
     generated tokens too (a chat's next turn repeats them).
     """
@@ -43,9 +43,9 @@ class CacheSession:
         self.prompt_tokens = prompt_tokens
         self.with_head = head_cache is not None
         self.trimmable = is_trimmable(trunk_cache) and (head_cache is None or is_trimmable(head_cache))
-        self.tokens = list(prompt_tokens)  # every token the decode loop has seen
-        # The row whose caches a prompt-prefix snapshot reads (set by whoever starts the row).
-        self.row: PendingRow | None = None
+        # The row whose caches a prompt-prefix snapshot reads and whose tokens the store at the
+        # end keys (set by whoever starts the row).
+        self.row: BatchRow | None = None
         snapshots = not self.trimmable and store.max_bytes > 0
         self.prefix = PromptPrefix(start, self._snapshot if snapshots else None)
         # Where prefill stops to snapshot (beyond the cached prefix, before the last prompt token).
@@ -72,9 +72,6 @@ class CacheSession:
             self.snapshot(mark, pending.trunk_cache, pending.head_cache)
         return ready
 
-    def record(self, tokens: list[int]) -> None:
-        self.tokens.extend(tokens)
-
     def better_prefix(self, start: int) -> CacheHit | None:
         """Caches holding more than ``start`` prompt positions, if the store has them by now (a
         request prefilled since this one was planned); None otherwise. Pure-KV caches only."""
@@ -99,12 +96,13 @@ class CacheSession:
 
     def finish(self, trunk_cache: list, head_cache: list | None) -> None:
         """The decode loop stopped between steps, its row's caches (given, the row's own or
-        copies) consistent with ``tokens``: they go into the store."""
+        copies) consistent with the row's history: they go into the store, keyed by it."""
         if not self.stores_at_finish:
             return
         head_cache = head_cache if self.with_head else None
-        size = min(held_positions(trunk_cache, head_cache), len(self.tokens))
-        self.store.insert(self.tokens, size, trunk_cache, head_cache, copy=False, persist=True)
+        tokens = self.row.history
+        size = min(held_positions(trunk_cache, head_cache), len(tokens))
+        self.store.insert(tokens, size, trunk_cache, head_cache, copy=False, persist=True)
 
 
 def open_session(
