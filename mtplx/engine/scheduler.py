@@ -33,11 +33,10 @@ from typing import Any, Protocol
 
 from mtplx.engine.output import GenerationChunk, RequestOutput
 from mtplx.engine.request import GenerationRequest
-from mtplx.engine.session import CacheSession, open_session
+from mtplx.engine.session import CacheSession, starting_caches
 from mtplx.errors import MtplxError
 from mtplx.spec_decode.draft_policy import DraftPolicy
-from mtplx.spec_decode.drafting import row_sources
-from mtplx.spec_decode.loop import BatchDecoder, BatchRow, RowsFailed, RowSpec, TrunkTap
+from mtplx.spec_decode.loop import BatchDecoder, BatchRow, RowsFailed, TrunkTap
 from mtplx.spec_decode.settings import DEFAULT_PREFILL_STEP
 from mtplx.spec_decode.sources import BLOCK_SOURCES, Source
 from mtplx.spec_decode.step import PromptPrefix
@@ -182,41 +181,34 @@ class BatchScheduler:
         # A grammar row speculates in the batch like any other (`BatchDecoder`, "Grammar rows").
         # Compiled before any cache is taken: a grammar this tokenizer cannot serve fails here.
         constraint = engine.compile_grammar(request.grammar) if request.grammar is not None else None
-        sources = row_sources(plan.choice)
+        sources = plan.spec.sources
         with_head = Source.HEAD in sources
         if fresh:  # a fork: its caches become choice 0's, copied after its prefill (`_fork`)
             trunk_cache = engine.trunk.make_cache()
             head_cache = engine.head.make_cache() if with_head else None
-            session = CacheSession(engine.prompt_cache, plan.prompt_tokens, trunk_cache, head_cache, 0)
+            start = 0
         else:
             # A block drafter's context is every prompt position's taps: such a row prefills all of it.
             reuse = not any(source in BLOCK_SOURCES for source in sources)
-            session, trunk_cache, head_cache = open_session(
+            trunk_cache, head_cache, start = starting_caches(
                 engine.prompt_cache, engine.trunk, engine.head, plan.prompt_tokens, with_head, reuse
             )
         row = decoder.start(
             plan.prompt_tokens,
-            RowSpec(
-                plan.settings,
-                sources,
-                request.drafting.lookup,
-                max_drafts=plan.settings.depth if request.drafting.pinned else None,
-            ),
+            plan.spec,
             key,
             trunk_cache=trunk_cache,
             head_cache=head_cache,
-            prefix=session.prefix,
-            # A seeded request drafts its own depth every cycle, as alone, so it reproduces its
-            # tokens whatever else is in the batch; the draft policy chooses for the others.
-            draft_length=plan.settings.depth if request.seed is not None or request.drafting.pinned else None,
+            prefix=PromptPrefix(start),
+            draft_length=plan.draft_length,
             trunk_tap=trunk_tap,
             constraint=constraint,
             proposer=engine.row_proposer(plan),
         )
-        session.row = row  # the one holder of its caches and tokens (the session reads them)
+        session = CacheSession(engine.prompt_cache, row)  # reads the row: the one holder
         mode, depth = ("mtp", plan.choice.depth) if sources else ("ar", 0)
         output = RequestOutput(
-            engine.tokenizer, request, len(plan.prompt_tokens), session.prefix.start, mode, depth, engine.head
+            engine.tokenizer, request, len(plan.prompt_tokens), start, mode, depth, engine.head
         )
         if engine.distributed is not None:
             output.stats.distributed = engine.distributed.stats(depth + 1 if mode == "mtp" else 1)
@@ -249,7 +241,7 @@ class BatchScheduler:
         self.engine.trunk.bind_prompt(trunk_cache, row.prompt_tokens)  # its images (vision)
         if head_cache is not None:
             row.head_cache = head_cache
-        row.prefix = PromptPrefix(start)
+        row.prefix = PromptPrefix(start, row.prefix.on_prompt_prefix)
         row.position = start
         job.output.prefix_reused(start)
 
@@ -328,7 +320,7 @@ class BatchScheduler:
                 self._reuse_prefix(job)
             try:
                 before = row.remaining
-                ready = job.session.prefill(decoder, row, budget)  # cut at cache boundaries
+                ready = job.session.prefill(decoder, budget)  # cut at cache boundaries
                 budget -= before - row.remaining
                 if ready and job.forks:
                     self._fork(job)
@@ -369,7 +361,7 @@ class BatchScheduler:
         never does: its drafter reads every prompt position's layer taps as it prefills."""
         if job.row.drafter_cache is not None:
             return
-        hit = job.session.better_prefix(job.row.prefix.start)
+        hit = job.session.better_prefix()
         if hit is not None:
             self._start_from(job, hit.trunk_cache, hit.head_cache, hit.start)
 

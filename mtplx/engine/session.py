@@ -1,4 +1,4 @@
-"""`CacheSession`: what one request stores back into the prompt cache, and when; `open_session`:
+"""`CacheSession`: what one request stores back into the prompt cache, and when; `starting_caches`:
 the caches it starts from, taken from the prompt cache or made fresh (its row holds them).
 
 Invariant: what is stored is consistent with the tokens the loop has seen. Pure-KV caches are
@@ -15,42 +15,36 @@ from mtplx.spec_decode.rows import BatchRow
 from mtplx.spec_decode.step import PromptPrefix
 from mtplx.trunk.prompt_cache import CacheHit, PromptCache, held_positions, is_trimmable
 
-__all__ = ["CacheSession", "open_session"]
+__all__ = ["CacheSession", "starting_caches"]
 
 
 class CacheSession:
     """What one request stores back into the prompt cache, and when.
 
-    It holds no caches and no tokens of its own: the request's row does (`BatchRow`, from its
-    start to its leave: its caches while it prefills, its token history), and each store is
-    handed the caches it stores, so a row that starts from other caches (a fork's copy, the
-    prompt cache's better prefix) needs no second holder kept in step. Caches that cannot be moved back (recurrent state) are snapshotted when they hold all
-    prompt positions but the last; pure KV caches are handed over at the end, covering the
-    generated tokens too (a chat's next turn repeats them).
+    It holds no caches, no tokens and no position of its own: the request's row does (`BatchRow`,
+    from its start to its leave: its prompt, its caches while it prefills, its token history),
+    and each store is handed the caches it stores, so a row that starts from other caches (a
+    fork's copy, the prompt cache's better prefix) needs no second holder kept in step. Caches
+    that cannot be moved back (recurrent state) are snapshotted when they hold all prompt
+    positions but the last; pure KV caches are handed over at the end, covering the generated
+    tokens too (a chat's next turn repeats them).
     """
 
-    def __init__(
-        self,
-        store: PromptCache,
-        prompt_tokens: list[int],
-        trunk_cache: list,
-        head_cache: list | None,
-        start: int,
-    ):
-        """``trunk_cache`` / ``head_cache``: the caches the request starts from (read here for
-        their kinds, not kept); ``start`` prompt positions held in them."""
+    def __init__(self, store: PromptCache, row: BatchRow):
+        """``row``: the request's row, not prefilled yet (its caches are read here for their
+        kinds; its prefix gets the snapshot hook where the caches cannot be trimmed back)."""
         self.store = store
-        self.prompt_tokens = prompt_tokens
-        self.with_head = head_cache is not None
-        self.trimmable = is_trimmable(trunk_cache) and (head_cache is None or is_trimmable(head_cache))
-        # The row whose caches a prompt-prefix snapshot reads and whose tokens the store at the
-        # end keys (set by whoever starts the row).
-        self.row: BatchRow | None = None
+        self.row = row
+        self.with_head = row.uses_head
+        head_cache = row.head_cache if self.with_head else None
+        self.trimmable = is_trimmable(row.trunk_cache) and (head_cache is None or is_trimmable(head_cache))
         snapshots = not self.trimmable and store.max_bytes > 0
-        self.prefix = PromptPrefix(start, self._snapshot if snapshots else None)
+        start, prompt = row.prefix.start, row.prompt_tokens
+        if snapshots:
+            row.prefix = PromptPrefix(start, self._snapshot)
         # Where prefill stops to snapshot (beyond the cached prefix, before the last prompt token).
-        marks = store.boundaries(prompt_tokens) if snapshots and store.boundaries is not None else []
-        self.marks = [p for p in marks if start < p < len(prompt_tokens) - 1]
+        marks = store.boundaries(prompt) if snapshots and store.boundaries is not None else []
+        self.marks = [p for p in marks if start < p < len(prompt) - 1]
 
     def _snapshot(self, size: int) -> None:
         self.snapshot(size, self.row.trunk_cache, self.row.head_cache)
@@ -59,25 +53,27 @@ class CacheSession:
         """Copies of caches holding the first ``size`` prompt positions go into the store (to disk
         too), unless it holds that prefix already."""
         head_cache = head_cache if self.with_head else None
-        if not self.store.holds(self.prompt_tokens, size, head_cache is not None):
-            self.store.insert(self.prompt_tokens, size, trunk_cache, head_cache, copy=True, persist=True)
+        prompt = self.row.prompt_tokens
+        if not self.store.holds(prompt, size, head_cache is not None):
+            self.store.insert(prompt, size, trunk_cache, head_cache, copy=True, persist=True)
 
-    def prefill(self, decoder, pending, budget: int) -> bool:
-        """`BatchDecoder.prefill` of up to ``budget`` prompt tokens, cut at the next boundary mark,
-        where the caches are snapshotted; True when only the last prompt token is left."""
-        mark = next((p for p in self.marks if p > pending.position), None)
-        step = budget if mark is None else min(budget, mark - pending.position)
-        ready = decoder.prefill(pending, step)
-        if pending.position == mark:
-            self.snapshot(mark, pending.trunk_cache, pending.head_cache)
+    def prefill(self, decoder, budget: int) -> bool:
+        """`BatchDecoder.prefill` of the row, up to ``budget`` prompt tokens, cut at the next
+        boundary mark, where the caches are snapshotted; True when only the last prompt token is left."""
+        row = self.row
+        mark = next((p for p in self.marks if p > row.position), None)
+        step = budget if mark is None else min(budget, mark - row.position)
+        ready = decoder.prefill(row, step)
+        if row.position == mark:
+            self.snapshot(mark, row.trunk_cache, row.head_cache)
         return ready
 
-    def better_prefix(self, start: int) -> CacheHit | None:
-        """Caches holding more than ``start`` prompt positions, if the store has them by now (a
-        request prefilled since this one was planned); None otherwise. Pure-KV caches only."""
+    def better_prefix(self) -> CacheHit | None:
+        """Caches holding more prompt positions than the row starts from, if the store has them by
+        now (a request prefilled since this one was planned); None otherwise. Pure-KV caches only."""
         if not self.trimmable or self.store.max_bytes == 0:
             return None
-        return self.store.lookup(self.prompt_tokens, self.with_head, longer_than=start)
+        return self.store.lookup(self.row.prompt_tokens, self.with_head, longer_than=self.row.prefix.start)
 
     def store_prompt(self, trunk_cache: list, head_cache: list | None) -> None:
         """The prompt's caches, just prefilled, go into the store now (no copy: the caller is done
@@ -86,8 +82,9 @@ class CacheSession:
         if not self.trimmable or self.store.max_bytes == 0:
             return
         head_cache = head_cache if self.with_head else None
-        size = min(held_positions(trunk_cache, head_cache), len(self.prompt_tokens))
-        self.store.insert(self.prompt_tokens, size, trunk_cache, head_cache, copy=False)
+        prompt = self.row.prompt_tokens
+        size = min(held_positions(trunk_cache, head_cache), len(prompt))
+        self.store.insert(prompt, size, trunk_cache, head_cache, copy=False)
 
     @property
     def stores_at_finish(self) -> bool:
@@ -105,12 +102,12 @@ class CacheSession:
         self.store.insert(tokens, size, trunk_cache, head_cache, copy=False, persist=True)
 
 
-def open_session(
+def starting_caches(
     store: PromptCache, trunk, head, prompt_tokens: list[int], with_head: bool, reuse: bool = True
-) -> tuple[CacheSession, list, list | None]:
-    """The caches a request starts from (the longest reusable prefix in ``store``, else, or with
-    ``reuse`` False, fresh ones: a block drafter row, whose drafter reads every prompt position's
-    layer taps as it prefills) and its session: (session, trunk cache, head cache or None)."""
+) -> tuple[list, list | None, int]:
+    """The caches a request starts from: the longest reusable prefix in ``store``, else (or with
+    ``reuse`` False: a block drafter row, whose drafter reads every prompt position's layer taps
+    as it prefills) fresh ones; (trunk cache, head cache or None, prompt positions they hold)."""
     hit = store.lookup(prompt_tokens, with_head) if reuse else None
     if hit is None:
         trunk_cache = trunk.make_cache()
@@ -120,4 +117,4 @@ def open_session(
         trunk_cache, head_cache, start = hit.trunk_cache, hit.head_cache, hit.start
     if hasattr(trunk, "bind_prompt"):  # a vision trunk reads the prompt's images off its caches
         trunk.bind_prompt(trunk_cache, prompt_tokens)
-    return CacheSession(store, prompt_tokens, trunk_cache, head_cache, start), trunk_cache, head_cache
+    return trunk_cache, head_cache, start
