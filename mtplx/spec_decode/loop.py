@@ -185,28 +185,28 @@ class BatchDecoder:
             drafter_cache=self.blocks.row_cache(spec) if self.blocks is not None else None,
         )
 
-    def prefill(self, pending: BatchRow, max_tokens: int | None = None) -> bool:
+    def prefill(self, row: BatchRow, max_tokens: int | None = None) -> bool:
         """Forward up to ``max_tokens`` more prompt tokens (default: the row's prefill step size),
         never the last one; True when only the last is left (the row can `admit`)."""
-        step = max_tokens or pending.spec.settings.prefill_step_size
-        last = len(pending.prompt_tokens) - 1
-        if pending.position < last:
+        step = max_tokens or row.spec.settings.prefill_step_size
+        last = len(row.prompt_tokens) - 1
+        if row.position < last:
             # A queued batch cycle's rollback records (a hybrid model's recurrent-state and conv
             # taps are armed on the shared layers) would also record this forward: undo it first.
             # A single row's queued AR step arms nothing (and keeps no capture to undo it with).
             if not self.single_row:
                 self._drop_ahead()
-            end = min(pending.position + step, last)
+            end = min(row.position + step, last)
             prefill_chunk(
                 self.trunk,
-                pending.prompt_tokens,
-                pending.trunk_cache,
-                pending.position,
+                row.prompt_tokens,
+                row.trunk_cache,
+                row.position,
                 end,
-                self._observer(pending),
+                self._observer(row),
             )
-            pending.position = end
-        return pending.position >= last
+            row.position = end
+        return row.position >= last
 
     def admit(self, row: BatchRow) -> tuple[int, Step]:
         """Forward a prefilled row's last prompt token, draw its first token (one sync) and add it
@@ -254,11 +254,11 @@ class BatchDecoder:
         """`start`, `prefill` and `admit` in one call (the options are `start`'s)."""
         return self.admit(self.start(prompt_tokens, spec, key, **options))
 
-    def _observer(self, pending: BatchRow):
+    def _observer(self, row: BatchRow):
         """What sees each prefill forward: the row's trunk tap, the head's own prefill and a block
         drafter's context."""
-        head_observer, tap = self._head_observer(pending), pending.trunk_tap
-        block_observer = self.blocks.prefill_observer(pending.drafter_cache) if self.blocks else None
+        head_observer, tap = self._head_observer(row), row.trunk_tap
+        block_observer = self.blocks.prefill_observer(row.drafter_cache) if self.blocks else None
         if tap is None and block_observer is None:
             return head_observer
 
@@ -271,11 +271,11 @@ class BatchDecoder:
 
         return observe
 
-    def _head_observer(self, pending: BatchRow):
+    def _head_observer(self, row: BatchRow):
         """The head's own prefill of this row (`HeadChain.prefill_observer`); None without a chain."""
         if self.chain is None:
             return None
-        return self.chain.prefill_observer(pending.head_cache, pending.prompt_tokens)
+        return self.chain.prefill_observer(row.head_cache, row.prompt_tokens)
 
     def index_of(self, row_id: int) -> int:
         for i, row in enumerate(self.rows):
