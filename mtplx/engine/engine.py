@@ -34,7 +34,9 @@ from mtplx.spec_decode.drafting import (
     choose_drafter,
     drafter_refusal,
     head_depth,
+    row_sources,
 )
+from mtplx.spec_decode.rows import RowSpec
 from mtplx.spec_decode.settings import DEFAULT_PREFILL_STEP, DecodeSettings
 from mtplx.spec_decode.sources import Source
 from mtplx.trunk.kv_quant import KVQuantization, check_fit
@@ -50,11 +52,21 @@ __all__ = ["Engine", "GenerationChunk", "GenerationRequest", "GenerationResult",
 
 @dataclass(frozen=True)
 class DecodePlan:
-    """One request as this engine decodes it (`Engine.plan`)."""
+    """One request as this engine decodes it (`Engine.plan`), resolved once: every choice's row
+    is made from it (`BatchScheduler.submit`)."""
 
     prompt_tokens: list[int]
     choice: DrafterChoice
-    settings: DecodeSettings
+    # How its rows decode: settings, drafters in priority order, lookup, the request's own count.
+    spec: RowSpec
+    # The head's drafts per cycle, pinned (a seeded request drafts its own depth every cycle, as
+    # alone, so it reproduces its tokens whatever else is in the batch; a pinned count); None:
+    # the draft policy chooses.
+    draft_length: int | None = None
+
+    @property
+    def settings(self) -> DecodeSettings:
+        return self.spec.settings
 
 
 class Engine:
@@ -372,7 +384,8 @@ class Engine:
             )
 
     def plan(self, prompt: str | Sequence[dict] | Sequence[int], request: GenerationRequest) -> DecodePlan:
-        """What decoding ``request`` takes here: prompt ids, drafter, loop settings (checked)."""
+        """What decoding ``request`` takes here (checked): prompt ids, drafter, loop settings and
+        the row spec every choice's row decodes by."""
         choice = self._choose_drafter(request)
         prompt, images = with_image_parts(prompt, request.images)
         vision = self._vision() if images else None
@@ -390,7 +403,14 @@ class Engine:
             adaptive_threshold=threshold,
             logprobs=request.logprobs,
         )
-        return DecodePlan(prompt_tokens, choice, settings)
+        spec = RowSpec(
+            settings,
+            row_sources(choice),
+            drafting.lookup,
+            max_drafts=choice.depth if drafting.pinned else None,
+        )
+        pinned = request.seed is not None or drafting.pinned
+        return DecodePlan(prompt_tokens, choice, spec, choice.depth if pinned else None)
 
     def _vision(self):
         """The trunk's image side, for a request with images; refused in one line where there is none."""

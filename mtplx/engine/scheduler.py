@@ -33,11 +33,10 @@ from typing import Any, Protocol
 
 from mtplx.engine.output import GenerationChunk, RequestOutput
 from mtplx.engine.request import GenerationRequest
-from mtplx.engine.session import CacheSession, open_session
+from mtplx.engine.session import CacheSession, starting_caches
 from mtplx.errors import MtplxError
 from mtplx.spec_decode.draft_policy import DraftPolicy
-from mtplx.spec_decode.drafting import row_sources
-from mtplx.spec_decode.loop import BatchDecoder, PendingRow, RowsFailed, RowSpec, TrunkTap
+from mtplx.spec_decode.loop import BatchDecoder, BatchRow, RowsFailed, TrunkTap
 from mtplx.spec_decode.settings import DEFAULT_PREFILL_STEP
 from mtplx.spec_decode.sources import BLOCK_SOURCES, Source
 from mtplx.spec_decode.step import PromptPrefix
@@ -75,14 +74,16 @@ def choice_keys(key: mx.array, n: int) -> list[mx.array]:
 
 @dataclass
 class _Job:
-    """One choice of a request: its row from submission to leaving."""
+    """One choice of a request, from submission to leaving: its row (`BatchRow`: prompt ids,
+    settings and drafters, grammar matcher, key, caches, token history and position, from its
+    start through its prefill to its leave), its output (stop rules, text, stats) and what of
+    it goes back into the prompt cache (`CacheSession`, which reads the row)."""
 
     handle: int  # the request's (all its choices share it)
     session: CacheSession
     output: RequestOutput
-    pending: PendingRow | None  # while prefilling
+    row: BatchRow
     choice: int = 0  # the choice's index (n > 1)
-    row_id: int | None = None  # once decoding
     cancelled: bool = False
     # Choices 1..n-1 wait for choice 0's prefill and start from a copy of its caches (`_fork`).
     forks: list[_Job] = field(default_factory=list)
@@ -169,7 +170,7 @@ class BatchScheduler:
         for choice in range(1, request.n):
             fork = self._new_job(handle, choice, plan, request, keys[choice], decoder, trunk_tap, fresh=True)
             # A draft model row (its draft model's cache of its own) prefills on its own.
-            fork.waits = first.pending.proposer is None
+            fork.waits = first.row.proposer is None
             if fork.waits:
                 first.forks.append(fork)
         return handle
@@ -181,49 +182,39 @@ class BatchScheduler:
         # A grammar row speculates in the batch like any other (`BatchDecoder`, "Grammar rows").
         # Compiled before any cache is taken: a grammar this tokenizer cannot serve fails here.
         constraint = engine.compile_grammar(request.grammar) if request.grammar is not None else None
-        sources = row_sources(plan.choice)
+        sources = plan.spec.sources
         with_head = Source.HEAD in sources
         # A block drafter row's entry holds its drafter's context too (`PromptCache`).
         with_drafter = any(source in BLOCK_SOURCES for source in sources)
         if fresh:  # a fork: its caches become choice 0's, copied after its prefill (`_fork`)
             hit = CacheHit(engine.trunk.make_cache(), engine.head.make_cache() if with_head else None, 0)
-            session = CacheSession(
-                engine.prompt_cache, plan.prompt_tokens, hit.trunk_cache, hit.head_cache, 0, with_drafter
-            )
         else:
-            session, hit = open_session(
+            hit = starting_caches(
                 engine.prompt_cache, engine.trunk, engine.head, plan.prompt_tokens, with_head, with_drafter
             )
-        trunk_cache, head_cache = hit.trunk_cache, hit.head_cache
-        pending = decoder.start(
+        trunk_cache, head_cache, start = hit.trunk_cache, hit.head_cache, hit.start
+        row = decoder.start(
             plan.prompt_tokens,
-            RowSpec(
-                plan.settings,
-                sources,
-                request.drafting.lookup,
-                max_drafts=plan.settings.depth if request.drafting.pinned else None,
-            ),
+            plan.spec,
             key,
             trunk_cache=trunk_cache,
             head_cache=head_cache,
-            prefix=session.prefix,
-            # A seeded request drafts its own depth every cycle, as alone, so it reproduces its
-            # tokens whatever else is in the batch; the draft policy chooses for the others.
-            draft_length=plan.settings.depth if request.seed is not None or request.drafting.pinned else None,
+            prefix=PromptPrefix(start),
+            draft_length=plan.draft_length,
             trunk_tap=trunk_tap,
             constraint=constraint,
             proposer=engine.row_proposer(plan),
         )
-        session.row = pending  # the one holder of its caches (a prompt-prefix snapshot reads them)
         if hit.drafter_cache is not None:  # the block drafter's context of the cached prefix
-            pending.drafter_cache = decoder.blocks.context_from(hit.drafter_cache)
+            row.drafter_cache = decoder.blocks.context_from(hit.drafter_cache)
+        session = CacheSession(engine.prompt_cache, row, with_drafter)  # reads the row: the one holder
         mode, depth = ("mtp", plan.choice.depth) if sources else ("ar", 0)
         output = RequestOutput(
-            engine.tokenizer, request, len(plan.prompt_tokens), session.prefix.start, mode, depth, engine.head
+            engine.tokenizer, request, len(plan.prompt_tokens), start, mode, depth, engine.head
         )
         if engine.distributed is not None:
             output.stats.distributed = engine.distributed.stats(depth + 1 if mode == "mtp" else 1)
-        job = _Job(handle, session, output, pending, choice)
+        job = _Job(handle, session, output, row, choice)
         self._jobs[self._next_key] = job
         self._next_key += 1
         return job
@@ -232,28 +223,28 @@ class BatchScheduler:
         """``job``'s prompt is prefilled but for its last token: each waiting choice starts from a
         copy of its caches (the prompt forwarded once; each choice forwards the last token itself,
         drawing its first token with its own key). Its stats count the copied positions cached."""
-        pending = job.pending
+        row = job.row
         for fork in job.forks:
-            head_cache = copy_cache(pending.head_cache) if pending.head_cache is not None else None
-            self._start_from(fork, copy_cache(pending.trunk_cache), head_cache, pending.position)
-            if pending.drafter_cache is not None:  # a block drafter's context of the prompt
-                fork.pending.drafter_cache = copy_cache(pending.drafter_cache)
+            head_cache = copy_cache(row.head_cache) if row.head_cache is not None else None
+            self._start_from(fork, copy_cache(row.trunk_cache), head_cache, row.position)
+            if row.drafter_cache is not None:  # a block drafter's context of the prompt
+                fork.row.drafter_cache = copy_cache(row.drafter_cache)
             fork.waits = False
         job.forks = []
 
     def _start_from(self, job: _Job, trunk_cache: list, head_cache: list | None, start: int) -> None:
         """``job``, not started yet, starts from caches holding its first ``start`` prompt
-        positions (a fork's copy, the prompt cache's better prefix): its pending row holds them,
-        the one holder (the row decodes in them, or the batch copies them on admission; its
-        store at the end reads the row's, `_finish`); its stats count them cached. ``head_cache``
-        None keeps the row's own."""
-        pending = job.pending
-        pending.trunk_cache = trunk_cache
-        self.engine.trunk.bind_prompt(trunk_cache, pending.prompt_tokens)  # its images (vision)
+        positions (a fork's copy, the prompt cache's better prefix): its row holds them, the one
+        holder (the row decodes in them, or the batch copies them on admission; its store at the
+        end reads the row's, `_finish`); its stats count them cached. ``head_cache`` None keeps
+        the row's own."""
+        row = job.row
+        row.trunk_cache = trunk_cache
+        self.engine.trunk.bind_prompt(trunk_cache, row.prompt_tokens)  # its images (vision)
         if head_cache is not None:
-            pending.head_cache = head_cache
-        pending.prefix = PromptPrefix(start)
-        pending.position = start
+            row.head_cache = head_cache
+        row.prefix = PromptPrefix(start, row.prefix.on_prompt_prefix)
+        row.position = start
         job.output.prefix_reused(start)
 
     def _agreed_seed(self, plan, request: GenerationRequest) -> int | None:
@@ -290,11 +281,11 @@ class BatchScheduler:
 
     @property
     def num_decoding(self) -> int:
-        return sum(job.row_id is not None for job in self._jobs.values())
+        return sum(job.row.row_id is not None for job in self._jobs.values())
 
     @property
     def num_waiting(self) -> int:
-        return sum(job.row_id is None for job in self._jobs.values())
+        return sum(job.row.row_id is None for job in self._jobs.values())
 
     def _decoder_for_engine(self) -> BatchDecoder:
         if self._decoder is None:
@@ -321,30 +312,31 @@ class BatchScheduler:
     def _step(self, decoder: BatchDecoder) -> list[StepResult]:
         results: list[StepResult] = []
         started = time.perf_counter()
-        waiting = [job for job in self._jobs.values() if job.row_id is None and not job.waits]
+        waiting = [job for job in self._jobs.values() if job.row.row_id is None and not job.waits]
         budget = self.prefill_step_size
         for job in waiting[: self.prompt_concurrency]:
             if budget <= 0:
                 break
-            pending = job.pending
-            if pending.position == pending.prefix.start:  # not started: the store may hold more now
+            row = job.row
+            if row.position == row.prefix.start:  # not started: the store may hold more now
                 self._reuse_prefix(job)
             try:
-                before = pending.remaining
-                ready = job.session.prefill(decoder, pending, budget)  # cut at cache boundaries
-                budget -= before - pending.remaining
+                before = row.remaining
+                ready = job.session.prefill(decoder, budget)  # cut at cache boundaries
+                budget -= before - row.remaining
                 if ready and job.forks:
                     self._fork(job)
                 if ready and self.num_decoding < (1 if decoder.single_row else self.max_rows):
-                    job.row_id, first = decoder.admit(pending)
-                    job.pending = None
+                    # The row's prompt caches and drafter context: a batch takes copies of them.
+                    prompt_caches = row.trunk_cache, row.head_cache, row.drafter_cache
+                    _, first = decoder.admit(row)
                     budget -= 1
                     if not decoder.single_row:  # a single row decodes in its own (live) caches
-                        self._store_prompt(job, pending, decoder)
+                        self._store_prompt(job, prompt_caches, decoder)
                     results.append(self._feed(job, first))
             except (MtplxError, ValueError) as err:  # ValueError: invalid values in the first draw
                 results.append(self._fail(job, err))
-        rows = {job.row_id: job for job in self._jobs.values() if job.row_id is not None}
+        rows = {job.row.row_id: job for job in self._jobs.values() if job.row.row_id is not None}
         cycle_started = time.perf_counter()
         try:
             steps = decoder.step() if rows else {}
@@ -365,13 +357,13 @@ class BatchScheduler:
         return results
 
     @staticmethod
-    def _store_prompt(job: _Job, pending: PendingRow, decoder: BatchDecoder) -> None:
-        """The admitted row's prompt caches into the store (`CacheSession.store_prompt`), a block
-        drafter row's context beside them."""
-        drafter_cache = pending.drafter_cache
+    def _store_prompt(job: _Job, prompt_caches: tuple, decoder: BatchDecoder) -> None:
+        """The admitted row's prompt caches (trunk, head, block drafter context or None, taken
+        before admission) into the store (`CacheSession.store_prompt`)."""
+        trunk_cache, head_cache, drafter_cache = prompt_caches
         if drafter_cache is not None:
             drafter_cache = decoder.blocks.stored_context(drafter_cache)
-        job.session.store_prompt(pending.trunk_cache, pending.head_cache, drafter_cache)
+        job.session.store_prompt(trunk_cache, head_cache, drafter_cache)
 
     def _reuse_prefix(self, job: _Job) -> None:
         """Before ``job`` forwards its first prompt token: start it from the prompt cache's caches
@@ -379,14 +371,13 @@ class BatchScheduler:
         store (`CacheSession.store_prompt`), so concurrent requests with a common prefix (an
         agent's parallel calls over one conversation) forward it once. A block drafter row's hit
         holds its drafter's context of the prefix too (the session asks for it)."""
-        hit = job.session.better_prefix(job.pending.prefix.start)
+        hit = job.session.better_prefix()
         if hit is not None:
             self._start_from(job, hit.trunk_cache, hit.head_cache, hit.start)
             if hit.drafter_cache is not None:
-                job.pending.drafter_cache = self._decoder.blocks.context_from(hit.drafter_cache)
+                job.row.drafter_cache = self._decoder.blocks.context_from(hit.drafter_cache)
 
     def _feed(self, job: _Job, step) -> StepResult:
-        job.session.record(step.tokens)
         chunk = job.output.feed(step)
         chunk.index = job.choice
         if job.output.finished:
@@ -401,9 +392,9 @@ class BatchScheduler:
 
     def _finish(self, job: _Job) -> None:
         """A request that ended between cycles: its caches go to the prompt cache, its row leaves."""
-        if job.session.stores_at_finish and job.row_id is not None:
+        if job.session.stores_at_finish and job.row.row_id is not None:
             # The row's caches: copies out of a batch, a single row's own.
-            job.session.finish(*self._decoder.extract(job.row_id))
+            job.session.finish(*self._decoder.extract(job.row.row_id))
         self._remove(job)
 
     def _drop_cancelled(self) -> None:
@@ -411,9 +402,9 @@ class BatchScheduler:
             self._remove(job)
 
     def _remove(self, job: _Job) -> None:
-        if job.row_id is not None:
-            self._decoder.leave([job.row_id])
-            job.row_id = None
+        if job.row.row_id is not None:
+            self._decoder.leave([job.row.row_id])
+            job.row.row_id = None
         for key, held in list(self._jobs.items()):
             if held is job:
                 del self._jobs[key]

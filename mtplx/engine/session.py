@@ -1,4 +1,4 @@
-"""`CacheSession`: what one request stores back into the prompt cache, and when; `open_session`:
+"""`CacheSession`: what one request stores back into the prompt cache, and when; `starting_caches`:
 the caches it starts from, taken from the prompt cache or made fresh (its row holds them).
 
 Invariant: what is stored is consistent with the tokens the loop has seen. Pure-KV caches are
@@ -11,49 +11,43 @@ snapshot the store already holds is not taken again.
 
 from __future__ import annotations
 
-from mtplx.spec_decode.rows import PendingRow
+from mtplx.spec_decode.rows import BatchRow
 from mtplx.spec_decode.step import PromptPrefix
 from mtplx.trunk.prompt_cache import CacheHit, PromptCache, copy_cache, held_positions, is_trimmable
 
-__all__ = ["CacheSession", "open_session"]
+__all__ = ["CacheSession", "starting_caches"]
 
 
 class CacheSession:
     """What one request stores back into the prompt cache, and when.
 
-    It holds no caches of its own: the request's row does (`PendingRow` while it prefills, then
-    the decoder's row), and each store is handed the caches it stores, so a row that starts from
-    other caches (a fork's copy, the prompt cache's better prefix) needs no second holder kept in
-    step. Caches that cannot be moved back (recurrent state) are snapshotted when they hold all
-    prompt positions but the last; pure KV caches are handed over at the end, covering the
-    generated tokens too (a chat's next turn repeats them).
+    It holds no caches, no tokens and no position of its own: the request's row does (`BatchRow`,
+    from its start to its leave: its prompt, its caches while it prefills, its token history),
+    and each store is handed the caches it stores, so a row that starts from other caches (a
+    fork's copy, the prompt cache's better prefix) needs no second holder kept in step. Caches
+    that cannot be moved back (recurrent state) are snapshotted when they hold all prompt
+    positions but the last; pure KV caches are handed over at the end, covering the generated
+    tokens too (a chat's next turn repeats them).
     """
 
-    def __init__(
-        self,
-        store: PromptCache,
-        prompt_tokens: list[int],
-        trunk_cache: list,
-        head_cache: list | None,
-        start: int,
-        with_drafter: bool = False,
-    ):
-        """``trunk_cache`` / ``head_cache``: the caches the request starts from (read here for
-        their kinds, not kept); ``start`` prompt positions held in them; ``with_drafter``: a block
-        drafter row (its drafter's context is stored and reused beside them)."""
+    def __init__(self, store: PromptCache, row: BatchRow, with_drafter: bool = False):
+        """``row``: the request's row, not prefilled yet (its caches are read here for their
+        kinds; its prefix gets the snapshot hook where the caches cannot be trimmed back);
+        ``with_drafter``: a block drafter row (its drafter's context is stored and reused beside
+        the caches)."""
         self.store = store
-        self.prompt_tokens = prompt_tokens
-        self.with_head = head_cache is not None
+        self.row = row
+        self.with_head = row.uses_head
         self.with_drafter = with_drafter
-        self.trimmable = is_trimmable(trunk_cache) and (head_cache is None or is_trimmable(head_cache))
-        self.tokens = list(prompt_tokens)  # every token the decode loop has seen
-        # The row whose caches a prompt-prefix snapshot reads (set by whoever starts the row).
-        self.row: PendingRow | None = None
+        head_cache = row.head_cache if self.with_head else None
+        self.trimmable = is_trimmable(row.trunk_cache) and (head_cache is None or is_trimmable(head_cache))
         snapshots = not self.trimmable and store.max_bytes > 0
-        self.prefix = PromptPrefix(start, self._snapshot if snapshots else None)
+        start, prompt = row.prefix.start, row.prompt_tokens
+        if snapshots:
+            row.prefix = PromptPrefix(start, self._snapshot)
         # Where prefill stops to snapshot (beyond the cached prefix, before the last prompt token).
-        marks = store.boundaries(prompt_tokens) if snapshots and store.boundaries is not None else []
-        self.marks = [p for p in marks if start < p < len(prompt_tokens) - 1]
+        marks = store.boundaries(prompt) if snapshots and store.boundaries is not None else []
+        self.marks = [p for p in marks if start < p < len(prompt) - 1]
 
     def _snapshot(self, size: int) -> None:
         self.snapshot(size, self.row.trunk_cache, self.row.head_cache)
@@ -62,28 +56,32 @@ class CacheSession:
         """Copies of caches holding the first ``size`` prompt positions go into the store (to disk
         too), unless it holds that prefix already."""
         head_cache = head_cache if self.with_head else None
-        if not self.store.holds(self.prompt_tokens, size, head_cache is not None):
-            self.store.insert(self.prompt_tokens, size, trunk_cache, head_cache, copy=True, persist=True)
+        prompt = self.row.prompt_tokens
+        if not self.store.holds(prompt, size, head_cache is not None):
+            self.store.insert(prompt, size, trunk_cache, head_cache, copy=True, persist=True)
 
-    def prefill(self, decoder, pending, budget: int) -> bool:
-        """`BatchDecoder.prefill` of up to ``budget`` prompt tokens, cut at the next boundary mark,
-        where the caches are snapshotted; True when only the last prompt token is left."""
-        mark = next((p for p in self.marks if p > pending.position), None)
-        step = budget if mark is None else min(budget, mark - pending.position)
-        ready = decoder.prefill(pending, step)
-        if pending.position == mark:
-            self.snapshot(mark, pending.trunk_cache, pending.head_cache)
+    def prefill(self, decoder, budget: int) -> bool:
+        """`BatchDecoder.prefill` of the row, up to ``budget`` prompt tokens, cut at the next
+        boundary mark, where the caches are snapshotted; True when only the last prompt token is left."""
+        row = self.row
+        mark = next((p for p in self.marks if p > row.position), None)
+        step = budget if mark is None else min(budget, mark - row.position)
+        ready = decoder.prefill(row, step)
+        if row.position == mark:
+            self.snapshot(mark, row.trunk_cache, row.head_cache)
         return ready
 
-    def record(self, tokens: list[int]) -> None:
-        self.tokens.extend(tokens)
-
-    def better_prefix(self, start: int) -> CacheHit | None:
-        """Caches holding more than ``start`` prompt positions, if the store has them by now (a
-        request prefilled since this one was planned); None otherwise. Pure-KV caches only."""
+    def better_prefix(self) -> CacheHit | None:
+        """Caches holding more prompt positions than the row starts from, if the store has them by
+        now (a request prefilled since this one was planned); None otherwise. Pure-KV caches only."""
         if not self.trimmable or self.store.max_bytes == 0:
             return None
-        return self.store.lookup(self.prompt_tokens, self.with_head, start, self.with_drafter)
+        return self.store.lookup(
+            self.row.prompt_tokens,
+            self.with_head,
+            longer_than=self.row.prefix.start,
+            with_drafter=self.with_drafter,
+        )
 
     def store_prompt(
         self, trunk_cache: list, head_cache: list | None, drafter_cache: list | None = None
@@ -97,10 +95,9 @@ class CacheSession:
             return
         head_cache = head_cache if self.with_head else None
         drafter_cache = copy_cache(drafter_cache) if self.with_drafter and drafter_cache else None
-        size = min(held_positions(trunk_cache, head_cache, drafter_cache), len(self.prompt_tokens))
-        self.store.insert(
-            self.prompt_tokens, size, trunk_cache, head_cache, copy=False, drafter_cache=drafter_cache
-        )
+        prompt = self.row.prompt_tokens
+        size = min(held_positions(trunk_cache, head_cache, drafter_cache), len(prompt))
+        self.store.insert(prompt, size, trunk_cache, head_cache, copy=False, drafter_cache=drafter_cache)
 
     @property
     def stores_at_finish(self) -> bool:
@@ -109,27 +106,28 @@ class CacheSession:
 
     def finish(self, trunk_cache: list, head_cache: list | None, drafter_cache: list | None = None) -> None:
         """The decode loop stopped between steps, its row's caches (given, the row's own or
-        copies; a block drafter's context too) consistent with ``tokens``: they go into the store."""
+        copies; a block drafter's context too) consistent with the row's history: they go into the
+        store, keyed by it."""
         if not self.stores_at_finish:
             return
         head_cache = head_cache if self.with_head else None
         drafter_cache = drafter_cache if self.with_drafter else None
-        size = min(held_positions(trunk_cache, head_cache, drafter_cache), len(self.tokens))
+        tokens = self.row.history
+        size = min(held_positions(trunk_cache, head_cache, drafter_cache), len(tokens))
         self.store.insert(
-            self.tokens, size, trunk_cache, head_cache, copy=False, persist=True, drafter_cache=drafter_cache
+            tokens, size, trunk_cache, head_cache, copy=False, persist=True, drafter_cache=drafter_cache
         )
 
 
-def open_session(
+def starting_caches(
     store: PromptCache, trunk, head, prompt_tokens: list[int], with_head: bool, with_drafter: bool = False
-) -> tuple[CacheSession, CacheHit]:
-    """The caches a request starts from (the longest reusable prefix in ``store``, else fresh
-    ones; ``with_drafter``: a block drafter row, whose drafter's context must be in the entry:
-    its ``drafter_cache`` None when fresh) and its session."""
+) -> CacheHit:
+    """The caches a request starts from: the longest reusable prefix in ``store``, else fresh
+    ones (``with_drafter``: a block drafter row, whose drafter's context must be in the entry; its
+    ``drafter_cache`` None when fresh)."""
     hit = store.lookup(prompt_tokens, with_head, with_drafter=with_drafter)
     if hit is None:
         hit = CacheHit(trunk.make_cache(), head.make_cache() if with_head else None, 0)
     if hasattr(trunk, "bind_prompt"):  # a vision trunk reads the prompt's images off its caches
         trunk.bind_prompt(hit.trunk_cache, prompt_tokens)
-    session = CacheSession(store, prompt_tokens, hit.trunk_cache, hit.head_cache, hit.start, with_drafter)
-    return session, hit
+    return hit

@@ -62,7 +62,6 @@ from mtplx.spec_decode.head_chain import HeadChain, trunk_hidden
 from mtplx.spec_decode.lookup_proposer import LookupProposer
 from mtplx.spec_decode.rows import (
     BatchRow,
-    PendingRow,
     RowsFailed,
     RowSpec,
     TrunkTap,
@@ -84,7 +83,7 @@ from mtplx.trunk.row_cache import SingleRowCache
 
 import mlx.core as mx
 
-__all__ = ["BatchDecoder", "BatchRow", "PendingRow", "RowSpec", "RowsFailed", "TrunkTap"]
+__all__ = ["BatchDecoder", "BatchRow", "RowSpec", "RowsFailed", "TrunkTap"]
 
 
 class BatchDecoder:
@@ -137,8 +136,9 @@ class BatchDecoder:
         trunk_tap: TrunkTap | None = None,
         constraint: GrammarConstraint | None = None,
         proposer: DraftModelProposer | None = None,
-    ) -> PendingRow:
-        """A sequence to prefill on its own (`prefill`, chunk by chunk) before it joins (`admit`).
+    ) -> BatchRow:
+        """A sequence to prefill on its own (`prefill`, chunk by chunk) before it joins (`admit`):
+        its row, which it keeps from here to its leave.
 
         ``trunk_cache`` / ``head_cache`` (single-row, e.g. from the prompt cache) may already hold
         ``prefix.start`` prompt positions. ``draft_length`` pins the head's drafts per cycle.
@@ -171,7 +171,7 @@ class BatchDecoder:
         trunk_cache = trunk_cache if trunk_cache is not None else self.trunk.make_cache()
         if self.chain is not None and head_cache is None:
             head_cache = self.head.make_cache()
-        return PendingRow(
+        return BatchRow(
             list(prompt_tokens),
             spec,
             key,
@@ -185,69 +185,63 @@ class BatchDecoder:
             drafter_cache=self.blocks.row_cache(spec) if self.blocks is not None else None,
         )
 
-    def prefill(self, pending: PendingRow, max_tokens: int | None = None) -> bool:
+    def prefill(self, row: BatchRow, max_tokens: int | None = None) -> bool:
         """Forward up to ``max_tokens`` more prompt tokens (default: the row's prefill step size),
         never the last one; True when only the last is left (the row can `admit`)."""
-        step = max_tokens or pending.spec.settings.prefill_step_size
-        last = len(pending.prompt_tokens) - 1
-        if pending.position < last:
+        step = max_tokens or row.spec.settings.prefill_step_size
+        last = len(row.prompt_tokens) - 1
+        if row.position < last:
             # A queued batch cycle's rollback records (a hybrid model's recurrent-state and conv
             # taps are armed on the shared layers) would also record this forward: undo it first.
             # A single row's queued AR step arms nothing (and keeps no capture to undo it with).
             if not self.single_row:
                 self._drop_ahead()
-            end = min(pending.position + step, last)
+            end = min(row.position + step, last)
             prefill_chunk(
                 self.trunk,
-                pending.prompt_tokens,
-                pending.trunk_cache,
-                pending.position,
+                row.prompt_tokens,
+                row.trunk_cache,
+                row.position,
                 end,
-                self._observer(pending),
+                self._observer(row),
             )
-            pending.position = end
-        return pending.position >= last
+            row.position = end
+        return row.position >= last
 
-    def admit(self, pending: PendingRow) -> tuple[int, Step]:
+    def admit(self, row: BatchRow) -> tuple[int, Step]:
         """Forward a prefilled row's last prompt token, draw its first token (one sync) and add it
-        to the batch. Returns the row's id and the Step of its first token."""
+        to the batch. Returns the row's id and the Step of its first token. In a batch the row's
+        own caches are copied into the batch's and the row lets them go (the batch holds its
+        positions from here: `extract`); a single row decodes in them."""
         if self.single_row and self.rows:
             raise MtplxError("batched decoding: this model's caches are not batched: one row at a time")
         self._drop_ahead()
-        while not self.prefill(pending):
+        while not self.prefill(row):
             pass
-        prompt_tokens, settings, head = pending.prompt_tokens, pending.spec.settings, self.head
-        trunk_cache, head_cache = pending.trunk_cache, pending.head_cache
-        output = prefill_last(self.trunk, prompt_tokens, trunk_cache, self._observer(pending), pending.prefix)
-        key, step_key = split_key(pending.key)
-        constraint = pending.constraint
+        prompt_tokens, settings, head = row.prompt_tokens, row.spec.settings, self.head
+        trunk_cache, head_cache = row.trunk_cache, row.head_cache
+        output = prefill_last(self.trunk, prompt_tokens, trunk_cache, self._observer(row), row.prefix)
+        key, step_key = split_key(row.key)
+        constraint = row.constraint
         mask_mark = constraint.mask_seconds if constraint is not None else 0.0
         allowed = constraint.mask_after() if constraint is not None else None
         uniform = sample_ops.draw_uniforms((1,), step_key)
-        first = pending.spec.sampler.first_token(output.logits[:, -1, :], [prompt_tokens], uniform, allowed)
+        first = row.spec.sampler.first_token(output.logits[:, -1, :], [prompt_tokens], uniform, allowed)
         mx.eval(first.tokens, first.invalid, [c.state for c in trunk_cache])
         token = int(first.checked().tokens.item())
         # The grammar takes the token before the row joins: a refusal leaves nothing in the batch.
         tokens, grammar = grammar_step(constraint, [token], mask_mark)
-        spec = pending.spec
-        lookup = LookupProposer(spec.lookup) if Source.LOOKUP in spec.sources else None
-        row = BatchRow(
-            self._next_id,
-            spec,
-            key,
-            [*prompt_tokens, token],
-            lookup,
-            draft_length=pending.draft_length,
-            trunk_tap=pending.trunk_tap,
-            constraint=constraint,
-            proposer=pending.proposer,
-            drafter_cache=pending.drafter_cache,
-        )
+        row.row_id, row.key, row.position = self._next_id, key, len(prompt_tokens)
+        row.history.append(token)
+        if Source.LOOKUP in row.spec.sources:
+            row.lookup = LookupProposer(row.spec.lookup)
         if self.chain is not None:
             row.pending_hidden = [trunk_hidden(output, head)[:, :1]]
             row.pending_tokens = [token]
             self.chain.cache.add_rows([head_cache])
         self.cache.add_rows([trunk_cache])
+        if not self.single_row:
+            row.trunk_cache = row.head_cache = None
         self.rows.append(row)
         self._next_id += 1
         self._rows_moved = True
@@ -260,14 +254,12 @@ class BatchDecoder:
         """`start`, `prefill` and `admit` in one call (the options are `start`'s)."""
         return self.admit(self.start(prompt_tokens, spec, key, **options))
 
-    def _observer(self, pending: PendingRow):
+    def _observer(self, row: BatchRow):
         """What sees each prefill forward: the row's trunk tap, the head's own prefill and a block
         drafter's context."""
-        head_observer, tap = self._head_observer(pending), pending.trunk_tap
+        head_observer, tap = self._head_observer(row), row.trunk_tap
         block_observer = (
-            self.blocks.prefill_observer(pending.drafter_cache, pending.prompt_tokens)
-            if self.blocks
-            else None
+            self.blocks.prefill_observer(row.drafter_cache, row.prompt_tokens) if self.blocks else None
         )
         if tap is None and block_observer is None:
             return head_observer
@@ -281,11 +273,11 @@ class BatchDecoder:
 
         return observe
 
-    def _head_observer(self, pending: PendingRow):
+    def _head_observer(self, row: BatchRow):
         """The head's own prefill of this row (`HeadChain.prefill_observer`); None without a chain."""
         if self.chain is None:
             return None
-        return self.chain.prefill_observer(pending.head_cache, pending.prompt_tokens)
+        return self.chain.prefill_observer(row.head_cache, row.prompt_tokens)
 
     def index_of(self, row_id: int) -> int:
         for i, row in enumerate(self.rows):
@@ -420,6 +412,7 @@ class BatchDecoder:
         for i, row in enumerate(rows):
             n, k, kind = verdicts.num_accepted[i], block.lengths[i], block.kind(i)
             row.history.extend(committed[i])
+            row.position += n + 1
             if row.trunk_tap is not None:
                 row.trunk_tap(row_positions(output, i, n + 1))
             logprobs = None

@@ -1,5 +1,5 @@
-"""One row of the batched loop: how it decodes (`RowSpec`), its state while it prefills alone
-(`PendingRow`) and once it decodes in the batch (`BatchRow`: everything the row owns, so a join
+"""One row of the batched loop: how it decodes (`RowSpec`), its state from its start through its
+prefill and its cycles in the batch to its leave (`BatchRow`: everything the row owns, so a join
 or a leave touches nothing else), and what ends rows (`RowsFailed`, `fill_holes`)."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from mtplx.trunk.model import Trunk, TrunkOutput
 
 import mlx.core as mx
 
-__all__ = ["BatchRow", "PendingRow", "RowSpec", "RowsFailed", "TrunkTap", "check_batch_support", "fill_holes"]
+__all__ = ["BatchRow", "RowSpec", "RowsFailed", "TrunkTap", "check_batch_support", "fill_holes"]
 
 # Sees a row's trunk output [1, n, ...] (lazy) at n positions it commits (`BatchDecoder.start`).
 TrunkTap = Callable[[TrunkOutput], None]
@@ -51,53 +51,52 @@ class RowSpec:
 
 
 @dataclass
-class PendingRow:
-    """A sequence prefilling on its own before it joins the batch (`BatchDecoder.start`)."""
+class BatchRow:
+    """One sequence from its start to its leave: everything it owns, so a join or a leave touches
+    nothing else (`BatchDecoder.start` makes it; ``row_id`` is set when it joins the batch, and its
+    batch index is then its position in the decoder's ``rows``).
+
+    One position counter: ``position`` is how many of ``history``'s tokens the row's caches hold.
+    While it prefills, ``history`` is the prompt and ``position`` < len(prompt); from its join on,
+    ``history`` is the prompt plus every committed token, the last (pending) one not yet forwarded
+    (``position`` == len(history) - 1 between cycles). Its caches: ``trunk_cache`` / ``head_cache``
+    are its own while it prefills (single-row mlx-lm caches) and, on a single-row decoder, the
+    ones it decodes in; in a batch they are copied into the batch's on joining and dropped here
+    (`BatchDecoder.admit`), the batch then holding them (`BatchDecoder.extract`)."""
 
     prompt_tokens: list[int]
     spec: RowSpec
     key: mx.array
-    trunk_cache: list  # single-row mlx-lm caches, holding prompt_tokens[:position]
+    trunk_cache: list | None  # single-row caches holding history[:position] (None once in a batch)
     head_cache: list | None
     prefix: PromptPrefix
-    draft_length: int | None = None
-    position: int = -1  # prompt tokens forwarded so far (set from prefix.start)
-    trunk_tap: TrunkTap | None = None
-    constraint: GrammarConstraint | None = None  # the row's grammar
-    proposer: DraftModelProposer | None = None  # a draft model row's own draft model state
-    drafter_cache: list | None = None  # a block drafter row's own context cache while it prefills
-
-    def __post_init__(self) -> None:
-        if self.position < 0:
-            self.position = self.prefix.start
-
-    @property
-    def remaining(self) -> int:
-        """Prompt tokens still to forward, the last included."""
-        return len(self.prompt_tokens) - self.position
-
-
-@dataclass
-class BatchRow:
-    """Everything one sequence owns in the batch; the batch index is its position in ``rows``."""
-
-    row_id: int
-    spec: RowSpec
-    key: mx.array
-    history: list[int]  # prompt + committed tokens; the last (pending) one is not yet forwarded
-    lookup: LookupProposer | None
-    pending_hidden: list[mx.array] = field(default_factory=list)  # true (hidden [1, n, H], next token) pairs
-    pending_tokens: list[int] = field(default_factory=list)  # the head has not consumed yet
     draft_length: int | None = None  # pinned draft length for the head (None: the spec's depth)
-    # What the draft policy reads: one record per drafter it offers (head, lookup, grammar).
-    acceptance: dict[Source, RowAcceptance] = field(default_factory=drafter_records)
+    position: int = -1  # tokens forwarded into the caches (set from prefix.start)
     trunk_tap: TrunkTap | None = None
     constraint: GrammarConstraint | None = None  # the row's grammar matcher, at its committed text
     proposer: DraftModelProposer | None = None  # a draft model row's own draft model state
+    row_id: int | None = None  # its id in the batch, once it joined
+    history: list[int] = field(default_factory=list)  # prompt + committed tokens (the one token list)
+    lookup: LookupProposer | None = None
+    pending_hidden: list[mx.array] = field(default_factory=list)  # true (hidden [1, n, H], next token) pairs
+    pending_tokens: list[int] = field(default_factory=list)  # the head has not consumed yet
+    # What the draft policy reads: one record per drafter it offers (head, lookup, grammar).
+    acceptance: dict[Source, RowAcceptance] = field(default_factory=drafter_records)
     # A block drafter row (`block_proposer`): its prefilled context cache until it joins the
     # drafter's, and the layer taps of the positions it committed since its last block forward.
     drafter_cache: list | None = None
     drafter_taps: list[tuple[mx.array, ...]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.position < 0:
+            self.position = self.prefix.start
+        if not self.history:
+            self.history = list(self.prompt_tokens)
+
+    @property
+    def remaining(self) -> int:
+        """Prompt tokens still to forward, the last included (0 once joined)."""
+        return max(len(self.prompt_tokens) - self.position, 0)
 
     @property
     def pending(self) -> int:

@@ -168,6 +168,37 @@ def test_sliding_window_models_decode_one_row_at_a_time_with_a_reason():
     assert len(decoder.step()) == 1
 
 
+@pytest.mark.parametrize("single_row", [False, True])
+def test_a_row_has_one_position_counter_from_its_start_to_its_leave(single_row):
+    """One `BatchRow` from `start` to `leave`: while it prefills, ``position`` is what its own
+    caches hold; from its join on, between cycles, ``position`` == len(history) - 1 (the pending
+    token not forwarded) == what the trunk's cache holds for it == the head's cache plus the true
+    pairs it has not consumed yet, with drafts kept and rejected (t 1.0, a disagreeing head), in a batch and on a single-row decoder."""
+    trunk, head = make_loop_pair(VOCAB, head_noise=3.0)
+    decoder = BatchDecoder(trunk, head, single_row=single_row)
+    spec = RowSpec(DecodeSettings(sampler=SamplerConfig(temperature=1.0), depth=3), SOURCES["head"])
+    rows = []
+    for seed in range(1 if single_row else 3):
+        row = decoder.start(PROMPT + [seed + 1] * seed, spec, mx.random.key(seed))
+        while not decoder.prefill(row, max_tokens=2):
+            assert row.position == row.trunk_cache[0].offset == len(row.history) - row.remaining
+        assert row.row_id is None and row.history == row.prompt_tokens
+        row_id, _ = decoder.admit(row)
+        assert row.row_id == row_id and row in decoder.rows
+        rows.append(row)
+    rejected = 0
+    for _ in range(6):
+        steps = decoder.step()
+        rejected += sum(step.num_accepted < step.num_drafted for step in steps.values())
+        for i, row in enumerate(decoder.rows):
+            assert row.position == len(row.history) - 1
+            assert decoder.cache.lengths[i] == row.position
+            # The head holds the true pairs it consumed; the newest wait for its next chain.
+            assert decoder.chain.cache.lengths[i] + len(row.pending_tokens) == row.position
+    assert rejected  # the rollback path ran
+    assert decoder.rows == rows
+
+
 # --------------------------------------------------------------------------- identity
 
 
