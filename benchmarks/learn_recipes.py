@@ -106,8 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     recipes = [parse_recipe(r) for r in args.recipes.split(";") if r.strip()]
 
     engine = Engine.load()
-    shipped = copy_head(engine.head, engine.trunk)
-    full_proj = lm_head_matrix(engine.trunk) if shipped.vocab_ids is not None else None
+    # The served head's draft vocabulary too (the learner's candidates keep it: `copy_head`).
+    full_proj = lm_head_matrix(engine.trunk) if engine.head.vocab_ids is not None else None
+    shipped = copy_head(engine.head, engine.trunk, full_proj)
     answers = Answers(engine, args.max_tokens, args.answers)
     questions = workload(args.pool, args.seed, args.max_lines)
     traffic = [answers(m) for m in questions[: args.traffic]]
