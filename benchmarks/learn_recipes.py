@@ -82,6 +82,11 @@ def run_recipe(engine, shipped, full_proj, data, recipe, held, gate_pairs) -> di
             points.append(
                 {"steps": i + 1, "teacher_forced": tf, "first_draft": first_draft(tf), "gate": gate}
             )
+            said = "" if gate is None else f", gate {first_draft(gate):.3f}"
+            print(
+                f"  {recipe} step {i + 1}: first-draft {first_draft(tf):.3f}{said} (loss {kl:.3f})",
+                flush=True,
+            )
     return {
         "recipe": recipe,
         "train_sequences": train.num_sequences,
