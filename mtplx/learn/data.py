@@ -71,6 +71,43 @@ def fill_row(trunk: Trunk, out: ForgeData, r: int, tokens: Sequence[int], prompt
     out.valid[r, p : end - 1] = True
 
 
+class TeacherRows:
+    """Teacher-forced rows kept between learning rounds, by sequence (tokens and prompt length).
+
+    A row depends on the sequence and the trunk alone, and consecutive rounds read mostly the same
+    records (a round every ``new_records`` requests over the newest ``max_records``), so a round runs
+    the trunk on the sequences it has not seen only. `keep_last_round` drops the rows the last round
+    did not read: what is held stays one round's data (the round's own arrays hold as much).
+    """
+
+    def __init__(self) -> None:
+        self._rows: dict[tuple[tuple[int, ...], int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._read: set[tuple[tuple[int, ...], int]] = set()
+        self.forwards = 0  # trunk forwards run (sequences not found)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def fill(self, trunk: Trunk, out: ForgeData, r: int, tokens: Sequence[int], prompt_length: int) -> None:
+        """Row ``r`` of ``out`` as `fill_row` writes it: from a kept row, else from the trunk (then kept)."""
+        key, end = (tuple(int(t) for t in tokens), int(prompt_length)), len(tokens)
+        self._read.add(key)
+        row = self._rows.get(key)
+        if row is None:
+            fill_row(trunk, out, r, tokens, prompt_length)
+            self.forwards += 1
+            self._rows[key] = tuple(a[r, : end - 1].copy() for a in (out.hidden, out.top_ids, out.top_logp))
+            return
+        out.tokens[r, :end] = tokens
+        out.hidden[r, : end - 1], out.top_ids[r, : end - 1], out.top_logp[r, : end - 1] = row
+        out.valid[r, prompt_length : end - 1] = True
+
+    def keep_last_round(self) -> None:
+        """Forget the rows not read since the previous call."""
+        self._rows = {k: v for k, v in self._rows.items() if k in self._read}
+        self._read = set()
+
+
 def traffic_data(trunk: Trunk, seqs: Sequence[tuple[list[int], int]], seq_len: int, top_k: int) -> ForgeData:
     """`ForgeData` of ``seqs`` (from `sequences`), one teacher-forced trunk forward per sequence."""
     out = empty_data(trunk, len(seqs), seq_len, top_k)

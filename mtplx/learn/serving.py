@@ -20,6 +20,7 @@ from typing import Any
 
 from mtplx.heads.forged import ForgedMTPHead, lm_head_matrix
 from mtplx.learn.config import DEFAULT_LEARN_CONFIG, LearnConfig
+from mtplx.learn.data import TeacherRows
 from mtplx.learn.log import DEFAULT_LOG_BYTES, Record, TrafficLog, choices_of, tokenizer_fingerprint
 from mtplx.learn.report import write_state
 from mtplx.learn.store import HeadStore
@@ -62,6 +63,7 @@ class Learner:
         self.history: list[dict] = []
         self._round: Generator[None, None, RoundResult] | None = None
         self._full_proj = None
+        self._rows = TeacherRows()  # teacher-forced rows kept between rounds
         if self.can_train:
             self._resume()
 
@@ -137,7 +139,7 @@ class Learner:
                 if self._full_proj is None and self.engine.head.vocab_ids is not None:
                     self._full_proj = lm_head_matrix(self.engine.trunk)
                 self._round = learning_round(
-                    self.engine.trunk, self.engine.head, records, self.cfg, self._full_proj
+                    self.engine.trunk, self.engine.head, records, self.cfg, self._full_proj, self._rows
                 )
             next(self._round)
         except StopIteration as done:

@@ -24,7 +24,7 @@ from mtplx.forge.loss import frequent_ids
 from mtplx.forge.train import TrainStep
 from mtplx.heads.forged import ForgedMTPHead, build_forged_head
 from mtplx.learn.config import LearnConfig
-from mtplx.learn.data import empty_data, fill_row, sequences, split_held_out, windows
+from mtplx.learn.data import TeacherRows, empty_data, sequences, split_held_out, windows
 from mtplx.learn.log import Record
 
 import mlx.core as mx
@@ -94,9 +94,11 @@ def learning_round(
     records: list[Record],
     cfg: LearnConfig,
     full_proj: mx.array | None = None,
+    rows: TeacherRows | None = None,
 ) -> Generator[None, None, RoundResult]:
     """One round over ``records`` (oldest first) from ``head`` (not modified): yields between pieces of
-    work, returns the `RoundResult` (``yield from`` it, or drive it with `run_to_end`)."""
+    work, returns the `RoundResult` (``yield from`` it, or drive it with `run_to_end`). ``rows`` keeps the
+    teacher-forced rows between rounds (the server's learner passes its own; None: every row is run)."""
     began = time.perf_counter()
     train_recs, held_recs = split_held_out(records, cfg.held_out_fraction)
     train_seqs = sequences(train_recs, cfg.seq_len)[-cfg.max_train_rows :]
@@ -106,9 +108,11 @@ def learning_round(
     # Padded to the longest sequence, not to seq_len: chat traffic is short, and every step costs its width.
     held_tokens, held_valid = windows(held_seqs, max(len(t) for t, _ in held_seqs))
     data = empty_data(trunk, len(train_seqs), max(len(t) for t, _ in train_seqs), cfg.top_k)
+    rows = TeacherRows() if rows is None else rows
     for r, (tokens, p) in enumerate(train_seqs):
-        fill_row(trunk, data, r, tokens, p)
+        rows.fill(trunk, data, r, tokens, p)
         yield
+    rows.keep_last_round()
     before = Tally({"": None}, cfg.depth, EVAL_TEMPERATURES, trunk.vocab_size)
     yield from _score(trunk, head, held_tokens, held_valid, cfg, before)
     candidate = copy_head(head, trunk, full_proj)

@@ -12,15 +12,16 @@ import stat
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import mtplx  # noqa: F401  (optimized BLAS before mlx)
 from mtplx.engine.engine import Engine
 from mtplx.errors import MtplxError
-from mtplx.forge.record import generate_batch
+from mtplx.forge.record import SHARD_FILES, ForgeData, generate_batch
 from mtplx.forge.train import build_head
 from mtplx.learn.config import LearnConfig
-from mtplx.learn.data import sequences, split_held_out
+from mtplx.learn.data import TeacherRows, empty_data, sequences, split_held_out, traffic_data
 from mtplx.learn.log import Choice, Record, TrafficLog
 from mtplx.learn.report import format_learn_report, learn_report
 from mtplx.learn.serving import Learner
@@ -222,6 +223,49 @@ def test_a_round_raises_held_out_acceptance_and_leaves_the_head_in_use(
     assert result.better() and (result.train_records, result.held_records) == (12, 4)
     after = _params(head)
     assert all(np.array_equal(before_params[k], after[k]) for k in after)  # a copy was trained
+
+
+def test_kept_teacher_rows_equal_fresh_ones_and_only_new_sequences_run_the_trunk(
+    trunk: Trunk, traffic: list[Record]
+) -> None:
+    seqs = sequences(traffic, SEQ)
+    rows = TeacherRows()
+
+    def through(kept: list) -> ForgeData:
+        out = empty_data(trunk, len(kept), SEQ, CFG.top_k)
+        for r, (tokens, p) in enumerate(kept):
+            rows.fill(trunk, out, r, tokens, p)
+        rows.keep_last_round()
+        return out
+
+    def same(a: ForgeData, b: ForgeData) -> bool:
+        return all(np.array_equal(getattr(a, n), getattr(b, n)) for n in SHARD_FILES)
+
+    assert same(through(seqs[:10]), traffic_data(trunk, seqs[:10], SEQ, CFG.top_k)) and rows.forwards == 10
+    # The next round reads 6 more: 6 forwards; its kept rows (reordered) are the fresh ones.
+    later = seqs[4:] + seqs[:4]
+    assert same(through(later), traffic_data(trunk, later, SEQ, CFG.top_k)) and rows.forwards == 16
+    # One token changed mid-completion is another sequence (its later states differ): a forward.
+    tokens, p = seqs[0]
+    edited = [(tokens[:p] + [(tokens[p] + 1) % VOCAB] + tokens[p + 1 :], p)]
+    assert same(through(edited), traffic_data(trunk, edited, SEQ, CFG.top_k)) and rows.forwards == 17
+    # The same tokens as another prompt/completion split: the response positions follow the split.
+    split = through([(tokens, p + 1)])
+    assert split.valid[0, p] == 0 and split.valid[0, p + 1 : len(tokens) - 1].all()
+    assert len(rows) == 1  # rows the last round did not read are dropped
+
+
+def test_a_round_over_kept_rows_trains_the_same_head(trunk: Trunk, traffic: list[Record]) -> None:
+    cfg = replace(CFG, steps=3)
+    head = build_head(trunk, "pre_norm")
+    rows = TeacherRows()
+    run_to_end(learning_round(trunk, head, traffic[:12], cfg, rows=rows))
+    kept = run_to_end(learning_round(trunk, head, traffic, cfg, rows=rows))
+    fresh = run_to_end(learning_round(trunk, head, traffic, cfg))
+    assert rows.forwards == 9 + 3  # round 1 trains on 9 requests; round 2 on 12, 9 of them kept
+    assert kept.after == fresh.after and kept.losses == fresh.losses
+    a, b = _params(kept.candidate), _params(fresh.candidate)
+    assert all(np.array_equal(a[k], b[k]) for k in a)
 
 
 def _engine(trunk: Trunk, head) -> Engine:
