@@ -93,10 +93,10 @@ def peaked_trunk(model) -> Trunk:
     return Trunk(model)
 
 
-def _p_value(trunk, head, seed0: int) -> float:
+def _p_value(trunk, head, seed0: int, num_samples: int = CHI_SAMPLES) -> float:
     """Depth 2: the first three tokens' joint and marginals against the float64 enumeration of AR sampling."""
     expected = exact_ar_joint(trunk, CHI, CHI_VOCAB)
-    return loop_p_value(sample_counts(trunk, head, CHI, 2, CHI_SAMPLES, CHI_VOCAB, seed0), expected)
+    return loop_p_value(sample_counts(trunk, head, CHI, 2, num_samples, CHI_VOCAB, seed0), expected)
 
 
 def assert_sampled_mtp_matches_ar(chi_pair: Callable) -> None:
@@ -107,7 +107,8 @@ def assert_sampled_mtp_matches_ar(chi_pair: Callable) -> None:
 
 
 def assert_chi_square_rejects_committed_rejected_drafts(monkeypatch, chi_pair: Callable) -> None:
-    """The control: a loop that commits the rejected draft is caught at the same sample count."""
+    """The control: a loop that commits the rejected draft is caught at a quarter of the sample
+    count (a gross bug: p ~1e-100 at the full count, 2026-12-07; the log-p scales with the count)."""
     plant_commit_rejected_draft(monkeypatch)
     trunk, head = chi_pair()
-    assert _p_value(trunk, head, 1234) < FALSE_FAILURE_RATE
+    assert _p_value(trunk, head, 1234, CHI_SAMPLES // 4) < FALSE_FAILURE_RATE
