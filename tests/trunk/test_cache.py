@@ -191,7 +191,11 @@ def run_cycles(
     steps = pattern or [(0, 0)] * cycles
     # Quantized KV: an entry one level over (`cache_mismatch`) moves later logits by ~1e-4..1e-3;
     # a rollback that keeps a wrong position moves them by far more.
-    tol = QUANTIZED_LOGITS_TOL if any(type(c) is QuantizedKVCache for c in cache) else TOL
+    # (mlx-lm's QuantizedKVCache and mlx-vlm's QSAQuantizedKVCache alike: seen 2.4e-4 with a fresh seed.)
+    quantized = any(
+        isinstance(c, QuantizedKVCache) or "Quantized" in type(c).__name__ for c in cache_leaves(cache)
+    )
+    tol = QUANTIZED_LOGITS_TOL if quantized else TOL
     for cycle, (block_len, num_keep) in enumerate(steps):
         block_len = block_len or int(rng.integers(1, 10))
         num_keep = num_keep or int(rng.integers(1, block_len + 1))
