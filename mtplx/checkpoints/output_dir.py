@@ -12,6 +12,7 @@ nothing behind. Imports the standard library and `mtplx.errors` only.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import tempfile
 import time
@@ -73,8 +74,11 @@ def write_dir_atomically(out_dir: Path, write: Callable[[Path], None]) -> Path:
         raise MtplxError(f"{out_dir}: cannot write the output ({e.strerror or e})") from None
     tmp: Path | None = None
     try:
-        try:  # inside the cleanup's reach: a SIGTERM right after the folder appears removes it too
-            tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+        # Named before it exists, so the cleanup knows it whenever a SIGTERM lands (with mkdtemp, one
+        # landing after its mkdir and before it returned left the folder behind).
+        tmp = out_dir.parent / f".{out_dir.name}.tmp-{secrets.token_hex(8)}"
+        try:
+            os.mkdir(tmp, 0o700)
         except OSError as e:
             raise MtplxError(f"{out_dir}: cannot write the output ({e.strerror or e})") from None
         write(tmp)
