@@ -63,7 +63,10 @@ def adapter_dir(request, tmp_path_factory, default_model_dir) -> Path:
 
 def mlx_lm_greedy(model_dir: Path, adapter: Path | None) -> list[int]:
     model, tokenizer = mlx_lm_load(str(model_dir), adapter_path=None if adapter is None else str(adapter))
-    return [r.token for r in stream_generate(model, tokenizer, PROMPT, max_tokens=TOKENS)]
+    # mlx-lm yields the end-of-sequence token last (finish_reason "stop"); mtplx's token_ids hold
+    # the generated text's tokens only, so the stop token is left off the reference.
+    responses = list(stream_generate(model, tokenizer, PROMPT, max_tokens=TOKENS))
+    return [r.token for r in responses if r.finish_reason != "stop"]
 
 
 @pytest.fixture(scope="module")
