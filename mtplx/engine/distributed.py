@@ -47,6 +47,7 @@ from typing import Any
 
 from mtplx.errors import MtplxError
 from mtplx.model_files.fingerprint import weights_fingerprint
+from mtplx.trunk.compat import materialize
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -448,7 +449,7 @@ def shard_engine(
             ) from None
         if isinstance(trunk.output_layer, _VOCAB_SHARDED):
             trunk.output_layer = _GatheredOutput(trunk.output_layer, group)
-    mx.eval(model.parameters())
+    materialize(model)  # its private arrays too: the server decodes on its own thread
     dist = Distributed(group, mode, layer_range, watchdog, trunk, {})
     head_fp = "" if engine.head is None else weights_fingerprint(dict(tree_flatten(engine.head.parameters())))
     with dist.guarded("the load-time fingerprint check"):

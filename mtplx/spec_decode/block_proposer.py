@@ -179,17 +179,32 @@ class BlockProposer:
         members = [rows[i] for i in index]
         width = min(max(most[i] for i in index), self.max_drafts)
         hidden, logits = self._forward(members)
-        # A row draws P uniforms whatever the block's width, so its draws do not depend on the batch.
-        uniforms = [padded_uniforms(self.max_drafts, width, keys[i].draft) for i in index]
-        first_allowed = first_masks(members, [most[i] for i in index])
         anchor = mx.array([row.pending for row in members], dtype=mx.int32)
+
+        def logits_at(j: int, drafts: list[mx.array]) -> mx.array:
+            return self._position_logits(hidden, logits, j, anchor if j == 0 else drafts[-1])
+
+        drafts, probs, sure, flags = self._draw_positions(
+            members, [keys[i] for i in index], [most[i] for i in index], width, logits_at
+        )
+        confidence = [
+            self._confidence(hidden, j, anchor if j == 0 else drafts[j - 1], sure[j]) for j in range(width)
+        ]
+        return self._block(rows, index, most, width, drafts, probs, confidence, flags)
+
+    def _draw_positions(self, members: Sequence, keys: Sequence, most: Sequence[int], width: int, logits_at):
+        """Drafts for positions 0..width-1 of the member rows, position j drawn from
+        ``logits_at(j, drafts so far)`` [Bd, V]: (drafts, q, probability drawn with, invalid flags),
+        one [Bd] / [Bd, V] array per position."""
+        # A row draws P uniforms whatever the block's width, so its draws do not depend on the batch.
+        uniforms = [padded_uniforms(self.max_drafts, width, key.draft) for key in keys]
+        first_allowed = first_masks(members, most)
         drafts: list[mx.array] = []
-        probs, sure, flags, confidence = [], [], [], []
+        probs, sure, flags = [], [], []
         for j in range(width):
-            previous = anchor if j == 0 else drafts[-1]
             token, q, invalid, p_sure = draw_drafts(
                 members,
-                self._position_logits(hidden, logits, j, previous),
+                logits_at(j, drafts),
                 drafts,
                 [u[j : j + 1] for u in uniforms],
                 first_allowed if j == 0 else None,
@@ -198,8 +213,7 @@ class BlockProposer:
             probs.append(q)
             sure.append(p_sure)
             flags.append(invalid)
-            confidence.append(self._confidence(hidden, j, previous, p_sure))
-        return self._block(rows, index, most, width, drafts, probs, confidence, flags)
+        return drafts, probs, sure, flags
 
     def _forward(self, members: Sequence) -> tuple[mx.array, mx.array]:
         """One block forward over the member rows: (hidden [Bd, P, H], logits [Bd, P, V]) at the

@@ -31,9 +31,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mtplx.spec_decode.block_proposer import BlockProposer, first_masks
-from mtplx.spec_decode.draft_block import DraftBlock, padded_uniforms
-from mtplx.spec_decode.head_chain import draw_drafts
+from mtplx.spec_decode.block_proposer import BlockProposer
+from mtplx.spec_decode.draft_block import DraftBlock
 
 import mlx.core as mx
 
@@ -172,26 +171,17 @@ class Eagle3Proposer(BlockProposer):
         self.forwards += 1
         hidden = mx.take_along_axis(out, mx.array(counts, dtype=mx.int32)[:, None, None] - 1, axis=1)
         committed = list(self.cache[0].lengths)
-        # A row draws P uniforms whatever the block's width, so its draws do not depend on the batch.
-        uniforms = [padded_uniforms(self.max_drafts, width, keys[i].draft) for i in index]
-        first_allowed = first_masks(members, [most[i] for i in index])
-        drafts: list[mx.array] = []
-        probs, sure, flags = [], [], []
-        for j in range(width):
+
+        def logits_at(j: int, drafts: list[mx.array]) -> mx.array:
+            nonlocal hidden
             if j:
                 hidden = self._drafter_forward(drafts[-1][:, None], hidden, self.cache, [1] * len(members))
                 self.chain_steps += 1
-            token, q, invalid, p_sure = draw_drafts(
-                members,
-                self._target_logits(hidden[:, 0]),
-                drafts,
-                [u[j : j + 1] for u in uniforms],
-                first_allowed if j == 0 else None,
-            )
-            drafts.append(token)
-            probs.append(q)
-            sure.append(p_sure)
-            flags.append(invalid)
+            return self._target_logits(hidden[:, 0])
+
+        drafts, probs, sure, flags = self._draw_positions(
+            members, [keys[i] for i in index], [most[i] for i in index], width, logits_at
+        )
         for layer in self.cache:  # the chain rolled back: the context holds committed pairs only
             layer.set_lengths(committed)
         return self._block(rows, index, most, width, drafts, probs, sure, flags)
