@@ -209,6 +209,38 @@ def test_lookup_rows_in_a_batch_share_one_forward_and_equal_each_alone_with_reje
     assert rows.count(len(prompts)) >= 3, rows  # cycles of all three rows in one forward
 
 
+def test_a_seeded_n_2_request_among_batched_rows_gives_what_it_gives_alone(checkpoint):
+    """A seeded request with n = 2 at t 1.0 (its choices forked from one prefill into rows of the
+    batch, the MiniMaxM3KVCaches copied) decoded beside two greedy lookup rows gives each choice's
+    tokens alone, and the greedy rows theirs."""
+    from mtplx.engine.engine import Engine
+    from mtplx.engine.request import GenerationRequest
+    from mtplx.engine.scheduler import run_to_completion
+
+    from support.tokenizer import word_level
+
+    def per_choice(chunks) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {}
+        for c in chunks:
+            out.setdefault(c.index, []).extend(c.token_ids)
+        return out
+
+    def request(**kwargs):
+        return replace(GenerationRequest.from_kwargs(max_tokens=8, draft="lookup", **kwargs), ignore_eos=True)
+
+    word_level(checkpoint, MINIMAX_M3_VOCAB)
+    engine = Engine.load(str(checkpoint))
+    base = lookup_prompt(MINIMAX_M3_VOCAB)
+    prompts = [base, base[::-1], base[5:]]
+    requests = [request(temperature=1.0, seed=17, n=2), request(), request()]
+    alone = [
+        run_to_completion(engine.batch(draft_policy="fixed"), [p], [r])[0] for p, r in zip(prompts, requests)
+    ]
+    together = run_to_completion(engine.batch(draft_policy="fixed"), prompts, requests)
+    assert [per_choice(c) for c in together] == [per_choice(c) for c in alone]
+    assert len(per_choice(together[0])) == 2
+
+
 def test_mtplx_convert_output_opens_in_mlx_vlm_and_decodes_as_its_forward(checkpoint, tmp_path):
     """4-bit with mlx-vlm's per-layer rule (8-bit router gates); greedy tokens = the argmax chain
     of mlx-vlm's own forward on the converted files."""
