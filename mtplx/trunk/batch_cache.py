@@ -30,11 +30,15 @@ number of positions per row each cycle, so here every row has its own length:
   over the padded keys with the row's mask applied (masked keys score -inf), so a row shorter
   than ``top_k`` still attends to all of its keys, as alone.
 
+* A model's own cache classes (mlx-vlm's, MiniMax-M3's KV + indexer keys): the model names the
+  batch's layer for each (``model.batch_layer(cache)``, `mtplx.trunk.vlm_text.VlmTextModel`), a
+  `RaggedKVCache` subclass at the rows' lengths (`mtplx.trunk.vlm_minimax_m3`).
+
 Rows join from single-row caches (`add_rows`, after their own prefill or from the prompt
 cache) and leave (`remove_rows`); both copy only the rows that move, never per cycle. Sliding-window
 (rotating) caches, float caches that convert to quantized KV at a later position, and mlx-vlm's
-own cache classes (Qwen3.8-Flash-Next, DeepSeek-V4, GLM-5-Next, MiniMax-M3) are not batched:
-`check_batchable` says so in one line naming the cache class.
+own cache classes without a batch layer (Qwen3.8-Flash-Next, DeepSeek-V4, GLM-5-Next) are not
+batched: `check_batchable` says so in one line naming the cache class.
 
 Invariant between cycles: every layer's row r holds exactly the committed positions of
 sequence r, as the same sequence's single-row cache would.
@@ -308,6 +312,8 @@ def check_batchable(single_row_cache: list, model: nn.Module | None = None) -> s
     """None if a model whose single-row cache looks like this can decode in a batch, else why not."""
     layers = cache_layers(model) if model is not None else None
     for i, c in enumerate(single_row_cache):
+        if _own_batch_layer(c, model) is not None:
+            continue
         if type(c) is CacheList:
             reason = next(filter(None, (_kv_refusal(m) for m in cache_leaves(cache_members(c)))), None)
             if reason is not None:
@@ -398,7 +404,7 @@ class BatchCache:
         reason = check_batchable(template, model)
         if reason is not None:
             raise ValueError(reason)
-        self.layers: list[Any] = [_batch_layer(c) for c in template]
+        self.layers: list[Any] = [_batch_layer(c, model) for c in template]
         self._conv_taps: dict[int, ConvInputTap] = {}
         if model is not None:
             owners = cache_layers(model)  # cache i's layer (Nemotron-H's MLP / MoE blocks have none)
@@ -516,8 +522,17 @@ class BatchCache:
             layer.set_lengths(block.lengths_before)
 
 
-def _batch_layer(template: Any) -> Any:
+def _own_batch_layer(template: Any, model: nn.Module | None) -> Any:
+    """The batch's cache the model names for its own cache class ``template`` (module docstring), or None."""
+    batch_layer = getattr(model, "batch_layer", None)
+    return batch_layer(template) if batch_layer is not None else None
+
+
+def _batch_layer(template: Any, model: nn.Module | None = None) -> Any:
     """The batch's cache for a layer whose single-row cache is ``template``."""
+    own = _own_batch_layer(template, model)
+    if own is not None:
+        return own
     if type(template) is KVCache:
         return RaggedKVCache()
     if type(template) is QuantizedKVCache:

@@ -23,6 +23,9 @@ trunk contract is unchanged:
   QSA KV cache with the indexer's raw keys, its gated-delta and PLE ``ArraysCache`` s) keep
   mlx-vlm's own caches; `mtplx.trunk.rollback_vlm` rolls them back through mlx-vlm's own
   speculative cache transaction (checked against plain decoding in ``tests/trunk/test_cache.py``);
+  those whose caches batch (``BATCH_LAYERS``: MiniMax-M3, `mtplx.trunk.vlm_minimax_m3`) give the
+  batch its layer for each (`VlmTextModel.batch_layer`), and a forward on batch caches passes
+  mlx-vlm the rows' own ``position_ids`` (`ragged_position_ids`);
 * a family without a final norm (``FINAL_MIXERS``: Qwen3.8-Flash-Next collapses its ``hc_count``
   hyper-connection streams with ``hyper_connection_mixer`` and has no ``norm``) shows that module
   to the trunk as ``norm``, outside the parameter tree: the tap's ``pre`` is then the streams
@@ -44,12 +47,14 @@ from pathlib import Path
 from typing import Any
 
 from mtplx.errors import MtplxError, first_line
+from mtplx.trunk import vlm_minimax_m3
 from mtplx.trunk.compat import materialize
 
 import mlx.core as mx
 import mlx.nn as nn
 
 __all__ = [
+    "BATCH_LAYERS",
     "CACHE_EQUIVALENTS",
     "EXACTNESS_HOOKS",
     "FINAL_MIXERS",
@@ -60,6 +65,7 @@ __all__ = [
     "install_exactness_hooks",
     "load",
     "lm_cache_like",
+    "ragged_position_ids",
 ]
 
 
@@ -92,6 +98,21 @@ CACHE_EQUIVALENTS = {"KVCache": _kv, "CacheList": _cache_list, "RotatingKVCache"
 # and its sparse layers' CacheList(KV, indexer KV, PoolingCache, pooled KV); MiniMax-M3's
 # MiniMaxM3KVCache (KV + the block-sparse indexer's keys) and KVCache.
 NATIVE_CACHE_FAMILIES = frozenset({"qwen4_exp", "deepseek_v4", "glm5_next", "minimax_m3"})
+
+# Of those, the families whose caches batch: model type -> the batch's layer for a single-row
+# cache (None: that class does not batch). A forward on their batch caches is given each row's
+# positions (`ragged_position_ids`).
+BATCH_LAYERS = {"minimax_m3": vlm_minimax_m3.batch_layer}
+
+
+def ragged_position_ids(cache: list, length: int) -> mx.array | None:
+    """Each row's positions [B, length] for a forward on batch caches (per-row offsets: row r's
+    block starts at its length); None for a single row's caches (an int offset)."""
+    offset = getattr(cache[0], "offset", None) if cache else None
+    if isinstance(offset, mx.array) and offset.ndim == 1:
+        return offset[:, None] + mx.arange(length, dtype=offset.dtype)[None]
+    return None
+
 
 # Families without a final norm: model type -> the inner model's module that makes the LM head's input.
 FINAL_MIXERS = {"qwen4_exp": "hyper_connection_mixer"}
@@ -225,7 +246,20 @@ class VlmTextModel(nn.Module):
             object.__setattr__(language_model, "_supports_batch_invariant_decode", lambda: False)
 
     def __call__(self, inputs: mx.array, cache: list | None = None, input_embeddings: mx.array | None = None):
-        return self.language_model(inputs, cache=cache, inputs_embeds=input_embeddings).logits
+        extra = {}
+        if self.model_type in BATCH_LAYERS:
+            positions = ragged_position_ids(cache, inputs.shape[1])
+            if positions is not None:
+                extra["position_ids"] = positions
+        return self.language_model(inputs, cache=cache, inputs_embeds=input_embeddings, **extra).logits
+
+    def batch_layer(self, cache: Any) -> Any:
+        """The batch's cache (`mtplx.trunk.batch_cache.BatchCache`) for a layer whose single-row
+        cache is ``cache``, one of this family's own classes; None where it has none (the caches
+        of mlx-lm's classes batch as any mlx-lm model's)."""
+        if self.model_type not in BATCH_LAYERS:
+            return None
+        return BATCH_LAYERS[self.model_type](cache)
 
     @property
     def layers(self) -> list:

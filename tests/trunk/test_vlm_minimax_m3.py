@@ -5,7 +5,8 @@ indexer's keys on sparse layers, ``KVCache`` on dense ones).
 The checkpoint is ``support.vlm_families.minimax_m3``'s tiny replica in the published layout; the
 reference is mlx-vlm's own loader and forward. Cache rollback for these cache kinds runs in
 ``tests/trunk/test_cache.py`` (``minimax_m3_sparse``, with the skipped-trim control). mlx-vlm 0.7.10
-ships no MiniMax-M3 MTP drafter: the trunk decodes AR or with lookup / draft-model drafts.
+ships no MiniMax-M3 MTP drafter: the trunk decodes AR or with lookup / draft-model drafts. Its rows
+batch (`mtplx.trunk.vlm_minimax_m3`): ragged rows give their logits alone, lookup rows their tokens.
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ from dataclasses import replace
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.checkpoints.load import load_mlx_model
 from mtplx.trunk import backends, vlm_text
+from mtplx.trunk.batch_cache import BatchCache
 from mtplx.trunk.model import Trunk
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from support.seeds import FRESH, resolve
-from support.vlm_families import MINIMAX_M3_HIDDEN, MINIMAX_M3_VOCAB, minimax_m3
+from support.vlm_families import MINIMAX_M3_HIDDEN, MINIMAX_M3_VOCAB, minimax_m3, tiny_minimax_m3
 from support.vlm_heads import kept_and_rejected, lookup_prompt, max_abs_diff
 
 TOL = 1e-4
@@ -117,17 +119,72 @@ def test_engine_decodes_as_one_forward_with_lookup_drafts_and_the_prompt_cache(c
     assert max_abs_diff(continued, whole) <= 1e-4
 
 
-def test_lookup_rows_in_a_batch_equal_each_alone_with_rejections(checkpoint):
-    """Rows of ``generate_batch`` drafting by prompt lookup (decoded one request at a time: mlx-vlm's
-    own caches are not batched) give each prompt's AR tokens alone, drafts rejected among them."""
+def _held(cache) -> list[np.ndarray]:
+    """What a single-row MiniMax-M3 cache holds up to its offset: K and V, and on a sparse layer
+    the indexer's keys."""
+    if type(cache).__name__ == "MiniMaxM3KVCache":
+        kv, index = cache.state
+        return [np.array(kv[0]), np.array(kv[1]), np.array(index)]
+    return [np.array(a) for a in cache.state]
+
+
+@pytest.mark.parametrize("seed", [0, FRESH])
+def test_ragged_rows_give_each_rows_logits_alone_and_keep_their_own_count(seed):
+    """Rows of 1, 9 and 14 committed tokens in one batch forward a 3-position block, keep 1, 3
+    and 0 of it, then forward one position: each row's logits are its own forward's alone (its
+    caches trimmed as a single row's rollback does), and each row extracts as the caches alone
+    (mlx-vlm's classes: KVCache, MiniMaxM3KVCache with the indexer's keys). The 1-token row
+    holds at most ``block_size * topk_blocks`` keys (alone its indexer selects nothing) while the
+    batch holds more; the long rows' indexers select their 2 best blocks (the local one forced) by their
+    own positions (RoPE and the indexer's query start: ``position_ids``)."""
+    rng = np.random.default_rng(resolve(seed))
+    trunk = Trunk(tiny_minimax_m3())
+    prompts = [rng.integers(2, MINIMAX_M3_VOCAB, size=n).tolist() for n in (1, 9, 14)]
+    singles = []
+    for prompt in prompts:
+        cache = trunk.make_cache()
+        trunk(mx.array([prompt]), cache)
+        singles.append(cache)
+    batch = BatchCache(trunk.make_cache(), trunk.model)
+    assert [type(c).__name__ for c in batch.layers] == ["RaggedVlmKVCache"] + ["RaggedIndexedKVCache"] * 2
+    batch.add_rows(singles)
+    lengths = [len(p) for p in prompts]
+    for block_len, keep in ((3, [1, 3, 0]), (1, [1, 1, 1])):
+        tokens = rng.integers(2, MINIMAX_M3_VOCAB, size=(len(prompts), block_len))
+        record = batch.begin_block(block_len)
+        together = trunk(mx.array(tokens), batch.layers).logits
+        batch.commit_block(record, keep)
+        for r, (cache, n) in enumerate(zip(singles, keep)):
+            alone = trunk(mx.array(tokens[r : r + 1]), cache).logits
+            assert max_abs_diff(together[r : r + 1], alone) < TOL, f"seed {resolve(seed)}, row {r}"
+            for c in cache:  # the single row's rollback of the rest of the block
+                c.trim(block_len - n)
+        lengths = [a + n for a, n in zip(lengths, keep)]
+        assert batch.lengths == lengths
+    for r, cache in enumerate(singles):
+        extracted = batch.extract(r)
+        assert [type(c).__name__ for c in extracted] == ["KVCache", "MiniMaxM3KVCache", "MiniMaxM3KVCache"]
+        assert all(type(c).__module__.startswith("mlx_vlm.") for c in extracted)
+        for got, want in zip(extracted, cache, strict=True):
+            for a, b in zip(_held(got), _held(want), strict=True):
+                assert a.shape == b.shape and np.abs(a - b).max() < TOL, f"seed {resolve(seed)}, row {r}"
+
+
+def test_lookup_rows_in_a_batch_share_one_forward_and_equal_each_alone_with_rejections(
+    checkpoint, monkeypatch
+):
+    """Rows of ``generate_batch`` drafting by prompt lookup decode in shared trunk forwards (a
+    forward of 3 rows is counted) and give each prompt's AR tokens alone, drafts rejected among them."""
     from mtplx.engine.engine import Engine
     from mtplx.engine.request import GenerationRequest
+    from mtplx.spec_decode.rows import check_batch_support
     from mtplx.spec_decode.settings import LookupConfig
 
     from support.tokenizer import word_level
 
     word_level(checkpoint, MINIMAX_M3_VOCAB)
     engine = Engine.load(str(checkpoint))
+    assert check_batch_support(engine.trunk) is None
     base = lookup_prompt(MINIMAX_M3_VOCAB)
     prompts = [base, base[20:] + base[:20], base[::-1]]
 
@@ -138,9 +195,50 @@ def test_lookup_rows_in_a_batch_equal_each_alone_with_rejections(checkpoint):
         )
 
     alone = [engine.generate(p, request("none")).token_ids for p in prompts]
+    rows: list[int] = []
+    forward = vlm_text.VlmTextModel.__call__
+
+    def counted(self, inputs, *args, **kwargs):
+        rows.append(inputs.shape[0])
+        return forward(self, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(vlm_text.VlmTextModel, "__call__", counted)
     batched = engine.generate_batch(prompts, request("lookup"), max_rows=3, draft_policy="fixed")
     assert [b.token_ids for b in batched] == alone
     assert sum(kept_and_rejected(b.stats)[1] for b in batched) > 0
+    assert rows.count(len(prompts)) >= 3, rows  # cycles of all three rows in one forward
+
+
+def test_a_seeded_n_2_request_among_batched_rows_gives_what_it_gives_alone(checkpoint):
+    """A seeded request with n = 2 at t 1.0 (its choices forked from one prefill into rows of the
+    batch, the MiniMaxM3KVCaches copied) decoded beside two greedy lookup rows gives each choice's
+    tokens alone, and the greedy rows theirs."""
+    from mtplx.engine.engine import Engine
+    from mtplx.engine.request import GenerationRequest
+    from mtplx.engine.scheduler import run_to_completion
+
+    from support.tokenizer import word_level
+
+    def per_choice(chunks) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {}
+        for c in chunks:
+            out.setdefault(c.index, []).extend(c.token_ids)
+        return out
+
+    def request(**kwargs):
+        return replace(GenerationRequest.from_kwargs(max_tokens=8, draft="lookup", **kwargs), ignore_eos=True)
+
+    word_level(checkpoint, MINIMAX_M3_VOCAB)
+    engine = Engine.load(str(checkpoint))
+    base = lookup_prompt(MINIMAX_M3_VOCAB)
+    prompts = [base, base[::-1], base[5:]]
+    requests = [request(temperature=1.0, seed=17, n=2), request(), request()]
+    alone = [
+        run_to_completion(engine.batch(draft_policy="fixed"), [p], [r])[0] for p, r in zip(prompts, requests)
+    ]
+    together = run_to_completion(engine.batch(draft_policy="fixed"), prompts, requests)
+    assert [per_choice(c) for c in together] == [per_choice(c) for c in alone]
+    assert len(per_choice(together[0])) == 2
 
 
 def test_mtplx_convert_output_opens_in_mlx_vlm_and_decodes_as_its_forward(checkpoint, tmp_path):
