@@ -39,7 +39,7 @@ blas:
 	  else echo "mtplx: install OpenBLAS (e.g. 'sudo apt-get install libopenblas0-pthread') for fast MLX on CPU"; fi; \
 	fi
 
-$(STAMP): pyproject.toml | blas
+$(STAMP): pyproject.toml Makefile | blas
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[test,plot,serve,vision]"
@@ -48,6 +48,9 @@ $(STAMP): pyproject.toml | blas
 	# Test-time reference for the Gemma 4 assistant drafter (tests/heads/test_gemma4.py imports only its
 	# drafter modules) and the image path's vision tower ([vision]); its own dependencies are not needed.
 	$(PY) -m pip install -q --no-deps "mlx-vlm==0.7.10"
+	# Inkling's mlx-vlm package imports mlx-audio's DSP (its audio front end) at import time; the text
+	# path never calls it, and mlx-audio's own dependencies are not needed.
+	$(PY) -m pip install -q --no-deps "mlx-audio==0.6.2"
 	touch $(STAMP)
 
 clean:

@@ -83,6 +83,8 @@ _Q4_EMBED = "e = self.fc_embedding(self.pre_fc_norm_embedding(self._embed(next_t
 _DSV4 = "mtplx/heads/deepseek_v4.py"
 _DSV4_EMBED = "e = self.e_proj(self.enorm(self._embed(next_tokens)))"
 _GLM5N = "mtplx/heads/glm5_next.py"
+_INK = "mtplx/heads/inkling.py"
+_INK_CONCAT = "mx.concatenate([block.hidden_norm(hidden), block.embed_norm(embedded)], axis=-1)"
 _GEMMA = "mtplx/heads/gemma4_assistant.py"
 _GEMMA_EMBED = "self._embed(next_tokens[:, -1:])"
 _GEMMA_CONCAT = f"mx.concatenate([{_GEMMA_EMBED}, hidden[:, -1:]], axis=-1)"
@@ -389,6 +391,47 @@ PLANTS: dict[str, tuple[Plant, ...]] = {
             ),
         ),
     ),
+    "inkling": (
+        Plant(
+            MUTATIONS[0],
+            "position 0's embedding zeroed",
+            (
+                (
+                    _INK,
+                    "embedded = self._embed(next_tokens)",
+                    "from mtplx.heads.base import zero_first_position\n"
+                    "        embedded = zero_first_position(self._embed(next_tokens), 0)",
+                ),
+            ),
+        ),
+        Plant(
+            MUTATIONS[1],
+            "[embedding, hidden]",
+            (
+                (
+                    _INK,
+                    _INK_CONCAT,
+                    "mx.concatenate([block.embed_norm(embedded), block.hidden_norm(hidden)], axis=-1)",
+                ),
+            ),
+        ),
+        Plant(
+            MUTATIONS[2],
+            "hidden_norm dropped",
+            ((_INK, "[block.hidden_norm(hidden), block.embed_norm", "[hidden, block.embed_norm"),),
+        ),
+        Plant(
+            MUTATIONS[3],
+            "hidden-state choice: the trunk's post-norm (scaled) state",
+            (
+                (
+                    _INK,
+                    'DEFAULT_HIDDEN_SOURCE: HiddenSource = "pre_norm"',
+                    'DEFAULT_HIDDEN_SOURCE: HiddenSource = "post_norm"',
+                ),
+            ),
+        ),
+    ),
     "gemma4_assistant": (
         # It drafts one row at the target's position (> 0): the flip treats that row as position 0.
         Plant(
@@ -438,6 +481,7 @@ REFERENCE_TESTS: dict[str, tuple[str, ...]] = {
     "qwen4_exp": ("tests/heads/test_qwen4_exp.py", "-k", "reference or chain"),
     "deepseek_v4": ("tests/heads/test_deepseek_v4.py", "-k", "reference or chain or drafter"),
     "glm5_next": ("tests/heads/test_glm5_next.py", "-k", "reference or chain or drafter"),
+    "inkling": ("tests/heads/test_inkling.py", "-k", "reference or chain"),
     "gemma4_assistant": (
         "tests/heads/test_gemma4.py",
         "-k",

@@ -21,6 +21,7 @@ from mtplx.heads import (
     ernie,
     glm5_next,
     hy_v4,
+    inkling,
     longcat,
     mimo,
     mimo_v2_flash,
@@ -125,6 +126,17 @@ FAMILIES: dict[str, HeadFamily] = {
             layer_names=r"model\.language_model\.layers\.(\d+)\.eh_proj\.weight",
             default_hidden_source=glm5_next.DEFAULT_HIDDEN_SOURCE,
             build=glm5_next.build_head,
+        ),
+        HeadFamily(
+            name=inkling.LAYOUT,
+            model_types=("inkling",),
+            # hidden_norm under model.mtp.layers: MiMo-V2-Flash / LongCat-Flash put final_layernorm /
+            # enorm there, MiMo's input_proj sits under model.mtp_layers.
+            marker=r"model\.mtp\.layers\.\d+\.hidden_norm\.weight",
+            count_keys=("num_nextn_predict_layers", "num_mtp_layers"),
+            layer_names=r"model\.mtp\.layers\.(\d+)\.input_proj\.weight",
+            default_hidden_source=inkling.DEFAULT_HIDDEN_SOURCE,
+            build=inkling.build_head,
         ),
         HeadFamily(
             name=deepseek.LAYOUT,

@@ -94,6 +94,12 @@ def _qwen4_exp_mtp(src: HeadSource, num_layers: int) -> MTPHead:
     return qwen4_exp.build_split_head(src, num_layers)
 
 
+def _inkling_mtp(src: HeadSource, num_layers: int) -> MTPHead:
+    from mtplx.heads import inkling
+
+    return inkling.build_split_head(src, num_layers)
+
+
 SPLIT_FAMILIES: dict[str, SplitFamily] = {
     f.model_type: f
     for f in (
@@ -149,6 +155,13 @@ SPLIT_FAMILIES: dict[str, SplitFamily] = {
             target_types=("qwen4_exp", "qwen4_exp_text"),
             layers_key="mtp_num_hidden_layers",
             build=_qwen4_exp_mtp,
+        ),
+        # Inkling (its trunk hosted through mlx-vlm): mtplx.heads.inkling.build_split_head.
+        SplitFamily(
+            model_type="inkling_mtp",
+            target_types=("inkling",),
+            layers_key="num_mtp_layers",
+            build=_inkling_mtp,
         ),
     )
 }

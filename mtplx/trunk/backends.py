@@ -10,6 +10,8 @@ text path; mtplx hosts that language model behind the same trunk contract
   (text paths this repository checks against mlx-vlm's own forward, ``tests/trunk/test_vlm_text.py``);
 * a family mlx-vlm would host but mlx-vlm is not installed: one line naming the type and the
   install command (`backend_for` raises it);
+* a hosted family whose mlx-vlm package imports another package that is missing
+  (``MLX_VLM_FAMILY_IMPORTS``: Inkling's mlx-audio): one line naming it and its install command;
 * a family mlx-vlm has but mtplx does not host yet (``NOT_HOSTED_YET``): one line naming it, both
   versions and what is missing;
 * a type neither knows: one line naming it and both packages' versions.
@@ -31,6 +33,7 @@ __all__ = [
     "MLX_LM",
     "MLX_VLM",
     "MLX_VLM_INSTALL",
+    "MLX_VLM_FAMILY_IMPORTS",
     "MLX_VLM_REQUIREMENT",
     "MLX_VLM_TEXT_FAMILIES",
     "NOT_HOSTED_YET",
@@ -84,16 +87,24 @@ MLX_VLM_TEXT_FAMILIES: dict[str, str] = {
     "sigmoid-routed MoE; mlx-vlm's own caches",
     "qwen4_exp": "Qwen3.8-Flash-Next: gated-delta layers (PLE n-gram embeddings, short convolutions) and "
     "QSA sparse attention, hyper-connections (hc_count streams); mlx-vlm's own caches",
+    "inkling": "Inkling: full and sliding-window attention with a learned relative-position mask, four short "
+    "convolutions per layer, sigmoid-routed MoE, logits divided by a width multiplier; mlx-vlm's own caches",
 }
 
 # Families mlx-vlm 0.7.10 has a module for that mtplx does not host yet: the model type -> what
 # is missing (the backend refuses them in one line with this reason, never loads them unchecked).
-NOT_HOSTED_YET: dict[str, str] = {
-    "inkling": "mlx-vlm's models/inkling package imports mlx-audio (its audio front end), which mtplx does "
-    "not install; its four short convolutions per layer write their ArraysCache slots directly, so "
-    "mlx-vlm's speculative transaction cannot record the state after each block position (mlx-vlm "
-    "itself restores a snapshot and replays the kept tokens, a second forward per cycle), and its "
-    "logits divide the final norm's output by a width multiplier the trunk's LM head does not",
+# None today: Inkling, the last one, is hosted (`mtplx.trunk.vlm_inkling`).
+NOT_HOSTED_YET: dict[str, str] = {}
+
+MLX_AUDIO_REQUIREMENT = "mlx-audio==0.6.2"
+# Hosted families whose mlx-vlm package imports another package at import time: the model type ->
+# (that module, why, how to install it). Installed with --no-deps as mlx-vlm is (Makefile).
+MLX_VLM_FAMILY_IMPORTS: dict[str, tuple[str, str, str]] = {
+    "inkling": (
+        "mlx_audio",
+        "mlx-vlm's models/inkling package imports mlx_audio.dsp (its audio front end)",
+        f'pip install --no-deps "{MLX_AUDIO_REQUIREMENT}"',
+    ),
 }
 
 MLX_LM = TrunkBackend("mlx-lm", "mlx-lm", "mlx_lm.models", None, 'pip install "mlx-lm"')
@@ -126,6 +137,18 @@ def _remapped(model_type: str) -> str:
     return MODEL_REMAPPING.get(model_type, model_type)
 
 
+def _check_family_imports(backend: TrunkBackend, model_type: str) -> None:
+    """MtplxError (one line) when the package ``backend`` imports for ``model_type`` is not installed."""
+    if backend.package != MLX_VLM.package or model_type not in MLX_VLM_FAMILY_IMPORTS:
+        return
+    module, why, install = MLX_VLM_FAMILY_IMPORTS[model_type]
+    if importlib.util.find_spec(module) is None:
+        raise MtplxError(
+            f"model_type {model_type} is hosted through {backend.name}: {why}, which is not installed "
+            f"(install it with: {install})"
+        )
+
+
 def backend_for(config: dict, backends: tuple[TrunkBackend, ...] | None = None) -> tuple[TrunkBackend, str]:
     """The backend hosting a checkpoint with ``config`` (its config.json) and the model type it
     hosts it as; MtplxError (one line) when none can. ``backends``: the rows to decide by
@@ -136,6 +159,7 @@ def backend_for(config: dict, backends: tuple[TrunkBackend, ...] | None = None) 
         for model_type in types:
             mt = _remapped(model_type) if backend.package == MLX_LM.package else model_type
             if backend.has_module(mt):
+                _check_family_imports(backend, mt)
                 return backend, mt
     for backend in backends:
         for model_type in types:

@@ -293,6 +293,11 @@ def cache_leaves(cache: Sequence) -> list:
     return out
 
 
+def _is_cache(x: Any) -> bool:
+    """A KV-like cache (``update_and_fetch``) or an ArraysCache (its ``cache`` list of slots)."""
+    return callable(getattr(x, "update_and_fetch", None)) or isinstance(getattr(x, "cache", None), list)
+
+
 def _detached(x: Any) -> Any:
     # mx.array(a) is a new array object with a's value: in-place updates (slice
     # assignment) on one of them never show in the other.
@@ -300,8 +305,9 @@ def _detached(x: Any) -> Any:
         return mx.array(x)
     if isinstance(x, (list, tuple)):
         return type(x)(_detached(v) for v in x)
-    if not isinstance(x, type) and hasattr(x, "__dict__") and callable(getattr(x, "update_and_fetch", None)):
-        # a cache held inside a cache (mlx-vlm's MiniMaxM3KVCache.kv_cache, its CacheList's members)
+    if not isinstance(x, type) and hasattr(x, "__dict__") and _is_cache(x):
+        # a cache held inside a cache (mlx-vlm's MiniMaxM3KVCache.kv_cache, its CacheList's members,
+        # Inkling's conv-window ArraysCache among them)
         return copy_cache([x])[0]
     return x
 

@@ -123,9 +123,10 @@ def _pool_state(p: Any) -> tuple:
 
 
 def mark(c: Any) -> None:
-    """Record an mlx-vlm ``CacheList``'s pool caches before a head's draft entries are added
-    (`mtplx.trunk.rollback.mark_drafts`): pooling is not undone by dropping rows, so ``trim``
-    of exactly those entries restores this record."""
+    """Record an mlx-vlm ``CacheList``'s pool caches and ``ArraysCache`` s (Inkling's short
+    convolution windows) before a head's draft entries are added (`mtplx.trunk.rollback.mark_drafts`):
+    neither is undone by dropping rows, so ``trim`` of exactly those entries restores this record.
+    An ArraysCache's slots are replaced by each forward, never written into: references suffice."""
     members = _members(c)
     if not members:
         return
@@ -133,12 +134,14 @@ def mark(c: Any) -> None:
     for p in members:
         if type(p).__name__ == "PoolingCache":
             _MARKS[p] = (positions, _pool_state(p))
+        elif type(p).__name__ == "ArraysCache":
+            _MARKS[p] = (positions, tuple(p.cache))
 
 
 def trim(c: Any, n: int) -> None:
     """Drop the newest ``n`` entries of an mlx-vlm head cache: a trimmable cache (a QSA KV
-    cache), or a ``CacheList`` whose first member counts positions (GLM-5-Next's: its KV members
-    cut to that many positions, a pool cache back to its ``mark``)."""
+    cache), or a ``CacheList`` whose first member counts positions (GLM-5-Next's, Inkling's: its
+    KV members cut to that many positions, a pool cache or an ArraysCache back to its ``mark``)."""
     members = _members(c)
     if members is not None:
         _trim_members(c, members, n)
@@ -157,10 +160,14 @@ def _trim_members(c: Any, members: list, n: int) -> None:
         raise ValueError(f"{type(c).__name__} holds {members[0].offset} entries, cannot drop {n}")
     keep = members[0].offset - n
     for p in members:
-        if type(p).__name__ == "PoolingCache":
+        kind = type(p).__name__
+        if kind in ("PoolingCache", "ArraysCache"):
             positions, state = _MARKS.pop(p, (None, None))
             if positions != keep:
-                raise ValueError("PoolingCache: only the entries added since mark_drafts can be dropped")
-            p.remainder, p.buf_kv, p.buf_gate, p.pooled = state
+                raise ValueError(f"{kind}: only the entries added since mark_drafts can be dropped")
+            if kind == "ArraysCache":
+                p.cache = list(state)
+            else:
+                p.remainder, p.buf_kv, p.buf_gate, p.pooled = state
         elif getattr(p, "offset", 0) > keep:  # a prefill-only projection cache may hold fewer
             p.trim(p.offset - keep)

@@ -38,7 +38,11 @@ trunk contract is unchanged:
   math done exactly (Hunyuan-V4's indexer top-k: `_exact_partition_scores` says why; DeepSeek-V4's
   overlapping compressor, a method: `mtplx.trunk.vlm_deepseek_v4`);
 * DeepSeek-V4's forward ends ``norm(hc_head(streams))``; `StreamsHead` is that pair as the trunk's
-  one final "norm" (``STREAMS_HEADS``), its tap's ``pre`` the streams its MTP layer reads.
+  one final "norm" (``STREAMS_HEADS``), its tap's ``pre`` the streams its MTP layer reads;
+* Inkling (`mtplx.trunk.vlm_inkling`): its logits divide the final norm's output by a width
+  multiplier, shown as the trunk's "norm" (``WIDTH_SCALED_NORMS``), and its short convolutions
+  record their windows inside a verify block (an ``EXACTNESS_HOOKS`` entry) for mlx-vlm's
+  transaction to roll them back.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ __all__ = [
     "NATIVE_CACHE_FAMILIES",
     "STREAMS_HEADS",
     "StreamsHead",
+    "WIDTH_SCALED_NORMS",
     "VlmTextModel",
     "install_exactness_hooks",
     "load",
@@ -97,7 +102,8 @@ CACHE_EQUIVALENTS = {"KVCache": _kv, "CacheList": _cache_list, "RotatingKVCache"
 # compressed PoolingCaches (in mlx-vlm's CacheList); GLM-5-Next's linear-attention ArraysCaches
 # and its sparse layers' CacheList(KV, indexer KV, PoolingCache, pooled KV); MiniMax-M3's
 # MiniMaxM3KVCache (KV + the block-sparse indexer's keys) and KVCache.
-NATIVE_CACHE_FAMILIES = frozenset({"qwen4_exp", "deepseek_v4", "glm5_next", "minimax_m3"})
+# Inkling's CacheList(KVCache, ArraysCache(4)) per layer (K/V, the four short convolutions' windows).
+NATIVE_CACHE_FAMILIES = frozenset({"qwen4_exp", "deepseek_v4", "glm5_next", "minimax_m3", "inkling"})
 
 # Of those, the families whose caches batch: model type -> the batch's layer for a single-row
 # cache (None: that class does not batch). A forward on their batch caches is given each row's
@@ -120,6 +126,10 @@ FINAL_MIXERS = {"qwen4_exp": "hyper_connection_mixer"}
 # Families whose forward ends ``norm(hc_head(streams))`` with the streams [B, T, hc_mult, H] and
 # whose MTP head reads those streams (DeepSeek-V4): the trunk's "norm" becomes `StreamsHead`.
 STREAMS_HEADS = frozenset({"deepseek_v4"})
+
+# Families whose logits divide the final norm's output by a width multiplier (Inkling): the trunk's
+# "norm" becomes norm-then-divide (`mtplx.trunk.vlm_inkling.host`).
+WIDTH_SCALED_NORMS = frozenset({"inkling"})
 
 
 def _flatten_streams(h: mx.array) -> mx.array:
@@ -176,6 +186,12 @@ def _exact_partition_scores(top_k: int, masked: bool):
     return partition
 
 
+def _recording_short_conv_call(original: Any):
+    from mtplx.trunk.vlm_inkling import recording_short_conv_call
+
+    return recording_short_conv_call(original)
+
+
 def _exact_compressor_call(original: Any):
     from mtplx.trunk.vlm_deepseek_v4 import exact_compressor_call
 
@@ -188,6 +204,13 @@ EXACTNESS_HOOKS = {
     "hy_v4": ("mlx_vlm.models.hy_v4.indexer", "_partition_scores", lambda original: _exact_partition_scores),
     # DeepSeek-V4's overlapping compressor (`mtplx.trunk.vlm_deepseek_v4`: why)
     "deepseek_v4": ("mlx_vlm.models.deepseek_v4.language:Compressor", "__call__", _exact_compressor_call),
+    # Inkling's short convolutions record their windows in a verify block (`mtplx.trunk.vlm_inkling`:
+    # why), so mlx-vlm's transaction rolls them back exactly
+    "inkling": (
+        "mlx_vlm.models.inkling.language:InklingShortConvolution",
+        "__call__",
+        _recording_short_conv_call,
+    ),
 }
 ORIGINALS: dict[tuple[str, str], Any] = {}  # what each hook replaced (a test restores it as a control)
 INSTALLED: dict[tuple[str, str], Any] = {}  # what each hook put in its place
@@ -227,7 +250,8 @@ class VlmTextModel(nn.Module):
         install_exactness_hooks(model_type)
         self.language_model = language_model
         self.model_type = model_type
-        self.args = getattr(language_model, "args", None)
+        # mlx-vlm's text config (Inkling's language model names it ``config``)
+        self.args = getattr(language_model, "args", None) or getattr(language_model, "config", None)
         if model_type in FINAL_MIXERS:
             inner = language_model.model
             # An attribute only (object.__setattr__: not a child module), so the parameter tree,
@@ -238,6 +262,10 @@ class VlmTextModel(nn.Module):
             head = StreamsHead(inner["hc_head"], inner["norm"], language_model.args.hc_mult)
             object.__setattr__(inner, "hc_head", _flatten_streams)
             object.__setattr__(inner, "norm", head)
+        if model_type in WIDTH_SCALED_NORMS:
+            from mtplx.trunk.vlm_inkling import host
+
+            host(language_model)
         if callable(getattr(language_model, "_batch_invariant_decode", None)):
             # Qwen3.5-derived language models route one-token forwards through a separate
             # "batch-invariant" forward that never calls the final norm / mixer module (so no tap

@@ -19,6 +19,7 @@ import pytest
 from support import checkpoints
 from support.nemotron import nemotron_h_checkpoint
 from support.vlm_families import deepseek_v4, glm5_next, hy_v4, qwen4_exp
+from support.vlm_inkling import inkling
 
 # family row -> (replica builder, MTP layers it ships)
 REPLICAS = {
@@ -43,6 +44,9 @@ REPLICAS = {
     "deepseek_v4": ("deepseek_v4", lambda p: deepseek_v4(p), 1),
     # DeepSeek's layout under the multimodal trunk's model.language_model.layers.
     "glm5_next": ("glm5_next", lambda p: glm5_next(p), 1),
+    # model.mtp.layers.0.{hidden_norm,embed_norm,input_proj,transformer_block.*}: MiMo-V2-Flash and
+    # LongCat-Flash share the list name with other modules inside.
+    "inkling": ("inkling", lambda p: inkling(p), 1),
 }
 
 

@@ -53,6 +53,7 @@ from support.vlm_families import deepseek_v4 as deepseek_v4_checkpoint
 from support.vlm_families import glm5_next as glm5_next_checkpoint
 from support.vlm_families import hy_v4 as hy_v4_checkpoint
 from support.vlm_families import qwen4_exp as qwen4_exp_checkpoint
+from support.vlm_inkling import inkling as inkling_checkpoint
 
 # The registry rows whose float64 reference is in this module (read by ``test_reference_coverage.py``).
 REFERENCE_LAYOUTS = ("qwen3_next", "deepseek", "mimo")
@@ -407,6 +408,7 @@ def test_default_hidden_sources_are_explicit():
         "qwen4_exp": "pre_norm",
         "deepseek_v4": "pre_norm",
         "glm5_next": "post_norm",
+        "inkling": "pre_norm",
     }
 
 
@@ -427,12 +429,15 @@ def test_each_registry_row_recognises_its_own_checkpoint_and_no_other(tmp_path):
     }
     # LongCat-Flash ships one MTP layer and its config declares none: counted from tensor names.
     longcat = checkpoints.longcat_flash(tmp_path / "l")
-    assert set(built) | {"longcat", "nemotron_h", "qwen4_exp", "deepseek_v4", "glm5_next"} == set(FAMILIES)
+    assert set(built) | {"longcat", "nemotron_h", "qwen4_exp", "deepseek_v4", "glm5_next", "inkling"} == set(
+        FAMILIES
+    )
     # The mlx-vlm-hosted families with one MTP layer as published (more is refused at load).
     for name, one in (
         ("qwen4_exp", qwen4_exp_checkpoint(tmp_path / "q4")),
         ("deepseek_v4", deepseek_v4_checkpoint(tmp_path / "d4")),
         ("glm5_next", glm5_next_checkpoint(tmp_path / "g5")),
+        ("inkling", inkling_checkpoint(tmp_path / "i")),
     ):
         index = weight_index(one.path)
         assert [f.name for f in FAMILIES.values() if f.has_layout(index)] == [name]

@@ -221,7 +221,8 @@ def rollback_model(family: str, *, seed: int = 0) -> nn.Module:
     mlx-vlm, its own caches: sliding-window RotatingKVCache, compressed PoolingCaches), ``glm5_next`` (GLM-5-Next through mlx-vlm, its own caches:
     linear-attention ArraysCaches, CacheList(KV, indexer KV, PoolingCache, pooled KV)),
     ``minimax_m3`` (MiniMax-M3 through mlx-vlm, its own caches: MiniMaxM3KVCache = KV +
-    block-sparse index keys, KVCache)."""
+    block-sparse index keys, KVCache), ``inkling`` (Inkling through mlx-vlm, its own caches:
+    CacheList(KVCache, ArraysCache of its four short convolutions' windows); ``support.vlm_inkling``)."""
     if family == "llama":
         return tiny_llama(ROLLBACK_VOCAB, seed=seed, hidden_size=64, num_heads=2, num_kv_heads=1)
     if family == "qwen3_5":
@@ -254,6 +255,10 @@ def rollback_model(family: str, *, seed: int = 0) -> nn.Module:
         from support.vlm_families import tiny_minimax_m3
 
         return tiny_minimax_m3(ROLLBACK_VOCAB, seed=seed)
+    if family == "inkling":
+        from support.vlm_inkling import tiny_inkling
+
+        return tiny_inkling(ROLLBACK_VOCAB, seed=seed)
     raise ValueError(family)
 
 

@@ -240,6 +240,8 @@ MODELS = {
     "glm5_next_hybrid": ("glm5_next", None),
     # mlx-vlm's own caches: MiniMaxM3KVCache (KV + the block-sparse indexer's keys), KVCache
     "minimax_m3_sparse": ("minimax_m3", None),
+    # mlx-vlm's own caches: CacheList(KVCache, ArraysCache(4): the short convolutions' windows)
+    "inkling_sconv": ("inkling", None),
 }
 
 
@@ -341,6 +343,7 @@ def test_negative_control_skipped_ssm_rollback_is_caught():
         "deepseek_v4_pooled",
         "glm5_next_hybrid",
         "minimax_m3_sparse",
+        "inkling_sconv",
     ],
 )
 def test_negative_control_skipped_trim_is_caught(name):
@@ -381,6 +384,35 @@ def test_negative_control_skipped_recurrent_rollback_of_mlx_vlms_caches_is_caugh
     model, make_cache = _model_and_cache(name)
     why = run_cycles(model, make_cache, 6, pattern=REJECTING, commit=_commit_without_recurrent_rollback)
     assert why is not None and "slot" in why, why
+
+
+def test_negative_control_inklings_conv_windows_left_as_the_block_made_them_are_caught(monkeypatch):
+    """Inkling: the K/V trimmed, each short convolution's window the one after the whole block
+    (mlx-vlm's transaction selecting the last window, not the kept prefix's): caught at a conv slot.
+    Without the recording hook mlx-vlm's commit refuses outright (no temporal record of the slots)."""
+    from mlx_vlm.models.cache import ArraysCache as VlmArraysCache
+
+    model, make_cache = _model_and_cache("inkling_sconv")
+    assert run_cycles(model, make_cache, 6, pattern=REJECTING) is None
+    monkeypatch.setattr(
+        VlmArraysCache,
+        "_select_speculative_window",
+        staticmethod(lambda record, lengths: mx.contiguous(record[1][:, record[1].shape[1] - record[2] :])),
+    )
+    why = run_cycles(model, make_cache, 6, pattern=REJECTING)
+    assert why is not None and "slot" in why, why
+
+
+def test_inklings_commit_without_the_recording_hook_is_refused(monkeypatch):
+    from mtplx.trunk import vlm_text
+
+    import mlx_vlm.models.inkling.language as inkling_language
+
+    model, make_cache = _model_and_cache("inkling_sconv")
+    original = vlm_text.ORIGINALS[("mlx_vlm.models.inkling.language:InklingShortConvolution", "__call__")]
+    monkeypatch.setattr(inkling_language.InklingShortConvolution, "__call__", original)
+    with pytest.raises(RuntimeError, match="without temporal records"):
+        run_cycles(model, make_cache, 6, pattern=REJECTING)
 
 
 def test_negative_control_skipped_overlap_window_rollback_is_caught(monkeypatch):
