@@ -68,6 +68,14 @@ def _text(config: dict) -> dict:
     return config.get("text_config") or config
 
 
+def _layer_count(text: dict) -> int:
+    """The trunk's decoder layers: as mlx-lm counts them, Nemotron-H's by its block pattern
+    (``hybrid_override_pattern`` / ``layers_block_type``), where a config may have no
+    ``num_hidden_layers``."""
+    pattern = text.get("hybrid_override_pattern") or text.get("layers_block_type")
+    return len(pattern) if pattern else int(text.get("num_hidden_layers", 0))
+
+
 def fit_problem(drafter_config: dict, target_config: dict) -> str | None:
     """Why a block drafter does not fit the target (one line naming the field), or None."""
     layout = drafter_layout(drafter_config)
@@ -81,7 +89,7 @@ def fit_problem(drafter_config: dict, target_config: dict) -> str | None:
     text = _text(target_config)
     shape = (
         int(text.get("hidden_size", 0)),
-        int(text.get("num_hidden_layers", 0)),
+        _layer_count(text),
         int(text.get("vocab_size", 0)),
     )
     try:

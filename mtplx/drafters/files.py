@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from mtplx.errors import MtplxError
+from mtplx.trunk.compat import materialize
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -48,4 +49,4 @@ def load_checked(module: nn.Module, weights: dict[str, mx.array], path: Path, wh
             )
     module.load_weights(list(weights.items()))
     module.eval()
-    mx.eval(module.parameters())
+    materialize(module)  # its private arrays too: the server drafts on its own thread

@@ -205,8 +205,8 @@ class Engine:
 
     def use_disk_cache(self, directory: str | Path, max_bytes: int, kv: str = "") -> None:
         """Keep prompt-cache entries in ``directory`` too, up to ``max_bytes``, and reuse the ones
-        there that this engine's model, adapters, dtype, head and KV quantization (``kv``; by
-        default the engine's ``--kv-bits`` plan) made (`mtplx.trunk.prompt_cache_disk`)."""
+        there that this engine's model, adapters, dtype, head, block drafter and KV quantization
+        (``kv``; by default the engine's ``--kv-bits`` plan) made (`mtplx.trunk.prompt_cache_disk`)."""
         from mtplx.trunk.prompt_cache_disk import DiskTier, cache_identity
 
         if self.distributed is not None:
@@ -222,6 +222,7 @@ class Engine:
             head=self.head,
             adapter_path=self.adapter_path,
             kv=kv,
+            drafter=self.block_drafter,
         )
         self.prompt_cache.disk = DiskTier(directory, max_bytes, identity)
 

@@ -207,7 +207,8 @@ class BatchScheduler:
         )
         if hit.drafter_cache is not None:  # the block drafter's context of the cached prefix
             row.drafter_cache = decoder.blocks.context_from(hit.drafter_cache)
-        session = CacheSession(engine.prompt_cache, row, with_drafter)  # reads the row: the one holder
+        # Reads the row, the one holder (and a block drafter row's context through its proposer).
+        session = CacheSession(engine.prompt_cache, row, decoder.blocks if with_drafter else None)
         mode, depth = ("mtp", plan.choice.depth) if sources else ("ar", 0)
         output = RequestOutput(
             engine.tokenizer, request, len(plan.prompt_tokens), start, mode, depth, engine.head

@@ -30,15 +30,16 @@ class CacheSession:
     tokens too (a chat's next turn repeats them).
     """
 
-    def __init__(self, store: PromptCache, row: BatchRow, with_drafter: bool = False):
+    def __init__(self, store: PromptCache, row: BatchRow, drafter=None):
         """``row``: the request's row, not prefilled yet (its caches are read here for their
         kinds; its prefix gets the snapshot hook where the caches cannot be trimmed back);
-        ``with_drafter``: a block drafter row (its drafter's context is stored and reused beside
-        the caches)."""
+        ``drafter``: a block drafter row's `BlockProposer` (its drafter's context is stored and
+        reused beside the caches; a snapshot reads the row's through it)."""
         self.store = store
         self.row = row
         self.with_head = row.uses_head
-        self.with_drafter = with_drafter
+        self.drafter = drafter
+        self.with_drafter = drafter is not None
         head_cache = row.head_cache if self.with_head else None
         self.trimmable = is_trimmable(row.trunk_cache) and (head_cache is None or is_trimmable(head_cache))
         snapshots = not self.trimmable and store.max_bytes > 0
@@ -53,12 +54,24 @@ class CacheSession:
         self.snapshot(size, self.row.trunk_cache, self.row.head_cache)
 
     def snapshot(self, size: int, trunk_cache: list, head_cache: list | None) -> None:
-        """Copies of caches holding the first ``size`` prompt positions go into the store (to disk
-        too), unless it holds that prefix already."""
+        """Copies of caches holding the first ``size`` prompt positions (a block drafter row's
+        context too) go into the store (to disk too), unless it holds that prefix already."""
         head_cache = head_cache if self.with_head else None
+        drafter_cache = self._context_at(size)
         prompt = self.row.prompt_tokens
-        if not self.store.holds(prompt, size, head_cache is not None):
-            self.store.insert(prompt, size, trunk_cache, head_cache, copy=True, persist=True)
+        if not self.store.holds(prompt, size, head_cache is not None, drafter_cache is not None):
+            self.store.insert(
+                prompt, size, trunk_cache, head_cache, copy=True, persist=True, drafter_cache=drafter_cache
+            )
+
+    def _context_at(self, size: int) -> list | None:
+        """A prefilling block drafter row's context (its own cache's KV part), when it holds
+        exactly the first ``size`` prompt positions, as the trunk's snapshot does; else None."""
+        row = self.row
+        if self.drafter is None or row.drafter_cache is None:
+            return None
+        context = self.drafter.stored_context(row.drafter_cache)
+        return context if all(c.offset == size for c in context) else None
 
     def prefill(self, decoder, budget: int) -> bool:
         """`BatchDecoder.prefill` of the row, up to ``budget`` prompt tokens, cut at the next

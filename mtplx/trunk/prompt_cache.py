@@ -23,10 +23,10 @@ head's (hidden i, token i+1) pairs for i < size. A head pair at i depends on
 token i+1, so a prompt must agree with the entry on ``size + 1`` tokens when the
 head cache is reused, and at least one prompt token is always forwarded (its
 logits start the generation). A block drafter's context (``drafter_cache``: DFlash's
-K/V of each position's layer taps, EAGLE-3's (token i + 1, taps of i) pairs, `block_proposer`)
-is kept beside them by the same rule (trimmable entries only; RAM only: the disk tier keeps
-the trunk and head of such an entry), and served only to a request that asks for it
-(``with_drafter``): a block drafter row's context then starts where its trunk does.
+K/V of each position's layer taps, EAGLE-3's (token i + 1, taps of i) pairs, `block_proposer`;
+plain KV either way) is kept beside them by the same rule, in both kinds of entry (a snapshot's
+holds exactly its ``size`` positions) and on disk too, and served only to a request that asks for
+it (``with_drafter``): a block drafter row's context then starts where its trunk does.
 
 Quantized KV (`kv_quant`) is stored as it is (a ``QuantizedKVCache`` is trimmable); an entry
 whose caches converted at ``quantized_kv_start`` is never trimmed below that start, where the
@@ -235,15 +235,12 @@ class PromptCache:
     def clear(self) -> None:
         self._entries.clear()
 
-    def holds(self, tokens: list[int], size: int, with_head: bool) -> bool:
-        """True if an entry already serves exactly ``tokens[:size]`` (a snapshot there is held once);
-        that entry counts as used now."""
+    def holds(self, tokens: list[int], size: int, with_head: bool, with_drafter: bool = False) -> bool:
+        """True if an entry already serves exactly ``tokens[:size]`` (a snapshot there is held once;
+        ``with_drafter``: with a block drafter's context); that entry counts as used now."""
         prompt = as_tokens(tokens[: size + 1])
         for entry_id, e in self._entries.items():
-            if (
-                e.size == size
-                and reusable(e.tokens, e.size, e.has_head, e.trimmable, prompt, with_head, e.floor) == size
-            ):
+            if e.size == size and e.usable(prompt, with_head, with_drafter) == size:
                 self._entries.move_to_end(entry_id)
                 return True
         return False
@@ -264,22 +261,19 @@ class PromptCache:
         """Copies of the caches of the longest reusable prefix of ``prompt`` if it holds more than
         ``longer_than`` positions, else None (nothing copied). An entry on disk that serves more
         than any in RAM is loaded (and kept in RAM). ``with_drafter``: a block drafter's context
-        too (RAM entries only)."""
+        too."""
         ids = as_tokens(prompt)
         best_id, best = self._best_in_ram(ids, with_head, longer_than, with_drafter)
-        if self.disk is not None and not with_drafter:
-            loaded = self.disk.load_best(ids, with_head, longer_than=best)
+        if self.disk is not None:
+            loaded = self.disk.load_best(ids, with_head, longer_than=best, with_drafter=with_drafter)
             if loaded is not None:
-                tokens, size, trunk_cache, head_cache = loaded
-                entry = _entry(tokens, size, trunk_cache, head_cache)
-                usable = reusable(
-                    entry.tokens, size, entry.has_head, entry.trimmable, ids, with_head, entry.floor
-                )
+                entry = _entry(*loaded)
+                usable = entry.usable(ids, with_head, with_drafter)
                 if usable > best:  # else (its quantized part starts later) the RAM entry serves
                     best = usable
                     best_id = self._add(entry)
                     if best_id is None:  # larger than the RAM budget: served from the loaded caches once
-                        return _hit(entry, best, with_head)
+                        return _hit(entry, best, with_head, with_drafter)
         if best_id is None:
             return None
         self._entries.move_to_end(best_id)
@@ -298,13 +292,14 @@ class PromptCache:
     ) -> None:
         """Store caches holding ``size`` positions of ``tokens``; ``copy=False`` takes ownership.
         ``persist``: also write them to the disk tier, if there is one (a request's final caches
-        and its snapshots; not the prompt's caches `CacheSession.store_prompt` lends meanwhile;
-        the trunk and head only where a block drafter's context ``drafter_cache`` is beside them)."""
+        and its snapshots; not the prompt's caches `CacheSession.store_prompt` lends meanwhile),
+        a block drafter's context ``drafter_cache`` beside them (copied too with ``copy``)."""
         if self.max_bytes == 0 or size <= 0:
             return
         if copy:
             trunk_cache = copy_cache(trunk_cache)
             head_cache = copy_cache(head_cache) if head_cache is not None else None
+            drafter_cache = copy_cache(drafter_cache) if drafter_cache is not None else None
             vision.unbind(trunk_cache)  # the copy keeps no pixels: a request reusing it binds its own
         entry = _entry(tokens, size, trunk_cache, head_cache, drafter_cache)
         if self._add(entry) is not None and persist and self.disk is not None:
@@ -330,12 +325,19 @@ def _entry(
     tokens, size: int, trunk_cache: list, head_cache: list | None, drafter_cache: list | None = None
 ) -> _Entry:
     trimmable = is_trimmable(trunk_cache) and (head_cache is None or is_trimmable(head_cache))
-    if drafter_cache is not None and not (trimmable and is_trimmable(drafter_cache)):
-        drafter_cache = None  # a drafter's context is kept beside trimmable caches only
+    if drafter_cache is not None and not _context_fits(drafter_cache, size, trimmable):
+        drafter_cache = None
     nbytes = sum(cache_nbytes(c) for c in (trunk_cache, head_cache, drafter_cache) if c is not None)
     nbytes += vision.bound_nbytes(trunk_cache)  # caches handed over as they are keep their images' pixels
     floor = reusable_from(trunk_cache)  # quantized KV: float below its start
     return _Entry(as_tokens(tokens), size, trunk_cache, head_cache, trimmable, nbytes, floor, drafter_cache)
+
+
+def _context_fits(drafter_cache: list, size: int, trimmable: bool) -> bool:
+    """Whether a block drafter's context can go beside caches holding ``size`` positions: plain
+    KV, and (beside caches that cannot be trimmed: a snapshot) holding exactly ``size``."""
+    offsets = {c.offset for c in cache_leaves(drafter_cache)}
+    return is_trimmable(drafter_cache) and (trimmable or offsets == {size})
 
 
 def _hit(entry, size: int, with_head: bool, with_drafter: bool = False) -> CacheHit:

@@ -3,13 +3,15 @@
 Files: one per entry, in mlx-lm's prompt-cache format (``mlx_lm.models.cache.save_prompt_cache``:
 a safetensors file of the caches' states, their class names and string metadata), so
 ``load_prompt_cache(path)[:trunk_layers]`` is the trunk's cache as mlx-lm builds it; the draft
-head's caches follow it. The metadata holds the key, the format version, the tokens, the
-reusable size and the layout (`_metadata`).
+head's caches follow it, then a block drafter's context (`mtplx.trunk.prompt_cache`'s
+``drafter_cache``: DFlash's K/V, EAGLE-3's pairs) where the entry has one. The metadata holds the
+key, the format version, the tokens, the reusable size and the layout (`_write_now`).
 
 Key: sha256 over the identity (`cache_identity`: model fingerprint, adapter identity, dtype, head
-identity, KV-cache quantization, mlx-lm minor version) and ``FORMAT_VERSION``: caches of another
-model, adapter, dtype, head or KV quantization would give wrong output, so a file with another
-key is never loaded (a model fingerprint ignores adapters: the adapter files are hashed).
+identity, block drafter identity, KV-cache quantization, mlx-lm minor version) and
+``FORMAT_VERSION``: caches of another model, adapter, dtype, head, drafter or KV quantization
+would give wrong output, so a file with another key is never loaded (a model fingerprint ignores
+adapters: the adapter files are hashed).
 
 Invariants:
 - a file is written atomically: a hidden temporary name in the same directory, then a rename;
@@ -78,7 +80,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 __all__ = ["DEFAULT_DISK_BYTES", "FORMAT_VERSION", "DiskStats", "DiskTier", "cache_identity"]
 
-FORMAT_VERSION = "2"  # 2: every file carries its digest
+FORMAT_VERSION = "3"  # 2: every file carries its digest; 3: a block drafter's context after the head's
 DEFAULT_DISK_BYTES = 16 * 1024**3  # what `mtplx serve --prompt-cache-dir` keeps unless told otherwise
 MAX_QUEUED_WRITES = 8  # writes waiting beyond this are dropped (the entry stays in RAM)
 LOCK_FILE = ".lock"
@@ -199,10 +201,12 @@ def kv_quantization(trunk) -> str:
 
 
 def cache_identity(
-    *, fingerprint: str, trunk, head, adapter_path: str | Path | None = None, kv: str = ""
+    *, fingerprint: str, trunk, head, adapter_path: str | Path | None = None, kv: str = "", drafter=None
 ) -> dict[str, str]:
     """What caches on disk must agree on to be reused (the module docstring). ``kv`` names a KV
-    quantization applied while decoding (beside what the trunk's fresh caches show)."""
+    quantization applied while decoding (beside what the trunk's fresh caches show); ``drafter``
+    the engine's block drafter (a `BlockDrafter`: its layout and weights), whose context an entry
+    may hold."""
     from mtplx.model_files.fingerprint import model_fingerprint
 
     adapter = "none"
@@ -215,6 +219,9 @@ def cache_identity(
         "adapter": adapter,
         "dtype": ",".join(dtypes),
         "head": "none" if head is None else f"{type(head).__name__}:{model_fingerprint(head)}",
+        "drafter": "none"
+        if drafter is None
+        else f"{drafter.source.value}:{model_fingerprint(drafter.drafter)}",
         "kv": kv_quantization(trunk) + (f"+{kv}" if kv else ""),
         "mlx_lm": f"{major}.{minor}",
     }
@@ -241,8 +248,14 @@ class _DiskEntry:
     has_head: bool
     trimmable: bool
     trunk_layers: int
+    head_layers: int
+    drafter_layers: int  # 0: no block drafter's context
     nbytes: int  # the file's size
     last_use: float
+
+    @property
+    def has_drafter(self) -> bool:
+        return self.drafter_layers > 0
 
 
 @dataclass
@@ -252,6 +265,7 @@ class _Write:
     trunk_cache: list
     head_cache: list | None
     trimmable: bool
+    drafter_cache: list | None
 
 
 class DiskTier:
@@ -367,15 +381,23 @@ class DiskTier:
 
     # ------------------------------------------------------------------ reading
     def load_best(
-        self, prompt: np.ndarray, with_head: bool, longer_than: int = 0
-    ) -> tuple[np.ndarray, int, list, list | None] | None:
-        """(tokens, size, trunk cache, head cache) of the entry serving the longest prefix of
-        ``prompt``, if longer than ``longer_than``; None when none does or it fails to load."""
+        self, prompt: np.ndarray, with_head: bool, longer_than: int = 0, with_drafter: bool = False
+    ) -> tuple[np.ndarray, int, list, list | None, list | None] | None:
+        """(tokens, size, trunk cache, head cache, drafter context) of the entry serving the
+        longest prefix of ``prompt`` (``with_drafter``: one holding a block drafter's context), if
+        longer than ``longer_than``; None when none does or it fails to load."""
         with self._lock:
             best, best_size = None, longer_than
             for entry in self._entries.values():
                 usable = reusable(
-                    entry.tokens, entry.size, entry.has_head, entry.trimmable, prompt, with_head
+                    entry.tokens,
+                    entry.size,
+                    entry.has_head,
+                    entry.trimmable,
+                    prompt,
+                    with_head,
+                    has_drafter=entry.has_drafter,
+                    with_drafter=with_drafter,
                 )
                 if usable > best_size:
                     best, best_size = entry, usable
@@ -384,13 +406,14 @@ class DiskTier:
             best.last_use = time.time()
         return self._load(best)
 
-    def _load(self, entry: _DiskEntry) -> tuple[np.ndarray, int, list, list | None] | None:
+    def _load(self, entry: _DiskEntry) -> tuple[np.ndarray, int, list, list | None, list | None] | None:
         path = self.directory / entry.name
         started = time.perf_counter()
         try:
             verify(path)  # every byte as written: the tensors and the key, tokens and size indexed
             caches, meta = load_caches(path)
-            if meta.get("mtplx_key") != self.key or len(caches) < entry.trunk_layers:
+            layers = entry.trunk_layers + entry.head_layers + entry.drafter_layers
+            if meta.get("mtplx_key") != self.key or len(caches) < layers:
                 raise ValueError("its metadata changed since it was indexed")
             if as_tokens(json.loads(meta["mtplx_tokens"])).tolist() != entry.tokens.tolist():
                 raise ValueError("its tokens changed since it was indexed")
@@ -405,8 +428,10 @@ class DiskTier:
         self.stats.bytes_loaded += entry.nbytes
         self.stats.load_seconds += time.perf_counter() - started
         trunk_cache = caches[: entry.trunk_layers]
-        head_cache = caches[entry.trunk_layers :] if entry.has_head else None
-        return entry.tokens, entry.size, trunk_cache, head_cache
+        head_end = entry.trunk_layers + entry.head_layers
+        head_cache = caches[entry.trunk_layers : head_end] if entry.has_head else None
+        drafter_cache = caches[head_end:layers] if entry.has_drafter else None
+        return entry.tokens, entry.size, trunk_cache, head_cache, drafter_cache
 
     # ------------------------------------------------------------------ writing
     def write(self, entry) -> None:
@@ -416,13 +441,14 @@ class DiskTier:
             self.stats.dropped_writes += 1
             return
         head = list(entry.head_cache) if entry.head_cache is not None else None
-        caches = list(entry.trunk_cache) + (head or [])
+        drafter = list(entry.drafter_cache) if entry.drafter_cache is not None else None
+        caches = list(entry.trunk_cache) + (head or []) + (drafter or [])
         if not all(_rebuildable(type(c)) for c in caches):  # a class no file can rebuild
             self.stats.dropped_writes += 1
             return
         states = [c.state for c in caches] + overlap_windows(caches)[1]
         mx.async_eval([a for _, a in tree_flatten(states) if isinstance(a, mx.array)])
-        job = _Write(entry.tokens, entry.size, list(entry.trunk_cache), head, entry.trimmable)
+        job = _Write(entry.tokens, entry.size, list(entry.trunk_cache), head, entry.trimmable, drafter)
         try:
             self._queue.put_nowait(job)
         except queue.Full:
@@ -472,10 +498,11 @@ class DiskTier:
 
     def _write_now(self, job: _Write) -> None:
         tokens = job.tokens.tolist()
-        digest = hashlib.sha256(json.dumps([tokens[: job.size + 1], job.head_cache is not None]).encode())
+        kinds = [job.head_cache is not None, job.drafter_cache is not None]
+        digest = hashlib.sha256(json.dumps([tokens[: job.size + 1], *kinds]).encode())
         name = f"{self.key[:12]}-{digest.hexdigest()[:20]}-{job.size}.safetensors"
         temp = self.directory / f".{name}.{os.getpid()}{TEMP_SUFFIX}"
-        caches = job.trunk_cache + (job.head_cache or [])
+        caches = job.trunk_cache + (job.head_cache or []) + (job.drafter_cache or [])
         meta = {
             "mtplx_key": self.key,
             "mtplx_format": FORMAT_VERSION,
@@ -484,6 +511,8 @@ class DiskTier:
             "mtplx_head": "1" if job.head_cache is not None else "0",
             "mtplx_trimmable": "1" if job.trimmable else "0",
             "mtplx_trunk_layers": str(len(job.trunk_cache)),
+            "mtplx_head_layers": str(len(job.head_cache or [])),
+            "mtplx_drafter_layers": str(len(job.drafter_cache or [])),
             DIGEST_FIELD: PLACEHOLDER,
         }
         modules = [type(c).__module__ for c in caches]
@@ -508,7 +537,7 @@ class DiskTier:
         with self._lock:
             for old in list(self._entries.values()):
                 if old.name != name and covers(
-                    entry.tokens, entry.size, entry.has_head, entry.trimmable, old
+                    entry.tokens, entry.size, entry.has_head, entry.trimmable, old, entry.has_drafter
                 ):
                     self._delete(old)
             self._entries[name] = entry
@@ -542,6 +571,8 @@ def _entry_from(path: Path, meta: dict[str, str]) -> _DiskEntry:
         has_head=meta["mtplx_head"] == "1",
         trimmable=meta["mtplx_trimmable"] == "1",
         trunk_layers=int(meta["mtplx_trunk_layers"]),
+        head_layers=int(meta["mtplx_head_layers"]),
+        drafter_layers=int(meta["mtplx_drafter_layers"]),
         nbytes=stat.st_size,
         last_use=stat.st_mtime,
     )

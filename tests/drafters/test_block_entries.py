@@ -4,13 +4,18 @@ equal to plain AR with drafts made and counted in the stats; a batch mixing it w
 plain AR rows gives each row what it gives alone; a drafter the engine did not load is a
 one-line refusal and the engine keeps working; `mtplx generate --head DIR --draft dflash` and
 `mtplx serve` (the openai client's ``speculative.drafter``) draft with it; a prompt-cache hit
-restores the drafter's context (DFlash and EAGLE-3): a cached turn drafts as a cold run."""
+restores the drafter's context (DFlash and EAGLE-3; from RAM, from the disk tier after a
+restart, and on a hybrid trunk's snapshots): a cached turn drafts as a cold run; a file of
+another drafter is refused; a drafter loaded on one thread drafts on another."""
 
 from __future__ import annotations
 
 import json
+import logging
+import shutil
 import subprocess
 import sys
+import threading
 from dataclasses import replace
 
 import mtplx  # noqa: F401  (BLAS before mlx)
@@ -19,6 +24,7 @@ from mtplx.engine.request import GenerationRequest
 from mtplx.errors import MtplxError
 from mtplx.spec_decode.sources import Source
 
+import mlx.core as mx
 import pytest
 from support import checkpoints, drafters, models
 from support.server import running_server
@@ -295,3 +301,172 @@ def test_a_prompt_cache_hit_drafts_as_a_cold_run(family, eagle3_family, kind, mo
     assert results[-1].chunk.stats.cached_tokens == len(second) - 2, results[-1].chunk.stats
     assert [t for r in results for t in r.chunk.token_ids] == alone.token_ids
     assert got_drafts == _drafts_after(made, later) and len(got_drafts) > 1
+
+
+def _disk_engine(model, directory, **kwargs) -> Engine:
+    """An engine with a RAM prompt cache over the disk tier in ``directory`` (a new one: a restart)."""
+    engine = Engine.load(str(model), prompt_cache_bytes=1 << 26, **kwargs)
+    engine.use_disk_cache(directory, 1 << 30)
+    return engine
+
+
+def _context_zeroed_on_load(monkeypatch) -> None:
+    """A planted bug: every disk entry's block drafter context is read back with zero values."""
+    from mtplx.trunk import prompt_cache_disk
+
+    load = prompt_cache_disk.load_caches
+
+    def zeroed(path):
+        caches, meta = load(path)
+        for cache in caches[len(caches) - int(meta["mtplx_drafter_layers"]) :]:
+            cache.values = mx.zeros_like(cache.values)
+        return caches, meta
+
+    monkeypatch.setattr(prompt_cache_disk, "load_caches", zeroed)
+
+
+def _restarted_turn(model, directory, prompt, kind, made):
+    """(engine, result, blocks drafted) of ``prompt`` on a fresh engine over ``directory``."""
+    engine = _disk_engine(model, directory)
+    assert len(engine.prompt_cache) == 0 and len(engine.prompt_cache.disk) > 0
+    got = engine.generate(prompt, greedy(draft=kind))
+    return engine, got, _drafts_after(made, prompt)
+
+
+@pytest.mark.parametrize("kind", ["dflash", "eagle3"])
+def test_a_disk_hit_after_a_restart_drafts_as_a_cold_run(family, eagle3_family, kind, monkeypatch, tmp_path):
+    """The disk tier writes a block drafter row's context beside its trunk caches: after a restart
+    (a new engine over the directory, its RAM cache empty) the chat's second turn loads the first
+    turn's file and gives the cold run's tokens, drafter counts and every block's drafts (the
+    RAM test above, across a restart). Control: the file's context read back zeroed keeps the
+    tokens (exact whatever the drafts) but changes the drafts, so they show the context."""
+    model = family["Tiny-Llama-4bit"] if kind == "dflash" else eagle3_family
+    first = _disk_engine(model, tmp_path / "cache")
+    turn = first.generate(PROMPT, greedy(draft=kind))
+    assert first.prompt_cache.disk.flush()
+    shutil.copytree(tmp_path / "cache", tmp_path / "copy")  # for the control: the first turn's file alone
+    second = PROMPT + turn.token_ids + [6, 7, 3]
+    made = _record_drafts(monkeypatch)
+    expected = Engine.load(str(model)).generate(second, greedy(draft=kind))
+    expected_drafts = _drafts_after(made, second)
+    assert len(expected_drafts) > 1
+
+    engine, got, got_drafts = _restarted_turn(model, tmp_path / "cache", second, kind, made)
+    assert engine.prompt_cache.disk.stats.hits == 1
+    assert got.stats.cached_tokens >= len(PROMPT) + N - 1, got.stats
+    assert got.token_ids == expected.token_ids
+    assert got.stats.drafters == expected.stats.drafters, (got.stats.drafters, expected.stats.drafters)
+    assert got_drafts == expected_drafts
+
+    _context_zeroed_on_load(monkeypatch)
+    engine, got, got_drafts = _restarted_turn(model, tmp_path / "copy", second, kind, made)
+    assert engine.prompt_cache.disk.stats.hits == 1 and got.stats.cached_tokens >= len(PROMPT) + N - 1
+    assert got.token_ids == expected.token_ids
+    assert got_drafts != expected_drafts
+
+
+def test_a_disk_file_of_another_drafter_is_refused(family, tmp_path, caplog):
+    """A file is keyed by the engine's block drafter too (layout and weights): an engine with
+    another DFlash drafter skips it as another configuration's and prefills; the same drafter
+    reuses it (positive control)."""
+    model = family["Tiny-Llama-4bit"]
+    first = _disk_engine(model, tmp_path / "cache")
+    first.generate(PROMPT, greedy(draft="dflash"))
+    assert first.prompt_cache.disk.flush()
+    config = drafters.dflash_config(models.VOCAB, [0, 1], LAYERS)
+    other = drafters.write_dflash(tmp_path / "Other-DFlash", config, drafters.dflash_tensors(config, seed=6))
+    with caplog.at_level(logging.INFO, logger="mtplx.prompt_cache"):
+        engine = _disk_engine(model, tmp_path / "cache", draft_model=str(other))
+    assert len(engine.prompt_cache.disk) == 0
+    assert "of another model or configuration" in caplog.text
+    assert engine.generate(PROMPT + [6], greedy(draft="dflash")).stats.cached_tokens == 0
+    same = _disk_engine(model, tmp_path / "cache")
+    assert same.generate(PROMPT + [6], greedy(draft="dflash")).stats.cached_tokens >= len(PROMPT) - 1
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "nemotron_h"])
+def hybrid_model(request, tmp_path_factory):
+    """A hybrid trunk without MTP layers (Qwen3.5: gated-delta layers 0 and 2, attention 1 and 3;
+    Nemotron-H ``M*-ME``: Mamba2, attention, MLP, Mamba2, MoE) with a DFlash drafter beside it
+    tapping layers 0 and 2."""
+    from support.nemotron import TRUNK_PATTERN, nemotron_h_checkpoint
+
+    root = tmp_path_factory.mktemp("hybrid-entries")
+    if request.param == "qwen3_5":
+        model, layers = checkpoints.qwen3_5(root / "Tiny-Hybrid-4bit", mtp_layers=0).path, 4
+        word_level(model)
+    else:
+        model, layers = (
+            nemotron_h_checkpoint(root / "Tiny-Hybrid-4bit", ship_mtp=False).path,
+            len(TRUNK_PATTERN),
+        )
+    config = drafters.dflash_config(models.VOCAB, [0, 2], layers)
+    drafters.write_dflash(root / "Tiny-Hybrid-DFlash", config, drafters.dflash_tensors(config, seed=5))
+    return model
+
+
+def test_a_hybrid_trunks_snapshot_holds_the_drafters_context(hybrid_model, monkeypatch, tmp_path):
+    """A hybrid trunk's caches cannot be moved back, so its entries are snapshots taken when
+    the caches hold all prompt positions but the last: a DFlash row's snapshot holds the drafter's
+    context of exactly those positions, so the chat's next turn starts from it (cached_tokens
+    len(PROMPT) - 1; it prefilled the whole prompt before) and gives the cold run's tokens, drafter
+    counts and every block's drafts, from RAM and after a restart from the disk tier. Control:
+    the context read back zeroed changes the drafts."""
+    engine = _disk_engine(hybrid_model, tmp_path / "cache")
+    assert engine.block_drafter is not None and engine.block_drafter.source is Source.DFLASH
+    turn = engine.generate(PROMPT, greedy(draft="dflash"))
+    assert engine.prompt_cache.disk.flush()
+    shutil.copytree(tmp_path / "cache", tmp_path / "copy")
+    second = PROMPT + turn.token_ids + [6, 7, 3]
+    made = _record_drafts(monkeypatch)
+    expected = Engine.load(str(hybrid_model)).generate(second, greedy(draft="dflash"))
+    expected_drafts = _drafts_after(made, second)
+    assert len(expected_drafts) > 1
+
+    restarted, from_disk, disk_drafts = _restarted_turn(
+        hybrid_model, tmp_path / "cache", second, "dflash", made
+    )
+    from_ram = engine.generate(second, greedy(draft="dflash"))
+    ram_drafts = _drafts_after(made, second)
+    assert restarted.prompt_cache.disk.stats.hits == 1
+    for got, drafts in ((from_ram, ram_drafts), (from_disk, disk_drafts)):
+        assert got.stats.cached_tokens == len(PROMPT) - 1, got.stats
+        assert got.token_ids == expected.token_ids
+        assert got.stats.drafters == expected.stats.drafters, (got.stats.drafters, expected.stats.drafters)
+        assert drafts == expected_drafts
+
+    _context_zeroed_on_load(monkeypatch)
+    _, got, drafts = _restarted_turn(hybrid_model, tmp_path / "copy", second, "dflash", made)
+    assert got.stats.cached_tokens == len(PROMPT) - 1 and got.token_ids == expected.token_ids
+    assert drafts != expected_drafts
+
+
+def test_a_drafter_loaded_on_one_thread_drafts_on_another(family, monkeypatch):
+    """As the server does (it loads on the main thread, decodes on its worker's): every array the
+    drafter holds is evaluated at load, its private ones too (`compat.materialize`; a private
+    array planted in the module, as a Llama-3 RoPE's frequencies sit in a trunk, is one a lazy
+    load leaves tied to the loading thread: "There is no Stream(cpu, 0) in current thread"), and
+    the engine drafts on the worker as on the loading thread."""
+    from mtplx.drafters import dflash
+
+    init = dflash.DFlashDrafter.__init__
+
+    def planted(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self._planted = mx.arange(4) * 2  # lazy: built on the loading thread
+
+    monkeypatch.setattr(dflash.DFlashDrafter, "__init__", planted)
+    engine = Engine.load(str(family["Tiny-Llama-4bit"]))
+    results: list = []
+
+    def work() -> None:
+        try:
+            results.append(int(mx.sum(engine.block_drafter.drafter._planted).item()))
+            results.append(engine.generate(PROMPT, greedy(draft="dflash")).token_ids)
+        except Exception as err:  # the worker's failure, reported on the test's thread
+            results.append(err)
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    worker.join(timeout=120)
+    assert results == [12, engine.generate(PROMPT, greedy(draft="dflash")).token_ids], results

@@ -173,6 +173,33 @@ def test_a_block_drafter_context_is_served_only_to_the_rows_that_ask_for_it():
     assert store.lookup(tokens + [1], False, with_drafter=True) is None
 
 
+def test_a_snapshot_keeps_a_drafter_context_of_exactly_its_size():
+    """Caches that cannot be trimmed (a gated-delta layer's state) are stored as snapshots of
+    exactly ``size`` positions: a block drafter's context beside one must hold exactly those (one
+    holding a position more is not kept: the entry then serves plain rows only); a snapshot with
+    the context replaces a plain one of the same prefix, which never counts as holding it for a
+    drafter row (`holds`); it serves only prompts through its exact prefix."""
+    from mtplx.trunk.compat import ArraysCache
+
+    def recurrent() -> list:
+        cache = ArraysCache(1)
+        cache[0] = mx.ones((1, 2))
+        return [cache]
+
+    store = PromptCache(1 << 20)
+    tokens = [5, 6, 7, 8, 9]
+    store.insert(tokens, 4, recurrent(), None, copy=False)
+    assert store.holds(tokens, 4, False) and not store.holds(tokens, 4, False, with_drafter=True)
+    store.insert(tokens, 4, recurrent(), None, copy=False, drafter_cache=_kv(5, 2.0))
+    assert store.lookup(tokens + [1], False, with_drafter=True) is None
+    store.insert(tokens, 4, recurrent(), None, copy=False, drafter_cache=_kv(4, 2.0))
+    assert len(store) == 1 and store.holds(tokens, 4, False, with_drafter=True)
+    hit = store.lookup(tokens + [1], False, with_drafter=True)
+    assert hit.start == 4 and hit.drafter_cache[0].offset == 4
+    assert float(hit.drafter_cache[0].keys[0, 0, 0, 0]) == 2.0
+    assert store.lookup(tokens[:4] + [1, 1], False, with_drafter=True) is None
+
+
 # ------------------------------------------------------------------ logprobs
 
 
