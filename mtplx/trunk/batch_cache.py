@@ -30,10 +30,16 @@ number of positions per row each cycle, so here every row has its own length:
   over the padded keys with the row's mask applied (masked keys score -inf), so a row shorter
   than ``top_k`` still attends to all of its keys, as alone.
 
+* mlx-vlm's own cache classes of a family that registers their batch forms (`mtplx.trunk.batch_vlm`:
+  Qwen3.8-Flash-Next's QSA KV as ragged rows, its and GLM-5-Next's mlx-vlm ``ArraysCache`` s of B
+  rows whose operators record every block position themselves; `mtplx.trunk.batch_glm5_next`:
+  GLM-5-Next's sparse layers' ``CacheList`` s): ``NATIVE_FORMS``; a batch layer with
+  ``start_speculation`` is rolled back per row by its own ``commit_speculation``.
+
 Rows join from single-row caches (`add_rows`, after their own prefill or from the prompt
 cache) and leave (`remove_rows`); both copy only the rows that move, never per cycle. Sliding-window
 (rotating) caches, float caches that convert to quantized KV at a later position, and mlx-vlm's
-own cache classes (Qwen3.8-Flash-Next, DeepSeek-V4, GLM-5-Next, MiniMax-M3) are not batched:
+own cache classes without a registered form (DeepSeek-V4, MiniMax-M3) are not batched:
 `check_batchable` says so in one line naming the cache class.
 
 Invariant between cycles: every layer's row r holds exactly the committed positions of
@@ -42,7 +48,7 @@ sequence r, as the same sequence's single-row cache would.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,6 +75,16 @@ import mlx.nn as nn
 __all__ = ["BatchCache", "RaggedKVCache", "RaggedQuantizedKVCache", "check_batchable"]
 
 _STEP = 256  # buffer growth, in positions (mlx-lm's KVCache grows by the same step)
+
+# Batch forms of other packages' cache classes, registered by the module that hosts them
+# (`mtplx.trunk.batch_vlm.register`): class key (`class_key`) -> (refusal(single-row cache, model
+# or None) -> why not or None, the batch layer for a single-row template).
+NATIVE_FORMS: dict[str, tuple[Callable[[Any, Any], str | None], Callable[[Any], Any]]] = {}
+
+
+def class_key(c: Any) -> str:
+    """``module.Class`` of a cache: the key of ``NATIVE_FORMS``."""
+    return f"{type(c).__module__}.{type(c).__qualname__}"
 
 
 class RaggedKVCache:
@@ -308,6 +324,12 @@ def check_batchable(single_row_cache: list, model: nn.Module | None = None) -> s
     """None if a model whose single-row cache looks like this can decode in a batch, else why not."""
     layers = cache_layers(model) if model is not None else None
     for i, c in enumerate(single_row_cache):
+        form = NATIVE_FORMS.get(class_key(c))
+        if form is not None:
+            reason = form[0](c, model)
+            if reason is not None:
+                return f"cache of layer {i}: {reason}"
+            continue
         if type(c) is CacheList:
             reason = next(filter(None, (_kv_refusal(m) for m in cache_leaves(cache_members(c)))), None)
             if reason is not None:
@@ -377,12 +399,26 @@ class _RecurrentBlock:
 
 
 @dataclass
+class _SpeculationBlock:
+    """A batch layer that records a block itself (mlx-vlm's ``ArraysCache``: ``start_speculation``)."""
+
+    cache: Any
+    generation: int
+
+    def commit(self, num_keep: Sequence[int]) -> None:
+        self.cache.commit_speculation([int(n) for n in num_keep], self.generation)
+
+    def abort(self) -> None:
+        self.cache.abort_speculation(self.generation)
+
+
+@dataclass
 class BatchBlock:
     """What `BatchCache.begin_block` recorded; consumed by one commit or abort."""
 
     lengths_before: list[int]
     block_len: int
-    recurrent: list[_RecurrentBlock]
+    recurrent: list[_RecurrentBlock | _SpeculationBlock]
     open: bool = True
 
 
@@ -399,6 +435,7 @@ class BatchCache:
         if reason is not None:
             raise ValueError(reason)
         self.layers: list[Any] = [_batch_layer(c) for c in template]
+        self._list_types = [type(c) for c in template]  # a CacheList row leaves as its template's class
         self._conv_taps: dict[int, ConvInputTap] = {}
         if model is not None:
             owners = cache_layers(model)  # cache i's layer (Nemotron-H's MLP / MoE blocks have none)
@@ -449,13 +486,13 @@ class BatchCache:
     def extract(self, row: int) -> list:
         """Row ``row`` as a single-row mlx-lm cache list (for the prompt cache)."""
         out: list = []
-        for layer in self.layers:
+        for layer, list_type in zip(self.layers, self._list_types):
             if isinstance(layer, RaggedKVCache):
                 out.append(layer.extract(row))
             elif type(layer) is CacheList:
-                out.append(CacheList(*(member.extract(row) for member in cache_members(layer))))
+                out.append(list_type(*(member.extract(row) for member in cache_members(layer))))
             else:
-                single = ArraysCache(len(layer.cache))
+                single = type(layer)(len(layer.cache))  # mlx-lm's ArraysCache, or mlx-vlm's
                 single.cache = [None if a is None else mx.contiguous(a[row : row + 1]) for a in layer.cache]
                 out.append(single)
         return out
@@ -481,6 +518,8 @@ class BatchCache:
                 recurrent_capture.register_recorder(record)
                 tap.arm()
                 recurrent.append(record)
+            elif callable(getattr(layer, "start_speculation", None)):
+                recurrent.append(_SpeculationBlock(layer, layer.start_speculation(block_len)))
         return BatchBlock(list(self.lengths), block_len, recurrent)
 
     def commit_block(self, block: BatchBlock, num_keep: Sequence[int]) -> None:
@@ -495,7 +534,10 @@ class BatchCache:
             )
         try:
             for record in block.recurrent:
-                record.commit(num_keep, _kernel_rows(record))
+                if isinstance(record, _SpeculationBlock):
+                    record.commit(num_keep)
+                else:
+                    record.commit(num_keep, _kernel_rows(record))
         except BaseException:
             self._restore(block)
             raise
@@ -524,6 +566,9 @@ def _batch_layer(template: Any) -> Any:
         return RaggedQuantizedKVCache(template.group_size, template.bits)
     if type(template) is CacheList:  # one layer's several K/V caches (an MLA latent and its indexer's keys)
         return CacheList(*(_batch_layer(m) for m in cache_members(template)))
+    form = NATIVE_FORMS.get(class_key(template))
+    if form is not None:
+        return form[1](template)
     return ArraysCache(len(arrays_slots(template)))
 
 

@@ -15,7 +15,7 @@ trunk contract is unchanged:
 * caches: mlx-vlm's cache classes are its own (not mlx-lm's), so ``make_cache`` builds mlx-lm's
   equivalent of each one mlx-vlm's ``make_cache`` returns (``CACHE_EQUIVALENTS``), and
   `rollback`, `row_cache`, the batch (`batch_cache`: Hunyuan-V4's ``CacheList`` s as ragged K/V
-  rows), the prompt cache and ``--kv-bits`` work on them as on any mlx-lm model's. mlx-vlm's
+  rows; Qwen3.8-Flash-Next's own caches through `batch_vlm`), the prompt cache and ``--kv-bits`` work on them as on any mlx-lm model's. mlx-vlm's
   language code reads only the methods both share (``offset``, ``update_and_fetch``, ``keys`` /
   ``values``, ``make_mask``); the equivalence is checked by
   comparing logits with mlx-vlm's own forward on its own caches (``tests/trunk/test_vlm_text.py``);
@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from mtplx.errors import MtplxError, first_line
+from mtplx.trunk import batch_vlm
 from mtplx.trunk.compat import materialize
 
 import mlx.core as mx
@@ -204,6 +205,8 @@ class VlmTextModel(nn.Module):
     def __init__(self, language_model: nn.Module, model_type: str):
         super().__init__()
         install_exactness_hooks(model_type)
+        if model_type in batch_vlm.RECURRENT_FAMILIES:
+            batch_vlm.register(model_type)  # its caches' batch forms (`mtplx.trunk.batch_vlm`)
         self.language_model = language_model
         self.model_type = model_type
         self.args = getattr(language_model, "args", None)

@@ -255,16 +255,17 @@ def test_kv_bits_is_refused_in_one_line_naming_the_cache_kinds(family, kinds):
     ("family", "kind"),
     [
         ("hy_v4", None),  # mlx-lm caches: CacheList(KVCache, KVCache) per layer, batched
-        ("qwen4_exp", "mlx_vlm ArraysCache"),
+        ("qwen4_exp", None),  # mlx-vlm's own caches with batch forms (mtplx.trunk.batch_vlm)
         ("deepseek_v4", "mlx_vlm RotatingKVCache"),
-        ("glm5_next", "mlx_vlm ArraysCache"),
+        ("glm5_next", None),  # mlx-vlm's own caches with batch forms (mtplx.trunk.batch_glm5_next)
         ("minimax_m3", "mlx_vlm KVCache"),
     ],
 )
 def test_families_on_mlx_vlms_own_caches_decode_alone_with_a_one_line_reason(family, kind):
     """Rows of a family on mlx-vlm's own cache classes decode one request at a time (the batch
     has no ragged form of them): the reason is one line naming the first such cache; Hunyuan-V4's
-    batch (`tests/heads/test_hy_v4.py`: rows share one forward)."""
+    and Qwen3.8-Flash-Next's batch (`tests/heads/test_hy_v4.py`, `tests/heads/test_qwen4_exp.py`:
+    rows share one forward)."""
     from mtplx.spec_decode.rows import check_batch_support
 
     import support.vlm_families as families
