@@ -117,7 +117,10 @@ class Qwen4ExpMTPHead(MTPHead):
         caches = cache if cache is not None else [None] * len(self.layers)
         first = caches[0]
         start = first.offset if first is not None else 0
-        positions = (mx.arange(x.shape[1], dtype=mx.int32) + start)[None]
+        if isinstance(start, mx.array):  # a batch's ragged rows: each row's own offset [B]
+            positions = start[:, None].astype(mx.int32) + mx.arange(x.shape[1], dtype=mx.int32)[None]
+        else:
+            positions = (mx.arange(x.shape[1], dtype=mx.int32) + start)[None]
         mask = _create_qwen3_5_attention_mask(x, first)
         for layer, c in zip(self.layers, caches):
             x = layer(x, next_tokens, mask=mask, cache=c, position_ids=positions)

@@ -107,7 +107,8 @@ class BatchDecoder:
             head_cache = SingleRowCache()
         else:
             self.cache = BatchCache(trunk.make_cache(), trunk.model)
-            head_cache = BatchCache(head.make_cache()) if head is not None else None
+            own_layer = getattr(trunk.model, "batch_layer", None)  # the backend's own cache classes
+            head_cache = BatchCache(head.make_cache(), own_layer=own_layer) if head is not None else None
         self.chain = HeadChain(head, head_cache, self.cache) if head is not None else None
         self.blocks = block_proposer_for(blocks, trunk) if blocks is not None else None
         self.drafters = Drafters(self.chain, self.blocks)

@@ -122,7 +122,7 @@ def check_batch_support(trunk: Trunk, head=None) -> str | None:
     if reason is None and head is not None and head.reads_trunk_cache:
         reason = f"a {head.layout} head reads the target's KV cache and is not batched"
     if reason is None and head is not None:
-        reason = check_batchable(head.make_cache())
+        reason = check_batchable(head.make_cache(), own_layer=getattr(trunk.model, "batch_layer", None))
         reason = None if reason is None else f"head {reason}"
     return reason
 

@@ -30,15 +30,19 @@ number of positions per row each cycle, so here every row has its own length:
   over the padded keys with the row's mask applied (masked keys score -inf), so a row shorter
   than ``top_k`` still attends to all of its keys, as alone.
 
-* A model's own cache classes (mlx-vlm's, MiniMax-M3's KV + indexer keys): the model names the
-  batch's layer for each (``model.batch_layer(cache)``, `mtplx.trunk.vlm_text.VlmTextModel`), a
-  `RaggedKVCache` subclass at the rows' lengths (`mtplx.trunk.vlm_minimax_m3`).
+* A backend's own cache classes (mlx-vlm's): the model names the batch's layer for each
+  (``own_layer(cache)``: ``model.batch_layer``, `mtplx.trunk.vlm_text.VlmTextModel`, per family:
+  MiniMax-M3's KV + indexer keys, `mtplx.trunk.vlm_minimax_m3`; Qwen3.8-Flash-Next's QSA KV as
+  ragged rows and its and GLM-5-Next's mlx-vlm ``ArraysCache`` s of B rows whose operators record
+  every block position themselves, `mtplx.trunk.batch_vlm`; GLM-5-Next's sparse layers'
+  ``CacheList`` s, `mtplx.trunk.batch_glm5_next`). A batch layer with ``start_speculation`` is
+  rolled back per row by its own ``commit_speculation``.
 
 Rows join from single-row caches (`add_rows`, after their own prefill or from the prompt
 cache) and leave (`remove_rows`); both copy only the rows that move, never per cycle. Sliding-window
 (rotating) caches, float caches that convert to quantized KV at a later position, and mlx-vlm's
-own cache classes without a batch layer (Qwen3.8-Flash-Next, DeepSeek-V4, GLM-5-Next) are not
-batched: `check_batchable` says so in one line naming the cache class.
+own cache classes without a batch layer (DeepSeek-V4, Inkling) are not batched:
+`check_batchable` says so in one line naming the cache class.
 
 Invariant between cycles: every layer's row r holds exactly the committed positions of
 sequence r, as the same sequence's single-row cache would.
@@ -46,7 +50,7 @@ sequence r, as the same sequence's single-row cache would.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,6 +75,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 __all__ = ["BatchCache", "RaggedKVCache", "RaggedQuantizedKVCache", "check_batchable"]
+
+# A backend's batch layer for one of its own cache classes (None: not one it batches).
+OwnLayer = Callable[[Any], Any]
 
 _STEP = 256  # buffer growth, in positions (mlx-lm's KVCache grows by the same step)
 
@@ -308,11 +315,15 @@ def _round_up(positions: int) -> int:
 # --------------------------------------------------------------------------- which models batch
 
 
-def check_batchable(single_row_cache: list, model: nn.Module | None = None) -> str | None:
-    """None if a model whose single-row cache looks like this can decode in a batch, else why not."""
+def check_batchable(
+    single_row_cache: list, model: nn.Module | None = None, own_layer: OwnLayer | None = None
+) -> str | None:
+    """None if a model whose single-row cache looks like this can decode in a batch, else why not
+    (``own_layer``: the backend's batch layer for its own cache classes, default ``model.batch_layer``)."""
+    own_layer = own_layer or getattr(model, "batch_layer", None)
     layers = cache_layers(model) if model is not None else None
     for i, c in enumerate(single_row_cache):
-        if _own_batch_layer(c, model) is not None:
+        if own_layer is not None and own_layer(c) is not None:
             continue
         if type(c) is CacheList:
             reason = next(filter(None, (_kv_refusal(m) for m in cache_leaves(cache_members(c)))), None)
@@ -383,12 +394,26 @@ class _RecurrentBlock:
 
 
 @dataclass
+class _SpeculationBlock:
+    """A batch layer that records a block itself (mlx-vlm's ``ArraysCache``: ``start_speculation``)."""
+
+    cache: Any
+    generation: int
+
+    def commit(self, num_keep: Sequence[int]) -> None:
+        self.cache.commit_speculation([int(n) for n in num_keep], self.generation)
+
+    def abort(self) -> None:
+        self.cache.abort_speculation(self.generation)
+
+
+@dataclass
 class BatchBlock:
     """What `BatchCache.begin_block` recorded; consumed by one commit or abort."""
 
     lengths_before: list[int]
     block_len: int
-    recurrent: list[_RecurrentBlock]
+    recurrent: list[_RecurrentBlock | _SpeculationBlock]
     open: bool = True
 
 
@@ -399,12 +424,16 @@ class BatchCache:
     join order; `remove_rows` renumbers them (`BatchDecoder.leave` moves the last rows into holes).
     """
 
-    def __init__(self, template: list, model: nn.Module | None = None):
-        """``template``: a fresh single-row cache of the model (its layer kinds)."""
-        reason = check_batchable(template, model)
+    def __init__(self, template: list, model: nn.Module | None = None, own_layer: OwnLayer | None = None):
+        """``template``: a fresh single-row cache of the model (its layer kinds); ``own_layer``:
+        the backend's batch layer for its own cache classes (default ``model.batch_layer``; a
+        head's cache passes its trunk model's)."""
+        own_layer = own_layer or getattr(model, "batch_layer", None)
+        reason = check_batchable(template, model, own_layer)
         if reason is not None:
             raise ValueError(reason)
-        self.layers: list[Any] = [_batch_layer(c, model) for c in template]
+        self.layers: list[Any] = [_batch_layer(c, own_layer) for c in template]
+        self._list_types = [type(c) for c in template]  # a CacheList row leaves as its template's class
         self._conv_taps: dict[int, ConvInputTap] = {}
         if model is not None:
             owners = cache_layers(model)  # cache i's layer (Nemotron-H's MLP / MoE blocks have none)
@@ -455,13 +484,13 @@ class BatchCache:
     def extract(self, row: int) -> list:
         """Row ``row`` as a single-row mlx-lm cache list (for the prompt cache)."""
         out: list = []
-        for layer in self.layers:
+        for layer, list_type in zip(self.layers, self._list_types):
             if isinstance(layer, RaggedKVCache):
                 out.append(layer.extract(row))
             elif type(layer) is CacheList:
-                out.append(CacheList(*(member.extract(row) for member in cache_members(layer))))
+                out.append(list_type(*(member.extract(row) for member in cache_members(layer))))
             else:
-                single = ArraysCache(len(layer.cache))
+                single = type(layer)(len(layer.cache))  # mlx-lm's ArraysCache, or mlx-vlm's
                 single.cache = [None if a is None else mx.contiguous(a[row : row + 1]) for a in layer.cache]
                 out.append(single)
         return out
@@ -487,6 +516,8 @@ class BatchCache:
                 recurrent_capture.register_recorder(record)
                 tap.arm()
                 recurrent.append(record)
+            elif callable(getattr(layer, "start_speculation", None)):
+                recurrent.append(_SpeculationBlock(layer, layer.start_speculation(block_len)))
         return BatchBlock(list(self.lengths), block_len, recurrent)
 
     def commit_block(self, block: BatchBlock, num_keep: Sequence[int]) -> None:
@@ -501,7 +532,10 @@ class BatchCache:
             )
         try:
             for record in block.recurrent:
-                record.commit(num_keep, _kernel_rows(record))
+                if isinstance(record, _SpeculationBlock):
+                    record.commit(num_keep)
+                else:
+                    record.commit(num_keep, _kernel_rows(record))
         except BaseException:
             self._restore(block)
             raise
@@ -522,15 +556,9 @@ class BatchCache:
             layer.set_lengths(block.lengths_before)
 
 
-def _own_batch_layer(template: Any, model: nn.Module | None) -> Any:
-    """The batch's cache the model names for its own cache class ``template`` (module docstring), or None."""
-    batch_layer = getattr(model, "batch_layer", None)
-    return batch_layer(template) if batch_layer is not None else None
-
-
-def _batch_layer(template: Any, model: nn.Module | None = None) -> Any:
+def _batch_layer(template: Any, own_layer: OwnLayer | None = None) -> Any:
     """The batch's cache for a layer whose single-row cache is ``template``."""
-    own = _own_batch_layer(template, model)
+    own = own_layer(template) if own_layer is not None else None
     if own is not None:
         return own
     if type(template) is KVCache:

@@ -15,7 +15,7 @@ trunk contract is unchanged:
 * caches: mlx-vlm's cache classes are its own (not mlx-lm's), so ``make_cache`` builds mlx-lm's
   equivalent of each one mlx-vlm's ``make_cache`` returns (``CACHE_EQUIVALENTS``), and
   `rollback`, `row_cache`, the batch (`batch_cache`: Hunyuan-V4's ``CacheList`` s as ragged K/V
-  rows), the prompt cache and ``--kv-bits`` work on them as on any mlx-lm model's. mlx-vlm's
+  rows; Qwen3.8-Flash-Next's own caches through `batch_vlm`), the prompt cache and ``--kv-bits`` work on them as on any mlx-lm model's. mlx-vlm's
   language code reads only the methods both share (``offset``, ``update_and_fetch``, ``keys`` /
   ``values``, ``make_mask``); the equivalence is checked by
   comparing logits with mlx-vlm's own forward on its own caches (``tests/trunk/test_vlm_text.py``);
@@ -23,9 +23,10 @@ trunk contract is unchanged:
   QSA KV cache with the indexer's raw keys, its gated-delta and PLE ``ArraysCache`` s) keep
   mlx-vlm's own caches; `mtplx.trunk.rollback_vlm` rolls them back through mlx-vlm's own
   speculative cache transaction (checked against plain decoding in ``tests/trunk/test_cache.py``);
-  those whose caches batch (``BATCH_LAYERS``: MiniMax-M3, `mtplx.trunk.vlm_minimax_m3`) give the
-  batch its layer for each (`VlmTextModel.batch_layer`), and a forward on batch caches passes
-  mlx-vlm the rows' own ``position_ids`` (`ragged_position_ids`);
+  those whose caches batch (``BATCH_LAYERS``: MiniMax-M3, `mtplx.trunk.vlm_minimax_m3`;
+  Qwen3.8-Flash-Next and GLM-5-Next, `mtplx.trunk.batch_vlm`) give the batch its layer for each
+  (`VlmTextModel.batch_layer`), and MiniMax-M3's forward on batch caches passes mlx-vlm the rows'
+  own ``position_ids`` (`ragged_position_ids`);
 * a family without a final norm (``FINAL_MIXERS``: Qwen3.8-Flash-Next collapses its ``hc_count``
   hyper-connection streams with ``hyper_connection_mixer`` and has no ``norm``) shows that module
   to the trunk as ``norm``, outside the parameter tree: the tap's ``pre`` is then the streams
@@ -51,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from mtplx.errors import MtplxError, first_line
-from mtplx.trunk import vlm_minimax_m3
+from mtplx.trunk import batch_vlm, vlm_minimax_m3
 from mtplx.trunk.compat import materialize
 
 import mlx.core as mx
@@ -59,6 +60,7 @@ import mlx.nn as nn
 
 __all__ = [
     "BATCH_LAYERS",
+    "RAGGED_POSITION_FAMILIES",
     "CACHE_EQUIVALENTS",
     "EXACTNESS_HOOKS",
     "FINAL_MIXERS",
@@ -106,9 +108,15 @@ CACHE_EQUIVALENTS = {"KVCache": _kv, "CacheList": _cache_list, "RotatingKVCache"
 NATIVE_CACHE_FAMILIES = frozenset({"qwen4_exp", "deepseek_v4", "glm5_next", "minimax_m3", "inkling"})
 
 # Of those, the families whose caches batch: model type -> the batch's layer for a single-row
-# cache (None: that class does not batch). A forward on their batch caches is given each row's
-# positions (`ragged_position_ids`).
-BATCH_LAYERS = {"minimax_m3": vlm_minimax_m3.batch_layer}
+# cache (None: that class does not batch; a head's caches are asked through its trunk's model).
+BATCH_LAYERS = {
+    "minimax_m3": vlm_minimax_m3.batch_layer,
+    "qwen4_exp": batch_vlm.qwen4_exp_layer,
+    "glm5_next": batch_vlm.glm5_next_layer,
+}
+# Families whose forward on batch caches takes each row's ``position_ids`` (MiniMax-M3's indexer
+# takes its query start as one int; the other two compute their rows' positions from the caches).
+RAGGED_POSITION_FAMILIES = frozenset({"minimax_m3"})
 
 
 def ragged_position_ids(cache: list, length: int) -> mx.array | None:
@@ -275,7 +283,7 @@ class VlmTextModel(nn.Module):
 
     def __call__(self, inputs: mx.array, cache: list | None = None, input_embeddings: mx.array | None = None):
         extra = {}
-        if self.model_type in BATCH_LAYERS:
+        if self.model_type in RAGGED_POSITION_FAMILIES:
             positions = ragged_position_ids(cache, inputs.shape[1])
             if positions is not None:
                 extra["position_ids"] = positions

@@ -27,7 +27,7 @@ from support.vlm_families import GLM5_NEXT_HIDDEN, GLM5_NEXT_VOCAB
 from support.vlm_families import glm5_next as glm5_next_checkpoint
 from support.vlm_heads import (
     PROMPTS,
-    assert_batch_rows_equal_ar_with_rejections,
+    assert_batched_rows_share_forwards_and_equal_ar,
     assert_split_head_equals_own,
     replica,
 )
@@ -176,8 +176,12 @@ def test_greedy_mtp_equals_ar_with_drafts_kept_at_depths_1_and_2(engine):
     assert_mtp_equals_ar_with_drafts_kept(engine.trunk, engine.head, PROMPTS[:1], 8)
 
 
-def test_rows_in_a_batch_equal_ar_with_rejections(engine):
-    assert_batch_rows_equal_ar_with_rejections(engine, max_tokens=8)
+def test_rows_in_a_batch_share_one_forward_and_equal_ar_with_rejections(engine, monkeypatch):
+    """Its caches batch (`mtplx.trunk.batch_glm5_next`: the sparse layers' CacheLists as ragged
+    rows, the linear-attention ArraysCaches rolled back per row by mlx-vlm), the head's too: the
+    three rows decode in shared trunk forwards, each giving its AR tokens alone with drafts kept
+    and rejected."""
+    assert_batched_rows_share_forwards_and_equal_ar(engine, monkeypatch, max_tokens=8)
 
 
 def test_the_split_drafter_is_found_beside_the_trunk_and_equals_the_checkpoints_head(

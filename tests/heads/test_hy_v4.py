@@ -18,9 +18,7 @@ import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.engine.engine import Engine
 from mtplx.engine.request import GenerationRequest
 from mtplx.heads.hy_v4 import HyV4MTPHead, _block
-from mtplx.spec_decode.rows import check_batch_support
 from mtplx.trunk.model import Trunk
-from mtplx.trunk.vlm_text import VlmTextModel
 
 import mlx.core as mx
 import numpy as np
@@ -43,7 +41,7 @@ from support.vlm_families import hy_v4 as hy_v4_checkpoint
 from support.vlm_heads import (
     CHI_VOCAB,
     PROMPTS,
-    assert_batch_rows_equal_ar_with_rejections,
+    assert_batched_rows_share_forwards_and_equal_ar,
     assert_chi_square_rejects_committed_rejected_drafts,
     assert_sampled_mtp_matches_ar,
     assert_split_head_equals_own,
@@ -215,17 +213,7 @@ def test_rows_in_a_batch_share_one_forward_and_equal_ar_with_rejections(engine, 
     """Its caches (a CacheList of the MLA latent and the indexer's keys per layer) batch: the three
     rows decode in shared trunk forwards (a forward of 3 rows is counted), each giving its AR
     tokens alone with drafts kept and rejected."""
-    assert check_batch_support(engine.trunk, engine.head) is None
-    rows: list[int] = []
-    forward = VlmTextModel.__call__
-
-    def counted(self, inputs, *args, **kwargs):
-        rows.append(inputs.shape[0])
-        return forward(self, inputs, *args, **kwargs)
-
-    monkeypatch.setattr(VlmTextModel, "__call__", counted)
-    assert_batch_rows_equal_ar_with_rejections(engine, max_tokens=16)
-    assert rows.count(len(PROMPTS)) >= 3, rows  # decode cycles of all three rows in one forward
+    assert_batched_rows_share_forwards_and_equal_ar(engine, monkeypatch, max_tokens=16)
 
 
 def test_a_seeded_n_2_request_among_batched_rows_gives_what_it_gives_alone(engine):

@@ -35,7 +35,7 @@ from support.vlm_families import qwen4_exp as qwen4_exp_checkpoint
 from support.vlm_heads import (
     CHI_VOCAB,
     PROMPTS,
-    assert_batch_rows_equal_ar_with_rejections,
+    assert_batched_rows_share_forwards_and_equal_ar,
     assert_chi_square_rejects_committed_rejected_drafts,
     assert_sampled_mtp_matches_ar,
     assert_split_head_equals_own,
@@ -224,8 +224,11 @@ def test_greedy_mtp_equals_ar_with_drafts_kept_at_depths_1_and_2(engine):
     assert_mtp_equals_ar_with_drafts_kept(engine.trunk, engine.head, PROMPTS[:1], 12)
 
 
-def test_rows_in_a_batch_equal_ar_with_rejections(engine):
-    assert_batch_rows_equal_ar_with_rejections(engine, max_tokens=12)
+def test_rows_in_a_batch_share_one_forward_and_equal_ar_with_rejections(engine, monkeypatch):
+    """Its caches batch (`mtplx.trunk.batch_vlm`: ragged QSA rows, mlx-vlm's ArraysCaches rolled
+    back per row), the head's QSA cache too: the three rows decode in shared trunk forwards (a
+    forward of 3 rows is counted), each giving its AR tokens alone with drafts kept and rejected."""
+    assert_batched_rows_share_forwards_and_equal_ar(engine, monkeypatch, max_tokens=12)
 
 
 def test_under_kv_bits_greedy_mtp_equals_ar_and_the_trunk_equals_mlx_vlms_quantized_forward(

@@ -69,6 +69,26 @@ def assert_batch_rows_equal_ar_with_rejections(engine, max_tokens: int, prompts=
     assert kept > 0 and rejected > 0, (kept, rejected)
 
 
+def assert_batched_rows_share_forwards_and_equal_ar(engine, monkeypatch, max_tokens: int) -> None:
+    """The engine's rows batch (`check_batch_support`) and `assert_batch_rows_equal_ar_with_rejections`
+    holds with the three rows decoding in shared trunk forwards: at least 3 forwards of 3 rows are
+    counted (a model decoding one request at a time forwards one row each time)."""
+    from mtplx.spec_decode.rows import check_batch_support
+    from mtplx.trunk.vlm_text import VlmTextModel
+
+    assert check_batch_support(engine.trunk, engine.head) is None
+    rows: list[int] = []
+    forward = VlmTextModel.__call__
+
+    def counted(self, inputs, *args, **kwargs):
+        rows.append(inputs.shape[0])
+        return forward(self, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(VlmTextModel, "__call__", counted)
+    assert_batch_rows_equal_ar_with_rejections(engine, max_tokens=max_tokens)
+    assert rows.count(len(PROMPTS)) >= 3, rows  # decode cycles of all three rows in one forward
+
+
 def assert_split_head_equals_own(split_engine, own_engine, prompt: list[int]) -> None:
     """The split drafter's head and the checkpoint's own give the same logits on the same trunk
     state (the one the head reads) and next tokens."""

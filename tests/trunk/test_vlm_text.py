@@ -256,17 +256,17 @@ def test_kv_bits_is_refused_in_one_line_naming_the_cache_kinds(family, kinds):
     ("family", "kind"),
     [
         ("hy_v4", None),  # mlx-lm caches: CacheList(KVCache, KVCache) per layer, batched
-        ("qwen4_exp", "mlx_vlm ArraysCache"),
+        ("qwen4_exp", None),  # mlx-vlm's own caches with batch forms (mtplx.trunk.batch_vlm)
         ("deepseek_v4", "mlx_vlm RotatingKVCache"),
-        ("glm5_next", "mlx_vlm ArraysCache"),
+        ("glm5_next", None),  # mlx-vlm's own caches with batch forms (mtplx.trunk.batch_glm5_next)
         ("minimax_m3", None),  # mlx-vlm's own KVCache / MiniMaxM3KVCache as ragged rows, batched
     ],
 )
 def test_families_on_mlx_vlms_own_caches_decode_alone_with_a_one_line_reason(family, kind):
     """Rows of a family on mlx-vlm's own cache classes without a batch layer decode one request at
-    a time: the reason is one line naming the first such cache; Hunyuan-V4's batch
-    (`tests/heads/test_hy_v4.py`: rows share one forward) and MiniMax-M3's
-    (`tests/trunk/test_vlm_minimax_m3.py`) take none."""
+    a time: the reason is one line naming the first such cache; Hunyuan-V4's, Qwen3.8-Flash-Next's,
+    GLM-5-Next's (`tests/heads/test_hy_v4.py`, `test_qwen4_exp.py`, `test_glm5_next.py`: rows share
+    one forward) and MiniMax-M3's (`tests/trunk/test_vlm_minimax_m3.py`) take none."""
     from mtplx.spec_decode.rows import check_batch_support
 
     import support.vlm_families as families
