@@ -35,6 +35,7 @@ from support.vlm_heads import (
     assert_sampled_mtp_matches_ar,
     assert_split_head_equals_own,
     peaked_trunk,
+    published_hidden,
     replica,
 )
 
@@ -187,22 +188,13 @@ def mtp_logits(t: dict, cfg: dict, streams: np.ndarray, tokens: np.ndarray, p: s
     return rms((pre[..., None] * x).sum(1), t[p + "norm.weight"], eps) @ t["head.weight"].T
 
 
-def _published_streams(checkpoint, tokens: list[int]) -> np.ndarray:
-    """The trunk streams mlx-vlm's own forward hands its drafter (``return_hidden``), [T, hc * H]."""
-    from mlx_vlm.utils import load_model
-
-    lm = load_model(checkpoint).language_model
-    streams = lm(mx.array([tokens]), cache=lm.make_cache(), return_hidden=True).hidden_states[0]
-    return np.asarray(streams[0], dtype=np.float64).reshape(len(tokens), -1)
-
-
 @pytest.mark.parametrize("seed", SEEDS)
 def test_head_logits_match_the_float64_reference_at_every_position(random_engine, random_checkpoint, seed):
     seed = resolve(seed)
     tokens = np.random.default_rng(seed).integers(0, DEEPSEEK_V4_VOCAB, size=LENGTH + 1).tolist()
     t = read_tensors(random_checkpoint)
     cfg = json.loads((random_checkpoint / "config.json").read_text())
-    want = mtp_logits(t, cfg, _published_streams(random_checkpoint, tokens[:-1]), np.array(tokens[1:]))
+    want = mtp_logits(t, cfg, published_hidden(random_checkpoint, tokens[:-1]), np.array(tokens[1:]))
     got, _ = _head_logits(random_engine, tokens)
     assert np.abs(got - want).max() < 1e-4 * np.abs(want).max(), f"seed {seed}"
 
@@ -236,7 +228,7 @@ def test_an_fp8_fp4_head_shipped_as_mtp_1_matches_the_float64_reference_of_its_b
     assert modes["decoder.ffn.switch_mlp.gate_proj"] == "mxfp4"
     tokens = np.random.default_rng(resolve(FRESH)).integers(0, DEEPSEEK_V4_VOCAB, size=LENGTH + 1).tolist()
     t, cfg = read_tensors(path), json.loads((path / "config.json").read_text())
-    streams, nxt = _published_streams(path, tokens[:-1]), np.array(tokens[1:])
+    streams, nxt = published_hidden(path, tokens[:-1]), np.array(tokens[1:])
     want = mtp_logits(decoded_fp8_fp4(t), cfg, streams, nxt, "mtp.1.")
     got, _ = _head_logits(engine, tokens)
     assert np.abs(got - want).max() < 1e-4 * np.abs(want).max(), tokens

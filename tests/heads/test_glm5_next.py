@@ -29,6 +29,7 @@ from support.vlm_heads import (
     PROMPTS,
     assert_batched_rows_share_forwards_and_equal_ar,
     assert_split_head_equals_own,
+    head_logits_on_trunk,
     replica,
 )
 
@@ -59,15 +60,6 @@ def random_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def random_engine(random_checkpoint) -> Engine:
     return Engine.load(str(random_checkpoint))
-
-
-def _head_logits(engine: Engine, tokens: list[int]) -> np.ndarray:
-    head, trunk = engine.head, engine.trunk
-    out = trunk(mx.array([tokens[:-1]]), trunk.make_cache())
-    hidden = getattr(out, f"hidden_{head.hidden_source}")
-    return np.asarray(
-        head.logits(head(hidden, mx.array([tokens[1:]]), head.make_cache()))[0], dtype=np.float64
-    )
 
 
 def _trunk_hidden(checkpoint, tokens: list[int]) -> mx.array:
@@ -128,7 +120,7 @@ def test_head_logits_match_the_float64_reference_at_every_position(random_engine
     cfg = json.loads((random_checkpoint / "config.json").read_text())["text_config"]
     hidden, _ = _trunk_hidden(random_checkpoint, tokens[:-1])
     want = mtp_logits(t, cfg, np.asarray(hidden[0], dtype=np.float64), np.array(tokens[1:]))
-    got = _head_logits(random_engine, tokens)
+    got = head_logits_on_trunk(random_engine, tokens)
     assert np.abs(got - want).max() < 1e-4 * np.abs(want).max(), f"seed {seed}"
 
 
@@ -153,7 +145,7 @@ def test_head_equals_mlx_vlms_drafter_at_every_position(random_checkpoint, rando
     nxt = mx.array([tokens[1:]])
     out, _ = drafter._forward_hidden(lm.model.embed_tokens(nxt), hidden, nxt, drafter.make_cache())
     want = np.asarray(lm.lm_head(out)[0], dtype=np.float64)
-    got = _head_logits(random_engine, tokens)
+    got = head_logits_on_trunk(random_engine, tokens)
     assert np.abs(got - want).max() < 1e-4 * np.abs(want).max()
 
 

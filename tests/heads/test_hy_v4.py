@@ -45,7 +45,9 @@ from support.vlm_heads import (
     assert_chi_square_rejects_committed_rejected_drafts,
     assert_sampled_mtp_matches_ar,
     assert_split_head_equals_own,
+    head_logits_on_trunk,
     peaked_trunk,
+    published_hidden,
     replica,
 )
 
@@ -150,15 +152,6 @@ def mtp_logits(t: dict, cfg: dict, hidden: np.ndarray, tokens: np.ndarray) -> tu
     return rms(h, t[p + "final_layernorm.weight"], eps) @ t["lm_head.weight"].T, gap
 
 
-def _published_hidden(checkpoint, tokens: list[int]) -> np.ndarray:
-    """The trunk state mlx-vlm hands its Hunyuan-V4 drafter: ``return_hidden`` of its own forward."""
-    from mlx_vlm.utils import load_model
-
-    lm = load_model(checkpoint).language_model
-    out = lm(mx.array([tokens]), cache=lm.make_cache(), return_hidden=True)
-    return np.asarray(out.hidden_states[0][0], dtype=np.float64)
-
-
 @pytest.mark.parametrize("seed", SEEDS)
 def test_head_logits_match_the_float64_reference_at_every_position(random_engine, random_checkpoint, seed):
     seed = resolve(seed)
@@ -169,18 +162,11 @@ def test_head_logits_match_the_float64_reference_at_every_position(random_engine
     # set, which key a float32 run keeps is arbitrary: such a draw is replaced by the next one.
     for _ in range(20):
         tokens = rng.integers(0, HY_V4_VOCAB, size=LENGTH + 1).tolist()
-        want, gap = mtp_logits(
-            t, cfg, _published_hidden(random_checkpoint, tokens[:-1]), np.array(tokens[1:])
-        )
+        want, gap = mtp_logits(t, cfg, published_hidden(random_checkpoint, tokens[:-1]), np.array(tokens[1:]))
         if gap > 1e-4:
             break
     assert gap > 1e-4, f"seed {seed}: every draw's indexer choice is near a tie"
-    head, trunk = random_engine.head, random_engine.trunk
-    out = trunk(mx.array([tokens[:-1]]), trunk.make_cache())
-    hidden = getattr(out, f"hidden_{head.hidden_source}")
-    got = np.asarray(
-        head.logits(head(hidden, mx.array([tokens[1:]]), head.make_cache()))[0], dtype=np.float64
-    )
+    got = head_logits_on_trunk(random_engine, tokens)
     assert np.abs(got - want).max() < 1e-4 * np.abs(want).max(), f"seed {seed}"
 
 

@@ -39,7 +39,9 @@ from support.vlm_heads import (
     assert_chi_square_rejects_committed_rejected_drafts,
     assert_sampled_mtp_matches_ar,
     assert_split_head_equals_own,
+    head_logits_on_trunk,
     peaked_trunk,
+    published_hidden,
     replica,
 )
 
@@ -177,28 +179,14 @@ def mtp_logits(t: dict, cfg: dict, streams: np.ndarray, tokens: np.ndarray) -> n
     return out @ t["lm_head.weight"].T
 
 
-def _published_streams(checkpoint, tokens: list[int]) -> np.ndarray:
-    """The trunk state mlx-vlm hands its Qwen3.8-Flash-Next drafter: ``return_hidden`` of its own forward."""
-    from mlx_vlm.utils import load_model
-
-    lm = load_model(checkpoint).language_model
-    out = lm(mx.array([tokens]), cache=lm.make_cache(), return_hidden=True)
-    return np.asarray(out.hidden_states[0][0], dtype=np.float64)
-
-
 @pytest.mark.parametrize("seed", SEEDS)
 def test_head_logits_match_the_float64_reference_at_every_position(random_engine, random_checkpoint, seed):
     seed = resolve(seed)
     tokens = np.random.default_rng(seed).integers(0, QWEN4_EXP_VOCAB, size=LENGTH + 1).tolist()
     t = read_tensors(random_checkpoint)
     cfg = json.loads((random_checkpoint / "config.json").read_text())["text_config"]
-    want = mtp_logits(t, cfg, _published_streams(random_checkpoint, tokens[:-1]), np.array(tokens[1:]))
-    head, trunk = random_engine.head, random_engine.trunk
-    out = trunk(mx.array([tokens[:-1]]), trunk.make_cache())
-    hidden = getattr(out, f"hidden_{head.hidden_source}")
-    got = np.asarray(
-        head.logits(head(hidden, mx.array([tokens[1:]]), head.make_cache()))[0], dtype=np.float64
-    )
+    want = mtp_logits(t, cfg, published_hidden(random_checkpoint, tokens[:-1]), np.array(tokens[1:]))
+    got = head_logits_on_trunk(random_engine, tokens)
     assert np.abs(got - want).max() < 1e-4 * np.abs(want).max(), f"seed {seed}"
 
 

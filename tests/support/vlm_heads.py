@@ -41,6 +41,26 @@ def replica(path: Path, build: Callable, vocab: int, **kwargs) -> Path:
     return path
 
 
+def published_hidden(checkpoint: Path, tokens: list[int]) -> np.ndarray:
+    """The trunk state mlx-vlm's own forward hands its drafter (``return_hidden``) at every
+    position of ``tokens``: [T, D] float64 (hyper-connection streams flattened)."""
+    from mlx_vlm.utils import load_model
+
+    lm = load_model(checkpoint).language_model
+    out = lm(mx.array([tokens]), cache=lm.make_cache(), return_hidden=True)
+    return np.asarray(out.hidden_states[0][0], dtype=np.float64).reshape(len(tokens), -1)
+
+
+def head_logits_on_trunk(engine, tokens: list[int]) -> np.ndarray:
+    """mtplx's head on (its trunk's state at positions 0..T-2, tokens 1..T-1): logits [T-1, V] float64."""
+    head, trunk = engine.head, engine.trunk
+    out = trunk(mx.array([tokens[:-1]]), trunk.make_cache())
+    hidden = getattr(out, f"hidden_{head.hidden_source}")
+    return np.asarray(
+        head.logits(head(hidden, mx.array([tokens[1:]]), head.make_cache()))[0], dtype=np.float64
+    )
+
+
 def max_abs_diff(a: mx.array, b: mx.array) -> float:
     return float(mx.max(mx.abs(a.astype(mx.float32) - b.astype(mx.float32))))
 
