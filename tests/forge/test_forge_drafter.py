@@ -269,3 +269,22 @@ def test_forge_drafter_end_to_end_drafts_in_the_engine(tmp_path: Path) -> None:
     plain = engine.generate(prompt, max_tokens=12, temperature=0.0, draft="none", chat=False, logit_bias=bias)
     assert drafted.token_ids == plain.token_ids and len(plain.token_ids) == 12
     assert drafted.stats.drafters["eagle3"]["drafted"] > 0
+
+
+def test_the_cli_flag_reaches_the_config_and_misfits_are_one_line() -> None:
+    """``--drafter eagle3`` sets the config the run dispatches on; another drafter, or one started
+    from an MTP head, is refused before any work, in one line."""
+    from mtplx.cli.forge import config_from_args
+    from mtplx.cli.main import _build_parser
+    from mtplx.errors import MtplxError
+
+    parser = _build_parser()
+    assert config_from_args(parser.parse_args(["forge", "--drafter", "eagle3"])).drafter == "eagle3"
+    assert config_from_args(parser.parse_args(["forge"])).drafter is None
+    for bad, says in (
+        (dict(drafter="dflash"), "drafter must be one of eagle3"),
+        (dict(drafter="eagle3", init_head="h"), "--init-head"),
+    ):
+        with pytest.raises(MtplxError, match=says) as err:
+            ForgeConfig(**bad)
+        assert "\n" not in str(err.value)
