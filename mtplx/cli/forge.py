@@ -11,7 +11,7 @@ import argparse
 from dataclasses import replace
 
 from mtplx.errors import MtplxError
-from mtplx.forge.config import DEFAULT_FORGE_CONFIG, FINE_TUNE_LR, SCRATCH_LR, ForgeConfig
+from mtplx.forge.config import DEFAULT_FORGE_CONFIG, FINE_TUNE_LR, FORGED_DRAFTERS, SCRATCH_LR, ForgeConfig
 
 # Flags whose values map 1:1 onto ForgeConfig fields (defaults come from DEFAULT_FORGE_CONFIG).
 _FLAGS = (
@@ -29,6 +29,7 @@ _FLAGS = (
     "seed",
     "hidden_source",
     "chain_source",
+    "drafter",
 )
 
 
@@ -66,6 +67,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         help=f"decoder layers per draft step (default {d.head_layers}); with --init-head, layers beyond "
         "the init head's start as the identity",
+    )
+    parser.add_argument(
+        "--drafter",
+        choices=FORGED_DRAFTERS,
+        help="forge this drafter instead of an MTP head: an EAGLE-3 drafter in the speculators layout "
+        "(load it with --head DIR, draft with --draft eagle3); --draft-vocab sizes its d2t vocabulary",
     )
     parser.add_argument("--seed", type=int, help=f"seed of prompts, sampling and batches (default {d.seed})")
     parser.add_argument(
@@ -125,9 +132,13 @@ def run(args: argparse.Namespace) -> int:
     """Forge the head the flags describe and say where it went; the exit code."""
     if args.from_traffic is not None:
         return _from_traffic(args)
-    from mtplx.forge.run import forge
+    cfg = config_from_args(args)
+    if cfg.drafter is not None:
+        from mtplx.forge.drafter import forge_drafter as forge
+    else:
+        from mtplx.forge.run import forge
 
-    report = forge(config_from_args(args))
+    report = forge(cfg)
     print(
         f"wrote {report.manifest_path.parent} ({report.response_tokens} generated tokens, "
         f"{report.train_steps} steps, depth-1 acceptance {report.acceptance['1']})"
@@ -149,6 +160,7 @@ def _from_traffic(args: argparse.Namespace) -> int:
         "hidden_source",
         "chain_source",
         "draft_vocab",
+        "drafter",
     ):
         if getattr(args, name) is not None:
             raise MtplxError(f"--{name.replace('_', '-')}: does not apply to --from-traffic")

@@ -2,7 +2,8 @@
 
 `mtplx forge --help` shows these defaults (`mtplx.cli.forge` builds its flags from them);
 importing them must not import MLX, mlx-lm or transformers (`mtplx.forge.run` does, ~2 s), so
-they live here. Imports the standard library, `mtplx.resources` and `mtplx.sample.params` only.
+they live here. Imports the standard library, `mtplx.resources`, `mtplx.sample.params` and
+`mtplx.spec_decode.sources` (the drafters' names) only.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 from mtplx.errors import MtplxError
 from mtplx.resources import prompt_suite
+from mtplx.spec_decode.sources import Source
 from mtplx.trunk.hidden import HIDDEN_SOURCES
 
 # The benchmark suite of this repository: held out from every forge run that can see it.
@@ -26,6 +28,7 @@ MIN_TIME_BUDGET_S = 60.0
 # (--init-head) the from-scratch rate first undoes what it knew: fine-tunes of the default head
 # dipped at 3e-4 and 5e-4 and did not at 1e-4, which ended best (the model card's ablations).
 SCRATCH_LR, FINE_TUNE_LR = 1e-3, 1e-4
+FORGED_DRAFTERS = (Source.EAGLE3.value,)  # what `mtplx forge --drafter` trains (`mtplx.forge.drafter`)
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,7 @@ class ForgeConfig:
     overwrite: bool = False
     init_head: str | None = None  # start from this forged head (same trunk) instead of the trunk's last layer
     head_layers: int = 1  # layers run in sequence per draft step; those beyond init_head's start as identity
+    drafter: str | None = None  # "eagle3": forge an EAGLE-3 drafter (`mtplx.forge.drafter`), not an MTP head
     # data generation
     seq_len: int = 384  # slots per sequence: prompt + response
     max_prompt: int = 256  # longer prompts are skipped (a chat template cannot be cut)
@@ -98,6 +102,12 @@ class ForgeConfig:
             raise MtplxError(
                 f"forge: step_weights needs {self.depth} non-negative weights, got {self.step_weights}"
             )
+        if self.drafter not in (None, *FORGED_DRAFTERS):
+            raise MtplxError(
+                f"forge: drafter must be one of {', '.join(FORGED_DRAFTERS)}, got {self.drafter!r}"
+            )
+        if self.drafter is not None and self.init_head is not None:
+            raise MtplxError("forge: --init-head starts an MTP head; a drafter starts from the trunk")
         if isinstance(self.draft_vocab, str) and self.draft_vocab != "auto":
             raise MtplxError(
                 f"forge: draft_vocab must be a number of ids, 'auto' or None, got {self.draft_vocab!r}"

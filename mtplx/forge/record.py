@@ -95,8 +95,9 @@ class _Recorder:
     started by the call before: the decoder's own sync since then ran it, so reading it back never
     waits. Thus recording adds no host sync to a cycle."""
 
-    def __init__(self, out: ForgeData, prompt_lengths: Sequence[int], top_k: int):
+    def __init__(self, out: ForgeData, prompt_lengths: Sequence[int], top_k: int, taps: bool = False):
         self.out, self.prompt_lengths, self.top_k = out, prompt_lengths, top_k
+        self.taps = taps  # record the trunk's layer taps joined (a drafter's input), not its last hidden
         self.forwarded = [0] * len(prompt_lengths)  # positions each row's tap has seen
         self.queued: list[_Run] = []
         self.started: tuple[list[_Run], mx.array, mx.array | None, mx.array | None] | None = None
@@ -107,7 +108,8 @@ class _Recorder:
             self.forwarded[row] += n
             first = min(max(self.prompt_lengths[row] - 1 - start, 0), n)
             logits = output.logits[0, first:] if first < n else None
-            self.queued.append(_Run(row, start, output.hidden_pre_norm[0].astype(mx.float16), first, logits))
+            hidden = mx.concatenate(output.layer_hidden, axis=-1) if self.taps else output.hidden_pre_norm
+            self.queued.append(_Run(row, start, hidden[0].astype(mx.float16), first, logits))
 
         return record
 
@@ -164,6 +166,7 @@ def generate_batch(
     *,
     depth: int = 0,
     max_rows: int | None = None,
+    taps: Sequence[int] = (),
 ) -> ForgeData:
     """Generate a response for every prompt (until EOS, at most ``seq_len`` less the longest prompt
     tokens) and record the training data: every prompt is a `GenerationRequest` submitted to the
@@ -177,7 +180,9 @@ def generate_batch(
     exactly: the tokens have the same distribution, and the recorded distributions are the verify
     forward's own at each committed position; `generate_shards` does not draft: with 32 rows on a
     2-core CPU the trunk is compute bound and verifying two positions a row halved tokens/s
-    (benchmarks/forge_generation.py, the default model's card). A shard's rows all start together
+    (benchmarks/forge_generation.py, the default model's card). ``taps`` (decoder layer ids):
+    ``hidden`` holds those layers' outputs joined, [.., len(taps) H] (an EAGLE-3 drafter's input,
+    `mtplx.forge.drafter`), instead of the last hidden state. A shard's rows all start together
     (``max_rows`` unset): joins across shards would make a shard's floats depend on where a run
     resumed. ``deadline`` (time.time()) stops the scheduler after its first step once it passes,
     so a time budget is kept even when one batch takes minutes (the cut responses are still
@@ -187,14 +192,15 @@ def generate_batch(
     if max(lengths) >= seq_len - 1:
         raise ValueError(f"prompts must be shorter than seq_len - 1 ({seq_len - 1}), got {max(lengths)}")
     rows, k = len(prompts), min(top_k, trunk.vocab_size)
+    width = trunk.embed(mx.array([0])).shape[-1] * max(len(taps), 1)
     out = ForgeData(
         np.zeros((rows, seq_len), np.int32),
-        np.zeros((rows, seq_len, trunk.embed(mx.array([0])).shape[-1]), np.float16),
+        np.zeros((rows, seq_len, width), np.float16),
         np.zeros((rows, seq_len, k), np.int32),
         np.zeros((rows, seq_len, k), np.float32),
         np.zeros((rows, seq_len), bool),
     )
-    recorder = _Recorder(out, lengths, k)
+    recorder = _Recorder(out, lengths, k, taps=bool(taps))
     # The fixed-batch loop this replaced gave every row the slots the longest prompt leaves; kept,
     # so shards written before and after it (one resumed run can hold both) answer alike.
     request = GenerationRequest(
@@ -219,14 +225,21 @@ def generate_batch(
         recorder.flush()
         return deadline is not None and time.time() >= deadline
 
-    with contextlib.closing(scheduler.drive(after_step)) as results:
-        for result in results:
-            if result.error is not None:
-                raise result.error
-            r = handles[result.handle]
-            response[r].extend(result.chunk.token_ids)
-            if result.chunk.eos_token is not None:
-                response[r].append(result.chunk.eos_token)
+    tapped = trunk.tapped_layers
+    if taps:
+        trunk.tap_layers(taps)
+    try:
+        with contextlib.closing(scheduler.drive(after_step)) as results:
+            for result in results:
+                if result.error is not None:
+                    raise result.error
+                r = handles[result.handle]
+                response[r].extend(result.chunk.token_ids)
+                if result.chunk.eos_token is not None:
+                    response[r].append(result.chunk.eos_token)
+    finally:
+        if taps:
+            trunk.tap_layers(tapped or None)
     recorder.finish()
     _write_sequences(out, prompts, response)
     return out
@@ -260,10 +273,12 @@ class ShardPlan:
     top_k: int
     seed: int
     fingerprint: str
+    taps: tuple[int, ...] = ()  # decoder layers recorded joined instead of the last hidden (`generate_batch`)
 
     def key(self) -> str:
         blob = json.dumps(
-            [
+            ([list(self.taps)] if self.taps else [])  # keyed only when set: head runs keep their directory
+            + [
                 [(p.kind, p.source, p.text, p.messages) for p in self.prompts],
                 [(s.temperature, s.top_p) for s in self.settings],
                 self.batch,
@@ -321,7 +336,15 @@ def _make_shard(engine, plan: ShardPlan, encoded, setting: Setting, key, eos: se
     """One shard's data and metadata from its (prompt, ids) pairs; rows with nothing to train on dropped."""
     began = time.perf_counter()
     data = generate_batch(
-        engine, [ids for _, ids in encoded], setting, key, plan.seq_len, plan.top_k, eos, deadline
+        engine,
+        [ids for _, ids in encoded],
+        setting,
+        key,
+        plan.seq_len,
+        plan.top_k,
+        eos,
+        deadline,
+        taps=plan.taps,
     )
     seconds = time.perf_counter() - began
     meta = {

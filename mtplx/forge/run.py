@@ -145,6 +145,7 @@ def _ckpt_dir(cfg: ForgeConfig, run_dir: Path, rows: int, init_sha: str | None) 
         ]
         # Keyed only when set, so the checkpoints of one-layer runs keep their directory.
         + ([cfg.head_layers] if cfg.head_layers != 1 else [])
+        + ([cfg.drafter, cfg.draft_vocab] if cfg.drafter else [])
     )
     return run_dir / f"ckpt-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
 
@@ -224,11 +225,18 @@ def _generate(
     return summaries
 
 
-def write_sidecar(out: Path, head: ForgedMTPHead, manifest: dict, overwrite: bool) -> Path:
-    """Write into a temp directory beside ``out``, then rename: a half-written head never exists."""
+def write_sidecar(
+    out: Path,
+    head: Any,
+    manifest: dict,
+    overwrite: bool,
+    save: Callable[[Path, Any, dict], Any] = save_forged_head,
+) -> Path:
+    """Write into a temp directory beside ``out`` (``save``: a forged head's files, or a drafter's),
+    then rename: a half-written head never exists. Returns ``out``."""
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    save_forged_head(tmp, head, manifest)
+    save(tmp, head, manifest)
     if out.exists():
         if not overwrite:
             raise MtplxError(f"{out}: output directory exists; pass --overwrite to replace it")
@@ -238,7 +246,7 @@ def write_sidecar(out: Path, head: ForgedMTPHead, manifest: dict, overwrite: boo
         shutil.rmtree(old)
     else:
         os.replace(tmp, out)
-    return out / "manifest.json"
+    return out
 
 
 @dataclass
@@ -295,12 +303,21 @@ def _prompt_sets(cfg: ForgeConfig) -> _PromptSets:
 
 
 def _record(
-    cfg: ForgeConfig, engine: Any, loaded: Any, prompts: _PromptSets, budget: Budget | None, t_start: float
+    cfg: ForgeConfig,
+    engine: Any,
+    loaded: Any,
+    prompts: _PromptSets,
+    budget: Budget | None,
+    t_start: float,
+    taps: tuple[int, ...] = (),
 ) -> _Recorded:
-    """Generate (or find) this run's shards and read them back."""
+    """Generate (or find) this run's shards and read them back (``taps``: the decoder layers whose
+    outputs are recorded joined instead of the last hidden state, for a drafter)."""
     settings = _settings(cfg)
     plans = {
-        name: ShardPlan(tuple(ps), settings, cfg.gen_batch, cfg.seq_len, cfg.top_n, seed, loaded.fingerprint)
+        name: ShardPlan(
+            tuple(ps), settings, cfg.gen_batch, cfg.seq_len, cfg.top_n, seed, loaded.fingerprint, taps
+        )
         for name, ps, seed in (("train", prompts.train, cfg.seed), ("eval", prompts.eval, cfg.seed + 1))
     }
     run_dir = _work_root(cfg) / f"{loaded.fingerprint}-{plans['train'].key()}"
@@ -468,7 +485,7 @@ def forge(config: ForgeConfig = DEFAULT_FORGE_CONFIG, **overrides: Any) -> Forge
     trained = _train(cfg, trunk, loaded.fingerprint, recorded, budget, t_start)
     scored = _score(cfg, trunk, trained.head, recorded)
     manifest = _manifest(cfg, loaded.fingerprint, prompts, recorded, trained, scored, t_start)
-    path = write_sidecar(out, trained.head, manifest, cfg.overwrite)
+    path = write_sidecar(out, trained.head, manifest, cfg.overwrite) / "manifest.json"
     return ForgeReport(
         path,
         scored.acceptance,

@@ -143,27 +143,54 @@ class TrainResult:
 class TrainStep:
     """One training step of ``head`` at a time (AdamW on the unrolled chain's weighted loss, the
     gradient clipped to norm 1, ``cfg``'s schedule over ``total`` steps): `train_head`'s loop body,
-    and the server's background trainer's, which must stop between steps."""
+    and the server's background trainer's, which must stop between steps. A drafter of another
+    shape (`mtplx.forge.drafter`'s EAGLE-3) overrides ``prepare`` and ``step_losses``: the rows,
+    schedule, optimizer, clipping and checkpoints stay these."""
 
     def __init__(
         self, cfg: Any, trunk: Trunk, head: Any, data: ForgeData, train_ids: np.ndarray | None, total: int
     ):
         self.cfg, self.trunk, self.head, self.data = cfg, trunk, head, data
-        self.obj = Objective.build(trunk, train_ids)
-        head.freeze(keys=[])  # every head parameter trains; the trunk is not part of the head's tree
+        self.in_shared = self.prepare(train_ids)
         self.opt = optim.AdamW(learning_rate=lr_schedule(cfg, total), weight_decay=cfg.weight_decay)
 
         def loss_fn(batch: Batch) -> tuple[mx.array, list[mx.array]]:
-            losses = unrolled_step_losses(head, self.obj.rows_matrix, self.obj.shared_proj, batch, cfg.depth)
+            losses = self.step_losses(batch)
             return weighted_loss(losses, cfg.step_weights), losses
 
         self.loss_and_grad = nn.value_and_grad(head, loss_fn)
 
-    def __call__(self, step: int) -> tuple[float, list[mx.array]]:
-        """Train on step ``step``'s rows (`batch_rows`); returns (the depth-1 KL, the step losses)."""
+    def prepare(self, train_ids: np.ndarray | None) -> np.ndarray:
+        """Make what every step shares; returns the [V] bool mask of the ids the loss normalises over."""
+        self.obj = Objective.build(self.trunk, train_ids)
+        self.head.freeze(keys=[])  # every head parameter trains; the trunk is not part of the head's tree
+        return self.obj.in_shared
+
+    def step_losses(self, batch: Batch) -> list[mx.array]:
+        """The masked mean cross-entropy of each draft step of ``batch``, the chain unrolled."""
+        return unrolled_step_losses(
+            self.head, self.obj.rows_matrix, self.obj.shared_proj, batch, self.cfg.depth
+        )
+
+    def batch(self, step: int) -> Batch:
+        """Step ``step``'s rows (`batch_rows`) as a `Batch`."""
         cfg = self.cfg
         rows = batch_rows(self.data.num_sequences, cfg.batch_size, step, cfg.seed)
-        batch = make_batch(self.trunk, self.data, rows, cfg.hidden_source, self.obj.in_shared, cfg.depth)
+        return make_batch(self.trunk, self.data, rows, cfg.hidden_source, self.in_shared, cfg.depth)
+
+    def seconds(self, n: int = 1) -> float:
+        """Measured seconds of one step's forward and backward (no update), to size a time budget."""
+        times = []
+        for i in range(n + 1):
+            batch = self.batch(i)
+            t = time.perf_counter()
+            mx.eval(self.loss_and_grad(batch))
+            times.append(time.perf_counter() - t)
+        return float(np.median(times[1:]))
+
+    def __call__(self, step: int) -> tuple[float, list[mx.array]]:
+        """Train on step ``step``'s rows (`batch_rows`); returns (the depth-1 KL, the step losses)."""
+        batch = self.batch(step)
         (_, losses), grads = self.loss_and_grad(batch)
         grads, _ = optim.clip_grad_norm(grads, 1.0)
         self.opt.update(self.head, grads)
@@ -181,16 +208,18 @@ def train_head(
     steps: int | None = None,
     log_every: int = 10,
     stop_at: int | None = None,
+    make_step: Callable[..., TrainStep] = TrainStep,
 ) -> TrainResult:
     """Train ``head`` in place for ``steps`` (default ``cfg.steps``) steps with the unrolled chain,
     resuming from the newest checkpoint in ``ckpt_dir``.
 
     ``stop_at`` ends early (with a checkpoint) on the same schedule, so a short run
-    continued later is identical to one straight run.
+    continued later is identical to one straight run. ``make_step`` builds the step (`TrainStep`,
+    or a drafter's subclass).
     """
     total = cfg.steps if steps is None else steps
     end = total if stop_at is None else min(stop_at, total)
-    train_step = TrainStep(cfg, trunk, head, data, train_ids, total)
+    train_step = make_step(cfg, trunk, head, data, train_ids, total)
     opt = train_step.opt
     start = 0
     found = latest_checkpoint(ckpt_dir)

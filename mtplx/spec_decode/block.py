@@ -203,6 +203,7 @@ def row_positions(output: TrunkOutput, row: int, count: int) -> TrunkOutput:
         output.logits[row : row + 1, :count],
         output.hidden_pre_norm[row : row + 1, :count],
         output.hidden_post_norm[row : row + 1, :count],
+        None if output.layer_hidden is None else tuple(t[row : row + 1, :count] for t in output.layer_hidden),
     )
 
 
