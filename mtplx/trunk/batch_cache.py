@@ -516,8 +516,10 @@ class BatchCache:
                 recurrent_capture.register_recorder(record)
                 tap.arm()
                 recurrent.append(record)
-            elif callable(getattr(layer, "start_speculation", None)):
-                recurrent.append(_SpeculationBlock(layer, layer.start_speculation(block_len)))
+            else:  # a batch layer, or a CacheList member, that records a block itself (mlx-vlm's)
+                for own in cache_leaves([layer]):
+                    if callable(getattr(own, "start_speculation", None)):
+                        recurrent.append(_SpeculationBlock(own, own.start_speculation(block_len)))
         return BatchBlock(list(self.lengths), block_len, recurrent)
 
     def commit_block(self, block: BatchBlock, num_keep: Sequence[int]) -> None:

@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from mtplx.errors import MtplxError, first_line
-from mtplx.trunk import batch_vlm, vlm_minimax_m3
+from mtplx.trunk import batch_inkling, batch_vlm, vlm_minimax_m3
 from mtplx.trunk.compat import materialize
 
 import mlx.core as mx
@@ -113,6 +113,7 @@ BATCH_LAYERS = {
     "minimax_m3": vlm_minimax_m3.batch_layer,
     "qwen4_exp": batch_vlm.qwen4_exp_layer,
     "glm5_next": batch_vlm.glm5_next_layer,
+    "inkling": batch_inkling.inkling_layer,
 }
 # Families whose forward on batch caches takes each row's ``position_ids`` (MiniMax-M3's indexer
 # takes its query start as one int; the other two compute their rows' positions from the caches).
