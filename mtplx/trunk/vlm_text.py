@@ -24,7 +24,7 @@ trunk contract is unchanged:
   mlx-vlm's own caches; `mtplx.trunk.rollback_vlm` rolls them back through mlx-vlm's own
   speculative cache transaction (checked against plain decoding in ``tests/trunk/test_cache.py``);
   those whose caches batch (``BATCH_LAYERS``: MiniMax-M3, `mtplx.trunk.vlm_minimax_m3`;
-  Qwen3.8-Flash-Next and GLM-5-Next, `mtplx.trunk.batch_vlm`) give the batch its layer for each
+  Qwen3.8-Flash-Next and GLM-5-Next, `mtplx.trunk.batch_vlm`; Inkling, `mtplx.trunk.batch_inkling`) give the batch its layer for each
   (`VlmTextModel.batch_layer`), and MiniMax-M3's forward on batch caches passes mlx-vlm the rows'
   own ``position_ids`` (`ragged_position_ids`);
 * a family without a final norm (``FINAL_MIXERS``: Qwen3.8-Flash-Next collapses its ``hc_count``
