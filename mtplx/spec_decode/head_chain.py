@@ -139,17 +139,29 @@ class HeadChain:
             )
         return self.head(hidden, tokens, self.cache.layers, step=step)
 
-    def _set_lengths(self, lengths: list[int], chained: int = 0) -> None:
-        """Every row back to its true length: in a batch by ``lengths`` (rows were padded); one
-        row's own caches (nothing padded) drop the ``chained`` entries the chain made, as any
-        cache kind's trim takes them (a DSA head's latent and indexer caches)."""
+    def _begin(self, block_len: int) -> Any:
+        """In a batch, a block over the head's caches for the next ``block_len`` positions (so caches
+        that record a block themselves, Inkling's convolution windows, keep each row's own count at
+        `_set_lengths`); None for one row's own caches or a head without any."""
+        if block_len < 1 or not self.cache.layers or isinstance(self.cache, SingleRowCache):
+            return None
+        return self.cache.begin_block(block_len)
+
+    def _set_lengths(self, lengths: list[int], chained: int = 0, block: Any = None) -> None:
+        """Every row back to its true length: in a batch by ``lengths`` (rows were padded; a
+        ``block`` from `_begin` keeps each row's ``lengths[r]`` minus its length at the block's
+        start); one row's own caches (nothing padded) drop the ``chained`` entries the chain made,
+        as any cache kind's trim takes them (a DSA head's latent and indexer caches)."""
         if not self.cache.layers:  # a head without a cache of its own keeps nothing to trim
             return
         if isinstance(self.cache, SingleRowCache):
             if chained:
                 rollback.trim_kv(self.cache.layers, chained)
             return
-        self.cache.set_lengths(lengths)
+        if block is not None:
+            self.cache.commit_block(block, [n - b for n, b in zip(lengths, block.lengths_before)])
+        elif chained or lengths != self.cache.lengths:
+            self.cache.set_lengths(lengths)
 
     def draft(
         self,
@@ -178,8 +190,9 @@ class HeadChain:
         for r in rows:
             r.pending_hidden, r.pending_tokens = [], []
         true_lengths = [n + c for n, c in zip(self.cache.lengths, counts)]
+        block = self._begin(width)
         head_out = self._head(hidden, tokens)
-        self._set_lengths(true_lengths)
+        self._set_lengths(true_lengths, block=block)
         # A head that reads only the last pair (a Gemma 4 assistant, one row) returns one position.
         last = [min(c, head_out.shape[1]) - 1 for c in counts]
         head_out_last = gather_positions(head_out, last)
@@ -193,6 +206,7 @@ class HeadChain:
         confidence: list[mx.array] = []
         flags: list[mx.array] = []
         any_q = any(not r.spec.settings.greedy_draft for r in rows)
+        block = self._begin(depth - 1)  # the chain's entries, dropped after it
         for step in range(depth):
             if step > 0:
                 head_out = self._head(chain_in, draft_tokens[-1][:, None], step)
@@ -210,7 +224,7 @@ class HeadChain:
             if any_q:
                 draft_probs.append(q)
             flags.append(invalid)
-        self._set_lengths(true_lengths, chained=depth - 1)
+        self._set_lengths(true_lengths, chained=depth - 1, block=block)
         invalid = flags[0]
         for flag in flags[1:]:
             invalid = invalid | flag

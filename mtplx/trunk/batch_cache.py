@@ -35,13 +35,14 @@ number of positions per row each cycle, so here every row has its own length:
   MiniMax-M3's KV + indexer keys, `mtplx.trunk.vlm_minimax_m3`; Qwen3.8-Flash-Next's QSA KV as
   ragged rows and its and GLM-5-Next's mlx-vlm ``ArraysCache`` s of B rows whose operators record
   every block position themselves, `mtplx.trunk.batch_vlm`; GLM-5-Next's sparse layers'
-  ``CacheList`` s, `mtplx.trunk.batch_glm5_next`). A batch layer with ``start_speculation`` is
-  rolled back per row by its own ``commit_speculation``.
+  ``CacheList`` s, `mtplx.trunk.batch_glm5_next`; Inkling's ``CacheList(KVCache, ArraysCache(4))``,
+  `mtplx.trunk.batch_inkling`). A batch layer, or a ``CacheList`` member, with
+  ``start_speculation`` is rolled back per row by its own ``commit_speculation``.
 
 Rows join from single-row caches (`add_rows`, after their own prefill or from the prompt
 cache) and leave (`remove_rows`); both copy only the rows that move, never per cycle. Sliding-window
 (rotating) caches, float caches that convert to quantized KV at a later position, and mlx-vlm's
-own cache classes without a batch layer (DeepSeek-V4, Inkling) are not batched:
+own cache classes without a batch layer (DeepSeek-V4) are not batched:
 `check_batchable` says so in one line naming the cache class.
 
 Invariant between cycles: every layer's row r holds exactly the committed positions of
@@ -516,8 +517,10 @@ class BatchCache:
                 recurrent_capture.register_recorder(record)
                 tap.arm()
                 recurrent.append(record)
-            elif callable(getattr(layer, "start_speculation", None)):
-                recurrent.append(_SpeculationBlock(layer, layer.start_speculation(block_len)))
+            else:  # a batch layer, or a CacheList member, that records a block itself (mlx-vlm's)
+                for own in cache_leaves([layer]):
+                    if callable(getattr(own, "start_speculation", None)):
+                        recurrent.append(_SpeculationBlock(own, own.start_speculation(block_len)))
         return BatchBlock(list(self.lengths), block_len, recurrent)
 
     def commit_block(self, block: BatchBlock, num_keep: Sequence[int]) -> None:

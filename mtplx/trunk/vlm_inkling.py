@@ -14,7 +14,7 @@ the two places its forward departs from the trunk contract, and how mtplx meets 
   transaction's commit then installs ``source[:, keep : keep + K-1]``, the window after ``keep``
   positions, which is what plain decoding leaves (each step keeps the last K-1 inputs). No second
   forward; outside a transaction the method runs untouched. A padded batch (a conv mask) is not
-  recorded (Inkling decodes one request at a time: `mtplx.trunk.batch_cache` refuses its caches).
+  recorded (a batch's rows are ragged, not padded: `mtplx.trunk.batch_inkling`).
 * **The final norm's width multiplier** (the LM head's input). ``LanguageModel._logits_from_norm``
   divides the final norm's output by ``logits_mup_width_multiplier`` before the LM head.
   `host` shows the trunk ``norm`` as `WidthScaledNorm` (norm, then the division) and makes

@@ -32,6 +32,7 @@ from support.seeds import SEEDS, resolve
 from support.vlm_heads import (
     CHI_VOCAB,
     PROMPTS,
+    assert_batched_rows_share_forwards_and_equal_ar,
     assert_chi_square_rejects_committed_rejected_drafts,
     assert_sampled_mtp_matches_ar,
     assert_split_head_equals_own,
@@ -204,18 +205,80 @@ def test_greedy_mtp_equals_ar_with_drafts_kept_at_depths_1_and_2(engine):
     assert_mtp_equals_ar_with_drafts_kept(engine.trunk, engine.head, PROMPTS[:1], 12)
 
 
-def test_a_batch_decodes_its_rows_one_at_a_time_with_a_one_line_reason(engine):
-    """Inkling's caches are mlx-vlm's own: the batch refuses them in one line, and a batch request
-    still gives each prompt's AR tokens (its rows decode alone)."""
-    from mtplx.spec_decode.rows import check_batch_support
+def test_rows_in_a_batch_share_one_forward_and_equal_ar_with_rejections(engine, monkeypatch):
+    """Its caches batch (`mtplx.trunk.batch_inkling`: the K/V as ragged rows, the short
+    convolutions' windows rolled back per row by mlx-vlm, the band at each row's positions), the
+    head's too: the three rows decode in shared trunk forwards, each giving its AR tokens alone
+    with drafts kept and rejected."""
+    assert_batched_rows_share_forwards_and_equal_ar(engine, monkeypatch, max_tokens=8)
 
-    reason = check_batch_support(engine.trunk)
-    assert reason is not None and "\n" not in reason and "not batched" in reason
-    req = GenerationRequest.from_kwargs
-    prompts = list(PROMPTS[:2])
-    want = [engine.generate(p, req(max_tokens=6, draft="none")).token_ids for p in prompts]
-    got = engine.generate_batch(prompts, [req(max_tokens=6, draft="head", depth=2)] * 2, max_rows=2)
-    assert [g.token_ids for g in got] == want
+
+def _head_rows(engine, prompts, blocks, counts, chained: int, *, record: bool = True):
+    """The head's batch caches (as `HeadChain` uses them) for rows joining after their prompts'
+    pairs: a block of the padded true pairs ``blocks`` keeping ``counts[r]`` per row, then
+    ``chained`` one-position chain steps, all dropped. ``record`` False: the blocks' windows
+    are not recorded (the control). Returns the batch cache."""
+    from mtplx.trunk.batch_cache import BatchCache
+
+    head = engine.head
+    batch = BatchCache(head.make_cache(), own_layer=engine.trunk.model.batch_layer)
+    singles = []
+    for hidden, tokens in prompts:
+        cache = head.make_cache()
+        head(hidden, tokens, cache)
+        singles.append(cache)
+    batch.add_rows(singles)
+
+    def begin(n):
+        block = batch.begin_block(n)
+        if not record:
+            for r in block.recurrent:
+                r.cache.abort_speculation(r.generation)
+            block.recurrent.clear()
+        return block
+
+    hidden, tokens = blocks
+    block = begin(tokens.shape[1])
+    out = head(hidden, tokens, batch.layers)
+    batch.commit_block(block, list(counts))
+    block = begin(chained)
+    for _ in range(chained):
+        out = head(out[:, -1:], tokens[:, :1], batch.layers, step=1)
+    batch.commit_block(block, [0] * len(counts))
+    return batch
+
+
+def test_the_heads_batch_caches_keep_each_rows_true_pairs_and_drop_the_chain(engine):
+    """The head's caches in a batch, used as `HeadChain` uses them (a block over the padded true
+    pairs, each row keeping its own count; a block over the chain's entries, dropped): each row's
+    next head logits are its own caches' alone, fed only its true pairs (1e-4). Control: the
+    windows not recorded (kept over the padding and the chain) give other logits."""
+    rng = np.random.default_rng(0)
+    head = engine.head
+    width = engine.trunk.model.args.hidden_size
+
+    def pairs(n):
+        return mx.array(rng.normal(size=(1, n, width)).astype(np.float32)), mx.array(
+            rng.integers(2, 90, (1, n))
+        )
+
+    prompts = [pairs(2), pairs(6)]
+    counts = (1, 3)
+    padded = [pairs(3), pairs(3)]
+    blocks = (mx.concatenate([h for h, _ in padded]), mx.concatenate([t for _, t in padded]))
+    after = [pairs(2), pairs(2)]
+    nxt = (mx.concatenate([h for h, _ in after]), mx.concatenate([t for _, t in after]))
+    batch = _head_rows(engine, prompts, blocks, counts, chained=1)
+    together = head.logits(head(*nxt, batch.layers))
+    for r, ((hidden, tokens), n) in enumerate(zip(prompts, counts)):
+        cache = head.make_cache()
+        head(hidden, tokens, cache)
+        head(padded[r][0][:, :n], padded[r][1][:, :n], cache)
+        alone = head.logits(head(*after[r], cache))
+        assert np.abs(np.array(together[r : r + 1]) - np.array(alone)).max() < 1e-4, r
+    control = _head_rows(engine, prompts, blocks, counts, chained=1, record=False)
+    wrong = head.logits(head(*nxt, control.layers))
+    assert np.abs(np.array(wrong[:1]) - np.array(together[:1])).max() > 1e-3
 
 
 # --------------------------------------------------------------------------- the split drafter

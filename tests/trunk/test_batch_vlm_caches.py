@@ -53,7 +53,14 @@ def _run(trunk: Trunk, batch: BatchCache, blocks: list[np.ndarray], keeps) -> li
     return out
 
 
-@pytest.mark.parametrize("family", ["qwen4_exp", "glm5_next"])
+def _tiny(family: str):
+    """The family's tiny in-memory trunk model (``support.vlm_families``, Inkling's ``support.vlm_inkling``)."""
+    from support import vlm_inkling
+
+    return getattr(vlm_inkling if family == "inkling" else families, f"tiny_{family}")()
+
+
+@pytest.mark.parametrize("family", ["qwen4_exp", "glm5_next", "inkling"])
 @pytest.mark.parametrize("seed", [0, FRESH])
 def test_ragged_rows_keep_their_own_count_and_give_each_rows_logits_alone(family, seed):
     """Two rows (1 and 13 committed tokens) forward verify blocks of 3 positions together, each
@@ -63,7 +70,7 @@ def test_ragged_rows_keep_their_own_count_and_give_each_rows_logits_alone(family
     leaves, the long one goes on alone in the batch. Control: a batch that keeps the whole first
     block of the short row (a missed rollback of every cache kind) gives other logits."""
     rng = np.random.default_rng(resolve(seed))
-    trunk = Trunk(getattr(families, f"tiny_{family}")())
+    trunk = Trunk(_tiny(family))
     prompts = [rng.integers(2, 90, size=n).tolist() for n in LENGTHS]
     blocks = [rng.integers(2, 90, size=(2, BLOCK)) for _ in KEEPS] + [rng.integers(2, 90, size=(2, 1))]
     keeps = [*KEEPS, [1, 1]]

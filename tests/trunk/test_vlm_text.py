@@ -260,18 +260,22 @@ def test_kv_bits_is_refused_in_one_line_naming_the_cache_kinds(family, kinds):
         ("deepseek_v4", "mlx_vlm RotatingKVCache"),
         ("glm5_next", None),  # mlx-vlm's own caches with batch forms (mtplx.trunk.batch_glm5_next)
         ("minimax_m3", None),  # mlx-vlm's own KVCache / MiniMaxM3KVCache as ragged rows, batched
+        ("inkling", None),  # mlx-vlm's CacheList(KVCache, ArraysCache(4)), batched (batch_inkling)
     ],
 )
 def test_families_on_mlx_vlms_own_caches_decode_alone_with_a_one_line_reason(family, kind):
     """Rows of a family on mlx-vlm's own cache classes without a batch layer decode one request at
     a time: the reason is one line naming the first such cache; Hunyuan-V4's, Qwen3.8-Flash-Next's,
-    GLM-5-Next's (`tests/heads/test_hy_v4.py`, `test_qwen4_exp.py`, `test_glm5_next.py`: rows share
-    one forward) and MiniMax-M3's (`tests/trunk/test_vlm_minimax_m3.py`) take none."""
+    GLM-5-Next's, Inkling's (`tests/heads/test_hy_v4.py`, `test_qwen4_exp.py`, `test_glm5_next.py`,
+    `test_inkling.py`: rows share one forward) and MiniMax-M3's (`tests/trunk/test_vlm_minimax_m3.py`)
+    take none."""
     from mtplx.spec_decode.rows import check_batch_support
 
     import support.vlm_families as families
+    import support.vlm_inkling
 
-    reason = check_batch_support(Trunk(getattr(families, f"tiny_{family}")()))
+    source = support.vlm_inkling if family == "inkling" else families
+    reason = check_batch_support(Trunk(getattr(source, f"tiny_{family}")()))
     if kind is None:
         assert reason is None
     else:
