@@ -32,7 +32,7 @@ step k from origin p reads (token p + k + 1, its own output of step k - 1) at po
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +40,7 @@ import mtplx  # noqa: F401  (optimized BLAS before mlx)
 from mtplx.drafters.eagle3 import Eagle3Drafter, eagle3_logits
 from mtplx.drafters.layouts import eagle3_spec
 from mtplx.errors import MtplxError
-from mtplx.forge.config import FORGED_DRAFTERS, ForgeConfig, parse_budget
+from mtplx.forge.config import FORGED_DRAFTERS, ForgeConfig
 from mtplx.forge.evaluate import EVAL_TEMPERATURES, Tally
 from mtplx.forge.loss import Batch, UnrollCache, frequent_ids
 from mtplx.forge.record import ForgeData
@@ -320,22 +320,21 @@ def forge_drafter(config: ForgeConfig, **overrides: Any) -> Any:
     """Forge ``config.drafter`` (EAGLE-3) for ``config.model`` (None = the default model) into
     ``config.out_dir``; `run.forge`'s stages, resumable the same way. Returns a `run.ForgeReport`
     whose ``manifest_path`` is the drafter's `RECORD`."""
-    from mtplx.checkpoints.load import load_model
-    from mtplx.engine.engine import Engine
-    from mtplx.forge.run import ForgeReport, _check_budget, _data_record, _prompt_sets, _record, write_sidecar
+    from mtplx.forge.run import ForgeReport, _data_record, _record, start_run, write_sidecar
 
-    cfg = replace(config, **overrides) if overrides else config
-    if cfg.drafter != EAGLE3:
-        raise MtplxError(f"forge: drafter must be one of {', '.join(FORGED_DRAFTERS)}, got {cfg.drafter!r}")
-    t_start = time.time()
-    out = Path(cfg.out_dir)
-    if out.exists() and not cfg.overwrite:
-        raise MtplxError(f"{out}: output directory exists; pass --overwrite to replace it")
-    budget = parse_budget(cfg.budget) if cfg.budget is not None else None
-    _check_budget(cfg, budget)
-    prompts = _prompt_sets(cfg)  # before loading the model: bad data fails fast
-    loaded = load_model(cfg.model)
-    engine = Engine(loaded.model, loaded.tokenizer, loaded.config, fingerprint=loaded.fingerprint)
+    drafter = overrides.get("drafter", config.drafter)
+    if drafter != EAGLE3:
+        raise MtplxError(f"forge: drafter must be one of {', '.join(FORGED_DRAFTERS)}, got {drafter!r}")
+    run = start_run(config, overrides)
+    cfg, t_start, out, budget, prompts, loaded, engine = (
+        run.cfg,
+        run.t_start,
+        run.out,
+        run.budget,
+        run.prompts,
+        run.loaded,
+        run.engine,
+    )
     trunk = engine.trunk
     taps = tuple(max(i - 1, 0) for i in aux_layer_ids(len(trunk.layers)))  # `Eagle3Spec.tapped_layers`
     recorded = _record(cfg, engine, loaded, prompts, budget, t_start, taps)

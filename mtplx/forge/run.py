@@ -461,12 +461,25 @@ def _manifest(
     }
 
 
-def forge(config: ForgeConfig = DEFAULT_FORGE_CONFIG, **overrides: Any) -> ForgeReport:
-    """Forge an MTP head for ``config.model`` (None = the default model) into ``config.out_dir``.
+@dataclass
+class RunStart:
+    """What a forge run (a head's, `forge`, or a drafter's, `mtplx.forge.drafter.forge_drafter`)
+    has after its first stages (`start_run`)."""
 
-    ``overrides`` replace fields of ``config`` (``forge(model="x", budget="45m")``). Resumable:
-    rerunning with the same settings reuses the shards and the newest checkpoint under ``work_dir``.
-    """
+    cfg: ForgeConfig
+    t_start: float
+    out: Path
+    budget: float | None
+    prompts: Any
+    loaded: Any
+    engine: Engine
+
+
+def start_run(config: ForgeConfig, overrides: dict[str, Any]) -> RunStart:
+    """A forge run's first stages: ``overrides`` applied, the output directory and the budget
+    checked, the prompts read (before loading the model: bad data fails fast), the model loaded
+    and an engine without a head over it (generation goes through the one scheduler; forge
+    drafts nothing)."""
     from mtplx.checkpoints.load import load_model
 
     cfg = replace(config, **overrides) if overrides else config
@@ -476,12 +489,29 @@ def forge(config: ForgeConfig = DEFAULT_FORGE_CONFIG, **overrides: Any) -> Forge
         raise MtplxError(f"{out}: output directory exists; pass --overwrite to replace it")
     budget = parse_budget(cfg.budget) if cfg.budget is not None else None
     _check_budget(cfg, budget)
-    prompts = _prompt_sets(cfg)  # before loading the model: bad data fails fast
+    prompts = _prompt_sets(cfg)
     loaded = load_model(cfg.model)
-    # Generation goes through the one scheduler, on an engine without a head (forge drafts nothing).
     engine = Engine(loaded.model, loaded.tokenizer, loaded.config, fingerprint=loaded.fingerprint)
-    trunk = engine.trunk
-    recorded = _record(cfg, engine, loaded, prompts, budget, t_start)
+    return RunStart(cfg, t_start, out, budget, prompts, loaded, engine)
+
+
+def forge(config: ForgeConfig = DEFAULT_FORGE_CONFIG, **overrides: Any) -> ForgeReport:
+    """Forge an MTP head for ``config.model`` (None = the default model) into ``config.out_dir``.
+
+    ``overrides`` replace fields of ``config`` (``forge(model="x", budget="45m")``). Resumable:
+    rerunning with the same settings reuses the shards and the newest checkpoint under ``work_dir``.
+    """
+    run = start_run(config, overrides)
+    cfg, t_start, out, budget, prompts, loaded = (
+        run.cfg,
+        run.t_start,
+        run.out,
+        run.budget,
+        run.prompts,
+        run.loaded,
+    )
+    trunk = run.engine.trunk
+    recorded = _record(cfg, run.engine, loaded, prompts, budget, t_start)
     trained = _train(cfg, trunk, loaded.fingerprint, recorded, budget, t_start)
     scored = _score(cfg, trunk, trained.head, recorded)
     manifest = _manifest(cfg, loaded.fingerprint, prompts, recorded, trained, scored, t_start)
