@@ -193,13 +193,7 @@ def generate_batch(
         raise ValueError(f"prompts must be shorter than seq_len - 1 ({seq_len - 1}), got {max(lengths)}")
     rows, k = len(prompts), min(top_k, trunk.vocab_size)
     width = trunk.embed(mx.array([0])).shape[-1] * max(len(taps), 1)
-    out = ForgeData(
-        np.zeros((rows, seq_len), np.int32),
-        np.zeros((rows, seq_len, width), np.float16),
-        np.zeros((rows, seq_len, k), np.int32),
-        np.zeros((rows, seq_len, k), np.float32),
-        np.zeros((rows, seq_len), bool),
-    )
+    out = _empty_data(rows, seq_len, width, k)
     recorder = _Recorder(out, lengths, k, taps=bool(taps))
     # The fixed-batch loop this replaced gave every row the slots the longest prompt leaves; kept,
     # so shards written before and after it (one resumed run can hold both) answer alike.
@@ -219,12 +213,33 @@ def generate_batch(
         scheduler.submit(prompt, request, key=row_keys[r], trunk_tap=recorder.tap(r)): r
         for r, prompt in enumerate(prompts)
     }
-    response: list[list[int]] = [[] for _ in prompts]
 
     def after_step(_results) -> bool:  # the step's recorded positions; True: the deadline stops it
         recorder.flush()
         return deadline is not None and time.time() >= deadline
 
+    response = _drive_to_end(scheduler, handles, after_step, trunk, taps)
+    recorder.finish()
+    _write_sequences(out, prompts, response)
+    return out
+
+
+def _empty_data(rows: int, seq_len: int, width: int, k: int) -> ForgeData:
+    """Zeroed training arrays for ``rows`` sequences of ``seq_len`` positions (hidden width
+    ``width``, the trunk's top ``k``)."""
+    return ForgeData(
+        np.zeros((rows, seq_len), np.int32),
+        np.zeros((rows, seq_len, width), np.float16),
+        np.zeros((rows, seq_len, k), np.int32),
+        np.zeros((rows, seq_len, k), np.float32),
+        np.zeros((rows, seq_len), bool),
+    )
+
+
+def _drive_to_end(scheduler, handles: dict, after_step, trunk, taps: Sequence[int]) -> list[list[int]]:
+    """Drive ``scheduler`` until every row ends (or ``after_step`` stops it), ``taps`` tapped on
+    ``trunk`` meanwhile: each row's response tokens (an end-of-sequence token kept), by handle's row."""
+    response: list[list[int]] = [[] for _ in handles]
     tapped = trunk.tapped_layers
     if taps:
         trunk.tap_layers(taps)
@@ -240,9 +255,7 @@ def generate_batch(
     finally:
         if taps:
             trunk.tap_layers(tapped or None)
-    recorder.finish()
-    _write_sequences(out, prompts, response)
-    return out
+    return response
 
 
 def _write_sequences(out: ForgeData, prompts: Sequence[list[int]], response: Sequence[list[int]]) -> None:
