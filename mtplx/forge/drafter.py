@@ -32,7 +32,6 @@ step k from origin p reads (token p + k + 1, its own output of step k - 1) at po
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -320,7 +319,15 @@ def forge_drafter(config: ForgeConfig, **overrides: Any) -> Any:
     """Forge ``config.drafter`` (EAGLE-3) for ``config.model`` (None = the default model) into
     ``config.out_dir``; `run.forge`'s stages, resumable the same way. Returns a `run.ForgeReport`
     whose ``manifest_path`` is the drafter's `RECORD`."""
-    from mtplx.forge.run import ForgeReport, _data_record, _record, start_run, write_sidecar
+    from mtplx.forge.run import (
+        ForgeReport,
+        _data_record,
+        _record,
+        recipe_record,
+        start_run,
+        trunk_name,
+        write_sidecar,
+    )
 
     drafter = overrides.get("drafter", config.drafter)
     if drafter != EAGLE3:
@@ -338,7 +345,7 @@ def forge_drafter(config: ForgeConfig, **overrides: Any) -> Any:
     trunk = engine.trunk
     taps = tuple(max(i - 1, 0) for i in aux_layer_ids(len(trunk.layers)))  # `Eagle3Spec.tapped_layers`
     recorded = _record(cfg, engine, loaded, prompts, budget, t_start, taps)
-    name = str(cfg.model) if cfg.model is not None else "default (SmolLM2-135M-Instruct, float32)"
+    name = trunk_name(cfg)
     verifier = {"name_or_path": name, "architectures": list(loaded.config.get("architectures") or [])}
     drafter, drafter_config, result = _train_drafter(cfg, trunk, recorded, budget, t_start, verifier)
     acceptance = evaluate_drafter(trunk, drafter, recorded.eval, cfg.depth, cfg.progress)
@@ -350,14 +357,7 @@ def forge_drafter(config: ForgeConfig, **overrides: Any) -> Any:
         "depth_trained": cfg.depth,
         "objective": f"cross-entropy against the trunk's top-{cfg.top_n} + rest mass over the draft vocabulary, "
         f"response tokens only, draft chain unrolled {cfg.depth} steps with weights {list(cfg.step_weights[: cfg.depth])}",
-        "recipe": {
-            **{
-                k: v
-                for k, v in asdict(cfg).items()
-                if k not in ("out_dir", "work_dir", "progress", "overwrite")
-            },
-            "lr": cfg.peak_lr,
-        },
+        "recipe": recipe_record(cfg),
         "data": _data_record(prompts, recorded),
         "steps": result.steps,
         "training": {

@@ -426,18 +426,11 @@ def _manifest(
     result = trained.result
     return {
         "trunk_fingerprint": fingerprint,
-        "trunk": str(cfg.model) if cfg.model is not None else "default (SmolLM2-135M-Instruct, float32)",
+        "trunk": trunk_name(cfg),
         "depth_trained": cfg.depth,
         "objective": f"KL(p_trunk || q_head) over teacher top-{cfg.top_n} + rest mass, response tokens only, "
         f"draft chain unrolled {cfg.depth} steps with weights {list(cfg.step_weights[: cfg.depth])}",
-        "recipe": {
-            **{
-                k: v
-                for k, v in asdict(cfg).items()
-                if k not in ("out_dir", "work_dir", "progress", "overwrite")
-            },
-            "lr": cfg.peak_lr,
-        },
+        "recipe": recipe_record(cfg),
         "init_head_weights_sha256": trained.init_sha,
         "data": _data_record(prompts, recorded),
         "steps": result.steps,
@@ -493,6 +486,17 @@ def start_run(config: ForgeConfig, overrides: dict[str, Any]) -> RunStart:
     loaded = load_model(cfg.model)
     engine = Engine(loaded.model, loaded.tokenizer, loaded.config, fingerprint=loaded.fingerprint)
     return RunStart(cfg, t_start, out, budget, prompts, loaded, engine)
+
+
+def recipe_record(cfg: ForgeConfig) -> dict[str, Any]:
+    """The settings a forged file records as its recipe (paths and display flags left out)."""
+    skipped = ("out_dir", "work_dir", "progress", "overwrite")
+    return {**{k: v for k, v in asdict(cfg).items() if k not in skipped}, "lr": cfg.peak_lr}
+
+
+def trunk_name(cfg: ForgeConfig) -> str:
+    """The trunk a forged file drafts for, as its record names it."""
+    return str(cfg.model) if cfg.model is not None else "default (SmolLM2-135M-Instruct, float32)"
 
 
 def forge(config: ForgeConfig = DEFAULT_FORGE_CONFIG, **overrides: Any) -> ForgeReport:
