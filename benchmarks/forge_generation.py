@@ -36,15 +36,20 @@ def child(variant: str, shard: int, depth: int) -> None:
     from mtplx.forge.config import DEFAULT_FORGE_CONFIG as cfg
     from mtplx.forge.prompts import prompt_ids
     from mtplx.forge.record import ShardPlan, generate_batch
-    from mtplx.forge.run import _prompt_sets, _settings
+
+    try:
+        from mtplx.forge.stages import prompt_sets, shard_settings
+    except ImportError:  # an ``old`` tree from before mtplx.forge.stages
+        from mtplx.forge.run import _prompt_sets as prompt_sets
+        from mtplx.forge.run import _settings as shard_settings
     from mtplx.trunk.model import Trunk
 
     loaded = load_model(None)
     trunk, tokenizer = Trunk(loaded.model), loaded.tokenizer
-    prompts = _prompt_sets(cfg)
+    prompts = prompt_sets(cfg)
     plan = ShardPlan(
         tuple(prompts.train),
-        _settings(cfg),
+        shard_settings(cfg),
         cfg.gen_batch,
         cfg.seq_len,
         cfg.top_n,

@@ -8,7 +8,7 @@ draft vocabulary is forge's reduced vocabulary (`frequent_ids`). A DFlash drafte
 in one non-causal forward from mask tokens: another objective (random anchors, block masks) and
 several layers, more than a CPU budget trains.
 
-The stages are forge's, with two changes (`mtplx.forge.run`):
+The stages are forge's (`mtplx.forge.stages`, shared with a head's run), with two changes:
 
 1. the trunk's generations are recorded with its three tapped layers' outputs joined instead of
    its last hidden state (`record.generate_batch(taps=...)`; their own shard directory);
@@ -22,7 +22,7 @@ The stages are forge's, with two changes (`mtplx.forge.run`):
    trunk's p and the drafter's q on the target vocabulary, `evaluate.Tally`);
 4. ``config.json`` (speculators format), ``model.safetensors`` (``d2t`` int64, ``t2d`` bool, no
    embedding: the target's is bound, as mlx-vlm does) and ``forge.json`` (recipe, data, training,
-   acceptance), written to a temp directory and renamed (`run.write_sidecar`).
+   acceptance), written to a temp directory and renamed (`stages.write_sidecar`).
 
 Alignment (the proposer's, `mtplx.spec_decode.eagle3_proposer`): pair p is (token p + 1, the taps
 of p) at rope position p + 1 and predicts token p + 2, the trunk's distribution recorded at p + 1;
@@ -39,10 +39,12 @@ import mtplx  # noqa: F401  (optimized BLAS before mlx)
 from mtplx.drafters.eagle3 import Eagle3Drafter, eagle3_logits
 from mtplx.drafters.layouts import eagle3_spec
 from mtplx.errors import MtplxError
-from mtplx.forge.config import FORGED_DRAFTERS, ForgeConfig
+from mtplx.forge import stages
+from mtplx.forge.config import FORGED_DRAFTERS, Budget, ForgeConfig
 from mtplx.forge.evaluate import EVAL_TEMPERATURES, Tally
 from mtplx.forge.loss import Batch, UnrollCache, frequent_ids
 from mtplx.forge.record import ForgeData
+from mtplx.forge.stages import ForgeReport, Recorded
 from mtplx.forge.train import TrainResult, TrainStep, train_head
 from mtplx.heads.base import model_args_of
 from mtplx.heads.forged import lm_head_matrix
@@ -289,65 +291,46 @@ def draft_vocab_size(cfg: ForgeConfig, vocab: int) -> int:
 
 
 def _train_drafter(
-    cfg: ForgeConfig, trunk: Trunk, recorded: Any, budget: Any, t_start: float, verifier: dict[str, Any]
+    cfg: ForgeConfig,
+    trunk: Trunk,
+    recorded: Recorded,
+    budget: Budget | None,
+    t_start: float,
+    verifier: dict[str, Any],
 ) -> tuple[Eagle3Drafter, dict[str, Any], TrainResult]:
     """Build the drafter (its draft vocabulary: the trunk's most frequent predictions in the training
-    data) and train it for the steps this run plans (`run._planned_steps`), resumable."""
-    from mtplx.forge.config import GEN_SHARE, TRAIN_SHARE
-    from mtplx.forge.run import _ckpt_dir, _planned_steps
-
+    data) and train it for the steps this run plans (`stages.plan_training`), resumable."""
     data, vocab = recorded.train, trunk.vocab_size
     size = draft_vocab_size(cfg, vocab)
     ids = frequent_ids(data, size, vocab) if size < vocab else np.arange(vocab, dtype=np.int32)
     config = eagle3_config(trunk, len(ids), cfg.depth, verifier)
     drafter = build_eagle3(trunk, ids, config)
-    ckpt_dir = _ckpt_dir(cfg, recorded.run_dir, data.num_sequences, None)
-    train_until = t_start + (GEN_SHARE + TRAIN_SHARE) * budget.seconds if budget and budget.seconds else None
-    steps = _planned_steps(
+    ckpt_dir, steps = stages.plan_training(
         cfg,
+        recorded,
         budget,
-        ckpt_dir,
-        train_until,
+        t_start,
+        None,
         lambda: Eagle3TrainStep(cfg, trunk, drafter, data, ids, 1).seconds(),
-        data.num_sequences,
     )
     result = train_head(cfg, trunk, drafter, data, ids, ckpt_dir, steps=steps, make_step=Eagle3TrainStep)
     return drafter, config, result
 
 
-def forge_drafter(config: ForgeConfig, **overrides: Any) -> Any:
+def forge_drafter(config: ForgeConfig, **overrides: Any) -> ForgeReport:
     """Forge ``config.drafter`` (EAGLE-3) for ``config.model`` (None = the default model) into
-    ``config.out_dir``; `run.forge`'s stages, resumable the same way. Returns a `run.ForgeReport`
-    whose ``manifest_path`` is the drafter's `RECORD`."""
-    from mtplx.forge.run import (
-        ForgeReport,
-        _data_record,
-        _record,
-        recipe_record,
-        start_run,
-        trunk_name,
-        write_sidecar,
-    )
-
+    ``config.out_dir``; a head's run's stages (`mtplx.forge.stages`), resumable the same way. Returns
+    a `stages.ForgeReport` whose ``manifest_path`` is the drafter's `RECORD`."""
     drafter = overrides.get("drafter", config.drafter)
     if drafter != EAGLE3:
         raise MtplxError(f"forge: drafter must be one of {', '.join(FORGED_DRAFTERS)}, got {drafter!r}")
-    run = start_run(config, overrides)
-    cfg, t_start, out, budget, prompts, loaded, engine = (
-        run.cfg,
-        run.t_start,
-        run.out,
-        run.budget,
-        run.prompts,
-        run.loaded,
-        run.engine,
-    )
-    trunk = engine.trunk
+    run = stages.start_run(config, overrides)
+    cfg, trunk, loaded = run.cfg, run.engine.trunk, run.loaded
     taps = tuple(max(i - 1, 0) for i in aux_layer_ids(len(trunk.layers)))  # `Eagle3Spec.tapped_layers`
-    recorded = _record(cfg, engine, loaded, prompts, budget, t_start, taps)
-    name = trunk_name(cfg)
+    recorded = stages.record_shards(cfg, run.engine, loaded, run.prompts, run.budget, run.t_start, taps)
+    name = stages.trunk_name(cfg)
     verifier = {"name_or_path": name, "architectures": list(loaded.config.get("architectures") or [])}
-    drafter, drafter_config, result = _train_drafter(cfg, trunk, recorded, budget, t_start, verifier)
+    drafter, drafter_config, result = _train_drafter(cfg, trunk, recorded, run.budget, run.t_start, verifier)
     acceptance = evaluate_drafter(trunk, drafter, recorded.eval, cfg.depth, cfg.progress)
     record = {
         "config": drafter_config,
@@ -357,20 +340,20 @@ def forge_drafter(config: ForgeConfig, **overrides: Any) -> Any:
         "depth_trained": cfg.depth,
         "objective": f"cross-entropy against the trunk's top-{cfg.top_n} + rest mass over the draft vocabulary, "
         f"response tokens only, draft chain unrolled {cfg.depth} steps with weights {list(cfg.step_weights[: cfg.depth])}",
-        "recipe": recipe_record(cfg),
-        "data": _data_record(prompts, recorded),
+        "recipe": stages.recipe_record(cfg),
+        "data": stages.data_record(run.prompts, recorded),
         "steps": result.steps,
-        "training": {
-            "seconds_this_run": round(result.seconds, 1),
-            "final_cross_entropy_per_step": result.step_losses,
-            "loss_curve": result.losses[:: max(1, len(result.losses) // 40)],
-        },
+        "training": stages.training_record(result, "loss_curve"),
         "acceptance": acceptance,
         "acceptance_note": "teacher-forced, 1 - TV(p_trunk, q_drafter) per draft depth at response positions of "
         "held-out generations; temperature 0 = greedy argmax agreement",
-        "seconds_total_this_run": round(time.time() - t_start, 1),
+        "seconds_total_this_run": round(time.time() - run.t_start, 1),
     }
-    write_sidecar(out, drafter, record, cfg.overwrite, save=save_eagle3)
+    stages.write_sidecar(run.out, drafter, record, cfg.overwrite, save=save_eagle3)
     return ForgeReport(
-        out / RECORD, acceptance, recorded.train.num_response_tokens, result.steps, time.time() - t_start
+        run.out / RECORD,
+        acceptance,
+        recorded.train.num_response_tokens,
+        result.steps,
+        time.time() - run.t_start,
     )

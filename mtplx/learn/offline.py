@@ -100,7 +100,7 @@ def forge_from_traffic(
     result = run_to_end(learning_round(engine.trunk, head, records, cfg, full_proj))
     if not result.better(cfg.min_gain):
         return TrafficReport(result, None, start)
-    from mtplx.forge.run import write_sidecar
+    from mtplx.forge.stages import write_sidecar
 
     manifest = {
         "trunk_fingerprint": engine.fingerprint,

@@ -752,7 +752,7 @@ def test_nucleus_sampling_draws_only_inside_the_top_p_set(trunk: Trunk) -> None:
 
 
 def test_a_time_budget_fixes_the_step_count_once(trunk: Trunk, data: ForgeData, tmp_path: Path) -> None:
-    from mtplx.forge.run import _planned_steps
+    from mtplx.forge.stages import planned_steps
     from mtplx.forge.train import seconds_per_step
 
     cfg = _cfg(tmp_path, budget="10m", depth=2)
@@ -762,7 +762,7 @@ def test_a_time_budget_fixes_the_step_count_once(trunk: Trunk, data: ForgeData, 
 
     def plan(ckpt: str, left: float, step_seconds: float, rows: int) -> int:
         until, clock = start + left, lambda: start  # a fixed clock: no wall time passes between calls
-        return _planned_steps(cfg, budget, tmp_path / ckpt, until, lambda: step_seconds, rows, now=clock)
+        return planned_steps(cfg, budget, tmp_path / ckpt, until, lambda: step_seconds, rows, now=clock)
 
     assert plan("c", 115.6, 1.0, 2400) == 100  # 115.6 s left at 1 s per step, 15% kept for checkpoints
     # Resumed later (less time left, another speed): the schedule recorded first is kept.
@@ -774,7 +774,7 @@ def test_a_time_budget_fixes_the_step_count_once(trunk: Trunk, data: ForgeData, 
     ):
         plan("d", 5.0, 9.0, 24)
     token_budget = parse_budget("1k")
-    assert _planned_steps(cfg, token_budget, tmp_path / "e", None, lambda: 1.0, 24) == 12  # 2 epochs of 4
+    assert planned_steps(cfg, token_budget, tmp_path / "e", None, lambda: 1.0, 24) == 12  # 2 epochs of 4
 
 
 def test_a_passed_deadline_cuts_every_response_short(trunk: Trunk) -> None:

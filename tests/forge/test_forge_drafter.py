@@ -28,7 +28,7 @@ from mtplx.forge.drafter import (
 )
 from mtplx.forge.loss import UnrollCache, frequent_ids, make_batch
 from mtplx.forge.record import ForgeData, generate_batch
-from mtplx.forge.run import write_sidecar
+from mtplx.forge.stages import write_sidecar
 from mtplx.forge.train import train_head
 from mtplx.sample.params import Setting
 from mtplx.trunk.compat import KVCache
