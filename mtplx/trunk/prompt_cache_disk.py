@@ -1,11 +1,8 @@
 """The prompt cache's disk tier: entries that outlive the process (`mtplx serve --prompt-cache-dir`).
-
-Files: one per entry, in mlx-lm's prompt-cache format (``mlx_lm.models.cache.save_prompt_cache``:
-a safetensors file of the caches' states, their class names and string metadata), so
-``load_prompt_cache(path)[:trunk_layers]`` is the trunk's cache as mlx-lm builds it; the draft
-head's caches follow it, then a block drafter's context (`mtplx.trunk.prompt_cache`'s
-``drafter_cache``: DFlash's K/V, EAGLE-3's pairs) where the entry has one. The metadata holds the
-key, the format version, the tokens, the reusable size and the layout (`_write_now`).
+Its policy: which files this configuration reads, the index, eviction, the writer thread, the
+directory's lock. An entry's file, how it is written, indexed and read back, is
+`mtplx.trunk.prompt_cache_format`'s (mlx-lm's prompt-cache format; a block drafter's context after
+the head's caches; mlx-vlm's cache classes and DeepSeek-V4's overlap windows).
 
 Key: sha256 over the identity (`cache_identity`: model fingerprint, adapter identity, dtype, head
 identity, block drafter identity, KV-cache quantization, mlx-lm minor version) and
@@ -31,16 +28,6 @@ Invariants:
 - `close` (shutdown) waits a bounded time for the queued writes and logs how many entries were
   written and dropped.
 
-A trunk hosted with mlx-vlm's own caches (`mtplx.trunk.vlm_text.NATIVE_CACHE_FAMILIES`) writes
-each cache's module beside its class name (``mtplx_cache_modules``): `load_caches` rebuilds those
-as mlx-vlm's classes (mlx-lm's loader knows only its own, and mlx-vlm's ``ArraysCache`` shares a
-name with mlx-lm's); only ``mlx_lm.models.cache`` and ``mlx_vlm.models.*`` modules are imported.
-A class without ``from_state`` (MiniMax-M3's ``MiniMaxM3KVCache``) is rebuilt as a fresh instance
-given its ``state`` and ``meta_state`` (`_rebuild`; written only when its constructor takes no
-argument and its ``state`` can be set). DeepSeek-V4's compressor overlap windows, state a cache's
-``state`` does not hold (`mtplx.trunk.vlm_deepseek_v4`), are written after the caches, with the
-leaf cache each belongs to (``mtplx_overlap_leaves``), and put back on load.
-
 The index reads each file's safetensors header alone (`mtplx.model_files.headers`, which also
 notices a file shorter than its header says), never its tensors.
 """
@@ -49,8 +36,6 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import importlib
-import inspect
 import json
 import logging
 import os
@@ -63,24 +48,26 @@ from pathlib import Path
 
 from mtplx.errors import MtplxError, first_line
 from mtplx.model_files.headers import read_safetensors_metadata
-from mtplx.trunk.compat import (
-    QuantizedKVCache,
-    cache_leaves,
-    load_prompt_cache,
-    prompt_cache_file_metadata,
-    save_prompt_cache,
+from mtplx.trunk.compat import QuantizedKVCache, cache_leaves, prompt_cache_file_metadata
+from mtplx.trunk.prompt_cache import covers, reusable
+from mtplx.trunk.prompt_cache_file import DIGEST_FIELD, stamp
+from mtplx.trunk.prompt_cache_format import (
+    FORMAT_VERSION,
+    DiskEntry,
+    entry_from,
+    entry_metadata,
+    read_entry,
+    rebuildable,
+    save_entry,
 )
-from mtplx.trunk.prompt_cache import as_tokens, covers, reusable
-from mtplx.trunk.prompt_cache_file import DIGEST_FIELD, PLACEHOLDER, stamp, verify
-from mtplx.trunk.vlm_deepseek_v4 import overlap_windows, restore_overlap_windows
+from mtplx.trunk.vlm_deepseek_v4 import overlap_windows
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_flatten
 
 __all__ = ["DEFAULT_DISK_BYTES", "FORMAT_VERSION", "DiskStats", "DiskTier", "cache_identity"]
 
-FORMAT_VERSION = "3"  # 2: every file carries its digest; 3: a block drafter's context after the head's
 DEFAULT_DISK_BYTES = 16 * 1024**3  # what `mtplx serve --prompt-cache-dir` keeps unless told otherwise
 MAX_QUEUED_WRITES = 8  # writes waiting beyond this are dropped (the entry stays in RAM)
 LOCK_FILE = ".lock"
@@ -112,74 +99,6 @@ def lock_directory(directory: Path) -> None:
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         _held_locks[where] = fd
-
-
-CACHE_MODULES_FIELD = "mtplx_cache_modules"
-CACHE_META_FIELD = "mtplx_cache_meta_states"  # mlx-vlm's from_state(state, meta_state) takes both
-OVERLAP_FIELD = "mtplx_overlap_leaves"  # DeepSeek-V4's overlap windows: the leaf cache of each
-LM_CACHE_MODULE = "mlx_lm.models.cache"
-
-
-class _HeldState:
-    """A piece of state written after the caches (an overlap window), as ``save_prompt_cache``
-    writes a cache: its ``state``."""
-
-    def __init__(self, state: tuple):
-        self.state = state
-
-
-def _rebuildable(klass: type) -> bool:
-    """Whether a file can rebuild a cache of ``klass``: ``from_state``, or a settable ``state``
-    and a constructor that takes no argument (`_rebuild`)."""
-    if callable(getattr(klass, "from_state", None)):
-        return True
-    prop = getattr(klass, "state", None)
-    if not isinstance(prop, property) or prop.fset is None:
-        return False
-    try:
-        inspect.signature(klass).bind()
-    except (TypeError, ValueError):
-        return False
-    return True
-
-
-def _rebuild(klass: type, state, meta_state):
-    """A cache of mlx-vlm's ``klass`` holding ``state`` / ``meta_state``."""
-    if callable(getattr(klass, "from_state", None)):
-        return klass.from_state(state, meta_state)
-    cache = klass()
-    cache.state = state
-    cache.meta_state = meta_state
-    return cache
-
-
-def _cache_class(module: str, name: str) -> type:
-    if module != LM_CACHE_MODULE and not module.startswith("mlx_vlm.models."):
-        raise ValueError(f"cache class {module}.{name} is not an mlx-lm or mlx-vlm cache")
-    return getattr(importlib.import_module(module), name)
-
-
-def load_caches(path: Path) -> tuple[list, dict[str, str]]:
-    """mlx-lm's ``load_prompt_cache(path, return_metadata=True)``, each cache rebuilt as the class
-    of the module the file names for it (``CACHE_MODULES_FIELD``; mlx-lm's when it names none)."""
-    arrays, header = mx.load(str(path), return_metadata=True)
-    meta, classes, scalars = tree_unflatten(list(header.items()))
-    if CACHE_MODULES_FIELD not in meta:
-        return load_prompt_cache(str(path), return_metadata=True)
-    for pos, kind in scalars[1:]:
-        arrays[pos] = {"scalar": lambda a: a.item(), "none": lambda a: None}.get(
-            kind, lambda a: "".join(chr(i) for i in a.tolist())
-        )(arrays[pos])
-    states = tree_unflatten(list(arrays.items()))
-    modules, meta_states = json.loads(meta[CACHE_MODULES_FIELD]), json.loads(meta[CACHE_META_FIELD])
-    caches = []
-    for module, name, state, meta_state in zip(modules, classes, states, meta_states):
-        klass = _cache_class(module, name)
-        vlm = module != LM_CACHE_MODULE
-        caches.append(_rebuild(klass, state, meta_state) if vlm else klass.from_state(state))
-    if OVERLAP_FIELD in meta:
-        restore_overlap_windows(caches, json.loads(meta[OVERLAP_FIELD]), states[len(modules) :])
-    return caches, meta
 
 
 def _file_digest(paths: list[Path]) -> str:
@@ -241,24 +160,6 @@ class DiskStats:
 
 
 @dataclass
-class _DiskEntry:
-    name: str  # file name in the directory
-    tokens: np.ndarray
-    size: int
-    has_head: bool
-    trimmable: bool
-    trunk_layers: int
-    head_layers: int
-    drafter_layers: int  # 0: no block drafter's context
-    nbytes: int  # the file's size
-    last_use: float
-
-    @property
-    def has_drafter(self) -> bool:
-        return self.drafter_layers > 0
-
-
-@dataclass
 class _Write:
     tokens: np.ndarray
     size: int
@@ -266,6 +167,11 @@ class _Write:
     head_cache: list | None
     trimmable: bool
     drafter_cache: list | None
+
+    @property
+    def caches(self) -> list:
+        """Trunk, head and drafter caches in the order a file holds them."""
+        return self.trunk_cache + (self.head_cache or []) + (self.drafter_cache or [])
 
 
 class DiskTier:
@@ -290,7 +196,7 @@ class DiskTier:
         self.max_bytes = max_bytes
         self.key = self.key_of(identity)
         self.stats = DiskStats()
-        self._entries: dict[str, _DiskEntry] = {}
+        self._entries: dict[str, DiskEntry] = {}
         self._lock = threading.Lock()
         self._queue: queue.Queue[_Write] = queue.Queue(maxsize=MAX_QUEUED_WRITES)
         self._writer: threading.Thread | None = None
@@ -345,7 +251,7 @@ class DiskTier:
                 if meta.get("mtplx_key") != self.key:
                     foreign += 1
                     continue
-                entry = _entry_from(path, meta)
+                entry = entry_from(path, meta)
             except (MtplxError, OSError, ValueError, KeyError, TypeError) as err:
                 self._remove_damaged(path, err)
                 continue
@@ -372,7 +278,7 @@ class DiskTier:
             oldest = min(self._entries.values(), key=lambda e: e.last_use)
             self._delete(oldest)
 
-    def _delete(self, entry: _DiskEntry) -> None:
+    def _delete(self, entry: DiskEntry) -> None:
         self._entries.pop(entry.name, None)
         try:
             (self.directory / entry.name).unlink()
@@ -406,18 +312,11 @@ class DiskTier:
             best.last_use = time.time()
         return self._load(best)
 
-    def _load(self, entry: _DiskEntry) -> tuple[np.ndarray, int, list, list | None, list | None] | None:
+    def _load(self, entry: DiskEntry) -> tuple[np.ndarray, int, list, list | None, list | None] | None:
         path = self.directory / entry.name
         started = time.perf_counter()
         try:
-            verify(path)  # every byte as written: the tensors and the key, tokens and size indexed
-            caches, meta = load_caches(path)
-            layers = entry.trunk_layers + entry.head_layers + entry.drafter_layers
-            if meta.get("mtplx_key") != self.key or len(caches) < layers:
-                raise ValueError("its metadata changed since it was indexed")
-            if as_tokens(json.loads(meta["mtplx_tokens"])).tolist() != entry.tokens.tolist():
-                raise ValueError("its tokens changed since it was indexed")
-            mx.eval([a for _, a in tree_flatten([c.state for c in caches]) if isinstance(a, mx.array)])
+            caches = read_entry(path, entry, self.key)
             os.utime(path)
         except Exception as err:  # any failure to read a file is a damaged file: remove it, serve on
             with self._lock:
@@ -427,11 +326,7 @@ class DiskTier:
         self.stats.hits += 1
         self.stats.bytes_loaded += entry.nbytes
         self.stats.load_seconds += time.perf_counter() - started
-        trunk_cache = caches[: entry.trunk_layers]
-        head_end = entry.trunk_layers + entry.head_layers
-        head_cache = caches[entry.trunk_layers : head_end] if entry.has_head else None
-        drafter_cache = caches[head_end:layers] if entry.has_drafter else None
-        return entry.tokens, entry.size, trunk_cache, head_cache, drafter_cache
+        return entry.tokens, entry.size, *entry.parts(caches)
 
     # ------------------------------------------------------------------ writing
     def write(self, entry) -> None:
@@ -442,13 +337,13 @@ class DiskTier:
             return
         head = list(entry.head_cache) if entry.head_cache is not None else None
         drafter = list(entry.drafter_cache) if entry.drafter_cache is not None else None
-        caches = list(entry.trunk_cache) + (head or []) + (drafter or [])
-        if not all(_rebuildable(type(c)) for c in caches):  # a class no file can rebuild
+        job = _Write(entry.tokens, entry.size, list(entry.trunk_cache), head, entry.trimmable, drafter)
+        caches = job.caches
+        if not all(rebuildable(type(c)) for c in caches):  # a class no file can rebuild
             self.stats.dropped_writes += 1
             return
         states = [c.state for c in caches] + overlap_windows(caches)[1]
         mx.async_eval([a for _, a in tree_flatten(states) if isinstance(a, mx.array)])
-        job = _Write(entry.tokens, entry.size, list(entry.trunk_cache), head, entry.trimmable, drafter)
         try:
             self._queue.put_nowait(job)
         except queue.Full:
@@ -502,30 +397,11 @@ class DiskTier:
         digest = hashlib.sha256(json.dumps([tokens[: job.size + 1], *kinds]).encode())
         name = f"{self.key[:12]}-{digest.hexdigest()[:20]}-{job.size}.safetensors"
         temp = self.directory / f".{name}.{os.getpid()}{TEMP_SUFFIX}"
-        caches = job.trunk_cache + (job.head_cache or []) + (job.drafter_cache or [])
-        meta = {
-            "mtplx_key": self.key,
-            "mtplx_format": FORMAT_VERSION,
-            "mtplx_tokens": json.dumps(tokens),
-            "mtplx_size": str(job.size),
-            "mtplx_head": "1" if job.head_cache is not None else "0",
-            "mtplx_trimmable": "1" if job.trimmable else "0",
-            "mtplx_trunk_layers": str(len(job.trunk_cache)),
-            "mtplx_head_layers": str(len(job.head_cache or [])),
-            "mtplx_drafter_layers": str(len(job.drafter_cache or [])),
-            DIGEST_FIELD: PLACEHOLDER,
-        }
-        modules = [type(c).__module__ for c in caches]
-        if any(m != LM_CACHE_MODULE for m in modules):
-            meta[CACHE_MODULES_FIELD] = json.dumps(modules)
-            meta[CACHE_META_FIELD] = json.dumps(
-                [c.meta_state if m != LM_CACHE_MODULE else "" for c, m in zip(caches, modules)]
-            )
-        leaves, windows = overlap_windows(caches)
-        if leaves:
-            meta[OVERLAP_FIELD] = json.dumps(leaves)
+        meta = entry_metadata(
+            self.key, tokens, job.size, job.trimmable, job.trunk_cache, job.head_cache, job.drafter_cache
+        )
         try:
-            save_prompt_cache(str(temp), caches + [_HeldState(w) for w in windows], meta)
+            save_entry(temp, job.caches, meta)
             if temp.stat().st_size > self.max_bytes:
                 self._over_budget(temp.stat().st_size)
                 return
@@ -533,7 +409,7 @@ class DiskTier:
             os.replace(temp, self.directory / name)
         finally:
             temp.unlink(missing_ok=True)
-        entry = _entry_from(self.directory / name, meta)
+        entry = entry_from(self.directory / name, meta)
         with self._lock:
             for old in list(self._entries.values()):
                 if old.name != name and covers(
@@ -555,24 +431,3 @@ class DiskTier:
                 nbytes,
                 self.max_bytes,
             )
-
-
-def _entry_from(path: Path, meta: dict[str, str]) -> _DiskEntry:
-    """An index entry from a file's metadata (KeyError / ValueError when it lacks a field)."""
-    if meta["mtplx_format"] != FORMAT_VERSION:
-        raise ValueError(f"format {meta['mtplx_format']}, expected {FORMAT_VERSION}")
-    if len(meta[DIGEST_FIELD]) != len(PLACEHOLDER) or meta[DIGEST_FIELD] == PLACEHOLDER:
-        raise ValueError("it has no digest")
-    stat = path.stat()
-    return _DiskEntry(
-        name=path.name,
-        tokens=as_tokens(json.loads(meta["mtplx_tokens"])),
-        size=int(meta["mtplx_size"]),
-        has_head=meta["mtplx_head"] == "1",
-        trimmable=meta["mtplx_trimmable"] == "1",
-        trunk_layers=int(meta["mtplx_trunk_layers"]),
-        head_layers=int(meta["mtplx_head_layers"]),
-        drafter_layers=int(meta["mtplx_drafter_layers"]),
-        nbytes=stat.st_size,
-        last_use=stat.st_mtime,
-    )

@@ -1,4 +1,4 @@
-"""The integrity digest of a disk prompt-cache file (`mtplx.trunk.prompt_cache_disk`).
+"""The integrity digest of a disk prompt-cache file (`mtplx.trunk.prompt_cache_format`).
 
 A file is a safetensors file (an 8-byte little-endian header length, a JSON header, the tensor
 data). Its metadata holds ``mtplx_digest``: the sha256 of the whole file as it was written, with

@@ -312,9 +312,9 @@ def _disk_engine(model, directory, **kwargs) -> Engine:
 
 def _context_zeroed_on_load(monkeypatch) -> None:
     """A planted bug: every disk entry's block drafter context is read back with zero values."""
-    from mtplx.trunk import prompt_cache_disk
+    from mtplx.trunk import prompt_cache_format
 
-    load = prompt_cache_disk.load_caches
+    load = prompt_cache_format.load_caches
 
     def zeroed(path):
         caches, meta = load(path)
@@ -322,7 +322,7 @@ def _context_zeroed_on_load(monkeypatch) -> None:
             cache.values = mx.zeros_like(cache.values)
         return caches, meta
 
-    monkeypatch.setattr(prompt_cache_disk, "load_caches", zeroed)
+    monkeypatch.setattr(prompt_cache_format, "load_caches", zeroed)
 
 
 def _restarted_turn(model, directory, prompt, kind, made):

@@ -310,7 +310,7 @@ def test_close_waits_a_bounded_time_and_logs_written_and_dropped(
     counted as dropped; the entries that did reach the disk are counted as written."""
     import threading
 
-    from mtplx.trunk import prompt_cache_disk
+    from mtplx.trunk import prompt_cache_format
 
     engine = _engine(pair, tokenizer, tmp_path)
     engine.generate(_tokens(43, 40), max_tokens=2, temperature=0.0)
@@ -318,13 +318,13 @@ def test_close_waits_a_bounded_time_and_logs_written_and_dropped(
     written = engine.prompt_cache.disk.stats.writes
     assert written >= 1
     stuck = threading.Event()
-    real_save = prompt_cache_disk.save_prompt_cache
+    real_save = prompt_cache_format.save_prompt_cache
 
     def stuck_save(*args, **kwargs):
         stuck.wait(60)
         real_save(*args, **kwargs)
 
-    monkeypatch.setattr(prompt_cache_disk, "save_prompt_cache", stuck_save)
+    monkeypatch.setattr(prompt_cache_format, "save_prompt_cache", stuck_save)
     engine.generate(_tokens(44, 40), max_tokens=2, temperature=0.0)
     try:
         with caplog.at_level(logging.INFO, logger="mtplx.prompt_cache"):

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.engine.engine import Engine
-from mtplx.trunk import prompt_cache_disk
+from mtplx.trunk import prompt_cache_format
 from mtplx.trunk.prompt_cache_disk import DiskTier, cache_identity
 from mtplx.trunk.prompt_cache_file import verify
 
@@ -207,7 +207,7 @@ def test_damaged_files_are_never_served_many(written, tmp_path):
 
 def test_without_the_digest_check_the_fuzz_finds_damage_served(written, tmp_path, monkeypatch):
     """The negative control: the check this fuzz is for, switched off, lets damage through."""
-    monkeypatch.setattr(prompt_cache_disk, "verify", lambda path: None)
+    monkeypatch.setattr(prompt_cache_format, "verify", lambda path: None)
     served = _fuzz_kinds(written, tmp_path, [flip, reorder, edit_token], CASES_PER_KIND)
     assert served, "the fuzz cannot see a damaged file served"
 

@@ -172,7 +172,7 @@ def test_the_disk_tier_keeps_the_overlap_windows(checkpoint, tmp_path):
     from mtplx.engine.engine import Engine
     from mtplx.engine.request import GenerationRequest
     from mtplx.trunk import vlm_deepseek_v4
-    from mtplx.trunk.prompt_cache_disk import load_caches
+    from mtplx.trunk.prompt_cache_format import load_caches
 
     from support.tokenizer import word_level
 
