@@ -51,6 +51,8 @@ from mtplx.heads.base import HiddenSource, MTPHead, model_args_of
 from mtplx.heads.weights import (
     HeadSource,
     MissingHeadError,
+    check_one_layer_drafter,
+    check_one_layer_head,
     e8m0_blocks_as_mxfp8,
     mxfp4_bytes,
     strip_prefix,
@@ -201,17 +203,11 @@ _SHIPPED = re.compile(r"mtp\.(\d+)\.e_proj\.weight")
 def build_head(src: HeadSource, num_layers: int, hidden_source: HiddenSource) -> DeepseekV4MTPHead:
     """An unloaded head for the checkpoint's ``mtp.{i}.*`` tensors, checked against what it ships."""
     prefix = shipped_prefix(src)
-    if num_layers != 1:
-        raise MtplxError(f"{src.source}: a {LAYOUT} head has one MTP layer, its config declares {num_layers}")
+    check_one_layer_head(src, num_layers, LAYOUT)
     return DeepseekV4MTPHead(_args(src), key_prefix=prefix, trunk=src.trunk, hidden_source=hidden_source)
 
 
 def build_split_head(src: HeadSource, num_layers: int) -> DeepseekV4MTPHead:
     """An unloaded head for a ``deepseek_v4_mtp`` split drafter beside a DeepSeek-V4 trunk."""
-    if "e_proj.weight" not in src.index:
-        raise MtplxError(f"{src.source}: a deepseek_v4_mtp split drafter needs e_proj.weight; it has none")
-    if num_layers != 1:
-        raise MtplxError(
-            f"{src.source}: a deepseek_v4_mtp drafter holds one MTP layer, its config declares {num_layers}"
-        )
+    check_one_layer_drafter(src, num_layers, "deepseek_v4_mtp", "e_proj.weight")
     return DeepseekV4MTPHead(_args(src), key_prefix="", trunk=src.trunk, hidden_source=DEFAULT_HIDDEN_SOURCE)

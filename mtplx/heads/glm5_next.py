@@ -42,7 +42,7 @@ from mtplx.errors import MtplxError
 from mtplx.heads.base import HiddenSource, model_args_of, zero_first_position
 from mtplx.heads.deepseek import DeepSeekMTPHead, SplitDeepSeekHead, SplitNames
 from mtplx.heads.eh_proj import rename_prefix
-from mtplx.heads.weights import HeadSource, MissingHeadError
+from mtplx.heads.weights import HeadSource, check_one_layer_drafter, check_one_layer_head
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -122,13 +122,7 @@ def build_head(src: HeadSource, num_layers: int, hidden_source: HiddenSource) ->
     """An unloaded head for ``model.language_model.layers.{num_hidden_layers}.*``."""
     args = model_args_of(src.trunk.model)
     first = int(args.num_hidden_layers)
-    if f"{TRUNK_PREFIX}{first}.eh_proj.weight" not in src.index:
-        raise MissingHeadError(
-            f"{src.source}: config declares {num_layers} MTP layer(s) but the checkpoint ships no "
-            f"{TRUNK_PREFIX}{first}.eh_proj.weight"
-        )
-    if num_layers != 1:
-        raise MtplxError(f"{src.source}: a {LAYOUT} head has one MTP layer, its config declares {num_layers}")
+    check_one_layer_head(src, num_layers, LAYOUT, f"{TRUNK_PREFIX}{first}.eh_proj.weight")
     return Glm5NextMTPHead(
         [_block(args)],
         args.hidden_size,
@@ -161,12 +155,7 @@ class SplitGlm5NextHead(SplitDeepSeekHead, Glm5NextMTPHead):
 def build_split_head(src: HeadSource, num_layers: int) -> SplitGlm5NextHead:
     """An unloaded head for a ``glm5_next_mtp`` split drafter beside a GLM-5-Next trunk."""
     args = model_args_of(src.trunk.model)
-    if "eh_proj.weight" not in src.index:
-        raise MtplxError(f"{src.source}: a glm5_next_mtp split drafter needs eh_proj.weight; it has none")
-    if num_layers != 1:
-        raise MtplxError(
-            f"{src.source}: a glm5_next_mtp drafter holds one MTP layer, its config declares {num_layers}"
-        )
+    check_one_layer_drafter(src, num_layers, "glm5_next_mtp", "eh_proj.weight")
     return SplitGlm5NextHead(
         [_block(args)],
         args.hidden_size,

@@ -47,7 +47,7 @@ from typing import Any
 from mtplx.errors import MtplxError
 from mtplx.heads.base import HiddenSource, model_args_of
 from mtplx.heads.eh_proj import EhProjHead, SplitNames, SplitNamesHead
-from mtplx.heads.weights import HeadSource, MissingHeadError, stack_experts
+from mtplx.heads.weights import HeadSource, MissingHeadError, check_one_layer_drafter, stack_experts
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -159,12 +159,7 @@ class SplitHyV4Head(SplitNamesHead, HyV4MTPHead):
 def build_split_head(src: HeadSource, num_layers: int) -> SplitHyV4Head:
     """An unloaded head for a ``hy_v4_mtp`` split drafter beside a Hunyuan-V4 trunk (one module)."""
     args = model_args_of(src.trunk.model)
-    if "eh_proj.weight" not in src.index:
-        raise MtplxError(f"{src.source}: a hy_v4_mtp split drafter needs eh_proj.weight; it has none")
-    if num_layers != 1:
-        raise MtplxError(
-            f"{src.source}: a hy_v4_mtp drafter holds one MTP layer, its config declares {num_layers}"
-        )
+    check_one_layer_drafter(src, num_layers, "hy_v4_mtp", "eh_proj.weight")
     return SplitHyV4Head(
         [_block(args)],
         args.hidden_size,

@@ -41,7 +41,7 @@ from typing import Any
 
 from mtplx.errors import MtplxError
 from mtplx.heads.base import HiddenSource, MTPHead, model_args_of
-from mtplx.heads.weights import HeadSource, MissingHeadError
+from mtplx.heads.weights import HeadSource, check_one_layer_drafter, check_one_layer_head
 from mtplx.trunk.vlm_inkling import WidthScaledNorm
 
 import mlx.core as mx
@@ -134,13 +134,7 @@ def _text_args(src: HeadSource) -> Any:
 
 def build_head(src: HeadSource, num_layers: int, hidden_source: HiddenSource) -> InklingMTPHead:
     """An unloaded head for the checkpoint's ``model.mtp.layers.0.*`` tensors, checked against what it ships."""
-    if f"{KEY_PREFIX}layers.0.input_proj.weight" not in src.index:
-        raise MissingHeadError(
-            f"{src.source}: config declares {num_layers} MTP layer(s) but the checkpoint ships no "
-            f"{KEY_PREFIX}layers.0.input_proj.weight"
-        )
-    if num_layers != 1:
-        raise MtplxError(f"{src.source}: a {LAYOUT} head has one MTP layer, its config declares {num_layers}")
+    check_one_layer_head(src, num_layers, LAYOUT, f"{KEY_PREFIX}layers.0.input_proj.weight")
     return InklingMTPHead(
         _text_args(src),
         local=mtp_local_layer_ids(src.config),
@@ -152,14 +146,7 @@ def build_head(src: HeadSource, num_layers: int, hidden_source: HiddenSource) ->
 
 def build_split_head(src: HeadSource, num_layers: int) -> InklingMTPHead:
     """An unloaded head for an ``inkling_mtp`` split drafter beside an Inkling trunk."""
-    if "blocks.0.input_proj.weight" not in src.index:
-        raise MtplxError(
-            f"{src.source}: an inkling_mtp split drafter needs blocks.0.input_proj.weight; it has none"
-        )
-    if num_layers != 1:
-        raise MtplxError(
-            f"{src.source}: an inkling_mtp drafter holds one MTP layer, its config declares {num_layers}"
-        )
+    check_one_layer_drafter(src, num_layers, "inkling_mtp", "blocks.0.input_proj.weight")
     return InklingMTPHead(
         _text_args(src),
         local=mtp_local_layer_ids(src.config),

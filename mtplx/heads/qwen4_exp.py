@@ -45,7 +45,12 @@ from typing import Any
 
 from mtplx.errors import MtplxError
 from mtplx.heads.base import HiddenSource, MTPHead, model_args_of
-from mtplx.heads.weights import HeadSource, MissingHeadError, strip_prefix
+from mtplx.heads.weights import (
+    HeadSource,
+    check_one_layer_drafter,
+    check_one_layer_head,
+    strip_prefix,
+)
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -175,12 +180,7 @@ def _text_args(src: HeadSource) -> Any:
 
 def build_head(src: HeadSource, num_layers: int, hidden_source: HiddenSource) -> Qwen4ExpMTPHead:
     """An unloaded head for the checkpoint's ``mtp.*`` tensors, checked against what it ships."""
-    if "mtp.fc_hidden.weight" not in src.index:
-        raise MissingHeadError(
-            f"{src.source}: config declares {num_layers} MTP layer(s) but the checkpoint ships no mtp.fc_hidden.weight"
-        )
-    if num_layers != 1:
-        raise MtplxError(f"{src.source}: a {LAYOUT} head has one MTP layer, its config declares {num_layers}")
+    check_one_layer_head(src, num_layers, LAYOUT, "mtp.fc_hidden.weight")
     return Qwen4ExpMTPHead(
         _text_args(src), trunk=src.trunk, hidden_source=hidden_source, cache_like=[_qsa_layer(src.trunk)]
     )
@@ -188,12 +188,7 @@ def build_head(src: HeadSource, num_layers: int, hidden_source: HiddenSource) ->
 
 def build_split_head(src: HeadSource, num_layers: int) -> Qwen4ExpMTPHead:
     """An unloaded head for a ``qwen4_exp_mtp`` split drafter beside a Qwen3.8-Flash-Next trunk."""
-    if "fc_hidden.weight" not in src.index:
-        raise MtplxError(f"{src.source}: a qwen4_exp_mtp split drafter needs fc_hidden.weight; it has none")
-    if num_layers != 1:
-        raise MtplxError(
-            f"{src.source}: a qwen4_exp_mtp drafter holds one MTP layer, its config declares {num_layers}"
-        )
+    check_one_layer_drafter(src, num_layers, "qwen4_exp_mtp", "fc_hidden.weight")
     return Qwen4ExpMTPHead(
         _text_args(src),
         key_prefix="",

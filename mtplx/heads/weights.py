@@ -54,6 +54,29 @@ class HeadSource:
         return source_name(self.model_dir)
 
 
+def check_one_layer_head(src: HeadSource, num_layers: int, layout: str, key: str | None = None) -> None:
+    """A hosted head of one MTP layer (the mlx-vlm families'): `MissingHeadError` unless the
+    checkpoint ships ``key`` (None: the caller found the head's tensors itself), one line when its
+    config declares another number of layers."""
+    if key is not None and key not in src.index:
+        raise MissingHeadError(
+            f"{src.source}: config declares {num_layers} MTP layer(s) but the checkpoint ships no {key}"
+        )
+    if num_layers != 1:
+        raise MtplxError(f"{src.source}: a {layout} head has one MTP layer, its config declares {num_layers}")
+
+
+def check_one_layer_drafter(src: HeadSource, num_layers: int, kind: str, key: str) -> None:
+    """A split drafter of one MTP layer (``kind``: its ``model_type``): one line unless it ships
+    ``key`` and its config declares one layer."""
+    if key not in src.index:
+        raise MtplxError(f"{src.source}: the {kind} split drafter needs {key}; it has none")
+    if num_layers != 1:
+        raise MtplxError(
+            f"{src.source}: the {kind} drafter holds one MTP layer, its config declares {num_layers}"
+        )
+
+
 class CheckpointHead(Protocol):
     """The renaming a head supplies to ``load_head_weights`` (``MTPHead`` declares it)."""
 
