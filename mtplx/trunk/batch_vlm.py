@@ -16,7 +16,9 @@ Qwen3.8-Flash-Next (mlx-vlm 0.7.10 ``models/qwen4_exp/language.py``):
   is `ragged_selection` (mlx-vlm's ``select_from_projected`` takes one past length for every
   row): each row's query ends, complete blocks and candidate mask are its own; the pooled block
   keys are pooled again from the raw keys every forward (the same per-block math as mlx-vlm's,
-  which keeps them on a single-row cache between forwards);
+  which keeps them on a single-row cache between forwards). It names its longest row's end as
+  a Python int and no left padding, so mlx-vlm's attention reads nothing to the host for it: a
+  batch forward syncs as one row's does (``tests/trunk/test_batch_qsa_syncs.py``);
 * its gated-delta and PLE layers' ``ArraysCache`` (conv window, recurrent state; PLE short-conv
   window and n-gram token history) stay mlx-vlm's ``ArraysCache`` holding B rows: mlx-vlm's
   operators record the state after every position of a block themselves (``update_recurrent`` /
@@ -72,9 +74,19 @@ def _rows_as_positions(rows: mx.array) -> mx.array:
 class RaggedQSAKVCache(RaggedKVCache):
     """Qwen3.8-Flash-Next's ``QSAKVCache`` for B rows at their own lengths (the module docstring)."""
 
+    # No left padding (every row starts at position 0), and the longest row's end, a Python int:
+    # with both named, mlx-vlm 0.7.10's qwen3_5 attention (``_prepare_projected_qkv``) slices its
+    # mask at ``_idx + L`` and the model's ``cache_position_offset`` returns ``_idx``, where each
+    # would read ``offset.max()`` to the host (one sync per QSA layer per forward, and one more).
+    left_padding = None
+
     def __init__(self):
         self.index = _IndexRows()
         super().__init__()
+
+    @property
+    def _idx(self) -> int:
+        return max(self.lengths, default=0)
 
     def set_lengths(self, lengths) -> None:
         super().set_lengths(lengths)
