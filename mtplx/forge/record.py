@@ -68,6 +68,18 @@ class ForgeData:
     def concat(cls, parts: Sequence[ForgeData]) -> ForgeData:
         return cls(*(np.concatenate([getattr(p, n) for p in parts]) for n in SHARD_FILES))
 
+    @classmethod
+    def zeros(cls, rows: int, seq_len: int, width: int, k: int) -> ForgeData:
+        """Zeroed arrays for ``rows`` sequences of ``seq_len`` positions (hidden width ``width``,
+        the trunk's top ``k``), nothing valid yet."""
+        return cls(
+            np.zeros((rows, seq_len), np.int32),
+            np.zeros((rows, seq_len, width), np.float16),
+            np.zeros((rows, seq_len, k), np.int32),
+            np.zeros((rows, seq_len, k), np.float32),
+            np.zeros((rows, seq_len), bool),
+        )
+
 
 def _top_k(logp: mx.array, k: int) -> tuple[mx.array, mx.array]:
     ids = mx.argpartition(-logp, k - 1, axis=-1)[:, :k]
@@ -193,7 +205,7 @@ def generate_batch(
         raise ValueError(f"prompts must be shorter than seq_len - 1 ({seq_len - 1}), got {max(lengths)}")
     rows, k = len(prompts), min(top_k, trunk.vocab_size)
     width = trunk.embed(mx.array([0])).shape[-1] * max(len(taps), 1)
-    out = _empty_data(rows, seq_len, width, k)
+    out = ForgeData.zeros(rows, seq_len, width, k)
     recorder = _Recorder(out, lengths, k, taps=bool(taps))
     # The fixed-batch loop this replaced gave every row the slots the longest prompt leaves; kept,
     # so shards written before and after it (one resumed run can hold both) answer alike.
@@ -222,18 +234,6 @@ def generate_batch(
     recorder.finish()
     _write_sequences(out, prompts, response)
     return out
-
-
-def _empty_data(rows: int, seq_len: int, width: int, k: int) -> ForgeData:
-    """Zeroed training arrays for ``rows`` sequences of ``seq_len`` positions (hidden width
-    ``width``, the trunk's top ``k``)."""
-    return ForgeData(
-        np.zeros((rows, seq_len), np.int32),
-        np.zeros((rows, seq_len, width), np.float16),
-        np.zeros((rows, seq_len, k), np.int32),
-        np.zeros((rows, seq_len, k), np.float32),
-        np.zeros((rows, seq_len), bool),
-    )
 
 
 def _drive_to_end(scheduler, handles: dict, after_step, trunk, taps: Sequence[int]) -> list[list[int]]:

@@ -49,13 +49,7 @@ def _top_k(logits: mx.array, k: int) -> tuple[np.ndarray, np.ndarray]:
 def empty_data(trunk: Trunk, rows: int, seq_len: int, top_k: int) -> ForgeData:
     k = min(top_k, trunk.vocab_size)
     hidden_size = int(trunk.embed(mx.array([0])).shape[-1])
-    return ForgeData(
-        np.zeros((rows, seq_len), np.int32),
-        np.zeros((rows, seq_len, hidden_size), np.float16),
-        np.zeros((rows, seq_len, k), np.int32),
-        np.zeros((rows, seq_len, k), np.float32),
-        np.zeros((rows, seq_len), bool),
-    )
+    return ForgeData.zeros(rows, seq_len, hidden_size, k)
 
 
 def fill_row(trunk: Trunk, out: ForgeData, r: int, tokens: Sequence[int], prompt_length: int) -> None:

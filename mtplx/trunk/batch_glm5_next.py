@@ -53,7 +53,10 @@ class VlmRaggedKV(RaggedKVCache):
     def extract(self, row: int) -> Any:
         from mlx_vlm.models.cache import KVCache
 
-        out = KVCache()
+        return self.row_into(KVCache(), row)
+
+    def row_into(self, out: Any, row: int) -> Any:
+        """``out``, a fresh single-row mlx-vlm K/V cache, given a copy of row ``row``'s K/V."""
         n = self.lengths[row]
         if n and self.keys is not None:
             out.keys = mx.contiguous(self.keys[row : row + 1, :, :n, :])

@@ -38,6 +38,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from mtplx.trunk.batch_cache import RaggedKVCache
+from mtplx.trunk.batch_glm5_next import VlmRaggedKV
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -71,7 +72,7 @@ def _rows_as_positions(rows: mx.array) -> mx.array:
     return rows.transpose(2, 0, 1)
 
 
-class RaggedQSAKVCache(RaggedKVCache):
+class RaggedQSAKVCache(VlmRaggedKV):
     """Qwen3.8-Flash-Next's ``QSAKVCache`` for B rows at their own lengths (the module docstring)."""
 
     # No left padding (every row starts at position 0), and the longest row's end, a Python int:
@@ -119,12 +120,9 @@ class RaggedQSAKVCache(RaggedKVCache):
         are pooled again by its next forward)."""
         from mlx_vlm.models.qwen4_exp.language import QSAKVCache
 
-        out = QSAKVCache()
-        n = self.lengths[row]
-        if n and self.keys is not None:
-            out.keys = mx.contiguous(self.keys[row : row + 1, :, :n, :])
-            out.values = mx.contiguous(self.values[row : row + 1, :, :n, :])
-            out.offset = n
+        out = self.row_into(QSAKVCache(), row)
+        n = out.offset
+        if n:
             out.index_keys = mx.contiguous(self.index.keys[row : row + 1, 0, :n, :])
             out.index_position_ids = mx.contiguous(
                 _rows_as_positions(self.index.values[row : row + 1, 0, :n, :])
