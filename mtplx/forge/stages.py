@@ -100,9 +100,9 @@ class RunStart:
     cfg: ForgeConfig
     t_start: float
     out: Path
-    budget: float | None
-    prompts: Any
-    loaded: Any
+    budget: Budget | None
+    prompts: PromptSets
+    loaded: Any  # `mtplx.checkpoints.load.load_model`'s: model, tokenizer, config, fingerprint
     engine: Engine
 
 
