@@ -3,8 +3,11 @@ Qwen3.8-Flash-Next (``qwen4_exp``, `mtplx.trunk.batch_vlm`: its QSA KV as ragged
 indexer's selection per row) and GLM-5-Next (``glm5_next``, `mtplx.trunk.batch_glm5_next`: its
 sparse layers' CacheList as ragged rows, the pools per row, the indexer's choice per row); both
 families' gated-delta / PLE / linear-attention ``ArraysCache`` s as mlx-vlm's own, rolled back per
-row by mlx-vlm's ``commit_speculation``. The engine-level batches (rows share one forward, AR with
-rejections) are ``tests/heads/test_{qwen4_exp,glm5_next}.py``'s."""
+row by mlx-vlm's ``commit_speculation``; Inkling (`mtplx.trunk.batch_inkling`); DeepSeek-V4
+(``deepseek_v4``, `mtplx.trunk.batch_deepseek_v4`: its windows as per-row rings, each compressor's
+pools / open window / overlap window per row, the indexer's choice per row, HISA's on a row's own
+pools). The engine-level batches (rows share one forward, AR with rejections) are
+``tests/heads/test_{qwen4_exp,glm5_next,inkling,deepseek_v4}.py``'s."""
 
 from __future__ import annotations
 
