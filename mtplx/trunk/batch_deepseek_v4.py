@@ -77,10 +77,6 @@ class RaggedWindowKV(RaggedKVCache):
     def capacity(self) -> int:
         return 0 if self.keys is None else self.keys.shape[2]
 
-    @property
-    def state(self) -> tuple:
-        return () if self.keys is None else (self.keys, self.values)
-
     def set_lengths(self, lengths) -> None:
         super().set_lengths(lengths)
         self._base = list(self.lengths)
