@@ -409,8 +409,10 @@ class RaggedCompressorCache:
             out.pooled = mx.contiguous(self.pools.keys[row : row + 1, 0, :count])
         if n and self.window_kv is not None:
             out.buf_kv, out.buf_gate = (mx.contiguous(a[row : row + 1]) for a in self._arrays()[:2])
-        if self.has_overlap[row]:
-            setattr(out, ATTRIBUTE, tuple(mx.contiguous(a[row : row + 1]) for a in self._arrays()[2:]))
+        if self.has_overlap[row]:  # evaluated: a lazy slice would keep the batch's arrays alive
+            window = tuple(mx.contiguous(a[row : row + 1]) for a in self._arrays()[2:])
+            mx.eval(window)
+            setattr(out, ATTRIBUTE, window)
         return out
 
 
