@@ -341,9 +341,10 @@ def measure_cost_profile(
     rows = _powers_of_two(max_rows)
     head_seconds = []
     if head is not None:
-        embedding = trunk.inner.embed_tokens.weight
+        # the trunk state the head reads (a hyper-connection trunk's streams are wider than its embedding)
+        state = getattr(trunk(mx.zeros((1, 1), dtype=mx.int32)), f"hidden_{head.hidden_source}")
         for r in rows:
-            hidden = mx.zeros((r, 1, embedding.shape[-1]), dtype=embedding.dtype)
+            hidden = mx.zeros((r, 1, state.shape[-1]), dtype=state.dtype)
             tokens = mx.zeros((r, 1), dtype=mx.int32)
 
             def head_forward(hidden=hidden, tokens=tokens) -> None:

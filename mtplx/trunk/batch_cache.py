@@ -36,13 +36,14 @@ number of positions per row each cycle, so here every row has its own length:
   ragged rows and its and GLM-5-Next's mlx-vlm ``ArraysCache`` s of B rows whose operators record
   every block position themselves, `mtplx.trunk.batch_vlm`; GLM-5-Next's sparse layers'
   ``CacheList`` s, `mtplx.trunk.batch_glm5_next`; Inkling's ``CacheList(KVCache, ArraysCache(4))``,
-  `mtplx.trunk.batch_inkling`). A batch layer, or a ``CacheList`` member, with
-  ``start_speculation`` is rolled back per row by its own ``commit_speculation``.
+  `mtplx.trunk.batch_inkling`; DeepSeek-V4's sliding windows as per-row rings and its
+  compressors' pool caches, `mtplx.trunk.batch_deepseek_v4`). A batch layer, or a ``CacheList``
+  member, with ``start_speculation`` is rolled back per row by its own ``commit_speculation``.
 
 Rows join from single-row caches (`add_rows`, after their own prefill or from the prompt
 cache) and leave (`remove_rows`); both copy only the rows that move, never per cycle. Sliding-window
-(rotating) caches, float caches that convert to quantized KV at a later position, and mlx-vlm's
-own cache classes without a batch layer (DeepSeek-V4) are not batched:
+(rotating) caches of mlx-lm models, float caches that convert to quantized KV at a later
+position, and mlx-vlm's own cache classes without a batch layer are not batched:
 `check_batchable` says so in one line naming the cache class.
 
 Invariant between cycles: every layer's row r holds exactly the committed positions of

@@ -36,7 +36,15 @@ from mtplx.trunk.batch_cache import RaggedKVCache
 import mlx.core as mx
 import mlx.nn as nn
 
-__all__ = ["RaggedPoolCache", "UnreadKV", "VlmRaggedKV", "list_layer", "ragged_topk"]
+__all__ = [
+    "JoiningPools",
+    "PoolRows",
+    "RaggedPoolCache",
+    "UnreadKV",
+    "VlmRaggedKV",
+    "list_layer",
+    "ragged_topk",
+]
 
 _LIST = "mlx_vlm.models.cache.CacheList"
 _SPARSE = ("KVCache", "KVCache", "PoolingCache", "KVCache")  # a sparse layer's members
@@ -100,7 +108,7 @@ class _Raw:
             self.keys, self.values = place(pool.buf_kv), place(pool.buf_gate)
 
 
-class _Pools:
+class JoiningPools:
     """A joining ``PoolingCache``'s completed pools as rows [1, 1, pools, D] (empty values)."""
 
     def __init__(self, pool: Any):
@@ -109,7 +117,10 @@ class _Pools:
         self.values = None if pool.pooled is None else mx.zeros((*self.keys.shape[:3], 0), self.keys.dtype)
 
 
-class _PoolRows(RaggedKVCache):
+class PoolRows(RaggedKVCache):
+    """Completed pools of B rows [slots, 1, P, D] (empty values) at each row's pool count; rows
+    join as `JoiningPools` (DeepSeek-V4's compressor caches keep theirs here too)."""
+
     def _row_state(self, cache: Any) -> tuple:
         return cache.keys, cache.values
 
@@ -120,7 +131,7 @@ class RaggedPoolCache(RaggedKVCache):
 
     def __init__(self, ratio: int):
         self.ratio = ratio
-        self.pooled = _PoolRows()
+        self.pooled = PoolRows()
         self._merged: mx.array | None = None  # the last forward's pools [B, P, D] (stored, then fresh)
         self._writing = False
         super().__init__()
@@ -171,7 +182,7 @@ class RaggedPoolCache(RaggedKVCache):
 
     def add_rows(self, caches) -> None:
         self._merged = None
-        self.pooled.add_rows([_Pools(c) for c in caches])  # first: set_lengths then finds the counts
+        self.pooled.add_rows([JoiningPools(c) for c in caches])  # first: set_lengths then finds the counts
         super().add_rows([_Raw(c) for c in caches])
 
     def remove_rows(self, keep) -> None:

@@ -37,10 +37,14 @@ ATTRIBUTE = "overlap_window"  # on a PoolingCache: (kv [B, ratio, D], gate [B, r
 
 def exact_compressor_call(original: Any):
     """``Compressor.__call__`` with the overlap predecessor kept on the pool cache; a compressor
-    without overlap (ratio 128) or without a cache runs ``original`` unchanged."""
+    without overlap (ratio 128) or without a cache runs ``original`` unchanged, a batch's pool
+    cache its own ``compress_rows`` (the same math per row)."""
     from mlx_vlm.models.deepseek_v4.language import _overlap_compress_kv
 
     def __call__(self, x: mx.array, pool_cache: Any, offset: Any) -> mx.array:
+        compress_rows = getattr(pool_cache, "compress_rows", None)
+        if compress_rows is not None:  # a batch's rows (`mtplx.trunk.batch_deepseek_v4`)
+            return compress_rows(self, x)
         if not self.overlap or pool_cache is None:
             return original(self, x, pool_cache, offset)
         kv, gate = self.wkv(x), self.wgate(x)

@@ -24,7 +24,8 @@ trunk contract is unchanged:
   mlx-vlm's own caches; `mtplx.trunk.rollback_vlm` rolls them back through mlx-vlm's own
   speculative cache transaction (checked against plain decoding in ``tests/trunk/test_cache.py``);
   those whose caches batch (``BATCH_LAYERS``: MiniMax-M3, `mtplx.trunk.vlm_minimax_m3`;
-  Qwen3.8-Flash-Next and GLM-5-Next, `mtplx.trunk.batch_vlm`; Inkling, `mtplx.trunk.batch_inkling`) give the batch its layer for each
+  Qwen3.8-Flash-Next and GLM-5-Next, `mtplx.trunk.batch_vlm`; Inkling, `mtplx.trunk.batch_inkling`;
+  DeepSeek-V4, `mtplx.trunk.batch_deepseek_v4`) give the batch its layer for each
   (`VlmTextModel.batch_layer`), and MiniMax-M3's forward on batch caches passes mlx-vlm the rows'
   own ``position_ids`` (`ragged_position_ids`);
 * a family without a final norm (``FINAL_MIXERS``: Qwen3.8-Flash-Next collapses its ``hc_count``
@@ -52,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from mtplx.errors import MtplxError, first_line
-from mtplx.trunk import batch_inkling, batch_vlm, vlm_minimax_m3
+from mtplx.trunk import batch_deepseek_v4, batch_inkling, batch_vlm, vlm_minimax_m3
 from mtplx.trunk.compat import materialize
 
 import mlx.core as mx
@@ -114,6 +115,7 @@ BATCH_LAYERS = {
     "qwen4_exp": batch_vlm.qwen4_exp_layer,
     "glm5_next": batch_vlm.glm5_next_layer,
     "inkling": batch_inkling.inkling_layer,
+    "deepseek_v4": batch_deepseek_v4.deepseek_v4_layer,
 }
 # Families whose forward on batch caches takes each row's ``position_ids`` (MiniMax-M3's indexer
 # takes its query start as one int; the other two compute their rows' positions from the caches).

@@ -30,7 +30,7 @@ from support.vlm_families import deepseek_v4 as deepseek_v4_checkpoint
 from support.vlm_heads import (
     CHI_VOCAB,
     PROMPTS,
-    assert_batch_rows_equal_ar_with_rejections,
+    assert_batched_rows_share_forwards_and_equal_ar,
     assert_chi_square_rejects_committed_rejected_drafts,
     assert_sampled_mtp_matches_ar,
     assert_split_head_equals_own,
@@ -296,8 +296,22 @@ def test_greedy_mtp_equals_ar_with_drafts_kept_at_depths_1_and_2(engine):
     assert_mtp_equals_ar_with_drafts_kept(engine.trunk, engine.head, PROMPTS[:1], 8)
 
 
-def test_rows_in_a_batch_equal_ar_with_rejections(engine):
-    assert_batch_rows_equal_ar_with_rejections(engine, max_tokens=8)
+def test_rows_share_forwards_and_equal_ar_with_rejections(engine, monkeypatch):
+    """Its caches batch (`mtplx.trunk.batch_deepseek_v4`: the windows as rings, the compressors'
+    pools and open windows per row), the head's window too: the three rows decode in shared trunk
+    forwards (a forward of 3 rows is counted), each giving its AR tokens alone with drafts kept
+    and rejected (EOS ignored: the replica ends one prompt at once)."""
+    assert_batched_rows_share_forwards_and_equal_ar(engine, monkeypatch, max_tokens=8, ignore_eos=True)
+
+
+def test_the_batch_cost_profile_times_the_head_on_the_trunks_streams(engine):
+    """`measure_cost_profile` (what `mtplx serve` measures before batching) feeds the head the
+    trunk state it reads: the hc_mult streams, wider than the embedding (the width it used to
+    take, which the head refuses in one line)."""
+    from mtplx.spec_decode.draft_policy import measure_cost_profile
+
+    profile = measure_cost_profile(engine.trunk, engine.head, max_tokens=2, max_rows=2, context=4, repeats=1)
+    assert profile.head_rows == (1, 2) and len(profile.head_seconds) == 2
 
 
 # --------------------------------------------------------------------------- the split drafter

@@ -440,11 +440,12 @@ def _deepseek_v4_language_model(config: dict, seed: int):
     return model
 
 
-def tiny_deepseek_v4(vocab_size: int = DEEPSEEK_V4_VOCAB, *, seed: int = 0, hc_mult: int = 2):
-    """An in-memory DeepSeek-V4 trunk as mtplx hosts it (float32, random weights, mlx-vlm's caches)."""
+def tiny_deepseek_v4(vocab_size: int = DEEPSEEK_V4_VOCAB, *, seed: int = 0, hc_mult: int = 2, **changes):
+    """An in-memory DeepSeek-V4 trunk as mtplx hosts it (float32, random weights, mlx-vlm's caches;
+    ``changes``: config keys replaced)."""
     from mtplx.trunk.vlm_text import VlmTextModel
 
-    config = {**deepseek_v4_config(hc_mult=hc_mult), "vocab_size": vocab_size}
+    config = {**deepseek_v4_config(hc_mult=hc_mult), "vocab_size": vocab_size, **changes}
     wrapped = VlmTextModel(_deepseek_v4_language_model(config, seed), "deepseek_v4")
     wrapped.eval()
     return wrapped

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import mtplx  # noqa: F401  (BLAS before mlx)
@@ -78,18 +79,22 @@ def kept_and_rejected(stats) -> tuple[int, int]:
     return kept, made - kept
 
 
-def assert_batch_rows_equal_ar_with_rejections(engine, max_tokens: int, prompts=PROMPTS) -> None:
+def assert_batch_rows_equal_ar_with_rejections(engine, max_tokens: int, prompts=PROMPTS, **request) -> None:
     """Greedy head rows of ``generate_batch`` at depth 2 give each prompt's AR tokens alone, with
-    drafts both kept and rejected among them."""
-    want = [engine.generate(p, _req(max_tokens=max_tokens, draft="none")).token_ids for p in prompts]
-    requests = [_req(max_tokens=max_tokens, draft="head", depth=2) for _ in prompts]
+    drafts both kept and rejected among them (``request``: other `GenerationRequest` fields of
+    every request, both runs)."""
+    want = [
+        engine.generate(p, replace(_req(max_tokens=max_tokens, draft="none"), **request)).token_ids
+        for p in prompts
+    ]
+    requests = [replace(_req(max_tokens=max_tokens, draft="head", depth=2), **request) for _ in prompts]
     batched = engine.generate_batch(list(prompts), requests, max_rows=3, draft_policy="fixed")
     assert [b.token_ids for b in batched] == want
     kept, rejected = map(sum, zip(*(kept_and_rejected(b.stats) for b in batched)))
     assert kept > 0 and rejected > 0, (kept, rejected)
 
 
-def assert_batched_rows_share_forwards_and_equal_ar(engine, monkeypatch, max_tokens: int) -> None:
+def assert_batched_rows_share_forwards_and_equal_ar(engine, monkeypatch, max_tokens: int, **request) -> None:
     """The engine's rows batch (`check_batch_support`) and `assert_batch_rows_equal_ar_with_rejections`
     holds with the three rows decoding in shared trunk forwards: at least 3 forwards of 3 rows are
     counted (a model decoding one request at a time forwards one row each time)."""
@@ -105,7 +110,7 @@ def assert_batched_rows_share_forwards_and_equal_ar(engine, monkeypatch, max_tok
         return forward(self, inputs, *args, **kwargs)
 
     monkeypatch.setattr(VlmTextModel, "__call__", counted)
-    assert_batch_rows_equal_ar_with_rejections(engine, max_tokens=max_tokens)
+    assert_batch_rows_equal_ar_with_rejections(engine, max_tokens=max_tokens, **request)
     assert rows.count(len(PROMPTS)) >= 3, rows  # decode cycles of all three rows in one forward
 
 

@@ -253,36 +253,43 @@ def test_kv_bits_is_refused_in_one_line_naming_the_cache_kinds(family, kinds):
 
 
 @pytest.mark.parametrize(
-    ("family", "kind"),
+    "family",
     [
-        ("hy_v4", None),  # mlx-lm caches: CacheList(KVCache, KVCache) per layer, batched
-        ("qwen4_exp", None),  # mlx-vlm's own caches with batch forms (mtplx.trunk.batch_vlm)
-        ("deepseek_v4", "mlx_vlm RotatingKVCache"),
-        ("glm5_next", None),  # mlx-vlm's own caches with batch forms (mtplx.trunk.batch_glm5_next)
-        ("minimax_m3", None),  # mlx-vlm's own KVCache / MiniMaxM3KVCache as ragged rows, batched
-        ("inkling", None),  # mlx-vlm's CacheList(KVCache, ArraysCache(4)), batched (batch_inkling)
+        "hy_v4",  # mlx-lm caches: CacheList(KVCache, KVCache) per layer, batched
+        "qwen4_exp",  # mlx-vlm's own caches with batch forms (mtplx.trunk.batch_vlm)
+        "deepseek_v4",  # its window and pool caches as ragged rows (mtplx.trunk.batch_deepseek_v4)
+        "glm5_next",  # mlx-vlm's own caches with batch forms (mtplx.trunk.batch_glm5_next)
+        "minimax_m3",  # mlx-vlm's own KVCache / MiniMaxM3KVCache as ragged rows, batched
+        "inkling",  # mlx-vlm's CacheList(KVCache, ArraysCache(4)), batched (batch_inkling)
     ],
 )
-def test_families_on_mlx_vlms_own_caches_decode_alone_with_a_one_line_reason(family, kind):
-    """Rows of a family on mlx-vlm's own cache classes without a batch layer decode one request at
-    a time: the reason is one line naming the first such cache; Hunyuan-V4's, Qwen3.8-Flash-Next's,
-    GLM-5-Next's, Inkling's (`tests/heads/test_hy_v4.py`, `test_qwen4_exp.py`, `test_glm5_next.py`,
-    `test_inkling.py`: rows share one forward) and MiniMax-M3's (`tests/trunk/test_vlm_minimax_m3.py`)
-    take none."""
+def test_families_on_mlx_vlms_own_caches_batch(family):
+    """Every family hosted through mlx-vlm batches (`tests/heads/test_{hy_v4,qwen4_exp,deepseek_v4,
+    glm5_next,inkling}.py`: rows share one forward; `tests/trunk/test_vlm_minimax_m3.py`)."""
     from mtplx.spec_decode.rows import check_batch_support
 
     import support.vlm_families as families
     import support.vlm_inkling
 
     source = support.vlm_inkling if family == "inkling" else families
-    reason = check_batch_support(Trunk(getattr(source, f"tiny_{family}")()))
-    if kind is None:
-        assert reason is None
-    else:
-        assert (
-            "\n" not in reason
-            and reason == f"cache of layer 0: {kind} is not batched (decoded one request at a time)"
-        )
+    assert check_batch_support(Trunk(getattr(source, f"tiny_{family}")())) is None
+
+
+def test_an_mlx_vlm_cache_without_a_batch_form_decodes_alone_with_a_one_line_reason():
+    """A cache of mlx-vlm's own classes its family's batch layer does not take (a sliding window
+    that keeps its first positions: DeepSeek-V4's batch ring has no such prefix) makes the rows
+    decode one request at a time: the reason is one line naming the cache."""
+    from mtplx.trunk.batch_cache import check_batchable
+
+    from mlx_vlm.models.cache import RotatingKVCache
+    from support.vlm_families import tiny_deepseek_v4
+
+    trunk = Trunk(tiny_deepseek_v4())
+    cache = trunk.make_cache()
+    cache[0] = RotatingKVCache(max_size=8, keep=4)
+    assert check_batchable(cache, trunk.model) == (
+        "cache of layer 0: mlx_vlm RotatingKVCache is not batched (decoded one request at a time)"
+    )
 
 
 def test_qwen4_exp_takes_kv_bits_from_position_0_only():
