@@ -26,6 +26,7 @@ import ast
 import hashlib
 import json
 import os
+import subprocess
 import tempfile
 import time
 from dataclasses import replace
@@ -45,15 +46,27 @@ REPO = Path(__file__).resolve().parent.parent
 SYSTEM = "You answer questions about the mtplx code base, briefly and precisely."
 
 
-def workload(count: int, seed: int, max_lines: int = 30) -> list[list[dict]]:
-    """``count`` chat requests about distinct functions of ``mtplx/``, in a seeded order."""
+# The code base the questions are about, as of one commit: the workload (and so `--answers`' cache)
+# stays the same while the repository changes (functions added later would reshuffle the questions).
+WORKLOAD_COMMIT = "6774e7a9482df5287277eaa8b76a3a46c0ef0cbf"
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout
+
+
+def workload(count: int, seed: int, max_lines: int = 30, commit: str = WORKLOAD_COMMIT) -> list[list[dict]]:
+    """``count`` chat requests about distinct functions of ``mtplx/`` at ``commit``, in a seeded order."""
     found = []
-    for path in sorted((REPO / "mtplx").rglob("*.py")):
-        text = path.read_text(encoding="utf-8")
+    paths = sorted(
+        p for p in _git("ls-tree", "-r", "--name-only", commit, "mtplx").splitlines() if p.endswith(".py")
+    )
+    for path in paths:
+        text = _git("show", f"{commit}:{path}")
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, ast.FunctionDef) and not node.name.startswith("__"):
                 source = "\n".join(ast.get_source_segment(text, node).splitlines()[:max_lines])
-                found.append((str(path.relative_to(REPO)), node.name, source))
+                found.append((path, node.name, source))
     order = np.random.default_rng(seed).permutation(len(found))[:count]
     return [
         [
@@ -139,8 +152,6 @@ def decode_pair(engine: Engine, shipped, learned, held_msgs: list[list[dict]], m
 
 
 def git_commit() -> str:
-    import subprocess
-
     out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
     return out.stdout.strip() or "unknown"
 
@@ -163,6 +174,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=float,
         default=DEFAULT_LEARN_CONFIG.held_out_fraction,
         help="the learner's own held-out share of the log (its accept/reject measure)",
+    )
+    parser.add_argument(
+        "--train-prompt",
+        action="store_true",
+        default=DEFAULT_LEARN_CONFIG.train_prompt,
+        help="train on the prompts' positions too (LearnConfig.train_prompt)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -191,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         steps=args.steps,
         lr=args.lr,
         held_out_fraction=args.held_out_fraction,
+        train_prompt=args.train_prompt,
     )
     shipped = copy_head(engine.head, engine.trunk)
     answers = Answers(engine, args.max_tokens, args.answers)

@@ -12,7 +12,8 @@ The teacher-forced trunk forwards are done once and shared by every recipe, so a
 training steps only. A recipe names what differs from the learner's defaults: ``lr``, ``steps``,
 ``batch`` and ``train`` (the first ``train`` requests trained on: the learner trains on the older
 ``1 - held_out_fraction`` of its log; the rest is its own held-out slice, whose gain, ``gate``,
-decides the swap and is reported too). ``eval`` scores the candidate every that many steps as
+decides the swap and is reported too), ``prompt=1`` (train on the prompt's positions too: the
+trunk's own distributions over the user's text, not the response positions only). ``eval`` scores the candidate every that many steps as
 well (the schedule stays the one of ``steps``).
 """
 
@@ -36,9 +37,10 @@ from mtplx.learn.data import empty_data, fill_row, sequences
 from mtplx.learn.log import Choice, Record
 from mtplx.learn.trainer import copy_head, first_draft
 
+import numpy as np
 from learn_from_traffic import Answers, git_commit, teacher_forced, workload
 
-KEYS = {"lr": float, "steps": int, "batch": int, "train": int, "eval": int}
+KEYS = {"lr": float, "steps": int, "batch": int, "train": int, "eval": int, "prompt": int}
 
 
 def parse_recipe(text: str) -> dict:
@@ -52,11 +54,18 @@ def parse_recipe(text: str) -> dict:
     return recipe
 
 
-def rows(data: ForgeData, n: int) -> ForgeData:
-    return ForgeData(data.tokens[:n], data.hidden[:n], data.top_ids[:n], data.top_logp[:n], data.valid[:n])
+def rows(data: ForgeData, n: int, lengths: list[int] | None = None) -> ForgeData:
+    """The first ``n`` rows; with ``lengths`` (each sequence's), every position before a row's last
+    trains, the prompt's too (the recipe key ``prompt=1``), not the response positions only."""
+    valid = data.valid[:n]
+    if lengths is not None:
+        valid = np.zeros_like(valid)
+        for r, end in enumerate(lengths[:n]):
+            valid[r, : end - 1] = True
+    return ForgeData(data.tokens[:n], data.hidden[:n], data.top_ids[:n], data.top_logp[:n], valid)
 
 
-def run_recipe(engine, shipped, full_proj, data, recipe, held, gate_pairs) -> dict:
+def run_recipe(engine, shipped, full_proj, data, lengths, recipe, held, gate_pairs) -> dict:
     """One round from the shipped head under ``recipe``: held-out (and gate) acceptance per eval point."""
     cfg = LearnConfig(
         **{
@@ -66,7 +75,7 @@ def run_recipe(engine, shipped, full_proj, data, recipe, held, gate_pairs) -> di
             "batch_size": recipe.get("batch", DEFAULT_LEARN_CONFIG.batch_size),
         }
     )
-    train = rows(data, recipe.get("train", data.num_sequences))
+    train = rows(data, recipe.get("train", data.num_sequences), lengths if recipe.get("prompt") else None)
     trunk = engine.trunk
     candidate = copy_head(shipped, trunk, full_proj)
     train_ids = frequent_ids(train, cfg.train_vocab, trunk.vocab_size)
@@ -106,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-lines", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--recipes", required=True, help='"lr=1e-4,steps=40,train=24; lr=3e-4,steps=40"')
+    parser.add_argument(
+        "--no-gate", action="store_true", help="skip scoring the learner's gate (the untrained traffic)"
+    )
     parser.add_argument("--json", default=None, help="rewritten whole after every recipe")
     args = parser.parse_args(argv)
     recipes = [parse_recipe(r) for r in args.recipes.split(";") if r.strip()]
@@ -134,9 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(f"shipped head: first-draft {first_draft(base):.3f} on {len(held)} held-out questions", flush=True)
     for recipe in recipes:
-        gate_pairs = traffic[recipe.get("train", len(traffic)) :]
+        gate_pairs = [] if args.no_gate else traffic[recipe.get("train", len(traffic)) :]
         gate_base = teacher_forced(engine, gate_pairs, 1, shipped) if gate_pairs else None
-        row = run_recipe(engine, shipped, full_proj, data, recipe, held, gate_pairs)
+        row = run_recipe(
+            engine, shipped, full_proj, data, [len(t) for t, _ in seqs], recipe, held, gate_pairs
+        )
         row["gate_shipped"] = gate_base
         out["recipes"].append(row)
         out["load_average_1_5_15"]["end"] = os.getloadavg()
