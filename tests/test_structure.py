@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import os
 import subprocess
@@ -32,6 +33,17 @@ HEAD_INFRASTRUCTURE = (
 MAX_MODULE_LINES = 600
 
 
+@functools.cache
+def _nodes_of(text: str, filename: str) -> tuple[ast.AST, ...]:
+    return tuple(ast.walk(ast.parse(text, filename)))
+
+
+def nodes(path: Path) -> tuple[ast.AST, ...]:
+    """Every node of ``path``'s syntax tree (`ast.walk`'s order), parsed and listed once per text: the
+    checks below read the whole package about ten times (read only; never modify a node)."""
+    return _nodes_of(path.read_text(), str(path))
+
+
 def is_command_module(name: str) -> bool:
     return any(name == p or name.startswith(p + ".") for p in COMMAND_PACKAGES)
 
@@ -49,7 +61,7 @@ def import_graph(package_dir: Path) -> dict[str, set[str]]:
         modules[".".join(parts[:-1] if is_package else parts)] = (path, is_package)
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, (path, is_package) in modules.items():
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in nodes(path):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom):
@@ -299,7 +311,7 @@ def argparse_users(package_dir: Path) -> list[str]:
     for path in sorted(package_dir.rglob("*.py")):
         if path.relative_to(package_dir).parts[0] == "cli":
             continue
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in nodes(path):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
             if isinstance(node, ast.ImportFrom):
                 names = [node.module or ""]
@@ -348,8 +360,7 @@ def verify_callers(package_dir: Path) -> list[str]:
     `TargetSampler.verify`, or `rejection.verify` itself)."""
     callers = []
     for path in sorted((package_dir / "spec_decode").glob("*.py")):
-        tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):
+        for node in nodes(path):
             if (
                 isinstance(node, ast.Call)
                 and isinstance(node.func, ast.Attribute)
@@ -386,10 +397,9 @@ def decoder_users(package_dir: Path) -> list[str]:
         relative = path.relative_to(package_dir)
         if relative.parts[0] == "spec_decode":
             continue
-        tree = ast.parse(path.read_text())
-        names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
-        names |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
-        names |= {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+        names = {n.id for n in nodes(path) if isinstance(n, ast.Name)}
+        names |= {n.attr for n in nodes(path) if isinstance(n, ast.Attribute)}
+        names |= {a.name for n in nodes(path) if isinstance(n, ast.ImportFrom) for a in n.names}
         if "BatchDecoder" in names:
             users.append(str(relative))
     return users
@@ -415,7 +425,7 @@ def drive_loops(package_dir: Path) -> list[str]:
     found = []
     for path in sorted(package_dir.rglob("*.py")):
         relative = str(path.relative_to(package_dir))
-        for function in ast.walk(ast.parse(path.read_text())):
+        for function in nodes(path):
             if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
             loops = [n for n in ast.walk(function) if isinstance(n, (ast.While, ast.For, ast.AsyncFor))]
@@ -467,16 +477,15 @@ def pipeline_composers(package_dir: Path) -> list[str]:
         relative = path.relative_to(package_dir)
         if relative.parts[0] == "sample":
             continue
-        tree = ast.parse(path.read_text())
         aliases, stages = set(), set()
-        for node in ast.walk(tree):
+        for node in nodes(path):
             if isinstance(node, ast.ImportFrom) and node.module == "mtplx.sample":
                 aliases |= {a.asname or a.name for a in node.names if a.name in ("ops", "rejection")}
             elif isinstance(node, ast.ImportFrom) and node.module in PIPELINE_MODULES:
                 stages |= {a.asname or a.name for a in node.names if a.name in PIPELINE_STAGES}
             elif isinstance(node, ast.Import):
                 aliases |= {a.asname for a in node.names if a.name in PIPELINE_MODULES and a.asname}
-        for node in ast.walk(tree):
+        for node in nodes(path):
             if not isinstance(node, ast.Call):
                 continue
             func = node.func
@@ -529,7 +538,7 @@ def long_functions(package_dir: Path, limit: int = MAX_FUNCTION_LINES) -> dict[s
     found = {}
     for sub in ("spec_decode", "engine"):
         for path in sorted((package_dir / sub).glob("*.py")):
-            for node in ast.walk(ast.parse(path.read_text())):
+            for node in nodes(path):
                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                     length = node.end_lineno - node.lineno + 1
                     if length > limit:
@@ -557,7 +566,7 @@ def drafter_classes(package_dir: Path) -> dict[str, str]:
     ("" without one)."""
     found = {}
     for path in sorted((package_dir / "spec_decode").glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in nodes(path):
             if not isinstance(node, ast.ClassDef) or "Protocol" in {ast.unparse(b) for b in node.bases}:
                 continue
             methods = {n.name for n in node.body if isinstance(n, ast.FunctionDef)}
@@ -636,7 +645,7 @@ def drafter_name_comparisons(package_dir: Path) -> list[str]:
         relative = str(path.relative_to(package_dir))
         if relative == "spec_decode/drafting.py":
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in nodes(path):
             if not isinstance(node, ast.Compare):
                 continue
             sides = [node.left, *node.comparators]

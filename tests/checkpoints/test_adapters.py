@@ -58,6 +58,8 @@ def write_adapter(model_dir: Path, out: Path, seed: int, kind: str = "lora", num
 )
 def adapter_dir(request, tmp_path_factory, default_model_dir) -> Path:
     seed, kind = resolve(request.param[0]), request.param[1]
+    if (seed, kind) == (0, "lora"):  # the same files as `fixed_adapter`: written once
+        return request.getfixturevalue("fixed_adapter")
     return write_adapter(default_model_dir, tmp_path_factory.mktemp(f"adapter-{seed}") / kind, seed, kind)
 
 

@@ -179,10 +179,13 @@ def test_greedy_mtp_equals_ar_with_drafts_kept(replica, kind):
 # The replica's distributions are nearly flat over 64 tokens; top-k 2 leaves each position two
 # cells that carry the mass (joint: 8 cells), so the per-position marginals have power
 # (support.exactness). Measured at 300 samples: the honest loop p = 0.32 to 1.0 over 5 seeds; the
-# control below makes 267-275 of 300 sequences AR gives probability 0 (refused outright; it runs
-# 100 samples), and on the remaining ones alone p = 1e-22 for one of two seeds.
+# control below makes 267-275 of 300 sequences AR gives probability 0 (refused outright), and on
+# the remaining ones alone p = 1e-22 for one of two seeds. At CONTROL_SAMPLES (50) the control is
+# refused outright at seeds 1234, 1e5, 2e5 and 3e5 (2026-12-07); `make test-slow` repeats the
+# sampled test at 300.
 CHI_SAMPLER = SamplerConfig(temperature=1.0, top_k=2)
-CHI_SAMPLES = 300
+CHI_SAMPLES = 150
+CONTROL_SAMPLES = 50
 
 
 def assert_sampled_matches_ar(engine: Engine, seed0: int, samples: int = CHI_SAMPLES) -> None:
@@ -194,17 +197,18 @@ def assert_sampled_matches_ar(engine: Engine, seed0: int, samples: int = CHI_SAM
     assert p > FALSE_FAILURE_RATE, f"p={p:.3g} (seed0={seed0})"
 
 
-def test_sampled_mtp_with_the_split_drafter_matches_ar(replica):
+@pytest.mark.parametrize("samples", [CHI_SAMPLES, pytest.param(300, marks=pytest.mark.slow)])
+def test_sampled_mtp_with_the_split_drafter_matches_ar(replica, samples):
     engine = Engine.load(str(replica["trunk"]))
     assert engine.depth == 2
-    assert_sampled_matches_ar(engine, int.from_bytes(os.urandom(4), "little"))
+    assert_sampled_matches_ar(engine, int.from_bytes(os.urandom(4), "little"), samples)
 
 
 def test_the_chi_square_catches_a_loop_that_commits_the_rejected_draft(replica, monkeypatch):
     """Negative control: the rejected draft committed in place of the correction token."""
     plant_commit_rejected_draft(monkeypatch)
     with pytest.raises(AssertionError):
-        assert_sampled_matches_ar(Engine.load(str(replica["trunk"])), 1234, samples=100)
+        assert_sampled_matches_ar(Engine.load(str(replica["trunk"])), 1234, samples=CONTROL_SAMPLES)
 
 
 def test_a_wrong_norm_offset_lowers_acceptance(replica):

@@ -125,33 +125,47 @@ HYBRID_CHI_SQUARE_MODEL = dict(vocab_size=5, seed=11, family="qwen3_5")
 # under `make test-slow` (the default suite keeps a gated-delta chi-square in test_batch).
 CHI_SQUARE_CASES = [
     pytest.param(
-        CHI_SQUARE_MODEL, 1, SamplerConfig(temperature=1.0), id="llama-d1-t1.0", marks=pytest.mark.slow
+        CHI_SQUARE_MODEL, 1, SamplerConfig(temperature=1.0), 1000, id="llama-d1-t1.0", marks=pytest.mark.slow
     ),
     pytest.param(
-        CHI_SQUARE_MODEL, 3, SamplerConfig(temperature=0.7, top_p=0.9, top_k=4), id="llama-d3-t0.7-topp-topk"
+        CHI_SQUARE_MODEL,
+        3,
+        SamplerConfig(temperature=0.7, top_p=0.9, top_k=4),
+        500,
+        id="llama-d3-t0.7-topp-topk",
+    ),
+    pytest.param(
+        CHI_SQUARE_MODEL,
+        3,
+        SamplerConfig(temperature=0.7, top_p=0.9, top_k=4),
+        1000,
+        id="llama-d3-t0.7-topp-topk-1000",
+        marks=pytest.mark.slow,
     ),
     pytest.param(
         HYBRID_CHI_SQUARE_MODEL,
         2,
         SamplerConfig(temperature=1.0),
+        1000,
         id="hybrid-d2-t1.0",
         marks=pytest.mark.slow,
     ),
 ]
 # Power (bootstrap from 2000-3000 samples of each bug, 2000 redraws per size): the loop that
 # commits the rejected draft (the control below) and a head that reports a wrong q (uniform)
-# both fail at p < 1e-6 in every redraw from 250 samples on (median p < 1e-18). In general, a
-# bug that moves one output position's marginal by a chi-square divergence
-# D = sum((p' - p)^2 / p) >= 66 / NUM_SAMPLES (0.066 here) fails with >= 99% probability.
-NUM_SAMPLES = 1000
+# both fail at p < 1e-6 in every redraw from 250 samples on (median p < 1e-18); the control at
+# 250 samples, seeds 1000 / 2000 / 3000: see CONTROL_SAMPLES. In general, a bug that moves one
+# output position's marginal by a chi-square divergence D = sum((p' - p)^2 / p) >= 66 / NUM_SAMPLES
+# (0.13 at the default case's 500; 0.066 at the `slow` cases' 1000).
+CONTROL_SAMPLES = 250
 
 
-@pytest.mark.parametrize("model,depth,cfg", CHI_SQUARE_CASES)
-def test_mtp_sampled_distribution_matches_ar(model, depth, cfg):
+@pytest.mark.parametrize("model,depth,cfg,num_samples", CHI_SQUARE_CASES)
+def test_mtp_sampled_distribution_matches_ar(model, depth, cfg, num_samples):
     trunk, head = make_loop_pair(**model)
     expected = exact_ar_joint(trunk, cfg, model["vocab_size"])
     seed0 = int.from_bytes(os.urandom(4), "little")
-    counts = sample_counts(trunk, head, cfg, depth, NUM_SAMPLES, model["vocab_size"], seed0)
+    counts = sample_counts(trunk, head, cfg, depth, num_samples, model["vocab_size"], seed0)
     p_value = loop_p_value(counts, expected)
     assert p_value > FALSE_FAILURE_RATE, f"p={p_value:.3g} (seed0={seed0})"
 
@@ -166,7 +180,7 @@ def test_chi_square_rejects_a_loop_that_commits_the_rejected_draft(monkeypatch):
     cfg = SamplerConfig(temperature=1.0)
     expected = exact_ar_joint(trunk, cfg, CHI_SQUARE_MODEL["vocab_size"])
     # 250 samples: the power bound above (p ~1e-90 at 500 samples, 2026-12-07).
-    counts = sample_counts(trunk, head, cfg, 2, NUM_SAMPLES // 4, CHI_SQUARE_MODEL["vocab_size"], 1234)
+    counts = sample_counts(trunk, head, cfg, 2, CONTROL_SAMPLES, CHI_SQUARE_MODEL["vocab_size"], 1234)
     assert loop_p_value(counts, expected) < FALSE_FAILURE_RATE
 
 
