@@ -175,12 +175,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=DEFAULT_LEARN_CONFIG.held_out_fraction,
         help="the learner's own held-out share of the log (its accept/reject measure)",
     )
-    parser.add_argument(
-        "--train-prompt",
-        action="store_true",
-        default=DEFAULT_LEARN_CONFIG.train_prompt,
-        help="train on the prompts' positions too (LearnConfig.train_prompt)",
-    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--answers", default=None, help="JSON-lines cache of the greedy answers (read, then appended)"
@@ -208,7 +202,6 @@ def main(argv: list[str] | None = None) -> int:
         steps=args.steps,
         lr=args.lr,
         held_out_fraction=args.held_out_fraction,
-        train_prompt=args.train_prompt,
     )
     shipped = copy_head(engine.head, engine.trunk)
     answers = Answers(engine, args.max_tokens, args.answers)

@@ -20,9 +20,6 @@ class LearnConfig:
     new_records: int = 8  # new records before the next round
     max_records: int = 320  # the newest records a round reads (train and held out): a round's cost is bounded
     max_train_rows: int = 256  # the newest training sequences a round uses
-    # Also train on the prompt's positions (the trunk's own distributions over the user's text), not
-    # only where a head drafts (the responses): more of the workload's text per request.
-    train_prompt: bool = False
     steps: int = 40  # training steps per round
     batch_size: int = 8
     lr: float = FINE_TUNE_LR

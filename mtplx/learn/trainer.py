@@ -72,7 +72,7 @@ class RoundResult:
     seconds: float
     newest_time: float  # the newest record's time (the next round waits for records after it)
     losses: list[float] = field(default_factory=list)
-    train_positions: int = 0  # positions trained on (responses; prompts too with `train_prompt`)
+    train_positions: int = 0  # response positions trained on
 
     @property
     def gain(self) -> float:
@@ -111,7 +111,7 @@ def learning_round(
     data = empty_data(trunk, len(train_seqs), max(len(t) for t, _ in train_seqs), cfg.top_k)
     rows = TeacherRows() if rows is None else rows
     for r, (tokens, p) in enumerate(train_seqs):
-        rows.fill(trunk, data, r, tokens, 0 if cfg.train_prompt else p)  # the first position trained on
+        rows.fill(trunk, data, r, tokens, p)
         yield
     rows.keep_last_round()
     before = Tally({"": None}, cfg.depth, EVAL_TEMPERATURES, trunk.vocab_size)

@@ -255,21 +255,13 @@ def test_kept_teacher_rows_equal_fresh_ones_and_only_new_sequences_run_the_trunk
     assert len(rows) == 1  # rows the last round did not read are dropped
 
 
-def test_train_prompt_trains_on_the_prompts_positions_and_measures_the_responses_only(
-    trunk: Trunk, traffic: list[Record]
-) -> None:
-    """`LearnConfig.train_prompt`: every position of a training sequence but its last trains (the
-    prompt's too), counted here from the records; the held-out measure stays on the responses."""
+def test_a_round_counts_the_response_positions_it_trains_on(trunk: Trunk, traffic: list[Record]) -> None:
+    """`RoundResult.train_positions` (what `forge --from-traffic` reports): every response position
+    of the older records but each sequence's last, counted here from the records."""
     train, _ = split_held_out(traffic, CFG.held_out_fraction)
-    ends = [
-        (len(r.prompt) + len(c.tokens), len(r.prompt)) for r in train for c in r.choices if len(c.tokens) >= 2
-    ]
-    head = build_head(trunk, "pre_norm")
-    responses = run_to_end(learning_round(trunk, head, traffic, replace(CFG, steps=1)))
-    prompts = run_to_end(learning_round(trunk, head, traffic, replace(CFG, steps=1, train_prompt=True)))
-    assert responses.train_positions == sum(end - 1 - p for end, p in ends)
-    assert prompts.train_positions == sum(end - 1 for end, _ in ends) > responses.train_positions
-    assert prompts.before == responses.before  # the same held-out positions, the same head
+    counted = sum(len(c.tokens) - 1 for r in train for c in r.choices if len(c.tokens) >= 2)
+    result = run_to_end(learning_round(trunk, build_head(trunk, "pre_norm"), traffic, replace(CFG, steps=1)))
+    assert result.train_positions == counted > 0
 
 
 def test_a_round_over_kept_rows_trains_the_same_head(trunk: Trunk, traffic: list[Record]) -> None:
