@@ -13,16 +13,6 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
 # `import mtplx` first: it loads the optimized BLAS before any test module imports MLX.
 import mtplx  # noqa: E402, F401
 
-# mlx-lm's layout probes (`compat_check.check_once`) run on the first model a process wraps in a
-# `Trunk`, and they draw from MLX's global random state. Builders that seed, wrap the trunk, then
-# draw more weights (`support.models.make_loop_pair`: the embedding and the head) gave the first
-# model of a process other weights than every later one with the same seed, so a test's model
-# depended on the tests run before it (the kv-bits chi-square control, run alone, passed its bug:
-# p = 0.22). Run the probes once now, before any test builds a model.
-from mtplx.trunk import compat_check as _compat_check  # noqa: E402
-
-_compat_check.check_once()
-
 # --- default model (mtplx.checkpoints.load); shared by every test that needs a real trunk ---
 import pytest as _pytest_default_model  # noqa: E402
 
