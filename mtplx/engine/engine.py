@@ -484,16 +484,12 @@ class Engine:
         )
 
     def batch_cost_profile(self, remeasure: bool = False) -> CostProfile:
-        """What a batched cycle costs here: `mtplx tune`'s saved profile, else measured once per
-        engine (a few seconds; `mtplx tune` stores it); ``remeasure`` measures it now."""
+        """What a batched cycle costs here: the profile saved for this engine on this machine, else
+        measured (a few seconds) and saved (`tuned.engine_batch_cost`); ``remeasure`` measures it now."""
         if self._cost_profile is None or remeasure:
             from mtplx.engine import tuned
-            from mtplx.spec_decode.draft_policy import measure_cost_profile
 
-            saved = None if remeasure else tuned.saved_batch_cost(self.fingerprint)
-            self._cost_profile = saved or measure_cost_profile(
-                self.trunk, self.head, blocks=self.block_drafter
-            )
+            self._cost_profile = tuned.engine_batch_cost(self, remeasure)
         return self._cost_profile
 
     def generate_batch(
