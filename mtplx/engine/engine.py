@@ -215,7 +215,7 @@ class Engine:
             raise MtplxError("prompt cache dir: needs a prompt cache in RAM (prompt cache bytes > 0)")
         plan = self.trunk.kv_quantization
         if not kv and plan is not None:  # the --kv-bits the caches on disk were made with
-            kv = f"kv{plan.bits}-g{plan.group_size}-from{plan.start}"
+            kv = plan.label
         identity = cache_identity(
             fingerprint=self.fingerprint,
             trunk=self.trunk,

@@ -33,6 +33,7 @@ from mtplx.spec_decode.settings import MAX_DEPTH
 __all__ = [
     "config_file",
     "machine_info",
+    "versions",
     "machine_key",
     "entry_key",
     "read_config",
@@ -159,7 +160,7 @@ def batch_cost_identity(engine) -> dict[str, str]:
     from mtplx.trunk.prompt_cache_disk import cache_identity
 
     plan = engine.trunk.kv_quantization
-    kv = "" if plan is None else f"kv{plan.bits}-g{plan.group_size}-from{plan.start}"
+    kv = "" if plan is None else plan.label
     identity = cache_identity(
         fingerprint=engine.fingerprint,
         trunk=engine.trunk,
@@ -168,8 +169,8 @@ def batch_cost_identity(engine) -> dict[str, str]:
         kv=kv,
         drafter=engine.block_drafter,
     )
-    info = machine_info()
-    return {**identity, "blas": info["blas"], **{name: _version(name) for name in ("mlx", "mtplx")}}
+    installed = versions()
+    return {**identity, "blas": machine_info()["blas"], "mlx": installed["mlx"], "mtplx": installed["mtplx"]}
 
 
 def engine_batch_cost(engine, remeasure: bool = False) -> CostProfile:
@@ -196,13 +197,6 @@ def engine_batch_cost(engine, remeasure: bool = False) -> CostProfile:
     else:
         print(f"mtplx: batch cost profile: measured, saved to {path}", file=sys.stderr)
     return profile
-
-
-def _version(package: str) -> str:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return "unknown"
 
 
 def save_entry(
@@ -255,3 +249,14 @@ def machine_info() -> dict[str, Any]:
         "blas": os.path.basename(str(getattr(blas, "path", "") or "")) or "default",
         "python": platform.python_version(),
     }
+
+
+def versions() -> dict[str, str]:
+    """The installed mlx, mlx-lm and mtplx versions ("unknown" where one is not installed)."""
+    out = {}
+    for name in ("mlx", "mlx-lm", "mtplx"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "unknown"
+    return out
