@@ -155,20 +155,9 @@ def saved_batch_cost(
 
 def batch_cost_identity(engine) -> dict[str, str]:
     """What a batched cycle's cost depends on beyond the model's fingerprint and the machine (the
-    entry's key): the prompt cache's identity of the model (dtype, adapters, head, block drafter,
-    KV quantization, mlx-lm), and the versions and BLAS that run it."""
-    from mtplx.trunk.prompt_cache_disk import cache_identity
-
-    plan = engine.trunk.kv_quantization
-    kv = "" if plan is None else plan.label
-    identity = cache_identity(
-        fingerprint=engine.fingerprint,
-        trunk=engine.trunk,
-        head=engine.head,
-        adapter_path=engine.adapter_path,
-        kv=kv,
-        drafter=engine.block_drafter,
-    )
+    entry's key): `Engine.cache_identity` (dtype, adapters, head, block drafter, KV quantization,
+    mlx-lm), and the versions and BLAS that run it."""
+    identity = engine.cache_identity()
     installed = versions()
     return {**identity, "blas": machine_info()["blas"], "mlx": installed["mlx"], "mtplx": installed["mtplx"]}
 
