@@ -10,18 +10,27 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     _share = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
     os.environ.setdefault("OPENBLAS_NUM_THREADS", str(_share))
 
+# mtplx's config store (`mtplx.engine.tuned`: `mtplx tune`'s entries and the batch cost profiles
+# an engine measures and saves) in one temp dir per test session, never the user's: made by the
+# first process (xdist's controller, whose workers and servers inherit it), removed at its end.
+# A server test after the first on the same model reuses the profile instead of measuring it.
+_CONFIG_HOME_OWNED = "MTPLX_TEST_CONFIG_HOME" not in os.environ
+if _CONFIG_HOME_OWNED:
+    import tempfile
+
+    os.environ["MTPLX_TEST_CONFIG_HOME"] = tempfile.mkdtemp(prefix="mtplx-test-config-")
+os.environ["XDG_CONFIG_HOME"] = os.environ["MTPLX_TEST_CONFIG_HOME"]
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _CONFIG_HOME_OWNED:
+        import shutil
+
+        shutil.rmtree(os.environ["MTPLX_TEST_CONFIG_HOME"], ignore_errors=True)
+
+
 # `import mtplx` first: it loads the optimized BLAS before any test module imports MLX.
 import mtplx  # noqa: E402, F401
-
-# mlx-lm's layout probes (`compat_check.check_once`) run on the first model a process wraps in a
-# `Trunk`, and they draw from MLX's global random state. Builders that seed, wrap the trunk, then
-# draw more weights (`support.models.make_loop_pair`: the embedding and the head) gave the first
-# model of a process other weights than every later one with the same seed, so a test's model
-# depended on the tests run before it (the kv-bits chi-square control, run alone, passed its bug:
-# p = 0.22). Run the probes once now, before any test builds a model.
-from mtplx.trunk import compat_check as _compat_check  # noqa: E402
-
-_compat_check.check_once()
 
 # --- default model (mtplx.checkpoints.load); shared by every test that needs a real trunk ---
 import pytest as _pytest_default_model  # noqa: E402

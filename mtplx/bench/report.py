@@ -19,7 +19,7 @@ from typing import Any
 from mtplx import resources
 from mtplx.bench.stats import Summary
 from mtplx.bench.sweep import RunRecord, SweepPlan
-from mtplx.engine.tuned import machine_info
+from mtplx.engine.tuned import machine_info, versions
 from mtplx.errors import MtplxError
 from mtplx.io import atomic_write
 from mtplx.spec_decode.sources import DrafterKind
@@ -56,19 +56,6 @@ def markdown_table(summaries: Sequence[Summary]) -> str:
             f"| {s.peak_memory_gb:.3f} |" + (f" {_drafter_counts(s)} |" if drafters else "")
         )
     return "\n".join(rows)
-
-
-def versions() -> dict[str, str]:
-    """The installed mlx, mlx-lm and mtplx versions ("unknown" where one is not installed)."""
-    from importlib import metadata
-
-    out = {}
-    for name in ("mlx", "mlx-lm", "mtplx"):
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = "unknown"
-    return out
 
 
 def git_commit() -> str | None:

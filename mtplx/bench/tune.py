@@ -26,7 +26,15 @@ from mtplx.bench.run import run_benchmark
 from mtplx.bench.stats import Summary
 from mtplx.bench.suite import load_prompts
 from mtplx.bench.sweep import DEFAULT_TEMPS, DEFAULT_TOP_P, SweepPlan, check_counts, parse_depths
-from mtplx.engine.tuned import config_file, machine_info, machine_key, read_config, save_entry, saved_entry
+from mtplx.engine.tuned import (
+    batch_cost_identity,
+    config_file,
+    machine_info,
+    machine_key,
+    read_config,
+    save_entry,
+    saved_entry,
+)
 from mtplx.errors import MtplxError
 from mtplx.spec_decode.sources import DrafterKind
 
@@ -116,6 +124,7 @@ def make_entry(engine, summaries: Sequence[Summary], plan: SweepPlan, model: str
         "adaptive_vs_best_fixed": round(adaptive_vs_fixed, 4),
         "margin_over_ar": round(margin, 4),
         "batch_cost": batch_cost.as_dict(),
+        "batch_cost_for": batch_cost_identity(engine),  # a later start reuses it (`tuned.engine_batch_cost`)
         "spread": round(noise, 4),
         "tokens_per_sec": {f"{s.variant} | {s.setting}": round(s.decode_tps, 3) for s in summaries},
         "model": str(model) if model is not None else "default",
@@ -131,6 +140,8 @@ def make_entry(engine, summaries: Sequence[Summary], plan: SweepPlan, model: str
 
 
 def describe(entry: dict[str, Any]) -> str:
+    if "depth" not in entry:  # a start saved the batch cost profile it measured; never tuned
+        return "not tuned (a batch cost profile only)"
     depth = entry.get("depth")
     choice = "AR (no depth beat it)" if depth == 0 else f"depth {depth}"
     threshold = entry.get("adaptive_threshold")
@@ -202,7 +213,7 @@ def tune_main(
         engine = Engine.load(model, head=head, depth=depth_list[0])
     fingerprint = engine.fingerprint
     existing = None if retune else saved_entry(fingerprint, config_path)
-    if existing is not None:
+    if existing is not None and "depth" in existing:  # not an entry holding only a batch cost profile
         print(f"already tuned: {describe(existing)} (pass --retune to measure again)", file=out)
         return 0
     if depths is None:

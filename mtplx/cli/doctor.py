@@ -303,7 +303,9 @@ def check_tuned_depths() -> Check:
             fix=shlex.join(["rm", "--", str(tuned.config_file())]),  # `mtplx tune` writes a new one
         )
     here = tuned.machine_key()
-    mine = {key: entry for key, entry in entries.items() if key.partition(" @ ")[2] == here}
+    mine = {  # not the entries that hold only a start's batch cost profile (`tuned.engine_batch_cost`)
+        key: entry for key, entry in entries.items() if key.partition(" @ ")[2] == here and "depth" in entry
+    }
     if not mine:
         return Check("tuned depths", "none on this machine (`mtplx tune` measures the fastest depth)")
     parts = [

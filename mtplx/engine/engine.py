@@ -207,16 +207,25 @@ class Engine:
         """Keep prompt-cache entries in ``directory`` too, up to ``max_bytes``, and reuse the ones
         there that this engine's model, adapters, dtype, head, block drafter and KV quantization
         (``kv``; by default the engine's ``--kv-bits`` plan) made (`mtplx.trunk.prompt_cache_disk`)."""
-        from mtplx.trunk.prompt_cache_disk import DiskTier, cache_identity
+        from mtplx.trunk.prompt_cache_disk import DiskTier
 
         if self.distributed is not None:
             raise MtplxError("prompt cache dir: not supported on a sharded engine")
         if self.prompt_cache.max_bytes == 0:
             raise MtplxError("prompt cache dir: needs a prompt cache in RAM (prompt cache bytes > 0)")
+        self.prompt_cache.disk = DiskTier(directory, max_bytes, self.cache_identity(kv))
+
+    def cache_identity(self, kv: str = "") -> dict[str, str]:
+        """What state this engine made must agree on to be reused by another (the disk tier's
+        entries, the saved batch cost profile): `prompt_cache_disk.cache_identity` of its model,
+        adapters, dtype, head, block drafter and KV quantization (``kv``; by default its
+        ``--kv-bits`` plan)."""
+        from mtplx.trunk.prompt_cache_disk import cache_identity
+
         plan = self.trunk.kv_quantization
-        if not kv and plan is not None:  # the --kv-bits the caches on disk were made with
-            kv = f"kv{plan.bits}-g{plan.group_size}-from{plan.start}"
-        identity = cache_identity(
+        if not kv and plan is not None:
+            kv = plan.label
+        return cache_identity(
             fingerprint=self.fingerprint,
             trunk=self.trunk,
             head=self.head,
@@ -224,7 +233,6 @@ class Engine:
             kv=kv,
             drafter=self.block_drafter,
         )
-        self.prompt_cache.disk = DiskTier(directory, max_bytes, identity)
 
     def _load_block_drafter(self, head, draft_model, search: bool, sharded: bool) -> tuple:
         """A DFlash / DFlash2 / DSpark / EAGLE-3 drafter named by ``head`` or ``draft_model`` (a
@@ -484,16 +492,12 @@ class Engine:
         )
 
     def batch_cost_profile(self, remeasure: bool = False) -> CostProfile:
-        """What a batched cycle costs here: `mtplx tune`'s saved profile, else measured once per
-        engine (a few seconds; `mtplx tune` stores it); ``remeasure`` measures it now."""
+        """What a batched cycle costs here: the profile saved for this engine on this machine, else
+        measured (a few seconds) and saved (`tuned.engine_batch_cost`); ``remeasure`` measures it now."""
         if self._cost_profile is None or remeasure:
             from mtplx.engine import tuned
-            from mtplx.spec_decode.draft_policy import measure_cost_profile
 
-            saved = None if remeasure else tuned.saved_batch_cost(self.fingerprint)
-            self._cost_profile = saved or measure_cost_profile(
-                self.trunk, self.head, blocks=self.block_drafter
-            )
+            self._cost_profile = tuned.engine_batch_cost(self, remeasure)
         return self._cost_profile
 
     def generate_batch(

@@ -5,6 +5,12 @@ profile of a batched cycle that the batched loop's draft policy reads.
 `mtplx tune` (`mtplx.bench.tune`, which runs the benchmark) writes it. Kept apart from
 both so loading a model never imports the benchmark. The file is JSON at
 $XDG_CONFIG_HOME/mtplx/tune.json (default ~/.config/mtplx/tune.json).
+
+The batched cycle's cost profile (`engine_batch_cost`) is measured once and kept in the same
+entry (``batch_cost``), with what it was measured for (``batch_cost_for``: the model's weights,
+dtype and adapters, the head, the block drafter, the KV quantization, mlx / mlx-lm / mtplx and
+the BLAS): the next start on this machine reuses it, `mtplx tune` measures it again, and a
+profile measured for anything else, or damaged, is measured again (one line on stderr).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import os
 import platform
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +33,7 @@ from mtplx.spec_decode.settings import MAX_DEPTH
 __all__ = [
     "config_file",
     "machine_info",
+    "versions",
     "machine_key",
     "entry_key",
     "read_config",
@@ -33,6 +41,8 @@ __all__ = [
     "saved_depth",
     "saved_threshold",
     "saved_batch_cost",
+    "batch_cost_identity",
+    "engine_batch_cost",
     "save_entry",
 ]
 
@@ -117,10 +127,65 @@ def saved_threshold(fingerprint: str, config_path: str | Path | None = None) -> 
     return float(value) if isinstance(value, (int, float)) and 0.0 < value < 1.0 else None
 
 
-def saved_batch_cost(fingerprint: str, config_path: str | Path | None = None) -> CostProfile | None:
-    """The batched cycle's cost profile `mtplx tune` measured here (None = not measured)."""
-    value = _saved_field(fingerprint, "batch_cost", config_path)
-    return CostProfile.from_dict(value) if isinstance(value, dict) else None
+def saved_batch_cost(
+    fingerprint: str, config_path: str | Path | None = None, identity: dict[str, str] | None = None
+) -> CostProfile | None:
+    """The batched cycle's cost profile measured here (None = not measured); with ``identity``
+    (`batch_cost_identity`), only one measured for it. A damaged file or entry, or one measured
+    for another identity, is None with one line on stderr."""
+    where = f"mtplx: batch cost profile in {config_file(config_path)}"
+    try:
+        entry = saved_entry(fingerprint, config_path) or {}
+    except MtplxError:
+        print(f"{where}: the file is damaged; measuring again", file=sys.stderr)
+        return None
+    if "batch_cost" not in entry:
+        return None
+    profile = CostProfile.from_dict(entry["batch_cost"]) if isinstance(entry["batch_cost"], dict) else None
+    saved_for = entry.get("batch_cost_for")
+    if profile is None:
+        print(f"{where}: damaged; measuring again", file=sys.stderr)
+    elif identity is not None and saved_for != identity:
+        saved_for = saved_for if isinstance(saved_for, dict) else {}
+        changed = ", ".join(sorted(k for k in identity if saved_for.get(k) != identity[k])) or "identity"
+        print(f"{where}: measured for another {changed}; measuring again", file=sys.stderr)
+        return None
+    return profile
+
+
+def batch_cost_identity(engine) -> dict[str, str]:
+    """What a batched cycle's cost depends on beyond the model's fingerprint and the machine (the
+    entry's key): `Engine.cache_identity` (dtype, adapters, head, block drafter, KV quantization,
+    mlx-lm), and the versions and BLAS that run it."""
+    identity = engine.cache_identity()
+    installed = versions()
+    return {**identity, "blas": machine_info()["blas"], "mlx": installed["mlx"], "mtplx": installed["mtplx"]}
+
+
+def engine_batch_cost(engine, remeasure: bool = False) -> CostProfile:
+    """``engine``'s batched cycle cost: the one saved for it here, else measured (seconds) and
+    saved; ``remeasure`` (`mtplx tune`) measures it anyway. A store that cannot be written costs
+    a line on stderr, not the measurement."""
+    from mtplx.spec_decode.draft_policy import measure_cost_profile
+
+    identity = batch_cost_identity(engine)
+    saved = None if remeasure else saved_batch_cost(engine.fingerprint, identity=identity)
+    if saved is not None:
+        print(f"mtplx: batch cost profile: the one measured here before ({config_file()})", file=sys.stderr)
+        return saved
+    profile = measure_cost_profile(engine.trunk, engine.head, blocks=engine.block_drafter)
+    try:
+        entry = saved_entry(engine.fingerprint) or {}
+    except MtplxError:
+        entry = {}  # a damaged store: save_entry replaces it
+    entry.update(batch_cost=profile.as_dict(), batch_cost_for=identity)
+    try:
+        path = save_entry(engine.fingerprint, entry)
+    except OSError as e:
+        print(f"mtplx: batch cost profile: measured, not saved ({type(e).__name__}: {e})", file=sys.stderr)
+    else:
+        print(f"mtplx: batch cost profile: measured, saved to {path}", file=sys.stderr)
+    return profile
 
 
 def save_entry(
@@ -173,3 +238,14 @@ def machine_info() -> dict[str, Any]:
         "blas": os.path.basename(str(getattr(blas, "path", "") or "")) or "default",
         "python": platform.python_version(),
     }
+
+
+def versions() -> dict[str, str]:
+    """The installed mlx, mlx-lm and mtplx versions ("unknown" where one is not installed)."""
+    out = {}
+    for name in ("mlx", "mlx-lm", "mtplx"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "unknown"
+    return out

@@ -6,14 +6,17 @@ zeros, a norm called once) through the same accessors the engine uses (``KVState
 ``RotatingState``, ``copy_cache``, ``tap_final_norm``); a probe that raises is reported like any
 other change (``compat_probe.guarded``). The trunk calls ``check_once()`` when it wraps a model;
 the tests call ``check()`` with deliberately changed classes and functions to prove each
-assumption is really checked. pyproject pins the range it was verified on (``SUPPORTED_MLX_LM``).
+assumption is really checked. ``check()`` leaves MLX's global random state as it found it (the
+Nemotron-H probe builds a model, whose init draws from it): a model loaded after ``mx.random.seed``
+takes nothing from the caller's sequence. pyproject pins the range it was verified on (``SUPPORTED_MLX_LM``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from importlib import metadata
 
 from mtplx.errors import MtplxError
@@ -168,6 +171,18 @@ def _check_norm_tap() -> list[str]:
     return []
 
 
+@contextlib.contextmanager
+def _caller_random_state_kept() -> Iterator[None]:
+    """MLX's global random key as it was on entry, set again on exit: ``mx.random.seed(s)`` sets
+    the key to (s >> 32, s & 0xFFFFFFFF), so the saved pair read as one 64-bit number restores it."""
+    high, low = (int(word) for word in mx.random.state[0].tolist())
+    try:
+        yield
+    finally:
+        mx.random.seed((high << 32) | low)
+
+
+@_caller_random_state_kept()
 def check(
     *,
     version: str | None = None,

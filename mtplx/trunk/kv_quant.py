@@ -74,6 +74,12 @@ class KVQuantization:
     group_size: int = DEFAULT_KV_GROUP_SIZE
     start: int = DEFAULT_QUANTIZED_KV_START  # positions held in float before the conversion
 
+    @property
+    def label(self) -> str:
+        """The plan in one token, for identities that must tell plans apart (the disk tier's, the
+        saved batch cost profile's): ``kv8-g64-from5000``."""
+        return f"kv{self.bits}-g{self.group_size}-from{self.start}"
+
     def __post_init__(self) -> None:
         if self.bits not in KV_BITS:
             raise MtplxError(f"kv_bits must be one of {', '.join(map(str, KV_BITS))} (got {self.bits})")

@@ -594,9 +594,15 @@ def test_tune_config_save_read_show_and_corrupt(tmp_path, capsys):
     assert "unreadable" in _one_line(err)
 
 
-def test_tune_main_saves_then_keeps_then_retunes(tmp_path, capsys):
+def test_tune_main_saves_then_keeps_then_retunes(tmp_path, capsys, monkeypatch):
     config = tmp_path / "tune.json"
     engine = FakeEngine()
+    identity = {"head": "FakeHead:0"}
+    monkeypatch.setattr(tune, "batch_cost_identity", lambda engine: identity)
+    # A start saved only its batch cost profile here: not a tuned entry, so tune runs.
+    profile_only = {"batch_cost": CostProfile((1,), (0.5,)).as_dict(), "batch_cost_for": identity}
+    tuned.save_entry(engine.fingerprint, profile_only, config)
+    assert "not tuned" in tune.show_text(config)
     assert (
         tune.tune_main(engine=engine, config_path=config, depths="1-2", tokens=6, repeats=2, progress=False)
         == 0
@@ -605,7 +611,7 @@ def test_tune_main_saves_then_keeps_then_retunes(tmp_path, capsys):
     assert first_calls > 0 and all(c["depth"] in (None, 1, 2) for c in engine.calls)
     depth = tuned.saved_depth(engine.fingerprint, config)
     assert depth in (0, 1, 2)
-    assert tuned.saved_batch_cost(engine.fingerprint, config) == engine.batch_cost_profile()
+    assert tuned.saved_batch_cost(engine.fingerprint, config, identity) == engine.batch_cost_profile()
     assert "saved to" in capsys.readouterr().out
     tune.tune_main(engine=engine, config_path=config, progress=False)
     assert "already tuned" in capsys.readouterr().out and len(engine.calls) == first_calls

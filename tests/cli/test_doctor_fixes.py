@@ -201,3 +201,15 @@ def test_a_model_that_needs_a_missing_mlx_vlm_fix_installs_the_pinned_release(tm
     check = doctor.check_trunk_backend(str(tmp_path))
     version = importlib.metadata.version("mlx-vlm")
     assert check.problem is None and f"runs on mlx-vlm {version}" in check.info
+
+
+def test_tuned_depths_leave_out_an_entry_holding_only_a_batch_cost_profile(tmp_path, monkeypatch):
+    """A start saves the batch cost profile it measured (`tuned.engine_batch_cost`) in an entry of
+    its own; that is no tuned depth (control: the tuned entry beside it is listed)."""
+    from mtplx.engine import tuned
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    tuned.save_entry("profileonly00000", {"batch_cost": {"tokens": [1], "trunk_seconds": [0.1]}})
+    assert doctor.check_tuned_depths().info.startswith("none on this machine")
+    tuned.save_entry("tuned00000000000", {"depth": 2, "model": "m"})
+    assert doctor.check_tuned_depths().info == "m: depth 2"

@@ -886,3 +886,23 @@ def test_serve_sampling_and_drafting_flags_are_the_defaults_of_omitted_fields(
         timeout=120,
     ).json()
     assert "head" in auto["mtplx"]["drafters"]
+
+
+def test_a_later_start_reuses_the_batch_cost_profile_measured_before(
+    model_dir, engine, tmp_path, monkeypatch
+):
+    """`mtplx serve` times a batched cycle (`draft_policy.measure_cost_profile`) only where no profile
+    was saved for the same model, head and versions on this machine (`tuned.engine_batch_cost`):
+    after this process's engine of the same directory measured it into a fresh store, the server
+    process reads it (its log says so) and measures nothing. Control: the store empty before."""
+    from mtplx.engine import tuned
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    assert tuned.saved_batch_cost(engine.fingerprint, identity=tuned.batch_cost_identity(engine)) is None
+    measured = tuned.engine_batch_cost(engine)
+    log_path = tmp_path / "server.log"
+    with running_server(model_dir, log_path, "--depth", "2"):
+        wait_for(lambda: "batch cost profile" in log_path.read_text())
+    log = log_path.read_text()
+    assert "measured here before" in log and "measured, saved" not in log, log
+    assert tuned.saved_batch_cost(engine.fingerprint, identity=tuned.batch_cost_identity(engine)) == measured

@@ -36,7 +36,7 @@ from mlx_lm.models.cache import (
 from support import models
 from support.seeds import FRESH, SEEDS, resolve
 
-QUANTIZED_LOGITS_TOL = 1e-2
+QUANTIZED_TOL = 1e-2  # logits and float states of a run with quantized KV: `run_cycles`
 TOL = 2e-4  # float32 models; a from-scratch prefill differs only by matmul blocking
 
 Commit = Callable[[list, cache_ops.BlockCapture, int], None]
@@ -125,8 +125,9 @@ def _all_leaves(cache: list) -> list:
     return out
 
 
-def cache_mismatch(got: list, want: list) -> str | None:
-    """None if both caches hold the same content within TOL, else the first difference."""
+def cache_mismatch(got: list, want: list, float_tol: float = TOL) -> str | None:
+    """None if both caches hold the same content, else the first difference: packed entries within
+    one quantization level, float entries within ``float_tol`` (relative past magnitude 1)."""
     # A CacheList (DeepSeek-V3.2's MLA + indexer, Hunyuan-V4's) is compared member by member.
     got, want = _all_leaves(got), _all_leaves(want)
     if len(got) != len(want):
@@ -145,7 +146,7 @@ def cache_mismatch(got: list, want: list) -> str | None:
             scales = [part[1][..., : c.offset, :] for c in (g, w) for part in (c.keys, c.values)]
             tol, relative = TOL + 1.01 * max(float(mx.max(mx.abs(x))) for x in scales), False
         else:
-            tol, relative = TOL, True
+            tol, relative = float_tol, True
         for slot, (x, y) in enumerate(zip(g_arrays, w_arrays)):
             if x.shape != y.shape:
                 return f"layer {layer} slot {slot}: shape {x.shape} vs {y.shape}"
@@ -195,10 +196,12 @@ def run_cycles(
     # Quantized KV: an entry one level over (`cache_mismatch`) moves later logits by ~1e-4..1e-3;
     # a rollback that keeps a wrong position moves them by far more.
     # (mlx-lm's QuantizedKVCache and mlx-vlm's QSAQuantizedKVCache alike: seen 2.4e-4 with a fresh seed.)
+    # The float states of later layers (conv windows, recurrent states) read that entry too, so they
+    # are held to the same tolerance: `test_qwen4_exp_under_kv_bits_rolls_back_as_plain_decoding`.
     quantized = any(
         isinstance(c, QuantizedKVCache) or "Quantized" in type(c).__name__ for c in cache_leaves(cache)
     )
-    tol = QUANTIZED_LOGITS_TOL if quantized else TOL
+    tol = QUANTIZED_TOL if quantized else TOL
     for cycle, (block_len, num_keep) in enumerate(steps):
         block_len = block_len or int(rng.integers(1, 10))
         num_keep = num_keep or int(rng.integers(1, block_len + 1))
@@ -215,7 +218,7 @@ def run_cycles(
         tokens += block[:num_keep]
         pending = int(rng.integers(models.ROLLBACK_VOCAB))
         scratch = _scratch(model, make_cache, tokens)
-        if (why := cache_mismatch(cache, scratch)) is not None:
+        if (why := cache_mismatch(cache, scratch, tol)) is not None:
             return f"cycle {cycle} (T={block_len}, keep={num_keep}): {why}"
         want_next = model(mx.array([[pending]]), cache=scratch)[0, -1]
     final = model(mx.array([[pending]]), cache=cache)[0, -1]
@@ -354,17 +357,27 @@ def test_negative_control_skipped_trim_is_caught(name):
 def test_qwen4_exp_under_kv_bits_rolls_back_as_plain_decoding():
     """Qwen3.8-Flash-Next with ``--kv-bits 8`` (mlx-vlm's QSAQuantizedKVCache: packed KV, float
     indexer keys; `kv_quant.make_cache`): random accept patterns leave the caches a scratch run
-    leaves (control: the trim skipped)."""
+    leaves (controls: the trim skipped; the gated-delta states left as the whole block made them).
+
+    Seeds 5 and 50 are the ones (of 120) where a block and a scratch prefill computed one value of
+    layer 1 a last bit apart across a rounding boundary: the packed entry sits one level over
+    (0.02 here) and layer 2's conv window and state, which read it, moved by up to 5.5e-4 of their
+    magnitude. It is not the rollback: forwarding only the kept prefix (no rejected token ever
+    written) gives the same entry. So the float states of a quantized run are held to
+    QUANTIZED_TOL (1e-2) as its logits are; a skipped recurrent rollback moves them by more
+    than 1x their magnitude (seeds 0..7), caught here at layer 0."""
     model = models.rollback_model("qwen4_exp")
 
     def make_cache():
         return models.quantized_kv_cache_of_its_own(model)
 
     assert "QSAQuantizedKVCache" in {type(c).__name__ for c in make_cache()}
-    seed = resolve(FRESH)
-    why = run_cycles(model, make_cache, seed)
-    assert why is None, f"seed {seed}: {why}"
+    for seed in (5, 50, resolve(FRESH)):
+        why = run_cycles(model, make_cache, seed)
+        assert why is None, f"seed {seed}: {why}"
     assert run_cycles(model, make_cache, 6, pattern=REJECTING, commit=_commit_without_trim) is not None
+    why = run_cycles(model, make_cache, 6, pattern=REJECTING, commit=_commit_without_recurrent_rollback)
+    assert why is not None and "layer 0 slot" in why, why
 
 
 def _commit_without_recurrent_rollback(cache: list, capture: cache_ops.BlockCapture, num_keep: int) -> None:

@@ -171,3 +171,27 @@ def test_a_cache_whose_copy_is_not_independent_is_named() -> None:
     kv.update_and_fetch(mx.ones((1, 1, 1, 2)), mx.ones((1, 1, 1, 2)))
     assert copied.offset == 2 and kv.offset == 3
     assert float(mx.abs(copied.keys).sum()) == 0.0 and float(mx.abs(kv.keys).sum()) > 0.0
+
+
+def _draws_after(seed: int, between) -> list[float]:
+    """Three normals drawn after ``mx.random.seed(seed)`` and then ``between()``."""
+    mx.random.seed(seed)
+    between()
+    return mx.random.normal((3,)).tolist()
+
+
+def test_the_probes_leave_the_callers_random_state_as_it_was() -> None:
+    """The Nemotron-H probe builds a model, whose init draws from MLX's global random state: the
+    caller's seeded sequence goes on as if the check had not run, in ``check()`` and in the first
+    ``Trunk`` of a process (``check_once``). Control: the probe's model built bare does move it."""
+    from mtplx.trunk.compat_nemotron import check_ssm
+    from mtplx.trunk.model import Trunk
+
+    from support import models
+
+    model = models.rollback_model("llama")
+    undisturbed = _draws_after(7, lambda: None)
+    assert _draws_after(7, compat_check.check) == undisturbed
+    compat_check.check_once.cache_clear()  # as in a process that wraps its first model now
+    assert _draws_after(7, lambda: Trunk(model)) == undisturbed
+    assert _draws_after(7, check_ssm) != undisturbed  # the draw the check undoes
