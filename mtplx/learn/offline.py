@@ -37,7 +37,7 @@ class TrafficReport:
             for d in sorted(r.after, key=int)
         )
         head = f"first-draft acceptance {before:.3f} -> {after:.3f} ({after - before:+.3f}) on {r.held_records} held-out requests"
-        trained = f"trained {r.steps} steps on {r.train_sequences} sequences ({r.train_positions} positions) of {r.train_records} requests from {self.start}"
+        trained = f"trained {r.steps} steps on {r.train_sequences} sequences of {r.train_records} requests from {self.start}, {r.train_positions} response positions"
         if self.out is None:
             return f"forge --from-traffic: kept out: {head}; no better, nothing written ({trained}; per depth {depths})"
         return f"forge --from-traffic: wrote {self.out}: {head} ({trained}; per depth {depths})"
