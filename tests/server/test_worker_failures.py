@@ -25,10 +25,11 @@ from support import checkpoints
 from support.server import KEY, running_server
 
 # Each stage's planted failures, by the count of times the server reaches it (the test's order):
-# setup 1 at start-up and 2 for the first request; output 1: the first served request's first
-# token; submit 2: the third request's start; prefill 2 and 5: the fourth request's and the
-# seventh's (the fifth is served, the sixth decodes beside the seventh).
-FAULTS = "setup:2,output@1,submit@2,prefill@2,prefill@5"
+# setup 1 at start-up and 2 for the first request; output 1: the second request's first token;
+# submit 2: the third request's start; prefill 2: the fourth's; step 1: the first cycle with a
+# row in it (the fifth request's); prefill 6: the eighth request's (the sixth is served, the
+# seventh decodes beside the eighth).
+FAULTS = "setup:2,output@1,submit@2,prefill@2,step@1,prefill@6"
 CLIENT_TIMEOUT = 60  # seconds: today's worker died on the setup failure and the request hung
 
 
@@ -92,10 +93,13 @@ def test_worker_failures_fail_their_requests_and_the_worker_serves_on(server, mo
     assert error["type"] == "api_error"
     _internal_error(error["message"], "while starting the request")
 
-    # 4. Its prompt's prefill fails; the next request is served exactly.
-    with pytest.raises(openai.InternalServerError) as info:
-        client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0)
-    _internal_error(info.value.response.json()["error"]["message"], "while prefilling the prompt")
+    # 4. Its prompt's prefill fails; then a batch step raises (its shared state in question:
+    # every request in flight fails and the worker builds a fresh scheduler); the next request
+    # is served exactly.
+    for doing in ("while prefilling the prompt", "in a batch step"):
+        with pytest.raises(openai.InternalServerError) as info:
+            client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0)
+        _internal_error(info.value.response.json()["error"]["message"], doing)
     expected = engine.generate(prompt, max_tokens=6, temperature=0.0, chat=False)
     served = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0)
     assert served.choices[0].text == expected.text
@@ -122,10 +126,10 @@ def test_worker_failures_fail_their_requests_and_the_worker_serves_on(server, mo
 
     # /metrics and /health count each failure once; each failed request is an error abort.
     metrics = _metrics(base)
-    for stage, count in {"setup": 2, "output": 1, "submit": 1, "prefill": 2}.items():
+    for stage, count in {"setup": 2, "output": 1, "submit": 1, "prefill": 2, "step": 1}.items():
         assert metrics[("mtplx_worker_errors_total", (("stage", stage),))] == count, stage
-    assert metrics[("mtplx_request_aborted_total", (("reason", "error"),))] == 5
-    assert httpx.get(base + "/health").json()["worker_errors"] == 6
+    assert metrics[("mtplx_request_aborted_total", (("reason", "error"),))] == 6
+    assert httpx.get(base + "/health").json()["worker_errors"] == 7
     # Each failure's traceback is logged once, server-side.
     logged = [line for line in log_path.read_text().splitlines() if line.startswith("mtplx.engine.failures")]
-    assert len(logged) == 6 and all("planted failure at" in line for line in logged)
+    assert len(logged) == 7 and all("planted failure at" in line for line in logged)
