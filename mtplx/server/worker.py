@@ -27,6 +27,7 @@ cost profile) fails the requests waiting for it, and the next request tries agai
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -125,7 +126,7 @@ class GenerationWorker:
         self._thread = threading.Thread(target=self._run, name="mtplx-generation", daemon=True)
         self._active: dict[int, Job] = {}  # scheduler handle -> job, in flight
         self._held: Job | None = None  # taken from the queue while no scheduler could be built
-        self._last_failure: BaseException | None = None  # logged and counted already (this step's)
+        self._last_failure: BaseException | None = None  # this step's, logged and counted already
         self._choices_left: dict[int, int] = {}  # scheduler handle -> its choices not ended yet
         # Load, as the generation thread last saw it between cycles (/metrics reads it from others).
         self.running = 0  # rows decoding
@@ -206,7 +207,7 @@ class GenerationWorker:
                     return
                 scheduler = self._set_up()  # after a failed step: a fresh batch
         finally:
-            for job in self._active.values():
+            for job in [*self._active.values(), *([self._held] if self._held is not None else [])]:
                 job.cancel()
                 job.emit(Finished())
             if scheduler is not None:
@@ -250,11 +251,7 @@ class GenerationWorker:
         job.emit(Finished())
 
     def _note_failure(self, err: BaseException, stage: FailedStage) -> None:
-        """An internal failure: its traceback in the log and a count in /metrics, once however
-        many requests it ends (a cycle's invalid values end each of their rows)."""
-        if err is self._last_failure:
-            return
-        self._last_failure = err
+        """An internal failure: its traceback in the log and a count in /metrics."""
         log.error("generation failed %s", stage.doing, exc_info=err)
         self.metrics.worker_error(stage)
 
@@ -263,12 +260,15 @@ class GenerationWorker:
         queued jobs join and cancelled and late ones leave (`_before_step`); each result goes to
         its job. True at stop; False after a step that raised (a bug, not a user error: every job
         in flight failed, the scheduler dropped them; the worker goes on with a fresh one)."""
+        drive = scheduler.drive(
+            lambda _: self._note_load(scheduler), feed=lambda: self._before_step(scheduler)
+        )
         try:
-            for result in scheduler.drive(
-                lambda _: self._note_load(scheduler), feed=lambda: self._before_step(scheduler)
-            ):
-                self._deliver(result)
+            with contextlib.closing(drive) as results:  # closed: the scheduler drops every row
+                for result in results:
+                    self._deliver(result)
         except Exception as err:
+            self._last_failure = None
             self._note_failure(err, FailedStage.STEP)
             for handle in list(self._active):
                 self.metrics.abort("error")
@@ -347,7 +347,9 @@ class GenerationWorker:
         error = result.error
         if error is not None and not isinstance(error, MtplxError):  # not the request's: a 500
             stage = result.stage or FailedStage.STEP
-            self._note_failure(error, stage)
+            if error is not self._last_failure:  # once, however many rows it ended (a cycle's)
+                self._last_failure = error
+                self._note_failure(error, stage)
             error = JobFailed(stage)
         if error is not None:
             self.metrics.abort("error")
