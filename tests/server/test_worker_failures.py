@@ -104,15 +104,16 @@ def test_worker_failures_fail_their_requests_and_the_worker_serves_on(server, mo
     served = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0)
     assert served.choices[0].text == expected.text
 
-    # 5. A request failing in its prefill while another decodes: that one fails alone, the other
-    # decodes on and gets the tokens it gets alone (no EOS: it runs its whole max_tokens).
+    # 5. A request failing in its prefill while another decodes (sent after the stream's first
+    # chunk; that the two meet in one batch is what the next test makes certain): that one fails
+    # alone, the other gets the tokens it gets alone (no EOS: it runs its whole max_tokens).
     eos_ban = {token: -100.0 for token in engine.tokenizer.eos_token_ids}
     long_prompt = "The longest story"
-    alone = engine.generate(long_prompt, max_tokens=48, temperature=0.0, chat=False, logit_bias=eos_ban)
+    alone = engine.generate(long_prompt, max_tokens=24, temperature=0.0, chat=False, logit_bias=eos_ban)
     stream = client.completions.create(
         model=model,
         prompt=long_prompt,
-        max_tokens=48,
+        max_tokens=24,
         temperature=0,
         stream=True,
         logit_bias={str(k): v for k, v in eos_ban.items()},
@@ -122,7 +123,7 @@ def test_worker_failures_fail_their_requests_and_the_worker_serves_on(server, mo
         client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0)
     _internal_error(info.value.response.json()["error"]["message"], "while prefilling the prompt")
     pieces += [chunk.choices[0].text for chunk in stream]
-    assert "".join(pieces) == alone.text and len(alone.token_ids) == 48
+    assert "".join(pieces) == alone.text and len(alone.token_ids) == 24
 
     # /metrics and /health count each failure once; each failed request is an error abort.
     metrics = _metrics(base)
@@ -133,3 +134,47 @@ def test_worker_failures_fail_their_requests_and_the_worker_serves_on(server, mo
     # Each failure's traceback is logged once, server-side.
     logged = [line for line in log_path.read_text().splitlines() if line.startswith("mtplx.engine.failures")]
     assert len(logged) == 7 and all("planted failure at" in line for line in logged)
+
+
+def test_a_rows_own_failure_leaves_the_row_beside_it_in_the_batch(engine, monkeypatch):
+    """Deterministically in one batch (both jobs queued before the worker's thread starts, so its
+    first step prefills both): the second job's prefill fails (planted at the hook's second
+    prefill), the first decodes on and gets the tokens it gets alone. Control: a prefill failure
+    treated as the batch's (the scheduler's catch before this change) fails both."""
+    import asyncio
+    import time
+
+    from mtplx.engine import failures
+    from mtplx.engine.request import GenerationRequest
+    from mtplx.server.worker import Finished, GenerationWorker, Job, JobFailed
+
+    monkeypatch.setattr(failures, "_planned", {"prefill": {2}})
+    monkeypatch.setattr(failures, "_reached", {})
+    eos_ban = {token: -100.0 for token in engine.tokenizer.eos_token_ids}
+    request = GenerationRequest.from_kwargs(max_tokens=12, temperature=0.0, logit_bias=eos_ban)
+    prompts = [engine.encode_prompt(text, chat=False) for text in ("The longest story", "Once upon a time")]
+
+    async def run() -> list[list]:
+        loop = asyncio.get_running_loop()
+        jobs = [Job(tokens, request, time.monotonic() + 60, loop) for tokens in prompts]
+        worker = GenerationWorker(engine, max_queue=4, draft_policy="fixed")
+        for job in jobs:
+            worker.submit(job)
+        worker.start()
+        try:
+            items: list[list] = [[], []]
+            for job, got in zip(jobs, items):
+                while not got or not isinstance(got[-1], Finished):
+                    got.append(await asyncio.wait_for(job.chunks.get(), timeout=60))
+            return items
+        finally:
+            worker.stop()
+
+    kept, failed = asyncio.run(run())
+    assert not any(isinstance(item, JobFailed) for item in kept), kept
+    assert type(kept[0]).__name__ == "Admitted" and isinstance(kept[-1], Finished)
+    alone = engine.generate(prompts[0], max_tokens=12, temperature=0.0, logit_bias=eos_ban)
+    assert [t for chunk in kept[1:-1] for t in chunk.token_ids] == alone.token_ids
+    assert len(alone.token_ids) == 12
+    assert [type(item).__name__ for item in failed] == ["Admitted", "JobFailed", "Finished"]
+    assert failed[1].stage is failures.FailedStage.PREFILL
