@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from mtplx.engine.failures import FailedStage, reach
 from mtplx.engine.output import GenerationChunk, RequestOutput
 from mtplx.engine.request import GenerationRequest
 from mtplx.engine.session import CacheSession, starting_caches
@@ -94,12 +95,14 @@ class _Job:
 class StepResult:
     """What one request got from a step: a chunk, or the error that ended it (an `MtplxError`
     for the request's own mistakes; `RowsFailed` or ValueError for invalid values the model
-    produced, NaN logits: a fault of the model, not of the request)."""
+    produced, NaN logits: a fault of the model, not of the request; any other exception where
+    the failure was the request's own: ``stage`` says where, `mtplx.engine.failures`)."""
 
     handle: int
     chunk: GenerationChunk | None = None  # its ``index`` is the choice's
     error: Exception | None = None
     choice: int = 0
+    stage: FailedStage | None = None  # where ``error`` happened
 
     @property
     def done(self) -> bool:
@@ -152,11 +155,13 @@ class BatchScheduler:
         self, prompt, request: GenerationRequest, *, key=None, trunk_tap: TrunkTap | None = None
     ) -> int:
         """Queue one request (prompt text, messages or token ids); its handle. Raises MtplxError
-        for a request this engine or the batch cannot serve, before anything runs.
+        for a request this engine or the batch cannot serve, before anything runs; whatever it
+        raises, nothing of the request stays queued.
 
         Row options for callers below the API (forge): ``key`` (an mx random key) replaces the
         request's seed; ``trunk_tap`` sees the trunk's output over every position the row
         commits (`BatchDecoder.start`)."""
+        reach(FailedStage.SUBMIT)
         engine = self.engine
         plan = engine.plan(prompt, request)  # first: a request nobody can serve gets that error
         decoder = self._decoder_for_engine()
@@ -166,6 +171,16 @@ class BatchScheduler:
         keys = choice_keys(base, request.n)
         handle = self._next_handle
         self._next_handle += 1
+        try:
+            self._new_jobs(handle, plan, request, keys, decoder, trunk_tap)
+        except BaseException:  # a choice failed to start: the ones started leave with it
+            for job in self._choices(handle):
+                self._remove(job)
+            raise
+        return handle
+
+    def _new_jobs(self, handle, plan, request, keys, decoder, trunk_tap) -> None:
+        """The request's choices, pending: choice 0's row, and each other's waiting to fork it."""
         first = self._new_job(handle, 0, plan, request, keys[0], decoder, trunk_tap, fresh=False)
         for choice in range(1, request.n):
             fork = self._new_job(handle, choice, plan, request, keys[choice], decoder, trunk_tap, fresh=True)
@@ -173,7 +188,6 @@ class BatchScheduler:
             fork.waits = first.row.proposer is None
             if fork.waits:
                 first.forks.append(fork)
-        return handle
 
     def _new_job(self, handle, choice, plan, request, key, decoder, trunk_tap, *, fresh: bool) -> _Job:
         """One choice's row, pending: its grammar matcher, caches (the prompt cache's longest
@@ -318,33 +332,20 @@ class BatchScheduler:
         for job in waiting[: self.prompt_concurrency]:
             if budget <= 0:
                 break
-            row = job.row
-            if row.position == row.prefix.start:  # not started: the store may hold more now
-                self._reuse_prefix(job)
-            try:
-                before = row.remaining
-                ready = job.session.prefill(decoder, budget)  # cut at cache boundaries
-                budget -= before - row.remaining
-                if ready and job.forks:
-                    self._fork(job)
-                if ready and self.num_decoding < (1 if decoder.single_row else self.max_rows):
-                    # The row's prompt caches and drafter context: a batch takes copies of them.
-                    prompt_caches = row.trunk_cache, row.head_cache, row.drafter_cache
-                    _, first = decoder.admit(row)
-                    budget -= 1
-                    if not decoder.single_row:  # a single row decodes in its own (live) caches
-                        self._store_prompt(job, prompt_caches, decoder)
-                    results.append(self._feed(job, first))
-            except (MtplxError, ValueError) as err:  # ValueError: invalid values in the first draw
-                results.append(self._fail(job, err))
+            used, result = self._prefill_and_admit(job, decoder, budget)
+            budget -= used
+            if result is not None:
+                results.append(result)
         rows = {job.row.row_id: job for job in self._jobs.values() if job.row.row_id is not None}
         cycle_started = time.perf_counter()
         try:
+            if rows:
+                reach(FailedStage.STEP)
             steps = decoder.step() if rows else {}
         except RowsFailed as err:
             steps = {}  # the cycle was undone for every row; the others step next time
             for row_id in err.row_ids:
-                results.append(self._fail(rows[row_id], err))
+                results.append(self._fail(rows[row_id], err, FailedStage.CYCLE))
         cycle_seconds = time.perf_counter() - cycle_started if rows else 0.0
         for row_id, step in steps.items():
             results.append(self._feed(rows[row_id], step))
@@ -356,6 +357,42 @@ class BatchScheduler:
             sum(len(step.tokens) for step in steps.values()),
         )
         return results
+
+    def _prefill_and_admit(
+        self, job: _Job, decoder: BatchDecoder, budget: int
+    ) -> tuple[int, StepResult | None]:
+        """A chunk of ``job``'s prompt (at most ``budget`` tokens, cut at cache boundaries), and
+        its admission once prefilled: the tokens it forwarded, and its news (its first token, or
+        the failure that ended it; None: neither yet). A failure of its own ends it alone: its
+        prefill (its own caches), its forks' copies, its first draw refused before it joins
+        (MtplxError; ValueError: invalid values), its prompt-cache store, its output. Anything
+        else raised inside the batch's join propagates: the batch's state is in question."""
+        row = job.row
+        before = row.remaining
+        try:
+            if row.position == row.prefix.start:  # not started: the store may hold more now
+                self._reuse_prefix(job)
+            reach(FailedStage.PREFILL)
+            ready = job.session.prefill(decoder, budget)
+            if ready and job.forks:
+                self._fork(job)
+        except Exception as err:
+            return before - row.remaining, self._fail(job, err, FailedStage.PREFILL)
+        used = before - row.remaining
+        if not ready or self.num_decoding >= (1 if decoder.single_row else self.max_rows):
+            return used, None
+        # The row's prompt caches and drafter context: a batch takes copies of them.
+        prompt_caches = row.trunk_cache, row.head_cache, row.drafter_cache
+        try:
+            _, first = decoder.admit(row)
+        except (MtplxError, ValueError) as err:  # ValueError: invalid values in the first draw
+            return used, self._fail(job, err, FailedStage.ADMIT)
+        if not decoder.single_row:  # a single row decodes in its own (live) caches
+            try:
+                self._store_prompt(job, prompt_caches, decoder)
+            except Exception as err:
+                return used + 1, self._fail(job, err, FailedStage.STORE)
+        return used + 1, self._feed(job, first)
 
     @staticmethod
     def _store_prompt(job: _Job, prompt_caches: tuple, decoder: BatchDecoder) -> None:
@@ -379,17 +416,26 @@ class BatchScheduler:
                 job.row.drafter_cache = self._decoder.blocks.context_from(hit.drafter_cache)
 
     def _feed(self, job: _Job, step) -> StepResult:
-        chunk = job.output.feed(step)
+        """``step``'s tokens through the job's output (detokenized, stop strings), as its chunk;
+        a job that ends here stores its caches. A failure there ends this request alone."""
+        try:
+            reach(FailedStage.OUTPUT)
+            chunk = job.output.feed(step)
+        except Exception as err:
+            return self._fail(job, err, FailedStage.OUTPUT)
         chunk.index = job.choice
         if job.output.finished:
-            self._finish(job)
+            try:
+                self._finish(job)
+            except Exception as err:
+                return self._fail(job, err, FailedStage.STORE)
         return StepResult(job.handle, chunk=chunk, choice=job.choice)
 
-    def _fail(self, job: _Job, err: Exception) -> StepResult:
-        """The request ends with ``err``: every choice of it leaves."""
+    def _fail(self, job: _Job, err: Exception, stage: FailedStage) -> StepResult:
+        """The request ends with ``err`` (raised at ``stage``): every choice of it leaves."""
         for choice in self._choices(job.handle):
             self._remove(choice)
-        return StepResult(job.handle, error=err, choice=job.choice)
+        return StepResult(job.handle, error=err, choice=job.choice, stage=stage)
 
     def _finish(self, job: _Job) -> None:
         """A request that ended between cycles: its caches go to the prompt cache, its row leaves."""

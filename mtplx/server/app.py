@@ -227,7 +227,8 @@ def _add_service_routes(
 
     @app.get("/health")
     async def health():
-        """``busy``: a request is queued or in flight now; ``prefilling``: admitted, no token yet."""
+        """``busy``: a request is queued or in flight now; ``prefilling``: admitted, no token yet;
+        ``worker_errors``: internal failures so far (each failed its requests; the worker served on)."""
         return {
             "status": "ok",
             "model": settings.model_id,
@@ -235,6 +236,7 @@ def _add_service_routes(
             "busy": worker.busy,
             "prefilling": worker.prefilling,
             "running": worker.running,
+            "worker_errors": worker.errors,
         }
 
     @app.get("/metrics", dependencies=[Depends(check_key)])

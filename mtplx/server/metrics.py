@@ -7,7 +7,9 @@ The names follow vLLM's (`vllm:num_requests_running`, `vllm:prompt_tokens_total`
 prefix ``mtplx_``, so a dashboard built for one reads the other with a rename. Requests are
 counted when they finish (a finish reason, "stop" or "length"), from the same `GenerationStats`
 their usage reports, so the token counters equal the sum of the finished responses' usage;
-requests cancelled or timed out before their end are in ``mtplx_request_aborted_total`` only.
+requests cancelled or timed out before their end are in ``mtplx_request_aborted_total`` only;
+internal failures (`mtplx.engine.failures`: a bug, a damaged model) are counted once each in
+``mtplx_worker_errors_total{stage}``, however many requests they failed.
 The gauges (requests running and waiting, MLX's active memory, the prompt cache's bytes and
 limit) read what the worker's thread last saw between cycles. With a disk tier
 (``--prompt-cache-dir``) its hits, bytes loaded, load time, writes and bytes on disk are read
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from mtplx.engine.failures import FailedStage
 from mtplx.engine.output import GenerationChunk
 
 from prometheus_client import (
@@ -130,6 +133,10 @@ class ServerMetrics:
         self.aborted = Counter(
             "mtplx_request_aborted", "Requests ended before their finish", ["reason"], registry=r
         )
+        self.worker_errors = Counter(
+            "mtplx_worker_errors", "Internal failures of the generation worker", ["stage"], registry=r
+        )
+        self.worker_error_count = 0  # their sum (/health)
         self.ttft = Histogram(
             "mtplx_time_to_first_token_seconds",
             "From the request reaching the engine to its first token",
@@ -184,6 +191,11 @@ class ServerMetrics:
     def abort(self, reason: str) -> None:
         """A request that ended without a finish: "cancelled" (client gone), "timeout", "error"."""
         self.aborted.labels(reason=reason).inc()
+
+    def worker_error(self, stage: FailedStage) -> None:
+        """An internal failure at ``stage`` (once, however many requests it failed)."""
+        self.worker_errors.labels(stage=stage.label).inc()
+        self.worker_error_count += 1
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -107,7 +107,8 @@ def _raise_for(item) -> None:
     if isinstance(item, JobTimeout):
         raise APIError(504, "request: ran past the server's request timeout", type="timeout", code="timeout")
     if isinstance(item, JobFailed):
-        raise APIError(500, "internal server error (details in the server log)", type="server_error")
+        message = f"internal server error {item.stage.doing} (details in the server log)"
+        raise APIError(500, message, type="server_error")
 
 
 LEARN_HEADER = "x-mtplx-learn"  # "0", "false", "no" or "off": keep this request out of the traffic log

@@ -13,11 +13,21 @@ the worker drops its row before the next cycle, which frees its memory.
 Every job goes through the scheduler: a model whose caches do not batch is stepped one row at a
 time (`BatchDecoder`'s single-row mode); a grammar job (response_format, tools), an adaptive or a
 draft-model job joins the batch and speculates there, whatever else is in flight.
+
+A failure that is not the request's own mistake (a bug, a damaged model; `mtplx.engine.failures`)
+fails the requests it concerns at once, each with a 500 naming the stage (`JobFailed`), logs its
+traceback once and counts it (/metrics' ``mtplx_worker_errors_total{stage}``, /health's
+``worker_errors``); the worker serves on. A request's own failure (its start, prefill, first
+draw, output, prompt-cache store, its rows' invalid values) ends it alone, the batch decoding
+on; a step that raised elsewhere fails every request in flight and the worker builds a fresh
+scheduler (the batch's state is in question); a scheduler that cannot be built (its setup: the
+cost profile) fails the requests waiting for it, and the next request tries again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -25,6 +35,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from mtplx.engine.failures import FailedStage, reach
 from mtplx.engine.output import GenerationChunk
 from mtplx.engine.request import GenerationRequest
 from mtplx.errors import MtplxError
@@ -47,7 +58,11 @@ class JobTimeout(Exception):
 
 
 class JobFailed(Exception):
-    """An internal error while generating; details are in the server log."""
+    """An internal error while generating, at ``stage``; details are in the server log."""
+
+    def __init__(self, stage: FailedStage):
+        super().__init__(stage.doing)
+        self.stage = stage
 
 
 class Finished:
@@ -110,6 +125,8 @@ class GenerationWorker:
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._thread = threading.Thread(target=self._run, name="mtplx-generation", daemon=True)
         self._active: dict[int, Job] = {}  # scheduler handle -> job, in flight
+        self._held: Job | None = None  # taken from the queue while no scheduler could be built
+        self._last_failure: BaseException | None = None  # this step's, logged and counted already
         self._choices_left: dict[int, int] = {}  # scheduler handle -> its choices not ended yet
         # Load, as the generation thread last saw it between cycles (/metrics reads it from others).
         self.running = 0  # rows decoding
@@ -152,6 +169,11 @@ class GenerationWorker:
         return self._prefilling
 
     @property
+    def errors(self) -> int:
+        """Internal failures so far (each once, however many requests it failed)."""
+        return self.metrics.worker_error_count
+
+    @property
     def busy(self) -> bool:
         """Whether any request is queued or in flight now (read from other threads)."""
         return bool(self._active) or self.queued > 0
@@ -159,6 +181,7 @@ class GenerationWorker:
     def _note_load(self, scheduler) -> None:
         """Publish the load for /metrics (the prompt cache is not thread-safe: read it here)."""
         self.running, self._prefilling = scheduler.num_decoding, scheduler.num_waiting
+        self._last_failure = None  # a step's failure is not held past it (its traceback holds arrays)
         cache = self.engine.prompt_cache
         self.memory = (mx.get_active_memory(), cache.nbytes, cache.max_bytes)
 
@@ -170,35 +193,88 @@ class GenerationWorker:
 
     # ------------------------------------------------------------------ the generation thread
     def _run(self) -> None:
-        scheduler = self.engine.batch(
-            self.decode_concurrency, self.prompt_concurrency, self.draft_policy, self.prefill_step_size
-        )
+        scheduler = self._set_up()
         try:
-            while not self._drive(scheduler):
-                pass
+            while True:
+                if scheduler is None:  # its setup failed: try again for the next job
+                    if not self._hold_next_job():
+                        return
+                    scheduler = self._set_up()
+                    if scheduler is None and not self._fail_waiting(FailedStage.SETUP):
+                        return
+                    continue
+                if self._drive(scheduler):
+                    return
+                scheduler = self._set_up()  # after a failed step: a fresh batch
         finally:
-            for job in self._active.values():
+            for job in [*self._active.values(), *([self._held] if self._held is not None else [])]:
                 job.cancel()
                 job.emit(Finished())
-            scheduler.close()
+            if scheduler is not None:
+                scheduler.close()
+
+    def _set_up(self):
+        """A fresh scheduler; None when building it failed (logged and counted)."""
+        try:
+            reach(FailedStage.SETUP)
+            return self.engine.batch(
+                self.decode_concurrency, self.prompt_concurrency, self.draft_policy, self.prefill_step_size
+            )
+        except Exception as err:
+            self._note_failure(err, FailedStage.SETUP)
+            return None
+
+    def _hold_next_job(self) -> bool:
+        """Wait for the next job and hold it for the next scheduler (`_take_jobs`); False at stop."""
+        job = self._queue.get()
+        self._held = job
+        return job is not None
+
+    def _fail_waiting(self, stage: FailedStage) -> bool:
+        """Every job held or queued fails (a 500 naming ``stage``); False when the stop marker
+        was among them."""
+        self._held, jobs = None, [self._held]
+        while True:
+            try:
+                jobs.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        for job in jobs:
+            if job is None:
+                return False
+            self._fail_job(job, stage)
+        return True
+
+    def _fail_job(self, job: Job, stage: FailedStage) -> None:
+        self.metrics.abort("error")
+        job.emit(JobFailed(stage))
+        job.emit(Finished())
+
+    def _note_failure(self, err: BaseException, stage: FailedStage) -> None:
+        """An internal failure: its traceback in the log and a count in /metrics."""
+        log.error("generation failed %s", stage.doing, exc_info=err)
+        self.metrics.worker_error(stage)
 
     def _drive(self, scheduler) -> bool:
         """The scheduler's drive loop (`BatchScheduler.drive`) over the queue: before each step the
         queued jobs join and cancelled and late ones leave (`_before_step`); each result goes to
-        its job. True at stop; False after a failed step (a bug, not a user error: every job in
-        flight failed, the scheduler dropped them; the worker goes on with fresh rows)."""
+        its job. True at stop; False after a step that raised (a bug, not a user error: every job
+        in flight failed, the scheduler dropped them; the worker goes on with a fresh one)."""
+        drive = scheduler.drive(
+            lambda _: self._note_load(scheduler), feed=lambda: self._before_step(scheduler)
+        )
         try:
-            for result in scheduler.drive(
-                lambda _: self._note_load(scheduler), feed=lambda: self._before_step(scheduler)
-            ):
-                self._deliver(result)
-        except Exception:
-            log.exception("generation failed")
+            with contextlib.closing(drive) as results:  # closed: the scheduler drops every row
+                for result in results:
+                    self._deliver(result)
+        except Exception as err:
+            self._last_failure = None
+            self._note_failure(err, FailedStage.STEP)
             for handle in list(self._active):
                 self.metrics.abort("error")
-                self._active[handle].emit(JobFailed())
+                self._active[handle].emit(JobFailed(FailedStage.STEP))
                 self._end(handle)
-            self._note_load(scheduler)
+            self.running = self._prefilling = 0
             return False
         return True
 
@@ -227,9 +303,14 @@ class GenerationWorker:
         while len(self._active) < capacity:
             idle_work = self.learner is not None and self.learner.has_work()
             try:
-                job = self._queue.get(block=not self._active and not idle_work)
+                job = (
+                    self._held
+                    if self._held is not None
+                    else self._queue.get(block=not self._active and not idle_work)
+                )
             except queue.Empty:
                 break
+            self._held = None
             if job is None:
                 return False
             if job.cancelled.is_set():
@@ -248,6 +329,10 @@ class GenerationWorker:
                 job.emit(err)
                 job.emit(Finished())
                 continue
+            except Exception as err:  # a bug: this request fails, the others go on
+                self._note_failure(err, FailedStage.SUBMIT)
+                self._fail_job(job, FailedStage.SUBMIT)
+                continue
             self._active[handle] = job
             self._choices_left[handle] = job.request.n
             job.emit(Admitted())
@@ -260,9 +345,12 @@ class GenerationWorker:
         if job is None:
             return
         error = result.error
-        if error is not None and not isinstance(error, MtplxError):  # the model's fault: a 500
-            log.error("generation failed", exc_info=error)
-            error = JobFailed()
+        if error is not None and not isinstance(error, MtplxError):  # not the request's: a 500
+            stage = result.stage or FailedStage.STEP
+            if error is not self._last_failure:  # once, however many rows it ended (a cycle's)
+                self._last_failure = error
+                self._note_failure(error, stage)
+            error = JobFailed(stage)
         if error is not None:
             self.metrics.abort("error")
             job.emit(error)

@@ -33,10 +33,13 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(model_dir: Path, log_path: Path, *flags: str, api_key: str | None = KEY):
-    """`mtplx serve` on ``model_dir`` and a free port; yields (base URL, log path) once /health answers."""
+def running_server(
+    model_dir: Path, log_path: Path, *flags: str, api_key: str | None = KEY, env: dict[str, str] | None = None
+):
+    """`mtplx serve` on ``model_dir`` and a free port; yields (base URL, log path) once /health answers.
+    ``env``: variables set for the server process only (e.g. the test hook ``MTPLX_TEST_FAULT``)."""
     port = _free_port()
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=str(REPO), **(env or {}))
     env.pop("MTPLX_API_KEY", None)
     if api_key is not None:
         env["MTPLX_API_KEY"] = api_key
