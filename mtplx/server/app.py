@@ -31,7 +31,7 @@ from mtplx.server.constraints import response_format_grammar
 from mtplx.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from mtplx.server.openai import APIError, ChatFormat, TextFormat, error_body
 from mtplx.server.pipeline import chat_prompt, check_common, check_model, encode, generate, make_job
-from mtplx.server.respond import respond
+from mtplx.server.respond import event_stream, respond
 from mtplx.server.responses import ResponsesFormat, ResponseStore
 from mtplx.server.responses_input import responses_error
 from mtplx.server.responses_input import to_chat as responses_to_chat
@@ -42,7 +42,7 @@ from mtplx.server.worker import GenerationWorker
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -416,10 +416,7 @@ async def _responses(request: Request, body: ResponsesRequest, worker, settings,
         renamed = responses_error(err, turn.tool_index)
         if body.stream and renamed.code == "context_length_exceeded":
             fmt = ResponsesFormat(body, settings.model_id, None, engine.tokenizer, None)
-            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-            return StreamingResponse(
-                iter(fmt.failed_events(renamed)), media_type="text/event-stream", headers=headers
-            )
+            return event_stream(iter(fmt.failed_events(renamed)))
         raise renamed from None
     kept = (store, turn.turns) if body.store else None
     fmt = ResponsesFormat(body, settings.model_id, plan.reader(), engine.tokenizer, kept)

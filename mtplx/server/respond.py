@@ -28,7 +28,7 @@ from mtplx.server.worker import Admitted, Finished, GenerationWorker, Job, JobFa
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-__all__ = ["ResponseFormat", "respond"]
+__all__ = ["ResponseFormat", "event_stream", "respond"]
 
 
 @runtime_checkable
@@ -63,6 +63,12 @@ class ResponseFormat(Protocol):
 
 
 _POLL_SECONDS = 0.5  # how often a waiting handler checks its job's deadline
+
+
+def event_stream(events) -> StreamingResponse:
+    """``events`` (strings, sync or async) as a server-sent-events response no proxy buffers."""
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return StreamingResponse(events, media_type="text/event-stream", headers=headers)
 
 
 async def _watch_disconnect(request: Request, job: Job) -> None:
@@ -150,11 +156,7 @@ async def respond(request: Request, worker: GenerationWorker, job: Job, settings
         raise
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(
-            _sse(request, job, fmt, include_usage, watcher, settings.keepalive_interval),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
+        return event_stream(_sse(request, job, fmt, include_usage, watcher, settings.keepalive_interval))
     try:
         chunks = []
         item = first

@@ -40,7 +40,7 @@ from typing import Any
 
 from mtplx.engine.engine import GenerationChunk, GenerationStats
 from mtplx.server.chat import ReplyReader
-from mtplx.server.openai import APIError, decode_stats
+from mtplx.server.openai import SSE_KEEPALIVE, APIError, decode_stats
 from mtplx.server.schemas import ResponsesRequest
 from mtplx.server.tools import CallDelta
 
@@ -314,7 +314,7 @@ class ResponsesFormat:
         ]
 
     def sse_keepalive(self) -> str:
-        return ": keep-alive\n\n"
+        return SSE_KEEPALIVE
 
     def sse_chunk(self, chunk: GenerationChunk) -> list[str]:
         self._last = chunk
