@@ -49,7 +49,7 @@ from mtplx.server.chat import ReplyReader, unique_tool_names
 from mtplx.server.images import anthropic_image_url
 from mtplx.server.openai import APIError
 from mtplx.server.schemas import FUNCTION_NAME, SpeculationFields
-from mtplx.server.tools import merge_calls
+from mtplx.server.tools import assistant_turn, chat_call, merge_calls
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
@@ -227,14 +227,8 @@ def _messages(body: MessagesRequest | CountTokensRequest) -> list[dict]:
             elif text or not any(isinstance(b, ToolResultBlock) for b in blocks):
                 out.append({"role": "user", "content": text})
             continue
-        calls = [
-            {"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
-            for b in blocks
-            if isinstance(b, ToolUseBlock)
-        ]
-        out.append(
-            {"role": "assistant", "content": text or (None if calls else ""), "tool_calls": calls or None}
-        )
+        calls = [chat_call(b.id, b.name, json.dumps(b.input)) for b in blocks if isinstance(b, ToolUseBlock)]
+        out.append(assistant_turn(text, calls))
     return out
 
 

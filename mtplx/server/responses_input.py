@@ -36,6 +36,7 @@ from mtplx.errors import MtplxError
 from mtplx.server.chat import unique_tool_names
 from mtplx.server.openai import APIError
 from mtplx.server.schemas import FUNCTION_NAME, ResponsesRequest
+from mtplx.server.tools import assistant_turn, chat_call
 from mtplx.server.validation import first_problem
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
@@ -134,16 +135,12 @@ def _text(parts: str | list[_Part], where: str) -> str:
 
 
 def _add_call(turns: list[dict], call: _FunctionCallItem) -> None:
-    wire = {
-        "id": call.call_id,
-        "type": "function",
-        "function": {"name": call.name, "arguments": call.arguments},
-    }
+    wire = chat_call(call.call_id, call.name, call.arguments)
     last = turns[-1] if turns else None
     if last is not None and last["role"] == "assistant":
         last["tool_calls"] = [*(last.get("tool_calls") or []), wire]
         return
-    turns.append({"role": "assistant", "content": None, "tool_calls": [wire]})
+    turns.append(assistant_turn("", [wire]))
 
 
 def _history_calls(history: list[dict]) -> set[str]:
