@@ -30,7 +30,15 @@ from mtplx.server.anthropic import error_body as anthropic_error
 from mtplx.server.constraints import response_format_grammar
 from mtplx.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from mtplx.server.openai import APIError, ChatFormat, TextFormat, error_body
-from mtplx.server.pipeline import chat_prompt, check_common, check_model, encode, generate, make_job
+from mtplx.server.pipeline import (
+    chat_prompt,
+    check_cap,
+    check_common,
+    check_model,
+    encode,
+    generate,
+    make_job,
+)
 from mtplx.server.respond import event_stream, respond
 from mtplx.server.responses import ResponsesFormat, ResponseStore
 from mtplx.server.responses_input import responses_error
@@ -388,10 +396,8 @@ async def _responses(request: Request, body: ResponsesRequest, worker, settings,
     engine = worker.engine
     if body.model is not None:
         check_model(body.model, settings)
-    requested, cap = body.max_output_tokens, settings.max_tokens_cap
-    if requested is not None and requested > cap:
-        message = f"max_output_tokens: {requested} exceeds this server's cap of {cap}"
-        raise APIError(400, message, param="max_output_tokens")
+    requested = body.max_output_tokens
+    check_cap(requested, settings, "max_output_tokens")
     history: list[dict] = []
     if body.previous_response_id is not None:
         found = store.get(body.previous_response_id)
