@@ -281,15 +281,8 @@ def _add_generation_routes(v1: APIRouter, worker: GenerationWorker, settings: Se
     @v1.post("/completions", dependencies=_unicode_text(CompletionRequest))
     async def completions(body: CompletionRequest, request: Request):
         check_common(body, settings)
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise APIError(400, "prompt: only one prompt per request is supported", param="prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str) and not prompt:
-            raise APIError(400, "prompt: is empty", param="prompt")
         grammar = response_format_grammar(body.response_format)
-        prompt_tokens = await encode(engine, prompt, "prompt")
+        prompt_tokens = await encode(engine, _one_prompt(body), "prompt")
         fmt = TextFormat(engine, settings.model_id, n=body.n or 1)
         return await generate(
             request, worker, settings, body, prompt_tokens, body.max_tokens, body.logprobs, grammar, fmt
@@ -321,6 +314,19 @@ def _add_generation_routes(v1: APIRouter, worker: GenerationWorker, settings: Se
             check_model(chat.model, settings)
         _, tokens = await chat_prompt(engine, chat, settings, constrain=False)
         return {"input_tokens": len(tokens)}
+
+
+def _one_prompt(body: CompletionRequest) -> str | list[int]:
+    """A completion body's prompt: text, or token ids; a list of one text is that text (a 400 for
+    several, or for an empty one)."""
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        if len(prompt) != 1:
+            raise APIError(400, "prompt: only one prompt per request is supported", param="prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str) and not prompt:
+        raise APIError(400, "prompt: is empty", param="prompt")
+    return prompt
 
 
 def _install_middleware(app: FastAPI, settings: ServerSettings) -> None:
