@@ -97,12 +97,7 @@ class EngineLoading:
         if kv_plan is not None:
             engine._quantize_kv(kv_plan)
         if distributed:
-            from mtplx.engine import distributed as dist
-
-            timeout = (
-                collective_timeout if collective_timeout is not None else dist.DEFAULT_COLLECTIVE_TIMEOUT
-            )
-            engine.distributed = dist.shard_engine(engine, group, distributed, timeout)
+            engine.distributed = _shard(engine, group, distributed, collective_timeout)
         return engine
 
     def _quantize_kv(self, plan: KVQuantization) -> None:
@@ -224,3 +219,12 @@ def _launch_group(distributed: bool | str, adapter_path) -> object:
     if adapter_path is not None:
         raise MtplxError("adapter_path: not supported when sharded; merge the adapters first (mlx_lm.fuse)")
     return dist.launch_group()
+
+
+def _shard(engine, group, mode: bool | str, collective_timeout: float | None):
+    """The loaded engine's trunk sharded over ``group`` (`mtplx.engine.distributed`), every wait
+    on the other ranks bounded by ``collective_timeout`` seconds (None: the default)."""
+    from mtplx.engine import distributed as dist
+
+    timeout = collective_timeout if collective_timeout is not None else dist.DEFAULT_COLLECTIVE_TIMEOUT
+    return dist.shard_engine(engine, group, mode, timeout)
