@@ -49,7 +49,7 @@ from mtplx.server.chat import ReplyReader, unique_tool_names
 from mtplx.server.images import anthropic_image_url
 from mtplx.server.openai import APIError
 from mtplx.server.schemas import FUNCTION_NAME, SpeculationFields
-from mtplx.server.tools import assistant_turn, chat_call, merge_calls
+from mtplx.server.tools import assistant_turn, chat_call, chat_tool, function_choice, merge_calls
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
@@ -245,7 +245,7 @@ def _tool_choice(choice: ToolChoice | None) -> tuple[Any, bool | None]:
     if choice.type == "tool":
         if not choice.name:
             raise APIError(400, "tool_choice.name: required when type is 'tool'", param="tool_choice")
-        return {"type": "function", "function": {"name": choice.name}}, parallel
+        return function_choice(choice.name), parallel
     return {"auto": "auto", "any": "required", "none": "none"}[choice.type], parallel
 
 
@@ -260,13 +260,7 @@ def to_chat(body: MessagesRequest | CountTokensRequest, max_tokens_cap: int | No
     chat: dict[str, Any] = {"model": body.model, "messages": _messages(body)}
     unique_tool_names([(i, t.name) for i, t in enumerate(body.tools or ())], "tools[{}].name")
     if body.tools:
-        chat["tools"] = [
-            {
-                "type": "function",
-                "function": {"name": t.name, "description": t.description, "parameters": t.input_schema},
-            }
-            for t in body.tools
-        ]
+        chat["tools"] = [chat_tool(t.name, t.description, t.input_schema) for t in body.tools]
     if choice is not None:
         chat["tool_choice"] = choice
     if parallel is not None:

@@ -43,6 +43,8 @@ __all__ = [
     "CallSyntax",
     "assistant_turn",
     "chat_call",
+    "chat_tool",
+    "function_choice",
     "merge_calls",
     "render_chat",
     "syntax_for",
@@ -314,6 +316,19 @@ class CallExtractor:
 
 def _call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def chat_tool(
+    name: str, description: str | None = None, parameters: dict | None = None, strict: bool | None = None
+) -> dict:
+    """A function tool as chat's ``tools`` hold it (a field left out where None)."""
+    spec = {"name": name, "description": description, "parameters": parameters, "strict": strict}
+    return {"type": "function", "function": {k: v for k, v in spec.items() if v is not None}}
+
+
+def function_choice(name: str) -> dict:
+    """Chat's ``tool_choice`` naming one function."""
+    return {"type": "function", "function": {"name": name}}
 
 
 def chat_call(call_id: str, name: str, arguments: Any) -> dict:
