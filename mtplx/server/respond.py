@@ -132,7 +132,10 @@ async def respond(request: Request, worker: GenerationWorker, job: Job, settings
     """``job``'s reply in ``fmt``'s API: whole, or streamed when ``body.stream`` (module docstring)."""
     if worker.learner is not None and learns(request, body):
         grammar = job.request.grammar
-        job.learn = (grammar.field if grammar is not None else None, bool(getattr(body, "tools", None)))
+        job.traffic_tags = (
+            grammar.field if grammar is not None else None,
+            bool(getattr(body, "tools", None)),
+        )
     try:
         worker.submit(job)
     except QueueFull:
