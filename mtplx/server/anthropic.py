@@ -321,7 +321,8 @@ def _event(name: str, payload: dict) -> str:
     return f"event: {name}\ndata: {json.dumps({'type': name, **payload})}\n\n"
 
 
-def _input(arguments: str) -> dict:
+def _tool_use_input(arguments: str) -> dict:
+    """A tool_use block's ``input``: the call's JSON arguments as an object ({} when they are not one)."""
     try:
         value = json.loads(arguments)
     except json.JSONDecodeError:
@@ -401,7 +402,7 @@ class MessagesFormat:
                     "type": "tool_use",
                     "id": _tool_id(call["id"]),
                     "name": fn["name"],
-                    "input": _input(fn["arguments"]),
+                    "input": _tool_use_input(fn["arguments"]),
                 }
             )
         return self._message(blocks, self._ending(chunks[-1].finish_reason), usage_of(chunks[-1].stats))
