@@ -157,6 +157,9 @@ class EngineLoading:
         return (None if head in named else head), (None if draft_model in named else draft_model)
 
     def _load_draft_model(self, path: str | Path) -> None:
+        """The separate mlx-lm model ``draft="model"`` drafts with, checked against the target
+        (`draft_model_proposer.check_compatible`: tokenizer, the vocabulary both share); a block
+        drafter's directory or a misfit is a one-line error."""
         from mtplx.checkpoints import load as loading
         from mtplx.drafters import discovery
         from mtplx.spec_decode.draft_model_proposer import check_compatible, embedding_rows
