@@ -116,13 +116,7 @@ def run_chat(
     last_stats = None
     images: list[str] = []  # attached with /image, sent with the next turn
     if interactive:
-        mode = (
-            f"MTP depth {engine.depth}"
-            if engine.has_head and settings.request.drafting.kind is not DrafterKind.NONE
-            else "autoregressive"
-        )
-        commands = ", ".join(COMMANDS)
-        print(f"mtplx chat ({mode}): {commands}; Ctrl-C stops a reply, Ctrl-D quits", file=stderr)
+        _print_banner(engine, settings, stderr)
     while True:
         try:
             line = _read_turn(stdin, interactive)
@@ -134,29 +128,10 @@ def run_chat(
                 stdout.write("\n")  # leave the terminal on a fresh line after ^D
             return 0
         command = line.strip()
-        if not command:
-            continue
-        if command == "/reset":
-            conversation.reset()
-            print("[conversation reset]", file=stderr, flush=True)
-            continue
-        if command == "/stats":
-            print(
-                format_stats(last_stats, getattr(engine, "head", None)) if last_stats else "[no reply yet]",
-                file=stderr,
-                flush=True,
-            )
-            continue
-        if command.startswith("/image "):
-            path = command[len("/image ") :].strip()
-            if os.path.isfile(path):
-                images.append(path)
-                print(f"[image attached to your next turn: {path}]", file=stderr, flush=True)
-            else:
-                print(f"mtplx: error: /image: {path} is not a file", file=stderr, flush=True)
+        if not command or _run_command(command, engine, conversation, images, last_stats, stderr):
             continue
         conversation.add("user", line, images)
-        images = []
+        images.clear()
         try:
             stats = _reply(engine, conversation, settings, stdout, stderr)
         except MtplxError as err:  # e.g. the conversation outgrew the context: say so, keep chatting
@@ -166,6 +141,43 @@ def run_chat(
         last_stats = stats or last_stats
         if settings.show_stats and stats is not None:
             print(format_stats(stats, getattr(engine, "head", None)), file=stderr, flush=True)
+
+
+def _print_banner(engine, settings: ChatSettings, stderr: TextIO) -> None:
+    """How replies are drafted and the commands, once, on a terminal."""
+    mode = (
+        f"MTP depth {engine.depth}"
+        if engine.has_head and settings.request.drafting.kind is not DrafterKind.NONE
+        else "autoregressive"
+    )
+    commands = ", ".join(COMMANDS)
+    print(f"mtplx chat ({mode}): {commands}; Ctrl-C stops a reply, Ctrl-D quits", file=stderr)
+
+
+def _run_command(
+    command: str, engine, conversation: Conversation, images: list[str], last_stats, stderr: TextIO
+) -> bool:
+    """Carry out one of `COMMANDS` (``images``: the paths /image attached so far, added to here);
+    False when ``command`` is none of them, a turn to send."""
+    if command == "/reset":
+        conversation.reset()
+        print("[conversation reset]", file=stderr, flush=True)
+    elif command == "/stats":
+        print(
+            format_stats(last_stats, getattr(engine, "head", None)) if last_stats else "[no reply yet]",
+            file=stderr,
+            flush=True,
+        )
+    elif command.startswith("/image "):
+        path = command[len("/image ") :].strip()
+        if os.path.isfile(path):
+            images.append(path)
+            print(f"[image attached to your next turn: {path}]", file=stderr, flush=True)
+        else:
+            print(f"mtplx: error: /image: {path} is not a file", file=stderr, flush=True)
+    else:
+        return False
+    return True
 
 
 def add_args(chat: argparse.ArgumentParser) -> None:

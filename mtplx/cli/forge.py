@@ -38,9 +38,9 @@ HELP = "train an MTP head for a model that has none, on the model's own generati
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     """The `mtplx forge` flags; none has a default of its own (see the module docstring)."""
-    d = DEFAULT_FORGE_CONFIG
+    defaults = DEFAULT_FORGE_CONFIG  # every default the help texts name
     parser.add_argument("--model", help="local path or Hugging Face repo id (default: the embedded model)")
-    parser.add_argument("--out", dest="out_dir", help=f"output head directory (default {d.out_dir})")
+    parser.add_argument("--out", dest="out_dir", help=f"output head directory (default {defaults.out_dir})")
     parser.add_argument(
         "--data",
         action="append",
@@ -51,11 +51,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="the whole run's budget: a time (2h, 45m) or generated tokens (3M, 500k); overrides --gen-tokens/--steps",
     )
     parser.add_argument(
-        "--gen-tokens", type=int, help=f"response tokens to generate (default {d.gen_tokens})"
+        "--gen-tokens", type=int, help=f"response tokens to generate (default {defaults.gen_tokens})"
     )
-    parser.add_argument("--steps", type=int, help=f"training steps (default {d.steps})")
-    parser.add_argument("--depth", type=int, help=f"draft steps unrolled in training (default {d.depth})")
-    parser.add_argument("--batch-size", type=int, help=f"sequences per step (default {d.batch_size})")
+    parser.add_argument("--steps", type=int, help=f"training steps (default {defaults.steps})")
+    parser.add_argument(
+        "--depth", type=int, help=f"draft steps unrolled in training (default {defaults.depth})"
+    )
+    parser.add_argument("--batch-size", type=int, help=f"sequences per step (default {defaults.batch_size})")
     parser.add_argument(
         "--lr",
         type=float,
@@ -65,7 +67,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--head-layers",
         type=int,
-        help=f"decoder layers per draft step (default {d.head_layers}); with --init-head, layers beyond "
+        help=f"decoder layers per draft step (default {defaults.head_layers}); with --init-head, layers beyond "
         "the init head's start as the identity",
     )
     parser.add_argument(
@@ -74,15 +76,18 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="forge this drafter instead of an MTP head: an EAGLE-3 drafter in the speculators layout "
         "(load it with --head DIR, draft with --draft eagle3); --draft-vocab sizes its d2t vocabulary",
     )
-    parser.add_argument("--seed", type=int, help=f"seed of prompts, sampling and batches (default {d.seed})")
     parser.add_argument(
-        "--hidden-source", choices=("pre_norm", "post_norm"), help=f"(default {d.hidden_source})"
+        "--seed", type=int, help=f"seed of prompts, sampling and batches (default {defaults.seed})"
     )
     parser.add_argument(
-        "--chain-source", choices=("pre_norm", "post_norm"), help=f"(default {d.chain_source})"
+        "--hidden-source", choices=("pre_norm", "post_norm"), help=f"(default {defaults.hidden_source})"
     )
     parser.add_argument(
-        "--draft-vocab", help=f"reduced draft vocabulary: a size, 'auto' or 'full' (default {d.draft_vocab})"
+        "--chain-source", choices=("pre_norm", "post_norm"), help=f"(default {defaults.chain_source})"
+    )
+    parser.add_argument(
+        "--draft-vocab",
+        help=f"reduced draft vocabulary: a size, 'auto' or 'full' (default {defaults.draft_vocab})",
     )
     parser.add_argument(
         "--work-dir", help="where shards and checkpoints go (resumable; default under the mtplx cache)"
@@ -96,7 +101,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "out, and the head (--out, default DIR/forged-from-traffic) is written only if it measures better",
     )
     parser.add_argument("--no-progress", action="store_true")
-    parser.set_defaults(forge_defaults=d)
+    parser.set_defaults(forge_defaults=defaults)
 
 
 def config_from_args(args: argparse.Namespace) -> ForgeConfig:

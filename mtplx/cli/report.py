@@ -18,10 +18,10 @@ def format_stats(stats, head=None) -> str:
         f"Time to first token: {stats.ttft_seconds:.3f} s, total time: {stats.total_seconds:.3f} s",
     ]
     if stats.distributed:
-        d = stats.distributed
+        sharding = stats.distributed  # the mode, the ranks and the collectives' traffic per cycle
         lines.append(
-            f"Distributed: {d['mode']} over {d['ranks']} ranks, per cycle {d['collectives_per_cycle']} "
-            f"collectives, {d['bytes_per_cycle']} bytes"
+            f"Distributed: {sharding['mode']} over {sharding['ranks']} ranks, per cycle "
+            f"{sharding['collectives_per_cycle']} collectives, {sharding['bytes_per_cycle']} bytes"
         )
     if stats.mode != "mtp":
         lines.append("Drafter: none (autoregressive)")

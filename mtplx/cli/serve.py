@@ -73,18 +73,7 @@ def serve(
         log.warning("WARNING: listening on %s without an API key: anyone who can reach it can use it", host)
     if settings.prompt_cache_dir is not None:  # indexes what is there now: requests reuse it from the first
         engine.use_disk_cache(settings.prompt_cache_dir, settings.prompt_cache_disk_bytes)
-    learner = None
-    if settings.learn_dir is not None:
-        from mtplx.learn.log import DEFAULT_LOG_BYTES
-        from mtplx.learn.serving import Learner
-
-        cfg = DEFAULT_LEARN_CONFIG
-        if settings.learn_every is not None:
-            cfg = replace(cfg, min_records=settings.learn_every, new_records=settings.learn_every)
-        if settings.learn_steps is not None:
-            cfg = replace(cfg, steps=settings.learn_steps)
-        learner = Learner(engine, settings.learn_dir, settings.learn_max_bytes or DEFAULT_LOG_BYTES, cfg)
-        log.info("--learn: recording finished requests (token ids) in %s", learner.log.dir)
+    learner = _learner(engine, settings) if settings.learn_dir is not None else None
     worker = GenerationWorker(
         engine,
         settings.max_queue,
@@ -104,6 +93,21 @@ def serve(
             uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
         finally:
             worker.stop()
+
+
+def _learner(engine, settings: ServerSettings):
+    """`--learn`'s hook on the worker (`mtplx.learn.serving.Learner`), its rounds as the flags set them."""
+    from mtplx.learn.log import DEFAULT_LOG_BYTES
+    from mtplx.learn.serving import Learner
+
+    cfg = DEFAULT_LEARN_CONFIG
+    if settings.learn_every is not None:
+        cfg = replace(cfg, min_records=settings.learn_every, new_records=settings.learn_every)
+    if settings.learn_steps is not None:
+        cfg = replace(cfg, steps=settings.learn_steps)
+    learner = Learner(engine, settings.learn_dir, settings.learn_max_bytes or DEFAULT_LOG_BYTES, cfg)
+    log.info("--learn: recording finished requests (token ids) in %s", learner.log.dir)
+    return learner
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -284,12 +288,10 @@ def run(args: argparse.Namespace) -> int:
     origins = tuple(o.strip() for o in (args.allowed_origins or "").split(",") if o.strip())
     engine = load_engine(args, prompt_cache_bytes=cache_bytes)
     served = tuple(args.served_model_name or ())
+    # The id replies report: the first --served-model-name, else the model as given, else the default's name.
+    model_id = served[0] if served else args.model if args.model is not None else loading.DEFAULT_MODEL_NAME
     settings = ServerSettings(
-        model_id=served[0]
-        if served
-        else args.model
-        if args.model is not None
-        else loading.DEFAULT_MODEL_NAME,
+        model_id=model_id,
         served_names=served,
         keepalive_interval=args.keepalive_interval,
         responses_default_max_tokens=args.responses_max_tokens,

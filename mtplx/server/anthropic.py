@@ -49,7 +49,7 @@ from mtplx.server.chat import ReplyReader, unique_tool_names
 from mtplx.server.images import anthropic_image_url
 from mtplx.server.openai import APIError
 from mtplx.server.schemas import FUNCTION_NAME, SpeculationFields
-from mtplx.server.tools import merge_calls
+from mtplx.server.tools import assistant_turn, chat_call, chat_tool, function_choice, merge_calls
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
@@ -227,14 +227,8 @@ def _messages(body: MessagesRequest | CountTokensRequest) -> list[dict]:
             elif text or not any(isinstance(b, ToolResultBlock) for b in blocks):
                 out.append({"role": "user", "content": text})
             continue
-        calls = [
-            {"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
-            for b in blocks
-            if isinstance(b, ToolUseBlock)
-        ]
-        out.append(
-            {"role": "assistant", "content": text or (None if calls else ""), "tool_calls": calls or None}
-        )
+        calls = [chat_call(b.id, b.name, json.dumps(b.input)) for b in blocks if isinstance(b, ToolUseBlock)]
+        out.append(assistant_turn(text, calls))
     return out
 
 
@@ -251,7 +245,7 @@ def _tool_choice(choice: ToolChoice | None) -> tuple[Any, bool | None]:
     if choice.type == "tool":
         if not choice.name:
             raise APIError(400, "tool_choice.name: required when type is 'tool'", param="tool_choice")
-        return {"type": "function", "function": {"name": choice.name}}, parallel
+        return function_choice(choice.name), parallel
     return {"auto": "auto", "any": "required", "none": "none"}[choice.type], parallel
 
 
@@ -266,13 +260,7 @@ def to_chat(body: MessagesRequest | CountTokensRequest, max_tokens_cap: int | No
     chat: dict[str, Any] = {"model": body.model, "messages": _messages(body)}
     unique_tool_names([(i, t.name) for i, t in enumerate(body.tools or ())], "tools[{}].name")
     if body.tools:
-        chat["tools"] = [
-            {
-                "type": "function",
-                "function": {"name": t.name, "description": t.description, "parameters": t.input_schema},
-            }
-            for t in body.tools
-        ]
+        chat["tools"] = [chat_tool(t.name, t.description, t.input_schema) for t in body.tools]
     if choice is not None:
         chat["tool_choice"] = choice
     if parallel is not None:
@@ -333,7 +321,8 @@ def _event(name: str, payload: dict) -> str:
     return f"event: {name}\ndata: {json.dumps({'type': name, **payload})}\n\n"
 
 
-def _input(arguments: str) -> dict:
+def _tool_use_input(arguments: str) -> dict:
+    """A tool_use block's ``input``: the call's JSON arguments as an object ({} when they are not one)."""
     try:
         value = json.loads(arguments)
     except json.JSONDecodeError:
@@ -413,7 +402,7 @@ class MessagesFormat:
                     "type": "tool_use",
                     "id": _tool_id(call["id"]),
                     "name": fn["name"],
-                    "input": _input(fn["arguments"]),
+                    "input": _tool_use_input(fn["arguments"]),
                 }
             )
         return self._message(blocks, self._ending(chunks[-1].finish_reason), usage_of(chunks[-1].stats))

@@ -30,8 +30,16 @@ from mtplx.server.anthropic import error_body as anthropic_error
 from mtplx.server.constraints import response_format_grammar
 from mtplx.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from mtplx.server.openai import APIError, ChatFormat, TextFormat, error_body
-from mtplx.server.pipeline import chat_prompt, check_common, check_model, encode, generate, make_job
-from mtplx.server.respond import respond
+from mtplx.server.pipeline import (
+    chat_prompt,
+    check_cap,
+    check_common,
+    check_model,
+    encode,
+    generate,
+    make_job,
+)
+from mtplx.server.respond import event_stream, respond
 from mtplx.server.responses import ResponsesFormat, ResponseStore
 from mtplx.server.responses_input import responses_error
 from mtplx.server.responses_input import to_chat as responses_to_chat
@@ -42,7 +50,7 @@ from mtplx.server.worker import GenerationWorker
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -275,15 +283,8 @@ def _add_generation_routes(v1: APIRouter, worker: GenerationWorker, settings: Se
     @v1.post("/completions", dependencies=_unicode_text(CompletionRequest))
     async def completions(body: CompletionRequest, request: Request):
         check_common(body, settings)
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise APIError(400, "prompt: only one prompt per request is supported", param="prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str) and not prompt:
-            raise APIError(400, "prompt: is empty", param="prompt")
         grammar = response_format_grammar(body.response_format)
-        prompt_tokens = await encode(engine, prompt, "prompt")
+        prompt_tokens = await encode(engine, _one_prompt(body), "prompt")
         fmt = TextFormat(engine, settings.model_id, n=body.n or 1)
         return await generate(
             request, worker, settings, body, prompt_tokens, body.max_tokens, body.logprobs, grammar, fmt
@@ -315,6 +316,19 @@ def _add_generation_routes(v1: APIRouter, worker: GenerationWorker, settings: Se
             check_model(chat.model, settings)
         _, tokens = await chat_prompt(engine, chat, settings, constrain=False)
         return {"input_tokens": len(tokens)}
+
+
+def _one_prompt(body: CompletionRequest) -> str | list[int]:
+    """A completion body's prompt: text, or token ids; a list of one text is that text (a 400 for
+    several, or for an empty one)."""
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        if len(prompt) != 1:
+            raise APIError(400, "prompt: only one prompt per request is supported", param="prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str) and not prompt:
+        raise APIError(400, "prompt: is empty", param="prompt")
+    return prompt
 
 
 def _install_middleware(app: FastAPI, settings: ServerSettings) -> None:
@@ -390,10 +404,8 @@ async def _responses(request: Request, body: ResponsesRequest, worker, settings,
     engine = worker.engine
     if body.model is not None:
         check_model(body.model, settings)
-    requested, cap = body.max_output_tokens, settings.max_tokens_cap
-    if requested is not None and requested > cap:
-        message = f"max_output_tokens: {requested} exceeds this server's cap of {cap}"
-        raise APIError(400, message, param="max_output_tokens")
+    requested = body.max_output_tokens
+    check_cap(requested, settings, "max_output_tokens")
     history: list[dict] = []
     if body.previous_response_id is not None:
         found = store.get(body.previous_response_id)
@@ -418,10 +430,7 @@ async def _responses(request: Request, body: ResponsesRequest, worker, settings,
         renamed = responses_error(err, turn.tool_index)
         if body.stream and renamed.code == "context_length_exceeded":
             fmt = ResponsesFormat(body, settings.model_id, None, engine.tokenizer, None)
-            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-            return StreamingResponse(
-                iter(fmt.failed_events(renamed)), media_type="text/event-stream", headers=headers
-            )
+            return event_stream(iter(fmt.failed_events(renamed)))
         raise renamed from None
     kept = (store, turn.turns) if body.store else None
     fmt = ResponsesFormat(body, settings.model_id, plan.reader(), engine.tokenizer, kept)

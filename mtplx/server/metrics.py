@@ -107,21 +107,15 @@ class ServerMetrics:
         r = self.registry
         if disk is not None:
             r.register(_DiskCollector(disk))
-        Gauge("mtplx_num_requests_running", "Requests decoding", registry=r).set_function(
-            lambda: load.running
+        gauges = (  # read at each scrape
+            ("mtplx_num_requests_running", "Requests decoding", lambda: load.running),
+            ("mtplx_num_requests_waiting", "Requests queued or prefilling", lambda: load.waiting),
+            ("mtplx_memory_active_bytes", "MLX's active memory", lambda: load.memory[0]),
+            ("mtplx_prompt_cache_bytes", "Bytes the prompt cache holds", lambda: load.memory[1]),
+            ("mtplx_prompt_cache_capacity_bytes", "The prompt cache's limit", lambda: load.memory[2]),
         )
-        Gauge("mtplx_num_requests_waiting", "Requests queued or prefilling", registry=r).set_function(
-            lambda: load.waiting
-        )
-        Gauge("mtplx_memory_active_bytes", "MLX's active memory", registry=r).set_function(
-            lambda: load.memory[0]
-        )
-        Gauge("mtplx_prompt_cache_bytes", "Bytes the prompt cache holds", registry=r).set_function(
-            lambda: load.memory[1]
-        )
-        Gauge("mtplx_prompt_cache_capacity_bytes", "The prompt cache's limit", registry=r).set_function(
-            lambda: load.memory[2]
-        )
+        for name, text, read in gauges:
+            Gauge(name, text, registry=r).set_function(read)
         self.prompt_tokens = Counter("mtplx_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.cached_tokens = Counter(
             "mtplx_prompt_cached_tokens", "Prompt tokens reused from the prompt cache", registry=r

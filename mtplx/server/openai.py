@@ -19,7 +19,16 @@ from fastapi.responses import JSONResponse
 if TYPE_CHECKING:
     from mtplx.server.chat import ReplyReader
 
-__all__ = ["APIError", "ChatFormat", "TextFormat", "decode_stats", "error_body", "sse_data", "usage"]
+__all__ = [
+    "SSE_KEEPALIVE",
+    "APIError",
+    "ChatFormat",
+    "TextFormat",
+    "decode_stats",
+    "error_body",
+    "sse_data",
+    "usage",
+]
 
 
 class APIError(Exception):
@@ -51,7 +60,11 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-# ------------------------------------------------------------------ middleware
+# An SSE comment, which clients skip: the OpenAI routes' keep-alive (chat, completions, Responses).
+SSE_KEEPALIVE = ": keep-alive\n\n"
+
+
+# ------------------------------------------------------------------ usage and the mtplx extension
 
 
 def usage(stats: GenerationStats, *more: GenerationStats) -> dict:
@@ -146,7 +159,7 @@ class _Format:
         return [sse_data(opening) for opening in openings if opening is not None]
 
     def sse_keepalive(self) -> str:
-        return ": keep-alive\n\n"  # an SSE comment: clients skip it
+        return SSE_KEEPALIVE
 
     def sse_chunk(self, chunk: GenerationChunk) -> list[str]:
         self._final[chunk.index] = chunk.stats

@@ -49,13 +49,14 @@ def check_common(body, settings: ServerSettings) -> None:
     if best_of is not None and best_of != (body.n or 1):
         message = f"best_of: not supported (got {best_of}); n returns every choice as sampled"
         raise APIError(400, message, param="best_of")
-    requested = getattr(body, "max_completion_tokens", None) or body.max_tokens
+    check_cap(getattr(body, "max_completion_tokens", None) or body.max_tokens, settings, "max_tokens")
+
+
+def check_cap(requested: int | None, settings: ServerSettings, param: str) -> None:
+    """A 400 naming ``param`` when a request asks for more tokens than ``--max-tokens-cap``."""
     if requested is not None and requested > settings.max_tokens_cap:
-        raise APIError(
-            400,
-            f"max_tokens: {requested} exceeds this server's cap of {settings.max_tokens_cap}",
-            param="max_tokens",
-        )
+        message = f"{param}: {requested} exceeds this server's cap of {settings.max_tokens_cap}"
+        raise APIError(400, message, param=param)
 
 
 async def chat_prompt(
@@ -65,7 +66,7 @@ async def chat_prompt(
     images the model cannot take, before the template renders them)."""
     check_images(engine, chat.messages)
     plan = plan_chat(engine.tokenizer, chat, constrain=constrain)
-    tokens = await encode_chat(engine, plan)
+    tokens = await encode(engine, plan.messages, "messages", plan.template_tools)
     return plan, await expand_images(engine, chat.messages, tokens, settings.image_dir)
 
 
@@ -85,25 +86,13 @@ async def generate(
     return await respond(request, worker, job, settings, fmt, body)
 
 
-async def encode(engine, prompt, param: str) -> list[int]:
+async def encode(engine, prompt, param: str, tools: list[dict] | None = None) -> list[int]:
+    """``prompt``'s ids, off the event loop: text, or messages through the chat template (``tools``
+    through the template's own ``tools=``, a chat plan's ``template_tools``); a 400 naming ``param``."""
     try:
-        return await run_in_threadpool(engine.encode_prompt, prompt, isinstance(prompt, list))
+        return await run_in_threadpool(engine.encode_prompt, prompt, isinstance(prompt, list), tools)
     except MtplxError as err:
         raise APIError(400, str(err), param=param) from None
-
-
-async def encode_chat(engine, plan: ChatPlan) -> list[int]:
-    """The chat's prompt ids; tools go through the template's own ``tools=`` when it has one."""
-    if plan.template_tools is None:
-        return await encode(engine, plan.messages, "messages")
-
-    def render() -> list[int]:
-        return engine.encode_prompt(plan.messages, True, tools=plan.template_tools)
-
-    try:
-        return await run_in_threadpool(render)
-    except MtplxError as err:
-        raise APIError(400, str(err), param="messages") from None
 
 
 def make_job(

@@ -28,7 +28,7 @@ from mtplx.server.worker import Admitted, Finished, GenerationWorker, Job, JobFa
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-__all__ = ["ResponseFormat", "respond"]
+__all__ = ["ResponseFormat", "event_stream", "respond"]
 
 
 @runtime_checkable
@@ -63,6 +63,12 @@ class ResponseFormat(Protocol):
 
 
 _POLL_SECONDS = 0.5  # how often a waiting handler checks its job's deadline
+
+
+def event_stream(events) -> StreamingResponse:
+    """``events`` (strings, sync or async) as a server-sent-events response no proxy buffers."""
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return StreamingResponse(events, media_type="text/event-stream", headers=headers)
 
 
 async def _watch_disconnect(request: Request, job: Job) -> None:
@@ -127,7 +133,10 @@ async def respond(request: Request, worker: GenerationWorker, job: Job, settings
     """``job``'s reply in ``fmt``'s API: whole, or streamed when ``body.stream`` (module docstring)."""
     if worker.learner is not None and learns(request, body):
         grammar = job.request.grammar
-        job.learn = (grammar.field if grammar is not None else None, bool(getattr(body, "tools", None)))
+        job.traffic_tags = (
+            grammar.field if grammar is not None else None,
+            bool(getattr(body, "tools", None)),
+        )
     try:
         worker.submit(job)
     except QueueFull:
@@ -151,11 +160,7 @@ async def respond(request: Request, worker: GenerationWorker, job: Job, settings
         raise
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(
-            _sse(request, job, fmt, include_usage, watcher, settings.keepalive_interval),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
+        return event_stream(_sse(request, job, fmt, include_usage, watcher, settings.keepalive_interval))
     try:
         chunks = []
         item = first

@@ -40,9 +40,9 @@ from typing import Any
 
 from mtplx.engine.engine import GenerationChunk, GenerationStats
 from mtplx.server.chat import ReplyReader
-from mtplx.server.openai import APIError, decode_stats
+from mtplx.server.openai import SSE_KEEPALIVE, APIError, decode_stats
 from mtplx.server.schemas import ResponsesRequest
-from mtplx.server.tools import CallDelta
+from mtplx.server.tools import CallDelta, assistant_turn, chat_call
 
 __all__ = ["ResponseStore", "ResponsesFormat"]
 
@@ -74,11 +74,6 @@ class ResponseStore:
 
 def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
-
-
-def _reply_turn(content: str, calls: list[dict]) -> dict:
-    """The reply as the chat turn a later request's history holds."""
-    return {"role": "assistant", "content": content or (None if calls else ""), "tool_calls": calls or None}
 
 
 class ResponsesFormat:
@@ -168,7 +163,7 @@ class ResponsesFormat:
         if self.store is not None:
             store, turns = self.store
             content = "".join(p["text"] for i in self._output if i["type"] == "message" for p in i["content"])
-            store.put(self.id, [*turns, _reply_turn(content, self._calls)])
+            store.put(self.id, [*turns, assistant_turn(content, self._calls)])
         return response
 
     # ---------------------------------------------------------------- items
@@ -190,9 +185,7 @@ class ResponsesFormat:
         }
 
     def _call_item(self, delta: CallDelta) -> dict:
-        self._calls.append(
-            {"id": delta.id, "type": "function", "function": {"name": delta.name, "arguments": ""}}
-        )
+        self._calls.append(chat_call(delta.id, delta.name, ""))
         return {
             "id": _new_id("fc"),
             "type": "function_call",
@@ -314,7 +307,7 @@ class ResponsesFormat:
         ]
 
     def sse_keepalive(self) -> str:
-        return ": keep-alive\n\n"
+        return SSE_KEEPALIVE
 
     def sse_chunk(self, chunk: GenerationChunk) -> list[str]:
         self._last = chunk

@@ -36,6 +36,7 @@ from mtplx.errors import MtplxError
 from mtplx.server.chat import unique_tool_names
 from mtplx.server.openai import APIError
 from mtplx.server.schemas import FUNCTION_NAME, ResponsesRequest
+from mtplx.server.tools import assistant_turn, chat_call, chat_tool, function_choice
 from mtplx.server.validation import first_problem
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
@@ -134,16 +135,12 @@ def _text(parts: str | list[_Part], where: str) -> str:
 
 
 def _add_call(turns: list[dict], call: _FunctionCallItem) -> None:
-    wire = {
-        "id": call.call_id,
-        "type": "function",
-        "function": {"name": call.name, "arguments": call.arguments},
-    }
+    wire = chat_call(call.call_id, call.name, call.arguments)
     last = turns[-1] if turns else None
     if last is not None and last["role"] == "assistant":
         last["tool_calls"] = [*(last.get("tool_calls") or []), wire]
         return
-    turns.append({"role": "assistant", "content": None, "tool_calls": [wire]})
+    turns.append(assistant_turn("", [wire]))
 
 
 def _history_calls(history: list[dict]) -> set[str]:
@@ -216,13 +213,7 @@ def _function_tools(tools: list[dict[str, Any]] | None) -> tuple[list[dict], lis
             dropped.append(kind)
             continue
         fn = _checked(_FunctionTool, tool, f"tools[{i}]")
-        spec = {
-            "name": fn.name,
-            "description": fn.description,
-            "parameters": fn.parameters,
-            "strict": fn.strict,
-        }
-        chat_tools.append({"type": "function", "function": {k: v for k, v in spec.items() if v is not None}})
+        chat_tools.append(chat_tool(fn.name, fn.description, fn.parameters, fn.strict))
         index.append(i)
     unique_tool_names([(i, tool["function"]["name"]) for i, tool in zip(index, chat_tools)], "tools[{}].name")
     if dropped and frozenset(dropped) not in _logged_drops and len(_logged_drops) < 64:
@@ -243,7 +234,7 @@ def _tool_choice(body: ResponsesRequest, has_tools: bool) -> Any:
             f"tool_choice: only 'none', 'auto', 'required' or a function by name are supported, got {choice.type!r}",
             param="tool_choice",
         )
-    return {"type": "function", "function": {"name": choice.name}}
+    return function_choice(choice.name)
 
 
 def _response_format(body: ResponsesRequest) -> dict | None:

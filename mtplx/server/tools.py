@@ -41,6 +41,10 @@ __all__ = [
     "CallDelta",
     "CallExtractor",
     "CallSyntax",
+    "assistant_turn",
+    "chat_call",
+    "chat_tool",
+    "function_choice",
     "merge_calls",
     "render_chat",
     "syntax_for",
@@ -107,12 +111,7 @@ def _native_messages(messages: Sequence[Message]) -> list[dict]:
         if m.tool_calls:
             # HF templates read arguments as a mapping (mlx-lm's server converts them the same way).
             turn["tool_calls"] = [
-                {
-                    "id": c.id,
-                    "type": "function",
-                    "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)},
-                }
-                for c in m.tool_calls
+                chat_call(c.id, c.function.name, _arguments(c.function.arguments)) for c in m.tool_calls
             ]
         if m.tool_call_id is not None:
             turn["tool_call_id"] = m.tool_call_id
@@ -319,11 +318,36 @@ def _call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
+def chat_tool(
+    name: str, description: str | None = None, parameters: dict | None = None, strict: bool | None = None
+) -> dict:
+    """A function tool as chat's ``tools`` hold it (a field left out where None)."""
+    spec = {"name": name, "description": description, "parameters": parameters, "strict": strict}
+    return {"type": "function", "function": {k: v for k, v in spec.items() if v is not None}}
+
+
+def function_choice(name: str) -> dict:
+    """Chat's ``tool_choice`` naming one function."""
+    return {"type": "function", "function": {"name": name}}
+
+
+def chat_call(call_id: str, name: str, arguments: Any) -> dict:
+    """A tool call as chat's ``message.tool_calls`` hold it (``arguments``: the JSON text; a
+    mapping for a chat template that reads them so)."""
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def assistant_turn(content: str, calls: list[dict]) -> dict:
+    """A reply as the assistant turn a chat history holds: its text (None when it only called
+    tools) and its calls (`chat_call`; None for none)."""
+    return {"role": "assistant", "content": content or (None if calls else ""), "tool_calls": calls or None}
+
+
 def merge_calls(deltas: Sequence[CallDelta]) -> list[dict]:
     """Fragments -> the ``message.tool_calls`` of a whole reply (index order)."""
     calls: dict[int, dict] = {}
     for d in deltas:
         if d.id is not None:
-            calls[d.index] = {"id": d.id, "type": "function", "function": {"name": d.name, "arguments": ""}}
+            calls[d.index] = chat_call(d.id, d.name, "")
         calls[d.index]["function"]["arguments"] += d.arguments
     return [calls[i] for i in sorted(calls)]

@@ -82,10 +82,11 @@ class Job:
     loop: asyncio.AbstractEventLoop
     chunks: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
-    # `serve --learn`: (the grammar's field or None, tools offered) when the request is logged, else None.
-    learn: tuple[str | None, bool] | None = None
-    written: dict[int, list[int]] = field(default_factory=dict)  # choice -> its tokens (logged jobs only)
-    finishes: dict[int, str] = field(default_factory=dict)  # choice -> its finish reason
+    # `serve --learn`: what the traffic log records besides the tokens, (the grammar's API field or
+    # None, whether tools were offered), when the request goes into it; else None.
+    traffic_tags: tuple[str | None, bool] | None = None
+    tokens_by_choice: dict[int, list[int]] = field(default_factory=dict)  # logged jobs only
+    finish_by_choice: dict[int, str] = field(default_factory=dict)
 
     def emit(self, item: Any) -> None:
         try:
@@ -361,13 +362,13 @@ class GenerationWorker:
 
     def _send(self, job: Job, chunk: GenerationChunk) -> None:
         self.metrics.observe(chunk)  # counts the request when this chunk ends it
-        if job.learn is not None:
-            tokens = job.written.setdefault(chunk.index, [])
+        if job.traffic_tags is not None:
+            tokens = job.tokens_by_choice.setdefault(chunk.index, [])
             tokens.extend(chunk.token_ids)
             if chunk.eos_token is not None:
                 tokens.append(chunk.eos_token)
             if chunk.finish_reason is not None:
-                job.finishes[chunk.index] = chunk.finish_reason
+                job.finish_by_choice[chunk.index] = chunk.finish_reason
         job.emit(chunk)
 
     def _choice_done(self, handle: int, failed: bool) -> None:
@@ -382,17 +383,17 @@ class GenerationWorker:
         self._choices_left.pop(handle, None)
         job = self._active.pop(handle, None)
         if job is not None:
-            self._log_finished(job)
+            self._record_traffic(job)
             job.emit(Finished())
 
-    def _log_finished(self, job: Job) -> None:
+    def _record_traffic(self, job: Job) -> None:
         """`serve --learn`: a request whose every choice finished goes into the traffic log."""
-        if job.learn is None or self.learner is None or len(job.finishes) < job.request.n:
+        if job.traffic_tags is None or self.learner is None or len(job.finish_by_choice) < job.request.n:
             return
-        choices = sorted(job.written)
+        choices = sorted(job.tokens_by_choice)
         self.learner.record(
             job.prompt_tokens,
-            [job.written[i] for i in choices],
-            [job.finishes.get(i) for i in choices],
-            *job.learn,
+            [job.tokens_by_choice[i] for i in choices],
+            [job.finish_by_choice.get(i) for i in choices],
+            *job.traffic_tags,
         )
