@@ -20,12 +20,12 @@ __all__ = ["SURROGATE_ESCAPE", "field_path", "first_problem", "unpaired_surrogat
 # Pydantic's names of union members and wrapped validators: never a field of ours.
 _PYDANTIC_TAG = re.compile(r"^[a-z][a-z0-9-]*\[.*\]$|^(str|int|float|bool|none|list|dict|bytes|json)$")
 _MISSING = object()
-_PLAIN_KEY = re.compile(r"^[A-Za-z_][\w-]*$|^\d+$")
+_PLAIN_KEY = re.compile(r"[A-Za-z_][\w-]*|\d+")  # whole keys only (fullmatch: "$" passes a final newline)
 
 
 def _key(name: str) -> str:
     """``.name``, or ``["odd key"]`` (JSON-quoted: a client's key may hold anything, newlines included)."""
-    return f".{name}" if _PLAIN_KEY.match(name) else f"[{json.dumps(name)}]"
+    return f".{name}" if _PLAIN_KEY.fullmatch(name) else f"[{json.dumps(name)}]"
 
 
 def _step(value: Any, part: Any, last: bool) -> tuple[str | None, Any]:

@@ -254,8 +254,17 @@ def test_disconnect_mid_stream_cancels_and_the_next_request_is_fine(server, clie
     assert any(n < 200 for n in completions()) and 200 not in completions()
 
 
-def test_queue_full_answers_429_with_retry_after(server, model_id):
-    base, _ = server
+def test_queue_full_answers_429_with_retry_after(model_dir, model_id, tmp_path):
+    """A server that holds one decoding and one prefilling request and queues two: a burst beside a
+    long stream finds it full (with the default 32 + 8 rows a burst of 24 fits in the batch, and a
+    429 came only when the worker happened not to run while the burst arrived)."""
+    queue_size = 2
+    flags = ["--decode-concurrency", "1", "--prompt-concurrency", "1", "--max-queue", str(queue_size)]
+    with running_server(model_dir, tmp_path / "server.log", *flags) as (base, _):
+        _queue_burst(base, model_id, 12 * queue_size)
+
+
+def _queue_burst(base: str, model_id: str, burst: int) -> None:
     body = dict(
         model=model_id,
         messages=_messages("Keep the worker busy."),
@@ -263,7 +272,6 @@ def test_queue_full_answers_429_with_retry_after(server, model_id):
         temperature=0,
         stream=True,
     )
-    burst = 3 * MAX_QUEUE
     short = dict(model=model_id, messages=_messages("short"), max_tokens=4, temperature=0)
     statuses: list[httpx.Response] = []
     start = threading.Barrier(burst)
@@ -275,7 +283,7 @@ def test_queue_full_answers_429_with_retry_after(server, model_id):
 
     with _stream_lines(base, body) as running:
         next(running.iter_lines())  # the worker is busy with this one
-        # A burst three times the queue's size: far more arrive than one worker drains meanwhile.
+        # A burst far larger than the rows and the queue: more arrive than the worker drains meanwhile.
         threads = [threading.Thread(target=post) for _ in range(burst)]
         for t in threads:
             t.start()

@@ -392,6 +392,7 @@ def test_validation_paths_are_the_apis_own():
         ({"messages": [{"role": "assistant", "tool_calls": [{"id": "a", "type": "function", "function": {}}]}]}, "messages[0].tool_calls[0].function.name"),
         ({"messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "x", "function": {"name": "f"}}}, "tool_choice.type"),
         ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"1\n2": "x"}}, 'logit_bias["1\\n2"]'),
+        ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"0\n": "x"}}, 'logit_bias["0\\n"]'),  # a final newline too (fuzz seed 80976286)
         ({"messages": [{"role": "user", "content": "x"}], "stop": ["a", 3]}, "stop[1]"),
     ]  # fmt: skip
     for body, path in cases:
