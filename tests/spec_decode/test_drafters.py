@@ -250,8 +250,10 @@ HYBRID_MODEL = dict(vocab_size=5, seed=11, family="qwen3_5")
 # controls below (a point-mass rejection that keeps the draft; a draft model reporting a wrong
 # q) fail at p < 1e-6 in every redraw at this size (the weaker, the wrong q: median p ~ 4e-20,
 # worst 2e-7), and at 500 samples, where the controls run, in 99.6% of them (their seeds are
-# fixed). A bug moving one position's marginal by a chi-square divergence
-# D = sum((p' - p)^2 / p) >= 66 / NUM_SAMPLES (0.095) fails with >= 99% probability.
+# fixed; 2026-12-07, seed0 = the test's, 1000, 2000, 3000, 4000: wrong q p <= 2.2e-11, point mass
+# p <= 1.6e-22, in any test order: see the loop-pair test below the controls). A bug moving one
+# position's marginal by a chi-square divergence D = sum((p' - p)^2 / p) >= 66 / NUM_SAMPLES
+# (0.095) fails with >= 99% probability.
 NUM_SAMPLES = 700
 
 
