@@ -46,3 +46,19 @@ def default_model_dir():
     from mtplx.checkpoints.load import default_model_dir as _default_model_dir
 
     return _default_model_dir("float32")
+
+
+# --- the server tests' served checkpoint ---
+
+
+@_pytest_default_model.fixture(scope="module")
+def model_dir(tmp_path_factory, default_model_dir):
+    """The checkpoint the server tests serve: a tiny random MiMo (plain attention, its own MTP head,
+    context 256) with the default model's real tokenizer, one per test module (a module's server
+    starts on its own copy). A module that serves another checkpoint defines its own ``model_dir``."""
+    from support import checkpoints
+
+    path = tmp_path_factory.mktemp("served") / "tiny-mimo"
+    checkpoints.mimo(path, vocab_size=49152, seed=0)  # the default tokenizer's vocabulary
+    checkpoints.copy_tokenizer(default_model_dir, path)
+    return path

@@ -18,19 +18,10 @@ from mtplx.trunk.prompt_cache_file import verify
 import httpx
 import openai
 import pytest
-from support import checkpoints
 from support.server import KEY, running_server
 
 SYSTEM = "You are a careful assistant who answers questions about caches. " * 12
 REQUEST = dict(max_tokens=8, temperature=0, logprobs=True)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, default_model_dir) -> Path:
-    path = tmp_path_factory.mktemp("served") / "tiny-mimo"
-    checkpoints.mimo(path, vocab_size=49152, seed=0)
-    checkpoints.copy_tokenizer(default_model_dir, path)
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,6 @@ output's detokenization. The clients are bounded (a hang is a timeout error, not
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.engine.failures import FAULT_ENV
 
@@ -21,7 +19,6 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from support import checkpoints
 from support.server import KEY, running_server
 
 # Each stage's planted failures, by the count of times the server reaches it (the test's order):
@@ -31,14 +28,6 @@ from support.server import KEY, running_server
 # seventh decodes beside the eighth).
 FAULTS = "setup:2,output@1,submit@2,prefill@2,step@1,prefill@6"
 CLIENT_TIMEOUT = 60  # seconds: today's worker died on the setup failure and the request hung
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, default_model_dir) -> Path:
-    path = tmp_path_factory.mktemp("served") / "tiny-mimo"
-    checkpoints.mimo(path, vocab_size=49152, seed=0)  # the default tokenizer's vocabulary
-    checkpoints.copy_tokenizer(default_model_dir, path)
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ equal to a from-scratch run, and the lookup index against a brute-force matcher.
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 
@@ -18,10 +19,12 @@ from mtplx.spec_decode.draft_model_proposer import DraftModelProposer
 from mtplx.spec_decode.lookup_proposer import LookupConfig, NgramIndex
 from mtplx.spec_decode.settings import DecodeSettings
 from mtplx.spec_decode.sources import Source
+from mtplx.trunk import compat_check
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 from support import decoding as decode
 from support.decoding import take_steps
@@ -247,8 +250,10 @@ HYBRID_MODEL = dict(vocab_size=5, seed=11, family="qwen3_5")
 # controls below (a point-mass rejection that keeps the draft; a draft model reporting a wrong
 # q) fail at p < 1e-6 in every redraw at this size (the weaker, the wrong q: median p ~ 4e-20,
 # worst 2e-7), and at 500 samples, where the controls run, in 99.6% of them (their seeds are
-# fixed). A bug moving one position's marginal by a chi-square divergence
-# D = sum((p' - p)^2 / p) >= 66 / NUM_SAMPLES (0.095) fails with >= 99% probability.
+# fixed; 2026-12-07, seed0 = the test's, 1000, 2000, 3000, 4000: wrong q p <= 2.2e-11, point mass
+# p <= 1.6e-22, in any test order: see the loop-pair test below the controls). A bug moving one
+# position's marginal by a chi-square divergence D = sum((p' - p)^2 / p) >= 66 / NUM_SAMPLES
+# (0.095) fails with >= 99% probability.
 NUM_SAMPLES = 700
 
 
@@ -316,7 +321,8 @@ def test_chi_square_catches_a_point_mass_rejection_that_keeps_the_draft(monkeypa
 
     monkeypatch.setattr(rejection, "verify", resample_with_draft)
     counts, expected = sampled_counts(CHI_SQUARE_MODEL, "lookup", SamplerConfig(temperature=1.0), 500, 99)
-    assert loop_p_value(counts, expected) < FALSE_FAILURE_RATE
+    p_value = loop_p_value(counts, expected)
+    assert p_value < FALSE_FAILURE_RATE, f"p={p_value:.3g} (seed0=99)"
 
 
 def test_chi_square_catches_a_draft_model_reporting_the_wrong_q(monkeypatch):
@@ -329,7 +335,28 @@ def test_chi_square_catches_a_draft_model_reporting_the_wrong_q(monkeypatch):
 
     monkeypatch.setattr(TargetSampler, "draft", uniform_q)
     counts, expected = sampled_counts(CHI_SQUARE_MODEL, "model", SamplerConfig(temperature=1.0), 500, 98)
-    assert loop_p_value(counts, expected) < FALSE_FAILURE_RATE
+    p_value = loop_p_value(counts, expected)
+    assert p_value < FALSE_FAILURE_RATE, f"p={p_value:.3g} (seed0=98)"
+
+
+def _loop_pair_weights(spec: dict) -> list[np.ndarray]:
+    trunk, head = make_loop_pair(**spec)
+    return [np.array(v) for _, v in tree_flatten([trunk.model.parameters(), head.parameters()])]
+
+
+def test_a_loop_pair_is_the_same_whether_or_not_the_trunks_probe_draws_first(monkeypatch):
+    """The chi-square controls' fixed seeds name fixed models. The wrong-q control above ran
+    alone at p = 9.1e-6 (> 1e-6), in its file at 8.6e-12: the process's first ``Trunk`` ran the
+    layout probe, whose model init drew from MLX's global stream between the seed and the pair's
+    later draws, so the first pair built got other weights. Plant such a probe (drawing, once):
+    the pair's weights must not move."""
+    before = _loop_pair_weights(CHI_SQUARE_MODEL)
+    monkeypatch.setattr(compat_check, "check_once", functools.cache(lambda: mx.random.normal((64,))))
+    mx.random.normal((3,))  # the caller's own draws before, too
+    after = _loop_pair_weights(CHI_SQUARE_MODEL)
+    assert len(after) == len(before)
+    for a, b in zip(after, before, strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 # ------------------------------------------------------------------ the draft model's caches

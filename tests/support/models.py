@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.heads.qwen3_next import Qwen3NextMTPHead
+from mtplx.trunk import compat_check
 from mtplx.trunk.model import Trunk
 
 import mlx.core as mx
@@ -36,7 +37,13 @@ _OUTPUT_PROJECTIONS = ("o_proj.weight", "down_proj.weight", "out_proj.weight")
 
 
 def _seeded(build: Callable[[], nn.Module], seed: int) -> nn.Module:
-    """``build()`` under ``mx.random.seed(seed)``, evaluated: mlx-lm's own initialisation."""
+    """``build()`` under ``mx.random.seed(seed)``, evaluated: mlx-lm's own initialisation.
+
+    The trunk's once-per-process layout probe runs first, before the seed: the callers draw more
+    weights after wrapping the model in a ``Trunk`` (``make_loop_pair``), so a probe that took from
+    the global stream there would give the process's first pair other weights than the later ones
+    (a negative control's power then depended on test order)."""
+    compat_check.check_once()
     mx.random.seed(seed)
     model = build()
     model.eval()
