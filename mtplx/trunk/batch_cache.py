@@ -84,6 +84,11 @@ OwnLayer = Callable[[Any], Any]
 _STEP = 256  # buffer growth, in positions (mlx-lm's KVCache grows by the same step)
 
 
+def class_key(c: Any) -> str:
+    """``module.Class`` of a cache (the batch forms match mlx-vlm's classes by name: imported lazily)."""
+    return f"{type(c).__module__}.{type(c).__qualname__}"
+
+
 class RaggedKVCache:
     """K/V of B rows with per-row lengths (the module docstring). Quacks like mlx-lm's KVCache
     where models touch it: ``offset`` (per-row array), ``update_and_fetch``, ``make_mask``, ``state``.

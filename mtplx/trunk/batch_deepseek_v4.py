@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mtplx.trunk.batch_cache import RaggedKVCache
+from mtplx.trunk.batch_cache import RaggedKVCache, class_key
 from mtplx.trunk.batch_glm5_next import JoiningPools, PoolRows
 from mtplx.trunk.compat import CacheList
 from mtplx.trunk.vlm_deepseek_v4 import ATTRIBUTE
@@ -513,12 +513,8 @@ def _install_ragged_indexer() -> None:
 _WINDOWS = ("mlx_vlm.models.cache.RotatingKVCache", "mlx_lm.models.cache.RotatingKVCache")
 
 
-def _class_key(c: Any) -> str:
-    return f"{type(c).__module__}.{type(c).__qualname__}"
-
-
 def _window(template: Any) -> RaggedWindowKV | None:
-    if _class_key(template) not in _WINDOWS or template.keep != 0:
+    if class_key(template) not in _WINDOWS or template.keep != 0:
         return None
     return RaggedWindowKV(template.max_size, type(template))
 
@@ -526,7 +522,7 @@ def _window(template: Any) -> RaggedWindowKV | None:
 def deepseek_v4_layer(template: Any) -> Any:
     """The batch layer for a DeepSeek-V4 cache ``template`` (a trunk layer's, or its head's mlx-lm
     window), None for any other cache."""
-    if _class_key(template) != "mlx_vlm.models.cache.CacheList":
+    if class_key(template) != "mlx_vlm.models.cache.CacheList":
         return _window(template)
     window, *pools = template.caches
     window = _window(window)

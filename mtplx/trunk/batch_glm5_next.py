@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mtplx.trunk.batch_cache import RaggedKVCache
+from mtplx.trunk.batch_cache import RaggedKVCache, class_key
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -289,16 +289,12 @@ def _members(cache: Any) -> tuple[str, ...]:
     return tuple(type(m).__name__ for m in cache.caches)
 
 
-def _class_key(c: Any) -> str:
-    return f"{type(c).__module__}.{type(c).__qualname__}"
-
-
 def list_layer(template: Any) -> Any:
     """The batch layer for a GLM-5-Next layer's ``CacheList`` (a trunk's or its head's), None for
     any other cache."""
     from mtplx.trunk.compat import CacheList
 
-    if _class_key(template) != _LIST or {type(m).__module__ for m in template.caches} != {
+    if class_key(template) != _LIST or {type(m).__module__ for m in template.caches} != {
         "mlx_vlm.models.cache"
     }:
         return None

@@ -31,7 +31,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from mtplx.trunk.batch_cache import RaggedKVCache
+from mtplx.trunk.batch_cache import RaggedKVCache, class_key
 from mtplx.trunk.batch_glm5_next import VlmRaggedKV
 
 import mlx.core as mx
@@ -42,10 +42,6 @@ __all__ = ["conv_window_rows", "inkling_layer", "ragged_attention", "ragged_band
 _LIST = "mlx_vlm.models.cache.CacheList"
 _MEMBERS = ("mlx_vlm.models.cache.KVCache", "mlx_vlm.models.cache.ArraysCache")
 _MASKED = -1e30  # mlx-vlm's masked-entry value
-
-
-def _class_key(c: Any) -> str:
-    return f"{type(c).__module__}.{type(c).__qualname__}"
 
 
 @functools.cache
@@ -160,7 +156,7 @@ def inkling_layer(template: Any) -> Any:
     its head's), None for any other cache (``--kv-bits``' quantized K/V among them)."""
     from mtplx.trunk.compat import CacheList
 
-    if _class_key(template) != _LIST or tuple(_class_key(m) for m in template.caches) != _MEMBERS:
+    if class_key(template) != _LIST or tuple(class_key(m) for m in template.caches) != _MEMBERS:
         return None
     _install_ragged_attention()
     return CacheList(VlmRaggedKV(), conv_window_rows()(len(template.caches[1].cache)))

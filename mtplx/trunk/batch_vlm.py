@@ -37,7 +37,7 @@ import math
 from types import SimpleNamespace
 from typing import Any
 
-from mtplx.trunk.batch_cache import RaggedKVCache
+from mtplx.trunk.batch_cache import RaggedKVCache, class_key
 from mtplx.trunk.batch_glm5_next import VlmRaggedKV
 
 import mlx.core as mx
@@ -214,14 +214,9 @@ def _qsa_layer(template: Any) -> RaggedQSAKVCache:
     return RaggedQSAKVCache()
 
 
-def _class_key(c: Any) -> str:
-    """``module.Class`` of a cache (mlx-vlm's classes are matched by name: imported lazily)."""
-    return f"{type(c).__module__}.{type(c).__qualname__}"
-
-
 def qwen4_exp_layer(template: Any) -> Any:
     """The batch layer for a Qwen3.8-Flash-Next cache ``template`` (None: not one this module batches)."""
-    key = _class_key(template)
+    key = class_key(template)
     if key == _QSA:
         return _qsa_layer(template)
     if key == _ARRAYS:
@@ -233,6 +228,6 @@ def glm5_next_layer(template: Any) -> Any:
     """The batch layer for a GLM-5-Next cache ``template`` (None: not one this module batches)."""
     from mtplx.trunk import batch_glm5_next
 
-    if _class_key(template) == _ARRAYS:
+    if class_key(template) == _ARRAYS:
         return _arrays_layer(template)
     return batch_glm5_next.list_layer(template)
