@@ -160,7 +160,8 @@ class BatchScheduler:
 
         Row options for callers below the API (forge): ``key`` (an mx random key) replaces the
         request's seed; ``trunk_tap`` sees the trunk's output over every position the row
-        commits (`BatchDecoder.start`)."""
+        commits (`BatchDecoder.start`), the prompt's whole: such a row never starts from the
+        prompt cache."""
         reach(FailedStage.SUBMIT)
         engine = self.engine
         plan = engine.plan(prompt, request)  # first: a request nobody can serve gets that error
@@ -200,7 +201,9 @@ class BatchScheduler:
         with_head = Source.HEAD in sources
         # A block drafter row's entry holds its drafter's context too (`PromptCache`).
         with_drafter = any(source in BLOCK_SOURCES for source in sources)
-        if fresh:  # a fork: its caches become choice 0's, copied after its prefill (`_fork`)
+        # A fork's caches become choice 0's, copied after its prefill (`_fork`); a tapped row's tap
+        # sees every position (`submit`), so neither starts from the prompt cache.
+        if fresh or trunk_tap is not None:
             hit = CacheHit(engine.trunk.make_cache(), engine.head.make_cache() if with_head else None, 0)
         else:
             hit = starting_caches(
@@ -370,7 +373,8 @@ class BatchScheduler:
         row = job.row
         before = row.remaining
         try:
-            if row.position == row.prefix.start:  # not started: the store may hold more now
+            # Not started: the store may hold more now (a tapped row forwards its whole prompt).
+            if row.position == row.prefix.start and row.trunk_tap is None:
                 self._reuse_prefix(job)
             reach(FailedStage.PREFILL)
             ready = job.session.prefill(decoder, budget)
