@@ -295,3 +295,14 @@ def test_forge_from_traffic_samples_answers_and_says_so(trunk: Trunk, tmp_path, 
     ), said
     assert f"wrote {out}" in said  # better on its held-out requests: the manifest counts the samples
     assert read_manifest(out)["learned_from_traffic"]["sampled_sequences"] == 12
+
+
+def test_serve_learn_samples_sets_the_learners_samples(trunk: Trunk, tmp_path) -> None:
+    from mtplx.cli.serve import _learner
+    from mtplx.server.settings import ServerSettings
+
+    engine = Engine(trunk.model, None, {}, head=build_head(trunk, "pre_norm"), fingerprint=FP)
+    learner = _learner(engine, ServerSettings("m", learn_dir=str(tmp_path / "a"), learn_samples=3))
+    assert learner.cfg.samples == 3 and learner.sampler is not None
+    default = _learner(engine, ServerSettings("m", learn_dir=str(tmp_path / "b")))
+    assert default.cfg.samples == LearnConfig().samples
