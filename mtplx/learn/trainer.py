@@ -74,9 +74,7 @@ class RoundResult:
     newest_time: float  # the newest record's time (the next round waits for records after it)
     losses: list[float] = field(default_factory=list)
     train_positions: int = 0  # response positions trained on
-    sampled_sequences: int = (
-        0  # of the training sequences, the trunk's sampled answers (`mtplx.learn.sampling`)
-    )
+    sampled_sequences: int = 0  # of the training sequences, sampled answers (`mtplx.learn.sampling`)
 
     @property
     def gain(self) -> float:
