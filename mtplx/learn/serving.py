@@ -7,8 +7,9 @@ in flight or queued, calls `Learner.work`, which does one bounded piece of work 
 (`mtplx.learn.sampling`), then a learning round (`mtplx.learn.trainer`). So training pauses
 whenever a request waits (it waits at most one piece, `max_piece_seconds`), and every swap
 happens between two scheduler steps: never mid-cycle. A round's candidate replaces the head's
-weights only when it measures better on the held-out (most recent) requests; it is saved first (`mtplx.learn.store`), so a restart resumes with
-it. Heads other than forged ones (`mtplx.heads.forged`) are not trained yet: the log is still kept.
+weights only when it measures better on the held-out (most recent) requests; it is saved first
+(`mtplx.learn.store`), so a restart resumes with it. Heads other than forged ones
+(`mtplx.heads.forged`) are not trained yet: the log is still kept.
 """
 
 from __future__ import annotations
