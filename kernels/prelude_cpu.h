@@ -104,6 +104,7 @@ inline void Barrier::wait(int where, Group& g, const char* what) {
   if (arrived == members) {
     arrived = 0;
     gen += 1;
+    lk.unlock();  // the woken waiters need the mutex: notifying while holding it makes each wait again
     cv.notify_all();
     return;
   }

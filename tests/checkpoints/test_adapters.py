@@ -7,6 +7,7 @@ mlx-lm itself loading the same directory. Bad directories are one-line errors.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -63,12 +64,16 @@ def adapter_dir(request, tmp_path_factory, default_model_dir) -> Path:
     return write_adapter(default_model_dir, tmp_path_factory.mktemp(f"adapter-{seed}") / kind, seed, kind)
 
 
-def mlx_lm_greedy(model_dir: Path, adapter: Path | None) -> list[int]:
+@functools.cache
+def mlx_lm_greedy(model_dir: Path, adapter: Path | None) -> tuple[list[int], str]:
+    """mlx-lm's own greedy tokens for PROMPT (with ``adapter``) and their text; computed once per
+    (model, adapter) in the module: the fixed adapter's is the reference of two tests."""
     model, tokenizer = mlx_lm_load(str(model_dir), adapter_path=None if adapter is None else str(adapter))
     # mlx-lm yields the end-of-sequence token last (finish_reason "stop"); mtplx's token_ids hold
     # the generated text's tokens only, so the stop token is left off the reference.
     responses = list(stream_generate(model, tokenizer, PROMPT, max_tokens=TOKENS))
-    return [r.token for r in responses if r.finish_reason != "stop"]
+    tokens = [r.token for r in responses if r.finish_reason != "stop"]
+    return tokens, tokenizer.decode(tokens)
 
 
 @pytest.fixture(scope="module")
@@ -78,11 +83,11 @@ def fixed_adapter(tmp_path_factory, default_model_dir) -> Path:
 
 @pytest.fixture(scope="module")
 def base_greedy(default_model_dir) -> list[int]:
-    return mlx_lm_greedy(default_model_dir, None)
+    return mlx_lm_greedy(default_model_dir, None)[0]
 
 
 def test_greedy_output_is_mlx_lms_own_adapted_model(adapter_dir, default_model_dir, base_greedy):
-    expected = mlx_lm_greedy(default_model_dir, adapter_dir)
+    expected, _ = mlx_lm_greedy(default_model_dir, adapter_dir)
     # Negative control: the adapter changes the text, so equality below says it was applied.
     assert base_greedy != expected
     engine = Engine.load(adapter_path=adapter_dir, depth=2)
@@ -140,8 +145,7 @@ def test_bad_adapter_directories_are_one_line_errors(
 
 
 def test_cli_generate_with_an_adapter_and_a_bad_one(fixed_adapter, default_model_dir, tmp_path):
-    tokenizer = load_model(default_model_dir).tokenizer
-    expected = tokenizer.decode(mlx_lm_greedy(default_model_dir, fixed_adapter))
+    _, expected = mlx_lm_greedy(default_model_dir, fixed_adapter)
     run = ("generate", PROMPT, "--raw", "-m", str(TOKENS))
     good = run_main(*run, "--adapter-path", str(fixed_adapter))
     assert good.returncode == 0, good.stderr

@@ -7,7 +7,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import mtplx  # noqa: F401  (optimized BLAS before mlx)
@@ -93,22 +92,34 @@ def test_damaged_cache_entry_is_rebuilt(tmp_path):
 
 def test_concurrent_first_use_converts_once(tmp_path):
     """Two processes race to convert; both get the same complete directory, no temp dirs remain."""
-    # Both wait for the same instant after their (slow) imports, so the first uses really overlap;
+    # Both say when their (slow) imports are done and wait for one go, given to both at once, so
+    # the first uses really overlap (a fixed start time idled whenever the imports were quicker);
     # without the lock the loser's convert_gguf would find the output existing and fail.
     code = (
-        "import sys, time, mtplx; from mtplx.checkpoints.load import default_model_dir;"
-        "time.sleep(max(0.0, float(sys.argv[2]) - time.time()));"
+        "import sys, mtplx; from mtplx.checkpoints.load import default_model_dir;"
+        "print('ready', flush=True); sys.stdin.readline();"
         "p = default_model_dir('q4', cache_dir=sys.argv[1]);"
         "print(p, (p / 'model.safetensors').stat().st_ino)"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    start = str(time.time() + 6.0)
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", code, str(tmp_path), start], stdout=subprocess.PIPE, text=True, env=env
+            [sys.executable, "-c", code, str(tmp_path)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
         )
         for _ in range(2)
     ]
+    ready = [p.stdout.readline() for p in procs]
+    if ready != ["ready\n"] * 2:  # one failed to start: the other would wait for its go forever
+        for p in procs:
+            p.kill()
+        pytest.fail(f"a process did not start: {ready}")
+    for p in procs:
+        p.stdin.write("go\n")
+        p.stdin.flush()
     outputs = [p.communicate(timeout=120)[0].split() for p in procs]
     assert all(p.returncode == 0 for p in procs)
     assert outputs[0] == outputs[1]  # same path and same weights file (one conversion, no replacement)

@@ -186,9 +186,11 @@ def test_claude_code_default_tools_reach_anthropics_context_error_on_the_default
     agent_clients, default_model_dir, tmp_path
 ):
     """Its default tools make a ~20.8k-token prompt; the default model's context is 8,192: refused
-    before any prefill with Anthropic's wording, which Claude Code shows."""
+    before any prefill with Anthropic's wording, which Claude Code shows. The fixed draft policy:
+    nothing is decoded, and 'auto' would measure the default model's batch cost profile at the
+    start (seconds of CPU; a SIGTERM waits for it up to the worker's 10 s join)."""
     log_path = tmp_path / "server.log"
-    with running_server(default_model_dir, log_path, api_key=None) as (base, _):
+    with running_server(default_model_dir, log_path, "--draft-policy", "fixed", api_key=None) as (base, _):
         done = _claude(agent_clients, base, tmp_path / "claude", "-p", "Say hi.")
         wait_for(lambda: bool(_log_lines(log_path, "/v1/messages")))
     output = done.stdout + done.stderr
