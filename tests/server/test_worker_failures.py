@@ -310,3 +310,29 @@ def test_a_learner_failing_while_idle_is_its_own_stage_and_the_next_request_is_s
     assert _stage_counts(worker) == {"learn": 1.0} and worker.errors == 1
     assert len(_planted_once(caplog)) == 1
     assert worker.learner is None and learner.rounds == 0 and learner.train_seconds == 0.0
+
+
+@pytest.mark.slow  # the real-process repeat of the two in-process learner tests above
+def test_serve_learn_with_its_learner_failing_serves_every_request(model_dir, tmp_path):
+    """`mtplx serve --learn` with ``MTPLX_TEST_FAULT=learn`` (the first request's record raises):
+    both requests are answered through the `openai` client, /metrics counts one "learn" failure
+    and no "step", the log holds its traceback once, and nothing was recorded (the learner set aside)."""
+    learn = tmp_path / "learn"
+    flags = ["--depth", "2", "--draft-policy", "fixed", "--learn", str(learn)]
+    with running_server(model_dir, tmp_path / "server.log", *flags, env={FAULT_ENV: "learn@1"}) as (
+        base,
+        log_path,
+    ):
+        client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=CLIENT_TIMEOUT)
+        for prompt in ("Once upon a time", "The longest story"):
+            reply = client.completions.create(
+                model=str(model_dir), prompt=prompt, max_tokens=4, temperature=0
+            )
+            assert reply.usage.completion_tokens >= 1
+        metrics = _metrics(base)
+        assert metrics[("mtplx_worker_errors_total", (("stage", "learn"),))] == 1
+        assert ("mtplx_worker_errors_total", (("stage", "step"),)) not in metrics
+        assert httpx.get(base + "/health").json()["worker_errors"] == 1
+    logged = [line for line in log_path.read_text().splitlines() if line.startswith("mtplx.engine.failures")]
+    assert len(logged) == 1 and "planted failure at learn" in logged[0]
+    assert not list((learn / "traffic").glob("rec-*"))
