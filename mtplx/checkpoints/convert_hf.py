@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from mtplx.checkpoints.output_dir import check_output_dir, write_dir_atomically
-from mtplx.errors import MtplxError
+from mtplx.errors import MtplxError, shown
 from mtplx.heads import precision
 
 import mlx.core as mx
@@ -64,7 +64,7 @@ def resolve_source(source: str | Path, hub_cache: str | Path | None = None) -> P
     if path.exists():
         raise MtplxError(f"{path}: not a checkpoint directory or a .gguf file")
     if not (isinstance(source, str) and is_repo_id(source)):
-        raise MtplxError(f"{path}: checkpoint directory not found")
+        raise MtplxError(f"{shown(path)}: checkpoint directory not found")
     from huggingface_hub import snapshot_download
 
     try:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from mtplx.errors import MtplxError, first_line
+from mtplx.errors import MtplxError, first_line, shown
 from mtplx.model_files.headers import read_safetensors_header
 from mtplx.model_files.hub import is_repo_id, snapshot_dir
 from mtplx.resources import cache_root
@@ -164,7 +164,7 @@ def resolve_model(
         return path
     if isinstance(spec, str) and is_repo_id(spec) and not spec.startswith((".", "~")):
         return snapshot_dir(spec, hub_cache)
-    raise MtplxError(f"{path}: model directory not found")
+    raise MtplxError(f"{shown(path)}: model directory not found")
 
 
 # ---------------------------------------------------------------- checking and loading

@@ -39,7 +39,7 @@ OWN_DSPARK = (
     "deepseek_v4_dspark",
     "Gemma4DSparkModel",
 )  # the layouts whose loaders and references have landed
-_NAME = re.compile(r"(?i)^[-_](dflash2|dflash|dspark|eagle-?3)([-_].*)?$")
+_NAME = re.compile(r"(?i)[-_](dflash2|dflash|dspark|eagle-?3)([-_].*)?")  # the whole rest (fullmatch)
 DRAFTING = ("dflash", "dflash2", "dspark", "eagle3")  # the layouts that draft (`sources.BLOCK_SOURCES`)
 
 
@@ -60,7 +60,7 @@ def name_says_drafter(candidate: str, target: str) -> bool:
 
     low = candidate.lower()
     return any(
-        low.startswith(stem.lower()) and _NAME.match(low[len(stem) :]) for stem in target_stems(target)
+        low.startswith(stem.lower()) and _NAME.fullmatch(low[len(stem) :]) for stem in target_stems(target)
     )
 
 

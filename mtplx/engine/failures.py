@@ -8,7 +8,9 @@ cycle), every request in flight where the batch's shared state failed (a step th
 anywhere else; the server's worker then builds a fresh scheduler), and the requests waiting
 for a scheduler that could not be built (its setup: the draft policy's cost profile). The
 server answers each with a 500 naming the stage (`FailedStage.doing`) and counts it in
-/metrics by the stage's label (`FailedStage.label`).
+/metrics by the stage's label (`FailedStage.label`). One stage fails no request: `serve --learn`'s
+learner (``learn``: its call to record a finished request or to train while idle raised), which
+the worker then sets aside and serves on without.
 
 Test hook: ``MTPLX_TEST_FAULT="prefill@2,setup:2"`` makes `reach` raise `InjectedFault` at the
 named stages: ``label@k`` the k-th time that stage is reached, ``label:n`` the first n times
@@ -38,6 +40,7 @@ class FailedStage(Enum):
     OUTPUT = "while detokenizing the output"
     STORE = "while storing the prompt cache"
     STEP = "in a batch step"  # the batch's shared state: every request in flight
+    LEARN = "while learning from traffic"  # `serve --learn`'s learner, between steps: no request fails
 
     @property
     def label(self) -> str:

@@ -11,6 +11,11 @@ entry (``batch_cost``), with what it was measured for (``batch_cost_for``: the m
 dtype and adapters, the head, the block drafter, the KV quantization, mlx / mlx-lm / mtplx and
 the BLAS): the next start on this machine reuses it, `mtplx tune` measures it again, and a
 profile measured for anything else, or damaged, is measured again (one line on stderr).
+
+Every save is a read-modify-write of the whole file under an exclusive lock (`fcntl.flock` on
+``tune.json.lock`` beside it), written temp-then-rename: two processes saving at once (two servers
+starting, pytest-xdist workers, a start beside `mtplx tune`) each keep the other's entry, and a
+start adds its profile to the entry as it is then, not as it was before the measurement.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import os
 import platform
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -44,6 +50,7 @@ __all__ = [
     "batch_cost_identity",
     "engine_batch_cost",
     "save_entry",
+    "update_entry",
 ]
 
 SCHEMA = 1
@@ -174,13 +181,8 @@ def engine_batch_cost(engine, remeasure: bool = False) -> CostProfile:
         print(f"mtplx: batch cost profile: the one measured here before ({config_file()})", file=sys.stderr)
         return saved
     profile = measure_cost_profile(engine.trunk, engine.head, blocks=engine.block_drafter)
-    try:
-        entry = saved_entry(engine.fingerprint) or {}
-    except MtplxError:
-        entry = {}  # a damaged store: save_entry replaces it
-    entry.update(batch_cost=profile.as_dict(), batch_cost_for=identity)
-    try:
-        path = save_entry(engine.fingerprint, entry)
+    try:  # into the entry as it is now: another process may have saved it while this one measured
+        path = update_entry(engine.fingerprint, {"batch_cost": profile.as_dict(), "batch_cost_for": identity})
     except OSError as e:
         print(f"mtplx: batch cost profile: measured, not saved ({type(e).__name__}: {e})", file=sys.stderr)
     else:
@@ -192,16 +194,55 @@ def save_entry(
     fingerprint: str, entry: dict[str, Any], config_path: str | Path | None = None, machine: str | None = None
 ) -> Path:
     """Add or replace one entry, keeping the others; a damaged file is replaced (a retune's job)."""
-    path = config_file(config_path)
-    try:
-        entries = read_config(path)
-    except MtplxError:
-        entries = {}
-    entries[entry_key(fingerprint, machine or machine_key())] = entry
-    text = json.dumps({"schema": SCHEMA, "entries": entries}, indent=1, sort_keys=True)
-    with atomic_write(path) as handle:
-        handle.write(text + "\n")
+    key = entry_key(fingerprint, machine or machine_key())
+    return _update_store(config_file(config_path), lambda entries: entries.__setitem__(key, entry))
+
+
+def update_entry(
+    fingerprint: str,
+    fields: dict[str, Any],
+    config_path: str | Path | None = None,
+    machine: str | None = None,
+) -> Path:
+    """Set ``fields`` in one entry as the file holds it now (a new entry when there is none), keeping
+    its other fields and the other entries."""
+    key = entry_key(fingerprint, machine or machine_key())
+
+    def change(entries: dict[str, Any]) -> None:
+        entry = entries.get(key)
+        entries[key] = {**(entry if isinstance(entry, dict) else {}), **fields}
+
+    return _update_store(config_file(config_path), change)
+
+
+def _update_store(path: Path, change: Callable[[dict[str, Any]], None]) -> Path:
+    """``change`` applied to the saved entries, read and written back under the store's lock (module
+    docstring); a damaged file counts as empty and is replaced."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(path.with_name(path.name + ".lock")):
+        try:
+            entries = read_config(path)
+        except MtplxError:
+            entries = {}
+        change(entries)
+        text = json.dumps({"schema": SCHEMA, "entries": entries}, indent=1, sort_keys=True)
+        with atomic_write(path) as handle:
+            handle.write(text + "\n")
     return path
+
+
+@contextlib.contextmanager
+def _locked(lock_path: Path) -> Iterator[None]:
+    """An exclusive `fcntl.flock` on ``lock_path`` (made if missing, never removed: a removed lock
+    file would let a third process lock another file), held for the block; released on close."""
+    import fcntl
+
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def machine_info() -> dict[str, Any]:

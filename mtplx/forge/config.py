@@ -135,12 +135,13 @@ class Budget:
     tokens: int | None = None
 
 
-_BUDGET = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(h|m|min|s|k|K|M|G)\s*$")
+# The whole text (fullmatch), ASCII digits, spaces only around the unit: a newline or a tab is refused.
+_BUDGET = re.compile(r" *(\d+(?:\.\d+)?) *(h|m|min|s|k|K|M|G) *", re.ASCII)
 
 
 def parse_budget(text: str) -> Budget:
     """``2h``, ``45m``/``45min``, ``90s`` = wall time of the whole run; ``500k``/``3M``/``1G`` = tokens generated."""
-    match = _BUDGET.match(text)
+    match = _BUDGET.fullmatch(text)
     if match is None:
         raise MtplxError(
             f"--budget: expected a time (2h, 45m, 90s) or a token count (500k, 3M), got {text!r}"

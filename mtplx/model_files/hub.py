@@ -12,7 +12,8 @@ from mtplx.errors import MtplxError, first_line
 
 __all__ = ["HUB_ALLOW_PATTERNS", "REPO_ID", "hub_offline", "is_repo_id", "snapshot_dir"]
 
-REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+# Whole ids only (fullmatch: a "$" would pass "org/name\n"); ASCII, as the Hub's names are.
+REPO_ID = re.compile(r"[A-Za-z0-9][\w.\-]*/[\w.\-]+", re.ASCII)
 
 
 # The files an mlx-lm model directory needs (mlx_lm/utils.py get_model_path downloads the same kinds).
@@ -65,4 +66,4 @@ def hub_offline() -> bool:
 
 def is_repo_id(spec: str) -> bool:
     """``spec`` reads as a Hub repo id (``owner/name``), not a relative path."""
-    return bool(REPO_ID.match(spec)) and not spec.startswith((".", "~"))
+    return bool(REPO_ID.fullmatch(spec)) and not spec.startswith((".", "~"))

@@ -236,7 +236,8 @@ def _add_service_routes(
     @app.get("/health")
     async def health():
         """``busy``: a request is queued or in flight now; ``prefilling``: admitted, no token yet;
-        ``worker_errors``: internal failures so far (each failed its requests; the worker served on)."""
+        ``worker_errors``: internal failures so far (each failed the requests it concerned, a --learn
+        learner's none; the worker served on)."""
         return {
             "status": "ok",
             "model": settings.model_id,

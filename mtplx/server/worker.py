@@ -21,7 +21,10 @@ traceback once and counts it (/metrics' ``mtplx_worker_errors_total{stage}``, /h
 draw, output, prompt-cache store, its rows' invalid values) ends it alone, the batch decoding
 on; a step that raised elsewhere fails every request in flight and the worker builds a fresh
 scheduler (the batch's state is in question); a scheduler that cannot be built (its setup: the
-cost profile) fails the requests waiting for it, and the next request tries again.
+cost profile) fails the requests waiting for it, and the next request tries again. `serve --learn`'s
+learner failing (stage ``learn``: recording a finished request, or a piece of training while idle,
+raised out of it) fails no request: logged and counted once, the learner is set aside and the
+worker serves on without it (a restart learns again).
 """
 
 from __future__ import annotations
@@ -285,7 +288,7 @@ class GenerationWorker:
         if not self._take_jobs(scheduler):
             return False
         if not self._active and self.learner is not None and self._queue.empty():
-            self.learner.work()
+            self._learn(self.learner.work)
             return True
         now = time.monotonic()
         for handle, job in list(self._active.items()):
@@ -302,7 +305,7 @@ class GenerationWorker:
         """Move queued jobs into the batch (waiting for one when nothing runs); False at stop."""
         capacity = self.decode_concurrency + self.prompt_concurrency
         while len(self._active) < capacity:
-            idle_work = self.learner is not None and self.learner.has_work()
+            idle_work = self.learner is not None and bool(self._learn(self.learner.has_work, hook=False))
             try:
                 job = (
                     self._held
@@ -391,9 +394,27 @@ class GenerationWorker:
         if job.traffic_tags is None or self.learner is None or len(job.finish_by_choice) < job.request.n:
             return
         choices = sorted(job.tokens_by_choice)
-        self.learner.record(
+        self._learn(
+            self.learner.record,
             job.prompt_tokens,
             [job.tokens_by_choice[i] for i in choices],
             [job.finish_by_choice.get(i) for i in choices],
             *job.traffic_tags,
         )
+
+    def _learn(self, call, *args, hook: bool = True) -> Any:
+        """`serve --learn`: ``call`` (a `Learner` method) with ``args``; its result, or None when it
+        raised. A failure out of the learner (`Learner.work` keeps a round's own failures) is no
+        request's: its traceback is logged once, it counts as stage ``learn``, and the learner is set
+        aside, so no request waits on it or fails with it. ``hook``: `reach` the test hook first."""
+        try:
+            if hook:
+                reach(FailedStage.LEARN)
+            return call(*args)
+        except Exception as err:
+            log.error(
+                "--learn: failed; serving goes on without learning (a restart learns again)", exc_info=err
+            )
+            self.metrics.worker_error(FailedStage.LEARN)
+            self.learner = None  # /metrics' learn collector keeps its last state
+            return None

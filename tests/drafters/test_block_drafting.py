@@ -289,13 +289,31 @@ def test_dspark_confidence_cuts_an_adaptive_rows_block(trunk, tmp_path, monkeypa
 
 
 @pytest.mark.parametrize("kind", [Source.DFLASH, Source.EAGLE3])
-def test_the_cost_profile_times_the_drafters_forward(trunk, tmp_path, kind):
+def test_the_cost_profile_times_the_drafters_forward(trunk, tmp_path, kind, monkeypatch):
     """`measure_cost_profile` with a block drafter: DFlash's block forward once per drafting
-    cycle (``block_*``), EAGLE-3's chain step per draft (``head_*``, the trunk having no head)."""
+    cycle (``block_*``), EAGLE-3's chain step per draft (``head_*``, the trunk having no head).
+    What ran is counted, not timed: the drafter's forward of one new position over each row count
+    measured, a warm-up call and ``repeats`` timed ones."""
+    from mtplx.drafters import eagle3
+    from mtplx.spec_decode import block_proposer
     from mtplx.spec_decode.draft_policy import measure_cost_profile
 
+    ran: list[tuple[int, int]] = []  # (rows, new positions) of each drafter forward
+    block_forward, chain_forward = block_proposer.block_forward, eagle3.eagle3_forward
+
+    def counted_block(drafter, source, trunk, anchor, taps, cache, counts):
+        ran.append((len(counts), counts[0]))
+        return block_forward(drafter, source, trunk, anchor, taps, cache, counts)
+
+    def counted_chain(drafter, tokens, *args, **kw):
+        ran.append(tuple(tokens.shape))
+        return chain_forward(drafter, tokens, *args, **kw)
+
+    monkeypatch.setattr(block_proposer, "block_forward", counted_block)
+    monkeypatch.setattr(eagle3, "eagle3_forward", counted_chain)
     loaded = load_replica(kind, tmp_path, VOCAB)
     profile = measure_cost_profile(trunk, max_tokens=2, max_rows=2, context=4, repeats=1, blocks=loaded)
     timed, untimed = ("block", "head") if kind is Source.DFLASH else ("head", "block")
-    assert getattr(profile, f"{timed}_rows") == (1, 2) and min(getattr(profile, f"{timed}_seconds")) > 0
+    assert getattr(profile, f"{timed}_rows") == (1, 2) and len(getattr(profile, f"{timed}_seconds")) == 2
+    assert sorted(ran) == [(1, 1), (1, 1), (1, 4), (2, 1), (2, 1), (2, 4)]  # + each row count's context
     assert getattr(profile, f"{untimed}_rows") == () and getattr(profile, f"{untimed}_seconds") == ()

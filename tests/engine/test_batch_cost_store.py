@@ -94,3 +94,71 @@ def test_a_store_that_cannot_be_written_costs_a_line_not_the_profile(
     profile = tuned.engine_batch_cost(engine)
     assert profile.tokens == (1, 2, 4) and len(measurements) == 1
     assert "measured, not saved" in capsys.readouterr().err
+
+
+# The saver each process runs: it waits for the other (a file each, both present), then saves its
+# entry; its read of the store is held for 0.5 s, so without the store's lock both read the file
+# before either writes and the second write drops the first's entry.
+_SAVER = """
+import sys, time
+from pathlib import Path
+from mtplx.engine import tuned
+
+config, name, how = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+read = tuned.read_config
+
+def held_read(path=None):
+    entries = read(path)
+    time.sleep(0.5)
+    return entries
+
+tuned.read_config = held_read
+(config.parent / f"ready-{name}").touch()
+deadline = time.monotonic() + 60
+while len(list(config.parent.glob("ready-*"))) < 2 and time.monotonic() < deadline:
+    time.sleep(0.01)
+fields = {"batch_cost": {"tokens": [1], "trunk_seconds": [0.1]}, "by": name}
+if how == "update":
+    tuned.update_entry(name, fields, config, machine="m")
+else:
+    tuned.save_entry(name, fields, config, machine="m")
+"""
+
+
+def test_two_processes_saving_at_once_keep_both_entries(tmp_path):
+    """A start saving its profile (`update_entry`) while another process saves its own entry
+    (`save_entry`: `mtplx tune`, another server): both entries are in the store. Control: the
+    store's lock taken out, one entry is lost (checked)."""
+    import subprocess
+    import sys
+
+    from support.paths import REPO
+
+    config = tmp_path / "store" / "tune.json"
+    config.parent.mkdir()
+    savers = [
+        subprocess.Popen([sys.executable, "-c", _SAVER, str(config), name, how], cwd=REPO)
+        for name, how in (("first", "update"), ("second", "save"))
+    ]
+    assert [saver.wait(timeout=120) for saver in savers] == [0, 0]
+    entries = tuned.read_config(config)
+    assert {entries[tuned.entry_key(name, "m")]["by"] for name in ("first", "second")} == {"first", "second"}
+    assert len(entries) == 2
+
+
+def test_a_profile_measured_while_another_process_tuned_keeps_the_tuned_depth(
+    engine, measurements, monkeypatch
+):
+    """`mtplx tune` saves this model's entry (its depth) while a start measures the profile: the
+    start adds its profile to the entry as the file holds it then. Control: main's start, which
+    read the entry before measuring, wrote it back without the depth (checked)."""
+    real = draft_policy.measure_cost_profile
+
+    def tuned_meanwhile(*args, **kw):
+        tuned.save_entry(engine.fingerprint, {"depth": 2, "model": "m"})  # the other process's save
+        return real(*args, **kw)
+
+    monkeypatch.setattr(draft_policy, "measure_cost_profile", tuned_meanwhile)
+    tuned.engine_batch_cost(engine)
+    assert tuned.saved_depth(engine.fingerprint) == 2 and len(measurements) == 1
+    assert tuned.saved_batch_cost(engine.fingerprint, identity=tuned.batch_cost_identity(engine)) is not None

@@ -78,8 +78,12 @@ def test_a_restarted_server_reuses_the_disk(model_dir, adapter_dir, tmp_path):
         assert warm == cold
         assert cached >= prompt_tokens - 1  # the whole prompt but what must be forwarded
         assert _metric(base, "mtplx_prompt_cache_disk_hits_total") == 1
-        assert _metric(base, "mtplx_prompt_cache_disk_loaded_bytes_total") > 0
-        assert _metric(base, "mtplx_prompt_cache_disk_load_seconds_total") > 0
+        # The one load read one whole entry the first server wrote (its size on disk, not a time).
+        loaded = _metric(base, "mtplx_prompt_cache_disk_loaded_bytes_total")
+        assert loaded in {path.stat().st_size for path in _entries(cache_dir)}, loaded
+        _metric(
+            base, "mtplx_prompt_cache_disk_load_seconds_total"
+        )  # exposed (a time: its value is not asserted)
         assert _metric(base, "mtplx_prompt_cache_disk_bytes") > 0
         assert "entries" in log.read_text()
 
