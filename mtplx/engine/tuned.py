@@ -21,6 +21,7 @@ import os
 import platform
 import subprocess
 import sys
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -162,10 +163,13 @@ def batch_cost_identity(engine) -> dict[str, str]:
     return {**identity, "blas": machine_info()["blas"], "mlx": installed["mlx"], "mtplx": installed["mtplx"]}
 
 
-def engine_batch_cost(engine, remeasure: bool = False) -> CostProfile:
+def engine_batch_cost(
+    engine, remeasure: bool = False, should_stop: Callable[[], bool] | None = None
+) -> CostProfile:
     """``engine``'s batched cycle cost: the one saved for it here, else measured (seconds) and
     saved; ``remeasure`` (`mtplx tune`) measures it anyway. A store that cannot be written costs
-    a line on stderr, not the measurement."""
+    a line on stderr, not the measurement. ``should_stop`` (a server stopping) ends the
+    measurement between two forwards: `MeasurementStopped`, and nothing is saved."""
     from mtplx.spec_decode.draft_policy import measure_cost_profile
 
     identity = batch_cost_identity(engine)
@@ -173,7 +177,10 @@ def engine_batch_cost(engine, remeasure: bool = False) -> CostProfile:
     if saved is not None:
         print(f"mtplx: batch cost profile: the one measured here before ({config_file()})", file=sys.stderr)
         return saved
-    profile = measure_cost_profile(engine.trunk, engine.head, blocks=engine.block_drafter)
+    print("mtplx: batch cost profile: measuring (once for this model here)", file=sys.stderr)
+    profile = measure_cost_profile(
+        engine.trunk, engine.head, blocks=engine.block_drafter, should_stop=should_stop
+    )
     try:
         entry = saved_entry(engine.fingerprint) or {}
     except MtplxError:
