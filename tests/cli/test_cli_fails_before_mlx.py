@@ -22,7 +22,7 @@ cases, plant = json.loads(sys.argv[1]), sys.argv[2]
 out = []
 for argv in cases:
     if plant and argv[0] == plant:
-        import mtplx.trunk.prompt_cache  # the control: what chat and serve imported first
+        import mlx.core  # the control: what chat and serve imported (through the prompt cache) first
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
         try:
@@ -74,8 +74,8 @@ def test_help_bad_flags_and_missing_models_import_no_mlx(tmp_path):
 
 
 def test_the_listing_sees_mlx_imported_before_a_refusal():
-    """Control: the same cases with chat's former first import (mtplx.trunk.prompt_cache, MLX)
-    planted before the chat case: from that case on the listing names MLX."""
+    """Control: the same cases with MLX imported before the chat case (as chat's former first
+    import, mtplx.trunk.prompt_cache, did): the listing names it from that case on."""
     results = _run([["serve", "--port", "0"], ["chat", "--temp", "-1"]], plant="chat")
     (_, serve_code, _, serve_heavy), (_, chat_code, _, chat_heavy) = results
-    assert (serve_code, serve_heavy, chat_code) == (2, [], 2) and "mlx.core" in chat_heavy
+    assert (serve_code, serve_heavy, chat_code, chat_heavy) == (2, [], 2, ["mlx.core"])

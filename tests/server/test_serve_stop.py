@@ -14,11 +14,14 @@ import subprocess
 import sys
 import time
 
+import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.server.worker import HOLD_MEASUREMENT_ENV
 
 import httpx
 import pytest
+from support import checkpoints, models
 from support.paths import REPO
+from support.tokenizer import printable_chars
 
 
 def _free_port() -> int:
@@ -42,14 +45,23 @@ def _wait_for_health(proc: subprocess.Popen, base: str, log_path) -> None:
         time.sleep(0.1)
 
 
-def test_serve_stopped_mid_measurement_exits_and_saves_no_profile(default_model_dir, tmp_path):
+def _tiny_model(root):
+    """A tiny random llama over a 97-character tokenizer: it batches, so `auto` measures its profile."""
+    chars, vocab = printable_chars()
+    path = checkpoints.save_model(root / "tiny-llama", models.tiny_llama(vocab, seed=0), eos_token_id=0).path
+    chars.save_pretrained(str(path))
+    return path
+
+
+def test_serve_stopped_mid_measurement_exits_and_saves_no_profile(tmp_path):
+    model = _tiny_model(tmp_path)
     config_home, log_path = tmp_path / "config", tmp_path / "serve.log"
     env = dict(
         os.environ, PYTHONPATH=str(REPO), XDG_CONFIG_HOME=str(config_home), **{HOLD_MEASUREMENT_ENV: "1"}
     )
     env.pop("MTPLX_API_KEY", None)
     port = _free_port()
-    args = [sys.executable, "-m", "mtplx", "serve", "--model", str(default_model_dir), "--port", str(port)]
+    args = [sys.executable, "-m", "mtplx", "serve", "--model", str(model), "--port", str(port)]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             [*args, "--draft-policy", "auto"], stdout=log, stderr=subprocess.STDOUT, env=env
