@@ -214,7 +214,12 @@ class GenerationWorker:
                     if self._stopping.is_set() or not self._hold_next_job():
                         return
                     scheduler = self._set_up()
-                    if scheduler is None and not self._fail_waiting(FailedStage.SETUP):
+                    # stopping: no 500s, the held job is dropped (the loop's top returns)
+                    if (
+                        scheduler is None
+                        and not self._stopping.is_set()
+                        and not self._fail_waiting(FailedStage.SETUP)
+                    ):
                         return
                     continue
                 if self._drive(scheduler):
