@@ -30,6 +30,7 @@ __all__ = [
     "add_reply_args",
     "add_sampling_args",
     "add_switch",
+    "check_model_spec",
     "load_engine",
     "request_from_args",
     "sampler_from_args",
@@ -370,13 +371,30 @@ def _distributed_mode(args: argparse.Namespace) -> bool | str:
     return "auto" if world() is not None else False
 
 
-def load_engine(args: argparse.Namespace, *, quiet: bool = False, prompt_cache_bytes: int = 0):
-    """The engine the model flags describe; a note on stderr (unless ``quiet``) when it has no drafter model."""
-    from mtplx.engine.engine import Engine
+def check_model_spec(spec: str | None) -> None:
+    """A model flag naming a local path fails here, before MLX is imported, with the error loading
+    would give (`resolve_model`: not found, a GGUF file, not a directory); a Hub repo id that is
+    no local path is left to the load (it may download)."""
+    if spec is None:
+        return
+    from pathlib import Path
 
+    from mtplx.checkpoints.load import resolve_model
+    from mtplx.model_files.hub import is_repo_id
+
+    if Path(spec).expanduser().exists() or not is_repo_id(spec):
+        resolve_model(spec)
+
+
+def load_engine(args: argparse.Namespace, *, quiet: bool = False, prompt_cache_bytes: int = 0):
+    """The engine the model flags describe; a note on stderr (unless ``quiet``) when it has no drafter model.
+    The flags' own mistakes (a model path that is not there) fail before MLX is imported."""
     for dest in ("kv_group_size", "quantized_kv_start"):
         if getattr(args, dest, None) is not None and getattr(args, "kv_bits", None) is None:
             raise MtplxError(f"{_flag_name(args, dest)} needs --kv-bits: it does nothing without it")
+    check_model_spec(args.model)
+    from mtplx.engine.engine import Engine
+
     engine = Engine.load(
         args.model,
         head=args.head,

@@ -21,6 +21,7 @@ from mtplx.cli.args import (
     add_disk_cache_args,
     add_generation_args,
     check_disk_cache_args,
+    check_model_spec,
     disk_cache_bytes,
     load_engine,
     request_from_args,
@@ -194,10 +195,11 @@ def add_args(chat: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mtplx.trunk.prompt_cache import DEFAULT_PROMPT_CACHE_BYTES
-
     request = request_from_args(args, max_tokens=args.max_tokens)  # before loading: a typo costs no load time
     check_disk_cache_args(args)
+    check_model_spec(args.model)
+    from mtplx.trunk.prompt_cache import DEFAULT_PROMPT_CACHE_BYTES  # imports MLX: after the flags' checks
+
     # Each turn resends the conversation: the prompt cache makes it prefill only what is new.
     cache_bytes = DEFAULT_PROMPT_CACHE_BYTES if args.prompt_cache_bytes is None else args.prompt_cache_bytes
     engine = load_engine(args, prompt_cache_bytes=cache_bytes)

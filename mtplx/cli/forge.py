@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
+from mtplx.cli.args import check_model_spec
 from mtplx.errors import MtplxError
 from mtplx.forge.config import DEFAULT_FORGE_CONFIG, FINE_TUNE_LR, FORGED_DRAFTERS, SCRATCH_LR, ForgeConfig
 from mtplx.learn.config import DEFAULT_LEARN_CONFIG
@@ -147,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
     if args.samples is not None:
         raise MtplxError("--samples: applies to --from-traffic only")
     cfg = config_from_args(args)
+    check_model_spec(cfg.model)  # a missing model fails before the forge imports MLX
     if cfg.drafter is not None:
         from mtplx.forge.drafter import forge_drafter as forge
     else:

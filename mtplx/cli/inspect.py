@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from mtplx.cli.args import add_model_args
+from mtplx.cli.args import add_model_args, check_model_spec
 
 HELP = "describe a model without running it (MTP-ready / AR-only / unsupported)"
 
@@ -23,14 +23,15 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mtplx.checkpoints.inspect import inspect_model
-    from mtplx.checkpoints.inspect_report import format_inspection
-
     learn = None
     if args.learn is not None:
         from mtplx.learn.report import learn_report
 
         learn = learn_report(args.learn)  # before the model: a wrong directory fails fast
+    check_model_spec(args.model)  # before the heads' modules import MLX
+    from mtplx.checkpoints.inspect import inspect_model
+    from mtplx.checkpoints.inspect_report import format_inspection
+
     info = inspect_model(args.model, head=args.head, dtype=args.dtype)
     if learn is not None:
         info = {**info, "learn": learn}

@@ -20,6 +20,7 @@ from mtplx.cli.args import (
     add_model_args,
     add_sampling_args,
     check_disk_cache_args,
+    check_model_spec,
     disk_cache_bytes,
     load_engine,
     request_from_args,
@@ -292,11 +293,12 @@ def _check_server_flags(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    _check_server_flags(args)
+    defaults = request_from_args(args)  # before loading (and importing MLX): a typo costs no load time
+    check_model_spec(args.model)
     from mtplx.checkpoints import load as loading
     from mtplx.trunk.prompt_cache import DEFAULT_PROMPT_CACHE_BYTES
 
-    _check_server_flags(args)
-    defaults = request_from_args(args)  # before loading: a typo costs no load time
     cache_bytes = DEFAULT_PROMPT_CACHE_BYTES if args.prompt_cache_bytes is None else args.prompt_cache_bytes
     api_key = args.api_key if args.api_key is not None else os.environ.get("MTPLX_API_KEY") or None
     origins = tuple(o.strip() for o in (args.allowed_origins or "").split(",") if o.strip())

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -298,19 +298,24 @@ class Engine(EngineLoading):
         prompt_concurrency: int = 8,
         draft_policy: str = "auto",
         prefill_step_size: int = DEFAULT_PREFILL_STEP,
+        should_stop: Callable[[], bool] | None = None,
     ) -> BatchScheduler:
         """A scheduler that decodes up to ``max_rows`` requests together on this engine, with up to
         ``prompt_concurrency`` prefilling meanwhile, ``prefill_step_size`` prompt tokens in all per
         cycle (`mtplx.engine.scheduler`). ``draft_policy``: "auto" chooses each cycle's draft length
         from the cost profile and the rows' acceptance (`mtplx.spec_decode.draft_policy`);
-        "fixed" drafts every row's depth every cycle."""
+        "fixed" drafts every row's depth every cycle. ``should_stop``: see `batch_cost_profile`."""
         if draft_policy not in DRAFT_POLICIES:
             raise MtplxError(
                 f"draft policy: must be one of {', '.join(DRAFT_POLICIES)} (got {draft_policy!r})"
             )
         # No profile to measure where nothing batches (every request then decodes one row at a time).
         batches = self._model_batch_refusal() is None
-        policy = DraftPolicy(self.batch_cost_profile()) if draft_policy == "auto" and batches else None
+        policy = (
+            DraftPolicy(self.batch_cost_profile(should_stop=should_stop))
+            if draft_policy == "auto" and batches
+            else None
+        )
         return BatchScheduler(
             self,
             max_rows,
@@ -320,13 +325,16 @@ class Engine(EngineLoading):
             single_row=self.distributed is not None,
         )
 
-    def batch_cost_profile(self, remeasure: bool = False) -> CostProfile:
+    def batch_cost_profile(
+        self, remeasure: bool = False, should_stop: Callable[[], bool] | None = None
+    ) -> CostProfile:
         """What a batched cycle costs here: the profile saved for this engine on this machine, else
-        measured (a few seconds) and saved (`tuned.engine_batch_cost`); ``remeasure`` measures it now."""
+        measured (a few seconds) and saved (`tuned.engine_batch_cost`); ``remeasure`` measures it now.
+        ``should_stop`` True between two timed forwards raises `MeasurementStopped`, nothing saved."""
         if self._cost_profile is None or remeasure:
             from mtplx.engine import tuned
 
-            self._cost_profile = tuned.engine_batch_cost(self, remeasure)
+            self._cost_profile = tuned.engine_batch_cost(self, remeasure, should_stop)
         return self._cost_profile
 
     def generate_batch(

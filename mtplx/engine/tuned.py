@@ -169,10 +169,13 @@ def batch_cost_identity(engine) -> dict[str, str]:
     return {**identity, "blas": machine_info()["blas"], "mlx": installed["mlx"], "mtplx": installed["mtplx"]}
 
 
-def engine_batch_cost(engine, remeasure: bool = False) -> CostProfile:
+def engine_batch_cost(
+    engine, remeasure: bool = False, should_stop: Callable[[], bool] | None = None
+) -> CostProfile:
     """``engine``'s batched cycle cost: the one saved for it here, else measured (seconds) and
     saved; ``remeasure`` (`mtplx tune`) measures it anyway. A store that cannot be written costs
-    a line on stderr, not the measurement."""
+    a line on stderr, not the measurement. ``should_stop`` (a server stopping) ends the
+    measurement between two forwards: `MeasurementStopped`, and nothing is saved."""
     from mtplx.spec_decode.draft_policy import measure_cost_profile
 
     identity = batch_cost_identity(engine)
@@ -180,7 +183,10 @@ def engine_batch_cost(engine, remeasure: bool = False) -> CostProfile:
     if saved is not None:
         print(f"mtplx: batch cost profile: the one measured here before ({config_file()})", file=sys.stderr)
         return saved
-    profile = measure_cost_profile(engine.trunk, engine.head, blocks=engine.block_drafter)
+    print("mtplx: batch cost profile: measuring (once for this model here)", file=sys.stderr)
+    profile = measure_cost_profile(
+        engine.trunk, engine.head, blocks=engine.block_drafter, should_stop=should_stop
+    )
     try:  # into the entry as it is now: another process may have saved it while this one measured
         path = update_entry(engine.fingerprint, {"batch_cost": profile.as_dict(), "batch_cost_for": identity})
     except OSError as e:

@@ -24,6 +24,7 @@ from mtplx.engine.engine import GenerationChunk
 from mtplx.errors import MtplxError
 from mtplx.server.openai import APIError
 from mtplx.server.worker import Admitted, Finished, GenerationWorker, Job, JobFailed, JobTimeout, QueueFull
+from mtplx.trunk.vision import ImageToken
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -120,10 +121,14 @@ def _raise_for(item) -> None:
 LEARN_HEADER = "x-mtplx-learn"  # "0", "false", "no" or "off": keep this request out of the traffic log
 
 
-def learns(request: Request, body) -> bool:
+def learns(request: Request, body, prompt_tokens: list[int]) -> bool:
     """Whether a request goes into `serve --learn`'s traffic log: unless it opts out, by the body's
-    ``"mtplx": {"learn": false}`` or the ``X-Mtplx-Learn: 0`` header."""
+    ``"mtplx": {"learn": false}`` or the ``X-Mtplx-Learn: 0`` header, or its prompt holds an image
+    (the log keeps token ids only: a round would train on the prompt without its image, another
+    context than the one the model answered)."""
     if request.headers.get(LEARN_HEADER, "").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    if any(isinstance(token, ImageToken) for token in prompt_tokens):
         return False
     options = getattr(body, "mtplx", None)
     return options is None or options.learn is not False
@@ -131,7 +136,7 @@ def learns(request: Request, body) -> bool:
 
 async def respond(request: Request, worker: GenerationWorker, job: Job, settings, fmt: ResponseFormat, body):
     """``job``'s reply in ``fmt``'s API: whole, or streamed when ``body.stream`` (module docstring)."""
-    if worker.learner is not None and learns(request, body):
+    if worker.learner is not None and learns(request, body, job.prompt_tokens):
         grammar = job.request.grammar
         job.traffic_tags = (
             grammar.field if grammar is not None else None,

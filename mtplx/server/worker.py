@@ -25,6 +25,12 @@ cost profile) fails the requests waiting for it, and the next request tries agai
 learner failing (stage ``learn``: recording a finished request, or a piece of training while idle,
 raised out of it) fails no request: logged and counted once, the learner is set aside and the
 worker serves on without it (a restart learns again).
+
+Stop (SIGTERM, Ctrl-C): `stop` sets ``_stopping`` before its marker goes in the queue; the draft
+policy's cost profile, measured by the first setup where none is saved (seconds), asks it between
+two timed forwards and gives up (`MeasurementStopped`: nothing saved, one log line), so the
+server exits at once instead of after the measurement. Test hook: with ``MTPLX_TEST_HOLD_MEASUREMENT``
+set, the measurement waits at its first forward until the stop (a test stops it mid-way for sure).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -43,11 +50,14 @@ from mtplx.engine.output import GenerationChunk
 from mtplx.engine.request import GenerationRequest
 from mtplx.errors import MtplxError
 from mtplx.server.metrics import ServerMetrics
+from mtplx.spec_decode.draft_policy import MeasurementStopped
 from mtplx.spec_decode.settings import DEFAULT_PREFILL_STEP
 
 import mlx.core as mx
 
 DISK_DRAIN_SECONDS = 30.0  # at shutdown, how long queued prompt-cache writes may take to reach the disk
+
+HOLD_MEASUREMENT_ENV = "MTPLX_TEST_HOLD_MEASUREMENT"  # test hook (module docstring)
 
 log = logging.getLogger("mtplx.server")
 
@@ -128,6 +138,8 @@ class GenerationWorker:
         self.prefill_step_size = prefill_step_size
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._thread = threading.Thread(target=self._run, name="mtplx-generation", daemon=True)
+        self._stopping = threading.Event()  # set by `stop`: a cost profile measurement gives up
+        self._hold_measurement = bool(os.environ.get(HOLD_MEASUREMENT_ENV))
         self._active: dict[int, Job] = {}  # scheduler handle -> job, in flight
         self._held: Job | None = None  # taken from the queue while no scheduler could be built
         self._last_failure: BaseException | None = None  # this step's, logged and counted already
@@ -146,6 +158,7 @@ class GenerationWorker:
         self._thread.start()
 
     def stop(self) -> None:
+        self._stopping.set()
         # The stop marker goes in even when the queue is full: waiting jobs are dropped at shutdown.
         while True:
             try:
@@ -200,11 +213,16 @@ class GenerationWorker:
         scheduler = self._set_up()
         try:
             while True:
-                if scheduler is None:  # its setup failed: try again for the next job
-                    if not self._hold_next_job():
+                if scheduler is None:  # its setup failed or was stopped: try again for the next job
+                    if self._stopping.is_set() or not self._hold_next_job():
                         return
                     scheduler = self._set_up()
-                    if scheduler is None and not self._fail_waiting(FailedStage.SETUP):
+                    # stopping: no 500s, the held job is dropped (the loop's top returns)
+                    if (
+                        scheduler is None
+                        and not self._stopping.is_set()
+                        and not self._fail_waiting(FailedStage.SETUP)
+                    ):
                         return
                     continue
                 if self._drive(scheduler):
@@ -222,11 +240,25 @@ class GenerationWorker:
         try:
             reach(FailedStage.SETUP)
             return self.engine.batch(
-                self.decode_concurrency, self.prompt_concurrency, self.draft_policy, self.prefill_step_size
+                self.decode_concurrency,
+                self.prompt_concurrency,
+                self.draft_policy,
+                self.prefill_step_size,
+                should_stop=self._stop_requested,
             )
+        except MeasurementStopped:
+            log.info("batch cost profile: measurement stopped (the server is stopping); nothing saved")
+            return None
         except Exception as err:
             self._note_failure(err, FailedStage.SETUP)
             return None
+
+    def _stop_requested(self) -> bool:
+        """Whether `stop` was called (asked between the cost profile's timed forwards); under the
+        test hook ``MTPLX_TEST_HOLD_MEASUREMENT`` it first waits for that."""
+        if self._hold_measurement:
+            self._stopping.wait()
+        return self._stopping.is_set()
 
     def _hold_next_job(self) -> bool:
         """Wait for the next job and hold it for the next scheduler (`_take_jobs`); False at stop."""

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import time
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from mtplx.spec_decode.settings import MAX_DEPTH
@@ -47,6 +47,7 @@ __all__ = [
     "DraftOffer",
     "DraftPolicy",
     "FLOOR_REFRESH_CYCLES",
+    "MeasurementStopped",
     "RowAcceptance",
     "drafter_records",
     "measure_cost_profile",
@@ -311,12 +312,16 @@ def measure_cost_profile(
     context: int = 64,
     repeats: int = 2,
     blocks=None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> CostProfile:
     """Time one trunk forward over 1, 2, 4, ... ``max_tokens`` tokens and one head forward over
     1, 2, 4, ... ``max_rows`` rows (the best of ``repeats``), after ``context`` tokens of prompt;
     with ``blocks`` (a loaded `block_proposer.BlockDrafter`), its forward over as many rows
     (`block_proposer.time_block_forward`, `eagle3_proposer.time_chain_step`): per draft for
     EAGLE-3 (when there is no head), per cycle for a block drafter.
+
+    ``should_stop`` is asked before every forward: True raises `MeasurementStopped` (a server
+    stopping while its worker measures exits at once, not after the whole measurement).
 
     The trunk block is one row of n tokens: the matmuls cost what R rows of n/R tokens cost,
     and the attention over a short context is a small part of a forward.
@@ -325,9 +330,13 @@ def measure_cost_profile(
 
     import mlx.core as mx
 
+    def timed(run) -> float:
+        return best_of(run, repeats, should_stop)
+
     sizes = _powers_of_two(max_tokens)
     trunk_seconds = []
     for n in sizes:
+        _check_stop(should_stop)
         cache = trunk.make_cache()
         mx.eval(trunk(mx.zeros((1, context), dtype=mx.int32), cache).logits[:, -1])
         block = mx.zeros((1, n), dtype=mx.int32)
@@ -337,7 +346,7 @@ def measure_cost_profile(
             mx.eval(trunk(block, cache).logits)
             rollback.abort_block(cache, capture)
 
-        trunk_seconds.append(best_of(forward, repeats))
+        trunk_seconds.append(timed(forward))
     rows = _powers_of_two(max_rows)
     head_seconds = []
     if head is not None:
@@ -350,8 +359,8 @@ def measure_cost_profile(
             def head_forward(hidden=hidden, tokens=tokens) -> None:
                 mx.eval(head.logits(head(hidden, tokens, None)))
 
-            head_seconds.append(best_of(head_forward, repeats))
-    drafter = _drafter_seconds(blocks, trunk, rows, context, repeats) if blocks is not None else None
+            head_seconds.append(timed(head_forward))
+    drafter = _drafter_seconds(blocks, trunk, rows, context, timed) if blocks is not None else None
     per_draft, per_cycle = (drafter, None) if drafter is not None and drafter[0] else (None, drafter)
     if per_draft is not None and head is None:
         head_seconds = per_draft[1]
@@ -365,23 +374,34 @@ def measure_cost_profile(
     )
 
 
-def _drafter_seconds(blocks, trunk, rows, context, repeats) -> tuple[bool, list[float]]:
-    """(per draft, seconds per row count) of a loaded block drafter's forward: an EAGLE-3 chain
-    step (per draft), else a block forward (per drafting cycle)."""
+def _drafter_seconds(blocks, trunk, rows, context, timed) -> tuple[bool, list[float]]:
+    """(per draft, seconds per row count, each from ``timed``) of a loaded block drafter's
+    forward: an EAGLE-3 chain step (per draft), else a block forward (per drafting cycle)."""
     from mtplx.spec_decode.block_proposer import time_block_forward
     from mtplx.spec_decode.eagle3_proposer import time_chain_step
 
     per_draft = blocks.source is Source.EAGLE3
     timer = time_chain_step if per_draft else time_block_forward
-    return per_draft, [best_of(timer(blocks, r, context, trunk), repeats) for r in rows]
+    return per_draft, [timed(timer(blocks, r, context, trunk)) for r in rows]
 
 
-def best_of(run, repeats: int) -> float:
+class MeasurementStopped(Exception):
+    """`measure_cost_profile` gave up: its ``should_stop`` said so (nothing was measured)."""
+
+
+def _check_stop(should_stop: Callable[[], bool] | None) -> None:
+    if should_stop is not None and should_stop():
+        raise MeasurementStopped("batch cost profile: measurement stopped")
+
+
+def best_of(run, repeats: int, should_stop: Callable[[], bool] | None = None) -> float:
     """The best seconds of ``repeats`` calls of ``run`` after one warm-up call (first-call graph
-    and kernel set-up)."""
+    and kernel set-up); ``should_stop`` is asked before each call (`MeasurementStopped`)."""
+    _check_stop(should_stop)
     run()
     times = []
     for _ in range(repeats):
+        _check_stop(should_stop)
         start = time.perf_counter()
         run()
         times.append(time.perf_counter() - start)
