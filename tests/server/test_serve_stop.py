@@ -9,40 +9,16 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 
 import mtplx  # noqa: F401  (BLAS before mlx)
 from mtplx.server.worker import HOLD_MEASUREMENT_ENV
 
-import httpx
-import pytest
 from support import checkpoints, models
 from support.paths import REPO
+from support.server import _free_port, wait_for_health
 from support.tokenizer import printable_chars
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_for_health(proc: subprocess.Popen, base: str, log_path) -> None:
-    deadline = time.monotonic() + 180
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()}")
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            pytest.fail(f"server did not come up:\n{log_path.read_text()}")
-        time.sleep(0.1)
 
 
 def _tiny_model(root):
@@ -67,7 +43,7 @@ def test_serve_stopped_mid_measurement_exits_and_saves_no_profile(tmp_path):
             [*args, "--draft-policy", "auto"], stdout=log, stderr=subprocess.STDOUT, env=env
         )
     try:
-        _wait_for_health(proc, f"http://127.0.0.1:{port}", log_path)
+        wait_for_health(proc, f"http://127.0.0.1:{port}", log_path)
         proc.send_signal(signal.SIGTERM)
         returncode = proc.wait(timeout=120)
     finally:

@@ -32,6 +32,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_for_health(proc: subprocess.Popen, base: str, log_path: Path) -> None:
+    """Until ``base``/health answers 200; the test fails with the server's log if it exits or takes 180 s."""
+    deadline = time.monotonic() + 180
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()}")
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            pytest.fail(f"server did not come up:\n{log_path.read_text()}")
+        time.sleep(0.1)  # the test waits on this poll; a finer one takes CPU from the start itself
+
+
 @contextlib.contextmanager
 def running_server(
     model_dir: Path, log_path: Path, *flags: str, api_key: str | None = KEY, env: dict[str, str] | None = None
@@ -48,18 +64,7 @@ def running_server(
         proc = subprocess.Popen([*args, *flags], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{log_path.read_text()}")
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server did not come up:\n{log_path.read_text()}")
-            time.sleep(0.1)  # the test waits on this poll; a finer one takes CPU from the start itself
+        wait_for_health(proc, base, log_path)
         yield base, log_path
     finally:
         proc.terminate()
