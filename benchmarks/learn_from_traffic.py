@@ -175,6 +175,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=DEFAULT_LEARN_CONFIG.held_out_fraction,
         help="the learner's own held-out share of the log (its accept/reject measure)",
     )
+    parser.add_argument(
+        "--samples",
+        type=int,
+        default=DEFAULT_LEARN_CONFIG.samples,
+        help="answers the trunk samples to each training-side request in idle time (serve --learn-samples)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--answers", default=None, help="JSON-lines cache of the greedy answers (read, then appended)"
@@ -202,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         steps=args.steps,
         lr=args.lr,
         held_out_fraction=args.held_out_fraction,
+        samples=args.samples,
     )
     shipped = copy_head(engine.head, engine.trunk)
     answers = Answers(engine, args.max_tokens, args.answers)
@@ -235,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
             "first_draft": first_draft(tf),
             "decoding": decoding,
             "trainer_seconds": trainer_seconds,
+            "sampled_answers": learner.snapshot()["sampled_answers"] if learner else 0,
             "learner_gain": None if last is None else last.gain,  # on its own held-out slice
             "losses": None if last is None else last.losses,
             "time": time.strftime("%H:%M:%S", time.gmtime()),

@@ -13,6 +13,7 @@ from dataclasses import replace
 from mtplx.cli.args import check_model_spec
 from mtplx.errors import MtplxError
 from mtplx.forge.config import DEFAULT_FORGE_CONFIG, FINE_TUNE_LR, FORGED_DRAFTERS, SCRATCH_LR, ForgeConfig
+from mtplx.learn.config import DEFAULT_LEARN_CONFIG
 
 # Flags whose values map 1:1 onto ForgeConfig fields (defaults come from DEFAULT_FORGE_CONFIG).
 _FLAGS = (
@@ -101,6 +102,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "(--init-head, else DIR's last learned head, else the model's); the newest requests are held "
         "out, and the head (--out, default DIR/forged-from-traffic) is written only if it measures better",
     )
+    parser.add_argument(
+        "--samples",
+        type=int,
+        help="with --from-traffic: answers the model samples to each older logged request, trained on "
+        f"too (default {DEFAULT_LEARN_CONFIG.samples}; README: Learning from traffic)",
+    )
     parser.add_argument("--no-progress", action="store_true")
     parser.set_defaults(forge_defaults=defaults)
 
@@ -138,6 +145,8 @@ def run(args: argparse.Namespace) -> int:
     """Forge the head the flags describe and say where it went; the exit code."""
     if args.from_traffic is not None:
         return _from_traffic(args)
+    if args.samples is not None:
+        raise MtplxError("--samples: applies to --from-traffic only")
     cfg = config_from_args(args)
     check_model_spec(cfg.model)  # a missing model fails before the forge imports MLX
     if cfg.drafter is not None:
@@ -156,8 +165,6 @@ def run(args: argparse.Namespace) -> int:
 def _from_traffic(args: argparse.Namespace) -> int:
     """`--from-traffic DIR`: one learning round over the log (`mtplx.learn.offline`), its flags over
     `DEFAULT_LEARN_CONFIG`; generation flags do not apply."""
-    from mtplx.learn.config import DEFAULT_LEARN_CONFIG
-
     for name in (
         "data",
         "budget",
@@ -179,6 +186,10 @@ def _from_traffic(args: argparse.Namespace) -> int:
     for name, value in overrides.items():
         if name != "seed" and not value > 0:
             raise MtplxError(f"--{name.replace('_', '-')}: must be > 0, got {value}")
+    if args.samples is not None:
+        if args.samples < 0:
+            raise MtplxError(f"--samples: must be >= 0, got {args.samples}")
+        overrides["samples"] = args.samples
     if "depth" in overrides:
         weights = DEFAULT_LEARN_CONFIG.step_weights  # the last weight repeats for deeper steps
         overrides["step_weights"] = (weights + weights[-1:] * overrides["depth"])[: overrides["depth"]]
@@ -186,7 +197,7 @@ def _from_traffic(args: argparse.Namespace) -> int:
     from mtplx.learn.offline import forge_from_traffic
 
     report = forge_from_traffic(
-        args.from_traffic, args.model, args.init_head, args.out_dir, cfg, args.overwrite
+        args.from_traffic, args.model, args.init_head, args.out_dir, cfg, args.overwrite, not args.no_progress
     )
     print(report.summary())
     return 0

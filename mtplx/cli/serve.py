@@ -106,6 +106,8 @@ def _learner(engine, settings: ServerSettings):
         cfg = replace(cfg, min_records=settings.learn_every, new_records=settings.learn_every)
     if settings.learn_steps is not None:
         cfg = replace(cfg, steps=settings.learn_steps)
+    if settings.learn_samples is not None:
+        cfg = replace(cfg, samples=settings.learn_samples)
     learner = Learner(engine, settings.learn_dir, settings.learn_max_bytes or DEFAULT_LOG_BYTES, cfg)
     log.info("--learn: recording finished requests (token ids) in %s", learner.log.dir)
     return learner
@@ -233,6 +235,13 @@ def _add_learn_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"--learn: training steps per learning round (default {DEFAULT_LEARN_CONFIG.steps})",
     )
+    parser.add_argument(
+        "--learn-samples",
+        type=int,
+        default=None,
+        help="--learn: answers the model samples to each logged request while idle, trained on too (kept "
+        f"in memory, never on disk; default {DEFAULT_LEARN_CONFIG.samples})",
+    )
 
 
 def _image_dir(value: str | None):
@@ -271,6 +280,11 @@ def _check_server_flags(args: argparse.Namespace) -> None:
             raise MtplxError(f"{flag}: needs --learn")
         if value is not None and value <= 0:
             raise MtplxError(f"{flag}: must be > 0, got {value}")
+    if args.learn_samples is not None:
+        if args.learn is None:
+            raise MtplxError("--learn-samples: needs --learn")
+        if args.learn_samples < 0:
+            raise MtplxError(f"--learn-samples: must be >= 0, got {args.learn_samples}")
     if args.learn is not None and not args.learn.strip():
         raise MtplxError("--learn: empty path (name a directory)")
     if args.prompt_cache_bytes is not None and args.prompt_cache_bytes < 0:
@@ -315,6 +329,7 @@ def run(args: argparse.Namespace) -> int:
         learn_max_bytes=args.learn_max_bytes,
         learn_every=args.learn_every,
         learn_steps=args.learn_steps,
+        learn_samples=args.learn_samples,
     )
     serve(engine, settings, host=args.host, port=args.port)
     return 0

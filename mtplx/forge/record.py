@@ -24,12 +24,11 @@ machine regenerates the same data.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from mtplx.engine.request import Drafting, GenerationRequest
@@ -63,6 +62,10 @@ class ForgeData:
     @property
     def num_response_tokens(self) -> int:
         return int(self.valid.sum())
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        """The arrays in `SHARD_FILES` order."""
+        return tuple(getattr(self, n) for n in SHARD_FILES)
 
     @classmethod
     def concat(cls, parts: Sequence[ForgeData]) -> ForgeData:
@@ -183,7 +186,7 @@ def generate_batch(
     """Generate a response for every prompt (until EOS, at most ``seq_len`` less the longest prompt
     tokens) and record the training data: every prompt is a `GenerationRequest` submitted to the
     one scheduler (`mtplx.engine.scheduler`) on ``engine`` (an `Engine`), its trunk tap a row
-    option, so forge decodes as every other entry does.
+    option, so forge decodes as every other entry does (`RecordingBatch`, driven to its end).
 
     At most ``max_rows`` rows (default: every prompt) decode at once; a row leaves at EOS and the
     next prompt joins after its own prefill (responses differ a lot in length). Row r samples with
@@ -199,63 +202,132 @@ def generate_batch(
     resumed. ``deadline`` (time.time()) stops the scheduler after its first step once it passes,
     so a time budget is kept even when one batch takes minutes (the cut responses are still
     valid data)."""
-    trunk = engine.trunk
     lengths = [len(p) for p in prompts]
     if max(lengths) >= seq_len - 1:
         raise ValueError(f"prompts must be shorter than seq_len - 1 ({seq_len - 1}), got {max(lengths)}")
-    rows, k = len(prompts), min(top_k, trunk.vocab_size)
-    width = trunk.embed(mx.array([0])).shape[-1] * max(len(taps), 1)
-    out = ForgeData.zeros(rows, seq_len, width, k)
-    recorder = _Recorder(out, lengths, k, taps=bool(taps))
     # The fixed-batch loop this replaced gave every row the slots the longest prompt leaves; kept,
     # so shards written before and after it (one resumed run can hold both) answer alike.
-    request = GenerationRequest(
-        sampler=SamplerConfig(temperature=setting.temperature, top_p=setting.top_p),
-        max_tokens=seq_len - max(lengths),
-        drafting=Drafting(kind="head" if engine.head is not None and depth else "none", depth=depth or None),
-        stop_token_ids=tuple(sorted(eos_ids)),  # exactly these end a response
-        ignore_eos=True,
-        detokenize=False,
+    batch = RecordingBatch(
+        engine,
+        prompts,
+        setting,
+        mx.random.split(key, len(prompts)),
+        seq_len - max(lengths),
+        top_k,
+        eos_ids,
+        depth=depth,
+        max_rows=max_rows,
+        taps=taps,
+        seq_len=seq_len,
+        deadline=deadline,
     )
-    width = max_rows or rows
-    # Every waiting prompt may prefill in one step, whole: the first rows all join at once.
-    scheduler = BatchScheduler(engine, width, width, prefill_step_size=sum(lengths) + rows)
-    row_keys = mx.random.split(key, rows)
-    handles = {
-        scheduler.submit(prompt, request, key=row_keys[r], trunk_tap=recorder.tap(r)): r
-        for r, prompt in enumerate(prompts)
-    }
-
-    def after_step(_results) -> bool:  # the step's recorded positions; True: the deadline stops it
-        recorder.flush()
-        return deadline is not None and time.time() >= deadline
-
-    response = _drive_to_end(scheduler, handles, after_step, trunk, taps)
-    recorder.finish()
-    _write_sequences(out, prompts, response)
-    return out
+    batch.advance()
+    return batch.data()
 
 
-def _drive_to_end(scheduler, handles: dict, after_step, trunk, taps: Sequence[int]) -> list[list[int]]:
-    """Drive ``scheduler`` until every row ends (or ``after_step`` stops it), ``taps`` tapped on
-    ``trunk`` meanwhile: each row's response tokens (an end-of-sequence token kept), by handle's row."""
-    response: list[list[int]] = [[] for _ in handles]
-    tapped = trunk.tapped_layers
-    if taps:
-        trunk.tap_layers(taps)
-    try:
-        with contextlib.closing(scheduler.drive(after_step)) as results:
-            for result in results:
+class RecordingBatch:
+    """Prompts generated together through the one scheduler, each row's training data recorded as
+    it is written (the module docstring): `generate_batch` drives it to the end at once; the
+    server's learner (`mtplx.learn.sampling`) drives it a bounded piece at a time between requests
+    (`advance` with a time budget), so a request that arrives waits one step at most.
+
+    Row r samples ``max_tokens`` (or ``max_tokens[r]``) at most with ``setting`` and its key ``keys[r]``;
+    it ends at one of ``eos_ids``, kept as its last token. The rows are ``seq_len`` slots wide (default:
+    the longest a row can get, prompt and response). ``taps``: as `generate_batch`'s, tapped only while
+    a piece runs. ``prefill_step_size``: prompt tokens prefilled per step (default: every prompt whole
+    in the first step)."""
+
+    def __init__(
+        self,
+        engine,
+        prompts: Sequence[list[int]],
+        setting: Setting,
+        keys: Sequence[mx.array],
+        max_tokens: int | Sequence[int],
+        top_k: int,
+        eos_ids: set[int],
+        *,
+        depth: int = 0,
+        max_rows: int | None = None,
+        taps: Sequence[int] = (),
+        seq_len: int | None = None,
+        deadline: float | None = None,
+        prefill_step_size: int | None = None,
+    ):
+        trunk = engine.trunk
+        self.trunk, self.prompts, self.taps, self.deadline = trunk, list(prompts), tuple(taps), deadline
+        lengths = [len(p) for p in prompts]
+        rows, k = len(prompts), min(top_k, trunk.vocab_size)
+        limits = [max_tokens] * rows if isinstance(max_tokens, int) else list(max_tokens)
+        width = trunk.embed(mx.array([0])).shape[-1] * max(len(taps), 1)
+        self.out = ForgeData.zeros(rows, seq_len or max(map(sum, zip(lengths, limits))), width, k)
+        self.recorder = _Recorder(self.out, lengths, k, taps=bool(taps))
+        request = GenerationRequest(
+            sampler=SamplerConfig(temperature=setting.temperature, top_p=setting.top_p),
+            max_tokens=limits[0],
+            drafting=Drafting(
+                kind="head" if engine.head is not None and depth else "none", depth=depth or None
+            ),
+            stop_token_ids=tuple(sorted(eos_ids)),  # exactly these end a response
+            ignore_eos=True,
+            detokenize=False,
+        )
+        width = max_rows or rows
+        # By default every waiting prompt prefills in one step, whole: the first rows all join at once.
+        prefill = prefill_step_size or sum(lengths) + rows
+        scheduler = BatchScheduler(engine, width, width, prefill_step_size=prefill)
+        self.handles = {
+            scheduler.submit(
+                prompt, replace(request, max_tokens=limits[r]), key=keys[r], trunk_tap=self.recorder.tap(r)
+            ): r
+            for r, prompt in enumerate(prompts)
+        }
+        self.response: list[list[int]] = [[] for _ in prompts]
+        self._results = scheduler.drive(self._after_step)
+        self.done = False
+
+    def _after_step(self, _results) -> bool:  # the step's recorded positions; True: the deadline stops it
+        self.recorder.flush()
+        return self.deadline is not None and time.time() >= self.deadline
+
+    def advance(self, seconds: float | None = None) -> bool:
+        """Generate until every row ended, or (``seconds`` given) until that much time has passed and
+        the step under way ended; True once every row ended. Errors raise (the batch is then done)."""
+        began = time.perf_counter()
+        tapped = self.trunk.tapped_layers
+        if self.taps:
+            self.trunk.tap_layers(self.taps)
+        try:
+            while not self.done:
+                try:
+                    result = next(self._results)
+                except StopIteration:
+                    self.done = True
+                    break
                 if result.error is not None:
+                    self.close()
                     raise result.error
-                r = handles[result.handle]
-                response[r].extend(result.chunk.token_ids)
+                r = self.handles[result.handle]
+                self.response[r].extend(result.chunk.token_ids)
                 if result.chunk.eos_token is not None:
-                    response[r].append(result.chunk.eos_token)
-    finally:
-        if taps:
-            trunk.tap_layers(tapped or None)
-    return response
+                    self.response[r].append(result.chunk.eos_token)
+                if seconds is not None and time.perf_counter() - began >= seconds:
+                    break
+        finally:
+            if self.taps:
+                self.trunk.tap_layers(tapped or None)
+        return self.done
+
+    def data(self) -> ForgeData:
+        """The recorded rows (after `advance` returned True): prompt, response, valid positions."""
+        self.recorder.finish()
+        _write_sequences(self.out, self.prompts, self.response)
+        return self.out
+
+    def close(self) -> None:
+        """Drop the rows still decoding (their memory freed)."""
+        self._results.close()
+        self.done = True
 
 
 def _write_sequences(out: ForgeData, prompts: Sequence[list[int]], response: Sequence[list[int]]) -> None:

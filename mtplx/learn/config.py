@@ -29,6 +29,13 @@ class LearnConfig:
     eval_origins: int = 8
     min_gain: float = 0.0  # a candidate must beat the head in use by more than this (first-draft)
     seed: int = 0
+    # The trunk's own sampled answers to the logged prompts, in idle time (`mtplx.learn.sampling`).
+    samples: int = 0  # per training-side record (0: none)
+    sample_temperature: float = 0.7  # forge's sampled setting
+    sample_top_p: float = 0.95
+    sample_rows: int = 12  # rows sampled together
+    sample_prefill_step: int = 512  # prompt tokens prefilled per step (a step bounds a piece)
+    piece_seconds: float = 1.0  # a sampling piece stops at the first step end past this
 
     def forge_config(self, head: Any) -> ForgeConfig:
         """The `ForgeConfig` `TrainStep` reads (schedule, loss, batch rows)."""

@@ -37,7 +37,8 @@ class TrafficReport:
             for d in sorted(r.after, key=int)
         )
         head = f"first-draft acceptance {before:.3f} -> {after:.3f} ({after - before:+.3f}) on {r.held_records} held-out requests"
-        trained = f"trained {r.steps} steps on {r.train_sequences} sequences of {r.train_records} requests from {self.start}, {r.train_positions} response positions"
+        sampled = f" ({r.sampled_sequences} of them sampled answers)" if r.sampled_sequences else ""
+        trained = f"trained {r.steps} steps on {r.train_sequences} sequences{sampled} of {r.train_records} requests from {self.start}, {r.train_positions} response positions"
         if self.out is None:
             return f"forge --from-traffic: kept out: {head}; no better, nothing written ({trained}; per depth {depths})"
         return f"forge --from-traffic: wrote {self.out}: {head} ({trained}; per depth {depths})"
@@ -61,6 +62,22 @@ def _start_head(engine: Any, root: Path, init_head: str | None) -> tuple[Any, st
     return engine.head, "the model's head"
 
 
+def _sample_answers(engine: Any, records: list, cfg: LearnConfig, progress: bool) -> dict:
+    """``cfg.samples`` sampled answers to each training-side record (`AnswerSampler`), by record."""
+    from mtplx.learn.data import split_held_out
+    from mtplx.learn.sampling import AnswerSampler
+
+    from tqdm import tqdm
+
+    sampler = AnswerSampler(engine, cfg)
+    train = split_held_out(records, cfg.held_out_fraction)[0]
+    wanted = len(sampler.wanted(train)) * cfg.samples
+    with tqdm(total=wanted, unit="answer", desc="sampling", disable=not progress, file=sys.stderr) as bar:
+        while sampler.work(train, cfg.piece_seconds):
+            bar.update(sampler.sampled - bar.n)
+    return sampler.rows
+
+
 def forge_from_traffic(
     traffic_dir: str,
     model: str | None = None,
@@ -68,8 +85,11 @@ def forge_from_traffic(
     out_dir: str | None = None,
     cfg: LearnConfig = DEFAULT_LEARN_CONFIG,
     overwrite: bool = False,
+    progress: bool = True,
 ) -> TrafficReport:
-    """One learning round over ``traffic_dir``'s log (module docstring); MtplxError for user mistakes."""
+    """One learning round over ``traffic_dir``'s log (module docstring); MtplxError for user mistakes.
+    With ``cfg.samples``, the model first samples that many answers to each training-side request
+    (`mtplx.learn.sampling`; a bar on stderr with ``progress``), trained on too."""
     root = Path(traffic_dir)
     if not (root / TRAFFIC).is_dir():
         raise MtplxError(
@@ -97,7 +117,8 @@ def forge_from_traffic(
 
         full_proj = lm_head_matrix(engine.trunk)
     print(f"forge --from-traffic: {len(records)} requests, training from {start}", file=sys.stderr)
-    result = run_to_end(learning_round(engine.trunk, head, records, cfg, full_proj))
+    sampled = _sample_answers(engine, records, cfg, progress) if cfg.samples > 0 else None
+    result = run_to_end(learning_round(engine.trunk, head, records, cfg, full_proj, sampled=sampled))
     if not result.better(cfg.min_gain):
         return TrafficReport(result, None, start)
     from mtplx.forge.stages import write_sidecar
@@ -111,6 +132,7 @@ def forge_from_traffic(
             "started_from": start,
             "train_records": result.train_records,
             "held_out_records": result.held_records,
+            "sampled_sequences": result.sampled_sequences,
             "steps": result.steps,
             "acceptance_before": result.before,
             "acceptance_after": result.after,

@@ -2,12 +2,14 @@
 
 The generation worker (`mtplx.server.worker`) owns the engine; it hands each finished request to
 `Learner.record` (a record in ``DIR/traffic``, `mtplx.learn.log`) and, only while no request is
-in flight or queued, calls `Learner.work`, which does one bounded piece of a learning round
-(`mtplx.learn.trainer`) and returns. So training pauses whenever a request waits (it waits at most
-one piece, `max_piece_seconds`), and every swap happens between two scheduler steps: never
-mid-cycle. A round's candidate replaces the head's weights only when it measures better on the
-held-out (most recent) requests; it is saved first (`mtplx.learn.store`), so a restart resumes with
-it. Heads other than forged ones (`mtplx.heads.forged`) are not trained yet: the log is still kept.
+in flight or queued, calls `Learner.work`, which does one bounded piece of work and returns: with
+``cfg.samples``, first the trunk's own sampled answers to the training-side requests
+(`mtplx.learn.sampling`), then a learning round (`mtplx.learn.trainer`). So training pauses
+whenever a request waits (it waits at most one piece, `max_piece_seconds`), and every swap
+happens between two scheduler steps: never mid-cycle. A round's candidate replaces the head's
+weights only when it measures better on the held-out (most recent) requests; it is saved first
+(`mtplx.learn.store`), so a restart resumes with it. Heads other than forged ones
+(`mtplx.heads.forged`) are not trained yet: the log is still kept.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ from typing import Any
 
 from mtplx.heads.forged import ForgedMTPHead, lm_head_matrix
 from mtplx.learn.config import DEFAULT_LEARN_CONFIG, LearnConfig
-from mtplx.learn.data import TeacherRows
+from mtplx.learn.data import TeacherRows, split_held_out
 from mtplx.learn.log import DEFAULT_LOG_BYTES, Record, TrafficLog, choices_of, tokenizer_fingerprint
 from mtplx.learn.report import write_state
+from mtplx.learn.sampling import AnswerSampler
 from mtplx.learn.store import HeadStore
 from mtplx.learn.trainer import RoundResult, first_draft, learning_round, swap_weights
 
@@ -64,6 +67,8 @@ class Learner:
         self._round: Generator[None, None, RoundResult] | None = None
         self._full_proj = None
         self._rows = TeacherRows()  # teacher-forced rows kept between rounds
+        self.sampler = AnswerSampler(engine, cfg) if self.can_train and cfg.samples > 0 else None
+        self._window: tuple[tuple[int, int], list[Record]] | None = None  # (log state, its newest records)
         if self.can_train:
             self._resume()
 
@@ -117,36 +122,70 @@ class Learner:
     def has_work(self) -> bool:
         if not self.can_train:
             return False
-        if self._round is not None:
-            return True
+        return self._round is not None or self._round_due() or self._sampling_left()
+
+    def _round_due(self) -> bool:
         due = self.cfg.new_records if self.rounds else self.cfg.min_records
         return self.pending >= due and self.log_records() >= self.cfg.min_records
 
     def log_records(self) -> int:
         return self.log.records
 
+    def _records(self) -> list[Record]:
+        """The newest ``max_records`` of the log (what a round reads), read again only when it changed."""
+        state = (self.log.written, self.log.records)
+        if self._window is None or self._window[0] != state:
+            records = self.log.read(self.trunk_fp, self.tokenizer_fp, newest=self.cfg.max_records)
+            self._window = (state, records)
+        return self._window[1]
+
+    def _train_side(self) -> list[Record]:
+        """The records a round would train on now (the newest ``max_records`` less the held-out ones)."""
+        records = self._records()
+        return split_held_out(records, self.cfg.held_out_fraction)[0] if len(records) >= 2 else []
+
+    def _sampling_left(self) -> bool:
+        """Sampling comes before the next round: a batch under way, or training-side records to sample."""
+        if self.sampler is None or self._round is not None:
+            return False
+        return self.sampler.busy or bool(self.sampler.wanted(self._train_side()))
+
     def work(self) -> bool:
-        """One bounded piece of the current round (starting one when due); False when there is none."""
+        """One bounded piece: of sampling (`mtplx.learn.sampling`) while training-side records wait
+        for their samples, else of the current round (starting one when due); False when there is none."""
         if not self.has_work():
             return False
         began = time.perf_counter()
         try:
+            if self._sampling_left():
+                self.sampler.work(self._train_side(), self.cfg.piece_seconds)
+                return True
             if self._round is None:
-                records = self.log.read(self.trunk_fp, self.tokenizer_fp, newest=self.cfg.max_records)
+                records = self._records()
                 self.pending = 0
                 if len(records) < max(self.cfg.min_records, 2):
                     return True
                 if self._full_proj is None and self.engine.head.vocab_ids is not None:
                     self._full_proj = lm_head_matrix(self.engine.trunk)
+                sampled = None
+                if self.sampler is not None:
+                    self.sampler.keep_only(records)
+                    sampled = self.sampler.rows
                 self._round = learning_round(
-                    self.engine.trunk, self.engine.head, records, self.cfg, self._full_proj, self._rows
+                    self.engine.trunk,
+                    self.engine.head,
+                    records,
+                    self.cfg,
+                    self._full_proj,
+                    self._rows,
+                    sampled,
                 )
             next(self._round)
         except StopIteration as done:
             self._round = None
             self._finish(done.value)
         except Exception:  # a bug, not the traffic's fault: serving goes on with the head in use
-            log.exception("--learn: learning round failed")
+            log.exception("--learn: %s failed", "learning round" if self._round is not None else "sampling")
             self._round = None
         finally:
             seconds = time.perf_counter() - began
@@ -199,6 +238,7 @@ class Learner:
                 "train_records": result.train_records,
                 "held_out_records": result.held_records,
                 "train_sequences": result.train_sequences,
+                "sampled_sequences": result.sampled_sequences,
                 "steps": result.steps,
                 "seconds": round(result.seconds, 1),
                 "acceptance_before": result.before,
@@ -222,6 +262,7 @@ class Learner:
             "served_mid_round": self.served_mid_round,
             "records": self.log_records(),
             "log_bytes": self.log.bytes,
+            "sampled_answers": 0 if self.sampler is None else self.sampler.sampled,
             "trainer_seconds": self.train_seconds,
             "trainer_share": self.share(),
             "max_piece_seconds": self.max_piece_seconds,
@@ -266,6 +307,11 @@ class LearnCollector:
             value=s["served_mid_round"],
         )
         yield GaugeMetricFamily("mtplx_learn_log_records", "Requests in the traffic log", value=s["records"])
+        yield CounterMetricFamily(
+            "mtplx_learn_sampled_answers",
+            "Answers the trunk sampled to logged prompts in idle time (--learn-samples)",
+            value=s["sampled_answers"],
+        )
         yield GaugeMetricFamily("mtplx_learn_log_bytes", "Bytes of the traffic log", value=s["log_bytes"])
         yield CounterMetricFamily(
             "mtplx_learn_trainer_seconds", "Worker time spent training", value=s["trainer_seconds"]

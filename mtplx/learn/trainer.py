@@ -15,12 +15,13 @@ per draft depth at the response positions of the held-out requests, at temperatu
 from __future__ import annotations
 
 import time
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from mtplx.forge.evaluate import EVAL_TEMPERATURES, Tally, tally_windows
 from mtplx.forge.loss import frequent_ids
+from mtplx.forge.record import ForgeData
 from mtplx.forge.train import TrainStep
 from mtplx.heads.forged import ForgedMTPHead, build_forged_head
 from mtplx.learn.config import LearnConfig
@@ -73,6 +74,7 @@ class RoundResult:
     newest_time: float  # the newest record's time (the next round waits for records after it)
     losses: list[float] = field(default_factory=list)
     train_positions: int = 0  # response positions trained on
+    sampled_sequences: int = 0  # of the training sequences, sampled answers (`mtplx.learn.sampling`)
 
     @property
     def gain(self) -> float:
@@ -96,19 +98,29 @@ def learning_round(
     cfg: LearnConfig,
     full_proj: mx.array | None = None,
     rows: TeacherRows | None = None,
+    sampled: Mapping[Record, ForgeData] | None = None,
 ) -> Generator[None, None, RoundResult]:
     """One round over ``records`` (oldest first) from ``head`` (not modified): yields between pieces of
     work, returns the `RoundResult` (``yield from`` it, or drive it with `run_to_end`). ``rows`` keeps the
-    teacher-forced rows between rounds (the server's learner passes its own; None: every row is run)."""
+    teacher-forced rows between rounds (the server's learner passes its own; None: every row is run).
+    ``sampled``: the trunk's sampled answers by record (`mtplx.learn.sampling`); the training records'
+    are trained on too (their newest ``max_train_rows`` rows), the held-out ones' never."""
     began = time.perf_counter()
     train_recs, held_recs = split_held_out(records, cfg.held_out_fraction)
     train_seqs = sequences(train_recs, cfg.seq_len)[-cfg.max_train_rows :]
     held_seqs = sequences(held_recs, cfg.seq_len)
     if not train_seqs or not held_seqs:
         raise ValueError("a learning round needs a training and a held-out sequence")
+    extra = _sampled_rows(sampled or {}, train_recs, cfg.max_train_rows)
     # Padded to the longest sequence, not to seq_len: chat traffic is short, and every step costs its width.
     held_tokens, held_valid = windows(held_seqs, max(len(t) for t, _ in held_seqs))
-    data = empty_data(trunk, len(train_seqs), max(len(t) for t, _ in train_seqs), cfg.top_k)
+    width = max([len(t) for t, _ in train_seqs] + ([] if extra is None else [extra.tokens.shape[1]]))
+    data = empty_data(
+        trunk, len(train_seqs) + (0 if extra is None else extra.num_sequences), width, cfg.top_k
+    )
+    if extra is not None:
+        for into, rows_sampled in zip(data.arrays(), extra.arrays()):
+            into[len(train_seqs) :, : extra.tokens.shape[1]] = rows_sampled
     rows = TeacherRows() if rows is None else rows
     for r, (tokens, p) in enumerate(train_seqs):
         rows.fill(trunk, data, r, tokens, p)
@@ -136,13 +148,30 @@ def learning_round(
         after.table()[""],
         len(train_recs),
         len(held_recs),
-        len(train_seqs),
+        data.num_sequences,
         cfg.steps,
         time.perf_counter() - began,
         max(r.time for r in records),
         losses,
         int(data.valid.sum()),
+        0 if extra is None else extra.num_sequences,
     )
+
+
+def _sampled_rows(sampled: Mapping[Record, ForgeData], records: list[Record], limit: int) -> ForgeData | None:
+    """The newest ``limit`` sampled rows of ``records``, as one array (rows as wide as the widest)."""
+    parts = [sampled[r] for r in records if r in sampled]
+    if not parts:
+        return None
+    width = max(p.tokens.shape[1] for p in parts)
+    padded = [
+        ForgeData(
+            *(np.pad(a, [(0, 0), (0, width - a.shape[1])] + [(0, 0)] * (a.ndim - 2)) for a in p.arrays())
+        )
+        for p in parts
+    ]
+    data = ForgeData.concat(padded)
+    return ForgeData(*(a[-limit:] for a in data.arrays()))
 
 
 def run_to_end(round_: Generator[None, None, RoundResult]) -> RoundResult:

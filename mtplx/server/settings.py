@@ -45,3 +45,4 @@ class ServerSettings:
     learn_max_bytes: int | None = None  # the traffic log's budget (None: `mtplx.learn.log.DEFAULT_LOG_BYTES`)
     learn_every: int | None = None  # new requests between learning rounds (None: LearnConfig's)
     learn_steps: int | None = None  # training steps per round (None: LearnConfig's)
+    learn_samples: int | None = None  # sampled answers per logged request (None: LearnConfig's)
