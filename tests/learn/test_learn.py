@@ -142,6 +142,10 @@ def test_corrupt_and_foreign_files_are_skipped_with_one_log_line_each(
         (["serve", "--learn", " "], "--learn: empty path (name a directory)"),
         (["forge", "--from-traffic", "d", "--budget", "1h"], "--budget: does not apply to --from-traffic"),
         (["forge", "--from-traffic", "d", "--steps", "0"], "--steps: must be > 0, got 0"),
+        (["serve", "--learn-samples", "2"], "--learn-samples: needs --learn"),
+        (["serve", "--learn", "d", "--learn-samples", "-1"], "--learn-samples: must be >= 0, got -1"),
+        (["forge", "--samples", "2"], "--samples: applies to --from-traffic only"),
+        (["forge", "--from-traffic", "d", "--samples", "-1"], "--samples: must be >= 0, got -1"),
     ],
 )
 def test_learn_flag_errors_are_one_line_naming_the_flag(

@@ -210,27 +210,6 @@ def test_a_sampling_failure_skips_its_records_and_learning_goes_on(
     assert learner.rounds == 1  # the round ran on what there was
 
 
-@pytest.mark.parametrize(
-    "args, expected",
-    [
-        (["serve", "--learn-samples", "2"], "--learn-samples: needs --learn"),
-        (["serve", "--learn", "d", "--learn-samples", "-1"], "--learn-samples: must be >= 0, got -1"),
-        (["forge", "--samples", "2"], "--samples: applies to --from-traffic only"),
-        (["forge", "--from-traffic", "d", "--samples", "-1"], "--samples: must be >= 0, got -1"),
-    ],
-)
-def test_sample_flag_errors_are_one_line_naming_the_flag(
-    args, expected, capsys, tmp_path, monkeypatch
-) -> None:
-    from mtplx.cli.main import main
-
-    monkeypatch.chdir(tmp_path)  # nothing may be created by a refused command
-    assert main(args) != 0
-    err = capsys.readouterr().err
-    assert expected in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
-    assert list(tmp_path.iterdir()) == []
-
-
 def test_forge_from_traffic_samples_answers_and_says_so(trunk: Trunk, tmp_path, capsys) -> None:
     from mtplx.checkpoints.load import load_model
     from mtplx.cli.main import main
